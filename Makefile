@@ -1,0 +1,33 @@
+# segkv developer commands. `make test` works on a fresh machine: it creates the virtual
+# environment, installs what is missing (a CPU torch where none is importable) and runs
+# the suite.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Used only when the environment has no torch yet; any torch >= 2.4 works.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_WORKERS ?= 2
+
+.PHONY: install test bench-memory run clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) tests
+
+bench-memory: install
+	$(BIN)/python -m segkv.bench.cache_memory
+
+run: bench-memory
+
+clean:
+	rm -rf $(VENV) build *.egg-info

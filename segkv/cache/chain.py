@@ -1,0 +1,235 @@
+"""KVChain: one sequence's history as sealed SegRefs plus a growing tail; snapshots."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from segkv.cache.compaction import segments_to_merge
+from segkv.cache.page_pool import PagePool
+from segkv.cache.segment import ChainSpan, SegRef, Segment
+from segkv.config import CompactionPolicy
+
+# copy_rows(src_slots, dst_slots): copy KV rows of every layer between storage slots.
+RowCopier = Callable[[Sequence[int], Sequence[int]], None]
+
+
+class ChainSnapshot:
+    """An immutable chain value: the references of a chain at one moment.
+
+    A snapshot holds its own references, so the rows it names stay alive and unchanged
+    whatever the chain does next. Call :meth:`release` when it is no longer needed.
+    """
+
+    __slots__ = ("refs",)
+
+    def __init__(self, refs: Sequence[SegRef]) -> None:
+        self.refs: tuple[SegRef, ...] = tuple(ref.share() for ref in refs)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(ref.num_rows for ref in self.refs)
+
+    @property
+    def live(self) -> bool:
+        return all(ref.live for ref in self.refs)
+
+    def token_ids(self) -> list[int] | None:
+        return _concat_tokens(ref.token_ids for ref in self.refs)
+
+    def release(self) -> None:
+        for ref in self.refs:
+            ref.release()
+
+
+class KVChain:
+    """The per-sequence KV history: ``[SegRef, ...] + tail``.
+
+    ``append`` reserves rows in the tail and returns their storage slots; ``seal`` ends a
+    turn (the tail becomes an immutable segment); ``snapshot``, ``fork`` and ``restore``
+    share references and never allocate or copy; ``trim`` drops rows from the end without
+    copying; ``release`` gives every page back. After a seal, trailing small segments are
+    merged according to the compaction policy when a ``copy_rows`` callback is given.
+    """
+
+    def __init__(
+        self,
+        pool: PagePool,
+        *,
+        refs: Sequence[SegRef] = (),
+        copy_rows: RowCopier | None = None,
+        compaction: CompactionPolicy | None = None,
+    ) -> None:
+        self.pool = pool
+        self.refs: list[SegRef] = list(refs)  # adopted: the caller's references move here
+        self.tail: Segment | None = None
+        self._copy_rows = copy_rows
+        self._compaction = compaction or CompactionPolicy()
+
+    # -- reading ----------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        return sum(ref.num_rows for ref in self.refs) + self.num_tail_rows
+
+    @property
+    def num_tail_rows(self) -> int:
+        return 0 if self.tail is None else self.tail.num_rows
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.refs) + (1 if self.num_tail_rows else 0)
+
+    def spans(self) -> list[ChainSpan]:
+        """The chain's rows in order: one span per sealed reference, then the tail."""
+        spans, start = [], 0
+        for ref in self.refs:
+            spans.append(ChainSpan(ref.segment.segment_id, tuple(ref.page_ids), ref.num_rows, start, True))
+            start += ref.num_rows
+        if self.num_tail_rows:
+            tail = self.tail
+            spans.append(ChainSpan(tail.segment_id, tuple(tail.page_ids), tail.num_rows, start, False))
+        return spans
+
+    def slots(self) -> list[int]:
+        """Storage slots of all rows in order (for gathering the history densely)."""
+        out: list[int] = []
+        for ref in self.refs:
+            out.extend(ref.slots())
+        if self.num_tail_rows:
+            out.extend(self.tail.slots(0, self.tail.num_rows))
+        return out
+
+    def token_ids(self) -> list[int] | None:
+        """Token ids of every row, or None if some rows were appended without tokens."""
+        parts = [ref.token_ids for ref in self.refs]
+        if self.tail is not None:
+            parts.append(self.tail.token_ids)
+        return _concat_tokens(parts)
+
+    # -- writing ----------------------------------------------------------------------
+    def append(self, num_rows: int, *, token_ids: Sequence[int] | None = None) -> list[int]:
+        """Reserve ``num_rows`` new rows in the tail and return their storage slots.
+
+        Pages are allocated only for rows that do not fit the tail's last page. On
+        :class:`OutOfPagesError` the chain is unchanged.
+        """
+        if num_rows < 0:
+            raise ValueError(f"cannot append {num_rows} rows")
+        if token_ids is not None and len(token_ids) != num_rows:
+            raise ValueError(f"{len(token_ids)} token ids given for {num_rows} rows")
+        tail = self.tail
+        if tail is None:
+            tail = Segment(self.pool)
+        start = tail.num_rows
+        need = self.pool.pages_for_rows(start + num_rows) - len(tail.page_ids)
+        if need > 0:
+            tail.page_ids.extend(self.pool.allocate(need))
+        self.tail = tail
+        tail.num_rows += num_rows
+        if token_ids is None or tail.token_ids is None:
+            tail.token_ids = None
+        else:
+            tail.token_ids.extend(int(t) for t in token_ids)
+        return tail.slots(start, tail.num_rows)
+
+    def seal(self) -> SegRef | None:
+        """End the turn: the tail becomes a sealed segment; compaction may follow."""
+        tail = self.tail
+        self.tail = None
+        if tail is None or tail.num_rows == 0:
+            if tail is not None:
+                self.pool.decref(tail.page_ids)
+            return None
+        tail.sealed = True
+        ref = SegRef(tail, tail.num_rows, _adopt=True)  # the tail's own page references
+        self.refs.append(ref)
+        self._maybe_compact()
+        return self.refs[-1]
+
+    def snapshot(self) -> ChainSnapshot:
+        """Seal the tail and return an immutable value of the whole chain."""
+        self.seal()
+        return ChainSnapshot(self.refs)
+
+    def fork(self) -> KVChain:
+        """Seal the tail and return a new chain sharing every reference (no copy)."""
+        self.seal()
+        return KVChain(
+            self.pool,
+            refs=[ref.share() for ref in self.refs],
+            copy_rows=self._copy_rows,
+            compaction=self._compaction,
+        )
+
+    def restore(self, snapshot: ChainSnapshot) -> None:
+        """Make this chain equal to ``snapshot`` (references only; no copy)."""
+        if not snapshot.live:
+            raise ValueError("cannot restore a released snapshot")
+        new_refs = [ref.share() for ref in snapshot.refs]
+        self.release()
+        self.refs = new_refs
+
+    def trim(self, num_rows: int) -> None:
+        """Drop the last ``num_rows`` rows (rejected speculative rows), copying nothing."""
+        if not 0 <= num_rows <= self.num_rows:
+            raise ValueError(f"cannot trim {num_rows} rows from a chain of {self.num_rows}")
+        tail = self.tail
+        if tail is not None and num_rows <= tail.num_rows:
+            tail.num_rows -= num_rows
+            keep = self.pool.pages_for_rows(tail.num_rows)
+            self.pool.decref(tail.page_ids[keep:])
+            del tail.page_ids[keep:]
+            if tail.token_ids is not None:
+                del tail.token_ids[tail.num_rows :]
+            return
+        num_rows -= self.num_tail_rows
+        self._release_tail()
+        while num_rows > 0:
+            ref = self.refs.pop()
+            if num_rows < ref.num_rows:
+                self.refs.append(ref.share(ref.num_rows - num_rows))
+            num_rows -= ref.num_rows
+            ref.release()
+
+    def release(self) -> None:
+        """Give up every reference; the chain becomes empty and may be reused."""
+        for ref in self.refs:
+            ref.release()
+        self.refs = []
+        self._release_tail()
+
+    # -- internals --------------------------------------------------------------------
+    def _release_tail(self) -> None:
+        if self.tail is not None:
+            self.pool.decref(self.tail.page_ids)
+            self.tail = None
+
+    def _maybe_compact(self) -> None:
+        if self._copy_rows is None:
+            return
+        count = segments_to_merge([ref.num_rows for ref in self.refs], self._compaction)
+        if count < 2:
+            return
+        old = self.refs[-count:]
+        merged = Segment(self.pool)
+        total = sum(ref.num_rows for ref in old)
+        merged.page_ids = self.pool.allocate(self.pool.pages_for_rows(total))
+        merged.num_rows = total
+        src: list[int] = []
+        for ref in old:
+            src.extend(ref.slots())
+        self._copy_rows(src, merged.slots(0, total))
+        merged.token_ids = _concat_tokens(ref.token_ids for ref in old)
+        merged.sealed = True
+        del self.refs[-count:]
+        self.refs.append(SegRef(merged, total, _adopt=True))
+        for ref in old:
+            ref.release()
+
+
+def _concat_tokens(parts) -> list[int] | None:
+    out: list[int] = []
+    for part in parts:
+        if part is None:
+            return None
+        out.extend(part)
+    return out

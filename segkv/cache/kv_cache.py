@@ -1,0 +1,49 @@
+"""PagedKVCache: a page pool, its storage and the compaction policy, handing out chains."""
+
+from __future__ import annotations
+
+import torch
+
+from segkv.cache.chain import KVChain
+from segkv.cache.page_pool import PagePool
+from segkv.cache.storage import PagedKVStorage
+from segkv.config import CacheConfig, CompactionPolicy, KVLayout
+
+
+class PagedKVCache:
+    """The KV cache of one model: every chain it creates draws pages from one pool.
+
+    >>> cache = PagedKVCache(KVLayout(num_layers=2, num_kv_heads=2, head_dim=8),
+    ...                      CacheConfig(page_size=16, num_pages=64))
+    >>> chain = cache.new_chain()
+    >>> slots = chain.append(5)          # reserve rows; each layer then writes its K/V
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        config: CacheConfig,
+        *,
+        device: str | torch.device = "cpu",
+        compaction: CompactionPolicy | None = None,
+    ) -> None:
+        self.layout = layout
+        self.config = config
+        self.compaction = compaction or CompactionPolicy()
+        self.pool = PagePool(
+            num_pages=config.num_pages,
+            page_size=config.page_size,
+            bytes_per_page=config.page_size * layout.row_bytes,
+        )
+        self.storage = PagedKVStorage(layout, self.pool, device=device)
+
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    def new_chain(self) -> KVChain:
+        """An empty chain whose seals compact through this cache's storage."""
+        return KVChain(self.pool, copy_rows=self.storage.copy_rows, compaction=self.compaction)
+
+    def stats(self) -> dict[str, int]:
+        return self.pool.stats()
