@@ -1,0 +1,1 @@
+"""Benchmarks (kernel, wrapper, serving, memory): scripts, never run by the tests."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from segkv.cache.chain import KVChain
 from segkv.cache.page_pool import PagePool
 from segkv.cache.storage import PagedKVStorage
@@ -24,7 +22,7 @@ class PagedKVCache:
         layout: KVLayout,
         config: CacheConfig,
         *,
-        device: str | torch.device = "cpu",
+        device: str = "cpu",  # or a torch.device
         compaction: CompactionPolicy | None = None,
     ) -> None:
         self.layout = layout

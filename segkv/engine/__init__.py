@@ -1,0 +1,1 @@
+"""The step loop, the async engine, detokenization and the conversations API."""

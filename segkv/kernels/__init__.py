@@ -1,0 +1,1 @@
+"""Triton kernels and their launchers (GPU); imports torch and triton only."""

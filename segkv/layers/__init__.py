@@ -1,0 +1,1 @@
+"""nn.Module building blocks: norms, rotary embeddings, linear layers, attention, sampler."""

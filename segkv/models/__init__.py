@@ -1,0 +1,1 @@
+"""Model families, one file each, behind an explicit registry; the safetensors loader."""

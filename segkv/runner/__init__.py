@@ -1,0 +1,1 @@
+"""Batch to tensors, CUDA graphs and model execution."""

@@ -1,0 +1,1 @@
+"""Continuous-batching decisions (CPU only)."""

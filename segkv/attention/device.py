@@ -1,0 +1,78 @@
+"""DeviceSpec: what the planner needs to know about the device that runs attention."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True, frozen=True)
+class DeviceSpec:
+    """Parallel capacity of a device, as the attention planner sees it.
+
+    ``num_multiprocessors * blocks_per_multiprocessor`` work items run at once (a "wave").
+    ``min_rows_per_partition`` is the fewest KV rows worth giving one partition: below it
+    the merge costs more than the parallelism gains. ``max_query_rows_per_work`` bounds the
+    query rows one stage-1 work item serves (tile height on a GPU).
+    """
+
+    kind: str
+    name: str
+    num_multiprocessors: int
+    blocks_per_multiprocessor: int = 1
+    min_rows_per_partition: int = 256
+    max_partitions: int = 64
+    max_query_rows_per_work: int = 64
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("cpu", "cuda"):
+            raise ValueError(f"DeviceSpec.kind must be 'cpu' or 'cuda', got {self.kind!r}")
+        for name in ("num_multiprocessors", "blocks_per_multiprocessor", "min_rows_per_partition",
+                     "max_partitions", "max_query_rows_per_work"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DeviceSpec.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def wave_size(self) -> int:
+        """Work items the device runs concurrently."""
+        return self.num_multiprocessors * self.blocks_per_multiprocessor
+
+    @classmethod
+    def cpu(cls, *, num_threads: int | None = None) -> DeviceSpec:
+        """The CPU: one "multiprocessor" per intra-op thread; pieces run one after another,
+        each parallelised inside by torch, so splitting pays only for very long pieces."""
+        threads = num_threads or torch.get_num_threads() or os.cpu_count() or 1
+        return cls(
+            kind="cpu",
+            name=f"cpu x{threads}",
+            num_multiprocessors=threads,
+            blocks_per_multiprocessor=1,
+            min_rows_per_partition=16384,
+            max_partitions=8,
+            max_query_rows_per_work=4096,
+        )
+
+    @classmethod
+    def cuda(cls, index: int = 0, *, blocks_per_multiprocessor: int = 2) -> DeviceSpec:
+        """A CUDA device, from its properties (multiprocessor count)."""
+        props = torch.cuda.get_device_properties(index)
+        return cls(
+            kind="cuda",
+            name=props.name,
+            num_multiprocessors=props.multi_processor_count,
+            blocks_per_multiprocessor=blocks_per_multiprocessor,
+            min_rows_per_partition=256,
+            max_partitions=64,
+            max_query_rows_per_work=64,
+        )
+
+    @classmethod
+    def detect(cls, device: str | torch.device) -> DeviceSpec:
+        device = torch.device(device)
+        if device.type == "cuda":
+            return cls.cuda(device.index or 0)
+        if device.type == "cpu":
+            return cls.cpu()
+        raise ValueError(f"no attention backend for device type {device.type!r}")

@@ -1,0 +1,194 @@
+"""Attention plan value objects: pieces of KV, the work that attends them, the reduce map."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from segkv.cache.segment import ChainSpan
+
+
+class Route(str, Enum):
+    """The shape of a plan, as reported by ``decode_route``."""
+
+    SINGLE = "single"  # one piece per sequence, one pass (the stock route)
+    SPLIT = "split"  # long pieces cut into partitions to fill the device
+    SEGMENTS = "segments"  # one piece per segment of each chain
+    CASCADE = "cascade"  # a segment shared by several sequences is read once for all
+
+    @classmethod
+    def parse(cls, value: str | Route) -> Route:
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(r.value for r in cls)
+            raise ValueError(f"unknown attention route {value!r}; expected one of {names}") from None
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionShape:
+    """Head counts and widths of one attention layer.
+
+    MHA/GQA/MQA: ``key_dim == value_dim == head_dim``. Absorbed MLA: ``num_kv_heads == 1``,
+    ``key_dim = kv_lora_rank + rope_dim``, ``value_dim = kv_lora_rank``.
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    key_dim: int
+    value_dim: int
+
+    def __post_init__(self) -> None:
+        if min(self.num_q_heads, self.num_kv_heads, self.key_dim, self.value_dim) < 1:
+            raise ValueError(f"every AttentionShape field must be >= 1: {self}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads={self.num_q_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+@dataclass(slots=True, frozen=True)
+class SequenceQuery:
+    """One sequence of a batch: its chain's spans and the query rows it attends with.
+
+    Query row ``i`` (of ``num_query_rows``) sits at absolute position ``query_start + i`` and
+    sees the keys at positions ``<= query_start + i`` (causal within the window; history
+    fully visible). By default the window is the chain's last ``num_query_rows`` rows,
+    i.e. the new tokens were appended before attention. A row at a position before every
+    key (for example a padding row at position -1) sees nothing and yields 0.
+    """
+
+    spans: tuple[ChainSpan, ...]
+    num_query_rows: int
+    query_start: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_query_rows < 0:
+            raise ValueError(f"num_query_rows must be >= 0, got {self.num_query_rows}")
+        if self.query_start is None:
+            object.__setattr__(self, "query_start", self.num_kv_rows - self.num_query_rows)
+        position = 0
+        for span in self.spans:
+            if span.key_start != position:
+                raise ValueError(f"spans are not contiguous: expected key_start {position}, got {span}")
+            position += span.num_rows
+
+    @property
+    def num_kv_rows(self) -> int:
+        return sum(span.num_rows for span in self.spans)
+
+    @classmethod
+    def from_chain(cls, chain, num_query_rows: int, *, query_start: int | None = None) -> SequenceQuery:
+        """The query of a :class:`~segkv.cache.KVChain` whose last rows are the window."""
+        return cls(tuple(chain.spans()), num_query_rows, query_start)
+
+
+@dataclass(slots=True, frozen=True)
+class Piece:
+    """A run of KV rows: pages in order and the valid rows of each page.
+
+    Rows start at offset 0 of every page; a page may hold fewer than ``page_size`` rows
+    (a segment that ended mid-page), so a piece may span segment boundaries without
+    copying. Row ``j`` of the piece is the ``j``-th valid row in page order.
+    """
+
+    page_ids: tuple[int, ...]
+    page_rows: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.page_ids) != len(self.page_rows):
+            raise ValueError(f"{len(self.page_ids)} pages but {len(self.page_rows)} row counts")
+        if any(rows < 1 for rows in self.page_rows):
+            raise ValueError(f"every page of a piece holds at least one row: {self.page_rows}")
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.page_rows)
+
+
+@dataclass(slots=True, frozen=True)
+class WorkItem:
+    """Stage-1 work: query rows attending one piece, with their causal offsets.
+
+    ``causal_offsets[i]`` is the position of ``query_rows[i]`` minus the position of the
+    piece's first row in that row's sequence: the row sees piece rows ``j <= offset``
+    (none when negative, all when ``>= num_rows - 1``). Each (work item, row) pair makes
+    one partial result, numbered in work order.
+    """
+
+    piece: int
+    query_rows: tuple[int, ...]
+    causal_offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.query_rows) != len(self.causal_offsets):
+            raise ValueError("query_rows and causal_offsets differ in length")
+        if not self.query_rows:
+            raise ValueError("a work item needs at least one query row")
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionPlan:
+    """The attention of one forward step: pieces, stage-1 work and the reduce map.
+
+    ``reduce_map[r]`` lists the partial results merged into query row ``r``; a row with
+    no partials (nothing visible) is 0 with LSE ``-inf``. ``num_partitions`` records the
+    most partitions any single run was cut into (1 unless the route split).
+    """
+
+    route: Route
+    pieces: tuple[Piece, ...]
+    work: tuple[WorkItem, ...]
+    reduce_map: tuple[tuple[int, ...], ...]
+    num_query_rows: int
+    num_partitions: int = 1
+    reason: str = ""
+    partial_rows: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        partial_rows = tuple(row for item in self.work for row in item.query_rows)
+        object.__setattr__(self, "partial_rows", partial_rows)
+        if len(self.reduce_map) != self.num_query_rows:
+            raise ValueError(f"reduce map has {len(self.reduce_map)} rows, expected {self.num_query_rows}")
+        seen = set()
+        for row, partials in enumerate(self.reduce_map):
+            for p in partials:
+                if not 0 <= p < len(partial_rows) or partial_rows[p] != row or p in seen:
+                    raise ValueError(f"reduce map entry {p} for row {row} does not match the work")
+                seen.add(p)
+        if len(seen) != len(partial_rows):
+            raise ValueError("some partial results are not reduced into any row")
+        for item in self.work:
+            if not 0 <= item.piece < len(self.pieces):
+                raise ValueError(f"work item names piece {item.piece} of {len(self.pieces)}")
+
+    @property
+    def num_partials(self) -> int:
+        return len(self.partial_rows)
+
+    def describe(self) -> dict[str, object]:
+        """A small summary for logs, health reports and benchmark tables."""
+        return {
+            "route": self.route.value,
+            "pieces": len(self.pieces),
+            "work_items": len(self.work),
+            "partials": self.num_partials,
+            "query_rows": self.num_query_rows,
+            "max_partitions": self.num_partitions,
+            "reason": self.reason,
+        }
+
+
+def reduce_map_from_work(work: tuple[WorkItem, ...], num_query_rows: int) -> tuple[tuple[int, ...], ...]:
+    """The reduce map implied by the work list: each row merges its partials in work order."""
+    per_row: list[list[int]] = [[] for _ in range(num_query_rows)]
+    index = 0
+    for item in work:
+        for row in item.query_rows:
+            per_row[row].append(index)
+            index += 1
+    return tuple(tuple(p) for p in per_row)

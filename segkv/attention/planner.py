@@ -1,0 +1,285 @@
+"""The attention planner: turns a batch of chains into a plan for the device at hand.
+
+Routes (see ``Route``): ``single`` attends each sequence as one piece; ``segments`` one
+piece per segment; ``cascade`` makes a span shared by several sequences of the batch one
+piece read once for all of their query rows; ``split`` cuts long pieces into partitions
+when the batch alone would leave the device's parallel slots idle. The automatic choice
+uses the device's wave size (multiprocessors x resident blocks), never a fixed context
+threshold. ``SEGKV_ATTENTION_ROUTE`` forces a route (testing and benchmarks).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from segkv.attention.device import DeviceSpec
+from segkv.attention.plan import (
+    AttentionPlan,
+    AttentionShape,
+    Piece,
+    Route,
+    SequenceQuery,
+    WorkItem,
+    reduce_map_from_work,
+)
+from segkv.cache.segment import ChainSpan
+
+ROUTE_ENV = "SEGKV_ATTENTION_ROUTE"
+# Tile height of a stage-1 work item in (query row x query head) units: the merge-free
+# parallelism of one work item on a GPU. Used only for the occupancy estimate.
+_TILE_ROWS = 64
+
+
+_Part = tuple  # (page_ids, page_rows, key_start) of one partition
+
+
+@dataclass(slots=True)
+class _Run:
+    """Consecutive KV rows attended as one unit before partitioning."""
+
+    page_ids: list[int]
+    page_rows: list[int]
+    key_start: int  # position of the first row, the same in every member sequence
+    members: list[int] = field(default_factory=list)  # sequence indices
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.page_rows)
+
+
+def forced_route_from_env() -> Route | None:
+    value = os.environ.get(ROUTE_ENV, "").strip()
+    return Route.parse(value) if value and value != "auto" else None
+
+
+def plan_attention(
+    queries: Sequence[SequenceQuery],
+    shape: AttentionShape,
+    device: DeviceSpec,
+    *,
+    page_size: int,
+    route: Route | str | None = None,
+    num_partitions: int | None = None,
+    cascade_min_rows: int | None = None,
+) -> AttentionPlan:
+    """Build the attention plan of one forward step.
+
+    ``queries`` are the batch's sequences in query-row order. ``route`` forces a route
+    (else ``SEGKV_ATTENTION_ROUTE``, else automatic); ``num_partitions`` forces how many
+    partitions the ``split`` route cuts each run into. ``cascade_min_rows`` is the fewest
+    rows a shared span needs to be planned as a cascade piece (default: one page,
+    or any shared span when ``cascade`` is forced).
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if num_partitions is not None and num_partitions < 1:
+        raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+    forced = Route.parse(route) if route is not None else forced_route_from_env()
+    if cascade_min_rows is None:  # forced: share whatever is shared; auto: at least a page
+        cascade_min_rows = 1 if forced == Route.CASCADE else page_size
+
+    shared = _shared_spans(queries, cascade_min_rows)
+    if forced is None:
+        use_cascade = bool(shared)
+        layout = Route.CASCADE if use_cascade else Route.SINGLE
+    else:
+        layout = forced if forced != Route.SPLIT else Route.SINGLE
+    runs = _build_runs(queries, layout, shared, page_size)
+
+    if forced == Route.SPLIT:
+        cuts = _forced_cuts(runs, num_partitions)
+        reason = f"forced split, {num_partitions or 'auto'} partitions"
+    elif forced is None:
+        chunks, reason = _auto_chunk(runs, queries, shape, device, page_size)
+        cuts = [_cut_rows(run, chunks[i] if chunks else None) for i, run in enumerate(runs)]
+    else:
+        cuts, reason = [_cut_rows(run, None) for run in runs], f"forced {forced.value}"
+    pieces, work, max_parts = _partition(runs, cuts, queries, device.max_query_rows_per_work)
+
+    if forced is not None:
+        final = forced
+    elif layout == Route.CASCADE:
+        final = Route.CASCADE
+    else:
+        final = Route.SPLIT if max_parts > 1 else Route.SINGLE
+    num_rows = sum(q.num_query_rows for q in queries)
+    return AttentionPlan(
+        route=final,
+        pieces=tuple(pieces),
+        work=tuple(work),
+        reduce_map=reduce_map_from_work(tuple(work), num_rows),
+        num_query_rows=num_rows,
+        num_partitions=max_parts,
+        reason=reason,
+    )
+
+
+# -- runs ----------------------------------------------------------------------------------
+def _span_key(span: ChainSpan) -> tuple[int, int, int]:
+    return (span.segment_id, span.num_rows, span.key_start)
+
+
+def _shared_spans(queries: Sequence[SequenceQuery], min_rows: int) -> set[tuple[int, int, int]]:
+    """Sealed spans that two or more sequences of the batch hold identically."""
+    counts: Counter[tuple[int, int, int]] = Counter()
+    for query in queries:
+        if query.num_query_rows:
+            counts.update({_span_key(s) for s in query.spans if s.sealed and s.num_rows >= max(min_rows, 1)})
+    return {key for key, count in counts.items() if count >= 2}
+
+
+def _append_span(run: _Run, span: ChainSpan, page_size: int) -> None:
+    run.page_ids.extend(span.page_ids)
+    run.page_rows.extend(span.page_rows(page_size))
+
+
+def _build_runs(
+    queries: Sequence[SequenceQuery], layout: Route, shared: set, page_size: int
+) -> list[_Run]:
+    runs: list[_Run] = []
+    shared_runs: dict[tuple[int, int, int], _Run] = {}
+    for index, query in enumerate(queries):
+        if not query.num_query_rows:
+            continue
+        current: _Run | None = None
+        for span in query.spans:
+            if span.num_rows == 0:
+                continue
+            key = _span_key(span)
+            if layout == Route.CASCADE and key in shared:
+                current = None
+                if key not in shared_runs:
+                    shared_runs[key] = _Run([], [], span.key_start)
+                    _append_span(shared_runs[key], span, page_size)
+                    runs.append(shared_runs[key])
+                shared_runs[key].members.append(index)
+                continue
+            if current is None or layout == Route.SEGMENTS:
+                current = _Run([], [], span.key_start, [index])
+                runs.append(current)
+            _append_span(current, span, page_size)
+    return runs
+
+
+# -- partition sizes -----------------------------------------------------------------------
+def _forced_cuts(runs: list[_Run], num_partitions: int | None) -> list[list[_Part]]:
+    """Partitions when ``split`` is forced: ``num_partitions`` (default 2) per run, cut on
+    page boundaries, fewer only where the run has fewer pages."""
+    parts = num_partitions or 2
+    return [_cut_pages(run, parts) for run in runs]
+
+
+def _work_units(run: _Run, queries: Sequence[SequenceQuery], shape: AttentionShape) -> int:
+    """Stage-1 work items one partition of ``run`` makes (KV heads x row tiles)."""
+    rows = sum(queries[m].num_query_rows for m in run.members)
+    return shape.num_kv_heads * max(1, math.ceil(rows * shape.group_size / _TILE_ROWS))
+
+
+def _auto_chunk(
+    runs: list[_Run],
+    queries: Sequence[SequenceQuery],
+    shape: AttentionShape,
+    device: DeviceSpec,
+    page_size: int,
+) -> tuple[dict[int, int] | None, str]:
+    """Smallest page-aligned partition size whose work still fits one device wave.
+
+    Without splitting, the batch makes ``base`` work items. If that already fills a wave
+    there is nothing to gain. Otherwise the partition size shrinks (never below
+    ``device.min_rows_per_partition``, never more than ``device.max_partitions`` per run)
+    until the work items would exceed one wave, as in FlashInfer's ``plan()``.
+    """
+    if not runs:
+        return None, "empty batch"
+    units = [_work_units(run, queries, shape) for run in runs]
+    base = sum(units)
+    wave = device.wave_size
+    longest = max(run.num_rows for run in runs)
+    if base >= wave:
+        return None, f"{base} work items fill a wave of {wave}"
+    min_chunk = max(page_size, math.ceil(device.min_rows_per_partition / page_size) * page_size)
+    if longest < 2 * min_chunk:
+        return None, f"longest run {longest} rows < 2 x {min_chunk} rows per partition"
+
+    def items(chunk: int) -> int:
+        return sum(
+            u * min(device.max_partitions, math.ceil(r.num_rows / chunk)) for u, r in zip(units, runs)
+        )
+
+    lo, hi = min_chunk // page_size, math.ceil(longest / page_size)  # in pages
+    while lo < hi:  # smallest chunk (in pages) whose item count fits one wave
+        mid = (lo + hi) // 2
+        if items(mid * page_size) <= wave:
+            hi = mid
+        else:
+            lo = mid + 1
+    chunk = lo * page_size
+    chunks = {i: max(chunk, math.ceil(r.num_rows / device.max_partitions)) for i, r in enumerate(runs)}
+    return chunks, f"{base} work items < wave {wave}: partitions of {chunk} rows ({items(chunk)} items)"
+
+
+# -- pieces and work -----------------------------------------------------------------------
+def _partition(
+    runs: list[_Run],
+    cuts: list[list[_Part]],
+    queries: Sequence[SequenceQuery],
+    max_rows_per_work: int,
+) -> tuple[list[Piece], list[WorkItem], int]:
+    """Pieces from the runs' partitions, and work items serving every member's rows."""
+    row_base, total = [], 0
+    for query in queries:
+        row_base.append(total)
+        total += query.num_query_rows
+    pieces: list[Piece] = []
+    work: list[WorkItem] = []
+    for run, parts in zip(runs, cuts):
+        for page_ids, page_rows, key_start in parts:
+            pieces.append(Piece(tuple(page_ids), tuple(page_rows)))
+            rows: list[int] = []
+            offsets: list[int] = []
+            for member in run.members:
+                query = queries[member]
+                for i in range(query.num_query_rows):
+                    rows.append(row_base[member] + i)
+                    offsets.append(query.query_start + i - key_start)
+            for start in range(0, len(rows), max_rows_per_work):
+                stop = start + max_rows_per_work
+                work.append(WorkItem(len(pieces) - 1, tuple(rows[start:stop]), tuple(offsets[start:stop])))
+    max_parts = max((len(parts) for parts in cuts), default=1)
+    return pieces, work, max_parts
+
+
+def _cut_rows(run: _Run, limit: int | None) -> list[_Part]:
+    """Cut a run on page boundaries into partitions of at most ``limit`` rows (a page
+    larger than the limit is a partition of its own)."""
+    if limit is None or run.num_rows <= limit:
+        return [(run.page_ids, run.page_rows, run.key_start)]
+    bounds, rows_in_part = [0], 0
+    for p, rows in enumerate(run.page_rows):
+        if rows_in_part and rows_in_part + rows > limit:
+            bounds.append(p)
+            rows_in_part = 0
+        rows_in_part += rows
+    return _parts_at(run, bounds)
+
+
+def _cut_pages(run: _Run, num_parts: int) -> list[_Part]:
+    """``min(num_parts, pages)`` partitions of near-equal page counts."""
+    pages = len(run.page_ids)
+    parts = max(1, min(num_parts, pages))
+    return _parts_at(run, [i * pages // parts for i in range(parts)])
+
+
+def _parts_at(run: _Run, bounds: list[int]) -> list[_Part]:
+    """Partitions starting at page indices ``bounds`` (the first is 0)."""
+    parts, key_start = [], run.key_start
+    ends = bounds[1:] + [len(run.page_ids)]
+    for start, end in zip(bounds, ends):
+        rows = run.page_rows[start:end]
+        parts.append((run.page_ids[start:end], rows, key_start))
+        key_start += sum(rows)
+    return parts

@@ -1,0 +1,147 @@
+"""The PyTorch reference backend: executes any attention plan on any device (the oracle).
+
+Per work item it gathers the piece's K/V rows through the page table, attends in
+float32 with the causal offsets, keeps each partial's LSE, then merges all partials
+exactly (``merge.merge_partials``) and rounds once to the output dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from segkv.attention.merge import LSE_API, merge_partials
+from segkv.attention.plan import AttentionPlan, Piece
+
+
+@dataclass(slots=True)
+class PreparedPlan:
+    """Index tensors of a plan, built once per step and reused by every layer.
+
+    ``piece_slots[k]``: ``(n_k,)`` int64 flat storage slots of piece ``k``'s rows.
+    ``work_rows[w]`` / ``work_visible[w]``: ``(r_w,)`` int64 query rows of work item
+    ``w`` and how many of the piece's rows each sees. ``partial_rows``: ``(P,)`` int64.
+    """
+
+    plan: AttentionPlan
+    piece_slots: list[torch.Tensor]
+    work_rows: list[torch.Tensor]
+    work_visible: list[torch.Tensor]
+    partial_rows: torch.Tensor
+
+
+def piece_slots(piece: Piece, page_size: int, device: torch.device) -> torch.Tensor:
+    """Flat slots ``page_id * page_size + offset`` of a piece's valid rows, in order."""
+    if not piece.page_ids:
+        return torch.empty(0, dtype=torch.long, device=device)
+    pages = torch.tensor(piece.page_ids, dtype=torch.long, device=device)
+    rows = torch.tensor(piece.page_rows, dtype=torch.long, device=device)
+    offsets = torch.arange(page_size, device=device)
+    slots = pages.unsqueeze(1) * page_size + offsets
+    return slots[offsets.unsqueeze(0) < rows.unsqueeze(1)]
+
+
+def attend_piece(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor,
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 attention of query rows over one piece, with per-row visibility.
+
+    Args:
+        query: ``(R, Hq, Dk)``; key: ``(n, Hkv, Dk)``; value: ``(n, Hkv, Dv)`` (any float
+            dtype, upcast to float32); ``Hq`` a multiple of ``Hkv``.
+        visible: ``(R,)`` int64; row ``r`` sees piece rows ``0 .. visible[r]-1``.
+        scale: softmax scale applied to the scores.
+
+    Returns:
+        ``(out, lse)``: ``(R, Hq, Dv)`` and ``(R, Hq)`` float32; a row that sees nothing
+        is 0 with LSE ``-inf``.
+    """
+    num_rows, num_q_heads, key_dim = query.shape
+    n, num_kv_heads, value_dim = value.shape
+    group = num_q_heads // num_kv_heads
+    q = query.float().reshape(num_rows, num_kv_heads, group, key_dim)
+    scores = torch.einsum("rhgd,nhd->rhgn", q, key.float()) * scale
+    mask = torch.arange(n, device=query.device).unsqueeze(0) < visible.unsqueeze(1)  # (R, n)
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (R, Hkv, G); -inf where nothing is visible
+    probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
+    out = torch.einsum("rhgn,nhd->rhgd", probs, value.float())
+    return out.reshape(num_rows, num_q_heads, value_dim), lse.reshape(num_rows, num_q_heads)
+
+
+class TorchReferenceBackend:
+    """Runs attention plans with PyTorch: the CPU backend and the oracle for kernels."""
+
+    name = "torch"
+    lse_api = LSE_API
+
+    def __init__(self, *, page_size: int, device: str | torch.device = "cpu") -> None:
+        self.page_size = page_size
+        self.device = torch.device(device)
+
+    def prepare(self, plan: AttentionPlan) -> PreparedPlan:
+        """Turn the plan's lists into index tensors (once per forward step)."""
+        dev = self.device
+        slots = [piece_slots(piece, self.page_size, dev) for piece in plan.pieces]
+        work_rows, work_visible = [], []
+        for item in plan.work:
+            n = plan.pieces[item.piece].num_rows
+            offsets = torch.tensor(item.causal_offsets, dtype=torch.long, device=dev)
+            work_rows.append(torch.tensor(item.query_rows, dtype=torch.long, device=dev))
+            work_visible.append((offsets + 1).clamp(min=0, max=n))
+        partial_rows = torch.tensor(plan.partial_rows, dtype=torch.long, device=dev)
+        return PreparedPlan(plan, slots, work_rows, work_visible, partial_rows)
+
+    def run(
+        self,
+        prepared: PreparedPlan,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        *,
+        scale: float,
+        out_dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of one layer.
+
+        Args:
+            query: ``(R, Hq, Dk)`` query rows in plan row order.
+            key_cache: ``(num_pages, page_size, Hkv, Dk)`` (for MLA the latent rows).
+            value_cache: ``(num_pages, page_size, Hkv, Dv)`` (for MLA a view of the first
+                ``kv_lora_rank`` latent columns).
+            scale: softmax scale (explicit; MLA's differs from ``Dk ** -0.5``).
+            out_dtype: dtype of the result (default ``query.dtype``); rounded once.
+
+        Returns:
+            ``(out, lse)``: ``(R, Hq, Dv)`` in ``out_dtype`` and ``(R, Hq)`` float32.
+        """
+        plan = prepared.plan
+        if query.shape[0] != plan.num_query_rows:
+            raise ValueError(f"query has {query.shape[0]} rows, the plan {plan.num_query_rows}")
+        if query.shape[1] % key_cache.shape[2]:
+            raise ValueError(f"{query.shape[1]} query heads for {key_cache.shape[2]} KV heads")
+        keys = key_cache.flatten(0, 1)
+        values = value_cache.flatten(0, 1)
+        num_heads, value_dim = query.shape[1], values.shape[-1]
+        partial_out = torch.empty(plan.num_partials, num_heads, value_dim, device=query.device)
+        partial_lse = torch.empty(plan.num_partials, num_heads, device=query.device)
+        gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        start = 0
+        for item, rows, visible in zip(plan.work, prepared.work_rows, prepared.work_visible):
+            if item.piece not in gathered:
+                slots = prepared.piece_slots[item.piece]
+                gathered[item.piece] = (keys[slots], values[slots])
+            key, value = gathered[item.piece]
+            out, lse = attend_piece(query[rows], key, value, visible, scale=scale)
+            end = start + rows.numel()
+            partial_out[start:end] = out
+            partial_lse[start:end] = lse
+            start = end
+        out, lse = merge_partials(partial_out, partial_lse, prepared.partial_rows, plan.num_query_rows)
+        return out.to(out_dtype or query.dtype), lse

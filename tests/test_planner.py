@@ -1,0 +1,168 @@
+"""The planner: route choice from the device, forced routes, and the shape of each plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from segkv.attention import (
+    AttentionPlan,
+    AttentionShape,
+    DeviceSpec,
+    Piece,
+    Route,
+    SequenceQuery,
+    WorkItem,
+    plan_attention,
+)
+from segkv.cache.segment import ChainSpan
+
+H200_LIKE = DeviceSpec(kind="cuda", name="h200-like", num_multiprocessors=132, blocks_per_multiprocessor=2)
+GQA = AttentionShape(num_q_heads=32, num_kv_heads=8, key_dim=128, value_dim=128)
+MLA = AttentionShape(num_q_heads=128, num_kv_heads=1, key_dim=576, value_dim=512)
+PS = 16
+_next_page = [0]
+
+
+def span(rows: int, *, start: int = 0, segment_id: int | None = None, sealed: bool = True) -> ChainSpan:
+    """A span of fresh page ids holding ``rows`` rows."""
+    pages = -(-rows // PS)
+    first = _next_page[0]
+    _next_page[0] += pages
+    sid = first if segment_id is None else segment_id
+    return ChainSpan(sid, tuple(range(first, first + pages)), rows, start, sealed)
+
+
+def seq(*rows_per_span: int, num_query_rows: int = 1) -> SequenceQuery:
+    spans, start = [], 0
+    for rows in rows_per_span:
+        spans.append(span(rows, start=start))
+        start += rows
+    return SequenceQuery(tuple(spans), num_query_rows)
+
+
+def covered_rows(plan: AttentionPlan, row: int) -> int:
+    """Total KV rows the partials of query row ``row`` attend (each row exactly once)."""
+    total = 0
+    for item in plan.work:
+        if row in item.query_rows:
+            total += plan.pieces[item.piece].num_rows
+    return total
+
+
+def test_batch_one_long_context_splits_on_a_gpu():
+    plan = plan_attention([seq(32768)], GQA, H200_LIKE, page_size=PS)
+    assert plan.route == Route.SPLIT
+    assert plan.num_partitions > 1
+    assert len(plan.work) * GQA.num_kv_heads <= H200_LIKE.wave_size  # fits one wave
+    assert covered_rows(plan, 0) == 32768
+    assert min(p.num_rows for p in plan.pieces) >= H200_LIKE.min_rows_per_partition
+
+
+def test_mla_batch_one_splits_and_large_batch_does_not():
+    assert plan_attention([seq(65536)], MLA, H200_LIKE, page_size=PS).route == Route.SPLIT
+    big = plan_attention([seq(65536) for _ in range(200)], MLA, H200_LIKE, page_size=PS)
+    assert big.route == Route.SINGLE and len(big.pieces) == 200
+
+
+def test_full_batch_stays_single():
+    plan = plan_attention([seq(4096) for _ in range(64)], GQA, H200_LIKE, page_size=PS)
+    assert plan.route == Route.SINGLE
+    assert "fill a wave" in plan.reason
+
+
+def test_short_context_stays_single_even_at_batch_one():
+    plan = plan_attention([seq(300)], GQA, H200_LIKE, page_size=PS)
+    assert plan.route == Route.SINGLE and len(plan.pieces) == 1
+
+
+def test_mixed_long_and_short_batch_splits_only_the_long_one():
+    plan = plan_attention([seq(131072), seq(100)], GQA, H200_LIKE, page_size=PS)
+    assert plan.route == Route.SPLIT
+    short_items = [w for w in plan.work if 1 in w.query_rows]
+    long_items = [w for w in plan.work if 0 in w.query_rows]
+    assert len(short_items) == 1 and len(long_items) == plan.num_partitions > 1
+    assert covered_rows(plan, 0) == 131072 and covered_rows(plan, 1) == 100
+
+
+def test_cpu_prefers_one_pass():
+    plan = plan_attention([seq(32768)], GQA, DeviceSpec.cpu(num_threads=2), page_size=PS)
+    assert plan.route == Route.SINGLE
+
+
+def test_shared_history_is_planned_as_cascade():
+    history = span(5000)
+    queries = []
+    for _ in range(4):
+        own = span(40, start=5000, sealed=False)
+        queries.append(SequenceQuery((history, own), 2))
+    plan = plan_attention(queries, GQA, H200_LIKE, page_size=PS)
+    assert plan.route == Route.CASCADE
+    # the shared history is read once for all 8 rows (cut into partitions to fill the GPU)
+    shared = [w for w in plan.work if len(w.query_rows) == 8]
+    assert sum(plan.pieces[w.piece].num_rows for w in shared) == 5000
+    assert len(shared) == plan.num_partitions > 1
+    assert all(sorted(w.query_rows) == list(range(8)) for w in shared)
+    for row in range(8):
+        assert covered_rows(plan, row) == 5040
+    # causal offsets: the first partition starts at 0, so a row's offset is its position
+    first = next(w for w in shared if plan.pieces[w.piece].page_ids[0] == history.page_ids[0])
+    assert list(first.causal_offsets[:2]) == [5038, 5039]
+
+
+@pytest.mark.parametrize("route", list(Route))
+def test_every_route_can_be_forced(route):
+    queries = [seq(100, 37, 64, num_query_rows=4), seq(20, num_query_rows=4)]
+    plan = plan_attention(queries, GQA, H200_LIKE, page_size=PS, route=route)
+    assert plan.route == route
+    for row in range(8):
+        assert covered_rows(plan, row) == (201 if row < 4 else 20)
+
+
+def test_forced_split_uses_the_partition_count():
+    plan = plan_attention([seq(160)], GQA, H200_LIKE, page_size=PS, route="split", num_partitions=4)
+    assert plan.num_partitions == 4
+    assert [p.num_rows for p in plan.pieces] == [32, 48, 32, 48]  # 10 pages: 2, 3, 2, 3
+
+
+def test_environment_forces_a_route(monkeypatch):
+    monkeypatch.setenv("SEGKV_ATTENTION_ROUTE", "segments")
+    plan = plan_attention([seq(100, 37)], GQA, H200_LIKE, page_size=PS)
+    assert plan.route == Route.SEGMENTS and len(plan.pieces) == 2
+    monkeypatch.setenv("SEGKV_ATTENTION_ROUTE", "sideways")
+    with pytest.raises(ValueError, match="unknown attention route"):
+        plan_attention([seq(10)], GQA, H200_LIKE, page_size=PS)
+
+
+def test_segment_ends_mid_page_become_short_pages_not_copies():
+    queries = [seq(20, 5, 33)]
+    plan = plan_attention(queries, GQA, H200_LIKE, page_size=PS, route="single")
+    (piece,) = plan.pieces
+    assert piece.page_rows == (16, 4, 5, 16, 16, 1)
+    assert piece.num_rows == 58
+
+
+def test_bad_inputs_are_rejected():
+    with pytest.raises(ValueError):
+        plan_attention([seq(10)], GQA, H200_LIKE, page_size=0)
+    with pytest.raises(ValueError):
+        plan_attention([seq(10)], GQA, H200_LIKE, page_size=PS, route="split", num_partitions=0)
+    with pytest.raises(ValueError):
+        AttentionShape(num_q_heads=6, num_kv_heads=4, key_dim=8, value_dim=8)
+    with pytest.raises(ValueError):
+        SequenceQuery((span(10), span(10, start=3)), 1)  # not contiguous
+    with pytest.raises(ValueError):
+        DeviceSpec(kind="tpu", name="x", num_multiprocessors=1)
+    with pytest.raises(ValueError):
+        Piece((1, 2), (16,))
+
+
+def test_plan_validates_its_reduce_map():
+    piece = Piece((0,), (4,))
+    item = WorkItem(0, (0, 1), (3, 3))
+    AttentionPlan(Route.SINGLE, (piece,), (item,), ((0,), (1,)), 2)
+    with pytest.raises(ValueError):
+        AttentionPlan(Route.SINGLE, (piece,), (item,), ((1,), (0,)), 2)
+    with pytest.raises(ValueError):
+        AttentionPlan(Route.SINGLE, (piece,), (item,), ((0,), ()), 2)
+    with pytest.raises(ValueError):
+        AttentionPlan(Route.SINGLE, (piece,), (WorkItem(3, (0,), (0,)),), ((0,), ()), 2)
