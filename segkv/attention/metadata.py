@@ -1,0 +1,31 @@
+"""AttentionMetadata: what every attention layer of one forward step needs, as an argument."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from segkv.attention.reference import PreparedPlan, TorchReferenceBackend
+from segkv.cache.storage import PagedKVStorage
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step attention inputs shared by all layers.
+
+    ``slots``: ``(T,)`` int64 storage slots where the step's ``T`` new rows are written
+    (row ``t`` of the step is query row ``t`` of the plan). ``prepared``: the plan's index
+    tensors. ``storage``: the paged KV tensors of every layer. ``mla_mode``: ``"absorbed"``
+    (attend over the latent cache) or ``"naive"`` (decompress per-head K/V per piece).
+    """
+
+    backend: TorchReferenceBackend
+    prepared: PreparedPlan
+    storage: PagedKVStorage
+    slots: torch.Tensor
+    mla_mode: str = "absorbed"
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slots.numel())

@@ -1,0 +1,29 @@
+"""Paged attention layers: write the step's new K/V rows, then attend the plan's pieces."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from segkv.attention.metadata import AttentionMetadata
+
+
+class PagedAttention(nn.Module):
+    """GQA/MQA/MHA attention of one layer over the paged cache (no parameters).
+
+    ``q``: ``(T, Hq, D)``; ``k``, ``v``: ``(T, Hkv, D)`` for the step's ``T`` new rows,
+    already position-encoded. Returns ``(T, Hq, D)`` in ``q.dtype``.
+    """
+
+    def __init__(self, layer_index: int, *, scale: float) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        storage, layer = meta.storage, self.layer_index
+        storage.write(layer, meta.slots, k, v)
+        out, _ = meta.backend.run(
+            meta.prepared, q, storage.key_cache(layer), storage.value_cache(layer), scale=self.scale
+        )
+        return out

@@ -1,0 +1,165 @@
+"""The grouped-query decoder shared by the Llama, Mistral and Qwen families."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from segkv.attention.metadata import AttentionMetadata
+from segkv.attention.plan import AttentionShape
+from segkv.config import KVLayout
+from segkv.layers.activation import GatedMLP
+from segkv.layers.attention import PagedAttention
+from segkv.layers.norm import RMSNorm
+from segkv.layers.rotary import RotaryEmbedding
+from segkv.models.hf_config import require, rope_settings
+
+
+@dataclass(slots=True, frozen=True)
+class DecoderConfig:
+    """The fields of a Llama-style ``config.json`` that shape the model."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    hidden_act: str
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], *, qkv_bias: bool | None = None, qk_norm: bool = False) -> DecoderConfig:
+        require(cfg, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        heads = int(cfg["num_attention_heads"])
+        theta, scaling = rope_settings(cfg)
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias if qkv_bias is None else qkv_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=qk_norm,
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+        )
+
+
+class DecoderAttention(nn.Module):
+    """Q/K/V projections (optional per-head q/k RMSNorm), RoPE, paged attention, output."""
+
+    def __init__(self, cfg: DecoderConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rotary = rotary
+        self.attn = PagedAttention(layer_index, scale=cfg.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, positions), self.rotary(k, positions)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DecoderAttention(cfg, layer_index, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, activation=cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    """``model.*`` of the checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(cfg.head_dim, base=cfg.rope_theta, max_position=cfg.max_position_embeddings,
+                                 scaling=cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DecoderForCausalLM(nn.Module):
+    """A Llama-style causal LM over the paged cache.
+
+    ``forward(input_ids (T,), positions (T,), meta)`` returns hidden states ``(T, hidden)``;
+    ``compute_logits(hidden (N, hidden))`` returns float32 ``(N, vocab)``.
+    """
+
+    config_class = DecoderConfig
+    config_overrides: dict[str, Any] = {}
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = DecoderBody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> DecoderForCausalLM:
+        return cls(DecoderConfig.from_hf(cfg, **cls.config_overrides))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    def kv_layout(self, dtype: torch.dtype) -> KVLayout:
+        return KVLayout(num_layers=self.cfg.num_layers, num_kv_heads=self.cfg.num_kv_heads,
+                        head_dim=self.cfg.head_dim, dtype=dtype)
+
+    def attention_shape(self, mla_mode: str = "absorbed") -> AttentionShape:
+        c = self.cfg
+        return AttentionShape(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,110 @@
+"""Loading a Hugging Face model directory: config, safetensors shards, fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from segkv.config import parse_dtype
+from segkv.models.registry import model_class
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files: the index's shards, or the single file(s)."""
+    root = Path(model_dir)
+    index = root / INDEX_FILE
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (root / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{INDEX_FILE} names shards missing from {root}: {', '.join(missing)}")
+        return [root / s for s in shards]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in model directory {root}")
+    return files
+
+
+def fingerprint(model_dir: str | Path) -> str:
+    """A model identity: config.json, every tensor's name/dtype/shape and samples of its bytes."""
+    digest = hashlib.sha256(json.dumps(read_config(model_dir), sort_keys=True).encode())
+    for path in weight_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in sorted(f.keys()):
+                t = f.get_slice(name)
+                digest.update(f"{name}:{t.get_dtype()}:{t.get_shape()}".encode())
+        with open(path, "rb") as raw:  # start and end of the data: weights, not just shapes
+            size = path.stat().st_size
+            digest.update(raw.read(1 << 16))
+            raw.seek(max(0, size - (1 << 16)))
+            digest.update(raw.read())
+    return digest.hexdigest()[:32]
+
+
+def load_model(
+    model_dir: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+    progress: bool = False,
+) -> nn.Module:
+    """Build the registered model for ``model_dir`` and load its weights.
+
+    Raises FileNotFoundError for missing files and ValueError for an unsupported
+    architecture, missing or unexpected tensors, and shape mismatches.
+    """
+    cfg = read_config(model_dir)
+    cls = model_class(cfg)
+    torch_dtype = parse_dtype(dtype)
+    with torch.device("meta"):
+        model = cls.from_hf_config(cfg)
+    expected = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+    tied = {n for n in expected if n == "lm_head.weight" and getattr(model.cfg, "tie_word_embeddings", False)}
+    state: dict[str, torch.Tensor] = {}
+    files = weight_files(model_dir)
+    for path in tqdm(files, desc="loading weights", unit="file", disable=not progress):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name not in expected:
+                    if getattr(model, "ignores_weight", lambda _: False)(name):
+                        continue  # e.g. multi-token-prediction layers used only for drafting
+                    raise ValueError(f"{path.name}: unexpected tensor {name!r} for {cls.__name__}")
+                tensor = f.get_tensor(name)
+                want = tuple(expected[name].shape)
+                if tuple(tensor.shape) != want:
+                    raise ValueError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {want}")
+                state[name] = tensor.to(torch_dtype)
+    missing = sorted(set(expected) - set(state) - tied)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors: {shown}")
+    model = model.to_empty(device=device).to(torch_dtype)
+    model.load_state_dict(state, strict=False, assign=False)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _init_buffers(model, device)
+    return model.eval()
+
+
+def _init_buffers(model: nn.Module, device: str | torch.device) -> None:
+    """Buffers computed at construction were made on 'meta': recompute them on ``device``."""
+    for module in model.modules():
+        if hasattr(module, "init_buffers"):
+            module.init_buffers(device)

@@ -1,0 +1,155 @@
+"""ModelRunner: turns a batch of (chain, new tokens) into one forward pass over the paged cache."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from segkv.attention.device import DeviceSpec
+from segkv.attention.metadata import AttentionMetadata
+from segkv.attention.plan import AttentionPlan, Route, SequenceQuery
+from segkv.attention.planner import plan_attention
+from segkv.attention.reference import TorchReferenceBackend
+from segkv.cache.chain import KVChain
+from segkv.cache.kv_cache import PagedKVCache
+from segkv.cache.page_pool import OutOfPagesError
+
+MLA_MODES = ("auto", "absorbed", "naive")
+
+
+@dataclass(slots=True)
+class StepInput:
+    """One sequence's share of a forward: its chain and the new token ids to process."""
+
+    chain: KVChain
+    token_ids: list[int]
+
+
+class ModelRunner:
+    """Runs the model over chains: appends the new rows, plans attention, computes logits.
+
+    Long inputs are processed in chunks of at most ``prefill_chunk`` tokens per sequence,
+    so scores never exist for a whole prompt at once; history is attended as pieces.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cache: PagedKVCache,
+        *,
+        device: str | torch.device = "cpu",
+        route: Route | str | None = None,
+        mla_mode: str = "auto",
+        prefill_chunk: int = 512,
+        decode_rows_threshold: int = 1,
+    ) -> None:
+        if mla_mode not in MLA_MODES:
+            raise ValueError(f"mla_mode must be one of {MLA_MODES}, got {mla_mode!r}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.model = model
+        self.cache = cache
+        self.device = torch.device(device)
+        self.route = Route.parse(route) if route is not None else None
+        self.mla_mode = mla_mode
+        self.prefill_chunk = prefill_chunk
+        self.decode_rows_threshold = decode_rows_threshold
+        self.backend = TorchReferenceBackend(page_size=cache.page_size, device=self.device)
+        self.device_spec = DeviceSpec.detect(self.device)
+        self.last_plan: AttentionPlan | None = None
+        self.route_counts: Counter[str] = Counter()
+
+    @torch.inference_mode()
+    def prompt_logits(self, chain: KVChain, token_ids: list[int]) -> torch.Tensor:
+        """Process ``token_ids`` on ``chain`` and return ``(n, vocab)`` float32 logits of every row."""
+        rows: list[torch.Tensor] = []
+        self.forward([StepInput(chain, token_ids)], collect=rows)
+        return torch.cat(rows)
+
+    @torch.inference_mode()
+    def forward(self, inputs: list[StepInput], *, collect: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Process every input's tokens; returns ``(B, vocab)`` float32 logits of each last token.
+
+        With ``collect`` (single input only) the logits of every processed row are appended
+        to it chunk by chunk. On failure (e.g. :class:`OutOfPagesError`) every chain is left
+        as it was.
+        """
+        if collect is not None and len(inputs) != 1:
+            raise ValueError("collect works with exactly one input")
+        if any(not item.token_ids for item in inputs):
+            raise ValueError("every sequence of a forward needs at least one new token")
+        done = [0] * len(inputs)
+        logits: list[torch.Tensor | None] = [None] * len(inputs)
+        try:
+            while any(d < len(item.token_ids) for d, item in zip(done, inputs)):
+                active = [i for i, item in enumerate(inputs) if done[i] < len(item.token_ids)]
+                chunks = [inputs[i].token_ids[done[i] : done[i] + self.prefill_chunk] for i in active]
+                out = self._step([inputs[i].chain for i in active], chunks, all_rows=collect is not None)
+                if collect is not None:
+                    collect.append(out)
+                    out = out[-1:]
+                for row, i in enumerate(active):
+                    done[i] += len(chunks[row])
+                    if done[i] == len(inputs[i].token_ids):
+                        logits[i] = out[row]
+        except BaseException:
+            for d, item in zip(done, inputs):
+                if d:
+                    item.chain.trim(d)
+            raise
+        return torch.stack(logits)
+
+    def _step(self, chains: list[KVChain], chunks: list[list[int]], *, all_rows: bool = False) -> torch.Tensor:
+        slots: list[int] = []
+        positions: list[int] = []
+        appended: list[tuple[KVChain, int]] = []
+        try:
+            for chain, tokens in zip(chains, chunks):
+                start = chain.num_rows
+                slots += chain.append(len(tokens), token_ids=tokens)
+                appended.append((chain, len(tokens)))
+                positions += range(start, start + len(tokens))
+            mla_mode = self._mla_mode(chunks)
+            queries = [SequenceQuery.from_chain(c, len(t)) for c, t in zip(chains, chunks)]
+            plan = plan_attention(queries, self.model.attention_shape(mla_mode), self.device_spec,
+                                  page_size=self.cache.page_size, route=self.route)
+            meta = AttentionMetadata(
+                backend=self.backend,
+                prepared=self.backend.prepare(plan),
+                storage=self.cache.storage,
+                slots=torch.tensor(slots, dtype=torch.long, device=self.device),
+                mla_mode=mla_mode,
+            )
+            ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self.device)
+            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+            hidden = self.model(ids, pos, meta)
+        except BaseException:
+            for chain, n in appended:
+                chain.trim(n)
+            raise
+        self.last_plan = plan
+        self.route_counts[plan.route.value] += 1
+        if all_rows:
+            return self.model.compute_logits(hidden)
+        last = torch.tensor(_last_rows(chunks), dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[last])
+
+    def _mla_mode(self, chunks: list[list[int]]) -> str:
+        """Absorbed (latent) attention for decode-sized windows, naive for prefill chunks."""
+        if self.mla_mode != "auto":
+            return self.mla_mode
+        return "absorbed" if max(len(c) for c in chunks) <= self.decode_rows_threshold else "naive"
+
+
+def _last_rows(chunks: list[list[int]]) -> list[int]:
+    out, total = [], 0
+    for chunk in chunks:
+        total += len(chunk)
+        out.append(total - 1)
+    return out
+
+
+__all__ = ["ModelRunner", "StepInput", "OutOfPagesError"]
