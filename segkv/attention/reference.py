@@ -7,12 +7,16 @@ exactly (``merge.merge_partials``) and rounds once to the output dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from segkv.attention.merge import LSE_API, merge_partials
 from segkv.attention.plan import AttentionPlan, Piece
+
+
+KVTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(slots=True)
@@ -107,6 +111,7 @@ class TorchReferenceBackend:
         *,
         scale: float,
         out_dtype: torch.dtype | None = None,
+        kv_transform: KVTransform | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer.
 
@@ -117,6 +122,9 @@ class TorchReferenceBackend:
                 ``kv_lora_rank`` latent columns).
             scale: softmax scale (explicit; MLA's differs from ``Dk ** -0.5``).
             out_dtype: dtype of the result (default ``query.dtype``); rounded once.
+            kv_transform: maps each piece's gathered ``(key, value)`` rows to the per-head
+                K/V that are attended, e.g. MLA's naive path decompresses latent rows
+                ``(n, 1, r + rope)`` into ``(n, H, Dk)`` keys and ``(n, H, Dv)`` values.
 
         Returns:
             ``(out, lse)``: ``(R, Hq, Dv)`` in ``out_dtype`` and ``(R, Hq)`` float32.
@@ -124,20 +132,26 @@ class TorchReferenceBackend:
         plan = prepared.plan
         if query.shape[0] != plan.num_query_rows:
             raise ValueError(f"query has {query.shape[0]} rows, the plan {plan.num_query_rows}")
-        if query.shape[1] % key_cache.shape[2]:
+        if kv_transform is None and query.shape[1] % key_cache.shape[2]:
             raise ValueError(f"{query.shape[1]} query heads for {key_cache.shape[2]} KV heads")
         keys = key_cache.flatten(0, 1)
         values = value_cache.flatten(0, 1)
-        num_heads, value_dim = query.shape[1], values.shape[-1]
+        gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def piece_kv(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if index not in gathered:
+                slots = prepared.piece_slots[index]
+                key, value = keys[slots], values[slots]
+                gathered[index] = kv_transform(key, value) if kv_transform else (key, value)
+            return gathered[index]
+
+        num_heads = query.shape[1]
+        value_dim = piece_kv(plan.work[0].piece)[1].shape[-1] if plan.work else values.shape[-1]
         partial_out = torch.empty(plan.num_partials, num_heads, value_dim, device=query.device)
         partial_lse = torch.empty(plan.num_partials, num_heads, device=query.device)
-        gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         start = 0
         for item, rows, visible in zip(plan.work, prepared.work_rows, prepared.work_visible):
-            if item.piece not in gathered:
-                slots = prepared.piece_slots[item.piece]
-                gathered[item.piece] = (keys[slots], values[slots])
-            key, value = gathered[item.piece]
+            key, value = piece_kv(item.piece)
             out, lse = attend_piece(query[rows], key, value, visible, scale=scale)
             end = start + rows.numel()
             partial_out[start:end] = out
