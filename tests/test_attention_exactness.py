@@ -9,7 +9,6 @@ from attention_helpers import LAYOUTS, build_batch, dense_attention, sdpa_attent
 from segkv.attention import DeviceSpec, Route, TorchReferenceBackend, plan_attention
 
 ROUTES = [r.value for r in Route]
-FLOAT32_NOISE = 1e-6  # sums of O(1) terms in float32, in another order
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -60,7 +59,10 @@ def test_every_route_is_exact(dtype, layout, num_query_rows, page_size, num_segm
     )
     oracle = dense_attention(batch, dtype=torch.float64)
     if dtype != "fp32":
-        exact = dense_attention(batch, dtype=torch.float32).to(DTYPES[dtype])
+        exact32 = dense_attention(batch, dtype=torch.float32)
+        exact = exact32.to(DTYPES[dtype])
+        # float32 summation-order noise, measured: a few times the float32 oracle's own error
+        noise = 4 * (exact32.double() - oracle).abs().max().item()
         stock, valid = sdpa_attention(batch)
         exact_err = (exact[valid].double() - stock[valid].double()).abs().mean().item()
     for route in ROUTES:
@@ -75,7 +77,7 @@ def test_every_route_is_exact(dtype, layout, num_query_rows, page_size, num_segm
         # Low precision: the route equals float32 whole-history attention rounded once,
         # within one ulp plus float32 summation-order noise (absolute, matters near 0).
         diff = (out.double() - exact.double()).abs()
-        assert (diff <= ulp(exact) + FLOAT32_NOISE).all(), f"{route}: max diff {diff.max().item()}"
+        assert (diff <= ulp(exact) + noise).all(), f"{route}: max diff {diff.max().item()}"
         assert (diff > 0).float().mean().item() <= 0.01, f"{route}: too many elements off by one ulp"
         # ... and is no further from the stock kernel than the exact result is.
         route_err = (out[valid].double() - stock[valid].double()).abs().mean().item()

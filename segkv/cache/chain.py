@@ -20,10 +20,11 @@ class ChainSnapshot:
     whatever the chain does next. Call :meth:`release` when it is no longer needed.
     """
 
-    __slots__ = ("refs",)
+    __slots__ = ("refs", "_released")
 
     def __init__(self, refs: Sequence[SegRef]) -> None:
         self.refs: tuple[SegRef, ...] = tuple(ref.share() for ref in refs)
+        self._released = False
 
     @property
     def num_rows(self) -> int:
@@ -31,12 +32,14 @@ class ChainSnapshot:
 
     @property
     def live(self) -> bool:
-        return all(ref.live for ref in self.refs)
+        return not self._released
 
     def token_ids(self) -> list[int] | None:
         return _concat_tokens(ref.token_ids for ref in self.refs)
 
     def release(self) -> None:
+        """Give up the snapshot's references (idempotent)."""
+        self._released = True
         for ref in self.refs:
             ref.release()
 
@@ -125,14 +128,21 @@ class KVChain:
             tail.page_ids.extend(self.pool.allocate(need))
         self.tail = tail
         tail.num_rows += num_rows
-        if token_ids is None or tail.token_ids is None:
+        if tail.token_ids is None or (token_ids is None and num_rows):
             tail.token_ids = None
-        else:
+        elif token_ids is not None:
             tail.token_ids.extend(int(t) for t in token_ids)
         return tail.slots(start, tail.num_rows)
 
     def seal(self) -> SegRef | None:
         """End the turn: the tail becomes a sealed segment; compaction may follow."""
+        ref = self._seal_tail()
+        if ref is not None:
+            self._maybe_compact()
+        return self.refs[-1] if ref is not None else None
+
+    def _seal_tail(self) -> SegRef | None:
+        """Seal the tail without compacting (snapshots and forks never allocate or copy)."""
         tail = self.tail
         self.tail = None
         if tail is None or tail.num_rows == 0:
@@ -142,17 +152,16 @@ class KVChain:
         tail.sealed = True
         ref = SegRef(tail, tail.num_rows, _adopt=True)  # the tail's own page references
         self.refs.append(ref)
-        self._maybe_compact()
-        return self.refs[-1]
+        return ref
 
     def snapshot(self) -> ChainSnapshot:
-        """Seal the tail and return an immutable value of the whole chain."""
-        self.seal()
+        """Seal the tail (no compaction) and return an immutable value of the whole chain."""
+        self._seal_tail()
         return ChainSnapshot(self.refs)
 
     def fork(self) -> KVChain:
-        """Seal the tail and return a new chain sharing every reference (no copy)."""
-        self.seal()
+        """Seal the tail (no compaction) and return a new chain sharing every reference."""
+        self._seal_tail()
         return KVChain(
             self.pool,
             refs=[ref.share() for ref in self.refs],
@@ -210,8 +219,10 @@ class KVChain:
         if count < 2:
             return
         old = self.refs[-count:]
-        merged = Segment(self.pool)
         total = sum(ref.num_rows for ref in old)
+        if self.pool.pages_for_rows(total) > self.pool.num_free_pages:
+            return  # compaction is an optimisation: never fail a seal for want of pages
+        merged = Segment(self.pool)
         merged.page_ids = self.pool.allocate(self.pool.pages_for_rows(total))
         merged.num_rows = total
         src: list[int] = []

@@ -80,15 +80,32 @@ class PagedKVStorage:
         latent ``(n, kv_lora_rank + rope_dim)`` and ``value`` must be None.
         """
         index = _as_slots(slots, self.device)
+        self._check_rows(index, key, value)
         if self.layout.kind == "mha":
-            if value is None:
-                raise ValueError("an 'mha' cache write needs both key and value")
             self._flat(self.k[layer]).index_copy_(0, index, key.to(self.layout.dtype))
             self._flat(self.v[layer]).index_copy_(0, index, value.to(self.layout.dtype))
         else:
+            self._flat(self.latent[layer]).index_copy_(0, index, key.to(self.layout.dtype))
+
+    def _check_rows(self, index: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> None:
+        """Validate a write before touching any tensor, so a bad write changes nothing."""
+        n = index.numel()
+        lay = self.layout
+        if lay.kind == "mha":
+            if value is None:
+                raise ValueError("an 'mha' cache write needs both key and value")
+            want = (n, lay.num_kv_heads, lay.head_dim)
+            for name, t in (("key", key), ("value", value)):
+                if tuple(t.shape) != want:
+                    raise ValueError(f"{name} rows have shape {tuple(t.shape)}, expected {want}")
+        else:
             if value is not None:
                 raise ValueError("an 'mla' cache write takes only the latent rows")
-            self._flat(self.latent[layer]).index_copy_(0, index, key.to(self.layout.dtype))
+            if tuple(key.shape) != (n, lay.key_dim):
+                raise ValueError(f"latent rows have shape {tuple(key.shape)}, expected {(n, lay.key_dim)}")
+        capacity = self.pool.num_pages * self.page_size
+        if n and (int(index.min()) < 0 or int(index.max()) >= capacity):
+            raise ValueError(f"slots out of range 0..{capacity - 1}")
 
     def read(self, layer: int, slots: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Gather rows at ``slots``: ``(k, v)`` for MHA, ``(latent,)`` for MLA."""
