@@ -1,0 +1,108 @@
+"""The synchronous generation loop: prefill, then batched decode steps until every sequence ends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from segkv.cache.chain import KVChain
+from segkv.engine.detokenizer import IncrementalDetokenizer
+from segkv.engine.tokenizer import Tokenizer
+from segkv.layers.sampler import Sampler, make_generator
+from segkv.outputs import CompletionOutput, TokenLogprob
+from segkv.runner.model_runner import ModelRunner, StepInput
+from segkv.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One continuation being generated on its own chain.
+
+    ``pending`` holds token ids whose KV rows are not yet in the chain (the prompt's new
+    tokens before prefill, then the last sampled token). ``history`` are all prompt ids.
+    """
+
+    index: int
+    chain: KVChain
+    history: list[int]
+    pending: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def result(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.detok.output_text,
+            token_ids=list(self.output_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+        )
+
+
+class Generator:
+    """Drives sequences to completion with the runner, the sampler and detokenizers."""
+
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_model_len: int) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.sampler = Sampler()
+        self.max_model_len = max_model_len
+
+    def new_sequence(self, index: int, chain: KVChain, history: list[int], new_ids: list[int],
+                     params: SamplingParams) -> Sequence:
+        seed = None if params.seed is None else params.seed + index
+        generator = make_generator(seed, self.runner.device) if seed is not None else None
+        detok = IncrementalDetokenizer(self.tokenizer, stop=params.stop, prompt_ids=history)
+        return Sequence(index, chain, list(history), list(new_ids), params, detok, generator)
+
+    def run(self, seqs: list[Sequence]) -> None:
+        """Generate until every sequence has a finish reason (EOS, stops, lengths)."""
+        active = [s for s in seqs if s.finish_reason is None]
+        while active:
+            logits = self.runner.forward([StepInput(s.chain, s.pending) for s in active])
+            for s in active:
+                s.pending = []
+            self._sample(active, logits)
+            active = [s for s in active if s.finish_reason is None]
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        out = self.sampler(
+            logits,
+            [s.params for s in seqs],
+            prompt_token_ids=[s.history for s in seqs],
+            output_token_ids=[s.output_ids for s in seqs],
+            generators=[s.generator for s in seqs],
+        )
+        for row, s in enumerate(seqs):
+            token = int(out.token_ids[row])
+            s.output_ids.append(token)
+            if s.params.logprobs is not None:
+                top = out.top_logprobs[row]
+                s.logprobs.append(TokenLogprob(token, float(out.logprobs[row]), top))
+            self._check_finish(s, token)
+            if s.finish_reason is None:
+                s.pending = [token]
+
+    def _check_finish(self, s: Sequence, token: int) -> None:
+        p = s.params
+        is_eos = token in self.tokenizer.eos_token_ids and not p.ignore_eos
+        if is_eos or token in p.stop_token_ids:
+            s.finish_reason = "stop"
+            s.stop_reason = None if is_eos and token not in p.stop_token_ids else token
+            s.detok.finish()
+            return
+        s.detok.add(token)
+        if s.detok.stopped:
+            s.finish_reason, s.stop_reason = "stop", s.detok.stop_string
+            return
+        # the sampled token still needs a row: stop when the model length is reached
+        if len(s.output_ids) >= p.max_tokens or s.chain.num_rows + 1 >= self.max_model_len:
+            s.finish_reason = "length"
+            s.detok.finish()

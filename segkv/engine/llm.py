@@ -1,0 +1,154 @@
+"""LLM: the synchronous engine API: load a model directory, generate, hold conversations."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from segkv.cache.kv_cache import PagedKVCache
+from segkv.config import CacheConfig, CompactionPolicy, parse_dtype
+from segkv.engine.generation import Generator
+from segkv.engine.tokenizer import Tokenizer
+from segkv.models.loader import fingerprint, load_model
+from segkv.outputs import RequestOutput
+from segkv.runner.model_runner import ModelRunner
+from segkv.sampling_params import SamplingParams
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+class LLM:
+    """A model with its tokenizer, paged KV cache and runner.
+
+    ``max_model_len`` defaults to the model's own limit. The cache holds ``num_pages``
+    pages, or as many as ``kv_cache_bytes`` allows. ``route`` forces an attention route;
+    ``mla_mode`` forces MLA's absorbed or naive path.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        max_model_len: int | None = None,
+        route: str | None = None,
+        mla_mode: str = "auto",
+        prefill_chunk: int = 512,
+        compaction: CompactionPolicy | None = None,
+        progress: bool = False,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.dtype = parse_dtype(dtype)
+        self.device = torch.device(device)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device, progress=progress)
+        self.fingerprint = fingerprint(self.model_dir)
+        limit = self.model.max_model_len
+        if max_model_len is not None and not 1 <= max_model_len <= limit:
+            raise ValueError(f"max_model_len must be between 1 and the model's {limit}, got {max_model_len}")
+        self.max_model_len = max_model_len or limit
+        layout = self.model.kv_layout(self.dtype)
+        if num_pages is None:
+            num_pages = max(1, kv_cache_bytes // (page_size * layout.row_bytes))
+        self.cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=num_pages),
+                                  device=str(self.device), compaction=compaction)
+        self.runner = ModelRunner(self.model, self.cache, device=self.device, route=route,
+                                  mla_mode=mla_mode, prefill_chunk=prefill_chunk)
+        self.generator = Generator(self.runner, self.tokenizer, max_model_len=self.max_model_len)
+        self._request_ids = itertools.count()
+
+    # -- stateless generation ---------------------------------------------------------
+    def generate(
+        self, prompts: str | Seq[str] | Seq[Seq[int]], sampling: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Complete each prompt (text, or token ids); ``n`` samples share one prefill."""
+        params = sampling or SamplingParams()
+        batch = self._normalise_prompts(prompts)
+        requests, seqs = [], []
+        try:
+            for text, ids in batch:
+                self.check_prompt_length(len(ids))
+                chain = self.cache.new_chain()
+                seqs.append(self.generator.new_sequence(0, chain, ids, ids, params))
+                requests.append(RequestOutput(f"gen-{next(self._request_ids)}", text, ids))
+            self.generator.run(seqs)  # prefill every prompt, then sample index 0
+            samples = [[s] for s in seqs]
+            if params.n > 1:  # further samples fork the prefilled prompt: no copy, no recompute
+                self._add_samples(samples, params)
+            for request, group in zip(requests, samples):
+                request.outputs = [s.result() for s in group]
+            return requests
+        finally:
+            for s in seqs:
+                s.chain.release()
+            for group in locals().get("samples", []):
+                for s in group[1:]:
+                    s.chain.release()
+
+    def _add_samples(self, samples: list[list], params: SamplingParams) -> None:
+        """Fork each prompt's chain (trimmed back to the prompt) for samples 1..n-1."""
+        extra = []
+        for group in samples:
+            first = group[0]
+            chain = first.chain.fork()
+            chain.trim(chain.num_rows - (len(first.history) - 1))
+            for index in range(1, params.n):
+                seq = self.generator.new_sequence(index, chain.fork(), first.history,
+                                                  first.history[-1:], params)
+                group.append(seq)
+                extra.append(seq)
+            chain.release()
+        self.generator.run(extra)
+
+    def _normalise_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, Seq) or not prompts:
+            raise ValueError("prompts must be a string, a list of strings or a list of token id lists")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append((p, self.tokenizer.encode(p)))
+            elif isinstance(p, Seq) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                out.append((None, list(p)))
+            else:
+                raise ValueError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
+            if not out[-1][1]:
+                raise ValueError("a prompt must have at least one token")
+            vocab = self.model.cfg.vocab_size
+            if any(not 0 <= t < vocab for t in out[-1][1]):
+                raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        return out
+
+    def check_prompt_length(self, num_tokens: int) -> None:
+        """Raise a clear ValueError if a prompt leaves no room for one generated token."""
+        if num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num_tokens} tokens in the prompt, which leaves no room for output."
+            )
+
+    # -- conversations ----------------------------------------------------------------
+    def conversation(self, system: str | None = None):
+        """A new conversation (turns, forks, snapshots) on this engine's cache."""
+        from segkv.engine.conversation import Conversation
+
+        return Conversation(self, system=system)
+
+    def load_conversation(self, path: str | Path):
+        """A conversation restored from a snapshot file saved by ``Conversation.save``."""
+        from segkv.engine.conversation import Conversation
+
+        return Conversation.load(self, path)
+
+    def stats(self) -> dict[str, object]:
+        """Pool counters and the attention routes used so far."""
+        return {**self.cache.stats(), "routes": dict(self.runner.route_counts),
+                "last_plan": self.runner.last_plan.describe() if self.runner.last_plan else None}
