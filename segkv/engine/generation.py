@@ -34,6 +34,7 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    siblings: list[Sequence] = field(default_factory=list)  # samples 1..n-1 forked after prefill
 
     def result(self) -> CompletionOutput:
         return CompletionOutput(
@@ -63,14 +64,31 @@ class Generator:
         return Sequence(index, chain, list(history), list(new_ids), params, detok, generator)
 
     def run(self, seqs: list[Sequence]) -> None:
-        """Generate until every sequence has a finish reason (EOS, stops, lengths)."""
+        """Generate until every sequence has a finish reason (EOS, stops, lengths).
+
+        A sequence whose params ask for ``n > 1`` samples gets ``n - 1`` siblings after its
+        prefill: forks of its chain that sample their first token from the same logits, so
+        the prompt is computed and stored once.
+        """
         active = [s for s in seqs if s.finish_reason is None]
         while active:
             logits = self.runner.forward([StepInput(s.chain, s.pending) for s in active])
             for s in active:
                 s.pending = []
-            self._sample(active, logits)
-            active = [s for s in active if s.finish_reason is None]
+            spawned = self._spawn_siblings(active, logits)
+            self._sample(active + [s for s, _ in spawned],
+                         torch.cat([logits] + [row for _, row in spawned]) if spawned else logits)
+            active = [s for s in active + [s for s, _ in spawned] if s.finish_reason is None]
+
+    def _spawn_siblings(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, torch.Tensor]]:
+        out = []
+        for row, s in enumerate(seqs):
+            if s.index == 0 and s.params.n > 1 and not s.siblings and not s.output_ids:
+                for index in range(1, s.params.n):
+                    sib = self.new_sequence(index, s.chain.fork(), s.history, [], s.params)
+                    s.siblings.append(sib)
+                    out.append((sib, logits[row : row + 1]))
+        return out
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         out = self.sampler(

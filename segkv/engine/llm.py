@@ -78,34 +78,14 @@ class LLM:
                 chain = self.cache.new_chain()
                 seqs.append(self.generator.new_sequence(0, chain, ids, ids, params))
                 requests.append(RequestOutput(f"gen-{next(self._request_ids)}", text, ids))
-            self.generator.run(seqs)  # prefill every prompt, then sample index 0
-            samples = [[s] for s in seqs]
-            if params.n > 1:  # further samples fork the prefilled prompt: no copy, no recompute
-                self._add_samples(samples, params)
-            for request, group in zip(requests, samples):
-                request.outputs = [s.result() for s in group]
+            self.generator.run(seqs)  # n > 1: samples fork the prefilled prompt (no recompute)
+            for request, s in zip(requests, seqs):
+                request.outputs = [x.result() for x in [s, *s.siblings]]
             return requests
         finally:
             for s in seqs:
-                s.chain.release()
-            for group in locals().get("samples", []):
-                for s in group[1:]:
-                    s.chain.release()
-
-    def _add_samples(self, samples: list[list], params: SamplingParams) -> None:
-        """Fork each prompt's chain (trimmed back to the prompt) for samples 1..n-1."""
-        extra = []
-        for group in samples:
-            first = group[0]
-            chain = first.chain.fork()
-            chain.trim(chain.num_rows - (len(first.history) - 1))
-            for index in range(1, params.n):
-                seq = self.generator.new_sequence(index, chain.fork(), first.history,
-                                                  first.history[-1:], params)
-                group.append(seq)
-                extra.append(seq)
-            chain.release()
-        self.generator.run(extra)
+                for x in [s, *s.siblings]:
+                    x.chain.release()
 
     def _normalise_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompts, str):

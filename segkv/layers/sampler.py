@@ -1,0 +1,239 @@
+"""Turn one step's next-token logits into chosen token ids and their log-probabilities.
+
+Order of operations per row (vLLM semantics, filters in Hugging Face's order):
+penalties (repetition over prompt + output tokens, then frequency and presence over output
+tokens) -> greedy rows take the argmax here -> temperature -> top-k -> top-p (over the
+top-k survivors, renormalised) -> min-p (relative to the most likely token, so it keeps
+the same set in any order) -> one draw from the filtered softmax. All in float32.
+
+A draw is an exponential race, ``argmax(probs / q)`` with ``q ~ Exp(1)`` per vocabulary
+entry, which picks token ``i`` with probability ``probs[i]``. A row with a generator draws
+its ``q`` from that generator alone, always ``V`` values per step, so a seeded request
+gives the same tokens whatever else is in the batch; other rows share torch's default
+generator of the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from segkv.sampling_params import SamplingParams
+
+LOGPROBS_MODES = ("raw", "processed")
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    """What one step chose for each of its ``B`` rows.
+
+    ``token_ids``: ``(B,)`` int64. ``logprobs``: ``(B,)`` float32, the log-probability of
+    each chosen token (which distribution: see ``Sampler``). ``top_logprobs``: ``B``
+    entries, ``None`` where the row's ``params.logprobs`` is None, else a list of
+    ``params.logprobs`` ``(token_id, logprob)`` pairs, most likely first.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one seeded request; the engine keeps it across the request's steps."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def token_counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``(B, vocab_size)`` int32: how often each token id occurs in each row's list."""
+    counts = torch.zeros(len(rows), vocab_size, dtype=torch.int32, device=device)
+    width = max((len(r) for r in rows), default=0)
+    if width == 0:
+        return counts
+    ids = torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=torch.int64)
+    real = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        low, high = ids.min().item(), ids.max().item()
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got ids from {low} to {high}")
+    return counts.scatter_add_(1, ids.to(device), real.to(device))
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """Penalised copy of ``logits`` ``(B, V)`` float32 (the input is returned if no row has any).
+
+    Repetition penalty ``r`` on tokens in the prompt or the output: ``l / r`` if ``l > 0``
+    else ``l * r``. Then ``l -= frequency * count + presence * (count > 0)`` with ``count``
+    the token's occurrences in the output only.
+    """
+    rows = [p.has_penalties for p in params]
+    if not any(rows):
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    outputs = token_counts([o if use else () for o, use in zip(output_token_ids, rows)], vocab, device)
+    seen = outputs > 0
+    if any(p.repetition_penalty != 1.0 for p in params):
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        prompts = [t if p.repetition_penalty != 1.0 else () for t, p in zip(prompt_token_ids, params)]
+        repeated = seen | (token_counts(prompts, vocab, device) > 0)
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(repeated, scaled, logits)
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    return logits - frequency * outputs - presence * seen
+
+
+def apply_filters(
+    logits: torch.Tensor,
+    *,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Copy of ``logits`` ``(B, V)`` float32 with the tokens each filter drops set to -inf.
+
+    ``top_k`` ``(B,)`` int64 (0 = off) keeps exactly the ``k`` largest (ties broken by
+    index). ``top_p`` ``(B,)`` float32 (>= 1 = off) keeps the smallest most-likely-first
+    prefix of the top-k survivors whose renormalised probability sums to at least ``p``.
+    ``min_p`` ``(B,)`` float32 (0 = off) drops tokens less likely than ``min_p`` times the
+    most likely one. ``None`` skips a filter for every row. The most likely token is
+    always kept, so a row never loses all its candidates.
+    """
+    vocab = logits.shape[1]
+    out = logits
+    if top_k is not None or top_p is not None:
+        ordered, order = logits.sort(dim=-1, descending=True, stable=True)
+        drop = torch.zeros_like(ordered, dtype=torch.bool)
+        if top_k is not None:
+            k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+            drop = torch.arange(vocab, device=logits.device)[None, :] >= k[:, None]
+        if top_p is not None:
+            probs = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            before = torch.cat([torch.zeros_like(probs[:, :1]), probs.cumsum(dim=-1)[:, :-1]], dim=1)
+            p = torch.where(top_p < 1, top_p, torch.inf)[:, None]  # off: no rounding may drop a token
+            drop = drop | (before >= p)
+        out = out.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
+    if min_p is not None:
+        threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+        out = out.masked_fill(logits < threshold, float("-inf"))
+    return out
+
+
+class Sampler(torch.nn.Module):
+    """Chooses the next token of every row of a batch (see the module docstring).
+
+    ``logprobs_mode="raw"`` (the default, as OpenAI and vLLM report) gives the model's own
+    log-probabilities, ``log_softmax(logits)``, before penalties, temperature and filters.
+    ``"processed"`` gives the log-probabilities of the distribution actually sampled from:
+    after penalties, temperature and filters (filtered tokens are -inf); for greedy rows,
+    after penalties only.
+    """
+
+    def __init__(self, *, logprobs_mode: str = "raw") -> None:
+        super().__init__()
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> SampleOutput:
+        """Sample one token per row.
+
+        ``logits``: ``(B, V)``, any float dtype. ``params``: ``B`` SamplingParams.
+        ``prompt_token_ids`` / ``output_token_ids``: ``B`` lists of token ids each (``None``:
+        all empty), the histories the penalties look at. ``generators``: ``B`` entries, a
+        ``torch.Generator`` on ``logits.device`` for each seeded row (``None``: the
+        device's default generator); a row with a seed must have one.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
+        batch = logits.shape[0]
+        empty = [()] * batch
+        prompts = empty if prompt_token_ids is None else prompt_token_ids
+        outputs = empty if output_token_ids is None else output_token_ids
+        gens = [None] * batch if generators is None else list(generators)
+        named = {"params": params, "prompt_token_ids": prompts, "output_token_ids": outputs}
+        for name, items in {**named, "generators": gens}.items():
+            if len(items) != batch:
+                raise ValueError(f"{name} has {len(items)} entries for {batch} rows of logits")
+        for i, p in enumerate(params):
+            if p.seed is not None and not p.greedy and gens[i] is None:
+                raise ValueError(f"row {i} has seed {p.seed} but no generator (use make_generator)")
+
+        raw = logits.float()
+        penalised = apply_penalties(raw, params, prompts, outputs)
+        token_ids = penalised.argmax(dim=-1)
+        final = penalised
+        greedy = [p.greedy for p in params]
+        if not all(greedy):
+            final = self._sample_distribution(penalised, params, greedy)
+            sampled = final.softmax(dim=-1).div_(self._race_noise(final, gens, greedy)).argmax(dim=-1)
+            token_ids = torch.where(torch.tensor(greedy, device=logits.device), token_ids, sampled)
+        return self._logprobs(raw if self.logprobs_mode == "raw" else final, token_ids, params)
+
+    @staticmethod
+    def _sample_distribution(
+        penalised: torch.Tensor, params: Sequence[SamplingParams], greedy: list[bool]
+    ) -> torch.Tensor:
+        """``(B, V)`` float32: temperature and filters applied; greedy rows left as they are."""
+        device = penalised.device
+        active = [p for p, g in zip(params, greedy) if not g]
+        temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        scaled = penalised / torch.tensor(temperature, device=device)[:, None]
+
+        def column(name, off, dtype):
+            if all(getattr(p, name) == off for p in active):
+                return None
+            values = [off if g else getattr(p, name) for p, g in zip(params, greedy)]
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        scaled = apply_filters(
+            scaled,
+            top_k=column("top_k", 0, torch.int64),
+            top_p=column("top_p", 1.0, torch.float32),
+            min_p=column("min_p", 0.0, torch.float32),
+        )
+        keep_greedy = torch.tensor(greedy, device=device)[:, None]
+        return torch.where(keep_greedy, penalised, scaled)
+
+    @staticmethod
+    def _race_noise(
+        like: torch.Tensor, gens: list[torch.Generator | None], greedy: list[bool]
+    ) -> torch.Tensor:
+        """``(B, V)`` float32 Exp(1) noise, each seeded row's drawn from its own generator."""
+        noise = torch.ones_like(like)
+        if any(g is None and not greedy[i] for i, g in enumerate(gens)):
+            noise.exponential_()
+        for i, g in enumerate(gens):
+            if g is not None and not greedy[i]:
+                noise[i].exponential_(generator=g)
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)  # q = 0 would give inf or NaN
+
+    @staticmethod
+    def _logprobs(
+        source: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
+    ) -> SampleOutput:
+        """Log-probabilities of the chosen tokens and the requested alternatives, per row."""
+        lse = torch.logsumexp(source, dim=-1)
+        chosen = source.gather(1, token_ids[:, None]).squeeze(1) - lse
+        top: list[list[tuple[int, float]] | None] = [None] * len(params)
+        most = max((p.logprobs for p in params if p.logprobs), default=0)
+        if most:
+            values, ids = source.topk(min(most, source.shape[1]), dim=-1)
+            values, ids = (values - lse[:, None]).tolist(), ids.tolist()
+        for i, p in enumerate(params):
+            if p.logprobs is not None:
+                top[i] = list(zip(ids[i][: p.logprobs], values[i][: p.logprobs])) if p.logprobs else []
+        return SampleOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=top)

@@ -1,0 +1,43 @@
+"""Builders of small random Hugging Face checkpoints (with a tiny tokenizer) for tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tokenizer_helpers import build_tiny_tokenizer, tiny_vocab_size
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512)
+
+
+def gqa_families() -> dict[str, tuple[type, type, dict]]:
+    """family name -> (HF config class, HF model class, extra config)."""
+    import transformers as tf
+
+    llama31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    return {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+        "llama3.1": (tf.LlamaConfig, tf.LlamaForCausalLM, {"rope_scaling": llama31, "rope_theta": 500000.0}),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": None}),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"head_dim": 32}),
+    }
+
+
+def build_model_dir(directory: Path, family: str = "qwen3", *, seed: int = 0, **overrides):
+    """Write a random ``family`` checkpoint and a tiny ChatML tokenizer; return the HF model."""
+    directory.mkdir(parents=True, exist_ok=True)
+    build_tiny_tokenizer(directory, style="chatml")
+    config_cls, model_cls, extra = gqa_families()[family]
+    config = config_cls(vocab_size=tiny_vocab_size(directory), **{**COMMON, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # larger weights than the default init: sharper, less tie-prone logits
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(directory)
+    return model

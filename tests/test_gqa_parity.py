@@ -1,0 +1,41 @@
+"""Llama, Llama 3.1, Mistral, Qwen2 and Qwen3 against Hugging Face transformers (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_helpers import build_model_dir, gqa_families
+from segkv.cache import PagedKVCache
+from segkv.config import CacheConfig
+from segkv.models.loader import load_model
+from segkv.runner.model_runner import ModelRunner, StepInput
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("family", list(gqa_families()))
+def test_prompt_logits_and_greedy_tokens_match_transformers(family, tmp_path, gen):
+    hf = build_model_dir(tmp_path, family)
+    model = load_model(tmp_path)
+    cache = PagedKVCache(model.kv_layout(torch.float32), CacheConfig(page_size=16, num_pages=64))
+    runner = ModelRunner(model, cache, prefill_chunk=11)  # history attended as pieces
+    prompt = torch.randint(0, hf.config.vocab_size, (40,), generator=gen)
+    chain = cache.new_chain()
+    logits = runner.prompt_logits(chain, prompt.tolist())
+    with torch.no_grad():
+        reference = hf(prompt[None]).logits[0]
+    assert logits.shape == reference.shape
+    assert rel_err(logits, reference) < 1e-4
+
+    expected = hf.generate(prompt[None], max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, 40:]
+    token = int(logits[-1].argmax())
+    tokens = [token]
+    for _ in range(31):
+        token = int(runner.forward([StepInput(chain, [token])])[0].argmax())
+        tokens.append(token)
+    assert tokens == expected.tolist()
+    chain.release()
+    assert cache.pool.pages_in_use == 0
