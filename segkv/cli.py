@@ -1,0 +1,190 @@
+"""The ``segkv`` command: ``generate`` a completion or ``chat`` interactively with a model directory."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterable
+
+CHAT_HELP = """commands:
+  /fork            continue in a new branch of this conversation (the old one is kept)
+  /branches        list branches;  /switch N  go to branch N
+  /undo            go back to before the last turn
+  /save PATH       save the conversation to a snapshot file
+  /load PATH       load a conversation from a snapshot file (becomes a new branch)
+  /stats           pages and bytes in use, last turn's cost, segments, attention route
+  /help, /quit"""
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--route", default=None, choices=["single", "split", "segments", "cascade"],
+                        help="force an attention route (default: the planner decides)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="segkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    chat = sub.add_parser("chat", help="interactive chat with forks, undo, snapshots and statistics")
+    _add_model_args(chat)
+    chat.add_argument("--system", default=None)
+    return parser
+
+
+def _load(args):
+    from segkv.engine import LLM
+    from segkv.sampling_params import SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, page_size=args.page_size,
+              max_model_len=args.max_model_len, route=args.route, progress=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, max_tokens=args.max_tokens)
+    return llm, params
+
+
+def run_generate(args) -> int:
+    llm, params = _load(args)
+    if args.chat:
+        prompt = [llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])]
+    else:
+        prompt = [args.prompt]
+    print(llm.generate(prompt, params)[0].outputs[0].text)
+    return 0
+
+
+class ChatSession:
+    """The interactive loop's state: branches of one conversation and the undo history."""
+
+    def __init__(self, llm, params, system: str | None, write: Callable[[str], None]) -> None:
+        self.llm, self.params, self.write = llm, params, write
+        self.branches = [llm.conversation(system=system)]
+        self.current = 0
+        self.undo: dict[int, list] = {0: []}
+
+    @property
+    def conv(self):
+        return self.branches[self.current]
+
+    def handle(self, line: str) -> bool:
+        """Process one input line; False ends the session."""
+        line = line.strip()
+        if not line:
+            return True
+        if not line.startswith("/"):
+            self.undo[self.current].append(self.conv.snapshot())
+            turn = self.conv.say(line, self.params)
+            self.write(turn.text)
+            return True
+        command, _, arg = line.partition(" ")
+        handler = {
+            "/fork": self._fork, "/branches": self._branches, "/switch": self._switch, "/undo": self._undo,
+            "/save": self._save, "/load": self._load, "/stats": self._stats,
+            "/help": lambda _: self.write(CHAT_HELP),
+        }.get(command)
+        if command in ("/quit", "/exit"):
+            return False
+        if handler is None:
+            self.write(f"unknown command {command}; /help lists the commands")
+            return True
+        try:
+            handler(arg.strip())
+        except (ValueError, OSError) as exc:
+            self.write(f"error: {exc}")
+        return True
+
+    def _fork(self, _arg: str) -> None:
+        self.branches.append(self.conv.fork())
+        self.current = len(self.branches) - 1
+        self.undo[self.current] = []
+        self.write(f"now on branch {self.current} (forked; nothing copied)")
+
+    def _branches(self, _arg: str) -> None:
+        for i, conv in enumerate(self.branches):
+            mark = "*" if i == self.current else " "
+            self.write(f"{mark} {i}: {len(conv.messages)} messages, {conv.num_tokens} cached tokens")
+
+    def _switch(self, arg: str) -> None:
+        if not arg.isdigit() or int(arg) >= len(self.branches):
+            raise ValueError(f"no branch {arg!r}; /branches lists them")
+        self.current = int(arg)
+        self.write(f"now on branch {self.current}")
+
+    def _undo(self, _arg: str) -> None:
+        history = self.undo[self.current]
+        if not history:
+            raise ValueError("nothing to undo on this branch")
+        snap = history.pop()
+        self.conv.restore(snap)
+        snap.release()
+        self.write(f"undone; {len(self.conv.messages)} messages")
+
+    def _save(self, arg: str) -> None:
+        if not arg:
+            raise ValueError("/save needs a file path")
+        self.conv.save(arg)
+        self.write(f"saved to {arg}")
+
+    def _load(self, arg: str) -> None:
+        if not arg:
+            raise ValueError("/load needs a file path")
+        self.branches.append(self.llm.load_conversation(arg))
+        self.current = len(self.branches) - 1
+        self.undo[self.current] = []
+        self.write(f"loaded into branch {self.current}")
+
+    def _stats(self, _arg: str) -> None:
+        s = self.llm.cache.stats()
+        self.write(f"pages in use {s['pages_in_use']}/{s['num_pages']}, bytes in use {s['bytes_in_use']:,} "
+                   f"(peak {s['peak_bytes_in_use']:,}), bytes copied {s['bytes_copied']:,}")
+        last = self.conv.last_stats
+        if last is not None:
+            self.write(f"last turn: {last.new_tokens} new prompt tokens ({last.cached_tokens} cached), "
+                       f"{last.generated_tokens} generated, {last.bytes_added:,} bytes added, routes {last.routes}")
+        plan = self.llm.runner.last_plan
+        self.write(f"segments in this conversation {self.conv.chain.num_segments}; "
+                   f"last route {plan.route.value if plan else '-'}")
+
+
+def run_chat(args, lines: Iterable[str] | None = None, write: Callable[[str], None] = print) -> int:
+    llm, params = _load(args)
+    session = ChatSession(llm, params, args.system, write)
+    write("segkv chat: type a message, or /help")
+    source = lines if lines is not None else _stdin_lines()
+    for line in source:
+        if not session.handle(line):
+            break
+    return 0
+
+
+def _stdin_lines():
+    while True:
+        try:
+            yield input("> ")
+        except EOFError:
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"generate": run_generate, "chat": run_chat}[args.command](args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"segkv: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

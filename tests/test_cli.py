@@ -1,0 +1,55 @@
+"""The ``segkv`` command: generate, and an interactive chat with fork, undo, save, load, stats."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from model_helpers import build_model_dir
+from segkv.cli import build_parser, run_chat
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("cli-model")
+    build_model_dir(directory, "llama")
+    return directory
+
+
+def test_generate_prints_the_greedy_completion(model_dir):
+    from segkv.engine import LLM
+    from segkv.sampling_params import SamplingParams
+
+    expected = LLM(model_dir).generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=6))[0]
+    done = subprocess.run(
+        [sys.executable, "-m", "segkv.cli", "generate", "--model", str(model_dir), "--prompt", "def f(x):",
+         "--max-tokens", "6"], capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.rstrip("\n") == expected.outputs[0].text.rstrip("\n")
+    assert "loading weights" in done.stderr  # progress bar
+
+
+def test_generate_reports_a_missing_model_clearly(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "segkv.cli", "generate", "--model", str(tmp_path / "none"),
+                           "--prompt", "x"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "tokenizer.json" in done.stderr
+
+
+def test_chat_commands(model_dir, tmp_path):
+    args = build_parser().parse_args(["chat", "--model", str(model_dir), "--max-tokens", "5", "--page-size", "8"])
+    out: list[str] = []
+    path = tmp_path / "c.segkv"
+    lines = ["hello", "/stats", "/fork", "a branch", "/branches", "/undo", "/undo", "/switch 0",
+             "second", f"/save {path}", f"/load {path}", "/stats", "/switch 9", "/bogus", "/quit", "never"]
+    assert run_chat(args, lines=lines, write=out.append) == 0
+    text = "\n".join(out)
+    assert "pages in use" in text and "bytes added" in text and "last route single" in text
+    assert "now on branch 1 (forked; nothing copied)" in text
+    assert "* 1: 4 messages" in text  # the branch has two turns' messages
+    assert "undone; 2 messages" in text and "nothing to undo on this branch" in text
+    assert f"saved to {path}" in text and "loaded into branch 2" in text
+    assert "no branch '9'" in text and "unknown command /bogus" in text
+    assert path.is_file()
