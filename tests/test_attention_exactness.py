@@ -78,7 +78,10 @@ def test_every_route_is_exact(dtype, layout, num_query_rows, page_size, num_segm
         # within one ulp plus float32 summation-order noise (absolute, matters near 0).
         diff = (out.double() - exact.double()).abs()
         assert (diff <= ulp(exact) + noise).all(), f"{route}: max diff {diff.max().item()}"
-        assert (diff > 0).float().mean().item() <= 0.01, f"{route}: too many elements off by one ulp"
+        # Rounding flips beyond the noise happen only at near-ties: rare (double rounding
+        # would move a quarter of the elements).
+        flips = int((diff > noise).sum())
+        assert flips <= max(0.01 * diff.numel(), 4), f"{route}: {flips} of {diff.numel()} elements flipped"
         # ... and is no further from the stock kernel than the exact result is.
         route_err = (out[valid].double() - stock[valid].double()).abs().mean().item()
         assert route_err <= exact_err + 0.01 * ulp(exact[valid]).mean().item(), route
