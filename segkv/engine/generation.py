@@ -15,7 +15,7 @@ from segkv.runner.model_runner import ModelRunner, StepInput
 from segkv.sampling_params import SamplingParams
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity semantics: sequences are tracked in lists
 class Sequence:
     """One continuation being generated on its own chain.
 
@@ -35,6 +35,15 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     siblings: list[Sequence] = field(default_factory=list)  # samples 1..n-1 forked after prefill
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens that still need KV rows (the scheduler's view)."""
+        return len(self.pending)
+
+    def all_token_ids(self) -> list[int]:
+        """Prompt and generated tokens, in order."""
+        return self.history + self.output_ids
 
     def result(self) -> CompletionOutput:
         return CompletionOutput(
@@ -64,21 +73,35 @@ class Generator:
         return Sequence(index, chain, list(history), list(new_ids), params, detok, generator)
 
     def run(self, seqs: list[Sequence]) -> None:
-        """Generate until every sequence has a finish reason (EOS, stops, lengths).
-
-        A sequence whose params ask for ``n > 1`` samples gets ``n - 1`` siblings after its
-        prefill: forks of its chain that sample their first token from the same logits, so
-        the prompt is computed and stored once.
-        """
+        """Generate until every sequence has a finish reason (EOS, stops, lengths)."""
         active = [s for s in seqs if s.finish_reason is None]
         while active:
-            logits = self.runner.forward([StepInput(s.chain, s.pending) for s in active])
-            for s in active:
-                s.pending = []
-            spawned = self._spawn_siblings(active, logits)
-            self._sample(active + [s for s, _ in spawned],
-                         torch.cat([logits] + [row for _, row in spawned]) if spawned else logits)
-            active = [s for s in active + [s for s, _ in spawned] if s.finish_reason is None]
+            ready = self.step([(s, len(s.pending)) for s in active])
+            active = [s for s in active + [x for r in ready for x in r.siblings if x not in active]
+                      if s.finish_reason is None]
+
+    def step(self, work: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """One forward over ``(sequence, tokens to process)`` pairs; sample where ready.
+
+        A sequence is ready when all its pending tokens have rows: it samples its next
+        token. A ready sequence whose params ask for ``n > 1`` samples first gets ``n - 1``
+        siblings: forks of its chain that sample from the same logits, so the prompt is
+        computed and stored once. Returns the sequences that sampled (siblings excluded).
+        """
+        logits = self.runner.forward([StepInput(s.chain, s.pending[:k]) for s, k in work])
+        ready, rows = [], []
+        for row, (s, k) in enumerate(work):
+            s.pending = s.pending[k:]
+            if not s.pending:
+                ready.append(s)
+                rows.append(row)
+        if not ready:
+            return []
+        logits = logits[rows]
+        spawned = self._spawn_siblings(ready, logits)
+        self._sample(ready + [s for s, _ in spawned],
+                     torch.cat([logits] + [row for _, row in spawned]) if spawned else logits)
+        return ready
 
     def _spawn_siblings(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, torch.Tensor]]:
         out = []
