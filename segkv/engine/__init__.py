@@ -1,6 +1,20 @@
 """The step loop, the engine API, detokenization and the conversations API."""
 
+from segkv.engine.async_engine import AsyncEngine, StreamUpdate
 from segkv.engine.conversation import Conversation, ConversationSnapshot, Turn
+from segkv.engine.core import EngineCore, EngineRequest, QueueFullError
 from segkv.engine.llm import LLM
+from segkv.scheduler.scheduler import SchedulerConfig
 
-__all__ = ["LLM", "Conversation", "ConversationSnapshot", "Turn"]
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "Conversation",
+    "ConversationSnapshot",
+    "EngineCore",
+    "EngineRequest",
+    "QueueFullError",
+    "SchedulerConfig",
+    "StreamUpdate",
+    "Turn",
+]
