@@ -1,4 +1,4 @@
-"""The ``segkv`` command: ``generate`` a completion or ``chat`` interactively with a model directory."""
+"""The ``segkv`` command: ``generate``, ``chat`` interactively, or ``serve`` a model directory."""
 
 from __future__ import annotations
 
@@ -41,7 +41,40 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive chat with forks, undo, snapshots and statistics")
     _add_model_args(chat)
     chat.add_argument("--system", default=None)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--model", required=True, help="Hugging Face model directory")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--page-size", type=int, default=16)
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    serve.add_argument("--kv-cache-memory", type=float, default=1.0,
+                       help="KV cache budget in GiB (pages = budget / page bytes)")
+    serve.add_argument("--route", default=None, choices=["single", "split", "segments", "cascade"])
     return parser
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from segkv.engine import LLM, AsyncEngine, SchedulerConfig
+    from segkv.server.app import create_app
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, page_size=args.page_size,
+              max_model_len=args.max_model_len, route=args.route,
+              kv_cache_bytes=int(args.kv_cache_memory * (1 << 30)), progress=True)
+    engine = AsyncEngine(llm, SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                              max_num_batched_tokens=args.max_num_batched_tokens))
+    name = args.served_model_name or llm.model_dir.name
+    try:
+        uvicorn.run(create_app(engine, model_name=name), host=args.host, port=args.port, log_level="info")
+    finally:
+        engine.shutdown()
+    return 0
 
 
 def _load(args):
@@ -180,7 +213,7 @@ def _stdin_lines():
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": run_generate, "chat": run_chat}[args.command](args)
+        return {"generate": run_generate, "chat": run_chat, "serve": run_serve}[args.command](args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"segkv: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,134 @@
+"""Multi-head latent attention (DeepSeek V2/V3) over the latent paged cache, absorbed or naive."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from segkv.attention.metadata import AttentionMetadata
+from segkv.attention.plan import AttentionShape
+from segkv.layers.norm import RMSNorm
+from segkv.layers.rotary import RotaryEmbedding
+
+MLA_MODES = ("absorbed", "naive")
+LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
+
+
+@dataclass(slots=True, frozen=True)
+class MLADims:
+    """Widths of one MLA layer (``q_lora_rank`` None: a plain ``q_proj``)."""
+
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        sizes = (self.hidden_size, self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim)
+        if min(sizes) < 1 or self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2:
+            raise ValueError(f"invalid MLA dimensions {self}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank must be >= 1 or null, got {self.q_lora_rank}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """One cached row: ``kv_lora_rank`` normalised latent columns, then the roped key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def attention_shape(self, mla_mode: str) -> AttentionShape:
+        """What the backend attends: one latent head (absorbed) or ``H`` decompressed heads (naive)."""
+        if mla_mode == "absorbed":
+            return AttentionShape(self.num_heads, 1, self.latent_dim, self.kv_lora_rank)
+        if mla_mode == "naive":
+            return AttentionShape(self.num_heads, self.num_heads, self.qk_head_dim, self.v_head_dim)
+        raise ValueError(f"mla_mode must be one of {MLA_MODES}, got {mla_mode!r}")
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """``self_attn.*`` of a DeepSeek layer: ``x (T, hidden)`` at ``positions (T,)`` -> ``(T, hidden)``.
+
+    Both modes write the same cache row ``concat(kv_a_layernorm(c_kv), rope(k_pe))`` and use
+    the same explicit softmax ``scale``. ``kv_b_proj.weight`` viewed as ``(H, nope + v, r)``
+    holds ``W_uk = [:, :nope]`` and ``W_uv = [:, nope:]``:
+
+    - absorbed: ``q_nope @ W_uk`` gives a latent query, so ``q . k_nope == q_lat . c_kv``;
+      attention over the latent rows yields ``(T, H, r)``, mapped by ``W_uv`` to ``(T, H, v)``;
+    - naive: each piece's latent rows are decompressed by ``kv_b_proj`` into per-head keys
+      ``[k_nope, k_pe]`` and values, attended with ``[q_nope, q_pe]``.
+    """
+
+    def __init__(self, dims: MLADims, layer_index: int, rotary: RotaryEmbedding, *, scale: float) -> None:
+        super().__init__()
+        d = self.dims = dims
+        self.layer_index = layer_index
+        self.scale = scale
+        self.rotary = rotary
+        bias = d.attention_bias
+        if d.q_lora_rank is None:
+            self.q_proj = nn.Linear(d.hidden_size, d.num_heads * d.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d.hidden_size, d.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(d.q_lora_rank, LORA_NORM_EPS)
+            self.q_b_proj = nn.Linear(d.q_lora_rank, d.num_heads * d.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d.hidden_size, d.latent_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, LORA_NORM_EPS)
+        kv_b_width = d.num_heads * (d.qk_nope_head_dim + d.v_head_dim)
+        self.kv_b_proj = nn.Linear(d.kv_lora_rank, kv_b_width, bias=False)
+        self.o_proj = nn.Linear(d.num_heads * d.v_head_dim, d.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        d, t = self.dims, x.shape[0]
+        q = self.q_proj(x) if d.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, d.num_heads, d.qk_head_dim)
+        q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], -1)
+        q_pe = self.rotary(q_pe, positions)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([d.kv_lora_rank, d.qk_rope_head_dim], -1)
+        k_pe = self.rotary(k_pe.unsqueeze(1), positions).squeeze(1)
+        latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)  # (T, r + rope)
+        storage, layer = meta.storage, self.layer_index
+        storage.write(layer, meta.slots, latent)
+        if meta.mla_mode == "absorbed":
+            out = self._absorbed(q_nope, q_pe, meta)
+        elif meta.mla_mode == "naive":
+            query = torch.cat((q_nope, q_pe), dim=-1)  # (T, H, nope + rope)
+            out, _ = meta.backend.run(meta.prepared, query, storage.key_cache(layer),
+                                      storage.value_cache(layer), scale=self.scale,
+                                      kv_transform=self._decompress)
+        else:
+            raise ValueError(f"mla_mode must be one of {MLA_MODES}, got {meta.mla_mode!r}")
+        return self.o_proj(out.reshape(t, d.num_heads * d.v_head_dim))
+
+    def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_uk (H, nope, r)`` and ``W_uv (H, v, r)``: views of ``kv_b_proj.weight`` (no copy)."""
+        d = self.dims
+        w = self.kv_b_proj.weight.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
+        return w[:, : d.qk_nope_head_dim], w[:, d.qk_nope_head_dim :]
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention over the latent rows: ``(T, H, r + rope)`` query -> ``(T, H, v)``."""
+        w_uk, w_uv = self._kv_b()
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        query = torch.cat((q_latent, q_pe), dim=-1)
+        storage, layer = meta.storage, self.layer_index
+        out, _ = meta.backend.run(meta.prepared, query, storage.key_cache(layer), storage.value_cache(layer),
+                                  scale=self.scale)  # (T, H, r)
+        return torch.einsum("thr,hvr->thv", out, w_uv)
+
+    def _decompress(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows ``(n, 1, r + rope)`` -> keys ``(n, H, nope + rope)`` and values ``(n, H, v)``."""
+        d, n = self.dims, key.shape[0]
+        c_kv, k_pe = key[:, 0].split([d.kv_lora_rank, d.qk_rope_head_dim], -1)
+        kv = self.kv_b_proj(c_kv.to(self.kv_b_proj.weight.dtype)).view(n, d.num_heads, -1)
+        k_nope, v = kv.split([d.qk_nope_head_dim, d.v_head_dim], -1)
+        k_pe = k_pe.to(k_nope.dtype).unsqueeze(1).expand(n, d.num_heads, d.qk_rope_head_dim)
+        return torch.cat((k_nope, k_pe), dim=-1), v
