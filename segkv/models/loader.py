@@ -90,17 +90,28 @@ def load_model(
                 if tuple(tensor.shape) != want:
                     raise ValueError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {want}")
-                state[name] = tensor.to(torch_dtype)
+                state[name] = tensor.to(torch.float32 if _keep_fp32(name) else torch_dtype)
     missing = sorted(set(expected) - set(state) - tied)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors: {shown}")
     model = model.to_empty(device=device).to(torch_dtype)
+    for name, param in model.named_parameters():
+        if _keep_fp32(name):  # routing decisions must not flip with the weights' dtype
+            param.data = param.data.float()
     model.load_state_dict(state, strict=False, assign=False)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     _init_buffers(model, device)
     return model.eval()
+
+
+# MoE router weights stay float32 (as the reference implementation keeps them).
+_FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
+
+def _keep_fp32(name: str) -> bool:
+    return name.endswith(_FP32_SUFFIXES)
 
 
 def _init_buffers(model: nn.Module, device: str | torch.device) -> None:
