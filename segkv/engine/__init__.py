@@ -4,6 +4,7 @@ from segkv.engine.async_engine import AsyncEngine, StreamUpdate
 from segkv.engine.conversation import Conversation, ConversationSnapshot, Turn
 from segkv.engine.core import EngineCore, EngineRequest, QueueFullError
 from segkv.engine.llm import LLM
+from segkv.engine.sessions import Session, SessionStore
 from segkv.scheduler.scheduler import SchedulerConfig
 
 __all__ = [
@@ -15,6 +16,8 @@ __all__ = [
     "EngineRequest",
     "QueueFullError",
     "SchedulerConfig",
+    "Session",
+    "SessionStore",
     "StreamUpdate",
     "Turn",
 ]

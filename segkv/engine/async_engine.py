@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from segkv.cache.chain import ChainSnapshot
 from segkv.engine.core import EngineCore, EngineRequest
+from segkv.engine.snapshot_file import load_snapshot, save_snapshot
 from segkv.engine.llm import LLM
 from segkv.outputs import RequestOutput
 from segkv.sampling_params import SamplingParams
@@ -41,6 +45,9 @@ class AsyncEngine:
         self._stop = False
         self.error: BaseException | None = None
         self.steps = 0
+        self._token_times: deque[tuple[float, int]] = deque(maxlen=4096)  # (time, tokens sampled)
+        self._ttfts: deque[float] = deque(maxlen=256)
+        self.num_finished = 0
         self._thread = threading.Thread(target=self._loop, name="segkv-engine", daemon=True)
         self._thread.start()
 
@@ -74,6 +81,38 @@ class AsyncEngine:
         with self._lock:
             return self.core.stats()
 
+    # -- references for sessions (all under the engine lock) ---------------------------
+    def pin(self, token_ids: list[int]) -> tuple[ChainSnapshot, int]:
+        """References to the longest cached prefix of ``token_ids`` (keeps it from eviction)."""
+        with self._lock:
+            match = self.core.prefix.match(token_ids)
+            snapshot = ChainSnapshot(match.refs)
+            match.release()
+            return snapshot, snapshot.num_rows
+
+    def share(self, snapshot: ChainSnapshot) -> ChainSnapshot:
+        with self._lock:
+            return ChainSnapshot(snapshot.refs)
+
+    def release(self, snapshot: ChainSnapshot) -> None:
+        with self._lock:
+            snapshot.release()
+
+    def save_snapshot(self, snapshot: ChainSnapshot, path, *, metadata: dict) -> None:
+        with self._lock:
+            save_snapshot(path, snapshot, self.llm.cache, fingerprint=self.llm.fingerprint, metadata=metadata)
+
+    def load_snapshot(self, path) -> tuple[ChainSnapshot, list[int], dict]:
+        """Load a snapshot file into the cache and the prefix index; errors change nothing."""
+        with self._lock:
+            loaded = load_snapshot(path, self.llm.cache, fingerprint=self.llm.fingerprint)
+            self.core.prefix.insert(loaded.snapshot.refs)
+            return loaded.snapshot, loaded.token_ids, loaded.metadata
+
+    def add_pressure_hook(self, hook) -> None:
+        with self._lock:
+            self.core.pressure_hooks.append(hook)
+
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
@@ -95,8 +134,33 @@ class AsyncEngine:
                     self._fail_all(exc)
                     continue
                 updates = [(r, self._update(r)) for r in touched]
+                self._record(touched)
             for request, update in updates:
                 self._deliver(request.request_id, update)
+
+    def _record(self, touched: list[EngineRequest]) -> None:
+        now = time.monotonic()
+        self._token_times.append((now, len(touched)))
+        for r in touched:
+            if len(r.token_times) == 1 and r.first_token_time is not None:
+                self._ttfts.append(r.first_token_time - r.arrival)
+            if r.finished:
+                self.num_finished += 1
+
+    def live_stats(self, window: float = 5.0) -> dict[str, object]:
+        """Recent throughput and latency for dashboards: decode tokens/s over ``window``
+        seconds, time to first token (median of recent requests), and the engine's counters."""
+        now = time.monotonic()
+        recent = [n for t, n in list(self._token_times) if now - t <= window]
+        ttfts = sorted(self._ttfts)
+        stats = self.stats()
+        stats.update(
+            decode_tokens_per_s=sum(recent) / window,
+            ttft_seconds_p50=ttfts[len(ttfts) // 2] if ttfts else None,
+            requests_finished=self.num_finished,
+            steps=self.steps,
+        )
+        return stats
 
     def _update(self, request: EngineRequest) -> StreamUpdate:
         return StreamUpdate(request.output(), request.finished, request.first_token_time, request.arrival)

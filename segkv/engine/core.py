@@ -70,6 +70,9 @@ class EngineCore:
         self._owner: dict[int, EngineRequest] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0
+        # Called with the number of pages still missing after cached segments were evicted;
+        # each may release references it holds (e.g. idle sessions) and returns pages freed.
+        self.pressure_hooks: list = []
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None
@@ -167,6 +170,12 @@ class EngineCore:
         need = sum(self._pages_needed(seq, n) for seq, n in work)
         short = need - self.pool.num_free_pages
         if short > 0:
+            self.prefix.evict(short)
+        for hook in self.pressure_hooks:
+            short = need - self.pool.num_free_pages
+            if short <= 0:
+                break
+            hook(short)
             self.prefix.evict(short)
         return need <= self.pool.num_free_pages
 

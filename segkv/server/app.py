@@ -1,0 +1,299 @@
+"""The FastAPI app: OpenAI completions and chat (streaming or not), models, health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from segkv.engine import AsyncEngine, QueueFullError, SessionStore, StreamUpdate
+from segkv.outputs import RequestOutput
+from segkv.sampling_params import SamplingParams
+from segkv.server.metrics import CONTENT_TYPE, ServerMetrics
+from segkv.server.sessions_api import sessions_router
+from segkv.server.protocol import (ChatCompletionRequest, CompletionRequest, Usage, chat_logprobs,
+                                   completion_logprobs, error_body, finish_reason)
+
+LSE_API = "torch-reference"
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI error body with ``status``."""
+
+    def __init__(self, status: int, message: str, type_: str, *, param: str | None = None, code=None) -> None:
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, type_, param=param, code=code)
+
+
+class _Streams:
+    """The engine streams of one HTTP request, merged; closing it aborts what is unfinished."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+        self.errors: list[Exception] = []
+
+    async def start(self, engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
+                    rid: str) -> None:
+        for i, ids in enumerate(prompts):
+            stream = engine.generate(ids, params, request_id=f"{rid}-{i}")
+            self.tasks.append(asyncio.create_task(self._pump(i, stream)))
+        await asyncio.sleep(0)  # every pump has run add_request: its errors are known now
+        if self.errors:
+            self.close()
+            raise self.errors[0]
+
+    async def _pump(self, index: int, stream: AsyncIterator[StreamUpdate]) -> None:
+        try:
+            async for update in stream:
+                self.queue.put_nowait((index, update))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader
+            self.errors.append(exc)
+            self.queue.put_nowait((index, exc))
+
+    async def updates(self) -> AsyncIterator[tuple[int, StreamUpdate]]:
+        remaining = len(self.tasks)
+        while remaining:
+            index, item = await self.queue.get()
+            if isinstance(item, Exception):
+                raise item
+            remaining -= item.finished
+            yield index, item
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Cancel the pumps; each cancelled engine stream aborts its request and frees its pages."""
+        for task in self.tasks:
+            task.cancel()
+
+
+def _engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, QueueFullError):
+        return APIError(503, str(exc), "service_unavailable_error", code="queue_full")
+    if isinstance(exc, (ValueError, TypeError, jinja2.TemplateError)):
+        return APIError(400, str(exc), "invalid_request_error")
+    return APIError(500, f"engine error: {exc}", "server_error")
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path | None = None,
+               session_ttl: float = 3600.0) -> FastAPI:
+    """An OpenAI-compatible app serving ``engine`` under the model name ``model_name``.
+
+    Sessions live ``session_ttl`` seconds idle; ``snapshot_dir`` enables saving them to files.
+    """
+    app = FastAPI(title="segkv", version="0")
+    sessions = SessionStore(engine, ttl_seconds=session_ttl)
+    app.state.sessions = sessions
+    app.include_router(sessions_router(sessions, snapshot_dir=Path(snapshot_dir) if snapshot_dir else None))
+    llm = engine.llm
+    tokenizer = llm.tokenizer
+    metrics = ServerMetrics(engine.stats, model_name=model_name)
+    created = int(time.time())
+    app.state.engine, app.state.metrics = engine, metrics
+
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body, status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}"
+                            for e in errors)
+        body = error_body(message or "invalid request", "invalid_request_error", param=".".join(loc) or None)
+        return JSONResponse(body, status_code=400)
+
+    def check_model(model: str) -> None:
+        if model != model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error",
+                           param="model", code="model_not_found")
+
+    def check_ids(ids: list[int]) -> list[int]:
+        vocab = llm.model.cfg.vocab_size
+        if not ids:
+            raise APIError(400, "a prompt must have at least one token", "invalid_request_error",
+                           param="prompt")
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}", "invalid_request_error",
+                           param="prompt")
+        return ids
+
+    async def start(prompts: list[list[int]], params: SamplingParams, rid: str) -> _Streams:
+        streams = _Streams()
+        try:
+            await streams.start(engine, prompts, params, rid)
+        except Exception as exc:
+            raise _engine_error(exc) from exc
+        return streams
+
+    def record(update: StreamUpdate) -> None:
+        metrics.observe_finished(update.output, arrival=update.arrival,
+                                 first_token_time=update.first_token_time, now=time.monotonic())
+
+    async def collect(streams: _Streams, count: int) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * count
+        try:
+            async for index, update in streams.updates():
+                if update.finished:
+                    finals[index] = update.output
+                    record(update)
+        except Exception as exc:
+            raise _engine_error(exc) from exc
+        finally:
+            streams.close()
+        return finals  # type: ignore[return-value]
+
+    async def stream_chunks(streams: _Streams, chunk, n: int, first=None, usage: bool = False):
+        """SSE text: ``chunk(choice_index, output, start_token, delta, done)`` per new piece."""
+        texts: dict[int, str] = {}
+        tokens: dict[int, int] = {}
+        finals: list[RequestOutput] = []
+        try:
+            if first is not None:
+                for index in range(first):
+                    yield _sse(chunk(index, None, 0, None, False))
+            async for prompt_index, update in streams.updates():
+                for out in update.output.outputs:
+                    index = prompt_index * n + out.index
+                    old = texts.get(index, "")
+                    delta = out.text[len(old):] if out.text.startswith(old) else out.text
+                    done = out.finish_reason is not None and update.finished
+                    if delta or done or len(out.token_ids) > tokens.get(index, 0):
+                        yield _sse(chunk(index, out, tokens.get(index, 0), delta, done))
+                    texts[index], tokens[index] = out.text, len(out.token_ids)
+                if update.finished:
+                    finals.append(update.output)
+                    record(update)
+            if usage:
+                yield _sse(chunk(None, None, 0, Usage.of(finals).model_dump(), True))
+        except Exception as exc:  # headers are sent: report the error in the stream
+            yield _sse(_engine_error(exc).body)
+        finally:
+            streams.close()
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        check_model(req.model)
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            prompts = [tokenizer.encode(prompt)]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [list(prompt)]
+        else:
+            prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", "invalid_request_error", param="prompt")
+        prompts = [check_ids(p) for p in prompts]
+        params = _params(req, default_max_tokens=16, logprobs=req.logprobs)
+        rid, n = f"cmpl-{uuid.uuid4().hex}", req.n
+        streams = await start(prompts, params, rid)
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
+
+        if req.stream:
+            def chunk(index, out, start_token, delta, done):
+                if index is None:
+                    return {**base, "choices": [], "usage": delta}
+                logprobs = completion_logprobs(out, start_token, token_text, 0)
+                return {**base, "choices": [{"index": index, "text": delta, "logprobs": logprobs,
+                                             "finish_reason": finish_reason(out) if done else None}]}
+
+            return StreamingResponse(stream_chunks(streams, chunk, n, usage=req.include_usage),
+                                     media_type="text/event-stream",
+                                     background=BackgroundTask(streams.aclose))
+        finals = await collect(streams, len(prompts))
+        choices = [{"index": i * n + out.index, "text": out.text, "finish_reason": finish_reason(out),
+                    "logprobs": completion_logprobs(out, 0, token_text, 0)}
+                   for i, final in enumerate(finals) for out in final.outputs]
+        return {**base, "choices": choices, "usage": Usage.of(finals).model_dump()}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest):
+        check_model(req.model)
+        try:
+            ids = tokenizer.encode_chat([m.plain() for m in req.messages], add_generation_prompt=True)
+        except (ValueError, TypeError, jinja2.TemplateError) as exc:
+            raise APIError(400, str(exc), "invalid_request_error", param="messages") from exc
+        check_ids(ids)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = _params(req, default_max_tokens=max(llm.max_model_len - len(ids), 1), logprobs=logprobs)
+        rid, n = f"chatcmpl-{uuid.uuid4().hex}", req.n
+        streams = await start([ids], params, rid)
+        base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": model_name}
+
+        if req.stream:
+            def chunk(index, out, start_token, delta, done):
+                if index is None:
+                    return {**base, "choices": [], "usage": delta}
+                if out is None:  # the opening chunk of each choice names the role
+                    opening = {"index": index, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None}
+                    return {**base, "choices": [opening]}
+                return {**base, "choices": [{"index": index, "delta": {"content": delta} if delta else {},
+                                             "logprobs": chat_logprobs(out, start_token, token_text),
+                                             "finish_reason": finish_reason(out) if done else None}]}
+
+            return StreamingResponse(stream_chunks(streams, chunk, n, first=n, usage=req.include_usage),
+                                     media_type="text/event-stream",
+                                     background=BackgroundTask(streams.aclose))
+        (final,) = await collect(streams, 1)
+        choices = [{"index": out.index, "message": {"role": "assistant", "content": out.text},
+                    "finish_reason": finish_reason(out), "logprobs": chat_logprobs(out, 0, token_text)}
+                   for out in final.outputs]
+        return {**base, "object": "chat.completion", "choices": choices,
+                "usage": Usage.of([final]).model_dump()}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "segkv", "max_model_len": llm.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        stats = engine.stats()
+        plan = llm.runner.last_plan
+        forced = llm.runner.route
+        route = plan.route.value if plan is not None else (forced.value if forced is not None else "auto")
+        prefix = stats.get("prefix", {})
+        error = None if engine.error is None else str(engine.error)
+        return {"status": "ok", "model": model_name, "engine_error": error,
+                "decode_route": route, "lse_api": LSE_API, "routes": stats.get("routes", {}),
+                "pages_in_use": stats["pages_in_use"], "bytes_in_use": stats["bytes_in_use"],
+                "peak_bytes_in_use": stats["peak_bytes_in_use"], "num_pages": stats["num_pages"],
+                "cached_segments": prefix.get("num_nodes", 0),
+                "cached_tokens": prefix.get("num_cached_tokens", 0),
+                "running": stats["running"], "waiting": stats["waiting"], "preemptions": stats["preemptions"]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _params(req, *, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+    try:
+        return req.sampling_params(default_max_tokens=default_max_tokens, logprobs=logprobs)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc), "invalid_request_error") from exc

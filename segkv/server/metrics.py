@@ -1,0 +1,102 @@
+"""Prometheus metrics of one app (vLLM's names where the meaning is the same) on a private registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from segkv.outputs import RequestOutput
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _EngineCollector(Collector):
+    """Gauges and engine-side counters read from ``engine.stats()`` at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict], model_name: str) -> None:
+        self._stats = stats
+        self._model = model_name
+
+    def collect(self):
+        stats = self._stats()
+        prefix = stats.get("prefix", {})
+        label = ["model_name"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=label)
+            family.add_metric([self._model], value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=label)
+            family.add_metric([self._model], value)
+            return family
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", stats["running"])
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats["waiting"])
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.",
+                    stats["pages_in_use"] / max(stats["num_pages"], 1))
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      prefix.get("num_query_tokens", 0))
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      prefix.get("num_hit_tokens", 0))
+        yield counter("vllm:num_preemptions", "Sequences preempted for lack of KV pages.",
+                      stats["preemptions"])
+        yield counter("segkv:bytes_copied", "KV-cache bytes copied (copy-on-write and compaction).",
+                      stats.get("bytes_copied", 0))
+        yield gauge("segkv:pages_in_use", "KV pages referenced by sequences or the prefix cache.",
+                    stats["pages_in_use"])
+        routes = CounterMetricFamily("segkv:route_steps", "Forward steps per attention route.",
+                                     labels=["route"])
+        for route, count in sorted(stats.get("routes", {}).items()):
+            routes.add_metric([route], count)
+        yield routes
+
+
+class ServerMetrics:
+    """Request latency histograms and token counters, plus the engine's state at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict], *, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        labels = {"model_name": model_name}
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            made = Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+            return made.labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["model_name"], registry=self.registry).labels(**labels)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Time per output token after the first.",
+                              TPOT_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish of a request.",
+                             E2E_BUCKETS)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens of finished requests.")
+        self.registry.register(_EngineCollector(stats, model_name))
+
+    def observe_finished(self, output: RequestOutput, *, arrival: float, first_token_time: float | None,
+                         now: float) -> None:
+        """Record one finished engine request (all its ``n`` samples); times are monotonic seconds."""
+        generated = sum(len(c.token_ids) for c in output.outputs)
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(generated)
+        self.e2e.observe(max(now - arrival, 0.0))
+        if first_token_time is None:
+            return
+        self.ttft.observe(max(first_token_time - arrival, 0.0))
+        per_sample = generated / max(len(output.outputs), 1)
+        if per_sample > 1:
+            self.tpot.observe(max(now - first_token_time, 0.0) / (per_sample - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
