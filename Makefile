@@ -9,6 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
 .PHONY: install test bench-memory run clean
+PORT ?= 8000
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +28,9 @@ test: install
 bench-memory: install
 	$(BIN)/python -m segkv.bench.cache_memory
 
-run: bench-memory
+# The main job: the OpenAI-compatible server with the built-in default model.
+run: install
+	$(BIN)/segkv serve --model default --port $(PORT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

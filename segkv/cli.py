@@ -17,7 +17,8 @@ CHAT_HELP = """commands:
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    parser.add_argument("--model", default="default",
+                        help="Hugging Face model directory, or 'default' (the built-in model)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--page-size", type=int, default=16)
@@ -42,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(chat)
     chat.add_argument("--system", default=None)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--model", required=True, help="Hugging Face model directory")
+    serve.add_argument("--model", default="default",
+                       help="Hugging Face model directory, or 'default' (the built-in model)")
+    serve.add_argument("--snapshot-dir", default=None, help="directory where sessions may be saved")
+    serve.add_argument("--session-ttl", type=float, default=3600.0, help="idle seconds before a session expires")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -62,16 +66,18 @@ def run_serve(args) -> int:
     import uvicorn
 
     from segkv.engine import LLM, AsyncEngine, SchedulerConfig
+    from segkv.models.placeholder import resolve_model_dir
     from segkv.server.app import create_app
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, page_size=args.page_size,
+    llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, page_size=args.page_size,
               max_model_len=args.max_model_len, route=args.route,
               kv_cache_bytes=int(args.kv_cache_memory * (1 << 30)), progress=True)
     engine = AsyncEngine(llm, SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                               max_num_batched_tokens=args.max_num_batched_tokens))
-    name = args.served_model_name or llm.model_dir.name
+    name = args.served_model_name or (args.model if args.model == "default" else llm.model_dir.name)
+    app = create_app(engine, model_name=name, snapshot_dir=args.snapshot_dir, session_ttl=args.session_ttl)
     try:
-        uvicorn.run(create_app(engine, model_name=name), host=args.host, port=args.port, log_level="info")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         engine.shutdown()
     return 0
@@ -81,7 +87,9 @@ def _load(args):
     from segkv.engine import LLM
     from segkv.sampling_params import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, page_size=args.page_size,
+    from segkv.models.placeholder import resolve_model_dir
+
+    llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, page_size=args.page_size,
               max_model_len=args.max_model_len, route=args.route, progress=True)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
