@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: install test bench-memory run clean
+.PHONY: install test bench-memory run clean chromium
 PORT ?= 8000
 
 $(BIN)/python:
@@ -22,7 +22,11 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
-test: install
+# The dashboard is tested in Debian's Chromium (Playwright's own browser download is unreachable).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
+test: install chromium
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) tests
 
 bench-memory: install

@@ -63,37 +63,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_serve(args) -> int:
+    """Listen at once (503 while loading), load the model in the background, then serve."""
+    import threading
+
     import uvicorn
 
-    from segkv.engine import LLM, AsyncEngine, SchedulerConfig
-    from segkv.models.placeholder import resolve_model_dir
-    from segkv.server.app import create_app
+    from segkv.server.loading import LoadingGate
 
-    llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, page_size=args.page_size,
-              max_model_len=args.max_model_len, route=args.route,
-              kv_cache_bytes=int(args.kv_cache_memory * (1 << 30)), progress=True)
-    engine = AsyncEngine(llm, SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                              max_num_batched_tokens=args.max_num_batched_tokens))
-    name = args.served_model_name or (args.model if args.model == "default" else llm.model_dir.name)
-    app = create_app(engine, model_name=name, snapshot_dir=args.snapshot_dir, session_ttl=args.session_ttl)
+    gate = LoadingGate()
+    engines = []
+
+    def load() -> None:
+        try:
+            from segkv.engine import LLM, AsyncEngine, SchedulerConfig
+            from segkv.models.placeholder import resolve_model_dir
+            from segkv.server.app import create_app
+
+            llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device,
+                      page_size=args.page_size, max_model_len=args.max_model_len, route=args.route,
+                      kv_cache_bytes=int(args.kv_cache_memory * (1 << 30)), progress=True)
+            engine = AsyncEngine(llm, SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                                      max_num_batched_tokens=args.max_num_batched_tokens))
+            engines.append(engine)
+            name = args.served_model_name or (args.model if args.model == "default" else llm.model_dir.name)
+            gate.ready(create_app(engine, model_name=name, snapshot_dir=args.snapshot_dir,
+                                  session_ttl=args.session_ttl))
+            print(f"segkv: serving {name} on http://{args.host}:{args.port}", flush=True)
+        except Exception as exc:  # reported by every request as a 503 with the reason
+            gate.failed(str(exc))
+            print(f"segkv: error: the model failed to load: {exc}", file=sys.stderr, flush=True)
+
+    threading.Thread(target=load, name="segkv-load", daemon=True).start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        uvicorn.run(gate, host=args.host, port=args.port, log_level="info", lifespan="off")
     finally:
-        engine.shutdown()
+        for engine in engines:
+            engine.shutdown()
     return 0
-
-
-def _load(args):
-    from segkv.engine import LLM
-    from segkv.sampling_params import SamplingParams
-
-    from segkv.models.placeholder import resolve_model_dir
-
-    llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, page_size=args.page_size,
-              max_model_len=args.max_model_len, route=args.route, progress=True)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            seed=args.seed, max_tokens=args.max_tokens)
-    return llm, params
 
 
 def run_generate(args) -> int:
