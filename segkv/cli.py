@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive chat with forks, undo, snapshots and statistics")
     _add_model_args(chat)
     chat.add_argument("--system", default=None)
+    bench = sub.add_parser("bench", help="benchmarks: 'segkv bench serve --help'")
+    bench.add_argument("which", choices=["serve"], help="serve: load generator against a running server")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--model", default="default",
                        help="Hugging Face model directory, or 'default' (the built-in model)")
@@ -100,6 +103,12 @@ def run_serve(args) -> int:
         for engine in engines:
             engine.shutdown()
     return 0
+
+
+def run_bench(args) -> int:
+    from segkv.bench.serve import main as bench_serve
+
+    return bench_serve(args.rest)
 
 
 def run_generate(args) -> int:
@@ -227,7 +236,8 @@ def _stdin_lines():
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": run_generate, "chat": run_chat, "serve": run_serve}[args.command](args)
+        handlers = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "bench": run_bench}
+        return handlers[args.command](args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"segkv: error: {exc}", file=sys.stderr)
         return 2

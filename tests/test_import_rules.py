@@ -20,7 +20,7 @@ RANK = {
     "engine": 6,
     "server": 7,
     "bench": 8,
-    "cli": 8,
+    "cli": 9,  # the command wires everything, benchmarks included
     "root": 8,
 }
 

@@ -82,3 +82,12 @@ def test_streamed_turn_and_errors(server):
     assert http.post("/v1/sessions/load", json={"name": "missing"}).status_code == 404
     assert http.delete(f"/v1/sessions/{sid}").status_code == 200
     assert http.delete(f"/v1/sessions/{sid}").status_code == 404
+
+
+def test_dashboard_is_served_with_sessions(server):
+    _, http = server
+    sid = http.post("/v1/sessions", json={}).json()["id"]
+    page = http.get("/")
+    assert page.status_code == 200 and 'id="tokens-per-s"' in page.text
+    stats = http.get("/dashboard/stats").json()
+    assert any(s["id"] == sid for s in stats["sessions"]) and stats["num_pages"] == 600

@@ -18,6 +18,7 @@ from starlette.background import BackgroundTask
 from segkv.engine import AsyncEngine, QueueFullError, SessionStore, StreamUpdate
 from segkv.outputs import RequestOutput
 from segkv.sampling_params import SamplingParams
+from segkv.server.dashboard import dashboard_router
 from segkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from segkv.server.sessions_api import sessions_router
 from segkv.server.protocol import (ChatCompletionRequest, CompletionRequest, Usage, chat_logprobs,
@@ -100,6 +101,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
     sessions = SessionStore(engine, ttl_seconds=session_ttl)
     app.state.sessions = sessions
     app.include_router(sessions_router(sessions, snapshot_dir=Path(snapshot_dir) if snapshot_dir else None))
+    app.include_router(dashboard_router(
+        lambda: {**engine.live_stats(), "sessions": [s.describe() for s in sessions.list()]}))
     llm = engine.llm
     tokenizer = llm.tokenizer
     metrics = ServerMetrics(engine.stats, model_name=model_name)

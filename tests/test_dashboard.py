@@ -1,0 +1,169 @@
+"""The live dashboard in a real browser: self-contained page, numbers that follow the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from model_helpers import build_model_dir
+from segkv.engine import LLM, AsyncEngine
+from segkv.sampling_params import SamplingParams
+from segkv.server.dashboard import dashboard_router
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+STATS_KEYS = {"num_pages", "page_size", "pages_in_use", "bytes_in_use", "peak_pages_in_use",
+              "peak_bytes_in_use", "bytes_copied", "running", "waiting", "preemptions", "prefix", "routes",
+              "decode_tokens_per_s", "ttft_seconds_p50", "requests_finished", "steps"}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("dashboard-model")
+    build_model_dir(directory, "qwen3")
+    engine = AsyncEngine(LLM(directory, page_size=8, num_pages=600))
+    app = FastAPI()
+    app.include_router(dashboard_router(engine.live_stats))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    yield engine, f"http://127.0.0.1:{port}"
+    uv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+def run_requests(engine: AsyncEngine, prompts: list[list[int]], max_tokens: int) -> list[int]:
+    """Generate ``prompts`` concurrently on a fresh event loop; return each one's token count."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+    async def one(ids: list[int]) -> int:
+        last = None
+        async for update in engine.generate(ids, params):
+            last = update
+        assert last is not None and last.finished
+        return len(last.output.outputs[0].token_ids)
+
+    async def all_of() -> list[int]:
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    return asyncio.run(all_of())
+
+
+def test_stats_json_and_self_contained_page(served):
+    engine, base = served
+    stats = httpx.get(f"{base}/dashboard/stats").json()
+    assert STATS_KEYS <= stats.keys()
+    assert stats["num_pages"] == 600 and stats["page_size"] == 8
+    page = httpx.get(f"{base}/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert not re.search(r"https?://", page.text), "the page must reference no other host"
+    assert not re.search(r"<(link|script|img)[^>]+(src|href)=\"(?!data:)", page.text), "no external assets"
+    for element_id in ("tokens-per-s", "ttft-ms", "requests-running", "requests-waiting", "requests-finished",
+                       "pages-in-use", "num-pages", "bytes-in-use", "peak-bytes-in-use", "routes",
+                       "preemptions", "prefix-hit-tokens", "sparkline", "sessions"):
+        assert f'id="{element_id}"' in page.text, element_id
+
+
+def _launch(playwright):
+    try:
+        return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+    except Exception as exc:  # noqa: BLE001 - a broken browser is a failure here, never a skip
+        pytest.fail(f"Chromium could not start ({CHROMIUM}); the dashboard test needs a browser: {exc}")
+
+
+def test_dashboard_updates_live_in_a_browser(served):
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as exc:
+        pytest.fail(f"the dashboard test needs the playwright package: {exc}")
+    engine, base = served
+    llm = engine.llm
+    words = ["pages", "segments", "forks", "chains", "merge", "split", "plans", "turns"]
+    prompts = [llm.tokenizer.encode(" ".join(words[(i + j) % 8] for j in range(4 + i))) for i in range(12)]
+    finished_before = engine.live_stats()["requests_finished"]
+
+    with sync_playwright() as p:
+        browser = _launch(p)
+        try:
+            page = browser.new_page()
+            foreign, failed, console_errors = [], [], []
+            page.on("request", lambda r: None if r.url.startswith(base) else foreign.append(r.url))
+            page.on("requestfailed", lambda r: failed.append(f"{r.url}: {r.failure}"))
+            page.on("response", lambda r: failed.append(f"{r.url}: {r.status}") if r.status >= 400 else None)
+            page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: console_errors.append(str(e)))
+            page.goto(f"{base}/")
+            page.wait_for_function("() => document.getElementById('num-pages').dataset.value === '600'",
+                                   timeout=10_000)
+
+            counts: list[int] = []
+            waves = [prompts[i::3] for i in range(3)]  # three waves of concurrent requests: a few seconds
+            worker = threading.Thread(
+                target=lambda: [counts.extend(run_requests(engine, wave, 30)) for wave in waves])
+            worker.start()
+            seen_tps, seen_pages, stamps = 0.0, 0, set()
+            deadline = time.monotonic() + 40
+            while time.monotonic() < deadline and (worker.is_alive() or seen_tps <= 0 or len(stamps) < 3):
+                seen_tps = max(seen_tps, float(page.get_attribute("#tokens-per-s", "data-value") or 0))
+                seen_pages = max(seen_pages, int(page.get_attribute("#pages-in-use", "data-value") or 0))
+                stamps.add(page.get_attribute("#tokens-per-s", "data-updated"))
+                time.sleep(0.1)
+            worker.join(timeout=30)
+            assert not worker.is_alive(), "generation did not finish"
+            assert counts == [30] * len(prompts)
+            assert seen_tps > 0, "tokens/s never rose above zero while generating"
+            assert seen_pages > 0, "pages in use never rose above zero while generating"
+            assert len(stamps) >= 3, "the page did not refresh while generating"
+
+            want = finished_before + len(prompts)
+            page.wait_for_function("(n) => document.getElementById('requests-finished').textContent == n",
+                                   arg=want, timeout=10_000)
+            stats = engine.stats()  # nothing runs now: these numbers hold still
+            t0 = page.evaluate("() => Date.now()")  # wait for a poll that began after the snapshot
+            page.wait_for_function("(t0) => Number(document.getElementById('status').dataset.asked) > t0",
+                                   arg=t0, timeout=10_000)
+            assert page.text_content("#pages-in-use") == str(stats["pages_in_use"])
+            assert page.text_content("#num-pages") == str(stats["num_pages"]) == "600"
+            assert page.get_attribute("#bytes-in-use", "data-value") == str(stats["bytes_in_use"])
+            assert page.get_attribute("#peak-bytes-in-use", "data-value") == str(stats["peak_bytes_in_use"])
+            assert int(page.get_attribute("#peak-pages-in-use", "data-value")) >= seen_pages
+            assert page.text_content("#requests-running") == "0"
+            assert page.text_content("#prefix-hit-tokens") == str(stats["prefix"]["num_hit_tokens"])
+            single = page.text_content('#routes tr[data-key="single"] td:nth-child(2)')
+            assert int(single) == stats["routes"]["single"] > 0
+            assert float(page.get_attribute("#pages-bar", "data-value")) == pytest.approx(
+                100 * stats["pages_in_use"] / stats["num_pages"], abs=0.05)
+            points = page.get_attribute("#sparkline-line", "points").split()
+            assert 3 <= len(points) <= 60
+            assert not page.is_visible("#sessions-card"), "no sessions in the stats: no sessions table"
+            sessions = page.evaluate("""() => {
+                render({num_pages: 600, pages_in_use: 3, routes: {}, prefix: {}, decode_tokens_per_s: 0,
+                        sessions: [{id: "s-1", turns: 4, segments: 2, peak_turn_bytes: 3 * 1024 * 1024}]},
+                       Date.now());
+                return [...document.querySelectorAll('#sessions tr')].map(
+                    (tr) => [...tr.children].map((td) => td.textContent));
+            }""")
+            assert sessions == [["s-1", "4", "2", "3.0 MiB"]]
+            assert page.is_visible("#sessions-card")
+            assert not foreign, f"requests to other hosts: {foreign}"
+            assert not failed, f"failed requests: {failed}"
+            assert not console_errors, f"console errors: {console_errors}"
+        finally:
+            browser.close()
