@@ -105,6 +105,18 @@ def run_serve(args) -> int:
     return 0
 
 
+def _load(args):
+    from segkv.engine import LLM
+    from segkv.models.placeholder import resolve_model_dir
+    from segkv.sampling_params import SamplingParams
+
+    llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, page_size=args.page_size,
+              max_model_len=args.max_model_len, route=args.route, progress=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, max_tokens=args.max_tokens)
+    return llm, params
+
+
 def run_bench(args) -> int:
     from segkv.bench.serve import main as bench_serve
 
