@@ -4,6 +4,7 @@ from segkv.cache.chain import ChainSnapshot, KVChain
 from segkv.cache.compaction import segments_to_merge
 from segkv.cache.kv_cache import PagedKVCache
 from segkv.cache.page_pool import OutOfPagesError, PagePool
+from segkv.cache.prefix_index import PrefixIndex, PrefixMatch
 from segkv.cache.segment import ChainSpan, SegRef, Segment
 from segkv.cache.storage import PagedKVStorage
 
@@ -15,6 +16,8 @@ __all__ = [
     "PagePool",
     "PagedKVCache",
     "PagedKVStorage",
+    "PrefixIndex",
+    "PrefixMatch",
     "SegRef",
     "Segment",
     "segments_to_merge",
