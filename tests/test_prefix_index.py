@@ -321,6 +321,7 @@ def test_counters_and_stats(gen):
     index.match([0, 1]).release()  # 0 of 2
     assert index.stats() == {
         "num_nodes": 3,
+        "num_shared_nodes": 3,  # the live chain holds them too
         "num_cached_tokens": 15,
         "num_pages_held": 2 + 2 + 1,
         "num_queries": 3,
@@ -328,6 +329,8 @@ def test_counters_and_stats(gen):
         "num_query_tokens": 26,
         "num_hit_tokens": 22,
     }
+    chain.release()
+    assert index.stats()["num_shared_nodes"] == 0
 
 
 # -- random operation sequences ----------------------------------------------------------

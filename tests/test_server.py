@@ -173,6 +173,7 @@ def test_client_disconnect_aborts_the_stream(server):
     llm, base = server
     body = {"model": MODEL, "prompt": "pages " * 10, "max_tokens": 480, "ignore_eos": True, "stream": True}
     finished_before = metric(base, "vllm:e2e_request_latency_seconds_count")
+    pages_before = metric(base, "segkv:pages_in_use")
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{base}/v1/completions", json=body) as response:
             assert response.status_code == 200
@@ -186,6 +187,7 @@ def test_client_disconnect_aborts_the_stream(server):
     health = httpx.get(f"{base}/health").json()
     assert health["running"] == 0 and health["waiting"] == 0
     assert metric(base, "vllm:e2e_request_latency_seconds_count") == finished_before  # aborted, not finished
+    assert metric(base, "segkv:pages_in_use") == pages_before  # its pages went back to the pool
 
 
 def test_logprobs_n_and_several_prompts(server, client):

@@ -49,6 +49,10 @@ def test_turns_forks_restores_and_files(server):
     child = http.post(f"/v1/sessions/{sid}/fork", json={"turn": 1}).json()
     restored = http.post(f"/v1/sessions/{sid}/restore", json={"turn": 1}).json()
     assert pool.pages_allocated_total == allocated  # no pages until they write
+    metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+               for line in http.get("/metrics").text.splitlines() if line.startswith("segkv:")}
+    assert metrics["segkv:forks_total"] == 1 and metrics["segkv:restores_total"] == 1
+    assert metrics["segkv:shared_segments"] >= 1  # the pinned history is shared by both sessions
     assert child["turns"] == 1 and restored["turns"] == 1
     branch = http.post(f"/v1/sessions/{child['id']}/turns", json={"content": "three", **TURN}).json()
     assert branch["message"]["content"] == fresh(llm, history[:3] + [{"role": "user", "content": "three"}])

@@ -242,9 +242,11 @@ class PrefixIndex:
 
     def stats(self) -> dict[str, int]:
         """Counters for health reports, metrics and tests."""
+        nodes = self._nodes()
         return {
             "num_nodes": self._num_nodes,
-            "num_cached_tokens": sum(n.ref.num_rows for n in self._nodes()),
+            "num_shared_nodes": sum(not self._held_by_index_only(n) for n in nodes),  # also held elsewhere
+            "num_cached_tokens": sum(n.ref.num_rows for n in nodes),
             "num_pages_held": len(self._holds),
             "num_queries": self.num_queries,
             "num_hits": self.num_hits,

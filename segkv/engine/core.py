@@ -104,7 +104,7 @@ class EngineCore:
             return False
         request.aborted = True
         for seq in request.all_seqs():
-            self._drop(seq)
+            self._drop(seq, keep=False)  # an aborted request's rows are not kept for reuse
             if seq.finish_reason is None:
                 seq.finish_reason = "abort"
         return True
@@ -210,14 +210,14 @@ class EngineCore:
         seq.chain.release()
         seq.pending = seq.all_token_ids()
 
-    def _drop(self, seq: Sequence) -> None:
-        """Seal what the sequence computed into the prefix index, then release its chain."""
+    def _drop(self, seq: Sequence, *, keep: bool = True) -> None:
+        """Seal what the sequence computed into the prefix index (``keep``), then release its chain."""
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
         chain = seq.chain
-        if chain.num_rows and chain.token_ids() is not None:
+        if keep and chain.num_rows and chain.token_ids() is not None:
             chain.seal()
             self.prefix.insert(chain.refs)
         chain.release()

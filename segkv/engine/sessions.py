@@ -74,6 +74,8 @@ class SessionStore:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self.num_evicted_pins = 0
+        self.num_forks = 0
+        self.num_restores = 0
         engine.add_pressure_hook(self._on_pressure)
 
     # -- lifecycle --------------------------------------------------------------------
@@ -152,6 +154,7 @@ class SessionStore:
         child.turns = [SessionTurn(copy.deepcopy(t.messages), list(t.tokens),
                                    self.engine.share(t.pin) if t.pin is not None else None,
                                    t.cached_tokens, t.bytes_added) for t in turns]
+        self.num_forks += 1
         return child
 
     def restore(self, session_id: str, turn: int) -> Session:
@@ -163,6 +166,7 @@ class SessionStore:
         dropped = session.turns[len(keep):]
         session.turns = keep
         self._release_turns(dropped)
+        self.num_restores += 1
         session.last_used = time.monotonic()
         return session
 
@@ -181,6 +185,10 @@ class SessionStore:
         session = self.create(meta.get("system"))
         session.turns = [SessionTurn(list(meta.get("messages", [])), list(meta.get("tokens", tokens)), pin)]
         return session
+
+    def stats(self) -> dict[str, int]:
+        return {"sessions": len(self._sessions), "forks": self.num_forks, "restores": self.num_restores,
+                "evicted_pins": self.num_evicted_pins}
 
     # -- memory pressure ----------------------------------------------------------------
     def _on_pressure(self, pages_short: int) -> int:

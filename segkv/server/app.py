@@ -105,7 +105,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
         lambda: {**engine.live_stats(), "sessions": [s.describe() for s in sessions.list()]}))
     llm = engine.llm
     tokenizer = llm.tokenizer
-    metrics = ServerMetrics(engine.stats, model_name=model_name)
+    metrics = ServerMetrics(lambda: {**engine.stats(), "sessions": sessions.stats()}, model_name=model_name)
     created = int(time.time())
     app.state.engine, app.state.metrics = engine, metrics
 

@@ -54,6 +54,12 @@ class _EngineCollector(Collector):
                       stats.get("bytes_copied", 0))
         yield gauge("segkv:pages_in_use", "KV pages referenced by sequences or the prefix cache.",
                     stats["pages_in_use"])
+        sessions = stats.get("sessions", {})
+        yield counter("segkv:forks", "Session forks (no pages allocated).", sessions.get("forks", 0))
+        yield counter("segkv:restores", "Session restores (no pages allocated).", sessions.get("restores", 0))
+        yield gauge("segkv:shared_segments", "Cached segments also held by a running sequence or session.",
+                    prefix.get("num_shared_nodes", 0))
+        yield gauge("segkv:cached_segments", "Sealed segments in the prefix cache.", prefix.get("num_nodes", 0))
         routes = CounterMetricFamily("segkv:route_steps", "Forward steps per attention route.",
                                      labels=["route"])
         for route, count in sorted(stats.get("routes", {}).items()):
