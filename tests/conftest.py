@@ -17,6 +17,10 @@ sys.path.insert(0, str(Path(__file__).parent))  # shared helpers next to the tes
 # when pytest-xdist runs a worker per core (spinning thread pools slow small ops 100x).
 torch.set_num_threads(1)
 
+# Without a GPU the Triton kernels run in Triton's interpreter (set before triton is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def _session_seed(config) -> int:
     worker = getattr(config, "workerinput", None)

@@ -1,0 +1,168 @@
+"""Triton kernels against the torch reference: every route, dtypes, page sizes, GQA ratios, head dims.
+
+On a GPU the full grid runs; without one, a subset runs in Triton's interpreter so CI
+exercises the kernels too. Outputs are poisoned (NaN) before every launch; each case asserts
+the plan that ran.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from attention_helpers import Batch, build_batch, dense_attention, ulp
+from segkv.attention import AttentionShape, DeviceSpec, Route, SequenceQuery, TorchReferenceBackend, plan_attention
+from segkv.cache import PagedKVCache
+from segkv.config import CacheConfig, CompactionPolicy, KVLayout
+
+triton = pytest.importorskip("triton", reason="triton is a test dependency; install the test extra")
+from segkv.attention.triton_backend import TritonBackend  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ROUTES = [r.value for r in Route]
+
+
+def gqa_batch(gen, *, dtype, page_size, ratio, head_dim, rows, segments=4, kv_heads=2) -> Batch:
+    """Three sequences over a shared, segmented history (mid-page boundaries), on DEVICE."""
+    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=256), device=DEVICE,
+                         compaction=CompactionPolicy(enabled=False))
+    shape = AttentionShape(kv_heads * ratio, kv_heads, head_dim, head_dim)
+
+    def write(chain, n):
+        slots = chain.append(n)
+        kv = torch.randn(2, n, kv_heads, head_dim, generator=gen)
+        cache.storage.write(0, slots, kv[0].to(DEVICE), kv[1].to(DEVICE))
+
+    history = cache.new_chain()
+    for _ in range(segments - 1):
+        write(history, int(torch.randint(1, 2 * page_size, (1,), generator=gen)))
+        history.seal()
+    fork = history.fork()
+    if fork.num_rows > 1:
+        fork.trim(1 if fork.num_rows % page_size != 1 else 2)  # end mid-page
+    chains = [history, fork, history.fork()]
+    for chain in chains:
+        write(chain, rows + int(torch.randint(0, page_size, (1,), generator=gen)))
+    queries = [SequenceQuery.from_chain(c, rows) for c in chains]
+    q = torch.randn(3 * rows, shape.num_q_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    return Batch(cache, chains, queries, q, shape, head_dim**-0.5)
+
+
+def run_both(batch: Batch, route: str, *, num_partitions: int | None = None):
+    device = DeviceSpec.cuda() if GPU else DeviceSpec.cpu()
+    plan = plan_attention(batch.queries, batch.shape, device, page_size=batch.cache.page_size, route=route,
+                          num_partitions=num_partitions or (3 if route == "split" else None))
+    assert plan.route == Route(route)
+    if route == "split" and max(sum(len(s.page_ids) for s in q.spans) for q in batch.queries) > 1:
+        assert plan.num_partitions > 1  # split really split
+    storage = batch.cache.storage
+    args = (batch.query, storage.key_cache(0), storage.value_cache(0))
+    tb = TritonBackend(page_size=batch.cache.page_size, device=DEVICE, poison=True)
+    out, lse = tb.run(tb.prepare(plan), *args, scale=batch.scale)
+    rb = TorchReferenceBackend(page_size=batch.cache.page_size, device=DEVICE)
+    ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=batch.scale)
+    return plan, out, lse, ref, ref_lse
+
+
+def check(out, lse, ref, ref_lse):
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "an output was left unwritten"
+    assert out.dtype == ref.dtype
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=0, atol=2e-5)
+    else:  # both are float32 attention rounded once: at most one ulp apart, rarely
+        diff = (out.double() - ref.double()).abs()
+        assert (diff <= ulp(ref) + 1e-5).all(), f"max diff {diff.max().item()}"
+        assert (diff > 1e-5).float().mean().item() <= 0.01
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    torch.testing.assert_close(lse[finite], ref_lse[finite], rtol=0, atol=1e-4)
+
+
+if GPU:
+    GRID = list(itertools.product(ROUTES, DTYPES, [16, 32, 64], [1, 4, 8], [64, 128, 256]))
+else:  # the interpreter is slow: a subset that still covers every route, dtype, ratio and page size
+    GRID = [(r, d, p, g, 64) for (r, d), (p, g) in zip(itertools.product(ROUTES, ["fp32", "bf16"]),
+                                                        itertools.cycle([(16, 4), (32, 1), (16, 8)]))]
+
+
+@pytest.mark.parametrize("route,dtype,page_size,ratio,head_dim", GRID)
+def test_kernels_match_the_reference(route, dtype, page_size, ratio, head_dim, gen):
+    for rows in ([1, 4, 17] if GPU else [1 + (page_size + ratio) % 17]):
+        batch = gqa_batch(gen, dtype=DTYPES[dtype], page_size=page_size, ratio=ratio, head_dim=head_dim,
+                          rows=rows)
+        _, out, lse, ref, ref_lse = run_both(batch, route)
+        check(out, lse, ref, ref_lse)
+        if dtype == "fp32":
+            torch.testing.assert_close(out.double().cpu(), dense_attention(_on_cpu(batch)), rtol=0, atol=2e-5)
+
+
+def _on_cpu(batch: Batch) -> Batch:
+    """The dense oracle gathers on the CPU."""
+    import copy
+
+    cpu = copy.copy(batch)
+    cpu.query = batch.query.cpu()
+    storage = batch.cache.storage
+    if storage.device.type != "cpu":
+        storage.k = [t.cpu() for t in storage.k]
+        storage.v = [t.cpu() for t in storage.v]
+        storage.device = torch.device("cpu")
+    return cpu
+
+
+def test_fully_masked_rows_and_empty_chains_give_zero(gen):
+    batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=16, ratio=4, head_dim=64, rows=4)
+    q0, q1, _ = batch.queries
+    batch.queries = [q0, SequenceQuery(q1.spans, 4, query_start=-2), SequenceQuery((), 4)]
+    for route in ROUTES:
+        _, out, lse, ref, ref_lse = run_both(batch, route)
+        check(out, lse, ref, ref_lse)
+        dead = [4, 5, 8, 9, 10, 11]
+        assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
+
+
+@pytest.mark.skipif(not GPU, reason="a 128K-row history needs the GPU")
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_mixed_long_and_short_batch_in_one_launch(dtype, gen):
+    torch_dtype = DTYPES[dtype]
+    layout = KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, dtype=torch_dtype)
+    cache = PagedKVCache(layout, CacheConfig(page_size=16, num_pages=8400), device=DEVICE)
+    chains = [cache.new_chain(), cache.new_chain()]
+    for chain, n in zip(chains, (131072, 100)):
+        for start in range(0, n, 8192):
+            m = min(8192, n - start)
+            slots = chain.append(m)
+            kv = torch.randn(2, m, 8, 128, device=DEVICE, dtype=torch_dtype)
+            cache.storage.write(0, slots, kv[0], kv[1])
+    queries = [SequenceQuery.from_chain(c, 1) for c in chains]
+    shape = AttentionShape(32, 8, 128, 128)
+    plan = plan_attention(queries, shape, DeviceSpec.cuda(), page_size=16)
+    assert plan.route == Route.SPLIT and plan.num_partitions > 1
+    assert sum(1 for w in plan.work if 1 in w.query_rows) == 1  # the short one is not split
+    q = torch.randn(2, 32, 128, device=DEVICE, dtype=torch_dtype)
+    args = (q, cache.storage.key_cache(0), cache.storage.value_cache(0))
+    tb = TritonBackend(page_size=16, device=DEVICE, poison=True)
+    out, lse = tb.run(tb.prepare(plan), *args, scale=128**-0.5)
+    rb = TorchReferenceBackend(page_size=16, device=DEVICE)
+    ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=128**-0.5)
+    check(out, lse, ref, ref_lse)
+
+
+def test_kv_write_kernel(gen):
+    from segkv.kernels.paged_attention import write_rows
+
+    cache = torch.zeros(8, 16, 2, 64, device=DEVICE, dtype=torch.bfloat16)
+    rows = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    slots = torch.tensor([3, 17, 18, 100, 127], device=DEVICE)
+    write_rows(rows=rows, cache=cache, slots=slots)
+    flat = cache.view(128, 2, 64)
+    assert torch.equal(flat[slots], rows)
+    untouched = torch.ones(128, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(flat[untouched], torch.zeros_like(flat[untouched]))
