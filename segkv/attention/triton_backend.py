@@ -18,6 +18,7 @@ class TritonPreparedPlan:
     plan: AttentionPlan
     page_table: torch.Tensor
     page_rows: torch.Tensor
+    page_key_start: torch.Tensor
     piece_page_start: torch.Tensor
     work_piece: torch.Tensor
     work_partial_start: torch.Tensor
@@ -41,10 +42,14 @@ class TritonBackend:
 
     def prepare(self, plan: AttentionPlan) -> TritonPreparedPlan:
         """Flatten the plan into int32 tensors on the device (once per forward step)."""
-        pages, rows, starts = [], [], [0]
+        pages, rows, key_starts, starts = [], [], [], [0]
         for piece in plan.pieces:
             pages.extend(piece.page_ids)
             rows.extend(piece.page_rows)
+            position = 0
+            for n in piece.page_rows:
+                key_starts.append(position)
+                position += n
             starts.append(len(pages))
         work_start, offsets = [0], []
         for item in plan.work:
@@ -59,7 +64,8 @@ class TritonBackend:
             return torch.tensor(values, dtype=torch.int32, device=self.device)
 
         return TritonPreparedPlan(
-            plan=plan, page_table=t(pages), page_rows=t(rows), piece_page_start=t(starts),
+            plan=plan, page_table=t(pages), page_rows=t(rows), page_key_start=t(key_starts),
+            piece_page_start=t(starts),
             work_piece=t([item.piece for item in plan.work]), work_partial_start=t(work_start),
             partial_row=t(list(plan.partial_rows)), partial_offset=t(offsets),
             reduce_ptr=t(reduce_ptr), reduce_partials=t(reduce_partials),
@@ -90,7 +96,7 @@ class TritonBackend:
         p = prepared
         part_out, part_lse = attention_partials(
             query=query, key_cache=key_cache, value_cache=value_cache, page_table=p.page_table,
-            page_rows=p.page_rows, piece_page_start=p.piece_page_start, work_piece=p.work_piece,
+            page_rows=p.page_rows, page_key_start=p.page_key_start, piece_page_start=p.piece_page_start, work_piece=p.work_piece,
             work_partial_start=p.work_partial_start, partial_row=p.partial_row, partial_offset=p.partial_offset,
             num_partials=plan.num_partials, max_work_rows=p.max_work_rows, scale=scale, poison=self.poison,
         )

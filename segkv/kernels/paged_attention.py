@@ -19,33 +19,38 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _stage1_kernel(
     Q, K, V, OUT, LSE,
-    page_table, page_rows, piece_page_start, work_piece, work_partial_start, partial_row, partial_offset,
+    page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start, partial_row,
+    partial_offset,
     stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
     stride_op, stride_oh, stride_lp,
     scale,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
-    scanning the work item's piece page by page with an online softmax in float32."""
+    scanning the work item's piece ``BLOCK_N`` rows (``BLOCK_N / PAGE_SIZE`` pages) at a time with
+    an online softmax in float32. Q.K products of bf16/fp16 inputs are exact in float32; P.V runs
+    as three TF32 products (float32 accuracy) or, for float32 inputs, in IEEE float32."""
+    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     w = tl.program_id(0)
     kvh = tl.program_id(1)
     mb = tl.program_id(2)
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
+    if mb * BLOCK_M >= n_rows * GROUP:
+        return
     pair = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     r = pair // GROUP
     valid = r < n_rows
-    if mb * BLOCK_M >= n_rows * GROUP:
-        return
     head = kvh * GROUP + pair % GROUP
     partial = p0 + tl.where(valid, r, 0)
-    qrow = tl.load(partial_row + partial, mask=valid, other=0)
+    qrow = tl.load(partial_row + partial, mask=valid, other=0).to(tl.int64)
     offset = tl.load(partial_offset + partial, mask=valid, other=-1)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + offs_dk[None, :],
-                mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0).to(tl.float32)
+                mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
 
     piece = tl.load(work_piece + w)
     pg0 = tl.load(piece_page_start + piece)
@@ -53,27 +58,38 @@ def _stage1_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    offs_n = tl.arange(0, PAGE_SIZE)
-    key_base = 0
-    for pg in range(pg0, pg1):
-        page = tl.load(page_table + pg).to(tl.int64)
-        rows = tl.load(page_rows + pg)
-        in_page = offs_n < rows
-        k = tl.load(K + page * stride_kp + offs_n[:, None] * stride_kn + kvh * stride_kh + offs_dk[None, :],
-                    mask=in_page[:, None] & (offs_dk[None, :] < DK), other=0.0).to(tl.float32)
-        v = tl.load(V + page * stride_vp + offs_n[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
-                    mask=in_page[:, None] & (offs_dv[None, :] < DV), other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        visible = ((key_base + offs_n)[None, :] <= offset[:, None]) & in_page[None, :] & valid[:, None]
+    offs_n = tl.arange(0, BLOCK_N)
+    slot = offs_n // PAGE_SIZE
+    row_in_page = offs_n % PAGE_SIZE
+    for pg in range(pg0, pg1, PAGES):
+        pidx = pg + slot
+        in_range = pidx < pg1
+        page = tl.load(page_table + pidx, mask=in_range, other=0).to(tl.int64)
+        rows = tl.load(page_rows + pidx, mask=in_range, other=0)
+        kpos = tl.load(page_key_start + pidx, mask=in_range, other=0) + row_in_page
+        in_page = row_in_page < rows
+        k = tl.load(K + page[:, None] * stride_kp + row_in_page[:, None] * stride_kn + kvh * stride_kh
+                    + offs_dk[None, :], mask=in_page[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        v = tl.load(V + page[:, None] * stride_vp + row_in_page[:, None] * stride_vn + kvh * stride_vh
+                    + offs_dv[None, :], mask=in_page[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        if EXACT_FP32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # bf16/fp16 products are exact in the float32 accumulator
+        s = s * scale
+        visible = (kpos[None, :] <= offset[:, None]) & in_page[None, :] & valid[:, None]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        if EXACT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="tf32x3")
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
-        key_base += rows
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
@@ -126,7 +142,7 @@ def _kv_write_kernel(SRC, DST, slots, stride_sn, stride_dn, WIDTH: tl.constexpr,
 
 
 def attention_partials(
-    *, query, key_cache, value_cache, page_table, page_rows, piece_page_start, work_piece,
+    *, query, key_cache, value_cache, page_table, page_rows, page_key_start, piece_page_start, work_piece,
     work_partial_start, partial_row, partial_offset, num_partials, max_work_rows, scale, block_m=64,
     poison=False,
 ):
@@ -134,7 +150,8 @@ def attention_partials(
 
     query ``(R, Hq, Dk)``; key_cache ``(P, page_size, Hkv, Dk)``; value_cache
     ``(P, page_size, Hkv, Dv)`` (may be a strided view); the int32 plan tensors:
-    page_table/page_rows ``(total_pages,)``, piece_page_start ``(pieces + 1,)``,
+    page_table/page_rows/page_key_start ``(total_pages,)`` (key_start: position of the page's
+    first row within its piece), piece_page_start ``(pieces + 1,)``,
     work_piece ``(W,)``, work_partial_start ``(W + 1,)``, partial_row/partial_offset
     ``(num_partials,)``. Returns ``(out (num_partials, Hq, Dv) float32, lse (num_partials, Hq) float32)``.
     """
@@ -150,17 +167,22 @@ def attention_partials(
     num_work = work_piece.numel()
     if num_work == 0:
         return out, lse
-    block_m = max(16, min(block_m, triton.next_power_of_2(max_work_rows * group)))
+    wide = max(dk, dv) > 128
+    block_m = max(16, min(32 if wide else block_m, triton.next_power_of_2(max_work_rows * group)))
+    block_n = max(page_size, 32 if wide else 64)
     grid = (num_work, num_kv, triton.cdiv(max_work_rows * group, block_m))
     _stage1_kernel[grid](
         query, key_cache, value_cache, out, lse,
-        page_table, page_rows, piece_page_start, work_piece, work_partial_start, partial_row, partial_offset,
+        page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start, partial_row,
+        partial_offset,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         out.stride(0), out.stride(1), lse.stride(0),
         scale,
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
-        BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size,
+        BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
+        # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
+        EXACT_FP32=query.dtype == torch.float32 or _INTERPRET, num_warps=4, num_stages=2,
     )
     return out, lse
 
