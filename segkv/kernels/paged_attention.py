@@ -169,7 +169,7 @@ def attention_partials(
         return out, lse
     wide = max(dk, dv) > 128
     block_m = max(16, min(32 if wide else block_m, triton.next_power_of_2(max_work_rows * group)))
-    block_n = max(page_size, 32 if wide else 64)
+    block_n = max(page_size, int(os.environ.get("SEGKV_TRITON_BLOCK_N", 32 if wide else 64)))
     grid = (num_work, num_kv, triton.cdiv(max_work_rows * group, block_m))
     _stage1_kernel[grid](
         query, key_cache, value_cache, out, lse,
@@ -182,7 +182,8 @@ def attention_partials(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
         # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
-        EXACT_FP32=query.dtype == torch.float32 or _INTERPRET, num_warps=4, num_stages=2,
+        EXACT_FP32=query.dtype == torch.float32 or _INTERPRET,
+        num_warps=int(os.environ.get("SEGKV_TRITON_WARPS", 4)), num_stages=int(os.environ.get("SEGKV_TRITON_STAGES", 2)),
     )
     return out, lse
 
