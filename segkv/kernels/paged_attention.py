@@ -30,8 +30,9 @@ def _stage1_kernel(
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (``BLOCK_N / PAGE_SIZE`` pages) at a time with
-    an online softmax in float32. Q.K products of bf16/fp16 inputs are exact in float32; P.V runs
-    as three TF32 products (float32 accuracy) or, for float32 inputs, in IEEE float32."""
+    an online softmax in float32. Q.K products of bf16/fp16 inputs are exact in float32; for P.V,
+    P is split into two bf16/fp16 parts (about 16 significant bits) against the native V tile,
+    accumulated in float32; float32 inputs use IEEE float32 throughout."""
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     w = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -86,8 +87,10 @@ def _stage1_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if EXACT_FP32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="tf32x3")
+        else:  # P split exactly into two half-precision parts: about 16 bits of P, float32 sums
+            p_hi = p.to(v.dtype)
+            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+            pv = tl.dot(p_hi, v) + tl.dot(p_lo, v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     empty = l_i == 0.0
