@@ -18,7 +18,8 @@ from segkv.attention import AttentionShape, DeviceSpec, Route, SequenceQuery, To
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 
-triton = pytest.importorskip("triton", reason="triton is a test dependency; install the test extra")
+import triton  # noqa: E402,F401  (a test dependency: the kernels must run in CI, never skip)
+
 from segkv.attention.triton_backend import TritonBackend  # noqa: E402
 
 GPU = torch.cuda.is_available()
