@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from model_helpers import build_model_dir
+from server_helpers import live_server
 from segkv.engine import LLM, AsyncEngine
 from segkv.sampling_params import SamplingParams
 from segkv.server.dashboard import dashboard_router
@@ -33,19 +32,8 @@ def served(tmp_path_factory):
     engine = AsyncEngine(LLM(directory, page_size=8, num_pages=600))
     app = FastAPI()
     app.include_router(dashboard_router(engine.live_stats))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    yield engine, f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(timeout=10)
+    with live_server(app) as base:
+        yield engine, base
     engine.shutdown()
 
 
