@@ -2,7 +2,7 @@
 
 Same tensors for every variant; shuffled trials; median with min/max; achieved GB/s (KV bytes
 read once per step) and the fraction of the measured device-to-device read bandwidth.
-Run on a CUDA device: ``python -m segkv.bench.attention_kernels``.
+Run on a CUDA device: ``python -m segkv.bench.decode_attention``.
 """
 
 from __future__ import annotations
