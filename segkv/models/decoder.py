@@ -15,6 +15,7 @@ from segkv.layers.activation import GatedMLP
 from segkv.layers.attention import PagedAttention
 from segkv.layers.norm import RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
+from segkv.models.base import CausalLM, PreNormBlock
 from segkv.models.hf_config import require, rope_settings
 
 
@@ -96,17 +97,13 @@ class DecoderAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormBlock):
     def __init__(self, cfg: DecoderConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DecoderAttention(cfg, layer_index, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, activation=cfg.hidden_act)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderBody(nn.Module):
@@ -121,7 +118,7 @@ class DecoderBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class DecoderForCausalLM(nn.Module):
+class DecoderForCausalLM(CausalLM):
     """A Llama-style causal LM over the paged cache.
 
     ``forward(input_ids (T,), positions (T,), meta)`` returns hidden states ``(T, hidden)``;
@@ -132,20 +129,11 @@ class DecoderForCausalLM(nn.Module):
     config_overrides: dict[str, Any] = {}
 
     def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.model = DecoderBody(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(cfg, DecoderBody(cfg))
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> DecoderForCausalLM:
         return cls(DecoderConfig.from_hf(cfg, **cls.config_overrides))
-
-    @property
-    def max_model_len(self) -> int:
-        return self.cfg.max_position_embeddings
 
     def kv_layout(self, dtype: torch.dtype) -> KVLayout:
         return KVLayout(num_layers=self.cfg.num_layers, num_kv_heads=self.cfg.num_kv_heads,
@@ -154,12 +142,3 @@ class DecoderForCausalLM(nn.Module):
     def attention_shape(self, mla_mode: str = "absorbed") -> AttentionShape:
         c = self.cfg
         return AttentionShape(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, meta)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionShape
 from segkv.config import KVLayout
 from segkv.layers.activation import GatedMLP
@@ -17,6 +16,7 @@ from segkv.layers.mla import MLADims, MultiHeadLatentAttention
 from segkv.layers.moe import MixtureOfExperts, RouterSpec
 from segkv.layers.norm import RMSNorm
 from segkv.layers.rotary import RotaryEmbedding, yarn_mscale
+from segkv.models.base import CausalLM, PreNormBlock
 from segkv.models.hf_config import require, rope_settings
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
@@ -105,7 +105,7 @@ class DeepseekConfig:
         return scale
 
 
-class DeepseekLayer(nn.Module):
+class DeepseekLayer(PreNormBlock):
     """One decoder layer: MLA, then a dense MLP (first layers) or the mixture of experts."""
 
     def __init__(self, cfg: DeepseekConfig, index: int, rotary: RotaryEmbedding) -> None:
@@ -122,9 +122,6 @@ class DeepseekLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias,
                                 activation=cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DeepseekBody(nn.Module):
@@ -140,7 +137,7 @@ class DeepseekBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(CausalLM):
     """A DeepSeek causal LM over the MLA latent cache.
 
     ``forward(input_ids (T,), positions (T,), meta)`` returns hidden states ``(T, hidden)``;
@@ -155,22 +152,13 @@ class DeepseekForCausalLM(nn.Module):
     rope_interleave: bool | None = True
 
     def __init__(self, cfg: DeepseekConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.model = DeepseekBody(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(cfg, DeepseekBody(cfg))
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> DeepseekForCausalLM:
         return cls(DeepseekConfig.from_hf(cfg, scoring=cls.default_scoring,
                                           topk_method=cls.default_topk_method,
                                           rope_interleave=cls.rope_interleave))
-
-    @property
-    def max_model_len(self) -> int:
-        return self.cfg.max_position_embeddings
 
     def kv_layout(self, dtype: torch.dtype) -> KVLayout:
         return KVLayout(kind="mla", num_layers=self.cfg.num_layers, kv_lora_rank=self.cfg.mla.kv_lora_rank,
@@ -186,16 +174,6 @@ class DeepseekForCausalLM(nn.Module):
             return False
         index = int(match.group(1))
         return self.cfg.num_layers <= index < self.cfg.num_layers + self.cfg.num_nextn_predict_layers
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, meta)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
 
 
 class DeepseekV2ForCausalLM(DeepseekForCausalLM):

@@ -1,0 +1,48 @@
+"""What every causal LM family shares: the pre-norm block, the embed-layers-norm body, the LM head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from segkv.attention.metadata import AttentionMetadata
+
+
+class PreNormBlock(nn.Module):
+    """``x + self_attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``.
+
+    Subclasses create the four submodules (names follow the checkpoints).
+    """
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """``model`` (embed_tokens, layers, norm) plus ``lm_head``, tied to the embeddings if asked.
+
+    ``forward(input_ids (T,), positions (T,), meta)`` returns hidden states ``(T, hidden)``;
+    ``compute_logits(hidden (N, hidden))`` returns float32 ``(N, vocab)``.
+    """
+
+    def __init__(self, cfg, body: nn.Module) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = body
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def max_model_len(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
