@@ -20,7 +20,7 @@ class AttentionMetadata:
     (attend over the latent cache) or ``"naive"`` (decompress per-head K/V per piece).
     """
 
-    backend: TorchReferenceBackend
+    backend: TorchReferenceBackend  # or TritonBackend: the same prepare/run interface
     prepared: PreparedPlan
     storage: PagedKVStorage
     slots: torch.Tensor

@@ -25,7 +25,8 @@ class LLM:
 
     ``max_model_len`` defaults to the model's own limit. The cache holds ``num_pages``
     pages, or as many as ``kv_cache_bytes`` allows. ``route`` forces an attention route;
-    ``mla_mode`` forces MLA's absorbed or naive path.
+    ``mla_mode`` forces MLA's absorbed or naive path. ``backend``: "auto" (Triton kernels on CUDA
+    for K/V caches, the torch reference otherwise), "torch" or "triton".
     """
 
     def __init__(
@@ -42,6 +43,7 @@ class LLM:
         mla_mode: str = "auto",
         prefill_chunk: int = 512,
         compaction: CompactionPolicy | None = None,
+        backend: str = "auto",
         progress: bool = False,
     ) -> None:
         self.model_dir = Path(model_dir)
@@ -60,7 +62,7 @@ class LLM:
         self.cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=num_pages),
                                   device=str(self.device), compaction=compaction)
         self.runner = ModelRunner(self.model, self.cache, device=self.device, route=route,
-                                  mla_mode=mla_mode, prefill_chunk=prefill_chunk)
+                                  mla_mode=mla_mode, prefill_chunk=prefill_chunk, backend=backend)
         self.generator = Generator(self.runner, self.tokenizer, max_model_len=self.max_model_len)
         self._request_ids = itertools.count()
 

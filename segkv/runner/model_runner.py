@@ -18,6 +18,7 @@ from segkv.cache.kv_cache import PagedKVCache
 from segkv.cache.page_pool import OutOfPagesError
 
 MLA_MODES = ("auto", "absorbed", "naive")
+BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(slots=True)
@@ -45,9 +46,12 @@ class ModelRunner:
         mla_mode: str = "auto",
         prefill_chunk: int = 512,
         decode_rows_threshold: int = 1,
+        backend: str = "auto",
     ) -> None:
         if mla_mode not in MLA_MODES:
             raise ValueError(f"mla_mode must be one of {MLA_MODES}, got {mla_mode!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.model = model
@@ -57,7 +61,7 @@ class ModelRunner:
         self.mla_mode = mla_mode
         self.prefill_chunk = prefill_chunk
         self.decode_rows_threshold = decode_rows_threshold
-        self.backend = TorchReferenceBackend(page_size=cache.page_size, device=self.device)
+        self.backend = self._make_backend(backend, cache)
         self.device_spec = DeviceSpec.detect(self.device)
         self.last_plan: AttentionPlan | None = None
         self.route_counts: Counter[str] = Counter()
@@ -136,6 +140,20 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
         last = torch.tensor(_last_rows(chunks), dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[last])
+
+    def _make_backend(self, name: str, cache: PagedKVCache):
+        """Triton kernels on CUDA for K/V caches ("auto"); the torch reference otherwise.
+
+        MLA's latent cache stays on the reference backend until its kernels land (its naive
+        path decompresses pieces through ``kv_transform``, which the kernels do not take).
+        """
+        use_triton = name == "triton" or (
+            name == "auto" and self.device.type == "cuda" and cache.layout.kind == "mha")
+        if use_triton:
+            from segkv.attention.triton_backend import TritonBackend
+
+            return TritonBackend(page_size=cache.page_size, device=self.device)
+        return TorchReferenceBackend(page_size=cache.page_size, device=self.device)
 
     def _mla_mode(self, chunks: list[list[int]]) -> str:
         """Absorbed (latent) attention for decode-sized windows, naive for prefill chunks."""

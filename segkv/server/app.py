@@ -281,7 +281,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
         prefix = stats.get("prefix", {})
         error = None if engine.error is None else str(engine.error)
         return {"status": "ok", "model": model_name, "engine_error": error,
-                "decode_route": route, "lse_api": LSE_API, "routes": stats.get("routes", {}),
+                "decode_route": route, "lse_api": getattr(llm.runner.backend, "lse_api", LSE_API), "routes": stats.get("routes", {}),
                 "pages_in_use": stats["pages_in_use"], "bytes_in_use": stats["bytes_in_use"],
                 "peak_bytes_in_use": stats["peak_bytes_in_use"], "num_pages": stats["num_pages"],
                 "cached_segments": prefix.get("num_nodes", 0),
