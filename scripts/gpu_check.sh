@@ -1,13 +1,28 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one go on the GPU machine; results under $OUT.
 # Uses the machine's own python3 (torch + triton); segkv runs from the working tree.
-# SEGKV_GPU_TESTS selects tests (pytest -k); the full kernel grid takes about an hour.
+#   SEGKV_GPU_TESTS  pytest -k expression for the kernel tests ("" = the full grid, about an hour)
+#   SEGKV_GPU_TUNE   launch-parameter sweep cases, e.g. 1x131072,4x32768 (empty: skip)
+#   SEGKV_GPU_BENCH  arguments for segkv.bench.decode_attention ("skip" to skip)
+# Installs pytest from .whl/ (carried) when the machine lacks it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/segkv-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
-python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py -k "${SEGKV_GPU_TESTS:-}" 2>&1 \
-  | tail -25 | tee "$OUT/tests.txt"
-python3 -m segkv.bench.decode_attention --json "$OUT/decode_attention.json" "$@" 2>&1 | tee "$OUT/bench.txt"
+python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_gpu_engine.py \
+  -k "${SEGKV_GPU_TESTS:-}" 2>&1 | tail -25 | tee "$OUT/tests.txt"
+if [ -n "${SEGKV_GPU_TUNE:-}" ]; then
+  python3 -m segkv.bench.decode_attention --tune "$SEGKV_GPU_TUNE" --trials 3 --json "$OUT/tune.json" 2>&1 \
+    | tee "$OUT/tune.txt"
+fi
+if [ "${SEGKV_GPU_BENCH:-}" != "skip" ]; then
+  # shellcheck disable=SC2086
+  python3 -m segkv.bench.decode_attention --json "$OUT/decode_attention.json" ${SEGKV_GPU_BENCH:-} 2>&1 \
+    | tee "$OUT/bench.txt"
+fi

@@ -8,7 +8,6 @@ the plan that ran.
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
@@ -167,3 +166,100 @@ def test_kv_write_kernel(gen):
     untouched = torch.ones(128, dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert torch.equal(flat[untouched], torch.zeros_like(flat[untouched]))
+
+
+def test_single_route_skips_the_merge_and_writes_rows_directly(gen):
+    batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=16, ratio=4, head_dim=64, rows=2)
+    plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=16, route="single")
+    tb = TritonBackend(page_size=16, device=DEVICE, poison=True)
+    prepared = tb.prepare(plan)
+    assert not prepared.needs_merge and (prepared.partial_direct >= 0).all()
+    storage = batch.cache.storage
+    out, lse = tb.run(prepared, batch.query, storage.key_cache(0), storage.value_cache(0), scale=batch.scale)
+    rb = TorchReferenceBackend(page_size=16, device=DEVICE)
+    ref, ref_lse = rb.run(rb.prepare(plan), batch.query, storage.key_cache(0), storage.value_cache(0),
+                          scale=batch.scale)
+    check(out, lse, ref, ref_lse)
+
+
+def test_head_major_page_layout_view(gen):
+    """The kernels take strides: a (page, head, row, dim) cache viewed as (page, row, head, dim)."""
+    batch = gqa_batch(gen, dtype=torch.float32, page_size=16, ratio=2, head_dim=64, rows=3)
+    plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=16, route="split",
+                          num_partitions=3)
+    storage = batch.cache.storage
+    k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (storage.key_cache(0), storage.value_cache(0)))
+    assert k.stride(2) == 16 * 64  # really head-major
+    tb = TritonBackend(page_size=16, device=DEVICE, poison=True)
+    out, lse = tb.run(tb.prepare(plan), batch.query, k, v, scale=batch.scale)
+    rb = TorchReferenceBackend(page_size=16, device=DEVICE)
+    ref, ref_lse = rb.run(rb.prepare(plan), batch.query, storage.key_cache(0), storage.value_cache(0),
+                          scale=batch.scale)
+    check(out, lse, ref, ref_lse)
+
+
+def test_fixed_size_plan_buffers_serve_any_plan_that_fits(gen):
+    """One backend with a capacity: successive plans reuse the same device buffers (the
+    addresses a CUDA graph would bake in); padding query rows come out 0 with LSE -inf; on a
+    GPU a graph captured with one plan replays another correctly."""
+    from segkv.attention.triton_backend import PlanCapacity
+
+    capacity = PlanCapacity(max_pages=256, max_pieces=64, max_work=64, max_partials=256, max_rows=16,
+                            max_work_rows=64)
+    tb = TritonBackend(page_size=16, device=DEVICE, poison=not GPU, capacity=capacity)
+    rb = TorchReferenceBackend(page_size=16, device=DEVICE)
+    batches = [gqa_batch(gen, dtype=torch.bfloat16, page_size=16, ratio=4, head_dim=64, rows=rows)
+               for rows in (1, 3)]
+    routes = ["split", "cascade"]
+    addresses = set()
+    for batch, route in zip(batches, routes):
+        plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=16, route=route,
+                              num_partitions=2 if route == "split" else None)
+        prepared = tb.prepare(plan)
+        addresses.add(prepared.page_table.data_ptr())
+        storage = batch.cache.storage
+        padded = torch.zeros(capacity.max_rows, *batch.query.shape[1:], dtype=batch.query.dtype, device=DEVICE)
+        padded[:plan.num_query_rows] = batch.query
+        out, lse = tb.run(prepared, padded, storage.key_cache(0), storage.value_cache(0), scale=batch.scale)
+        ref, ref_lse = rb.run(rb.prepare(plan), batch.query, storage.key_cache(0), storage.value_cache(0),
+                              scale=batch.scale)
+        n = plan.num_query_rows
+        check(out[:n], lse[:n], ref, ref_lse)
+        assert torch.equal(out[n:], torch.zeros_like(out[n:])) and torch.isneginf(lse[n:]).all()
+    assert len(addresses) == 1
+    small = TritonBackend(page_size=16, device=DEVICE, capacity=PlanCapacity(256, 64, 64, 4, 16))
+    with pytest.raises(ValueError, match="partial_row, capacity is 4"):
+        small.prepare(plan_attention(batches[1].queries, batches[1].shape, DeviceSpec.cpu(), page_size=16,
+                                     route="split", num_partitions=2))
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA graphs need the GPU")
+def test_cuda_graph_replays_a_new_plan(gen):
+    from segkv.attention.triton_backend import PlanCapacity
+
+    capacity = PlanCapacity(max_pages=512, max_pieces=128, max_work=128, max_partials=512, max_rows=8)
+    tb = TritonBackend(page_size=16, device=DEVICE, capacity=capacity)
+    rb = TorchReferenceBackend(page_size=16, device=DEVICE)
+    batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=16, ratio=4, head_dim=128, rows=1)
+    storage = batch.cache.storage
+    kc, vc = storage.key_cache(0), storage.value_cache(0)
+    query = torch.zeros(8, *batch.query.shape[1:], dtype=batch.query.dtype, device=DEVICE)
+    plans = [plan_attention(batch.queries, batch.shape, DeviceSpec.cuda(), page_size=16, route=r,
+                            num_partitions=n) for r, n in (("single", None), ("split", 3), ("cascade", None))]
+    prepared = tb.prepare(plans[0])
+    query[:3] = batch.query
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tb.run(prepared, query, kc, vc, scale=batch.scale)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = tb.run(prepared, query, kc, vc, scale=batch.scale)
+    for plan in plans:
+        query[:3] = torch.randn(batch.query.shape, generator=gen).to(query.dtype).to(DEVICE)
+        tb.prepare(plan)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = rb.run(rb.prepare(plan), query[:3].clone(), kc, vc, scale=batch.scale)
+        check(out[:3].clone(), lse[:3].clone(), ref, ref_lse)

@@ -70,7 +70,8 @@ def plan_attention(
 
     ``queries`` are the batch's sequences in query-row order. ``route`` forces a route
     (else ``SEGKV_ATTENTION_ROUTE``, else automatic); ``num_partitions`` forces how many
-    partitions the ``split`` route cuts each run into. ``cascade_min_rows`` is the fewest
+    partitions each run is cut into (``split``, ``segments`` and ``cascade``; without it
+    those routes cut long runs only as far as the device has idle slots, ``single`` never). ``cascade_min_rows`` is the fewest
     rows a shared span needs to be planned as a cascade piece (default: one page,
     or any shared span when ``cascade`` is forced).
     """
@@ -90,12 +91,15 @@ def plan_attention(
         layout = forced if forced != Route.SPLIT else Route.SINGLE
     runs = _build_runs(queries, layout, shared, page_size)
 
-    if forced == Route.SPLIT:
+    if forced == Route.SPLIT or (num_partitions is not None and forced != Route.SINGLE):
         cuts = _forced_cuts(runs, num_partitions)
-        reason = f"forced split, {num_partitions or 'auto'} partitions"
-    elif forced is None:
+        reason = f"{forced.value if forced else 'auto'} route, {num_partitions or 'default'} partitions"
+    elif forced in (None, Route.SEGMENTS, Route.CASCADE):
+        # segments and cascade pieces are split further when the batch leaves the device idle
         chunks, reason = _auto_chunk(runs, queries, shape, device, page_size)
         cuts = [_cut_rows(run, chunks[i] if chunks else None) for i, run in enumerate(runs)]
+        if forced is not None:
+            reason = f"forced {forced.value}; {reason}"
     else:
         cuts, reason = [_cut_rows(run, None) for run in runs], f"forced {forced.value}"
     pieces, work, max_parts = _partition(runs, cuts, queries, device.max_query_rows_per_work)
@@ -254,17 +258,11 @@ def _partition(
 
 
 def _cut_rows(run: _Run, limit: int | None) -> list[_Part]:
-    """Cut a run on page boundaries into partitions of at most ``limit`` rows (a page
-    larger than the limit is a partition of its own)."""
+    """Cut a run on page boundaries into ``ceil(rows / limit)`` partitions of near-equal page
+    counts, so no partition is a short straggler."""
     if limit is None or run.num_rows <= limit:
         return [(run.page_ids, run.page_rows, run.key_start)]
-    bounds, rows_in_part = [0], 0
-    for p, rows in enumerate(run.page_rows):
-        if rows_in_part and rows_in_part + rows > limit:
-            bounds.append(p)
-            rows_in_part = 0
-        rows_in_part += rows
-    return _parts_at(run, bounds)
+    return _cut_pages(run, math.ceil(run.num_rows / limit))
 
 
 def _cut_pages(run: _Run, num_parts: int) -> list[_Part]:

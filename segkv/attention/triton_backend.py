@@ -1,4 +1,11 @@
-"""The Triton backend: the same plans as the reference, run by the kernels in ``kernels/``."""
+"""The Triton backend: the same plans as the reference, run by the kernels in ``kernels/``.
+
+``prepare`` flattens a plan into int32 index arrays, packed into one host buffer and copied
+to the device in one transfer. With a :class:`PlanCapacity`, the arrays live at fixed
+addresses with fixed maximum sizes and the kernels launch fixed grids (padding work items do
+nothing), so a CUDA graph captured over ``run`` replays correctly for any later plan that
+fits: the next ``prepare`` only rewrites the buffer's contents.
+"""
 
 from __future__ import annotations
 
@@ -10,23 +17,100 @@ from segkv.attention.plan import AttentionPlan
 
 LSE_API_TRITON = "triton-merge"
 
+# The plan arrays, in their order inside the packed buffer.
+_FIELDS = ("page_table", "page_rows", "page_key_start", "piece_page_start", "work_piece", "work_partial_start",
+           "partial_row", "partial_offset", "partial_direct", "reduce_ptr", "reduce_partials")
+
+
+@dataclass(frozen=True, slots=True)
+class PlanCapacity:
+    """Fixed maximum sizes of a plan's index arrays (for CUDA-graph replay).
+
+    ``max_rows``: query rows of a step (the graph's batch bucket); ``max_work_rows``: query
+    rows one work item may serve (the planner's ``max_query_rows_per_work``).
+    """
+
+    max_pages: int
+    max_pieces: int
+    max_work: int
+    max_partials: int
+    max_rows: int
+    max_work_rows: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_pages", "max_pieces", "max_work", "max_partials", "max_rows", "max_work_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PlanCapacity.{name} must be >= 1, got {getattr(self, name)}")
+
+    def sizes(self) -> dict[str, int]:
+        return {
+            "page_table": self.max_pages, "page_rows": self.max_pages, "page_key_start": self.max_pages,
+            "piece_page_start": self.max_pieces + 1, "work_piece": self.max_work,
+            "work_partial_start": self.max_work + 1, "partial_row": self.max_partials,
+            "partial_offset": self.max_partials, "partial_direct": self.max_partials,
+            "reduce_ptr": self.max_rows + 1, "reduce_partials": self.max_partials,
+        }
+
 
 @dataclass(slots=True)
 class TritonPreparedPlan:
-    """A plan as int32 device tensors (see ``kernels.paged_attention.attention_partials``)."""
+    """A plan as int32 device tensors (see ``kernels.paged_attention.paged_attention``)."""
 
     plan: AttentionPlan
-    page_table: torch.Tensor
-    page_rows: torch.Tensor
-    page_key_start: torch.Tensor
-    piece_page_start: torch.Tensor
-    work_piece: torch.Tensor
-    work_partial_start: torch.Tensor
-    partial_row: torch.Tensor
-    partial_offset: torch.Tensor
-    reduce_ptr: torch.Tensor
-    reduce_partials: torch.Tensor
+    arrays: dict[str, torch.Tensor]
+    num_partials: int  # partial buffer rows (the capacity's maximum in fixed-size mode)
     max_work_rows: int
+    needs_merge: bool  # some row has other than exactly one partial
+    fixed: bool = False
+
+    def __getattr__(self, name: str) -> torch.Tensor:  # prepared.page_table, ...
+        try:
+            return self.arrays[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def flatten_plan(plan: AttentionPlan) -> dict[str, list[int]]:
+    """The plan's int32 index arrays as lists (layout documented in ``paged_attention``)."""
+    pages, rows, key_starts, starts = [], [], [], [0]
+    for piece in plan.pieces:
+        pages.extend(piece.page_ids)
+        rows.extend(piece.page_rows)
+        position = 0
+        for n in piece.page_rows:
+            key_starts.append(position)
+            position += n
+        starts.append(len(pages))
+    work_start, offsets = [0], []
+    for item in plan.work:
+        work_start.append(work_start[-1] + len(item.query_rows))
+        offsets.extend(item.causal_offsets)
+    reduce_ptr, reduce_partials = [0], []
+    direct = [-1] * plan.num_partials
+    for row, partials in enumerate(plan.reduce_map):
+        reduce_partials.extend(partials)
+        reduce_ptr.append(len(reduce_partials))
+        if len(partials) == 1:
+            direct[partials[0]] = row
+    return {
+        "page_table": pages, "page_rows": rows, "page_key_start": key_starts, "piece_page_start": starts,
+        "work_piece": [item.piece for item in plan.work], "work_partial_start": work_start,
+        "partial_row": list(plan.partial_rows), "partial_offset": offsets, "partial_direct": direct,
+        "reduce_ptr": reduce_ptr, "reduce_partials": reduce_partials,
+    }
+
+
+def _pad_for_capacity(arrays: dict[str, list[int]], sizes: dict[str, int]) -> dict[str, list[int]]:
+    """Pad each array to its capacity so padding entries are inert: padding work items and
+    rows repeat the last start (no rows, no partials), padding partials are not direct."""
+    fill_last = ("piece_page_start", "work_partial_start", "reduce_ptr")
+    padded = {}
+    for name, values in arrays.items():
+        if len(values) > sizes[name]:
+            raise ValueError(f"plan needs {len(values)} entries of {name}, capacity is {sizes[name]}")
+        fill = values[-1] if name in fill_last else (-1 if name == "partial_direct" else 0)
+        padded[name] = values + [fill] * (sizes[name] - len(values))
+    return padded
 
 
 class TritonBackend:
@@ -35,42 +119,63 @@ class TritonBackend:
     name = "triton"
     lse_api = LSE_API_TRITON
 
-    def __init__(self, *, page_size: int, device: str | torch.device = "cuda", poison: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        page_size: int,
+        device: str | torch.device = "cuda",
+        poison: bool = False,
+        capacity: PlanCapacity | None = None,
+        launch=None,
+    ) -> None:
         self.page_size = page_size
         self.device = torch.device(device)
         self.poison = poison  # tests: fill outputs with NaN before every launch
+        self.capacity = capacity
+        self.launch = launch  # kernels.paged_attention.LaunchConfig, or None for the measured default
+        self._fixed: dict[str, torch.Tensor] | None = None
+        self._staging: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+        if capacity is not None:
+            sizes = capacity.sizes()
+            total = sum(sizes.values())
+            buffer = torch.zeros(total, dtype=torch.int32, device=self.device)
+            self._fixed = self._views(buffer, sizes)
+            self._fixed_buffer = buffer
+            self._staging = torch.zeros(total, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+
+    @staticmethod
+    def _views(buffer: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+        views, start = {}, 0
+        for name in _FIELDS:
+            views[name] = buffer[start:start + sizes[name]]
+            start += sizes[name]
+        return views
 
     def prepare(self, plan: AttentionPlan) -> TritonPreparedPlan:
         """Flatten the plan into int32 tensors on the device (once per forward step)."""
-        pages, rows, key_starts, starts = [], [], [], [0]
-        for piece in plan.pieces:
-            pages.extend(piece.page_ids)
-            rows.extend(piece.page_rows)
-            position = 0
-            for n in piece.page_rows:
-                key_starts.append(position)
-                position += n
-            starts.append(len(pages))
-        work_start, offsets = [0], []
-        for item in plan.work:
-            work_start.append(work_start[-1] + len(item.query_rows))
-            offsets.extend(item.causal_offsets)
-        reduce_ptr, reduce_partials = [0], []
-        for partials in plan.reduce_map:
-            reduce_partials.extend(partials)
-            reduce_ptr.append(len(reduce_partials))
-
-        def t(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=self.device)
-
-        return TritonPreparedPlan(
-            plan=plan, page_table=t(pages), page_rows=t(rows), page_key_start=t(key_starts),
-            piece_page_start=t(starts),
-            work_piece=t([item.piece for item in plan.work]), work_partial_start=t(work_start),
-            partial_row=t(list(plan.partial_rows)), partial_offset=t(offsets),
-            reduce_ptr=t(reduce_ptr), reduce_partials=t(reduce_partials),
-            max_work_rows=max((len(item.query_rows) for item in plan.work), default=1),
-        )
+        arrays = flatten_plan(plan)
+        needs_merge = any(len(p) != 1 for p in plan.reduce_map)
+        max_work_rows = max((len(item.query_rows) for item in plan.work), default=1)
+        if self.capacity is None:
+            sizes = {name: len(arrays[name]) for name in _FIELDS}
+            host = torch.tensor([v for name in _FIELDS for v in arrays[name]], dtype=torch.int32)
+            device_buffer = host.to(self.device)
+            return TritonPreparedPlan(plan, self._views(device_buffer, sizes), plan.num_partials, max_work_rows,
+                                      needs_merge)
+        cap = self.capacity
+        if plan.num_query_rows > cap.max_rows or max_work_rows > cap.max_work_rows:
+            raise ValueError(f"plan with {plan.num_query_rows} rows ({max_work_rows} per work item) exceeds "
+                             f"the capacity ({cap.max_rows} rows, {cap.max_work_rows} per work item)")
+        padded = _pad_for_capacity(arrays, cap.sizes())
+        if self._copied is not None:  # the previous transfer must have read the staging buffer
+            self._copied.synchronize()
+        self._staging.copy_(torch.tensor([v for name in _FIELDS for v in padded[name]], dtype=torch.int32))
+        self._fixed_buffer.copy_(self._staging, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return TritonPreparedPlan(plan, self._fixed, cap.max_partials, cap.max_work_rows, True, fixed=True)
 
     def run(
         self,
@@ -83,23 +188,29 @@ class TritonBackend:
         out_dtype: torch.dtype | None = None,
         kv_transform=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of one layer; same arguments and results as the reference backend."""
-        from segkv.kernels.paged_attention import attention_partials, merge_partials
+        """Attention of one layer; same arguments and results as the reference backend.
+
+        With fixed-size buffers ``query`` may carry padding rows past the plan's rows (a graph
+        bucket); they come out 0 with LSE -inf.
+        """
+        from segkv.kernels.paged_attention import paged_attention
 
         if kv_transform is not None:
             raise ValueError("the Triton backend attends cached rows directly (no kv_transform)")
         plan = prepared.plan
-        if query.shape[0] != plan.num_query_rows:
-            raise ValueError(f"query has {query.shape[0]} rows, the plan {plan.num_query_rows}")
+        rows = query.shape[0]
+        if prepared.fixed:
+            if not plan.num_query_rows <= rows <= self.capacity.max_rows:
+                raise ValueError(f"query has {rows} rows; the plan needs {plan.num_query_rows} to "
+                                 f"{self.capacity.max_rows} (the capacity)")
+        elif rows != plan.num_query_rows:
+            raise ValueError(f"query has {rows} rows, the plan {plan.num_query_rows}")
         if query.shape[1] % key_cache.shape[2]:
             raise ValueError(f"{query.shape[1]} query heads for {key_cache.shape[2]} KV heads")
-        p = prepared
-        part_out, part_lse = attention_partials(
-            query=query, key_cache=key_cache, value_cache=value_cache, page_table=p.page_table,
-            page_rows=p.page_rows, page_key_start=p.page_key_start, piece_page_start=p.piece_page_start, work_piece=p.work_piece,
-            work_partial_start=p.work_partial_start, partial_row=p.partial_row, partial_offset=p.partial_offset,
-            num_partials=plan.num_partials, max_work_rows=p.max_work_rows, scale=scale, poison=self.poison,
+        a = prepared.arrays
+        return paged_attention(
+            query=query, key_cache=key_cache, value_cache=value_cache, **{name: a[name] for name in _FIELDS},
+            num_partials=prepared.num_partials, max_work_rows=prepared.max_work_rows, scale=scale,
+            out_dtype=out_dtype or query.dtype, needs_merge=prepared.needs_merge, launch=self.launch,
+            poison=self.poison,
         )
-        return merge_partials(partial_out=part_out, partial_lse=part_lse, reduce_ptr=p.reduce_ptr,
-                              reduce_partials=p.reduce_partials, num_rows=plan.num_query_rows,
-                              out_dtype=out_dtype or query.dtype, poison=self.poison)

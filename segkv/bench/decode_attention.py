@@ -1,16 +1,31 @@
-"""Decode attention benchmark: segkv's Triton routes (single, split) against torch's stock SDPA.
+"""Decode attention benchmark: segkv's Triton routes against torch's stock SDPA backends.
 
-Same tensors for every variant; shuffled trials; median with min/max; achieved GB/s (KV bytes
-read once per step) and the fraction of the measured device-to-device read bandwidth.
-Run on a CUDA device: ``python -m segkv.bench.decode_attention``.
+For each (shape, batch, context, page size) the same K/V data is attended by: stock
+``scaled_dot_product_attention`` on a contiguous copy (flash, cuDNN and memory-efficient
+backends, each where it runs), segkv ``single``, the planner's automatic plan (``split``),
+and ``segments`` with the same pages viewed as 2, 8 and 30 page-aligned segments. A separate
+case times ``cascade``: 16 forks of one shared prefix, each with its own suffix, against the
+same batch planned without sharing.
+
+Every variant is captured in a CUDA graph (no launch overhead in the figures; plans are
+prepared before timing). When a case's data is smaller than ``4 x L2``, the graph walks
+through enough copies of it that L2 is cold for each call. Trials run the variants in
+shuffled order; each figure is the median per call over the trials, with min and max; GB/s
+counts the unique KV bytes a step must read, and the fraction is of the copy bandwidth
+measured in the same run.
+
+Run on a CUDA device: ``python -m segkv.bench.decode_attention --help``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,134 +33,366 @@ import torch.nn.functional as F
 from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
 from segkv.attention.triton_backend import TritonBackend
 from segkv.cache import PagedKVCache
-from segkv.config import CacheConfig, KVLayout
+from segkv.cache.segment import ChainSpan
+from segkv.config import CacheConfig, CompactionPolicy, KVLayout
+
+SHAPES = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128)}
+SDPA_BACKENDS = ("flash", "cudnn", "efficient")
 
 
-def measured_read_bandwidth(device: str) -> float:
+def measured_read_bandwidth(device: str = "cuda") -> float:
     """Bytes per second of a large device-to-device copy, counting bytes read and written."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)
-
-
-def time_call(fn, *, iters: int) -> float:
-    """Median milliseconds of ``iters`` calls timed with CUDA events (after warm-up)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
+    rates = []
+    for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(10):
+            dst.copy_(src)
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        rates.append(2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3))
+    del src, dst
+    return statistics.median(rates)
 
 
-def bench_case(*, batch: int, context: int, q_heads: int, kv_heads: int, head_dim: int, dtype, page_size: int,
-               trials: int, iters: int, bandwidth: float) -> dict:
-    device = "cuda"
-    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
-    pages = batch * (-(-context // page_size)) + 8
-    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=pages), device=device)
-    chains = []
-    for _ in range(batch):
-        chain = cache.new_chain()
-        slots = torch.tensor(chain.append(context), device=device)
-        for start in range(0, context, 16384):
-            part = slots[start:start + 16384]
-            kv = torch.randn(2, part.numel(), kv_heads, head_dim, device=device, dtype=dtype)
-            cache.storage.write(0, part, kv[0], kv[1])
-        chains.append(chain)
-    queries = [SequenceQuery.from_chain(c, 1) for c in chains]
-    shape = AttentionShape(q_heads, kv_heads, head_dim, head_dim)
-    spec = DeviceSpec.cuda()
-    q = torch.randn(batch, q_heads, head_dim, device=device, dtype=dtype)
-    backend = TritonBackend(page_size=page_size, device=device)
-    kc, vc = cache.storage.key_cache(0), cache.storage.value_cache(0)
-    plans = {
-        "auto": plan_attention(queries, shape, spec, page_size=page_size),
-        "single": plan_attention(queries, shape, spec, page_size=page_size, route="single"),
-    }
-    auto = plans["auto"]
-    if auto.route.value != "split":  # measure split anyway, at the count the planner would use at batch 1
-        plans["split"] = plan_attention(queries, shape, spec, page_size=page_size, route="split",
-                                        num_partitions=max(2, spec.wave_size // max(1, batch * kv_heads)))
-    prepared = {name: backend.prepare(plan) for name, plan in plans.items()}
-    # stock: SDPA over a contiguous copy of the same K/V (batch, heads, context, dim)
-    kd = torch.stack([kc.flatten(0, 1)[torch.tensor(c.slots(), device=device)] for c in chains]).transpose(1, 2)
-    vd = torch.stack([vc.flatten(0, 1)[torch.tensor(c.slots(), device=device)] for c in chains]).transpose(1, 2)
-    qd = q.unsqueeze(2)  # (batch, heads, 1, dim)
-    variants = {name: (lambda p=p: backend.run(p, q, kc, vc, scale=head_dim**-0.5)) for name, p in prepared.items()}
-    variants["torch_sdpa"] = lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)
-    samples = {name: [] for name in variants}
+@dataclass
+class Timer:
+    """A variant captured in a CUDA graph over every data copy; ``ms()`` is the time per call."""
+
+    graph: torch.cuda.CUDAGraph
+    calls: int  # calls per replay (one per data copy)
+    reps: int = 1
+
+    @classmethod
+    def capture(cls, fns: list) -> Timer:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for fn in fns:  # warm up (compiles kernels, picks SDPA algorithms) outside the graph
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for fn in fns:
+                fn()
+        torch.cuda.synchronize()
+        timer = cls(graph, len(fns))
+        once = timer.ms()  # size the repetitions so one measurement lasts about 2 ms
+        timer.reps = max(1, min(200, round(2.0 / max(once, 1e-3) / timer.calls)))
+        return timer
+
+    def ms(self) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(self.reps):
+            self.graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / (self.reps * self.calls)
+
+
+def regroup(query: SequenceQuery, num_segments: int, page_size: int, id_base: int) -> SequenceQuery:
+    """The same pages seen as ``num_segments`` page-aligned sealed segments (the spans a chain
+    sealed ``num_segments - 1`` times at page boundaries would have)."""
+    pages = [p for span in query.spans for p in span.page_ids]
+    total = query.num_kv_rows
+    bounds = [round(i * len(pages) / num_segments) for i in range(num_segments + 1)]
+    spans = []
+    for i in range(num_segments):
+        ids = tuple(pages[bounds[i]:bounds[i + 1]])
+        start = bounds[i] * page_size
+        rows = min(total, bounds[i + 1] * page_size) - start
+        if rows > 0:
+            spans.append(ChainSpan(id_base + i, ids, rows, start, sealed=True))
+    return SequenceQuery(tuple(spans), query.num_query_rows)
+
+
+def _fill_random(cache: PagedKVCache, generator: torch.Generator) -> None:
+    for tensor in (cache.storage.key_cache(0), cache.storage.value_cache(0)):
+        for start in range(0, tensor.shape[0], 4096):
+            chunk = tensor[start:start + 4096]
+            chunk.copy_(torch.randn(chunk.shape, device=chunk.device, generator=generator))
+
+
+def _contiguous(cache: PagedKVCache, chains, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, kv_heads, context, dim) copies of the chains' K and V, for stock SDPA."""
+    out = []
+    for tensor in (cache.storage.key_cache(0), cache.storage.value_cache(0)):
+        rows = [tensor[torch.tensor([p for s in c.spans() for p in s.page_ids], device=tensor.device)]
+                .flatten(0, 1)[:context] for c in chains]
+        out.append(torch.stack(rows).transpose(1, 2).contiguous())
+    return out[0], out[1]
+
+
+def _sdpa_call(backend: str, q, k, v):
+    """Stock SDPA for GQA decode: each KV head's query heads are the query rows (no mask)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
+
+    def call():
+        with sdpa_kernel([chosen]):
+            return F.scaled_dot_product_attention(q, k, v)
+    return call
+
+
+def _summarise(times: list[float], kv_bytes: int, bandwidth: float) -> dict:
+    med = statistics.median(times)
+    return {"median_ms": med, "min_ms": min(times), "max_ms": max(times), "gbps": kv_bytes / (med / 1e3) / 1e9,
+            "fraction_of_bandwidth": kv_bytes / (med / 1e3) / bandwidth}
+
+
+def _run_trials(timers: dict[str, Timer], trials: int) -> dict[str, list[float]]:
+    samples = {name: [] for name in timers}
     for _ in range(trials):
-        order = list(variants)
+        order = list(timers)
         random.shuffle(order)
         for name in order:
-            samples[name].append(time_call(variants[name], iters=iters))
+            samples[name].append(timers[name].ms())
+    return samples
+
+
+def bench_case(*, shape_name: str, batch: int, context: int, page_size: int, dtype, trials: int, bandwidth: float,
+               segment_counts=(2, 8, 30), sdpa=SDPA_BACKENDS, seed: int = 0) -> dict:
+    """One (shape, batch, context, page size) case; returns its row of the table."""
+    device = "cuda"
+    q_heads, kv_heads, head_dim = SHAPES[shape_name]
+    gen = torch.Generator(device=device).manual_seed(seed)
     kv_bytes = 2 * batch * context * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    result = {"batch": batch, "context": context, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
-              "dtype": str(dtype).replace("torch.", ""), "page_size": page_size,
-              "planner_route": auto.route.value, "planner_partitions": auto.num_partitions, "variants": {}}
-    for name, times in samples.items():
-        med = statistics.median(times)
-        result["variants"][name] = {"median_ms": med, "min_ms": min(times), "max_ms": max(times),
-                                    "gbps": kv_bytes / (med / 1e3) / 1e9,
-                                    "fraction_of_bandwidth": kv_bytes / (med / 1e3) / bandwidth}
-    for chain in chains:
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    copies = max(1, min(16, math.ceil(4 * l2 / kv_bytes)))
+    pages_per_seq = -(-context // page_size)
+    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=copies * batch * pages_per_seq + 1),
+                         device=device, compaction=CompactionPolicy(enabled=False))
+    _fill_random(cache, gen)
+    shape = AttentionShape(q_heads, kv_heads, head_dim, head_dim)
+    spec = DeviceSpec.cuda()
+    backend = TritonBackend(page_size=page_size, device=device)
+    kc, vc = cache.storage.key_cache(0), cache.storage.value_cache(0)
+    scale = head_dim**-0.5
+    fns: dict[str, list] = {}
+    plans: dict[str, dict] = {}
+    chains_all = []
+    for copy in range(copies):
+        chains = [cache.new_chain() for _ in range(batch)]
+        for chain in chains:
+            chain.append(context)
+        chains_all.extend(chains)
+        queries = [SequenceQuery.from_chain(c, 1) for c in chains]
+        q = torch.randn(batch, q_heads, head_dim, device=device, dtype=dtype, generator=gen)
+        variants = {
+            "single": plan_attention(queries, shape, spec, page_size=page_size, route="single"),
+            "auto": plan_attention(queries, shape, spec, page_size=page_size),
+        }
+        for n in segment_counts:
+            grouped = [regroup(qr, n, page_size, 1000 * i) for i, qr in enumerate(queries)]
+            variants[f"segments{n}"] = plan_attention(grouped, shape, spec, page_size=page_size, route="segments")
+        for name, plan in variants.items():
+            prepared = backend.prepare(plan)
+            fns.setdefault(name, []).append(lambda p=prepared, q=q: backend.run(p, q, kc, vc, scale=scale))
+            plans.setdefault(name, plan.describe())
+        k, v = _contiguous(cache, chains, context)
+        qd = q.view(batch, kv_heads, q_heads // kv_heads, head_dim)
+        for name in sdpa:
+            fns.setdefault(f"sdpa_{name}", []).append(_sdpa_call(name, qd, k, v))
+    timers, errors = {}, {}
+    for name, calls in fns.items():
+        try:
+            timers[name] = Timer.capture(calls)
+        except Exception as exc:  # a stock backend that does not run this shape
+            errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    samples = _run_trials(timers, trials)
+    result = {"shape": shape_name, "batch": batch, "context": context, "page_size": page_size,
+              "dtype": str(dtype).replace("torch.", ""), "l2_copies": copies, "plans": plans, "errors": errors,
+              "variants": {name: _summarise(t, kv_bytes, bandwidth) for name, t in samples.items()}}
+    del timers, fns
+    for chain in chains_all:
         chain.release()
     return result
 
 
+def bench_cascade(*, shape_name: str, forks: int, prefix: int, suffix: int, page_size: int, dtype, trials: int,
+                  bandwidth: float, seed: int = 0) -> dict:
+    """``forks`` sequences sharing a ``prefix``-row history, each with ``suffix`` rows of its own:
+    the planner's cascade plan against the same batch planned without sharing (split)."""
+    device = "cuda"
+    q_heads, kv_heads, head_dim = SHAPES[shape_name]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    pages = (prefix + forks * (suffix + page_size)) // page_size + 8
+    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=pages), device=device,
+                         compaction=CompactionPolicy(enabled=False))
+    _fill_random(cache, gen)
+    root = cache.new_chain()
+    root.append(prefix)
+    root.seal()
+    chains = [root.fork() for _ in range(forks)]
+    for chain in chains:
+        chain.append(suffix)
+    queries = [SequenceQuery.from_chain(c, 1) for c in chains]
+    shape = AttentionShape(q_heads, kv_heads, head_dim, head_dim)
+    spec = DeviceSpec.cuda()
+    backend = TritonBackend(page_size=page_size, device=device)
+    kc, vc = cache.storage.key_cache(0), cache.storage.value_cache(0)
+    q = torch.randn(forks, q_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    plans = {"cascade": plan_attention(queries, shape, spec, page_size=page_size),
+             "no_sharing": plan_attention(queries, shape, spec, page_size=page_size, route="split")}
+    prepared = {name: backend.prepare(plan) for name, plan in plans.items()}
+    timers = {name: Timer.capture([lambda p=p: backend.run(p, q, kc, vc, scale=head_dim**-0.5)])
+              for name, p in prepared.items()}
+    samples = _run_trials(timers, trials)
+    element = torch.empty((), dtype=dtype).element_size()
+    unique = 2 * (prefix + forks * suffix) * kv_heads * head_dim * element
+    result = {"shape": shape_name, "forks": forks, "prefix": prefix, "suffix": suffix, "page_size": page_size,
+              "dtype": str(dtype).replace("torch.", ""), "plans": {n: p.describe() for n, p in plans.items()},
+              "variants": {name: _summarise(t, unique, bandwidth) for name, t in samples.items()}}
+    result["speedup"] = result["variants"]["no_sharing"]["median_ms"] / result["variants"]["cascade"]["median_ms"]
+    for chain in (*chains, root):
+        chain.release()
+    return result
+
+
+def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], page_size: int = 16) -> list[dict]:
+    """Launch-parameter and partition-count sweep of the split route (Llama-3-8B shape), in the
+    cache's token-major page layout and a head-major one (``(page, head, row, dim)``)."""
+    from segkv.kernels.paged_attention import LaunchConfig
+
+    device = "cuda"
+    q_heads, kv_heads, head_dim = SHAPES["llama3-8b"]
+    shape = AttentionShape(q_heads, kv_heads, head_dim, head_dim)
+    spec = DeviceSpec.cuda()
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for batch, context in cases:
+        pages_per_seq = -(-context // page_size)
+        num_pages = batch * pages_per_seq + 1
+        layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+        cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=num_pages), device=device,
+                             compaction=CompactionPolicy(enabled=False))
+        _fill_random(cache, gen)
+        chains = [cache.new_chain() for _ in range(batch)]
+        for chain in chains:
+            chain.append(context)
+        queries = [SequenceQuery.from_chain(c, 1) for c in chains]
+        q = torch.randn(batch, q_heads, head_dim, device=device, dtype=dtype, generator=gen)
+        token_major = (cache.storage.key_cache(0), cache.storage.value_cache(0))
+        head_major = tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in token_major)
+        kv_bytes = 2 * batch * context * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        auto = plan_attention(queries, shape, spec, page_size=page_size)
+        default = (64, 4, 2)
+        configs = set()
+        for parts in (auto.num_partitions, 132):  # launch parameters at two partition counts
+            for block_n in (32, 64, 128):
+                for warps in (2, 4, 8):
+                    for stages in (1, 2, 3, 4):
+                        configs.add((parts, block_n, warps, stages, "token"))
+        for parts in (1, 2, 4, 8, 16, 33, 66, 132, 264):  # partition counts at two launch settings
+            configs |= {(parts, *default, "token"), (parts, 128, 4, 3, "token")}
+        for launch in (default, (64, 4, 3), (128, 4, 3), (128, 8, 3)):  # the head-major layout
+            configs.add((auto.num_partitions, *launch, "head"))
+        timers = {}
+        for parts, block_n, warps, stages, layout_name in sorted(configs):
+            if parts * page_size * 4 > context:
+                continue
+            plan = plan_attention(queries, shape, spec, page_size=page_size, route="split", num_partitions=parts)
+            kc, vc = token_major if layout_name == "token" else head_major
+            backend = TritonBackend(page_size=page_size, device=device, launch=LaunchConfig(block_n, warps, stages))
+            prepared = backend.prepare(plan)
+            key = f"p{parts}_n{block_n}_w{warps}_s{stages}_{layout_name}"
+            try:
+                timers[key] = Timer.capture(
+                    [lambda b=backend, p=prepared, kc=kc, vc=vc: b.run(p, q, kc, vc, scale=0.088)])
+            except Exception as exc:
+                print(f"tune {key}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        samples = _run_trials(timers, trials)
+        results = {k: _summarise(t, kv_bytes, bandwidth) for k, t in samples.items()}
+        best = sorted(results.items(), key=lambda kv: kv[1]["median_ms"])[:12]
+        rows.append({"batch": batch, "context": context, "auto_partitions": auto.num_partitions,
+                     "results": results})
+        print(f"tune B={batch} ctx={context} auto x{auto.num_partitions}: "
+              + "  ".join(f"{k}={v['median_ms']:.4f}ms({v['fraction_of_bandwidth']:.0%})" for k, v in best),
+              flush=True)
+        del timers, token_major, head_major
+        for chain in chains:
+            chain.release()
+        del cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--contexts", default="2048,8192,32768,131072")
-    parser.add_argument("--q-heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--page-size", type=int, default=16)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="llama3-8b,llama3-70b")
+    parser.add_argument("--batches", default="1,4,16,64")
+    parser.add_argument("--contexts", default="4096,16384,32768,65536,131072")
+    parser.add_argument("--page-sizes", default="16,32")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--max-kv-gib", type=float, default=40.0)
+    parser.add_argument("--max-kv-gib", type=float, default=33.0)
+    parser.add_argument("--no-cascade", action="store_true")
+    parser.add_argument("--tune", default="", help="instead: sweep launch parameters on BxCTX cases, e.g. 1x131072")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    bandwidth = measured_read_bandwidth("cuda")
-    print(f"device {torch.cuda.get_device_name()}; measured bandwidth {bandwidth / 1e12:.2f} TB/s "
-          "(a device-to-device copy, bytes read + written); fractions below are of this rate")
-    rows = []
-    for batch in map(int, args.batches.split(",")):
-        for context in map(int, args.contexts.split(",")):
-            kv_gib = 2 * batch * context * args.kv_heads * args.head_dim * 2 / 2**30
-            if kv_gib > args.max_kv_gib:
-                continue
-            r = bench_case(batch=batch, context=context, q_heads=args.q_heads, kv_heads=args.kv_heads,
-                           head_dim=args.head_dim, dtype=dtype, page_size=args.page_size, trials=args.trials,
-                           iters=args.iters, bandwidth=bandwidth)
-            rows.append(r)
-            v = r["variants"]
-            print(f"B={batch:3d} ctx={context:6d} plan={r['planner_route']}x{r['planner_partitions']:<3d} "
-                  + "  ".join(f"{n}={x['median_ms']:.3f}ms({x['fraction_of_bandwidth']:.0%})" for n, x in v.items()),
-                  flush=True)
+    random.seed(0)
+    bandwidth = measured_read_bandwidth()
+    device_name = torch.cuda.get_device_name()
+    print(f"device {device_name}; measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (bytes read + written); "
+          f"fractions below are of this rate", flush=True)
+    report = {"device": device_name, "bandwidth_bytes_per_s": bandwidth, "torch": torch.__version__,
+              "dtype": args.dtype, "trials": args.trials}
+    if args.tune:
+        cases = [tuple(int(x) for x in c.split("x")) for c in args.tune.split(",")]
+        report["tune"] = tune(dtype=dtype, trials=args.trials, bandwidth=bandwidth, cases=cases)
+    else:
+        rows = []
+        started = time.time()
+        for shape_name in args.shapes.split(","):
+            for page_size in _ints(args.page_sizes):
+                for batch in _ints(args.batches):
+                    for context in _ints(args.contexts):
+                        q_heads, kv_heads, head_dim = SHAPES[shape_name]
+                        if 2 * batch * context * kv_heads * head_dim * 2 / 2**30 > args.max_kv_gib:
+                            continue
+                        r = bench_case(shape_name=shape_name, batch=batch, context=context, page_size=page_size,
+                                       dtype=dtype, trials=args.trials, bandwidth=bandwidth)
+                        rows.append(r)
+                        _print_row(r, time.time() - started)
+                        torch.cuda.empty_cache()
+        report["rows"] = rows
+        if not args.no_cascade:
+            cascade = bench_cascade(shape_name="llama3-8b", forks=16, prefix=32768, suffix=512, page_size=16,
+                                    dtype=dtype, trials=args.trials, bandwidth=bandwidth)
+            report["cascade"] = cascade
+            v = cascade["variants"]
+            print(f"cascade 16 forks x 32K prefix + 512: cascade {v['cascade']['median_ms']:.3f} ms, "
+                  f"no sharing {v['no_sharing']['median_ms']:.3f} ms, speedup {cascade['speedup']:.1f}x", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "bandwidth_bytes_per_s": bandwidth, "rows": rows}, f,
-                      indent=1)
+            json.dump(report, f, indent=1)
     return 0
+
+
+def _print_row(r: dict, elapsed: float) -> None:
+    v = r["variants"]
+    stock = min((x["median_ms"] for n, x in v.items() if n.startswith("sdpa_")), default=float("nan"))
+    auto = r["plans"]["auto"]
+    print(f"[{elapsed:5.0f}s] {r['shape']} p{r['page_size']} B={r['batch']:2d} ctx={r['context']:6d} "
+          f"plan={auto['route']}x{auto['max_partitions']} best_sdpa={stock:.4f}ms "
+          + " ".join(f"{n}={x['median_ms']:.4f}({x['fraction_of_bandwidth']:.0%})" for n, x in v.items())
+          + (f" errors={list(r['errors'])}" if r["errors"] else ""), flush=True)
 
 
 if __name__ == "__main__":

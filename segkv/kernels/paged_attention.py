@@ -8,6 +8,7 @@ merge kernel, so results equal float32 attention over the whole history rounded 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -18,11 +19,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _stage1_kernel(
-    Q, K, V, OUT, LSE,
+    Q, K, V, OUT, LSE, FINAL, FINAL_LSE,
     page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start, partial_row,
-    partial_offset,
+    partial_offset, partial_direct,
     stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
-    stride_op, stride_oh, stride_lp,
+    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr,
     scale,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -32,14 +33,17 @@ def _stage1_kernel(
     scanning the work item's piece ``BLOCK_N`` rows (``BLOCK_N / PAGE_SIZE`` pages) at a time with
     an online softmax in float32. Q.K products of bf16/fp16 inputs are exact in float32; for P.V,
     P is split into two bf16/fp16 parts (about 16 significant bits) against the native V tile,
-    accumulated in float32; float32 inputs use IEEE float32 throughout."""
+    accumulated in float32; float32 inputs use IEEE float32 throughout.
+
+    A partial that is its row's only one (``partial_direct >= 0``, the row) is rounded once and
+    stored straight into FINAL/FINAL_LSE; the others go to OUT/LSE for the merge kernel."""
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     w = tl.program_id(0)
     kvh = tl.program_id(1)
     mb = tl.program_id(2)
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
-    if mb * BLOCK_M >= n_rows * GROUP:
+    if mb * BLOCK_M >= n_rows * GROUP:  # also the padding work items of fixed-size plan buffers
         return
     pair = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     r = pair // GROUP
@@ -50,8 +54,10 @@ def _stage1_kernel(
     offset = tl.load(partial_offset + partial, mask=valid, other=-1)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
+    dk_ok = offs_dk < DK
+    dv_ok = offs_dv < DV
     q = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + offs_dk[None, :],
-                mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
+                mask=valid[:, None] & dk_ok[None, :], other=0.0)
 
     piece = tl.load(work_piece + w)
     pg0 = tl.load(piece_page_start + piece)
@@ -62,6 +68,9 @@ def _stage1_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     slot = offs_n // PAGE_SIZE
     row_in_page = offs_n % PAGE_SIZE
+    # loop-invariant parts of the K/V addresses: this KV head, the row within its page
+    k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
+    v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
     for pg in range(pg0, pg1, PAGES):
         pidx = pg + slot
         in_range = pidx < pg1
@@ -69,10 +78,8 @@ def _stage1_kernel(
         rows = tl.load(page_rows + pidx, mask=in_range, other=0)
         kpos = tl.load(page_key_start + pidx, mask=in_range, other=0) + row_in_page
         in_page = row_in_page < rows
-        k = tl.load(K + page[:, None] * stride_kp + row_in_page[:, None] * stride_kn + kvh * stride_kh
-                    + offs_dk[None, :], mask=in_page[:, None] & (offs_dk[None, :] < DK), other=0.0)
-        v = tl.load(V + page[:, None] * stride_vp + row_in_page[:, None] * stride_vn + kvh * stride_vh
-                    + offs_dv[None, :], mask=in_page[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        k = tl.load(k_base + (page * stride_kp)[:, None], mask=in_page[:, None] & dk_ok[None, :], other=0.0)
+        v = tl.load(v_base + (page * stride_vp)[:, None], mask=in_page[:, None] & dv_ok[None, :], other=0.0)
         if EXACT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -96,9 +103,16 @@ def _stage1_kernel(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    direct = tl.load(partial_direct + partial, mask=valid, other=-1)
+    to_merge = valid & (direct < 0)
+    to_final = valid & (direct >= 0)
+    frow = tl.where(to_final, direct, 0).to(tl.int64)
     tl.store(OUT + partial[:, None] * stride_op + head[:, None] * stride_oh + offs_dv[None, :], out,
-             mask=valid[:, None] & (offs_dv[None, :] < DV))
-    tl.store(LSE + partial * stride_lp + head, lse, mask=valid)
+             mask=to_merge[:, None] & dv_ok[None, :])
+    tl.store(LSE + partial * stride_lp + head, lse, mask=to_merge)
+    tl.store(FINAL + frow[:, None] * stride_fr + head[:, None] * stride_fh + offs_dv[None, :],
+             out.to(FINAL.dtype.element_ty, fp_downcast_rounding="rtne"), mask=to_final[:, None] & dv_ok[None, :])
+    tl.store(FINAL_LSE + frow * stride_flr + head, lse, mask=to_final)
 
 
 @triton.jit
@@ -107,11 +121,14 @@ def _merge_kernel(
     stride_pp, stride_ph, stride_lp, stride_or, stride_oh, stride_lr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One program per (query row, head): the exact merge of its partials, rounded once."""
+    """One program per (query row, head): the exact merge of its partials, rounded once. Rows
+    without partials get 0 and LSE -inf; rows with exactly one were written by stage 1."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     start = tl.load(reduce_ptr + row)
     end = tl.load(reduce_ptr + row + 1)
+    if end - start == 1:  # stage 1 already wrote this row's only partial, rounded once
+        return
     offs = tl.arange(0, BLOCK_DV)
     m = float("-inf")
     for i in range(start, end):
@@ -144,71 +161,85 @@ def _kv_write_kernel(SRC, DST, slots, stride_sn, stride_dn, WIDTH: tl.constexpr,
     tl.store(DST + slot * stride_dn + offs, row.to(DST.dtype.element_ty), mask=offs < WIDTH)
 
 
-def attention_partials(
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """Stage-1 tile and launch parameters: KV rows per iteration, warps, pipeline stages."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
+    """Measured defaults (``docs/benchmarks.md``), overridable by ``SEGKV_TRITON_BLOCK_N``,
+    ``SEGKV_TRITON_WARPS`` and ``SEGKV_TRITON_STAGES``."""
+    wide = head_dim > 128
+    block_n = int(os.environ.get("SEGKV_TRITON_BLOCK_N", 32 if wide else 64))
+    return LaunchConfig(
+        block_n=max(page_size, block_n),
+        num_warps=int(os.environ.get("SEGKV_TRITON_WARPS", 4)),
+        num_stages=int(os.environ.get("SEGKV_TRITON_STAGES", 2)),
+    )
+
+
+def paged_attention(
     *, query, key_cache, value_cache, page_table, page_rows, page_key_start, piece_page_start, work_piece,
-    work_partial_start, partial_row, partial_offset, num_partials, max_work_rows, scale, block_m=64,
+    work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
+    num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
     poison=False,
 ):
-    """Stage 1: float32 partial outputs and LSEs of every (work item, row) pair.
+    """Attention of a plan: stage-1 partials, then the exact merge, rounded once.
 
     query ``(R, Hq, Dk)``; key_cache ``(P, page_size, Hkv, Dk)``; value_cache
-    ``(P, page_size, Hkv, Dv)`` (may be a strided view); the int32 plan tensors:
-    page_table/page_rows/page_key_start ``(total_pages,)`` (key_start: position of the page's
-    first row within its piece), piece_page_start ``(pieces + 1,)``,
-    work_piece ``(W,)``, work_partial_start ``(W + 1,)``, partial_row/partial_offset
-    ``(num_partials,)``. Returns ``(out (num_partials, Hq, Dv) float32, lse (num_partials, Hq) float32)``.
+    ``(P, page_size, Hkv, Dv)`` (either may be a strided view, e.g. a head-major page layout);
+    the int32 plan tensors: page_table/page_rows/page_key_start ``(total_pages,)`` (key_start:
+    position of the page's first row within its piece), piece_page_start ``(pieces + 1,)``,
+    work_piece ``(W,)``, work_partial_start ``(W + 1,)`` (padding items repeat the last start),
+    partial_row/partial_offset/partial_direct ``(num_partials,)`` (direct: the output row when
+    the partial is its row's only one, else -1), reduce_ptr ``(R + 1,)`` and reduce_partials
+    (CSR rows -> partials). ``needs_merge=False`` (every row has exactly one partial) skips the
+    merge launch. Returns ``(out (R, Hq, Dv) out_dtype, lse (R, Hq) float32)``; rows without
+    partials are 0 with LSE -inf.
     """
-    num_heads, dk = query.shape[1], query.shape[2]
+    num_rows, num_heads, dk = query.shape
     page_size, num_kv = key_cache.shape[1], key_cache.shape[2]
     dv = value_cache.shape[3]
     group = num_heads // num_kv
-    out = torch.empty(num_partials, num_heads, dv, dtype=torch.float32, device=query.device)
-    lse = torch.empty(num_partials, num_heads, dtype=torch.float32, device=query.device)
-    if poison:  # tests: anything the kernel fails to write stays NaN
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-    num_work = work_piece.numel()
-    if num_work == 0:
-        return out, lse
-    wide = max(dk, dv) > 128
-    block_m = max(16, min(32 if wide else block_m, triton.next_power_of_2(max_work_rows * group)))
-    block_n = max(page_size, int(os.environ.get("SEGKV_TRITON_BLOCK_N", 32 if wide else 64)))
-    grid = (num_work, num_kv, triton.cdiv(max_work_rows * group, block_m))
-    _stage1_kernel[grid](
-        query, key_cache, value_cache, out, lse,
-        page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start, partial_row,
-        partial_offset,
-        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        out.stride(0), out.stride(1), lse.stride(0),
-        scale,
-        GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
-        BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
-        # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
-        EXACT_FP32=query.dtype == torch.float32 or _INTERPRET,
-        num_warps=int(os.environ.get("SEGKV_TRITON_WARPS", 4)), num_stages=int(os.environ.get("SEGKV_TRITON_STAGES", 2)),
-    )
-    return out, lse
-
-
-def merge_partials(*, partial_out, partial_lse, reduce_ptr, reduce_partials, num_rows, out_dtype, poison=False):
-    """Stage 2: merge partials per row (CSR ``reduce_ptr (R + 1,)``, ``reduce_partials (P,)`` int32).
-
-    Returns ``(out (R, Hq, Dv) out_dtype, lse (R, Hq) float32)``; rows without partials are 0, -inf.
-    """
-    num_heads, dv = partial_out.shape[1], partial_out.shape[2]
+    device = query.device
     # Triton's interpreter truncates float32 -> bf16/fp16 stores (even with "rtne"): there the
-    # kernel writes float32 and torch rounds once, to nearest even, as the GPU kernel does.
+    # kernels write float32 and torch rounds once, to nearest even, as the GPU kernels do.
     kernel_dtype = torch.float32 if _INTERPRET else out_dtype
-    out = torch.empty(num_rows, num_heads, dv, dtype=kernel_dtype, device=partial_out.device)
-    lse = torch.empty(num_rows, num_heads, dtype=torch.float32, device=partial_out.device)
-    if poison:
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-    if num_rows:
+    out = torch.empty(num_rows, num_heads, dv, dtype=kernel_dtype, device=device)
+    lse = torch.empty(num_rows, num_heads, dtype=torch.float32, device=device)
+    part_out = torch.empty(num_partials, num_heads, dv, dtype=torch.float32, device=device)
+    part_lse = torch.empty(num_partials, num_heads, dtype=torch.float32, device=device)
+    if poison:  # tests: anything the kernels fail to write stays NaN
+        for t in (out, lse, part_out, part_lse):
+            t.fill_(float("nan"))
+    num_work = work_piece.numel()
+    if num_work and num_partials:
+        launch = launch or default_launch_config(head_dim=max(dk, dv), page_size=page_size)
+        block_m = max(16, min(32 if max(dk, dv) > 128 else 64, triton.next_power_of_2(max_work_rows * group)))
+        grid = (num_work, num_kv, triton.cdiv(max_work_rows * group, block_m))
+        _stage1_kernel[grid](
+            query, key_cache, value_cache, part_out, part_lse, out, lse,
+            page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start,
+            partial_row, partial_offset, partial_direct,
+            query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
+            lse.stride(0),
+            scale,
+            GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
+            BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=max(page_size, launch.block_n),
+            # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
+            EXACT_FP32=query.dtype == torch.float32 or _INTERPRET,
+            num_warps=launch.num_warps, num_stages=launch.num_stages,
+        )
+    if num_rows and (needs_merge or not (num_work and num_partials)):
         _merge_kernel[(num_rows, num_heads)](
-            partial_out, partial_lse, out, lse, reduce_ptr, reduce_partials,
-            partial_out.stride(0), partial_out.stride(1), partial_lse.stride(0),
+            part_out, part_lse, out, lse, reduce_ptr, reduce_partials,
+            part_out.stride(0), part_out.stride(1), part_lse.stride(0),
             out.stride(0), out.stride(1), lse.stride(0),
             DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         )
