@@ -2,7 +2,8 @@
 # GPU tests and benchmarks in one go on the GPU machine; results under $OUT.
 # Uses the machine's own python3 (torch + triton); segkv runs from the working tree.
 #   SEGKV_GPU_TESTS  pytest -k expression for the kernel tests ("" = the full grid, about an hour)
-#   SEGKV_GPU_TUNE   launch-parameter sweep cases, e.g. 1x131072,4x32768 (empty: skip)
+#   SEGKV_GPU_TUNE   partition-count sweep cases, e.g. 1x131072,4x32768 (empty: skip), run for each
+#                    SEGKV_GPU_LAUNCHES entry BLOCK_N,WARPS,STAGES[,PREFETCH]
 #   SEGKV_GPU_BENCH  arguments for segkv.bench.decode_attention ("skip" to skip)
 # Installs pytest from .whl/ (carried) when the machine lacks it.
 set -uo pipefail
@@ -17,9 +18,12 @@ fi
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_gpu_engine.py \
   -k "${SEGKV_GPU_TESTS:-}" 2>&1 | tail -25 | tee "$OUT/tests.txt"
-if [ -n "${SEGKV_GPU_TUNE:-}" ]; then
-  python3 -m segkv.bench.decode_attention --tune "$SEGKV_GPU_TUNE" --trials 3 --json "$OUT/tune.json" 2>&1 \
-    | tee "$OUT/tune.txt"
+if [ -n "${SEGKV_GPU_TUNE:-}" ]; then  # one process per launch configuration
+  for launch in ${SEGKV_GPU_LAUNCHES:-64,4,2 64,4,3 128,4,2 128,8,2 32,4,2 64,8,2}; do
+    timeout 300 python3 -m segkv.bench.decode_attention --tune "$SEGKV_GPU_TUNE" --launch "$launch" --trials 3 \
+      --json "/tmp/tune_${launch//,/_}.json" 2>&1 | grep -v "^device" | tee -a "$OUT/tune.txt"
+  done
+  python3 -c 'import glob, json, sys; json.dump([json.load(open(f)) for f in sorted(glob.glob("/tmp/tune_*.json"))], open(sys.argv[1], "w"))' "$OUT/tune.json"
 fi
 if [ "${SEGKV_GPU_BENCH:-}" != "skip" ]; then
   # shellcheck disable=SC2086

@@ -263,3 +263,21 @@ def test_cuda_graph_replays_a_new_plan(gen):
         torch.cuda.synchronize()
         ref, ref_lse = rb.run(rb.prepare(plan), query[:3].clone(), kc, vc, scale=batch.scale)
         check(out[:3].clone(), lse[:3].clone(), ref, ref_lse)
+
+
+@pytest.mark.parametrize("route", ["split", "cascade"] if not GPU else ROUTES)
+def test_software_pipelined_kernel_matches_the_reference(route, gen):
+    from segkv.kernels.paged_attention import LaunchConfig
+
+    for rows, page_size, block_n in ((1, 16, 16), (5, 16, 64), (17, 32, 64)):
+        batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=page_size, ratio=4, head_dim=64, rows=rows)
+        plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=page_size, route=route,
+                              num_partitions=3 if route == "split" else None)
+        storage = batch.cache.storage
+        args = (batch.query, storage.key_cache(0), storage.value_cache(0))
+        tb = TritonBackend(page_size=page_size, device=DEVICE, poison=True,
+                           launch=LaunchConfig(block_n, 4, 1, prefetch=True))
+        out, lse = tb.run(tb.prepare(plan), *args, scale=batch.scale)
+        rb = TorchReferenceBackend(page_size=page_size, device=DEVICE)
+        ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=batch.scale)
+        check(out, lse, ref, ref_lse)

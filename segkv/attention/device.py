@@ -8,6 +8,10 @@ from dataclasses import dataclass
 import torch
 
 
+# Stage-1 programs per multiprocessor the split planner aims for on CUDA devices (docs/benchmarks.md).
+CUDA_BLOCKS_PER_SM = 2
+
+
 @dataclass(slots=True, frozen=True)
 class DeviceSpec:
     """Parallel capacity of a device, as the attention planner sees it.
@@ -55,9 +59,13 @@ class DeviceSpec:
         )
 
     @classmethod
-    def cuda(cls, index: int = 0, *, blocks_per_multiprocessor: int = 2) -> DeviceSpec:
-        """A CUDA device, from its properties (multiprocessor count)."""
+    def cuda(cls, index: int = 0, *, blocks_per_multiprocessor: int | None = None) -> DeviceSpec:
+        """A CUDA device, from its properties (multiprocessor count). ``blocks_per_multiprocessor``
+        (default ``SEGKV_CUDA_BLOCKS_PER_SM``, else the measured default) sets how many stage-1
+        programs per multiprocessor the split planner aims for."""
         props = torch.cuda.get_device_properties(index)
+        if blocks_per_multiprocessor is None:
+            blocks_per_multiprocessor = int(os.environ.get("SEGKV_CUDA_BLOCKS_PER_SM", CUDA_BLOCKS_PER_SM))
         return cls(
             kind="cuda",
             name=props.name,

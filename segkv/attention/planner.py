@@ -91,9 +91,14 @@ def plan_attention(
         layout = forced if forced != Route.SPLIT else Route.SINGLE
     runs = _build_runs(queries, layout, shared, page_size)
 
-    if forced == Route.SPLIT or (num_partitions is not None and forced != Route.SINGLE):
+    if num_partitions is not None and forced != Route.SINGLE:
         cuts = _forced_cuts(runs, num_partitions)
-        reason = f"{forced.value if forced else 'auto'} route, {num_partitions or 'default'} partitions"
+        reason = f"{forced.value if forced else 'auto'} route, {num_partitions} partitions"
+    elif forced == Route.SPLIT:  # as many partitions as the device has idle slots, at least 2
+        chunks, reason = _auto_chunk(runs, queries, shape, device, page_size)
+        cuts = [_cut_rows(run, chunks[i]) if chunks else _cut_pages(run, 2) for i, run in enumerate(runs)]
+        cuts = [parts if len(parts) > 1 else _cut_pages(run, 2) for parts, run in zip(cuts, runs)]
+        reason = f"forced split; {reason}"
     elif forced in (None, Route.SEGMENTS, Route.CASCADE):
         # segments and cascade pieces are split further when the batch leaves the device idle
         chunks, reason = _auto_chunk(runs, queries, shape, device, page_size)
@@ -170,11 +175,10 @@ def _build_runs(
 
 
 # -- partition sizes -----------------------------------------------------------------------
-def _forced_cuts(runs: list[_Run], num_partitions: int | None) -> list[list[_Part]]:
-    """Partitions when ``split`` is forced: ``num_partitions`` (default 2) per run, cut on
-    page boundaries, fewer only where the run has fewer pages."""
-    parts = num_partitions or 2
-    return [_cut_pages(run, parts) for run in runs]
+def _forced_cuts(runs: list[_Run], num_partitions: int) -> list[list[_Part]]:
+    """``num_partitions`` per run, cut on page boundaries, fewer only where the run has
+    fewer pages."""
+    return [_cut_pages(run, num_partitions) for run in runs]
 
 
 def _work_units(run: _Run, queries: Sequence[SequenceQuery], shape: AttentionShape) -> int:

@@ -260,11 +260,10 @@ def bench_cascade(*, shape_name: str, forks: int, prefix: int, suffix: int, page
     return result
 
 
-def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], page_size: int = 16) -> list[dict]:
-    """Launch-parameter and partition-count sweep of the split route (Llama-3-8B shape), in the
-    cache's token-major page layout and a head-major one (``(page, head, row, dim)``)."""
-    from segkv.kernels.paged_attention import LaunchConfig
-
+def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], launch, page_size: int = 16) -> list[dict]:
+    """Partition-count sweep of the split route at one launch configuration (Llama-3-8B
+    shape), in the cache's token-major page layout and a head-major one (``(page, head, row,
+    dim)``). One configuration per process: a faulting configuration cannot spoil the others."""
     device = "cuda"
     q_heads, kv_heads, head_dim = SHAPES["llama3-8b"]
     shape = AttentionShape(q_heads, kv_heads, head_dim, head_dim)
@@ -273,10 +272,9 @@ def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], 
     rows = []
     for batch, context in cases:
         pages_per_seq = -(-context // page_size)
-        num_pages = batch * pages_per_seq + 1
         layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
-        cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=num_pages), device=device,
-                             compaction=CompactionPolicy(enabled=False))
+        cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=batch * pages_per_seq + 1),
+                             device=device, compaction=CompactionPolicy(enabled=False))
         _fill_random(cache, gen)
         chains = [cache.new_chain() for _ in range(batch)]
         for chain in chains:
@@ -287,38 +285,23 @@ def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], 
         head_major = tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in token_major)
         kv_bytes = 2 * batch * context * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         auto = plan_attention(queries, shape, spec, page_size=page_size)
-        default = (64, 4, 2)
-        configs = set()
-        for parts in (auto.num_partitions, 132):  # launch parameters at two partition counts
-            for block_n in (32, 64, 128):
-                for warps in (2, 4, 8):
-                    for stages in (1, 2, 3, 4):
-                        configs.add((parts, block_n, warps, stages, "token"))
-        for parts in (1, 2, 4, 8, 16, 33, 66, 132, 264):  # partition counts at two launch settings
-            configs |= {(parts, *default, "token"), (parts, 128, 4, 3, "token")}
-        for launch in (default, (64, 4, 3), (128, 4, 3), (128, 8, 3)):  # the head-major layout
-            configs.add((auto.num_partitions, *launch, "head"))
+        backend = TritonBackend(page_size=page_size, device=device, launch=launch)
         timers = {}
-        for parts, block_n, warps, stages, layout_name in sorted(configs):
+        for parts in sorted({1, 2, 4, 8, 16, 33, 66, 132, 264, 528, 1056, auto.num_partitions}):
             if parts * page_size * 4 > context:
                 continue
             plan = plan_attention(queries, shape, spec, page_size=page_size, route="split", num_partitions=parts)
-            kc, vc = token_major if layout_name == "token" else head_major
-            backend = TritonBackend(page_size=page_size, device=device, launch=LaunchConfig(block_n, warps, stages))
             prepared = backend.prepare(plan)
-            key = f"p{parts}_n{block_n}_w{warps}_s{stages}_{layout_name}"
-            try:
-                timers[key] = Timer.capture(
-                    [lambda b=backend, p=prepared, kc=kc, vc=vc: b.run(p, q, kc, vc, scale=0.088)])
-            except Exception as exc:
-                print(f"tune {key}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            for layout_name, (kc, vc) in (("token", token_major), ("head", head_major)):
+                timers[f"p{parts}_{layout_name}"] = Timer.capture(
+                    [lambda p=prepared, kc=kc, vc=vc: backend.run(p, q, kc, vc, scale=0.088)])
         samples = _run_trials(timers, trials)
         results = {k: _summarise(t, kv_bytes, bandwidth) for k, t in samples.items()}
-        best = sorted(results.items(), key=lambda kv: kv[1]["median_ms"])[:12]
-        rows.append({"batch": batch, "context": context, "auto_partitions": auto.num_partitions,
-                     "results": results})
-        print(f"tune B={batch} ctx={context} auto x{auto.num_partitions}: "
-              + "  ".join(f"{k}={v['median_ms']:.4f}ms({v['fraction_of_bandwidth']:.0%})" for k, v in best),
+        rows.append({"batch": batch, "context": context, "launch": [launch.block_n, launch.num_warps,
+                     launch.num_stages], "auto_partitions": auto.num_partitions, "results": results})
+        print(f"tune n{launch.block_n}_w{launch.num_warps}_s{launch.num_stages} B={batch} ctx={context} "
+              f"auto x{auto.num_partitions}: "
+              + " ".join(f"{k}={v['median_ms']:.4f}({v['fraction_of_bandwidth']:.0%})" for k, v in results.items()),
               flush=True)
         del timers, token_major, head_major
         for chain in chains:
@@ -342,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--max-kv-gib", type=float, default=33.0)
     parser.add_argument("--no-cascade", action="store_true")
-    parser.add_argument("--tune", default="", help="instead: sweep launch parameters on BxCTX cases, e.g. 1x131072")
+    parser.add_argument("--tune", default="", help="instead: sweep partition counts on BxCTX cases, e.g. 1x131072")
+    parser.add_argument("--launch", default="64,4,2", help="with --tune: BLOCK_N,WARPS,STAGES")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
@@ -355,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
               "dtype": args.dtype, "trials": args.trials}
     if args.tune:
         cases = [tuple(int(x) for x in c.split("x")) for c in args.tune.split(",")]
-        report["tune"] = tune(dtype=dtype, trials=args.trials, bandwidth=bandwidth, cases=cases)
+        from segkv.kernels.paged_attention import LaunchConfig
+
+        launch = LaunchConfig(*_ints(args.launch))
+        report["tune"] = tune(dtype=dtype, trials=args.trials, bandwidth=bandwidth, cases=cases, launch=launch)
     else:
         rows = []
         started = time.time()

@@ -18,6 +18,24 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _page_index(page_table, page_rows, page_key_start, pidx, pg1):
+    """Page ids, valid rows and first-row positions of pages ``pidx`` (0 past ``pg1``)."""
+    in_range = pidx < pg1
+    page = tl.load(page_table + pidx, mask=in_range, other=0).to(tl.int64)
+    rows = tl.load(page_rows + pidx, mask=in_range, other=0)
+    key_start = tl.load(page_key_start + pidx, mask=in_range, other=0)
+    return page, rows, key_start
+
+
+@triton.jit
+def _load_kv(k_base, v_base, page, stride_kp, stride_vp, in_page, dk_ok, dv_ok):
+    """The K and V tiles ``(BLOCK_N, D)`` of one block of pages (0 outside valid rows)."""
+    k = tl.load(k_base + (page * stride_kp)[:, None], mask=in_page[:, None] & dk_ok[None, :], other=0.0)
+    v = tl.load(v_base + (page * stride_vp)[:, None], mask=in_page[:, None] & dv_ok[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
 def _stage1_kernel(
     Q, K, V, OUT, LSE, FINAL, FINAL_LSE,
     page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start, partial_row,
@@ -27,7 +45,7 @@ def _stage1_kernel(
     scale,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (``BLOCK_N / PAGE_SIZE`` pages) at a time with
@@ -71,19 +89,27 @@ def _stage1_kernel(
     # loop-invariant parts of the K/V addresses: this KV head, the row within its page
     k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
     v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
+    if PREFETCH:  # software pipeline: page indices two blocks ahead, K/V one block ahead
+        page, rows, kst = _page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
+        k, v = _load_kv(k_base, v_base, page, stride_kp, stride_vp, row_in_page < rows, dk_ok, dv_ok)
+        page, rows_next, kst_next = _page_index(page_table, page_rows, page_key_start, pg0 + PAGES + slot, pg1)
     for pg in range(pg0, pg1, PAGES):
-        pidx = pg + slot
-        in_range = pidx < pg1
-        page = tl.load(page_table + pidx, mask=in_range, other=0).to(tl.int64)
-        rows = tl.load(page_rows + pidx, mask=in_range, other=0)
-        kpos = tl.load(page_key_start + pidx, mask=in_range, other=0) + row_in_page
-        in_page = row_in_page < rows
-        k = tl.load(k_base + (page * stride_kp)[:, None], mask=in_page[:, None] & dk_ok[None, :], other=0.0)
-        v = tl.load(v_base + (page * stride_vp)[:, None], mask=in_page[:, None] & dv_ok[None, :], other=0.0)
-        if EXACT_FP32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        if PREFETCH:
+            k_cur, v_cur, rows_cur, kst_cur = k, v, rows, kst
+            k, v = _load_kv(k_base, v_base, page, stride_kp, stride_vp, row_in_page < rows_next, dk_ok, dv_ok)
+            rows, kst = rows_next, kst_next
+            page, rows_next, kst_next = _page_index(page_table, page_rows, page_key_start,
+                                                    pg + 2 * PAGES + slot, pg1)
         else:
-            s = tl.dot(q, tl.trans(k))  # bf16/fp16 products are exact in the float32 accumulator
+            page_cur, rows_cur, kst_cur = _page_index(page_table, page_rows, page_key_start, pg + slot, pg1)
+            k_cur, v_cur = _load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_in_page < rows_cur,
+                                    dk_ok, dv_ok)
+        in_page = row_in_page < rows_cur
+        kpos = kst_cur + row_in_page
+        if EXACT_FP32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
         s = s * scale
         visible = (kpos[None, :] <= offset[:, None]) & in_page[None, :] & valid[:, None]
         s = tl.where(visible, s, float("-inf"))
@@ -93,11 +119,11 @@ def _stage1_kernel(
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if EXACT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            pv = tl.dot(p, v_cur.to(tl.float32), input_precision="ieee")
         else:  # P split exactly into two half-precision parts: about 16 bits of P, float32 sums
-            p_hi = p.to(v.dtype)
-            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-            pv = tl.dot(p_hi, v) + tl.dot(p_lo, v)
+            p_hi = p.to(v_cur.dtype)
+            p_lo = (p - p_hi.to(tl.float32)).to(v_cur.dtype)
+            pv = tl.dot(p_hi, v_cur) + tl.dot(p_lo, v_cur)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     empty = l_i == 0.0
@@ -168,6 +194,7 @@ class LaunchConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    prefetch: bool = False  # software-pipelined loads in the kernel itself
 
 
 def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
@@ -179,6 +206,7 @@ def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
         block_n=max(page_size, block_n),
         num_warps=int(os.environ.get("SEGKV_TRITON_WARPS", 4)),
         num_stages=int(os.environ.get("SEGKV_TRITON_STAGES", 2)),
+        prefetch=os.environ.get("SEGKV_TRITON_PREFETCH", "0") == "1",
     )
 
 
@@ -233,7 +261,7 @@ def paged_attention(
             GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
             BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=max(page_size, launch.block_n),
             # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
-            EXACT_FP32=query.dtype == torch.float32 or _INTERPRET,
+            EXACT_FP32=query.dtype == torch.float32 or _INTERPRET, PREFETCH=launch.prefetch,
             num_warps=launch.num_warps, num_stages=launch.num_stages,
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
