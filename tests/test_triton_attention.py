@@ -281,3 +281,25 @@ def test_software_pipelined_kernel_matches_the_reference(route, gen):
         rb = TorchReferenceBackend(page_size=page_size, device=DEVICE)
         ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=batch.scale)
         check(out, lse, ref, ref_lse)
+
+
+def test_merge_of_many_partials_per_row(gen):
+    """More partials per row than the merge kernel reads at once (blocks of 32)."""
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    cache = PagedKVCache(layout, CacheConfig(page_size=16, num_pages=160), device=DEVICE)
+    chains = [cache.new_chain() for _ in range(2)]
+    for chain, n in zip(chains, (1100, 37)):
+        slots = chain.append(n)
+        kv = torch.randn(2, n, 2, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+        cache.storage.write(0, slots, kv[0], kv[1])
+    queries = [SequenceQuery.from_chain(c, 2) for c in chains]
+    shape = AttentionShape(8, 2, 64, 64)
+    plan = plan_attention(queries, shape, DeviceSpec.cpu(), page_size=16, route="split", num_partitions=69)
+    assert max(len(p) for p in plan.reduce_map) == 69
+    q = torch.randn(4, 8, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    args = (q, cache.storage.key_cache(0), cache.storage.value_cache(0))
+    tb = TritonBackend(page_size=16, device=DEVICE, poison=True)
+    out, lse = tb.run(tb.prepare(plan), *args, scale=0.125)
+    rb = TorchReferenceBackend(page_size=16, device=DEVICE)
+    ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=0.125)
+    check(out, lse, ref, ref_lse)

@@ -293,8 +293,11 @@ def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], 
             plan = plan_attention(queries, shape, spec, page_size=page_size, route="split", num_partitions=parts)
             prepared = backend.prepare(plan)
             for layout_name, (kc, vc) in (("token", token_major), ("head", head_major)):
-                timers[f"p{parts}_{layout_name}"] = Timer.capture(
-                    [lambda p=prepared, kc=kc, vc=vc: backend.run(p, q, kc, vc, scale=0.088)])
+                key = f"p{parts}_{layout_name}"
+                print(f"tune: checking {key}", flush=True)  # names the culprit should a launch fault
+                backend.run(prepared, q, kc, vc, scale=0.088)
+                torch.cuda.synchronize()
+                timers[key] = Timer.capture([lambda p=prepared, kc=kc, vc=vc: backend.run(p, q, kc, vc, scale=0.088)])
         samples = _run_trials(timers, trials)
         results = {k: _summarise(t, kv_bytes, bandwidth) for k, t in samples.items()}
         rows.append({"batch": batch, "context": context, "launch": [launch.block_n, launch.num_warps,

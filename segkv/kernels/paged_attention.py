@@ -145,10 +145,11 @@ def _stage1_kernel(
 def _merge_kernel(
     PART_OUT, PART_LSE, OUT, OUT_LSE, reduce_ptr, reduce_partials,
     stride_pp, stride_ph, stride_lp, stride_or, stride_oh, stride_lr,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """One program per (query row, head): the exact merge of its partials, rounded once. Rows
-    without partials get 0 and LSE -inf; rows with exactly one were written by stage 1."""
+    without partials get 0 and LSE -inf; rows with exactly one were written by stage 1.
+    Partials are read ``BLOCK_P`` at a time (independent loads, not a chain per partial)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     start = tl.load(reduce_ptr + row)
@@ -156,25 +157,34 @@ def _merge_kernel(
     if end - start == 1:  # stage 1 already wrote this row's only partial, rounded once
         return
     offs = tl.arange(0, BLOCK_DV)
-    m = float("-inf")
-    for i in range(start, end):
-        p = tl.load(reduce_partials + i)
-        m = tl.maximum(m, tl.load(PART_LSE + p * stride_lp + head))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = 0.0
-    acc = tl.zeros([BLOCK_DV], tl.float32)
-    for i in range(start, end):
-        p = tl.load(reduce_partials + i)
-        lse = tl.load(PART_LSE + p * stride_lp + head)
-        wgt = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m_safe))
-        o = tl.load(PART_OUT + p * stride_pp + head * stride_ph + offs, mask=offs < DV, other=0.0)
-        acc += wgt * tl.where(lse == float("-inf"), 0.0, o)
+    offs_p = tl.arange(0, BLOCK_P)
+    m = tl.full([BLOCK_P], float("-inf"), tl.float32)
+    for i0 in range(start, end, BLOCK_P):
+        ok = i0 + offs_p < end
+        p = tl.load(reduce_partials + i0 + offs_p, mask=ok, other=0)
+        m = tl.maximum(m, tl.load(PART_LSE + p * stride_lp + head, mask=ok, other=float("-inf")))
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    total = tl.zeros([BLOCK_P], tl.float32)
+    acc = tl.zeros([BLOCK_P, BLOCK_DV], tl.float32)
+    for i0 in range(start, end, BLOCK_P):
+        ok = i0 + offs_p < end
+        p = tl.load(reduce_partials + i0 + offs_p, mask=ok, other=0)
+        lse = tl.load(PART_LSE + p * stride_lp + head, mask=ok, other=float("-inf"))
+        live = lse != float("-inf")
+        wgt = tl.where(live, tl.exp(lse - m_safe), 0.0)
+        o = tl.load(PART_OUT + p[:, None] * stride_pp + head * stride_ph + offs[None, :],
+                    mask=live[:, None] & (offs[None, :] < DV), other=0.0)
+        acc += wgt[:, None] * o
         total += wgt
-    empty = total == 0.0
-    out = acc / tl.where(empty, 1.0, total)
+    out = tl.sum(acc, 0)
+    weight = tl.sum(total, 0)
+    empty = weight == 0.0
+    out = out / tl.where(empty, 1.0, weight)
     tl.store(OUT + row * stride_or + head * stride_oh + offs,
              out.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne"), mask=offs < DV)
-    tl.store(OUT_LSE + row * stride_lr + head, tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total))))
+    tl.store(OUT_LSE + row * stride_lr + head,
+             tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, weight))))
 
 
 @triton.jit
@@ -269,7 +279,7 @@ def paged_attention(
             part_out, part_lse, out, lse, reduce_ptr, reduce_partials,
             part_out.stride(0), part_out.stride(1), part_lse.stride(0),
             out.stride(0), out.stride(1), lse.stride(0),
-            DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+            DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_P=16 if dv > 256 else 32,
         )
     return out.to(out_dtype), lse
 
