@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionShape
 from segkv.config import KVLayout
 from segkv.layers.activation import GatedMLP
@@ -129,12 +131,48 @@ class DeepseekBody(nn.Module):
 
     def __init__(self, cfg: DeepseekConfig) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(cfg.mla.qk_rope_head_dim, base=cfg.rope_theta,
-                                 max_position=cfg.max_position_embeddings, scaling=cfg.rope_scaling,
-                                 interleaved=cfg.rope_interleave)
+        rotary = _rotary(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DeepseekLayer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class SharedHead(nn.Module):
+    """``shared_head.*`` of an MTP layer: its final norm (the head itself is the main ``lm_head``)."""
+
+    def __init__(self, cfg: DeepseekConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekMTPLayer(DeepseekLayer):
+    """One multi-token-prediction module (DeepSeek-V3), ``model.layers.{L + i}.*`` in checkpoints.
+
+    From a hidden state ``h_t (T, hidden)`` (the main model's output, or the previous MTP
+    layer's) and the embedding of the following token ``e_{t+1} (T, hidden)``, it computes
+    ``eh_proj([enorm(e_{t+1}), hnorm(h_t)])`` and runs one decoder layer over it; its logits
+    (``lm_head(shared_head.norm(.))``) predict the token after that one. Embeddings and the
+    output head are the main model's, as DeepSeek-V3 shares them; the copies checkpoints carry
+    (``embed_tokens``, ``shared_head.head``) are not loaded.
+    """
+
+    def __init__(self, cfg: DeepseekConfig, index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__(cfg, index, rotary)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.shared_head = SharedHead(cfg)
+
+    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.eh_proj(torch.cat((self.enorm(next_embeds), self.hnorm(hidden)), dim=-1))
+        return super().forward(x, positions, meta)
+
+
+def _rotary(cfg: DeepseekConfig) -> RotaryEmbedding:
+    return RotaryEmbedding(cfg.mla.qk_rope_head_dim, base=cfg.rope_theta,
+                           max_position=cfg.max_position_embeddings, scaling=cfg.rope_scaling,
+                           interleaved=cfg.rope_interleave)
 
 
 class DeepseekForCausalLM(CausalLM):
@@ -143,6 +181,10 @@ class DeepseekForCausalLM(CausalLM):
     ``forward(input_ids (T,), positions (T,), meta)`` returns hidden states ``(T, hidden)``;
     ``compute_logits(hidden (N, hidden))`` returns float32 ``(N, vocab)``. ``meta.mla_mode``
     picks absorbed (latent) or naive (decompressed) attention; both read the same cache.
+
+    ``mtp`` holds the checkpoint's multi-token-prediction layers (``num_nextn_predict_layers``;
+    checkpoint names ``model.layers.{L + i}.*``, parameter names ``mtp.{i}.*``), for drafting
+    in speculative decoding; layers whose weights the checkpoint lacks are dropped at load.
     """
 
     config_class = DeepseekConfig
@@ -153,6 +195,9 @@ class DeepseekForCausalLM(CausalLM):
 
     def __init__(self, cfg: DeepseekConfig) -> None:
         super().__init__(cfg, DeepseekBody(cfg))
+        rotary = _rotary(cfg)
+        self.mtp = nn.ModuleList(DeepseekMTPLayer(cfg, cfg.num_layers + i, rotary)
+                                 for i in range(cfg.num_nextn_predict_layers))
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> DeepseekForCausalLM:
@@ -167,13 +212,66 @@ class DeepseekForCausalLM(CausalLM):
     def attention_shape(self, mla_mode: str = "absorbed") -> AttentionShape:
         return self.cfg.mla.attention_shape(mla_mode)
 
-    def ignores_weight(self, name: str) -> bool:
-        """Multi-token-prediction layers ``model.layers.{L + i}.*`` (i < num_nextn_predict_layers)."""
+    # -- multi-token prediction -------------------------------------------------------
+    def mtp_forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                    meta: AttentionMetadata, *, depth: int = 0) -> torch.Tensor:
+        """MTP layer ``depth``: ``hidden (T, hidden)`` at ``positions (T,)`` and the ids of the tokens
+        one further ``next_ids (T,)`` -> ``(T, hidden)``, whose logits predict two tokens further."""
+        return self.mtp[depth](hidden, self.model.embed_tokens(next_ids), positions, meta)
+
+    def compute_mtp_logits(self, mtp_hidden: torch.Tensor, *, depth: int = 0) -> torch.Tensor:
+        """``(N, hidden)`` output of MTP layer ``depth`` -> float32 ``(N, vocab)``."""
+        return self.lm_head(self.mtp[depth].shared_head.norm(mtp_hidden)).float()
+
+    # -- checkpoint names --------------------------------------------------------------
+    def _mtp_index(self, name: str) -> tuple[int, str] | None:
+        """``model.layers.{L + i}.rest`` -> ``(i, rest)`` for an MTP layer of the config; else None."""
         match = _LAYER_NAME.match(name)
         if match is None:
-            return False
-        index = int(match.group(1))
-        return self.cfg.num_layers <= index < self.cfg.num_layers + self.cfg.num_nextn_predict_layers
+            return None
+        i = int(match.group(1)) - self.cfg.num_layers
+        if not 0 <= i < self.cfg.num_nextn_predict_layers:
+            return None
+        return i, name[match.end():]
+
+    def param_name(self, checkpoint_name: str) -> str:
+        """The parameter a checkpoint tensor loads into (MTP layers live in ``mtp``)."""
+        found = self._mtp_index(checkpoint_name)
+        return checkpoint_name if found is None else f"mtp.{found[0]}.{found[1]}"
+
+    def checkpoint_name(self, param_name: str) -> str:
+        """Inverse of :meth:`param_name`: ``mtp.{i}.rest`` -> ``model.layers.{L + i}.rest``."""
+        if not param_name.startswith("mtp."):
+            return param_name
+        index, rest = param_name[len("mtp."):].split(".", 1)
+        return f"model.layers.{self.cfg.num_layers + int(index)}.{rest}"
+
+    def ignores_weight(self, name: str) -> bool:
+        """An MTP layer's copies of the shared embeddings and output head (the main model's are used)."""
+        found = self._mtp_index(name)
+        return found is not None and found[1] in _MTP_SHARED
+
+    def drop_unloaded(self, loaded: set[str]) -> list[str]:
+        """Keep the MTP layers before the first one whose parameters are not all in ``loaded``.
+
+        Many converted checkpoints strip the MTP weights although the config still counts them;
+        the main model does not need them. Returns the dropped parameter names.
+        """
+        keep = 0
+        for layer in self.mtp:
+            names = {f"mtp.{keep}.{n}" for n, _ in layer.named_parameters()}
+            if not names <= loaded:
+                if names & loaded:
+                    warnings.warn(f"the checkpoint has only some of MTP layer {keep}'s weights; "
+                                  "multi-token prediction is disabled", stacklevel=2)
+                break
+            keep += 1
+        dropped = [f"mtp.{n}" for n, _ in self.mtp.named_parameters() if int(n.split(".")[0]) >= keep]
+        self.mtp = self.mtp[:keep]
+        return dropped
+
+
+_MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 class DeepseekV2ForCausalLM(DeepseekForCausalLM):

@@ -78,19 +78,26 @@ def load_model(
     tied = {n for n in expected if n == "lm_head.weight" and getattr(model.cfg, "tie_word_embeddings", False)}
     state: dict[str, torch.Tensor] = {}
     files = weight_files(model_dir)
+    # A family may keep some checkpoint tensors under other names (DeepSeek's MTP layers).
+    param_name = getattr(model, "param_name", lambda name: name)
     for path in tqdm(files, desc="loading weights", unit="file", disable=not progress):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name not in expected:
+                target = param_name(name)
+                if target not in expected:
                     if getattr(model, "ignores_weight", lambda _: False)(name):
-                        continue  # e.g. multi-token-prediction layers used only for drafting
+                        continue  # e.g. the MTP layers' copies of the shared embeddings
                     raise ValueError(f"{path.name}: unexpected tensor {name!r} for {cls.__name__}")
                 tensor = f.get_tensor(name)
-                want = tuple(expected[name].shape)
+                want = tuple(expected[target].shape)
                 if tuple(tensor.shape) != want:
                     raise ValueError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {want}")
-                state[name] = tensor.to(torch.float32 if _keep_fp32(name) else torch_dtype)
+                state[target] = tensor.to(torch.float32 if _keep_fp32(target) else torch_dtype)
+    if hasattr(model, "drop_unloaded"):  # optional modules the checkpoint does not carry
+        for name in model.drop_unloaded(set(state)):
+            state.pop(name, None)
+            expected.pop(name)
     missing = sorted(set(expected) - set(state) - tied)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
