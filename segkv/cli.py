@@ -15,10 +15,11 @@ CHAT_HELP = """commands:
   /stats           pages and bytes in use, last turn's cost, segments, attention route
   /help, /quit"""
 
+MODEL_HELP = "Hugging Face model directory, or a built-in model: 'default' (GQA) or 'default-mla' (MLA)"
+
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default",
-                        help="Hugging Face model directory, or 'default' (the built-in model)")
+    parser.add_argument("--model", default="default", help=MODEL_HELP)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--page-size", type=int, default=16)
@@ -46,8 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("which", choices=["serve"], help="serve: load generator against a running server")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--model", default="default",
-                       help="Hugging Face model directory, or 'default' (the built-in model)")
+    serve.add_argument("--model", default="default", help=MODEL_HELP)
     serve.add_argument("--snapshot-dir", default=None, help="directory where sessions may be saved")
     serve.add_argument("--session-ttl", type=float, default=3600.0, help="idle seconds before a session expires")
     serve.add_argument("--served-model-name", default=None)
@@ -79,7 +79,7 @@ def run_serve(args) -> int:
     def load() -> None:
         try:
             from segkv.engine import LLM, AsyncEngine, SchedulerConfig
-            from segkv.models.placeholder import resolve_model_dir
+            from segkv.models.default_models import is_default_name, resolve_model_dir
             from segkv.server.app import create_app
 
             llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device,
@@ -88,7 +88,8 @@ def run_serve(args) -> int:
             engine = AsyncEngine(llm, SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                                       max_num_batched_tokens=args.max_num_batched_tokens))
             engines.append(engine)
-            name = args.served_model_name or (args.model if args.model == "default" else llm.model_dir.name)
+            builtin = is_default_name(args.model)
+            name = args.served_model_name or (args.model if builtin else llm.model_dir.name)
             gate.ready(create_app(engine, model_name=name, snapshot_dir=args.snapshot_dir,
                                   session_ttl=args.session_ttl))
             print(f"segkv: serving {name} on http://{args.host}:{args.port}", flush=True)
@@ -107,7 +108,7 @@ def run_serve(args) -> int:
 
 def _load(args):
     from segkv.engine import LLM
-    from segkv.models.placeholder import resolve_model_dir
+    from segkv.models.default_models import resolve_model_dir
     from segkv.sampling_params import SamplingParams
 
     llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, page_size=args.page_size,
