@@ -27,11 +27,11 @@ import os
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS; before CUDA starts
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import hashlib  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import random  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -131,7 +131,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warn-only-determinism", action="store_true",
                    help="warn instead of failing on an op without a deterministic implementation")
     p.add_argument("--no-plot", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return args
 
 
 # -- data ----------------------------------------------------------------------------------
@@ -365,14 +367,31 @@ def sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def run(args: argparse.Namespace) -> dict:
-    t0 = time.perf_counter()
-    torch.use_deterministic_algorithms(True, warn_only=args.warn_only_determinism)
+@contextlib.contextmanager
+def deterministic(warn_only: bool, device: torch.device):
+    """Deterministic algorithms (TF32 matmuls on CUDA) for the run; the caller's settings after."""
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32)
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
     torch.backends.cudnn.benchmark = False
-    random.seed(args.seed)
+    torch.backends.cuda.matmul.allow_tf32 = device.type == "cuda"  # deterministic, and several times faster
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32 = saved[2:]
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Train, save and measure the models ``args.models``; write ``metrics.json``; return it."""
     device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # deterministic, and several times faster
+    with deterministic(args.warn_only_determinism, device):
+        return _run(args, device)
+
+
+def _run(args: argparse.Namespace, device: torch.device) -> dict:
+    t0 = time.perf_counter()
     preset = PRESETS[args.preset]
     limit = args.corpus_limit_bytes if args.corpus_limit_bytes is not None else preset.corpus_limit_bytes
     data = build_data(preset, limit, args.heldout_every or preset.heldout_every)
@@ -386,7 +405,7 @@ def run(args: argparse.Namespace) -> dict:
         "python_version": corpus.python_version(), "torch_version": torch.__version__,
         "tokenizers_version": tokenizers.__version__, "seed": args.seed, "preset": args.preset,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "command": "python3 scripts/train_default_models.py " + " ".join(sys.argv[1:]),
+        "command": "python3 scripts/train_default_models.py " + " ".join(args.argv),
         "corpus": data.info, "vocab_size": vocab, "models": {},
     }
     builders = {"gqa": (GQA_NAME, gqa_config, preset.gqa), "mla": (MLA_NAME, mla_config, preset.mla)}
