@@ -60,8 +60,8 @@ def test_batch_one_long_context_splits_on_a_gpu():
 
 def test_mla_batch_one_splits_and_large_batch_does_not():
     assert plan_attention([seq(65536)], MLA, H200_LIKE, page_size=PS).route == Route.SPLIT
-    big = plan_attention([seq(65536) for _ in range(200)], MLA, H200_LIKE, page_size=PS)
-    assert big.route == Route.SINGLE and len(big.pieces) == 200
+    big = plan_attention([seq(65536) for _ in range(264)], MLA, H200_LIKE, page_size=PS)  # one full wave
+    assert big.route == Route.SINGLE and len(big.pieces) == 264
 
 
 def test_full_batch_stays_single():

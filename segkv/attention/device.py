@@ -9,7 +9,7 @@ import torch
 
 
 # Stage-1 programs per multiprocessor the split planner aims for on CUDA devices (docs/benchmarks.md).
-CUDA_BLOCKS_PER_SM = 2
+CUDA_BLOCKS_PER_SM = 3  # stage 1 at (BLOCK_N 64, 4 warps, 2 stages) holds 64 KB of shared memory
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,12 +29,13 @@ class DeviceSpec:
     min_rows_per_partition: int = 256
     max_partitions: int = 64
     max_query_rows_per_work: int = 64
+    partition_overhead_rows: int = 256
 
     def __post_init__(self) -> None:
         if self.kind not in ("cpu", "cuda"):
             raise ValueError(f"DeviceSpec.kind must be 'cpu' or 'cuda', got {self.kind!r}")
         for name in ("num_multiprocessors", "blocks_per_multiprocessor", "min_rows_per_partition",
-                     "max_partitions", "max_query_rows_per_work"):
+                     "max_partitions", "max_query_rows_per_work", "partition_overhead_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DeviceSpec.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -56,6 +57,7 @@ class DeviceSpec:
             min_rows_per_partition=16384,
             max_partitions=8,
             max_query_rows_per_work=4096,
+            partition_overhead_rows=4096,
         )
 
     @classmethod
@@ -72,8 +74,9 @@ class DeviceSpec:
             num_multiprocessors=props.multi_processor_count,
             blocks_per_multiprocessor=blocks_per_multiprocessor,
             min_rows_per_partition=256,
-            max_partitions=64,
+            max_partitions=256,
             max_query_rows_per_work=64,
+            partition_overhead_rows=256,
         )
 
     @classmethod

@@ -67,6 +67,7 @@ class Timer:
     graph: torch.cuda.CUDAGraph
     calls: int  # calls per replay (one per data copy)
     reps: int = 1
+    keep: tuple = ()  # the captured calls, and through them every tensor the graph reads
 
     @classmethod
     def capture(cls, fns: list) -> Timer:
@@ -82,7 +83,7 @@ class Timer:
             for fn in fns:
                 fn()
         torch.cuda.synchronize()
-        timer = cls(graph, len(fns))
+        timer = cls(graph, len(fns), keep=tuple(fns))
         once = timer.ms()  # size the repetitions so one measurement lasts about 2 ms
         timer.reps = max(1, min(200, round(2.0 / max(once, 1e-3) / timer.calls)))
         return timer
@@ -294,9 +295,6 @@ def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], 
             prepared = backend.prepare(plan)
             for layout_name, (kc, vc) in (("token", token_major), ("head", head_major)):
                 key = f"p{parts}_{layout_name}"
-                print(f"tune: checking {key}", flush=True)  # names the culprit should a launch fault
-                backend.run(prepared, q, kc, vc, scale=0.088)
-                torch.cuda.synchronize()
                 timers[key] = Timer.capture([lambda p=prepared, kc=kc, vc=vc: backend.run(p, q, kc, vc, scale=0.088)])
         samples = _run_trials(timers, trials)
         results = {k: _summarise(t, kv_bytes, bandwidth) for k, t in samples.items()}
