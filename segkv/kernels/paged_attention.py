@@ -205,6 +205,8 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     prefetch: bool = False  # software-pipelined loads in the kernel itself
+    block_m: int = 64  # most (query row x head) pairs per program
+    tall_warps: int = 8  # warps for programs of 64 or more pairs (their accumulators need registers)
 
 
 def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
@@ -217,6 +219,8 @@ def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
         num_warps=int(os.environ.get("SEGKV_TRITON_WARPS", 4)),
         num_stages=int(os.environ.get("SEGKV_TRITON_STAGES", 2)),
         prefetch=os.environ.get("SEGKV_TRITON_PREFETCH", "0") == "1",
+        block_m=int(os.environ.get("SEGKV_TRITON_BLOCK_M", 64)),
+        tall_warps=int(os.environ.get("SEGKV_TRITON_TALL_WARPS", 8)),
     )
 
 
@@ -257,7 +261,9 @@ def paged_attention(
     num_work = work_piece.numel()
     if num_work and num_partials:
         launch = launch or default_launch_config(head_dim=max(dk, dv), page_size=page_size)
-        block_m = max(16, min(32 if max(dk, dv) > 128 else 64, triton.next_power_of_2(max_work_rows * group)))
+        block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m,
+                              triton.next_power_of_2(max_work_rows * group)))
+        num_warps = launch.tall_warps if block_m >= 64 else launch.num_warps
         grid = (num_work, num_kv, triton.cdiv(max_work_rows * group, block_m))
         _stage1_kernel[grid](
             query, key_cache, value_cache, part_out, part_lse, out, lse,
@@ -272,7 +278,7 @@ def paged_attention(
             BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=max(page_size, launch.block_n),
             # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
             EXACT_FP32=query.dtype == torch.float32 or _INTERPRET, PREFETCH=launch.prefetch,
-            num_warps=launch.num_warps, num_stages=launch.num_stages,
+            num_warps=num_warps, num_stages=launch.num_stages,
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         _merge_kernel[(num_rows, num_heads)](
