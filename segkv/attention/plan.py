@@ -50,6 +50,11 @@ class AttentionShape:
     def group_size(self) -> int:
         return self.num_q_heads // self.num_kv_heads
 
+    @property
+    def is_latent(self) -> bool:
+        """Absorbed MLA: one latent head whose value is a prefix of its key."""
+        return self.num_kv_heads == 1 and self.value_dim < self.key_dim
+
 
 @dataclass(slots=True, frozen=True)
 class SequenceQuery:

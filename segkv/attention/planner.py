@@ -29,9 +29,11 @@ from segkv.attention.plan import (
 from segkv.cache.segment import ChainSpan
 
 ROUTE_ENV = "SEGKV_ATTENTION_ROUTE"
-# Tile height of a stage-1 work item in (query row x query head) units: the merge-free
-# parallelism of one work item on a GPU. Used only for the occupancy estimate.
+# Tile height of a stage-1 program in (query row x query head) units, for the occupancy
+# estimate: GQA programs take up to 64 pairs, latent (MLA) programs 16 (their accumulator is
+# 16 x kv_lora_rank float32), so a latent piece with H heads makes H / 16 programs.
 _TILE_ROWS = 64
+_LATENT_TILE_ROWS = 16
 
 
 _Part = tuple  # (page_ids, page_rows, key_start) of one partition
@@ -184,7 +186,8 @@ def _forced_cuts(runs: list[_Run], num_partitions: int) -> list[list[_Part]]:
 def _work_units(run: _Run, queries: Sequence[SequenceQuery], shape: AttentionShape) -> int:
     """Stage-1 work items one partition of ``run`` makes (KV heads x row tiles)."""
     rows = sum(queries[m].num_query_rows for m in run.members)
-    return shape.num_kv_heads * max(1, math.ceil(rows * shape.group_size / _TILE_ROWS))
+    tile = _LATENT_TILE_ROWS if shape.is_latent else _TILE_ROWS
+    return shape.num_kv_heads * max(1, math.ceil(rows * shape.group_size / tile))
 
 
 def _auto_chunk(

@@ -62,6 +62,7 @@ class TritonPreparedPlan:
     max_work_rows: int
     needs_merge: bool  # some row has other than exactly one partial
     fixed: bool = False
+    reference: object = None  # the reference backend's preparation, for kv_transform calls
 
     def __getattr__(self, name: str) -> torch.Tensor:  # prepared.page_table, ...
         try:
@@ -136,6 +137,7 @@ class TritonBackend:
         self._fixed: dict[str, torch.Tensor] | None = None
         self._staging: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
+        self._reference = None
         if capacity is not None:
             sizes = capacity.sizes()
             total = sum(sizes.values())
@@ -193,11 +195,13 @@ class TritonBackend:
         With fixed-size buffers ``query`` may carry padding rows past the plan's rows (a graph
         bucket); they come out 0 with LSE -inf.
         """
+        from segkv.kernels.mla_attention import mla_paged_attention
         from segkv.kernels.paged_attention import paged_attention
 
-        if kv_transform is not None:
-            raise ValueError("the Triton backend attends cached rows directly (no kv_transform)")
         plan = prepared.plan
+        if kv_transform is not None:  # naive MLA decompresses pieces: the reference does that
+            return self._reference_run(prepared, query, key_cache, value_cache, scale=scale, out_dtype=out_dtype,
+                                       kv_transform=kv_transform)
         rows = query.shape[0]
         if prepared.fixed:
             if not plan.num_query_rows <= rows <= self.capacity.max_rows:
@@ -208,9 +212,32 @@ class TritonBackend:
         if query.shape[1] % key_cache.shape[2]:
             raise ValueError(f"{query.shape[1]} query heads for {key_cache.shape[2]} KV heads")
         a = prepared.arrays
+        if is_latent_cache(key_cache, value_cache):
+            return mla_paged_attention(
+                query=query, latent_cache=key_cache.squeeze(2), rank=value_cache.shape[3],
+                **{name: a[name] for name in _FIELDS}, num_partials=prepared.num_partials,
+                max_work_rows=prepared.max_work_rows, scale=scale, out_dtype=out_dtype or query.dtype,
+                needs_merge=prepared.needs_merge, poison=self.poison,
+            )
         return paged_attention(
             query=query, key_cache=key_cache, value_cache=value_cache, **{name: a[name] for name in _FIELDS},
             num_partials=prepared.num_partials, max_work_rows=prepared.max_work_rows, scale=scale,
             out_dtype=out_dtype or query.dtype, needs_merge=prepared.needs_merge, launch=self.launch,
             poison=self.poison,
         )
+
+    def _reference_run(self, prepared: TritonPreparedPlan, *args, **kwargs):
+        """The torch reference on the same plan (prepared once per plan, on demand)."""
+        from segkv.attention.reference import TorchReferenceBackend
+
+        if self._reference is None:
+            self._reference = TorchReferenceBackend(page_size=self.page_size, device=self.device)
+        if prepared.reference is None or prepared.reference.plan is not prepared.plan:
+            prepared.reference = self._reference.prepare(prepared.plan)
+        return self._reference.run(prepared.reference, *args, **kwargs)
+
+
+def is_latent_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """An MLA latent cache: one KV head, and the values are the keys' first columns (a view)."""
+    return (key_cache.shape[2] == 1 and value_cache.data_ptr() == key_cache.data_ptr()
+            and value_cache.shape[3] < key_cache.shape[3])

@@ -247,17 +247,7 @@ def paged_attention(
     page_size, num_kv = key_cache.shape[1], key_cache.shape[2]
     dv = value_cache.shape[3]
     group = num_heads // num_kv
-    device = query.device
-    # Triton's interpreter truncates float32 -> bf16/fp16 stores (even with "rtne"): there the
-    # kernels write float32 and torch rounds once, to nearest even, as the GPU kernels do.
-    kernel_dtype = torch.float32 if _INTERPRET else out_dtype
-    out = torch.empty(num_rows, num_heads, dv, dtype=kernel_dtype, device=device)
-    lse = torch.empty(num_rows, num_heads, dtype=torch.float32, device=device)
-    part_out = torch.empty(num_partials, num_heads, dv, dtype=torch.float32, device=device)
-    part_lse = torch.empty(num_partials, num_heads, dtype=torch.float32, device=device)
-    if poison:  # tests: anything the kernels fail to write stays NaN
-        for t in (out, lse, part_out, part_lse):
-            t.fill_(float("nan"))
+    out, lse, part_out, part_lse = attention_outputs(query, dv, num_partials, out_dtype, poison)
     num_work = work_piece.numel()
     if num_work and num_partials:
         launch = launch or default_launch_config(head_dim=max(dk, dv), page_size=page_size)
@@ -281,13 +271,37 @@ def paged_attention(
             num_warps=num_warps, num_stages=launch.num_stages,
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
-        _merge_kernel[(num_rows, num_heads)](
-            part_out, part_lse, out, lse, reduce_ptr, reduce_partials,
-            part_out.stride(0), part_out.stride(1), part_lse.stride(0),
-            out.stride(0), out.stride(1), lse.stride(0),
-            DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_P=16 if dv > 256 else 32,
-        )
+        merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
     return out.to(out_dtype), lse
+
+
+def attention_outputs(query, dv: int, num_partials: int, out_dtype, poison: bool):
+    """Final ``out (R, H, dv)`` / ``lse (R, H)`` and float32 partial buffers ``(num_partials, H, dv)``
+    / ``(num_partials, H)``; NaN-filled when ``poison`` (tests: what no kernel writes stays NaN)."""
+    num_rows, num_heads = query.shape[0], query.shape[1]
+    device = query.device
+    # Triton's interpreter truncates float32 -> bf16/fp16 stores (even with "rtne"): there the
+    # kernels write float32 and torch rounds once, to nearest even, as the GPU kernels do.
+    kernel_dtype = torch.float32 if _INTERPRET else out_dtype
+    out = torch.empty(num_rows, num_heads, dv, dtype=kernel_dtype, device=device)
+    lse = torch.empty(num_rows, num_heads, dtype=torch.float32, device=device)
+    part_out = torch.empty(num_partials, num_heads, dv, dtype=torch.float32, device=device)
+    part_lse = torch.empty(num_partials, num_heads, dtype=torch.float32, device=device)
+    if poison:
+        for t in (out, lse, part_out, part_lse):
+            t.fill_(float("nan"))
+    return out, lse, part_out, part_lse
+
+
+def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> None:
+    """Launch the merge: every row of ``out``/``lse`` from its partials (CSR ``reduce_ptr``)."""
+    num_rows, num_heads, dv = out.shape
+    _merge_kernel[(num_rows, num_heads)](
+        part_out, part_lse, out, lse, reduce_ptr, reduce_partials,
+        part_out.stride(0), part_out.stride(1), part_lse.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0),
+        DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_P=16 if dv > 256 else 32,
+    )
 
 
 def write_rows(*, rows, cache, slots):

@@ -142,13 +142,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden[last])
 
     def _make_backend(self, name: str, cache: PagedKVCache):
-        """Triton kernels on CUDA for K/V caches ("auto"); the torch reference otherwise.
-
-        MLA's latent cache stays on the reference backend until its kernels land (its naive
-        path decompresses pieces through ``kv_transform``, which the kernels do not take).
-        """
-        use_triton = name == "triton" or (
-            name == "auto" and self.device.type == "cuda" and cache.layout.kind == "mha")
+        """Triton kernels on CUDA ("auto"), for K/V and latent (MLA) caches alike; the torch
+        reference otherwise. MLA's naive prefill path (``kv_transform``) runs on the reference
+        inside the Triton backend; absorbed decode runs the latent kernel."""
+        use_triton = name == "triton" or (name == "auto" and self.device.type == "cuda")
         if use_triton:
             from segkv.attention.triton_backend import TritonBackend
 

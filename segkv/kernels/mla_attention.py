@@ -1,0 +1,160 @@
+"""Triton stage 1 for absorbed multi-head latent attention (MLA) over pieces of a latent cache.
+
+Every cached row is ``[c_kv (rank), k_rope (rope)]``; the key is the whole row and the value
+its first ``rank`` columns, so one read of a latent tile serves both products and all the
+query heads of the program. Programs of the same work item are adjacent in launch order
+(head blocks vary fastest), so the head blocks of one piece share its rows through L2 and
+the piece is read from memory once. Partials, LSEs, the direct write of single-partial rows
+and the merge follow ``paged_attention`` exactly (float32 throughout, rounded once).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from segkv.kernels.paged_attention import (
+    _INTERPRET,
+    LaunchConfig,
+    _page_index,
+    attention_outputs,
+    merge_into,
+)
+
+
+@triton.jit
+def _mla_stage1_kernel(
+    Q, LAT, OUT, LSE, FINAL, FINAL_LSE,
+    page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start, partial_row,
+    partial_offset, partial_direct,
+    stride_qr, stride_qh, stride_lp, stride_ln,
+    stride_op, stride_oh, stride_lsp, stride_fr, stride_fh, stride_flr,
+    scale, num_heads,
+    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
+):
+    """One program: ``BLOCK_M`` (query row, head) pairs of one work item, scanning its piece
+    ``BLOCK_N`` latent rows at a time with an online softmax in float32."""
+    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
+    mb = tl.program_id(0)
+    w = tl.program_id(1)
+    p0 = tl.load(work_partial_start + w)
+    n_rows = tl.load(work_partial_start + w + 1) - p0
+    if mb * BLOCK_M >= n_rows * num_heads:  # also padding work items of fixed-size plan buffers
+        return
+    pair = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    r = pair // num_heads
+    valid = r < n_rows
+    head = pair % num_heads
+    partial = p0 + tl.where(valid, r, 0)
+    qrow = tl.load(partial_row + partial, mask=valid, other=0).to(tl.int64)
+    offset = tl.load(partial_offset + partial, mask=valid, other=-1)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_e = tl.arange(0, BLOCK_ROPE)
+    r_ok = offs_r < RANK
+    e_ok = offs_e < ROPE
+    q_base = Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh
+    q_lat = tl.load(q_base + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
+    q_rope = tl.load(q_base + RANK + offs_e[None, :], mask=valid[:, None] & e_ok[None, :], other=0.0)
+
+    piece = tl.load(work_piece + w)
+    pg0 = tl.load(piece_page_start + piece)
+    pg1 = tl.load(piece_page_start + piece + 1)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    slot = offs_n // PAGE_SIZE
+    row_in_page = offs_n % PAGE_SIZE
+    row_base = LAT + (row_in_page * stride_ln)[:, None]
+    for pg in range(pg0, pg1, PAGES):
+        page, rows, key_start = _page_index(page_table, page_rows, page_key_start, pg + slot, pg1)
+        in_page = row_in_page < rows
+        tile = row_base + (page * stride_lp)[:, None]
+        c = tl.load(tile + offs_r[None, :], mask=in_page[:, None] & r_ok[None, :], other=0.0)
+        k_rope = tl.load(tile + RANK + offs_e[None, :], mask=in_page[:, None] & e_ok[None, :], other=0.0)
+        if EXACT_FP32:
+            s = tl.dot(q_lat.to(tl.float32), tl.trans(c.to(tl.float32)), input_precision="ieee")
+            s += tl.dot(q_rope.to(tl.float32), tl.trans(k_rope.to(tl.float32)), input_precision="ieee")
+        else:  # bf16/fp16 products are exact in the float32 accumulators
+            s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_rope, tl.trans(k_rope))
+        s = s * scale
+        kpos = key_start + row_in_page
+        visible = (kpos[None, :] <= offset[:, None]) & in_page[None, :] & valid[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if EXACT_FP32:
+            pv = tl.dot(p, c.to(tl.float32), input_precision="ieee")
+        else:  # P split exactly into two half-precision parts: about 16 bits of P, float32 sums
+            p_hi = p.to(c.dtype)
+            p_lo = (p - p_hi.to(tl.float32)).to(c.dtype)
+            pv = tl.dot(p_hi, c) + tl.dot(p_lo, c)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    direct = tl.load(partial_direct + partial, mask=valid, other=-1)
+    to_merge = valid & (direct < 0)
+    to_final = valid & (direct >= 0)
+    frow = tl.where(to_final, direct, 0).to(tl.int64)
+    tl.store(OUT + partial[:, None] * stride_op + head[:, None] * stride_oh + offs_r[None, :], out,
+             mask=to_merge[:, None] & r_ok[None, :])
+    tl.store(LSE + partial * stride_lsp + head, lse, mask=to_merge)
+    tl.store(FINAL + frow[:, None] * stride_fr + head[:, None] * stride_fh + offs_r[None, :],
+             out.to(FINAL.dtype.element_ty, fp_downcast_rounding="rtne"), mask=to_final[:, None] & r_ok[None, :])
+    tl.store(FINAL_LSE + frow * stride_flr + head, lse, mask=to_final)
+
+
+MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulator fits in registers
+
+
+def default_mla_launch_config(*, page_size: int) -> LaunchConfig:
+    """BLOCK_N 32: a 32 x 576 latent tile per pipeline stage (36 KB in bf16)."""
+    return LaunchConfig(block_n=max(page_size, 32), num_warps=4, num_stages=2, block_m=MLA_BLOCK_M)
+
+
+def mla_paged_attention(
+    *, query, latent_cache, rank, page_table, page_rows, page_key_start, piece_page_start, work_piece,
+    work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
+    num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
+    poison=False,
+):
+    """Absorbed MLA over a plan: query ``(R, H, rank + rope)``, latent_cache ``(P, page_size,
+    rank + rope)`` (or any view with unit column stride); the plan tensors as in
+    ``paged_attention``. Returns ``(out (R, H, rank) out_dtype, lse (R, H) float32)``.
+    """
+    num_rows, num_heads, width = query.shape
+    page_size = latent_cache.shape[1]
+    rope = width - rank
+    if latent_cache.shape[-1] != width or rope < 1 or latent_cache.stride(-1) != 1:
+        raise ValueError(f"latent cache {tuple(latent_cache.shape)} does not match query width {width} "
+                         f"with rank {rank}")
+    out, lse, part_out, part_lse = attention_outputs(query, rank, num_partials, out_dtype, poison)
+    num_work = work_piece.numel()
+    if num_work and num_partials:
+        launch = launch or default_mla_launch_config(page_size=page_size)
+        block_m = max(16, min(launch.block_m, triton.next_power_of_2(max_work_rows * num_heads)))
+        grid = (triton.cdiv(max_work_rows * num_heads, block_m), num_work)
+        _mla_stage1_kernel[grid](
+            query, latent_cache, part_out, part_lse, out, lse,
+            page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start,
+            partial_row, partial_offset, partial_direct,
+            query.stride(0), query.stride(1), latent_cache.stride(0), latent_cache.stride(1),
+            part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
+            lse.stride(0),
+            scale, num_heads,
+            RANK=rank, ROPE=rope, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+            BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), BLOCK_M=block_m, PAGE_SIZE=page_size,
+            BLOCK_N=max(page_size, launch.block_n),
+            EXACT_FP32=query.dtype == torch.float32 or _INTERPRET,
+            num_warps=launch.num_warps, num_stages=launch.num_stages,
+        )
+    if num_rows and (needs_merge or not (num_work and num_partials)):
+        merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
+    return out.to(out_dtype), lse

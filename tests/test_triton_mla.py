@@ -1,0 +1,164 @@
+"""The latent (MLA) Triton kernel against the torch reference, absorbed and naive.
+
+On a GPU: kv_lora_rank 512 + rope 64 with 16 to 128 heads, bf16/fp16, pages 16/32, every
+route, a mixed long/short batch. Without one, small widths run in Triton's interpreter.
+Outputs are poisoned before every launch; each case asserts the plan that ran.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from segkv.attention import AttentionShape, DeviceSpec, Route, SequenceQuery, TorchReferenceBackend, plan_attention
+from segkv.attention.metadata import AttentionMetadata
+from segkv.attention.triton_backend import TritonBackend, is_latent_cache
+from segkv.cache import PagedKVCache
+from segkv.config import CacheConfig, CompactionPolicy, KVLayout
+from segkv.layers.mla import MLADims, MultiHeadLatentAttention
+from segkv.layers.rotary import RotaryEmbedding
+from test_triton_attention import check
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+RANK, ROPE = (512, 64) if GPU else (64, 16)
+
+
+def latent_batch(gen, *, dtype, page_size, rows, rank=RANK, rope=ROPE, segments=4):
+    """Three sequences over a shared, segmented latent history (mid-page boundaries)."""
+    layout = KVLayout(num_layers=1, kind="mla", kv_lora_rank=rank, rope_dim=rope, dtype=dtype)
+    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=256), device=DEVICE,
+                         compaction=CompactionPolicy(enabled=False))
+
+    def write(chain, n):
+        slots = chain.append(n)
+        cache.storage.write(0, slots, (0.5 * torch.randn(n, rank + rope, generator=gen)).to(DEVICE))
+
+    history = cache.new_chain()
+    for _ in range(segments - 1):
+        write(history, int(torch.randint(1, 2 * page_size, (1,), generator=gen)))
+        history.seal()
+    fork = history.fork()
+    if fork.num_rows > 1:
+        fork.trim(1 if fork.num_rows % page_size != 1 else 2)
+    chains = [history, fork, history.fork()]
+    for chain in chains:
+        write(chain, rows + int(torch.randint(0, page_size, (1,), generator=gen)))
+    return cache, chains, [SequenceQuery.from_chain(c, rows) for c in chains]
+
+
+def run_latent(cache, queries, heads, route, gen, *, dtype, num_partitions=None, rank=RANK, rope=ROPE):
+    shape = AttentionShape(heads, 1, rank + rope, rank)
+    device = DeviceSpec.cuda() if GPU else DeviceSpec.cpu()
+    plan = plan_attention(queries, shape, device, page_size=cache.page_size, route=route,
+                          num_partitions=num_partitions or (3 if route == "split" else None))
+    assert plan.route == Route(route)
+    if route == "split":
+        assert plan.num_partitions > 1  # split really split
+    q = (0.5 * torch.randn(plan.num_query_rows, heads, rank + rope, generator=gen)).to(dtype).to(DEVICE)
+    storage = cache.storage
+    k, v = storage.key_cache(0), storage.value_cache(0)
+    assert is_latent_cache(k, v)
+    scale = (rank + rope) ** -0.5
+    tb = TritonBackend(page_size=cache.page_size, device=DEVICE, poison=True)
+    out, lse = tb.run(tb.prepare(plan), q, k, v, scale=scale)
+    rb = TorchReferenceBackend(page_size=cache.page_size, device=DEVICE)
+    ref, ref_lse = rb.run(rb.prepare(plan), q, k, v, scale=scale)
+    return out, lse, ref, ref_lse
+
+
+if GPU:
+    GRID = list(itertools.product([r.value for r in Route], ["bf16", "fp16", "fp32"], [16, 32],
+                                  [16, 20, 32, 64, 128]))
+else:
+    GRID = [("single", "fp32", 16, 4), ("split", "bf16", 16, 20), ("segments", "fp16", 32, 4),
+            ("cascade", "bf16", 32, 5)]
+
+
+@pytest.mark.parametrize("route,dtype,page_size,heads", GRID)
+def test_latent_kernel_matches_the_reference(route, dtype, page_size, heads, gen):
+    for rows in ([1, 4, 17] if GPU else [1 + heads % 4]):
+        cache, _, queries = latent_batch(gen, dtype=DTYPES[dtype], page_size=page_size, rows=rows)
+        out, lse, ref, ref_lse = run_latent(cache, queries, heads, route, gen, dtype=DTYPES[dtype])
+        assert out.shape[-1] == RANK
+        check(out, lse, ref, ref_lse)
+
+
+def test_latent_fully_masked_rows_give_zero(gen):
+    cache, _, (q0, q1, _) = latent_batch(gen, dtype=torch.bfloat16, page_size=16, rows=2)
+    queries = [q0, SequenceQuery(q1.spans, 2, query_start=-2), SequenceQuery((), 2)]
+    for route in ("single", "split"):
+        out, lse, ref, ref_lse = run_latent(cache, queries, 4, route, gen, dtype=torch.bfloat16)
+        check(out, lse, ref, ref_lse)
+        dead = [2, 3, 4, 5]
+        assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
+
+
+def test_latent_width_other_than_deepseek(gen):
+    """Checkpoints with other latent widths (a rank that is not a power of two)."""
+    rank, rope = (256, 32) if GPU else (48, 8)
+    cache, _, queries = latent_batch(gen, dtype=torch.bfloat16, page_size=16, rows=3, rank=rank, rope=rope)
+    out, lse, ref, ref_lse = run_latent(cache, queries, 8, "split", gen, dtype=torch.bfloat16, rank=rank,
+                                        rope=rope)
+    check(out, lse, ref, ref_lse)
+
+
+@pytest.mark.skipif(not GPU, reason="a 128K-row latent history needs the GPU")
+@pytest.mark.parametrize("heads", [16, 128])
+def test_latent_mixed_long_and_short_batch(heads, gen):
+    layout = KVLayout(num_layers=1, kind="mla", kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16)
+    cache = PagedKVCache(layout, CacheConfig(page_size=16, num_pages=8400), device=DEVICE)
+    chains = [cache.new_chain(), cache.new_chain()]
+    for chain, n in zip(chains, (131072, 100)):
+        for start in range(0, n, 16384):
+            m = min(16384, n - start)
+            cache.storage.write(0, chain.append(m), 0.5 * torch.randn(m, 576, device=DEVICE))
+    queries = [SequenceQuery.from_chain(c, 1) for c in chains]
+    plan = plan_attention(queries, AttentionShape(heads, 1, 576, 512), DeviceSpec.cuda(), page_size=16)
+    assert plan.route == Route.SPLIT and plan.num_partitions > 1
+    assert sum(1 for w in plan.work if 1 in w.query_rows) == 1  # the short one is not split
+    q = (0.5 * torch.randn(2, heads, 576, device=DEVICE)).to(torch.bfloat16)
+    args = (q, cache.storage.key_cache(0), cache.storage.value_cache(0))
+    tb = TritonBackend(page_size=16, device=DEVICE, poison=True)
+    out, lse = tb.run(tb.prepare(plan), *args, scale=576**-0.5)
+    rb = TorchReferenceBackend(page_size=16, device=DEVICE)
+    ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=576**-0.5)
+    check(out, lse, ref, ref_lse)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_mla_layer_absorbed_on_triton_matches_naive_reference(rows, gen):
+    """A whole MLA layer: the latent kernel (absorbed) against the reference's naive form,
+    which decompresses every piece into per-head keys and values."""
+    rank, rope = (512, 64) if GPU else (32, 16)
+    dims = MLADims(hidden_size=64, num_heads=4, q_lora_rank=None, kv_lora_rank=rank, qk_nope_head_dim=16,
+                   qk_rope_head_dim=rope, v_head_dim=16)
+    rotary = RotaryEmbedding(rope, base=10000.0, max_position=4096, interleaved=True)
+    layer = MultiHeadLatentAttention(dims, 0, rotary, scale=(16 + rope) ** -0.5)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    layer = layer.to(DEVICE)
+    rotary.init_buffers(DEVICE)
+    layout = KVLayout(num_layers=1, kind="mla", kv_lora_rank=rank, rope_dim=rope, dtype=torch.float32)
+    cache = PagedKVCache(layout, CacheConfig(page_size=16, num_pages=64), device=DEVICE)
+    chain = cache.new_chain()
+    history = 150
+    cache.storage.write(0, chain.append(history), torch.randn(history, rank + rope, generator=gen).to(DEVICE))
+    chain.seal()
+    slots = torch.tensor(chain.append(rows), device=DEVICE)
+    x = torch.randn(rows, 64, generator=gen).to(DEVICE)
+    positions = torch.arange(history, history + rows, device=DEVICE)
+    outputs = {}
+    for name, backend, mode in (("triton", TritonBackend(page_size=16, device=DEVICE, poison=True), "absorbed"),
+                                ("naive", TorchReferenceBackend(page_size=16, device=DEVICE), "naive")):
+        plan = plan_attention([SequenceQuery.from_chain(chain, rows)], dims.attention_shape(mode),
+                              DeviceSpec.cpu(), page_size=16, route="split", num_partitions=3)
+        meta = AttentionMetadata(backend, backend.prepare(plan), cache.storage, slots, mla_mode=mode)
+        with torch.no_grad():
+            outputs[name] = layer(x, positions, meta)
+    assert torch.isfinite(outputs["triton"]).all()
+    torch.testing.assert_close(outputs["triton"], outputs["naive"], rtol=1e-4, atol=1e-4)
