@@ -312,6 +312,39 @@ def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], 
     return rows
 
 
+def markdown_tables(report: dict) -> str:
+    """The report as markdown: one row per case (planner's plan, segkv and best stock SDPA times,
+    their ratio, fraction of bandwidth, segments variants), then the cascade comparison."""
+    lines = [f"Device: {report['device']}; copy bandwidth {report['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; "
+             f"{report['dtype']}; {report['trials']} trials; times are medians in ms [min-max].", "",
+             "| shape | page | batch | context | plan | segkv auto | % bw | best SDPA | SDPA/segkv | "
+             "segments 2 / 8 / 30 ÷ auto | single |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report.get("rows", []):
+        v = r["variants"]
+        stock_name, stock = min(((n, x) for n, x in v.items() if n.startswith("sdpa_")),
+                                key=lambda item: item[1]["median_ms"])
+        auto = v["auto"]
+        plan = r["plans"]["auto"]
+        segs = " / ".join(f"{v[f'segments{n}']['median_ms'] / auto['median_ms']:.3f}" for n in (2, 8, 30)
+                          if f"segments{n}" in v)
+        lines.append(
+            f"| {r['shape']} | {r['page_size']} | {r['batch']} | {r['context'] // 1024}K | "
+            f"{plan['route']} ×{plan['max_partitions']} | {auto['median_ms']:.4f} "
+            f"[{auto['min_ms']:.4f}-{auto['max_ms']:.4f}] | {auto['fraction_of_bandwidth']:.0%} | "
+            f"{stock['median_ms']:.4f} ({stock_name[5:]}) | {stock['median_ms'] / auto['median_ms']:.2f} | {segs} | "
+            f"{v['single']['median_ms']:.4f} |")
+    cascade = report.get("cascade")
+    if cascade:
+        v = cascade["variants"]
+        lines += ["", f"Cascade: {cascade['forks']} forks of a {cascade['prefix'] // 1024}K prefix, "
+                  f"{cascade['suffix']} own rows each ({cascade['shape']}, page {cascade['page_size']}): "
+                  f"cascade {v['cascade']['median_ms']:.4f} ms ({cascade['plans']['cascade']['max_partitions']} "
+                  f"partitions of the prefix), no sharing {v['no_sharing']['median_ms']:.4f} ms, "
+                  f"**{cascade['speedup']:.1f}×**."]
+    return "\n".join(lines)
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -329,7 +362,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune", default="", help="instead: sweep partition counts on BxCTX cases, e.g. 1x131072")
     parser.add_argument("--launch", default="64,4,2", help="with --tune: BLOCK_N,WARPS,STAGES")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--markdown", default=None, metavar="REPORT_JSON",
+                        help="print the tables of an earlier --json report and exit (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown_tables(json.load(f)))
+        return 0
     dtype = getattr(torch, args.dtype)
     random.seed(0)
     bandwidth = measured_read_bandwidth()
