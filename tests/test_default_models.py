@@ -23,7 +23,7 @@ from segkv.models.default_models import (
 from segkv.models.loader import load_model
 from segkv.models.registry import model_class
 from segkv.models.stdlib_corpus import corpus_sha256, read_corpus, split_corpus
-from segkv.models.training import causal_hidden
+from segkv.models.training import causal_hidden, lm_losses
 from segkv.runner.model_runner import ModelRunner
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,15 +134,12 @@ def test_mtp_layer_is_saved_and_loaded(trained):
         for name in names:
             expected = f.get_tensor(name).float()
             torch.testing.assert_close(params[model.param_name(name)], expected, rtol=0, atol=0)
-    assert not any(k.startswith("mtp.") and k.split(".", 2)[2] in ("embed_tokens.weight",) for k in params)
-    # The MTP layer drafts: from the main model's hidden state at t and token t+1, logits for t+2.
-    ids = torch.tensor([_ids(directory)])
-    hidden = causal_hidden(model, ids)
-    from segkv.models.training import lm_losses
-
-    with torch.no_grad():
-        out = lm_losses(model, ids)
-    assert out.mtp is not None and math.isfinite(float(out.mtp)) and hidden.shape[0] == ids.numel()
+    assert all(model.param_name(n).startswith("mtp.0.") for n in names)
+    # No copies of the embeddings and the head: the MTP layer shares the main model's.
+    assert mtp + "embed_tokens.weight" not in names and mtp + "shared_head.head.weight" not in names
+    with torch.no_grad():  # the draft: from the hidden state at t and token t+1, logits for t+2
+        out = lm_losses(model, torch.tensor([_ids(directory)]))
+    assert out.mtp is not None and math.isfinite(float(out.mtp))
 
 
 def test_training_is_reproducible(tmp_path):
