@@ -12,6 +12,7 @@ from segkv.cache.kv_cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, parse_dtype
 from segkv.engine.generation import Generator
 from segkv.engine.tokenizer import Tokenizer
+from segkv.models.default_models import resolve_model_dir
 from segkv.models.loader import fingerprint, load_model
 from segkv.outputs import RequestOutput
 from segkv.runner.model_runner import ModelRunner
@@ -46,7 +47,7 @@ class LLM:
         backend: str = "auto",
         progress: bool = False,
     ) -> None:
-        self.model_dir = Path(model_dir)
+        self.model_dir = resolve_model_dir(model_dir)  # "default", "default-mla" or a directory
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
