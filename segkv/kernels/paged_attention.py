@@ -56,10 +56,8 @@ def _stage1_kernel(
     A partial that is its row's only one (``partial_direct >= 0``, the row) is rounded once and
     stored straight into FINAL/FINAL_LSE; the others go to OUT/LSE for the merge kernel."""
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
-    # KV heads vary fastest in launch order: the programs reading one piece's pages run
-    # together and share each page's rows in the memory system
-    kvh = tl.program_id(0)
-    w = tl.program_id(1)
+    w = tl.program_id(0)
+    kvh = tl.program_id(1)
     mb = tl.program_id(2)
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
@@ -256,7 +254,7 @@ def paged_attention(
         block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m,
                               triton.next_power_of_2(max_work_rows * group)))
         num_warps = launch.tall_warps if block_m >= 64 else launch.num_warps
-        grid = (num_kv, num_work, triton.cdiv(max_work_rows * group, block_m))
+        grid = (num_work, num_kv, triton.cdiv(max_work_rows * group, block_m))
         _stage1_kernel[grid](
             query, key_cache, value_cache, part_out, part_lse, out, lse,
             page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start,
