@@ -18,6 +18,8 @@ class AttentionMetadata:
     (row ``t`` of the step is query row ``t`` of the plan). ``prepared``: the plan's index
     tensors. ``storage``: the paged KV tensors of every layer. ``mla_mode``: ``"absorbed"``
     (attend over the latent cache) or ``"naive"`` (decompress per-head K/V per piece).
+    ``trusted_slots``: the runner checked the slots against the chains, so cache writes skip
+    their device-side range check (a host synchronisation CUDA graphs cannot capture).
     """
 
     backend: TorchReferenceBackend  # or TritonBackend: the same prepare/run interface
@@ -25,6 +27,7 @@ class AttentionMetadata:
     storage: PagedKVStorage
     slots: torch.Tensor
     mla_mode: str = "absorbed"
+    trusted_slots: bool = False  # slots checked on the host: cache writes skip the device check
 
     @property
     def num_tokens(self) -> int:

@@ -17,6 +17,9 @@ from segkv.attention.plan import AttentionPlan
 
 LSE_API_TRITON = "triton-merge"
 
+# Arrays the fixed-grid kernels read past a plan's entries: padded with their last value
+# (padding work items and query rows then have no partials).
+_PADDED = ("work_partial_start", "reduce_ptr")
 # The plan arrays, in their order inside the packed buffer.
 _FIELDS = ("page_table", "page_rows", "page_key_start", "piece_page_start", "work_piece", "work_partial_start",
            "partial_row", "partial_offset", "partial_direct", "reduce_ptr", "reduce_partials")
@@ -101,19 +104,6 @@ def flatten_plan(plan: AttentionPlan) -> dict[str, list[int]]:
     }
 
 
-def _pad_for_capacity(arrays: dict[str, list[int]], sizes: dict[str, int]) -> dict[str, list[int]]:
-    """Pad each array to its capacity so padding entries are inert: padding work items and
-    rows repeat the last start (no rows, no partials), padding partials are not direct."""
-    fill_last = ("piece_page_start", "work_partial_start", "reduce_ptr")
-    padded = {}
-    for name, values in arrays.items():
-        if len(values) > sizes[name]:
-            raise ValueError(f"plan needs {len(values)} entries of {name}, capacity is {sizes[name]}")
-        fill = values[-1] if name in fill_last else (-1 if name == "partial_direct" else 0)
-        padded[name] = values + [fill] * (sizes[name] - len(values))
-    return padded
-
-
 class TritonBackend:
     """Runs attention plans with Triton kernels (CUDA, or the interpreter on the CPU)."""
 
@@ -169,11 +159,23 @@ class TritonBackend:
         if plan.num_query_rows > cap.max_rows or max_work_rows > cap.max_work_rows:
             raise ValueError(f"plan with {plan.num_query_rows} rows ({max_work_rows} per work item) exceeds "
                              f"the capacity ({cap.max_rows} rows, {cap.max_work_rows} per work item)")
-        padded = _pad_for_capacity(arrays, cap.sizes())
+        sizes = cap.sizes()
+        for name in _FIELDS:
+            if len(arrays[name]) > sizes[name]:
+                raise ValueError(f"plan needs {len(arrays[name])} entries of {name}, capacity is {sizes[name]}")
+        # the kernels read these past the plan's entries (fixed grids): pad them to be inert
+        for name in _PADDED:
+            arrays[name] = arrays[name] + [arrays[name][-1]] * (sizes[name] - len(arrays[name]))
         if self._copied is not None:  # the previous transfer must have read the staging buffer
             self._copied.synchronize()
-        self._staging.copy_(torch.tensor([v for name in _FIELDS for v in padded[name]], dtype=torch.int32))
-        self._fixed_buffer.copy_(self._staging, non_blocking=True)
+        offset = 0
+        for name in _FIELDS:  # only the used entries travel; the rest is never read
+            values = arrays[name]
+            if values:
+                self._staging[offset:offset + len(values)] = torch.tensor(values, dtype=torch.int32)
+                self._fixed_buffer[offset:offset + len(values)].copy_(
+                    self._staging[offset:offset + len(values)], non_blocking=True)
+            offset += sizes[name]
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()

@@ -73,21 +73,27 @@ class PagedKVStorage:
         slots: Sequence[int] | torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor | None = None,
+        *,
+        trusted_slots: bool = False,
     ) -> None:
         """Write rows at ``slots`` (n,) of one layer.
 
         MHA: ``key`` and ``value`` are ``(n, num_kv_heads, head_dim)``. MLA: ``key`` is the
         latent ``(n, kv_lora_rank + rope_dim)`` and ``value`` must be None.
+        ``trusted_slots``: the caller checked the slots on the host (they came from the chains),
+        so the device-side range check, a host synchronisation, is skipped (CUDA graphs).
         """
         index = _as_slots(slots, self.device)
-        self._check_rows(index, key, value)
+        self._check_rows(index, key, value, check_range=not trusted_slots)
         if self.layout.kind == "mha":
             self._flat(self.k[layer]).index_copy_(0, index, key.to(self.layout.dtype))
             self._flat(self.v[layer]).index_copy_(0, index, value.to(self.layout.dtype))
         else:
             self._flat(self.latent[layer]).index_copy_(0, index, key.to(self.layout.dtype))
 
-    def _check_rows(self, index: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> None:
+    def _check_rows(
+        self, index: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None, *, check_range: bool = True
+    ) -> None:
         """Validate a write before touching any tensor, so a bad write changes nothing."""
         n = index.numel()
         lay = self.layout
@@ -104,7 +110,7 @@ class PagedKVStorage:
             if tuple(key.shape) != (n, lay.key_dim):
                 raise ValueError(f"latent rows have shape {tuple(key.shape)}, expected {(n, lay.key_dim)}")
         capacity = self.pool.num_pages * self.page_size
-        if n and (int(index.min()) < 0 or int(index.max()) >= capacity):
+        if check_range and n and (int(index.min()) < 0 or int(index.max()) >= capacity):
             raise ValueError(f"slots out of range 0..{capacity - 1}")
 
     def read(self, layer: int, slots: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, ...]:

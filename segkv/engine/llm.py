@@ -27,7 +27,9 @@ class LLM:
     ``max_model_len`` defaults to the model's own limit. The cache holds ``num_pages``
     pages, or as many as ``kv_cache_bytes`` allows. ``route`` forces an attention route;
     ``mla_mode`` forces MLA's absorbed or naive path. ``backend``: "auto" (Triton kernels on CUDA
-    for K/V caches, the torch reference otherwise), "torch" or "triton".
+    for K/V caches, the torch reference otherwise), "torch" or "triton". ``cuda_graphs``: decode
+    steps replayed from CUDA graphs (``True``, ``"auto"`` where available, ``False``; see
+    ``runner/cuda_graphs.py``).
     """
 
     def __init__(
@@ -45,6 +47,7 @@ class LLM:
         prefill_chunk: int = 512,
         compaction: CompactionPolicy | None = None,
         backend: str = "auto",
+        cuda_graphs: bool | str = False,
         progress: bool = False,
     ) -> None:
         self.model_dir = resolve_model_dir(model_dir)  # "default", "default-mla" or a directory
@@ -63,7 +66,8 @@ class LLM:
         self.cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=num_pages),
                                   device=str(self.device), compaction=compaction)
         self.runner = ModelRunner(self.model, self.cache, device=self.device, route=route,
-                                  mla_mode=mla_mode, prefill_chunk=prefill_chunk, backend=backend)
+                                  mla_mode=mla_mode, prefill_chunk=prefill_chunk, backend=backend,
+                                  cuda_graphs=cuda_graphs, max_model_len=self.max_model_len)
         self.generator = Generator(self.runner, self.tokenizer, max_model_len=self.max_model_len)
         self._request_ids = itertools.count()
 

@@ -22,7 +22,7 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         storage, layer = meta.storage, self.layer_index
-        storage.write(layer, meta.slots, k, v)
+        storage.write(layer, meta.slots, k, v, trusted_slots=meta.trusted_slots)
         out, _ = meta.backend.run(
             meta.prepared, q, storage.key_cache(layer), storage.value_cache(layer), scale=self.scale
         )

@@ -96,7 +96,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_pe = self.rotary(k_pe.unsqueeze(1), positions).squeeze(1)
         latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)  # (T, r + rope)
         storage, layer = meta.storage, self.layer_index
-        storage.write(layer, meta.slots, latent)
+        storage.write(layer, meta.slots, latent, trusted_slots=meta.trusted_slots)
         if meta.mla_mode == "absorbed":
             out = self._absorbed(q_nope, q_pe, meta)
         elif meta.mla_mode == "naive":

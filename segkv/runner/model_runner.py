@@ -47,6 +47,8 @@ class ModelRunner:
         prefill_chunk: int = 512,
         decode_rows_threshold: int = 1,
         backend: str = "auto",
+        cuda_graphs: bool | str = False,
+        max_model_len: int | None = None,
     ) -> None:
         if mla_mode not in MLA_MODES:
             raise ValueError(f"mla_mode must be one of {MLA_MODES}, got {mla_mode!r}")
@@ -65,6 +67,8 @@ class ModelRunner:
         self.device_spec = DeviceSpec.detect(self.device)
         self.last_plan: AttentionPlan | None = None
         self.route_counts: Counter[str] = Counter()
+        self.graphs_off_reason: str | None = None
+        self.graphs = self._make_graphs(cuda_graphs, max_model_len or getattr(model, "max_model_len", 4096))
 
     @torch.inference_mode()
     def prompt_logits(self, chain: KVChain, token_ids: list[int]) -> torch.Tensor:
@@ -120,6 +124,12 @@ class ModelRunner:
             queries = [SequenceQuery.from_chain(c, len(t)) for c, t in zip(chains, chunks)]
             plan = plan_attention(queries, self.model.attention_shape(mla_mode), self.device_spec,
                                   page_size=self.cache.page_size, route=self.route)
+            if self.graphs is not None and not all_rows and all(len(t) == 1 for t in chunks):
+                logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode)
+                if logits is not None:
+                    self.last_plan = plan
+                    self.route_counts[plan.route.value] += 1
+                    return logits
             meta = AttentionMetadata(
                 backend=self.backend,
                 prepared=self.backend.prepare(plan),
@@ -140,6 +150,33 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
         last = torch.tensor(_last_rows(chunks), dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[last])
+
+    def _make_graphs(self, mode: bool | str, max_model_len: int):
+        """CUDA-graph decode: ``True`` (error if unavailable), ``"auto"`` (on where available:
+        CUDA, the Triton backend, a model without data-dependent shapes), ``"emulate"``
+        (replay by re-running the captured step: tests), ``False``."""
+        from segkv.attention.triton_backend import TritonBackend
+        from segkv.runner.cuda_graphs import DecodeGraphs, graph_blocker
+
+        if mode not in (True, False, "auto", "emulate"):
+            raise ValueError(f"cuda_graphs must be True, False, 'auto' or 'emulate', got {mode!r}")
+        if mode is False:
+            return None
+        emulate = mode == "emulate"
+        reason = None
+        if not isinstance(self.backend, TritonBackend):
+            reason = "the attention backend is not the Triton backend"
+        elif not emulate and self.device.type != "cuda":
+            reason = "the device is not a CUDA device"
+        else:
+            reason = graph_blocker(self.model)
+        if reason is not None:
+            if mode is True or emulate:
+                raise ValueError(f"CUDA graphs are not available: {reason}")
+            self.graphs_off_reason = reason
+            return None
+        return DecodeGraphs(self.model, self.cache, self.device_spec, device=self.device,
+                            max_model_len=max_model_len, emulate=emulate)
 
     def _make_backend(self, name: str, cache: PagedKVCache):
         """Triton kernels on CUDA ("auto"), for K/V and latent (MLA) caches alike; the torch

@@ -1,0 +1,166 @@
+"""Decode steps replayed from CUDA graphs: one graph per batch-size bucket.
+
+A decode step (one new token per sequence) is captured once per bucket over static inputs:
+token ids, positions and cache slots ``(B,)`` int64, and the attention plan's index arrays in
+a :class:`~segkv.attention.triton_backend.TritonBackend` with a fixed
+:class:`~segkv.attention.triton_backend.PlanCapacity`. A later step with ``n <= B`` sequences
+writes its inputs and its plan into those buffers and replays; padding rows (ids 0,
+position 0) write their K/V into a reserved scratch page and attend nothing. A step that does
+not fit (its plan exceeds the capacity) returns None and the runner runs it eagerly.
+
+``emulate=True`` replays by calling the captured step again over the same static buffers,
+so the buffer logic can be checked on machines without CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from segkv.attention.device import DeviceSpec
+from segkv.attention.metadata import AttentionMetadata
+from segkv.attention.plan import AttentionPlan
+from segkv.attention.triton_backend import PlanCapacity, TritonBackend
+from segkv.cache.kv_cache import PagedKVCache
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def graph_blocker(model: nn.Module) -> str | None:
+    """Why ``model``'s forward cannot be captured, or None. Mixture-of-experts layers pick
+    their experts' rows with data-dependent shapes (host synchronisations)."""
+    from segkv.layers.moe import MixtureOfExperts
+
+    if any(isinstance(m, MixtureOfExperts) for m in model.modules()):
+        return "mixture-of-experts layers route with data-dependent shapes"
+    return None
+
+
+@dataclass
+class _Bucket:
+    size: int
+    backend: TritonBackend
+    inputs: torch.Tensor  # (3, B) int64 on the device: ids, positions, slots
+    staging: torch.Tensor  # (3, B) int64 on the host (pinned on CUDA)
+    logits: torch.Tensor | None = None  # (B, vocab) float32, written by every replay
+    graph: torch.cuda.CUDAGraph | None = None
+    step: object = None  # the captured callable (emulation replays it)
+
+
+class DecodeGraphs:
+    """CUDA-graph decode for one model and cache (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cache: PagedKVCache,
+        device_spec: DeviceSpec,
+        *,
+        device: torch.device,
+        max_model_len: int,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        emulate: bool = False,
+    ) -> None:
+        blocker = graph_blocker(model)
+        if blocker is not None:
+            raise ValueError(f"CUDA graphs are not available for this model: {blocker}")
+        if not emulate and device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device (emulate=True replays eagerly)")
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.device_spec = device_spec
+        self.max_model_len = max_model_len
+        self.buckets = tuple(sorted(buckets))
+        self.emulate = emulate
+        self._buckets: dict[int, _Bucket] = {}
+        # a page of the pool reserved for the K/V rows of padding query rows
+        self._scratch = cache.new_chain()
+        self._scratch_slot = self._scratch.append(1)[0]
+        self.replays = 0
+        self.fallbacks = 0
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def release(self) -> None:
+        """Give the scratch page back (the graphs stay unusable afterwards)."""
+        self._scratch.release()
+        self._buckets.clear()
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int], plan: AttentionPlan,
+            mla_mode: str) -> torch.Tensor | None:
+        """``(n, vocab)`` float32 logits of a decode step, or None when it does not fit a graph."""
+        n = len(ids)
+        size = next((b for b in self.buckets if b >= n), None)
+        if size is None or mla_mode == "naive":  # naive MLA decompresses pieces through the reference
+            self.fallbacks += 1
+            return None
+        bucket = self._buckets.get(size) or self._capture(size, mla_mode)
+        try:
+            bucket.backend.prepare(plan)
+        except ValueError:  # the plan exceeds the bucket's fixed capacity
+            self.fallbacks += 1
+            return None
+        pad = size - n
+        bucket.staging[0, :n] = torch.tensor(ids)
+        bucket.staging[1, :n] = torch.tensor(positions)
+        bucket.staging[2, :n] = torch.tensor(slots)
+        if pad:
+            bucket.staging[:, n:] = torch.tensor([[0], [0], [self._scratch_slot]])
+        bucket.inputs.copy_(bucket.staging, non_blocking=True)
+        if self.emulate:
+            bucket.step()
+        else:
+            bucket.graph.replay()
+        self.replays += 1
+        return bucket.logits[:n].clone()
+
+    def _capacity(self, size: int) -> PlanCapacity:
+        page = self.cache.page_size
+        pages_per_seq = math.ceil(self.max_model_len / page) + 64  # + pages left part-full by segment ends
+        work = max(2 * self.device_spec.wave_size, 4 * size)
+        return PlanCapacity(max_pages=size * pages_per_seq, max_pieces=work, max_work=work,
+                            max_partials=work + 64 * size, max_rows=size, max_work_rows=size)
+
+    def _capture(self, size: int, mla_mode: str) -> _Bucket:
+        backend = TritonBackend(page_size=self.cache.page_size, device=self.device, capacity=self._capacity(size))
+        pinned = self.device.type == "cuda"
+        staging = torch.zeros(3, size, dtype=torch.long, pin_memory=pinned)
+        staging[2] = self._scratch_slot
+        inputs = staging.to(self.device)
+        bucket = _Bucket(size, backend, inputs, staging)
+        # a plan with every row attending the scratch row: valid for the warm-up and capture
+        from segkv.attention.plan import SequenceQuery
+        from segkv.attention.planner import plan_attention
+
+        scratch = SequenceQuery(tuple(self._scratch.spans()), 1)
+        shape = self.model.attention_shape(mla_mode)
+        prepared = backend.prepare(plan_attention([scratch] * size, shape, self.device_spec,
+                                                  page_size=self.cache.page_size, route="single"))
+        meta = AttentionMetadata(backend=backend, prepared=prepared, storage=self.cache.storage,
+                                 slots=inputs[2], mla_mode=mla_mode, trusted_slots=True)
+
+        def step() -> None:
+            hidden = self.model(inputs[0], inputs[1], meta)
+            bucket.logits = self.model.compute_logits(hidden)
+
+        bucket.step = step
+        if self.emulate:
+            step()
+        else:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()  # compiles kernels, sizes cuBLAS workspaces: nothing may allocate lazily in the graph
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            bucket.graph = graph
+        self._buckets[size] = bucket
+        return bucket

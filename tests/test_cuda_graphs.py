@@ -1,0 +1,62 @@
+"""CUDA-graph decode: static buffers, fixed-capacity plans and padding rows give the eager tokens.
+
+Without a GPU the graphs are emulated (the captured step re-runs over the same static buffers,
+which is what a replay reads); on a GPU real graphs are captured and replayed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_helpers import build_model_dir
+from segkv.engine import LLM
+from segkv.sampling_params import SamplingParams
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+MODE = True if GPU else "emulate"
+
+
+def _llm(path, **kw):
+    return LLM(path, device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=128,
+               prefill_chunk=32, **kw)
+
+
+def test_graph_decode_gives_the_eager_tokens(tmp_path):
+    build_model_dir(tmp_path, "qwen3")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 9, 13, 40, 77] * 5, [3, 1, 4, 1, 5, 9, 2, 6] * 2, [8, 8, 1]]  # 3 rows: bucket 4, one pad
+    eager = [o.outputs[0].token_ids for o in _llm(tmp_path).generate(prompts, params)]
+    llm = _llm(tmp_path, cuda_graphs=MODE)
+    graphs = llm.runner.graphs
+    assert graphs is not None
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == eager
+    assert graphs.replays >= 5 and 4 in graphs._buckets  # decode steps really went through the bucket
+    conv = llm.conversation()  # a follow-up turn on a segmented chain (mid-page boundaries)
+    first = conv.say("hello there", params).output.token_ids
+    second = conv.say("and a second turn", params).output.token_ids
+    ref = _llm(tmp_path).conversation()
+    assert [first, second] == [ref.say("hello there", params).output.token_ids,
+                               ref.say("and a second turn", params).output.token_ids]
+
+
+def test_steps_that_do_not_fit_run_eagerly(tmp_path):
+    build_model_dir(tmp_path, "qwen3")
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm = _llm(tmp_path, cuda_graphs=MODE)
+    llm.runner.graphs.buckets = (1, 2)  # three sequences fit no bucket
+    prompts = [[5, 9, 13], [3, 1, 4], [8, 8, 1]]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == [o.outputs[0].token_ids for o in _llm(tmp_path).generate(prompts, params)]
+    assert llm.runner.graphs.fallbacks >= 2 and llm.runner.graphs.replays == 0
+
+
+def test_graphs_are_refused_where_they_cannot_work(tmp_path):
+    build_model_dir(tmp_path, "qwen3")
+    with pytest.raises(ValueError, match="Triton backend"):
+        LLM(tmp_path, backend="torch", cuda_graphs=True, num_pages=32)
+    assert LLM(tmp_path, backend="torch", cuda_graphs="auto", num_pages=32).runner.graphs is None
+    with pytest.raises(ValueError, match="cuda_graphs must be"):
+        LLM(tmp_path, cuda_graphs="sometimes", num_pages=32)
