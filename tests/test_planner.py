@@ -166,3 +166,29 @@ def test_plan_validates_its_reduce_map():
         AttentionPlan(Route.SINGLE, (piece,), (item,), ((0,), ()), 2)
     with pytest.raises(ValueError):
         AttentionPlan(Route.SINGLE, (piece,), (WorkItem(3, (0,), (0,)),), ((0,), ()), 2)
+
+
+H200 = DeviceSpec(kind="cuda", name="h200", num_multiprocessors=132, blocks_per_multiprocessor=3,
+                  max_partitions=256, partition_overhead_rows=256)
+
+
+@pytest.mark.parametrize("batch,context,parts", [(1, 131072, 49), (1, 16384, 49), (4, 32768, 12),
+                                                 (16, 16384, 3), (16, 131072, 34)])
+def test_cost_model_fills_whole_waves(batch, context, parts):
+    """The measured H200 optimum: programs fill whole waves of 3 x 132 slots (docs/benchmarks.md)."""
+    plan = plan_attention([seq(context) for _ in range(batch)], GQA, H200, page_size=PS)
+    assert plan.route == Route.SPLIT and plan.num_partitions == parts
+    programs = len(plan.work) * GQA.num_kv_heads
+    waves = -(-programs // H200.wave_size)
+    assert programs > (waves - 1) * H200.wave_size + 0.9 * H200.wave_size or waves >= 3  # no sliver of a wave
+    for row in range(batch):
+        assert covered_rows(plan, row) == context
+
+
+def test_cost_model_splits_a_batch_just_over_one_wave():
+    """400 programs unsplit = 2 waves, the second almost empty: shorter partitions in more, fuller
+    waves cost less, so the batch splits although it already fills the device."""
+    plan = plan_attention([seq(8192) for _ in range(50)], GQA, H200, page_size=PS)
+    assert plan.route == Route.SPLIT and plan.num_partitions > 1 and "fill a wave of wave" not in plan.reason
+    full = plan_attention([seq(8192) for _ in range(99)], GQA, H200, page_size=PS)  # 792 = 2 full waves
+    assert full.route == Route.SINGLE

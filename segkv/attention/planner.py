@@ -232,7 +232,8 @@ def _auto_chunk(
         fill = f"fill a wave of {wave}" if base >= wave else f"< wave {wave}"
         return None, f"{base} work items {fill}; splitting does not pay"
     chunks = {i: max(chunk, math.ceil(r.num_rows / device.max_partitions)) for i, r in enumerate(runs)}
-    return chunks, (f"{base} work items < wave {wave}: {parts} partitions of {chunk} rows ({items} items, "
+    fill = "fill a wave of" if base >= wave else "< wave"
+    return chunks, (f"{base} work items {fill} {wave}: {parts} partitions of {chunk} rows ({items} items, "
                     f"{math.ceil(items / wave)} waves)")
 
 
