@@ -10,6 +10,8 @@ and the merge follow ``paged_attention`` exactly (float32 throughout, rounded on
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -115,8 +117,15 @@ MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulat
 
 
 def default_mla_launch_config(*, page_size: int) -> LaunchConfig:
-    """BLOCK_N 32: a 32 x 576 latent tile per pipeline stage (36 KB in bf16)."""
-    return LaunchConfig(block_n=max(page_size, 32), num_warps=4, num_stages=2, block_m=MLA_BLOCK_M)
+    """BLOCK_N 32 (a 32 x 576 latent tile per pipeline stage, 36 KB in bf16), 16 pairs, 4 warps,
+    2 stages; ``SEGKV_MLA_BLOCK_N``, ``SEGKV_MLA_BLOCK_M``, ``SEGKV_MLA_WARPS`` and
+    ``SEGKV_MLA_STAGES`` override them (tuning runs)."""
+    return LaunchConfig(
+        block_n=max(page_size, int(os.environ.get("SEGKV_MLA_BLOCK_N", 32))),
+        num_warps=int(os.environ.get("SEGKV_MLA_WARPS", 4)),
+        num_stages=int(os.environ.get("SEGKV_MLA_STAGES", 2)),
+        block_m=int(os.environ.get("SEGKV_MLA_BLOCK_M", MLA_BLOCK_M)),
+    )
 
 
 def mla_paged_attention(
