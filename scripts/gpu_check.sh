@@ -5,6 +5,8 @@
 #   SEGKV_GPU_TUNE   partition-count sweep cases, e.g. 1x131072,4x32768 (empty: skip), run for each
 #                    SEGKV_GPU_LAUNCHES entry BLOCK_N,WARPS,STAGES[,PREFETCH]
 #   SEGKV_GPU_BENCH  arguments for segkv.bench.decode_attention ("skip" to skip)
+#   SEGKV_GPU_MLA_BENCH  arguments for segkv.bench.mla_decode ("skip" to skip)
+#   SEGKV_GPU_TRAIN  non-empty: retrain the built-in models (about 6.5 min) and compare them byte for byte
 # Installs pytest from .whl/ (carried) when the machine lacks it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,4 +35,12 @@ fi
 if [ "${SEGKV_GPU_MLA_BENCH:-}" != "skip" ]; then  # the latent (MLA) kernel and layer benchmark
   # shellcheck disable=SC2086
   python3 -m segkv.bench.mla_decode --json "$OUT/mla_decode.json" ${SEGKV_GPU_MLA_BENCH:-} 2>&1 | tee "$OUT/mla_bench.txt"
+fi
+if [ -n "${SEGKV_GPU_TRAIN:-}" ]; then  # regenerate the built-in models and compare with the packaged ones
+  python3 scripts/train_default_models.py --device cuda --out-dir /tmp/segkv-default-models --no-plot 2>&1 \
+    | grep -v "step .*/.* loss" | tee "$OUT/train.txt"
+  for m in qwen3-gqa deepseek-mla; do
+    a=$(sha256sum < "segkv/default_models/$m/model.safetensors"); b=$(sha256sum < "/tmp/segkv-default-models/$m/model.safetensors")
+    [ "$a" = "$b" ] && echo "regenerate $m: identical" || echo "regenerate $m: DIFFERENT"
+  done | tee -a "$OUT/train.txt"
 fi
