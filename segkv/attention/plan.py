@@ -107,7 +107,7 @@ class Piece:
     def __post_init__(self) -> None:
         if len(self.page_ids) != len(self.page_rows):
             raise ValueError(f"{len(self.page_ids)} pages but {len(self.page_rows)} row counts")
-        if any(rows < 1 for rows in self.page_rows):
+        if self.page_rows and min(self.page_rows) < 1:
             raise ValueError(f"every page of a piece holds at least one row: {self.page_rows}")
 
     @property

@@ -210,16 +210,17 @@ def _auto_chunk(
     if not runs:
         return None, "empty batch"
     units = [_work_units(run, queries, shape) for run in runs]
+    run_rows = [run.num_rows for run in runs]  # a sum over pages: computed once
     base = sum(units)
     wave = device.wave_size
-    longest = max(run.num_rows for run in runs)
+    longest = max(run_rows)
     min_chunk = max(page_size, math.ceil(device.min_rows_per_partition / page_size) * page_size)
     if longest < 2 * min_chunk:
         return None, f"longest run {longest} rows < 2 x {min_chunk} rows per partition"
 
     def estimate(parts: int) -> tuple[float, int, int]:
         chunk = math.ceil(math.ceil(longest / parts) / page_size) * page_size
-        items = sum(u * min(device.max_partitions, math.ceil(r.num_rows / chunk)) for u, r in zip(units, runs))
+        items = sum(u * min(device.max_partitions, -(-rows // chunk)) for u, rows in zip(units, run_rows))
         return math.ceil(items / wave) * (chunk + device.partition_overhead_rows), chunk, items
 
     candidates = {parts: estimate(parts) for parts in range(1, min(device.max_partitions, longest // min_chunk) + 1)}
@@ -231,7 +232,7 @@ def _auto_chunk(
     if parts == 1:
         fill = f"fill a wave of {wave}" if base >= wave else f"< wave {wave}"
         return None, f"{base} work items {fill}; splitting does not pay"
-    chunks = {i: max(chunk, math.ceil(r.num_rows / device.max_partitions)) for i, r in enumerate(runs)}
+    chunks = {i: max(chunk, -(-rows // device.max_partitions)) for i, rows in enumerate(run_rows)}
     fill = "fill a wave of" if base >= wave else "< wave"
     return chunks, (f"{base} work items {fill} {wave}: {parts} partitions of {chunk} rows ({items} items, "
                     f"{math.ceil(items / wave)} waves)")

@@ -10,7 +10,9 @@ fits: the next ``prepare`` only rewrites the buffer's contents.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from segkv.attention.plan import AttentionPlan
@@ -74,17 +76,22 @@ class TritonPreparedPlan:
             raise AttributeError(name) from None
 
 
-def flatten_plan(plan: AttentionPlan) -> dict[str, list[int]]:
-    """The plan's int32 index arrays as lists (layout documented in ``paged_attention``)."""
-    pages, rows, key_starts, starts = [], [], [], [0]
-    for piece in plan.pieces:
-        pages.extend(piece.page_ids)
-        rows.extend(piece.page_rows)
-        position = 0
-        for n in piece.page_rows:
-            key_starts.append(position)
-            position += n
-        starts.append(len(pages))
+def flatten_plan(plan: AttentionPlan) -> dict[str, np.ndarray]:
+    """The plan's index arrays as int32 numpy arrays (layout documented in ``paged_attention``).
+
+    Page arrays are built with numpy (a long batch has hundreds of thousands of pages per step).
+    """
+    pieces = plan.pieces
+    counts = np.fromiter((len(p.page_ids) for p in pieces), dtype=np.int64, count=len(pieces))
+    total = int(counts.sum())
+    pages = np.fromiter(chain.from_iterable(p.page_ids for p in pieces), dtype=np.int32, count=total)
+    rows = np.fromiter(chain.from_iterable(p.page_rows for p in pieces), dtype=np.int32, count=total)
+    starts = np.zeros(len(pieces) + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    # position of each page's first row within its piece: an exclusive running sum restarted per piece
+    before = np.zeros(total + 1, dtype=np.int64)
+    np.cumsum(rows, out=before[1:])
+    key_starts = before[:-1] - np.repeat(before[starts[:-1]], counts)
     work_start, offsets = [0], []
     for item in plan.work:
         work_start.append(work_start[-1] + len(item.query_rows))
@@ -96,11 +103,15 @@ def flatten_plan(plan: AttentionPlan) -> dict[str, list[int]]:
         reduce_ptr.append(len(reduce_partials))
         if len(partials) == 1:
             direct[partials[0]] = row
+
+    def i32(values) -> np.ndarray:
+        return np.asarray(values, dtype=np.int32)
+
     return {
-        "page_table": pages, "page_rows": rows, "page_key_start": key_starts, "piece_page_start": starts,
-        "work_piece": [item.piece for item in plan.work], "work_partial_start": work_start,
-        "partial_row": list(plan.partial_rows), "partial_offset": offsets, "partial_direct": direct,
-        "reduce_ptr": reduce_ptr, "reduce_partials": reduce_partials,
+        "page_table": pages, "page_rows": rows, "page_key_start": i32(key_starts), "piece_page_start": i32(starts),
+        "work_piece": i32([item.piece for item in plan.work]), "work_partial_start": i32(work_start),
+        "partial_row": i32(plan.partial_rows), "partial_offset": i32(offsets), "partial_direct": i32(direct),
+        "reduce_ptr": i32(reduce_ptr), "reduce_partials": i32(reduce_partials),
     }
 
 
@@ -151,7 +162,7 @@ class TritonBackend:
         max_work_rows = max((len(item.query_rows) for item in plan.work), default=1)
         if self.capacity is None:
             sizes = {name: len(arrays[name]) for name in _FIELDS}
-            host = torch.tensor([v for name in _FIELDS for v in arrays[name]], dtype=torch.int32)
+            host = torch.from_numpy(np.concatenate([arrays[name] for name in _FIELDS]))
             device_buffer = host.to(self.device)
             return TritonPreparedPlan(plan, self._views(device_buffer, sizes), plan.num_partials, max_work_rows,
                                       needs_merge)
@@ -165,14 +176,15 @@ class TritonBackend:
                 raise ValueError(f"plan needs {len(arrays[name])} entries of {name}, capacity is {sizes[name]}")
         # the kernels read these past the plan's entries (fixed grids): pad them to be inert
         for name in _PADDED:
-            arrays[name] = arrays[name] + [arrays[name][-1]] * (sizes[name] - len(arrays[name]))
+            values = arrays[name]
+            arrays[name] = np.concatenate([values, np.full(sizes[name] - len(values), values[-1], dtype=np.int32)])
         if self._copied is not None:  # the previous transfer must have read the staging buffer
             self._copied.synchronize()
         offset = 0
         for name in _FIELDS:  # only the used entries travel; the rest is never read
             values = arrays[name]
-            if values:
-                self._staging[offset:offset + len(values)] = torch.tensor(values, dtype=torch.int32)
+            if len(values):
+                self._staging[offset:offset + len(values)] = torch.from_numpy(values)
                 self._fixed_buffer[offset:offset + len(values)].copy_(
                     self._staging[offset:offset + len(values)], non_blocking=True)
             offset += sizes[name]
