@@ -40,8 +40,11 @@ graph warm-up and recording at its addresses) are excluded; their time is report
 Cases whose prompt (batch x context) exceeds ``--hf-max-prompt-tokens`` or whose estimated
 memory does not fit are skipped with the reason; failures are recorded.
 
-Run on a CUDA device: ``python -m segkv.bench.decode_e2e --help``; ``--markdown A.json [B.json]``
-prints the table of saved reports (merged per case) without a GPU.
+Run on a CUDA device, e.g. ``python -m segkv.bench.decode_e2e --models llama-3.1-8b --hf-variants
+eager --stop-after-s 420 --json build/e2e/llama.json`` (the report is rewritten after every case;
+``--stop-after-s`` starts no case after that time, and the same command with ``--resume`` runs
+the cases left). ``--markdown A.json [B.json ...]`` prints the table of saved reports, merged per
+case (segkv from one run, a Hugging Face variant from another), without a GPU.
 """
 
 from __future__ import annotations
