@@ -31,11 +31,15 @@ def test_prompt_logits_and_greedy_tokens_match_transformers(family, tmp_path, ge
     assert rel_err(logits, reference) < 1e-4
 
     expected = hf.generate(prompt[None], max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, 40:]
-    token = int(logits[-1].argmax())
-    tokens = [token]
+    step_logits = [logits[-1]]
+    tokens = [int(logits[-1].argmax())]
     for _ in range(31):
-        token = int(runner.forward([StepInput(chain, [token])])[0].argmax())
-        tokens.append(token)
-    assert tokens == expected.tolist()
+        step_logits.append(runner.forward([StepInput(chain, [tokens[-1]])])[0])
+        tokens.append(int(step_logits[-1].argmax()))
+    expected = expected.tolist()
+    if tokens != expected:  # only a float32 near-tie may flip greedy: then both paths agree up to it
+        i = next(i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b)
+        gap = (step_logits[i][tokens[i]] - step_logits[i][expected[i]]).abs().item()
+        assert gap < 1e-4 * step_logits[i].abs().max().item(), f"step {i}: {tokens[i]} vs {expected[i]}, gap {gap}"
     chain.release()
     assert cache.pool.pages_in_use == 0

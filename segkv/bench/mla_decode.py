@@ -212,7 +212,8 @@ class UncheckedLatentWrites:
     def value_cache(self, layer: int) -> torch.Tensor:
         return self.storage.value_cache(layer)
 
-    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None) -> None:
+    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None,
+              *, trusted_slots: bool = True) -> None:
         """``key (n, rank + rope)`` rows into int64 ``slots (n,)`` on the storage's device."""
         flat = self._flat[layer]
         flat.index_copy_(0, slots, key.to(flat.dtype))

@@ -32,7 +32,7 @@ class DenseCausalAttention:
 
     # -- the storage's part ----------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor,
-              value: torch.Tensor | None = None) -> None:
+              value: torch.Tensor | None = None, *, trusted_slots: bool = False) -> None:
         self._rows[layer] = (key, value)
 
     def key_cache(self, layer: int) -> torch.Tensor:
