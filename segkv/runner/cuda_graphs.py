@@ -48,6 +48,7 @@ class _Bucket:
     logits: torch.Tensor | None = None  # (B, vocab) float32, written by every replay
     graph: torch.cuda.CUDAGraph | None = None
     step: object = None  # the captured callable (emulation replays it)
+    copied: object = None  # torch.cuda.Event after the last host-to-device copy of the staging rows
 
 
 class DecodeGraphs:
@@ -107,12 +108,17 @@ class DecodeGraphs:
             self.fallbacks += 1
             return None
         pad = size - n
+        if bucket.copied is not None:  # the last step's transfer must have read the staging rows
+            bucket.copied.synchronize()
         bucket.staging[0, :n] = torch.tensor(ids)
         bucket.staging[1, :n] = torch.tensor(positions)
         bucket.staging[2, :n] = torch.tensor(slots)
         if pad:
             bucket.staging[:, n:] = torch.tensor([[0], [0], [self._scratch_slot]])
         bucket.inputs.copy_(bucket.staging, non_blocking=True)
+        if self.device.type == "cuda":
+            bucket.copied = torch.cuda.Event()
+            bucket.copied.record()
         if self.emulate:
             bucket.step()
         else:
