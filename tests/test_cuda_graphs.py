@@ -60,3 +60,42 @@ def test_graphs_are_refused_where_they_cannot_work(tmp_path):
     assert LLM(tmp_path, backend="torch", cuda_graphs="auto", num_pages=32).runner.graphs is None
     with pytest.raises(ValueError, match="cuda_graphs must be"):
         LLM(tmp_path, cuda_graphs="sometimes", num_pages=32)
+
+
+def test_graph_decode_of_a_latent_attention_model(tmp_path):
+    """A DeepSeek-V3-style model with dense layers only (no experts): absorbed MLA decode
+    through the latent kernel inside the graph gives the eager tokens."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from tokenizer_helpers import build_tiny_tokenizer, tiny_vocab_size
+
+    build_tiny_tokenizer(tmp_path, style="chatml")
+    config = DeepseekV3Config(
+        vocab_size=tiny_vocab_size(tmp_path), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        first_k_dense_replace=2, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=32, max_position_embeddings=256, n_group=1, topk_group=1)
+    torch.manual_seed(0)
+    hf = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.1)
+    hf.save_pretrained(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = [[5, 9, 13, 40, 77] * 4, [3, 1, 4, 1, 5, 9, 2, 6] * 2, [8, 8, 1]]
+    eager = [o.outputs[0].token_ids for o in _llm(tmp_path).generate(prompts, params)]
+    llm = _llm(tmp_path, cuda_graphs=MODE)
+    assert llm.runner.graphs is not None
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == eager
+    assert llm.runner.graphs.replays >= 4
+
+
+def test_models_with_experts_are_not_captured():
+    from segkv.layers.moe import MixtureOfExperts, RouterSpec
+    from segkv.runner.cuda_graphs import graph_blocker
+
+    spec = RouterSpec(num_experts=4, top_k=2)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), MixtureOfExperts(8, 16, spec))
+    assert "mixture-of-experts" in graph_blocker(model)
+    assert graph_blocker(torch.nn.Sequential(torch.nn.Linear(8, 8))) is None
