@@ -91,11 +91,51 @@ def test_graph_decode_of_a_latent_attention_model(tmp_path):
     assert llm.runner.graphs.replays >= 4
 
 
-def test_models_with_experts_are_not_captured():
+def test_packed_experts_match_the_expert_loop(gen):
+    """Device-side expert dispatch (what graphs capture) against one GEMM per expert."""
     from segkv.layers.moe import MixtureOfExperts, RouterSpec
-    from segkv.runner.cuda_graphs import graph_blocker
 
-    spec = RouterSpec(num_experts=4, top_k=2)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), MixtureOfExperts(8, 16, spec))
-    assert "mixture-of-experts" in graph_blocker(model)
-    assert graph_blocker(torch.nn.Sequential(torch.nn.Linear(8, 8))) is None
+    spec = RouterSpec(num_experts=6, top_k=2)
+    moe = MixtureOfExperts(32, 24, spec, num_shared=1).to(DEVICE)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    x = torch.randn(5, 32, generator=gen).to(DEVICE)
+    with torch.no_grad():
+        looped = moe(x)
+        moe.pack_experts()
+        packed = moe(x)
+        assert moe.packed and moe.experts[3].up_proj.weight.data_ptr() == moe._packed[0][3, 24:].data_ptr()
+        torch.testing.assert_close(packed, looped, rtol=1e-5, atol=1e-5)
+        big = torch.randn(40, 32, generator=gen).to(DEVICE)  # 80 pairs: past the limit, the loop again
+        torch.testing.assert_close(moe(big), moe._looped_experts(big, *moe.gate(big)) + moe.shared_experts(big))
+
+
+def test_graph_decode_of_a_model_with_experts(tmp_path):
+    """DeepSeek-V3-style MoE layers: packed experts inside the graph, buckets capped so every
+    captured batch stays on the device-side dispatch."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from tokenizer_helpers import build_tiny_tokenizer, tiny_vocab_size
+
+    build_tiny_tokenizer(tmp_path, style="chatml")
+    config = DeepseekV3Config(
+        vocab_size=tiny_vocab_size(tmp_path), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=4, n_shared_experts=1,
+        moe_intermediate_size=32, max_position_embeddings=256, n_group=1, topk_group=1)
+    torch.manual_seed(0)
+    hf = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.1)
+    hf.save_pretrained(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = [[5, 9, 13, 40, 77] * 4, [3, 1, 4, 1, 5, 9, 2, 6] * 2, [8, 8, 1]]
+    eager = [o.outputs[0].token_ids for o in _llm(tmp_path).generate(prompts, params)]
+    llm = _llm(tmp_path, cuda_graphs=MODE)
+    graphs = llm.runner.graphs
+    assert graphs.max_batch == 16  # 64 pairs / 4 experts per token
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == eager
+    assert graphs.replays >= 4

@@ -124,15 +124,69 @@ class MixtureOfExperts(nn.Module):
             GatedMLP(hidden_size, expert_size * num_shared, bias=shared_bias, activation=activation)
             if num_shared else None
         )
+        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None  # see pack_experts (not saved)
+
+    # (token, expert) pairs up to which a packed layer runs the device-side dispatch: each pair
+    # reads its expert's weights once, which beats one GEMM per expert only for small batches
+    PACKED_PAIRS_LIMIT = 64
+
+    def pack_experts(self) -> None:
+        """Stack the routed experts' weights, ``gate+up (E, 2I, H)`` and ``down (E, H, I)``, and
+        make each expert's parameters views of the stacks (no second copy stays alive). Small
+        batches then dispatch on the device, without a host synchronisation (CUDA graphs)."""
+        if self._packed is not None:
+            return
+        first = self.experts[0]
+        inner, hidden = first.gate_proj.weight.shape
+        like = {"dtype": first.gate_proj.weight.dtype, "device": first.gate_proj.weight.device}
+        gate_up = torch.empty(len(self.experts), 2 * inner, hidden, **like)
+        down = torch.empty(len(self.experts), hidden, inner, **like)
+        with torch.no_grad():
+            for i, expert in enumerate(self.experts):
+                if expert.gate_proj.bias is not None or expert.down_proj.bias is not None:
+                    raise ValueError("packed experts take no biases")
+                gate_up[i, :inner].copy_(expert.gate_proj.weight)
+                gate_up[i, inner:].copy_(expert.up_proj.weight)
+                down[i].copy_(expert.down_proj.weight)
+                expert.gate_proj.weight = nn.Parameter(gate_up[i, :inner], requires_grad=False)
+                expert.up_proj.weight = nn.Parameter(gate_up[i, inner:], requires_grad=False)
+                expert.down_proj.weight = nn.Parameter(down[i], requires_grad=False)
+        self._packed = (gate_up, down)
+
+    @property
+    def packed(self) -> bool:
+        return self._packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        if self._packed is not None and ids.numel() <= self.PACKED_PAIRS_LIMIT:
+            out = self._packed_experts(x, weights, ids)
+        else:
+            out = self._looped_experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _packed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Device-side dispatch: every (token, expert) pair through its expert, rounded as the
+        expert's own layers round (gate/up, activation, down in ``x``'s dtype)."""
+        from segkv.kernels.expert_gemv import expert_gemv
+
+        gate_up, down = self._packed
+        tokens, k = ids.shape
+        inner = down.shape[2]
+        experts = ids.reshape(-1)
+        rows = torch.arange(tokens, device=x.device).repeat_interleave(k)
+        h = expert_gemv(x.contiguous(), rows, experts, gate_up)  # (T k, 2I)
+        act = (F.silu(h[:, :inner]) * h[:, inner:]).contiguous()
+        y = expert_gemv(act, torch.arange(tokens * k, device=x.device), experts, down)  # (T k, H)
+        out = (y.float() * weights.reshape(-1, 1)).view(tokens, k, -1).sum(dim=1)
+        return out.to(x.dtype)
+
+    def _looped_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for expert in ids.unique().tolist():
             rows, slot = (ids == expert).nonzero(as_tuple=True)
             y = self.experts[expert](x[rows]).float() * weights[rows, slot].unsqueeze(-1)
             out.index_add_(0, rows, y)
-        out = out.to(x.dtype)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return out.to(x.dtype)

@@ -5,7 +5,8 @@ token ids, positions and cache slots ``(B,)`` int64, and the attention plan's in
 a :class:`~segkv.attention.triton_backend.TritonBackend` with a fixed
 :class:`~segkv.attention.triton_backend.PlanCapacity`. A later step with ``n <= B`` sequences
 writes its inputs and its plan into those buffers and replays; padding rows (ids 0,
-position 0) write their K/V into a reserved scratch page and attend nothing. A step that does
+position 0) write their K/V into a reserved scratch page and attend nothing. Mixture-of-experts
+layers are packed (stacked expert weights, device-side dispatch) and cap the bucket sizes. A step that does
 not fit (its plan exceeds the capacity) returns None and the runner runs it eagerly.
 
 ``emulate=True`` replays by calling the captured step again over the same static buffers,
@@ -29,14 +30,20 @@ from segkv.cache.kv_cache import PagedKVCache
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def graph_blocker(model: nn.Module) -> str | None:
-    """Why ``model``'s forward cannot be captured, or None. Mixture-of-experts layers pick
-    their experts' rows with data-dependent shapes (host synchronisations)."""
+def expert_layers(model: nn.Module) -> list:
     from segkv.layers.moe import MixtureOfExperts
 
-    if any(isinstance(m, MixtureOfExperts) for m in model.modules()):
-        return "mixture-of-experts layers route with data-dependent shapes"
-    return None
+    return [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
+
+
+def graph_batch_limit(model: nn.Module) -> int | None:
+    """The largest batch a graph may hold (None: any). Mixture-of-experts layers dispatch on the
+    device only up to ``PACKED_PAIRS_LIMIT`` (token, expert) pairs; larger batches loop over
+    experts with host synchronisations and run eagerly."""
+    layers = expert_layers(model)
+    if not layers:
+        return None
+    return min(layer.PACKED_PAIRS_LIMIT // layer.gate.spec.top_k for layer in layers)
 
 
 @dataclass
@@ -65,9 +72,14 @@ class DecodeGraphs:
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         emulate: bool = False,
     ) -> None:
-        blocker = graph_blocker(model)
-        if blocker is not None:
-            raise ValueError(f"CUDA graphs are not available for this model: {blocker}")
+        limit = graph_batch_limit(model)
+        if limit is not None:
+            buckets = tuple(b for b in buckets if b <= limit)
+            if not buckets:
+                raise ValueError(f"CUDA graphs are not available for this model: its experts allow batches "
+                                 f"of at most {limit} in a graph")
+            for layer in expert_layers(model):
+                layer.pack_experts()  # device-side expert dispatch: no host synchronisation
         if not emulate and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device (emulate=True replays eagerly)")
         self.model = model

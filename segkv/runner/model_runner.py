@@ -153,10 +153,10 @@ class ModelRunner:
 
     def _make_graphs(self, mode: bool | str, max_model_len: int):
         """CUDA-graph decode: ``True`` (error if unavailable), ``"auto"`` (on where available:
-        CUDA, the Triton backend, a model without data-dependent shapes), ``"emulate"``
+        CUDA and the Triton backend), ``"emulate"``
         (replay by re-running the captured step: tests), ``False``."""
         from segkv.attention.triton_backend import TritonBackend
-        from segkv.runner.cuda_graphs import DecodeGraphs, graph_blocker
+        from segkv.runner.cuda_graphs import DecodeGraphs
 
         if mode not in (True, False, "auto", "emulate"):
             raise ValueError(f"cuda_graphs must be True, False, 'auto' or 'emulate', got {mode!r}")
@@ -168,8 +168,6 @@ class ModelRunner:
             reason = "the attention backend is not the Triton backend"
         elif not emulate and self.device.type != "cuda":
             reason = "the device is not a CUDA device"
-        else:
-            reason = graph_blocker(self.model)
         if reason is not None:
             if mode is True or emulate:
                 raise ValueError(f"CUDA graphs are not available: {reason}")
