@@ -121,12 +121,16 @@ def test_greedy_decode_matches_hf(name, mla_mode, tmp_path, gen):
     runner = _runner(model, page_size=4, mla_mode=mla_mode, prefill_chunk=3)
     chain = runner.cache.new_chain()
     logits = runner.forward([StepInput(chain, prompt.tolist())])
-    got = []
+    got, step_logits = [], []
     for _ in range(steps):
+        step_logits.append(logits[0])
         token = int(logits[0].argmax())
         got.append(token)
         logits = runner.forward([StepInput(chain, [token])])
-    assert got == expected
+    if got != expected:  # only a float32 near-tie may flip greedy: both paths agree up to it
+        i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+        gap = (step_logits[i][got[i]] - step_logits[i][expected[i]]).abs().item()
+        assert gap < 1e-4 * step_logits[i].abs().max().item(), f"step {i}: {got[i]} vs {expected[i]}, gap {gap}"
     assert modes == (["naive"] * 3 if mla_mode == "auto" else ["absorbed"] * 3) + ["absorbed"] * steps
     assert chain.num_rows == len(prompt) + steps
 
