@@ -45,7 +45,7 @@ def _stage1_kernel(
     scale,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, PREFETCH: tl.constexpr, HEADS_FASTEST: tl.constexpr,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (``BLOCK_N / PAGE_SIZE`` pages) at a time with
@@ -56,8 +56,12 @@ def _stage1_kernel(
     A partial that is its row's only one (``partial_direct >= 0``, the row) is rounded once and
     stored straight into FINAL/FINAL_LSE; the others go to OUT/LSE for the merge kernel."""
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
-    w = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
+        kvh = tl.program_id(0)
+        w = tl.program_id(1)
+    else:
+        w = tl.program_id(0)
+        kvh = tl.program_id(1)
     mb = tl.program_id(2)
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
@@ -207,6 +211,7 @@ class LaunchConfig:
     prefetch: bool = False  # software-pipelined loads in the kernel itself
     block_m: int = 64  # most (query row x head) pairs per program
     tall_warps: int = 4  # warps for programs of 64 or more pairs (8 measured slower for cascade)
+    heads_fastest: bool = False  # launch a piece's KV heads side by side (not yet measured)
 
 
 def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
@@ -221,6 +226,7 @@ def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
         prefetch=os.environ.get("SEGKV_TRITON_PREFETCH", "0") == "1",
         block_m=int(os.environ.get("SEGKV_TRITON_BLOCK_M", 64)),
         tall_warps=int(os.environ.get("SEGKV_TRITON_TALL_WARPS", 4)),
+        heads_fastest=os.environ.get("SEGKV_TRITON_HEADS_FASTEST", "0") == "1",
     )
 
 
@@ -254,7 +260,8 @@ def paged_attention(
         block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m,
                               triton.next_power_of_2(max_work_rows * group)))
         num_warps = launch.tall_warps if block_m >= 64 else launch.num_warps
-        grid = (num_work, num_kv, triton.cdiv(max_work_rows * group, block_m))
+        blocks = triton.cdiv(max_work_rows * group, block_m)
+        grid = (num_kv, num_work, blocks) if launch.heads_fastest else (num_work, num_kv, blocks)
         _stage1_kernel[grid](
             query, key_cache, value_cache, part_out, part_lse, out, lse,
             page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start,
@@ -268,6 +275,7 @@ def paged_attention(
             BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=max(page_size, launch.block_n),
             # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
             EXACT_FP32=query.dtype == torch.float32 or _INTERPRET, PREFETCH=launch.prefetch,
+            HEADS_FASTEST=launch.heads_fastest,
             num_warps=num_warps, num_stages=launch.num_stages,
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
