@@ -16,6 +16,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from segkv.attention.device import DeviceSpec
 from segkv.attention.plan import (
     AttentionPlan,
@@ -218,17 +220,19 @@ def _auto_chunk(
     if longest < 2 * min_chunk:
         return None, f"longest run {longest} rows < 2 x {min_chunk} rows per partition"
 
-    def estimate(parts: int) -> tuple[float, int, int]:
-        chunk = math.ceil(math.ceil(longest / parts) / page_size) * page_size
-        items = sum(u * min(device.max_partitions, -(-rows // chunk)) for u, rows in zip(units, run_rows))
-        return math.ceil(items / wave) * (chunk + device.partition_overhead_rows), chunk, items
-
-    candidates = {parts: estimate(parts) for parts in range(1, min(device.max_partitions, longest // min_chunk) + 1)}
-    best = min(cost for cost, _, _ in candidates.values())
+    # every candidate at once: parts p (rows) x runs (columns), in numpy (a long batch has
+    # hundreds of runs and this runs every step)
+    parts_all = np.arange(1, min(device.max_partitions, longest // min_chunk) + 1, dtype=np.int64)
+    chunk_all = -(-(-(-longest // parts_all)) // page_size) * page_size
+    rows_arr = np.asarray(run_rows, dtype=np.int64)
+    per_run = np.minimum(device.max_partitions, -(-rows_arr[None, :] // chunk_all[:, None]))
+    items_all = per_run @ np.asarray(units, dtype=np.int64)
+    cost_all = -(-items_all // wave) * (chunk_all + device.partition_overhead_rows)
+    best = cost_all.min()
     # an idle device takes the most partitions among near-ties; a full one the fewest
-    slack = 1.03 if base < wave else 1.0
-    parts = max(p for p, (cost, _, _) in candidates.items() if cost <= slack * best)
-    cost, chunk, items = candidates[parts]
+    near = np.flatnonzero(cost_all <= (1.03 if base < wave else 1.0) * best)
+    pick = int(near.max() if base < wave else near.min())
+    parts, chunk, items = int(parts_all[pick]), int(chunk_all[pick]), int(items_all[pick])
     if parts == 1:
         fill = f"fill a wave of {wave}" if base >= wave else f"< wave {wave}"
         return None, f"{base} work items {fill}; splitting does not pay"
