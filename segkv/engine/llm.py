@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -70,6 +71,9 @@ class LLM:
                                   cuda_graphs=cuda_graphs, max_model_len=self.max_model_len)
         self.generator = Generator(self.runner, self.tokenizer, max_model_len=self.max_model_len)
         self._request_ids = itertools.count()
+        # what exists now lives as long as the engine: keep it out of the cyclic collector's
+        # scans, which otherwise fire inside every step's planning (page lists are large)
+        gc.freeze()
 
     # -- stateless generation ---------------------------------------------------------
     def generate(
