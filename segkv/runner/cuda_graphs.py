@@ -177,7 +177,8 @@ class DecodeGraphs:
                 step()  # compiles kernels, sizes cuBLAS workspaces: nothing may allocate lazily in the graph
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread-local: the server's other threads may touch CUDA while the engine thread captures
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 step()
             bucket.graph = graph
         self._buckets[size] = bucket
