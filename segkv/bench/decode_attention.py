@@ -25,6 +25,7 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,12 +63,16 @@ def measured_read_bandwidth(device: str = "cuda") -> float:
 
 @dataclass
 class Timer:
-    """A variant captured in a CUDA graph over every data copy; ``ms()`` is the time per call."""
+    """Times a variant's calls (one per data copy); ``ms()`` is the time per call.
 
-    graph: torch.cuda.CUDAGraph
-    calls: int  # calls per replay (one per data copy)
+    ``capture`` records them in a CUDA graph (no launch overhead); ``eager`` launches them from
+    Python between two events, the fallback for a variant a graph cannot hold.
+    """
+
+    replay: Callable[[], None]
+    calls: int
     reps: int = 1
-    keep: tuple = ()  # the captured calls, and through them every tensor the graph reads
+    keep: tuple = ()  # the graph and the captured calls, and through them every tensor it reads
 
     @classmethod
     def capture(cls, fns: list) -> Timer:
@@ -83,16 +88,27 @@ class Timer:
             for fn in fns:
                 fn()
         torch.cuda.synchronize()
-        timer = cls(graph, len(fns), keep=tuple(fns))
-        once = timer.ms()  # size the repetitions so one measurement lasts about 2 ms
-        timer.reps = max(1, min(200, round(2.0 / max(once, 1e-3) / timer.calls)))
-        return timer
+        return cls(graph.replay, len(fns), keep=(graph, *fns))._sized()
+
+    @classmethod
+    def eager(cls, fns: list) -> Timer:
+        fns = tuple(fns)
+        for fn in fns:  # warm up
+            fn()
+        torch.cuda.synchronize()
+        return cls(lambda: [fn() for fn in fns], len(fns), keep=fns)._sized()
+
+    def _sized(self) -> Timer:
+        """Repetitions so that one measurement lasts about 2 ms."""
+        once = self.ms()
+        self.reps = max(1, min(200, round(2.0 / max(once, 1e-3) / self.calls)))
+        return self
 
     def ms(self) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(self.reps):
-            self.graph.replay()
+            self.replay()
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / (self.reps * self.calls)

@@ -336,39 +336,6 @@ def format_row(r: dict, elapsed: float) -> str:
 
 
 # -- timing -----------------------------------------------------------------------------------
-@dataclass
-class EagerTimer:
-    """The fallback when a variant cannot be captured: its calls launched from Python between
-    two events (launch overhead included); ``ms()`` is the time per call."""
-
-    fns: tuple
-    reps: int = 1
-
-    @property
-    def calls(self) -> int:
-        return len(self.fns)
-
-    @classmethod
-    def build(cls, fns: list) -> EagerTimer:
-        timer = cls(tuple(fns))
-        for fn in fns:
-            fn()
-        torch.cuda.synchronize()
-        once = timer.ms()
-        timer.reps = max(1, min(200, round(2.0 / max(once, 1e-3) / timer.calls)))
-        return timer
-
-    def ms(self) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(self.reps):
-            for fn in self.fns:
-                fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / (self.reps * self.calls)
-
-
 def relative_error(out: torch.Tensor, want: torch.Tensor) -> float:
     """``max |out - want| / max |want|``, in float32."""
     out, want = out.float(), want.float()
@@ -416,7 +383,7 @@ def build_timers(fns: dict[str, list]) -> tuple[dict, dict[str, str], dict[str, 
             errors[name] = f"capture: {_short(exc)}"
         try:
             torch.cuda.synchronize()
-            timers[name] = EagerTimer.build(calls)
+            timers[name] = Timer.eager(calls)
             timing[name] = "eager"
         except Exception as exc:
             errors[name] += f"; eager: {_short(exc)}"
