@@ -19,9 +19,11 @@ import triton.language as tl
 from segkv.kernels.paged_attention import (
     _INTERPRET,
     LaunchConfig,
-    _page_index,
+    page_index,
     attention_outputs,
     merge_into,
+    online_softmax_step,
+    store_partials,
 )
 
 
@@ -71,7 +73,7 @@ def _mla_stage1_kernel(
     row_in_page = offs_n % PAGE_SIZE
     row_base = LAT + (row_in_page * stride_ln)[:, None]
     for pg in range(pg0, pg1, PAGES):
-        page, rows, key_start = _page_index(page_table, page_rows, page_key_start, pg + slot, pg1)
+        page, rows, key_start = page_index(page_table, page_rows, page_key_start, pg + slot, pg1)
         in_page = row_in_page < rows
         tile = row_base + (page * stride_lp)[:, None]
         c = tl.load(tile + offs_r[None, :], mask=in_page[:, None] & r_ok[None, :], other=0.0)
@@ -81,37 +83,10 @@ def _mla_stage1_kernel(
             s += tl.dot(q_rope.to(tl.float32), tl.trans(k_rope.to(tl.float32)), input_precision="ieee")
         else:  # bf16/fp16 products are exact in the float32 accumulators
             s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_rope, tl.trans(k_rope))
-        s = s * scale
-        kpos = key_start + row_in_page
-        visible = (kpos[None, :] <= offset[:, None]) & in_page[None, :] & valid[:, None]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if EXACT_FP32:
-            pv = tl.dot(p, c.to(tl.float32), input_precision="ieee")
-        else:  # P split exactly into two half-precision parts: about 16 bits of P, float32 sums
-            p_hi = p.to(c.dtype)
-            p_lo = (p - p_hi.to(tl.float32)).to(c.dtype)
-            pv = tl.dot(p_hi, c) + tl.dot(p_lo, c)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    direct = tl.load(partial_direct + partial, mask=valid, other=-1)
-    to_merge = valid & (direct < 0)
-    to_final = valid & (direct >= 0)
-    frow = tl.where(to_final, direct, 0).to(tl.int64)
-    tl.store(OUT + partial[:, None] * stride_op + head[:, None] * stride_oh + offs_r[None, :], out,
-             mask=to_merge[:, None] & r_ok[None, :])
-    tl.store(LSE + partial * stride_lsp + head, lse, mask=to_merge)
-    tl.store(FINAL + frow[:, None] * stride_fr + head[:, None] * stride_fh + offs_r[None, :],
-             out.to(FINAL.dtype.element_ty, fp_downcast_rounding="rtne"), mask=to_final[:, None] & r_ok[None, :])
-    tl.store(FINAL_LSE + frow * stride_flr + head, lse, mask=to_final)
-
+        m_i, l_i, acc = online_softmax_step(s, scale, key_start + row_in_page, offset, in_page, valid, c, m_i, l_i,
+                                            acc, EXACT_FP32)
+    store_partials(acc, m_i, l_i, partial, head, valid, offs_r, r_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
+                   stride_op, stride_oh, stride_lsp, stride_fr, stride_fh, stride_flr)
 
 MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulator fits in registers
 

@@ -18,7 +18,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _page_index(page_table, page_rows, page_key_start, pidx, pg1):
+def page_index(page_table, page_rows, page_key_start, pidx, pg1):
     """Page ids, valid rows and first-row positions of pages ``pidx`` (0 past ``pg1``)."""
     in_range = pidx < pg1
     page = tl.load(page_table + pidx, mask=in_range, other=0).to(tl.int64)
@@ -33,6 +33,50 @@ def _load_kv(k_base, v_base, page, stride_kp, stride_vp, in_page, dk_ok, dv_ok):
     k = tl.load(k_base + (page * stride_kp)[:, None], mask=in_page[:, None] & dk_ok[None, :], other=0.0)
     v = tl.load(v_base + (page * stride_vp)[:, None], mask=in_page[:, None] & dv_ok[None, :], other=0.0)
     return k, v
+
+
+@triton.jit
+def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc, EXACT_FP32: tl.constexpr):
+    """One block of the online softmax: raw scores ``s (M, N)`` float32 of the keys at positions
+    ``kpos (N,)``, masked causally against ``offset (M,)`` and to valid rows; ``v (N, D)`` the
+    block's values. Returns the updated running max, sum and float32 accumulator ``(M, D)``.
+    A fully masked row keeps max -inf and adds nothing (no NaN)."""
+    s = s * scale
+    visible = (kpos[None, :] <= offset[:, None]) & in_page[None, :] & valid[:, None]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if EXACT_FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:  # P split exactly into two half-precision parts: about 16 bits of P, float32 sums
+        p_hi = p.to(v.dtype)
+        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+        pv = tl.dot(p_hi, v) + tl.dot(p_lo, v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def store_partials(acc, m_i, l_i, partial, head, valid, offs_d, d_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
+                   stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr):
+    """Normalise a program's (row, head) results and store them: a partial that is its row's
+    only one (``partial_direct >= 0``) is rounded once into FINAL/FINAL_LSE, the others go to
+    OUT/LSE in float32 for the merge. Empty rows are 0 with LSE -inf."""
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    direct = tl.load(partial_direct + partial, mask=valid, other=-1)
+    to_merge = valid & (direct < 0)
+    to_final = valid & (direct >= 0)
+    frow = tl.where(to_final, direct, 0).to(tl.int64)
+    tl.store(OUT + partial[:, None] * stride_op + head[:, None] * stride_oh + offs_d[None, :], out,
+             mask=to_merge[:, None] & d_ok[None, :])
+    tl.store(LSE + partial * stride_lp + head, lse, mask=to_merge)
+    tl.store(FINAL + frow[:, None] * stride_fr + head[:, None] * stride_fh + offs_d[None, :],
+             out.to(FINAL.dtype.element_ty, fp_downcast_rounding="rtne"), mask=to_final[:, None] & d_ok[None, :])
+    tl.store(FINAL_LSE + frow * stride_flr + head, lse, mask=to_final)
 
 
 @triton.jit
@@ -94,18 +138,18 @@ def _stage1_kernel(
     k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
     v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
     if PREFETCH:  # software pipeline: page indices two blocks ahead, K/V one block ahead
-        page, rows, kst = _page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
+        page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
         k, v = _load_kv(k_base, v_base, page, stride_kp, stride_vp, row_in_page < rows, dk_ok, dv_ok)
-        page, rows_next, kst_next = _page_index(page_table, page_rows, page_key_start, pg0 + PAGES + slot, pg1)
+        page, rows_next, kst_next = page_index(page_table, page_rows, page_key_start, pg0 + PAGES + slot, pg1)
     for pg in range(pg0, pg1, PAGES):
         if PREFETCH:
             k_cur, v_cur, rows_cur, kst_cur = k, v, rows, kst
             k, v = _load_kv(k_base, v_base, page, stride_kp, stride_vp, row_in_page < rows_next, dk_ok, dv_ok)
             rows, kst = rows_next, kst_next
-            page, rows_next, kst_next = _page_index(page_table, page_rows, page_key_start,
+            page, rows_next, kst_next = page_index(page_table, page_rows, page_key_start,
                                                     pg + 2 * PAGES + slot, pg1)
         else:
-            page_cur, rows_cur, kst_cur = _page_index(page_table, page_rows, page_key_start, pg + slot, pg1)
+            page_cur, rows_cur, kst_cur = page_index(page_table, page_rows, page_key_start, pg + slot, pg1)
             k_cur, v_cur = _load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_in_page < rows_cur,
                                     dk_ok, dv_ok)
         in_page = row_in_page < rows_cur
@@ -114,35 +158,10 @@ def _stage1_kernel(
             s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
-        s = s * scale
-        visible = (kpos[None, :] <= offset[:, None]) & in_page[None, :] & valid[:, None]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if EXACT_FP32:
-            pv = tl.dot(p, v_cur.to(tl.float32), input_precision="ieee")
-        else:  # P split exactly into two half-precision parts: about 16 bits of P, float32 sums
-            p_hi = p.to(v_cur.dtype)
-            p_lo = (p - p_hi.to(tl.float32)).to(v_cur.dtype)
-            pv = tl.dot(p_hi, v_cur) + tl.dot(p_lo, v_cur)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    direct = tl.load(partial_direct + partial, mask=valid, other=-1)
-    to_merge = valid & (direct < 0)
-    to_final = valid & (direct >= 0)
-    frow = tl.where(to_final, direct, 0).to(tl.int64)
-    tl.store(OUT + partial[:, None] * stride_op + head[:, None] * stride_oh + offs_dv[None, :], out,
-             mask=to_merge[:, None] & dv_ok[None, :])
-    tl.store(LSE + partial * stride_lp + head, lse, mask=to_merge)
-    tl.store(FINAL + frow[:, None] * stride_fr + head[:, None] * stride_fh + offs_dv[None, :],
-             out.to(FINAL.dtype.element_ty, fp_downcast_rounding="rtne"), mask=to_final[:, None] & dv_ok[None, :])
-    tl.store(FINAL_LSE + frow * stride_flr + head, lse, mask=to_final)
+        m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i, acc,
+                                            EXACT_FP32)
+    store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
+                   stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr)
 
 
 @triton.jit
