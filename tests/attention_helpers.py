@@ -43,15 +43,37 @@ def make_layout(name: str, dtype: torch.dtype) -> tuple[KVLayout, AttentionShape
     return layout, AttentionShape(num_q, num_kv, HEAD_DIM, HEAD_DIM), HEAD_DIM**-0.5
 
 
-def write_rows(cache: PagedKVCache, chain: KVChain, n: int, gen: torch.Generator) -> None:
-    """Append ``n`` rows of fresh random K/V (or latent) to ``chain``."""
+def write_rows(cache: PagedKVCache, chain: KVChain, n: int, gen: torch.Generator, *, scale: float = 1.0) -> None:
+    """Append ``n`` rows of fresh random K/V (or latent), times ``scale``, to ``chain``
+    (drawn on the CPU, written on the cache's device)."""
     slots = chain.append(n)
     layout = cache.layout
+    device = cache.storage.device
     if layout.kind == "mla":
-        cache.storage.write(0, slots, torch.randn(n, layout.key_dim, generator=gen))
+        cache.storage.write(0, slots, (scale * torch.randn(n, layout.key_dim, generator=gen)).to(device))
     else:
         shape = (n, layout.num_kv_heads, layout.head_dim)
-        cache.storage.write(0, slots, torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+        kv = scale * torch.randn(2, *shape, generator=gen)
+        cache.storage.write(0, slots, kv[0].to(device), kv[1].to(device))
+
+
+def forked_history(cache: PagedKVCache, gen: torch.Generator, *, rows: int, segments: int,
+                   scale: float = 1.0) -> list[KVChain]:
+    """Three chains over one history of ``segments - 1`` sealed random-length segments: the
+    history itself, a fork trimmed back to end mid-page, and a plain fork; each then gets a
+    tail of at least ``rows`` rows (segment boundaries fall mid-page)."""
+    page_size = cache.page_size
+    history = cache.new_chain()
+    for _ in range(segments - 1):
+        write_rows(cache, history, int(torch.randint(1, 2 * page_size, (1,), generator=gen)), gen, scale=scale)
+        history.seal()
+    fork = history.fork()
+    if fork.num_rows > 1:
+        fork.trim(1 if fork.num_rows % page_size != 1 else 2)  # end mid-page
+    chains = [history, fork, history.fork()]
+    for chain in chains:
+        write_rows(cache, chain, rows + int(torch.randint(0, page_size, (1,), generator=gen)), gen, scale=scale)
+    return chains
 
 
 def build_batch(

@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from attention_helpers import Batch, build_batch, dense_attention, ulp
+from attention_helpers import Batch, dense_attention, forked_history, ulp
 from segkv.attention import AttentionShape, DeviceSpec, Route, SequenceQuery, TorchReferenceBackend, plan_attention
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
@@ -33,22 +33,7 @@ def gqa_batch(gen, *, dtype, page_size, ratio, head_dim, rows, segments=4, kv_he
     cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=256), device=DEVICE,
                          compaction=CompactionPolicy(enabled=False))
     shape = AttentionShape(kv_heads * ratio, kv_heads, head_dim, head_dim)
-
-    def write(chain, n):
-        slots = chain.append(n)
-        kv = torch.randn(2, n, kv_heads, head_dim, generator=gen)
-        cache.storage.write(0, slots, kv[0].to(DEVICE), kv[1].to(DEVICE))
-
-    history = cache.new_chain()
-    for _ in range(segments - 1):
-        write(history, int(torch.randint(1, 2 * page_size, (1,), generator=gen)))
-        history.seal()
-    fork = history.fork()
-    if fork.num_rows > 1:
-        fork.trim(1 if fork.num_rows % page_size != 1 else 2)  # end mid-page
-    chains = [history, fork, history.fork()]
-    for chain in chains:
-        write(chain, rows + int(torch.randint(0, page_size, (1,), generator=gen)))
+    chains = forked_history(cache, gen, rows=rows, segments=segments)
     queries = [SequenceQuery.from_chain(c, rows) for c in chains]
     q = torch.randn(3 * rows, shape.num_q_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     return Batch(cache, chains, queries, q, shape, head_dim**-0.5)

@@ -19,6 +19,7 @@ from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 from segkv.layers.mla import MLADims, MultiHeadLatentAttention
 from segkv.layers.rotary import RotaryEmbedding
+from attention_helpers import forked_history
 from test_triton_attention import check
 
 GPU = torch.cuda.is_available()
@@ -32,21 +33,7 @@ def latent_batch(gen, *, dtype, page_size, rows, rank=RANK, rope=ROPE, segments=
     layout = KVLayout(num_layers=1, kind="mla", kv_lora_rank=rank, rope_dim=rope, dtype=dtype)
     cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=256), device=DEVICE,
                          compaction=CompactionPolicy(enabled=False))
-
-    def write(chain, n):
-        slots = chain.append(n)
-        cache.storage.write(0, slots, (0.5 * torch.randn(n, rank + rope, generator=gen)).to(DEVICE))
-
-    history = cache.new_chain()
-    for _ in range(segments - 1):
-        write(history, int(torch.randint(1, 2 * page_size, (1,), generator=gen)))
-        history.seal()
-    fork = history.fork()
-    if fork.num_rows > 1:
-        fork.trim(1 if fork.num_rows % page_size != 1 else 2)
-    chains = [history, fork, history.fork()]
-    for chain in chains:
-        write(chain, rows + int(torch.randint(0, page_size, (1,), generator=gen)))
+    chains = forked_history(cache, gen, rows=rows, segments=segments, scale=0.5)
     return cache, chains, [SequenceQuery.from_chain(c, rows) for c in chains]
 
 
