@@ -100,7 +100,7 @@ def plan_attention(
         reason = f"{forced.value if forced else 'auto'} route, {num_partitions} partitions"
     elif forced == Route.SPLIT:  # as many partitions as the device has idle slots, at least 2
         chunks, reason = _auto_chunk(runs, queries, shape, device, page_size)
-        cuts = [_cut_rows(run, chunks[i]) if chunks else _cut_pages(run, 2) for i, run in enumerate(runs)]
+        cuts = [_cut_rows(run, chunks[i] if chunks else None) for i, run in enumerate(runs)]
         cuts = [parts if len(parts) > 1 else _cut_pages(run, 2) for parts, run in zip(cuts, runs)]
         reason = f"forced split; {reason}"
     elif forced in (None, Route.SEGMENTS, Route.CASCADE):

@@ -158,7 +158,7 @@ class TritonBackend:
     def prepare(self, plan: AttentionPlan) -> TritonPreparedPlan:
         """Flatten the plan into int32 tensors on the device (once per forward step)."""
         arrays = flatten_plan(plan)
-        needs_merge = any(len(p) != 1 for p in plan.reduce_map)
+        needs_merge = bool((np.diff(arrays["reduce_ptr"]) != 1).any())  # a row without exactly one partial
         max_work_rows = max((len(item.query_rows) for item in plan.work), default=1)
         if self.capacity is None:
             sizes = {name: len(arrays[name]) for name in _FIELDS}

@@ -23,7 +23,8 @@ from torch import nn
 
 from segkv.attention.device import DeviceSpec
 from segkv.attention.metadata import AttentionMetadata
-from segkv.attention.plan import AttentionPlan
+from segkv.attention.plan import AttentionPlan, SequenceQuery
+from segkv.attention.planner import plan_attention
 from segkv.attention.triton_backend import PlanCapacity, TritonBackend
 from segkv.cache.kv_cache import PagedKVCache
 
@@ -122,9 +123,7 @@ class DecodeGraphs:
         pad = size - n
         if bucket.copied is not None:  # the last step's transfer must have read the staging rows
             bucket.copied.synchronize()
-        bucket.staging[0, :n] = torch.tensor(ids)
-        bucket.staging[1, :n] = torch.tensor(positions)
-        bucket.staging[2, :n] = torch.tensor(slots)
+        bucket.staging[:, :n] = torch.tensor([ids, positions, slots])
         if pad:
             bucket.staging[:, n:] = torch.tensor([[0], [0], [self._scratch_slot]])
         bucket.inputs.copy_(bucket.staging, non_blocking=True)
@@ -153,9 +152,6 @@ class DecodeGraphs:
         inputs = staging.to(self.device)
         bucket = _Bucket(size, backend, inputs, staging)
         # a plan with every row attending the scratch row: valid for the warm-up and capture
-        from segkv.attention.plan import SequenceQuery
-        from segkv.attention.planner import plan_attention
-
         scratch = SequenceQuery(tuple(self._scratch.spans()), 1)
         shape = self.model.attention_shape(mla_mode)
         prepared = backend.prepare(plan_attention([scratch] * size, shape, self.device_spec,

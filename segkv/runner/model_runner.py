@@ -124,28 +124,31 @@ class ModelRunner:
             queries = [SequenceQuery.from_chain(c, len(t)) for c, t in zip(chains, chunks)]
             plan = plan_attention(queries, self.model.attention_shape(mla_mode), self.device_spec,
                                   page_size=self.cache.page_size, route=self.route)
+            logits = None
             if self.graphs is not None and not all_rows and all(len(t) == 1 for t in chunks):
                 logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode)
-                if logits is not None:
-                    self.last_plan = plan
-                    self.route_counts[plan.route.value] += 1
-                    return logits
-            meta = AttentionMetadata(
-                backend=self.backend,
-                prepared=self.backend.prepare(plan),
-                storage=self.cache.storage,
-                slots=torch.tensor(slots, dtype=torch.long, device=self.device),
-                mla_mode=mla_mode,
-            )
-            ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self.device)
-            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-            hidden = self.model(ids, pos, meta)
+            if logits is None:  # eager: no graph, a prefill chunk, or a step no graph holds
+                logits = self._eager_logits(chunks, positions, slots, plan, mla_mode, all_rows)
         except BaseException:
             for chain, n in appended:
                 chain.trim(n)
             raise
         self.last_plan = plan
         self.route_counts[plan.route.value] += 1
+        return logits
+
+    def _eager_logits(self, chunks: list[list[int]], positions: list[int], slots: list[int], plan: AttentionPlan,
+                      mla_mode: str, all_rows: bool) -> torch.Tensor:
+        meta = AttentionMetadata(
+            backend=self.backend,
+            prepared=self.backend.prepare(plan),
+            storage=self.cache.storage,
+            slots=torch.tensor(slots, dtype=torch.long, device=self.device),
+            mla_mode=mla_mode,
+        )
+        ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, meta)
         if all_rows:
             return self.model.compute_logits(hidden)
         last = torch.tensor(_last_rows(chunks), dtype=torch.long, device=self.device)
