@@ -1,0 +1,111 @@
+"""Where a decode step's time goes: host work, graph replay and each kernel, for one model shape.
+
+Builds a model at a real shape with random weights (``segkv.bench.decode_e2e.model_config``), fills a
+cache of ``--context`` random rows per sequence and times greedy decode steps through the runner
+(CUDA graphs on), then splits the step:
+
+* wall time per step (runner.forward + argmax to the host, as the engine does);
+* graph replay alone (inputs already staged), synchronised: the GPU's part;
+* host planning and preparation alone (plan_attention + backend.prepare);
+* a ``torch.profiler`` table of an eager step's kernels (self CUDA time), to find the slow ones.
+
+Usage (GPU machine): ``python3 scripts/profile_decode.py --model llama-3.1-8b --batch 1 --context 1024``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from segkv.attention.planner import plan_attention
+from segkv.attention.plan import SequenceQuery
+from segkv.bench.decode_e2e import _decode, _runner, _trim_to, build_segkv, case_pages, model_config
+from segkv.cache import PagedKVCache
+from segkv.config import CacheConfig, CompactionPolicy
+
+
+def _median_ms(fn, repeats: int) -> tuple[float, float, float]:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), min(times), max(times)
+
+
+@torch.inference_mode()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--rows", type=int, default=30, help="rows of each profiler table")
+    args = p.parse_args()
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    cfg = model_config(args.model)
+    with torch.no_grad():
+        model, _ = build_segkv(cfg, device=device, dtype=dtype)
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    print(f"{args.model}: {weight_bytes / 1e9:.2f} GB of weights; dtypes "
+          f"{sorted({str(t.dtype) for t in model.parameters()})}")
+    layout = model.kv_layout(dtype)
+    pages = case_pages(args.batch, args.context, steps=args.steps, warmup=8, page_size=16)
+    cache = PagedKVCache(layout, CacheConfig(page_size=16, num_pages=pages), device=device,
+                         compaction=CompactionPolicy(enabled=False))
+    chains = [cache.new_chain() for _ in range(args.batch)]
+    for chain in chains:
+        chain.append(args.context)
+    first = list(range(1, args.batch + 1))
+    for graphs in ("auto", "off"):
+        runner, on = _runner(model, cache, device, graphs=graphs)
+        _decode(runner, chains, first, 8)
+        _trim_to(chains, args.context)
+        def steps() -> None:
+            _decode(runner, chains, first, args.steps)
+            _trim_to(chains, args.context)
+
+        med = _median_ms(steps, 3)
+        per = [m / args.steps for m in med]
+        print(f"graphs={graphs} (on: {on}): {per[0]:.3f} ms/step [{per[1]:.3f}-{per[2]:.3f}] "
+              f"-> {args.batch * 1e3 / per[0]:.1f} tok/s; plan {runner.last_plan.describe()}")
+        if on:
+            bucket = next(iter(runner.graphs._buckets.values()))
+            rep = _median_ms(bucket.graph.replay, 20)
+            print(f"  graph replay alone: {rep[0]:.3f} ms [{rep[1]:.3f}-{rep[2]:.3f}] "
+                  f"= {weight_bytes / rep[0] / 1e9:.0f} GB/s of weights")
+            shape = model.attention_shape("absorbed")
+            queries = [SequenceQuery.from_chain(c, 1) for c in chains]
+
+            def host_plan() -> None:
+                plan = plan_attention(queries, shape, runner.device_spec, page_size=16)
+                bucket.backend.prepare(plan)
+
+            host = _median_ms(host_plan, 20)
+            print(f"  host plan + prepare: {host[0]:.3f} ms [{host[1]:.3f}-{host[2]:.3f}]")
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                _decode(runner, chains, first, 4)
+                torch.cuda.synchronize()
+            _trim_to(chains, args.context)
+            print("  graph steps, by CPU time:")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                _decode(runner, chains, first, 2)
+                torch.cuda.synchronize()
+            _trim_to(chains, args.context)
+            print("  eager steps, by CUDA time:")
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
