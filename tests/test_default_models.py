@@ -183,15 +183,25 @@ def test_cli_generates_with_default_mla(trained, monkeypatch, capsys):
 
 
 def _python_like(text: str) -> bool:
-    """Contains ``return``, or some first lines (at least two) parse as Python."""
+    """Contains ``return``, or some first lines (at least two) parse as Python, as they are or
+    with a docstring left open at the cut closed (a function that starts with its docstring)."""
     lines = text.split("\n")
     for k in range(len(lines), 1, -1):
-        try:
-            ast.parse("\n".join(lines[:k]))
-            return True
-        except SyntaxError:
-            continue
+        head = "\n".join(lines[:k])
+        for candidate in (head, head + '"""', head + '\n    """'):
+            try:
+                ast.parse(candidate)
+                return True
+            except SyntaxError:
+                continue
     return "return" in text
+
+
+def test_python_like_check_rejects_prose_and_broken_code():
+    assert _python_like('def f(n):\n    """Add one.\n\n    >>> f(1)')
+    assert _python_like("def f(n):\n    x = n + 1\n    y = (")
+    assert not _python_like("def f(n):\nthe cat sat on the mat and")
+    assert not _python_like("def f(n):\n    x = = 1\n    y = (")
 
 
 @pytest.mark.parametrize("name", [GQA_NAME, MLA_NAME])
