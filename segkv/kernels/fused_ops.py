@@ -1,0 +1,202 @@
+"""Triton kernels that fuse a decode step's small operations (one launch instead of several).
+
+* :func:`rms_norm`: ``weight * round(x / sqrt(mean(x^2) + eps))``, optionally on ``x + residual``
+  (the residual add of a pre-norm block), also returning the sum.
+* :func:`silu_and_mul`: ``silu(gate) * up`` over the packed ``(T, 2I)`` gate/up product.
+* :func:`rope_and_write_kv`: rotary position encoding of q and k (half-split layout, Llama/Qwen)
+  and the write of the rotated k and of v into the paged cache at the step's slots.
+
+Each kernel computes in float32 and rounds where the unfused torch code rounds (every
+intermediate torch op with a bf16/fp16 result), so it gives the same values as the layers'
+torch path up to the last bit of float32 reductions and transcendental functions. Rounding
+to bf16 is done on the bits (round to nearest even), which Triton's interpreter also gets
+right; stores then write values that are already representable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _kind(dtype: torch.dtype) -> int:
+    if dtype not in _KIND:
+        raise ValueError(f"fused ops support float32, float16 and bfloat16, not {dtype}")
+    return _KIND[dtype]
+
+
+@triton.jit
+def _round(x, KIND: tl.constexpr):
+    """``x`` (float32) rounded to the dtype of ``KIND`` (0 float32, 1 float16, 2 bfloat16), as float32."""
+    y = x
+    if KIND == 2:  # round to nearest even on the upper 16 bits
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        y = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    if KIND == 1:
+        y = x.to(tl.float16).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X, RES, W, OUT, RES_OUT,
+    stride_x, stride_r, stride_o, stride_ro,
+    N, eps,
+    HAS_RES: tl.constexpr, X_KIND: tl.constexpr, OUT_KIND: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per row of ``N`` columns."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(RES + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+        x = _round(x + r, X_KIND)
+        tl.store(RES_OUT + row * stride_ro + cols, x, mask=ok)
+    var = tl.sum(x * x, axis=0) / N
+    h = _round(x * (1.0 / tl.sqrt(var + eps)), X_KIND)
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + row * stride_o + cols, _round(w * h, OUT_KIND), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm over the last dim of ``x (..., N)``; with ``residual`` (same shape and dtype) the
+    norm is of ``s = x + residual`` (rounded to ``x.dtype``).
+
+    Returns ``(out, s)``: ``out`` in ``promote(weight.dtype, x.dtype)`` (as ``weight * h``
+    promotes), ``s`` None without a residual.
+    """
+    n = x.shape[-1]
+    if weight.shape != (n,):
+        raise ValueError(f"weight of shape {tuple(weight.shape)} for rows of {n}")
+    rows = x.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
+    res = res_out = None
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError("residual must have x's shape and dtype")
+        res = residual.reshape(-1, n).contiguous()
+        res_out = torch.empty_like(res)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, res if res is not None else rows, weight, out, res_out if res_out is not None else out,
+            rows.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
+            res_out.stride(0) if res_out is not None else 0, n, float(eps),
+            HAS_RES=residual is not None, X_KIND=_kind(x.dtype), OUT_KIND=_kind(out.dtype),
+            BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8,
+        )
+    out = out.view(x.shape)
+    return out, (res_out.view(x.shape) if res_out is not None else None)
+
+
+@triton.jit
+def _silu_and_mul_kernel(X, OUT, stride_x, stride_o, INNER, KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, block): ``BLOCK`` outputs of one row."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < INNER
+    g = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(X + row * stride_x + INNER + cols, mask=ok, other=0.0).to(tl.float32)
+    act = _round(g / (1.0 + tl.exp(-g)), KIND)
+    tl.store(OUT + row * stride_o + cols, _round(act * u, KIND), mask=ok)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``x (T, 2I)`` holding ``[gate | up]`` -> ``silu(gate) * up`` ``(T, I)`` in ``x.dtype``."""
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"silu_and_mul takes (T, 2I), got {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    inner = x.shape[1] // 2
+    out = torch.empty(x.shape[0], inner, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(inner))
+    if x.shape[0]:
+        _silu_and_mul_kernel[(x.shape[0], triton.cdiv(inner, block))](
+            x, out, x.stride(0), out.stride(0), inner, KIND=_kind(x.dtype), BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _rotate(src, d, cos, sin, HALF: tl.constexpr, KIND: tl.constexpr):
+    """Half-split RoPE of one head at ``src``: ``(x1 cos - x2 sin, x2 cos + x1 sin)``, each
+    product and sum rounded as the torch ops round."""
+    x1 = tl.load(src + d).to(tl.float32)
+    x2 = tl.load(src + HALF + d).to(tl.float32)
+    lo = _round(_round(x1 * cos, KIND) - _round(x2 * sin, KIND), KIND)
+    hi = _round(_round(x2 * cos, KIND) + _round(x1 * sin, KIND), KIND)
+    return lo, hi
+
+
+@triton.jit
+def _rope_kv_kernel(
+    Q, K, V, POS, INV_FREQ, SLOTS, Q_OUT, K_CACHE, V_CACHE,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_cs, stride_ch, stride_vs, stride_vch,
+    attention_factor,
+    HQ: tl.constexpr, HALF: tl.constexpr, KIND: tl.constexpr, CACHE_KIND: tl.constexpr,
+):
+    """Program (token, head): heads ``< HQ`` rotate a query head into ``Q_OUT``; the others rotate
+    key head ``h - HQ`` and write it, with the value head, into the cache row ``SLOTS[token]``."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    angle = tl.load(POS + t).to(tl.float32) * tl.load(INV_FREQ + d)
+    cos = _round(tl.cos(angle) * attention_factor, KIND)
+    sin = _round(tl.sin(angle) * attention_factor, KIND)
+    if h < HQ:
+        lo, hi = _rotate(Q + t * stride_qt + h * stride_qh, d, cos, sin, HALF, KIND)
+        dst = Q_OUT + t * stride_ot + h * stride_oh
+        tl.store(dst + d, lo)
+        tl.store(dst + HALF + d, hi)
+    else:
+        kv = h - HQ
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        lo, hi = _rotate(K + t * stride_kt + kv * stride_kh, d, cos, sin, HALF, KIND)
+        dst = K_CACHE + slot * stride_cs + kv * stride_ch
+        # the cache rounds once more to its own dtype (as ``.to(cache dtype)`` does)
+        tl.store(dst + d, _round(lo, CACHE_KIND))
+        tl.store(dst + HALF + d, _round(hi, CACHE_KIND))
+        v_src = V + t * stride_vt + kv * stride_vh
+        v_dst = V_CACHE + slot * stride_vs + kv * stride_vch
+        tl.store(v_dst + d, _round(tl.load(v_src + d).to(tl.float32), CACHE_KIND))
+        tl.store(v_dst + HALF + d, _round(tl.load(v_src + HALF + d).to(tl.float32), CACHE_KIND))
+
+
+def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      inv_freq: torch.Tensor, attention_factor: float, slots: torch.Tensor,
+                      key_rows: torch.Tensor, value_rows: torch.Tensor) -> torch.Tensor:
+    """Rotate ``q (T, Hq, D)`` and ``k (T, Hkv, D)`` at ``positions (T,)`` (half-split RoPE with
+    ``inv_freq (D/2,)`` float32) and write the rotated k and ``v (T, Hkv, D)`` into
+    ``key_rows``/``value_rows (slots, Hkv, D)`` at ``slots (T,)``. Returns the rotated q
+    ``(T, Hq, D)`` in ``q.dtype``. Inputs may be strided views (the packed QKV product);
+    the last dim must be contiguous. Slots are trusted (checked by the caller)."""
+    t, hq, dim = q.shape
+    hkv = k.shape[1]
+    if dim % 2 or inv_freq.shape != (dim // 2,) or k.shape != (t, hkv, dim) or v.shape != (t, hkv, dim):
+        raise ValueError(f"rope_and_write_kv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"inv_freq {tuple(inv_freq.shape)}")
+    if key_rows.shape[1:] != (hkv, dim) or value_rows.shape[1:] != (hkv, dim):
+        raise ValueError(f"cache rows {tuple(key_rows.shape)} do not hold ({hkv}, {dim}) per slot")
+    half = dim // 2
+    if half & (half - 1):
+        raise ValueError(f"rope_and_write_kv needs a power-of-two head_dim / 2, got {half}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("key_rows", key_rows), ("value_rows", value_rows)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} needs a unit stride on its last dim")
+    q_out = torch.empty(t, hq, dim, dtype=q.dtype, device=q.device)
+    if t:
+        _rope_kv_kernel[(t, hq + hkv)](
+            q, k, v, positions, inv_freq.float(), slots, q_out, key_rows, value_rows,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            q_out.stride(0), q_out.stride(1), key_rows.stride(0), key_rows.stride(1),
+            value_rows.stride(0), value_rows.stride(1), float(attention_factor),
+            HQ=hq, HALF=half, KIND=_kind(q.dtype), CACHE_KIND=_kind(key_rows.dtype), num_warps=1,
+        )
+    return q_out

@@ -1,0 +1,118 @@
+"""The fused decode kernels against the layers' torch code they replace (interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from segkv.kernels.fused_ops import rms_norm, rope_and_write_kv, silu_and_mul
+from segkv.layers.norm import RMSNorm
+from segkv.layers.rotary import RotaryEmbedding
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def assert_same_rounding(out: torch.Tensor, ref: torch.Tensor, *, min_equal: float = 0.99) -> None:
+    """Same dtype and shape, finite, and within two units of the last place (of the value, or of
+    the largest value where a difference cancels). In bf16/fp16 at least
+    ``min_equal`` of the values are bit-equal: only a float32 sum or a transcendental function
+    that lands the other side of a rounding tie may differ. Float32 results keep those float32
+    differences (a few units of the last place)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert torch.isfinite(out).all() and torch.isfinite(ref).all()
+    if out.dtype != torch.float32:
+        equal = (out == ref).float().mean().item()
+        assert equal >= min_equal, f"only {equal:.4f} of the values are equal"
+    ulp = {torch.float32: 2.0**-21, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[out.dtype]
+    diff = (out.double() - ref.double()).abs()
+    scale = ref.double().abs() + ref.double().abs().amax()
+    assert (diff <= 2 * ulp * scale).all(), float(diff.max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 64), (2, 5, 48)] + ([(7, 4096)] if GPU else []))
+def test_rms_norm_matches_the_module(dtype, shape, gen):
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype).to(DEVICE)
+    norm = RMSNorm(shape[-1], eps=1e-5).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=gen) * 0.5 + 1)
+    norm = norm.to(dtype)
+    out, res = rms_norm(x, norm.weight, norm.eps)
+    assert res is None
+    assert_same_rounding(out, norm(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_residual_matches_add_then_norm(dtype, gen):
+    x = torch.randn(4, 96, generator=gen).to(dtype).to(DEVICE)
+    residual = torch.randn(4, 96, generator=gen).to(dtype).to(DEVICE)
+    norm = RMSNorm(96).to(DEVICE).to(dtype)
+    out, s = rms_norm(x, norm.weight, norm.eps, residual=residual)
+    assert torch.equal(s, residual + x)  # one rounding of the sum, as torch's add
+    assert_same_rounding(out, norm(residual + x))
+
+
+def test_rms_norm_float32_weight_promotes_like_the_module(gen):
+    x = torch.randn(2, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
+    norm = RMSNorm(32).to(DEVICE)  # float32 weight: the module's product is float32
+    out, _ = rms_norm(x, norm.weight, norm.eps)
+    assert_same_rounding(out, norm(x))
+
+
+def test_rms_norm_rejects_bad_shapes(gen):
+    x = torch.randn(2, 8, generator=gen).to(DEVICE)
+    with pytest.raises(ValueError, match="weight of shape"):
+        rms_norm(x, torch.ones(7, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x, torch.ones(8, device=DEVICE), 1e-6, residual=torch.zeros(2, 4, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inner", [40, 1100])
+def test_silu_and_mul_matches_torch(dtype, inner, gen):
+    x = (torch.randn(3, 2 * inner, generator=gen) * 4).to(dtype).to(DEVICE)
+    ref = F.silu(x[:, :inner]) * x[:, inner:]
+    assert_same_rounding(silu_and_mul(x), ref)
+
+
+def test_silu_and_mul_rejects_odd_widths():
+    with pytest.raises(ValueError, match="2I"):
+        silu_and_mul(torch.zeros(2, 5, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,dim", [(4, 2, 16), (8, 8, 64)] + ([(32, 8, 128)] if GPU else []))
+def test_rope_and_write_kv_matches_rotary_and_cache_write(dtype, hq, hkv, dim, gen):
+    tokens, slots_total = 5, 40
+    rotary = RotaryEmbedding(dim, base=10000.0, max_position=4096,
+                             scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})
+    rotary.init_buffers(DEVICE)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * dim, generator=gen).to(dtype).to(DEVICE)
+    q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=1)  # strided views, as the packed GEMM gives
+    q, k, v = q.view(tokens, hq, dim), k.view(tokens, hkv, dim), v.view(tokens, hkv, dim)
+    positions = torch.tensor([0, 1, 7, 1000, 3999], device=DEVICE)
+    slots = torch.randperm(slots_total, generator=gen)[:tokens].to(DEVICE)
+    keys = torch.full((slots_total, hkv, dim), float("nan"), dtype=dtype, device=DEVICE)
+    values = keys.clone()
+    q_out = rope_and_write_kv(q, k, v, positions, rotary.inv_freq, rotary.attention_factor, slots, keys, values)
+    assert_same_rounding(q_out, rotary(q, positions))
+    assert_same_rounding(keys[slots], rotary(k, positions))
+    assert torch.equal(values[slots], v)
+    untouched = torch.ones(slots_total, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert keys[untouched].isnan().all() and values[untouched].isnan().all()  # no other row written
+
+
+def test_rope_and_write_kv_rejects_mismatched_shapes():
+    q = torch.zeros(2, 4, 16, device=DEVICE)
+    k = torch.zeros(2, 2, 16, device=DEVICE)
+    rows = torch.zeros(8, 2, 16, device=DEVICE)
+    slots = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="inv_freq"):
+        rope_and_write_kv(q, k, k, slots, torch.ones(4, device=DEVICE), 1.0, slots, rows, rows)
+    with pytest.raises(ValueError, match="cache rows"):
+        rope_and_write_kv(q, k, k, slots, torch.ones(8, device=DEVICE), 1.0, slots, rows[:, :1], rows)
