@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import build_model_dir
+from model_helpers import build_deepseek_dir, build_model_dir
 from segkv.engine import LLM
 from segkv.sampling_params import SamplingParams
 
@@ -62,31 +62,10 @@ def test_graphs_are_refused_where_they_cannot_work(tmp_path):
         LLM(tmp_path, cuda_graphs="sometimes", num_pages=32)
 
 
-def _deepseek_dir(path, **overrides) -> None:
-    """A tiny random DeepSeek-V3-style checkpoint (MLA; experts from layer ``first_k_dense_replace``)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    from tokenizer_helpers import build_tiny_tokenizer, tiny_vocab_size
-
-    build_tiny_tokenizer(path, style="chatml")
-    config = DeepseekV3Config(
-        vocab_size=tiny_vocab_size(path), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
-        v_head_dim=16, n_shared_experts=1, moe_intermediate_size=32, max_position_embeddings=256, n_group=1,
-        topk_group=1, **overrides)
-    torch.manual_seed(0)
-    hf = DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.1)
-    hf.save_pretrained(path)
-
-
 def test_graph_decode_of_a_latent_attention_model(tmp_path):
     """A DeepSeek-V3-style model with dense layers only (no experts): absorbed MLA decode
     through the latent kernel inside the graph gives the eager tokens."""
-    _deepseek_dir(tmp_path, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2)
+    build_deepseek_dir(tmp_path, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     prompts = [[5, 9, 13, 40, 77] * 4, [3, 1, 4, 1, 5, 9, 2, 6] * 2, [8, 8, 1]]
     eager = [o.outputs[0].token_ids for o in _llm(tmp_path).generate(prompts, params)]
@@ -119,7 +98,7 @@ def test_packed_experts_match_the_expert_loop(gen):
 def test_graph_decode_of_a_model_with_experts(tmp_path):
     """DeepSeek-V3-style MoE layers: packed experts inside the graph, buckets capped so every
     captured batch stays on the device-side dispatch."""
-    _deepseek_dir(tmp_path, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=4)
+    build_deepseek_dir(tmp_path, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=4)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     prompts = [[5, 9, 13, 40, 77] * 4, [3, 1, 4, 1, 5, 9, 2, 6] * 2, [8, 8, 1]]
     eager = [o.outputs[0].token_ids for o in _llm(tmp_path).generate(prompts, params)]

@@ -116,3 +116,36 @@ def test_rope_and_write_kv_rejects_mismatched_shapes():
         rope_and_write_kv(q, k, k, slots, torch.ones(4, device=DEVICE), 1.0, slots, rows, rows)
     with pytest.raises(ValueError, match="cache rows"):
         rope_and_write_kv(q, k, k, slots, torch.ones(8, device=DEVICE), 1.0, slots, rows[:, :1], rows)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama3.1", "deepseek"])
+def test_fused_model_gives_the_unfused_tokens_and_logits(family, tmp_path):
+    """A whole model with stacked projections and fused kernels: prefill and decode logits close
+    to the unfused model's, the same greedy tokens, the same cache rows (in float32)."""
+    from segkv.engine import LLM
+    from segkv.sampling_params import SamplingParams
+
+    _build(tmp_path, family)
+    kw = dict(device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=64, prefill_chunk=8)
+    plain, fused = LLM(tmp_path, fused_ops=False, **kw), LLM(tmp_path, fused_ops=True, **kw)
+    assert fused.runner.fused_ops and not plain.runner.fused_ops
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = [[5, 9, 13, 40, 77] * 4, [3, 1, 4, 1, 5, 9, 2, 6]]
+    assert ([o.outputs[0].token_ids for o in fused.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in plain.generate(prompts, params)])
+    chains = [llm.cache.new_chain() for llm in (plain, fused)]
+    rows = [llm.runner.prompt_logits(chain, prompts[0]) for llm, chain in zip((plain, fused), chains)]
+    assert torch.isfinite(rows[1]).all()
+    torch.testing.assert_close(rows[1], rows[0], rtol=1e-4, atol=1e-4)
+    keys = [llm.cache.storage.key_cache(0).reshape(-1)[: 20 * 4] for llm in (plain, fused)]
+    assert keys[0].abs().sum() > 0
+    torch.testing.assert_close(keys[1], keys[0], rtol=1e-5, atol=1e-5)
+
+
+
+def _build(path, family):
+    from model_helpers import build_deepseek_dir, build_model_dir
+
+    if family == "deepseek":  # MLA with a dense layer, then routed + shared experts
+        return build_deepseek_dir(path, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2)
+    return build_model_dir(path, family)

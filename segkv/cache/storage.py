@@ -91,6 +91,17 @@ class PagedKVStorage:
         else:
             self._flat(self.latent[layer]).index_copy_(0, index, key.to(self.layout.dtype))
 
+    def rows_to_write(
+        self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, trusted_slots: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validate an 'mha' write of ``key``/``value (n, num_kv_heads, head_dim)`` at ``slots (n,)``
+        as :meth:`write` does, and return the layer's ``(slots_total, num_kv_heads, head_dim)``
+        key and value rows for a kernel that writes them itself (fused RoPE and write)."""
+        if self.layout.kind != "mha":
+            raise ValueError("rows_to_write is for 'mha' caches")
+        self._check_rows(_as_slots(slots, self.device), key, value, check_range=not trusted_slots)
+        return self._flat(self.k[layer]), self._flat(self.v[layer])
+
     def _check_rows(
         self, index: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None, *, check_range: bool = True
     ) -> None:

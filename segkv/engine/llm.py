@@ -30,7 +30,8 @@ class LLM:
     ``mla_mode`` forces MLA's absorbed or naive path. ``backend``: "auto" (Triton kernels on CUDA
     for K/V caches, the torch reference otherwise), "torch" or "triton". ``cuda_graphs``: decode
     steps replayed from CUDA graphs (``True``, ``"auto"`` where available, ``False``; see
-    ``runner/cuda_graphs.py``).
+    ``runner/cuda_graphs.py``). ``fused_ops``: stacked projections and fused Triton kernels
+    (default: on CUDA; ``ModelRunner``).
     """
 
     def __init__(
@@ -49,6 +50,7 @@ class LLM:
         compaction: CompactionPolicy | None = None,
         backend: str = "auto",
         cuda_graphs: bool | str = False,
+        fused_ops: bool | None = None,
         progress: bool = False,
     ) -> None:
         self.model_dir = resolve_model_dir(model_dir)  # "default", "default-mla" or a directory
@@ -68,7 +70,8 @@ class LLM:
                                   device=str(self.device), compaction=compaction)
         self.runner = ModelRunner(self.model, self.cache, device=self.device, route=route,
                                   mla_mode=mla_mode, prefill_chunk=prefill_chunk, backend=backend,
-                                  cuda_graphs=cuda_graphs, max_model_len=self.max_model_len)
+                                  cuda_graphs=cuda_graphs, max_model_len=self.max_model_len,
+                                  fused_ops=fused_ops)
         self.generator = Generator(self.runner, self.tokenizer, max_model_len=self.max_model_len)
         self._request_ids = itertools.count()
         # what exists now lives as long as the engine: keep it out of the cyclic collector's

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from segkv.kernels.fused_ops import silu_and_mul
+
 
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))``: the SwiGLU feed-forward of Llama-style models.
@@ -21,6 +23,42 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.fused = False  # silu-and-mul in one Triton kernel (kernels/fused_ops.py)
+        self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see pack (not saved)
+
+    def pack(self) -> None:
+        """Stack ``gate_proj`` and ``up_proj`` into one ``(2I, hidden)`` weight (one GEMM instead of
+        two); their parameters become views of it, so no second copy stays alive."""
+        if self._gate_up is None:
+            self._gate_up = stack_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self._gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        h = F.linear(x, *self._gate_up)  # (T, 2I): [gate | up]
+        if self.fused:
+            return self.down_proj(silu_and_mul(h))
+        inner = h.shape[-1] // 2
+        return self.down_proj(F.silu(h[..., :inner]) * h[..., inner:])
+
+
+def stack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One ``(sum of outputs, inputs)`` weight (and bias) holding ``linears`` in order; each
+    linear's parameters become views of it (loading a checkpoint afterwards still works)."""
+    weights = [lin.weight for lin in linears]
+    if len({(w.shape[1], w.dtype, w.device) for w in weights}) != 1:
+        raise ValueError("stacked linears need the same input size, dtype and device")
+    has_bias = [lin.bias is not None for lin in linears]
+    if any(has_bias) and not all(has_bias):
+        raise ValueError("stacked linears need biases on all or none")
+    with torch.no_grad():
+        weight = torch.cat(weights).detach()
+        bias = torch.cat([lin.bias for lin in linears]).detach() if all(has_bias) else None
+        start = 0
+        for lin in linears:
+            rows = lin.weight.shape[0]
+            lin.weight = nn.Parameter(weight[start:start + rows], requires_grad=lin.weight.requires_grad)
+            if bias is not None:
+                lin.bias = nn.Parameter(bias[start:start + rows], requires_grad=lin.bias.requires_grad)
+            start += rows
+    return weight, bias

@@ -23,6 +23,11 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         storage, layer = meta.storage, self.layer_index
         storage.write(layer, meta.slots, k, v, trusted_slots=meta.trusted_slots)
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of ``q (T, Hq, D)`` over the cache, the step's rows already written."""
+        storage, layer = meta.storage, self.layer_index
         out, _ = meta.backend.run(
             meta.prepared, q, storage.key_cache(layer), storage.value_cache(layer), scale=self.scale
         )

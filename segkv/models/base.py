@@ -15,8 +15,8 @@ class PreNormBlock(nn.Module):
     """
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add_and_norm(self.self_attn(self.input_layernorm(x), positions, meta), x)
+        return x + self.mlp(h)
 
 
 class CausalLM(nn.Module):
@@ -33,6 +33,23 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def use_fused_ops(self) -> None:
+        """The decode step with fewer, larger kernels (GPU): q/k/v and gate/up projections stacked
+        into one GEMM each (the parameters become views, no second copy), and RMSNorm with the
+        residual add, SiLU-and-mul and RoPE with the cache write as single Triton kernels. The
+        routed experts of a mixture-of-experts layer keep their own packing. Irreversible."""
+        from segkv.layers.moe import MixtureOfExperts
+
+        experts = {id(m) for moe in self.modules() if isinstance(moe, MixtureOfExperts)
+                   for m in moe.experts.modules()}
+        for module in self.modules():
+            if id(module) in experts:
+                continue
+            if hasattr(module, "pack"):
+                module.pack()
+            if hasattr(module, "fused"):
+                module.fused = True
 
     @property
     def max_model_len(self) -> int:

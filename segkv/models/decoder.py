@@ -6,12 +6,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionShape
 from segkv.config import KVLayout
-from segkv.layers.activation import GatedMLP
+from segkv.kernels.fused_ops import rope_and_write_kv, rope_fusable
+from segkv.layers.activation import GatedMLP, stack_linears
 from segkv.layers.attention import PagedAttention
 from segkv.layers.norm import RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
@@ -84,16 +86,38 @@ class DecoderAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.rotary = rotary
         self.attn = PagedAttention(layer_index, scale=cfg.head_dim**-0.5)
+        self.fused = False  # RoPE and the cache write in one Triton kernel (kernels/fused_ops.py)
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see pack (not saved)
+
+    def pack(self) -> None:
+        """Stack the q, k and v projections into one weight (one GEMM instead of three); their
+        parameters become views of it."""
+        if self._qkv is None:
+            self._qkv = stack_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, d = x.shape[0], self.head_dim
+        if self._qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = F.linear(x, *self._qkv).split(
+                [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        return q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, positions), self.rotary(k, positions)
-        out = self.attn(q, k, v, meta)
+        if self.fused and rope_fusable(self.rotary):
+            keys, values = meta.storage.rows_to_write(self.attn.layer_index, meta.slots, k, v,
+                                                      trusted_slots=meta.trusted_slots)
+            q = rope_and_write_kv(q, k, v, positions, self.rotary.inv_freq, self.rotary.attention_factor,
+                                  meta.slots, keys, values)
+            out = self.attn.attend(q, meta)
+        else:
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+            out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

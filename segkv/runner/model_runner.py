@@ -34,6 +34,8 @@ class ModelRunner:
 
     Long inputs are processed in chunks of at most ``prefill_chunk`` tokens per sequence,
     so scores never exist for a whole prompt at once; history is attended as pieces.
+    ``fused_ops`` (default: on CUDA) stacks the q/k/v and gate/up projections and runs RMSNorm,
+    SiLU-and-mul and RoPE with the cache write as single Triton kernels (``CausalLM.use_fused_ops``).
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class ModelRunner:
         backend: str = "auto",
         cuda_graphs: bool | str = False,
         max_model_len: int | None = None,
+        fused_ops: bool | None = None,
     ) -> None:
         if mla_mode not in MLA_MODES:
             raise ValueError(f"mla_mode must be one of {MLA_MODES}, got {mla_mode!r}")
@@ -64,6 +67,10 @@ class ModelRunner:
         self.prefill_chunk = prefill_chunk
         self.decode_rows_threshold = decode_rows_threshold
         self.backend = self._make_backend(backend, cache)
+        # fused kernels and stacked projections: on by default on CUDA, where launches dominate
+        self.fused_ops = self.device.type == "cuda" if fused_ops is None else bool(fused_ops)
+        if self.fused_ops and hasattr(model, "use_fused_ops"):
+            model.use_fused_ops()
         self.device_spec = DeviceSpec.detect(self.device)
         self.last_plan: AttentionPlan | None = None
         self.route_counts: Counter[str] = Counter()
