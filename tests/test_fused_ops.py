@@ -87,14 +87,14 @@ def test_silu_and_mul_rejects_odd_widths():
 @pytest.mark.parametrize("hq,hkv,dim", [(4, 2, 16), (8, 8, 64)] + ([(32, 8, 128)] if GPU else []))
 def test_rope_and_write_kv_matches_rotary_and_cache_write(dtype, hq, hkv, dim, gen):
     tokens, slots_total = 5, 40
-    rotary = RotaryEmbedding(dim, base=10000.0, max_position=4096,
+    rotary = RotaryEmbedding(dim, base=10000.0, max_position=131072,
                              scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})
     rotary.init_buffers(DEVICE)
     qkv = torch.randn(tokens, (hq + 2 * hkv) * dim, generator=gen).to(dtype).to(DEVICE)
     q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=1)  # strided views, as the packed GEMM gives
     q, k, v = q.view(tokens, hq, dim), k.view(tokens, hkv, dim), v.view(tokens, hkv, dim)
-    positions = torch.tensor([0, 1, 7, 1000, 3999], device=DEVICE)
+    positions = torch.tensor([0, 1, 7, 3999, 131071], device=DEVICE)  # long contexts: large angles
     slots = torch.randperm(slots_total, generator=gen)[:tokens].to(DEVICE)
     keys = torch.full((slots_total, hkv, dim), float("nan"), dtype=dtype, device=DEVICE)
     values = keys.clone()

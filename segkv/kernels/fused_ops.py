@@ -30,14 +30,18 @@ def _kind(dtype: torch.dtype) -> int:
 
 @triton.jit
 def _round(x, KIND: tl.constexpr):
-    """``x`` (float32) rounded to the dtype of ``KIND`` (0 float32, 1 float16, 2 bfloat16), as float32."""
+    """``x`` (float32) rounded to the dtype of ``KIND`` (0 float32, 1 float16, 2 bfloat16), as float32.
+
+    Done on the bits (round to nearest even of the mantissa: 7 bits for bf16, 10 for fp16), since
+    the compiler may fold a float16 round trip ``x.to(f16).to(f32)`` into ``x``. For fp16 this is
+    exact in fp16's normal range; subnormal fp16 results (below 6.1e-5) keep more bits.
+    """
     y = x
-    if KIND == 2:  # round to nearest even on the upper 16 bits
+    if KIND != 0:
+        DROP: tl.constexpr = 16 if KIND == 2 else 13
         bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        y = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-    if KIND == 1:
-        y = x.to(tl.float16).to(tl.float32)
+        bits = bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)
+        y = ((bits >> DROP) << DROP).to(tl.float32, bitcast=True)
     return y
 
 
@@ -148,8 +152,13 @@ def _rope_kv_kernel(
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
     angle = tl.load(POS + t).to(tl.float32) * tl.load(INV_FREQ + d)
-    cos = _round(tl.cos(angle) * attention_factor, KIND)
-    sin = _round(tl.sin(angle) * attention_factor, KIND)
+    # reduce to [-pi, pi] first: the GPU's fast sin/cos lose accuracy on large angles (long
+    # contexts), torch's do not. 2 pi = HI + LO with HI of 8 significant bits, so k * HI is exact
+    # for the k < 2^16 of positions up to about 400K.
+    k = tl.floor(angle * 0.15915494309189535 + 0.5)
+    r = (angle - k * 6.28125) - k * 0.0019353071795864769
+    cos = _round(tl.cos(r) * attention_factor, KIND)
+    sin = _round(tl.sin(r) * attention_factor, KIND)
     if h < HQ:
         lo, hi = _rotate(Q + t * stride_qt + h * stride_qh, d, cos, sin, HALF, KIND)
         dst = Q_OUT + t * stride_ot + h * stride_oh
