@@ -184,9 +184,21 @@ class MixtureOfExperts(nn.Module):
         return out.to(x.dtype)
 
     def _looped_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One GEMM per chosen expert over its tokens. The (token, slot) pairs are grouped by
+        expert with one stable sort, and the group sizes reach the host in one transfer per
+        layer (not one per expert), in ascending token order within each expert."""
+        tokens, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        rows_all = order // k
+        weights_all = weights.reshape(-1)[order].unsqueeze(-1)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for expert in ids.unique().tolist():
-            rows, slot = (ids == expert).nonzero(as_tuple=True)
-            y = self.experts[expert](x[rows]).float() * weights[rows, slot].unsqueeze(-1)
-            out.index_add_(0, rows, y)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = rows_all[start:start + count]
+                y = self.experts[expert](x[rows]).float() * weights_all[start:start + count]
+                out.index_add_(0, rows, y)
+                start += count
         return out.to(x.dtype)
