@@ -6,6 +6,8 @@
 #                    SEGKV_GPU_LAUNCHES entry BLOCK_N,WARPS,STAGES[,PREFETCH]
 #   SEGKV_GPU_BENCH  arguments for segkv.bench.decode_attention ("skip" to skip)
 #   SEGKV_GPU_MLA_BENCH  arguments for segkv.bench.mla_decode ("skip" to skip)
+#   SEGKV_GPU_E2E    arguments for segkv.bench.decode_e2e, e.g. "--models llama-3.1-8b --skip-hf" (empty: skip),
+#                    followed by scripts/profile_decode.py (batch 1, 1K context)
 #   SEGKV_GPU_TRAIN  non-empty: retrain the built-in models (about 6.5 min) and compare them byte for byte
 # Installs pytest from .whl/ (carried) when the machine lacks it.
 set -uo pipefail
@@ -18,7 +20,7 @@ if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; th
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
-python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_mla.py tests/test_cuda_graphs.py tests/test_expert_gemv.py tests/test_gpu_engine.py \
+python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_mla.py tests/test_cuda_graphs.py tests/test_expert_gemv.py tests/test_fused_ops.py tests/test_gpu_engine.py \
   -k "${SEGKV_GPU_TESTS:-}" 2>&1 | tail -25 | tee "$OUT/tests.txt"
 if [ -n "${SEGKV_GPU_TUNE:-}" ]; then  # one process per launch configuration
   for launch in ${SEGKV_GPU_LAUNCHES:-64,4,2 64,4,3 128,4,2 128,8,2 32,4,2 64,8,2}; do
@@ -35,6 +37,11 @@ fi
 if [ "${SEGKV_GPU_MLA_BENCH:-}" != "skip" ]; then  # the latent (MLA) kernel and layer benchmark
   # shellcheck disable=SC2086
   python3 -m segkv.bench.mla_decode --json "$OUT/mla_decode.json" ${SEGKV_GPU_MLA_BENCH:-} 2>&1 | tee "$OUT/mla_bench.txt"
+fi
+if [ -n "${SEGKV_GPU_E2E:-}" ]; then  # whole-model decode against its bandwidth limit, then where a step goes
+  # shellcheck disable=SC2086
+  python3 -m segkv.bench.decode_e2e --json "$OUT/decode_e2e.json" ${SEGKV_GPU_E2E} 2>&1 | tee "$OUT/e2e.txt"
+  python3 scripts/profile_decode.py 2>&1 | tee "$OUT/profile.txt" | grep -E "graphs=|replay|host"
 fi
 if [ -n "${SEGKV_GPU_TRAIN:-}" ]; then  # regenerate the built-in models and compare with the packaged ones
   python3 scripts/train_default_models.py --device cuda --out-dir /tmp/segkv-default-models --no-plot 2>&1 \
