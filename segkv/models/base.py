@@ -15,8 +15,22 @@ class PreNormBlock(nn.Module):
     """
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h, x = self.post_attention_layernorm.add_and_norm(self.self_attn(self.input_layernorm(x), positions, meta), x)
-        return x + self.mlp(h)
+        out, residual = self.forward_with_residual(x, None, positions, meta)
+        return residual + out
+
+    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                              meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block with its last residual add left to the next norm (fused there with the norm).
+
+        ``x`` ``(T, hidden)``: the previous block's MLP output, or the embeddings when
+        ``residual`` is None. Returns ``(mlp output, residual)``; the block's output is their sum,
+        rounded once, as ``forward`` returns it."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, positions, meta), residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -56,10 +70,12 @@ class CausalLM(nn.Module):
         return self.cfg.max_position_embeddings
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, positions, meta)
-        return self.model.norm(x)
+            x, residual = layer.forward_with_residual(x, residual, positions, meta)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
