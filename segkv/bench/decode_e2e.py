@@ -388,6 +388,14 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
         backend = "triton" if graphs == "emulate" else "auto"
         eager, _ = _runner(model, cache, device, backend=backend)
         runners.append(eager)
+        runner = eager
+        if graphs != "off":  # made first: it packs MoE experts, which the eager reference then uses too
+            try:
+                runner, out["cuda_graphs"] = _runner(model, cache, device, graphs=graphs, backend=backend)
+                runners.append(runner)
+                out["graphs_off_reason"] = getattr(runner, "graphs_off_reason", None)
+            except ValueError as exc:  # "emulate" refuses models without graph support
+                out["graphs_off_reason"] = str(exc)
         counter = _ExpertCounter(model)
         try:  # the untimed eager reference: greedy tokens, experts touched
             reference = _decode(eager, chains, first, steps)
@@ -396,14 +404,6 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
         _trim_to(chains, context)
         if distinct is not None:
             out["distinct_experts_measured"] = distinct
-        runner = eager
-        if graphs != "off":
-            try:
-                runner, out["cuda_graphs"] = _runner(model, cache, device, graphs=graphs, backend=backend)
-                runners.append(runner)
-                out["graphs_off_reason"] = getattr(runner, "graphs_off_reason", None)
-            except ValueError as exc:  # "emulate" refuses models without graph support
-                out["graphs_off_reason"] = str(exc)
         try:
             _decode(runner, chains, first, warmup)
         except Exception as exc:  # graph capture failed: measure eager, say why
