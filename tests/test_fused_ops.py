@@ -98,9 +98,9 @@ def test_rope_and_write_kv_matches_rotary_and_cache_write(dtype, hq, hkv, dim, g
     slots = torch.randperm(slots_total, generator=gen)[:tokens].to(DEVICE)
     keys = torch.full((slots_total, hkv, dim), float("nan"), dtype=dtype, device=DEVICE)
     values = keys.clone()
-    q_out = rope_and_write_kv(q, k, v, positions, rotary.inv_freq, rotary.attention_factor, slots, keys, values)
-    assert_same_rounding(q_out, rotary(q, positions))
-    assert_same_rounding(keys[slots], rotary(k, positions))
+    q_out = rope_and_write_kv(q, k, v, positions, rotary.cos_sin_table(dtype), slots, keys, values)
+    assert torch.equal(q_out, rotary(q, positions))  # the same cos/sin, each product rounded as torch does
+    assert torch.equal(keys[slots], rotary(k, positions))
     assert torch.equal(values[slots], v)
     untouched = torch.ones(slots_total, dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
@@ -112,10 +112,13 @@ def test_rope_and_write_kv_rejects_mismatched_shapes():
     k = torch.zeros(2, 2, 16, device=DEVICE)
     rows = torch.zeros(8, 2, 16, device=DEVICE)
     slots = torch.zeros(2, dtype=torch.long, device=DEVICE)
-    with pytest.raises(ValueError, match="inv_freq"):
-        rope_and_write_kv(q, k, k, slots, torch.ones(4, device=DEVICE), 1.0, slots, rows, rows)
+    table = torch.ones(32, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="cos_sin"):
+        rope_and_write_kv(q, k, k, slots, table[:, :8], slots, rows, rows)
+    with pytest.raises(ValueError, match="dtype"):
+        rope_and_write_kv(q, k, k, slots, table.half(), slots, rows, rows)
     with pytest.raises(ValueError, match="cache rows"):
-        rope_and_write_kv(q, k, k, slots, torch.ones(8, device=DEVICE), 1.0, slots, rows[:, :1], rows)
+        rope_and_write_kv(q, k, k, slots, table, slots, rows[:, :1], rows)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama3.1", "deepseek"])

@@ -4,7 +4,8 @@
   (the residual add of a pre-norm block), also returning the sum.
 * :func:`silu_and_mul`: ``silu(gate) * up`` over the packed ``(T, 2I)`` gate/up product.
 * :func:`rope_and_write_kv`: rotary position encoding of q and k (half-split layout, Llama/Qwen)
-  and the write of the rotated k and of v into the paged cache at the step's slots.
+  and the write of the rotated k and of v into the paged cache at the step's slots; cos and sin
+  come from a table that torch computed (the GPU's fast sin/cos would round differently).
 
 Each kernel computes in float32 and rounds where the unfused torch code rounds (every
 intermediate torch op with a bf16/fp16 result), so it gives the same values as the layers'
@@ -140,25 +141,22 @@ def _rotate(src, d, cos, sin, HALF: tl.constexpr, KIND: tl.constexpr):
 
 @triton.jit
 def _rope_kv_kernel(
-    Q, K, V, POS, INV_FREQ, SLOTS, Q_OUT, K_CACHE, V_CACHE,
+    Q, K, V, POS, COS_SIN, SLOTS, Q_OUT, K_CACHE, V_CACHE,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_cs, stride_ch, stride_vs, stride_vch,
-    attention_factor,
+    max_position,
     HQ: tl.constexpr, HALF: tl.constexpr, KIND: tl.constexpr, CACHE_KIND: tl.constexpr,
 ):
     """Program (token, head): heads ``< HQ`` rotate a query head into ``Q_OUT``; the others rotate
-    key head ``h - HQ`` and write it, with the value head, into the cache row ``SLOTS[token]``."""
+    key head ``h - HQ`` and write it, with the value head, into the cache row ``SLOTS[token]``.
+    ``COS_SIN (max_position, 2 HALF)`` holds ``[cos | sin]`` already in the q dtype."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
-    angle = tl.load(POS + t).to(tl.float32) * tl.load(INV_FREQ + d)
-    # reduce to [-pi, pi] first: the GPU's fast sin/cos lose accuracy on large angles (long
-    # contexts), torch's do not. 2 pi = HI + LO with HI of 8 significant bits, so k * HI is exact
-    # for the k < 2^16 of positions up to about 400K.
-    k = tl.floor(angle * 0.15915494309189535 + 0.5)
-    r = (angle - k * 6.28125) - k * 0.0019353071795864769
-    cos = _round(tl.cos(r) * attention_factor, KIND)
-    sin = _round(tl.sin(r) * attention_factor, KIND)
+    # positions beyond the table (invalid input) read its last row instead of foreign memory
+    pos = tl.minimum(tl.maximum(tl.load(POS + t).to(tl.int64), 0), max_position - 1)
+    cos = tl.load(COS_SIN + pos * (2 * HALF) + d).to(tl.float32)
+    sin = tl.load(COS_SIN + pos * (2 * HALF) + HALF + d).to(tl.float32)
     if h < HQ:
         lo, hi = _rotate(Q + t * stride_qt + h * stride_qh, d, cos, sin, HALF, KIND)
         dst = Q_OUT + t * stride_ot + h * stride_oh
@@ -186,18 +184,22 @@ def rope_fusable(rotary) -> bool:
 
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                      inv_freq: torch.Tensor, attention_factor: float, slots: torch.Tensor,
-                      key_rows: torch.Tensor, value_rows: torch.Tensor) -> torch.Tensor:
-    """Rotate ``q (T, Hq, D)`` and ``k (T, Hkv, D)`` at ``positions (T,)`` (half-split RoPE with
-    ``inv_freq (D/2,)`` float32) and write the rotated k and ``v (T, Hkv, D)`` into
+                      cos_sin: torch.Tensor, slots: torch.Tensor, key_rows: torch.Tensor,
+                      value_rows: torch.Tensor) -> torch.Tensor:
+    """Rotate ``q (T, Hq, D)`` and ``k (T, Hkv, D)`` at ``positions (T,)`` (half-split RoPE; the
+    ``cos_sin (max_position, D)`` table ``[cos | sin]`` in ``q.dtype``, e.g.
+    ``RotaryEmbedding.cos_sin_table``) and write the rotated k and ``v (T, Hkv, D)`` into
     ``key_rows``/``value_rows (slots, Hkv, D)`` at ``slots (T,)``. Returns the rotated q
-    ``(T, Hq, D)`` in ``q.dtype``. Inputs may be strided views (the packed QKV product);
-    the last dim must be contiguous. Slots are trusted (checked by the caller)."""
+    ``(T, Hq, D)`` in ``q.dtype``. Inputs may be strided views (the packed QKV product); the
+    last dim must be contiguous. Slots are trusted (checked by the caller); positions are
+    clamped to the table."""
     t, hq, dim = q.shape
     hkv = k.shape[1]
-    if dim % 2 or inv_freq.shape != (dim // 2,) or k.shape != (t, hkv, dim) or v.shape != (t, hkv, dim):
+    if dim % 2 or cos_sin.shape[1:] != (dim,) or k.shape != (t, hkv, dim) or v.shape != (t, hkv, dim):
         raise ValueError(f"rope_and_write_kv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"inv_freq {tuple(inv_freq.shape)}")
+                         f"cos_sin {tuple(cos_sin.shape)}")
+    if cos_sin.dtype != q.dtype or not cos_sin.is_contiguous():
+        raise ValueError(f"the cos/sin table must be contiguous and in q's dtype {q.dtype}, not {cos_sin.dtype}")
     if key_rows.shape[1:] != (hkv, dim) or value_rows.shape[1:] != (hkv, dim):
         raise ValueError(f"cache rows {tuple(key_rows.shape)} do not hold ({hkv}, {dim}) per slot")
     half = dim // 2
@@ -209,10 +211,10 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     q_out = torch.empty(t, hq, dim, dtype=q.dtype, device=q.device)
     if t:
         _rope_kv_kernel[(t, hq + hkv)](
-            q, k, v, positions, inv_freq.float(), slots, q_out, key_rows, value_rows,
+            q, k, v, positions, cos_sin, slots, q_out, key_rows, value_rows,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             q_out.stride(0), q_out.stride(1), key_rows.stride(0), key_rows.stride(1),
-            value_rows.stride(0), value_rows.stride(1), float(attention_factor),
+            value_rows.stride(0), value_rows.stride(1), cos_sin.shape[0],
             HQ=hq, HALF=half, KIND=_kind(q.dtype), CACHE_KIND=_kind(key_rows.dtype), num_warps=1,
         )
     return q_out

@@ -94,11 +94,24 @@ class RotaryEmbedding(nn.Module):
         with torch.device("cpu"):
             inv_freq, _ = rope_inv_freq(*self._args)
         self.inv_freq = inv_freq.to(device)
+        self.__dict__.pop("_tables", None)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(T, dim // 2)`` cos and sin in ``dtype`` (angles computed in float32)."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.float().unsqueeze(0)
         return (freqs.cos() * self.attention_factor).to(dtype), (freqs.sin() * self.attention_factor).to(dtype)
+
+    def cos_sin_table(self, dtype: torch.dtype) -> torch.Tensor:
+        """``(max_position, dim)`` table ``[cos | sin]`` of every position in ``dtype``, made by
+        :meth:`cos_sin` itself (so a kernel reading it gets the values ``forward`` uses, bit for
+        bit); built on first use per dtype and kept (not saved)."""
+        tables = self.__dict__.setdefault("_tables", {})
+        key = (dtype, self.inv_freq.device)
+        if key not in tables:
+            max_position = self._args[3]
+            cos, sin = self.cos_sin(torch.arange(max_position, device=self.inv_freq.device), dtype)
+            tables[key] = torch.cat((cos, sin), dim=-1).contiguous()
+        return tables[key]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.cos_sin(positions, x.dtype)

@@ -112,8 +112,7 @@ class DecoderAttention(nn.Module):
         if self.fused and rope_fusable(self.rotary):
             keys, values = meta.storage.rows_to_write(self.attn.layer_index, meta.slots, k, v,
                                                       trusted_slots=meta.trusted_slots)
-            q = rope_and_write_kv(q, k, v, positions, self.rotary.inv_freq, self.rotary.attention_factor,
-                                  meta.slots, keys, values)
+            q = rope_and_write_kv(q, k, v, positions, self.rotary.cos_sin_table(q.dtype), meta.slots, keys, values)
             out = self.attn.attend(q, meta)
         else:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
