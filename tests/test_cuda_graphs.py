@@ -11,6 +11,7 @@ import torch
 
 from model_helpers import build_deepseek_dir, build_model_dir
 from segkv.engine import LLM
+from segkv.runner.model_runner import StepInput
 from segkv.sampling_params import SamplingParams
 
 GPU = torch.cuda.is_available()
@@ -107,3 +108,30 @@ def test_graph_decode_of_a_model_with_experts(tmp_path):
     assert graphs.max_batch == 16  # 64 pairs / 4 experts per token
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == eager
     assert graphs.replays >= 4
+
+
+def test_steps_planned_ahead_give_the_same_tokens(tmp_path):
+    """While a graph step runs, the next step is planned for the same chains one row longer; it
+    is used only when the chains really are that (not after a trim, a new page or a new batch)."""
+    build_model_dir(tmp_path, "qwen3")
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [[5, 9, 13, 40, 77] * 3, [3, 1, 4, 1, 5, 9, 2, 6]]  # tails cross page ends mid-decode
+    eager = [o.outputs[0].token_ids for o in _llm(tmp_path).generate(prompts, params)]
+    llm = _llm(tmp_path, cuda_graphs=MODE)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == eager
+    runner = llm.runner
+    used = runner.plans_ahead_used
+    assert 10 <= used < runner.graphs.replays  # most steps reuse the look-ahead; page crossings do not
+    # a look-ahead made for other chains is not used: plan a step, then change the chain under it
+    chain = llm.cache.new_chain()
+    runner.forward([StepInput(chain, [5, 9, 13])])
+    runner.forward([StepInput(chain, [7])])
+    assert runner._ahead is not None
+    chain.trim(2)
+    before = runner.plans_ahead_used
+    logits = runner.forward([StepInput(chain, [7])])
+    assert runner.plans_ahead_used == before
+    fresh = _llm(tmp_path).runner
+    ref_chain = fresh.cache.new_chain()
+    fresh.forward([StepInput(ref_chain, [5, 9])])
+    torch.testing.assert_close(logits, fresh.forward([StepInput(ref_chain, [7])]), rtol=1e-5, atol=1e-5)

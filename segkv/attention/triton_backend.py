@@ -146,6 +146,10 @@ class TritonBackend:
             self._fixed = self._views(buffer, sizes)
             self._fixed_buffer = buffer
             self._staging = torch.zeros(total, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self._staging_np = self._staging.numpy()  # host writes through numpy: no torch op per field
+            offsets = np.cumsum([0] + [sizes[name] for name in _FIELDS])
+            self._offsets = dict(zip(_FIELDS, offsets[:-1].tolist()))
+            self._small_start = self._offsets["piece_page_start"]  # the non-page fields: one region
 
     @staticmethod
     def _views(buffer: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -155,9 +159,10 @@ class TritonBackend:
             start += sizes[name]
         return views
 
-    def prepare(self, plan: AttentionPlan) -> TritonPreparedPlan:
-        """Flatten the plan into int32 tensors on the device (once per forward step)."""
-        arrays = flatten_plan(plan)
+    def prepare(self, plan: AttentionPlan, *, arrays: dict[str, np.ndarray] | None = None) -> TritonPreparedPlan:
+        """Flatten the plan into int32 tensors on the device (once per forward step).
+        ``arrays``: ``flatten_plan(plan)`` when the caller already made it (not modified)."""
+        arrays = flatten_plan(plan) if arrays is None else dict(arrays)
         needs_merge = bool((np.diff(arrays["reduce_ptr"]) != 1).any())  # a row without exactly one partial
         max_work_rows = max((len(item.query_rows) for item in plan.work), default=1)
         if self.capacity is None:
@@ -180,14 +185,16 @@ class TritonBackend:
             arrays[name] = np.concatenate([values, np.full(sizes[name] - len(values), values[-1], dtype=np.int32)])
         if self._copied is not None:  # the previous transfer must have read the staging buffer
             self._copied.synchronize()
-        offset = 0
-        for name in _FIELDS:  # only the used entries travel; the rest is never read
-            values = arrays[name]
-            if len(values):
-                self._staging[offset:offset + len(values)] = torch.from_numpy(values)
-                self._fixed_buffer[offset:offset + len(values)].copy_(
-                    self._staging[offset:offset + len(values)], non_blocking=True)
-            offset += sizes[name]
+        for name in _FIELDS:
+            start = self._offsets[name]
+            self._staging_np[start:start + len(arrays[name])] = arrays[name]
+        # four transfers: the used entries of each page field (up to the capacity's pages each),
+        # then the small fields' whole region; entries past a plan's are never read
+        spans = [(self._offsets[name], len(arrays[name])) for name in ("page_table", "page_rows", "page_key_start")]
+        spans.append((self._small_start, len(self._staging_np) - self._small_start))
+        for start, length in spans:
+            if length:
+                self._fixed_buffer[start:start + length].copy_(self._staging[start:start + length], non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()

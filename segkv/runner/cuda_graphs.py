@@ -107,8 +107,9 @@ class DecodeGraphs:
         self._buckets.clear()
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], plan: AttentionPlan,
-            mla_mode: str) -> torch.Tensor | None:
-        """``(n, vocab)`` float32 logits of a decode step, or None when it does not fit a graph."""
+            mla_mode: str, *, arrays: dict | None = None) -> torch.Tensor | None:
+        """``(n, vocab)`` float32 logits of a decode step, or None when it does not fit a graph.
+        ``arrays``: the plan already flattened (``flatten_plan``), if it was."""
         n = len(ids)
         size = next((b for b in self.buckets if b >= n), None)
         if size is None or mla_mode == "naive":  # naive MLA decompresses pieces through the reference
@@ -116,7 +117,7 @@ class DecodeGraphs:
             return None
         bucket = self._buckets.get(size) or self._capture(size, mla_mode)
         try:
-            bucket.backend.prepare(plan)
+            bucket.backend.prepare(plan, arrays=arrays)
         except ValueError:  # the plan exceeds the bucket's fixed capacity
             self.fallbacks += 1
             return None

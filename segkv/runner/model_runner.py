@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -13,6 +13,7 @@ from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionPlan, Route, SequenceQuery
 from segkv.attention.planner import plan_attention
 from segkv.attention.reference import TorchReferenceBackend
+from segkv.attention.triton_backend import flatten_plan
 from segkv.cache.chain import KVChain
 from segkv.cache.kv_cache import PagedKVCache
 from segkv.cache.page_pool import OutOfPagesError
@@ -75,6 +76,8 @@ class ModelRunner:
         self.last_plan: AttentionPlan | None = None
         self.route_counts: Counter[str] = Counter()
         self.graphs_off_reason: str | None = None
+        self._ahead: _PlanAhead | None = None  # see _plan_ahead
+        self.plans_ahead_used = 0
         self.graphs = self._make_graphs(cuda_graphs, max_model_len or getattr(model, "max_model_len", 4096))
 
     @torch.inference_mode()
@@ -129,11 +132,19 @@ class ModelRunner:
                 positions += range(start, start + len(tokens))
             mla_mode = self._mla_mode(chunks)
             queries = [SequenceQuery.from_chain(c, len(t)) for c, t in zip(chains, chunks)]
-            plan = plan_attention(queries, self.model.attention_shape(mla_mode), self.device_spec,
-                                  page_size=self.cache.page_size, route=self.route)
+            ahead, self._ahead = self._ahead, None
+            if (ahead is not None and ahead.mla_mode == mla_mode and ahead.device_spec is self.device_spec
+                    and ahead.route == self.route and ahead.queries == queries):
+                plan, arrays = ahead.plan, ahead.arrays  # planned while the GPU ran the last step
+                self.plans_ahead_used += 1
+            else:
+                plan, arrays = plan_attention(queries, self.model.attention_shape(mla_mode), self.device_spec,
+                                              page_size=self.cache.page_size, route=self.route), None
             logits = None
             if self.graphs is not None and not all_rows and all(len(t) == 1 for t in chunks):
-                logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode)
+                logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode, arrays=arrays)
+                if logits is not None:  # the replay runs on the GPU: plan the likely next step meanwhile
+                    self._ahead = self._plan_ahead(chains, mla_mode)
             if logits is None:  # eager: no graph, a prefill chunk, or a step no graph holds
                 logits = self._eager_logits(chunks, positions, slots, plan, mla_mode, all_rows)
         except BaseException:
@@ -143,6 +154,24 @@ class ModelRunner:
         self.last_plan = plan
         self.route_counts[plan.route.value] += 1
         return logits
+
+    def _plan_ahead(self, chains: list[KVChain], mla_mode: str) -> _PlanAhead | None:
+        """The plan (and flattened index arrays) of the next decode step of the same chains, one
+        row longer each, made while the GPU runs this step. Only a step whose new rows all land
+        in their tails' last pages is predictable (no page allocation); the next step uses it
+        only if its queries come out equal, so a changed batch or chain just plans anew."""
+        page = self.cache.page_size
+        queries = []
+        for chain in chains:
+            spans = chain.spans()
+            tail = spans[-1] if spans else None
+            if tail is None or tail.sealed or tail.num_rows % page == 0:
+                return None  # the next row needs a new page
+            spans[-1] = replace(tail, num_rows=tail.num_rows + 1)
+            queries.append(SequenceQuery(tuple(spans), 1))
+        plan = plan_attention(queries, self.model.attention_shape(mla_mode), self.device_spec,
+                              page_size=page, route=self.route)
+        return _PlanAhead(queries, mla_mode, self.device_spec, self.route, plan, flatten_plan(plan))
 
     def _eager_logits(self, chunks: list[list[int]], positions: list[int], slots: list[int], plan: AttentionPlan,
                       mla_mode: str, all_rows: bool) -> torch.Tensor:
@@ -202,6 +231,18 @@ class ModelRunner:
         if self.mla_mode != "auto":
             return self.mla_mode
         return "absorbed" if max(len(c) for c in chunks) <= self.decode_rows_threshold else "naive"
+
+
+@dataclass(slots=True)
+class _PlanAhead:
+    """A decode step planned one step early: what it was planned for, the plan, its index arrays."""
+
+    queries: list[SequenceQuery]
+    mla_mode: str
+    device_spec: DeviceSpec
+    route: Route | None
+    plan: AttentionPlan
+    arrays: dict
 
 
 def _last_rows(chunks: list[list[int]]) -> list[int]:
