@@ -121,12 +121,13 @@ class Generator:
             output_token_ids=[s.output_ids for s in seqs],
             generators=[s.generator for s in seqs],
         )
+        tokens = out.token_ids.tolist()  # one transfer for the batch, not one per row
+        chosen = out.logprobs.tolist() if any(s.params.logprobs is not None for s in seqs) else None
         for row, s in enumerate(seqs):
-            token = int(out.token_ids[row])
+            token = tokens[row]
             s.output_ids.append(token)
-            if s.params.logprobs is not None:
-                top = out.top_logprobs[row]
-                s.logprobs.append(TokenLogprob(token, float(out.logprobs[row]), top))
+            if chosen is not None and s.params.logprobs is not None:
+                s.logprobs.append(TokenLogprob(token, chosen[row], out.top_logprobs[row]))
             self._check_finish(s, token)
             if s.finish_reason is None:
                 s.pending = [token]
