@@ -195,3 +195,12 @@ def test_allocate_negative_raises_value_error_and_changes_nothing():
 def test_pool_arguments_are_keyword_only():
     with pytest.raises(TypeError):
         PagePool(4, 16, 1)  # type: ignore[misc]
+
+
+def test_peek_names_the_pages_the_next_allocation_takes():
+    pool = PagePool(num_pages=6, page_size=4, bytes_per_page=8)
+    pool.allocate(2)
+    ahead = pool.peek(3)
+    assert ahead is not None and len(ahead) == 3 and pool.pages_in_use == 2  # nothing taken
+    assert pool.allocate(3) == ahead
+    assert pool.peek(2) is None and pool.peek(1) == pool.allocate(1)

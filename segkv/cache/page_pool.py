@@ -85,6 +85,13 @@ class PagePool:
         self.peak_pages_in_use = max(self.peak_pages_in_use, self.pages_in_use)
         return page_ids
 
+    def peek(self, num_pages: int) -> list[int] | None:
+        """The pages the next ``allocate(num_pages)`` would return, in order, without taking
+        them (None if fewer are free): lets a caller predict the layout of the next step."""
+        if not 0 <= num_pages <= len(self._free):
+            return None
+        return self._free[len(self._free) - num_pages:][::-1]
+
     def incref(self, page_ids: Iterable[int]) -> None:
         """Add one holder to each page (all pages must be in use)."""
         counts = self._ref_counts

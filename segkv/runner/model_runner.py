@@ -157,17 +157,24 @@ class ModelRunner:
 
     def _plan_ahead(self, chains: list[KVChain], mla_mode: str) -> _PlanAhead | None:
         """The plan (and flattened index arrays) of the next decode step of the same chains, one
-        row longer each, made while the GPU runs this step. Only a step whose new rows all land
-        in their tails' last pages is predictable (no page allocation); the next step uses it
-        only if its queries come out equal, so a changed batch or chain just plans anew."""
+        row longer each, made while the GPU runs this step. A tail whose last page is full gets
+        the page the pool will hand out next (``PagePool.peek``, in the order the step appends).
+        The next step uses the plan only if its queries come out equal, so a changed batch, an
+        allocation in between, or a chain without a tail (a new segment) just plans anew."""
         page = self.cache.page_size
-        queries = []
-        for chain in chains:
-            spans = chain.spans()
-            tail = spans[-1] if spans else None
-            if tail is None or tail.sealed or tail.num_rows % page == 0:
-                return None  # the next row needs a new page
-            spans[-1] = replace(tail, num_rows=tail.num_rows + 1)
+        spans_of = [chain.spans() for chain in chains]
+        if not all(spans and not spans[-1].sealed for spans in spans_of):
+            return None  # a chain without a tail: its next row starts a new segment
+        new_pages = self.cache.pool.peek(sum(spans[-1].num_rows % page == 0 for spans in spans_of))
+        if new_pages is None:
+            return None
+        queries, taken = [], 0
+        for spans in spans_of:
+            tail = spans[-1]
+            pages = tail.page_ids
+            if tail.num_rows % page == 0:  # the next row opens a new page
+                pages, taken = pages + (new_pages[taken],), taken + 1
+            spans[-1] = replace(tail, page_ids=pages, num_rows=tail.num_rows + 1)
             queries.append(SequenceQuery(tuple(spans), 1))
         plan = plan_attention(queries, self.model.attention_shape(mla_mode), self.device_spec,
                               page_size=page, route=self.route)
