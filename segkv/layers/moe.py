@@ -171,14 +171,14 @@ class MixtureOfExperts(nn.Module):
         """Device-side dispatch: every (token, expert) pair through its expert, rounded as the
         expert's own layers round (gate/up, activation, down in ``x``'s dtype)."""
         from segkv.kernels.expert_gemv import expert_gemv
+        from segkv.kernels.fused_ops import silu_and_mul
 
         gate_up, down = self._packed
         tokens, k = ids.shape
-        inner = down.shape[2]
         experts = ids.reshape(-1)
         rows = torch.arange(tokens, device=x.device).repeat_interleave(k)
         h = expert_gemv(x.contiguous(), rows, experts, gate_up)  # (T k, 2I)
-        act = (F.silu(h[:, :inner]) * h[:, inner:]).contiguous()
+        act = silu_and_mul(h)  # rounded as F.silu(gate) * up
         y = expert_gemv(act, torch.arange(tokens * k, device=x.device), experts, down)  # (T k, H)
         out = (y.float() * weights.reshape(-1, 1)).view(tokens, k, -1).sum(dim=1)
         return out.to(x.dtype)
