@@ -34,7 +34,7 @@ def test_graph_decode_gives_the_eager_tokens(tmp_path):
     assert graphs is not None
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == eager
-    assert graphs.replays >= 5 and 4 in graphs._buckets  # decode steps really went through the bucket
+    assert graphs.replays >= 5 and (4, False) in graphs._buckets  # decode steps went through the bucket
     conv = llm.conversation()  # a follow-up turn on a segmented chain (mid-page boundaries)
     first = conv.say("hello there", params).output.token_ids
     second = conv.say("and a second turn", params).output.token_ids
@@ -136,3 +136,37 @@ def test_steps_planned_ahead_give_the_same_tokens(tmp_path):
     ref_chain = fresh.cache.new_chain()
     fresh.forward([StepInput(ref_chain, [5, 9])])
     torch.testing.assert_close(logits, fresh.forward([StepInput(ref_chain, [7])]), rtol=1e-5, atol=1e-5)
+
+
+def _decode_logits(llm, shared: bool, steps: int = 3) -> torch.Tensor:
+    """Logits of 4 sequences (a full bucket: the GEMMs have the eager step's shapes) decoding
+    ``steps`` steps: forks of one sealed 40-row prefix (``shared``: a cascade plan, several
+    query rows per work item) or 4 separate prompts."""
+    runner = llm.runner
+    if shared:
+        parent = llm.cache.new_chain()
+        runner.forward([StepInput(parent, list(range(5, 45)))])
+        parent.seal()
+        chains = [parent.fork() for _ in range(4)]
+    else:
+        chains = [llm.cache.new_chain() for _ in range(4)]
+        for i, chain in enumerate(chains):
+            runner.forward([StepInput(chain, list(range(5 + i, 30 + 3 * i)))])
+    out = [runner.forward([StepInput(c, [7 + i + s]) for i, c in enumerate(chains)]) for s in range(steps)]
+    return torch.stack(out)
+
+
+def test_one_row_work_items_replay_narrow_graphs_and_shared_prefixes_wide_ones(tmp_path):
+    """Decode plans with one query row per work item replay a "narrow" graph, whose attention
+    tiles are the eager step's (same rounding: bit-equal logits in float32); forks of a shared
+    prefix (cascade: several rows per work item) replay a "wide" graph of the same bucket."""
+    build_model_dir(tmp_path, "qwen3")
+    eager, graph = _llm(tmp_path), _llm(tmp_path, cuda_graphs=MODE)
+    separate = _decode_logits(graph, shared=False)
+    assert list(graph.runner.graphs._buckets) == [(4, False)]
+    assert torch.equal(separate, _decode_logits(eager, shared=False))
+    forks = _decode_logits(graph, shared=True)
+    assert graph.runner.last_plan.route.value == "cascade" and (4, True) in graph.runner.graphs._buckets
+    reference = _decode_logits(eager, shared=True)
+    torch.testing.assert_close(forks, reference, rtol=1e-5, atol=1e-5)
+    assert torch.equal(forks.argmax(-1), reference.argmax(-1))

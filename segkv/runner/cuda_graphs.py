@@ -90,7 +90,10 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.buckets = tuple(sorted(buckets))
         self.emulate = emulate
-        self._buckets: dict[int, _Bucket] = {}
+        # (batch size, wide): "narrow" graphs serve plans whose work items hold one query row each
+        # (attention tiles as small as eager's: same rounding, no padded rows); "wide" ones hold
+        # up to the bucket's rows per work item (prefixes shared by several sequences)
+        self._buckets: dict[tuple[int, bool], _Bucket] = {}
         # a page of the pool reserved for the K/V rows of padding query rows
         self._scratch = cache.new_chain()
         self._scratch_slot = self._scratch.append(1)[0]
@@ -115,7 +118,8 @@ class DecodeGraphs:
         if size is None or mla_mode == "naive":  # naive MLA decompresses pieces through the reference
             self.fallbacks += 1
             return None
-        bucket = self._buckets.get(size) or self._capture(size, mla_mode)
+        wide = any(len(item.query_rows) > 1 for item in plan.work)
+        bucket = self._buckets.get((size, wide)) or self._capture(size, wide, mla_mode)
         try:
             bucket.backend.prepare(plan, arrays=arrays)
         except ValueError:  # the plan exceeds the bucket's fixed capacity
@@ -138,15 +142,16 @@ class DecodeGraphs:
         self.replays += 1
         return bucket.logits[:n].clone()
 
-    def _capacity(self, size: int) -> PlanCapacity:
+    def _capacity(self, size: int, wide: bool) -> PlanCapacity:
         page = self.cache.page_size
         pages_per_seq = math.ceil(self.max_model_len / page) + 64  # + pages left part-full by segment ends
         work = max(2 * self.device_spec.wave_size, 4 * size)
         return PlanCapacity(max_pages=size * pages_per_seq, max_pieces=work, max_work=work,
-                            max_partials=work + 64 * size, max_rows=size, max_work_rows=size)
+                            max_partials=work + 64 * size, max_rows=size, max_work_rows=size if wide else 1)
 
-    def _capture(self, size: int, mla_mode: str) -> _Bucket:
-        backend = TritonBackend(page_size=self.cache.page_size, device=self.device, capacity=self._capacity(size))
+    def _capture(self, size: int, wide: bool, mla_mode: str) -> _Bucket:
+        backend = TritonBackend(page_size=self.cache.page_size, device=self.device,
+                                capacity=self._capacity(size, wide))
         pinned = self.device.type == "cuda"
         staging = torch.zeros(3, size, dtype=torch.long, pin_memory=pinned)
         staging[2] = self._scratch_slot
@@ -178,5 +183,5 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 step()
             bucket.graph = graph
-        self._buckets[size] = bucket
+        self._buckets[size, wide] = bucket
         return bucket
