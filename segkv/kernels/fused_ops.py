@@ -9,9 +9,9 @@
 
 Each kernel computes in float32 and rounds where the unfused torch code rounds (every
 intermediate torch op with a bf16/fp16 result), so it gives the same values as the layers'
-torch path up to the last bit of float32 reductions and transcendental functions. Rounding
-to bf16 is done on the bits (round to nearest even), which Triton's interpreter also gets
-right; stores then write values that are already representable.
+torch path up to the last bit of float32 sums and of ``exp`` (SiLU). Rounding to bf16 and fp16
+is done on the bits (round to nearest even), which Triton's interpreter also gets right and
+no compiler folds away; stores then write values that are already representable.
 """
 
 from __future__ import annotations
