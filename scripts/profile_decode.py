@@ -38,6 +38,17 @@ def _median_ms(fn, repeats: int) -> tuple[float, float, float]:
     return statistics.median(times), min(times), max(times)
 
 
+def _profile_table(runner, chains, first: list[int], steps: int, context: int, sort_by: str, rows: int) -> str:
+    """``torch.profiler`` table of ``steps`` decode steps (CPU and CUDA activity), chains trimmed back after."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _decode(runner, chains, first, steps)
+        torch.cuda.synchronize()
+    _trim_to(chains, context)
+    return prof.key_averages().table(sort_by=sort_by, row_limit=rows)
+
+
 @torch.inference_mode()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
@@ -66,6 +77,7 @@ def main() -> None:
         runner, on = _runner(model, cache, device, graphs=graphs)
         _decode(runner, chains, first, 8)
         _trim_to(chains, args.context)
+
         def steps() -> None:
             _decode(runner, chains, first, args.steps)
             _trim_to(chains, args.context)
@@ -78,7 +90,7 @@ def main() -> None:
             bucket = next(iter(runner.graphs._buckets.values()))
             rep = _median_ms(bucket.graph.replay, 20)
             print(f"  graph replay alone: {rep[0]:.3f} ms [{rep[1]:.3f}-{rep[2]:.3f}] "
-                  f"= {weight_bytes / rep[0] / 1e9:.0f} GB/s of weights")
+                  f"= {weight_bytes / (rep[0] / 1e3) / 1e9:.0f} GB/s of weights")
             shape = model.attention_shape("absorbed")
             queries = [SequenceQuery.from_chain(c, 1) for c in chains]
 
@@ -88,24 +100,11 @@ def main() -> None:
 
             host = _median_ms(host_plan, 20)
             print(f"  host plan + prepare: {host[0]:.3f} ms [{host[1]:.3f}-{host[2]:.3f}]")
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                _decode(runner, chains, first, 4)
-                torch.cuda.synchronize()
-            _trim_to(chains, args.context)
             print("  graph steps, by CPU time:")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+            print(_profile_table(runner, chains, first, 4, args.context, "self_cpu_time_total", args.rows))
         else:
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                _decode(runner, chains, first, 2)
-                torch.cuda.synchronize()
-            _trim_to(chains, args.context)
             print("  eager steps, by CUDA time:")
-            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
-
+            print(_profile_table(runner, chains, first, 2, args.context, "self_cuda_time_total", args.rows))
 
 if __name__ == "__main__":
     main()
