@@ -183,3 +183,17 @@ def ulp(x: torch.Tensor) -> torch.Tensor:
     finfo = torch.finfo(x.dtype)
     mag = x.double().abs().clamp(min=finfo.tiny)
     return torch.pow(2.0, torch.floor(torch.log2(mag))) * finfo.eps
+
+
+def triton_and_reference(plan, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, *,
+                         page_size: int, scale: float, device) -> tuple[torch.Tensor, ...]:
+    """``(out, lse, ref, ref_lse)``: the plan run by the Triton backend (outputs poisoned first)
+    and by the torch reference, on the same tensors."""
+    from segkv.attention.reference import TorchReferenceBackend
+    from segkv.attention.triton_backend import TritonBackend
+
+    tb = TritonBackend(page_size=page_size, device=device, poison=True)
+    out, lse = tb.run(tb.prepare(plan), query, key_cache, value_cache, scale=scale)
+    rb = TorchReferenceBackend(page_size=page_size, device=device)
+    ref, ref_lse = rb.run(rb.prepare(plan), query, key_cache, value_cache, scale=scale)
+    return out, lse, ref, ref_lse

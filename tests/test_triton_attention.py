@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from attention_helpers import Batch, dense_attention, forked_history, ulp
+from attention_helpers import Batch, dense_attention, forked_history, triton_and_reference, ulp
 from segkv.attention import AttentionShape, DeviceSpec, Route, SequenceQuery, TorchReferenceBackend, plan_attention
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
@@ -47,12 +47,8 @@ def run_both(batch: Batch, route: str, *, num_partitions: int | None = None):
     if route == "split" and max(sum(len(s.page_ids) for s in q.spans) for q in batch.queries) > 1:
         assert plan.num_partitions > 1  # split really split
     storage = batch.cache.storage
-    args = (batch.query, storage.key_cache(0), storage.value_cache(0))
-    tb = TritonBackend(page_size=batch.cache.page_size, device=DEVICE, poison=True)
-    out, lse = tb.run(tb.prepare(plan), *args, scale=batch.scale)
-    rb = TorchReferenceBackend(page_size=batch.cache.page_size, device=DEVICE)
-    ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=batch.scale)
-    return plan, out, lse, ref, ref_lse
+    return plan, *triton_and_reference(plan, batch.query, storage.key_cache(0), storage.value_cache(0),
+                                       page_size=batch.cache.page_size, scale=batch.scale, device=DEVICE)
 
 
 def check(out, lse, ref, ref_lse):
@@ -131,12 +127,8 @@ def test_mixed_long_and_short_batch_in_one_launch(dtype, gen):
     assert plan.route == Route.SPLIT and plan.num_partitions > 1
     assert sum(1 for w in plan.work if 1 in w.query_rows) == 1  # the short one is not split
     q = torch.randn(2, 32, 128, device=DEVICE, dtype=torch_dtype)
-    args = (q, cache.storage.key_cache(0), cache.storage.value_cache(0))
-    tb = TritonBackend(page_size=16, device=DEVICE, poison=True)
-    out, lse = tb.run(tb.prepare(plan), *args, scale=128**-0.5)
-    rb = TorchReferenceBackend(page_size=16, device=DEVICE)
-    ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=128**-0.5)
-    check(out, lse, ref, ref_lse)
+    check(*triton_and_reference(plan, q, cache.storage.key_cache(0), cache.storage.value_cache(0), page_size=16,
+                                scale=128**-0.5, device=DEVICE))
 
 
 def test_kv_write_kernel(gen):
@@ -282,9 +274,5 @@ def test_merge_of_many_partials_per_row(gen):
     plan = plan_attention(queries, shape, DeviceSpec.cpu(), page_size=16, route="split", num_partitions=69)
     assert max(len(p) for p in plan.reduce_map) == 69
     q = torch.randn(4, 8, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
-    args = (q, cache.storage.key_cache(0), cache.storage.value_cache(0))
-    tb = TritonBackend(page_size=16, device=DEVICE, poison=True)
-    out, lse = tb.run(tb.prepare(plan), *args, scale=0.125)
-    rb = TorchReferenceBackend(page_size=16, device=DEVICE)
-    ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=0.125)
-    check(out, lse, ref, ref_lse)
+    check(*triton_and_reference(plan, q, cache.storage.key_cache(0), cache.storage.value_cache(0), page_size=16,
+                                scale=0.125, device=DEVICE))

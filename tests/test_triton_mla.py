@@ -19,7 +19,7 @@ from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 from segkv.layers.mla import MLADims, MultiHeadLatentAttention
 from segkv.layers.rotary import RotaryEmbedding
-from attention_helpers import forked_history
+from attention_helpers import forked_history, triton_and_reference
 from test_triton_attention import check
 
 GPU = torch.cuda.is_available()
@@ -49,12 +49,7 @@ def run_latent(cache, queries, heads, route, gen, *, dtype, num_partitions=None,
     storage = cache.storage
     k, v = storage.key_cache(0), storage.value_cache(0)
     assert is_latent_cache(k, v)
-    scale = (rank + rope) ** -0.5
-    tb = TritonBackend(page_size=cache.page_size, device=DEVICE, poison=True)
-    out, lse = tb.run(tb.prepare(plan), q, k, v, scale=scale)
-    rb = TorchReferenceBackend(page_size=cache.page_size, device=DEVICE)
-    ref, ref_lse = rb.run(rb.prepare(plan), q, k, v, scale=scale)
-    return out, lse, ref, ref_lse
+    return triton_and_reference(plan, q, k, v, page_size=cache.page_size, scale=(rank + rope) ** -0.5, device=DEVICE)
 
 
 if GPU:
@@ -108,12 +103,8 @@ def test_latent_mixed_long_and_short_batch(heads, gen):
     assert plan.route == Route.SPLIT and plan.num_partitions > 1
     assert sum(1 for w in plan.work if 1 in w.query_rows) == 1  # the short one is not split
     q = (0.5 * torch.randn(2, heads, 576, device=DEVICE)).to(torch.bfloat16)
-    args = (q, cache.storage.key_cache(0), cache.storage.value_cache(0))
-    tb = TritonBackend(page_size=16, device=DEVICE, poison=True)
-    out, lse = tb.run(tb.prepare(plan), *args, scale=576**-0.5)
-    rb = TorchReferenceBackend(page_size=16, device=DEVICE)
-    ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=576**-0.5)
-    check(out, lse, ref, ref_lse)
+    check(*triton_and_reference(plan, q, cache.storage.key_cache(0), cache.storage.value_cache(0), page_size=16,
+                                scale=576**-0.5, device=DEVICE))
 
 
 @pytest.mark.parametrize("rows", [1, 5])
