@@ -176,11 +176,11 @@ def _rope_kv_kernel(
         tl.store(v_dst + HALF + d, _round(tl.load(v_src + HALF + d).to(tl.float32), CACHE_KIND))
 
 
-def rope_fusable(rotary) -> bool:
-    """Whether :func:`rope_and_write_kv` implements ``rotary`` (a RotaryEmbedding): half-split
-    pairs and a power-of-two half width."""
-    half = rotary.inv_freq.shape[0]
-    return not rotary.interleaved and half & (half - 1) == 0
+def rope_fusable(head_dim: int, *, interleaved: bool) -> bool:
+    """Whether :func:`rope_and_write_kv` implements a RoPE of ``head_dim``: half-split pairs
+    (not interleaved) and a power-of-two half width."""
+    half = head_dim // 2
+    return not interleaved and head_dim % 2 == 0 and half & (half - 1) == 0
 
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

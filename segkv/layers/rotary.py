@@ -88,13 +88,14 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_factor = rope_inv_freq(*self._args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleaved = interleaved
+        self._tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # see cos_sin_table
 
     def init_buffers(self, device: str | torch.device) -> None:
         """Recompute the frequencies on ``device`` (after building the model on 'meta')."""
         with torch.device("cpu"):
             inv_freq, _ = rope_inv_freq(*self._args)
         self.inv_freq = inv_freq.to(device)
-        self.__dict__.pop("_tables", None)
+        self._tables.clear()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(T, dim // 2)`` cos and sin in ``dtype`` (angles computed in float32)."""
@@ -105,13 +106,12 @@ class RotaryEmbedding(nn.Module):
         """``(max_position, dim)`` table ``[cos | sin]`` of every position in ``dtype``, made by
         :meth:`cos_sin` itself (so a kernel reading it gets the values ``forward`` uses, bit for
         bit); built on first use per dtype and kept (not saved)."""
-        tables = self.__dict__.setdefault("_tables", {})
         key = (dtype, self.inv_freq.device)
-        if key not in tables:
+        if key not in self._tables:
             max_position = self._args[3]
             cos, sin = self.cos_sin(torch.arange(max_position, device=self.inv_freq.device), dtype)
-            tables[key] = torch.cat((cos, sin), dim=-1).contiguous()
-        return tables[key]
+            self._tables[key] = torch.cat((cos, sin), dim=-1).contiguous()
+        return self._tables[key]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.cos_sin(positions, x.dtype)

@@ -87,6 +87,7 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(layer_index, scale=cfg.head_dim**-0.5)
         self.fused = False  # RoPE and the cache write in one Triton kernel (kernels/fused_ops.py)
+        self._rope_fusable = rope_fusable(cfg.head_dim, interleaved=rotary.interleaved)
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see pack (not saved)
 
     def pack(self) -> None:
@@ -109,7 +110,7 @@ class DecoderAttention(nn.Module):
         q, k, v = self._project(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused and rope_fusable(self.rotary):
+        if self.fused and self._rope_fusable:
             keys, values = meta.storage.rows_to_write(self.attn.layer_index, meta.slots, k, v,
                                                       trusted_slots=meta.trusted_slots)
             q = rope_and_write_kv(q, k, v, positions, self.rotary.cos_sin_table(q.dtype), meta.slots, keys, values)
