@@ -138,8 +138,7 @@ class ModelRunner:
                 plan, arrays = ahead.plan, ahead.arrays  # planned while the GPU ran the last step
                 self.plans_ahead_used += 1
             else:
-                plan, arrays = plan_attention(queries, self.model.attention_shape(mla_mode), self.device_spec,
-                                              page_size=self.cache.page_size, route=self.route), None
+                plan, arrays = self._plan(queries, mla_mode), None
             logits = None
             if self.graphs is not None and not all_rows and all(len(t) == 1 for t in chunks):
                 logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode, arrays=arrays)
@@ -154,6 +153,10 @@ class ModelRunner:
         self.last_plan = plan
         self.route_counts[plan.route.value] += 1
         return logits
+
+    def _plan(self, queries: list[SequenceQuery], mla_mode: str) -> AttentionPlan:
+        return plan_attention(queries, self.model.attention_shape(mla_mode), self.device_spec,
+                              page_size=self.cache.page_size, route=self.route)
 
     def _plan_ahead(self, chains: list[KVChain], mla_mode: str) -> _PlanAhead | None:
         """The plan (and flattened index arrays) of the next decode step of the same chains, one
@@ -176,8 +179,7 @@ class ModelRunner:
                 pages, taken = pages + (new_pages[taken],), taken + 1
             spans[-1] = replace(tail, page_ids=pages, num_rows=tail.num_rows + 1)
             queries.append(SequenceQuery(tuple(spans), 1))
-        plan = plan_attention(queries, self.model.attention_shape(mla_mode), self.device_spec,
-                              page_size=page, route=self.route)
+        plan = self._plan(queries, mla_mode)
         return _PlanAhead(queries, mla_mode, self.device_spec, self.route, plan, flatten_plan(plan))
 
     def _eager_logits(self, chunks: list[list[int]], positions: list[int], slots: list[int], plan: AttentionPlan,
