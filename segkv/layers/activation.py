@@ -23,23 +23,19 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.fused = False  # silu-and-mul in one Triton kernel (kernels/fused_ops.py)
-        self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see pack (not saved)
+        self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
 
-    def pack(self) -> None:
+    def use_fused(self) -> None:
         """Stack ``gate_proj`` and ``up_proj`` into one ``(2I, hidden)`` weight (one GEMM instead of
-        two); their parameters become views of it, so no second copy stays alive."""
+        two; their parameters become views of it, so no second copy stays alive) and run
+        SiLU-and-mul as one Triton kernel (kernels/fused_ops.py)."""
         if self._gate_up is None:
             self._gate_up = stack_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        h = F.linear(x, *self._gate_up)  # (T, 2I): [gate | up]
-        if self.fused:
-            return self.down_proj(silu_and_mul(h))
-        inner = h.shape[-1] // 2
-        return self.down_proj(F.silu(h[..., :inner]) * h[..., inner:])
+        return self.down_proj(silu_and_mul(F.linear(x, *self._gate_up)))  # [gate | up] -> act
 
 
 def stack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

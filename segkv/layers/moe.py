@@ -187,7 +187,7 @@ class MixtureOfExperts(nn.Module):
         """One GEMM per chosen expert over its tokens. The (token, slot) pairs are grouped by
         expert with one stable sort, and the group sizes reach the host in one transfer per
         layer (not one per expert), in ascending token order within each expert."""
-        tokens, k = ids.shape
+        k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()

@@ -58,12 +58,8 @@ class CausalLM(nn.Module):
         experts = {id(m) for moe in self.modules() if isinstance(moe, MixtureOfExperts)
                    for m in moe.experts.modules()}
         for module in self.modules():
-            if id(module) in experts:
-                continue
-            if hasattr(module, "pack"):
-                module.pack()
-            if hasattr(module, "fused"):
-                module.fused = True
+            if id(module) not in experts and hasattr(module, "use_fused"):
+                module.use_fused()
 
     @property
     def max_model_len(self) -> int:

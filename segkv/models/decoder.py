@@ -88,13 +88,14 @@ class DecoderAttention(nn.Module):
         self.attn = PagedAttention(layer_index, scale=cfg.head_dim**-0.5)
         self.fused = False  # RoPE and the cache write in one Triton kernel (kernels/fused_ops.py)
         self._rope_fusable = rope_fusable(cfg.head_dim, interleaved=rotary.interleaved)
-        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see pack (not saved)
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
 
-    def pack(self) -> None:
-        """Stack the q, k and v projections into one weight (one GEMM instead of three); their
-        parameters become views of it."""
+    def use_fused(self) -> None:
+        """Stack the q, k and v projections into one weight (one GEMM instead of three; their
+        parameters become views of it) and fuse RoPE with the cache write where it can."""
         if self._qkv is None:
             self._qkv = stack_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.fused = self._rope_fusable
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t, d = x.shape[0], self.head_dim
@@ -110,7 +111,7 @@ class DecoderAttention(nn.Module):
         q, k, v = self._project(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused and self._rope_fusable:
+        if self.fused:
             keys, values = meta.storage.rows_to_write(self.attn.layer_index, meta.slots, k, v,
                                                       trusted_slots=meta.trusted_slots)
             q = rope_and_write_kv(q, k, v, positions, self.rotary.cos_sin_table(q.dtype), meta.slots, keys, values)
