@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from segkv.kernels.fused_ops import rms_norm, rope_and_write_kv, silu_and_mul
+from segkv.kernels.fused_ops import _kind, _round, rms_norm, rope_and_write_kv, silu_and_mul
 from segkv.layers.norm import RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
 
@@ -30,6 +32,24 @@ def assert_same_rounding(out: torch.Tensor, ref: torch.Tensor, *, min_equal: flo
     diff = (out.double() - ref.double()).abs()
     scale = ref.double().abs() + ref.double().abs().amax()
     assert (diff <= 2 * ulp * scale).all(), float(diff.max())
+
+
+@triton.jit
+def _round_kernel(X, Y, N, KIND: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    tl.store(Y + offs, _round(tl.load(X + offs, mask=ok), KIND), mask=ok)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_in_kernel_rounding_equals_a_torch_cast(dtype, gen):
+    """The kernels' rounding of float32 values to float16/bfloat16 (on the bits) is the cast's,
+    across magnitudes: float16 subnormals and overflow to infinity included."""
+    scales = (1e-8, 1e-6, 1e-5, 1e-3, 1.0, 100.0, 3e4, 1e6)
+    x = torch.cat([torch.randn(4096, generator=gen) * s for s in scales]).to(DEVICE)
+    y = torch.empty_like(x)
+    _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), KIND=_kind(dtype), BLOCK=1024)
+    assert torch.equal(y, x.to(dtype).float())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

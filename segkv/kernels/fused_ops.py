@@ -34,8 +34,9 @@ def _round(x, KIND: tl.constexpr):
     """``x`` (float32) rounded to the dtype of ``KIND`` (0 float32, 1 float16, 2 bfloat16), as float32.
 
     Done on the bits (round to nearest even of the mantissa: 7 bits for bf16, 10 for fp16), since
-    the compiler may fold a float16 round trip ``x.to(f16).to(f32)`` into ``x``. For fp16 this is
-    exact in fp16's normal range; subnormal fp16 results (below 6.1e-5) keep more bits.
+    the compiler may fold a float16 round trip ``x.to(f16).to(f32)`` into ``x``. fp16's subnormal
+    range (below 2^-14, a fixed spacing of 2^-24) rounds by adding and removing 0.75, whose float32
+    spacing is 2^-24; beyond 65504 it overflows to infinity, as a float16 cast does.
     """
     y = x
     if KIND != 0:
@@ -43,6 +44,9 @@ def _round(x, KIND: tl.constexpr):
         bits = x.to(tl.uint32, bitcast=True)
         bits = bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)
         y = ((bits >> DROP) << DROP).to(tl.float32, bitcast=True)
+        if KIND == 1:
+            y = tl.where(tl.abs(x) < 6.103515625e-05, (x + 0.75) - 0.75, y)
+            y = tl.where(tl.abs(y) > 65504.0, tl.where(x > 0, float("inf"), float("-inf")), y)  # overflow
     return y
 
 
