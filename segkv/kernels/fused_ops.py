@@ -220,5 +220,6 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
             q_out.stride(0), q_out.stride(1), key_rows.stride(0), key_rows.stride(1),
             value_rows.stride(0), value_rows.stride(1), cos_sin.shape[0],
             HQ=hq, HALF=half, KIND=_kind(q.dtype), CACHE_KIND=_kind(key_rows.dtype), num_warps=1,
+            enable_fp_fusion=False,  # a*c - b*s as an FMA rounds once; torch rounds each product
         )
     return q_out
