@@ -192,3 +192,16 @@ def test_cost_model_splits_a_batch_just_over_one_wave():
     assert plan.route == Route.SPLIT and plan.num_partitions > 1 and "fill a wave of wave" not in plan.reason
     full = plan_attention([seq(8192) for _ in range(99)], GQA, H200, page_size=PS)  # 792 = 2 full waves
     assert full.route == Route.SINGLE
+
+
+def test_short_context_small_batch_splits_down_to_one_tile():
+    """1K rows at batch 1: partitions as short as the device spec allows, so the 8 KV heads'
+    programs fill more of the device (4 partitions of 256+ rows left it latency-bound)."""
+    spec = DeviceSpec(kind="cuda", name="h200", num_multiprocessors=132, blocks_per_multiprocessor=3,
+                      min_rows_per_partition=64, max_partitions=256, partition_overhead_rows=256)
+    plan = plan_attention([seq(1056)], GQA, spec, page_size=PS)
+    assert plan.route == Route.SPLIT and plan.num_partitions >= 12
+    assert min(p.num_rows for p in plan.pieces) >= 64 and covered_rows(plan, 0) == 1056
+    wide = DeviceSpec(kind="cuda", name="h200", num_multiprocessors=132, blocks_per_multiprocessor=3,
+                      min_rows_per_partition=256, max_partitions=256, partition_overhead_rows=256)
+    assert plan_attention([seq(1056)], GQA, wide, page_size=PS).num_partitions == 4

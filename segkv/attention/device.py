@@ -10,6 +10,9 @@ import torch
 
 # Stage-1 programs per multiprocessor the split planner aims for on CUDA devices (docs/benchmarks.md).
 CUDA_BLOCKS_PER_SM = 3  # stage 1 at (BLOCK_N 64, 4 warps, 2 stages) holds 64 KB of shared memory
+# Fewest KV rows per partition on CUDA: one BLOCK_N tile. Short contexts at small batches then
+# still fill the device (4 programs of 272 rows left a 1K-context decode step latency-bound).
+CUDA_MIN_PARTITION_ROWS = 64
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,19 +64,23 @@ class DeviceSpec:
         )
 
     @classmethod
-    def cuda(cls, index: int = 0, *, blocks_per_multiprocessor: int | None = None) -> DeviceSpec:
+    def cuda(cls, index: int = 0, *, blocks_per_multiprocessor: int | None = None,
+             min_rows_per_partition: int | None = None) -> DeviceSpec:
         """A CUDA device, from its properties (multiprocessor count). ``blocks_per_multiprocessor``
         (default ``SEGKV_CUDA_BLOCKS_PER_SM``, else the measured default) sets how many stage-1
-        programs per multiprocessor the split planner aims for."""
+        programs per multiprocessor the split planner aims for; ``min_rows_per_partition``
+        (default ``SEGKV_CUDA_MIN_PARTITION_ROWS``, else one tile) the shortest partition."""
         props = torch.cuda.get_device_properties(index)
         if blocks_per_multiprocessor is None:
             blocks_per_multiprocessor = int(os.environ.get("SEGKV_CUDA_BLOCKS_PER_SM", CUDA_BLOCKS_PER_SM))
+        if min_rows_per_partition is None:
+            min_rows_per_partition = int(os.environ.get("SEGKV_CUDA_MIN_PARTITION_ROWS", CUDA_MIN_PARTITION_ROWS))
         return cls(
             kind="cuda",
             name=props.name,
             num_multiprocessors=props.multi_processor_count,
             blocks_per_multiprocessor=blocks_per_multiprocessor,
-            min_rows_per_partition=256,
+            min_rows_per_partition=min_rows_per_partition,
             max_partitions=256,
             max_query_rows_per_work=64,
             partition_overhead_rows=256,
