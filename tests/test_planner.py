@@ -205,3 +205,21 @@ def test_short_context_small_batch_splits_down_to_one_tile():
     wide = DeviceSpec(kind="cuda", name="h200", num_multiprocessors=132, blocks_per_multiprocessor=3,
                       min_rows_per_partition=256, max_partitions=256, partition_overhead_rows=256)
     assert plan_attention([seq(1056)], GQA, wide, page_size=PS).num_partitions == 4
+
+
+def test_prefill_chunk_over_long_history_keeps_partials_within_the_workspace():
+    """A 1002-row follow-up over 20K and 50K rows of history: the split's float32 partials stay
+    within ``max_partial_bytes`` (the cost model alone would cut the 50K history into 7), and the
+    budget never stops a decode step from splitting."""
+    spec = DeviceSpec(kind="cuda", name="h200", num_multiprocessors=132, blocks_per_multiprocessor=3,
+                      min_rows_per_partition=64, max_partitions=256, partition_overhead_rows=256)
+    row_bytes = GQA.num_q_heads * (GQA.value_dim + 1) * 4
+    for history in (20200, 50200):
+        plan = plan_attention([seq(history, num_query_rows=1002)], GQA, spec, page_size=PS)
+        assert plan.route == Route.SPLIT and covered_rows(plan, 1001) == history
+        assert plan.num_partials * row_bytes <= spec.max_partial_bytes
+    unbounded = DeviceSpec(kind="cuda", name="h200", num_multiprocessors=132, blocks_per_multiprocessor=3,
+                           min_rows_per_partition=64, max_partitions=256, partition_overhead_rows=256,
+                           max_partial_bytes=1 << 40)
+    assert plan_attention([seq(50200, num_query_rows=1002)], GQA, unbounded, page_size=PS).num_partitions == 7
+    assert plan_attention([seq(131072)], GQA, spec, page_size=PS).num_partitions > 16

@@ -276,3 +276,30 @@ def test_merge_of_many_partials_per_row(gen):
     q = torch.randn(4, 8, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
     check(*triton_and_reference(plan, q, cache.storage.key_cache(0), cache.storage.value_cache(0), page_size=16,
                                 scale=0.125, device=DEVICE))
+
+
+def test_split_partials_reuse_one_workspace_and_stay_exact(gen):
+    """Eager steps keep their partials in the backend's one buffer: two plans of different sizes
+    through one backend reuse it (no per-step buffer), each still equal to the reference; a plan
+    needing more than ``workspace_bytes`` allocates for itself and is as exact."""
+    batch = gqa_batch(gen, dtype=torch.float32, page_size=16, ratio=4, head_dim=32, rows=3)
+    storage = batch.cache.storage
+    tb = TritonBackend(page_size=16, device=DEVICE, poison=True)
+    rb = TorchReferenceBackend(page_size=16, device=DEVICE)
+    spec = DeviceSpec.cuda() if GPU else DeviceSpec.cpu()
+    pointers = []
+    for parts in (4, 2):
+        plan = plan_attention(batch.queries, batch.shape, spec, page_size=16, route="split", num_partitions=parts)
+        assert plan.num_partials > plan.num_query_rows  # rows really have several partials
+        out, lse = tb.run(tb.prepare(plan), batch.query, storage.key_cache(0), storage.value_cache(0),
+                          scale=batch.scale)
+        check(out, lse, *rb.run(rb.prepare(plan), batch.query, storage.key_cache(0), storage.value_cache(0),
+                                scale=batch.scale))
+        pointers.append(tb._workspace.data_ptr())
+    assert pointers[0] == pointers[1]
+    small = TritonBackend(page_size=16, device=DEVICE, poison=True, workspace_bytes=64)
+    out, lse = small.run(small.prepare(plan), batch.query, storage.key_cache(0), storage.value_cache(0),
+                         scale=batch.scale)
+    assert small._workspace is None
+    check(out, lse, *rb.run(rb.prepare(plan), batch.query, storage.key_cache(0), storage.value_cache(0),
+                            scale=batch.scale))

@@ -13,6 +13,9 @@ CUDA_BLOCKS_PER_SM = 3  # stage 1 at (BLOCK_N 64, 4 warps, 2 stages) holds 64 KB
 # Fewest KV rows per partition on CUDA: one BLOCK_N tile. Short contexts at small batches then
 # still fill the device (4 programs of 272 rows left a 1K-context decode step latency-bound).
 CUDA_MIN_PARTITION_ROWS = 64
+# Float32 split partials (output + LSE) a plan may need; the Triton backend keeps one buffer of
+# this size, so a long history adds no per-step workspace (see DeviceSpec.max_partial_bytes).
+PARTIAL_WORKSPACE_BYTES = 64 << 20
 
 
 @dataclass(slots=True, frozen=True)
@@ -22,7 +25,9 @@ class DeviceSpec:
     ``num_multiprocessors * blocks_per_multiprocessor`` work items run at once (a "wave").
     ``min_rows_per_partition`` is the fewest KV rows worth giving one partition: below it
     the merge costs more than the parallelism gains. ``max_query_rows_per_work`` bounds the
-    query rows one stage-1 work item serves (tile height on a GPU).
+    query rows one stage-1 work item serves (tile height on a GPU). ``max_partial_bytes`` bounds
+    the float32 partials a split adds: a many-row query (a prefill chunk) over a long history is
+    cut into no more partitions than fit, so the workspace never grows with the history.
     """
 
     kind: str
@@ -33,12 +38,13 @@ class DeviceSpec:
     max_partitions: int = 64
     max_query_rows_per_work: int = 64
     partition_overhead_rows: int = 256
+    max_partial_bytes: int = PARTIAL_WORKSPACE_BYTES
 
     def __post_init__(self) -> None:
         if self.kind not in ("cpu", "cuda"):
             raise ValueError(f"DeviceSpec.kind must be 'cpu' or 'cuda', got {self.kind!r}")
         for name in ("num_multiprocessors", "blocks_per_multiprocessor", "min_rows_per_partition",
-                     "max_partitions", "max_query_rows_per_work", "partition_overhead_rows"):
+                     "max_partitions", "max_query_rows_per_work", "partition_overhead_rows", "max_partial_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DeviceSpec.{name} must be >= 1, got {getattr(self, name)}")
 

@@ -208,6 +208,7 @@ def _auto_chunk(
     fixed prologue, epilogue and merge share. When the unsplit batch leaves slots idle, the
     most partitions within 3% of the best estimate win (more, shorter programs even out the
     memory system's stragglers); otherwise the cheapest estimate, ties to fewer partitions.
+    Candidates whose float32 partials exceed ``device.max_partial_bytes`` are out.
     """
     if not runs:
         return None, "empty batch"
@@ -228,6 +229,11 @@ def _auto_chunk(
     per_run = np.minimum(device.max_partitions, -(-rows_arr[None, :] // chunk_all[:, None]))
     items_all = per_run @ np.asarray(units, dtype=np.int64)
     cost_all = -(-items_all // wave) * (chunk_all + device.partition_overhead_rows)
+    # partials a candidate adds (one per partition and query row): over the workspace, it is out
+    query_rows = np.asarray([sum(queries[m].num_query_rows for m in run.members) for run in runs], dtype=np.int64)
+    partial_bytes = (per_run @ query_rows) * shape.num_q_heads * (shape.value_dim + 1) * 4
+    too_big = (partial_bytes > device.max_partial_bytes) & (parts_all > 1)
+    cost_all = np.where(too_big, np.iinfo(np.int64).max, cost_all)
     best = cost_all.min()
     # an idle device takes the most partitions among near-ties; a full one the fewest
     near = np.flatnonzero(cost_all <= (1.03 if base < wave else 1.0) * best)

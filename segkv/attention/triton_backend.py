@@ -15,6 +15,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from segkv.attention.device import PARTIAL_WORKSPACE_BYTES
 from segkv.attention.plan import AttentionPlan
 
 LSE_API_TRITON = "triton-merge"
@@ -129,6 +130,7 @@ class TritonBackend:
         poison: bool = False,
         capacity: PlanCapacity | None = None,
         launch=None,
+        workspace_bytes: int = PARTIAL_WORKSPACE_BYTES,
     ) -> None:
         self.page_size = page_size
         self.device = torch.device(device)
@@ -139,6 +141,10 @@ class TritonBackend:
         self._staging: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
         self._reference = None
+        # eager steps keep their split partials in one buffer, grown on demand up to
+        # workspace_bytes (the planner's bound): no per-step allocation that grows with history
+        self.workspace_bytes = workspace_bytes
+        self._workspace: torch.Tensor | None = None
         if capacity is not None:
             sizes = capacity.sizes()
             total = sum(sizes.values())
@@ -233,19 +239,36 @@ class TritonBackend:
         if query.shape[1] % key_cache.shape[2]:
             raise ValueError(f"{query.shape[1]} query heads for {key_cache.shape[2]} KV heads")
         a = prepared.arrays
-        if is_latent_cache(key_cache, value_cache):
+        latent = is_latent_cache(key_cache, value_cache)
+        dv = value_cache.shape[3]
+        workspace = None if prepared.fixed else self._partials_workspace(prepared.num_partials * query.shape[1] * (dv + 1))
+        if latent:
             return mla_paged_attention(
-                query=query, latent_cache=key_cache.squeeze(2), rank=value_cache.shape[3],
+                query=query, latent_cache=key_cache.squeeze(2), rank=dv,
                 **{name: a[name] for name in _FIELDS}, num_partials=prepared.num_partials,
                 max_work_rows=prepared.max_work_rows, scale=scale, out_dtype=out_dtype or query.dtype,
-                needs_merge=prepared.needs_merge, poison=self.poison,
+                needs_merge=prepared.needs_merge, poison=self.poison, workspace=workspace,
             )
         return paged_attention(
             query=query, key_cache=key_cache, value_cache=value_cache, **{name: a[name] for name in _FIELDS},
             num_partials=prepared.num_partials, max_work_rows=prepared.max_work_rows, scale=scale,
             out_dtype=out_dtype or query.dtype, needs_merge=prepared.needs_merge, launch=self.launch,
-            poison=self.poison,
+            poison=self.poison, workspace=workspace,
         )
+
+    def _partials_workspace(self, floats: int) -> torch.Tensor | None:
+        """The eager partials buffer (``workspace_bytes`` on a GPU, grown on demand elsewhere) with
+        room for ``floats`` float32 values; None when that is more than ``workspace_bytes`` (a
+        forced plan: it allocates for itself)."""
+        if floats > self.workspace_bytes // 4:
+            return None
+        if self._workspace is None or self._workspace.numel() < floats:
+            # on a GPU the whole budget at once, so a later, longer turn finds it in place
+            grown = 2 * self._workspace.numel() if self._workspace is not None else 0
+            size = self.workspace_bytes // 4 if self.device.type == "cuda" else min(max(floats, grown),
+                                                                                  self.workspace_bytes // 4)
+            self._workspace = torch.empty(size, dtype=torch.float32, device=self.device)
+        return self._workspace
 
     def _reference_run(self, prepared: TritonPreparedPlan, *args, **kwargs):
         """The torch reference on the same plan (prepared once per plan, on demand)."""

@@ -107,10 +107,10 @@ def mla_paged_attention(
     *, query, latent_cache, rank, page_table, page_rows, page_key_start, piece_page_start, work_piece,
     work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
-    poison=False,
+    poison=False, workspace=None,
 ):
     """Absorbed MLA over a plan: query ``(R, H, rank + rope)``, latent_cache ``(P, page_size,
-    rank + rope)`` (or any view with unit column stride); the plan tensors as in
+    rank + rope)`` (or any view with unit column stride); the plan tensors and ``workspace`` as in
     ``paged_attention``. Returns ``(out (R, H, rank) out_dtype, lse (R, H) float32)``.
     """
     num_rows, num_heads, width = query.shape
@@ -119,7 +119,7 @@ def mla_paged_attention(
     if latent_cache.shape[-1] != width or rope < 1 or latent_cache.stride(-1) != 1:
         raise ValueError(f"latent cache {tuple(latent_cache.shape)} does not match query width {width} "
                          f"with rank {rank}")
-    out, lse, part_out, part_lse = attention_outputs(query, rank, num_partials, out_dtype, poison)
+    out, lse, part_out, part_lse = attention_outputs(query, rank, num_partials, out_dtype, poison, workspace)
     num_work = work_piece.numel()
     if num_work and num_partials:
         launch = launch or default_mla_launch_config(page_size=page_size)

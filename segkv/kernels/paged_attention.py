@@ -253,7 +253,7 @@ def paged_attention(
     *, query, key_cache, value_cache, page_table, page_rows, page_key_start, piece_page_start, work_piece,
     work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
-    poison=False,
+    poison=False, workspace=None,
 ):
     """Attention of a plan: stage-1 partials, then the exact merge, rounded once.
 
@@ -265,14 +265,14 @@ def paged_attention(
     partial_row/partial_offset/partial_direct ``(num_partials,)`` (direct: the output row when
     the partial is its row's only one, else -1), reduce_ptr ``(R + 1,)`` and reduce_partials
     (CSR rows -> partials). ``needs_merge=False`` (every row has exactly one partial) skips the
-    merge launch. Returns ``(out (R, Hq, Dv) out_dtype, lse (R, Hq) float32)``; rows without
+    merge launch. ``workspace``: a flat float32 buffer the partials may live in (attention_outputs). Returns ``(out (R, Hq, Dv) out_dtype, lse (R, Hq) float32)``; rows without
     partials are 0 with LSE -inf.
     """
     num_rows, num_heads, dk = query.shape
     page_size, num_kv = key_cache.shape[1], key_cache.shape[2]
     dv = value_cache.shape[3]
     group = num_heads // num_kv
-    out, lse, part_out, part_lse = attention_outputs(query, dv, num_partials, out_dtype, poison)
+    out, lse, part_out, part_lse = attention_outputs(query, dv, num_partials, out_dtype, poison, workspace)
     num_work = work_piece.numel()
     if num_work and num_partials:
         launch = launch or default_launch_config(head_dim=max(dk, dv), page_size=page_size)
@@ -302,9 +302,10 @@ def paged_attention(
     return out.to(out_dtype), lse
 
 
-def attention_outputs(query, dv: int, num_partials: int, out_dtype, poison: bool):
+def attention_outputs(query, dv: int, num_partials: int, out_dtype, poison: bool, workspace=None):
     """Final ``out (R, H, dv)`` / ``lse (R, H)`` and float32 partial buffers ``(num_partials, H, dv)``
-    / ``(num_partials, H)``; NaN-filled when ``poison`` (tests: what no kernel writes stays NaN)."""
+    / ``(num_partials, H)``; NaN-filled when ``poison`` (tests: what no kernel writes stays NaN).
+    The partials are views of ``workspace`` (a flat float32 tensor) when it is large enough."""
     num_rows, num_heads = query.shape[0], query.shape[1]
     device = query.device
     # Triton's interpreter truncates float32 -> bf16/fp16 stores (even with "rtne"): there the
@@ -312,8 +313,13 @@ def attention_outputs(query, dv: int, num_partials: int, out_dtype, poison: bool
     kernel_dtype = torch.float32 if _INTERPRET else out_dtype
     out = torch.empty(num_rows, num_heads, dv, dtype=kernel_dtype, device=device)
     lse = torch.empty(num_rows, num_heads, dtype=torch.float32, device=device)
-    part_out = torch.empty(num_partials, num_heads, dv, dtype=torch.float32, device=device)
-    part_lse = torch.empty(num_partials, num_heads, dtype=torch.float32, device=device)
+    need = num_partials * num_heads * (dv + 1)
+    if workspace is not None and 0 < need <= workspace.numel():
+        part_out = workspace[:num_partials * num_heads * dv].view(num_partials, num_heads, dv)
+        part_lse = workspace[num_partials * num_heads * dv:need].view(num_partials, num_heads)
+    else:
+        part_out = torch.empty(num_partials, num_heads, dv, dtype=torch.float32, device=device)
+        part_lse = torch.empty(num_partials, num_heads, dtype=torch.float32, device=device)
     if poison:
         for t in (out, lse, part_out, part_lse):
             t.fill_(float("nan"))
