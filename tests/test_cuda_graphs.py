@@ -92,22 +92,27 @@ def test_packed_experts_match_the_expert_loop(gen):
         packed = moe(x)
         assert moe.packed and moe.experts[3].up_proj.weight.data_ptr() == moe._packed[0][3, 24:].data_ptr()
         torch.testing.assert_close(packed, looped, rtol=1e-5, atol=1e-5)
-        big = torch.randn(40, 32, generator=gen).to(DEVICE)  # 80 pairs: past the limit, the loop again
+        big = torch.randn(40, 32, generator=gen).to(DEVICE)  # 80 pairs: the grouped GEMM, still on the device
         torch.testing.assert_close(moe(big), moe._looped_experts(big, *moe.gate(big)) + moe.shared_experts(big))
 
 
 def test_graph_decode_of_a_model_with_experts(tmp_path):
-    """DeepSeek-V3-style MoE layers: packed experts inside the graph, buckets capped so every
-    captured batch stays on the device-side dispatch."""
+    """DeepSeek-V3-style MoE layers: packed experts inside the graph at every bucket (GEMV per
+    pair for small batches, the grouped GEMM above 64 pairs)."""
     build_deepseek_dir(tmp_path, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=4)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     prompts = [[5, 9, 13, 40, 77] * 4, [3, 1, 4, 1, 5, 9, 2, 6] * 2, [8, 8, 1]]
     eager = [o.outputs[0].token_ids for o in _llm(tmp_path).generate(prompts, params)]
     llm = _llm(tmp_path, cuda_graphs=MODE)
     graphs = llm.runner.graphs
-    assert graphs.max_batch == 16  # 64 pairs / 4 experts per token
+    assert graphs.max_batch == max(graphs.buckets) >= 32  # no cap from the expert dispatch
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == eager
     assert graphs.replays >= 4
+    wide = [[(7 * i + j) % 90 + 3 for j in range(6)] for i in range(20)]  # 20 x 4 = 80 pairs per layer
+    eager_wide = [o.outputs[0].token_ids for o in _llm(tmp_path).generate(wide, params)]
+    replays = graphs.replays
+    assert [o.outputs[0].token_ids for o in llm.generate(wide, params)] == eager_wide
+    assert graphs.replays >= replays + 4  # the 20-sequence batch ran in a graph
 
 
 def test_steps_planned_ahead_give_the_same_tokens(tmp_path):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -110,7 +112,10 @@ class MixtureOfExperts(nn.Module):
     """Routed experts (``experts.{i}.*``) weighted by ``gate``, plus ``shared_experts`` on every token.
 
     ``x``: ``(T, hidden)`` -> ``(T, hidden)``. Each expert runs once on the tokens routed to
-    it; the weighted expert outputs are summed in float32 and rounded once.
+    it; the weighted expert outputs are summed in float32 and rounded once. Unpacked layers
+    loop over experts (a host synchronisation per layer); packed ones (:meth:`pack_experts`)
+    stay on the device: a GEMV per (token, expert) pair up to ``PACKED_PAIRS_LIMIT`` pairs, a
+    grouped GEMM per expert beyond it.
     """
 
     def __init__(self, hidden_size: int, expert_size: int, spec: RouterSpec, *, num_shared: int = 0,
@@ -126,14 +131,14 @@ class MixtureOfExperts(nn.Module):
         )
         self._packed: tuple[torch.Tensor, torch.Tensor] | None = None  # see pack_experts (not saved)
 
-    # (token, expert) pairs up to which a packed layer runs the device-side dispatch: each pair
-    # reads its expert's weights once, which beats one GEMM per expert only for small batches
+    # (token, expert) pairs up to which a packed layer runs one GEMV per pair: each pair reads
+    # its expert's weights, which beats grouping the pairs by expert only for small batches
     PACKED_PAIRS_LIMIT = 64
 
     def pack_experts(self) -> None:
         """Stack the routed experts' weights, ``gate+up (E, 2I, H)`` and ``down (E, H, I)``, and
-        make each expert's parameters views of the stacks (no second copy stays alive). Small
-        batches then dispatch on the device, without a host synchronisation (CUDA graphs)."""
+        make each expert's parameters views of the stacks (no second copy stays alive). Batches
+        then dispatch on the device, without a host synchronisation (CUDA graphs)."""
         if self._packed is not None:
             return
         first = self.experts[0]
@@ -159,27 +164,49 @@ class MixtureOfExperts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        if self._packed is not None and ids.numel() <= self.PACKED_PAIRS_LIMIT:
+        if self._packed is None:
+            out = self._looped_experts(x, weights, ids)
+        elif ids.numel() <= self.PACKED_PAIRS_LIMIT:
             out = self._packed_experts(x, weights, ids)
         else:
-            out = self._looped_experts(x, weights, ids)
+            out = self._grouped_experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
     def _packed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Device-side dispatch: every (token, expert) pair through its expert, rounded as the
-        expert's own layers round (gate/up, activation, down in ``x``'s dtype)."""
+        """Device-side dispatch for few pairs: one GEMV per (token, expert) pair."""
         from segkv.kernels.expert_gemv import expert_gemv
+
+        return self._dispatched_experts(x, weights, ids, expert_gemv)
+
+    def _grouped_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Device-side dispatch for many pairs: the pairs sorted by expert on the device (one
+        grouping shared by both products), each expert's weights read about once per product."""
+        from segkv.kernels.grouped_expert_gemm import group_pairs_by_expert, grouped_expert_gemm
+
+        groups = group_pairs_by_expert(ids.reshape(-1), len(self.experts))
+        return self._dispatched_experts(x, weights, ids, partial(grouped_expert_gemm, groups=groups))
+
+    def _dispatched_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                            matmul: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """Every (token, expert) pair through its expert on the device, rounded as the expert's
+        own layers round (gate/up, activation, down in ``x``'s dtype); the weighted sum over the
+        ``k`` experts of a token in float32, rounded once.
+
+        ``x (T, hidden)``, ``weights (T, k)`` float32, ``ids (T, k)`` int64 -> ``(T, hidden)`` in
+        ``x``'s dtype. ``matmul(x, rows, experts, weight)``: ``(N, Out)`` with ``out[n] =
+        weight[experts[n]] @ x[rows[n]]`` (``expert_gemv`` or ``grouped_expert_gemm``).
+        """
         from segkv.kernels.fused_ops import silu_and_mul
 
         gate_up, down = self._packed
         tokens, k = ids.shape
         experts = ids.reshape(-1)
         rows = torch.arange(tokens, device=x.device).repeat_interleave(k)
-        h = expert_gemv(x.contiguous(), rows, experts, gate_up)  # (T k, 2I)
+        h = matmul(x.contiguous(), rows, experts, gate_up)  # (T k, 2I)
         act = silu_and_mul(h)  # rounded as F.silu(gate) * up
-        y = expert_gemv(act, torch.arange(tokens * k, device=x.device), experts, down)  # (T k, H)
+        y = matmul(act, torch.arange(tokens * k, device=x.device), experts, down)  # (T k, H)
         out = (y.float() * weights.reshape(-1, 1)).view(tokens, k, -1).sum(dim=1)
         return out.to(x.dtype)
 

@@ -6,7 +6,7 @@ a :class:`~segkv.attention.triton_backend.TritonBackend` with a fixed
 :class:`~segkv.attention.triton_backend.PlanCapacity`. A later step with ``n <= B`` sequences
 writes its inputs and its plan into those buffers and replays; padding rows (ids 0,
 position 0) write their K/V into a reserved scratch page and attend nothing. Mixture-of-experts
-layers are packed (stacked expert weights, device-side dispatch) and cap the bucket sizes. A step that does
+layers are packed (stacked expert weights, device-side dispatch at every batch). A step that does
 not fit (its plan exceeds the capacity) returns None and the runner runs it eagerly.
 
 ``emulate=True`` replays by calling the captured step again over the same static buffers,
@@ -37,16 +37,6 @@ def expert_layers(model: nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
 
 
-def graph_batch_limit(model: nn.Module) -> int | None:
-    """The largest batch a graph may hold (None: any). Mixture-of-experts layers dispatch on the
-    device only up to ``PACKED_PAIRS_LIMIT`` (token, expert) pairs; larger batches loop over
-    experts with host synchronisations and run eagerly."""
-    layers = expert_layers(model)
-    if not layers:
-        return None
-    return min(layer.PACKED_PAIRS_LIMIT // layer.gate.spec.top_k for layer in layers)
-
-
 @dataclass
 class _Bucket:
     size: int
@@ -73,14 +63,8 @@ class DecodeGraphs:
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         emulate: bool = False,
     ) -> None:
-        limit = graph_batch_limit(model)
-        if limit is not None:
-            buckets = tuple(b for b in buckets if b <= limit)
-            if not buckets:
-                raise ValueError(f"CUDA graphs are not available for this model: its experts allow batches "
-                                 f"of at most {limit} in a graph")
-            for layer in expert_layers(model):
-                layer.pack_experts()  # device-side expert dispatch: no host synchronisation
+        for layer in expert_layers(model):
+            layer.pack_experts()  # device-side expert dispatch at every batch: no host synchronisation
         if not emulate and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device (emulate=True replays eagerly)")
         self.model = model
