@@ -58,6 +58,9 @@ class PlanCapacity:
         }
 
 
+_ALIGN_INT32 = 4  # int32 entries per 16 bytes
+
+
 @dataclass(slots=True)
 class TritonPreparedPlan:
     """A plan as int32 device tensors (see ``kernels.paged_attention.paged_attention``)."""
@@ -158,11 +161,12 @@ class TritonBackend:
             self._small_start = self._offsets["piece_page_start"]  # the non-page fields: one region
 
     @staticmethod
-    def _views(buffer: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+    def _views(buffer: torch.Tensor, sizes: dict[str, int], align: int = 1) -> dict[str, torch.Tensor]:
+        """One view per field, laid out in ``_FIELDS`` order, each starting at a multiple of ``align``."""
         views, start = {}, 0
         for name in _FIELDS:
             views[name] = buffer[start:start + sizes[name]]
-            start += sizes[name]
+            start += -(-sizes[name] // align) * align
         return views
 
     def prepare(self, plan: AttentionPlan, *, arrays: dict[str, np.ndarray] | None = None) -> TritonPreparedPlan:
@@ -172,11 +176,13 @@ class TritonBackend:
         needs_merge = bool((np.diff(arrays["reduce_ptr"]) != 1).any())  # a row without exactly one partial
         max_work_rows = max((len(item.query_rows) for item in plan.work), default=1)
         if self.capacity is None:
+            # every field 16-byte aligned: Triton specialises a kernel on its pointers' alignment, so
+            # fields at plan-dependent offsets made new variants compile (seconds) as plans changed
             sizes = {name: len(arrays[name]) for name in _FIELDS}
-            host = torch.from_numpy(np.concatenate([arrays[name] for name in _FIELDS]))
-            device_buffer = host.to(self.device)
-            return TritonPreparedPlan(plan, self._views(device_buffer, sizes), plan.num_partials, max_work_rows,
-                                      needs_merge)
+            host = np.concatenate([np.pad(arrays[name], (0, -sizes[name] % _ALIGN_INT32)) for name in _FIELDS])
+            device_buffer = torch.from_numpy(host).to(self.device)
+            return TritonPreparedPlan(plan, self._views(device_buffer, sizes, _ALIGN_INT32), plan.num_partials,
+                                      max_work_rows, needs_merge)
         cap = self.capacity
         if plan.num_query_rows > cap.max_rows or max_work_rows > cap.max_work_rows:
             raise ValueError(f"plan with {plan.num_query_rows} rows ({max_work_rows} per work item) exceeds "
