@@ -8,7 +8,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from segkv.kernels.fused_ops import _kind, _round, rms_norm, rope_and_write_kv, silu_and_mul
+from segkv.kernels.fused_ops import (_kind, _round, mla_rope_and_write_latent, rms_norm, rope_and_write_kv,
+                                     silu_and_mul)
 from segkv.layers.norm import RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
 
@@ -139,6 +140,47 @@ def test_rope_and_write_kv_rejects_mismatched_shapes():
         rope_and_write_kv(q, k, k, slots, table.half(), slots, rows, rows)
     with pytest.raises(ValueError, match="cache rows"):
         rope_and_write_kv(q, k, k, slots, table, slots, rows[:, :1], rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("heads,rank,rope", [(3, 24, 16)] + ([(16, 512, 64)] if GPU else []))
+def test_mla_rope_and_write_latent_matches_rotary_and_cache_write(dtype, interleaved, heads, rank, rope, gen):
+    """The latent path's RoPE and cache write in one kernel: the rotated query rope part and the
+    latent row ``[c_kv | rope(k_pe)]`` bit-equal to the torch layers' (DeepSeek's interleaved
+    pairs and the half-split kind), nothing else written."""
+    tokens, slots_total = 5, 40
+    rotary = RotaryEmbedding(rope, base=10000.0, max_position=163840, interleaved=interleaved,
+                             scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})
+    rotary.init_buffers(DEVICE)
+    q = torch.randn(tokens, heads, 8 + rope, generator=gen).to(dtype).to(DEVICE)  # [nope | rope] per head
+    kv_a = torch.randn(tokens, rank + rope, generator=gen).to(dtype).to(DEVICE)  # [c_kv | k_pe]
+    q_pe, (c_kv, k_pe) = q[..., 8:], kv_a.split([rank, rope], dim=-1)
+    positions = torch.tensor([0, 1, 7, 3999, 163839], device=DEVICE)
+    slots = torch.randperm(slots_total, generator=gen)[:tokens].to(DEVICE)
+    rows = torch.full((slots_total, rank + rope), float("nan"), dtype=dtype, device=DEVICE)
+    q_out = mla_rope_and_write_latent(q_pe, k_pe, c_kv, positions, rotary.cos_sin_table(dtype), slots, rows,
+                                      interleaved=interleaved)
+    assert torch.equal(q_out, rotary(q_pe, positions))
+    assert torch.equal(rows[slots], torch.cat((c_kv, rotary(k_pe.unsqueeze(1), positions).squeeze(1)), dim=-1))
+    untouched = torch.ones(slots_total, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert rows[untouched].isnan().all()
+
+
+def test_mla_rope_and_write_latent_rejects_mismatched_shapes():
+    q_pe, k_pe, c_kv = (torch.zeros(2, 4, 16, device=DEVICE), torch.zeros(2, 16, device=DEVICE),
+                        torch.zeros(2, 24, device=DEVICE))
+    rows, slots = torch.zeros(8, 40, device=DEVICE), torch.zeros(2, dtype=torch.long, device=DEVICE)
+    table = torch.ones(32, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="latent rows"):
+        mla_rope_and_write_latent(q_pe, k_pe, c_kv, slots, table, slots, rows[:, :39], interleaved=True)
+    with pytest.raises(ValueError, match="dtype"):
+        mla_rope_and_write_latent(q_pe, k_pe, c_kv, slots, table.half(), slots, rows, interleaved=True)
+    with pytest.raises(ValueError, match="power-of-two"):
+        mla_rope_and_write_latent(q_pe[..., :12], k_pe[:, :12], c_kv, slots, table[:, :12].contiguous(), slots, rows[:, :36],
+                                  interleaved=True)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama3.1", "deepseek"])

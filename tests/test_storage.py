@@ -182,3 +182,19 @@ def test_copy_rows_length_mismatch_raises_and_changes_nothing(gen):
         storage.copy_rows([0, 1], [5])
     assert unchanged(storage, before)
     assert pool.bytes_copied == 0 and pool.rows_copied == 0
+
+
+def test_rows_for_kernels_that_write_themselves_are_checked_first():
+    """``rows_to_write`` / ``latent_rows_to_write`` hand a layer's rows to a fused kernel only
+    after the write's checks: the wrong cache kind or slots out of range change nothing."""
+    (_, mha), (_, mla) = make(MHA), make(MLA)
+    latent = mla.latent_rows_to_write(1, torch.tensor([0, 23]))
+    assert latent.shape == (6 * 4, MLA.key_dim) and latent.data_ptr() == mla.latent[1].data_ptr()
+    before = snapshot(mla)
+    with pytest.raises(ValueError, match="out of range"):
+        mla.latent_rows_to_write(0, torch.tensor([3, 24]))
+    with pytest.raises(ValueError, match="'mla' caches"):
+        mha.latent_rows_to_write(0, torch.tensor([0]))
+    with pytest.raises(ValueError, match="'mha' caches"):
+        mla.rows_to_write(0, torch.tensor([0]), torch.zeros(1, 1, 1), torch.zeros(1, 1, 1))
+    assert unchanged(mla, before)

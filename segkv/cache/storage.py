@@ -102,6 +102,18 @@ class PagedKVStorage:
         self._check_rows(_as_slots(slots, self.device), key, value, check_range=not trusted_slots)
         return self._flat(self.k[layer]), self._flat(self.v[layer])
 
+    def latent_rows_to_write(self, layer: int, slots: torch.Tensor, *, trusted_slots: bool = False) -> torch.Tensor:
+        """Validate the slots of an 'mla' write as :meth:`write` does and return the layer's
+        ``(slots_total, kv_lora_rank + rope_dim)`` latent rows, for a kernel that makes the rows
+        and writes them itself (fused RoPE and latent write)."""
+        if self.layout.kind != "mla":
+            raise ValueError("latent_rows_to_write is for 'mla' caches")
+        index = _as_slots(slots, self.device)
+        capacity = self.pool.num_pages * self.page_size
+        if not trusted_slots and index.numel() and (int(index.min()) < 0 or int(index.max()) >= capacity):
+            raise ValueError(f"slots out of range 0..{capacity - 1}")
+        return self._flat(self.latent[layer])
+
     def _check_rows(
         self, index: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None, *, check_range: bool = True
     ) -> None:

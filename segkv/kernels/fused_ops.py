@@ -133,11 +133,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate(src, d, cos, sin, HALF: tl.constexpr, KIND: tl.constexpr):
-    """Half-split RoPE of one head at ``src``: ``(x1 cos - x2 sin, x2 cos + x1 sin)``, each
-    product and sum rounded as the torch ops round."""
-    x1 = tl.load(src + d).to(tl.float32)
-    x2 = tl.load(src + HALF + d).to(tl.float32)
+def _rotate(src, i1, i2, cos, sin, KIND: tl.constexpr):
+    """RoPE of one head at ``src``, pairs ``(x[i1], x[i2])`` (half-split: ``d, HALF + d``;
+    interleaved: ``2d, 2d + 1``): ``(x1 cos - x2 sin, x2 cos + x1 sin)``, each product and sum
+    rounded as the torch ops round."""
+    x1 = tl.load(src + i1).to(tl.float32)
+    x2 = tl.load(src + i2).to(tl.float32)
     lo = _round(_round(x1 * cos, KIND) - _round(x2 * sin, KIND), KIND)
     hi = _round(_round(x2 * cos, KIND) + _round(x1 * sin, KIND), KIND)
     return lo, hi
@@ -162,14 +163,14 @@ def _rope_kv_kernel(
     cos = tl.load(COS_SIN + pos * (2 * HALF) + d).to(tl.float32)
     sin = tl.load(COS_SIN + pos * (2 * HALF) + HALF + d).to(tl.float32)
     if h < HQ:
-        lo, hi = _rotate(Q + t * stride_qt + h * stride_qh, d, cos, sin, HALF, KIND)
+        lo, hi = _rotate(Q + t * stride_qt + h * stride_qh, d, HALF + d, cos, sin, KIND)
         dst = Q_OUT + t * stride_ot + h * stride_oh
         tl.store(dst + d, lo)
         tl.store(dst + HALF + d, hi)
     else:
         kv = h - HQ
         slot = tl.load(SLOTS + t).to(tl.int64)
-        lo, hi = _rotate(K + t * stride_kt + kv * stride_kh, d, cos, sin, HALF, KIND)
+        lo, hi = _rotate(K + t * stride_kt + kv * stride_kh, d, HALF + d, cos, sin, KIND)
         dst = K_CACHE + slot * stride_cs + kv * stride_ch
         # the cache rounds once more to its own dtype (as ``.to(cache dtype)`` does)
         tl.store(dst + d, _round(lo, CACHE_KIND))
@@ -220,6 +221,83 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
             q_out.stride(0), q_out.stride(1), key_rows.stride(0), key_rows.stride(1),
             value_rows.stride(0), value_rows.stride(1), cos_sin.shape[0],
             HQ=hq, HALF=half, KIND=_kind(q.dtype), CACHE_KIND=_kind(key_rows.dtype), num_warps=1,
+            enable_fp_fusion=False,  # a*c - b*s as an FMA rounds once; torch rounds each product
+        )
+    return q_out
+
+
+@triton.jit
+def _mla_rope_latent_kernel(
+    Q_PE, K_PE, C_KV, POS, COS_SIN, SLOTS, Q_OUT, LATENT,
+    stride_qt, stride_qh, stride_kt, stride_ct, stride_ot, stride_oh, stride_ls,
+    max_position, RANK,
+    H: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
+    KIND: tl.constexpr, CACHE_KIND: tl.constexpr,
+):
+    """Program (token, head): heads ``< H`` rotate a query's rope part into ``Q_OUT``; head ``H``
+    writes the latent row ``[c_kv | rope(k_pe)]`` at ``SLOTS[token]``."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    pos = tl.minimum(tl.maximum(tl.load(POS + t).to(tl.int64), 0), max_position - 1)
+    cos = tl.load(COS_SIN + pos * (2 * HALF) + d).to(tl.float32)
+    sin = tl.load(COS_SIN + pos * (2 * HALF) + HALF + d).to(tl.float32)
+    if INTERLEAVED:
+        i1 = 2 * d
+        i2 = 2 * d + 1
+    else:
+        i1 = d
+        i2 = HALF + d
+    if h < H:
+        lo, hi = _rotate(Q_PE + t * stride_qt + h * stride_qh, i1, i2, cos, sin, KIND)
+        dst = Q_OUT + t * stride_ot + h * stride_oh
+        tl.store(dst + i1, lo)
+        tl.store(dst + i2, hi)
+    else:
+        row = LATENT + tl.load(SLOTS + t).to(tl.int64) * stride_ls
+        lo, hi = _rotate(K_PE + t * stride_kt, i1, i2, cos, sin, KIND)
+        tl.store(row + RANK + i1, _round(lo, CACHE_KIND))
+        tl.store(row + RANK + i2, _round(hi, CACHE_KIND))
+        for r0 in range(0, RANK, BLOCK_R):
+            cols = r0 + tl.arange(0, BLOCK_R)
+            ok = cols < RANK
+            c = tl.load(C_KV + t * stride_ct + cols, mask=ok, other=0.0).to(tl.float32)
+            tl.store(row + cols, _round(c, CACHE_KIND), mask=ok)
+
+
+def mla_rope_and_write_latent(q_pe: torch.Tensor, k_pe: torch.Tensor, c_kv: torch.Tensor, positions: torch.Tensor,
+                              cos_sin: torch.Tensor, slots: torch.Tensor, latent_rows: torch.Tensor, *,
+                              interleaved: bool) -> torch.Tensor:
+    """Multi-head latent attention's RoPE and cache write in one kernel: rotate ``q_pe (T, H, R)``
+    and ``k_pe (T, R)`` at ``positions (T,)`` (``cos_sin (max_position, R)`` ``[cos | sin]`` in
+    q's dtype, e.g. ``RotaryEmbedding.cos_sin_table``; ``interleaved``: pairs ``(x[2i], x[2i+1])``
+    as DeepSeek's, else the halves) and write ``[c_kv (T, r) | rope(k_pe)]`` into
+    ``latent_rows (slots, r + R)`` at ``slots (T,)``. Returns the rotated ``q_pe (T, H, R)``.
+    Rounded as the torch layers round (bit-equal). Inputs may be strided views with a unit last
+    stride; slots are trusted (checked by the caller), positions clamped to the table."""
+    t, heads, rope = q_pe.shape
+    rank = c_kv.shape[-1] if c_kv.dim() == 2 else -1
+    if (rope % 2 or k_pe.shape != (t, rope) or c_kv.shape != (t, rank) or cos_sin.shape[1:] != (rope,)
+            or latent_rows.dim() != 2 or latent_rows.shape[1] != rank + rope):
+        raise ValueError(f"mla_rope_and_write_latent: q_pe {tuple(q_pe.shape)}, k_pe {tuple(k_pe.shape)}, "
+                         f"c_kv {tuple(c_kv.shape)}, cos_sin {tuple(cos_sin.shape)}, latent rows "
+                         f"{tuple(latent_rows.shape)}")
+    if cos_sin.dtype != q_pe.dtype or not cos_sin.is_contiguous():
+        raise ValueError(f"the cos/sin table must be contiguous and in q's dtype {q_pe.dtype}, not {cos_sin.dtype}")
+    half = rope // 2
+    if half & (half - 1):
+        raise ValueError(f"mla_rope_and_write_latent needs a power-of-two rope_dim / 2, got {half}")
+    for name, x in (("q_pe", q_pe), ("k_pe", k_pe), ("c_kv", c_kv), ("latent_rows", latent_rows)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} needs a unit stride on its last dim")
+    q_out = torch.empty(t, heads, rope, dtype=q_pe.dtype, device=q_pe.device)
+    if t:
+        _mla_rope_latent_kernel[(t, heads + 1)](
+            q_pe, k_pe, c_kv, positions, cos_sin, slots, q_out, latent_rows,
+            q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), c_kv.stride(0), q_out.stride(0), q_out.stride(1),
+            latent_rows.stride(0), cos_sin.shape[0], rank,
+            H=heads, HALF=half, INTERLEAVED=interleaved, BLOCK_R=min(512, triton.next_power_of_2(max(rank, 16))),
+            KIND=_kind(q_pe.dtype), CACHE_KIND=_kind(latent_rows.dtype), num_warps=1,
             enable_fp_fusion=False,  # a*c - b*s as an FMA rounds once; torch rounds each product
         )
     return q_out

@@ -9,6 +9,7 @@ from torch import nn
 
 from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionShape
+from segkv.kernels.fused_ops import mla_rope_and_write_latent
 from segkv.layers.norm import RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
 
@@ -85,18 +86,30 @@ class MultiHeadLatentAttention(nn.Module):
         kv_b_width = d.num_heads * (d.qk_nope_head_dim + d.v_head_dim)
         self.kv_b_proj = nn.Linear(d.kv_lora_rank, kv_b_width, bias=False)
         self.o_proj = nn.Linear(d.num_heads * d.v_head_dim, d.hidden_size, bias=bias)
+        self.fused = False  # see use_fused
+
+    def use_fused(self) -> None:
+        """RoPE of q and k and the latent cache write as one kernel (GPU decode)."""
+        half = self.dims.qk_rope_head_dim // 2
+        self.fused = half > 0 and half & (half - 1) == 0  # the kernel's width: a power-of-two half
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         d, t = self.dims, x.shape[0]
         q = self.q_proj(x) if d.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, d.num_heads, d.qk_head_dim)
         q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], -1)
-        q_pe = self.rotary(q_pe, positions)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([d.kv_lora_rank, d.qk_rope_head_dim], -1)
-        k_pe = self.rotary(k_pe.unsqueeze(1), positions).squeeze(1)
-        latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)  # (T, r + rope)
         storage, layer = meta.storage, self.layer_index
-        storage.write(layer, meta.slots, latent, trusted_slots=meta.trusted_slots)
+        if self.fused:
+            rows = storage.latent_rows_to_write(layer, meta.slots, trusted_slots=meta.trusted_slots)
+            q_pe = mla_rope_and_write_latent(q_pe, k_pe, self.kv_a_layernorm(c_kv), positions,
+                                             self.rotary.cos_sin_table(q.dtype), meta.slots, rows,
+                                             interleaved=self.rotary.interleaved)
+        else:
+            q_pe = self.rotary(q_pe, positions)
+            k_pe = self.rotary(k_pe.unsqueeze(1), positions).squeeze(1)
+            latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)  # (T, r + rope)
+            storage.write(layer, meta.slots, latent, trusted_slots=meta.trusted_slots)
         if meta.mla_mode == "absorbed":
             out = self._absorbed(q_nope, q_pe, meta)
         elif meta.mla_mode == "naive":
