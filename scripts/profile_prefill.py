@@ -1,0 +1,83 @@
+"""Where a prefill chunk's time goes: one chunk of new tokens over a long history (GPU machine).
+
+A Qwen3-8B-shape model cut to ``--layers`` layers (random bf16 weights), a chain holding
+``--history`` rows, then ``--chunk`` new tokens through ``ModelRunner.forward`` (eager, as a
+prefill runs): wall time per chunk (median [min-max] of 5), the attention FLOPs per second that
+implies next to torch SDPA on contiguous tensors of the same shape in the same run, and a
+``torch.profiler`` table of one chunk's kernels by CUDA time.
+Usage: ``python3 scripts/profile_prefill.py --history 16384 --chunk 512``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from segkv.bench.decode_e2e import _runner, build_segkv, model_config
+from segkv.cache import PagedKVCache
+from segkv.config import CacheConfig, CompactionPolicy
+from segkv.runner.model_runner import StepInput
+
+
+def _ms(fn, repeats: int = 5) -> tuple[float, float, float]:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), min(times), max(times)
+
+
+@torch.inference_mode()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="qwen3-8b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--history", type=int, default=16384)
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--rows", type=int, default=20, help="rows of the profiler table")
+    args = p.parse_args()
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    cfg = {**model_config(args.model), "num_hidden_layers": args.layers}
+    model, _ = build_segkv(cfg, device=device, dtype=dtype)
+    page = 16
+    cache = PagedKVCache(model.kv_layout(dtype), CacheConfig(page_size=page, num_pages=(args.history + args.chunk) // page + 4),
+                         device=device, compaction=CompactionPolicy(enabled=False))
+    chain = cache.new_chain()
+    chain.append(args.history)
+    runner, _ = _runner(model, cache, device, graphs="off")
+    tokens = torch.randint(0, cfg["vocab_size"], (args.chunk,)).tolist()
+
+    def chunk() -> None:
+        runner.forward([StepInput(chain, tokens)])
+        chain.trim(args.chunk)
+
+    chunk()
+    med, lo, hi = _ms(chunk)
+    heads, kv_heads, dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("head_dim", 128)
+    flops = 4 * args.chunk * (args.history + args.chunk / 2) * heads * dim * args.layers  # causal chunk
+    q = torch.randn(1, heads, args.chunk, dim, device=device, dtype=dtype)
+    k = torch.randn(1, heads, args.history + args.chunk, dim, device=device, dtype=dtype)
+    sdpa = _ms(lambda: [F.scaled_dot_product_attention(q, k, k) for _ in range(args.layers)])
+    sdpa_flops = 4 * args.chunk * (args.history + args.chunk) * heads * dim * args.layers  # no mask: all rows
+    print(f"{args.model} x {args.layers} layers, history {args.history}, chunk {args.chunk}, plan "
+          f"{runner.last_plan.describe()}")
+    print(f"chunk: {med:.2f} ms [{lo:.2f}-{hi:.2f}]; attention at most {flops / med / 1e9:.1f} TFLOP/s "
+          f"(if it took the whole chunk); torch SDPA, same shapes, no mask: {sdpa[0]:.2f} ms = "
+          f"{sdpa_flops / sdpa[0] / 1e9:.1f} TFLOP/s")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        chunk()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
