@@ -1,32 +1,44 @@
 """Launch sweep of the per-pair expert GEMV at DeepSeek-V2-Lite shapes (GPU machine).
 
 For each (pairs, product) the expert weights are bf16 stacks of 64 experts (740 MB / 370 MB, far
-beyond L2); every timed launch draws fresh distinct experts. Prints the median [min-max] of 30
-launches in microseconds and the weight bytes read per second, per launch configuration, with
-the default configuration marked. Usage: ``python3 scripts/expert_gemv_sweep.py``.
+beyond L2); 8 launches, each over fresh distinct experts, are captured in one CUDA graph, so the
+timing is the kernels' alone (a decode step replays them from a graph too, not from Python).
+Prints the median [min-max] over 10 replays of the time per launch in microseconds and the
+weight bytes read per second, per launch configuration, with the default configuration marked.
+Usage: ``python3 scripts/expert_gemv_sweep.py``.
 """
 
 from __future__ import annotations
 
 import itertools
 import statistics
+from functools import partial
 
 import torch
 
 from segkv.kernels.expert_gemv import default_block_o, expert_gemv
+from segkv.kernels.grouped_expert_gemm import grouped_expert_gemm
 
 SHAPES = {"gate_up": (2816, 2048), "down": (2048, 1408)}  # (Out, In) per expert
 
 
-def time_us(fn, reps: int = 30) -> list[float]:
+def time_us(launches, reps: int = 10) -> list[float]:
+    """Microseconds per launch: ``launches`` (callables) captured in one graph, replayed ``reps`` times."""
+    for launch in launches:  # compile and warm up outside the capture
+        launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for launch in launches:
+            launch()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        times.append(start.elapsed_time(end) * 1e3 / len(launches))
     return times
 
 
@@ -34,7 +46,7 @@ def main() -> None:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    print(f"device {torch.cuda.get_device_name()}; bf16; 64 experts; median [min-max] of 30 launches")
+    print(f"device {torch.cuda.get_device_name()}; bf16; 64 experts; median [min-max] of 10 graph replays, per launch")
     for name, (out_dim, in_dim) in SHAPES.items():
         weight = torch.randn(64, out_dim, in_dim, device=dev, dtype=torch.bfloat16, generator=gen)
         for pairs in (6, 48):
@@ -44,17 +56,17 @@ def main() -> None:
             nbytes = pairs * out_dim * in_dim * 2
             default = default_block_o(pairs, out_dim, sms)
             for block_o, block_i, warps in itertools.product((16, 32, 64), (128, 256), (2, 4)):
-                k = iter(itertools.cycle(draws))
-
-                def launch():
-                    expert_gemv(x, rows, next(k), weight, block_o=block_o, block_i=block_i, num_warps=warps)
-
-                launch()
-                t = time_us(launch)
+                launches = [partial(expert_gemv, x, rows, experts, weight, block_o=block_o, block_i=block_i,
+                                    num_warps=warps) for experts in draws]
+                t = time_us(launches)
                 med = statistics.median(t)
                 mark = " <- default" if (block_o, block_i, warps) == (default, min(256, in_dim), 4) else ""
                 print(f"{name:8s} pairs {pairs:3d} block_o {block_o:3d} block_i {block_i:3d} warps {warps}: "
                       f"{med:7.1f} us [{min(t):.1f}-{max(t):.1f}] {nbytes / med / 1e3:7.0f} GB/s{mark}")
+            t = time_us([partial(grouped_expert_gemm, x, rows, experts, weight) for experts in draws])
+            med = statistics.median(t)
+            print(f"{name:8s} pairs {pairs:3d} grouped GEMM (its default launch): {med:7.1f} us "
+                  f"[{min(t):.1f}-{max(t):.1f}] {nbytes / med / 1e3:7.0f} GB/s")
 
 
 if __name__ == "__main__":
