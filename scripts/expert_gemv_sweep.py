@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from segkv.kernels.expert_gemv import default_block_o, expert_gemv
+from segkv.kernels.expert_gemv import BLOCK_I, BLOCK_O, NUM_WARPS, expert_gemv
 from segkv.kernels.grouped_expert_gemm import grouped_expert_gemm
 
 SHAPES = {"gate_up": (2816, 2048), "down": (2048, 1408)}  # (Out, In) per expert
@@ -45,7 +45,6 @@ def time_us(launches, reps: int = 10) -> list[float]:
 def main() -> None:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"device {torch.cuda.get_device_name()}; bf16; 64 experts; median [min-max] of 10 graph replays, per launch")
     for name, (out_dim, in_dim) in SHAPES.items():
         weight = torch.randn(64, out_dim, in_dim, device=dev, dtype=torch.bfloat16, generator=gen)
@@ -54,13 +53,12 @@ def main() -> None:
             rows = torch.arange(pairs, device=dev)
             draws = [torch.randperm(64, device=dev, generator=gen)[:pairs] for _ in range(8)]
             nbytes = pairs * out_dim * in_dim * 2
-            default = default_block_o(pairs, out_dim, sms)
             for block_o, block_i, warps in itertools.product((16, 32, 64), (128, 256), (2, 4)):
                 launches = [partial(expert_gemv, x, rows, experts, weight, block_o=block_o, block_i=block_i,
                                     num_warps=warps) for experts in draws]
                 t = time_us(launches)
                 med = statistics.median(t)
-                mark = " <- default" if (block_o, block_i, warps) == (default, min(256, in_dim), 4) else ""
+                mark = " <- default" if (block_o, block_i, warps) == (BLOCK_O, BLOCK_I, NUM_WARPS) else ""
                 print(f"{name:8s} pairs {pairs:3d} block_o {block_o:3d} block_i {block_i:3d} warps {warps}: "
                       f"{med:7.1f} us [{min(t):.1f}-{max(t):.1f}] {nbytes / med / 1e3:7.0f} GB/s{mark}")
             t = time_us([partial(grouped_expert_gemm, x, rows, experts, weight) for experts in draws])
