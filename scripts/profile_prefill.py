@@ -41,7 +41,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--history", type=int, default=16384)
     p.add_argument("--chunk", type=int, default=512)
-    p.add_argument("--rows", type=int, default=20, help="rows of the profiler table")
+    p.add_argument("--rows", type=int, default=20, help="rows of the profiler table (0: no profile)")
     args = p.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     cfg = {**model_config(args.model), "num_hidden_layers": args.layers}
@@ -71,6 +71,8 @@ def main() -> None:
     print(f"chunk: {med:.2f} ms [{lo:.2f}-{hi:.2f}]; attention at most {flops / med / 1e9:.1f} TFLOP/s "
           f"(if it took the whole chunk); torch SDPA, same shapes, no mask: {sdpa[0]:.2f} ms = "
           f"{sdpa_flops / sdpa[0] / 1e9:.1f} TFLOP/s")
+    if args.rows <= 0:
+        return
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
