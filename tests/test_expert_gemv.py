@@ -35,3 +35,16 @@ def test_expert_gemv_rejects_mismatched_shapes(gen):
     with pytest.raises(ValueError, match="shapes do not match"):
         expert_gemv(x, torch.zeros(1, dtype=torch.long, device=DEVICE), torch.zeros(1, dtype=torch.long,
                     device=DEVICE), weight)
+
+
+def test_rows_as_pairs_per_row_read_row_n_over_r(gen):
+    """``rows=r``: pair ``n`` reads row ``n // r`` (a router's (token, k) pairs), the same
+    result as the explicit index tensor; r < 1 is refused."""
+    x = torch.randn(4, 40, generator=gen).to(DEVICE)
+    weight = torch.randn(5, 24, 40, generator=gen).to(DEVICE)
+    experts = torch.randint(0, 5, (12,), generator=gen).to(DEVICE)
+    explicit = expert_gemv(x, torch.arange(4, device=DEVICE).repeat_interleave(3), experts, weight)
+    assert torch.equal(expert_gemv(x, 3, experts, weight), explicit)
+    assert torch.equal(expert_gemv(x.repeat_interleave(3, 0), 1, experts, weight), explicit)
+    with pytest.raises(ValueError, match="pairs per row"):
+        expert_gemv(x, 0, experts, weight)

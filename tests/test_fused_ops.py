@@ -8,8 +8,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from segkv.kernels.fused_ops import (_kind, _round, mla_rope_and_write_latent, rms_norm, rope_and_write_kv,
-                                     silu_and_mul)
+from segkv.kernels.fused_ops import (kind_of, mla_rope_and_write_latent, rms_norm, rope_and_write_kv,
+                                     round_to_kind, silu_and_mul)
 from segkv.layers.norm import RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
 
@@ -39,7 +39,7 @@ def assert_same_rounding(out: torch.Tensor, ref: torch.Tensor, *, min_equal: flo
 def _round_kernel(X, Y, N, KIND: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
-    tl.store(Y + offs, _round(tl.load(X + offs, mask=ok), KIND), mask=ok)
+    tl.store(Y + offs, round_to_kind(tl.load(X + offs, mask=ok), KIND), mask=ok)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -49,7 +49,7 @@ def test_in_kernel_rounding_equals_a_torch_cast(dtype, gen):
     scales = (1e-8, 1e-6, 1e-5, 1e-3, 1.0, 100.0, 3e4, 1e6)
     x = torch.cat([torch.randn(4096, generator=gen) * s for s in scales]).to(DEVICE)
     y = torch.empty_like(x)
-    _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), KIND=_kind(dtype), BLOCK=1024)
+    _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), KIND=kind_of(dtype), BLOCK=1024)
     assert torch.equal(y, x.to(dtype).float())
 
 
@@ -214,3 +214,35 @@ def _build(path, family):
     if family == "deepseek":  # MLA with a dense layer, then routed + shared experts
         return build_deepseek_dir(path, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2)
     return build_model_dir(path, family)
+
+
+def test_fused_moe_router_and_combine_give_the_unfused_tokens(tmp_path):
+    """A DeepSeek model routing greedily among all experts, with fused ops and packed experts
+    (the graph runner packs them): the fused router and combine kernels run in prefill (grouped
+    GEMM, many pairs) and decode (GEMV) and give the unfused model's greedy tokens."""
+    from model_helpers import build_deepseek_dir
+
+    from segkv.engine import LLM
+    from segkv.layers.moe import MixtureOfExperts
+    from segkv.sampling_params import SamplingParams
+
+    from safetensors.torch import load_file, save_file
+
+    build_deepseek_dir(tmp_path, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3,
+                       topk_method="greedy", scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.5)
+    weights_file = tmp_path / "model.safetensors"  # greedy (V2-style) routing has no correction bias
+    state = {k: v for k, v in load_file(weights_file).items() if not k.endswith("e_score_correction_bias")}
+    save_file(state, weights_file, metadata={"format": "pt"})
+    kw = dict(device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=64, prefill_chunk=32)
+    plain = LLM(tmp_path, fused_ops=False, cuda_graphs=False, **kw)
+    fused = LLM(tmp_path, fused_ops=True, cuda_graphs=True if GPU else "emulate", **kw)
+    layers = [m for m in fused.runner.model.modules() if isinstance(m, MixtureOfExperts)]
+    assert layers and all(m.fused and m.packed and m.gate.fused for m in layers)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 9, 13, 40, 77] * 5, [3, 1, 4, 1, 5, 9, 2, 6]]  # 25 x 3 = 75 pairs: the grouped GEMM
+    assert ([o.outputs[0].token_ids for o in fused.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in plain.generate(prompts, params)])
+    for prompt in prompts:  # prefill logits: grouped GEMM (75 pairs) and per-pair GEMV (24 pairs)
+        rows = [llm.runner.prompt_logits(llm.cache.new_chain(), prompt) for llm in (plain, fused)]
+        assert torch.isfinite(rows[1]).all()
+        torch.testing.assert_close(rows[1], rows[0], rtol=1e-4, atol=1e-4)

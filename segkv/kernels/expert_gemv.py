@@ -22,12 +22,16 @@ def _expert_gemv_kernel(
     X, W, OUT, rows, experts,
     stride_xr, stride_we, stride_wo, stride_on,
     IN: tl.constexpr, OUT_DIM: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
-    EXACT_FP32: tl.constexpr,
+    EXACT_FP32: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
 ):
-    """One program: ``BLOCK_O`` outputs of pair ``n``, reading ``BLOCK_I`` input columns at a time."""
+    """One program: ``BLOCK_O`` outputs of pair ``n``, reading ``BLOCK_I`` input columns at a time.
+    ``PAIRS_PER_ROW > 0``: pair ``n`` reads row ``n // PAIRS_PER_ROW`` (``rows`` is not read)."""
     n = tl.program_id(0)
     ob = tl.program_id(1)
-    row = tl.load(rows + n).to(tl.int64)
+    if PAIRS_PER_ROW > 0:
+        row = (n // PAIRS_PER_ROW).to(tl.int64)
+    else:
+        row = tl.load(rows + n).to(tl.int64)
     expert = tl.load(experts + n).to(tl.int64)
     offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
     o_ok = offs_o < OUT_DIM
@@ -50,15 +54,22 @@ def _expert_gemv_kernel(
 BLOCK_O, BLOCK_I, NUM_WARPS = 16, 128, 4
 
 
-def expert_gemv(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor,
+def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
                 *, out_dtype: torch.dtype | None = None, block_o: int = BLOCK_O, block_i: int = BLOCK_I,
                 num_warps: int = NUM_WARPS) -> torch.Tensor:
     """``x (R, In)``, ``rows (N,)`` and ``experts (N,)`` int64/int32 on the device, ``weight
     (E, Out, In)`` with unit stride on In -> ``(N, Out)`` in ``out_dtype`` (default ``x``'s).
+    ``rows`` may be an int ``r``: pair ``n`` reads row ``n // r`` (a token's ``r`` experts in a
+    row, as a router returns them; no index tensor to build per step).
     ``block_o``/``block_i``/``num_warps``: the launch (default: the measured best; tuning runs
     set them)."""
     if weight.stride(-1) != 1 or x.stride(-1) != 1:
         raise ValueError("expert_gemv needs unit column strides")
+    pairs_per_row = rows if isinstance(rows, int) else 0
+    if isinstance(rows, int):
+        if rows < 1:
+            raise ValueError(f"rows as an int is the pairs per row, at least 1; got {rows}")
+        rows = experts  # not read by the kernel
     if x.shape[1] != weight.shape[2] or rows.shape != experts.shape:
         raise ValueError(f"shapes do not match: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"rows {tuple(rows.shape)}, experts {tuple(experts.shape)}")
@@ -72,6 +83,6 @@ def expert_gemv(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, weig
         _expert_gemv_kernel[grid](
             x, weight, out, rows, experts, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
             IN=in_dim, OUT_DIM=out_dim, BLOCK_O=block_o, BLOCK_I=min(block_i, triton.next_power_of_2(in_dim)),
-            EXACT_FP32=kernel_dtype == torch.float32, num_warps=num_warps,
+            EXACT_FP32=kernel_dtype == torch.float32, PAIRS_PER_ROW=pairs_per_row, num_warps=num_warps,
         )
     return out.to(out_dtype)

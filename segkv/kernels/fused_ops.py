@@ -23,14 +23,14 @@ import triton.language as tl
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-def _kind(dtype: torch.dtype) -> int:
+def kind_of(dtype: torch.dtype) -> int:
     if dtype not in _KIND:
         raise ValueError(f"fused ops support float32, float16 and bfloat16, not {dtype}")
     return _KIND[dtype]
 
 
 @triton.jit
-def _round(x, KIND: tl.constexpr):
+def round_to_kind(x, KIND: tl.constexpr):
     """``x`` (float32) rounded to the dtype of ``KIND`` (0 float32, 1 float16, 2 bfloat16), as float32.
 
     Done on the bits (round to nearest even of the mantissa: 7 bits for bf16, 10 for fp16), since
@@ -64,12 +64,12 @@ def _rms_norm_kernel(
     x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(RES + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
-        x = _round(x + r, X_KIND)
+        x = round_to_kind(x + r, X_KIND)
         tl.store(RES_OUT + row * stride_ro + cols, x, mask=ok)
     var = tl.sum(x * x, axis=0) / N
-    h = _round(x * (1.0 / tl.sqrt(var + eps)), X_KIND)
+    h = round_to_kind(x * (1.0 / tl.sqrt(var + eps)), X_KIND)
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(OUT + row * stride_o + cols, _round(w * h, OUT_KIND), mask=ok)
+    tl.store(OUT + row * stride_o + cols, round_to_kind(w * h, OUT_KIND), mask=ok)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -98,7 +98,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             rows, res if res is not None else rows, weight, out, res_out if res_out is not None else out,
             rows.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
             res_out.stride(0) if res_out is not None else 0, n, float(eps),
-            HAS_RES=residual is not None, X_KIND=_kind(x.dtype), OUT_KIND=_kind(out.dtype),
+            HAS_RES=residual is not None, X_KIND=kind_of(x.dtype), OUT_KIND=kind_of(out.dtype),
             BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8,
         )
     out = out.view(x.shape)
@@ -113,8 +113,8 @@ def _silu_and_mul_kernel(X, OUT, stride_x, stride_o, INNER, KIND: tl.constexpr, 
     ok = cols < INNER
     g = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(X + row * stride_x + INNER + cols, mask=ok, other=0.0).to(tl.float32)
-    act = _round(g / (1.0 + tl.exp(-g)), KIND)
-    tl.store(OUT + row * stride_o + cols, _round(act * u, KIND), mask=ok)
+    act = round_to_kind(g / (1.0 + tl.exp(-g)), KIND)
+    tl.store(OUT + row * stride_o + cols, round_to_kind(act * u, KIND), mask=ok)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -128,7 +128,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(inner))
     if x.shape[0]:
         _silu_and_mul_kernel[(x.shape[0], triton.cdiv(inner, block))](
-            x, out, x.stride(0), out.stride(0), inner, KIND=_kind(x.dtype), BLOCK=block, num_warps=4)
+            x, out, x.stride(0), out.stride(0), inner, KIND=kind_of(x.dtype), BLOCK=block, num_warps=4)
     return out
 
 
@@ -139,8 +139,8 @@ def _rotate(src, i1, i2, cos, sin, KIND: tl.constexpr):
     rounded as the torch ops round."""
     x1 = tl.load(src + i1).to(tl.float32)
     x2 = tl.load(src + i2).to(tl.float32)
-    lo = _round(_round(x1 * cos, KIND) - _round(x2 * sin, KIND), KIND)
-    hi = _round(_round(x2 * cos, KIND) + _round(x1 * sin, KIND), KIND)
+    lo = round_to_kind(round_to_kind(x1 * cos, KIND) - round_to_kind(x2 * sin, KIND), KIND)
+    hi = round_to_kind(round_to_kind(x2 * cos, KIND) + round_to_kind(x1 * sin, KIND), KIND)
     return lo, hi
 
 
@@ -173,12 +173,12 @@ def _rope_kv_kernel(
         lo, hi = _rotate(K + t * stride_kt + kv * stride_kh, d, HALF + d, cos, sin, KIND)
         dst = K_CACHE + slot * stride_cs + kv * stride_ch
         # the cache rounds once more to its own dtype (as ``.to(cache dtype)`` does)
-        tl.store(dst + d, _round(lo, CACHE_KIND))
-        tl.store(dst + HALF + d, _round(hi, CACHE_KIND))
+        tl.store(dst + d, round_to_kind(lo, CACHE_KIND))
+        tl.store(dst + HALF + d, round_to_kind(hi, CACHE_KIND))
         v_src = V + t * stride_vt + kv * stride_vh
         v_dst = V_CACHE + slot * stride_vs + kv * stride_vch
-        tl.store(v_dst + d, _round(tl.load(v_src + d).to(tl.float32), CACHE_KIND))
-        tl.store(v_dst + HALF + d, _round(tl.load(v_src + HALF + d).to(tl.float32), CACHE_KIND))
+        tl.store(v_dst + d, round_to_kind(tl.load(v_src + d).to(tl.float32), CACHE_KIND))
+        tl.store(v_dst + HALF + d, round_to_kind(tl.load(v_src + HALF + d).to(tl.float32), CACHE_KIND))
 
 
 def rope_fusable(head_dim: int, *, interleaved: bool) -> bool:
@@ -220,7 +220,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             q_out.stride(0), q_out.stride(1), key_rows.stride(0), key_rows.stride(1),
             value_rows.stride(0), value_rows.stride(1), cos_sin.shape[0],
-            HQ=hq, HALF=half, KIND=_kind(q.dtype), CACHE_KIND=_kind(key_rows.dtype), num_warps=1,
+            HQ=hq, HALF=half, KIND=kind_of(q.dtype), CACHE_KIND=kind_of(key_rows.dtype), num_warps=1,
             enable_fp_fusion=False,  # a*c - b*s as an FMA rounds once; torch rounds each product
         )
     return q_out
@@ -256,13 +256,13 @@ def _mla_rope_latent_kernel(
     else:
         row = LATENT + tl.load(SLOTS + t).to(tl.int64) * stride_ls
         lo, hi = _rotate(K_PE + t * stride_kt, i1, i2, cos, sin, KIND)
-        tl.store(row + RANK + i1, _round(lo, CACHE_KIND))
-        tl.store(row + RANK + i2, _round(hi, CACHE_KIND))
+        tl.store(row + RANK + i1, round_to_kind(lo, CACHE_KIND))
+        tl.store(row + RANK + i2, round_to_kind(hi, CACHE_KIND))
         for r0 in range(0, RANK, BLOCK_R):
             cols = r0 + tl.arange(0, BLOCK_R)
             ok = cols < RANK
             c = tl.load(C_KV + t * stride_ct + cols, mask=ok, other=0.0).to(tl.float32)
-            tl.store(row + cols, _round(c, CACHE_KIND), mask=ok)
+            tl.store(row + cols, round_to_kind(c, CACHE_KIND), mask=ok)
 
 
 def mla_rope_and_write_latent(q_pe: torch.Tensor, k_pe: torch.Tensor, c_kv: torch.Tensor, positions: torch.Tensor,
@@ -297,7 +297,7 @@ def mla_rope_and_write_latent(q_pe: torch.Tensor, k_pe: torch.Tensor, c_kv: torc
             q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), c_kv.stride(0), q_out.stride(0), q_out.stride(1),
             latent_rows.stride(0), cos_sin.shape[0], rank,
             H=heads, HALF=half, INTERLEAVED=interleaved, BLOCK_R=min(512, triton.next_power_of_2(max(rank, 16))),
-            KIND=_kind(q_pe.dtype), CACHE_KIND=_kind(latent_rows.dtype), num_warps=1,
+            KIND=kind_of(q_pe.dtype), CACHE_KIND=kind_of(latent_rows.dtype), num_warps=1,
             enable_fp_fusion=False,  # a*c - b*s as an FMA rounds once; torch rounds each product
         )
     return q_out

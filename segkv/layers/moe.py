@@ -84,12 +84,23 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.spec = spec
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size))
+        self.fused = False  # see use_fused
         if spec.has_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(spec.num_experts), requires_grad=False)
+
+    def use_fused(self) -> None:
+        """Scores, top-k, weights and scaling in one kernel (``kernels.moe_ops.route_topk``) for
+        routers that choose among all experts (``greedy``); grouped choices stay in torch."""
+        self.fused = not self.spec.grouped
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
         logits = F.linear(x.float(), self.weight.float())
+        if self.fused:
+            from segkv.kernels.moe_ops import route_topk
+
+            return route_topk(logits, s.top_k, scoring=s.scoring, norm_topk_prob=s.norm_topk_prob,
+                              scaling=s.routed_scaling_factor)
         scores = logits.softmax(dim=-1) if s.scoring == "softmax" else logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float() if s.has_bias else scores
         if s.grouped:
@@ -130,6 +141,7 @@ class MixtureOfExperts(nn.Module):
             if num_shared else None
         )
         self._packed: tuple[torch.Tensor, torch.Tensor] | None = None  # see pack_experts (not saved)
+        self.fused = False  # see use_fused
 
     # (token, expert) pairs up to which a packed layer runs one GEMV per pair: each pair reads
     # its expert's weights, which beats grouping the pairs by expert only for small batches
@@ -162,53 +174,63 @@ class MixtureOfExperts(nn.Module):
     def packed(self) -> bool:
         return self._packed is not None
 
+    def use_fused(self) -> None:
+        """Combine the expert outputs, their weights and the shared experts' output in one kernel
+        (packed layers; GPU decode). The router fuses its own part (``TopKRouter.use_fused``)."""
+        self.fused = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         if self._packed is None:
             out = self._looped_experts(x, weights, ids)
-        elif ids.numel() <= self.PACKED_PAIRS_LIMIT:
-            out = self._packed_experts(x, weights, ids)
-        else:
-            out = self._grouped_experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+            return out if self.shared_experts is None else out + self.shared_experts(x)
+        y = self._packed_experts(x, ids) if ids.numel() <= self.PACKED_PAIRS_LIMIT else self._grouped_experts(x, ids)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        if self.fused:
+            from segkv.kernels.moe_ops import combine_experts
 
-    def _packed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Device-side dispatch for few pairs: one GEMV per (token, expert) pair."""
+            return combine_experts(y, weights, shared)
+        tokens, k = ids.shape
+        out = (y.float() * weights.reshape(-1, 1)).view(tokens, k, -1).sum(dim=1).to(x.dtype)
+        return out if shared is None else out + shared
+
+    def _packed_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Device-side dispatch for few pairs: one GEMV per (token, expert) pair; pair ``n`` is
+        token ``n // k`` (no index tensors to build)."""
         from segkv.kernels.expert_gemv import expert_gemv
 
-        return self._dispatched_experts(x, weights, ids, expert_gemv)
+        k = ids.shape[1]
+        return self._expert_outputs(x, ids, partial(expert_gemv, rows=k), partial(expert_gemv, rows=1))
 
-    def _grouped_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _grouped_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Device-side dispatch for many pairs: the pairs sorted by expert on the device (one
         grouping shared by both products), each expert's weights read about once per product."""
         from segkv.kernels.grouped_expert_gemm import group_pairs_by_expert, grouped_expert_gemm
 
+        tokens, k = ids.shape
         groups = group_pairs_by_expert(ids.reshape(-1), len(self.experts))
-        return self._dispatched_experts(x, weights, ids, partial(grouped_expert_gemm, groups=groups))
+        rows = torch.arange(tokens, device=x.device).repeat_interleave(k)
+        pairs = torch.arange(tokens * k, device=x.device)
+        return self._expert_outputs(x, ids, partial(grouped_expert_gemm, rows=rows, groups=groups),
+                                    partial(grouped_expert_gemm, rows=pairs, groups=groups))
 
-    def _dispatched_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                            matmul: Callable[..., torch.Tensor]) -> torch.Tensor:
+    def _expert_outputs(self, x: torch.Tensor, ids: torch.Tensor, first: Callable[..., torch.Tensor],
+                        second: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Every (token, expert) pair through its expert on the device, rounded as the expert's
-        own layers round (gate/up, activation, down in ``x``'s dtype); the weighted sum over the
-        ``k`` experts of a token in float32, rounded once.
+        own layers round (gate/up, activation, down in ``x``'s dtype).
 
-        ``x (T, hidden)``, ``weights (T, k)`` float32, ``ids (T, k)`` int64 -> ``(T, hidden)`` in
-        ``x``'s dtype. ``matmul(x, rows, experts, weight)``: ``(N, Out)`` with ``out[n] =
-        weight[experts[n]] @ x[rows[n]]`` (``expert_gemv`` or ``grouped_expert_gemm``).
+        ``x (T, hidden)``, ``ids (T, k)`` int64 -> ``(T k, hidden)`` in ``x``'s dtype, pair
+        ``t k + j`` being token ``t``'s ``j``-th expert. ``first(x=, experts=, weight=)`` is the
+        gate/up product of pair ``n`` on token ``n // k``, ``second(...)`` the down product of
+        pair ``n`` on activation row ``n`` (``expert_gemv`` or ``grouped_expert_gemm``).
         """
         from segkv.kernels.fused_ops import silu_and_mul
 
         gate_up, down = self._packed
-        tokens, k = ids.shape
         experts = ids.reshape(-1)
-        rows = torch.arange(tokens, device=x.device).repeat_interleave(k)
-        h = matmul(x.contiguous(), rows, experts, gate_up)  # (T k, 2I)
+        h = first(x=x.contiguous(), experts=experts, weight=gate_up)  # (T k, 2I)
         act = silu_and_mul(h)  # rounded as F.silu(gate) * up
-        y = matmul(act, torch.arange(tokens * k, device=x.device), experts, down)  # (T k, H)
-        out = (y.float() * weights.reshape(-1, 1)).view(tokens, k, -1).sum(dim=1)
-        return out.to(x.dtype)
+        return second(x=act, experts=experts, weight=down)  # (T k, H)
 
     def _looped_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """One GEMM per chosen expert over its tokens. The (token, slot) pairs are grouped by

@@ -1,0 +1,118 @@
+"""Triton kernels around a mixture-of-experts layer's expert products (decode on the GPU).
+
+* :func:`route_topk`: a router's scores, top-k choice and weights from its float32 logits, one
+  kernel instead of softmax/sigmoid, top-k, gather, normalisation and scaling (about six).
+* :func:`combine_experts`: the weighted sum of each token's expert outputs in float32, rounded
+  once, plus the shared experts' output, one kernel instead of about five.
+
+A decode step of a model with many small MoE layers (DeepSeek-V2-Lite: 26) is made of
+launches of a few microseconds each, so fewer launches is most of what there is to gain.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from segkv.kernels.fused_ops import kind_of, round_to_kind
+
+
+@triton.jit
+def _route_topk_kernel(LOGITS, WEIGHTS, IDS, stride_l, num_experts, scale,
+                       K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                       SOFTMAX: tl.constexpr, NORM: tl.constexpr):
+    """Program ``t``: the top ``K`` experts of token ``t`` by logit (softmax and sigmoid are
+    increasing, so the same experts as by score), weighted by their scores."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < num_experts
+    logits = tl.load(LOGITS + t * stride_l + offs, mask=ok, other=float("-inf"))
+    if SOFTMAX:
+        e = tl.where(ok, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
+        scores = e / tl.sum(e, axis=0)
+    else:
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+    slot = tl.arange(0, BLOCK_K)
+    weights = tl.zeros([BLOCK_K], tl.float32)
+    ids = tl.zeros([BLOCK_K], tl.int32)
+    choice = logits
+    for j in tl.static_range(K):
+        best = tl.argmax(choice, axis=0)  # the first of equal maxima: the lower expert id
+        weights = tl.where(slot == j, tl.sum(tl.where(offs == best, scores, 0.0), axis=0), weights)
+        ids = tl.where(slot == j, best, ids)
+        choice = tl.where(offs == best, float("-inf"), choice)
+    if NORM:
+        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    keep = slot < K
+    tl.store(WEIGHTS + t * K + slot, weights * scale, mask=keep)
+    tl.store(IDS + t * K + slot, ids.to(tl.int64), mask=keep)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", norm_topk_prob: bool = False,
+               scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits (T, E)`` float32 -> ``weights (T, k)`` float32 and ``ids (T, k)`` int64: each
+    token's ``top_k`` experts in decreasing order, their ``softmax`` or ``sigmoid`` scores,
+    normalised to sum 1 when ``norm_topk_prob``, times ``scaling``. The experts are the top-k
+    of the scores (ties to the lower id); weights equal the torch ops' to float32 rounding."""
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        raise ValueError(f"route_topk needs (T, E) float32 logits with a unit last stride, got "
+                         f"{tuple(logits.shape)} {logits.dtype}")
+    tokens, experts = logits.shape
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k must be in 1..{experts}, got {top_k}")
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    if tokens:
+        _route_topk_kernel[(tokens,)](
+            logits, weights, ids, logits.stride(0), experts, float(scaling),
+            K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(experts),
+            SOFTMAX=scoring == "softmax", NORM=norm_topk_prob, num_warps=1,
+        )
+    return weights, ids
+
+
+@triton.jit
+def _combine_kernel(Y, WEIGHTS, SHARED, OUT, stride_y, stride_s, stride_o, hidden,
+                    K: tl.constexpr, HAS_SHARED: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (token, block): ``BLOCK`` outputs of one token."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(K):  # in slot order, each product rounded before the add (as torch)
+        w = tl.load(WEIGHTS + t * K + j)
+        acc = acc + tl.load(Y + (t * K + j) * stride_y + cols, mask=ok, other=0.0).to(tl.float32) * w
+    out = round_to_kind(acc, KIND)
+    if HAS_SHARED:
+        out = round_to_kind(out + tl.load(SHARED + t * stride_s + cols, mask=ok, other=0.0).to(tl.float32), KIND)
+    tl.store(OUT + t * stride_o + cols, out, mask=ok)
+
+
+def combine_experts(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """``y (T k, H)`` expert outputs (pair ``t k + j`` is token ``t``'s ``j``-th expert),
+    ``weights (T, k)`` float32, optional ``shared (T, H)`` -> ``(T, H)`` in ``y``'s dtype:
+    ``sum_j y[t k + j] w[t, j]`` in float32 rounded once, then ``+ shared`` rounded as a torch
+    add of two ``y``-dtype tensors rounds."""
+    tokens, k = weights.shape
+    if (y.dim() != 2 or y.shape[0] != tokens * k or weights.dtype != torch.float32
+            or (shared is not None and (shared.shape != (tokens, y.shape[1]) or shared.dtype != y.dtype))):
+        raise ValueError(f"combine_experts: y {tuple(y.shape)} {y.dtype}, weights {tuple(weights.shape)} "
+                         f"{weights.dtype}, shared {None if shared is None else (tuple(shared.shape), shared.dtype)}")
+    for name, x in (("y", y), ("shared", shared)):
+        if x is not None and x.stride(-1) != 1:
+            raise ValueError(f"{name} needs a unit stride on its last dim")
+    hidden = y.shape[1]
+    weights = weights.contiguous()
+    out = torch.empty(tokens, hidden, dtype=y.dtype, device=y.device)
+    if tokens:
+        block = min(1024, triton.next_power_of_2(hidden))
+        _combine_kernel[(tokens, triton.cdiv(hidden, block))](
+            y, weights, shared if shared is not None else y, out, y.stride(0),
+            shared.stride(0) if shared is not None else 0, out.stride(0), hidden,
+            K=k, HAS_SHARED=shared is not None, KIND=kind_of(y.dtype), BLOCK=block, num_warps=4,
+            enable_fp_fusion=False,  # y*w + acc as an FMA would round once; torch rounds the product
+        )
+    return out
