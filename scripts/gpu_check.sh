@@ -9,6 +9,7 @@
 #   SEGKV_GPU_E2E    arguments for segkv.bench.decode_e2e, e.g. "--models llama-3.1-8b --skip-hf" (empty: skip),
 #                    followed by scripts/profile_decode.py (batch 1, 1K context)
 #   SEGKV_GPU_TRAIN  non-empty: retrain the built-in models (about 6.5 min) and compare them byte for byte
+#   SEGKV_GPU_SWEEPS non-empty: the expert GEMV launch sweep and the prefill attention launch sweep
 # Installs pytest from .whl/ (carried) when the machine lacks it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,4 +51,8 @@ if [ -n "${SEGKV_GPU_TRAIN:-}" ]; then  # regenerate the built-in models and com
     a=$(sha256sum < "segkv/default_models/$m/model.safetensors"); b=$(sha256sum < "/tmp/segkv-default-models/$m/model.safetensors")
     [ "$a" = "$b" ] && echo "regenerate $m: identical" || echo "regenerate $m: DIFFERENT"
   done | tee -a "$OUT/train.txt"
+fi
+if [ -n "${SEGKV_GPU_SWEEPS:-}" ]; then  # launch sweeps: expert GEMV (decode) and stage-1 attention (prefill)
+  python3 scripts/expert_gemv_sweep.py 2>&1 | tee "$OUT/gemv_sweep.txt"
+  bash scripts/prefill_sweep.sh 2>&1 | tee "$OUT/prefill_sweep.txt"
 fi
