@@ -50,7 +50,7 @@ def _expert_gemv_kernel(
 
 
 # Measured on the H200 (scripts/expert_gemv_sweep.py, DeepSeek-V2-Lite shapes, 6 and 48 pairs):
-# 16 outputs x 128 inputs per step, 4 warps, was fastest in all four cases (3.1-4.2 TB/s)
+# 16 outputs x 128 inputs per step, 4 warps, was fastest in all four cases (2.5-4.2 TB/s)
 BLOCK_O, BLOCK_I, NUM_WARPS = 16, 128, 4
 
 
