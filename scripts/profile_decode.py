@@ -86,11 +86,13 @@ def main() -> None:
         per = [m / args.steps for m in med]
         print(f"graphs={graphs} (on: {on}): {per[0]:.3f} ms/step [{per[1]:.3f}-{per[2]:.3f}] "
               f"-> {args.batch * 1e3 / per[0]:.1f} tok/s; plan {runner.last_plan.describe()}")
-        if on:
-            bucket = next(iter(runner.graphs._buckets.values()))
+        bucket = next(iter(runner.graphs._buckets.values()), None) if on else None
+        if on and bucket is None:
+            print("  no graph was captured (every step ran eagerly)")
+        if bucket is not None:
             rep = _median_ms(bucket.graph.replay, 20)
             print(f"  graph replay alone: {rep[0]:.3f} ms [{rep[1]:.3f}-{rep[2]:.3f}] "
-                  f"= {weight_bytes / (rep[0] / 1e3) / 1e9:.0f} GB/s of weights")
+                  f"= {weight_bytes / (rep[0] / 1e3) / 1e9:.0f} GB/s of all weights (a MoE step reads only its experts)")
             shape = model.attention_shape("absorbed")
             queries = [SequenceQuery.from_chain(c, 1) for c in chains]
 
