@@ -223,3 +223,16 @@ def test_prefill_chunk_over_long_history_keeps_partials_within_the_workspace():
                            max_partial_bytes=1 << 40)
     assert plan_attention([seq(50200, num_query_rows=1002)], GQA, unbounded, page_size=PS).num_partitions == 7
     assert plan_attention([seq(131072)], GQA, spec, page_size=PS).num_partitions > 16
+
+
+def test_cuda_settings_from_the_environment_are_checked(monkeypatch):
+    """``SEGKV_CUDA_*`` overrides: an integer is taken, anything else is a clear error."""
+    from segkv.attention.device import _env_int
+
+    monkeypatch.setenv("SEGKV_CUDA_MIN_PARTITION_ROWS", " 128 ")
+    assert _env_int("SEGKV_CUDA_MIN_PARTITION_ROWS", 64) == 128
+    monkeypatch.setenv("SEGKV_CUDA_MIN_PARTITION_ROWS", "")
+    assert _env_int("SEGKV_CUDA_MIN_PARTITION_ROWS", 64) == 64
+    monkeypatch.setenv("SEGKV_CUDA_MIN_PARTITION_ROWS", "lots")
+    with pytest.raises(ValueError, match="SEGKV_CUDA_MIN_PARTITION_ROWS must be an integer"):
+        _env_int("SEGKV_CUDA_MIN_PARTITION_ROWS", 64)

@@ -18,6 +18,17 @@ CUDA_MIN_PARTITION_ROWS = 64
 PARTIAL_WORKSPACE_BYTES = 64 << 20
 
 
+def _env_int(name: str, default: int) -> int:
+    """An integer setting from the environment, or ``default``; a clear error when it is not one."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
 @dataclass(slots=True, frozen=True)
 class DeviceSpec:
     """Parallel capacity of a device, as the attention planner sees it.
@@ -78,9 +89,9 @@ class DeviceSpec:
         (default ``SEGKV_CUDA_MIN_PARTITION_ROWS``, else one tile) the shortest partition."""
         props = torch.cuda.get_device_properties(index)
         if blocks_per_multiprocessor is None:
-            blocks_per_multiprocessor = int(os.environ.get("SEGKV_CUDA_BLOCKS_PER_SM", CUDA_BLOCKS_PER_SM))
+            blocks_per_multiprocessor = _env_int("SEGKV_CUDA_BLOCKS_PER_SM", CUDA_BLOCKS_PER_SM)
         if min_rows_per_partition is None:
-            min_rows_per_partition = int(os.environ.get("SEGKV_CUDA_MIN_PARTITION_ROWS", CUDA_MIN_PARTITION_ROWS))
+            min_rows_per_partition = _env_int("SEGKV_CUDA_MIN_PARTITION_ROWS", CUDA_MIN_PARTITION_ROWS)
         return cls(
             kind="cuda",
             name=props.name,
