@@ -27,7 +27,8 @@ from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy
 
 
-def _median_ms(fn, repeats: int) -> tuple[float, float, float]:
+def median_ms(fn, repeats: int) -> tuple[float, float, float]:
+    """``fn``'s wall time in ms, the device synchronised around each call: median, min, max."""
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -82,7 +83,7 @@ def main() -> None:
             _decode(runner, chains, first, args.steps)
             _trim_to(chains, args.context)
 
-        med = _median_ms(steps, 3)
+        med = median_ms(steps, 3)
         per = [m / args.steps for m in med]
         print(f"graphs={graphs} (on: {on}): {per[0]:.3f} ms/step [{per[1]:.3f}-{per[2]:.3f}] "
               f"-> {args.batch * 1e3 / per[0]:.1f} tok/s; plan {runner.last_plan.describe()}")
@@ -90,7 +91,7 @@ def main() -> None:
         if on and bucket is None:
             print("  no graph was captured (every step ran eagerly)")
         if bucket is not None:
-            rep = _median_ms(bucket.graph.replay, 20)
+            rep = median_ms(bucket.graph.replay, 20)
             print(f"  graph replay alone: {rep[0]:.3f} ms [{rep[1]:.3f}-{rep[2]:.3f}] "
                   f"= {weight_bytes / (rep[0] / 1e3) / 1e9:.0f} GB/s of all weights (a MoE step reads only its experts)")
             shape = model.attention_shape("absorbed")
@@ -100,7 +101,7 @@ def main() -> None:
                 plan = plan_attention(queries, shape, runner.device_spec, page_size=16)
                 bucket.backend.prepare(plan)
 
-            host = _median_ms(host_plan, 20)
+            host = median_ms(host_plan, 20)
             print(f"  host plan + prepare: {host[0]:.3f} ms [{host[1]:.3f}-{host[2]:.3f}]")
             print("  graph steps, by CPU time:")
             print(_profile_table(runner, chains, first, 4, args.context, "self_cpu_time_total", args.rows))

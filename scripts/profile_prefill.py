@@ -11,8 +11,6 @@ Usage: ``python3 scripts/profile_prefill.py --history 16384 --chunk 512``.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -22,16 +20,7 @@ from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy
 from segkv.runner.model_runner import StepInput
 
-
-def _ms(fn, repeats: int = 5) -> tuple[float, float, float]:
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), min(times), max(times)
+from profile_decode import median_ms  # scripts/ is on the path when a script runs
 
 
 @torch.inference_mode()
@@ -59,12 +48,12 @@ def main() -> None:
         chain.trim(args.chunk)
 
     chunk()
-    med, lo, hi = _ms(chunk)
+    med, lo, hi = median_ms(chunk, 5)
     heads, kv_heads, dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("head_dim", 128)
     flops = 4 * args.chunk * (args.history + args.chunk / 2) * heads * dim * args.layers  # causal chunk
     q = torch.randn(1, heads, args.chunk, dim, device=device, dtype=dtype)
     k = torch.randn(1, heads, args.history + args.chunk, dim, device=device, dtype=dtype)
-    sdpa = _ms(lambda: [F.scaled_dot_product_attention(q, k, k) for _ in range(args.layers)])
+    sdpa = median_ms(lambda: [F.scaled_dot_product_attention(q, k, k) for _ in range(args.layers)], 5)
     sdpa_flops = 4 * args.chunk * (args.history + args.chunk) * heads * dim * args.layers  # no mask: all rows
     print(f"{args.model} x {args.layers} layers, history {args.history}, chunk {args.chunk}, plan "
           f"{runner.last_plan.describe()}")

@@ -185,9 +185,8 @@ def _forced_cuts(runs: list[_Run], num_partitions: int) -> list[list[_Part]]:
     return [_cut_pages(run, num_partitions) for run in runs]
 
 
-def _work_units(run: _Run, queries: Sequence[SequenceQuery], shape: AttentionShape) -> int:
-    """Stage-1 work items one partition of ``run`` makes (KV heads x row tiles)."""
-    rows = sum(queries[m].num_query_rows for m in run.members)
+def _work_units(rows: int, shape: AttentionShape) -> int:
+    """Stage-1 work items one partition of a run with ``rows`` query rows makes (KV heads x row tiles)."""
     tile = _LATENT_TILE_ROWS if shape.is_latent else _TILE_ROWS
     return shape.num_kv_heads * max(1, math.ceil(rows * shape.group_size / tile))
 
@@ -212,7 +211,8 @@ def _auto_chunk(
     """
     if not runs:
         return None, "empty batch"
-    units = [_work_units(run, queries, shape) for run in runs]
+    query_rows = [sum(queries[m].num_query_rows for m in run.members) for run in runs]
+    units = [_work_units(rows, shape) for rows in query_rows]
     run_rows = [run.num_rows for run in runs]  # a sum over pages: computed once
     base = sum(units)
     wave = device.wave_size
@@ -230,8 +230,7 @@ def _auto_chunk(
     items_all = per_run @ np.asarray(units, dtype=np.int64)
     cost_all = -(-items_all // wave) * (chunk_all + device.partition_overhead_rows)
     # partials a candidate adds (one per partition and query row): over the workspace, it is out
-    query_rows = np.asarray([sum(queries[m].num_query_rows for m in run.members) for run in runs], dtype=np.int64)
-    partial_bytes = (per_run @ query_rows) * shape.num_q_heads * (shape.value_dim + 1) * 4
+    partial_bytes = (per_run @ np.asarray(query_rows, dtype=np.int64)) * shape.num_q_heads * (shape.value_dim + 1) * 4
     too_big = (partial_bytes > device.max_partial_bytes) & (parts_all > 1)
     cost_all = np.where(too_big, np.iinfo(np.int64).max, cost_all)
     best = cost_all.min()

@@ -264,9 +264,9 @@ class TritonBackend:
 
     def _partials_workspace(self, floats: int) -> torch.Tensor | None:
         """The eager partials buffer (``workspace_bytes`` on a GPU, grown on demand elsewhere) with
-        room for ``floats`` float32 values; None when that is more than ``workspace_bytes`` (a
-        forced plan: it allocates for itself)."""
-        if floats > self.workspace_bytes // 4:
+        room for ``floats`` float32 values; None when the plan has no partials, or needs more than
+        ``workspace_bytes`` (a forced plan: it allocates for itself)."""
+        if not floats or floats > self.workspace_bytes // 4:
             return None
         if self._workspace is None or self._workspace.numel() < floats:
             # on a GPU the whole budget at once, so a later, longer turn finds it in place

@@ -108,10 +108,8 @@ class PagedKVStorage:
         and writes them itself (fused RoPE and latent write)."""
         if self.layout.kind != "mla":
             raise ValueError("latent_rows_to_write is for 'mla' caches")
-        index = _as_slots(slots, self.device)
-        capacity = self.pool.num_pages * self.page_size
-        if not trusted_slots and index.numel() and (int(index.min()) < 0 or int(index.max()) >= capacity):
-            raise ValueError(f"slots out of range 0..{capacity - 1}")
+        if not trusted_slots:
+            self._check_slot_range(_as_slots(slots, self.device))
         return self._flat(self.latent[layer])
 
     def _check_rows(
@@ -132,8 +130,13 @@ class PagedKVStorage:
                 raise ValueError("an 'mla' cache write takes only the latent rows")
             if tuple(key.shape) != (n, lay.key_dim):
                 raise ValueError(f"latent rows have shape {tuple(key.shape)}, expected {(n, lay.key_dim)}")
+        if check_range:
+            self._check_slot_range(index)
+
+    def _check_slot_range(self, index: torch.Tensor) -> None:
+        """Every slot of ``index`` inside the pool (a host synchronisation)."""
         capacity = self.pool.num_pages * self.page_size
-        if check_range and n and (int(index.min()) < 0 or int(index.max()) >= capacity):
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= capacity):
             raise ValueError(f"slots out of range 0..{capacity - 1}")
 
     def read(self, layer: int, slots: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, ...]:

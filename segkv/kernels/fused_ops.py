@@ -133,6 +133,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _cos_sin(POS, COS_SIN, t, d, max_position, HALF: tl.constexpr):
+    """cos and sin (float32) of token ``t``'s position, columns ``d``, from the ``[cos | sin]``
+    table. Positions beyond the table (invalid input) read its last row, not foreign memory."""
+    pos = tl.minimum(tl.maximum(tl.load(POS + t).to(tl.int64), 0), max_position - 1)
+    cos = tl.load(COS_SIN + pos * (2 * HALF) + d).to(tl.float32)
+    sin = tl.load(COS_SIN + pos * (2 * HALF) + HALF + d).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rotate(src, i1, i2, cos, sin, KIND: tl.constexpr):
     """RoPE of one head at ``src``, pairs ``(x[i1], x[i2])`` (half-split: ``d, HALF + d``;
     interleaved: ``2d, 2d + 1``): ``(x1 cos - x2 sin, x2 cos + x1 sin)``, each product and sum
@@ -158,10 +168,7 @@ def _rope_kv_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
-    # positions beyond the table (invalid input) read its last row instead of foreign memory
-    pos = tl.minimum(tl.maximum(tl.load(POS + t).to(tl.int64), 0), max_position - 1)
-    cos = tl.load(COS_SIN + pos * (2 * HALF) + d).to(tl.float32)
-    sin = tl.load(COS_SIN + pos * (2 * HALF) + HALF + d).to(tl.float32)
+    cos, sin = _cos_sin(POS, COS_SIN, t, d, max_position, HALF)
     if h < HQ:
         lo, hi = _rotate(Q + t * stride_qt + h * stride_qh, d, HALF + d, cos, sin, KIND)
         dst = Q_OUT + t * stride_ot + h * stride_oh
@@ -184,8 +191,14 @@ def _rope_kv_kernel(
 def rope_fusable(head_dim: int, *, interleaved: bool) -> bool:
     """Whether :func:`rope_and_write_kv` implements a RoPE of ``head_dim``: half-split pairs
     (not interleaved) and a power-of-two half width."""
-    half = head_dim // 2
-    return not interleaved and head_dim % 2 == 0 and half & (half - 1) == 0
+    return not interleaved and mla_rope_fusable(head_dim)
+
+
+def mla_rope_fusable(rope_dim: int) -> bool:
+    """Whether :func:`mla_rope_and_write_latent` implements a RoPE of ``rope_dim`` (either pairing):
+    an even width whose half is a power of two."""
+    half = rope_dim // 2
+    return rope_dim % 2 == 0 and half > 0 and half & (half - 1) == 0
 
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -239,9 +252,7 @@ def _mla_rope_latent_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
-    pos = tl.minimum(tl.maximum(tl.load(POS + t).to(tl.int64), 0), max_position - 1)
-    cos = tl.load(COS_SIN + pos * (2 * HALF) + d).to(tl.float32)
-    sin = tl.load(COS_SIN + pos * (2 * HALF) + HALF + d).to(tl.float32)
+    cos, sin = _cos_sin(POS, COS_SIN, t, d, max_position, HALF)
     if INTERLEAVED:
         i1 = 2 * d
         i2 = 2 * d + 1

@@ -9,7 +9,7 @@ from torch import nn
 
 from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionShape
-from segkv.kernels.fused_ops import mla_rope_and_write_latent
+from segkv.kernels.fused_ops import mla_rope_and_write_latent, mla_rope_fusable
 from segkv.layers.norm import RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
 
@@ -90,8 +90,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def use_fused(self) -> None:
         """RoPE of q and k and the latent cache write as one kernel (GPU decode)."""
-        half = self.dims.qk_rope_head_dim // 2
-        self.fused = half > 0 and half & (half - 1) == 0  # the kernel's width: a power-of-two half
+        self.fused = mla_rope_fusable(self.dims.qk_rope_head_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         d, t = self.dims, x.shape[0]
