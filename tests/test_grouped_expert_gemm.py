@@ -136,3 +136,15 @@ def test_packed_layer_past_the_pair_limit_matches_the_expert_loop(dtype, gen, mo
     else:  # float32 sums in another order may round an intermediate to the neighbouring value
         ulp = 2.0 ** -MANTISSA_BITS[dtype]
         torch.testing.assert_close(grouped, looped, rtol=2 * ulp, atol=2 * ulp * looped.abs().max().item())
+
+
+def test_rows_as_pairs_per_row_read_row_n_over_r(gen):
+    """``rows=r``: pair ``n`` reads row ``n // r``, the same result as the explicit index
+    tensor; r < 1 is refused."""
+    x = torch.randn(6, 40, generator=gen).to(DEVICE)
+    weight = torch.randn(4, 24, 40, generator=gen).to(DEVICE)
+    experts = torch.randint(0, 4, (18,), generator=gen).to(DEVICE)
+    explicit = grouped_expert_gemm(x, torch.arange(6, device=DEVICE).repeat_interleave(3), experts, weight)
+    assert torch.equal(grouped_expert_gemm(x, 3, experts, weight), explicit)
+    with pytest.raises(ValueError, match="pairs per row"):
+        grouped_expert_gemm(x, 0, experts, weight)

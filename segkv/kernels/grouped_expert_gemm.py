@@ -87,9 +87,10 @@ def _grouped_expert_gemm_kernel(
     stride_xr, stride_we, stride_wo, stride_on,
     IN: tl.constexpr, OUT_DIM: tl.constexpr, NUM_EXPERTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP32_INPUTS: tl.constexpr, UPCAST: tl.constexpr, EXACT_FP32: tl.constexpr,
+    FP32_INPUTS: tl.constexpr, UPCAST: tl.constexpr, EXACT_FP32: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
 ):
-    """One program: ``BLOCK_N`` outputs of up to ``BLOCK_M`` pairs of one expert."""
+    """One program: ``BLOCK_N`` outputs of up to ``BLOCK_M`` pairs of one expert.
+    ``PAIRS_PER_ROW > 0``: pair ``n`` reads row ``n // PAIRS_PER_ROW`` (``ROWS`` is not read)."""
     block = tl.program_id(0)
     nb = tl.program_id(1)
     expert = tl.load(BLOCK_EXPERT + block)
@@ -101,7 +102,10 @@ def _grouped_expert_gemm_kernel(
     offs_m = pair_lo + (block - first_block) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < pair_hi
     pairs = tl.load(ORDER + offs_m, mask=m_ok, other=0)
-    rows = tl.load(ROWS + pairs, mask=m_ok, other=0).to(tl.int64)
+    if PAIRS_PER_ROW > 0:
+        rows = (pairs // PAIRS_PER_ROW).to(tl.int64)
+    else:
+        rows = tl.load(ROWS + pairs, mask=m_ok, other=0).to(tl.int64)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < OUT_DIM
     x_rows = X + rows[:, None] * stride_xr
@@ -156,7 +160,7 @@ def _tile(block_m: int, dtype: torch.dtype) -> tuple[int, int]:
     return 128, 32 if dtype == torch.float32 else 64
 
 
-def grouped_expert_gemm(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor,
+def grouped_expert_gemm(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
                         *, out_dtype: torch.dtype | None = None,
                         groups: ExpertGroups | None = None) -> torch.Tensor:
     """``out[n] = weight[experts[n]] @ x[rows[n]]``.
@@ -165,9 +169,15 @@ def grouped_expert_gemm(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tens
     with unit stride on In; ``rows (N,)`` and ``experts (N,)`` int32/int64 on the device ->
     ``(N, Out)`` in ``out_dtype`` (default ``x``'s). Expert ids must lie in ``0..E-1``; they
     are not checked, since that would synchronise (rows of pairs with other ids stay
-    unwritten). ``groups``: :func:`group_pairs_by_expert` of ``experts``, when the caller
-    shares it between several products over the same ids.
+    unwritten). ``rows`` may be an int ``r``: pair ``n`` reads row ``n // r``, as in
+    :func:`~segkv.kernels.expert_gemv.expert_gemv`. ``groups``: :func:`group_pairs_by_expert`
+    of ``experts``, when the caller shares it between several products over the same ids.
     """
+    pairs_per_row = rows if isinstance(rows, int) else 0
+    if isinstance(rows, int):
+        if rows < 1:
+            raise ValueError(f"rows as an int is the pairs per row, at least 1; got {rows}")
+        rows = experts  # not read by the kernel
     _check_inputs(x, rows, experts, weight)
     num_experts, out_dim, in_dim = weight.shape
     n = rows.numel()
@@ -191,7 +201,7 @@ def grouped_expert_gemm(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tens
             IN=in_dim, OUT_DIM=out_dim, NUM_EXPERTS=num_experts,
             BLOCK_M=groups.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             FP32_INPUTS=x.dtype == torch.float32, UPCAST=_INTERPRET and x.dtype != torch.float32,
-            EXACT_FP32=kernel_dtype == torch.float32,
+            EXACT_FP32=kernel_dtype == torch.float32, PAIRS_PER_ROW=pairs_per_row,
             num_warps=4,
         )
     return out.to(out_dtype)

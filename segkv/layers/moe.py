@@ -207,12 +207,9 @@ class MixtureOfExperts(nn.Module):
         grouping shared by both products), each expert's weights read about once per product."""
         from segkv.kernels.grouped_expert_gemm import group_pairs_by_expert, grouped_expert_gemm
 
-        tokens, k = ids.shape
         groups = group_pairs_by_expert(ids.reshape(-1), len(self.experts))
-        rows = torch.arange(tokens, device=x.device).repeat_interleave(k)
-        pairs = torch.arange(tokens * k, device=x.device)
-        return self._expert_outputs(x, ids, partial(grouped_expert_gemm, rows=rows, groups=groups),
-                                    partial(grouped_expert_gemm, rows=pairs, groups=groups))
+        return self._expert_outputs(x, ids, partial(grouped_expert_gemm, rows=ids.shape[1], groups=groups),
+                                    partial(grouped_expert_gemm, rows=1, groups=groups))
 
     def _expert_outputs(self, x: torch.Tensor, ids: torch.Tensor, first: Callable[..., torch.Tensor],
                         second: Callable[..., torch.Tensor]) -> torch.Tensor:
