@@ -278,6 +278,18 @@ def test_merge_of_many_partials_per_row(gen):
                                 scale=0.125, device=DEVICE))
 
 
+def test_merge_splits_value_columns_over_programs(gen, monkeypatch):
+    """The merge runs one program per (row, head, block of value columns): with 16-column blocks a
+    64-wide value takes four programs per row and head, and every column and LSE is written."""
+    from segkv.kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "MERGE_BLOCK_DV", 16)
+    batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=16, ratio=4, head_dim=64, rows=3)
+    plan, out, lse, ref, ref_lse = run_both(batch, "split")
+    assert max(len(p) for p in plan.reduce_map) > 1  # rows really merged
+    check(out, lse, ref, ref_lse)
+
+
 def test_split_partials_reuse_one_workspace_and_stay_exact(gen):
     """Eager steps keep their partials in the backend's one buffer: two plans of different sizes
     through one backend reuse it (no per-step buffer), each still equal to the reference; a plan
@@ -318,3 +330,19 @@ def test_eager_plan_fields_start_16_byte_aligned(gen):
         sizes.add(tuple(t.numel() for t in arrays.values()))
         assert all(t.data_ptr() % 16 == 0 for t in arrays.values())
     assert len(sizes) > 1 and any(n % 4 for shape in sizes for n in shape)  # the offsets really varied
+
+
+def test_launch_overrides_from_the_environment(monkeypatch):
+    """Kernel launch overrides: integers are taken, anything else names the variable."""
+    from segkv.kernels.mla_attention import default_mla_launch_config
+    from segkv.kernels.paged_attention import default_launch_config
+
+    monkeypatch.setenv("SEGKV_TRITON_WARPS", "8")
+    monkeypatch.setenv("SEGKV_TRITON_HEADS_FASTEST", "0")
+    monkeypatch.setenv("SEGKV_MLA_MAXNREG", "168")
+    launch = default_launch_config(head_dim=128, page_size=16)
+    assert (launch.num_warps, launch.heads_fastest, launch.maxnreg) == (8, False, None)
+    assert default_mla_launch_config(page_size=16).maxnreg == 168
+    monkeypatch.setenv("SEGKV_TRITON_STAGES", "two")
+    with pytest.raises(ValueError, match="SEGKV_TRITON_STAGES"):
+        default_launch_config(head_dim=128, page_size=16)

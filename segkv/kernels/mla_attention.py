@@ -10,7 +10,6 @@ and the merge follow ``paged_attention`` exactly (float32 throughout, rounded on
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -19,6 +18,8 @@ import triton.language as tl
 from segkv.kernels.paged_attention import (
     _INTERPRET,
     LaunchConfig,
+    env_int,
+    _maxnreg,
     page_index,
     attention_outputs,
     merge_into,
@@ -96,10 +97,11 @@ def default_mla_launch_config(*, page_size: int) -> LaunchConfig:
     2 stages; ``SEGKV_MLA_BLOCK_N``, ``SEGKV_MLA_BLOCK_M``, ``SEGKV_MLA_WARPS`` and
     ``SEGKV_MLA_STAGES`` override them (tuning runs)."""
     return LaunchConfig(
-        block_n=max(page_size, int(os.environ.get("SEGKV_MLA_BLOCK_N", 32))),
-        num_warps=int(os.environ.get("SEGKV_MLA_WARPS", 4)),
-        num_stages=int(os.environ.get("SEGKV_MLA_STAGES", 2)),
-        block_m=int(os.environ.get("SEGKV_MLA_BLOCK_M", MLA_BLOCK_M)),
+        block_n=max(page_size, env_int("SEGKV_MLA_BLOCK_N", 32)),
+        num_warps=env_int("SEGKV_MLA_WARPS", 4),
+        num_stages=env_int("SEGKV_MLA_STAGES", 2),
+        block_m=env_int("SEGKV_MLA_BLOCK_M", MLA_BLOCK_M),
+        maxnreg=env_int("SEGKV_MLA_MAXNREG", None),
     )
 
 
@@ -137,7 +139,7 @@ def mla_paged_attention(
             BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), BLOCK_M=block_m, PAGE_SIZE=page_size,
             BLOCK_N=max(page_size, launch.block_n),
             EXACT_FP32=query.dtype == torch.float32 or _INTERPRET,
-            num_warps=launch.num_warps, num_stages=launch.num_stages,
+            num_warps=launch.num_warps, num_stages=launch.num_stages, **_maxnreg(launch),
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)

@@ -170,16 +170,19 @@ def _merge_kernel(
     stride_pp, stride_ph, stride_lp, stride_or, stride_oh, stride_lr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """One program per (query row, head): the exact merge of its partials, rounded once. Rows
-    without partials get 0 and LSE -inf; rows with exactly one were written by stage 1.
-    Partials are read ``BLOCK_P`` at a time (independent loads, not a chain per partial)."""
+    """One program per (query row, head, ``BLOCK_DV`` value columns): the exact merge of its
+    partials, rounded once. Rows without partials get 0 and LSE -inf; rows with exactly one were
+    written by stage 1. Partials are read ``BLOCK_P`` at a time (independent loads, not a chain
+    per partial). Column blocks keep wide values (latent attention: 512 columns) from leaving a
+    batch-1 merge to a handful of programs that each stream every partial."""
     row = tl.program_id(0)
     head = tl.program_id(1)
+    cb = tl.program_id(2)
     start = tl.load(reduce_ptr + row)
     end = tl.load(reduce_ptr + row + 1)
     if end - start == 1:  # stage 1 already wrote this row's only partial, rounded once
         return
-    offs = tl.arange(0, BLOCK_DV)
+    offs = cb * BLOCK_DV + tl.arange(0, BLOCK_DV)
     offs_p = tl.arange(0, BLOCK_P)
     m = tl.full([BLOCK_P], float("-inf"), tl.float32)
     for i0 in range(start, end, BLOCK_P):
@@ -206,8 +209,9 @@ def _merge_kernel(
     out = out / tl.where(empty, 1.0, weight)
     tl.store(OUT + row * stride_or + head * stride_oh + offs,
              out.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne"), mask=offs < DV)
-    tl.store(OUT_LSE + row * stride_lr + head,
-             tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, weight))))
+    if cb == 0:
+        tl.store(OUT_LSE + row * stride_lr + head,
+                 tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, weight))))
 
 
 @triton.jit
@@ -230,23 +234,38 @@ class LaunchConfig:
     prefetch: bool = False  # software-pipelined loads in the kernel itself
     block_m: int = 64  # most (query row x head) pairs per program
     tall_warps: int = 4  # warps for programs of 64 or more pairs (8 measured slower for cascade)
-    heads_fastest: bool = False  # launch a piece's KV heads side by side (not yet measured)
+    heads_fastest: bool = False  # launch a piece's KV heads side by side (they share its pages)
+    maxnreg: int | None = None  # register cap per thread (more resident programs, maybe spills)
 
 
 def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
     """Measured defaults (``docs/benchmarks.md``), overridable by ``SEGKV_TRITON_BLOCK_N``,
     ``SEGKV_TRITON_WARPS`` and ``SEGKV_TRITON_STAGES``."""
     wide = head_dim > 128
-    block_n = int(os.environ.get("SEGKV_TRITON_BLOCK_N", 32 if wide else 64))
+    block_n = env_int("SEGKV_TRITON_BLOCK_N", 32 if wide else 64)
     return LaunchConfig(
         block_n=max(page_size, block_n),
-        num_warps=int(os.environ.get("SEGKV_TRITON_WARPS", 4)),
-        num_stages=int(os.environ.get("SEGKV_TRITON_STAGES", 2)),
+        num_warps=env_int("SEGKV_TRITON_WARPS", 4),
+        num_stages=env_int("SEGKV_TRITON_STAGES", 2),
         prefetch=os.environ.get("SEGKV_TRITON_PREFETCH", "0") == "1",
-        block_m=int(os.environ.get("SEGKV_TRITON_BLOCK_M", 64)),
-        tall_warps=int(os.environ.get("SEGKV_TRITON_TALL_WARPS", 4)),
-        heads_fastest=os.environ.get("SEGKV_TRITON_HEADS_FASTEST", "0") == "1",
+        block_m=env_int("SEGKV_TRITON_BLOCK_M", 64),
+        tall_warps=env_int("SEGKV_TRITON_TALL_WARPS", 4),
+        # a piece's KV heads side by side: 0-3% faster at batch 1-16 over 32K-128K (H200)
+        heads_fastest=env_int("SEGKV_TRITON_HEADS_FASTEST", 1) == 1,
+        maxnreg=env_int("SEGKV_TRITON_MAXNREG", None),
     )
+
+
+def env_int(name: str, default: int | None) -> int | None:
+    """An integer launch override from the environment (``default`` when unset); anything else is
+    a clear error naming the variable."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
 def paged_attention(
@@ -295,11 +314,16 @@ def paged_attention(
             # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
             EXACT_FP32=query.dtype == torch.float32 or _INTERPRET, PREFETCH=launch.prefetch,
             HEADS_FASTEST=launch.heads_fastest,
-            num_warps=num_warps, num_stages=launch.num_stages,
+            num_warps=num_warps, num_stages=launch.num_stages, **_maxnreg(launch),
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
     return out.to(out_dtype), lse
+
+
+def _maxnreg(launch: LaunchConfig) -> dict:
+    """The ``maxnreg`` launch option, only when set (older Triton builds lack it)."""
+    return {} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}
 
 
 def attention_outputs(query, dv: int, num_partials: int, out_dtype, poison: bool, workspace=None):
@@ -326,14 +350,20 @@ def attention_outputs(query, dv: int, num_partials: int, out_dtype, poison: bool
     return out, lse, part_out, part_lse
 
 
+# value columns per merge program: 64 measured best for 512-wide latent values at batch 1 (4 to 8
+# programs per row and head instead of 1) and within 1% of the best for 128-wide GQA values
+MERGE_BLOCK_DV = env_int("SEGKV_MERGE_BLOCK_DV", 64)
+
+
 def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> None:
     """Launch the merge: every row of ``out``/``lse`` from its partials (CSR ``reduce_ptr``)."""
     num_rows, num_heads, dv = out.shape
-    _merge_kernel[(num_rows, num_heads)](
+    block_dv = min(max(16, triton.next_power_of_2(dv)), MERGE_BLOCK_DV)
+    _merge_kernel[(num_rows, num_heads, triton.cdiv(dv, block_dv))](
         part_out, part_lse, out, lse, reduce_ptr, reduce_partials,
         part_out.stride(0), part_out.stride(1), part_lse.stride(0),
         out.stride(0), out.stride(1), lse.stride(0),
-        DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_P=16 if dv > 256 else 32,
+        DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 32,
     )
 
 
