@@ -48,11 +48,12 @@ def build_deepseek_dir(path, **overrides) -> None:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     build_tiny_tokenizer(path, style="chatml")
-    config = DeepseekV3Config(
+    settings = dict(
         vocab_size=tiny_vocab_size(path), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
         v_head_dim=16, n_shared_experts=1, moe_intermediate_size=32, max_position_embeddings=256, n_group=1,
-        topk_group=1, **overrides)
+        topk_group=1)
+    config = DeepseekV3Config(**{**settings, **overrides})
     torch.manual_seed(0)
     hf = DeepseekV3ForCausalLM(config).eval()
     with torch.no_grad():

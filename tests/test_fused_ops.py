@@ -183,17 +183,20 @@ def test_mla_rope_and_write_latent_rejects_mismatched_shapes():
                                   interleaved=True)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama3.1", "deepseek"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama3.1", "deepseek", "deepseek-q-lora"])
 def test_fused_model_gives_the_unfused_tokens_and_logits(family, tmp_path):
     """A whole model with stacked projections and fused kernels: prefill and decode logits close
     to the unfused model's, the same greedy tokens, the same cache rows (in float32)."""
     from segkv.engine import LLM
+    from segkv.layers.mla import MultiHeadLatentAttention
     from segkv.sampling_params import SamplingParams
 
     _build(tmp_path, family)
     kw = dict(device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=64, prefill_chunk=8)
     plain, fused = LLM(tmp_path, fused_ops=False, **kw), LLM(tmp_path, fused_ops=True, **kw)
     assert fused.runner.fused_ops and not plain.runner.fused_ops
+    mla = [m for m in fused.runner.model.modules() if isinstance(m, MultiHeadLatentAttention)]
+    assert all(m._x_proj is not None for m in mla) and (len(mla) > 0) == family.startswith("deepseek")
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     prompts = [[5, 9, 13, 40, 77] * 4, [3, 1, 4, 1, 5, 9, 2, 6]]
     assert ([o.outputs[0].token_ids for o in fused.generate(prompts, params)]
@@ -211,8 +214,9 @@ def test_fused_model_gives_the_unfused_tokens_and_logits(family, tmp_path):
 def _build(path, family):
     from model_helpers import build_deepseek_dir, build_model_dir
 
-    if family == "deepseek":  # MLA with a dense layer, then routed + shared experts
-        return build_deepseek_dir(path, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2)
+    if family.startswith("deepseek"):  # MLA with a dense layer, then routed + shared experts
+        q_lora = {"q_lora_rank": 24} if family == "deepseek-q-lora" else {}
+        return build_deepseek_dir(path, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, **q_lora)
     return build_model_dir(path, family)
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionShape
 from segkv.kernels.fused_ops import mla_rope_and_write_latent, mla_rope_fusable
+from segkv.layers.activation import stack_linears
 from segkv.layers.norm import RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
 
@@ -87,17 +89,36 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(d.kv_lora_rank, kv_b_width, bias=False)
         self.o_proj = nn.Linear(d.num_heads * d.v_head_dim, d.hidden_size, bias=bias)
         self.fused = False  # see use_fused
+        self._x_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
 
     def use_fused(self) -> None:
-        """RoPE of q and k and the latent cache write as one kernel (GPU decode)."""
+        """RoPE of q and k and the latent cache write as one kernel (GPU decode), and the two
+        projections of ``x`` (``q_proj`` or ``q_a_proj``, and ``kv_a_proj_with_mqa``) stacked into
+        one weight: one GEMM instead of two (their parameters become views of it)."""
         self.fused = mla_rope_fusable(self.dims.qk_rope_head_dim)
+        first = self.q_proj if self.dims.q_lora_rank is None else self.q_a_proj
+        if self._x_proj is None and (first.bias is None) == (self.kv_a_proj_with_mqa.bias is None):
+            self._x_proj = stack_linears(first, self.kv_a_proj_with_mqa)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x (T, hidden)`` -> ``q (T, H * qk_head_dim)`` and the latent ``(T, r + rope)`` (views of
+        one GEMM's output when stacked)."""
+        d = self.dims
+        if self._x_proj is None:
+            q_or_a = self.q_proj(x) if d.q_lora_rank is None else self.q_a_proj(x)
+            latent = self.kv_a_proj_with_mqa(x)
+        else:
+            weight, bias = self._x_proj
+            q_or_a, latent = F.linear(x, weight, bias).split([weight.shape[0] - d.latent_dim, d.latent_dim], -1)
+        q = q_or_a if d.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_or_a))
+        return q, latent
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         d, t = self.dims, x.shape[0]
-        q = self.q_proj(x) if d.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, latent = self._project(x)
         q = q.view(t, d.num_heads, d.qk_head_dim)
         q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], -1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([d.kv_lora_rank, d.qk_rope_head_dim], -1)
+        c_kv, k_pe = latent.split([d.kv_lora_rank, d.qk_rope_head_dim], -1)
         storage, layer = meta.storage, self.layer_index
         if self.fused:
             rows = storage.latent_rows_to_write(layer, meta.slots, trusted_slots=meta.trusted_slots)
