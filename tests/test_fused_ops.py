@@ -169,6 +169,38 @@ def test_mla_rope_and_write_latent_matches_rotary_and_cache_write(dtype, interle
     assert rows[untouched].isnan().all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rank", [24] + ([512] if GPU else []))
+def test_mla_latent_write_with_the_kv_a_norm_folded_in(dtype, rank, gen):
+    """``norm=``: c_kv RMS-normalised in the write kernel equals the RMSNorm layer's output (torch
+    ops) within one rounding of the model dtype, and the rope parts stay bit-equal."""
+    from segkv.layers.norm import RMSNorm
+
+    tokens, heads, rope = 6, 4, 16
+    rotary = RotaryEmbedding(rope, base=10000.0, max_position=4096, interleaved=True)
+    rotary.init_buffers(DEVICE)
+    norm = RMSNorm(rank, eps=1e-6).to(DEVICE).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(rank, generator=gen).to(dtype).to(DEVICE) + 0.5)
+    q_pe = torch.randn(tokens, heads, rope, generator=gen).to(dtype).to(DEVICE)
+    c_kv = 3 * torch.randn(tokens, rank, generator=gen).to(dtype).to(DEVICE)
+    k_pe = torch.randn(tokens, rope, generator=gen).to(dtype).to(DEVICE)
+    positions = torch.tensor([0, 5, 9, 100, 2000, 4095], device=DEVICE)
+    slots = torch.randperm(20, generator=gen)[:tokens].to(DEVICE)
+    rows = torch.full((20, rank + rope), float("nan"), dtype=dtype, device=DEVICE)
+    q_out = mla_rope_and_write_latent(q_pe, k_pe, c_kv, positions, rotary.cos_sin_table(dtype), slots, rows,
+                                      interleaved=True, norm=(norm.weight, norm.eps))
+    assert torch.equal(q_out, rotary(q_pe, positions))
+    assert torch.equal(rows[slots, rank:], rotary(k_pe.unsqueeze(1), positions).squeeze(1))
+    expected, written = norm(c_kv).double(), rows[slots, :rank].double()
+    assert not written.isnan().any()
+    step = torch.finfo(dtype).eps * expected.abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((written - expected).abs() <= step + 1e-6 * (dtype == torch.float32)).all()
+    with pytest.raises(ValueError, match="norm weight"):
+        mla_rope_and_write_latent(q_pe, k_pe, c_kv, positions, rotary.cos_sin_table(dtype), slots, rows,
+                                  interleaved=True, norm=(norm.weight[:-1], norm.eps))
+
+
 def test_mla_rope_and_write_latent_rejects_mismatched_shapes():
     q_pe, k_pe, c_kv = (torch.zeros(2, 4, 16, device=DEVICE), torch.zeros(2, 16, device=DEVICE),
                         torch.zeros(2, 24, device=DEVICE))

@@ -241,14 +241,16 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
 
 @triton.jit
 def _mla_rope_latent_kernel(
-    Q_PE, K_PE, C_KV, POS, COS_SIN, SLOTS, Q_OUT, LATENT,
+    Q_PE, K_PE, C_KV, POS, COS_SIN, SLOTS, Q_OUT, LATENT, NORM_W,
     stride_qt, stride_qh, stride_kt, stride_ct, stride_ot, stride_oh, stride_ls,
-    max_position, RANK,
+    max_position, RANK, eps,
     H: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
-    KIND: tl.constexpr, CACHE_KIND: tl.constexpr,
+    KIND: tl.constexpr, CACHE_KIND: tl.constexpr, NORM: tl.constexpr, C_KIND: tl.constexpr,
+    NORM_KIND: tl.constexpr,
 ):
     """Program (token, head): heads ``< H`` rotate a query's rope part into ``Q_OUT``; head ``H``
-    writes the latent row ``[c_kv | rope(k_pe)]`` at ``SLOTS[token]``."""
+    writes the latent row ``[c_kv | rope(k_pe)]`` at ``SLOTS[token]``, with ``c_kv`` first
+    RMS-normalised by ``NORM_W`` when ``NORM`` (then ``BLOCK_R`` covers the whole row)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
@@ -269,30 +271,42 @@ def _mla_rope_latent_kernel(
         lo, hi = _rotate(K_PE + t * stride_kt, i1, i2, cos, sin, KIND)
         tl.store(row + RANK + i1, round_to_kind(lo, CACHE_KIND))
         tl.store(row + RANK + i2, round_to_kind(hi, CACHE_KIND))
-        for r0 in range(0, RANK, BLOCK_R):
-            cols = r0 + tl.arange(0, BLOCK_R)
+        if NORM:  # as the RMSNorm kernel: float32 statistics, h rounded to c's dtype, then weight * h
+            cols = tl.arange(0, BLOCK_R)
             ok = cols < RANK
             c = tl.load(C_KV + t * stride_ct + cols, mask=ok, other=0.0).to(tl.float32)
-            tl.store(row + cols, round_to_kind(c, CACHE_KIND), mask=ok)
+            var = tl.sum(c * c, axis=0) / RANK
+            hn = round_to_kind(c * (1.0 / tl.sqrt(var + eps)), C_KIND)
+            w = tl.load(NORM_W + cols, mask=ok, other=0.0).to(tl.float32)
+            tl.store(row + cols, round_to_kind(round_to_kind(w * hn, NORM_KIND), CACHE_KIND), mask=ok)
+        else:
+            for r0 in range(0, RANK, BLOCK_R):
+                cols = r0 + tl.arange(0, BLOCK_R)
+                ok = cols < RANK
+                c = tl.load(C_KV + t * stride_ct + cols, mask=ok, other=0.0).to(tl.float32)
+                tl.store(row + cols, round_to_kind(c, CACHE_KIND), mask=ok)
 
 
 def mla_rope_and_write_latent(q_pe: torch.Tensor, k_pe: torch.Tensor, c_kv: torch.Tensor, positions: torch.Tensor,
                               cos_sin: torch.Tensor, slots: torch.Tensor, latent_rows: torch.Tensor, *,
-                              interleaved: bool) -> torch.Tensor:
+                              interleaved: bool, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """Multi-head latent attention's RoPE and cache write in one kernel: rotate ``q_pe (T, H, R)``
     and ``k_pe (T, R)`` at ``positions (T,)`` (``cos_sin (max_position, R)`` ``[cos | sin]`` in
     q's dtype, e.g. ``RotaryEmbedding.cos_sin_table``; ``interleaved``: pairs ``(x[2i], x[2i+1])``
     as DeepSeek's, else the halves) and write ``[c_kv (T, r) | rope(k_pe)]`` into
-    ``latent_rows (slots, r + R)`` at ``slots (T,)``. Returns the rotated ``q_pe (T, H, R)``.
-    Rounded as the torch layers round (bit-equal). Inputs may be strided views with a unit last
-    stride; slots are trusted (checked by the caller), positions clamped to the table."""
+    ``latent_rows (slots, r + R)`` at ``slots (T,)``. ``norm``: ``(weight (r,), eps)`` of the
+    ``kv_a_layernorm`` RMSNorm, applied to ``c_kv`` first (as ``rms_norm`` computes it). Returns the
+    rotated ``q_pe (T, H, R)``. The rope parts are rounded as the torch layers round (bit-equal).
+    Inputs may be strided views with a unit last stride; slots are trusted (checked by the
+    caller), positions clamped to the table."""
     t, heads, rope = q_pe.shape
     rank = c_kv.shape[-1] if c_kv.dim() == 2 else -1
     if (rope % 2 or k_pe.shape != (t, rope) or c_kv.shape != (t, rank) or cos_sin.shape[1:] != (rope,)
-            or latent_rows.dim() != 2 or latent_rows.shape[1] != rank + rope):
+            or latent_rows.dim() != 2 or latent_rows.shape[1] != rank + rope
+            or (norm is not None and norm[0].shape != (rank,))):
         raise ValueError(f"mla_rope_and_write_latent: q_pe {tuple(q_pe.shape)}, k_pe {tuple(k_pe.shape)}, "
                          f"c_kv {tuple(c_kv.shape)}, cos_sin {tuple(cos_sin.shape)}, latent rows "
-                         f"{tuple(latent_rows.shape)}")
+                         f"{tuple(latent_rows.shape)}" + ("" if norm is None else f", norm weight {tuple(norm[0].shape)}"))
     if cos_sin.dtype != q_pe.dtype or not cos_sin.is_contiguous():
         raise ValueError(f"the cos/sin table must be contiguous and in q's dtype {q_pe.dtype}, not {cos_sin.dtype}")
     half = rope // 2
@@ -303,12 +317,17 @@ def mla_rope_and_write_latent(q_pe: torch.Tensor, k_pe: torch.Tensor, c_kv: torc
             raise ValueError(f"{name} needs a unit stride on its last dim")
     q_out = torch.empty(t, heads, rope, dtype=q_pe.dtype, device=q_pe.device)
     if t:
+        weight, eps = norm if norm is not None else (latent_rows, 0.0)  # the weight is unused without a norm
+        whole_row = triton.next_power_of_2(max(rank, 16))
         _mla_rope_latent_kernel[(t, heads + 1)](
-            q_pe, k_pe, c_kv, positions, cos_sin, slots, q_out, latent_rows,
+            q_pe, k_pe, c_kv, positions, cos_sin, slots, q_out, latent_rows, weight,
             q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), c_kv.stride(0), q_out.stride(0), q_out.stride(1),
-            latent_rows.stride(0), cos_sin.shape[0], rank,
-            H=heads, HALF=half, INTERLEAVED=interleaved, BLOCK_R=min(512, triton.next_power_of_2(max(rank, 16))),
-            KIND=kind_of(q_pe.dtype), CACHE_KIND=kind_of(latent_rows.dtype), num_warps=1,
+            latent_rows.stride(0), cos_sin.shape[0], rank, float(eps),
+            H=heads, HALF=half, INTERLEAVED=interleaved, BLOCK_R=whole_row if norm is not None else min(512, whole_row),
+            KIND=kind_of(q_pe.dtype), CACHE_KIND=kind_of(latent_rows.dtype), NORM=norm is not None,
+            C_KIND=kind_of(c_kv.dtype),
+            NORM_KIND=kind_of(torch.result_type(weight, c_kv)) if norm is not None else kind_of(c_kv.dtype),
+            num_warps=1 if norm is None or rank <= 1024 else 4,
             enable_fp_fusion=False,  # a*c - b*s as an FMA rounds once; torch rounds each product
         )
     return q_out

@@ -122,9 +122,10 @@ class MultiHeadLatentAttention(nn.Module):
         storage, layer = meta.storage, self.layer_index
         if self.fused:
             rows = storage.latent_rows_to_write(layer, meta.slots, trusted_slots=meta.trusted_slots)
-            q_pe = mla_rope_and_write_latent(q_pe, k_pe, self.kv_a_layernorm(c_kv), positions,
-                                             self.rotary.cos_sin_table(q.dtype), meta.slots, rows,
-                                             interleaved=self.rotary.interleaved)
+            norm = self.kv_a_layernorm  # folded into the write kernel: one launch fewer
+            q_pe = mla_rope_and_write_latent(q_pe, k_pe, c_kv, positions, self.rotary.cos_sin_table(q.dtype),
+                                             meta.slots, rows, interleaved=self.rotary.interleaved,
+                                             norm=(norm.weight, norm.eps))
         else:
             q_pe = self.rotary(q_pe, positions)
             k_pe = self.rotary(k_pe.unsqueeze(1), positions).squeeze(1)
