@@ -194,6 +194,19 @@ def test_cost_model_splits_a_batch_just_over_one_wave():
     assert full.route == Route.SINGLE
 
 
+def test_latent_waves_count_two_resident_programs_per_multiprocessor():
+    """Latent programs fill all 255 registers, so 2 (not the GQA kernel's 3) run per SM. 128 heads
+    x batch 32 is 256 programs: at 2K a 3-way split made 768 programs, 3 latent waves, and ran
+    1.35x slower than one pass (H200, docs/benchmarks.md), so it stays single; batch 1 still splits
+    into one latent wave of 16-head programs."""
+    plan = plan_attention([seq(2048) for _ in range(32)], MLA, H200, page_size=PS)
+    assert plan.route == Route.SINGLE and "264" in plan.reason
+    assert plan_attention([seq(8192) for _ in range(32)], MLA, H200, page_size=PS).route == Route.SINGLE
+    one = plan_attention([seq(32768)], AttentionShape(16, 1, 576, 512), H200, page_size=PS)
+    assert one.route == Route.SPLIT and one.num_partitions <= 264
+    assert plan_attention([seq(32768)], GQA, H200, page_size=PS).num_partitions == 49  # GQA waves unchanged
+
+
 def test_short_context_small_batch_splits_down_to_one_tile():
     """1K rows at batch 1: partitions as short as the device spec allows, so the 8 KV heads'
     programs fill more of the device (4 partitions of 256+ rows left it latency-bound)."""

@@ -36,6 +36,11 @@ ROUTE_ENV = "SEGKV_ATTENTION_ROUTE"
 # 16 x kv_lora_rank float32), so a latent piece with H heads makes H / 16 programs.
 _TILE_ROWS = 64
 _LATENT_TILE_ROWS = 16
+# Latent programs hold a 16 x 512 float32 accumulator and use all 255 registers per thread, so
+# at most 2 are resident per multiprocessor (Nsight Compute on the H200), against 3 GQA programs:
+# a latent wave is smaller, and a split that overfills it (128 heads x batch 32 at 2K: 3
+# partitions, 1.35x slower than one) no longer looks free.
+_LATENT_RESIDENT_PER_MULTIPROCESSOR = 2
 
 
 _Part = tuple  # (page_ids, page_rows, key_start) of one partition
@@ -216,6 +221,8 @@ def _auto_chunk(
     run_rows = [run.num_rows for run in runs]  # a sum over pages: computed once
     base = sum(units)
     wave = device.wave_size
+    if shape.is_latent:
+        wave = device.num_multiprocessors * min(device.blocks_per_multiprocessor, _LATENT_RESIDENT_PER_MULTIPROCESSOR)
     longest = max(run_rows)
     min_chunk = max(page_size, math.ceil(device.min_rows_per_partition / page_size) * page_size)
     if longest < 2 * min_chunk:
