@@ -4,7 +4,8 @@
 # (docs/configuration.md), so the defaults change only after a measurement.
 #   1. latent (MLA) kernel launch sweep: tile rows, stages, warps, head-pairs per program
 #   2. cascade with 16-pair tiles instead of 64
-#   3. GQA launch order with a piece's KV heads side by side, and tile sizes at page 32 (the page-32 gap)
+#   3. GQA launch order (a piece's KV heads side by side is the default), and tile sizes at page 32
+#   Results of the last run: docs/benchmarks.md ("Second round" sections).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/segkv-gpu-out}
@@ -32,9 +33,9 @@ gqa() {  # $1: label, $2...: decode_attention arguments
 }
 gqa "cascade, 64-pair tiles (default)" --batches 1 --contexts 4096 --shapes llama3-8b --page-sizes 16
 SEGKV_TRITON_BLOCK_M=16 gqa "cascade, 16-pair tiles" --batches 1 --contexts 4096 --shapes llama3-8b --page-sizes 16
-gqa "order: work items fastest (default)" --no-cascade --shapes llama3-8b --page-sizes 16,32 --batches 1,4,16 \
+SEGKV_TRITON_HEADS_FASTEST=0 gqa "order: work items fastest" --no-cascade --shapes llama3-8b --page-sizes 16,32 --batches 1,4,16 \
   --contexts 32768,131072
-SEGKV_TRITON_HEADS_FASTEST=1 gqa "order: heads fastest" --no-cascade --shapes llama3-8b --page-sizes 16,32 \
+gqa "order: heads fastest (default)" --no-cascade --shapes llama3-8b --page-sizes 16,32 \
   --batches 1,4,16 --contexts 32768,131072
 SEGKV_TRITON_BLOCK_N=32 gqa "page 32 with one page per tile (BLOCK_N 32)" --no-cascade --shapes llama3-8b --page-sizes 32 \
   --batches 1,4 --contexts 32768,131072
