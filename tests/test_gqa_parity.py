@@ -30,7 +30,11 @@ def test_prompt_logits_and_greedy_tokens_match_transformers(family, tmp_path, ge
     assert logits.shape == reference.shape
     assert rel_err(logits, reference) < 1e-4
 
-    expected = hf.generate(prompt[None], max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, 40:]
+    # no end-of-sequence id: transformers' greedy argmax over all ids, 32 tokens (min_new_tokens would
+    # mask the EOS id instead, and a prompt whose greedy run reaches it would then differ)
+    hf.generation_config.eos_token_id = None
+    expected = hf.generate(prompt[None], max_new_tokens=32, do_sample=False)[0, 40:]
+    assert len(expected) == 32
     step_logits = [logits[-1]]
     tokens = [int(logits[-1].argmax())]
     for _ in range(31):
