@@ -10,6 +10,7 @@
 #                    followed by scripts/profile_decode.py (batch 1, 1K context)
 #   SEGKV_GPU_TRAIN  non-empty: retrain the built-in models (about 6.5 min) and compare them byte for byte
 #   SEGKV_GPU_SWEEPS non-empty: the expert GEMV launch sweep and the prefill attention launch sweep
+#   SEGKV_GPU_NCU    non-empty: Nsight Compute counters of the stage-1 kernels (scripts/ncu_kernels.sh)
 # Installs pytest from .whl/ (carried) when the machine lacks it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,4 +56,7 @@ fi
 if [ -n "${SEGKV_GPU_SWEEPS:-}" ]; then  # launch sweeps: expert GEMV (decode) and stage-1 attention (prefill)
   python3 scripts/expert_gemv_sweep.py 2>&1 | tee "$OUT/gemv_sweep.txt"
   bash scripts/prefill_sweep.sh 2>&1 | tee "$OUT/prefill_sweep.txt"
+fi
+if [ -n "${SEGKV_GPU_NCU:-}" ]; then  # why a kernel is slow: occupancy, issue rate, stall reasons
+  bash scripts/ncu_kernels.sh
 fi

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Nsight Compute counters of the stage-1 attention kernels (GPU machine): DRAM throughput,
+# registers, resident warps, issue rate and the stall reasons per issued instruction, for one
+# split launch of each. Needs ncu (present on the device machine); clocks are left alone.
+#   usage: bash scripts/ncu_kernels.sh            (results under $OUT/ncu.txt)
+# The latent case is 16 heads, batch 1, 128K (its 2nd launch is the split kernel); the GQA case
+# is Llama-3-8B, batch 4, 32K.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/segkv-gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+metrics=launch__grid_size,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
+metrics=$metrics,launch__registers_per_thread,sm__warps_active.avg.per_cycle_active
+metrics=$metrics,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum
+metrics=$metrics,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active
+for stall in long_scoreboard short_scoreboard wait barrier math_pipe_throttle mio_throttle not_selected \
+             dispatch_stall lg_throttle no_instruction branch_resolving; do
+  metrics="$metrics,smsp__average_warps_issue_stalled_${stall}_per_issue_active.ratio"
+done
+show() { grep -E "_kernel \(|grid_size|duration|dram__|registers|warps_active|issue_active|inst_exec|tensor|stalled" \
+  | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//; s/ +/ /g'; }
+{
+  echo "== latent stage 1: 16 heads, batch 1, 128K"
+  timeout 200 ncu --clock-control none --kernel-name regex:_mla_stage1 --launch-skip 1 --launch-count 1 \
+    --metrics "$metrics" python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 \
+    --contexts 131072 --dtypes bfloat16 --trials 1 2>&1 | show
+  echo "== GQA stage 1: llama3-8b, batch 4, 32K"
+  timeout 200 ncu --clock-control none --kernel-name regex:_stage1_kernel --launch-skip 2 --launch-count 1 \
+    --metrics "$metrics" python3 -m segkv.bench.decode_attention --trials 1 --no-cascade --shapes llama3-8b \
+    --page-sizes 16 --batches 4 --contexts 32768 2>&1 | show
+} | tee "$OUT/ncu.txt"
