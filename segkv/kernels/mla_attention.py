@@ -10,7 +10,6 @@ and the merge follow ``paged_attention`` exactly (float32 throughout, rounded on
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -19,7 +18,7 @@ from segkv.kernels.paged_attention import (
     _INTERPRET,
     LaunchConfig,
     env_int,
-    _maxnreg,
+    maxnreg_option,
     page_index,
     attention_outputs,
     merge_into,
@@ -94,8 +93,8 @@ MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulat
 
 def default_mla_launch_config(*, page_size: int) -> LaunchConfig:
     """BLOCK_N 32 (a 32 x 576 latent tile per pipeline stage, 36 KB in bf16), 16 pairs, 4 warps,
-    2 stages; ``SEGKV_MLA_BLOCK_N``, ``SEGKV_MLA_BLOCK_M``, ``SEGKV_MLA_WARPS`` and
-    ``SEGKV_MLA_STAGES`` override them (tuning runs)."""
+    2 stages, no register cap; ``SEGKV_MLA_BLOCK_N``, ``SEGKV_MLA_BLOCK_M``, ``SEGKV_MLA_WARPS``,
+    ``SEGKV_MLA_STAGES`` and ``SEGKV_MLA_MAXNREG`` override them (tuning runs)."""
     return LaunchConfig(
         block_n=max(page_size, env_int("SEGKV_MLA_BLOCK_N", 32)),
         num_warps=env_int("SEGKV_MLA_WARPS", 4),
@@ -139,7 +138,7 @@ def mla_paged_attention(
             BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), BLOCK_M=block_m, PAGE_SIZE=page_size,
             BLOCK_N=max(page_size, launch.block_n),
             EXACT_FP32=query.dtype == torch.float32 or _INTERPRET,
-            num_warps=launch.num_warps, num_stages=launch.num_stages, **_maxnreg(launch),
+            num_warps=launch.num_warps, num_stages=launch.num_stages, **maxnreg_option(launch),
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)

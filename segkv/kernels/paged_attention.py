@@ -239,8 +239,8 @@ class LaunchConfig:
 
 
 def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
-    """Measured defaults (``docs/benchmarks.md``), overridable by ``SEGKV_TRITON_BLOCK_N``,
-    ``SEGKV_TRITON_WARPS`` and ``SEGKV_TRITON_STAGES``."""
+    """Measured defaults (``docs/benchmarks.md``), overridable by the ``SEGKV_TRITON_*`` variables
+    of ``docs/configuration.md`` (tile, warps, stages, pairs, launch order, register cap)."""
     wide = head_dim > 128
     block_n = env_int("SEGKV_TRITON_BLOCK_N", 32 if wide else 64)
     return LaunchConfig(
@@ -314,14 +314,14 @@ def paged_attention(
             # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
             EXACT_FP32=query.dtype == torch.float32 or _INTERPRET, PREFETCH=launch.prefetch,
             HEADS_FASTEST=launch.heads_fastest,
-            num_warps=num_warps, num_stages=launch.num_stages, **_maxnreg(launch),
+            num_warps=num_warps, num_stages=launch.num_stages, **maxnreg_option(launch),
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
     return out.to(out_dtype), lse
 
 
-def _maxnreg(launch: LaunchConfig) -> dict:
+def maxnreg_option(launch: LaunchConfig) -> dict:
     """The ``maxnreg`` launch option, only when set (older Triton builds lack it)."""
     return {} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}
 
@@ -350,7 +350,7 @@ def attention_outputs(query, dv: int, num_partials: int, out_dtype, poison: bool
     return out, lse, part_out, part_lse
 
 
-# value columns per merge program: 64 measured best for 512-wide latent values at batch 1 (4 to 8
+# value columns per merge program: 64 measured best for 512-wide latent values at batch 1 (8
 # programs per row and head instead of 1) and within 1% of the best for 128-wide GQA values
 MERGE_BLOCK_DV = env_int("SEGKV_MERGE_BLOCK_DV", 64)
 
