@@ -10,7 +10,9 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 history=${1:-16384}
 chunk=${2:-512}
-for config in "64 4 64 2" "64 4 64 3" "128 4 64 2" "128 8 64 2" "128 8 64 3" "128 8 128 2" "64 8 128 2" "128 4 32 3"; do
+# SEGKV_PREFILL_CONFIGS: the "BLOCK_M TALL_WARPS BLOCK_N STAGES" launches to time, comma-separated
+IFS=, read -r -a configs <<< "${SEGKV_PREFILL_CONFIGS:-64 4 64 2,64 4 64 3,128 4 64 2,128 8 64 2,128 8 64 3,128 8 128 2,64 8 128 2,128 4 32 3}"
+for config in "${configs[@]}"; do
   read -r block_m warps block_n stages <<< "$config"
   printf 'BLOCK_M %3s TALL_WARPS %s BLOCK_N %3s STAGES %s: ' "$block_m" "$warps" "$block_n" "$stages"
   SEGKV_TRITON_BLOCK_M=$block_m SEGKV_TRITON_TALL_WARPS=$warps SEGKV_TRITON_BLOCK_N=$block_n \
