@@ -240,12 +240,12 @@ def test_prefill_chunk_over_long_history_keeps_partials_within_the_workspace():
 
 def test_cuda_settings_from_the_environment_are_checked(monkeypatch):
     """``SEGKV_CUDA_*`` overrides: an integer is taken, anything else is a clear error."""
-    from segkv.attention.device import _env_int
+    from segkv.kernels.settings import env_int
 
     monkeypatch.setenv("SEGKV_CUDA_MIN_PARTITION_ROWS", " 128 ")
-    assert _env_int("SEGKV_CUDA_MIN_PARTITION_ROWS", 64) == 128
+    assert env_int("SEGKV_CUDA_MIN_PARTITION_ROWS", 64) == 128
     monkeypatch.setenv("SEGKV_CUDA_MIN_PARTITION_ROWS", "")
-    assert _env_int("SEGKV_CUDA_MIN_PARTITION_ROWS", 64) == 64
+    assert env_int("SEGKV_CUDA_MIN_PARTITION_ROWS", 64) == 64
     monkeypatch.setenv("SEGKV_CUDA_MIN_PARTITION_ROWS", "lots")
     with pytest.raises(ValueError, match="SEGKV_CUDA_MIN_PARTITION_ROWS must be an integer"):
-        _env_int("SEGKV_CUDA_MIN_PARTITION_ROWS", 64)
+        env_int("SEGKV_CUDA_MIN_PARTITION_ROWS", 64)

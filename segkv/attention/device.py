@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from segkv.kernels.settings import env_int
+
 
 # Stage-1 programs per multiprocessor the split planner aims for on CUDA devices (docs/benchmarks.md).
 CUDA_BLOCKS_PER_SM = 3  # stage 1 at (BLOCK_N 64, 4 warps, 2 stages) holds 64 KB of shared memory
@@ -16,17 +18,6 @@ CUDA_MIN_PARTITION_ROWS = 64
 # Float32 split partials (output + LSE) a plan may need; the Triton backend keeps one buffer of
 # this size, so a long history adds no per-step workspace (see DeviceSpec.max_partial_bytes).
 PARTIAL_WORKSPACE_BYTES = 64 << 20
-
-
-def _env_int(name: str, default: int) -> int:
-    """An integer setting from the environment, or ``default``; a clear error when it is not one."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,9 +80,9 @@ class DeviceSpec:
         (default ``SEGKV_CUDA_MIN_PARTITION_ROWS``, else one tile) the shortest partition."""
         props = torch.cuda.get_device_properties(index)
         if blocks_per_multiprocessor is None:
-            blocks_per_multiprocessor = _env_int("SEGKV_CUDA_BLOCKS_PER_SM", CUDA_BLOCKS_PER_SM)
+            blocks_per_multiprocessor = env_int("SEGKV_CUDA_BLOCKS_PER_SM", CUDA_BLOCKS_PER_SM)
         if min_rows_per_partition is None:
-            min_rows_per_partition = _env_int("SEGKV_CUDA_MIN_PARTITION_ROWS", CUDA_MIN_PARTITION_ROWS)
+            min_rows_per_partition = env_int("SEGKV_CUDA_MIN_PARTITION_ROWS", CUDA_MIN_PARTITION_ROWS)
         return cls(
             kind="cuda",
             name=props.name,

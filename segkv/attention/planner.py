@@ -196,6 +196,13 @@ def _work_units(rows: int, shape: AttentionShape) -> int:
     return shape.num_kv_heads * max(1, math.ceil(rows * shape.group_size / tile))
 
 
+def _wave(device: DeviceSpec, shape: AttentionShape) -> int:
+    """Stage-1 programs of ``shape`` the device runs at once (latent programs: at most 2 per unit)."""
+    if not shape.is_latent:
+        return device.wave_size
+    return device.num_multiprocessors * min(device.blocks_per_multiprocessor, _LATENT_RESIDENT_PER_MULTIPROCESSOR)
+
+
 def _auto_chunk(
     runs: list[_Run],
     queries: Sequence[SequenceQuery],
@@ -220,9 +227,7 @@ def _auto_chunk(
     units = [_work_units(rows, shape) for rows in query_rows]
     run_rows = [run.num_rows for run in runs]  # a sum over pages: computed once
     base = sum(units)
-    wave = device.wave_size
-    if shape.is_latent:
-        wave = device.num_multiprocessors * min(device.blocks_per_multiprocessor, _LATENT_RESIDENT_PER_MULTIPROCESSOR)
+    wave = _wave(device, shape)
     longest = max(run_rows)
     min_chunk = max(page_size, math.ceil(device.min_rows_per_partition / page_size) * page_size)
     if longest < 2 * min_chunk:

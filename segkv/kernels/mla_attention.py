@@ -17,7 +17,6 @@ import triton.language as tl
 from segkv.kernels.paged_attention import (
     _INTERPRET,
     LaunchConfig,
-    env_int,
     maxnreg_option,
     page_index,
     attention_outputs,
@@ -25,6 +24,7 @@ from segkv.kernels.paged_attention import (
     online_softmax_step,
     store_partials,
 )
+from segkv.kernels.settings import env_int
 
 
 @triton.jit

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from segkv.kernels.settings import env_int
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -254,18 +256,6 @@ def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
         heads_fastest=env_int("SEGKV_TRITON_HEADS_FASTEST", 1) == 1,
         maxnreg=env_int("SEGKV_TRITON_MAXNREG", None),
     )
-
-
-def env_int(name: str, default: int | None) -> int | None:
-    """An integer launch override from the environment (``default`` when unset); anything else is
-    a clear error naming the variable."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
 def paged_attention(
