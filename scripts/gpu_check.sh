@@ -3,7 +3,7 @@
 # Uses the machine's own python3 (torch + triton); segkv runs from the working tree.
 #   SEGKV_GPU_TESTS  pytest -k expression for the kernel tests ("" = the full grid, about an hour)
 #   SEGKV_GPU_TUNE   partition-count sweep cases, e.g. 1x131072,4x32768 (empty: skip), run for each
-#                    SEGKV_GPU_LAUNCHES entry BLOCK_N,WARPS,STAGES[,PREFETCH]
+#                    SEGKV_GPU_LAUNCHES entry BLOCK_N,WARPS,STAGES
 #   SEGKV_GPU_BENCH  arguments for segkv.bench.decode_attention ("skip" to skip)
 #   SEGKV_GPU_MLA_BENCH  arguments for segkv.bench.mla_decode ("skip" to skip)
 #   SEGKV_GPU_E2E    arguments for segkv.bench.decode_e2e, e.g. "--models llama-3.1-8b --skip-hf" (empty: skip),

@@ -27,7 +27,7 @@ from segkv.attention.device import DeviceSpec  # noqa: E402
 from segkv.engine import LLM  # noqa: E402
 from segkv.runner.model_runner import StepInput  # noqa: E402
 
-H200_LIKE = DeviceSpec(kind="cuda", name="H200-like", num_multiprocessors=132, blocks_per_multiprocessor=3,
+H200_LIKE = DeviceSpec(kind="cuda", name="H200-like", num_multiprocessors=132, blocks_per_multiprocessor=2,
                        min_rows_per_partition=256, max_partitions=256, max_query_rows_per_work=64,
                        partition_overhead_rows=256)
 

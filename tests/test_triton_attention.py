@@ -243,17 +243,18 @@ def test_cuda_graph_replays_a_new_plan(gen):
 
 
 @pytest.mark.parametrize("route", ["split", "cascade"] if not GPU else ROUTES)
-def test_software_pipelined_kernel_matches_the_reference(route, gen):
+def test_kernel_matches_the_reference_at_every_pipeline_depth(route, gen):
+    """1, 2 and 3 pipeline stages (3: two K/V buffers, page indices carried one block ahead), over
+    pieces that end inside a tile and on a tile boundary."""
     from segkv.kernels.paged_attention import LaunchConfig
 
-    for rows, page_size, block_n in ((1, 16, 16), (5, 16, 64), (17, 32, 64)):
+    for (rows, page_size, block_n), stages in itertools.product(((1, 16, 16), (5, 16, 64), (17, 32, 64)), (1, 2, 3)):
         batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=page_size, ratio=4, head_dim=64, rows=rows)
         plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=page_size, route=route,
                               num_partitions=3 if route == "split" else None)
         storage = batch.cache.storage
         args = (batch.query, storage.key_cache(0), storage.value_cache(0))
-        tb = TritonBackend(page_size=page_size, device=DEVICE, poison=True,
-                           launch=LaunchConfig(block_n, 4, 1, prefetch=True))
+        tb = TritonBackend(page_size=page_size, device=DEVICE, poison=True, launch=LaunchConfig(block_n, 4, stages))
         out, lse = tb.run(tb.prepare(plan), *args, scale=batch.scale)
         rb = TorchReferenceBackend(page_size=page_size, device=DEVICE)
         ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=batch.scale)

@@ -11,7 +11,7 @@ from segkv.kernels.settings import env_int
 
 
 # Stage-1 programs per multiprocessor the split planner aims for on CUDA devices (docs/benchmarks.md).
-CUDA_BLOCKS_PER_SM = 3  # stage 1 at (BLOCK_N 64, 4 warps, 2 stages) holds 64 KB of shared memory
+CUDA_BLOCKS_PER_SM = 2  # stage 1 at (BLOCK_N 64, 4 warps, 3 stages): about 204 registers, 72 KB of shared memory
 # Fewest KV rows per partition on CUDA: one BLOCK_N tile. Short contexts at small batches then
 # still fill the device (4 programs of 272 rows left a 1K-context decode step latency-bound).
 CUDA_MIN_PARTITION_ROWS = 64

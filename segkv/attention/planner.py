@@ -37,9 +37,9 @@ ROUTE_ENV = "SEGKV_ATTENTION_ROUTE"
 _TILE_ROWS = 64
 _LATENT_TILE_ROWS = 16
 # Latent programs hold a 16 x 512 float32 accumulator and use all 255 registers per thread, so
-# at most 2 are resident per multiprocessor (Nsight Compute on the H200), against 3 GQA programs:
-# a latent wave is smaller, and a split that overfills it (128 heads x batch 32 at 2K: 3
-# partitions, 1.35x slower than one) no longer looks free.
+# at most 2 are resident per multiprocessor (Nsight Compute on the H200) whatever the device spec
+# says: a split that overfills that wave (128 heads x batch 32 at 2K: 3 partitions, 1.35x slower
+# than one) must not look free.
 _LATENT_RESIDENT_PER_MULTIPROCESSOR = 2
 
 
