@@ -2,10 +2,9 @@
 # Open questions of the kernels, measured in one go on the GPU machine (about 6 minutes);
 # results under $OUT. Each experiment is a few quick benchmark runs under environment overrides
 # (docs/configuration.md), so the defaults change only after a measurement.
-#   Pipelining of the stage-1 loops: with the page indices carried one block ahead, 3 pipeline
-#   stages give two K/V (or latent) buffers and a wait that leaves the next tile in flight during
-#   this tile's products (2 stages: one buffer, the load fully exposed). Compared: 2 stages,
-#   3 stages, and the register prefetch path, for GQA decode, the cascade and latent decode.
+#   After the pipelined stage-1 loops (page indices carried one block ahead, 3 stages, 2 programs
+#   per SM): the GQA grid at the new defaults, 4 stages (three K/V buffers) at batch 16, the
+#   prefill chunk at 2 and 3 stages, the latent grid, and whole-model decode.
 #   The Triton IR of each variant is checked for the number of buffers and the wait depth.
 # Results of earlier runs: docs/benchmarks.md.
 set -uo pipefail
@@ -27,24 +26,25 @@ ir() {  # $1: cache dir; each stage-1 kernel's K/V buffers, in-loop waits, regis
   done
 }
 
-gqa() {  # $1: label; environment set by the caller
+gqa() {  # $1: label, $2: batches, $3: contexts, $4: shapes; environment set by the caller
   echo "== gqa $1" | tee -a "$log"
   export TRITON_CACHE_DIR=/tmp/tc_$RANDOM
-  timeout 150 python3 -m segkv.bench.decode_attention --trials 3 --batches 1,4,16 --contexts 32768 \
-    --shapes llama3-8b --page-sizes 16 2>&1 | grep -E "^\[|^cascade|Error" | tee -a "$log"
+  timeout 240 python3 -m segkv.bench.decode_attention --trials 3 --batches "$2" --contexts "$3" \
+    --shapes "$4" --page-sizes 16 2>&1 | grep -E "^\[|^cascade|Error" \
+    | sed 's/sdpa_efficient=[^ ]*//; s/single=[^ ]*//' | tee -a "$log"
   ir "$TRITON_CACHE_DIR" | tee -a "$log"
 }
-SEGKV_TRITON_CARRY=0 gqa "indices in the block's own iteration, 2 stages (before)"
-gqa "carried indices, 2 stages"
-SEGKV_TRITON_STAGES=3 gqa "carried indices, 3 stages"
-SEGKV_TRITON_STAGES=3 SEGKV_TRITON_MAXNREG=168 gqa "carried indices, 3 stages, at most 168 registers"
-SEGKV_TRITON_STAGES=3 SEGKV_CUDA_BLOCKS_PER_SM=2 gqa "carried indices, 3 stages, planner wave 2 per SM"
+gqa "defaults" 1,4,16 16384,32768,65536,131072 llama3-8b,llama3-70b
+SEGKV_TRITON_STAGES=4 gqa "4 stages" 4,16 32768,131072 llama3-8b
 
-mla() {  # $1: label; environment set by the caller
-  echo "== mla $1" | tee -a "$log"
-  export TRITON_CACHE_DIR=/tmp/tc_$RANDOM
-  timeout 120 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1,8 \
-    --contexts 131072 --dtypes bfloat16 --trials 3 2>&1 | grep -E "^\[|slower|Error" | tee -a "$log"
-  ir "$TRITON_CACHE_DIR" | tee -a "$log"
-}
-SEGKV_MLA_STAGES=3 mla "3 stages"
+echo "== prefill" | tee -a "$log"
+SEGKV_PREFILL_CONFIGS="64 4 64 3,64 4 64 2,64 4 32 3,64 4 32 4" bash scripts/prefill_sweep.sh 2>&1 | tee -a "$log"
+
+echo "== mla defaults" | tee -a "$log"
+timeout 200 python3 -m segkv.bench.mla_decode --skip-layer --heads 16,128 --batches 1,2,8,32 \
+  --contexts 2048,8192,32768,131072 --dtypes bfloat16 --trials 3 2>&1 | grep -E "^\[|slower|Error" \
+  | sed 's/max_rel_err=[^ ]*//' | tee -a "$log"
+
+echo "== end to end" | tee -a "$log"
+timeout 200 python3 -m segkv.bench.decode_e2e --models llama-3.1-8b,deepseek-v2-lite --batches 1,8 --contexts 1K,16K \
+  --skip-hf 2>&1 | grep -E "^\[" | tee -a "$log"

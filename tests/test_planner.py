@@ -207,6 +207,18 @@ def test_latent_waves_count_two_resident_programs_per_multiprocessor():
     assert plan_attention([seq(32768)], GQA, H200, page_size=PS).num_partitions == 49  # GQA waves unchanged
 
 
+def test_a_split_estimated_dearer_than_one_pass_is_never_chosen():
+    """128 latent heads x batch 32 at 32K: 256 programs leave 8 of a 264-program wave idle, and 4
+    partitions (4 waves) came within 3% of the best estimate but cost more than one pass (measured
+    3% slower on the H200). The near-tie preference for more partitions stops at one pass's cost."""
+    spec = DeviceSpec(kind="cuda", name="h200", num_multiprocessors=132, blocks_per_multiprocessor=2,
+                      min_rows_per_partition=64, max_partitions=256, partition_overhead_rows=256)
+    plan = plan_attention([seq(32768) for _ in range(32)], MLA, spec, page_size=PS)
+    assert plan.route == Route.SINGLE and plan.num_partitions == 1
+    # batch 8 leaves most of the wave idle: the split is far cheaper and still chosen
+    assert plan_attention([seq(32768) for _ in range(8)], MLA, spec, page_size=PS).route == Route.SPLIT
+
+
 def test_short_context_small_batch_splits_down_to_one_tile():
     """1K rows at batch 1: partitions as short as the device spec allows, so the 8 KV heads'
     programs fill more of the device (4 partitions of 256+ rows left it latency-bound)."""
