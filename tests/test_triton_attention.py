@@ -19,6 +19,7 @@ from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 
 import triton  # noqa: E402,F401  (a test dependency: the kernels must run in CI, never skip)
 
+from segkv.attention.merge import merge_partials  # noqa: E402
 from segkv.attention.triton_backend import TritonBackend  # noqa: E402
 
 GPU = torch.cuda.is_available()
@@ -262,7 +263,7 @@ def test_kernel_matches_the_reference_at_every_pipeline_depth(route, gen):
 
 
 def test_merge_of_many_partials_per_row(gen):
-    """More partials per row than the merge kernel reads at once (blocks of 32)."""
+    """More partials per row than the merge kernel reads at once (blocks of 64)."""
     layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
     cache = PagedKVCache(layout, CacheConfig(page_size=16, num_pages=160), device=DEVICE)
     chains = [cache.new_chain() for _ in range(2)]
@@ -277,6 +278,41 @@ def test_merge_of_many_partials_per_row(gen):
     q = torch.randn(4, 8, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
     check(*triton_and_reference(plan, q, cache.storage.key_cache(0), cache.storage.value_cache(0), page_size=16,
                                 scale=0.125, device=DEVICE))
+
+
+def test_merge_kernel_folds_blocks_of_partials_exactly(gen):
+    """The one-pass merge against the contract's formula (``merge_partials``) on synthetic partials:
+    rows of 150 partials (three blocks of 64) whose first block is all empty, whose last is, whose
+    live LSEs span 80 nats (the running maximum grows across blocks and earlier sums are rescaled),
+    a row of 64 empties, and a row with no partials. Empty partials hold NaN outputs: weight 0."""
+    from segkv.kernels.paged_attention import merge_into
+
+    heads, dim = 3, 96
+    counts = [150, 150, 150, 64, 0, 2]
+    num = sum(counts)
+    lse = (torch.rand(num, heads, generator=gen) * 80 - 40).to(DEVICE)
+    part_out = torch.randn(num, heads, dim, generator=gen).to(DEVICE)
+    rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(DEVICE)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    lse[starts[0]:starts[0] + 64] = float("-inf")  # row 0: first block empty
+    lse[starts[1] + 128:starts[1] + 150] = float("-inf")  # row 1: last block empty
+    lse[starts[2]:starts[2] + 150] = torch.linspace(-40, 40, 150, device=DEVICE)[:, None]  # row 2: max rises
+    lse[starts[3]:starts[3] + 64] = float("-inf")  # row 3: nothing visible
+    part_out[torch.isneginf(lse)] = float("nan")
+    order = torch.randperm(num, generator=gen).to(DEVICE)  # partial ids in the CSR are not contiguous
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(num, device=DEVICE)
+    reduce_ptr = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int32, device=DEVICE)
+    reduce_partials = inverse.to(torch.int32)  # row r's CSR entries name where its partials now live
+    out = torch.full((len(counts), heads, dim), float("nan"), device=DEVICE)
+    out_lse = torch.full((len(counts), heads), float("nan"), device=DEVICE)
+    merge_into(out, out_lse, part_out[order].contiguous(), lse[order].contiguous(), reduce_ptr, reduce_partials)
+    ref, ref_lse = merge_partials(torch.nan_to_num(part_out), lse, rows, len(counts))
+    live = [0, 1, 2, 5]
+    assert not torch.isnan(out).any() and not torch.isnan(out_lse).any()
+    torch.testing.assert_close(out[live], ref[live], rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(out_lse[live], ref_lse[live], rtol=1e-6, atol=1e-5)
+    assert (out[3:5] == 0).all() and torch.isneginf(out_lse[3:5]).all()
 
 
 def test_merge_splits_value_columns_over_programs(gen, monkeypatch):
