@@ -2,10 +2,10 @@
 # Open questions of the kernels, measured in one go on the GPU machine (about 6 minutes);
 # results under $OUT. Each experiment is a few quick benchmark runs under environment overrides
 # (docs/configuration.md), so the defaults change only after a measurement.
-#   Programmatic dependent launch (SEGKV_TRITON_PDL, 1 = on): the merge (and the next stage 1)
-#   scheduled while the kernel before it finishes, waiting in-kernel for its results. Off/on for
-#   GQA and latent decode and whole-model decode; then the GPU tests of the touched kernels
-#   (a slice of the kernel grids, every other kernel test, CUDA graphs with PDL inside).
+#   After the pipelined stage-1 loops (page indices carried one block ahead, 3 stages, 2 programs
+#   per SM): the GQA grid at the new defaults, 4 stages (three K/V buffers) at batch 16, the
+#   prefill chunk at 2 and 3 stages, the latent grid, and whole-model decode.
+#   The Triton IR of each variant is checked for the number of buffers and the wait depth.
 # Results of earlier runs: docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,25 +34,17 @@ gqa() {  # $1: label, $2: batches, $3: contexts, $4: shapes; environment set by 
     | sed 's/sdpa_efficient=[^ ]*//; s/single=[^ ]*//' | tee -a "$log"
   ir "$TRITON_CACHE_DIR" | tee -a "$log"
 }
-for pdl in 0 1; do
-  SEGKV_TRITON_PDL=$pdl gqa "PDL $pdl" 1,4,16 32768,131072 llama3-8b
-done
-mla() {  # $1: label; environment set by the caller
-  echo "== mla $1" | tee -a "$log"
-  timeout 120 python3 -m segkv.bench.mla_decode --skip-layer --heads 16,128 --batches 1,8 \
-    --contexts 32768,131072 --dtypes bfloat16 --trials 3 2>&1 | grep -E "^\[|slower|Error" \
-    | sed 's/max_rel_err=[^ ]*//; s/ torch_default=[^ ]*//' | tee -a "$log"
-}
-for pdl in 0 1; do SEGKV_TRITON_PDL=$pdl mla "PDL $pdl"; done
-for pdl in 0 1; do
-  echo "== end to end, PDL $pdl" | tee -a "$log"
-  SEGKV_TRITON_PDL=$pdl timeout 150 python3 -m segkv.bench.decode_e2e --models llama-3.1-8b,deepseek-v2-lite --batches 1 \
-    --contexts 1K,16K --skip-hf 2>&1 | grep -E "^\[" | tee -a "$log"
-done
-if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
-echo "== GPU tests (PDL on)" | tee -a "$log"
-timeout 330 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_mla.py tests/test_cuda_graphs.py \
-  -k "not (kernels_match_the_reference or latent_kernel_matches) or (kernels_match_the_reference and bf16 and 128) or (latent_kernel_matches and bf16)" 2>&1 | tail -15 | tee -a "$log"
+gqa "defaults" 1,4,16 16384,32768,65536,131072 llama3-8b,llama3-70b
+SEGKV_TRITON_STAGES=4 gqa "4 stages" 4,16 32768,131072 llama3-8b
+
+echo "== prefill" | tee -a "$log"
+SEGKV_PREFILL_CONFIGS="64 4 64 3,64 4 64 2,64 4 32 3,64 4 32 4" bash scripts/prefill_sweep.sh 2>&1 | tee -a "$log"
+
+echo "== mla defaults" | tee -a "$log"
+timeout 200 python3 -m segkv.bench.mla_decode --skip-layer --heads 16,128 --batches 1,2,8,32 \
+  --contexts 2048,8192,32768,131072 --dtypes bfloat16 --trials 3 2>&1 | grep -E "^\[|slower|Error" \
+  | sed 's/max_rel_err=[^ ]*//' | tee -a "$log"
+
+echo "== end to end" | tee -a "$log"
+timeout 200 python3 -m segkv.bench.decode_e2e --models llama-3.1-8b,deepseek-v2-lite --batches 1,8 --contexts 1K,16K \
+  --skip-hf 2>&1 | grep -E "^\[" | tee -a "$log"

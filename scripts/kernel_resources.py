@@ -38,10 +38,10 @@ def kernel_and_constants(kind: str, block_n: int, block_m: int, page_size: int) 
     if kind == "gqa":
         return paged_attention._stage1_kernel, {"Q": "*bf16", "K": "*bf16", "V": "*bf16"}, dict(
             GROUP=4, DK=128, DV=128, BLOCK_M=block_m, BLOCK_DK=128, BLOCK_DV=128, PAGE_SIZE=page_size,
-            BLOCK_N=block_n, EXACT_FP32=False, HEADS_FASTEST=True, USE_PDL=False)
+            BLOCK_N=block_n, EXACT_FP32=False, HEADS_FASTEST=True)
     return mla_attention._mla_stage1_kernel, {"Q": "*bf16", "LAT": "*bf16"}, dict(
         RANK=512, ROPE=64, BLOCK_R=512, BLOCK_ROPE=64, BLOCK_M=block_m, PAGE_SIZE=page_size, BLOCK_N=block_n,
-        EXACT_FP32=False, USE_PDL=False)
+        EXACT_FP32=False)
 
 
 def compile_for_sm90(fn, pointers: dict, constants: dict, *, warps: int, stages: int, maxnreg: int | None) -> dict:

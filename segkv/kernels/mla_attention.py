@@ -18,7 +18,6 @@ from segkv.kernels.paged_attention import (
     _INTERPRET,
     LaunchConfig,
     maxnreg_option,
-    pdl_options,
     page_index,
     attention_outputs,
     merge_into,
@@ -38,7 +37,6 @@ def _mla_stage1_kernel(
     scale, num_heads,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
     """One program: ``BLOCK_M`` (query row, head) pairs of one work item, scanning its piece
     ``BLOCK_N`` latent rows at a time with an online softmax in float32."""
@@ -56,9 +54,6 @@ def _mla_stage1_kernel(
     partial = p0 + tl.where(valid, r, 0)
     qrow = tl.load(partial_row + partial, mask=valid, other=0).to(tl.int64)
     offset = tl.load(partial_offset + partial, mask=valid, other=-1)
-    if USE_PDL:  # plan indices are the host's; queries, latent rows and outputs wait for the kernel before
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     offs_r = tl.arange(0, BLOCK_R)
     offs_e = tl.arange(0, BLOCK_ROPE)
     r_ok = offs_r < RANK
@@ -148,7 +143,7 @@ def mla_paged_attention(
             BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), BLOCK_M=block_m, PAGE_SIZE=page_size,
             BLOCK_N=max(page_size, launch.block_n),
             EXACT_FP32=query.dtype == torch.float32 or _INTERPRET,
-            num_warps=launch.num_warps, num_stages=launch.num_stages, **maxnreg_option(launch), **pdl_options(query),
+            num_warps=launch.num_warps, num_stages=launch.num_stages, **maxnreg_option(launch),
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)

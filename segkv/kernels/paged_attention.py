@@ -8,7 +8,6 @@ merge kernel, so results equal float32 attention over the whole history rounded 
 from __future__ import annotations
 
 import os
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +91,7 @@ def _stage1_kernel(
     scale,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (``BLOCK_N / PAGE_SIZE`` pages) at a time with
@@ -121,9 +120,6 @@ def _stage1_kernel(
     partial = p0 + tl.where(valid, r, 0)
     qrow = tl.load(partial_row + partial, mask=valid, other=0).to(tl.int64)
     offset = tl.load(partial_offset + partial, mask=valid, other=-1)
-    if USE_PDL:  # plan indices are the host's; queries, K/V and the outputs wait for the kernel before
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     dk_ok = offs_dk < DK
@@ -167,7 +163,7 @@ def _stage1_kernel(
 def _merge_kernel(
     PART_OUT, PART_LSE, OUT, OUT_LSE, reduce_ptr, reduce_partials,
     stride_pp, stride_ph, stride_lp, stride_or, stride_oh, stride_lr,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """One program per (query row, head, ``BLOCK_DV`` value columns): the exact merge of its
     partials, rounded once. Rows without partials get 0 and LSE -inf; rows with exactly one were
@@ -186,8 +182,6 @@ def _merge_kernel(
         return
     offs = cb * BLOCK_DV + tl.arange(0, BLOCK_DV)
     col_ok = offs < DV
-    if USE_PDL:  # launched while stage 1 finishes: its partials are complete after the wait
-        tl.extra.cuda.gdc_wait()
     offs_p = tl.arange(0, BLOCK_P)
     m = tl.full([BLOCK_P], float("-inf"), tl.float32)  # running maximum (all lanes equal)
     total = tl.zeros([BLOCK_P], tl.float32)
@@ -306,34 +300,11 @@ def paged_attention(
             # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
             EXACT_FP32=query.dtype == torch.float32 or _INTERPRET,
             HEADS_FASTEST=launch.heads_fastest,
-            num_warps=num_warps, num_stages=launch.num_stages, **maxnreg_option(launch), **pdl_options(query),
+            num_warps=num_warps, num_stages=launch.num_stages, **maxnreg_option(launch),
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
     return out.to(out_dtype), lse
-
-
-@functools.lru_cache(maxsize=None)
-def pdl_supported(device_index: int) -> bool:
-    """Programmatic dependent launch (Hopper and later, a Triton with ``launch_pdl``): a kernel may
-    be scheduled while the one before it in the stream finishes, and waits (``gdc_wait``) before
-    touching what that one wrote. ``SEGKV_TRITON_PDL=0`` turns it off."""
-    if _INTERPRET or env_int("SEGKV_TRITON_PDL", 1) != 1 or not torch.cuda.is_available():
-        return False
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-        from triton.language.extra import cuda as tl_cuda
-    except ImportError:
-        return False
-    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
-    return ("launch_pdl" in fields and hasattr(tl_cuda, "gdc_wait")
-            and torch.cuda.get_device_capability(device_index)[0] >= 9)
-
-
-def pdl_options(tensor: torch.Tensor) -> dict:
-    """``launch_pdl`` and the kernels' ``USE_PDL`` constexpr for a launch on ``tensor``'s device."""
-    on = tensor.is_cuda and pdl_supported(tensor.device.index or 0)
-    return {"launch_pdl": True, "USE_PDL": True} if on else {"USE_PDL": False}
 
 
 def maxnreg_option(launch: LaunchConfig) -> dict:
@@ -380,7 +351,7 @@ def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> Non
         out.stride(0), out.stride(1), lse.stride(0),
         # 64 partials per step: a GQA decode row's partials (33 on the H200) in one step, a
         # 256-way latent split in four
-        DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, **pdl_options(out),
+        DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64,
     )
 
 
