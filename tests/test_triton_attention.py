@@ -383,3 +383,15 @@ def test_launch_overrides_from_the_environment(monkeypatch):
     monkeypatch.setenv("SEGKV_TRITON_STAGES", "two")
     with pytest.raises(ValueError, match="SEGKV_TRITON_STAGES"):
         default_launch_config(head_dim=128, page_size=16)
+
+
+def test_pipeline_stages_shrink_to_fit_shared_memory():
+    """Two K/V buffers of float32 64 x 256-wide tiles (256 KB) do not fit a Hopper program's shared
+    memory (227 KB): those launches keep one buffer; bf16 tiles and the latent tiles keep three stages."""
+    from segkv.kernels.paged_attention import stages_that_fit
+
+    assert stages_that_fit(3, 64 * (256 + 256) * 4) == 2  # float32, head_dim 256, page 64
+    assert stages_that_fit(3, 64 * (256 + 256) * 2) == 3  # bf16, same tile
+    assert stages_that_fit(3, 32 * 576 * 4) == 3  # float32 latent rows, 32 per tile
+    assert stages_that_fit(3, 64 * 576 * 4) == 2  # float32 latent rows, page 64
+    assert stages_that_fit(2, 1) == 2 and stages_that_fit(3, 10**9) == 1

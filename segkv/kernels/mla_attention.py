@@ -19,6 +19,7 @@ from segkv.kernels.paged_attention import (
     LaunchConfig,
     maxnreg_option,
     page_index,
+    stages_that_fit,
     attention_outputs,
     merge_into,
     online_softmax_step,
@@ -131,6 +132,7 @@ def mla_paged_attention(
         launch = launch or default_mla_launch_config(page_size=page_size)
         block_m = max(16, min(launch.block_m, triton.next_power_of_2(max_work_rows * num_heads)))
         grid = (triton.cdiv(max_work_rows * num_heads, block_m), num_work)
+        block_n = max(page_size, launch.block_n)
         _mla_stage1_kernel[grid](
             query, latent_cache, part_out, part_lse, out, lse,
             page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start,
@@ -141,9 +143,10 @@ def mla_paged_attention(
             scale, num_heads,
             RANK=rank, ROPE=rope, BLOCK_R=max(16, triton.next_power_of_2(rank)),
             BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), BLOCK_M=block_m, PAGE_SIZE=page_size,
-            BLOCK_N=max(page_size, launch.block_n),
+            BLOCK_N=block_n,
             EXACT_FP32=query.dtype == torch.float32 or _INTERPRET,
-            num_warps=launch.num_warps, num_stages=launch.num_stages, **maxnreg_option(launch),
+            num_warps=launch.num_warps, **maxnreg_option(launch),
+            num_stages=stages_that_fit(launch.num_stages, block_n * width * latent_cache.element_size()),
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)

@@ -285,6 +285,7 @@ def paged_attention(
                               triton.next_power_of_2(max_work_rows * group)))
         num_warps = launch.tall_warps if block_m >= 64 else launch.num_warps
         blocks = triton.cdiv(max_work_rows * group, block_m)
+        block_n = max(page_size, launch.block_n)
         grid = (num_kv, num_work, blocks) if launch.heads_fastest else (num_work, num_kv, blocks)
         _stage1_kernel[grid](
             query, key_cache, value_cache, part_out, part_lse, out, lse,
@@ -296,15 +297,28 @@ def paged_attention(
             lse.stride(0),
             scale,
             GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
-            BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=max(page_size, launch.block_n),
+            BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
             # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
             EXACT_FP32=query.dtype == torch.float32 or _INTERPRET,
             HEADS_FASTEST=launch.heads_fastest,
-            num_warps=num_warps, num_stages=launch.num_stages, **maxnreg_option(launch),
+            num_warps=num_warps, **maxnreg_option(launch),
+            num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * key_cache.element_size()),
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
     return out.to(out_dtype), lse
+
+
+# Shared memory the pipelined K/V (latent) buffers may take: Hopper gives a program up to 227 KB,
+# and the kernels keep some for the queries and layout conversions.
+PIPELINE_SHARED_BYTES = 192 * 1024
+
+
+def stages_that_fit(num_stages: int, tile_bytes: int) -> int:
+    """At most ``num_stages``, fewer when the ``num_stages - 1`` buffers of one K/V (or latent)
+    tile of ``tile_bytes`` would not fit in shared memory (float32 tiles of 64 rows x 256-wide
+    heads: 128 KB each, so 2 stages, one buffer)."""
+    return max(1, min(num_stages, 1 + PIPELINE_SHARED_BYTES // max(tile_bytes, 1)))
 
 
 def maxnreg_option(launch: LaunchConfig) -> dict:
