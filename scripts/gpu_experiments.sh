@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Open questions of the kernels, measured in one go on the GPU machine (about 8 minutes);
+# Open questions of the kernels, measured in one go on the GPU machine (about 7 minutes);
 # results under $OUT/experiments.txt. Defaults change only after a measurement.
-#   Partition counts around the planner's choice with the pipelined kernel (does the preference
-#   for more partitions among estimates within 3% still pay?), then the full GPU grids of the
-#   GQA and latent kernels and the CUDA-graph tests (every route, dtype, page size, ratio, width).
-# Results of earlier runs: docs/benchmarks.md.
+#   1. The GQA grid (8B and 70B shapes) with the planner's cheapest-estimate rule: batch 4 / 128K
+#      should take 8 partitions (0.494 ms in the sweep, against 0.517 for 33) and batch 16 two.
+#   2. The latent rows whose plan that rule changed (16 heads x batch 32, 128 heads x batch 2/8/32
+#      at 128K), split against one pass.
+#   3. Whole-model decode at batch 1/8/32 with the pipelined kernels and the one-pass merge.
+# Results of earlier runs: docs/benchmarks.md ("Third round" sections).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/segkv-gpu-out}
@@ -13,13 +15,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 log="$OUT/experiments.txt"
 : > "$log"
 
-echo "== partition sweeps" | tee -a "$log"
-timeout 200 python3 -m segkv.bench.decode_attention --tune 16x16384,16x32768,16x131072,4x16384,4x131072,1x32768 \
-  --launch 64,4,3 --trials 3 2>&1 | grep "^tune" | sed 's/p[0-9]*_head=[^ ]* //g' | tee -a "$log"
-if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
-echo "== GPU tests: full kernel grids and CUDA graphs" | tee -a "$log"
-timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_mla.py \
-  tests/test_cuda_graphs.py 2>&1 | tail -15 | tee -a "$log"
+echo "== gqa grid" | tee -a "$log"
+timeout 240 python3 -m segkv.bench.decode_attention --trials 3 --batches 1,4,16 --contexts 16384,32768,65536,131072 \
+  --shapes llama3-8b,llama3-70b --page-sizes 16 2>&1 | grep -E "^\[|^cascade|Error" \
+  | sed 's/sdpa_efficient=[^ ]*//; s/single=[^ ]*//' | tee -a "$log"
+
+echo "== latent rows the planner rule changed" | tee -a "$log"
+timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 16,128 --batches 2,8,32 --contexts 131072 \
+  --dtypes bfloat16 --trials 3 2>&1 | grep -E "^\[|slower|Error" | sed 's/max_rel_err=[^ ]*//' | tee -a "$log"
+
+echo "== end to end" | tee -a "$log"
+timeout 200 python3 -m segkv.bench.decode_e2e --models llama-3.1-8b,deepseek-v2-lite --batches 1,8,32 --contexts 1K,16K \
+  --skip-hf 2>&1 | grep -E "^\[" | tee -a "$log"
