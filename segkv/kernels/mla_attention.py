@@ -110,6 +110,22 @@ def default_mla_launch_config(*, page_size: int) -> LaunchConfig:
     )
 
 
+def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size: int, max_work_rows: int,
+                      element_size: int, launch: LaunchConfig | None = None) -> dict:
+    """The latent stage-1 kernel's constexprs and launch options for a plan of this shape (pipeline
+    stages shrunk to what fits in shared memory); ``launch`` defaults to :func:`default_mla_launch_config`."""
+    launch = launch or default_mla_launch_config(page_size=page_size)
+    block_n = max(page_size, launch.block_n)
+    return dict(
+        RANK=rank, ROPE=rope, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        BLOCK_ROPE=max(16, triton.next_power_of_2(rope)),
+        BLOCK_M=max(16, min(launch.block_m, triton.next_power_of_2(max_work_rows * num_heads))),
+        PAGE_SIZE=page_size, BLOCK_N=block_n, EXACT_FP32=dtype == torch.float32 or _INTERPRET,
+        num_warps=launch.num_warps, **maxnreg_option(launch),
+        num_stages=stages_that_fit(launch.num_stages, block_n * (rank + rope) * element_size),
+    )
+
+
 def mla_paged_attention(
     *, query, latent_cache, rank, page_table, page_rows, page_key_start, piece_page_start, work_piece,
     work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
@@ -129,10 +145,9 @@ def mla_paged_attention(
     out, lse, part_out, part_lse = attention_outputs(query, rank, num_partials, out_dtype, poison, workspace)
     num_work = work_piece.numel()
     if num_work and num_partials:
-        launch = launch or default_mla_launch_config(page_size=page_size)
-        block_m = max(16, min(launch.block_m, triton.next_power_of_2(max_work_rows * num_heads)))
-        grid = (triton.cdiv(max_work_rows * num_heads, block_m), num_work)
-        block_n = max(page_size, launch.block_n)
+        meta = mla_stage1_launch(dtype=query.dtype, rank=rank, rope=rope, num_heads=num_heads, page_size=page_size,
+                                 max_work_rows=max_work_rows, element_size=latent_cache.element_size(), launch=launch)
+        grid = (triton.cdiv(max_work_rows * num_heads, meta["BLOCK_M"]), num_work)
         _mla_stage1_kernel[grid](
             query, latent_cache, part_out, part_lse, out, lse,
             page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start,
@@ -140,13 +155,7 @@ def mla_paged_attention(
             query.stride(0), query.stride(1), latent_cache.stride(0), latent_cache.stride(1),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
             lse.stride(0),
-            scale, num_heads,
-            RANK=rank, ROPE=rope, BLOCK_R=max(16, triton.next_power_of_2(rank)),
-            BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), BLOCK_M=block_m, PAGE_SIZE=page_size,
-            BLOCK_N=block_n,
-            EXACT_FP32=query.dtype == torch.float32 or _INTERPRET,
-            num_warps=launch.num_warps, **maxnreg_option(launch),
-            num_stages=stages_that_fit(launch.num_stages, block_n * width * latent_cache.element_size()),
+            scale, num_heads, **meta,
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)

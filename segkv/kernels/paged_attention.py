@@ -280,13 +280,10 @@ def paged_attention(
     out, lse, part_out, part_lse = attention_outputs(query, dv, num_partials, out_dtype, poison, workspace)
     num_work = work_piece.numel()
     if num_work and num_partials:
-        launch = launch or default_launch_config(head_dim=max(dk, dv), page_size=page_size)
-        block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m,
-                              triton.next_power_of_2(max_work_rows * group)))
-        num_warps = launch.tall_warps if block_m >= 64 else launch.num_warps
-        blocks = triton.cdiv(max_work_rows * group, block_m)
-        block_n = max(page_size, launch.block_n)
-        grid = (num_kv, num_work, blocks) if launch.heads_fastest else (num_work, num_kv, blocks)
+        meta = stage1_launch(dtype=query.dtype, dk=dk, dv=dv, group=group, page_size=page_size,
+                             max_work_rows=max_work_rows, element_size=key_cache.element_size(), launch=launch)
+        blocks = triton.cdiv(max_work_rows * group, meta["BLOCK_M"])
+        grid = (num_kv, num_work, blocks) if meta["HEADS_FASTEST"] else (num_work, num_kv, blocks)
         _stage1_kernel[grid](
             query, key_cache, value_cache, part_out, part_lse, out, lse,
             page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start,
@@ -295,18 +292,30 @@ def paged_attention(
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
             lse.stride(0),
-            scale,
-            GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
-            BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
-            # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
-            EXACT_FP32=query.dtype == torch.float32 or _INTERPRET,
-            HEADS_FASTEST=launch.heads_fastest,
-            num_warps=num_warps, **maxnreg_option(launch),
-            num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * key_cache.element_size()),
+            scale, **meta,
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
     return out.to(out_dtype), lse
+
+
+def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_work_rows: int, element_size: int,
+                  launch: LaunchConfig | None = None) -> dict:
+    """The stage-1 kernel's constexprs and launch options (``num_warps``, ``num_stages``, the
+    register cap) for a plan of this shape: at most 64 (row x head) pairs per program (32 for
+    heads wider than 128), tall programs with ``tall_warps``, and pipeline stages shrunk to what
+    fits in shared memory. ``launch`` defaults to :func:`default_launch_config`."""
+    launch = launch or default_launch_config(head_dim=max(dk, dv), page_size=page_size)
+    block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
+    block_n = max(page_size, launch.block_n)
+    return dict(
+        GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
+        BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
+        # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
+        EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
+        num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
+        num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size), **maxnreg_option(launch),
+    )
 
 
 # Shared memory the pipelined K/V (latent) buffers may take: Hopper gives a program up to 227 KB,

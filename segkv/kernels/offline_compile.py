@@ -1,0 +1,152 @@
+"""Compile the attention kernels for a CUDA target on any machine, no GPU needed.
+
+The installed Triton lowers a kernel for, e.g., Hopper (``sm_90a``) and its bundled ``ptxas``
+assembles it. What comes back answers questions that otherwise cost device time: how many
+shared-memory buffers the pipeliner gave the K/V tiles and whether its in-loop wait leaves the
+next tile in flight (Triton IR), how much shared memory a launch needs (does it fit at all), and
+registers and spills (how many programs fit on a multiprocessor). Triton's IR spelling differs
+between versions; the helpers here accept the spellings of Triton 3.x.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+# plan index arrays (int32) of the stage-1 kernels
+INDEX_ARGS = frozenset({"page_table", "page_rows", "page_key_start", "piece_page_start", "work_piece",
+                        "work_partial_start", "partial_row", "partial_offset", "partial_direct"})
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
+# Hopper: 228 KB of shared memory per multiprocessor, at most 227 KB for one program
+MAX_SHARED_PER_PROGRAM = 227 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class OfflineKernel:
+    """One compiled kernel: its Triton GPU IR, PTX, shared memory (bytes) and, from ``ptxas -v``,
+    registers per thread and spilled bytes (None when no ``ptxas`` ran)."""
+
+    ttgir: str
+    ptx: str
+    shared: int
+    registers: int | None
+    spill_bytes: int | None
+
+    def pipeline_buffers(self, rows: int, cols: int) -> int:
+        """Slots of the largest shared-memory buffer of ``rows x cols`` tiles (K/V or latent):
+        ``memdesc<S x rows x cols x ...>`` in the IR; 0 when there is none."""
+        slots = [int(m) for m in re.findall(rf"memdesc<(\d+)x{rows}x{cols}x", self.ttgir)]
+        return max(slots, default=0)
+
+    def loop_waits(self) -> list[int]:
+        """The ``num`` of every asynchronous-copy wait in the IR, in order (the in-loop wait leaves
+        that many copy groups in flight; 0 waits for everything)."""
+        return [int(n) for n in re.findall(r"async_wait[^\n]*?num\s*=\s*(\d+)", self.ttgir)]
+
+
+def _arg_type(name: str, pointers: dict[str, str]) -> str:
+    if name in pointers:
+        return pointers[name]
+    if name in INDEX_ARGS:
+        return "*i32"
+    if name == "scale":
+        return "fp32"
+    return "i32"
+
+
+def compile_offline(fn, constants: dict, *, pointers: dict[str, str], arch: int = 90, assemble: bool = True
+                    ) -> OfflineKernel:
+    """Compile jit function ``fn`` with ``constants`` (its constexprs plus ``num_warps``,
+    ``num_stages`` and optionally ``maxnreg``, as the launchers' ``*_launch`` helpers return them)
+    for CUDA capability ``arch``. ``pointers`` names the pointer arguments' types (``"*bf16"``);
+    plan index arrays are int32 pointers, ``scale`` a float, everything else an int32; pointers
+    and strides are assumed 16-byte aligned as the JIT specialises them. ``assemble`` runs
+    Triton's ``ptxas -v`` for registers and spills."""
+    options = {k: constants[k] for k in LAUNCH_OPTIONS if k in constants}
+    constexprs = {k: v for k, v in constants.items() if k not in LAUNCH_OPTIONS}
+    names = list(inspect.signature(fn.fn).parameters)
+    signature = {n: "constexpr" if n in constexprs else _arg_type(n, pointers) for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if signature[n].startswith("*") or n.startswith("stride")}
+    target = GPUTarget("cuda", arch, 32)
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, aligned), target=target, options=options)
+    ptx = compiled.asm["ptx"]
+    registers = spills = None
+    if assemble:
+        registers, spills = _ptxas_usage(ptx, arch)
+    return OfflineKernel(compiled.asm["ttgir"], ptx, compiled.metadata.shared, registers, spills)
+
+
+def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
+    """Registers per thread and spilled bytes (stores + loads) from Triton's bundled ``ptxas -v``."""
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = next((os.path.join(bin_dir, n) for n in ("ptxas-blackwell", "ptxas")
+                  if os.path.exists(os.path.join(bin_dir, n))), "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        suffix = "a" if arch >= 90 else ""
+        out = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{suffix}", path, "-o", path + ".o"],
+                             capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(out.stderr.strip()[-400:])
+    registers = int(re.search(r"Used (\d+) registers", out.stderr).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill", out.stderr))
+    return registers, spills
+
+
+def compile_stage1(case: dict) -> tuple[OfflineKernel, dict]:
+    """A stage-1 attention kernel as its launcher would launch it, for one decode-shaped ``case``:
+    ``{"kernel": "gqa" | "latent", "dtype": "bfloat16" | "float16" | "float32", "page_size": int,
+    "rows": query rows per work item, "head_dim": int (gqa), "group": int (gqa, default 4),
+    "heads": int (latent, default 16), "assemble": bool (default False)}``. Returns the compiled
+    kernel and the launch constants used."""
+    import torch
+
+    from segkv.kernels import mla_attention, paged_attention
+
+    dtype = getattr(torch, case["dtype"])
+    element = torch.empty((), dtype=dtype).element_size()
+    t = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    common = {"OUT": "*fp32", "LSE": "*fp32", "FINAL": f"*{t}", "FINAL_LSE": "*fp32"}
+    if case["kernel"] == "gqa":
+        d = case["head_dim"]
+        meta = paged_attention.stage1_launch(dtype=dtype, dk=d, dv=d, group=case.get("group", 4),
+                                             page_size=case["page_size"], max_work_rows=case["rows"],
+                                             element_size=element)
+        fn, pointers = paged_attention._stage1_kernel, {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", **common}
+    else:
+        meta = mla_attention.mla_stage1_launch(dtype=dtype, rank=512, rope=64, num_heads=case.get("heads", 16),
+                                               page_size=case["page_size"], max_work_rows=case["rows"],
+                                               element_size=element)
+        fn, pointers = mla_attention._mla_stage1_kernel, {"Q": f"*{t}", "LAT": f"*{t}", **common}
+    return compile_offline(fn, meta, pointers=pointers, assemble=case.get("assemble", False)), meta
+
+
+def _main() -> None:
+    """``python -m segkv.kernels.offline_compile < cases.json``: one JSON object per case on stdout
+    (shared bytes, registers, spills, pipeline stages, tile buffers, in-loop waits). Run it without
+    ``TRITON_INTERPRET`` (the interpreter's kernels cannot be compiled)."""
+    import json
+    import sys
+
+    for case in json.load(sys.stdin):
+        kernel, meta = compile_stage1(case)
+        cols = 512 if case["kernel"] == "latent" else max(16, triton.next_power_of_2(case["head_dim"]))
+        print(json.dumps({"case": case, "shared": kernel.shared, "registers": kernel.registers,
+                          "spill_bytes": kernel.spill_bytes, "num_stages": meta["num_stages"],
+                          "buffers": kernel.pipeline_buffers(meta["BLOCK_N"], cols), "waits": kernel.loop_waits()}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,65 @@
+"""The attention kernels compiled for Hopper (sm_90a) without a GPU: properties that otherwise only
+show on the GPU, checked on every CI run.
+
+* The stage-1 loops keep the next K/V (latent) tile in flight: Triton's pipeliner gives the tiles
+  two shared-memory buffers and waits in the loop with copies outstanding. (With the page indices
+  loaded in the tile's own iteration it kept one buffer and waited for everything, and every
+  program paid a full memory latency per tile.)
+* The largest launches the launchers make fit in a program's shared memory (float32 tiles of 64
+  rows x 256-wide heads with two buffers did not, and failed on the GPU).
+
+The kernels are compiled in one subprocess without ``TRITON_INTERPRET`` (the tests run the
+kernels in Triton's interpreter, whose kernels cannot be compiled).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia", reason="Triton without its CUDA backend cannot compile for sm_90a")
+
+from segkv.kernels.offline_compile import MAX_SHARED_PER_PROGRAM  # noqa: E402
+
+DECODE = [
+    {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 16, "rows": 1},
+    {"kernel": "latent", "dtype": "bfloat16", "page_size": 16, "rows": 1},
+]
+LARGEST = [
+    {"kernel": "gqa", "dtype": "float32", "head_dim": 256, "page_size": 64, "rows": 1},  # 128 KB per tile
+    {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 256, "page_size": 64, "rows": 1},
+    {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 64, "rows": 16},  # 64-pair programs
+    {"kernel": "latent", "dtype": "bfloat16", "page_size": 64, "rows": 1},
+]  # (float32 latent and 64-pair tiles take 17-29 s each to compile: the tile-size rule covers them, see
+#    test_pipeline_stages_shrink_to_fit_shared_memory)
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "segkv.kernels.offline_compile"], input=json.dumps(DECODE + LARGEST),
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["case"] for r in results] == DECODE + LARGEST
+    return results
+
+
+@pytest.mark.parametrize("index", range(len(DECODE)), ids=[c["kernel"] for c in DECODE])
+def test_decode_loops_keep_the_next_tile_in_flight(compiled, index):
+    r = compiled[index]
+    assert r["num_stages"] == 3
+    assert r["buffers"] >= 2, f"tiles not double-buffered: {r}"
+    assert r["waits"] and r["waits"][0] >= 1, f"the loop waits for every copy: {r}"
+
+
+@pytest.mark.parametrize("index", range(len(LARGEST)),
+                         ids=[f"{c['kernel']}-{c['dtype']}-{c.get('head_dim', 576)}-p{c['page_size']}-r{c['rows']}"
+                              for c in LARGEST])
+def test_largest_launches_fit_in_shared_memory(compiled, index):
+    r = compiled[len(DECODE) + index]
+    assert 0 < r["shared"] <= MAX_SHARED_PER_PROGRAM, r
