@@ -3,7 +3,7 @@ waits for it) and the whole step (planning ahead runs after the replay is launch
 
 The graph step is emulated and its replay replaced by a clock read, so only the runner's host
 work is timed: queries, planning (or the plan made ahead), index staging, input staging. A tiny
-Llama checkpoint is built in ``--dir``; planning uses an H200-like device spec (132 SMs x 3), so
+Llama checkpoint is built in ``--dir``; planning uses an H200-like device spec (132 SMs x 2), so
 the plans split as on the GPU.
 
     python3 scripts/host_step_time.py --batch 32 --context 16384
@@ -28,7 +28,7 @@ from segkv.engine import LLM  # noqa: E402
 from segkv.runner.model_runner import StepInput  # noqa: E402
 
 H200_LIKE = DeviceSpec(kind="cuda", name="H200-like", num_multiprocessors=132, blocks_per_multiprocessor=2,
-                       min_rows_per_partition=256, max_partitions=256, max_query_rows_per_work=64,
+                       min_rows_per_partition=64, max_partitions=256, max_query_rows_per_work=64,
                        partition_overhead_rows=256)
 
 
