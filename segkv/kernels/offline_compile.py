@@ -67,15 +67,16 @@ def compile_offline(fn, constants: dict, *, pointers: dict[str, str], arch: int 
     """Compile jit function ``fn`` with ``constants`` (its constexprs plus ``num_warps``,
     ``num_stages`` and optionally ``maxnreg``, as the launchers' ``*_launch`` helpers return them)
     for CUDA capability ``arch``. ``pointers`` names the pointer arguments' types (``"*bf16"``);
-    plan index arrays are int32 pointers, ``scale`` a float, everything else an int32; pointers
-    and strides are assumed 16-byte aligned as the JIT specialises them. ``assemble`` runs
+    plan index arrays are int32 pointers, ``scale`` a float, everything else an int32; pointers,
+    strides and the head count are assumed multiples of 16 as the JIT specialises them (16 or
+    128 heads). ``assemble`` runs
     Triton's ``ptxas -v`` for registers and spills."""
     options = {k: constants[k] for k in LAUNCH_OPTIONS if k in constants}
     constexprs = {k: v for k, v in constants.items() if k not in LAUNCH_OPTIONS}
     names = list(inspect.signature(fn.fn).parameters)
     signature = {n: "constexpr" if n in constexprs else _arg_type(n, pointers) for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if signature[n].startswith("*") or n.startswith("stride")}
+               if signature[n].startswith("*") or n.startswith("stride") or n == "num_heads"}
     target = GPUTarget("cuda", arch, 32)
     compiled = triton.compile(ASTSource(fn, signature, constexprs, aligned), target=target, options=options)
     ptx = compiled.asm["ptx"]
@@ -104,12 +105,13 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     return registers, spills
 
 
-def compile_stage1(case: dict) -> tuple[OfflineKernel, dict]:
+def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     """A stage-1 attention kernel as its launcher would launch it, for one decode-shaped ``case``:
     ``{"kernel": "gqa" | "latent", "dtype": "bfloat16" | "float16" | "float32", "page_size": int,
     "rows": query rows per work item, "head_dim": int (gqa), "group": int (gqa, default 4),
-    "heads": int (latent, default 16), "assemble": bool (default False)}``. Returns the compiled
-    kernel and the launch constants used."""
+    "heads": int (latent, default 16), "assemble": bool (default False)}``. ``launch``: a
+    ``paged_attention.LaunchConfig`` (default: the launcher's). Returns the compiled kernel and
+    the launch constants used."""
     import torch
 
     from segkv.kernels import mla_attention, paged_attention
@@ -122,30 +124,37 @@ def compile_stage1(case: dict) -> tuple[OfflineKernel, dict]:
         d = case["head_dim"]
         meta = paged_attention.stage1_launch(dtype=dtype, dk=d, dv=d, group=case.get("group", 4),
                                              page_size=case["page_size"], max_work_rows=case["rows"],
-                                             element_size=element)
+                                             element_size=element, launch=launch)
         fn, pointers = paged_attention._stage1_kernel, {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", **common}
     else:
         meta = mla_attention.mla_stage1_launch(dtype=dtype, rank=512, rope=64, num_heads=case.get("heads", 16),
                                                page_size=case["page_size"], max_work_rows=case["rows"],
-                                               element_size=element)
+                                               element_size=element, launch=launch)
         fn, pointers = mla_attention._mla_stage1_kernel, {"Q": f"*{t}", "LAT": f"*{t}", **common}
     return compile_offline(fn, meta, pointers=pointers, assemble=case.get("assemble", False)), meta
 
 
+def stage1_report(case: dict, launch=None) -> dict:
+    """:func:`compile_stage1`'s facts as plain values: shared bytes, registers, spills (None unless
+    ``case["assemble"]``), the launch's warps and pipeline stages, the K/V (latent) tile buffers,
+    the in-loop waits and the MMA kind."""
+    kernel, meta = compile_stage1(case, launch)
+    cols = 512 if case["kernel"] == "latent" else max(16, triton.next_power_of_2(case["head_dim"]))
+    mma = "wgmma" if "wgmma" in kernel.ptx else "mma.sync" if "mma.sync" in kernel.ptx else "none"
+    return {"case": case, "shared": kernel.shared, "registers": kernel.registers, "spill_bytes": kernel.spill_bytes,
+            "num_warps": meta["num_warps"], "num_stages": meta["num_stages"],
+            "buffers": kernel.pipeline_buffers(meta["BLOCK_N"], cols), "waits": kernel.loop_waits(), "mma": mma}
+
+
 def _main() -> None:
-    """``python -m segkv.kernels.offline_compile < cases.json``: one JSON object per case on stdout
-    (shared bytes, registers, spills, pipeline stages, tile buffers, in-loop waits). Run it without
-    ``TRITON_INTERPRET`` (the interpreter's kernels cannot be compiled)."""
+    """``python -m segkv.kernels.offline_compile < cases.json``: :func:`stage1_report` of each case,
+    one JSON object per line. Run it without ``TRITON_INTERPRET`` (the interpreter's kernels cannot
+    be compiled)."""
     import json
     import sys
 
     for case in json.load(sys.stdin):
-        kernel, meta = compile_stage1(case)
-        cols = 512 if case["kernel"] == "latent" else max(16, triton.next_power_of_2(case["head_dim"]))
-        print(json.dumps({"case": case, "shared": kernel.shared, "registers": kernel.registers,
-                          "spill_bytes": kernel.spill_bytes, "num_stages": meta["num_stages"],
-                          "buffers": kernel.pipeline_buffers(meta["BLOCK_N"], cols), "waits": kernel.loop_waits()}),
-              flush=True)
+        print(json.dumps(stage1_report(case)), flush=True)
 
 
 if __name__ == "__main__":

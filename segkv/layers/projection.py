@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from segkv.kernels.settings import env_int
 
 GEMV_ROWS_ENV = "SEGKV_GEMV_ROWS"
+# the Triton kernels run on CUDA tensors, or on any tensor in Triton's interpreter (tests)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def gemv_rows_from_env() -> int:
@@ -34,7 +36,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     rows, the Triton GEMV instead (same float32 accumulation, rounded once)."""
     if (gemv_rows and x.shape[0] <= gemv_rows and bias is None and x.dim() == 2
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+            and (x.is_cuda or _INTERPRET)):
         from segkv.kernels.expert_gemv import dense_gemv
 
         return dense_gemv(x.contiguous(), weight)
