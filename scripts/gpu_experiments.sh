@@ -7,8 +7,6 @@
 #   2. The latent rows whose plan that rule changed (16 heads x batch 32, 128 heads x batch 2/8/32
 #      at 128K), split against one pass.
 #   3. Whole-model decode at batch 1/8/32 with the pipelined kernels and the one-pass merge.
-#   4. Dense projections at 1-2 rows: cuBLAS against the Triton GEMV (expert_gemv_sweep.py --dense),
-#      then batch-1 decode with SEGKV_GEMV_ROWS=1 (decode projections through the GEMV).
 # Results of earlier runs: docs/benchmarks.md ("Third round" sections).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,9 +28,3 @@ timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 16,128 --batc
 echo "== end to end" | tee -a "$log"
 timeout 200 python3 -m segkv.bench.decode_e2e --models llama-3.1-8b,deepseek-v2-lite --batches 1,8,32 --contexts 1K,16K \
   --skip-hf 2>&1 | grep -E "^\[" | tee -a "$log"
-
-echo "== dense projections: cuBLAS against the Triton GEMV" | tee -a "$log"
-timeout 120 python3 scripts/expert_gemv_sweep.py --dense 2>&1 | tee -a "$log"
-echo "== batch-1 decode with the GEMV projections (SEGKV_GEMV_ROWS=1)" | tee -a "$log"
-SEGKV_GEMV_ROWS=1 timeout 150 python3 -m segkv.bench.decode_e2e --models llama-3.1-8b,deepseek-v2-lite --batches 1 \
-  --contexts 1K,16K --skip-hf 2>&1 | grep -E "^\[" | tee -a "$log"

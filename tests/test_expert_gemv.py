@@ -48,32 +48,3 @@ def test_rows_as_pairs_per_row_read_row_n_over_r(gen):
     assert torch.equal(expert_gemv(x.repeat_interleave(3, 0), 1, experts, weight), explicit)
     with pytest.raises(ValueError, match="pairs per row"):
         expert_gemv(x, 0, experts, weight)
-
-
-@pytest.mark.parametrize("rows", [1, 2])
-def test_dense_gemv_matches_linear(rows, gen):
-    """One weight, a few rows: float32 sums rounded once, as F.linear; odd widths masked."""
-    from segkv.kernels.expert_gemv import dense_gemv
-
-    x = torch.randn(rows, 300, generator=gen).to(torch.bfloat16).to(DEVICE)
-    w = torch.randn(70, 300, generator=gen).to(torch.bfloat16).to(DEVICE)
-    out = dense_gemv(x, w)
-    ref = (x.float() @ w.float().T).to(torch.bfloat16)
-    assert out.shape == (rows, 70) and out.dtype == torch.bfloat16
-    diff = (out.float() - ref.float()).abs()
-    assert (diff <= ref.float().abs() * 2**-7 + 1e-6).all(), diff.max()
-    with pytest.raises(ValueError, match="dense_gemv"):
-        dense_gemv(x[0], w)
-
-
-def test_gemv_rows_setting_is_validated(monkeypatch):
-    from segkv.layers.projection import gemv_rows_from_env
-
-    monkeypatch.delenv("SEGKV_GEMV_ROWS", raising=False)
-    assert gemv_rows_from_env() == 0
-    monkeypatch.setenv("SEGKV_GEMV_ROWS", "2")
-    assert gemv_rows_from_env() == 2
-    for bad, match in (("-1", ">= 0"), ("two", "SEGKV_GEMV_ROWS must be an integer")):
-        monkeypatch.setenv("SEGKV_GEMV_ROWS", bad)
-        with pytest.raises(ValueError, match=match):
-            gemv_rows_from_env()

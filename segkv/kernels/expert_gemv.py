@@ -86,21 +86,3 @@ def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor
             EXACT_FP32=kernel_dtype == torch.float32, PAIRS_PER_ROW=pairs_per_row, num_warps=num_warps,
         )
     return out.to(out_dtype)
-
-
-_ZERO_IDS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x (M, In) @ weight (Out, In).T`` for a few rows ``M`` (decode at batch 1-2): the expert
-    GEMV over one expert, each row a pair reading the whole weight. Float32 accumulation, rounded
-    once to ``x``'s dtype, as ``F.linear``. The expert ids (zeros) are allocated once per device
-    and row count, so the call allocates only its output (CUDA graphs capture it)."""
-    if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"dense_gemv needs x (M, In) and weight (Out, In), got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
-    key = (x.device, x.shape[0])
-    ids = _ZERO_IDS.get(key)
-    if ids is None:
-        ids = _ZERO_IDS[key] = torch.zeros(x.shape[0], dtype=torch.int32, device=x.device)
-    return expert_gemv(x, 1, ids, weight.unsqueeze(0))

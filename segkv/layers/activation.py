@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from segkv.kernels.fused_ops import silu_and_mul
-from segkv.layers.projection import gemv_rows_from_env, project
 
 
 class GatedMLP(nn.Module):
@@ -25,22 +24,18 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
-        self.gemv_rows = 0  # see use_fused and layers/projection.py
 
     def use_fused(self) -> None:
         """Stack ``gate_proj`` and ``up_proj`` into one ``(2I, hidden)`` weight (one GEMM instead of
         two; their parameters become views of it, so no second copy stays alive) and run
-        SiLU-and-mul as one Triton kernel (kernels/fused_ops.py). Decode-sized inputs may take
-        the Triton GEMV for both products (``SEGKV_GEMV_ROWS``, layers/projection.py)."""
+        SiLU-and-mul as one Triton kernel (kernels/fused_ops.py)."""
         if self._gate_up is None:
             self._gate_up = stack_linears(self.gate_proj, self.up_proj)
-        self.gemv_rows = gemv_rows_from_env()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        act = silu_and_mul(project(x, *self._gate_up, gemv_rows=self.gemv_rows))  # [gate | up] -> act
-        return project(act, self.down_proj.weight, self.down_proj.bias, gemv_rows=self.gemv_rows)
+        return self.down_proj(silu_and_mul(F.linear(x, *self._gate_up)))  # [gate | up] -> act
 
 
 def stack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

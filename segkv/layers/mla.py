@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from segkv.attention.metadata import AttentionMetadata
@@ -12,7 +13,6 @@ from segkv.attention.plan import AttentionShape
 from segkv.kernels.fused_ops import mla_rope_and_write_latent, mla_rope_fusable
 from segkv.layers.activation import stack_linears
 from segkv.layers.norm import RMSNorm
-from segkv.layers.projection import gemv_rows_from_env, project
 from segkv.layers.rotary import RotaryEmbedding
 
 MLA_MODES = ("absorbed", "naive")
@@ -90,7 +90,6 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = nn.Linear(d.num_heads * d.v_head_dim, d.hidden_size, bias=bias)
         self.fused = False  # see use_fused
         self._x_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
-        self.gemv_rows = 0  # see use_fused and layers/projection.py
 
     def use_fused(self) -> None:
         """RoPE of q and k and the latent cache write as one kernel (GPU decode), and the two
@@ -100,7 +99,6 @@ class MultiHeadLatentAttention(nn.Module):
         first = self.q_proj if self.dims.q_lora_rank is None else self.q_a_proj
         if self._x_proj is None and (first.bias is None) == (self.kv_a_proj_with_mqa.bias is None):
             self._x_proj = stack_linears(first, self.kv_a_proj_with_mqa)
-        self.gemv_rows = gemv_rows_from_env()  # decode-sized inputs may take the Triton GEMV
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x (T, hidden)`` -> ``q (T, H * qk_head_dim)`` and the latent ``(T, r + rope)`` (views of
@@ -111,8 +109,7 @@ class MultiHeadLatentAttention(nn.Module):
             latent = self.kv_a_proj_with_mqa(x)
         else:
             weight, bias = self._x_proj
-            q_or_a, latent = project(x, weight, bias, gemv_rows=self.gemv_rows).split(
-                [weight.shape[0] - d.latent_dim, d.latent_dim], -1)
+            q_or_a, latent = F.linear(x, weight, bias).split([weight.shape[0] - d.latent_dim, d.latent_dim], -1)
         q = q_or_a if d.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_or_a))
         return q, latent
 
@@ -143,8 +140,7 @@ class MultiHeadLatentAttention(nn.Module):
                                       kv_transform=self._decompress)
         else:
             raise ValueError(f"mla_mode must be one of {MLA_MODES}, got {meta.mla_mode!r}")
-        return project(out.reshape(t, d.num_heads * d.v_head_dim), self.o_proj.weight, self.o_proj.bias,
-                       gemv_rows=self.gemv_rows)
+        return self.o_proj(out.reshape(t, d.num_heads * d.v_head_dim))
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_uk (H, nope, r)`` and ``W_uv (H, v, r)``: views of ``kv_b_proj.weight`` (no copy)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from segkv.attention.metadata import AttentionMetadata
@@ -15,7 +16,6 @@ from segkv.kernels.fused_ops import rope_and_write_kv, rope_fusable
 from segkv.layers.activation import GatedMLP, stack_linears
 from segkv.layers.attention import PagedAttention
 from segkv.layers.norm import RMSNorm
-from segkv.layers.projection import gemv_rows_from_env, project
 from segkv.layers.rotary import RotaryEmbedding
 from segkv.models.base import CausalLM, PreNormBlock
 from segkv.models.hf_config import require, rope_settings
@@ -89,7 +89,6 @@ class DecoderAttention(nn.Module):
         self.fused = False  # RoPE and the cache write in one Triton kernel (kernels/fused_ops.py)
         self._rope_fusable = rope_fusable(cfg.head_dim, interleaved=rotary.interleaved)
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
-        self.gemv_rows = 0  # see use_fused and layers/projection.py
 
     def use_fused(self) -> None:
         """Stack the q, k and v projections into one weight (one GEMM instead of three; their
@@ -97,14 +96,13 @@ class DecoderAttention(nn.Module):
         if self._qkv is None:
             self._qkv = stack_linears(self.q_proj, self.k_proj, self.v_proj)
         self.fused = self._rope_fusable
-        self.gemv_rows = gemv_rows_from_env()
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t, d = x.shape[0], self.head_dim
         if self._qkv is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
-            q, k, v = project(x, *self._qkv, gemv_rows=self.gemv_rows).split(
+            q, k, v = F.linear(x, *self._qkv).split(
                 [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         return q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
 
@@ -121,8 +119,7 @@ class DecoderAttention(nn.Module):
         else:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
             out = self.attn(q, k, v, meta)
-        return project(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias,
-                       gemv_rows=self.gemv_rows)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(PreNormBlock):
