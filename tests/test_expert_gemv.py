@@ -48,3 +48,35 @@ def test_rows_as_pairs_per_row_read_row_n_over_r(gen):
     assert torch.equal(expert_gemv(x.repeat_interleave(3, 0), 1, experts, weight), explicit)
     with pytest.raises(ValueError, match="pairs per row"):
         expert_gemv(x, 0, experts, weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_products_with_shared_weight_in_one_launch(dtype, gen):
+    """``expert_gemv_with_shared``: the routed pairs and a dense shared weight on every row in one
+    launch, the input either plain or ``[gate | up]`` reduced to ``silu(gate) * up`` as
+    ``silu_and_mul`` rounds it; each output equals the separate products."""
+    from segkv.kernels.expert_gemv import expert_gemv_with_shared
+    from segkv.kernels.fused_ops import silu_and_mul
+
+    tokens, k, experts_count, inner, hidden, shared_inner = 3, 2, 4, 24, 40, 48
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+    gate_up = (torch.randn(experts_count, 2 * inner, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEVICE)
+    down = (torch.randn(experts_count, hidden, inner, generator=gen) / inner**0.5).to(dtype).to(DEVICE)
+    s_gate_up = (torch.randn(2 * shared_inner, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEVICE)
+    s_down = (torch.randn(hidden, shared_inner, generator=gen) / shared_inner**0.5).to(dtype).to(DEVICE)
+    experts = torch.randint(0, experts_count, (tokens * k,), generator=gen).to(DEVICE)
+
+    h, sh = expert_gemv_with_shared(x, k, experts, gate_up, x, s_gate_up)
+    assert h.shape == (tokens * k, 2 * inner) and sh.shape == (tokens, 2 * shared_inner)
+    assert torch.equal(h, expert_gemv(x, k, experts, gate_up))
+    assert torch.equal(sh, expert_gemv(x, 1, torch.zeros(tokens, dtype=torch.long, device=DEVICE), s_gate_up[None]))
+    y, sy = expert_gemv_with_shared(h, 1, experts, down, sh, s_down, gated=True)
+    assert torch.equal(y, expert_gemv(silu_and_mul(h), 1, experts, down))
+    assert torch.equal(y, expert_gemv(h, 1, experts, down, gated=True))
+    assert torch.equal(sy, expert_gemv(silu_and_mul(sh), 1, torch.zeros(tokens, dtype=torch.long, device=DEVICE),
+                                       s_down[None]))
+    ref = torch.nn.functional.linear(silu_and_mul(sh).double(), s_down.double())  # the shared MLP's down product
+    ulp = ref.abs().clamp_min(2.0**-126) * (2.0**-7 if dtype == torch.bfloat16 else 2.0**-20)
+    assert torch.isfinite(sy).all() and ((sy.double() - ref).abs() <= ulp + 1e-5).all()
+    with pytest.raises(ValueError, match="shapes do not match"):
+        expert_gemv_with_shared(h, 1, experts, down, x, s_down, gated=True)  # shared rows are not [gate | up]

@@ -14,39 +14,67 @@ import torch
 import triton
 import triton.language as tl
 
+from segkv.kernels.fused_ops import kind_of, silu_mul_rounded
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _expert_gemv_kernel(
-    X, W, OUT, rows, experts,
-    stride_xr, stride_we, stride_wo, stride_on,
-    IN: tl.constexpr, OUT_DIM: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
-    EXACT_FP32: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
-):
-    """One program: ``BLOCK_O`` outputs of pair ``n``, reading ``BLOCK_I`` input columns at a time.
-    ``PAIRS_PER_ROW > 0``: pair ``n`` reads row ``n // PAIRS_PER_ROW`` (``rows`` is not read)."""
-    n = tl.program_id(0)
-    ob = tl.program_id(1)
-    if PAIRS_PER_ROW > 0:
-        row = (n // PAIRS_PER_ROW).to(tl.int64)
-    else:
-        row = tl.load(rows + n).to(tl.int64)
-    expert = tl.load(experts + n).to(tl.int64)
+def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constexpr, BLOCK_O: tl.constexpr,
+               BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, GATED: tl.constexpr, KIND: tl.constexpr):
+    """Outputs ``ob * BLOCK_O ...`` of one product: ``w_rows`` points at the weight's first
+    column, one row per output (row stride folded in); ``x_row`` at the input row, which holds
+    ``[gate | up]`` (``2 IN`` columns, reduced to ``silu(gate) * up`` on the fly) when ``GATED``."""
     offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
     o_ok = offs_o < OUT_DIM
     acc = tl.zeros([BLOCK_O], tl.float32)
-    w_rows = W + expert * stride_we + offs_o[:, None] * stride_wo
     for i0 in range(0, IN, BLOCK_I):
         offs_i = i0 + tl.arange(0, BLOCK_I)
         i_ok = offs_i < IN
-        x = tl.load(X + row * stride_xr + offs_i, mask=i_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + offs_i[None, :], mask=o_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_row + offs_i, mask=i_ok, other=0.0).to(tl.float32)
+        if GATED:  # rounded as silu_and_mul rounds, so the product sees the same activation
+            x = silu_mul_rounded(x, tl.load(x_row + IN + offs_i, mask=i_ok, other=0.0).to(tl.float32), KIND)
+        w = tl.load(w_rows[:, None] + offs_i[None, :], mask=o_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
     if EXACT_FP32:
-        tl.store(OUT + n * stride_on + offs_o, acc, mask=o_ok)
+        tl.store(out_row + offs_o, acc, mask=o_ok)
     else:
-        tl.store(OUT + n * stride_on + offs_o, acc.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne"), mask=o_ok)
+        tl.store(out_row + offs_o, acc.to(out_row.dtype.element_ty, fp_downcast_rounding="rtne"), mask=o_ok)
+
+
+@triton.jit
+def _expert_gemv_kernel(
+    X, W, OUT, rows, experts, SX, SW, SOUT,
+    stride_xr, stride_we, stride_wo, stride_on, stride_sxr, stride_swo, stride_son, num_pairs,
+    IN: tl.constexpr, OUT_DIM: tl.constexpr, SHARED_IN: tl.constexpr, SHARED_OUT: tl.constexpr,
+    BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
+    GATED: tl.constexpr, KIND: tl.constexpr, HAS_SHARED: tl.constexpr,
+):
+    """Program ``t``: ``BLOCK_O`` outputs of one product. The first ``num_pairs x cdiv(OUT_DIM,
+    BLOCK_O)`` programs serve the routed pairs (pair ``n``: expert ``experts[n]`` on row
+    ``rows[n]``, or row ``n // PAIRS_PER_ROW`` when that is > 0); with ``HAS_SHARED`` the rest
+    serve the shared weight ``SW (SHARED_OUT, SHARED_IN)`` on every row of ``SX``."""
+    t = tl.program_id(0)
+    ROUTED_BLOCKS: tl.constexpr = (OUT_DIM + BLOCK_O - 1) // BLOCK_O
+    SHARED_BLOCKS: tl.constexpr = (SHARED_OUT + BLOCK_O - 1) // BLOCK_O
+    routed_programs = num_pairs * ROUTED_BLOCKS
+    if HAS_SHARED and t >= routed_programs:
+        token = ((t - routed_programs) // SHARED_BLOCKS).to(tl.int64)
+        ob = (t - routed_programs) % SHARED_BLOCKS
+        offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
+        _gemv_tile(SX + token * stride_sxr, SW + offs_o.to(tl.int64) * stride_swo, SOUT + token * stride_son, ob,
+                   SHARED_IN, SHARED_OUT, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND)
+    else:
+        n = t // ROUTED_BLOCKS
+        ob = t % ROUTED_BLOCKS
+        if PAIRS_PER_ROW > 0:
+            row = (n // PAIRS_PER_ROW).to(tl.int64)
+        else:
+            row = tl.load(rows + n).to(tl.int64)
+        expert = tl.load(experts + n).to(tl.int64)
+        offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
+        _gemv_tile(X + row * stride_xr, W + expert * stride_we + offs_o.to(tl.int64) * stride_wo,
+                   OUT + n.to(tl.int64) * stride_on, ob, IN, OUT_DIM, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND)
 
 
 # Measured on the H200 (scripts/expert_gemv_sweep.py, DeepSeek-V2-Lite shapes, 6 and 48 pairs):
@@ -55,34 +83,68 @@ BLOCK_O, BLOCK_I, NUM_WARPS = 16, 128, 4
 
 
 def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
-                *, out_dtype: torch.dtype | None = None, block_o: int = BLOCK_O, block_i: int = BLOCK_I,
-                num_warps: int = NUM_WARPS) -> torch.Tensor:
+                *, out_dtype: torch.dtype | None = None, gated: bool = False, block_o: int = BLOCK_O,
+                block_i: int = BLOCK_I, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """``x (R, In)``, ``rows (N,)`` and ``experts (N,)`` int64/int32 on the device, ``weight
     (E, Out, In)`` with unit stride on In -> ``(N, Out)`` in ``out_dtype`` (default ``x``'s).
     ``rows`` may be an int ``r``: pair ``n`` reads row ``n // r`` (a token's ``r`` experts in a
     row, as a router returns them; no index tensor to build per step).
+    ``gated``: ``x (R, 2 In)`` holds ``[gate | up]`` and the product takes ``silu(gate) * up``,
+    rounded as :func:`segkv.kernels.fused_ops.silu_and_mul` rounds (one launch instead of two).
     ``block_o``/``block_i``/``num_warps``: the launch (default: the measured best; tuning runs
     set them)."""
-    if weight.stride(-1) != 1 or x.stride(-1) != 1:
-        raise ValueError("expert_gemv needs unit column strides")
+    return _launch(x, rows, experts, weight, None, None, out_dtype, gated, block_o, block_i, num_warps)[0]
+
+
+def expert_gemv_with_shared(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
+                            shared_x: torch.Tensor, shared_weight: torch.Tensor, *, gated: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`expert_gemv`, and in the same launch ``shared_weight (Out_s, In_s)`` (a MoE layer's
+    shared experts, one dense weight) on every row of ``shared_x (T, In_s)`` (``(T, 2 In_s)``
+    when ``gated``): returns ``(routed (N, Out), shared (T, Out_s))`` in ``x``'s dtype. At decode
+    sizes each product is a few microseconds, so one launch for both halves the launches."""
+    if shared_weight.dim() != 2 or shared_x.dim() != 2 or shared_x.dtype != x.dtype:
+        raise ValueError(f"shared weight (Out, In) and rows (T, In) of x's dtype expected, got "
+                         f"{tuple(shared_weight.shape)} and {tuple(shared_x.shape)} {shared_x.dtype}")
+    return _launch(x, rows, experts, weight, shared_x, shared_weight, None, gated, BLOCK_O, BLOCK_I, NUM_WARPS)
+
+
+def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated, block_o, block_i, num_warps):
+    """Checks, outputs and the launch of :func:`expert_gemv` / :func:`expert_gemv_with_shared`."""
+    has_shared = shared_weight is not None
+    for name, t in (("x", x), ("weight", weight), ("shared x", shared_x), ("shared weight", shared_weight)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"expert_gemv needs unit column strides ({name})")
     pairs_per_row = rows if isinstance(rows, int) else 0
     if isinstance(rows, int):
         if rows < 1:
             raise ValueError(f"rows as an int is the pairs per row, at least 1; got {rows}")
         rows = experts  # not read by the kernel
-    if x.shape[1] != weight.shape[2] or rows.shape != experts.shape:
+    in_cols = 2 if gated else 1
+    if x.shape[1] != in_cols * weight.shape[2] or rows.shape != experts.shape or (
+            has_shared and shared_x.shape[1] != in_cols * shared_weight.shape[1]):
         raise ValueError(f"shapes do not match: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
-                         f"rows {tuple(rows.shape)}, experts {tuple(experts.shape)}")
+                         f"rows {tuple(rows.shape)}, experts {tuple(experts.shape)}"
+                         + (f", shared x {tuple(shared_x.shape)}, shared weight {tuple(shared_weight.shape)}"
+                            if has_shared else "") + (" (gated: x holds [gate | up])" if gated else ""))
     n, out_dim, in_dim = rows.numel(), weight.shape[1], weight.shape[2]
     out_dtype = out_dtype or x.dtype
     # the interpreter truncates float32 -> bf16/fp16 stores: there it writes float32, torch rounds
     kernel_dtype = torch.float32 if _INTERPRET else out_dtype
     out = torch.empty(n, out_dim, dtype=kernel_dtype, device=x.device)
-    if n:
-        grid = (n, triton.cdiv(out_dim, block_o))
-        _expert_gemv_kernel[grid](
-            x, weight, out, rows, experts, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-            IN=in_dim, OUT_DIM=out_dim, BLOCK_O=block_o, BLOCK_I=min(block_i, triton.next_power_of_2(in_dim)),
-            EXACT_FP32=kernel_dtype == torch.float32, PAIRS_PER_ROW=pairs_per_row, num_warps=num_warps,
+    tokens = shared_x.shape[0] if has_shared else 0
+    shared_out = torch.empty(tokens, shared_weight.shape[0] if has_shared else 0, dtype=kernel_dtype, device=x.device)
+    s_out_dim, s_in_dim = shared_weight.shape if has_shared else (block_o, 1)
+    programs = n * triton.cdiv(out_dim, block_o) + tokens * triton.cdiv(s_out_dim, block_o)
+    if programs:
+        sx, sw = (shared_x, shared_weight) if has_shared else (x, weight)
+        _expert_gemv_kernel[(programs,)](
+            x, weight, out, rows, experts, sx, sw, shared_out,
+            x.stride(0), weight.stride(0), weight.stride(1), out.stride(0), sx.stride(0),
+            shared_weight.stride(0) if has_shared else 0, shared_out.stride(0), n,
+            IN=in_dim, OUT_DIM=out_dim, SHARED_IN=s_in_dim, SHARED_OUT=s_out_dim, BLOCK_O=block_o,
+            BLOCK_I=min(block_i, triton.next_power_of_2(max(in_dim, s_in_dim))),
+            EXACT_FP32=kernel_dtype == torch.float32, PAIRS_PER_ROW=pairs_per_row, GATED=gated,
+            KIND=kind_of(x.dtype), HAS_SHARED=has_shared, num_warps=num_warps,
         )
-    return out.to(out_dtype)
+    return out.to(out_dtype), shared_out.to(out_dtype)

@@ -113,8 +113,15 @@ def _silu_and_mul_kernel(X, OUT, stride_x, stride_o, INNER, KIND: tl.constexpr, 
     ok = cols < INNER
     g = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(X + row * stride_x + INNER + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + row * stride_o + cols, silu_mul_rounded(g, u, KIND), mask=ok)
+
+
+@triton.jit
+def silu_mul_rounded(g, u, KIND: tl.constexpr):
+    """``silu(g) * u`` (float32 in, float32 out) rounded as ``F.silu(gate) * up`` rounds in the
+    dtype of ``KIND``: the activation, then the product."""
     act = round_to_kind(g / (1.0 + tl.exp(-g)), KIND)
-    tl.store(OUT + row * stride_o + cols, round_to_kind(act * u, KIND), mask=ok)
+    return round_to_kind(act * u, KIND)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,11 @@ class GatedMLP(nn.Module):
         if self._gate_up is None:
             self._gate_up = stack_linears(self.gate_proj, self.up_proj)
 
+    @property
+    def stacked_gate_up(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``([gate | up] (2I, hidden), bias or None)`` once :meth:`use_fused` stacked them, else None."""
+        return self._gate_up
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

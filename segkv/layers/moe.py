@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -126,7 +124,9 @@ class MixtureOfExperts(nn.Module):
     it; the weighted expert outputs are summed in float32 and rounded once. Unpacked layers
     loop over experts (a host synchronisation per layer); packed ones (:meth:`pack_experts`)
     stay on the device: a GEMV per (token, expert) pair up to ``PACKED_PAIRS_LIMIT`` pairs, a
-    grouped GEMM per expert beyond it.
+    grouped GEMM per expert beyond it. Fused (GPU decode), the GEMV launches also run the shared
+    experts, and the down product applies SiLU-and-mul itself: two launches for every expert of
+    the layer, where a decode step of small experts is mostly launches.
     """
 
     def __init__(self, hidden_size: int, expert_size: int, spec: RouterSpec, *, num_shared: int = 0,
@@ -184,7 +184,14 @@ class MixtureOfExperts(nn.Module):
         if self._packed is None:
             out = self._looped_experts(x, weights, ids)
             return out if self.shared_experts is None else out + self.shared_experts(x)
-        y = self._packed_experts(x, ids) if ids.numel() <= self.PACKED_PAIRS_LIMIT else self._grouped_experts(x, ids)
+        few_pairs = ids.numel() <= self.PACKED_PAIRS_LIMIT
+        shared_weights = self._stacked_shared_weights() if self.fused and few_pairs else None
+        if shared_weights is not None:  # shared experts in the routed pairs' launches
+            from segkv.kernels.moe_ops import combine_experts
+
+            y, shared = self._packed_experts_with_shared(x, ids, *shared_weights)
+            return combine_experts(y, weights, shared)
+        y = self._packed_experts(x, ids) if few_pairs else self._grouped_experts(x, ids)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.fused:
             from segkv.kernels.moe_ops import combine_experts
@@ -196,38 +203,49 @@ class MixtureOfExperts(nn.Module):
 
     def _packed_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Device-side dispatch for few pairs: one GEMV per (token, expert) pair; pair ``n`` is
-        token ``n // k`` (no index tensors to build)."""
+        token ``n // k`` (no index tensors to build). The down product takes ``silu(gate) * up``
+        of the gate/up product's rows itself (rounded as ``silu_and_mul``: one launch less)."""
         from segkv.kernels.expert_gemv import expert_gemv
 
-        k = ids.shape[1]
-        return self._expert_outputs(x, ids, partial(expert_gemv, rows=k), partial(expert_gemv, rows=1))
+        gate_up, down = self._packed
+        experts = ids.reshape(-1)
+        h = expert_gemv(x.contiguous(), ids.shape[1], experts, gate_up)  # (T k, 2I)
+        return expert_gemv(h, 1, experts, down, gated=True)  # (T k, H)
+
+    def _stacked_shared_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The shared experts' ``[gate | up] (2 S I, H)`` and ``down (H, S I)`` weights, when they
+        can run in the routed pairs' launches (stacked by their ``use_fused``, no biases)."""
+        shared = self.shared_experts
+        if shared is None or shared.stacked_gate_up is None or shared.down_proj.bias is not None:
+            return None
+        weight, bias = shared.stacked_gate_up
+        return (weight, shared.down_proj.weight) if bias is None else None
+
+    def _packed_experts_with_shared(self, x: torch.Tensor, ids: torch.Tensor, shared_gate_up: torch.Tensor,
+                                    shared_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_packed_experts` with the shared experts in the same two launches: routed
+        outputs ``(T k, H)`` and the shared experts' ``(T, H)``, rounded as their own layers round."""
+        from segkv.kernels.expert_gemv import expert_gemv_with_shared
+
+        gate_up, down = self._packed
+        experts = ids.reshape(-1)
+        x = x.contiguous()
+        h, shared_h = expert_gemv_with_shared(x, ids.shape[1], experts, gate_up, x, shared_gate_up)
+        return expert_gemv_with_shared(h, 1, experts, down, shared_h, shared_down, gated=True)
 
     def _grouped_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Device-side dispatch for many pairs: the pairs sorted by expert on the device (one
         grouping shared by both products), each expert's weights read about once per product."""
         from segkv.kernels.grouped_expert_gemm import group_pairs_by_expert, grouped_expert_gemm
 
-        groups = group_pairs_by_expert(ids.reshape(-1), len(self.experts))
-        return self._expert_outputs(x, ids, partial(grouped_expert_gemm, rows=ids.shape[1], groups=groups),
-                                    partial(grouped_expert_gemm, rows=1, groups=groups))
-
-    def _expert_outputs(self, x: torch.Tensor, ids: torch.Tensor, first: Callable[..., torch.Tensor],
-                        second: Callable[..., torch.Tensor]) -> torch.Tensor:
-        """Every (token, expert) pair through its expert on the device, rounded as the expert's
-        own layers round (gate/up, activation, down in ``x``'s dtype).
-
-        ``x (T, hidden)``, ``ids (T, k)`` int64 -> ``(T k, hidden)`` in ``x``'s dtype, pair
-        ``t k + j`` being token ``t``'s ``j``-th expert. ``first(x=, experts=, weight=)`` is the
-        gate/up product of pair ``n`` on token ``n // k``, ``second(...)`` the down product of
-        pair ``n`` on activation row ``n`` (``expert_gemv`` or ``grouped_expert_gemm``).
-        """
         from segkv.kernels.fused_ops import silu_and_mul
 
         gate_up, down = self._packed
         experts = ids.reshape(-1)
-        h = first(x=x.contiguous(), experts=experts, weight=gate_up)  # (T k, 2I)
+        groups = group_pairs_by_expert(experts, len(self.experts))
+        h = grouped_expert_gemm(x.contiguous(), ids.shape[1], experts, gate_up, groups=groups)  # (T k, 2I)
         act = silu_and_mul(h)  # rounded as F.silu(gate) * up
-        return second(x=act, experts=experts, weight=down)  # (T k, H)
+        return grouped_expert_gemm(act, 1, experts, down, groups=groups)  # (T k, H)
 
     def _looped_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """One GEMM per chosen expert over its tokens. The (token, slot) pairs are grouped by
