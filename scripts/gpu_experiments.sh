@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Open questions of the kernels, measured in one go on the GPU machine (about 8 minutes);
-# results under $OUT/experiments.txt. Defaults change only after a measurement.
-#   1. The GQA grid (8B and 70B shapes) with the planner's cheapest-estimate rule: batch 4 / 128K
-#      should take 8 partitions (0.494 ms in the sweep, against 0.517 for 33) and batch 16 two;
-#      page 32 too (0.65-0.78x SDPA before the pipelined loop, unexplained).
-#   2. The latent rows whose plan that rule changed (16 heads x batch 32, 128 heads x batch 2/8/32
-#      at 128K), split against one pass.
-#   3. Whole-model decode at batch 1/8/32 with the pipelined kernels and the one-pass merge.
-# Results of earlier runs: docs/benchmarks.md ("Third round" sections).
+# Open questions, measured in one go on the GPU machine (about 6 minutes); results under
+# $OUT/experiments.txt. Defaults change only after a measurement.
+#   1. GPU tests of the MoE launches (shared experts inside the routed GEMV launches, SiLU-and-mul
+#      inside the down GEMV).
+#   2. Whole-model DeepSeek-V2-Lite decode at batch 1/8/32 with those launches (before: 288 / 1138 /
+#      2666 tok/s at 1K), and where a batch-1 step goes now (profile_decode.py).
+#   3. The expert GEMV launch sweep again: programs are now one flat list (pair-major), not a
+#      (pair, block) grid.
+#   4. GQA batch 16: one partition and 4 stages (fewer launches, more bytes in flight per SM).
+# Results of earlier runs: docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/segkv-gpu-out}
@@ -15,16 +16,30 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 log="$OUT/experiments.txt"
 : > "$log"
+if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 
-echo "== gqa grid" | tee -a "$log"
-timeout 240 python3 -m segkv.bench.decode_attention --trials 3 --batches 1,4,16 --contexts 16384,32768,65536,131072 \
-  --shapes llama3-8b,llama3-70b --page-sizes 16,32 2>&1 | grep -E "^\[|^cascade|Error" \
-  | sed 's/sdpa_efficient=[^ ]*//; s/single=[^ ]*//' | tee -a "$log"
+echo "== MoE tests on the GPU" | tee -a "$log"
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_expert_gemv.py tests/test_moe_ops.py \
+  tests/test_grouped_expert_gemm.py 2>&1 | tail -3 | tee -a "$log"
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_cuda_graphs.py \
+  -k "moe or expert or deepseek" 2>&1 | tail -3 | tee -a "$log"
 
-echo "== latent rows the planner rule changed" | tee -a "$log"
-timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 16,128 --batches 2,8,32 --contexts 131072 \
-  --dtypes bfloat16 --trials 3 2>&1 | grep -E "^\[|slower|Error" | sed 's/max_rel_err=[^ ]*//' | tee -a "$log"
-
-echo "== end to end" | tee -a "$log"
-timeout 200 python3 -m segkv.bench.decode_e2e --models llama-3.1-8b,deepseek-v2-lite --batches 1,8,32 --contexts 1K,16K \
+echo "== DeepSeek end to end" | tee -a "$log"
+timeout 200 python3 -m segkv.bench.decode_e2e --models deepseek-v2-lite --batches 1,8,32 --contexts 1K,16K \
   --skip-hf 2>&1 | grep -E "^\[" | tee -a "$log"
+echo "== DeepSeek batch-1 profile" | tee -a "$log"
+timeout 200 python3 scripts/profile_decode.py --model deepseek-v2-lite --batch 1 --context 1024 --rows 40 \
+  > "$OUT/profile_deepseek.txt" 2>&1
+grep -E "step|replay|host" "$OUT/profile_deepseek.txt" | head -12 | tee -a "$log"
+
+echo "== expert GEMV sweep" | tee -a "$log"
+timeout 120 python3 scripts/expert_gemv_sweep.py 2>&1 | tee -a "$log"
+
+echo "== GQA batch 16: partitions x stages" | tee -a "$log"
+for launch in 64,4,3 64,4,4; do
+  timeout 150 python3 -m segkv.bench.decode_attention --tune 16x16384,16x32768,16x131072 --launch $launch \
+    --trials 3 2>&1 | grep -E "^tune" | sed 's/p[0-9]*_head=[^ ]*//g' | tee -a "$log"
+done
