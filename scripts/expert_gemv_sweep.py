@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from segkv.kernels.expert_gemv import BLOCK_I, BLOCK_O, NUM_WARPS, expert_gemv
+from segkv.kernels.expert_gemv import BLOCK_O, NUM_WARPS, default_block_i, expert_gemv
 from segkv.kernels.grouped_expert_gemm import grouped_expert_gemm
 
 SHAPES = {"gate_up": (2816, 2048), "down": (2048, 1408)}  # (Out, In) per expert
@@ -58,7 +58,8 @@ def main() -> None:
                                     num_warps=warps) for experts in draws]
                 t = time_us(launches)
                 med = statistics.median(t)
-                mark = " <- default" if (block_o, block_i, warps) == (BLOCK_O, BLOCK_I, NUM_WARPS) else ""
+                default = (BLOCK_O, default_block_i(in_dim), NUM_WARPS)
+                mark = " <- default" if (block_o, block_i, warps) == default else ""
                 print(f"{name:8s} pairs {pairs:3d} block_o {block_o:3d} block_i {block_i:3d} warps {warps}: "
                       f"{med:7.1f} us [{min(t):.1f}-{max(t):.1f}] {nbytes / med / 1e3:7.0f} GB/s{mark}")
             t = time_us([partial(grouped_expert_gemm, x, rows, experts, weight) for experts in draws])

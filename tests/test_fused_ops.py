@@ -274,8 +274,7 @@ def test_fused_moe_router_and_combine_give_the_unfused_tokens(tmp_path):
     fused = LLM(tmp_path, fused_ops=True, cuda_graphs=True if GPU else "emulate", **kw)
     layers = [m for m in fused.runner.model.modules() if isinstance(m, MixtureOfExperts)]
     assert layers and all(m.fused and m.packed and m.gate.fused for m in layers)
-    # decode (6 pairs) runs the shared experts in the routed pairs' GEMV launches
-    assert all(m._stacked_shared_weights() is not None for m in layers)
+    assert all(m._stacked_shared_weights() is not None for m in layers)  # shared experts stackable
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[5, 9, 13, 40, 77] * 5, [3, 1, 4, 1, 5, 9, 2, 6]]  # 25 x 3 = 75 pairs: the grouped GEMM
     assert ([o.outputs[0].token_ids for o in fused.generate(prompts, params)]

@@ -77,3 +77,37 @@ def test_combine_experts_rejects_mismatched_shapes(gen):
         combine_experts(y, weights, torch.zeros(3, 7, device=DEVICE))
     with pytest.raises(ValueError, match="combine_experts"):
         combine_experts(y, weights.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_runs_one_token_in_two_expert_launches(dtype, gen, monkeypatch):
+    """A fused, packed MoE layer with two shared experts: one token runs the routed pairs and the
+    shared experts in two GEMV launches (no cuBLAS shared product, no separate SiLU-and-mul), more
+    tokens keep the shared MLP; both equal the unfused layer."""
+    from segkv.kernels import expert_gemv as gemv_module
+    from segkv.layers.moe import MixtureOfExperts, RouterSpec
+
+    moe = MixtureOfExperts(40, 24, RouterSpec(num_experts=6, top_k=3), num_shared=2).to(DEVICE)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    moe = moe.to(dtype)
+    xs = [torch.randn(t, 40, generator=gen).to(dtype).to(DEVICE) for t in (1, 3)]
+    with torch.no_grad():
+        unfused = [moe(x) for x in xs]
+        moe.pack_experts()
+        for module in (moe, moe.gate, moe.shared_experts):
+            module.use_fused()
+        launches = []
+        monkeypatch.setattr(gemv_module, "expert_gemv_with_shared",
+                            lambda *a, **kw: launches.append(kw) or gemv_module._launch(
+                                *a, None, kw.get("gated", False), gemv_module.BLOCK_O, None, gemv_module.NUM_WARPS))
+        monkeypatch.setattr(moe.shared_experts, "forward", None)  # one token must not call the shared MLP
+        one = moe(xs[0])
+        assert [kw.get("gated", False) for kw in launches] == [False, True]
+        monkeypatch.undo()
+        three = moe(xs[1])
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20
+    for got, ref in ((one, unfused[0]), (three, unfused[1])):
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        torch.testing.assert_close(got, ref, rtol=4 * ulp, atol=4 * ulp * ref.abs().max().item())

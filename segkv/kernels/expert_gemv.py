@@ -78,21 +78,29 @@ def _expert_gemv_kernel(
 
 
 # Measured on the H200 (scripts/expert_gemv_sweep.py, DeepSeek-V2-Lite shapes, 6 and 48 pairs):
-# 16 outputs x 128 inputs per step, 4 warps, was fastest in all four cases (2.5-4.2 TB/s)
+# 16 outputs per program and 4 warps were fastest in all four cases (2.4-4.3 TB/s); 256 inputs per
+# step where they divide the input width (gate/up, 2048 inputs: 6 pairs 22.2 -> 20.1 us), else 128
+# (down, 1408 inputs: 256 is 7-14% slower)
 BLOCK_O, BLOCK_I, NUM_WARPS = 16, 128, 4
+WIDE_BLOCK_I = 256
+
+
+def default_block_i(*in_dims: int) -> int:
+    """Inputs per step for products over ``in_dims``: 256 when it divides every width, else 128."""
+    return WIDE_BLOCK_I if all(d % WIDE_BLOCK_I == 0 for d in in_dims) else BLOCK_I
 
 
 def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
                 *, out_dtype: torch.dtype | None = None, gated: bool = False, block_o: int = BLOCK_O,
-                block_i: int = BLOCK_I, num_warps: int = NUM_WARPS) -> torch.Tensor:
+                block_i: int | None = None, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """``x (R, In)``, ``rows (N,)`` and ``experts (N,)`` int64/int32 on the device, ``weight
     (E, Out, In)`` with unit stride on In -> ``(N, Out)`` in ``out_dtype`` (default ``x``'s).
     ``rows`` may be an int ``r``: pair ``n`` reads row ``n // r`` (a token's ``r`` experts in a
     row, as a router returns them; no index tensor to build per step).
     ``gated``: ``x (R, 2 In)`` holds ``[gate | up]`` and the product takes ``silu(gate) * up``,
     rounded as :func:`segkv.kernels.fused_ops.silu_and_mul` rounds (one launch instead of two).
-    ``block_o``/``block_i``/``num_warps``: the launch (default: the measured best; tuning runs
-    set them)."""
+    ``block_o``/``block_i``/``num_warps``: the launch (default: the measured best,
+    :func:`default_block_i`; tuning runs set them)."""
     return _launch(x, rows, experts, weight, None, None, out_dtype, gated, block_o, block_i, num_warps)[0]
 
 
@@ -106,7 +114,7 @@ def expert_gemv_with_shared(x: torch.Tensor, rows: torch.Tensor | int, experts: 
     if shared_weight.dim() != 2 or shared_x.dim() != 2 or shared_x.dtype != x.dtype:
         raise ValueError(f"shared weight (Out, In) and rows (T, In) of x's dtype expected, got "
                          f"{tuple(shared_weight.shape)} and {tuple(shared_x.shape)} {shared_x.dtype}")
-    return _launch(x, rows, experts, weight, shared_x, shared_weight, None, gated, BLOCK_O, BLOCK_I, NUM_WARPS)
+    return _launch(x, rows, experts, weight, shared_x, shared_weight, None, gated, BLOCK_O, None, NUM_WARPS)
 
 
 def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated, block_o, block_i, num_warps):
@@ -136,6 +144,8 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
     shared_out = torch.empty(tokens, shared_weight.shape[0] if has_shared else 0, dtype=kernel_dtype, device=x.device)
     s_out_dim, s_in_dim = shared_weight.shape if has_shared else (block_o, 1)
     programs = n * triton.cdiv(out_dim, block_o) + tokens * triton.cdiv(s_out_dim, block_o)
+    if block_i is None:
+        block_i = default_block_i(in_dim, s_in_dim) if has_shared else default_block_i(in_dim)
     if programs:
         sx, sw = (shared_x, shared_weight) if has_shared else (x, weight)
         _expert_gemv_kernel[(programs,)](
