@@ -5,7 +5,9 @@ cache of ``--context`` random rows per sequence and times greedy decode steps th
 (CUDA graphs on), then splits the step:
 
 * wall time per step (runner.forward + argmax to the host, as the engine does);
-* graph replay alone (inputs already staged), synchronised: the GPU's part;
+* graph replay alone (inputs already staged), synchronised;
+* the host's ``replay()`` call alone, and 8 replays back to back (each launch overlapping the
+  replay before it): whether launching the graph delays the GPU;
 * host planning and preparation alone (plan_attention + backend.prepare);
 * a ``torch.profiler`` table of an eager step's kernels (self CUDA time), to find the slow ones.
 
@@ -36,6 +38,18 @@ def median_ms(fn, repeats: int) -> tuple[float, float, float]:
         fn()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), min(times), max(times)
+
+
+def _launch_ms(fn, repeats: int) -> tuple[float, float, float]:
+    """Host time of ``fn`` alone (the device idle before each call): median, min, max in ms."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
     return statistics.median(times), min(times), max(times)
 
 
@@ -94,6 +108,11 @@ def main() -> None:
             rep = median_ms(bucket.graph.replay, 20)
             print(f"  graph replay alone: {rep[0]:.3f} ms [{rep[1]:.3f}-{rep[2]:.3f}] "
                   f"= {weight_bytes / (rep[0] / 1e3) / 1e9:.0f} GB/s of all weights (a MoE step reads only its experts)")
+            launch = _launch_ms(bucket.graph.replay, 20)
+            print(f"  replay() call on the host (no sync): {launch[0]:.3f} ms [{launch[1]:.3f}-{launch[2]:.3f}]")
+            back = median_ms(lambda: [bucket.graph.replay() for _ in range(8)], 5)
+            print(f"  8 replays back to back: {back[0] / 8:.3f} ms each [{back[1] / 8:.3f}-{back[2] / 8:.3f}] "
+                  f"(launches overlapping the GPU: the GPU's share of a step)")
             shape = model.attention_shape("absorbed")
             queries = [SequenceQuery.from_chain(c, 1) for c in chains]
 

@@ -51,13 +51,16 @@ def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    # the products accumulate into acc itself: a separate (M, D) float32 result per dot would
+    # triple the accumulator registers (255 with spills for 64 x 128 and 16 x 512 tiles)
     if EXACT_FP32:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:  # P split exactly into two half-precision parts: about 16 bits of P, float32 sums
         p_hi = p.to(v.dtype)
         p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-        pv = tl.dot(p_hi, v) + tl.dot(p_lo, v)
-    return m_new, l_i, acc * alpha[:, None] + pv
+        acc = tl.dot(p_lo, v, tl.dot(p_hi, v, acc))
+    return m_new, l_i, acc
 
 
 @triton.jit
