@@ -128,15 +128,17 @@ def test_steps_planned_ahead_give_the_same_tokens(tmp_path):
     used = runner.plans_ahead_used
     # every step after the first reuses the look-ahead, page crossings included (peeked pages)
     assert used == runner.graphs.replays - 1  # all but the first decode step (it follows the prefill)
+    # and each of those replays found its indices already copied behind the step before
+    assert runner.graphs.staged_plans_used == used
     # a look-ahead made for other chains is not used: plan a step, then change the chain under it
     chain = llm.cache.new_chain()
     runner.forward([StepInput(chain, [5, 9, 13])])
     runner.forward([StepInput(chain, [7])])
     assert runner._ahead is not None
     chain.trim(2)
-    before = runner.plans_ahead_used
-    logits = runner.forward([StepInput(chain, [7])])
-    assert runner.plans_ahead_used == before
+    before, staged = runner.plans_ahead_used, runner.graphs.staged_plans_used
+    logits = runner.forward([StepInput(chain, [7])])  # its bucket holds the staged indices: replaced
+    assert runner.plans_ahead_used == before and runner.graphs.staged_plans_used == staged
     fresh = _llm(tmp_path).runner
     ref_chain = fresh.cache.new_chain()
     fresh.forward([StepInput(ref_chain, [5, 9])])

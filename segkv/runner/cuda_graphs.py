@@ -47,6 +47,7 @@ class _Bucket:
     graph: torch.cuda.CUDAGraph | None = None
     step: object = None  # the captured callable (emulation replays it)
     copied: object = None  # torch.cuda.Event after the last host-to-device copy of the staging rows
+    staged: AttentionPlan | None = None  # the plan whose indices were copied ahead (stage_ahead)
 
 
 class DecodeGraphs:
@@ -83,6 +84,7 @@ class DecodeGraphs:
         self._scratch_slot = self._scratch.append(1)[0]
         self.replays = 0
         self.fallbacks = 0
+        self.staged_plans_used = 0  # replays whose plan indices were copied ahead (stage_ahead)
 
     @property
     def max_batch(self) -> int:
@@ -104,11 +106,15 @@ class DecodeGraphs:
             return None
         wide = any(len(item.query_rows) > 1 for item in plan.work)
         bucket = self._buckets.get((size, wide)) or self._capture(size, wide, mla_mode)
-        try:
-            bucket.backend.prepare(plan, arrays=arrays)
-        except ValueError:  # the plan exceeds the bucket's fixed capacity
-            self.fallbacks += 1
-            return None
+        staged, bucket.staged = bucket.staged, None
+        if staged is plan:
+            self.staged_plans_used += 1
+        else:
+            try:
+                bucket.backend.prepare(plan, arrays=arrays)
+            except ValueError:  # the plan exceeds the bucket's fixed capacity
+                self.fallbacks += 1
+                return None
         pad = size - n
         if bucket.copied is not None:  # the last step's transfer must have read the staging rows
             bucket.copied.synchronize()
@@ -125,6 +131,25 @@ class DecodeGraphs:
             bucket.graph.replay()
         self.replays += 1
         return bucket.logits[:n].clone()
+
+    def stage_ahead(self, plan: AttentionPlan, num_rows: int, arrays: dict) -> None:
+        """Copy the index arrays of a likely next step (``plan`` over ``num_rows`` decode rows,
+        ``flatten_plan`` arrays) into the graph bucket it would replay, right after this step's
+        replay was launched: the copies run on the stream behind that replay, and the next
+        :meth:`run` handed the same plan object skips them. The host work of preparing a step
+        then overlaps the GPU instead of delaying the next replay. Any other plan run in the
+        bucket first replaces them (``run`` prepares whatever it is handed otherwise)."""
+        size = next((b for b in self.buckets if b >= num_rows), None)
+        wide = any(len(item.query_rows) > 1 for item in plan.work)
+        bucket = self._buckets.get((size, wide))
+        if bucket is None:
+            return
+        try:
+            bucket.backend.prepare(plan, arrays=arrays)
+        except ValueError:  # over the bucket's capacity: the step will fall back to eager anyway
+            bucket.staged = None
+            return
+        bucket.staged = plan
 
     def _capacity(self, size: int, wide: bool) -> PlanCapacity:
         page = self.cache.page_size

@@ -144,6 +144,8 @@ class ModelRunner:
                 logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode, arrays=arrays)
                 if logits is not None:  # the replay runs on the GPU: plan the likely next step meanwhile
                     self._ahead = self._plan_ahead(chains, mla_mode)
+                    if self._ahead is not None:  # and queue its index copies behind this replay
+                        self.graphs.stage_ahead(self._ahead.plan, len(chains), self._ahead.arrays)
             if logits is None:  # eager: no graph, a prefill chunk, or a step no graph holds
                 logits = self._eager_logits(chunks, positions, slots, plan, mla_mode, all_rows)
         except BaseException:
