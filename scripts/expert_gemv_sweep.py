@@ -4,7 +4,9 @@ For each (pairs, product) the expert weights are bf16 stacks of 64 experts (740 
 beyond L2); 8 launches, each over fresh distinct experts, are captured in one CUDA graph, so the
 timing is the kernels' alone (a decode step replays them from a graph too, not from Python).
 Prints the median [min-max] over 10 replays of the time per launch in microseconds and the
-weight bytes read per second, per launch configuration, with the default configuration marked.
+weight bytes read per second, per launch configuration (outputs and inputs per step, warps, the
+input loop unrolled or not), with the default configuration marked; for the down product also the
+gated form (``[gate | up]`` rows in, SiLU-and-mul applied by the kernel).
 Usage: ``python3 scripts/expert_gemv_sweep.py``.
 """
 
@@ -16,7 +18,7 @@ from functools import partial
 
 import torch
 
-from segkv.kernels.expert_gemv import BLOCK_O, NUM_WARPS, default_block_i, expert_gemv
+from segkv.kernels.expert_gemv import BLOCK_O, NUM_WARPS, default_block_i, default_unroll, expert_gemv
 from segkv.kernels.grouped_expert_gemm import grouped_expert_gemm
 
 SHAPES = {"gate_up": (2816, 2048), "down": (2048, 1408)}  # (Out, In) per expert
@@ -53,19 +55,28 @@ def main() -> None:
             rows = torch.arange(pairs, device=dev)
             draws = [torch.randperm(64, device=dev, generator=gen)[:pairs] for _ in range(8)]
             nbytes = pairs * out_dim * in_dim * 2
-            for block_o, block_i, warps in itertools.product((16, 32, 64), (128, 256), (2, 4)):
+            default = (BLOCK_O, default_block_i(in_dim), NUM_WARPS, default_unroll())
+            # 64 outputs and 2 warps were never the best in earlier sweeps (docs/benchmarks.md)
+            for block_o, block_i, warps, unroll in itertools.product((8, 16, 32), (128, 256), (4,), (False, True)):
                 launches = [partial(expert_gemv, x, rows, experts, weight, block_o=block_o, block_i=block_i,
-                                    num_warps=warps) for experts in draws]
-                t = time_us(launches)
-                med = statistics.median(t)
-                default = (BLOCK_O, default_block_i(in_dim), NUM_WARPS)
-                mark = " <- default" if (block_o, block_i, warps) == default else ""
-                print(f"{name:8s} pairs {pairs:3d} block_o {block_o:3d} block_i {block_i:3d} warps {warps}: "
-                      f"{med:7.1f} us [{min(t):.1f}-{max(t):.1f}] {nbytes / med / 1e3:7.0f} GB/s{mark}")
-            t = time_us([partial(grouped_expert_gemm, x, rows, experts, weight) for experts in draws])
-            med = statistics.median(t)
-            print(f"{name:8s} pairs {pairs:3d} grouped GEMM (its default launch): {med:7.1f} us "
-                  f"[{min(t):.1f}-{max(t):.1f}] {nbytes / med / 1e3:7.0f} GB/s")
+                                    num_warps=warps, unroll=unroll) for experts in draws]
+                _report(f"{name:8s} pairs {pairs:3d} block_o {block_o:3d} block_i {block_i:3d} warps {warps} "
+                        f"unroll {int(unroll)}", time_us(launches), nbytes,
+                        " <- default" if (block_o, block_i, warps, unroll) == default else "")
+            if name == "down":  # the down product taking [gate | up] and applying SiLU-and-mul itself
+                h = torch.randn(pairs, 2 * in_dim, device=dev, dtype=torch.bfloat16, generator=gen)
+                for unroll in (False, True):
+                    launches = [partial(expert_gemv, h, rows, experts, weight, gated=True, unroll=unroll)
+                                for experts in draws]
+                    _report(f"{name:8s} pairs {pairs:3d} gated, default launch, unroll {int(unroll)}",
+                            time_us(launches), nbytes, "")
+            _report(f"{name:8s} pairs {pairs:3d} grouped GEMM (its default launch)",
+                    time_us([partial(grouped_expert_gemm, x, rows, experts, weight) for experts in draws]), nbytes, "")
+
+
+def _report(label: str, times: list[float], nbytes: int, mark: str) -> None:
+    med = statistics.median(times)
+    print(f"{label}: {med:7.1f} us [{min(times):.1f}-{max(times):.1f}] {nbytes / med / 1e3:7.0f} GB/s{mark}", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,27 +15,41 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.fused_ops import kind_of, silu_mul_rounded
+from segkv.kernels.settings import env_int
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _gemv_chunk(acc, x_row, w_rows, o_ok, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, GATED: tl.constexpr,
+                KIND: tl.constexpr):
+    """``acc`` plus inputs ``i0 .. i0 + BLOCK_I`` of the product (see :func:`_gemv_tile`)."""
+    offs_i = i0 + tl.arange(0, BLOCK_I)
+    i_ok = offs_i < IN
+    x = tl.load(x_row + offs_i, mask=i_ok, other=0.0).to(tl.float32)
+    if GATED:  # rounded as silu_and_mul rounds, so the product sees the same activation
+        x = silu_mul_rounded(x, tl.load(x_row + IN + offs_i, mask=i_ok, other=0.0).to(tl.float32), KIND)
+    w = tl.load(w_rows[:, None] + offs_i[None, :], mask=o_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
+    return acc + tl.sum(w * x[None, :], axis=1)
+
+
+@triton.jit
 def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constexpr, BLOCK_O: tl.constexpr,
-               BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, GATED: tl.constexpr, KIND: tl.constexpr):
+               BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, GATED: tl.constexpr, KIND: tl.constexpr,
+               UNROLL: tl.constexpr):
     """Outputs ``ob * BLOCK_O ...`` of one product: ``w_rows`` points at the weight's first
     column, one row per output (row stride folded in); ``x_row`` at the input row, which holds
-    ``[gate | up]`` (``2 IN`` columns, reduced to ``silu(gate) * up`` on the fly) when ``GATED``."""
+    ``[gate | up]`` (``2 IN`` columns, reduced to ``silu(gate) * up`` on the fly) when ``GATED``.
+    ``UNROLL``: the input loop unrolled, so every chunk's weights can be requested at once."""
     offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
     o_ok = offs_o < OUT_DIM
     acc = tl.zeros([BLOCK_O], tl.float32)
-    for i0 in range(0, IN, BLOCK_I):
-        offs_i = i0 + tl.arange(0, BLOCK_I)
-        i_ok = offs_i < IN
-        x = tl.load(x_row + offs_i, mask=i_ok, other=0.0).to(tl.float32)
-        if GATED:  # rounded as silu_and_mul rounds, so the product sees the same activation
-            x = silu_mul_rounded(x, tl.load(x_row + IN + offs_i, mask=i_ok, other=0.0).to(tl.float32), KIND)
-        w = tl.load(w_rows[:, None] + offs_i[None, :], mask=o_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
+    if UNROLL:
+        for i0 in tl.static_range(0, IN, BLOCK_I):
+            acc = _gemv_chunk(acc, x_row, w_rows, o_ok, i0, IN, BLOCK_I, GATED, KIND)
+    else:
+        for i0 in range(0, IN, BLOCK_I):
+            acc = _gemv_chunk(acc, x_row, w_rows, o_ok, i0, IN, BLOCK_I, GATED, KIND)
     if EXACT_FP32:
         tl.store(out_row + offs_o, acc, mask=o_ok)
     else:
@@ -48,7 +62,7 @@ def _expert_gemv_kernel(
     stride_xr, stride_we, stride_wo, stride_on, stride_sxr, stride_swo, stride_son, num_pairs,
     IN: tl.constexpr, OUT_DIM: tl.constexpr, SHARED_IN: tl.constexpr, SHARED_OUT: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
-    GATED: tl.constexpr, KIND: tl.constexpr, HAS_SHARED: tl.constexpr,
+    GATED: tl.constexpr, KIND: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """Program ``t``: ``BLOCK_O`` outputs of one product. The first ``num_pairs x cdiv(OUT_DIM,
     BLOCK_O)`` programs serve the routed pairs (pair ``n``: expert ``experts[n]`` on row
@@ -63,7 +77,7 @@ def _expert_gemv_kernel(
         ob = (t - routed_programs) % SHARED_BLOCKS
         offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
         _gemv_tile(SX + token * stride_sxr, SW + offs_o.to(tl.int64) * stride_swo, SOUT + token * stride_son, ob,
-                   SHARED_IN, SHARED_OUT, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND)
+                   SHARED_IN, SHARED_OUT, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND, UNROLL)
     else:
         n = t // ROUTED_BLOCKS
         ob = t % ROUTED_BLOCKS
@@ -74,7 +88,8 @@ def _expert_gemv_kernel(
         expert = tl.load(experts + n).to(tl.int64)
         offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
         _gemv_tile(X + row * stride_xr, W + expert * stride_we + offs_o.to(tl.int64) * stride_wo,
-                   OUT + n.to(tl.int64) * stride_on, ob, IN, OUT_DIM, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND)
+                   OUT + n.to(tl.int64) * stride_on, ob, IN, OUT_DIM, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND,
+                   UNROLL)
 
 
 # Measured on the H200 (scripts/expert_gemv_sweep.py, DeepSeek-V2-Lite shapes, 6 and 48 pairs):
@@ -85,6 +100,11 @@ BLOCK_O, BLOCK_I, NUM_WARPS = 16, 128, 4
 WIDE_BLOCK_I = 256
 
 
+def default_unroll() -> bool:
+    """Whether the input loop is unrolled (``SEGKV_GEMV_UNROLL=0/1`` overrides, for tuning runs)."""
+    return bool(env_int("SEGKV_GEMV_UNROLL", 0))
+
+
 def default_block_i(*in_dims: int) -> int:
     """Inputs per step for products over ``in_dims``: 256 when it divides every width, else 128."""
     return WIDE_BLOCK_I if all(d % WIDE_BLOCK_I == 0 for d in in_dims) else BLOCK_I
@@ -92,16 +112,16 @@ def default_block_i(*in_dims: int) -> int:
 
 def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
                 *, out_dtype: torch.dtype | None = None, gated: bool = False, block_o: int = BLOCK_O,
-                block_i: int | None = None, num_warps: int = NUM_WARPS) -> torch.Tensor:
+                block_i: int | None = None, num_warps: int = NUM_WARPS, unroll: bool | None = None) -> torch.Tensor:
     """``x (R, In)``, ``rows (N,)`` and ``experts (N,)`` int64/int32 on the device, ``weight
     (E, Out, In)`` with unit stride on In -> ``(N, Out)`` in ``out_dtype`` (default ``x``'s).
     ``rows`` may be an int ``r``: pair ``n`` reads row ``n // r`` (a token's ``r`` experts in a
     row, as a router returns them; no index tensor to build per step).
     ``gated``: ``x (R, 2 In)`` holds ``[gate | up]`` and the product takes ``silu(gate) * up``,
     rounded as :func:`segkv.kernels.fused_ops.silu_and_mul` rounds (one launch instead of two).
-    ``block_o``/``block_i``/``num_warps``: the launch (default: the measured best,
-    :func:`default_block_i`; tuning runs set them)."""
-    return _launch(x, rows, experts, weight, None, None, out_dtype, gated, block_o, block_i, num_warps)[0]
+    ``block_o``/``block_i``/``num_warps``/``unroll``: the launch (default: the measured best,
+    :func:`default_block_i`, :func:`default_unroll`; tuning runs set them)."""
+    return _launch(x, rows, experts, weight, None, None, out_dtype, gated, block_o, block_i, num_warps, unroll)[0]
 
 
 def expert_gemv_with_shared(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
@@ -114,10 +134,10 @@ def expert_gemv_with_shared(x: torch.Tensor, rows: torch.Tensor | int, experts: 
     if shared_weight.dim() != 2 or shared_x.dim() != 2 or shared_x.dtype != x.dtype:
         raise ValueError(f"shared weight (Out, In) and rows (T, In) of x's dtype expected, got "
                          f"{tuple(shared_weight.shape)} and {tuple(shared_x.shape)} {shared_x.dtype}")
-    return _launch(x, rows, experts, weight, shared_x, shared_weight, None, gated, BLOCK_O, None, NUM_WARPS)
+    return _launch(x, rows, experts, weight, shared_x, shared_weight, None, gated, BLOCK_O, None, NUM_WARPS, None)
 
 
-def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated, block_o, block_i, num_warps):
+def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated, block_o, block_i, num_warps, unroll):
     """Checks, outputs and the launch of :func:`expert_gemv` / :func:`expert_gemv_with_shared`."""
     has_shared = shared_weight is not None
     for name, t in (("x", x), ("weight", weight), ("shared x", shared_x), ("shared weight", shared_weight)):
@@ -156,5 +176,6 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
             BLOCK_I=min(block_i, triton.next_power_of_2(max(in_dim, s_in_dim))),
             EXACT_FP32=kernel_dtype == torch.float32, PAIRS_PER_ROW=pairs_per_row, GATED=gated,
             KIND=kind_of(x.dtype), HAS_SHARED=has_shared, num_warps=num_warps,
+            UNROLL=default_unroll() if unroll is None else unroll,
         )
     return out.to(out_dtype), shared_out.to(out_dtype)
