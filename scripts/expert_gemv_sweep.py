@@ -55,7 +55,7 @@ def main() -> None:
             rows = torch.arange(pairs, device=dev)
             draws = [torch.randperm(64, device=dev, generator=gen)[:pairs] for _ in range(8)]
             nbytes = pairs * out_dim * in_dim * 2
-            default = (BLOCK_O, default_block_i(pairs, in_dim), NUM_WARPS, default_unroll(pairs))
+            default = (BLOCK_O, default_block_i(pairs), NUM_WARPS, default_unroll(pairs))
             # 64 outputs and 2 warps were never the best in earlier sweeps (docs/benchmarks.md)
             for block_o, block_i, warps, unroll in itertools.product((8, 16, 32), (128, 256), (4,), (False, True)):
                 launches = [partial(expert_gemv, x, rows, experts, weight, block_o=block_o, block_i=block_i,

@@ -96,9 +96,9 @@ def _expert_gemv_kernel(
 
 
 # Measured on the H200 (scripts/expert_gemv_sweep.py, DeepSeek-V2-Lite shapes, 6 and 48 pairs):
-# 16 outputs per program and 4 warps were fastest in all four cases (2.4-4.3 TB/s); 256 inputs per
-# step where they divide the input width (gate/up, 2048 inputs: 6 pairs 22.2 -> 20.1 us), else 128
-# (down, 1408 inputs: 256 is 7-14% slower)
+# 16 outputs per program and 4 warps were fastest in all four cases (2.4-4.3 TB/s); 128 inputs per
+# step for many pairs (256 for the gate/up product at batch 8 made the whole decode 4% slower,
+# 1123 -> 1073 tok/s, though the sweep over distinct experts favoured it by 2%)
 BLOCK_O, BLOCK_I, NUM_WARPS = 16, 128, 4
 WIDE_BLOCK_I = 256
 
@@ -115,10 +115,9 @@ def default_unroll(pairs: int) -> bool:
     return pairs <= FEW_PAIRS if forced is None else bool(forced)
 
 
-def default_block_i(pairs: int, *in_dims: int) -> int:
-    """Inputs per step for ``pairs`` pairs over ``in_dims``: 256 for few pairs or where 256
-    divides every width, else 128."""
-    return WIDE_BLOCK_I if pairs <= FEW_PAIRS or all(d % WIDE_BLOCK_I == 0 for d in in_dims) else BLOCK_I
+def default_block_i(pairs: int) -> int:
+    """Inputs per step for ``pairs`` pairs: 256 for one token's few pairs, else 128."""
+    return WIDE_BLOCK_I if pairs <= FEW_PAIRS else BLOCK_I
 
 
 def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
@@ -176,7 +175,7 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
     s_out_dim, s_in_dim = shared_weight.shape if has_shared else (block_o, 1)
     programs = n * triton.cdiv(out_dim, block_o) + tokens * triton.cdiv(s_out_dim, block_o)
     if block_i is None:
-        block_i = default_block_i(n, in_dim, s_in_dim) if has_shared else default_block_i(n, in_dim)
+        block_i = default_block_i(n)
     if programs:
         sx, sw = (shared_x, shared_weight) if has_shared else (x, weight)
         _expert_gemv_kernel[(programs,)](
