@@ -20,6 +20,7 @@ Run on a CUDA device: ``python -m segkv.bench.decode_attention --help``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -237,9 +238,11 @@ def bench_case(*, shape_name: str, batch: int, context: int, page_size: int, dty
 
 
 def bench_cascade(*, shape_name: str, forks: int, prefix: int, suffix: int, page_size: int, dtype, trials: int,
-                  bandwidth: float, seed: int = 0) -> dict:
+                  bandwidth: float, seed: int = 0, partition_caps: tuple[int, ...] = ()) -> dict:
     """``forks`` sequences sharing a ``prefix``-row history, each with ``suffix`` rows of its own:
-    the planner's cascade plan against the same batch planned without sharing (split)."""
+    the planner's cascade plan against the same batch planned without sharing (split).
+    ``partition_caps``: also the cascade planned with at most that many partitions per run
+    (variants ``cascade_max<N>``), to see how the prefix's split pays."""
     device = "cuda"
     q_heads, kv_heads, head_dim = SHAPES[shape_name]
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -262,6 +265,9 @@ def bench_cascade(*, shape_name: str, forks: int, prefix: int, suffix: int, page
     q = torch.randn(forks, q_heads, head_dim, device=device, dtype=dtype, generator=gen)
     plans = {"cascade": plan_attention(queries, shape, spec, page_size=page_size),
              "no_sharing": plan_attention(queries, shape, spec, page_size=page_size, route="split")}
+    for cap in partition_caps:
+        plans[f"cascade_max{cap}"] = plan_attention(queries, shape, dataclasses.replace(spec, max_partitions=cap),
+                                                    page_size=page_size)
     prepared = {name: backend.prepare(plan) for name, plan in plans.items()}
     timers = {name: Timer.capture([lambda p=p: backend.run(p, q, kc, vc, scale=head_dim**-0.5)])
               for name, p in prepared.items()}
@@ -375,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--max-kv-gib", type=float, default=33.0)
     parser.add_argument("--no-cascade", action="store_true")
+    parser.add_argument("--cascade-caps", default="", help="also the cascade with at most N partitions per run, "
+                        "e.g. 8,17,33")
+    parser.add_argument("--cascade-only", action="store_true", help="only the cascade comparison")
     parser.add_argument("--tune", default="", help="instead: sweep partition counts on BxCTX cases, e.g. 1x131072")
     parser.add_argument("--launch", default="64,4,2", help="with --tune: BLOCK_N,WARPS,STAGES")
     parser.add_argument("--json", default=None)
@@ -402,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows = []
         started = time.time()
-        for shape_name in args.shapes.split(","):
+        for shape_name in ([] if args.cascade_only else args.shapes.split(",")):
             for page_size in _ints(args.page_sizes):
                 for batch in _ints(args.batches):
                     for context in _ints(args.contexts):
@@ -417,11 +426,14 @@ def main(argv: list[str] | None = None) -> int:
         report["rows"] = rows
         if not args.no_cascade:
             cascade = bench_cascade(shape_name="llama3-8b", forks=16, prefix=32768, suffix=512, page_size=16,
+                                    partition_caps=tuple(_ints(args.cascade_caps)) if args.cascade_caps else (),
                                     dtype=dtype, trials=args.trials, bandwidth=bandwidth)
             report["cascade"] = cascade
             v = cascade["variants"]
             print(f"cascade 16 forks x 32K prefix + 512: cascade {v['cascade']['median_ms']:.3f} ms, "
                   f"no sharing {v['no_sharing']['median_ms']:.3f} ms, speedup {cascade['speedup']:.1f}x", flush=True)
+            for name, plan in cascade["plans"].items():
+                print(f"  {name}: {v[name]['median_ms']:.4f} ms, {plan['reason']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -118,9 +118,10 @@ class DecodeGraphs:
         pad = size - n
         if bucket.copied is not None:  # the last step's transfer must have read the staging rows
             bucket.copied.synchronize()
-        bucket.staging[:, :n] = torch.tensor([ids, positions, slots])
+        rows = bucket.staging.numpy()  # numpy writes: building a tensor from lists costs more
+        rows[0, :n], rows[1, :n], rows[2, :n] = ids, positions, slots
         if pad:
-            bucket.staging[:, n:] = torch.tensor([[0], [0], [self._scratch_slot]])
+            rows[0, n:], rows[1, n:], rows[2, n:] = 0, 0, self._scratch_slot
         bucket.inputs.copy_(bucket.staging, non_blocking=True)
         if self.device.type == "cuda":
             bucket.copied = torch.cuda.Event()
