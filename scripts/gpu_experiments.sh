@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Open questions, measured in one go on the GPU machine (about 4 minutes); results under
-# $OUT/experiments.txt. Defaults change only after a measurement.
-#   1. GPU tests of the graph runner (indices staged behind the previous replay) and the GEMV.
-#   2. Whole-model decode, DeepSeek-V2-Lite (batch 1/8/32) and Llama-3.1-8B (batch 1/8) with the
-#      expert GEMV pairs-fastest again and one token's pairs unrolled.
+# Open questions, measured in one go on the GPU machine (about 7 minutes); results under
+# $OUT/experiments.txt (and $OUT/ncu.txt). Defaults change only after a measurement.
+#   1. Why the cascade's 64-pair programs take about 2.8 us per 64 x 64 tile (15% of an SM's MMA
+#      peak), and why the latent kernel takes about 11 us per layer at 1K context in a DeepSeek
+#      decode step: Nsight Compute stall reasons (scripts/ncu_kernels.sh, all four cases).
+#   2. The Llama-3-70B shape at batch 1 ran 5-8% slower with the planner's 33 partitions than the
+#      8-segment plan's 32 (the 8B shape did not): the partition sweep for that shape.
 # Results of earlier runs: docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,17 +14,11 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 log="$OUT/experiments.txt"
 : > "$log"
-if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
 
-echo "== GPU tests" | tee -a "$log"
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_expert_gemv.py \
-  tests/test_moe_ops.py 2>&1 | tail -3 | tee -a "$log"
+echo "== 70B shape, batch 1: partitions" | tee -a "$log"
+timeout 150 python3 -m segkv.bench.decode_attention --tune 1x32768,1x131072 --shapes llama3-70b --launch 64,4,3 \
+  --trials 3 2>&1 | grep -E "^tune" | sed 's/p[0-9]*_head=[^ ]*//g' | tee -a "$log"
 
-echo "== end to end" | tee -a "$log"
-timeout 200 python3 -m segkv.bench.decode_e2e --models deepseek-v2-lite --batches 1,8,32 --contexts 1K,16K \
-  --skip-hf 2>&1 | grep -E "^\[" | tee -a "$log"
-timeout 150 python3 -m segkv.bench.decode_e2e --models llama-3.1-8b --batches 1,8 --contexts 1K,16K \
-  --skip-hf 2>&1 | grep -E "^\[" | tee -a "$log"
+echo "== Nsight Compute" | tee -a "$log"
+OUT="$OUT" bash scripts/ncu_kernels.sh > /dev/null 2>&1
+cat "$OUT/ncu.txt" >> "$log"

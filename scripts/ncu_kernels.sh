@@ -3,8 +3,8 @@
 # registers, resident warps, issue rate and the stall reasons per issued instruction, for one
 # split launch of each. Needs ncu (present on the device machine); clocks are left alone.
 #   usage: bash scripts/ncu_kernels.sh            (results under $OUT/ncu.txt)
-# The latent case is 16 heads, batch 1, 128K (its 2nd launch is the split kernel); the GQA case
-# is Llama-3-8B, batch 4, 32K.
+# The latent cases are 16 heads, batch 1, 128K and 1K (the 2nd launch is the split kernel); the
+# GQA cases are Llama-3-8B, batch 4, 32K, and the cascade's first launch (its 64-pair programs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/segkv-gpu-out}
@@ -29,4 +29,11 @@ show() { grep -E "_kernel \(|grid_size|duration|dram__|registers|warps_active|is
   timeout 200 ncu --clock-control none --kernel-name regex:_stage1_kernel --launch-skip 2 --launch-count 1 \
     --metrics "$metrics" python3 -m segkv.bench.decode_attention --trials 1 --no-cascade --shapes llama3-8b \
     --page-sizes 16 --batches 4 --contexts 32768 2>&1 | show
+  echo "== GQA stage 1: the cascade (16 forks of a 32K prefix, 64-pair prefix programs)"
+  timeout 200 ncu --clock-control none --kernel-name regex:_stage1_kernel --launch-skip 0 --launch-count 1 \
+    --metrics "$metrics" python3 -m segkv.bench.decode_attention --trials 1 --cascade-only 2>&1 | show
+  echo "== latent stage 1: 16 heads, batch 1, 1K (a DeepSeek-V2-Lite decode step's attention)"
+  timeout 200 ncu --clock-control none --kernel-name regex:_mla_stage1 --launch-skip 1 --launch-count 1 \
+    --metrics "$metrics" python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 \
+    --contexts 1024 --dtypes bfloat16 --trials 1 2>&1 | show
 } | tee "$OUT/ncu.txt"

@@ -283,12 +283,13 @@ def bench_cascade(*, shape_name: str, forks: int, prefix: int, suffix: int, page
     return result
 
 
-def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], launch, page_size: int = 16) -> list[dict]:
-    """Partition-count sweep of the split route at one launch configuration (Llama-3-8B
-    shape), in the cache's token-major page layout and a head-major one (``(page, head, row,
-    dim)``). One configuration per process: a faulting configuration cannot spoil the others."""
+def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], launch, page_size: int = 16,
+         shape_name: str = "llama3-8b") -> list[dict]:
+    """Partition-count sweep of the split route at one launch configuration (one model shape),
+    in the cache's token-major page layout and a head-major one (``(page, head, row, dim)``).
+    One configuration per process: a faulting configuration cannot spoil the others."""
     device = "cuda"
-    q_heads, kv_heads, head_dim = SHAPES["llama3-8b"]
+    q_heads, kv_heads, head_dim = SHAPES[shape_name]
     shape = AttentionShape(q_heads, kv_heads, head_dim, head_dim)
     spec = DeviceSpec.cuda()
     gen = torch.Generator(device=device).manual_seed(0)
@@ -322,7 +323,7 @@ def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], 
         results = {k: _summarise(t, kv_bytes, bandwidth) for k, t in samples.items()}
         rows.append({"batch": batch, "context": context, "launch": [launch.block_n, launch.num_warps,
                      launch.num_stages], "auto_partitions": auto.num_partitions, "results": results})
-        print(f"tune n{launch.block_n}_w{launch.num_warps}_s{launch.num_stages} B={batch} ctx={context} "
+        print(f"tune {shape_name} n{launch.block_n}_w{launch.num_warps}_s{launch.num_stages} B={batch} ctx={context} "
               f"auto x{auto.num_partitions}: "
               + " ".join(f"{k}={v['median_ms']:.4f}({v['fraction_of_bandwidth']:.0%})" for k, v in results.items()),
               flush=True)
@@ -384,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cascade-caps", default="", help="also the cascade with at most N partitions per run, "
                         "e.g. 8,17,33")
     parser.add_argument("--cascade-only", action="store_true", help="only the cascade comparison")
-    parser.add_argument("--tune", default="", help="instead: sweep partition counts on BxCTX cases, e.g. 1x131072")
+    parser.add_argument("--tune", default="", help="instead: sweep partition counts on BxCTX cases, e.g. 1x131072 "
+                        "(the first of --shapes)")
     parser.add_argument("--launch", default="64,4,2", help="with --tune: BLOCK_N,WARPS,STAGES")
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None, metavar="REPORT_JSON",
@@ -407,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         from segkv.kernels.paged_attention import LaunchConfig
 
         launch = LaunchConfig(*_ints(args.launch))
-        report["tune"] = tune(dtype=dtype, trials=args.trials, bandwidth=bandwidth, cases=cases, launch=launch)
+        report["tune"] = tune(dtype=dtype, trials=args.trials, bandwidth=bandwidth, cases=cases, launch=launch,
+                              shape_name=args.shapes.split(",")[0])
     else:
         rows = []
         started = time.time()
