@@ -53,14 +53,18 @@ def _launch_ms(fn, repeats: int) -> tuple[float, float, float]:
     return statistics.median(times), min(times), max(times)
 
 
-def _profile_table(runner, chains, first: list[int], steps: int, context: int, sort_by: str, rows: int) -> str:
-    """``torch.profiler`` table of ``steps`` decode steps (CPU and CUDA activity), chains trimmed back after."""
+def _profile_table(runner, chains, first: list[int], steps: int, context: int, sort_by: str, rows: int,
+                   trace: str | None = None) -> str:
+    """``torch.profiler`` table of ``steps`` decode steps (CPU and CUDA activity), chains trimmed
+    back after; with ``trace``, the timeline is also written there (Chrome trace JSON)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _decode(runner, chains, first, steps)
         torch.cuda.synchronize()
     _trim_to(chains, context)
+    if trace:
+        prof.export_chrome_trace(trace)
     return prof.key_averages().table(sort_by=sort_by, row_limit=rows)
 
 
@@ -72,6 +76,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--rows", type=int, default=30, help="rows of each profiler table")
+    p.add_argument("--trace", default=None, help="write the graph steps' timeline here (Chrome trace JSON): "
+                   "what the host does between two replays")
     args = p.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     cfg = model_config(args.model)
@@ -123,7 +129,8 @@ def main() -> None:
             host = median_ms(host_plan, 20)
             print(f"  host plan + prepare: {host[0]:.3f} ms [{host[1]:.3f}-{host[2]:.3f}]")
             print("  graph steps, by CPU time:")
-            print(_profile_table(runner, chains, first, 4, args.context, "self_cpu_time_total", args.rows))
+            print(_profile_table(runner, chains, first, 4, args.context, "self_cpu_time_total", args.rows,
+                                 trace=args.trace))
         else:
             print("  eager steps, by CUDA time:")
             print(_profile_table(runner, chains, first, 2, args.context, "self_cuda_time_total", args.rows))
