@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Open questions, measured in one go on the GPU machine (about 9 minutes); results under
+# Open questions, measured in one go on the GPU machine (about 10 minutes); results under
 # $OUT/experiments.txt (and $OUT/ncu.txt). Defaults change only after a measurement.
 #   1. Why the cascade's 64-pair programs take about 2.8 us per 64 x 64 tile (15% of an SM's MMA
 #      peak), and why the latent kernel takes about 11 us per layer at 1K context in a DeepSeek
@@ -8,6 +8,8 @@
 #      8-segment plan's 32 (the 8B shape did not): the partition sweep for that shape.
 #   3. What the host does in the 0.35-0.40 ms between two batch-1 graph replays (DeepSeek-V2-Lite,
 #      Llama-3.1-8B): a trace of graph steps and the host events overlapping the GPU's idle gaps.
+#   4. DeepSeek-V2-Lite decode with the router's logits inside the top-k kernel
+#      (SEGKV_ROUTER_LOGITS_IN_KERNEL=1) against the separate product, batch 1 and 8.
 # Results of earlier runs: docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,4 +34,10 @@ for model in deepseek-v2-lite llama-3.1-8b; do
   grep -E "ms/step|replay" "$OUT/profile_$model.txt" | head -4 | tee -a "$log"
   python3 scripts/trace_gaps.py "$OUT/trace_$model.json" --min-us 20 2>&1 | tee -a "$log"
   rm -f "$OUT/trace_$model.json"  # large; the summary above is what comes back
+done
+
+echo "== DeepSeek decode: router logits in the top-k kernel (0: separate product)" | tee -a "$log"
+for fused in 0 1 0 1; do
+  SEGKV_ROUTER_LOGITS_IN_KERNEL=$fused timeout 120 python3 -m segkv.bench.decode_e2e --models deepseek-v2-lite \
+    --batches 1,8 --contexts 1K --skip-hf 2>&1 | grep -E "^\[" | sed "s/^/logits_in_kernel=$fused /" | tee -a "$log"
 done
