@@ -38,6 +38,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--dir", type=Path, default=Path("/tmp/segkv-host-step-model"))
+    p.add_argument("--sealed", action="store_true", help="seal the history first (a conversation's earlier turns)")
     args = p.parse_args()
     if not (args.dir / "config.json").exists():
         args.dir.mkdir(parents=True, exist_ok=True)
@@ -50,6 +51,8 @@ def main() -> None:
     chains = [llm.cache.new_chain() for _ in range(args.batch)]
     for chain in chains:
         chain.append(args.context)
+        if args.sealed:  # a history sealed as a conversation's earlier turns are; new rows go to a tail
+            chain.seal()
     tokens = list(range(1, args.batch + 1))
     runner.forward([StepInput(c, [t]) for c, t in zip(chains, tokens)])  # captures (emulated)
     bucket = next(iter(runner.graphs._buckets.values()))
@@ -61,7 +64,7 @@ def main() -> None:
         runner.forward([StepInput(c, [t]) for c, t in zip(chains, tokens)])
         whole.append(time.perf_counter() - start)
         before.append(marks[-1] - start)
-    print(f"batch {args.batch}, context {args.context}: host before the replay {statistics.median(before) * 1e3:.3f} ms "
+    print(f"batch {args.batch}, context {args.context}{' sealed' if args.sealed else ''}: host before the replay {statistics.median(before) * 1e3:.3f} ms "
           f"[{min(before) * 1e3:.3f}-{max(before) * 1e3:.3f}], whole step {statistics.median(whole) * 1e3:.3f} ms; "
           f"plans made ahead and used: {getattr(runner, 'plans_ahead_used', 0)} of {args.steps}")
 

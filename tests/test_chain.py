@@ -297,3 +297,26 @@ def test_bad_append_arguments(cache):
     assert chain.num_rows == 0 and chain.tail is None and cache.pool.stats()["pages_allocated_total"] == 0
     snap = chain.snapshot()
     assert isinstance(snap, ChainSnapshot) and snap.refs == () and snap.num_rows == 0
+
+
+def test_sealed_spans_reuse_one_page_tuple_per_reference():
+    """A sealed reference's pages never change: every ``spans()`` call (each decode step) returns
+    the same tuple for it, while the tail's tuple follows its growth; a fork's shorter
+    reference has its own, correct pages."""
+    cache = make_cache("mha", 4)
+    chain = cache.new_chain()
+    chain.append(10)
+    chain.seal()
+    chain.append(3)
+    first, second = chain.spans(), chain.spans()
+    assert first[0].page_ids is second[0].page_ids and first[0].sealed
+    assert list(first[0].page_ids) == chain.refs[0].page_ids and len(first[0].page_ids) == 3
+    chain.append(2)  # the tail grows into a new page; the sealed span is untouched
+    third = chain.spans()
+    assert third[0].page_ids is first[0].page_ids and len(third[1].page_ids) == len(first[1].page_ids) + 1
+    short = chain.refs[0].share(6)  # the first 6 rows: 2 pages of 4
+    assert short.page_tuple == tuple(chain.refs[0].page_ids[:2])
+    short.release()
+    fork = chain.fork()  # the tail is sealed into a reference both chains hold
+    assert [s.page_ids for s in fork.spans()] == [s.page_ids for s in chain.spans()]
+    fork.release()

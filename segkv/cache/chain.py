@@ -85,7 +85,7 @@ class KVChain:
         """The chain's rows in order: one span per sealed reference, then the tail."""
         spans, start = [], 0
         for ref in self.refs:
-            spans.append(ChainSpan(ref.segment.segment_id, tuple(ref.page_ids), ref.num_rows, start, True))
+            spans.append(ChainSpan(ref.segment.segment_id, ref.page_tuple, ref.num_rows, start, True))
             start += ref.num_rows
         if self.num_tail_rows:
             tail = self.tail

@@ -53,7 +53,7 @@ class SegRef:
     further references with :meth:`share`; give this one up with :meth:`release`.
     """
 
-    __slots__ = ("segment", "num_rows", "_live")
+    __slots__ = ("segment", "num_rows", "_live", "_page_tuple")
 
     def __init__(self, segment: Segment, num_rows: int, *, _adopt: bool = False) -> None:
         assert segment.sealed, "only sealed segments can be referenced"
@@ -61,12 +61,21 @@ class SegRef:
         self.segment = segment
         self.num_rows = num_rows
         self._live = True
+        self._page_tuple: tuple[int, ...] | None = None  # see page_tuple
         if not _adopt:  # an adopting ref takes over references its creator already holds
             segment.pool.incref(self.page_ids)
 
     @property
     def page_ids(self) -> list[int]:
         return self.segment.page_ids[: self.segment.pool.pages_for_rows(self.num_rows)]
+
+    @property
+    def page_tuple(self) -> tuple[int, ...]:
+        """:attr:`page_ids` as a tuple, made once: a sealed segment's pages never change, so a
+        decode step's spans reuse it (and comparing two steps' spans finds the same object)."""
+        if self._page_tuple is None:
+            self._page_tuple = tuple(self.page_ids)
+        return self._page_tuple
 
     @property
     def live(self) -> bool:
