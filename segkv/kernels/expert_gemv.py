@@ -4,6 +4,10 @@
 expert ids stay on the device, so a mixture-of-experts decode step needs no host
 synchronisation (CUDA graphs can capture it), and each (row, expert) pair reads exactly its
 expert's weights. Float32 accumulation; the result is rounded once to the output dtype.
+
+The same launch can also take a dense weight applied to every row (a MoE layer's shared experts,
+:func:`expert_gemv_with_shared`), and inputs holding ``[gate | up]`` that it reduces to
+``silu(gate) * up`` itself (``gated``): at batch 1 a MoE layer's experts are then two launches.
 """
 
 from __future__ import annotations
