@@ -140,9 +140,9 @@ class MixtureOfExperts(nn.Module):
     it; the weighted expert outputs are summed in float32 and rounded once. Unpacked layers
     loop over experts (a host synchronisation per layer); packed ones (:meth:`pack_experts`)
     stay on the device: a GEMV per (token, expert) pair up to ``PACKED_PAIRS_LIMIT`` pairs, a
-    grouped GEMM per expert beyond it. Fused (GPU decode), the GEMV launches also run the shared
-    experts, and the down product applies SiLU-and-mul itself: two launches for every expert of
-    the layer, where a decode step of small experts is mostly launches.
+    grouped GEMM per expert beyond it. Fused (GPU decode) with one token, the GEMV launches also
+    run the shared experts and the down product applies SiLU-and-mul itself: two launches for
+    every expert of the layer, where a batch-1 step of small experts is mostly launches.
     """
 
     def __init__(self, hidden_size: int, expert_size: int, spec: RouterSpec, *, num_shared: int = 0,
