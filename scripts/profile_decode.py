@@ -29,25 +29,16 @@ from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy
 
 
-def median_ms(fn, repeats: int) -> tuple[float, float, float]:
-    """``fn``'s wall time in ms, the device synchronised around each call: median, min, max."""
+def median_ms(fn, repeats: int, *, wait: bool = True) -> tuple[float, float, float]:
+    """``fn``'s wall time in ms, the device idle before each call: median, min, max. ``wait``:
+    synchronised after each call too (the whole GPU work); otherwise the host's call alone."""
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), min(times), max(times)
-
-
-def _launch_ms(fn, repeats: int) -> tuple[float, float, float]:
-    """Host time of ``fn`` alone (the device idle before each call): median, min, max in ms."""
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
+        if wait:
+            torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     torch.cuda.synchronize()
     return statistics.median(times), min(times), max(times)
@@ -114,7 +105,7 @@ def main() -> None:
             rep = median_ms(bucket.graph.replay, 20)
             print(f"  graph replay alone: {rep[0]:.3f} ms [{rep[1]:.3f}-{rep[2]:.3f}] "
                   f"= {weight_bytes / (rep[0] / 1e3) / 1e9:.0f} GB/s of all weights (a MoE step reads only its experts)")
-            launch = _launch_ms(bucket.graph.replay, 20)
+            launch = median_ms(bucket.graph.replay, 20, wait=False)
             print(f"  replay() call on the host (no sync): {launch[0]:.3f} ms [{launch[1]:.3f}-{launch[2]:.3f}]")
             back = median_ms(lambda: [bucket.graph.replay() for _ in range(8)], 5)
             print(f"  8 replays back to back: {back[0] / 8:.3f} ms each [{back[1] / 8:.3f}-{back[2] / 8:.3f}] "
