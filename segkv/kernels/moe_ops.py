@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from segkv.kernels.expert_gemv import gemv_chunk
 from segkv.kernels.fused_ops import kind_of, round_to_kind
 
 
@@ -68,13 +69,9 @@ def _route_hidden_kernel(X, W, WEIGHTS, IDS, stride_x, stride_w, num_experts, sc
     offs = tl.arange(0, BLOCK_E)
     ok = offs < num_experts
     acc = tl.zeros([BLOCK_E], tl.float32)
-    for h0 in range(0, HIDDEN, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        h_ok = offs_h < HIDDEN
-        x = tl.load(X + t * stride_x + offs_h, mask=h_ok, other=0.0).to(tl.float32)
-        w = tl.load(W + offs[:, None] * stride_w + offs_h[None, :], mask=ok[:, None] & h_ok[None, :],
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
+    w_rows = W + offs.to(tl.int64) * stride_w
+    for h0 in range(0, HIDDEN, BLOCK_H):  # the expert GEMV's step: BLOCK_E outputs, BLOCK_H inputs
+        acc = gemv_chunk(acc, X + t * stride_x, w_rows, ok, h0, HIDDEN, BLOCK_H, False, 0)
     logits = tl.where(ok, acc, float("-inf"))
     _topk_store(logits, ok, offs, t, WEIGHTS, IDS, scale, K, BLOCK_K, SOFTMAX, NORM)
 

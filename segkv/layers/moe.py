@@ -204,16 +204,14 @@ class MixtureOfExperts(nn.Module):
         if self._packed is None:
             out = self._looped_experts(x, weights, ids)
             return out if self.shared_experts is None else out + self.shared_experts(x)
-        few_pairs = ids.numel() <= self.PACKED_PAIRS_LIMIT
         one_launch = self.fused and x.shape[0] <= self.SHARED_IN_GEMV_TOKENS
         shared_weights = self._stacked_shared_weights() if one_launch else None
         if shared_weights is not None:  # shared experts in the routed pairs' launches
-            from segkv.kernels.moe_ops import combine_experts
-
-            y, shared = self._packed_experts_with_shared(x, ids, *shared_weights)
-            return combine_experts(y, weights, shared)
-        y = self._packed_experts(x, ids) if few_pairs else self._grouped_experts(x, ids)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
+            y, shared = self._packed_experts(x, ids, shared_weights)
+        else:
+            y = self._packed_experts(x, ids)[0] if ids.numel() <= self.PACKED_PAIRS_LIMIT \
+                else self._grouped_experts(x, ids)
+            shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.fused:
             from segkv.kernels.moe_ops import combine_experts
 
@@ -222,19 +220,28 @@ class MixtureOfExperts(nn.Module):
         out = (y.float() * weights.reshape(-1, 1)).view(tokens, k, -1).sum(dim=1).to(x.dtype)
         return out if shared is None else out + shared
 
-    def _packed_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _packed_experts(self, x: torch.Tensor, ids: torch.Tensor,
+                        shared: tuple[torch.Tensor, torch.Tensor] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Device-side dispatch for few pairs: one GEMV per (token, expert) pair; pair ``n`` is
-        token ``n // k`` (no index tensors to build). For one token's pairs the down product takes
-        ``silu(gate) * up`` of the gate/up rows itself (rounded as ``silu_and_mul``: one launch less)."""
-        from segkv.kernels.expert_gemv import FEW_PAIRS, expert_gemv
+        token ``n // k`` (no index tensors to build). Returns the routed outputs ``(T k, H)``, and
+        with ``shared`` (:meth:`_stacked_shared_weights`) the shared experts' ``(T, H)`` from the
+        same two launches (else None). For one token's pairs the down product takes
+        ``silu(gate) * up`` of the gate/up rows itself (rounded as ``silu_and_mul``: one launch
+        less); more pairs run the activation apart (batch 8: 1123 -> 1149 tok/s that way)."""
+        from segkv.kernels.expert_gemv import FEW_PAIRS, expert_gemv, expert_gemv_with_shared
         from segkv.kernels.fused_ops import silu_and_mul
 
         gate_up, down = self._packed
         experts = ids.reshape(-1)
-        h = expert_gemv(x.contiguous(), ids.shape[1], experts, gate_up)  # (T k, 2I)
-        if experts.numel() <= FEW_PAIRS:  # one token: a launch saved is worth more than the
-            return expert_gemv(h, 1, experts, down, gated=True)  # activation each program redoes
-        return expert_gemv(silu_and_mul(h), 1, experts, down)  # (T k, H); batch 8: 1123 -> 1149 tok/s
+        x = x.contiguous()
+        if shared is not None:
+            h, shared_h = expert_gemv_with_shared(x, ids.shape[1], experts, gate_up, x, shared[0])
+            return expert_gemv_with_shared(h, 1, experts, down, shared_h, shared[1], gated=True)
+        h = expert_gemv(x, ids.shape[1], experts, gate_up)  # (T k, 2I)
+        if experts.numel() <= FEW_PAIRS:
+            return expert_gemv(h, 1, experts, down, gated=True), None
+        return expert_gemv(silu_and_mul(h), 1, experts, down), None
 
     def _stacked_shared_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The shared experts' ``[gate | up] (2 S I, H)`` and ``down (H, S I)`` weights, when they
@@ -244,18 +251,6 @@ class MixtureOfExperts(nn.Module):
             return None
         weight, bias = shared.stacked_gate_up
         return (weight, shared.down_proj.weight) if bias is None else None
-
-    def _packed_experts_with_shared(self, x: torch.Tensor, ids: torch.Tensor, shared_gate_up: torch.Tensor,
-                                    shared_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_packed_experts` with the shared experts in the same two launches: routed
-        outputs ``(T k, H)`` and the shared experts' ``(T, H)``, rounded as their own layers round."""
-        from segkv.kernels.expert_gemv import expert_gemv_with_shared
-
-        gate_up, down = self._packed
-        experts = ids.reshape(-1)
-        x = x.contiguous()
-        h, shared_h = expert_gemv_with_shared(x, ids.shape[1], experts, gate_up, x, shared_gate_up)
-        return expert_gemv_with_shared(h, 1, experts, down, shared_h, shared_down, gated=True)
 
     def _grouped_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Device-side dispatch for many pairs: the pairs sorted by expert on the device (one

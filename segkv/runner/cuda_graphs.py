@@ -100,11 +100,10 @@ class DecodeGraphs:
         """``(n, vocab)`` float32 logits of a decode step, or None when it does not fit a graph.
         ``arrays``: the plan already flattened (``flatten_plan``), if it was."""
         n = len(ids)
-        size = next((b for b in self.buckets if b >= n), None)
+        size, wide = self._bucket_key(n, plan)
         if size is None or mla_mode == "naive":  # naive MLA decompresses pieces through the reference
             self.fallbacks += 1
             return None
-        wide = any(len(item.query_rows) > 1 for item in plan.work)
         bucket = self._buckets.get((size, wide)) or self._capture(size, wide, mla_mode)
         staged, bucket.staged = bucket.staged, None
         if staged is plan:
@@ -140,9 +139,7 @@ class DecodeGraphs:
         :meth:`run` handed the same plan object skips them. The host work of preparing a step
         then overlaps the GPU instead of delaying the next replay. Any other plan run in the
         bucket first replaces them (``run`` prepares whatever it is handed otherwise)."""
-        size = next((b for b in self.buckets if b >= num_rows), None)
-        wide = any(len(item.query_rows) > 1 for item in plan.work)
-        bucket = self._buckets.get((size, wide))
+        bucket = self._buckets.get(self._bucket_key(num_rows, plan))
         if bucket is None:
             return
         try:
@@ -151,6 +148,12 @@ class DecodeGraphs:
             bucket.staged = None
             return
         bucket.staged = plan
+
+    def _bucket_key(self, num_rows: int, plan: AttentionPlan) -> tuple[int | None, bool]:
+        """The bucket a step of ``num_rows`` decode rows replays (None: larger than every bucket),
+        and whether its plan needs a wide one (work items of several query rows)."""
+        size = next((b for b in self.buckets if b >= num_rows), None)
+        return size, any(len(item.query_rows) > 1 for item in plan.work)
 
     def _capacity(self, size: int, wide: bool) -> PlanCapacity:
         page = self.cache.page_size
