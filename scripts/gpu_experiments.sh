@@ -8,7 +8,7 @@
 #      8-segment plan's 32 (the 8B shape did not): the partition sweep for that shape.
 #   3. What the host does in the 0.35-0.40 ms between two batch-1 graph replays (DeepSeek-V2-Lite,
 #      Llama-3.1-8B): a trace of graph steps and the host events overlapping the GPU's idle gaps.
-#   4. DeepSeek-V2-Lite decode with the router's logits inside the top-k kernel
+
 #      (SEGKV_ROUTER_LOGITS_IN_KERNEL=1) against the separate product, batch 1 and 8.
 # Results of earlier runs: docs/benchmarks.md.
 set -uo pipefail

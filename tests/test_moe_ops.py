@@ -33,62 +33,6 @@ def test_route_topk_matches_the_torch_router(experts, k, scoring, norm, scaling,
     torch.testing.assert_close(weights, ref_w, rtol=2e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("experts,k,hidden", [(64, 6, 2048), (8, 2, 40), (160, 8, 96)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scoring,norm,scaling", [("softmax", False, 1.0), ("sigmoid", True, 2.5)])
-def test_route_from_hidden_matches_the_torch_router(experts, k, hidden, dtype, scoring, norm, scaling, gen):
-    """Logits computed in the top-k kernel: the torch router's experts and weights (its logits
-    are ``F.linear(x.float(), W.float())``; float32 sums in another order)."""
-    from segkv.kernels.moe_ops import route_topk_from_hidden
-
-    x = torch.randn(5, hidden, generator=gen).to(dtype).to(DEVICE)
-    w = (torch.randn(experts, hidden, generator=gen) * 3 / hidden**0.5).to(dtype).to(DEVICE)
-    weights, ids = route_topk_from_hidden(x, w, k, scoring=scoring, norm_topk_prob=norm, scaling=scaling)
-    logits = torch.nn.functional.linear(x.float(), w.float())
-    ref_w, ref_ids = torch_route(logits, k, scoring, norm, scaling)
-    assert torch.equal(ids, ref_ids)  # random logits: no near-ties at float32 noise
-    assert torch.isfinite(weights).all()
-    torch.testing.assert_close(weights, ref_w, rtol=2e-5, atol=1e-6)
-
-
-def test_route_from_hidden_checks_inputs(gen):
-    from segkv.kernels.moe_ops import route_topk_from_hidden
-
-    x, w = torch.randn(2, 8, generator=gen).to(DEVICE), torch.randn(4, 8, generator=gen).to(DEVICE)
-    with pytest.raises(ValueError, match="route_topk_from_hidden"):
-        route_topk_from_hidden(x, w[:, :6], 2)
-    with pytest.raises(ValueError, match="top_k"):
-        route_topk_from_hidden(x, w, 5)
-    with pytest.raises(ValueError, match="scoring"):
-        route_topk_from_hidden(x, w, 2, scoring="relu")
-
-
-def test_fused_router_computes_decode_logits_in_the_kernel_when_asked(gen, monkeypatch):
-    """``SEGKV_ROUTER_LOGITS_IN_KERNEL=1``: a fused router's decode-sized batches route without
-    the separate product, larger ones keep it; both give the unfused router's choice."""
-    from segkv.kernels import moe_ops
-    from segkv.layers.moe import RouterSpec, TopKRouter
-
-    router = TopKRouter(48, RouterSpec(num_experts=16, top_k=4, norm_topk_prob=True)).to(DEVICE)
-    with torch.no_grad():
-        router.weight.copy_(torch.randn(16, 48, generator=gen))
-    xs = [torch.randn(t, 48, generator=gen).to(DEVICE) for t in (3, router.LOGITS_IN_KERNEL_TOKENS + 1)]
-    unfused = [router(x) for x in xs]
-    router.use_fused()
-    monkeypatch.setenv("SEGKV_ROUTER_LOGITS_IN_KERNEL", "1")
-    calls = []
-    in_kernel = moe_ops.route_topk_from_hidden
-    monkeypatch.setattr(moe_ops, "route_topk_from_hidden", lambda *a, **kw: calls.append(a[0].shape[0]) or in_kernel(*a, **kw))
-    for x, (ref_w, ref_ids) in zip(xs, unfused):
-        weights, ids = router(x)
-        assert torch.equal(ids, ref_ids)
-        torch.testing.assert_close(weights, ref_w, rtol=2e-5, atol=1e-6)
-    assert calls == [3]  # only the decode-sized batch
-    monkeypatch.setenv("SEGKV_ROUTER_LOGITS_IN_KERNEL", "x")
-    with pytest.raises(ValueError, match="SEGKV_ROUTER_LOGITS_IN_KERNEL"):
-        router(xs[0])
-
-
 def test_route_topk_breaks_ties_to_the_lower_expert_and_checks_inputs():
     logits = torch.tensor([[0.0, 1.0, 1.0, -1.0, 1.0]], device=DEVICE)
     weights, ids = route_topk(logits, 3)

@@ -1,8 +1,7 @@
 """Triton kernels around a mixture-of-experts layer's expert products (decode on the GPU).
 
 * :func:`route_topk`: a router's scores, top-k choice and weights from its float32 logits, one
-  kernel instead of softmax/sigmoid, top-k, gather, normalisation and scaling (about six);
-  :func:`route_topk_from_hidden` computes the logits too (decode-sized batches).
+  kernel instead of softmax/sigmoid, top-k, gather, normalisation and scaling (about six).
 * :func:`combine_experts`: the weighted sum of each token's expert outputs in float32, rounded
   once, plus the shared experts' output, one kernel instead of about five.
 
@@ -16,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from segkv.kernels.expert_gemv import gemv_chunk
 from segkv.kernels.fused_ops import kind_of, round_to_kind
 
 
@@ -59,23 +57,6 @@ def _route_topk_kernel(LOGITS, WEIGHTS, IDS, stride_l, num_experts, scale,
     _topk_store(logits, ok, offs, t, WEIGHTS, IDS, scale, K, BLOCK_K, SOFTMAX, NORM)
 
 
-@triton.jit
-def _route_hidden_kernel(X, W, WEIGHTS, IDS, stride_x, stride_w, num_experts, scale,
-                         HIDDEN: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_H: tl.constexpr, SOFTMAX: tl.constexpr, NORM: tl.constexpr):
-    """Program ``t``: token ``t``'s router logits ``x[t] . W[e]`` in float32 (every product of
-    the converted inputs, float32 sums), then its top ``K`` experts as ``_route_topk_kernel``."""
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_E)
-    ok = offs < num_experts
-    acc = tl.zeros([BLOCK_E], tl.float32)
-    w_rows = W + offs.to(tl.int64) * stride_w
-    for h0 in range(0, HIDDEN, BLOCK_H):  # the expert GEMV's step: BLOCK_E outputs, BLOCK_H inputs
-        acc = gemv_chunk(acc, X + t * stride_x, w_rows, ok, h0, HIDDEN, BLOCK_H, False, 0)
-    logits = tl.where(ok, acc, float("-inf"))
-    _topk_store(logits, ok, offs, t, WEIGHTS, IDS, scale, K, BLOCK_K, SOFTMAX, NORM)
-
-
 def _check_route(experts: int, top_k: int, scoring: str) -> None:
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k must be in 1..{experts}, got {top_k}")
@@ -101,33 +82,6 @@ def route_topk(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", no
             logits, weights, ids, logits.stride(0), experts, float(scaling),
             K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(experts),
             SOFTMAX=scoring == "softmax", NORM=norm_topk_prob, num_warps=1,
-        )
-    return weights, ids
-
-
-def route_topk_from_hidden(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, scoring: str = "softmax",
-                           norm_topk_prob: bool = False, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`route_topk` of ``F.linear(x.float(), weight.float())`` in one launch: ``x (T, H)``
-    and the router ``weight (E, H)`` in any float dtype with unit last strides. The logits are
-    float32 sums of the converted products (the order differs from cuBLAS's: float32 noise).
-    One program per token reads the whole router weight, so this is for decode-sized ``T``; it
-    replaces the two conversions, the product and the top-k of a decode step's router."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.stride(-1) != 1 \
-            or weight.stride(-1) != 1:
-        raise ValueError(f"route_topk_from_hidden needs x (T, H) and weight (E, H) with unit last strides, "
-                         f"got {tuple(x.shape)} and {tuple(weight.shape)}")
-    tokens, hidden = x.shape
-    experts = weight.shape[0]
-    _check_route(experts, top_k, scoring)
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
-    if tokens:
-        block_e = triton.next_power_of_2(experts)
-        _route_hidden_kernel[(tokens,)](
-            x, weight, weights, ids, x.stride(0), weight.stride(0), experts, float(scaling),
-            HIDDEN=hidden, K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e,
-            BLOCK_H=max(16, min(triton.next_power_of_2(hidden), 8192 // block_e)),
-            SOFTMAX=scoring == "softmax", NORM=norm_topk_prob, num_warps=4,
         )
     return weights, ids
 

@@ -73,12 +73,6 @@ class RouterSpec:
         return self.topk_method == "noaux_tc"
 
 
-def router_logits_in_kernel() -> bool:
-    """``SEGKV_ROUTER_LOGITS_IN_KERNEL`` (0 or 1, default 0): decode routers of fused layers
-    compute their logits inside the top-k kernel."""
-    return bool(env_int("SEGKV_ROUTER_LOGITS_IN_KERNEL", 0))
-
-
 class TopKRouter(nn.Module):
     """``gate.*`` of a MoE layer: ``x (T, hidden)`` -> weights ``(T, k)`` float32, expert ids ``(T, k)``.
 
@@ -98,18 +92,9 @@ class TopKRouter(nn.Module):
         routers that choose among all experts (``greedy``); grouped choices stay in torch."""
         self.fused = not self.spec.grouped
 
-    # tokens up to which a fused router computes its logits inside the top-k kernel (one program
-    # per token reads the whole router weight); SEGKV_ROUTER_LOGITS_IN_KERNEL=1 turns it on for
-    # the A/B against the separate product (off until measured on the GPU)
-    LOGITS_IN_KERNEL_TOKENS = 64
-
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
         route = dict(scoring=s.scoring, norm_topk_prob=s.norm_topk_prob, scaling=s.routed_scaling_factor)
-        if self.fused and x.shape[0] <= self.LOGITS_IN_KERNEL_TOKENS and router_logits_in_kernel():
-            from segkv.kernels.moe_ops import route_topk_from_hidden
-
-            return route_topk_from_hidden(x.contiguous(), self.weight, s.top_k, **route)
         logits = F.linear(x.float(), self.weight.float())
         if self.fused:
             from segkv.kernels.moe_ops import route_topk
