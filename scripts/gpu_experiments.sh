@@ -1,42 +1,43 @@
 #!/usr/bin/env bash
-# Open questions, measured in one go on the GPU machine (about 8 minutes); results under
-# $OUT/experiments.txt. Defaults change only after a measurement.
-#   1. The merge inside stage 1 (SEGKV_MERGE_IN_STAGE1=1: the last program of each decode row
-#      merges it, no merge launch) against the merge kernel (0): decode attention at batch 1, 4
-#      and 16 over 16K-128K, alternating 0 / 1 / 0 / 1 in one session.
-#   2. Its correctness on the GPU: the decode kernel tests (every page size, GQA ratio and head
-#      width for the split route), fixed plan buffers, graphs, the engine.
-#   3. Llama-3.1-8B decode (batch 1 and 8, 1K) with each merge.
+# Open questions, measured in one go on the GPU machine (about 10 minutes); results under
+# $OUT/experiments.txt (and $OUT/ncu.txt). Defaults change only after a measurement.
+#   1. Why the cascade's 64-pair programs take about 2.8 us per 64 x 64 tile (15% of an SM's MMA
+#      peak), and why the latent kernel takes about 11 us per layer at 1K context in a DeepSeek
+#      decode step: Nsight Compute stall reasons (scripts/ncu_kernels.sh, all four cases).
+#   2. The Llama-3-70B shape at batch 1 ran 5-8% slower with the planner's 33 partitions than the
+#      8-segment plan's 32 (the 8B shape did not): the partition sweep for that shape.
+#   3. What the host does in the 0.35-0.40 ms between two batch-1 graph replays (DeepSeek-V2-Lite,
+#      Llama-3.1-8B): a trace of graph steps and the host events overlapping the GPU's idle gaps.
+
+#      (SEGKV_ROUTER_LOGITS_IN_KERNEL=1) against the separate product, batch 1 and 8.
 # Results of earlier runs: docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/segkv-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
 log="$OUT/experiments.txt"
 : > "$log"
 
-echo "== decode attention: merge in stage 1 (1) or the merge kernel (0)" | tee -a "$log"
-for merge in 0 1 0 1; do
-  SEGKV_MERGE_IN_STAGE1=$merge timeout 170 python3 -m segkv.bench.decode_attention --shapes llama3-8b --page-sizes 16 \
-    --batches 1,4,16 --contexts 16384,32768,131072 --no-cascade --trials 5 --json "$OUT/merge$merge.json" 2>&1 \
-    | grep -E "^\[" | sed "s/^/merge_in_stage1=$merge /" | tee -a "$log"
-  cp "$OUT/merge$merge.json" "$OUT/merge${merge}_$(date +%s).json" 2>/dev/null
+echo "== 70B shape, batch 1: partitions" | tee -a "$log"
+timeout 150 python3 -m segkv.bench.decode_attention --tune 1x32768,1x131072 --shapes llama3-70b --launch 64,4,3 \
+  --trials 3 2>&1 | grep -E "^tune" | sed 's/p[0-9]*_head=[^ ]*//g' | tee -a "$log"
+
+echo "== Nsight Compute" | tee -a "$log"
+OUT="$OUT" bash scripts/ncu_kernels.sh > /dev/null 2>&1
+cat "$OUT/ncu.txt" >> "$log"
+
+for model in deepseek-v2-lite llama-3.1-8b; do
+  echo "== $model batch 1: GPU idle gaps between graph steps" | tee -a "$log"
+  timeout 200 python3 scripts/profile_decode.py --model $model --batch 1 --context 1024 \
+    --trace "$OUT/trace_$model.json" > "$OUT/profile_$model.txt" 2>&1
+  grep -E "ms/step|replay" "$OUT/profile_$model.txt" | head -4 | tee -a "$log"
+  python3 scripts/trace_gaps.py "$OUT/trace_$model.json" --min-us 20 2>&1 | tee -a "$log"
+  rm -f "$OUT/trace_$model.json"  # large; the summary above is what comes back
 done
 
-echo "== GPU tests" | tee -a "$log"
-timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/test_triton_attention.py \
-  -k "merge_inside or fully_masked or fixed_size or cuda_graph or mixed_long or (test_kernels_match and split and bf16)" 2>&1 \
-  | tail -4 | tee -a "$log"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_graphs.py tests/test_gpu_engine.py 2>&1 \
-  | tail -4 | tee -a "$log"
-
-echo "== Llama-3.1-8B decode, merge in stage 1 (1) or the merge kernel (0)" | tee -a "$log"
-for merge in 0 1; do
-  SEGKV_MERGE_IN_STAGE1=$merge timeout 100 python3 -m segkv.bench.decode_e2e --models llama-3.1-8b \
-    --batches 1,8 --contexts 1K --skip-hf 2>&1 | grep -E "^\[" | sed "s/^/merge_in_stage1=$merge /" | tee -a "$log"
+echo "== DeepSeek decode: router logits in the top-k kernel (0: separate product)" | tee -a "$log"
+for fused in 0 1 0 1; do
+  SEGKV_ROUTER_LOGITS_IN_KERNEL=$fused timeout 120 python3 -m segkv.bench.decode_e2e --models deepseek-v2-lite \
+    --batches 1,8 --contexts 1K --skip-hf 2>&1 | grep -E "^\[" | sed "s/^/logits_in_kernel=$fused /" | tee -a "$log"
 done

@@ -280,52 +280,6 @@ def test_merge_of_many_partials_per_row(gen):
                                 scale=0.125, device=DEVICE))
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_decode_plans_merge_inside_stage1(dtype, gen, monkeypatch):
-    """Work items of one query row (decode): the last program of each (row, head) merges it, so no
-    merge launch runs. Rows of several partials, a fully masked row, an empty chain and (fixed
-    buffers) padding rows all come out as the reference's; the tickets are back to 0 after every
-    launch, so a second launch is right too; the merge kernel's path agrees."""
-    from segkv.attention.triton_backend import PlanCapacity
-    from segkv.kernels import paged_attention
-    from segkv.kernels.paged_attention import LaunchConfig
-
-    merges = []
-    merge_into = paged_attention.merge_into
-    monkeypatch.setattr(paged_attention, "merge_into", lambda *a: merges.append(1) or merge_into(*a))
-    batch = gqa_batch(gen, dtype=DTYPES[dtype], page_size=16, ratio=4, head_dim=64, rows=1)
-    q0, q1, q2 = batch.queries
-    batch.queries = [q0, SequenceQuery(q1.spans, 1, query_start=-2), SequenceQuery((), 1), q2]
-    batch.query = torch.cat([batch.query, batch.query[:1]])
-    plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=16, route="split",
-                          num_partitions=5)
-    assert max(len(p) for p in plan.reduce_map) > 1 and max(len(w.query_rows) for w in plan.work) == 1
-    storage = batch.cache.storage
-    k, v = storage.key_cache(0), storage.value_cache(0)
-    rb = TorchReferenceBackend(page_size=16, device=DEVICE)
-    ref, ref_lse = rb.run(rb.prepare(plan), batch.query, k, v, scale=batch.scale)
-    capacity = PlanCapacity(max_pages=256, max_pieces=64, max_work=64, max_partials=256, max_rows=8, max_work_rows=1)
-    for fixed in (False, True):
-        tb = TritonBackend(page_size=16, device=DEVICE, poison=True, capacity=capacity if fixed else None)
-        prepared = tb.prepare(plan)
-        query = batch.query
-        if fixed:  # a graph bucket: 4 padding rows past the plan's
-            query = torch.cat([query, torch.randn(4, *query.shape[1:], generator=gen).to(query.dtype).to(DEVICE)])
-        for _ in range(2):
-            out, lse = tb.run(prepared, query, k, v, scale=batch.scale)
-            check(out[:4], lse[:4], ref, ref_lse)
-            dead = [1, 2, *range(4, len(query))]
-            assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
-            assert tb._counters is not None and not tb._counters.any()
-    assert merges == []
-    tb = TritonBackend(page_size=16, device=DEVICE, poison=True,
-                       launch=LaunchConfig(block_n=64, num_warps=4, num_stages=3, merge_in_stage1=False))
-    out_kernel, lse_kernel = tb.run(tb.prepare(plan), batch.query, k, v, scale=batch.scale)
-    assert merges == [1]
-    check(out_kernel, lse_kernel, ref, ref_lse)
-    torch.testing.assert_close(out_kernel.float(), out.float()[:4], rtol=0, atol=2e-5 if dtype == "fp32" else 1e-2)
-
-
 def test_merge_kernel_folds_blocks_of_partials_exactly(gen):
     """The one-pass merge against the contract's formula (``merge_partials``) on synthetic partials:
     rows of 150 partials (three blocks of 64) whose first block is all empty, whose last is, whose
@@ -423,9 +377,8 @@ def test_launch_overrides_from_the_environment(monkeypatch):
     monkeypatch.setenv("SEGKV_TRITON_WARPS", "8")
     monkeypatch.setenv("SEGKV_TRITON_HEADS_FASTEST", "0")
     monkeypatch.setenv("SEGKV_MLA_MAXNREG", "168")
-    monkeypatch.setenv("SEGKV_MERGE_IN_STAGE1", "0")
     launch = default_launch_config(head_dim=128, page_size=16)
-    assert (launch.num_warps, launch.heads_fastest, launch.maxnreg, launch.merge_in_stage1) == (8, False, None, False)
+    assert (launch.num_warps, launch.heads_fastest, launch.maxnreg) == (8, False, None)
     assert default_mla_launch_config(page_size=16).maxnreg == 168
     monkeypatch.setenv("SEGKV_TRITON_STAGES", "two")
     with pytest.raises(ValueError, match="SEGKV_TRITON_STAGES"):

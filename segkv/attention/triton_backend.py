@@ -148,9 +148,6 @@ class TritonBackend:
         # workspace_bytes (the planner's bound): no per-step allocation that grows with history
         self.workspace_bytes = workspace_bytes
         self._workspace: torch.Tensor | None = None
-        # merge tickets of the decode kernels (paged_attention's ``counters``): zeros, and every
-        # launch leaves them zero; grown, never shrunk (graph captures keep their address)
-        self._counters: torch.Tensor | None = None
         if capacity is not None:
             sizes = capacity.sizes()
             total = sum(sizes.values())
@@ -262,15 +259,8 @@ class TritonBackend:
             query=query, key_cache=key_cache, value_cache=value_cache, **{name: a[name] for name in _FIELDS},
             num_partials=prepared.num_partials, max_work_rows=prepared.max_work_rows, scale=scale,
             out_dtype=out_dtype or query.dtype, needs_merge=prepared.needs_merge, launch=self.launch,
-            poison=self.poison, workspace=workspace, counters=self._merge_counters(rows * query.shape[1]),
+            poison=self.poison, workspace=workspace,
         )
-
-    def _merge_counters(self, entries: int) -> torch.Tensor:
-        """At least ``entries`` int32 merge tickets, all zero (the kernels leave them so). A graph
-        bucket's first (uncaptured) step sizes them for its rows, so capture allocates nothing."""
-        if self._counters is None or self._counters.numel() < entries:
-            self._counters = torch.zeros(max(entries, 1024), dtype=torch.int32, device=self.device)
-        return self._counters
 
     def _partials_workspace(self, floats: int) -> torch.Tensor | None:
         """The eager partials buffer (``workspace_bytes`` on a GPU, grown on demand elsewhere) with

@@ -85,81 +85,16 @@ def store_partials(acc, m_i, l_i, partial, head, valid, offs_d, d_ok, partial_di
 
 
 @triton.jit
-def zero_empty_rows(reduce_ptr, num_rows, kvh, FINAL, FINAL_LSE, stride_fr, stride_fh, stride_flr,
-                    GROUP: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Rows without partials (no visible key, a graph bucket's padding rows): 0 with LSE -inf in
-    KV head ``kvh``'s query heads (what the merge kernel writes for them)."""
-    offs_d = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < DV
-    for p0 in range(0, num_rows * GROUP, BLOCK_M):
-        pair = p0 + tl.arange(0, BLOCK_M)
-        row = (pair // GROUP).to(tl.int64)
-        ok = row < num_rows
-        count = tl.load(reduce_ptr + row + 1, mask=ok, other=0) - tl.load(reduce_ptr + row, mask=ok, other=0)
-        empty = ok & (count == 0)
-        head = kvh * GROUP + pair % GROUP
-        tl.store(FINAL + row[:, None] * stride_fr + head[:, None] * stride_fh + offs_d[None, :],
-                 tl.zeros([BLOCK_M, BLOCK_DV], FINAL.dtype.element_ty), mask=empty[:, None] & d_ok[None, :])
-        tl.store(FINAL_LSE + row * stride_flr + head, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=empty)
-
-
-@triton.jit
-def merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
-                  OUT, LSE, FINAL, FINAL_LSE, offs_d, d_ok, stride_op, stride_oh, stride_lp, stride_fr, stride_fh,
-                  stride_flr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """After a program stored its partials: for each of its (row, head) pairs with several
-    partials, count this one in (an atomic ticket per pair); the program holding a pair's last
-    ticket merges that pair's partials as the merge kernel does (the contract's formula: the
-    maximum LSE first, then the weighted sum), rounds once into FINAL/FINAL_LSE, and resets the
-    ticket to 0 for the next launch. Saves the merge launch of a decode step."""
-    direct = tl.load(partial_direct + partial, mask=valid, other=0)
-    shared = valid & (direct < 0)
-    start = tl.load(reduce_ptr + qrow, mask=shared, other=0)
-    count = tl.load(reduce_ptr + qrow + 1, mask=shared, other=0) - start
-    tl.debug_barrier()  # every thread's partial stores come before the ticket (released by it)
-    ticket = tl.atomic_add(COUNTERS + qrow * stride_c + head, 1, mask=shared, sem="acq_rel", scope="gpu")
-    last = shared & (ticket == count - 1)
-    if tl.max(last.to(tl.int32), 0) > 0:
-        tl.debug_barrier()
-        n_max = tl.max(tl.where(last, count, 0), 0)
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        for j in range(0, n_max):  # other programs' partials: read through L2 (".cg"), not a stale L1
-            ok = last & (j < count)
-            p = tl.load(reduce_partials + start + j, mask=ok, other=0).to(tl.int64)
-            m = tl.maximum(m, tl.load(LSE + p * stride_lp + head, mask=ok, other=float("-inf"), cache_modifier=".cg"))
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        for j in range(0, n_max):
-            ok = last & (j < count)
-            p = tl.load(reduce_partials + start + j, mask=ok, other=0).to(tl.int64)
-            lse = tl.load(LSE + p * stride_lp + head, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            live = ok & (lse != float("-inf"))
-            wgt = tl.where(live, tl.exp(lse - m_safe), 0.0)
-            o = tl.load(OUT + p[:, None] * stride_op + head[:, None] * stride_oh + offs_d[None, :],
-                        mask=live[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-            acc += wgt[:, None] * o
-            total += wgt
-        empty = total == 0.0
-        out = acc / tl.where(empty, 1.0, total)[:, None]
-        tl.store(FINAL + qrow[:, None] * stride_fr + head[:, None] * stride_fh + offs_d[None, :],
-                 out.to(FINAL.dtype.element_ty, fp_downcast_rounding="rtne"), mask=last[:, None] & d_ok[None, :])
-        tl.store(FINAL_LSE + qrow * stride_flr + head,
-                 tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total))), mask=last)
-        tl.store(COUNTERS + qrow * stride_c + head, tl.zeros([BLOCK_M], tl.int32), mask=last)
-
-
-@triton.jit
 def _stage1_kernel(
     Q, K, V, OUT, LSE, FINAL, FINAL_LSE,
     page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start, partial_row,
-    partial_offset, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
+    partial_offset, partial_direct,
     stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
-    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, stride_c,
-    scale, num_rows,
+    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr,
+    scale,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (``BLOCK_N / PAGE_SIZE`` pages) at a time with
@@ -168,10 +103,7 @@ def _stage1_kernel(
     accumulated in float32; float32 inputs use IEEE float32 throughout.
 
     A partial that is its row's only one (``partial_direct >= 0``, the row) is rounded once and
-    stored straight into FINAL/FINAL_LSE; the others go to OUT/LSE for the merge. With ``MERGE``
-    (work items of one query row) the last program of each (row, head) merges it
-    (``merge_if_last``, tickets in COUNTERS ``(rows, heads)`` int32, all 0 between launches), and
-    the first work item's programs zero the rows without partials: no merge launch."""
+    stored straight into FINAL/FINAL_LSE; the others go to OUT/LSE for the merge kernel."""
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
         kvh = tl.program_id(0)
@@ -180,10 +112,6 @@ def _stage1_kernel(
         w = tl.program_id(0)
         kvh = tl.program_id(1)
     mb = tl.program_id(2)
-    if MERGE:
-        if (w == 0) & (mb == 0):
-            zero_empty_rows(reduce_ptr, num_rows, kvh, FINAL, FINAL_LSE, stride_fr, stride_fh, stride_flr,
-                            GROUP, DV, BLOCK_M, BLOCK_DV)
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
     if mb * BLOCK_M >= n_rows * GROUP:  # also the padding work items of fixed-size plan buffers
@@ -232,10 +160,6 @@ def _stage1_kernel(
                                             EXACT_FP32)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
                    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr)
-    if MERGE:
-        merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
-                      OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp, stride_fr,
-                      stride_fh, stride_flr, BLOCK_M, BLOCK_DV)
 
 
 @triton.jit
@@ -312,7 +236,6 @@ class LaunchConfig:
     tall_warps: int = 4  # warps for programs of 64 or more pairs (8 measured slower for cascade)
     heads_fastest: bool = False  # launch a piece's KV heads side by side (they share its pages)
     maxnreg: int | None = None  # register cap per thread (more resident programs, maybe spills)
-    merge_in_stage1: bool = True  # decode plans: the last program of a row merges it (no merge launch)
 
 
 def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
@@ -331,7 +254,6 @@ def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
         # a piece's KV heads side by side: 0-3% faster at batch 1-16 over 32K-128K (H200)
         heads_fastest=env_int("SEGKV_TRITON_HEADS_FASTEST", 1) == 1,
         maxnreg=env_int("SEGKV_TRITON_MAXNREG", None),
-        merge_in_stage1=env_int("SEGKV_MERGE_IN_STAGE1", 1) == 1,
     )
 
 
@@ -339,7 +261,7 @@ def paged_attention(
     *, query, key_cache, value_cache, page_table, page_rows, page_key_start, piece_page_start, work_piece,
     work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
-    poison=False, workspace=None, counters=None,
+    poison=False, workspace=None,
 ):
     """Attention of a plan: stage-1 partials, then the exact merge, rounded once.
 
@@ -351,11 +273,8 @@ def paged_attention(
     partial_row/partial_offset/partial_direct ``(num_partials,)`` (direct: the output row when
     the partial is its row's only one, else -1), reduce_ptr ``(R + 1,)`` and reduce_partials
     (CSR rows -> partials). ``needs_merge=False`` (every row has exactly one partial) skips the
-    merge launch. ``workspace``: a flat float32 buffer the partials may live in (attention_outputs).
-    ``counters``: int32 zeros of at least ``R * Hq`` entries, left zero by every launch: with
-    them, plans whose work items hold one query row (decode) merge inside stage 1
-    (``LaunchConfig.merge_in_stage1``), saving the merge launch. Returns ``(out (R, Hq, Dv)
-    out_dtype, lse (R, Hq) float32)``; rows without partials are 0 with LSE -inf.
+    merge launch. ``workspace``: a flat float32 buffer the partials may live in (attention_outputs). Returns ``(out (R, Hq, Dv) out_dtype, lse (R, Hq) float32)``; rows without
+    partials are 0 with LSE -inf.
     """
     num_rows, num_heads, dk = query.shape
     page_size, num_kv = key_cache.shape[1], key_cache.shape[2]
@@ -365,36 +284,30 @@ def paged_attention(
     num_work = work_piece.numel()
     if num_work and num_partials:
         meta = stage1_launch(dtype=query.dtype, dk=dk, dv=dv, group=group, page_size=page_size,
-                             max_work_rows=max_work_rows, element_size=key_cache.element_size(), launch=launch,
-                             counters=counters is not None and counters.numel() >= num_rows * num_heads)
-        merged = meta["MERGE"]
+                             max_work_rows=max_work_rows, element_size=key_cache.element_size(), launch=launch)
         blocks = triton.cdiv(max_work_rows * group, meta["BLOCK_M"])
         grid = (num_kv, num_work, blocks) if meta["HEADS_FASTEST"] else (num_work, num_kv, blocks)
         _stage1_kernel[grid](
             query, key_cache, value_cache, part_out, part_lse, out, lse,
             page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start,
-            partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
-            counters if merged else reduce_ptr,
+            partial_row, partial_offset, partial_direct,
             query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
-            lse.stride(0), num_heads,
-            scale, num_rows, **meta,
+            lse.stride(0),
+            scale, **meta,
         )
-    else:
-        merged = False
-    if num_rows and not merged and (needs_merge or not (num_work and num_partials)):
+    if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
     return out.to(out_dtype), lse
 
 
 def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_work_rows: int, element_size: int,
-                  launch: LaunchConfig | None = None, counters: bool = True) -> dict:
+                  launch: LaunchConfig | None = None) -> dict:
     """The stage-1 kernel's constexprs and launch options (``num_warps``, ``num_stages``, the
     register cap) for a plan of this shape: at most 64 (row x head) pairs per program (32 for
-    heads wider than 128), tall programs with ``tall_warps``, pipeline stages shrunk to what
-    fits in shared memory, and the merge inside stage 1 for work items of one query row when
-    ``counters`` (the tickets) are at hand. ``launch`` defaults to :func:`default_launch_config`."""
+    heads wider than 128), tall programs with ``tall_warps``, and pipeline stages shrunk to what
+    fits in shared memory. ``launch`` defaults to :func:`default_launch_config`."""
     launch = launch or default_launch_config(head_dim=max(dk, dv), page_size=page_size)
     block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
     block_n = max(page_size, launch.block_n)
@@ -405,7 +318,6 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
         num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size), **maxnreg_option(launch),
-        MERGE=counters and launch.merge_in_stage1 and max_work_rows == 1,
     )
 
 
