@@ -178,8 +178,10 @@ def _run_trials(timers: dict[str, Timer], trials: int) -> dict[str, list[float]]
 
 
 def bench_case(*, shape_name: str, batch: int, context: int, page_size: int, dtype, trials: int, bandwidth: float,
-               segment_counts=(2, 8, 30), sdpa=SDPA_BACKENDS, seed: int = 0) -> dict:
-    """One (shape, batch, context, page size) case; returns its row of the table."""
+               segment_counts=(2, 8, 30), sdpa=SDPA_BACKENDS, seed: int = 0, head_major: bool = False) -> dict:
+    """One (shape, batch, context, page size) case; returns its row of the table. ``head_major``:
+    also the planner's plan over a head-major copy of the pages (``(page, head, row, dim)``
+    memory, viewed with the kernels' strides: one contiguous block per page and KV head)."""
     device = "cuda"
     q_heads, kv_heads, head_dim = SHAPES[shape_name]
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -195,6 +197,8 @@ def bench_case(*, shape_name: str, batch: int, context: int, page_size: int, dty
     spec = DeviceSpec.cuda()
     backend = TritonBackend(page_size=page_size, device=device)
     kc, vc = cache.storage.key_cache(0), cache.storage.value_cache(0)
+    if head_major:
+        kc_hm, vc_hm = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (kc, vc))
     scale = head_dim**-0.5
     fns: dict[str, list] = {}
     plans: dict[str, dict] = {}
@@ -217,6 +221,9 @@ def bench_case(*, shape_name: str, batch: int, context: int, page_size: int, dty
             prepared = backend.prepare(plan)
             fns.setdefault(name, []).append(lambda p=prepared, q=q: backend.run(p, q, kc, vc, scale=scale))
             plans.setdefault(name, plan.describe())
+            if head_major and name == "auto":
+                fns.setdefault("auto_head_major", []).append(
+                    lambda p=prepared, q=q: backend.run(p, q, kc_hm, vc_hm, scale=scale))
         k, v = _contiguous(cache, chains, context)
         qd = q.view(batch, kv_heads, q_heads // kv_heads, head_dim)
         for name in sdpa:
@@ -382,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--max-kv-gib", type=float, default=33.0)
     parser.add_argument("--no-cascade", action="store_true")
+    parser.add_argument("--head-major", action="store_true", help="also the planner's plan over head-major pages")
     parser.add_argument("--cascade-caps", default="", help="also the cascade with at most N partitions per run, "
                         "e.g. 8,17,33")
     parser.add_argument("--cascade-only", action="store_true", help="only the cascade comparison")
@@ -422,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
                         if 2 * batch * context * kv_heads * head_dim * 2 / 2**30 > args.max_kv_gib:
                             continue
                         r = bench_case(shape_name=shape_name, batch=batch, context=context, page_size=page_size,
-                                       dtype=dtype, trials=args.trials, bandwidth=bandwidth)
+                                       dtype=dtype, trials=args.trials, bandwidth=bandwidth,
+                                       head_major=args.head_major)
                         rows.append(r)
                         _print_row(r, time.time() - started)
                         torch.cuda.empty_cache()
