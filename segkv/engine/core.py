@@ -121,7 +121,8 @@ class EngineCore:
         for seq in decision.admitted:
             self.waiting.remove(seq)
             self.running.append(seq)
-        ready = self.llm.generator.step(decision.work)
+        # no step run ahead while requests wait: the next step will likely admit some
+        ready = self.llm.generator.step(decision.work, run_ahead=not self.waiting)
         now = time.monotonic()
         touched: dict[str, EngineRequest] = {}
         for seq in ready:
