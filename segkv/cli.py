@@ -17,7 +17,6 @@ CHAT_HELP = """commands:
 
 CUDA_GRAPHS = {"off": False, "auto": "auto", "on": True}
 CUDA_GRAPHS_HELP = "replay decode steps from CUDA graphs: off, auto (where available), on (error if not)"
-RUN_AHEAD_HELP = "with CUDA graphs, decode steps wait for the host to read the last step's tokens (default: launched ahead)"
 MODEL_HELP = "Hugging Face model directory, or a built-in model: 'default' (GQA) or 'default-mla' (MLA)"
 
 
@@ -30,7 +29,6 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--route", default=None, choices=["single", "split", "segments", "cascade"],
                         help="force an attention route (default: the planner decides)")
     parser.add_argument("--cuda-graphs", default="off", choices=list(CUDA_GRAPHS), help=CUDA_GRAPHS_HELP)
-    parser.add_argument("--no-run-ahead", action="store_true", help=RUN_AHEAD_HELP)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -68,7 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV cache budget in GiB (pages = budget / page bytes)")
     serve.add_argument("--route", default=None, choices=["single", "split", "segments", "cascade"])
     serve.add_argument("--cuda-graphs", default="off", choices=list(CUDA_GRAPHS), help=CUDA_GRAPHS_HELP)
-    serve.add_argument("--no-run-ahead", action="store_true", help=RUN_AHEAD_HELP)
     return parser
 
 
@@ -92,8 +89,7 @@ def run_serve(args) -> int:
             llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device,
                       page_size=args.page_size, max_model_len=args.max_model_len, route=args.route,
                       kv_cache_bytes=int(args.kv_cache_memory * (1 << 30)),
-                      cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], run_ahead=False if args.no_run_ahead else None,
-                      progress=True)
+                      cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], progress=True)
             engine = AsyncEngine(llm, SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                                       max_num_batched_tokens=args.max_num_batched_tokens))
             engines.append(engine)
@@ -122,7 +118,7 @@ def _load(args):
 
     llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, page_size=args.page_size,
               max_model_len=args.max_model_len, route=args.route, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs],
-              run_ahead=False if args.no_run_ahead else None, progress=True)
+              progress=True)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
     return llm, params

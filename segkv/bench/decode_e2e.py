@@ -67,7 +67,7 @@ from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, parse_dtype
 from segkv.models.loader import _keep_fp32
 from segkv.models.registry import model_class
-from segkv.runner.model_runner import PLACEHOLDER_ID, ModelRunner, StepInput
+from segkv.runner.model_runner import ModelRunner, StepInput
 
 _LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                  "original_max_position_embeddings": 8192}
@@ -328,28 +328,11 @@ def _runner(model, cache, device: torch.device, *, graphs: str = "off", backend:
     return runner, getattr(runner, "graphs", None) is not None
 
 
-def _decode(runner: ModelRunner, chains, first: list[int], steps: int, *, run_ahead: bool = False
-            ) -> list[list[int]]:
-    """Greedy decode ``steps`` tokens per chain from ``first``. ``run_ahead``: each step is
-    launched over the last step's tokens still on the device before the host reads them, as
-    the engine's ``Generator`` does with CUDA graphs."""
+def _decode(runner: ModelRunner, chains, first: list[int], steps: int) -> list[list[int]]:
     tokens, out = first, []
-    if not run_ahead:
-        for _ in range(steps):
-            logits = runner.forward([StepInput(c, [t]) for c, t in zip(chains, tokens)])
-            tokens = logits.argmax(dim=-1).tolist()
-            out.append(tokens)
-        return out
-    logits = runner.forward([StepInput(c, [t]) for c, t in zip(chains, tokens)])
-    for step in range(steps):
-        ids = logits.argmax(dim=-1)
-        ahead = step + 1 < steps
-        if ahead:
-            logits = runner.forward([StepInput(c, [PLACEHOLDER_ID]) for c in chains], device_ids=ids)
-        tokens = ids.tolist()
-        if ahead:
-            for chain, token in zip(chains, tokens):
-                chain.fill_token_ids([token])
+    for _ in range(steps):
+        logits = runner.forward([StepInput(c, [t]) for c, t in zip(chains, tokens)])
+        tokens = logits.argmax(dim=-1).tolist()
         out.append(tokens)
     return out
 
@@ -383,9 +366,8 @@ def case_pages(batch: int, context: int, *, steps: int, warmup: int, page_size: 
 
 
 def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, context: int, steps: int,
-               trials: int, warmup: int, page_size: int, graphs: str, seed: int, run_ahead: bool = True) -> dict:
-    """Time greedy decode steps of ``batch`` sequences with ``context`` random cache rows each.
-    ``run_ahead``: with graphs, each step launched before the host reads the last one's tokens."""
+               trials: int, warmup: int, page_size: int, graphs: str, seed: int) -> dict:
+    """Time greedy decode steps of ``batch`` sequences with ``context`` random cache rows each."""
     layout = model.kv_layout(dtype)
     pages = case_pages(batch, context, steps=steps, warmup=warmup, page_size=page_size)
     cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=pages), device=device,
@@ -423,7 +405,7 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
         if distinct is not None:
             out["distinct_experts_measured"] = distinct
         try:
-            _decode(runner, chains, first, warmup, run_ahead=run_ahead and runner is not eager)
+            _decode(runner, chains, first, warmup)
         except Exception as exc:  # graph capture failed: measure eager, say why
             if runner is eager:
                 raise
@@ -432,14 +414,13 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
             runner, out["cuda_graphs"] = eager, False
             _decode(runner, chains, first, warmup)
         _trim_to(chains, context)
-        out["run_ahead"] = ahead = run_ahead and runner is not eager
         rates, equal = [], True
         g = getattr(runner, "graphs", None)
         before = (getattr(g, "replays", 0), getattr(g, "fallbacks", 0))
         for _ in range(trials):
             _sync(device)
             start = time.perf_counter()
-            tokens = _decode(runner, chains, first, steps, run_ahead=ahead)
+            tokens = _decode(runner, chains, first, steps)
             _sync(device)
             rates.append(batch * steps / (time.perf_counter() - start))
             equal &= tokens == reference
@@ -590,7 +571,7 @@ def case_line(device_name: str, case: dict, elapsed: float) -> str:
         else:
             hf.append(f"{variant} {_fmt_rate(_rate(r))}" if _rate(r)
                       else f"{variant}: {r.get('skipped') or r.get('error')}")
-    graphs = ("on" + (", ahead" if s.get("run_ahead") else "")) if s.get("cuda_graphs") else "off"
+    graphs = "on" if s.get("cuda_graphs") else "off"
     return (f"[{elapsed:5.0f}s] {device_name} {case['model']} B={case['batch']} ctx={case['context']} "
             f"graphs={graphs} {seg}" + (" | hf " + "; ".join(hf) if hf else ""))
 
@@ -653,7 +634,7 @@ def run_model(name: str, cfg: dict, cases: list[tuple[int, int]], args, report: 
                 case["segkv"] = _guarded(segkv_case, model, device=device, dtype=dtype, batch=batch,
                                          context=context, steps=args.steps, trials=args.trials,
                                          warmup=args.warmup, page_size=args.page_size, graphs=args.graphs,
-                                         seed=args.seed, run_ahead=not args.no_run_ahead)
+                                         seed=args.seed)
             if _rate(case["segkv"]):
                 case["ratio"] = case["segkv"]["tokens_per_s"] / case["limit"]["tokens_per_s"]
             for variant in ([] if args.skip_hf else args.hf_variants):
@@ -748,8 +729,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", choices=("auto", "off", "emulate"), default="auto",
                    help="auto: the runner's CUDA graphs where it has them (CUDA, no MoE); emulate: their "
                         "code path without capture (CPU tests)")
-    p.add_argument("--no-run-ahead", action="store_true",
-                   help="graph steps wait for the host to read the last step's tokens (the A/B of run-ahead)")
     p.add_argument("--preset", choices=("real", "tiny"), default="real")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")

@@ -134,17 +134,6 @@ class KVChain:
             tail.token_ids.extend(int(t) for t in token_ids)
         return tail.slots(start, tail.num_rows)
 
-    def fill_token_ids(self, token_ids: Sequence[int]) -> None:
-        """Give the tail's last ``len(token_ids)`` rows their token ids: rows appended (and computed
-        on the device) before the host knew their tokens carry placeholders until then. A chain
-        that does not track token ids stays so."""
-        n = len(token_ids)
-        tail = self.tail
-        if tail is None or tail.num_rows < n:
-            raise ValueError(f"the tail holds {self.num_tail_rows} rows, fewer than the {n} token ids given")
-        if tail.token_ids is not None and n:
-            tail.token_ids[-n:] = [int(t) for t in token_ids]
-
     def seal(self) -> SegRef | None:
         """End the turn: the tail becomes a sealed segment; compaction may follow."""
         ref = self._seal_tail()

@@ -121,8 +121,7 @@ class EngineCore:
         for seq in decision.admitted:
             self.waiting.remove(seq)
             self.running.append(seq)
-        # no step run ahead while requests wait: the next step will likely admit some
-        ready = self.llm.generator.step(decision.work, run_ahead=not self.waiting)
+        ready = self.llm.generator.step(decision.work)
         now = time.monotonic()
         touched: dict[str, EngineRequest] = {}
         for seq in ready:

@@ -31,8 +31,7 @@ class LLM:
     for K/V caches, the torch reference otherwise), "torch" or "triton". ``cuda_graphs``: decode
     steps replayed from CUDA graphs (``True``, ``"auto"`` where available, ``False``; see
     ``runner/cuda_graphs.py``). ``fused_ops``: stacked projections and fused Triton kernels
-    (default: on CUDA; ``ModelRunner``). ``run_ahead``: launch each decode step before the host
-    reads the last step's tokens (default: with CUDA graphs; ``Generator``).
+    (default: on CUDA; ``ModelRunner``).
     """
 
     def __init__(
@@ -52,7 +51,6 @@ class LLM:
         backend: str = "auto",
         cuda_graphs: bool | str = False,
         fused_ops: bool | None = None,
-        run_ahead: bool | None = None,
         progress: bool = False,
     ) -> None:
         self.model_dir = resolve_model_dir(model_dir)  # "default", "default-mla" or a directory
@@ -74,8 +72,7 @@ class LLM:
                                   mla_mode=mla_mode, prefill_chunk=prefill_chunk, backend=backend,
                                   cuda_graphs=cuda_graphs, max_model_len=self.max_model_len,
                                   fused_ops=fused_ops)
-        self.generator = Generator(self.runner, self.tokenizer, max_model_len=self.max_model_len,
-                                   run_ahead=run_ahead)
+        self.generator = Generator(self.runner, self.tokenizer, max_model_len=self.max_model_len)
         self._request_ids = itertools.count()
         # what exists now lives as long as the engine: keep it out of the cyclic collector's
         # scans, which otherwise fire inside every step's planning (page lists are large)

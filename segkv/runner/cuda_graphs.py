@@ -96,12 +96,9 @@ class DecodeGraphs:
         self._buckets.clear()
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], plan: AttentionPlan,
-            mla_mode: str, *, arrays: dict | None = None, device_ids: torch.Tensor | None = None
-            ) -> torch.Tensor | None:
+            mla_mode: str, *, arrays: dict | None = None) -> torch.Tensor | None:
         """``(n, vocab)`` float32 logits of a decode step, or None when it does not fit a graph.
-        ``arrays``: the plan already flattened (``flatten_plan``), if it was. ``device_ids``
-        ``(n,)`` on the device: the token ids to use instead of ``ids`` (copied on the stream,
-        so they may still be being computed)."""
+        ``arrays``: the plan already flattened (``flatten_plan``), if it was."""
         n = len(ids)
         size, wide = self._bucket_key(n, plan)
         if size is None or mla_mode == "naive":  # naive MLA decompresses pieces through the reference
@@ -125,8 +122,6 @@ class DecodeGraphs:
         if pad:
             rows[0, n:], rows[1, n:], rows[2, n:] = 0, 0, self._scratch_slot
         bucket.inputs.copy_(bucket.staging, non_blocking=True)
-        if device_ids is not None:
-            bucket.inputs[0, :n].copy_(device_ids)
         if self.device.type == "cuda":
             bucket.copied = torch.cuda.Event()
             bucket.copied.record()

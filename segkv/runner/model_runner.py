@@ -19,8 +19,6 @@ from segkv.cache.kv_cache import PagedKVCache
 from segkv.cache.page_pool import OutOfPagesError
 
 MLA_MODES = ("auto", "absorbed", "naive")
-# the token id a chain holds for a row computed over ``device_ids`` until the host reads the token
-PLACEHOLDER_ID = -1
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -90,33 +88,24 @@ class ModelRunner:
         return torch.cat(rows)
 
     @torch.inference_mode()
-    def forward(self, inputs: list[StepInput], *, collect: list[torch.Tensor] | None = None,
-                device_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: list[StepInput], *, collect: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Process every input's tokens; returns ``(B, vocab)`` float32 logits of each last token.
 
         With ``collect`` (single input only) the logits of every processed row are appended
-        to it chunk by chunk. ``device_ids`` ``(B,)`` int64 on the device: a decode step whose
-        token ids the device already holds and the host does not know yet (the tokens just
-        sampled); each input then carries one placeholder id, which the chains keep until
-        :meth:`KVChain.fill_token_ids` gives them the real ones. On failure (e.g.
-        :class:`OutOfPagesError`) every chain is left as it was.
+        to it chunk by chunk. On failure (e.g. :class:`OutOfPagesError`) every chain is left
+        as it was.
         """
         if collect is not None and len(inputs) != 1:
             raise ValueError("collect works with exactly one input")
         if any(not item.token_ids for item in inputs):
             raise ValueError("every sequence of a forward needs at least one new token")
-        if device_ids is not None and (collect is not None or any(len(item.token_ids) != 1 for item in inputs)
-                                       or tuple(device_ids.shape) != (len(inputs),)):
-            raise ValueError(f"device_ids ({tuple(device_ids.shape)}) are for a decode step: one token per input "
-                             f"({len(inputs)} inputs), no collect")
         done = [0] * len(inputs)
         logits: list[torch.Tensor | None] = [None] * len(inputs)
         try:
             while any(d < len(item.token_ids) for d, item in zip(done, inputs)):
                 active = [i for i, item in enumerate(inputs) if done[i] < len(item.token_ids)]
                 chunks = [inputs[i].token_ids[done[i] : done[i] + self.prefill_chunk] for i in active]
-                out = self._step([inputs[i].chain for i in active], chunks, all_rows=collect is not None,
-                                 device_ids=device_ids)
+                out = self._step([inputs[i].chain for i in active], chunks, all_rows=collect is not None)
                 if collect is not None:
                     collect.append(out)
                     out = out[-1:]
@@ -131,8 +120,7 @@ class ModelRunner:
             raise
         return torch.stack(logits)
 
-    def _step(self, chains: list[KVChain], chunks: list[list[int]], *, all_rows: bool = False,
-              device_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _step(self, chains: list[KVChain], chunks: list[list[int]], *, all_rows: bool = False) -> torch.Tensor:
         slots: list[int] = []
         positions: list[int] = []
         appended: list[tuple[KVChain, int]] = []
@@ -153,14 +141,13 @@ class ModelRunner:
                 plan, arrays = self._plan(queries, mla_mode), None
             logits = None
             if self.graphs is not None and not all_rows and all(len(t) == 1 for t in chunks):
-                logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode, arrays=arrays,
-                                         device_ids=device_ids)
+                logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode, arrays=arrays)
                 if logits is not None:  # the replay runs on the GPU: plan the likely next step meanwhile
                     self._ahead = self._plan_ahead(chains, mla_mode)
                     if self._ahead is not None:  # and queue its index copies behind this replay
                         self.graphs.stage_ahead(self._ahead.plan, len(chains), self._ahead.arrays)
             if logits is None:  # eager: no graph, a prefill chunk, or a step no graph holds
-                logits = self._eager_logits(chunks, positions, slots, plan, mla_mode, all_rows, device_ids)
+                logits = self._eager_logits(chunks, positions, slots, plan, mla_mode, all_rows)
         except BaseException:
             for chain, n in appended:
                 chain.trim(n)
@@ -198,7 +185,7 @@ class ModelRunner:
         return _PlanAhead(queries, mla_mode, self.device_spec, self.route, plan, flatten_plan(plan))
 
     def _eager_logits(self, chunks: list[list[int]], positions: list[int], slots: list[int], plan: AttentionPlan,
-                      mla_mode: str, all_rows: bool, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      mla_mode: str, all_rows: bool) -> torch.Tensor:
         meta = AttentionMetadata(
             backend=self.backend,
             prepared=self.backend.prepare(plan),
@@ -206,10 +193,7 @@ class ModelRunner:
             slots=torch.tensor(slots, dtype=torch.long, device=self.device),
             mla_mode=mla_mode,
         )
-        if device_ids is not None:
-            ids = device_ids.to(torch.long)
-        else:
-            ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self.device)
+        ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, meta)
         if all_rows:
@@ -280,4 +264,4 @@ def _last_rows(chunks: list[list[int]]) -> list[int]:
     return out
 
 
-__all__ = ["ModelRunner", "StepInput", "OutOfPagesError", "PLACEHOLDER_ID"]
+__all__ = ["ModelRunner", "StepInput", "OutOfPagesError"]
