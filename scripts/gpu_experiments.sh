@@ -1,32 +1,31 @@
 #!/usr/bin/env bash
-# Open questions, measured in one go on the GPU machine (about 8 minutes); results under
+# Open questions, measured in one go on the GPU machine (about 4 minutes); results under
 # $OUT/experiments.txt. Defaults change only after a measurement.
-#   1. Run-ahead decode (each graph step launched over the last step's tokens still on the
-#      device, before the host reads them) against the plain loop (--no-run-ahead), alternating
-#      in one session: Llama-3.1-8B and DeepSeek-V2-Lite, batch 1 / 8 / 32, 1K and 16K.
-#   2. Its tests with real CUDA graphs, and the graph and engine tests.
+#   1. The cascade's 64-pair programs take about 2.8 us per 64 x 64 tile, one warpgroup doing
+#      Q.K, softmax and P.V in turn: do taller K/V tiles (128 rows per step: half the steps, twice
+#      the MMA work per wait), 8 warps or fewer stages shorten them? (SEGKV_TRITON_BLOCK_N,
+#      SEGKV_TRITON_TALL_WARPS, SEGKV_TRITON_STAGES; 16 forks of a 32K prefix.)
+#   2. Batch 16 (0.97-0.98x the best stock SDPA at 16K-128K): the partition sweep at 128-row
+#      tiles with 4 / 8 warps and 2 / 3 stages against today's 64-row, 4-warp, 3-stage launch.
 # Results of earlier runs: docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/segkv-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
 log="$OUT/experiments.txt"
 : > "$log"
 
-echo "== GPU tests" | tee -a "$log"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_run_ahead.py tests/test_cuda_graphs.py \
-  tests/test_gpu_engine.py 2>&1 | tail -4 | tee -a "$log"
+echo "== cascade (16 forks x 32K prefix + 512): BLOCK_N, tall warps, stages" | tee -a "$log"
+for cfg in 64,4,3 128,4,3 128,8,3 128,8,2 64,8,3 64,4,2 128,4,2; do
+  IFS=, read -r n w s <<< "$cfg"
+  SEGKV_TRITON_BLOCK_N=$n SEGKV_TRITON_TALL_WARPS=$w SEGKV_TRITON_STAGES=$s timeout 60 \
+    python3 -m segkv.bench.decode_attention --cascade-only --trials 5 2>&1 | grep -E "^cascade|  cascade:" \
+    | sed "s/^/n${n}_w${w}_s${s} /" | tee -a "$log"
+done
 
-echo "== decode, run-ahead (ahead) against the plain loop (--no-run-ahead)" | tee -a "$log"
-for model in llama-3.1-8b deepseek-v2-lite; do
-  for flag in --no-run-ahead "" --no-run-ahead ""; do
-    # shellcheck disable=SC2086
-    timeout 110 python3 -m segkv.bench.decode_e2e --models $model --batches 1,8,32 --contexts 1K,16K --skip-hf \
-      --trials 3 $flag 2>&1 | grep -E "^\[" | tee -a "$log"
-  done
+echo "== batch 16: partition sweep per launch (BLOCK_N,WARPS,STAGES)" | tee -a "$log"
+for launch in 64,4,3 128,4,3 128,8,3 128,4,2; do
+  timeout 90 python3 -m segkv.bench.decode_attention --tune 16x16384,16x65536 --shapes llama3-8b --launch $launch \
+    --trials 3 2>&1 | grep -E "^tune" | sed -E 's/p[0-9]+_head=[^ ]*//g' | tee -a "$log"
 done
