@@ -11,6 +11,10 @@ cache of ``--context`` random rows per sequence and times greedy decode steps th
 * host planning and preparation alone (plan_attention + backend.prepare);
 * a ``torch.profiler`` table of an eager step's kernels (self CUDA time), to find the slow ones.
 
+``--timeline``: instead, the GPU's own clock over plain decode steps (CUDA events recorded on
+the stream just before each replay, after the runner returns and after the argmax), so the
+step splits into the replay, the work queued behind it and the time before the next replay.
+
 Usage (GPU machine): ``python3 scripts/profile_decode.py --model llama-3.1-8b --batch 1 --context 1024``.
 """
 
@@ -60,6 +64,52 @@ def _profile_table(runner, chains, first: list[int], steps: int, context: int, s
 
 
 @torch.inference_mode()
+class _TimedGraph:
+    """A captured graph whose every replay is preceded by a CUDA event on the stream."""
+
+    def __init__(self, graph) -> None:
+        self.graph, self.events = graph, []
+
+    def replay(self) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.events.append(event)
+        self.graph.replay()
+
+
+def timeline(runner, chains, first: list[int], steps: int) -> None:
+    """Median GPU-clock intervals of ``steps`` plain decode steps (see the module docstring)."""
+    from segkv.runner.model_runner import StepInput
+
+    timed = {}
+    for key, bucket in runner.graphs._buckets.items():
+        timed[key] = bucket.graph = _TimedGraph(bucket.graph)
+    after_forward, after_argmax, tokens = [], [], first
+    for _ in range(steps):
+        logits = runner.forward([StepInput(c, [t]) for c, t in zip(chains, tokens)])
+        after_forward.append(torch.cuda.Event(enable_timing=True))
+        after_forward[-1].record()
+        ids = logits.argmax(dim=-1)
+        after_argmax.append(torch.cuda.Event(enable_timing=True))
+        after_argmax[-1].record()
+        tokens = ids.tolist()
+    torch.cuda.synchronize()
+    before = [e for t in timed.values() for e in t.events][-steps:]
+    if len(before) != steps:
+        print(f"  timeline: {len(before)} replays for {steps} steps (some ran eagerly)")
+        return
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    period = med([a.elapsed_time(b) for a, b in zip(after_forward, after_forward[1:])])
+    replay = med([b.elapsed_time(a) for b, a in zip(before, after_forward)])
+    argmax = med([f.elapsed_time(a) for f, a in zip(after_forward, after_argmax)])
+    between = med([a.elapsed_time(b) for a, b in zip(after_argmax, before[1:])])
+    print(f"  GPU clock per step: {period:.3f} ms = replay to runner's return {replay:.3f} (graph, logits copy, "
+          f"next step's index copies) + argmax {argmax:.3f} + argmax to next replay {between:.3f} (host's turn, "
+          f"input copies)")
+    for bucket, t in zip(runner.graphs._buckets.values(), timed.values()):
+        bucket.graph = t.graph
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="llama-3.1-8b")
@@ -67,6 +117,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--rows", type=int, default=30, help="rows of each profiler table")
+    p.add_argument("--timeline", action="store_true", help="only the GPU-clock split of plain graph steps")
     p.add_argument("--trace", default=None, help="write the graph steps' timeline here (Chrome trace JSON): "
                    "what the host does between two replays")
     args = p.parse_args()
@@ -94,6 +145,11 @@ def main() -> None:
             _decode(runner, chains, first, args.steps)
             _trim_to(chains, args.context)
 
+        if args.timeline:
+            if on:
+                timeline(runner, chains, first, args.steps)
+                _trim_to(chains, args.context)
+            continue
         med = median_ms(steps, 3)
         per = [m / args.steps for m in med]
         print(f"graphs={graphs} (on: {on}): {per[0]:.3f} ms/step [{per[1]:.3f}-{per[2]:.3f}] "
