@@ -17,6 +17,7 @@ CHAT_HELP = """commands:
 
 CUDA_GRAPHS = {"off": False, "auto": "auto", "on": True}
 CUDA_GRAPHS_HELP = "replay decode steps from CUDA graphs: off, auto (where available), on (error if not)"
+PAGE_SIZE_HELP = "rows per KV cache page (default: 32 on CUDA, 16 elsewhere)"
 MODEL_HELP = "Hugging Face model directory, or a built-in model: 'default' (GQA) or 'default-mla' (MLA)"
 
 
@@ -24,7 +25,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help=MODEL_HELP)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=None, help=PAGE_SIZE_HELP)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--route", default=None, choices=["single", "split", "segments", "cascade"],
                         help="force an attention route (default: the planner decides)")
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     serve.add_argument("--device", default="cpu")
-    serve.add_argument("--page-size", type=int, default=16)
+    serve.add_argument("--page-size", type=int, default=None, help=PAGE_SIZE_HELP)
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -64,7 +64,7 @@ from pathlib import Path
 import torch
 
 from segkv.cache import PagedKVCache
-from segkv.config import CacheConfig, CompactionPolicy, parse_dtype
+from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype
 from segkv.models.loader import _keep_fp32
 from segkv.models.registry import model_class
 from segkv.runner.model_runner import ModelRunner, StepInput
@@ -732,7 +732,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=("real", "tiny"), default="real")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=None, help="rows per page (default: the engine's, "
+                   "32 on CUDA and 16 elsewhere)")
     p.add_argument("--init-std", type=float, default=0.02)
     p.add_argument("--reserve-gib", type=float, default=None,
                    help="memory kept free per case (default CUDA 4, CPU 0.25)")
@@ -758,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad or args.steps < HF_SKIPPED_FORWARDS + 2 or args.trials < 1:
         raise SystemExit(f"bad arguments: {bad or 'steps must be >= 5 and trials >= 1'}")
     device, dtype = torch.device(args.device), parse_dtype(args.dtype)
+    if args.page_size is None:
+        args.page_size = default_page_size(device.type)
     args.graphs = args.cuda_graphs if device.type == "cuda" or args.cuda_graphs == "emulate" else "off"
     if args.reserve_gib is None:
         args.reserve_gib = 4.0 if device.type == "cuda" else 0.25

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from segkv.cache.kv_cache import PagedKVCache
-from segkv.config import CacheConfig, parse_dtype
+from segkv.config import CacheConfig, default_page_size, parse_dtype
 from segkv.engine.generation import Generator
 from segkv.models.registry import model_class
 from segkv.models.training import init_weights
@@ -82,7 +82,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--skip-forks", action="store_true")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default: the preset's (bfloat16 for qwen3-8b)")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=None, help="rows per page (default: the engine's, 32 on "
+                   "CUDA and 16 elsewhere)")
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--no-cuda-graphs", action="store_true", help="do not ask the runner for CUDA graphs")
     p.add_argument("--hf-attn", default="sdpa", help="transformers attn_implementation")
@@ -100,6 +101,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.gen_tokens < 2 or args.new_tokens < 1 or min(args.follow_ups, args.runs, args.forks) < 0:
         p.error("need --gen-tokens >= 2, --new-tokens >= 1 and non-negative counts")
     args.fork_history = args.fork_history or max(args.first_turns)
+    if args.page_size is None:
+        args.page_size = default_page_size(torch.device(args.device).type)
     return args
 
 

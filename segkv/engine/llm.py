@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from segkv.cache.kv_cache import PagedKVCache
-from segkv.config import CacheConfig, CompactionPolicy, parse_dtype
+from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype
 from segkv.engine.generation import Generator
 from segkv.engine.tokenizer import Tokenizer
 from segkv.models.default_models import resolve_model_dir
@@ -26,7 +26,8 @@ class LLM:
     """A model with its tokenizer, paged KV cache and runner.
 
     ``max_model_len`` defaults to the model's own limit. The cache holds ``num_pages``
-    pages, or as many as ``kv_cache_bytes`` allows. ``route`` forces an attention route;
+    pages of ``page_size`` rows (default: ``config.default_page_size``, 32 on CUDA, 16
+    elsewhere), or as many as ``kv_cache_bytes`` allows. ``route`` forces an attention route;
     ``mla_mode`` forces MLA's absorbed or naive path. ``backend``: "auto" (Triton kernels on CUDA
     for K/V caches, the torch reference otherwise), "torch" or "triton". ``cuda_graphs``: decode
     steps replayed from CUDA graphs (``True``, ``"auto"`` where available, ``False``; see
@@ -40,7 +41,7 @@ class LLM:
         *,
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
-        page_size: int = 16,
+        page_size: int | None = None,
         num_pages: int | None = None,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         max_model_len: int | None = None,
@@ -56,6 +57,7 @@ class LLM:
         self.model_dir = resolve_model_dir(model_dir)  # "default", "default-mla" or a directory
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
+        page_size = default_page_size(self.device.type) if page_size is None else page_size
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device, progress=progress)
         self.fingerprint = fingerprint(self.model_dir)
