@@ -320,3 +320,24 @@ def test_sealed_spans_reuse_one_page_tuple_per_reference():
     fork = chain.fork()  # the tail is sealed into a reference both chains hold
     assert [s.page_ids for s in fork.spans()] == [s.page_ids for s in chain.spans()]
     fork.release()
+
+
+
+def test_tail_page_tuple_is_kept_until_its_pages_change():
+    """Decode steps that open no page see the same tail tuple (compared by identity when the plan
+    made ahead is checked); opening a page, trimming back and appending again each give a new,
+    correct one."""
+    cache = make_cache("mha", 4)
+    chain = cache.new_chain()
+    chain.append(5)  # 2 pages, room for 3 more rows
+    first = chain.spans()[-1].page_ids
+    chain.append(1)
+    assert chain.spans()[-1].page_ids is first
+    chain.append(3)  # opens a third page
+    grown = chain.spans()[-1].page_ids
+    assert grown is not first and grown == tuple(chain.tail.page_ids) and len(grown) == 3
+    chain.trim(5)  # back to 4 rows: one page
+    assert chain.spans()[-1].page_ids == tuple(chain.tail.page_ids) and len(chain.tail.page_ids) == 1
+    chain.append(4)  # pages again, maybe others than before
+    assert chain.spans()[-1].page_ids == tuple(chain.tail.page_ids) and len(chain.tail.page_ids) == 2
+    chain.release()

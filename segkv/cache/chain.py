@@ -89,7 +89,7 @@ class KVChain:
             start += ref.num_rows
         if self.num_tail_rows:
             tail = self.tail
-            spans.append(ChainSpan(tail.segment_id, tuple(tail.page_ids), tail.num_rows, start, False))
+            spans.append(ChainSpan(tail.segment_id, tail.page_tuple(), tail.num_rows, start, False))
         return spans
 
     def slots(self) -> list[int]:
@@ -125,7 +125,7 @@ class KVChain:
         start = tail.num_rows
         need = self.pool.pages_for_rows(start + num_rows) - len(tail.page_ids)
         if need > 0:
-            tail.page_ids.extend(self.pool.allocate(need))
+            tail.add_pages(self.pool.allocate(need))
         self.tail = tail
         tail.num_rows += num_rows
         if tail.token_ids is None or (token_ids is None and num_rows):
@@ -186,7 +186,7 @@ class KVChain:
             tail.num_rows -= num_rows
             keep = self.pool.pages_for_rows(tail.num_rows)
             self.pool.decref(tail.page_ids[keep:])
-            del tail.page_ids[keep:]
+            tail.drop_pages_from(keep)
             if tail.token_ids is not None:
                 del tail.token_ids[tail.num_rows :]
             return
@@ -223,7 +223,7 @@ class KVChain:
         if self.pool.pages_for_rows(total) > self.pool.num_free_pages:
             return  # compaction is an optimisation: never fail a seal for want of pages
         merged = Segment(self.pool)
-        merged.page_ids = self.pool.allocate(self.pool.pages_for_rows(total))
+        merged.add_pages(self.pool.allocate(self.pool.pages_for_rows(total)))
         merged.num_rows = total
         src: list[int] = []
         for ref in old:

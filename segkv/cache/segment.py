@@ -19,15 +19,34 @@ class Segment:
     ``token_ids`` mirrors the rows when every append supplied tokens, else it is None.
     """
 
-    __slots__ = ("segment_id", "pool", "page_ids", "num_rows", "sealed", "token_ids")
+    __slots__ = ("segment_id", "pool", "page_ids", "num_rows", "sealed", "token_ids", "_page_tuple")
 
     def __init__(self, pool: PagePool) -> None:
         self.segment_id = next(_segment_ids)
         self.pool = pool
-        self.page_ids: list[int] = []
+        self.page_ids: list[int] = []  # change it through add_pages / drop_pages_from
         self.num_rows = 0
         self.sealed = False
         self.token_ids: list[int] | None = []
+        self._page_tuple: tuple[int, ...] | None = None  # see page_tuple
+
+    def page_tuple(self) -> tuple[int, ...]:
+        """``page_ids`` as a tuple, kept until the pages change: the decode steps of a tail that
+        opened no page reuse one object, so planning ahead and checking the plan made ahead
+        compare it by identity instead of page by page (a long history has thousands)."""
+        if self._page_tuple is None:
+            self._page_tuple = tuple(self.page_ids)
+        return self._page_tuple
+
+    def add_pages(self, pages: list[int]) -> None:
+        """Append ``pages`` (newly allocated, references held by this segment)."""
+        self.page_ids.extend(pages)
+        self._page_tuple = None
+
+    def drop_pages_from(self, keep: int) -> None:
+        """Forget every page after the first ``keep`` (the caller released their references)."""
+        del self.page_ids[keep:]
+        self._page_tuple = None
 
     @property
     def page_size(self) -> int:
