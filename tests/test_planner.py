@@ -159,7 +159,8 @@ def test_bad_inputs_are_rejected():
 def test_plan_validates_its_reduce_map():
     piece = Piece((0,), (4,))
     item = WorkItem(0, (0, 1), (3, 3))
-    AttentionPlan(Route.SINGLE, (piece,), (item,), ((0,), (1,)), 2)
+    plan = AttentionPlan(Route.SINGLE, (piece,), (item,), ((0,), (1,)), 2)
+    assert plan.max_work_rows == 2 and plan.partial_rows == (0, 1)
     with pytest.raises(ValueError):
         AttentionPlan(Route.SINGLE, (piece,), (item,), ((1,), (0,)), 2)
     with pytest.raises(ValueError):

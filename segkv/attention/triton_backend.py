@@ -174,7 +174,7 @@ class TritonBackend:
         ``arrays``: ``flatten_plan(plan)`` when the caller already made it (not modified)."""
         arrays = flatten_plan(plan) if arrays is None else dict(arrays)
         needs_merge = bool((np.diff(arrays["reduce_ptr"]) != 1).any())  # a row without exactly one partial
-        max_work_rows = max((len(item.query_rows) for item in plan.work), default=1)
+        max_work_rows = plan.max_work_rows
         if self.capacity is None:
             # every field 16-byte aligned: Triton specialises a kernel on its pointers' alignment, so
             # fields at plan-dependent offsets made new variants compile (seconds) as plans changed

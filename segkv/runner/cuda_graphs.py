@@ -153,7 +153,7 @@ class DecodeGraphs:
         """The bucket a step of ``num_rows`` decode rows replays (None: larger than every bucket),
         and whether its plan needs a wide one (work items of several query rows)."""
         size = next((b for b in self.buckets if b >= num_rows), None)
-        return size, any(len(item.query_rows) > 1 for item in plan.work)
+        return size, plan.max_work_rows > 1
 
     def _capacity(self, size: int, wide: bool) -> PlanCapacity:
         page = self.cache.page_size
