@@ -91,9 +91,10 @@ class SegRef:
     @property
     def page_tuple(self) -> tuple[int, ...]:
         """:attr:`page_ids` as a tuple, made once: a sealed segment's pages never change, so a
-        decode step's spans reuse it (and comparing two steps' spans finds the same object)."""
+        decode step's spans reuse it (and comparing two steps' spans finds the same object). A
+        reference to the whole segment shares the segment's own tuple."""
         if self._page_tuple is None:
-            self._page_tuple = tuple(self.page_ids)
+            self._page_tuple = self.segment.page_tuple()[: self.segment.pool.pages_for_rows(self.num_rows)]
         return self._page_tuple
 
     @property

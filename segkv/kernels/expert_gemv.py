@@ -25,8 +25,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def gemv_chunk(acc, x_row, w_rows, o_ok, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, GATED: tl.constexpr,
-                KIND: tl.constexpr):
+def _gemv_chunk(acc, x_row, w_rows, o_ok, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, GATED: tl.constexpr,
+                 KIND: tl.constexpr):
     """``acc`` plus inputs ``i0 .. i0 + BLOCK_I`` of the product (see :func:`_gemv_tile`)."""
     offs_i = i0 + tl.arange(0, BLOCK_I)
     i_ok = offs_i < IN
@@ -50,10 +50,10 @@ def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constex
     acc = tl.zeros([BLOCK_O], tl.float32)
     if UNROLL:
         for i0 in tl.static_range(0, IN, BLOCK_I):
-            acc = gemv_chunk(acc, x_row, w_rows, o_ok, i0, IN, BLOCK_I, GATED, KIND)
+            acc = _gemv_chunk(acc, x_row, w_rows, o_ok, i0, IN, BLOCK_I, GATED, KIND)
     else:
         for i0 in range(0, IN, BLOCK_I):
-            acc = gemv_chunk(acc, x_row, w_rows, o_ok, i0, IN, BLOCK_I, GATED, KIND)
+            acc = _gemv_chunk(acc, x_row, w_rows, o_ok, i0, IN, BLOCK_I, GATED, KIND)
     if EXACT_FP32:
         tl.store(out_row + offs_o, acc, mask=o_ok)
     else:

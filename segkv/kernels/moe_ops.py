@@ -19,10 +19,15 @@ from segkv.kernels.fused_ops import kind_of, round_to_kind
 
 
 @triton.jit
-def _topk_store(logits, ok, offs, t, WEIGHTS, IDS, scale, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                SOFTMAX: tl.constexpr, NORM: tl.constexpr):
-    """Store token ``t``'s top ``K`` experts of ``logits (BLOCK_E,)`` float32 (``ok``: real
-    experts) and their weights: softmax or sigmoid scores, normalised when ``NORM``, times ``scale``."""
+def _route_topk_kernel(LOGITS, WEIGHTS, IDS, stride_l, num_experts, scale,
+                       K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                       SOFTMAX: tl.constexpr, NORM: tl.constexpr):
+    """Program ``t``: the top ``K`` experts of token ``t`` by logit (softmax and sigmoid are
+    increasing, so the same experts as by score), weighted by their scores."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < num_experts
+    logits = tl.load(LOGITS + t * stride_l + offs, mask=ok, other=float("-inf"))
     if SOFTMAX:
         e = tl.where(ok, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
         scores = e / tl.sum(e, axis=0)
@@ -44,26 +49,6 @@ def _topk_store(logits, ok, offs, t, WEIGHTS, IDS, scale, K: tl.constexpr, BLOCK
     tl.store(IDS + t * K + slot, ids.to(tl.int64), mask=keep)
 
 
-@triton.jit
-def _route_topk_kernel(LOGITS, WEIGHTS, IDS, stride_l, num_experts, scale,
-                       K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                       SOFTMAX: tl.constexpr, NORM: tl.constexpr):
-    """Program ``t``: the top ``K`` experts of token ``t`` by logit (softmax and sigmoid are
-    increasing, so the same experts as by score), weighted by their scores."""
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_E)
-    ok = offs < num_experts
-    logits = tl.load(LOGITS + t * stride_l + offs, mask=ok, other=float("-inf"))
-    _topk_store(logits, ok, offs, t, WEIGHTS, IDS, scale, K, BLOCK_K, SOFTMAX, NORM)
-
-
-def _check_route(experts: int, top_k: int, scoring: str) -> None:
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"top_k must be in 1..{experts}, got {top_k}")
-    if scoring not in ("softmax", "sigmoid"):
-        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
-
-
 def route_topk(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", norm_topk_prob: bool = False,
                scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits (T, E)`` float32 -> ``weights (T, k)`` float32 and ``ids (T, k)`` int64: each
@@ -74,7 +59,10 @@ def route_topk(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", no
         raise ValueError(f"route_topk needs (T, E) float32 logits with a unit last stride, got "
                          f"{tuple(logits.shape)} {logits.dtype}")
     tokens, experts = logits.shape
-    _check_route(experts, top_k, scoring)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k must be in 1..{experts}, got {top_k}")
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     if tokens:

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from segkv.kernels.settings import env_int
 from segkv.layers.activation import GatedMLP
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -94,12 +93,12 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
-        route = dict(scoring=s.scoring, norm_topk_prob=s.norm_topk_prob, scaling=s.routed_scaling_factor)
         logits = F.linear(x.float(), self.weight.float())
         if self.fused:
             from segkv.kernels.moe_ops import route_topk
 
-            return route_topk(logits, s.top_k, **route)
+            return route_topk(logits, s.top_k, scoring=s.scoring, norm_topk_prob=s.norm_topk_prob,
+                              scaling=s.routed_scaling_factor)
         scores = logits.softmax(dim=-1) if s.scoring == "softmax" else logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float() if s.has_bias else scores
         if s.grouped:
