@@ -262,6 +262,30 @@ def test_kernel_matches_the_reference_at_every_pipeline_depth(route, gen):
         check(out, lse, ref, ref_lse)
 
 
+def test_small_work_items_run_narrow_tiles_beside_tall_ones(gen):
+    """A cascade launch: the shared prefix's work item holds 12 rows (48 pairs: 64-pair tiles),
+    each fork's own item 4 rows (16 pairs), which run 16-pair tiles in the same launch. With the
+    narrow tiles on and off the kernel equals the reference."""
+    from segkv.kernels.paged_attention import LaunchConfig, stage1_launch
+
+    batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=16, ratio=4, head_dim=64, rows=4)
+    plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=16, route="cascade")
+    rows_per_item = sorted({len(item.query_rows) for item in plan.work})
+    assert rows_per_item[0] * 4 <= 16 and rows_per_item[-1] * 4 > 16, rows_per_item
+    storage = batch.cache.storage
+    args = (batch.query, storage.key_cache(0), storage.value_cache(0))
+    rb = TorchReferenceBackend(page_size=16, device=DEVICE)
+    ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=batch.scale)
+    for narrow in (16, 0):
+        launch = LaunchConfig(64, 4, 3, narrow_m=narrow)
+        meta = stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=4, page_size=16,
+                             max_work_rows=plan.max_work_rows, element_size=2, launch=launch)
+        assert (meta["BLOCK_M"], meta["NARROW_M"]) == (64, narrow)
+        tb = TritonBackend(page_size=16, device=DEVICE, poison=True, launch=launch)
+        out, lse = tb.run(tb.prepare(plan), *args, scale=batch.scale)
+        check(out, lse, ref, ref_lse)
+
+
 def test_merge_of_many_partials_per_row(gen):
     """More partials per row than the merge kernel reads at once (blocks of 64)."""
     layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)

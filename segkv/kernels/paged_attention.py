@@ -94,7 +94,7 @@ def _stage1_kernel(
     scale,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr,
+    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, NARROW_M: tl.constexpr,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (``BLOCK_N / PAGE_SIZE`` pages) at a time with
@@ -102,9 +102,12 @@ def _stage1_kernel(
     P is split into two bf16/fp16 parts (about 16 significant bits) against the native V tile,
     accumulated in float32; float32 inputs use IEEE float32 throughout.
 
+    A work item of at most ``NARROW_M`` pairs (a fork's own rows beside a shared prefix's many, a
+    decode row beside a prefill chunk) runs ``NARROW_M``-pair tiles instead of ``BLOCK_M``-pair
+    ones: the same bytes, a fraction of the products (0: one tile height for all).
+
     A partial that is its row's only one (``partial_direct >= 0``, the row) is rounded once and
     stored straight into FINAL/FINAL_LSE; the others go to OUT/LSE for the merge kernel."""
-    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
         kvh = tl.program_id(0)
         w = tl.program_id(1)
@@ -116,6 +119,35 @@ def _stage1_kernel(
     n_rows = tl.load(work_partial_start + w + 1) - p0
     if mb * BLOCK_M >= n_rows * GROUP:  # also the padding work items of fixed-size plan buffers
         return
+    if NARROW_M > 0 and n_rows * GROUP <= NARROW_M:  # then mb == 0
+        _stage1_tile(Q, K, V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start,
+                     piece_page_start, work_piece, partial_row, partial_offset, partial_direct,
+                     stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
+                     stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, scale,
+                     w, kvh, mb, p0, n_rows, GROUP, DK, DV, NARROW_M, BLOCK_DK, BLOCK_DV, PAGE_SIZE, BLOCK_N,
+                     EXACT_FP32)
+    else:
+        _stage1_tile(Q, K, V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start,
+                     piece_page_start, work_piece, partial_row, partial_offset, partial_direct,
+                     stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
+                     stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, scale,
+                     w, kvh, mb, p0, n_rows, GROUP, DK, DV, BLOCK_M, BLOCK_DK, BLOCK_DV, PAGE_SIZE, BLOCK_N,
+                     EXACT_FP32)
+
+
+@triton.jit
+def _stage1_tile(
+    Q, K, V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, piece_page_start, work_piece,
+    partial_row, partial_offset, partial_direct,
+    stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
+    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, scale,
+    w, kvh, mb, p0, n_rows,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
+):
+    """:func:`_stage1_kernel`'s work for pairs ``mb * BLOCK_M ...`` of work item ``w`` (partials
+    from ``p0``, ``n_rows`` query rows) and KV head ``kvh``."""
+    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     pair = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     r = pair // GROUP
     valid = r < n_rows
@@ -236,6 +268,7 @@ class LaunchConfig:
     tall_warps: int = 4  # warps for programs of 64 or more pairs (8 measured slower for cascade)
     heads_fastest: bool = False  # launch a piece's KV heads side by side (they share its pages)
     maxnreg: int | None = None  # register cap per thread (more resident programs, maybe spills)
+    narrow_m: int = 16  # pairs of the narrow tiles for small work items in a launch of taller ones (0: off)
 
 
 def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
@@ -254,6 +287,7 @@ def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
         # a piece's KV heads side by side: 0-3% faster at batch 1-16 over 32K-128K (H200)
         heads_fastest=env_int("SEGKV_TRITON_HEADS_FASTEST", 1) == 1,
         maxnreg=env_int("SEGKV_TRITON_MAXNREG", None),
+        narrow_m=env_int("SEGKV_TRITON_NARROW_M", 16),
     )
 
 
@@ -311,12 +345,13 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     launch = launch or default_launch_config(head_dim=max(dk, dv), page_size=page_size)
     block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
     block_n = max(page_size, launch.block_n)
+    narrow_m = launch.narrow_m if 16 <= launch.narrow_m < block_m else 0
     return dict(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
         # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
-        num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
+        NARROW_M=narrow_m, num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size), **maxnreg_option(launch),
     )
 
