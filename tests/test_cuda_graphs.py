@@ -34,7 +34,7 @@ def test_graph_decode_gives_the_eager_tokens(tmp_path):
     assert graphs is not None
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == eager
-    assert graphs.replays >= 5 and (4, False) in graphs._buckets  # decode steps went through the bucket
+    assert graphs.replays >= 5 and (4, False, True) in graphs._buckets  # decode steps went through the bucket
     conv = llm.conversation()  # a follow-up turn on a segmented chain (mid-page boundaries)
     first = conv.say("hello there", params).output.token_ids
     second = conv.say("and a second turn", params).output.token_ids
@@ -170,10 +170,10 @@ def test_one_row_work_items_replay_narrow_graphs_and_shared_prefixes_wide_ones(t
     build_model_dir(tmp_path, "qwen3")
     eager, graph = _llm(tmp_path), _llm(tmp_path, cuda_graphs=MODE)
     separate = _decode_logits(graph, shared=False)
-    assert list(graph.runner.graphs._buckets) == [(4, False)]
+    assert list(graph.runner.graphs._buckets) == [(4, False, True)]  # stage 1 merges: no merge launch
     assert torch.equal(separate, _decode_logits(eager, shared=False))
     forks = _decode_logits(graph, shared=True)
-    assert graph.runner.last_plan.route.value == "cascade" and (4, True) in graph.runner.graphs._buckets
+    assert graph.runner.last_plan.route.value == "cascade" and (4, True, False) in graph.runner.graphs._buckets
     reference = _decode_logits(eager, shared=True)
     torch.testing.assert_close(forks, reference, rtol=1e-5, atol=1e-5)
     assert torch.equal(forks.argmax(-1), reference.argmax(-1))

@@ -262,28 +262,58 @@ def test_kernel_matches_the_reference_at_every_pipeline_depth(route, gen):
         check(out, lse, ref, ref_lse)
 
 
-def test_small_work_items_run_narrow_tiles_beside_tall_ones(gen):
-    """A cascade launch: the shared prefix's work item holds 12 rows (48 pairs: 64-pair tiles),
-    each fork's own item 4 rows (16 pairs), which run 16-pair tiles in the same launch. With the
-    narrow tiles on and off the kernel equals the reference."""
-    from segkv.kernels.paged_attention import LaunchConfig, stage1_launch
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_decode_rows_of_few_partials_merge_inside_stage1(dtype, gen, monkeypatch):
+    """Work items of one query row (decode) and at most 4 partials per row: the last program of
+    each (row, head) merges it, so no merge launch runs. Rows of several partials, a fully masked
+    row, an empty chain and (fixed buffers) padding rows all come out as the reference's; the
+    tickets are back to 0 after every launch, so a second launch is right too. A plan of more
+    partials per row launches the merge kernel instead, and a fixed buffer bounded at 4 refuses it."""
+    from segkv.attention.triton_backend import PlanCapacity
+    from segkv.kernels import paged_attention
 
-    batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=16, ratio=4, head_dim=64, rows=4)
-    plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=16, route="cascade")
-    rows_per_item = sorted({len(item.query_rows) for item in plan.work})
-    assert rows_per_item[0] * 4 <= 16 and rows_per_item[-1] * 4 > 16, rows_per_item
+    merges = []
+    merge_into = paged_attention.merge_into
+    monkeypatch.setattr(paged_attention, "merge_into", lambda *a: merges.append(1) or merge_into(*a))
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, dtype=DTYPES[dtype])
+    cache = PagedKVCache(layout, CacheConfig(page_size=16, num_pages=64), device=DEVICE)
+    chains = [cache.new_chain() for _ in range(2)]
+    for chain, n in zip(chains, (200, 37)):  # 13 and 3 pages
+        slots = chain.append(n)
+        kv = torch.randn(2, n, 2, 64, generator=gen).to(DTYPES[dtype]).to(DEVICE)
+        cache.storage.write(0, slots, kv[0], kv[1])
+    a, b = (SequenceQuery.from_chain(c, 1) for c in chains)
+    batch = Batch(cache, chains, [a, SequenceQuery(b.spans, 1, query_start=-2), SequenceQuery((), 1), b],
+                  torch.randn(4, 8, 64, generator=gen).to(DTYPES[dtype]).to(DEVICE), AttentionShape(8, 2, 64, 64),
+                  0.125)
     storage = batch.cache.storage
-    args = (batch.query, storage.key_cache(0), storage.value_cache(0))
+    k, v = storage.key_cache(0), storage.value_cache(0)
     rb = TorchReferenceBackend(page_size=16, device=DEVICE)
-    ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=batch.scale)
-    for narrow in (16, 0):
-        launch = LaunchConfig(64, 4, 3, narrow_m=narrow)
-        meta = stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=4, page_size=16,
-                             max_work_rows=plan.max_work_rows, element_size=2, launch=launch)
-        assert (meta["BLOCK_M"], meta["NARROW_M"]) == (64, narrow)
-        tb = TritonBackend(page_size=16, device=DEVICE, poison=True, launch=launch)
-        out, lse = tb.run(tb.prepare(plan), *args, scale=batch.scale)
-        check(out, lse, ref, ref_lse)
+    capacity = PlanCapacity(max_pages=256, max_pieces=64, max_work=64, max_partials=256, max_rows=8, max_work_rows=1,
+                            max_row_partials=4)
+    for parts in (3, 6):
+        plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=16, route="split",
+                              num_partitions=parts)
+        assert plan.max_row_partials == parts and plan.max_work_rows == 1
+        ref, ref_lse = rb.run(rb.prepare(plan), batch.query, k, v, scale=batch.scale)
+        for fixed in (False, True) if parts <= 4 else (False,):
+            merges.clear()
+            tb = TritonBackend(page_size=16, device=DEVICE, poison=True, capacity=capacity if fixed else None)
+            prepared = tb.prepare(plan)
+            assert prepared.merge_in_stage1 == (parts <= 4)
+            query = batch.query
+            if fixed:  # a graph bucket: 4 padding rows past the plan's
+                query = torch.cat([query, torch.randn(4, *query.shape[1:], generator=gen).to(query.dtype).to(DEVICE)])
+            for _ in range(2):
+                out, lse = tb.run(prepared, query, k, v, scale=batch.scale)
+                check(out[:4], lse[:4], ref, ref_lse)
+                dead = [1, 2, *range(4, len(query))]
+                assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
+                if parts <= 4:
+                    assert tb._counters is not None and not tb._counters.any()
+            assert len(merges) == (0 if parts <= 4 else 2)
+    with pytest.raises(ValueError, match=f"merges {plan.max_row_partials} partials into a row, capacity is 4"):
+        TritonBackend(page_size=16, device=DEVICE, capacity=capacity).prepare(plan)
 
 
 def test_merge_of_many_partials_per_row(gen):

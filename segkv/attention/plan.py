@@ -143,7 +143,8 @@ class AttentionPlan:
     ``reduce_map[r]`` lists the partial results merged into query row ``r``; a row with
     no partials (nothing visible) is 0 with LSE ``-inf``. ``num_partitions`` records the
     most partitions any single run was cut into (1 unless the route split).
-    ``max_work_rows``: the most query rows of one work item (1 for a plain decode step).
+    ``max_work_rows``: the most query rows of one work item (1 for a plain decode step);
+    ``max_row_partials``: the most partials merged into one query row.
     """
 
     route: Route
@@ -155,12 +156,14 @@ class AttentionPlan:
     reason: str = ""
     partial_rows: tuple[int, ...] = field(init=False)
     max_work_rows: int = field(init=False)
+    max_row_partials: int = field(init=False)
 
     def __post_init__(self) -> None:
         partial_rows = tuple(row for item in self.work for row in item.query_rows)
         object.__setattr__(self, "partial_rows", partial_rows)
         # made once with the plan (planned ahead, off a graph step's path), read every step
         object.__setattr__(self, "max_work_rows", max((len(item.query_rows) for item in self.work), default=1))
+        object.__setattr__(self, "max_row_partials", max(map(len, self.reduce_map), default=0))
         if len(self.reduce_map) != self.num_query_rows:
             raise ValueError(f"reduce map has {len(self.reduce_map)} rows, expected {self.num_query_rows}")
         seen = set()

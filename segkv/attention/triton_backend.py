@@ -33,7 +33,10 @@ class PlanCapacity:
     """Fixed maximum sizes of a plan's index arrays (for CUDA-graph replay).
 
     ``max_rows``: query rows of a step (the graph's batch bucket); ``max_work_rows``: query
-    rows one work item may serve (the planner's ``max_query_rows_per_work``).
+    rows one work item may serve (the planner's ``max_query_rows_per_work``);
+    ``max_row_partials``: when set, plans merge no row from more partials than that, and with
+    work items of one row (``max_work_rows=1``) and a bound the kernels allow, stage 1 merges
+    the rows itself (no merge launch in the graph).
     """
 
     max_pages: int
@@ -42,11 +45,14 @@ class PlanCapacity:
     max_partials: int
     max_rows: int
     max_work_rows: int = 64
+    max_row_partials: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_pages", "max_pieces", "max_work", "max_partials", "max_rows", "max_work_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PlanCapacity.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_row_partials is not None and self.max_row_partials < 1:
+            raise ValueError(f"PlanCapacity.max_row_partials must be >= 1, got {self.max_row_partials}")
 
     def sizes(self) -> dict[str, int]:
         return {
@@ -71,6 +77,7 @@ class TritonPreparedPlan:
     max_work_rows: int
     needs_merge: bool  # some row has other than exactly one partial
     fixed: bool = False
+    merge_in_stage1: bool = False  # GQA kernels: stage 1 merges the rows (paged_attention's argument)
     reference: object = None  # the reference backend's preparation, for kv_transform calls
 
     def __getattr__(self, name: str) -> torch.Tensor:  # prepared.page_table, ...
@@ -148,6 +155,9 @@ class TritonBackend:
         # workspace_bytes (the planner's bound): no per-step allocation that grows with history
         self.workspace_bytes = workspace_bytes
         self._workspace: torch.Tensor | None = None
+        # merge tickets of the GQA kernels (paged_attention's ``counters``): zeros, and every
+        # launch leaves them zero; grown, never shrunk (graph captures keep their address)
+        self._counters: torch.Tensor | None = None
         if capacity is not None:
             sizes = capacity.sizes()
             total = sum(sizes.values())
@@ -182,11 +192,16 @@ class TritonBackend:
             host = np.concatenate([np.pad(arrays[name], (0, -sizes[name] % _ALIGN_INT32)) for name in _FIELDS])
             device_buffer = torch.from_numpy(host).to(self.device)
             return TritonPreparedPlan(plan, self._views(device_buffer, sizes, _ALIGN_INT32), plan.num_partials,
-                                      max_work_rows, needs_merge)
+                                      max_work_rows, needs_merge,
+                                      merge_in_stage1=needs_merge and merges_in_stage1(max_work_rows,
+                                                                                       plan.max_row_partials))
         cap = self.capacity
         if plan.num_query_rows > cap.max_rows or max_work_rows > cap.max_work_rows:
             raise ValueError(f"plan with {plan.num_query_rows} rows ({max_work_rows} per work item) exceeds "
                              f"the capacity ({cap.max_rows} rows, {cap.max_work_rows} per work item)")
+        if cap.max_row_partials is not None and plan.max_row_partials > cap.max_row_partials:
+            raise ValueError(f"plan merges {plan.max_row_partials} partials into a row, capacity is "
+                             f"{cap.max_row_partials}")
         sizes = cap.sizes()
         for name in _FIELDS:
             if len(arrays[name]) > sizes[name]:
@@ -210,7 +225,8 @@ class TritonBackend:
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        return TritonPreparedPlan(plan, self._fixed, cap.max_partials, cap.max_work_rows, True, fixed=True)
+        return TritonPreparedPlan(plan, self._fixed, cap.max_partials, cap.max_work_rows, True, fixed=True,
+                                  merge_in_stage1=merges_in_stage1(cap.max_work_rows, cap.max_row_partials))
 
     def run(
         self,
@@ -259,8 +275,16 @@ class TritonBackend:
             query=query, key_cache=key_cache, value_cache=value_cache, **{name: a[name] for name in _FIELDS},
             num_partials=prepared.num_partials, max_work_rows=prepared.max_work_rows, scale=scale,
             out_dtype=out_dtype or query.dtype, needs_merge=prepared.needs_merge, launch=self.launch,
-            poison=self.poison, workspace=workspace,
+            poison=self.poison, workspace=workspace, merge_in_stage1=prepared.merge_in_stage1,
+            counters=self._merge_counters(rows * query.shape[1]) if prepared.merge_in_stage1 else None,
         )
+
+    def _merge_counters(self, entries: int) -> torch.Tensor:
+        """At least ``entries`` int32 merge tickets, all zero (the kernels leave them so). A graph
+        bucket's first (uncaptured) step sizes them for its rows, so capture allocates nothing."""
+        if self._counters is None or self._counters.numel() < entries:
+            self._counters = torch.zeros(max(entries, 1024), dtype=torch.int32, device=self.device)
+        return self._counters
 
     def _partials_workspace(self, floats: int) -> torch.Tensor | None:
         """The eager partials buffer (``workspace_bytes`` on a GPU, grown on demand elsewhere) with
@@ -285,6 +309,21 @@ class TritonBackend:
         if prepared.reference is None or prepared.reference.plan is not prepared.plan:
             prepared.reference = self._reference.prepare(prepared.plan)
         return self._reference.run(prepared.reference, *args, **kwargs)
+
+
+def stage1_merge_bound() -> int:
+    """The most partials per row the GQA stage-1 kernel merges itself (0: it never does)."""
+    from segkv.kernels.paged_attention import MERGE_IN_STAGE1_MAX_PARTIALS
+
+    return MERGE_IN_STAGE1_MAX_PARTIALS
+
+
+def merges_in_stage1(max_work_rows: int, max_row_partials: int | None) -> bool:
+    """Whether the GQA kernels merge a plan's rows inside stage 1: work items of one query row
+    (decode) and at most :func:`stage1_merge_bound` partials per row. The merge launch and its
+    wait cost 1.5-2.5% at batch 16 (2 partials per row); batch 1's 33 partials per row are read
+    faster by the merge kernel, all at once, than by one last program."""
+    return max_work_rows == 1 and max_row_partials is not None and 0 < max_row_partials <= stage1_merge_bound()
 
 
 def is_latent_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:

@@ -23,7 +23,8 @@ from triton.compiler import ASTSource
 
 # plan index arrays (int32) of the stage-1 kernels
 INDEX_ARGS = frozenset({"page_table", "page_rows", "page_key_start", "piece_page_start", "work_piece",
-                        "work_partial_start", "partial_row", "partial_offset", "partial_direct"})
+                        "work_partial_start", "partial_row", "partial_offset", "partial_direct", "reduce_ptr",
+                        "reduce_partials", "COUNTERS"})
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
 # Hopper: 228 KB of shared memory per multiprocessor, at most 227 KB for one program
 MAX_SHARED_PER_PROGRAM = 227 * 1024

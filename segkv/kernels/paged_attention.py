@@ -85,16 +85,75 @@ def store_partials(acc, m_i, l_i, partial, head, valid, offs_d, d_ok, partial_di
 
 
 @triton.jit
+def zero_empty_rows(reduce_ptr, num_rows, kvh, FINAL, FINAL_LSE, stride_fr, stride_fh, stride_flr,
+                    GROUP: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Rows without partials (no visible key, a graph bucket's padding rows): 0 with LSE -inf in
+    KV head ``kvh``'s query heads (what the merge kernel writes for them)."""
+    PAIRS: tl.constexpr = 16
+    offs_d = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < DV
+    for p0 in range(0, num_rows * GROUP, PAIRS):
+        pair = p0 + tl.arange(0, PAIRS)
+        row = (pair // GROUP).to(tl.int64)
+        ok = row < num_rows
+        count = tl.load(reduce_ptr + row + 1, mask=ok, other=0) - tl.load(reduce_ptr + row, mask=ok, other=0)
+        empty = ok & (count == 0)
+        head = kvh * GROUP + pair % GROUP
+        tl.store(FINAL + row[:, None] * stride_fr + head[:, None] * stride_fh + offs_d[None, :],
+                 tl.zeros([PAIRS, BLOCK_DV], FINAL.dtype.element_ty), mask=empty[:, None] & d_ok[None, :])
+        tl.store(FINAL_LSE + row * stride_flr + head, tl.full([PAIRS], float("-inf"), tl.float32), mask=empty)
+
+
+@triton.jit
+def merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
+                  OUT, LSE, FINAL, FINAL_LSE, offs_d, d_ok, stride_op, stride_oh, stride_lp, stride_fr, stride_fh,
+                  stride_flr, MAX_PARTIALS: tl.constexpr):
+    """After a program stored its partials: for each of its (row, head) pairs with several
+    partials (at most ``MAX_PARTIALS``), count this one in (an atomic ticket per pair). The
+    program holding a pair's last ticket merges that pair's partials by the contract's formula
+    (all of them in one load: no chain of dependent loads), rounds once into FINAL/FINAL_LSE and
+    resets the ticket to 0 for the next launch. Saves the merge launch of a decode step."""
+    direct = tl.load(partial_direct + partial, mask=valid, other=0)
+    shared = valid & (direct < 0)
+    start = tl.load(reduce_ptr + qrow, mask=shared, other=0)
+    count = tl.load(reduce_ptr + qrow + 1, mask=shared, other=0) - start
+    tl.debug_barrier()  # every thread's partial stores come before the ticket (released by it)
+    ticket = tl.atomic_add(COUNTERS + qrow * stride_c + head, 1, mask=shared, sem="acq_rel", scope="gpu")
+    last = shared & (ticket == count - 1)
+    if tl.max(last.to(tl.int32), 0) > 0:
+        j = tl.arange(0, MAX_PARTIALS)
+        ok = last[:, None] & (j[None, :] < count[:, None])
+        p = tl.load(reduce_partials + start[:, None] + j[None, :], mask=ok, other=0).to(tl.int64)
+        # other programs' partials: read through L2 (".cg"), not a stale L1
+        lse = tl.load(LSE + p * stride_lp + head[:, None], mask=ok, other=float("-inf"), cache_modifier=".cg")
+        live = lse != float("-inf")
+        o = tl.load(OUT + p[:, :, None] * stride_op + head[:, None, None] * stride_oh + offs_d[None, None, :],
+                    mask=live[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+        m = tl.max(lse, 1)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        wgt = tl.where(live, tl.exp(lse - m_safe[:, None]), 0.0)
+        total = tl.sum(wgt, 1)
+        acc = tl.sum(wgt[:, :, None] * o, 1)
+        empty = total == 0.0
+        out = acc / tl.where(empty, 1.0, total)[:, None]
+        tl.store(FINAL + qrow[:, None] * stride_fr + head[:, None] * stride_fh + offs_d[None, :],
+                 out.to(FINAL.dtype.element_ty, fp_downcast_rounding="rtne"), mask=last[:, None] & d_ok[None, :])
+        tl.store(FINAL_LSE + qrow * stride_flr + head,
+                 tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total))), mask=last)
+        tl.store(COUNTERS + qrow * stride_c + head, tl.zeros_like(ticket), mask=last)
+
+
+@triton.jit
 def _stage1_kernel(
     Q, K, V, OUT, LSE, FINAL, FINAL_LSE,
     page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start, partial_row,
-    partial_offset, partial_direct,
+    partial_offset, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
     stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
-    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr,
-    scale,
+    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, stride_c,
+    scale, num_rows,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, NARROW_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (``BLOCK_N / PAGE_SIZE`` pages) at a time with
@@ -102,12 +161,12 @@ def _stage1_kernel(
     P is split into two bf16/fp16 parts (about 16 significant bits) against the native V tile,
     accumulated in float32; float32 inputs use IEEE float32 throughout.
 
-    A work item of at most ``NARROW_M`` pairs (a fork's own rows beside a shared prefix's many, a
-    decode row beside a prefill chunk) runs ``NARROW_M``-pair tiles instead of ``BLOCK_M``-pair
-    ones: the same bytes, a fraction of the products (0: one tile height for all).
-
     A partial that is its row's only one (``partial_direct >= 0``, the row) is rounded once and
-    stored straight into FINAL/FINAL_LSE; the others go to OUT/LSE for the merge kernel."""
+    stored straight into FINAL/FINAL_LSE; the others go to OUT/LSE for the merge. With ``MERGE > 0``
+    (work items of one query row, at most ``MERGE`` partials per row) the last program of each
+    (row, head) merges it (``merge_if_last``, tickets in COUNTERS ``(rows, heads)`` int32, all 0
+    between launches) and the first work item's programs zero the rows without partials: no
+    merge launch."""
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
         kvh = tl.program_id(0)
         w = tl.program_id(1)
@@ -115,35 +174,33 @@ def _stage1_kernel(
         w = tl.program_id(0)
         kvh = tl.program_id(1)
     mb = tl.program_id(2)
+    if MERGE > 0:
+        if (w == 0) & (mb == 0):
+            zero_empty_rows(reduce_ptr, num_rows, kvh, FINAL, FINAL_LSE, stride_fr, stride_fh, stride_flr,
+                            GROUP, DV, BLOCK_DV)
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
     if mb * BLOCK_M >= n_rows * GROUP:  # also the padding work items of fixed-size plan buffers
         return
-    if NARROW_M > 0 and n_rows * GROUP <= NARROW_M:  # then mb == 0
-        _stage1_tile(Q, K, V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start,
-                     piece_page_start, work_piece, partial_row, partial_offset, partial_direct,
-                     stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
-                     stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, scale,
-                     w, kvh, mb, p0, n_rows, GROUP, DK, DV, NARROW_M, BLOCK_DK, BLOCK_DV, PAGE_SIZE, BLOCK_N,
-                     EXACT_FP32)
-    else:
-        _stage1_tile(Q, K, V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start,
-                     piece_page_start, work_piece, partial_row, partial_offset, partial_direct,
-                     stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
-                     stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, scale,
-                     w, kvh, mb, p0, n_rows, GROUP, DK, DV, BLOCK_M, BLOCK_DK, BLOCK_DV, PAGE_SIZE, BLOCK_N,
-                     EXACT_FP32)
+    _stage1_tile(Q, K, V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start,
+                 piece_page_start, work_piece, partial_row, partial_offset, partial_direct, reduce_ptr,
+                 reduce_partials, COUNTERS,
+                 stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
+                 stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, stride_c, scale,
+                 w, kvh, mb, p0, n_rows, GROUP, DK, DV, BLOCK_M, BLOCK_DK, BLOCK_DV, PAGE_SIZE, BLOCK_N,
+                 EXACT_FP32, MERGE)
 
 
 @triton.jit
 def _stage1_tile(
     Q, K, V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, piece_page_start, work_piece,
-    partial_row, partial_offset, partial_direct,
+    partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
     stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
-    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, scale,
+    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, stride_c, scale,
     w, kvh, mb, p0, n_rows,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
+    MERGE: tl.constexpr,
 ):
     """:func:`_stage1_kernel`'s work for pairs ``mb * BLOCK_M ...`` of work item ``w`` (partials
     from ``p0``, ``n_rows`` query rows) and KV head ``kvh``."""
@@ -192,6 +249,10 @@ def _stage1_tile(
                                             EXACT_FP32)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
                    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr)
+    if MERGE > 0:
+        merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
+                      OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp, stride_fr,
+                      stride_fh, stride_flr, MERGE)
 
 
 @triton.jit
@@ -268,7 +329,6 @@ class LaunchConfig:
     tall_warps: int = 4  # warps for programs of 64 or more pairs (8 measured slower for cascade)
     heads_fastest: bool = False  # launch a piece's KV heads side by side (they share its pages)
     maxnreg: int | None = None  # register cap per thread (more resident programs, maybe spills)
-    narrow_m: int = 16  # pairs of the narrow tiles for small work items in a launch of taller ones (0: off)
 
 
 def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
@@ -287,7 +347,6 @@ def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
         # a piece's KV heads side by side: 0-3% faster at batch 1-16 over 32K-128K (H200)
         heads_fastest=env_int("SEGKV_TRITON_HEADS_FASTEST", 1) == 1,
         maxnreg=env_int("SEGKV_TRITON_MAXNREG", None),
-        narrow_m=env_int("SEGKV_TRITON_NARROW_M", 16),
     )
 
 
@@ -295,7 +354,7 @@ def paged_attention(
     *, query, key_cache, value_cache, page_table, page_rows, page_key_start, piece_page_start, work_piece,
     work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
-    poison=False, workspace=None,
+    poison=False, workspace=None, counters=None, merge_in_stage1=False,
 ):
     """Attention of a plan: stage-1 partials, then the exact merge, rounded once.
 
@@ -307,8 +366,11 @@ def paged_attention(
     partial_row/partial_offset/partial_direct ``(num_partials,)`` (direct: the output row when
     the partial is its row's only one, else -1), reduce_ptr ``(R + 1,)`` and reduce_partials
     (CSR rows -> partials). ``needs_merge=False`` (every row has exactly one partial) skips the
-    merge launch. ``workspace``: a flat float32 buffer the partials may live in (attention_outputs). Returns ``(out (R, Hq, Dv) out_dtype, lse (R, Hq) float32)``; rows without
-    partials are 0 with LSE -inf.
+    merge launch. ``workspace``: a flat float32 buffer the partials may live in (attention_outputs).
+    ``merge_in_stage1``: every work item holds one query row and no row has more than
+    :data:`MERGE_IN_STAGE1_MAX_PARTIALS` partials (the caller's promise): stage 1 merges the rows itself, with ``counters``, int32 zeros of at least ``R * Hq`` entries that every launch
+    leaves zero, and no merge kernel runs. Returns ``(out (R, Hq, Dv) out_dtype, lse (R, Hq)
+    float32)``; rows without partials are 0 with LSE -inf.
     """
     num_rows, num_heads, dk = query.shape
     page_size, num_kv = key_cache.shape[1], key_cache.shape[2]
@@ -316,22 +378,30 @@ def paged_attention(
     group = num_heads // num_kv
     out, lse, part_out, part_lse = attention_outputs(query, dv, num_partials, out_dtype, poison, workspace)
     num_work = work_piece.numel()
+    merged = bool(num_work and num_partials and merge_in_stage1)
+    if merged:
+        if not (max_work_rows == 1 and MERGE_IN_STAGE1_MAX_PARTIALS
+                and counters is not None and counters.numel() >= num_rows * num_heads):
+            raise ValueError(f"merge in stage 1 needs work items of one row, at most "
+                             f"{MERGE_IN_STAGE1_MAX_PARTIALS} partials per row and {num_rows * num_heads} counters")
     if num_work and num_partials:
         meta = stage1_launch(dtype=query.dtype, dk=dk, dv=dv, group=group, page_size=page_size,
                              max_work_rows=max_work_rows, element_size=key_cache.element_size(), launch=launch)
+        meta["MERGE"] = MERGE_IN_STAGE1_MAX_PARTIALS if merged else 0
         blocks = triton.cdiv(max_work_rows * group, meta["BLOCK_M"])
         grid = (num_kv, num_work, blocks) if meta["HEADS_FASTEST"] else (num_work, num_kv, blocks)
         _stage1_kernel[grid](
             query, key_cache, value_cache, part_out, part_lse, out, lse,
             page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start,
-            partial_row, partial_offset, partial_direct,
+            partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
+            counters if merged else reduce_ptr,
             query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
-            lse.stride(0),
-            scale, **meta,
+            lse.stride(0), num_heads,
+            scale, num_rows, **meta,
         )
-    if num_rows and (needs_merge or not (num_work and num_partials)):
+    if num_rows and not merged and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
     return out.to(out_dtype), lse
 
@@ -345,13 +415,12 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     launch = launch or default_launch_config(head_dim=max(dk, dv), page_size=page_size)
     block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
     block_n = max(page_size, launch.block_n)
-    narrow_m = launch.narrow_m if 16 <= launch.narrow_m < block_m else 0
     return dict(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
         # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
-        NARROW_M=narrow_m, num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
+        MERGE=0, num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size), **maxnreg_option(launch),
     )
 
@@ -396,6 +465,13 @@ def attention_outputs(query, dv: int, num_partials: int, out_dtype, poison: bool
             t.fill_(float("nan"))
     return out, lse, part_out, part_lse
 
+
+# Decode rows of at most this many partials (a power of 2) may be merged by stage 1's last
+# program instead of a merge launch (the backend decides; 0: never). Batch 16 splits rows in 2-4;
+# batch 1 in 33, where a launch that reads all of a row's partials at once is faster.
+MERGE_IN_STAGE1_MAX_PARTIALS = env_int("SEGKV_MERGE_IN_STAGE1_MAX", 4)
+if MERGE_IN_STAGE1_MAX_PARTIALS not in (0, 2, 4, 8, 16):
+    raise ValueError(f"SEGKV_MERGE_IN_STAGE1_MAX must be 0, 2, 4, 8 or 16, got {MERGE_IN_STAGE1_MAX_PARTIALS}")
 
 # value columns per merge program: 64 measured best for 512-wide latent values at batch 1 (8
 # programs per row and head instead of 1) and within 1% of the best for 128-wide GQA values

@@ -25,7 +25,7 @@ from segkv.attention.device import DeviceSpec
 from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionPlan, SequenceQuery
 from segkv.attention.planner import plan_attention
-from segkv.attention.triton_backend import PlanCapacity, TritonBackend
+from segkv.attention.triton_backend import PlanCapacity, TritonBackend, merges_in_stage1, stage1_merge_bound
 from segkv.cache.kv_cache import PagedKVCache
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -75,10 +75,13 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.buckets = tuple(sorted(buckets))
         self.emulate = emulate
-        # (batch size, wide): "narrow" graphs serve plans whose work items hold one query row each
-        # (attention tiles as small as eager's: same rounding, no padded rows); "wide" ones hold
-        # up to the bucket's rows per work item (prefixes shared by several sequences)
-        self._buckets: dict[tuple[int, bool], _Bucket] = {}
+        # (batch size, wide, few): "narrow" graphs serve plans whose work items hold one query row
+        # each (attention tiles as small as eager's: same rounding, no padded rows); "wide" ones
+        # hold up to the bucket's rows per work item (prefixes shared by several sequences); "few"
+        # narrow ones merge no row from more partials than the GQA stage-1 kernel merges itself,
+        # so their graph has no merge launch
+        self._buckets: dict[tuple[int, bool, bool], _Bucket] = {}
+        self._merge_in_stage1 = cache.storage.layout.kind == "mha"  # the latent kernels keep their merge
         # a page of the pool reserved for the K/V rows of padding query rows
         self._scratch = cache.new_chain()
         self._scratch_slot = self._scratch.append(1)[0]
@@ -100,11 +103,11 @@ class DecodeGraphs:
         """``(n, vocab)`` float32 logits of a decode step, or None when it does not fit a graph.
         ``arrays``: the plan already flattened (``flatten_plan``), if it was."""
         n = len(ids)
-        size, wide = self._bucket_key(n, plan)
+        size, wide, few = self._bucket_key(n, plan)
         if size is None or mla_mode == "naive":  # naive MLA decompresses pieces through the reference
             self.fallbacks += 1
             return None
-        bucket = self._buckets.get((size, wide)) or self._capture(size, wide, mla_mode)
+        bucket = self._buckets.get((size, wide, few)) or self._capture(size, wide, few, mla_mode)
         staged, bucket.staged = bucket.staged, None
         if staged is plan:
             self.staged_plans_used += 1
@@ -149,22 +152,25 @@ class DecodeGraphs:
             return
         bucket.staged = plan
 
-    def _bucket_key(self, num_rows: int, plan: AttentionPlan) -> tuple[int | None, bool]:
+    def _bucket_key(self, num_rows: int, plan: AttentionPlan) -> tuple[int | None, bool, bool]:
         """The bucket a step of ``num_rows`` decode rows replays (None: larger than every bucket),
-        and whether its plan needs a wide one (work items of several query rows)."""
+        whether its plan needs a wide one (work items of several query rows), and whether stage 1
+        merges its rows (``merges_in_stage1``)."""
         size = next((b for b in self.buckets if b >= num_rows), None)
-        return size, plan.max_work_rows > 1
+        few = self._merge_in_stage1 and merges_in_stage1(plan.max_work_rows, plan.max_row_partials)
+        return size, plan.max_work_rows > 1, few
 
-    def _capacity(self, size: int, wide: bool) -> PlanCapacity:
+    def _capacity(self, size: int, wide: bool, few: bool = False) -> PlanCapacity:
         page = self.cache.page_size
         pages_per_seq = math.ceil(self.max_model_len / page) + 64  # + pages left part-full by segment ends
         work = max(2 * self.device_spec.wave_size, 4 * size)
         return PlanCapacity(max_pages=size * pages_per_seq, max_pieces=work, max_work=work,
-                            max_partials=work + 64 * size, max_rows=size, max_work_rows=size if wide else 1)
+                            max_partials=work + 64 * size, max_rows=size, max_work_rows=size if wide else 1,
+                            max_row_partials=stage1_merge_bound() if few else None)
 
-    def _capture(self, size: int, wide: bool, mla_mode: str) -> _Bucket:
+    def _capture(self, size: int, wide: bool, few: bool, mla_mode: str) -> _Bucket:
         backend = TritonBackend(page_size=self.cache.page_size, device=self.device,
-                                capacity=self._capacity(size, wide))
+                                capacity=self._capacity(size, wide, few))
         pinned = self.device.type == "cuda"
         staging = torch.zeros(3, size, dtype=torch.long, pin_memory=pinned)
         staging[2] = self._scratch_slot
@@ -196,5 +202,5 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 step()
             bucket.graph = graph
-        self._buckets[size, wide] = bucket
+        self._buckets[size, wide, few] = bucket
         return bucket
