@@ -264,12 +264,12 @@ def test_kernel_matches_the_reference_at_every_pipeline_depth(route, gen):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_decode_rows_of_few_partials_merge_inside_stage1(dtype, gen, monkeypatch):
-    """Work items of one query row (decode) and at most 4 partials per row: the last program of
+    """Work items of one query row (decode) and at most 8 partials per row: the last program of
     each (row, head) merges it, so no merge launch runs. Rows of several partials, a fully masked
     row, an empty chain and (fixed buffers) padding rows all come out as the reference's; the
-    tickets are back to 0 after every launch, so a second launch is right too. A plan of more
-    partials per row launches the merge kernel instead, and a fixed buffer bounded at 4 refuses it."""
-    from segkv.attention.triton_backend import PlanCapacity
+    tickets are back to 0 after every launch, so a second launch is right too. A plan of 12
+    partials per row launches the merge kernel instead, and a fixed buffer bounded at 8 refuses it."""
+    from segkv.attention.triton_backend import PlanCapacity, stage1_merge_bound
     from segkv.kernels import paged_attention
 
     merges = []
@@ -290,17 +290,18 @@ def test_decode_rows_of_few_partials_merge_inside_stage1(dtype, gen, monkeypatch
     k, v = storage.key_cache(0), storage.value_cache(0)
     rb = TorchReferenceBackend(page_size=16, device=DEVICE)
     capacity = PlanCapacity(max_pages=256, max_pieces=64, max_work=64, max_partials=256, max_rows=8, max_work_rows=1,
-                            max_row_partials=4)
-    for parts in (3, 6):
+                            max_row_partials=8)
+    assert stage1_merge_bound() == 8
+    for parts in (3, 12):
         plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=16, route="split",
                               num_partitions=parts)
         assert plan.max_row_partials == parts and plan.max_work_rows == 1
         ref, ref_lse = rb.run(rb.prepare(plan), batch.query, k, v, scale=batch.scale)
-        for fixed in (False, True) if parts <= 4 else (False,):
+        for fixed in (False, True) if parts <= 8 else (False,):
             merges.clear()
             tb = TritonBackend(page_size=16, device=DEVICE, poison=True, capacity=capacity if fixed else None)
             prepared = tb.prepare(plan)
-            assert prepared.merge_in_stage1 == (parts <= 4)
+            assert prepared.merge_in_stage1 == (parts <= 8)
             query = batch.query
             if fixed:  # a graph bucket: 4 padding rows past the plan's
                 query = torch.cat([query, torch.randn(4, *query.shape[1:], generator=gen).to(query.dtype).to(DEVICE)])
@@ -309,10 +310,10 @@ def test_decode_rows_of_few_partials_merge_inside_stage1(dtype, gen, monkeypatch
                 check(out[:4], lse[:4], ref, ref_lse)
                 dead = [1, 2, *range(4, len(query))]
                 assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
-                if parts <= 4:
+                if parts <= 8:
                     assert tb._counters is not None and not tb._counters.any()
-            assert len(merges) == (0 if parts <= 4 else 2)
-    with pytest.raises(ValueError, match=f"merges {plan.max_row_partials} partials into a row, capacity is 4"):
+            assert len(merges) == (0 if parts <= 8 else 2)
+    with pytest.raises(ValueError, match=f"merges {plan.max_row_partials} partials into a row, capacity is 8"):
         TritonBackend(page_size=16, device=DEVICE, capacity=capacity).prepare(plan)
 
 
