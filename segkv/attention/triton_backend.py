@@ -9,6 +9,7 @@ fits: the next ``prepare`` only rewrites the buffer's contents.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from itertools import chain
 
@@ -311,6 +312,7 @@ class TritonBackend:
         return self._reference.run(prepared.reference, *args, **kwargs)
 
 
+@functools.cache
 def stage1_merge_bound() -> int:
     """The most partials per row the GQA stage-1 kernel merges itself (0: it never does)."""
     from segkv.kernels.paged_attention import MERGE_IN_STAGE1_MAX_PARTIALS

@@ -167,6 +167,7 @@ def _stage1_kernel(
     (row, head) merges it (``merge_if_last``, tickets in COUNTERS ``(rows, heads)`` int32, all 0
     between launches) and the first work item's programs zero the rows without partials: no
     merge launch."""
+    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
         kvh = tl.program_id(0)
         w = tl.program_id(1)
@@ -182,29 +183,6 @@ def _stage1_kernel(
     n_rows = tl.load(work_partial_start + w + 1) - p0
     if mb * BLOCK_M >= n_rows * GROUP:  # also the padding work items of fixed-size plan buffers
         return
-    _stage1_tile(Q, K, V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start,
-                 piece_page_start, work_piece, partial_row, partial_offset, partial_direct, reduce_ptr,
-                 reduce_partials, COUNTERS,
-                 stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
-                 stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, stride_c, scale,
-                 w, kvh, mb, p0, n_rows, GROUP, DK, DV, BLOCK_M, BLOCK_DK, BLOCK_DV, PAGE_SIZE, BLOCK_N,
-                 EXACT_FP32, MERGE)
-
-
-@triton.jit
-def _stage1_tile(
-    Q, K, V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, piece_page_start, work_piece,
-    partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
-    stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
-    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, stride_c, scale,
-    w, kvh, mb, p0, n_rows,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
-    MERGE: tl.constexpr,
-):
-    """:func:`_stage1_kernel`'s work for pairs ``mb * BLOCK_M ...`` of work item ``w`` (partials
-    from ``p0``, ``n_rows`` query rows) and KV head ``kvh``."""
-    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     pair = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     r = pair // GROUP
     valid = r < n_rows

@@ -160,7 +160,7 @@ class DecodeGraphs:
         few = self._merge_in_stage1 and merges_in_stage1(plan.max_work_rows, plan.max_row_partials)
         return size, plan.max_work_rows > 1, few
 
-    def _capacity(self, size: int, wide: bool, few: bool = False) -> PlanCapacity:
+    def _capacity(self, size: int, wide: bool, few: bool) -> PlanCapacity:
         page = self.cache.page_size
         pages_per_seq = math.ceil(self.max_model_len / page) + 64  # + pages left part-full by segment ends
         work = max(2 * self.device_spec.wave_size, 4 * size)
