@@ -67,7 +67,10 @@ from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype
 from segkv.models.loader import _keep_fp32
 from segkv.models.registry import model_class
+from segkv.bench.turns import TokenIdsOnly
+from segkv.engine.generation import Generator
 from segkv.runner.model_runner import ModelRunner, StepInput
+from segkv.sampling_params import SamplingParams
 
 _LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                  "original_max_position_embeddings": 8192}
@@ -337,6 +340,18 @@ def _decode(runner: ModelRunner, chains, first: list[int], steps: int) -> list[l
     return out
 
 
+def _generate(runner: ModelRunner, chains, first: list[int], steps: int, *, lookahead: bool,
+              max_model_len: int) -> tuple[list[list[int]], int]:
+    """Greedy decode of ``steps`` tokens per chain as the engine runs it (``Generator``: samples
+    drawn on the device, the next step launched before the host reads them when ``lookahead``).
+    Returns the tokens per step (as ``_decode``) and the steps served by a step launched ahead."""
+    gen = Generator(runner, TokenIdsOnly(), max_model_len=max_model_len, lookahead=lookahead)
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    seqs = [gen.new_sequence(0, c, [t], [t], params) for c, t in zip(chains, first)]
+    gen.run(seqs)
+    return [list(step) for step in zip(*(s.output_ids for s in seqs))], gen.steps_ahead_used
+
+
 def _trim_to(chains, context: int) -> None:
     for chain in chains:
         if chain.num_rows > context:
@@ -414,18 +429,27 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
             runner, out["cuda_graphs"] = eager, False
             _decode(runner, chains, first, warmup)
         _trim_to(chains, context)
-        rates, equal = [], True
+        # the engine's loop (Generator, steps launched ahead on CUDA) and the same loop step by
+        # step (the host reads each token before the next step starts), alternating
+        rates, plain_rates, equal, ahead_used = [], [], True, 0
         g = getattr(runner, "graphs", None)
         before = (getattr(g, "replays", 0), getattr(g, "fallbacks", 0))
+        lookahead = device.type == "cuda"
         for _ in range(trials):
-            _sync(device)
-            start = time.perf_counter()
-            tokens = _decode(runner, chains, first, steps)
-            _sync(device)
-            rates.append(batch * steps / (time.perf_counter() - start))
-            equal &= tokens == reference
-            _trim_to(chains, context)
-        out.update(_summary(rates), tokens_equal_eager=equal)
+            for ahead in ((True, False) if lookahead else (False,)):
+                _sync(device)
+                start = time.perf_counter()
+                # the length limit only so the Generator never stops a case early
+                tokens, used = _generate(runner, chains, first, steps, lookahead=ahead,
+                                         max_model_len=context + steps + 8)
+                _sync(device)
+                (rates if ahead or not lookahead else plain_rates).append(batch * steps / (time.perf_counter() - start))
+                equal &= tokens == reference
+                ahead_used += used
+                _trim_to(chains, context)
+        out.update(_summary(rates), tokens_equal_eager=equal, lookahead=lookahead, steps_ahead_used=ahead_used)
+        if plain_rates:
+            out["step_by_step"] = _summary(plain_rates)
         if g is not None:
             out["graph_replays"] = getattr(g, "replays", 0) - before[0]
             out["graph_fallbacks"] = getattr(g, "fallbacks", 0) - before[1]
@@ -572,6 +596,9 @@ def case_line(device_name: str, case: dict, elapsed: float) -> str:
             hf.append(f"{variant} {_fmt_rate(_rate(r))}" if _rate(r)
                       else f"{variant}: {r.get('skipped') or r.get('error')}")
     graphs = "on" if s.get("cuda_graphs") else "off"
+    plain = s.get("step_by_step")
+    if plain:  # the same loop without steps launched ahead, in the same trials
+        seg += f" (step by step {_fmt_rate(plain['tokens_per_s'])} [{_fmt_rate(plain['min'])}-{_fmt_rate(plain['max'])}])"
     return (f"[{elapsed:5.0f}s] {device_name} {case['model']} B={case['batch']} ctx={case['context']} "
             f"graphs={graphs} {seg}" + (" | hf " + "; ".join(hf) if hf else ""))
 

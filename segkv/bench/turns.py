@@ -181,7 +181,7 @@ class MemoryMeter:
         return torch.cuda.memory_allocated(self.device) - self.start if self.cuda else None
 
 
-class _TokenIdsOnly:
+class TokenIdsOnly:
     """The part of a tokenizer the Generator uses: token ids in and out, no text, no EOS."""
 
     eos_token_ids: tuple[int, ...] = ()
@@ -197,7 +197,7 @@ class SegkvSystem:
 
     def __init__(self, model, cache: PagedKVCache, runner: ModelRunner, device: torch.device) -> None:
         self.cache, self.runner, self.device = cache, runner, device
-        self.generator = Generator(runner, _TokenIdsOnly(), max_model_len=model.max_model_len)
+        self.generator = Generator(runner, TokenIdsOnly(), max_model_len=model.max_model_len)
 
     def start(self):
         return self.cache.new_chain()

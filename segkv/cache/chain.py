@@ -134,6 +134,14 @@ class KVChain:
             tail.token_ids.extend(int(t) for t in token_ids)
         return tail.slots(start, tail.num_rows)
 
+    def set_last_token_id(self, token_id: int) -> None:
+        """Record the token id of the last row (appended before its token was known on the host:
+        a decode step launched from the device's samples)."""
+        if not self.num_tail_rows:
+            raise ValueError("the chain has no tail row to set a token id for")
+        if self.tail.token_ids is not None:
+            self.tail.token_ids[-1] = int(token_id)
+
     def seal(self) -> SegRef | None:
         """End the turn: the tail becomes a sealed segment; compaction may follow."""
         ref = self._seal_tail()

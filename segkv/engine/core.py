@@ -121,7 +121,9 @@ class EngineCore:
         for seq in decision.admitted:
             self.waiting.remove(seq)
             self.running.append(seq)
-        ready = self.llm.generator.step(decision.work)
+        # the next decode step may be launched before this one's tokens are read, unless requests
+        # wait: the next step would then admit them and could not use it
+        ready = self.llm.generator.step(decision.work, ahead_ok=not self.waiting)
         now = time.monotonic()
         touched: dict[str, EngineRequest] = {}
         for seq in ready:
@@ -180,6 +182,7 @@ class EngineCore:
         return need <= self.pool.num_free_pages
 
     def _pages_needed(self, seq: Sequence, num_tokens: int) -> int:
+        num_tokens -= self.llm.generator.rows_ahead(seq)  # rows a step launched ahead holds already
         chain = seq.chain
         ps = self.pool.page_size
         tail = chain.num_tail_rows

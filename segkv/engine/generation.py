@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 import torch
 
 from segkv.cache.chain import KVChain
+from segkv.cache.page_pool import OutOfPagesError
 from segkv.engine.detokenizer import IncrementalDetokenizer
 from segkv.engine.tokenizer import Tokenizer
+from segkv.kernels.settings import env_int
 from segkv.layers.sampler import Sampler, make_generator
 from segkv.outputs import CompletionOutput, TokenLogprob
 from segkv.runner.model_runner import ModelRunner, StepInput
@@ -56,14 +58,69 @@ class Sequence:
         )
 
 
-class Generator:
-    """Drives sequences to completion with the runner, the sampler and detokenizers."""
+@dataclass(slots=True, eq=False)
+class _StepAhead:
+    """A decode step launched before the host read the tokens it consumes: the sequences (and
+    the chains they had), their row in ``logits`` ``(B, vocab)`` (still being computed)."""
 
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_model_len: int) -> None:
+    seqs: list[Sequence]
+    chains: list[KVChain | None]  # None once the sequence's row was given back
+    logits: torch.Tensor
+    rows: dict[int, int] = field(default_factory=dict)  # id(sequence) -> its row
+
+    def __post_init__(self) -> None:
+        self.rows = {id(s): i for i, s in enumerate(self.seqs)}
+
+    def live(self, seq: Sequence) -> bool:
+        """Whether ``seq`` still holds its row of this step (same chain, not given back)."""
+        i = self.index(seq)
+        return i is not None and seq.chain is self.chains[i]
+
+    def index(self, seq: Sequence) -> int | None:
+        i = self.rows.get(id(seq))
+        return i if i is not None and self.seqs[i] is seq else None
+
+
+class Generator:
+    """Drives sequences to completion with the runner, the sampler and detokenizers.
+
+    ``lookahead`` (default: on CUDA; ``SEGKV_LOOKAHEAD=0/1`` overrides it): after a decode step's samples are drawn on the device and
+    before the host reads them, the next decode step of the same sequences is launched with those
+    samples as its input tokens, so the host's work between steps (reading the tokens, stop
+    checks, detokenising, scheduling) overlaps the GPU instead of idling it. A sequence that ends
+    on the token just read gives its extra row back (trimmed); a next step that is not exactly
+    a subset of those decodes (a new request, a prefill, a preempted sequence) cancels the rows
+    ahead and runs normally. Outputs are the same either way.
+    """
+
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_model_len: int,
+                 lookahead: bool | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.sampler = Sampler()
         self.max_model_len = max_model_len
+        if lookahead is None:  # SEGKV_LOOKAHEAD=0/1 overrides the default (on where a GPU runs the steps)
+            lookahead = bool(env_int("SEGKV_LOOKAHEAD", int(runner.device.type == "cuda")))
+        self.lookahead = bool(lookahead)
+        self._ahead: _StepAhead | None = None
+        self.steps_ahead_used = 0  # decode steps served by a step launched ahead
+        self.steps_ahead_cancelled = 0
+
+    def rows_ahead(self, seq: Sequence) -> int:
+        """Rows ``seq``'s chain already holds for its pending tokens (1 when the decode step that
+        consumes them was launched ahead, else 0): the scheduler's page count leaves them out."""
+        return int(self._ahead is not None and self._ahead.live(seq))
+
+    def cancel_ahead(self) -> None:
+        """Give back the rows of a step launched ahead (its results are dropped; the GPU's writes
+        to those slots are ordered before any later use of them)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        for seq, chain in zip(ahead.seqs, ahead.chains):
+            if seq.chain is chain and chain.num_rows:
+                chain.trim(1)
+        self.steps_ahead_cancelled += 1
 
     def new_sequence(self, index: int, chain: KVChain, history: list[int], new_ids: list[int],
                      params: SamplingParams) -> Sequence:
@@ -80,7 +137,7 @@ class Generator:
             active = [s for s in active + [x for r in ready for x in r.siblings if x not in active]
                       if s.finish_reason is None]
 
-    def step(self, work: list[tuple[Sequence, int]]) -> list[Sequence]:
+    def step(self, work: list[tuple[Sequence, int]], *, ahead_ok: bool = True) -> list[Sequence]:
         """One forward over ``(sequence, tokens to process)`` pairs; sample where ready.
 
         A sequence is ready when all its pending tokens have rows: it samples its next
@@ -88,7 +145,10 @@ class Generator:
         siblings: forks of its chain that sample from the same logits, so the prompt is
         computed and stored once. Returns the sequences that sampled (siblings excluded).
         """
-        logits = self.runner.forward([StepInput(s.chain, s.pending[:k]) for s, k in work])
+        logits = self._logits_ahead(work)
+        if logits is None:
+            self.cancel_ahead()
+            logits = self.runner.forward([StepInput(s.chain, s.pending[:k]) for s, k in work])
         ready, rows = [], []
         for row, (s, k) in enumerate(work):
             s.pending = s.pending[k:]
@@ -99,9 +159,43 @@ class Generator:
             return []
         logits = logits[rows]
         spawned = self._spawn_siblings(ready, logits)
+        # the next decode step may start before the host reads this one's tokens: only for plain
+        # decodes (every sequence of the step sampled one token, none new), else it could not serve
+        decodes = not spawned and len(ready) == len(work) and all(k == 1 for _, k in work)
         self._sample(ready + [s for s, _ in spawned],
-                     torch.cat([logits] + [row for _, row in spawned]) if spawned else logits)
+                     torch.cat([logits] + [row for _, row in spawned]) if spawned else logits,
+                     launch_ahead=self.lookahead and ahead_ok and decodes)
         return ready
+
+    def _logits_ahead(self, work: list[tuple[Sequence, int]]) -> torch.Tensor | None:
+        """The logits of ``work`` from the step launched ahead, if it holds every sequence's
+        decode row (the step then needs no forward of its own); else None."""
+        ahead = self._ahead
+        if ahead is None or not work:
+            return None
+        rows = []
+        for s, k in work:
+            i = ahead.index(s)
+            if k != 1 or len(s.pending) != 1 or i is None or s.chain is not ahead.chains[i]:
+                return None
+            rows.append(i)
+        self._ahead = None
+        self.steps_ahead_used += 1
+        # rows of sequences that left the batch meanwhile (aborted) were released with their chains
+        return ahead.logits if rows == list(range(len(ahead.seqs))) else ahead.logits[rows]
+
+    def _launch_ahead(self, seqs: list[Sequence], token_ids: torch.Tensor) -> None:
+        """Launch the next decode step of ``seqs`` from their samples ``token_ids`` (device)."""
+        if any(s.chain.num_rows + 2 >= self.max_model_len for s in seqs):
+            return  # a sequence may end by length on this token: nothing to gain near the limit
+        if all(len(s.output_ids) + 1 >= s.params.max_tokens for s in seqs):
+            return  # this token ends every sequence: the step would only be given back
+        chains = [s.chain for s in seqs]
+        try:
+            logits = self.runner.decode_from_device(chains, token_ids)
+        except OutOfPagesError:  # the chains are unchanged; the next step schedules as usual
+            return
+        self._ahead = _StepAhead(list(seqs), chains, logits)
 
     def _spawn_siblings(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, torch.Tensor]]:
         out = []
@@ -113,7 +207,7 @@ class Generator:
                     out.append((sib, logits[row : row + 1]))
         return out
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, *, launch_ahead: bool = False) -> None:
         out = self.sampler(
             logits,
             [s.params for s in seqs],
@@ -121,18 +215,31 @@ class Generator:
             output_token_ids=[s.output_ids for s in seqs],
             generators=[s.generator for s in seqs],
         )
+        if launch_ahead:
+            self._launch_ahead(seqs, out.token_ids)
         tokens = out.token_ids.tolist()  # one transfer for the batch, not one per row
+        ahead = self._ahead
         chosen = out.logprobs.tolist() if any(s.params.logprobs is not None for s in seqs) else None
         for row, s in enumerate(seqs):
             token = tokens[row]
             s.output_ids.append(token)
             if chosen is not None and s.params.logprobs is not None:
                 s.logprobs.append(TokenLogprob(token, chosen[row], out.top_logprobs[row]))
-            self._check_finish(s, token)
+            held = ahead is not None and ahead.live(s)
+            self._check_finish(s, token, rows_ahead=int(held))
             if s.finish_reason is None:
                 s.pending = [token]
+                if held:  # the row launched ahead holds this token
+                    s.chain.set_last_token_id(token)
+            elif held:  # the sequence ended: its row ahead is not needed
+                s.chain.trim(1)
+                ahead.chains[ahead.index(s)] = None
+        if ahead is not None and all(c is None for c in ahead.chains):
+            self._ahead = None  # every sequence of the batch ended
 
-    def _check_finish(self, s: Sequence, token: int) -> None:
+    def _check_finish(self, s: Sequence, token: int, *, rows_ahead: int = 0) -> None:
+        """Set ``s``'s finish reason if ``token`` ends it; ``rows_ahead``: rows its chain already
+        holds for tokens after the history (a step launched ahead), left out of the length check."""
         p = s.params
         is_eos = token in self.tokenizer.eos_token_ids and not p.ignore_eos
         if is_eos or token in p.stop_token_ids:
@@ -145,6 +252,6 @@ class Generator:
             s.finish_reason, s.stop_reason = "stop", s.detok.stop_string
             return
         # the sampled token still needs a row: stop when the model length is reached
-        if len(s.output_ids) >= p.max_tokens or s.chain.num_rows + 1 >= self.max_model_len:
+        if len(s.output_ids) >= p.max_tokens or s.chain.num_rows - rows_ahead + 1 >= self.max_model_len:
             s.finish_reason = "length"
             s.detok.finish()

@@ -99,9 +99,11 @@ class DecodeGraphs:
         self._buckets.clear()
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], plan: AttentionPlan,
-            mla_mode: str, *, arrays: dict | None = None) -> torch.Tensor | None:
+            mla_mode: str, *, arrays: dict | None = None, device_ids: torch.Tensor | None = None
+            ) -> torch.Tensor | None:
         """``(n, vocab)`` float32 logits of a decode step, or None when it does not fit a graph.
-        ``arrays``: the plan already flattened (``flatten_plan``), if it was."""
+        ``arrays``: the plan already flattened (``flatten_plan``), if it was. ``device_ids``: the
+        token ids as an ``(n,)`` device tensor (copied on the device; ``ids`` are then ignored)."""
         n = len(ids)
         size, wide, few = self._bucket_key(n, plan)
         if size is None or mla_mode == "naive":  # naive MLA decompresses pieces through the reference
@@ -125,6 +127,8 @@ class DecodeGraphs:
         if pad:
             rows[0, n:], rows[1, n:], rows[2, n:] = 0, 0, self._scratch_slot
         bucket.inputs.copy_(bucket.staging, non_blocking=True)
+        if device_ids is not None:  # the previous step's samples, never seen by the host
+            bucket.inputs[0, :n].copy_(device_ids)
         if self.device.type == "cuda":
             bucket.copied = torch.cuda.Event()
             bucket.copied.record()

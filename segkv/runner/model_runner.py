@@ -19,6 +19,8 @@ from segkv.cache.kv_cache import PagedKVCache
 from segkv.cache.page_pool import OutOfPagesError
 
 MLA_MODES = ("auto", "absorbed", "naive")
+# token id recorded for a row whose token is still on the device (``decode_from_device``)
+PENDING_TOKEN = -1
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -120,7 +122,22 @@ class ModelRunner:
             raise
         return torch.stack(logits)
 
-    def _step(self, chains: list[KVChain], chunks: list[list[int]], *, all_rows: bool = False) -> torch.Tensor:
+    @torch.inference_mode()
+    def decode_from_device(self, chains: list[KVChain], token_ids: torch.Tensor) -> torch.Tensor:
+        """A decode step whose input tokens are still on the device: ``token_ids (B,)`` int64, one
+        per chain (the previous step's samples, not yet read by the host). Launches the step
+        without waiting for them and returns ``(B, vocab)`` float32 logits (not yet computed).
+        Each chain gets its row with the placeholder token id :data:`PENDING_TOKEN`; the caller
+        sets the real id (``KVChain.set_last_token_id``) once it has it, or trims the row.
+        On failure (e.g. :class:`OutOfPagesError`) every chain is left as it was."""
+        if token_ids.shape != (len(chains),):
+            raise ValueError(f"token_ids must have shape ({len(chains)},), got {tuple(token_ids.shape)}")
+        return self._step(chains, [[PENDING_TOKEN]] * len(chains), device_ids=token_ids)
+
+    def _step(self, chains: list[KVChain], chunks: list[list[int]], *, all_rows: bool = False,
+              device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward over ``chunks`` appended to ``chains``. ``device_ids``: the chunks' token
+        ids as a device tensor (decode steps; ``chunks`` then hold placeholders)."""
         slots: list[int] = []
         positions: list[int] = []
         appended: list[tuple[KVChain, int]] = []
@@ -141,13 +158,14 @@ class ModelRunner:
                 plan, arrays = self._plan(queries, mla_mode), None
             logits = None
             if self.graphs is not None and not all_rows and all(len(t) == 1 for t in chunks):
-                logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode, arrays=arrays)
+                logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode, arrays=arrays,
+                                         device_ids=device_ids)
                 if logits is not None:  # the replay runs on the GPU: plan the likely next step meanwhile
                     self._ahead = self._plan_ahead(chains, mla_mode)
                     if self._ahead is not None:  # and queue its index copies behind this replay
                         self.graphs.stage_ahead(self._ahead.plan, len(chains), self._ahead.arrays)
             if logits is None:  # eager: no graph, a prefill chunk, or a step no graph holds
-                logits = self._eager_logits(chunks, positions, slots, plan, mla_mode, all_rows)
+                logits = self._eager_logits(chunks, positions, slots, plan, mla_mode, all_rows, device_ids)
         except BaseException:
             for chain, n in appended:
                 chain.trim(n)
@@ -185,7 +203,7 @@ class ModelRunner:
         return _PlanAhead(queries, mla_mode, self.device_spec, self.route, plan, flatten_plan(plan))
 
     def _eager_logits(self, chunks: list[list[int]], positions: list[int], slots: list[int], plan: AttentionPlan,
-                      mla_mode: str, all_rows: bool) -> torch.Tensor:
+                      mla_mode: str, all_rows: bool, device_ids: torch.Tensor | None = None) -> torch.Tensor:
         meta = AttentionMetadata(
             backend=self.backend,
             prepared=self.backend.prepare(plan),
@@ -193,7 +211,10 @@ class ModelRunner:
             slots=torch.tensor(slots, dtype=torch.long, device=self.device),
             mla_mode=mla_mode,
         )
-        ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self.device)
+        if device_ids is not None:
+            ids = device_ids.to(device=self.device, dtype=torch.long)
+        else:
+            ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, meta)
         if all_rows:
@@ -264,4 +285,4 @@ def _last_rows(chunks: list[list[int]]) -> list[int]:
     return out
 
 
-__all__ = ["ModelRunner", "StepInput", "OutOfPagesError"]
+__all__ = ["ModelRunner", "StepInput", "OutOfPagesError", "PENDING_TOKEN"]
