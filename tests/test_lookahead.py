@@ -181,3 +181,18 @@ def test_the_step_ahead_reads_device_tokens(model_dir):
         runner.decode_from_device(forks, torch.tensor([1, 2, 3]))
     for c in chains + forks:
         c.release()
+
+
+def test_rows_and_lists_reach_the_device_unchanged(gen):
+    """The transfers the decode loop uses instead of synchronising ones give the same tensors."""
+    from segkv.layers.transfer import select_rows, to_device
+
+    x = torch.randn(6, 5, generator=gen)
+    assert select_rows(x, range(6)) is x
+    for rows in ([2, 3, 4], [5, 0, 3], [1], []):
+        torch.testing.assert_close(select_rows(x, rows), x[list(rows)], rtol=0, atol=0)
+    assert select_rows(x, [2, 3]).data_ptr() == x[2].data_ptr()  # consecutive rows: a view
+    device = "cuda" if GPU else "cpu"
+    got = to_device([[1, 2], [3, 4]], torch.int32, device)
+    assert got.dtype == torch.int32 and got.device.type == device and got.tolist() == [[1, 2], [3, 4]]
+    assert to_device([True, False], torch.bool, device).tolist() == [True, False]

@@ -191,7 +191,11 @@ class TritonBackend:
             # fields at plan-dependent offsets made new variants compile (seconds) as plans changed
             sizes = {name: len(arrays[name]) for name in _FIELDS}
             host = np.concatenate([np.pad(arrays[name], (0, -sizes[name] % _ALIGN_INT32)) for name in _FIELDS])
-            device_buffer = torch.from_numpy(host).to(self.device)
+            device_buffer = torch.from_numpy(host)
+            if self.device.type == "cuda":  # page-locked and queued: no wait for the kernels ahead of it
+                device_buffer = device_buffer.pin_memory().to(self.device, non_blocking=True)
+            else:
+                device_buffer = device_buffer.to(self.device)
             return TritonPreparedPlan(plan, self._views(device_buffer, sizes, _ALIGN_INT32), plan.num_partials,
                                       max_work_rows, needs_merge,
                                       merge_in_stage1=needs_merge and merges_in_stage1(max_work_rows,

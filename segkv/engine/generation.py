@@ -12,6 +12,7 @@ from segkv.engine.detokenizer import IncrementalDetokenizer
 from segkv.engine.tokenizer import Tokenizer
 from segkv.kernels.settings import env_int
 from segkv.layers.sampler import Sampler, make_generator
+from segkv.layers.transfer import select_rows
 from segkv.outputs import CompletionOutput, TokenLogprob
 from segkv.runner.model_runner import ModelRunner, StepInput
 from segkv.sampling_params import SamplingParams
@@ -157,7 +158,7 @@ class Generator:
                 rows.append(row)
         if not ready:
             return []
-        logits = logits[rows]
+        logits = select_rows(logits, rows)  # no stream synchronisation: the step may still be running
         spawned = self._spawn_siblings(ready, logits)
         # the next decode step may start before the host reads this one's tokens: only for plain
         # decodes (every sequence of the step sampled one token, none new), else it could not serve
@@ -182,7 +183,7 @@ class Generator:
         self._ahead = None
         self.steps_ahead_used += 1
         # rows of sequences that left the batch meanwhile (aborted) were released with their chains
-        return ahead.logits if rows == list(range(len(ahead.seqs))) else ahead.logits[rows]
+        return select_rows(ahead.logits, rows)
 
     def _launch_ahead(self, seqs: list[Sequence], token_ids: torch.Tensor) -> None:
         """Launch the next decode step of ``seqs`` from their samples ``token_ids`` (device)."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from segkv.layers.transfer import to_device
 from segkv.sampling_params import SamplingParams
 
 LOGPROBS_MODES = ("raw", "processed")
@@ -56,7 +57,7 @@ def token_counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.d
     if ids.min() < 0 or ids.max() >= vocab_size:
         low, high = ids.min().item(), ids.max().item()
         raise ValueError(f"token ids must be in [0, {vocab_size}), got ids from {low} to {high}")
-    return counts.scatter_add_(1, ids.to(device), real.to(device))
+    return counts.scatter_add_(1, to_device(ids, torch.int64, device), to_device(real, torch.int32, device))
 
 
 def apply_penalties(
@@ -78,13 +79,13 @@ def apply_penalties(
     outputs = token_counts([o if use else () for o, use in zip(output_token_ids, rows)], vocab, device)
     seen = outputs > 0
     if any(p.repetition_penalty != 1.0 for p in params):
-        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        penalty = to_device([p.repetition_penalty for p in params], torch.float32, device)[:, None]
         prompts = [t if p.repetition_penalty != 1.0 else () for t, p in zip(prompt_token_ids, params)]
         repeated = seen | (token_counts(prompts, vocab, device) > 0)
         scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(repeated, scaled, logits)
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    frequency = to_device([p.frequency_penalty for p in params], torch.float32, device)[:, None]
+    presence = to_device([p.presence_penalty for p in params], torch.float32, device)[:, None]
     return logits - frequency * outputs - presence * seen
 
 
@@ -180,7 +181,7 @@ class Sampler(torch.nn.Module):
         if not all(greedy):
             final = self._sample_distribution(penalised, params, greedy)
             sampled = final.softmax(dim=-1).div_(self._race_noise(final, gens, greedy)).argmax(dim=-1)
-            token_ids = torch.where(torch.tensor(greedy, device=logits.device), token_ids, sampled)
+            token_ids = torch.where(to_device(greedy, torch.bool, logits.device), token_ids, sampled)
         return self._logprobs(raw if self.logprobs_mode == "raw" else final, token_ids, params)
 
     @staticmethod
@@ -191,13 +192,13 @@ class Sampler(torch.nn.Module):
         device = penalised.device
         active = [p for p, g in zip(params, greedy) if not g]
         temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-        scaled = penalised / torch.tensor(temperature, device=device)[:, None]
+        scaled = penalised / to_device(temperature, torch.float32, device)[:, None]
 
         def column(name, off, dtype):
             if all(getattr(p, name) == off for p in active):
                 return None
             values = [off if g else getattr(p, name) for p, g in zip(params, greedy)]
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, device)
 
         scaled = apply_filters(
             scaled,
@@ -205,7 +206,7 @@ class Sampler(torch.nn.Module):
             top_p=column("top_p", 1.0, torch.float32),
             min_p=column("min_p", 0.0, torch.float32),
         )
-        keep_greedy = torch.tensor(greedy, device=device)[:, None]
+        keep_greedy = to_device(greedy, torch.bool, device)[:, None]
         return torch.where(keep_greedy, penalised, scaled)
 
     @staticmethod

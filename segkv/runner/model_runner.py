@@ -17,6 +17,7 @@ from segkv.attention.triton_backend import flatten_plan
 from segkv.cache.chain import KVChain
 from segkv.cache.kv_cache import PagedKVCache
 from segkv.cache.page_pool import OutOfPagesError
+from segkv.layers.transfer import to_device
 
 MLA_MODES = ("auto", "absorbed", "naive")
 # token id recorded for a row whose token is still on the device (``decode_from_device``)
@@ -208,18 +209,18 @@ class ModelRunner:
             backend=self.backend,
             prepared=self.backend.prepare(plan),
             storage=self.cache.storage,
-            slots=torch.tensor(slots, dtype=torch.long, device=self.device),
+            slots=to_device(slots, torch.long, self.device),
             mla_mode=mla_mode,
         )
         if device_ids is not None:
             ids = device_ids.to(device=self.device, dtype=torch.long)
         else:
-            ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+            ids = to_device([t for chunk in chunks for t in chunk], torch.long, self.device)
+        pos = to_device(positions, torch.long, self.device)
         hidden = self.model(ids, pos, meta)
         if all_rows:
             return self.model.compute_logits(hidden)
-        last = torch.tensor(_last_rows(chunks), dtype=torch.long, device=self.device)
+        last = to_device(_last_rows(chunks), torch.long, self.device)
         return self.model.compute_logits(hidden[last])
 
     def _make_graphs(self, mode: bool | str, max_model_len: int):
