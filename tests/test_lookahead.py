@@ -185,7 +185,7 @@ def test_the_step_ahead_reads_device_tokens(model_dir):
 
 def test_rows_and_lists_reach_the_device_unchanged(gen):
     """The transfers the decode loop uses instead of synchronising ones give the same tensors."""
-    from segkv.layers.transfer import select_rows, to_device
+    from segkv.layers.transfer import HostCopy, select_rows, to_device
 
     x = torch.randn(6, 5, generator=gen)
     assert select_rows(x, range(6)) is x
@@ -196,3 +196,7 @@ def test_rows_and_lists_reach_the_device_unchanged(gen):
     got = to_device([[1, 2], [3, 4]], torch.int32, device)
     assert got.dtype == torch.int32 and got.device.type == device and got.tolist() == [[1, 2], [3, 4]]
     assert to_device([True, False], torch.bool, device).tolist() == [True, False]
+    values = torch.randint(0, 1000, (7,), generator=gen).to(device)
+    copy = HostCopy(values)
+    values.add_(1)  # queued after the copy: the copy holds the values it was given
+    assert copy.tolist() == (values - 1).tolist()

@@ -12,7 +12,7 @@ from segkv.engine.detokenizer import IncrementalDetokenizer
 from segkv.engine.tokenizer import Tokenizer
 from segkv.kernels.settings import env_int
 from segkv.layers.sampler import Sampler, make_generator
-from segkv.layers.transfer import select_rows
+from segkv.layers.transfer import HostCopy, select_rows
 from segkv.outputs import CompletionOutput, TokenLogprob
 from segkv.runner.model_runner import ModelRunner, StepInput
 from segkv.sampling_params import SamplingParams
@@ -216,11 +216,15 @@ class Generator:
             output_token_ids=[s.output_ids for s in seqs],
             generators=[s.generator for s in seqs],
         )
+        # one transfer for the batch, queued before the step launched ahead so reading it waits
+        # for this step's samples only
+        token_copy = HostCopy(out.token_ids)
+        logprob_copy = HostCopy(out.logprobs) if any(s.params.logprobs is not None for s in seqs) else None
         if launch_ahead:
             self._launch_ahead(seqs, out.token_ids)
-        tokens = out.token_ids.tolist()  # one transfer for the batch, not one per row
+        tokens = token_copy.tolist()
         ahead = self._ahead
-        chosen = out.logprobs.tolist() if any(s.params.logprobs is not None for s in seqs) else None
+        chosen = logprob_copy.tolist() if logprob_copy is not None else None
         for row, s in enumerate(seqs):
             token = tokens[row]
             s.output_ids.append(token)

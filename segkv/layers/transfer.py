@@ -33,3 +33,23 @@ def select_rows(tensor: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     if rows and rows == list(range(rows[0], rows[0] + len(rows))):
         return tensor[rows[0]:rows[0] + len(rows)]
     return tensor.index_select(0, to_device(rows, torch.long, tensor.device))
+
+
+class HostCopy:
+    """A device tensor's values on their way to the host, queued now, read later with
+    :meth:`tolist`, which waits for this copy only (``tensor.tolist()`` waits for every kernel
+    queued on the stream, including ones launched after the values were ready)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cuda":
+            self._host, self._ready = tensor.detach().clone(), None
+            return
+        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self._host.copy_(tensor, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def tolist(self) -> list:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
