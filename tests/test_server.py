@@ -25,6 +25,7 @@ def server(tmp_path_factory):
     directory = tmp_path_factory.mktemp("server-model")
     build_model_dir(directory, "qwen3")
     llm = LLM(directory, page_size=8, num_pages=600)
+    llm.generator.lookahead = True  # as on a GPU: decode steps launched before the tokens are read
     engine = AsyncEngine(llm)
     app = create_app(engine, model_name=MODEL)
     with live_server(app) as base:
@@ -136,8 +137,12 @@ def test_models_health_and_metrics(server, client):
                  "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total",
                  "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                 "segkv:bytes_copied_total", "segkv:pages_in_use", 'segkv:route_steps_total{route="'):
+                 "segkv:bytes_copied_total", "segkv:pages_in_use", 'segkv:route_steps_total{route="',
+                 'segkv:decode_steps_ahead_total{model_name="'):
         assert name in body, name
+    used = [line for line in body.splitlines()
+            if line.startswith("segkv:decode_steps_ahead_total") and 'outcome="used"' in line]
+    assert used and float(used[0].rsplit(" ", 1)[1]) > 0
     assert metric(base, "vllm:generation_tokens_total") >= 8
     assert metric(base, "vllm:e2e_request_latency_seconds_count") >= 1
     assert 0 < metric(base, "vllm:kv_cache_usage_perc") <= 1

@@ -235,4 +235,6 @@ class EngineCore:
     def stats(self) -> dict[str, object]:
         return {**self.pool.stats(), "running": len(self.running), "waiting": len(self.waiting),
                 "preemptions": self.num_preemptions, "prefix": self.prefix.stats(),
+                "steps_ahead": {"used": self.llm.generator.steps_ahead_used,
+                                "cancelled": self.llm.generator.steps_ahead_cancelled},
                 "routes": dict(self.llm.runner.route_counts)}
