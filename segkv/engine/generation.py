@@ -68,9 +68,11 @@ class _StepAhead:
     chains: list[KVChain | None]  # None once the sequence's row was given back
     logits: torch.Tensor
     rows: dict[int, int] = field(default_factory=dict)  # id(sequence) -> its row
+    lengths: list[int] = field(default_factory=list)  # each chain's rows with the step's row
 
     def __post_init__(self) -> None:
         self.rows = {id(s): i for i, s in enumerate(self.seqs)}
+        self.lengths = [c.num_rows for c in self.chains]
 
     def live(self, seq: Sequence) -> bool:
         """Whether ``seq`` still holds its row of this step (same chain, not given back)."""
@@ -118,8 +120,9 @@ class Generator:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
-        for seq, chain in zip(ahead.seqs, ahead.chains):
-            if seq.chain is chain and chain.num_rows:
+        for seq, chain, rows in zip(ahead.seqs, ahead.chains, ahead.lengths):
+            # only a chain still as the step left it: a released one (abort, preemption) has no row
+            if seq.chain is chain and chain.num_rows == rows:
                 chain.trim(1)
         self.steps_ahead_cancelled += 1
 
