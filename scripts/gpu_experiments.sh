@@ -1,27 +1,18 @@
 #!/usr/bin/env bash
-# Open questions, measured in one go on the GPU machine (about 6 minutes); results under
-# $OUT/experiments.txt. Defaults change only after a measurement.
-#   1. Kernel, graph, engine and step-ahead tests on the GPU (eager plans now reach the device
-#      through page-locked copies; steps launched ahead are on by default there).
-#   2. Follow-up turns and forks with steps launched ahead (segkv only).
+# Open questions, measured in one go on the GPU machine (about 5 minutes); results under
+# $OUT/experiments.txt and $OUT/decode_attention.json. Defaults change only after a measurement.
+#   1. The acceptance grid of GQA decode attention at page 32 (batch 1 / 4 / 16, 16K-128K, both
+#      shapes, the cascade), with the planner's own plan over an 8-segment history
+#      ("auto_segments8", what the engine runs) beside the forced segments route.
 # Results of earlier runs: docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/segkv-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
 log="$OUT/experiments.txt"
 : > "$log"
-
-echo "== GPU tests" | tee -a "$log"
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_lookahead.py tests/test_cuda_graphs.py \
-  tests/test_gpu_engine.py tests/test_triton_attention.py tests/test_triton_mla.py \
-  -k "lookahead or graph or engine or stage1 or mixed or masked or many_partials or rows" 2>&1 | tail -3 | tee -a "$log"
-
-echo "== follow-up turns and forks, segkv" | tee -a "$log"
-timeout 300 python3 -m segkv.bench.turns --first-turns 20000,50000 --runs 1 --skip-hf --fork-history 50000 \
-  --json "$OUT/turns.json" 2>&1 | grep -vE "^\s*$|Warning|warn" | tail -40 | tee -a "$log"
+echo "== the acceptance grid, page 32" | tee -a "$log"
+timeout 330 python3 -m segkv.bench.decode_attention --trials 3 --shapes llama3-8b,llama3-70b --page-sizes 32 \
+  --batches 1,4,16 --contexts 16384,32768,65536,131072 --json "$OUT/decode_attention.json" 2>&1 \
+  | grep -E "^\[|^cascade|^device" | sed -E 's/ sdpa_efficient=[^ ]+//' | tee -a "$log"

@@ -267,3 +267,27 @@ def test_cuda_settings_from_the_environment_are_checked(monkeypatch):
     monkeypatch.setenv("SEGKV_CUDA_MIN_PARTITION_ROWS", "lots")
     with pytest.raises(ValueError, match="SEGKV_CUDA_MIN_PARTITION_ROWS must be an integer"):
         env_int("SEGKV_CUDA_MIN_PARTITION_ROWS", 64)
+
+
+@pytest.mark.parametrize("batch,context", [(1, 32768), (4, 16384), (16, 16384), (16, 131072)])
+def test_automatic_plan_of_a_segmented_history_is_the_contiguous_one(batch, context):
+    """A history sealed into 8 segments (page-aligned, as the engine seals turns) is planned
+    exactly as the same pages in one piece: the same pieces, work and merge, so the same kernel
+    launches over the same bytes. (Only a forced ``segments`` route keeps the cuts.)"""
+    from segkv.attention.triton_backend import flatten_plan
+
+    whole = [seq(context) for _ in range(batch)]
+    cut = []
+    for n, query in enumerate(whole):
+        (only,) = query.spans
+        pages, bounds = only.page_ids, [round(i * len(only.page_ids) / 8) for i in range(9)]
+        spans = tuple(ChainSpan(10_000 + 8 * n + i, pages[bounds[i]:bounds[i + 1]],
+                                (bounds[i + 1] - bounds[i]) * PS, bounds[i] * PS, True) for i in range(8))
+        cut.append(SequenceQuery(spans, 1))
+    auto_whole = plan_attention(whole, GQA, H200_LIKE, page_size=PS)
+    auto_cut = plan_attention(cut, GQA, H200_LIKE, page_size=PS)
+    a, b = flatten_plan(auto_whole), flatten_plan(auto_cut)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    assert auto_cut.route == auto_whole.route
+    forced = plan_attention(cut, GQA, H200_LIKE, page_size=PS, route="segments")
+    assert min(len(p.page_ids) for p in forced.pieces) <= len(whole[0].spans[0].page_ids) // 8 + 1
