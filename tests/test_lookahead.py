@@ -115,9 +115,9 @@ def _step_until_ahead(core: EngineCore) -> None:
 
 
 def test_engine_with_arrivals_and_aborts(model_dir):
-    """Continuous batching: requests arriving while a step runs ahead cancel it (the step that
-    admits them runs normally), an abort leaves the others served by the step ahead; every output
-    equals the request run alone."""
+    """Continuous batching: requests arriving while a step runs ahead are prefilled beside it (its
+    decode rows are used), an abort leaves the others served by it; every output equals the
+    request run alone."""
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     plain = _llm(model_dir, False)
     batch = _prompts(plain, 10)
@@ -129,8 +129,10 @@ def test_engine_with_arrivals_and_aborts(model_dir):
     doomed = core.add_request(batch[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     _step_until_ahead(core)
     requests += [core.add_request(p, params) for p in batch[6:]]
+    used = gen.steps_ahead_used
     core.step()
-    assert gen.steps_ahead_cancelled == 1  # the arrivals' prefill step could not use it
+    # the running decodes came from the step ahead; the arrivals' prefill ran a forward of its own
+    assert gen.steps_ahead_used == used + 1 and gen.steps_ahead_cancelled == 0
     _step_until_ahead(core)
     used = gen.steps_ahead_used
     assert core.abort(doomed.request_id)
@@ -155,9 +157,12 @@ def test_engine_preempting_sequences_that_hold_rows_ahead(model_dir):
     held = [s for s in core.running if small.generator.rows_ahead(s)]
     assert held
     core._preempt(held[-1])  # what the scheduler does when pages run out
+    used = small.generator.steps_ahead_used
+    core.step()
+    assert small.generator.steps_ahead_used == used + 1  # the others' rows were still used
     _finish(core)
     assert [r.output().outputs[0].token_ids for r in requests] == alone
-    assert core.num_preemptions > 1 and small.generator.steps_ahead_cancelled > 0
+    assert core.num_preemptions > 1
 
 
 def test_the_step_ahead_reads_device_tokens(model_dir):
@@ -200,3 +205,28 @@ def test_rows_and_lists_reach_the_device_unchanged(gen):
     copy = HostCopy(values)
     values.add_(1)  # queued after the copy: the copy holds the values it was given
     assert copy.tolist() == (values - 1).tolist()
+
+
+def test_a_failed_step_gives_back_the_rows_it_took(model_dir, monkeypatch):
+    """A step that takes decode rows from the step ahead and fails in its own forward (a new
+    sequence's prefill) leaves every chain as before the step; generation then goes on unchanged."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain, ahead = _llm(model_dir, False), _llm(model_dir, True)
+    p1, p2 = _prompts(plain, 2)
+    want = _run(plain, [p1, p2], [params, params])
+    gen = ahead.generator
+    a = gen.new_sequence(0, ahead.cache.new_chain(), p1, p1, params)
+    gen.step([(a, len(a.pending))])  # prefill
+    gen.step([(a, 1)])  # a decode: launches the next one ahead
+    assert gen.rows_ahead(a) == 1
+    rows, pending = a.chain.num_rows, list(a.pending)
+    b = gen.new_sequence(0, ahead.cache.new_chain(), p2, p2, params)
+    with monkeypatch.context() as m:
+        m.setattr(ahead.runner, "forward", lambda inputs: (_ for _ in ()).throw(RuntimeError("no pages")))
+        with pytest.raises(RuntimeError, match="no pages"):
+            gen.step([(a, 1), (b, len(b.pending))])
+    assert a.chain.num_rows == rows - 1 and a.pending == pending and b.chain.num_rows == 0
+    gen.run([a, b])
+    assert [(s.output_ids, s.finish_reason) for s in (a, b)] == [(w[0], w[1]) for w in want]
+    for s in (a, b):
+        s.chain.release()

@@ -77,7 +77,13 @@ class _StepAhead:
     def live(self, seq: Sequence) -> bool:
         """Whether ``seq`` still holds its row of this step (same chain, not given back)."""
         i = self.index(seq)
-        return i is not None and seq.chain is self.chains[i]
+        return i is not None and self.holds(i)
+
+    def holds(self, i: int) -> bool:
+        """Whether sequence ``i``'s chain is still as this step left it (same object, same rows):
+        not given back, not released (abort), not replaced (preemption)."""
+        chain = self.chains[i]
+        return chain is not None and self.seqs[i].chain is chain and chain.num_rows == self.lengths[i]
 
     def index(self, seq: Sequence) -> int | None:
         i = self.rows.get(id(seq))
@@ -91,9 +97,10 @@ class Generator:
     before the host reads them, the next decode step of the same sequences is launched with those
     samples as its input tokens, so the host's work between steps (reading the tokens, stop
     checks, detokenising, scheduling) overlaps the GPU instead of idling it. A sequence that ends
-    on the token just read gives its extra row back (trimmed); a next step that is not exactly
-    a subset of those decodes (a new request, a prefill, a preempted sequence) cancels the rows
-    ahead and runs normally. Outputs are the same either way.
+    on the token just read gives its extra row back (trimmed). The next step takes the decode rows
+    it holds; what else that step has (a new request's prefill) runs a forward of its own, and
+    rows no work item takes (aborted or preempted sequences) are given back. Outputs are the same
+    either way.
     """
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_model_len: int,
@@ -113,18 +120,6 @@ class Generator:
         """Rows ``seq``'s chain already holds for its pending tokens (1 when the decode step that
         consumes them was launched ahead, else 0): the scheduler's page count leaves them out."""
         return int(self._ahead is not None and self._ahead.live(seq))
-
-    def cancel_ahead(self) -> None:
-        """Give back the rows of a step launched ahead (its results are dropped; the GPU's writes
-        to those slots are ordered before any later use of them)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return
-        for seq, chain, rows in zip(ahead.seqs, ahead.chains, ahead.lengths):
-            # only a chain still as the step left it: a released one (abort, preemption) has no row
-            if seq.chain is chain and chain.num_rows == rows:
-                chain.trim(1)
-        self.steps_ahead_cancelled += 1
 
     def new_sequence(self, index: int, chain: KVChain, history: list[int], new_ids: list[int],
                      params: SamplingParams) -> Sequence:
@@ -149,10 +144,7 @@ class Generator:
         siblings: forks of its chain that sample from the same logits, so the prompt is
         computed and stored once. Returns the sequences that sampled (siblings excluded).
         """
-        logits = self._logits_ahead(work)
-        if logits is None:
-            self.cancel_ahead()
-            logits = self.runner.forward([StepInput(s.chain, s.pending[:k]) for s, k in work])
+        logits = self._forward(work)
         ready, rows = [], []
         for row, (s, k) in enumerate(work):
             s.pending = s.pending[k:]
@@ -171,22 +163,48 @@ class Generator:
                      launch_ahead=self.lookahead and ahead_ok and decodes)
         return ready
 
-    def _logits_ahead(self, work: list[tuple[Sequence, int]]) -> torch.Tensor | None:
-        """The logits of ``work`` from the step launched ahead, if it holds every sequence's
-        decode row (the step then needs no forward of its own); else None."""
-        ahead = self._ahead
-        if ahead is None or not work:
-            return None
-        rows = []
-        for s, k in work:
+    def _forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """``(len(work), vocab)`` logits of the step: the decode rows a step launched ahead holds
+        are taken from it, the rest (prefills, new sequences) run a forward of their own."""
+        served, ahead_logits = self._take_ahead(work)
+        if len(served) == len(work):
+            return ahead_logits
+        taken = set(served)
+        rest = [i for i in range(len(work)) if i not in taken]
+        try:
+            rest_logits = self.runner.forward([StepInput(work[i][0].chain, work[i][0].pending[:work[i][1]])
+                                               for i in rest])
+        except BaseException:  # the step did not happen: the rows taken from the step ahead go too
+            for i in served:
+                work[i][0].chain.trim(1)
+            raise
+        if not served:
+            return rest_logits
+        where = {i: n for n, i in enumerate(served)} | {i: len(served) + n for n, i in enumerate(rest)}
+        return select_rows(torch.cat([ahead_logits, rest_logits]), [where[i] for i in range(len(work))])
+
+    def _take_ahead(self, work: list[tuple[Sequence, int]]) -> tuple[list[int], torch.Tensor | None]:
+        """The positions of ``work`` whose decode row the step launched ahead holds, and their
+        logits in that order. Rows of that step no work item takes (the sequence was aborted,
+        preempted or left out) are given back."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return [], None
+        served, rows = [], []
+        for pos, (s, k) in enumerate(work):
             i = ahead.index(s)
-            if k != 1 or len(s.pending) != 1 or i is None or s.chain is not ahead.chains[i]:
-                return None
-            rows.append(i)
-        self._ahead = None
-        self.steps_ahead_used += 1
-        # rows of sequences that left the batch meanwhile (aborted) were released with their chains
-        return select_rows(ahead.logits, rows)
+            if i is not None and k == 1 and len(s.pending) == 1 and ahead.holds(i):
+                served.append(pos)
+                rows.append(i)
+        taken = set(rows)
+        for i, seq in enumerate(ahead.seqs):
+            if i not in taken and ahead.holds(i):
+                seq.chain.trim(1)
+        if served:
+            self.steps_ahead_used += 1
+        else:
+            self.steps_ahead_cancelled += 1
+        return served, (select_rows(ahead.logits, rows) if rows else None)
 
     def _launch_ahead(self, seqs: list[Sequence], token_ids: torch.Tensor) -> None:
         """Launch the next decode step of ``seqs`` from their samples ``token_ids`` (device)."""
