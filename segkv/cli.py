@@ -16,7 +16,8 @@ CHAT_HELP = """commands:
   /help, /quit"""
 
 CUDA_GRAPHS = {"off": False, "auto": "auto", "on": True}
-CUDA_GRAPHS_HELP = "replay decode steps from CUDA graphs: off, auto (where available), on (error if not)"
+CUDA_GRAPHS_HELP = ("replay decode steps from CUDA graphs: off, auto (the default: on a CUDA device with the "
+                    "Triton backend), on (error if not available)")
 PAGE_SIZE_HELP = "rows per KV cache page (default: 32 on CUDA, 16 elsewhere)"
 MODEL_HELP = "Hugging Face model directory, or a built-in model: 'default' (GQA) or 'default-mla' (MLA)"
 
@@ -29,7 +30,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--route", default=None, choices=["single", "split", "segments", "cascade"],
                         help="force an attention route (default: the planner decides)")
-    parser.add_argument("--cuda-graphs", default="off", choices=list(CUDA_GRAPHS), help=CUDA_GRAPHS_HELP)
+    parser.add_argument("--cuda-graphs", default="auto", choices=list(CUDA_GRAPHS), help=CUDA_GRAPHS_HELP)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-memory", type=float, default=1.0,
                        help="KV cache budget in GiB (pages = budget / page bytes)")
     serve.add_argument("--route", default=None, choices=["single", "split", "segments", "cascade"])
-    serve.add_argument("--cuda-graphs", default="off", choices=list(CUDA_GRAPHS), help=CUDA_GRAPHS_HELP)
+    serve.add_argument("--cuda-graphs", default="auto", choices=list(CUDA_GRAPHS), help=CUDA_GRAPHS_HELP)
     return parser
 
 

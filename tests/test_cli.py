@@ -53,3 +53,15 @@ def test_chat_commands(model_dir, tmp_path):
     assert f"saved to {path}" in text and "loaded into branch 2" in text
     assert "no branch '9'" in text and "unknown command /bogus" in text
     assert path.is_file()
+
+
+def test_cuda_graphs_are_on_where_available_by_default():
+    """Every command asks for CUDA graphs where they work ("auto"): a GPU decodes through them,
+    the CPU runs eagerly (the generate test above passes through that default)."""
+    from segkv.cli import CUDA_GRAPHS, build_parser
+
+    parser = build_parser()
+    for command in (["generate", "--prompt", "x"], ["chat"], ["serve"]):
+        args = parser.parse_args(command)
+        assert args.cuda_graphs == "auto" and CUDA_GRAPHS[args.cuda_graphs] == "auto"
+    assert CUDA_GRAPHS[parser.parse_args(["serve", "--cuda-graphs", "off"]).cuda_graphs] is False
