@@ -1,25 +1,24 @@
 #!/usr/bin/env bash
-# Open questions, measured in one go on the GPU machine (about 2 minutes); results under
+# Open questions, measured in one go on the GPU machine (about 3 minutes); results under
 # $OUT/experiments.txt. Defaults change only after a measurement.
-#   1. Why the 70B shape (8 query heads per KV head) runs batch 16 about 4% slower than the 8B
-#      shape (4 per KV head) over the same bytes: both shapes at today's launch, with a register
-#      cap of 168 (the 8B kernel compiles to 232 registers on Triton 3.6, the 70B one to 168), and
-#      with the KV heads of a piece launched apart (SEGKV_TRITON_HEADS_FASTEST=0), alternating.
+#   1. The engine, graph and step-ahead tests on the GPU (a step now takes the decode rows of the
+#      step launched ahead and prefills new requests in a forward of its own).
+#   2. Whole-model decode at batch 1 and 32 (1K), steps ahead against step by step.
 # Results of earlier runs: docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/segkv-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 log="$OUT/experiments.txt"
 : > "$log"
-bench() {
-  timeout 100 python3 -m segkv.bench.decode_attention --no-cascade --trials 3 --shapes llama3-8b,llama3-70b \
-    --page-sizes 32 --batches 16 --contexts 16384,65536 2>&1 | grep -E "^\[" \
-    | sed -E 's/ sdpa_efficient=[^ ]+//; s/ segments[0-9]+=[^ ]+//g; s/ single=[^ ]+//; s/ auto_segments8=[^ ]+//' | tee -a "$log"
-}
-for i in 1 2; do
-  echo "== today's launch, run $i" | tee -a "$log"; bench
-  echo "== register cap 168, run $i" | tee -a "$log"; SEGKV_TRITON_MAXNREG=168 bench
-  echo "== KV heads apart, run $i" | tee -a "$log"; SEGKV_TRITON_HEADS_FASTEST=0 bench
-done
+echo "== GPU tests" | tee -a "$log"
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_lookahead.py tests/test_gpu_engine.py \
+  tests/test_cuda_graphs.py tests/test_cli.py 2>&1 | tail -3 | tee -a "$log"
+echo "== whole-model decode" | tee -a "$log"
+timeout 120 python3 -m segkv.bench.decode_e2e --models llama-3.1-8b --batches 1,32 --contexts 1K --skip-hf \
+  --trials 3 2>&1 | grep -E "^\[|rror" | tee -a "$log"
