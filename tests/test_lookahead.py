@@ -32,7 +32,8 @@ def _llm(model_dir, lookahead: bool, **kw) -> LLM:
 
 def _prompts(llm, count: int) -> list[list[int]]:
     words = ["pages", "segments", "forks", "chains", "merge", "split", "plans", "turns"]
-    return [llm.tokenizer.encode(" ".join(words[(i + j) % 8] for j in range(2 + i % 5))) for i in range(count)]
+    return [llm.tokenizer.encode(" ".join(words[(i + j) % 8] for j in range(2 + i % 5)))
+            for i in range(count)]
 
 
 def _outputs(results) -> list[tuple]:

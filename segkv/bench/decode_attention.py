@@ -361,7 +361,8 @@ def markdown_tables(report: dict) -> str:
         plan = r["plans"]["auto"]
         segs = " / ".join(f"{v[f'segments{n}']['median_ms'] / auto['median_ms']:.3f}" for n in (2, 8, 30)
                           if f"segments{n}" in v)
-        auto8 = f"{v['auto_segments8']['median_ms'] / auto['median_ms']:.3f}" if "auto_segments8" in v else "-"
+        auto8 = (f"{v['auto_segments8']['median_ms'] / auto['median_ms']:.3f}" if "auto_segments8" in v
+                 else "-")
         lines.append(
             f"| {r['shape']} | {r['page_size']} | {r['batch']} | {r['context'] // 1024}K | "
             f"{plan['route']} ×{plan['max_partitions']} | {auto['median_ms']:.4f} "

@@ -443,11 +443,13 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
                 tokens, used = _generate(runner, chains, first, steps, lookahead=ahead,
                                          max_model_len=context + steps + 8)
                 _sync(device)
-                (rates if ahead or not lookahead else plain_rates).append(batch * steps / (time.perf_counter() - start))
+                rate = batch * steps / (time.perf_counter() - start)
+                (rates if ahead or not lookahead else plain_rates).append(rate)
                 equal &= tokens == reference
                 ahead_used += used
                 _trim_to(chains, context)
-        out.update(_summary(rates), tokens_equal_eager=equal, lookahead=lookahead, steps_ahead_used=ahead_used)
+        out.update(_summary(rates), tokens_equal_eager=equal, lookahead=lookahead,
+                   steps_ahead_used=ahead_used)
         if plain_rates:
             out["step_by_step"] = _summary(plain_rates)
         if g is not None:
@@ -598,7 +600,8 @@ def case_line(device_name: str, case: dict, elapsed: float) -> str:
     graphs = "on" if s.get("cuda_graphs") else "off"
     plain = s.get("step_by_step")
     if plain:  # the same loop without steps launched ahead, in the same trials
-        seg += f" (step by step {_fmt_rate(plain['tokens_per_s'])} [{_fmt_rate(plain['min'])}-{_fmt_rate(plain['max'])}])"
+        seg += (f" (step by step {_fmt_rate(plain['tokens_per_s'])} "
+                f"[{_fmt_rate(plain['min'])}-{_fmt_rate(plain['max'])}])")
     return (f"[{elapsed:5.0f}s] {device_name} {case['model']} B={case['batch']} ctx={case['context']} "
             f"graphs={graphs} {seg}" + (" | hf " + "; ".join(hf) if hf else ""))
 

@@ -93,10 +93,11 @@ class _StepAhead:
 class Generator:
     """Drives sequences to completion with the runner, the sampler and detokenizers.
 
-    ``lookahead`` (default: on CUDA; ``SEGKV_LOOKAHEAD=0/1`` overrides it): after a decode step's samples are drawn on the device and
-    before the host reads them, the next decode step of the same sequences is launched with those
-    samples as its input tokens, so the host's work between steps (reading the tokens, stop
-    checks, detokenising, scheduling) overlaps the GPU instead of idling it. A sequence that ends
+    ``lookahead`` (default: on CUDA; ``SEGKV_LOOKAHEAD=0/1`` overrides it): after a decode step's
+    samples are drawn on the device and before the host reads them, the next decode step of the
+    same sequences is launched with those samples as its input tokens, so the host's work between
+    steps (reading the tokens, stop checks, detokenising, scheduling) overlaps the GPU instead of
+    idling it. A sequence that ends
     on the token just read gives its extra row back (trimmed). The next step takes the decode rows
     it holds; what else that step has (a new request's prefill) runs a forward of its own, and
     rows no work item takes (aborted or preempted sequences) are given back. Outputs are the same

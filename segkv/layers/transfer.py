@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import torch
 
 
-def to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def to_device(values: Sequence | torch.Tensor, dtype: torch.dtype,
+              device: torch.device | str) -> torch.Tensor:
     """``values`` (a list, nested lists, or a host tensor) as a ``dtype`` tensor on ``device``,
     without synchronising the stream when the device is a GPU."""
     host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)

@@ -159,8 +159,8 @@ class ModelRunner:
                 plan, arrays = self._plan(queries, mla_mode), None
             logits = None
             if self.graphs is not None and not all_rows and all(len(t) == 1 for t in chunks):
-                logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode, arrays=arrays,
-                                         device_ids=device_ids)
+                logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode,
+                                         arrays=arrays, device_ids=device_ids)
                 if logits is not None:  # the replay runs on the GPU: plan the likely next step meanwhile
                     self._ahead = self._plan_ahead(chains, mla_mode)
                     if self._ahead is not None:  # and queue its index copies behind this replay

@@ -60,8 +60,9 @@ class _EngineCollector(Collector):
         yield gauge("segkv:shared_segments", "Cached segments also held by a running sequence or session.",
                     prefix.get("num_shared_nodes", 0))
         yield gauge("segkv:cached_segments", "Sealed segments in the prefix cache.", prefix.get("num_nodes", 0))
-        ahead = CounterMetricFamily("segkv:decode_steps_ahead", "Decode steps launched before the host read the "
-                                    "previous step's tokens: used, or cancelled (the next step differed).",
+        ahead = CounterMetricFamily("segkv:decode_steps_ahead",
+                                    "Decode steps launched before the host read the previous step's tokens: "
+                                    "used, or cancelled (no work item of the next step took its rows).",
                                     labels=["model_name", "outcome"])
         for outcome, count in sorted(stats.get("steps_ahead", {}).items()):
             ahead.add_metric([self._model, outcome], count)
