@@ -9,6 +9,7 @@ import torch
 from segkv.cache.chain import KVChain
 from segkv.cache.page_pool import OutOfPagesError
 from segkv.engine.detokenizer import IncrementalDetokenizer
+from segkv.engine.step_ahead import StepAhead
 from segkv.engine.tokenizer import Tokenizer
 from segkv.kernels.settings import env_int
 from segkv.layers.sampler import Sampler, make_generator
@@ -59,37 +60,6 @@ class Sequence:
         )
 
 
-@dataclass(slots=True, eq=False)
-class _StepAhead:
-    """A decode step launched before the host read the tokens it consumes: the sequences (and
-    the chains they had), their row in ``logits`` ``(B, vocab)`` (still being computed)."""
-
-    seqs: list[Sequence]
-    chains: list[KVChain | None]  # None once the sequence's row was given back
-    logits: torch.Tensor
-    rows: dict[int, int] = field(default_factory=dict)  # id(sequence) -> its row
-    lengths: list[int] = field(default_factory=list)  # each chain's rows with the step's row
-
-    def __post_init__(self) -> None:
-        self.rows = {id(s): i for i, s in enumerate(self.seqs)}
-        self.lengths = [c.num_rows for c in self.chains]
-
-    def live(self, seq: Sequence) -> bool:
-        """Whether ``seq`` still holds its row of this step (same chain, not given back)."""
-        i = self.index(seq)
-        return i is not None and self.holds(i)
-
-    def holds(self, i: int) -> bool:
-        """Whether sequence ``i``'s chain is still as this step left it (same object, same rows):
-        not given back, not released (abort), not replaced (preemption)."""
-        chain = self.chains[i]
-        return chain is not None and self.seqs[i].chain is chain and chain.num_rows == self.lengths[i]
-
-    def index(self, seq: Sequence) -> int | None:
-        i = self.rows.get(id(seq))
-        return i if i is not None and self.seqs[i] is seq else None
-
-
 class Generator:
     """Drives sequences to completion with the runner, the sampler and detokenizers.
 
@@ -97,11 +67,10 @@ class Generator:
     samples are drawn on the device and before the host reads them, the next decode step of the
     same sequences is launched with those samples as its input tokens, so the host's work between
     steps (reading the tokens, stop checks, detokenising, scheduling) overlaps the GPU instead of
-    idling it. A sequence that ends
-    on the token just read gives its extra row back (trimmed). The next step takes the decode rows
-    it holds; what else that step has (a new request's prefill) runs a forward of its own, and
-    rows no work item takes (aborted or preempted sequences) are given back. Outputs are the same
-    either way.
+    idling it (:class:`~segkv.engine.step_ahead.StepAhead`). A sequence that ends on the token just
+    read gives its extra row back (trimmed). The next step takes the decode rows it holds; what
+    else that step has (a new request's prefill) runs a forward of its own, and rows no work item
+    takes (aborted or preempted sequences) are given back. Outputs are the same either way.
     """
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_model_len: int,
@@ -113,7 +82,7 @@ class Generator:
         if lookahead is None:  # SEGKV_LOOKAHEAD=0/1 overrides the default (on where a GPU runs the steps)
             lookahead = bool(env_int("SEGKV_LOOKAHEAD", int(runner.device.type == "cuda")))
         self.lookahead = bool(lookahead)
-        self._ahead: _StepAhead | None = None
+        self._ahead: StepAhead | None = None
         self.steps_ahead_used = 0  # decode steps served by a step launched ahead
         self.steps_ahead_cancelled = 0
 
@@ -191,21 +160,12 @@ class Generator:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return [], None
-        served, rows = [], []
-        for pos, (s, k) in enumerate(work):
-            i = ahead.index(s)
-            if i is not None and k == 1 and len(s.pending) == 1 and ahead.holds(i):
-                served.append(pos)
-                rows.append(i)
-        taken = set(rows)
-        for i, seq in enumerate(ahead.seqs):
-            if i not in taken and ahead.holds(i):
-                seq.chain.trim(1)
+        served, logits = ahead.take(work)
         if served:
             self.steps_ahead_used += 1
         else:
             self.steps_ahead_cancelled += 1
-        return served, (select_rows(ahead.logits, rows) if rows else None)
+        return served, logits
 
     def _launch_ahead(self, seqs: list[Sequence], token_ids: torch.Tensor) -> None:
         """Launch the next decode step of ``seqs`` from their samples ``token_ids`` (device)."""
@@ -218,7 +178,7 @@ class Generator:
             logits = self.runner.decode_from_device(chains, token_ids)
         except OutOfPagesError:  # the chains are unchanged; the next step schedules as usual
             return
-        self._ahead = _StepAhead(list(seqs), chains, logits)
+        self._ahead = StepAhead(list(seqs), chains, logits)
 
     def _spawn_siblings(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, torch.Tensor]]:
         out = []
@@ -259,9 +219,8 @@ class Generator:
                 if held:  # the row launched ahead holds this token
                     s.chain.set_last_token_id(token)
             elif held:  # the sequence ended: its row ahead is not needed
-                s.chain.trim(1)
-                ahead.chains[ahead.index(s)] = None
-        if ahead is not None and all(c is None for c in ahead.chains):
+                ahead.give_back(s)
+        if ahead is not None and ahead.empty:
             self._ahead = None  # every sequence of the batch ended
 
     def _check_finish(self, s: Sequence, token: int, *, rows_ahead: int = 0) -> None:
