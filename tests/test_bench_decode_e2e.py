@@ -88,7 +88,8 @@ def test_fused_expert_views():
         e2e._hf_tensor("m.other.weight", (2, 2), state, used)
 
 
-def test_pipeline_segkv_alone(tmp_path):
+def test_pipeline_segkv_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("SEGKV_LOOKAHEAD", "1")  # as on a GPU: the engine's loop both ways, steps ahead first
     report = _run(tmp_path, "segkv", "--skip-hf", "--batches", "1,2", "--contexts", "40,100")
     cases = _cases(report)
     assert len(cases) == 16 and not report["not_run"] and not report["stopped_early"]
@@ -97,6 +98,9 @@ def test_pipeline_segkv_alone(tmp_path):
         assert math.isfinite(s["tokens_per_s"]) and s["tokens_per_s"] > 0, key
         assert s["min"] <= s["tokens_per_s"] <= s["max"] and len(s["trials"]) == 3
         assert s["tokens_equal_eager"] and not s["cuda_graphs"]
+        # every step but the first of each trial came from a step launched ahead (GQA and MLA/MoE)
+        assert s["lookahead"] and s["steps_ahead_used"] == 3 * (report["steps"] - 1), key
+        assert len(s["step_by_step"]["trials"]) == 3
         assert case["ratio"] == pytest.approx(s["tokens_per_s"] / case["limit"]["tokens_per_s"])
         assert case["hf"] == {} and case["speedup"] == {}
     bw = report["bandwidth_bytes_per_s"]

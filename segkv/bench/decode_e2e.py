@@ -69,6 +69,7 @@ from segkv.models.loader import _keep_fp32
 from segkv.models.registry import model_class
 from segkv.bench.turns import TokenIdsOnly
 from segkv.engine.generation import Generator
+from segkv.kernels.settings import env_int
 from segkv.runner.model_runner import ModelRunner, StepInput
 from segkv.sampling_params import SamplingParams
 
@@ -434,7 +435,8 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
         rates, plain_rates, equal, ahead_used = [], [], True, 0
         g = getattr(runner, "graphs", None)
         before = (getattr(g, "replays", 0), getattr(g, "fallbacks", 0))
-        lookahead = device.type == "cuda"
+        # the engine's default (SEGKV_LOOKAHEAD overrides it, as it does the engine's)
+        lookahead = bool(env_int("SEGKV_LOOKAHEAD", int(device.type == "cuda")))
         for _ in range(trials):
             for ahead in ((True, False) if lookahead else (False,)):
                 _sync(device)
