@@ -68,8 +68,7 @@ from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse
 from segkv.models.loader import _keep_fp32
 from segkv.models.registry import model_class
 from segkv.bench.turns import TokenIdsOnly
-from segkv.engine.generation import Generator
-from segkv.kernels.settings import env_int
+from segkv.engine.generation import Generator, default_lookahead
 from segkv.runner.model_runner import ModelRunner, StepInput
 from segkv.sampling_params import SamplingParams
 
@@ -430,13 +429,13 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
             runner, out["cuda_graphs"] = eager, False
             _decode(runner, chains, first, warmup)
         _trim_to(chains, context)
-        # the engine's loop (Generator, steps launched ahead on CUDA) and the same loop step by
-        # step (the host reads each token before the next step starts), alternating
-        rates, plain_rates, equal, ahead_used = [], [], True, 0
+        # the engine's loop (Generator, steps launched ahead by default on CUDA) and, when that is
+        # on, the same loop step by step (the host reads each token before the next step starts),
+        # alternating in the same trials
+        lookahead = default_lookahead(device)
+        rates, equal, ahead_used = {True: [], False: []}, True, 0
         g = getattr(runner, "graphs", None)
         before = (getattr(g, "replays", 0), getattr(g, "fallbacks", 0))
-        # the engine's default (SEGKV_LOOKAHEAD overrides it, as it does the engine's)
-        lookahead = bool(env_int("SEGKV_LOOKAHEAD", int(device.type == "cuda")))
         for _ in range(trials):
             for ahead in ((True, False) if lookahead else (False,)):
                 _sync(device)
@@ -445,15 +444,14 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
                 tokens, used = _generate(runner, chains, first, steps, lookahead=ahead,
                                          max_model_len=context + steps + 8)
                 _sync(device)
-                rate = batch * steps / (time.perf_counter() - start)
-                (rates if ahead or not lookahead else plain_rates).append(rate)
+                rates[ahead].append(batch * steps / (time.perf_counter() - start))
                 equal &= tokens == reference
                 ahead_used += used
                 _trim_to(chains, context)
-        out.update(_summary(rates), tokens_equal_eager=equal, lookahead=lookahead,
+        out.update(_summary(rates[lookahead]), tokens_equal_eager=equal, lookahead=lookahead,
                    steps_ahead_used=ahead_used)
-        if plain_rates:
-            out["step_by_step"] = _summary(plain_rates)
+        if lookahead:
+            out["step_by_step"] = _summary(rates[False])
         if g is not None:
             out["graph_replays"] = getattr(g, "replays", 0) - before[0]
             out["graph_fallbacks"] = getattr(g, "fallbacks", 0) - before[1]

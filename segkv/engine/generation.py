@@ -60,6 +60,12 @@ class Sequence:
         )
 
 
+def default_lookahead(device: torch.device) -> bool:
+    """Whether decode steps are launched ahead by default on ``device``: on CUDA (on the CPU a
+    step launched is a step computed, so nothing overlaps); ``SEGKV_LOOKAHEAD=0/1`` overrides it."""
+    return bool(env_int("SEGKV_LOOKAHEAD", int(torch.device(device).type == "cuda")))
+
+
 class Generator:
     """Drives sequences to completion with the runner, the sampler and detokenizers.
 
@@ -79,9 +85,7 @@ class Generator:
         self.tokenizer = tokenizer
         self.sampler = Sampler()
         self.max_model_len = max_model_len
-        if lookahead is None:  # SEGKV_LOOKAHEAD=0/1 overrides the default (on where a GPU runs the steps)
-            lookahead = bool(env_int("SEGKV_LOOKAHEAD", int(runner.device.type == "cuda")))
-        self.lookahead = bool(lookahead)
+        self.lookahead = default_lookahead(runner.device) if lookahead is None else bool(lookahead)
         self._ahead: StepAhead | None = None
         self.steps_ahead_used = 0  # decode steps served by a step launched ahead
         self.steps_ahead_cancelled = 0

@@ -346,8 +346,9 @@ def paged_attention(
     (CSR rows -> partials). ``needs_merge=False`` (every row has exactly one partial) skips the
     merge launch. ``workspace``: a flat float32 buffer the partials may live in (attention_outputs).
     ``merge_in_stage1``: every work item holds one query row and no row has more than
-    :data:`MERGE_IN_STAGE1_MAX_PARTIALS` partials (the caller's promise): stage 1 merges the rows itself, with ``counters``, int32 zeros of at least ``R * Hq`` entries that every launch
-    leaves zero, and no merge kernel runs. Returns ``(out (R, Hq, Dv) out_dtype, lse (R, Hq)
+    :data:`MERGE_IN_STAGE1_MAX_PARTIALS` partials (the caller's promise): stage 1 merges the rows
+    itself, with ``counters``, int32 zeros of at least ``R * Hq`` entries that every launch leaves
+    zero, and no merge kernel runs. Returns ``(out (R, Hq, Dv) out_dtype, lse (R, Hq)
     float32)``; rows without partials are 0 with LSE -inf.
     """
     num_rows, num_heads, dk = query.shape
