@@ -30,7 +30,7 @@ from segkv.attention.planner import plan_attention
 from segkv.attention.plan import SequenceQuery
 from segkv.bench.decode_e2e import _decode, _runner, _trim_to, build_segkv, case_pages, model_config
 from segkv.cache import PagedKVCache
-from segkv.config import CacheConfig, CompactionPolicy
+from segkv.config import CacheConfig, CompactionPolicy, default_page_size
 
 
 def median_ms(fn, repeats: int, *, wait: bool = True) -> tuple[float, float, float]:
@@ -63,7 +63,6 @@ def _profile_table(runner, chains, first: list[int], steps: int, context: int, s
     return prof.key_averages().table(sort_by=sort_by, row_limit=rows)
 
 
-@torch.inference_mode()
 class _TimedGraph:
     """A captured graph whose every replay is preceded by a CUDA event on the stream."""
 
@@ -110,6 +109,7 @@ def timeline(runner, chains, first: list[int], steps: int) -> None:
         bucket.graph = t.graph
 
 
+@torch.inference_mode()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="llama-3.1-8b")
@@ -129,8 +129,9 @@ def main() -> None:
     print(f"{args.model}: {weight_bytes / 1e9:.2f} GB of weights; dtypes "
           f"{sorted({str(t.dtype) for t in model.parameters()})}")
     layout = model.kv_layout(dtype)
-    pages = case_pages(args.batch, args.context, steps=args.steps, warmup=8, page_size=16)
-    cache = PagedKVCache(layout, CacheConfig(page_size=16, num_pages=pages), device=device,
+    page_size = default_page_size(device.type)
+    pages = case_pages(args.batch, args.context, steps=args.steps, warmup=8, page_size=page_size)
+    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=pages), device=device,
                          compaction=CompactionPolicy(enabled=False))
     chains = [cache.new_chain() for _ in range(args.batch)]
     for chain in chains:
@@ -170,7 +171,7 @@ def main() -> None:
             queries = [SequenceQuery.from_chain(c, 1) for c in chains]
 
             def host_plan() -> None:
-                plan = plan_attention(queries, shape, runner.device_spec, page_size=16)
+                plan = plan_attention(queries, shape, runner.device_spec, page_size=page_size)
                 bucket.backend.prepare(plan)
 
             host = median_ms(host_plan, 20)

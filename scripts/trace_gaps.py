@@ -6,6 +6,10 @@ start of the next), then, summed over all gaps, the host events that ran during 
 CUDA runtime calls, by name: total overlapped microseconds and count).
 
     python3 scripts/trace_gaps.py T.json --min-us 20
+
+``--kernels``: instead, the GPU's busy time by kernel name (count, total, mean) and the small gaps
+(shorter than ``--min-us``) between one kernel's end and the next one's start, summed: what the
+kernel boundaries inside graph replays cost.
 """
 
 from __future__ import annotations
@@ -29,14 +33,38 @@ def gpu_gaps(events: list[dict], min_us: float) -> list[tuple[float, float]]:
     return gaps
 
 
+def kernel_summary(events: list[dict], min_us: float, rows: int) -> None:
+    """Print busy time by kernel name and the sum of the inter-kernel gaps below ``min_us``."""
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                   if e.get("cat") in GPU_CATEGORIES)
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    small_gaps, count, busy_until = 0.0, 0, None
+    for start, end, name in spans:
+        by_name[name][0] += end - start
+        by_name[name][1] += 1
+        if busy_until is not None and 0 < start - busy_until < min_us:
+            small_gaps += start - busy_until
+            count += 1
+        busy_until = end if busy_until is None else max(busy_until, end)
+    busy = sum(us for us, _ in by_name.values())
+    print(f"GPU busy {busy:.0f} us over {len(spans)} kernels/copies; {count} gaps under {min_us:g} us "
+          f"sum to {small_gaps:.0f} us")
+    for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:rows]:
+        print(f"  {us:9.1f} us {100 * us / busy:5.1f}%  {n:5d} x {us / n:7.2f} us  {name[:90]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace")
     p.add_argument("--min-us", type=float, default=20.0)
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--kernels", action="store_true", help="busy time by kernel and the small gaps between kernels")
     args = p.parse_args()
     with open(args.trace) as f:
         events = json.load(f)["traceEvents"]
+    if args.kernels:
+        kernel_summary(events, args.min_us, args.rows)
+        return
     gaps = gpu_gaps(events, args.min_us)
     print(f"{len(gaps)} GPU idle gaps over {args.min_us:g} us: "
           + ", ".join(f"{(end - start):.0f}" for start, end in gaps) + " us")

@@ -1,0 +1,123 @@
+"""The fixed cost of a batch-1 decode attention call, split: stage 1 alone, the merge alone, the
+whole call, over partition counts and contexts (Llama-3-8B shape: 32 query heads, 8 KV heads,
+head_dim 128, bf16). Each variant is a CUDA graph over enough copies of the KV that L2 stays cold
+(as in ``segkv.bench.decode_attention``); medians of ``--trials`` shuffled trials, in us.
+
+A time that barely grows with the tiles each program scans is fixed cost: the plan's dependent
+index loads, the pipeline's first tile, the partial's store, the merge launch. The floor of an
+empty Triton launch of the same grid is printed for scale.
+
+    python3 scripts/attention_floor.py --contexts 1024,4096,32768 --partitions 1,2,4,8,11,16,33,66
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import statistics
+from unittest import mock
+
+import torch
+import triton
+import triton.language as tl
+
+from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
+from segkv.attention.triton_backend import TritonBackend
+from segkv.bench.decode_attention import Timer, _fill_random
+from segkv.cache import PagedKVCache
+from segkv.config import CacheConfig, CompactionPolicy, KVLayout
+from segkv.kernels import paged_attention
+
+
+@triton.jit
+def _empty_kernel(X):
+    if tl.program_id(0) < 0:  # never: the launch alone
+        tl.store(X, 0.0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", default="1024,4096,32768")
+    p.add_argument("--partitions", default="1,2,4,8,11,16,33,66")
+    p.add_argument("--page-size", type=int, default=32)
+    p.add_argument("--trials", type=int, default=7)
+    p.add_argument("--launches", default="", help="also these stage-1 launches (BLOCK_N,WARPS,STAGES;...), "
+                   "e.g. 64,4,4;128,4,3: each partition count's whole call once per launch")
+    args = p.parse_args()
+    device, dtype, page_size = "cuda", torch.bfloat16, args.page_size
+    q_heads, kv_heads, head_dim = 32, 8, 128
+    shape = AttentionShape(q_heads, kv_heads, head_dim, head_dim)
+    spec = DeviceSpec.cuda()
+    gen = torch.Generator(device=device).manual_seed(0)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    x = torch.zeros(1, device=device)
+    floor = Timer.capture([lambda: _empty_kernel[(264,)](x)])
+    print(f"empty launch of 264 programs in a graph: {floor.ms() * 1e3:.2f} us")
+    for context in [int(c) for c in args.contexts.split(",")]:
+        kv_bytes = 2 * context * kv_heads * head_dim * 2
+        copies = max(1, min(32, math.ceil(4 * l2 / kv_bytes)))
+        pages = -(-context // page_size)
+        layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+        cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=copies * pages + 1), device=device,
+                             compaction=CompactionPolicy(enabled=False))
+        _fill_random(cache, gen)
+        kc, vc = cache.storage.key_cache(0), cache.storage.value_cache(0)
+        backend = TritonBackend(page_size=page_size, device=device)
+        chains = []
+        for _ in range(copies):
+            chains.append(cache.new_chain())
+            chains[-1].append(context)
+        queries = [[SequenceQuery.from_chain(c, 1)] for c in chains]
+        qs = [torch.randn(1, q_heads, head_dim, device=device, dtype=dtype, generator=gen) for _ in chains]
+        auto = plan_attention(queries[0], shape, spec, page_size=page_size)
+        timers, notes = {}, {}
+        for parts in sorted({int(n) for n in args.partitions.split(",")} | {auto.num_partitions}):
+            if parts > pages:
+                continue
+            prepared = [backend.prepare(plan_attention(qr, shape, spec, page_size=page_size, route="split",
+                                                       num_partitions=parts)) for qr in queries]
+            calls = [lambda p=pp, q=q: backend.run(p, q, kc, vc, scale=0.088) for pp, q in zip(prepared, qs)]
+            timers[f"p{parts}_call"] = Timer.capture(calls)
+            for launch in filter(None, args.launches.split(";")):
+                block_n, warps, stages = launch.split(",")
+                with mock.patch.dict(os.environ, {"SEGKV_TRITON_BLOCK_N": block_n, "SEGKV_TRITON_WARPS": warps,
+                                                  "SEGKV_TRITON_STAGES": stages}):
+                    timers[f"p{parts}_n{block_n}w{warps}s{stages}"] = Timer.capture(calls)
+            notes[parts] = ("merge in stage 1" if prepared[0].merge_in_stage1 else
+                            "merge kernel" if prepared[0].needs_merge else "no merge")
+            if notes[parts] == "merge kernel":
+                with mock.patch.object(paged_attention, "merge_into", lambda *a, **k: None):
+                    timers[f"p{parts}_stage1"] = Timer.capture(calls)
+                n = prepared[0].num_partials
+                bufs = [(torch.empty(1, q_heads, head_dim, device=device, dtype=dtype),
+                         torch.empty(1, q_heads, device=device),
+                         torch.randn(n, q_heads, head_dim, device=device), torch.randn(n, q_heads, device=device))
+                        for _ in prepared]
+                timers[f"p{parts}_merge"] = Timer.capture(
+                    [lambda b=b, pp=pp: paged_attention.merge_into(*b, pp.reduce_ptr, pp.reduce_partials)
+                     for b, pp in zip(bufs, prepared)])
+        samples = {k: [] for k in timers}
+        for _ in range(args.trials):
+            order = list(timers)
+            random.shuffle(order)
+            for k in order:
+                samples[k].append(timers[k].ms() * 1e3)
+        print(f"context {context} ({kv_bytes / 1e6:.1f} MB of KV, {copies} copies; planner: "
+              f"{auto.num_partitions} partitions):")
+        for parts, note in notes.items():
+            row = [f"{key[len(f'p{parts}_'):]} {statistics.median(times):7.2f}" for key, times in samples.items()
+                   if key.startswith(f"p{parts}_")]
+            call = statistics.median(samples[f"p{parts}_call"])
+            print(f"  {parts:4d} partitions ({-(-pages // parts) * page_size:6d} rows each, {note}): "
+                  + ", ".join(row) + f" us; {kv_bytes / call / 1e6:.2f} TB/s")
+        del timers, samples
+        for c in chains:
+            c.release()
+        del cache
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
