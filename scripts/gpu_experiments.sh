@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Open questions, measured in one go on the GPU machine (about 3 minutes); results under
 # $OUT/experiments.txt. Defaults change only after a measurement.
-#   1. The fixed cost of a batch-1 decode attention call: stage 1 and the merge apart, over
-#      partition counts and contexts (scripts/attention_floor.py); deeper K/V prefetch (4-5
-#      stages) and 128-row tiles against today's 64 rows / 3 stages.
+#   1. GPU tests of the attention kernels, graphs and engine after stage-1 programs loop over
+#      the plan's work items (a graph bucket's grid sized for the device).
+#   2. A/B against the previous revision (ab_old/, made by git archive): the attention floor in
+#      a graph bucket's buffers, and whole-model decode (Llama-3.1-8B, DeepSeek-V2-Lite).
 # Results of earlier runs: docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,9 +17,21 @@ if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; th
 fi
 log="$OUT/experiments.txt"
 : > "$log"
-echo "== attention floor, page 32, launches" | tee -a "$log"
-timeout 300 python3 scripts/attention_floor.py --contexts 1024,4096,32768,65536,131072 --partitions 8,16,33,66 \
-  --launches "64,4,4;64,4,5;128,4,3;128,4,4;32,4,5" 2>&1 | tee -a "$log"
-echo "== page 32, merge in stage 1 up to 16 partials" | tee -a "$log"
-SEGKV_MERGE_IN_STAGE1_MAX=16 timeout 300 python3 scripts/attention_floor.py --contexts 1024,4096,32768 \
-  --partitions 11,16 --launches "64,4,4" 2>&1 | tee -a "$log"
+if [ "${1:-}" = tests ]; then
+  echo "== GPU tests" | tee -a "$log"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_mla.py \
+    tests/test_cuda_graphs.py tests/test_gpu_engine.py -x 2>&1 | tail -3 | tee -a "$log"
+  exit 0
+fi
+for rev in old new old new; do
+  echo "== attention floor, $rev" | tee -a "$log"
+  root=$PWD; [ $rev = old ] && root=$PWD/ab_old
+  PYTHONPATH=$root timeout 100 python3 scripts/attention_floor.py --contexts 1024,16384,32768 --partitions 8,11,16,33 \
+    --capacity-work bucket --trials 5 2>&1 | grep -v "^empty" | tee -a "$log"
+done
+for rev in old new; do
+  echo "== whole-model decode, $rev" | tee -a "$log"
+  dir=$PWD; [ $rev = old ] && dir=$PWD/ab_old
+  (cd "$dir" && PYTHONPATH=$dir timeout 200 python3 -m segkv.bench.decode_e2e --models llama-3.1-8b,deepseek-v2-lite \
+    --batches 1,32 --contexts 1K,16K --skip-hf --trials 3) 2>&1 | grep -E "^\[|rror" | tee -a "$log"
+done

@@ -177,3 +177,34 @@ def test_one_row_work_items_replay_narrow_graphs_and_shared_prefixes_wide_ones(t
     reference = _decode_logits(eager, shared=True)
     torch.testing.assert_close(forks, reference, rtol=1e-5, atol=1e-5)
     assert torch.equal(forks.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("kv_heads,latent", [(8, False), (1, False), (1, True)])
+def test_graph_buckets_hold_every_decode_plan_of_their_size(kv_heads, latent):
+    """A bucket's work-item room (``max_graph_work_items``) covers the planner's decode plans on
+    an H200-sized device from 100 to 128K rows per sequence, yet an 8-KV-head model's batch-1
+    bucket is an eighth of a latent one's (its idle programs cost every layer's launch)."""
+    from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
+    from segkv.cache.segment import ChainSpan
+    from segkv.runner.cuda_graphs import max_graph_work_items
+
+    device = DeviceSpec(kind="cuda", name="H200-sized", num_multiprocessors=132, blocks_per_multiprocessor=2,
+                        min_rows_per_partition=64, max_partitions=256, max_query_rows_per_work=64,
+                        partition_overhead_rows=256)
+    shape = AttentionShape(16, 1, 576, 512) if latent else AttentionShape(4 * kv_heads, kv_heads, 128, 128)
+    fullest = 0.0
+    for batch in (1, 3, 8, 16, 32, 64):
+        room = max_graph_work_items(device, batch, kv_heads=kv_heads, latent=latent)
+        for context in (100, 1024, 4096, 16384, 65536, 131072):
+            queries, first = [], 0
+            for seq in range(batch):
+                rows = context + 37 * seq
+                pages = tuple(range(first, first + -(-rows // 32)))
+                first += len(pages)
+                queries.append(SequenceQuery((ChainSpan(seq, pages, rows, 0, sealed=False),), 1))
+            plan = plan_attention(queries, shape, device, page_size=32)
+            assert len(plan.work) <= room, (batch, context, len(plan.work), room)
+            fullest = max(fullest, len(plan.work) / room)
+    assert fullest > 0.45  # room no larger than plans come close to needing
+    assert max_graph_work_items(device, 1, kv_heads=8, latent=False) == 66
+    assert max_graph_work_items(device, 1, kv_heads=1, latent=True) == 256

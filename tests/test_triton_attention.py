@@ -182,7 +182,7 @@ def test_fixed_size_plan_buffers_serve_any_plan_that_fits(gen):
     GPU a graph captured with one plan replays another correctly."""
     from segkv.attention.triton_backend import PlanCapacity
 
-    capacity = PlanCapacity(max_pages=256, max_pieces=64, max_work=64, max_partials=256, max_rows=16,
+    capacity = PlanCapacity(max_pages=256, max_work=64, max_partials=256, max_rows=16,
                             max_work_rows=64)
     tb = TritonBackend(page_size=16, device=DEVICE, poison=not GPU, capacity=capacity)
     rb = TorchReferenceBackend(page_size=16, device=DEVICE)
@@ -205,7 +205,7 @@ def test_fixed_size_plan_buffers_serve_any_plan_that_fits(gen):
         check(out[:n], lse[:n], ref, ref_lse)
         assert torch.equal(out[n:], torch.zeros_like(out[n:])) and torch.isneginf(lse[n:]).all()
     assert len(addresses) == 1
-    small = TritonBackend(page_size=16, device=DEVICE, capacity=PlanCapacity(256, 64, 64, 4, 16))
+    small = TritonBackend(page_size=16, device=DEVICE, capacity=PlanCapacity(256, 64, 4, 16))
     with pytest.raises(ValueError, match="partial_row, capacity is 4"):
         small.prepare(plan_attention(batches[1].queries, batches[1].shape, DeviceSpec.cpu(), page_size=16,
                                      route="split", num_partitions=2))
@@ -215,7 +215,7 @@ def test_fixed_size_plan_buffers_serve_any_plan_that_fits(gen):
 def test_cuda_graph_replays_a_new_plan(gen):
     from segkv.attention.triton_backend import PlanCapacity
 
-    capacity = PlanCapacity(max_pages=512, max_pieces=128, max_work=128, max_partials=512, max_rows=8)
+    capacity = PlanCapacity(max_pages=512, max_work=128, max_partials=512, max_rows=8)
     tb = TritonBackend(page_size=16, device=DEVICE, capacity=capacity)
     rb = TorchReferenceBackend(page_size=16, device=DEVICE)
     batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=16, ratio=4, head_dim=128, rows=1)
@@ -289,7 +289,7 @@ def test_decode_rows_of_few_partials_merge_inside_stage1(dtype, gen, monkeypatch
     storage = batch.cache.storage
     k, v = storage.key_cache(0), storage.value_cache(0)
     rb = TorchReferenceBackend(page_size=16, device=DEVICE)
-    capacity = PlanCapacity(max_pages=256, max_pieces=64, max_work=64, max_partials=256, max_rows=8, max_work_rows=1,
+    capacity = PlanCapacity(max_pages=256, max_work=64, max_partials=256, max_rows=8, max_work_rows=1,
                             max_row_partials=8)
     assert stage1_merge_bound() == 8
     for parts in (3, 12):

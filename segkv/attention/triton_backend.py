@@ -25,7 +25,7 @@ LSE_API_TRITON = "triton-merge"
 # (padding work items and query rows then have no partials).
 _PADDED = ("work_partial_start", "reduce_ptr")
 # The plan arrays, in their order inside the packed buffer.
-_FIELDS = ("page_table", "page_rows", "page_key_start", "piece_page_start", "work_piece", "work_partial_start",
+_FIELDS = ("page_table", "page_rows", "page_key_start", "work_pages", "work_partial_start",
            "partial_row", "partial_offset", "partial_direct", "reduce_ptr", "reduce_partials")
 
 
@@ -37,11 +37,12 @@ class PlanCapacity:
     rows one work item may serve (the planner's ``max_query_rows_per_work``);
     ``max_row_partials``: when set, plans merge no row from more partials than that, and with
     work items of one row (``max_work_rows=1``) and a bound the kernels allow, stage 1 merges
-    the rows itself (no merge launch in the graph).
+    the rows itself (no merge launch in the graph). Stage 1 launches one program per possible
+    work item (``max_work``) and KV head: padding ones start and exit, so ``max_work`` should be
+    no larger than plans need (4000 idle programs cost 3-9 us per launch on the H200).
     """
 
     max_pages: int
-    max_pieces: int
     max_work: int
     max_partials: int
     max_rows: int
@@ -49,7 +50,7 @@ class PlanCapacity:
     max_row_partials: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_pages", "max_pieces", "max_work", "max_partials", "max_rows", "max_work_rows"):
+        for name in ("max_pages", "max_work", "max_partials", "max_rows", "max_work_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PlanCapacity.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_row_partials is not None and self.max_row_partials < 1:
@@ -58,7 +59,7 @@ class PlanCapacity:
     def sizes(self) -> dict[str, int]:
         return {
             "page_table": self.max_pages, "page_rows": self.max_pages, "page_key_start": self.max_pages,
-            "piece_page_start": self.max_pieces + 1, "work_piece": self.max_work,
+            "work_pages": 2 * self.max_work,
             "work_partial_start": self.max_work + 1, "partial_row": self.max_partials,
             "partial_offset": self.max_partials, "partial_direct": self.max_partials,
             "reduce_ptr": self.max_rows + 1, "reduce_partials": self.max_partials,
@@ -104,6 +105,7 @@ def flatten_plan(plan: AttentionPlan) -> dict[str, np.ndarray]:
     before = np.zeros(total + 1, dtype=np.int64)
     np.cumsum(rows, out=before[1:])
     key_starts = before[:-1] - np.repeat(before[starts[:-1]], counts)
+    work_pieces = np.fromiter((item.piece for item in plan.work), dtype=np.int64, count=len(plan.work))
     work_start, offsets = [0], []
     for item in plan.work:
         work_start.append(work_start[-1] + len(item.query_rows))
@@ -120,8 +122,9 @@ def flatten_plan(plan: AttentionPlan) -> dict[str, np.ndarray]:
         return np.asarray(values, dtype=np.int32)
 
     return {
-        "page_table": pages, "page_rows": rows, "page_key_start": i32(key_starts), "piece_page_start": i32(starts),
-        "work_piece": i32([item.piece for item in plan.work]), "work_partial_start": i32(work_start),
+        "page_table": pages, "page_rows": rows, "page_key_start": i32(key_starts),
+        "work_pages": i32(np.stack([starts[work_pieces], starts[work_pieces + 1]], axis=1).ravel()),
+        "work_partial_start": i32(work_start),
         "partial_row": i32(plan.partial_rows), "partial_offset": i32(offsets), "partial_direct": i32(direct),
         "reduce_ptr": i32(reduce_ptr), "reduce_partials": i32(reduce_partials),
     }
@@ -169,7 +172,7 @@ class TritonBackend:
             self._staging_np = self._staging.numpy()  # host writes through numpy: no torch op per field
             offsets = np.cumsum([0] + [sizes[name] for name in _FIELDS])
             self._offsets = dict(zip(_FIELDS, offsets[:-1].tolist()))
-            self._small_start = self._offsets["piece_page_start"]  # the non-page fields: one region
+            self._small_start = self._offsets["work_pages"]  # the non-page fields: one region
 
     @staticmethod
     def _views(buffer: torch.Tensor, sizes: dict[str, int], align: int = 1) -> dict[str, torch.Tensor]:

@@ -31,7 +31,7 @@ from segkv.kernels.settings import env_int
 @triton.jit
 def _mla_stage1_kernel(
     Q, LAT, OUT, LSE, FINAL, FINAL_LSE,
-    page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start, partial_row,
+    page_table, page_rows, page_key_start, work_pages, work_partial_start, partial_row,
     partial_offset, partial_direct,
     stride_qr, stride_qh, stride_lp, stride_ln,
     stride_op, stride_oh, stride_lsp, stride_fr, stride_fh, stride_flr,
@@ -63,9 +63,8 @@ def _mla_stage1_kernel(
     q_lat = tl.load(q_base + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
     q_rope = tl.load(q_base + RANK + offs_e[None, :], mask=valid[:, None] & e_ok[None, :], other=0.0)
 
-    piece = tl.load(work_piece + w)
-    pg0 = tl.load(piece_page_start + piece)
-    pg1 = tl.load(piece_page_start + piece + 1)
+    pg0 = tl.load(work_pages + 2 * w)  # the work item's pages: no piece table in between
+    pg1 = tl.load(work_pages + 2 * w + 1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
@@ -127,8 +126,7 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
 
 
 def mla_paged_attention(
-    *, query, latent_cache, rank, page_table, page_rows, page_key_start, piece_page_start, work_piece,
-    work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
+    *, query, latent_cache, rank, page_table, page_rows, page_key_start, work_pages, work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
     poison=False, workspace=None,
 ):
@@ -143,14 +141,14 @@ def mla_paged_attention(
         raise ValueError(f"latent cache {tuple(latent_cache.shape)} does not match query width {width} "
                          f"with rank {rank}")
     out, lse, part_out, part_lse = attention_outputs(query, rank, num_partials, out_dtype, poison, workspace)
-    num_work = work_piece.numel()
+    num_work = work_pages.numel() // 2
     if num_work and num_partials:
         meta = mla_stage1_launch(dtype=query.dtype, rank=rank, rope=rope, num_heads=num_heads, page_size=page_size,
                                  max_work_rows=max_work_rows, element_size=latent_cache.element_size(), launch=launch)
         grid = (triton.cdiv(max_work_rows * num_heads, meta["BLOCK_M"]), num_work)
         _mla_stage1_kernel[grid](
             query, latent_cache, part_out, part_lse, out, lse,
-            page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start,
+            page_table, page_rows, page_key_start, work_pages, work_partial_start,
             partial_row, partial_offset, partial_direct,
             query.stride(0), query.stride(1), latent_cache.stride(0), latent_cache.stride(1),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),

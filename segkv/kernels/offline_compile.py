@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 # plan index arrays (int32) of the stage-1 kernels
-INDEX_ARGS = frozenset({"page_table", "page_rows", "page_key_start", "piece_page_start", "work_piece",
+INDEX_ARGS = frozenset({"page_table", "page_rows", "page_key_start", "work_pages",
                         "work_partial_start", "partial_row", "partial_offset", "partial_direct", "reduce_ptr",
                         "reduce_partials", "COUNTERS"})
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")

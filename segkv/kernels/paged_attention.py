@@ -146,7 +146,7 @@ def merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce
 @triton.jit
 def _stage1_kernel(
     Q, K, V, OUT, LSE, FINAL, FINAL_LSE,
-    page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start, partial_row,
+    page_table, page_rows, page_key_start, work_pages, work_partial_start, partial_row,
     partial_offset, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
     stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
     stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, stride_c,
@@ -197,9 +197,8 @@ def _stage1_kernel(
     q = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + offs_dk[None, :],
                 mask=valid[:, None] & dk_ok[None, :], other=0.0)
 
-    piece = tl.load(work_piece + w)
-    pg0 = tl.load(piece_page_start + piece)
-    pg1 = tl.load(piece_page_start + piece + 1)
+    pg0 = tl.load(work_pages + 2 * w)  # the work item's pages: no piece table in between
+    pg1 = tl.load(work_pages + 2 * w + 1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -329,8 +328,7 @@ def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
 
 
 def paged_attention(
-    *, query, key_cache, value_cache, page_table, page_rows, page_key_start, piece_page_start, work_piece,
-    work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
+    *, query, key_cache, value_cache, page_table, page_rows, page_key_start, work_pages, work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
     poison=False, workspace=None, counters=None, merge_in_stage1=False,
 ):
@@ -339,8 +337,9 @@ def paged_attention(
     query ``(R, Hq, Dk)``; key_cache ``(P, page_size, Hkv, Dk)``; value_cache
     ``(P, page_size, Hkv, Dv)`` (either may be a strided view, e.g. a head-major page layout);
     the int32 plan tensors: page_table/page_rows/page_key_start ``(total_pages,)`` (key_start:
-    position of the page's first row within its piece), piece_page_start ``(pieces + 1,)``,
-    work_piece ``(W,)``, work_partial_start ``(W + 1,)`` (padding items repeat the last start),
+    position of the page's first row within its piece), work_pages ``(2 W,)`` (each work item's
+    ``[first, end)`` entries of the page arrays), work_partial_start ``(W + 1,)`` (padding items
+    repeat the last start),
     partial_row/partial_offset/partial_direct ``(num_partials,)`` (direct: the output row when
     the partial is its row's only one, else -1), reduce_ptr ``(R + 1,)`` and reduce_partials
     (CSR rows -> partials). ``needs_merge=False`` (every row has exactly one partial) skips the
@@ -356,7 +355,7 @@ def paged_attention(
     dv = value_cache.shape[3]
     group = num_heads // num_kv
     out, lse, part_out, part_lse = attention_outputs(query, dv, num_partials, out_dtype, poison, workspace)
-    num_work = work_piece.numel()
+    num_work = work_pages.numel() // 2
     merged = bool(num_work and num_partials and merge_in_stage1)
     if merged:
         if not (max_work_rows == 1 and MERGE_IN_STAGE1_MAX_PARTIALS
@@ -371,7 +370,7 @@ def paged_attention(
         grid = (num_kv, num_work, blocks) if meta["HEADS_FASTEST"] else (num_work, num_kv, blocks)
         _stage1_kernel[grid](
             query, key_cache, value_cache, part_out, part_lse, out, lse,
-            page_table, page_rows, page_key_start, piece_page_start, work_piece, work_partial_start,
+            page_table, page_rows, page_key_start, work_pages, work_partial_start,
             partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
             counters if merged else reduce_ptr,
             query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
