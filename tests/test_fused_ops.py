@@ -167,6 +167,12 @@ def test_mla_rope_and_write_latent_matches_rotary_and_cache_write(dtype, interle
     untouched = torch.ones(slots_total, dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert rows[untouched].isnan().all()
+    # out=: the rope columns of a wider query buffer (absorbed MLA's), the other columns untouched
+    query = torch.full((tokens, heads, rank + rope), float("nan"), dtype=dtype, device=DEVICE)
+    written = mla_rope_and_write_latent(q_pe, k_pe, c_kv, positions, rotary.cos_sin_table(dtype), slots, rows,
+                                        interleaved=interleaved, out=query[..., rank:])
+    assert written.data_ptr() == query[..., rank:].data_ptr() and torch.equal(query[..., rank:], q_out)
+    assert query[..., :rank].isnan().all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -210,6 +216,8 @@ def test_mla_rope_and_write_latent_rejects_mismatched_shapes():
         mla_rope_and_write_latent(q_pe, k_pe, c_kv, slots, table, slots, rows[:, :39], interleaved=True)
     with pytest.raises(ValueError, match="dtype"):
         mla_rope_and_write_latent(q_pe, k_pe, c_kv, slots, table.half(), slots, rows, interleaved=True)
+    with pytest.raises(ValueError, match="does not match q_pe"):
+        mla_rope_and_write_latent(q_pe, k_pe, c_kv, slots, table, slots, rows, interleaved=True, out=q_pe[:1])
     with pytest.raises(ValueError, match="power-of-two"):
         mla_rope_and_write_latent(q_pe[..., :12], k_pe[:, :12], c_kv, slots, table[:, :12].contiguous(), slots, rows[:, :36],
                                   interleaved=True)

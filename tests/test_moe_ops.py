@@ -110,3 +110,21 @@ def test_fused_layer_runs_one_token_in_two_expert_launches(dtype, gen, monkeypat
     for got, ref in ((one, unfused[0]), (three, unfused[1])):
         assert got.dtype == dtype and torch.isfinite(got).all()
         torch.testing.assert_close(got, ref, rtol=4 * ulp, atol=4 * ulp * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("tokens,experts,hidden", [(1, 64, 2048), (5, 10, 96), (16, 160, 300)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_router_logits_match_the_float32_product(tokens, experts, hidden, dtype, gen):
+    """The router's float32 logits from half-precision inputs: the product of the widened
+    tensors, to float32 summation order (expert counts and widths that do not fill a block)."""
+    from segkv.kernels.moe_ops import router_logits
+
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.randn(experts, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEVICE)
+    logits = router_logits(x, weight)
+    ref = torch.nn.functional.linear(x.double(), weight.double())
+    assert logits.dtype == torch.float32 and logits.shape == (tokens, experts)
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits.double(), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="router_logits"):
+        router_logits(x, weight[:, :-1])

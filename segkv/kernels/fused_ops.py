@@ -296,14 +296,16 @@ def _mla_rope_latent_kernel(
 
 def mla_rope_and_write_latent(q_pe: torch.Tensor, k_pe: torch.Tensor, c_kv: torch.Tensor, positions: torch.Tensor,
                               cos_sin: torch.Tensor, slots: torch.Tensor, latent_rows: torch.Tensor, *,
-                              interleaved: bool, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                              interleaved: bool, norm: tuple[torch.Tensor, float] | None = None,
+                              out: torch.Tensor | None = None) -> torch.Tensor:
     """Multi-head latent attention's RoPE and cache write in one kernel: rotate ``q_pe (T, H, R)``
     and ``k_pe (T, R)`` at ``positions (T,)`` (``cos_sin (max_position, R)`` ``[cos | sin]`` in
     q's dtype, e.g. ``RotaryEmbedding.cos_sin_table``; ``interleaved``: pairs ``(x[2i], x[2i+1])``
     as DeepSeek's, else the halves) and write ``[c_kv (T, r) | rope(k_pe)]`` into
     ``latent_rows (slots, r + R)`` at ``slots (T,)``. ``norm``: ``(weight (r,), eps)`` of the
     ``kv_a_layernorm`` RMSNorm, applied to ``c_kv`` first (as ``rms_norm`` computes it). Returns the
-    rotated ``q_pe (T, H, R)``. The rope parts are rounded as the torch layers round (bit-equal).
+    rotated ``q_pe (T, H, R)``, in ``out`` when given (e.g. the rope columns of the attention's
+    query buffer, which then needs no concatenation). The rope parts are rounded as the torch layers round (bit-equal).
     Inputs may be strided views with a unit last stride; slots are trusted (checked by the
     caller), positions clamped to the table."""
     t, heads, rope = q_pe.shape
@@ -319,10 +321,12 @@ def mla_rope_and_write_latent(q_pe: torch.Tensor, k_pe: torch.Tensor, c_kv: torc
     half = rope // 2
     if half & (half - 1):
         raise ValueError(f"mla_rope_and_write_latent needs a power-of-two rope_dim / 2, got {half}")
-    for name, x in (("q_pe", q_pe), ("k_pe", k_pe), ("c_kv", c_kv), ("latent_rows", latent_rows)):
-        if x.stride(-1) != 1:
+    if out is not None and (out.shape != q_pe.shape or out.dtype != q_pe.dtype):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not match q_pe {tuple(q_pe.shape)} {q_pe.dtype}")
+    for name, x in (("q_pe", q_pe), ("k_pe", k_pe), ("c_kv", c_kv), ("latent_rows", latent_rows), ("out", out)):
+        if x is not None and x.stride(-1) != 1:
             raise ValueError(f"{name} needs a unit stride on its last dim")
-    q_out = torch.empty(t, heads, rope, dtype=q_pe.dtype, device=q_pe.device)
+    q_out = torch.empty(t, heads, rope, dtype=q_pe.dtype, device=q_pe.device) if out is None else out
     if t:
         weight, eps = norm if norm is not None else (latent_rows, 0.0)  # the weight is unused without a norm
         whole_row = triton.next_power_of_2(max(rank, 16))

@@ -1,5 +1,7 @@
 """Triton kernels around a mixture-of-experts layer's expert products (decode on the GPU).
 
+* :func:`router_logits`: a few tokens' router logits in float32 from half-precision inputs and
+  weights, one kernel instead of two conversions and cuBLAS's float32 GEMV and its reduction.
 * :func:`route_topk`: a router's scores, top-k choice and weights from its float32 logits, one
   kernel instead of softmax/sigmoid, top-k, gather, normalisation and scaling (about six).
 * :func:`combine_experts`: the weighted sum of each token's expert outputs in float32, rounded
@@ -16,6 +18,49 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.fused_ops import kind_of, round_to_kind
+
+
+@triton.jit
+def _router_logits_kernel(X, W, OUT, stride_x, stride_w, stride_o, hidden, num_experts,
+                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (token, block of experts): ``BLOCK_E`` logits of one token, float32 products of
+    the exactly widened inputs summed in float32."""
+    t = tl.program_id(0).to(tl.int64)
+    experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = experts < num_experts
+    cols = tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        ok = h0 + cols < hidden
+        x = tl.load(X + t * stride_x + h0 + cols, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(W + experts[:, None].to(tl.int64) * stride_w + (h0 + cols)[None, :],
+                    mask=e_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+    tl.store(OUT + t * stride_o + experts, tl.sum(acc, axis=1), mask=e_ok)
+
+
+_ROUTER_BLOCK_E = 4  # 16 programs per token for 64 experts: the weight read spreads over SMs
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x (T, hidden)`` and the router's ``weight (E, hidden)`` (any float dtypes) -> float32
+    ``logits (T, E)``: ``x.float() @ weight.float().T`` with float32 sums (their order differs
+    from cuBLAS's by float32 rounding). For decode: one launch where the float32 conversions and
+    GEMV took four; every token's programs read the whole weight, so many tokens belong on cuBLAS."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"router_logits: x {tuple(x.shape)} against weight {tuple(weight.shape)}")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("router_logits needs a unit stride on the hidden dim")
+    tokens, hidden = x.shape
+    experts = weight.shape[0]
+    out = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
+    if tokens and experts:
+        _router_logits_kernel[(tokens, triton.cdiv(experts, _ROUTER_BLOCK_E))](
+            x, weight, out, x.stride(0), weight.stride(0), out.stride(0), hidden, experts,
+            # one step over the hidden dim up to 2048 (DeepSeek-V2-Lite): one round of loads
+            BLOCK_E=_ROUTER_BLOCK_E, BLOCK_H=min(2048, triton.next_power_of_2(hidden)), num_warps=4,
+        )
+    return out
 
 
 @triton.jit

@@ -120,19 +120,23 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], -1)
         c_kv, k_pe = latent.split([d.kv_lora_rank, d.qk_rope_head_dim], -1)
         storage, layer = meta.storage, self.layer_index
+        query = None  # the absorbed attention's query, filled in place by the fused path
         if self.fused:
             rows = storage.latent_rows_to_write(layer, meta.slots, trusted_slots=meta.trusted_slots)
             norm = self.kv_a_layernorm  # folded into the write kernel: one launch fewer
+            if meta.mla_mode == "absorbed":
+                query = q.new_empty(t, d.num_heads, d.kv_lora_rank + d.qk_rope_head_dim)
             q_pe = mla_rope_and_write_latent(q_pe, k_pe, c_kv, positions, self.rotary.cos_sin_table(q.dtype),
                                              meta.slots, rows, interleaved=self.rotary.interleaved,
-                                             norm=(norm.weight, norm.eps))
+                                             norm=(norm.weight, norm.eps),
+                                             out=None if query is None else query[..., d.kv_lora_rank:])
         else:
             q_pe = self.rotary(q_pe, positions)
             k_pe = self.rotary(k_pe.unsqueeze(1), positions).squeeze(1)
             latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)  # (T, r + rope)
             storage.write(layer, meta.slots, latent, trusted_slots=meta.trusted_slots)
         if meta.mla_mode == "absorbed":
-            out = self._absorbed(q_nope, q_pe, meta)
+            out = self._absorbed(q_nope, q_pe, meta, query)
         elif meta.mla_mode == "naive":
             query = torch.cat((q_nope, q_pe), dim=-1)  # (T, H, nope + rope)
             out, _ = meta.backend.run(meta.prepared, query, storage.key_cache(layer),
@@ -148,11 +152,17 @@ class MultiHeadLatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
         return w[:, : d.qk_nope_head_dim], w[:, d.qk_nope_head_dim :]
 
-    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention over the latent rows: ``(T, H, r + rope)`` query -> ``(T, H, v)``."""
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata,
+                  query: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over the latent rows: ``(T, H, r + rope)`` query -> ``(T, H, v)``. ``query``:
+        a buffer whose rope columns already hold ``q_pe`` (the fused RoPE wrote them); the latent
+        columns are computed into it, so no concatenation copies the query (one launch fewer)."""
         w_uk, w_uv = self._kv_b()
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        query = torch.cat((q_latent, q_pe), dim=-1)
+        if query is None:
+            q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+            query = torch.cat((q_latent, q_pe), dim=-1)
+        else:  # (H, T, n) @ (H, n, r) into the (H, T, r) view of the query's latent columns
+            torch.bmm(q_nope.transpose(0, 1), w_uk, out=query[..., : self.dims.kv_lora_rank].transpose(0, 1))
         storage, layer = meta.storage, self.layer_index
         out, _ = meta.backend.run(meta.prepared, query, storage.key_cache(layer), storage.value_cache(layer),
                                   scale=self.scale)  # (T, H, r)

@@ -11,6 +11,9 @@ from torch import nn
 from segkv.layers.activation import GatedMLP
 
 SCORING_FUNCS = ("softmax", "sigmoid")
+# fused routers take their float32 logits from one Triton launch up to this many tokens (decode);
+# beyond, each token's programs reading the whole weight again would lose to cuBLAS
+ROUTER_KERNEL_MAX_TOKENS = 16
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -93,7 +96,12 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
-        logits = F.linear(x.float(), self.weight.float())
+        if self.fused and x.shape[0] <= ROUTER_KERNEL_MAX_TOKENS:
+            from segkv.kernels.moe_ops import router_logits
+
+            logits = router_logits(x, self.weight)  # decode: one launch for the float32 product
+        else:
+            logits = F.linear(x.float(), self.weight.float())
         if self.fused:
             from segkv.kernels.moe_ops import route_topk
 
