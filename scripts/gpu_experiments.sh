@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Open questions, measured in one go on the GPU machine (about 3 minutes); results under
 # $OUT/experiments.txt. Defaults change only after a measurement.
-#   1. GPU tests of the MoE router kernel and the fused MLA path (query filled in place).
-#   2. Whole-model decode of DeepSeek-V2-Lite against the previous revision (ab_old/, made by git
-#      archive), alternating: the router's float32 logits in one launch, no query concatenation.
+#   1. Where a batch-1 graph step's GPU time goes (DeepSeek-V2-Lite and Llama-3.1-8B, 1K): busy
+#      time by kernel and the gaps between kernels inside the replays (trace_gaps --kernels).
+# A/B against an earlier revision in the same run: `git archive <rev> segkv | tar -x -C ab_old`
+# here, then run the benchmark from inside ab_old/ (cd ab_old && PYTHONPATH=$PWD python3 -m ...).
 # Results of earlier runs: docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,12 +17,10 @@ if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; th
 fi
 log="$OUT/experiments.txt"
 : > "$log"
-echo "== GPU tests" | tee -a "$log"
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe_ops.py tests/test_fused_ops.py \
-  -k "router or mla or deepseek or moe" 2>&1 | tail -3 | tee -a "$log"
-for rev in old new old new; do
-  echo "== whole-model decode, $rev" | tee -a "$log"
-  dir=$PWD; [ $rev = old ] && dir=$PWD/ab_old
-  (cd "$dir" && PYTHONPATH=$dir timeout 120 python3 -m segkv.bench.decode_e2e --models deepseek-v2-lite \
-    --batches 1,8,32 --contexts 1K,16K --skip-hf --trials 3) 2>&1 | grep -E "^\[|rror" | tee -a "$log"
+for model in deepseek-v2-lite llama-3.1-8b; do
+  echo "== $model, batch 1, 1K" | tee -a "$log"
+  timeout 200 python3 scripts/profile_decode.py --model "$model" --rows 45 --trace "$OUT/$model.json" 2>&1 \
+    | tee -a "$log" | grep -E "^graphs|replay|host plan"
+  python3 scripts/trace_gaps.py "$OUT/$model.json" --kernels --min-us 20 --rows 40 2>&1 | tee -a "$log"
+  gzip -f "$OUT/$model.json"
 done
