@@ -305,9 +305,9 @@ def mla_rope_and_write_latent(q_pe: torch.Tensor, k_pe: torch.Tensor, c_kv: torc
     ``latent_rows (slots, r + R)`` at ``slots (T,)``. ``norm``: ``(weight (r,), eps)`` of the
     ``kv_a_layernorm`` RMSNorm, applied to ``c_kv`` first (as ``rms_norm`` computes it). Returns the
     rotated ``q_pe (T, H, R)``, in ``out`` when given (e.g. the rope columns of the attention's
-    query buffer, which then needs no concatenation). The rope parts are rounded as the torch layers round (bit-equal).
-    Inputs may be strided views with a unit last stride; slots are trusted (checked by the
-    caller), positions clamped to the table."""
+    query buffer, which then needs no concatenation). The rope parts are rounded as the torch
+    layers round (bit-equal). Inputs may be strided views with a unit last stride; slots are
+    trusted (checked by the caller), positions clamped to the table."""
     t, heads, rope = q_pe.shape
     rank = c_kv.shape[-1] if c_kv.dim() == 2 else -1
     if (rope % 2 or k_pe.shape != (t, rope) or c_kv.shape != (t, rank) or cos_sin.shape[1:] != (rope,)

@@ -126,7 +126,8 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
 
 
 def mla_paged_attention(
-    *, query, latent_cache, rank, page_table, page_rows, page_key_start, work_pages, work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
+    *, query, latent_cache, rank, page_table, page_rows, page_key_start, work_pages, work_partial_start,
+    partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
     poison=False, workspace=None,
 ):

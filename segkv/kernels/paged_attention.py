@@ -328,7 +328,8 @@ def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
 
 
 def paged_attention(
-    *, query, key_cache, value_cache, page_table, page_rows, page_key_start, work_pages, work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
+    *, query, key_cache, value_cache, page_table, page_rows, page_key_start, work_pages, work_partial_start,
+    partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
     poison=False, workspace=None, counters=None, merge_in_stage1=False,
 ):
