@@ -304,6 +304,18 @@ def test_raw_logprobs_and_top_alternatives(gen):
         torch.testing.assert_close(torch.tensor(values), want.values, rtol=0, atol=1e-6)
 
 
+def test_no_logprobs_asked_no_logprobs_computed(gen):
+    """Rows that ask for no log-probabilities get the same tokens, and the step computes none
+    (no log-softmax over the vocabulary on a decode step's path)."""
+    logits = torch.randn(3, 50, generator=gen) * 2
+    plain = [SamplingParams(seed=7), SamplingParams(temperature=0, repetition_penalty=1.5), SamplingParams(top_k=1)]
+    asked = [SamplingParams(seed=7, logprobs=0), *plain[1:]]
+    out, ref = (SAMPLER(logits, params, prompt_token_ids=[[1, 2, 3]] * 3, generators=[make_generator(7), None, None])
+                for params in (plain, asked))
+    assert out.logprobs is None and out.top_logprobs == [None, None, None]
+    assert torch.equal(out.token_ids, ref.token_ids) and ref.logprobs is not None
+
+
 def test_processed_logprobs_describe_the_sampled_distribution(gen):
     vocab = 30
     logits = torch.randn(2, vocab, generator=gen) * 2

@@ -31,13 +31,14 @@ class SampleOutput:
     """What one step chose for each of its ``B`` rows.
 
     ``token_ids``: ``(B,)`` int64. ``logprobs``: ``(B,)`` float32, the log-probability of
-    each chosen token (which distribution: see ``Sampler``). ``top_logprobs``: ``B``
-    entries, ``None`` where the row's ``params.logprobs`` is None, else a list of
-    ``params.logprobs`` ``(token_id, logprob)`` pairs, most likely first.
+    each chosen token (which distribution: see ``Sampler``), or None when no row asked for
+    log-probabilities (a step then runs no reduction over the vocabulary beyond its argmax).
+    ``top_logprobs``: ``B`` entries, ``None`` where the row's ``params.logprobs`` is None, else a
+    list of ``params.logprobs`` ``(token_id, logprob)`` pairs, most likely first.
     """
 
     token_ids: torch.Tensor
-    logprobs: torch.Tensor
+    logprobs: torch.Tensor | None
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
@@ -182,6 +183,8 @@ class Sampler(torch.nn.Module):
             final = self._sample_distribution(penalised, params, greedy)
             sampled = final.softmax(dim=-1).div_(self._race_noise(final, gens, greedy)).argmax(dim=-1)
             token_ids = torch.where(to_device(greedy, torch.bool, logits.device), token_ids, sampled)
+        if all(p.logprobs is None for p in params):  # a log-softmax over the vocabulary nobody reads
+            return SampleOutput(token_ids=token_ids, logprobs=None, top_logprobs=[None] * batch)
         return self._logprobs(raw if self.logprobs_mode == "raw" else final, token_ids, params)
 
     @staticmethod
