@@ -2,8 +2,8 @@
 # Open questions, measured in one go on the GPU machine (about 3 minutes); results under
 # $OUT/experiments.txt. Defaults change only after a measurement.
 #   1. The sampler's argmax on the GPU (tests), then whole-model decode with the Triton argmax
-#      against torch's (SEGKV_TRITON_ARGMAX=1 / 0, alternating), and the sampler no longer
-#      computing log-probabilities nobody asked for (both unmeasured on the GPU so far).
+#      against torch's (SEGKV_TRITON_ARGMAX=1 / 0, alternating; DeepSeek batch 1 / 1K measured
+#      375 against 372), now for Llama and batch 32 too.
 #   2. Where a batch-1 graph step's GPU time goes (DeepSeek-V2-Lite and Llama-3.1-8B, 1K): busy
 #      time by kernel and the gaps between kernels inside the replays (trace_gaps --kernels).
 # A/B against an earlier revision in the same run: `git archive <rev> segkv | tar -x -C ab_old`
