@@ -182,8 +182,9 @@ def test_one_row_work_items_replay_narrow_graphs_and_shared_prefixes_wide_ones(t
 @pytest.mark.parametrize("kv_heads,latent", [(8, False), (1, False), (1, True)])
 def test_graph_buckets_hold_every_decode_plan_of_their_size(kv_heads, latent):
     """A bucket's work-item room (``max_graph_work_items``) covers the planner's decode plans on
-    an H200-sized device from 100 to 128K rows per sequence, yet an 8-KV-head model's batch-1
-    bucket is an eighth of a latent one's (its idle programs cost every layer's launch)."""
+    an H200-sized device: independent sequences of 100 to 128K rows (narrow buckets), and forks
+    of a history sealed into up to 100 segments (wide ones); yet an 8-KV-head model's narrow
+    batch-1 bucket is an eighth of a latent one's (its idle programs cost every layer's launch)."""
     from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
     from segkv.cache.segment import ChainSpan
     from segkv.runner.cuda_graphs import max_graph_work_items
@@ -208,3 +209,21 @@ def test_graph_buckets_hold_every_decode_plan_of_their_size(kv_heads, latent):
     assert fullest > 0.45  # room no larger than plans come close to needing
     assert max_graph_work_items(device, 1, kv_heads=8, latent=False) == 66
     assert max_graph_work_items(device, 1, kv_heads=1, latent=True) == 256
+    # forks of one segmented history (a tree search, turns sealed as segments): cascade plans in
+    # wide buckets, whose pieces follow the shared segments
+    for forks, segments, rows in ((2, 100, 512), (8, 30, 1024), (8, 1, 32768), (16, 8, 8192), (32, 100, 512)):
+        shared, first = [], 0
+        for seg in range(segments):
+            pages = tuple(range(first, first + rows // 32))
+            first += len(pages)
+            shared.append(ChainSpan(seg, pages, rows, seg * rows, sealed=True))
+        queries = []
+        for fork in range(forks):
+            own = ChainSpan(1000 + fork, tuple(range(first, first + 16)), 500, segments * rows, sealed=False)
+            first += 16
+            queries.append(SequenceQuery((*shared, own), 1))
+        plan = plan_attention(queries, shape, device, page_size=32)
+        assert plan.max_work_rows > 1  # wide: the shared pieces serve every fork's row
+        bucket = 1 << (forks - 1).bit_length()
+        room = max_graph_work_items(device, bucket, kv_heads=kv_heads, latent=latent, wide=True)
+        assert len(plan.work) <= room, (forks, segments, len(plan.work), room)

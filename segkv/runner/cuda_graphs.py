@@ -51,15 +51,20 @@ class _Bucket:
 
 
 def max_graph_work_items(device: DeviceSpec, size: int, *, kv_heads: int, latent: bool, wide: bool = False) -> int:
-    """Work items a graph bucket of ``size`` decode rows holds room for: two waves of stage-1
-    programs (a split fills at most one; batches whose runs fill the device make up to two), at
-    most ``max_partitions`` per run (a sequence, plus its shared prefixes in a wide bucket), and
-    never fewer than 4 per row. Stage 1 launches a program per possible work item and KV head,
-    and idle ones still start: sized for the latent layout (one program per item), an 8-KV-head
-    model's batch-1 bucket launched 4224 programs for 88 and lost 3-9 us per layer (H200)."""
+    """Work items a graph bucket of ``size`` decode rows holds room for. Stage 1 launches a program
+    per possible work item and KV head, and idle ones still start: sized for the latent layout
+    (one program per item), an 8-KV-head model's batch-1 bucket launched 4224 programs for 88 and
+    lost 3-9 us per layer (H200).
+
+    Narrow buckets (every work item one sequence's row, no shared pieces): two waves of stage-1
+    programs (a split fills at most one; batches that fill the device make up to two), at most
+    ``max_partitions`` per sequence, never fewer than 4 per row. Wide buckets (cascade plans over
+    shared prefixes) keep two waves of single-program items: their pieces follow the shared
+    history's segments (8 forks of a 100-segment history: 108 items), not the KV heads."""
+    if wide:
+        return max(2 * device.wave_size, 4 * size)
     programs_per_item = 1 if latent else kv_heads
-    runs = (2 if wide else 1) * size
-    return max(min(2 * -(-device.wave_size // programs_per_item), runs * device.max_partitions), 4 * size)
+    return max(min(2 * -(-device.wave_size // programs_per_item), size * device.max_partitions), 4 * size)
 
 
 class DecodeGraphs:
