@@ -109,6 +109,32 @@ def test_shared_history_is_planned_as_cascade():
     assert list(first.causal_offsets[:2]) == [5038, 5039]
 
 
+def test_forks_of_a_history_sealed_turn_by_turn_share_one_run():
+    """A history sealed in 30 segments (ends mid-page) and forked 6 ways: the consecutive shared
+    segments form one run, partitioned like one long span, not a piece (and a partial per row)
+    for each segment. A segment held by only some forks starts a run of its own."""
+    segments, start = [], 0
+    for rows in [100 + 37 * i for i in range(30)]:
+        segments.append(span(rows, start=start))
+        start += rows
+    extra = span(300, start=start)  # sealed after 4 of the 6 forks were made
+    queries = []
+    for fork in range(6):
+        tail = (extra,) if fork < 4 else ()
+        offset = start + (300 if fork < 4 else 0)
+        queries.append(SequenceQuery((*segments, *tail, span(50, start=offset, sealed=False)), 1))
+    plan = plan_attention(queries, GQA, H200_LIKE, page_size=PS)
+    assert plan.route == Route.CASCADE
+    everyone = [w for w in plan.work if len(w.query_rows) == 6]
+    four = [w for w in plan.work if len(w.query_rows) == 4]
+    assert sum(plan.pieces[w.piece].num_rows for w in everyone) == start  # the 30 segments, once
+    assert 1 < len(everyone) <= plan.num_partitions < 30  # cut by the cost model, not by segment
+    assert sum(plan.pieces[w.piece].num_rows for w in four) == 300
+    for row in range(6):
+        assert covered_rows(plan, row) == start + (300 if row < 4 else 0) + 50
+        assert len(plan.reduce_map[row]) < 30
+
+
 @pytest.mark.parametrize("route", list(Route))
 def test_every_route_can_be_forced(route):
     queries = [seq(100, 37, 64, num_query_rows=4), seq(20, num_query_rows=4)]

@@ -158,24 +158,46 @@ def _append_span(run: _Run, span: ChainSpan, page_size: int) -> None:
 def _build_runs(
     queries: Sequence[SequenceQuery], layout: Route, shared: set, page_size: int
 ) -> list[_Run]:
+    """The batch's runs: each sequence's consecutive spans, except (cascade) shared spans, which
+    form runs of their own serving every holder. Consecutive shared spans held by the same
+    sequences join one run (a history sealed turn by turn and then forked is one shared run, cut
+    into partitions like any other, not a piece and a partial per sealed segment)."""
+    holders: dict[tuple[int, int, int], set[int]] = {}
+    if layout == Route.CASCADE:
+        for index, query in enumerate(queries):
+            if query.num_query_rows:
+                for span in query.spans:
+                    if _span_key(span) in shared:
+                        holders.setdefault(_span_key(span), set()).add(index)
     runs: list[_Run] = []
-    shared_runs: dict[tuple[int, int, int], _Run] = {}
+    shared_runs: dict[tuple[int, int, int], _Run] = {}  # a shared span's key -> the run holding it
     for index, query in enumerate(queries):
         if not query.num_query_rows:
             continue
         current: _Run | None = None
+        previous: tuple[int, int, int] | None = None  # the shared span just before, if any
         for span in query.spans:
             if span.num_rows == 0:
                 continue
             key = _span_key(span)
             if layout == Route.CASCADE and key in shared:
                 current = None
-                if key not in shared_runs:
-                    shared_runs[key] = _Run([], [], span.key_start)
-                    _append_span(shared_runs[key], span, page_size)
-                    runs.append(shared_runs[key])
-                shared_runs[key].members.append(index)
+                run = shared_runs.get(key)
+                if run is None:
+                    joins = (previous is not None and holders[previous] == holders[key]
+                             and previous[2] + previous[1] == span.key_start)
+                    if joins:
+                        run = shared_runs[previous]
+                    else:
+                        run = _Run([], [], span.key_start)
+                        runs.append(run)
+                    _append_span(run, span, page_size)
+                    shared_runs[key] = run
+                if not run.members or run.members[-1] != index:
+                    run.members.append(index)
+                previous = key
                 continue
+            previous = None
             if current is None or layout == Route.SEGMENTS:
                 current = _Run([], [], span.key_start, [index])
                 runs.append(current)
