@@ -250,7 +250,8 @@ def bench_case(*, shape_name: str, batch: int, context: int, page_size: int, dty
 def bench_cascade(*, shape_name: str, forks: int, prefix: int, suffix: int, page_size: int, dtype, trials: int,
                   bandwidth: float, seed: int = 0, partition_caps: tuple[int, ...] = ()) -> dict:
     """``forks`` sequences sharing a ``prefix``-row history, each with ``suffix`` rows of its own:
-    the planner's cascade plan against the same batch planned without sharing (split).
+    the planner's cascade plan against the same batch planned without sharing (split), and the
+    cascade plan of the prefix seen as 30 sealed segments (``cascade_segments30``).
     ``partition_caps``: also the cascade planned with at most that many partitions per run
     (variants ``cascade_max<N>``), to see how the prefix's split pays."""
     device = "cuda"
@@ -273,8 +274,12 @@ def bench_cascade(*, shape_name: str, forks: int, prefix: int, suffix: int, page
     backend = TritonBackend(page_size=page_size, device=device)
     kc, vc = cache.storage.key_cache(0), cache.storage.value_cache(0)
     q = torch.randn(forks, q_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    # the same shared prefix as a history sealed in 30 segments (turn by turn), then forked
+    prefix_spans = regroup(SequenceQuery.from_chain(root, 1), 30, page_size, 10_000).spans
+    sealed_turns = [SequenceQuery(prefix_spans + q.spans[1:], 1) for q in queries]
     plans = {"cascade": plan_attention(queries, shape, spec, page_size=page_size),
-             "no_sharing": plan_attention(queries, shape, spec, page_size=page_size, route="split")}
+             "no_sharing": plan_attention(queries, shape, spec, page_size=page_size, route="split"),
+             "cascade_segments30": plan_attention(sealed_turns, shape, spec, page_size=page_size)}
     for cap in partition_caps:
         plans[f"cascade_max{cap}"] = plan_attention(queries, shape, dataclasses.replace(spec, max_partitions=cap),
                                                     page_size=page_size)
