@@ -6,6 +6,10 @@
 #      375 against 372), now for Llama and batch 32 too.
 #   2. Where a batch-1 graph step's GPU time goes (DeepSeek-V2-Lite and Llama-3.1-8B, 1K): busy
 #      time by kernel and the gaps between kernels inside the replays (trace_gaps --kernels).
+#   3. The cascade over a prefix sealed in 30 segments (decode_attention's cascade_segments30)
+#      before and after consecutive shared segments became one run: make ab_old/ first with
+#      `git archive 33e1688 segkv | tar -x -C ab_old && cp segkv/bench/decode_attention.py
+#      ab_old/segkv/bench/` (skipped without it).
 # A/B against an earlier revision in the same run: `git archive <rev> segkv | tar -x -C ab_old`
 # here, then run the benchmark from inside ab_old/ (cd ab_old && PYTHONPATH=$PWD python3 -m ...).
 # Results of earlier runs: docs/benchmarks.md.
@@ -35,3 +39,11 @@ for model in deepseek-v2-lite llama-3.1-8b; do
   python3 scripts/trace_gaps.py "$OUT/$model.json" --kernels --min-us 20 --rows 40 2>&1 | tee -a "$log"
   gzip -f "$OUT/$model.json"
 done
+if [ -d ab_old ]; then
+  for rev in old new; do
+    echo "== cascade, $rev" | tee -a "$log"
+    dir=$PWD; [ $rev = old ] && dir=$PWD/ab_old
+    (cd "$dir" && PYTHONPATH=$dir timeout 120 python3 -m segkv.bench.decode_attention --cascade-only --trials 5) 2>&1 \
+      | grep -E "cascade|no_sharing|rror" | tee -a "$log"
+  done
+fi
