@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -141,13 +140,16 @@ def _span_key(span: ChainSpan) -> tuple[int, int, int]:
     return (span.segment_id, span.num_rows, span.key_start)
 
 
-def _shared_spans(queries: Sequence[SequenceQuery], min_rows: int) -> set[tuple[int, int, int]]:
-    """Sealed spans that two or more sequences of the batch hold identically."""
-    counts: Counter[tuple[int, int, int]] = Counter()
-    for query in queries:
+def _shared_spans(queries: Sequence[SequenceQuery], min_rows: int) -> dict[tuple[int, int, int], set[int]]:
+    """Sealed spans that two or more sequences of the batch hold identically, with the indices
+    of the sequences holding each."""
+    holders: dict[tuple[int, int, int], set[int]] = {}
+    for index, query in enumerate(queries):
         if query.num_query_rows:
-            counts.update({_span_key(s) for s in query.spans if s.sealed and s.num_rows >= max(min_rows, 1)})
-    return {key for key, count in counts.items() if count >= 2}
+            for s in query.spans:
+                if s.sealed and s.num_rows >= max(min_rows, 1):
+                    holders.setdefault(_span_key(s), set()).add(index)
+    return {key: held for key, held in holders.items() if len(held) >= 2}
 
 
 def _append_span(run: _Run, span: ChainSpan, page_size: int) -> None:
@@ -156,19 +158,13 @@ def _append_span(run: _Run, span: ChainSpan, page_size: int) -> None:
 
 
 def _build_runs(
-    queries: Sequence[SequenceQuery], layout: Route, shared: set, page_size: int
+    queries: Sequence[SequenceQuery], layout: Route, shared: dict[tuple[int, int, int], set[int]], page_size: int
 ) -> list[_Run]:
-    """The batch's runs: each sequence's consecutive spans, except (cascade) shared spans, which
-    form runs of their own serving every holder. Consecutive shared spans held by the same
-    sequences join one run (a history sealed turn by turn and then forked is one shared run, cut
-    into partitions like any other, not a piece and a partial per sealed segment)."""
-    holders: dict[tuple[int, int, int], set[int]] = {}
-    if layout == Route.CASCADE:
-        for index, query in enumerate(queries):
-            if query.num_query_rows:
-                for span in query.spans:
-                    if _span_key(span) in shared:
-                        holders.setdefault(_span_key(span), set()).add(index)
+    """The batch's runs: each sequence's consecutive spans, except (cascade) ``shared`` spans
+    (:func:`_shared_spans`), which form runs of their own serving every holder. Consecutive
+    shared spans held by the same sequences join one run (a history sealed turn by turn and then
+    forked is one shared run, cut into partitions like any other, not a piece and a partial per
+    sealed segment)."""
     runs: list[_Run] = []
     shared_runs: dict[tuple[int, int, int], _Run] = {}  # a shared span's key -> the run holding it
     for index, query in enumerate(queries):
@@ -184,7 +180,7 @@ def _build_runs(
                 current = None
                 run = shared_runs.get(key)
                 if run is None:
-                    joins = (previous is not None and holders[previous] == holders[key]
+                    joins = (previous is not None and shared[previous] == shared[key]
                              and previous[2] + previous[1] == span.key_start)
                     if joins:
                         run = shared_runs[previous]

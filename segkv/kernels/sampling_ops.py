@@ -23,10 +23,10 @@ def _chunk_argmax_kernel(X, VALUES, INDICES, stride_x, vocab, chunks, CHUNK: tl.
     x = tl.load(X + row * stride_x + offs, mask=ok, other=float("-inf")).to(tl.float32)
     nan = ok & (x != x)
     first_nan = tl.min(tl.where(nan, offs, vocab), axis=0)
-    best = tl.argmax(tl.where(nan, float("-inf"), x), axis=0, tie_break_left=True)
+    numbers = tl.where(nan, float("-inf"), x)
     has_nan = first_nan < vocab
-    index = tl.where(has_nan, first_nan, chunk * CHUNK + best)
-    value = tl.where(has_nan, float("nan"), tl.max(tl.where(nan, float("-inf"), x), axis=0))
+    index = tl.where(has_nan, first_nan, chunk * CHUNK + tl.argmax(numbers, axis=0, tie_break_left=True))
+    value = tl.where(has_nan, float("nan"), tl.max(numbers, axis=0))
     tl.store(VALUES + row * chunks + chunk, value)
     tl.store(INDICES + row * chunks + chunk, index)
 

@@ -96,17 +96,16 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
-        if self.fused and x.shape[0] <= ROUTER_KERNEL_MAX_TOKENS:
-            from segkv.kernels.moe_ops import router_logits
-
-            logits = router_logits(x, self.weight)  # decode: one launch for the float32 product
-        else:
-            logits = F.linear(x.float(), self.weight.float())
         if self.fused:
-            from segkv.kernels.moe_ops import route_topk
+            from segkv.kernels.moe_ops import route_topk, router_logits
 
+            if x.shape[0] <= ROUTER_KERNEL_MAX_TOKENS:  # decode: one launch for the float32 product
+                logits = router_logits(x, self.weight)
+            else:
+                logits = F.linear(x.float(), self.weight.float())
             return route_topk(logits, s.top_k, scoring=s.scoring, norm_topk_prob=s.norm_topk_prob,
                               scaling=s.routed_scaling_factor)
+        logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(dim=-1) if s.scoring == "softmax" else logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float() if s.has_bias else scores
         if s.grouped:
