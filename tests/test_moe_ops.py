@@ -128,3 +128,85 @@ def test_router_logits_match_the_float32_product(tokens, experts, hidden, dtype,
     torch.testing.assert_close(logits.double(), ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="router_logits"):
         router_logits(x, weight[:, :-1])
+
+
+@pytest.mark.parametrize("tokens,experts,hidden,k", [(1, 64, 2048, 6), (3, 10, 96, 2),
+                                                     (16, 160, 3000, 8) if GPU else (2, 12, 2100, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scoring,norm_topk", [("softmax", False), ("sigmoid", True)])
+def test_norm_route_topk_matches_the_separate_kernels(tokens, experts, hidden, k, dtype, scoring, norm_topk, gen):
+    """The fused residual add, RMSNorm, router logits and top-k against the three kernels it
+    replaces (norm rows wider than one 2048-column step, expert counts that do not fill a block),
+    twice in a row: the per-token tickets are left zero for the next launch."""
+    from segkv.kernels.fused_ops import rms_norm
+    from segkv.kernels.moe_ops import norm_route_topk, router_logits
+
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+    residual = (3 * torch.randn(tokens, hidden, generator=gen)).to(dtype).to(DEVICE)
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(DEVICE)
+    router_w = (torch.randn(experts, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEVICE)
+    tickets = torch.zeros(16, dtype=torch.int32, device=DEVICE)
+    ref_h, ref_total = rms_norm(x, norm_w, 1e-6, residual=residual)
+    ref_w, ref_ids = route_topk(router_logits(ref_h, router_w), k, scoring=scoring, norm_topk_prob=norm_topk,
+                                scaling=1.5)
+    for _ in range(2):
+        h, total, weights, ids = norm_route_topk(x, residual, norm_w, 1e-6, router_w, k, tickets, scoring=scoring,
+                                                 norm_topk_prob=norm_topk, scaling=1.5)
+        assert not tickets.any()
+        assert torch.equal(total, ref_total)  # one rounded add, as rms_norm's
+        assert h.dtype == ref_h.dtype and torch.isfinite(h).all()
+        ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-23}[dtype]
+        torch.testing.assert_close(h.float(), ref_h.float(), rtol=4 * ulp, atol=0)  # float32 sum order only
+        assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids)
+        torch.testing.assert_close(weights, ref_w, rtol=1e-4, atol=1e-6)
+
+
+def test_norm_route_topk_rejects_bad_inputs(gen):
+    from segkv.kernels.moe_ops import norm_route_topk
+
+    x = torch.randn(2, 32, generator=gen).to(DEVICE)
+    w, router = torch.ones(32, device=DEVICE), torch.randn(8, 32, generator=gen).to(DEVICE)
+    tickets = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="norm_route_topk"):
+        norm_route_topk(x, x[:, :-1], w, 1e-6, router, 2, tickets)
+    with pytest.raises(ValueError, match="norm_route_topk"):
+        norm_route_topk(x, x, w, 1e-6, router[:, :-1], 2, tickets)
+    with pytest.raises(ValueError, match="tickets"):
+        norm_route_topk(x, x, w, 1e-6, router, 2, tickets[:1])
+    with pytest.raises(ValueError, match="top_k"):
+        norm_route_topk(x, x, w, 1e-6, router, 9, tickets)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 20])
+def test_fused_block_routes_few_tokens_in_the_norm_launch(tokens, gen, monkeypatch):
+    """A fused MoE block's second half (``forward_after_norm``): up to 16 tokens the norm, the
+    router's logits and its top-k are one launch and the separate kernels do not run; more
+    tokens take them apart. Either way the result equals the unfused norm and layer."""
+    from segkv.kernels import moe_ops
+    from segkv.layers import norm as norm_module
+    from segkv.layers.moe import MixtureOfExperts, RouterSpec
+    from segkv.layers.norm import RMSNorm
+
+    moe = MixtureOfExperts(40, 24, RouterSpec(num_experts=6, top_k=2, norm_topk_prob=True), num_shared=1)
+    norm = RMSNorm(40)
+    with torch.no_grad():
+        for p in (*moe.parameters(), *norm.parameters()):
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen) + (1 if p is norm.weight else 0))
+    moe, norm = moe.to(torch.bfloat16).to(DEVICE), norm.to(torch.bfloat16).to(DEVICE)
+    x = torch.randn(tokens, 40, generator=gen).to(torch.bfloat16).to(DEVICE)
+    residual = torch.randn(tokens, 40, generator=gen).to(torch.bfloat16).to(DEVICE)
+    with torch.no_grad():
+        ref_out, ref_total = moe.forward_after_norm(x, residual, norm)  # unfused: norm, then the layer
+        moe.pack_experts()
+        for module in (moe, moe.gate, moe.shared_experts, norm):
+            module.use_fused()
+        calls = []
+        for module, name in ((moe_ops, "norm_route_topk"), (moe_ops, "route_topk"), (norm_module, "rms_norm")):
+            original = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _n=name, _f=original, **kw: calls.append(_n) or _f(*a, **kw))
+        out, total = moe.forward_after_norm(x, residual, norm)
+    few = tokens <= 16
+    assert calls == (["norm_route_topk"] if few else ["rms_norm", "route_topk"])
+    assert torch.equal(total, ref_total)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref_out, rtol=2**-5, atol=2**-5 * ref_out.abs().max().item())

@@ -4,6 +4,9 @@
   weights, one kernel instead of two conversions and cuBLAS's float32 GEMV and its reduction.
 * :func:`route_topk`: a router's scores, top-k choice and weights from its float32 logits, one
   kernel instead of softmax/sigmoid, top-k, gather, normalisation and scaling (about six).
+* :func:`norm_route_topk`: a pre-norm block's residual add and RMSNorm, then the router's logits
+  and top-k of the normed rows, one kernel for a few tokens (the last program of each token,
+  found by an atomic ticket, takes the top-k) instead of three.
 * :func:`combine_experts`: the weighted sum of each token's expert outputs in float32, rounded
   once, plus the shared experts' output, one kernel instead of about five.
 
@@ -64,15 +67,11 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _route_topk_kernel(LOGITS, WEIGHTS, IDS, stride_l, num_experts, scale,
-                       K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                       SOFTMAX: tl.constexpr, NORM: tl.constexpr):
-    """Program ``t``: the top ``K`` experts of token ``t`` by logit (softmax and sigmoid are
-    increasing, so the same experts as by score), weighted by their scores."""
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_E)
-    ok = offs < num_experts
-    logits = tl.load(LOGITS + t * stride_l + offs, mask=ok, other=float("-inf"))
+def _topk_of_logits(logits, offs, ok, scale, K: tl.constexpr, BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr,
+                    NORM: tl.constexpr):
+    """The top ``K`` of one token's float32 ``logits (BLOCK_E,)`` (-inf past the experts): their
+    ids (int32) and weights (float32, normalised when ``NORM``, times ``scale``), ``(BLOCK_K,)``.
+    Softmax and sigmoid are increasing, so the experts are the top-k by logit."""
     if SOFTMAX:
         e = tl.where(ok, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
         scores = e / tl.sum(e, axis=0)
@@ -89,9 +88,30 @@ def _route_topk_kernel(LOGITS, WEIGHTS, IDS, stride_l, num_experts, scale,
         choice = tl.where(offs == best, float("-inf"), choice)
     if NORM:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    return ids, weights * scale
+
+
+@triton.jit
+def _route_topk_kernel(LOGITS, WEIGHTS, IDS, stride_l, num_experts, scale,
+                       K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                       SOFTMAX: tl.constexpr, NORM: tl.constexpr):
+    """Program ``t``: the top ``K`` experts of token ``t`` by logit, weighted by their scores."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < num_experts
+    logits = tl.load(LOGITS + t * stride_l + offs, mask=ok, other=float("-inf"))
+    ids, weights = _topk_of_logits(logits, offs, ok, scale, K, BLOCK_K, SOFTMAX, NORM)
+    slot = tl.arange(0, BLOCK_K)
     keep = slot < K
-    tl.store(WEIGHTS + t * K + slot, weights * scale, mask=keep)
+    tl.store(WEIGHTS + t * K + slot, weights, mask=keep)
     tl.store(IDS + t * K + slot, ids.to(tl.int64), mask=keep)
+
+
+def _check_route(experts: int, top_k: int, scoring: str) -> None:
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k must be in 1..{experts}, got {top_k}")
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
 
 
 def route_topk(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", norm_topk_prob: bool = False,
@@ -104,10 +124,7 @@ def route_topk(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", no
         raise ValueError(f"route_topk needs (T, E) float32 logits with a unit last stride, got "
                          f"{tuple(logits.shape)} {logits.dtype}")
     tokens, experts = logits.shape
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"top_k must be in 1..{experts}, got {top_k}")
-    if scoring not in ("softmax", "sigmoid"):
-        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    _check_route(experts, top_k, scoring)
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     if tokens:
@@ -117,6 +134,103 @@ def route_topk(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", no
             SOFTMAX=scoring == "softmax", NORM=norm_topk_prob, num_warps=1,
         )
     return weights, ids
+
+
+@triton.jit
+def _norm_route_kernel(
+    X, RES, NORM_W, RES_OUT, H_OUT, ROUTER_W, LOGITS, WEIGHTS, IDS, TICKETS,
+    stride_x, stride_r, stride_ro, stride_h, stride_w, stride_l,
+    hidden, num_experts, eps, scale,
+    X_KIND: tl.constexpr, H_KIND: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+    ALL_E: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr, NORM: tl.constexpr,
+):
+    """Program (token, block of experts): the residual sum and its RMSNorm (every program computes
+    them alike; the first block's program stores them), ``BLOCK_E`` router logits of the normed
+    row, then an atomic ticket per token: the token's last program reads all its logits back and
+    writes the top-k ids and weights, and resets the ticket to 0 for the next launch."""
+    t = tl.program_id(0).to(tl.int64)
+    eb = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_H)
+    sq = tl.zeros([BLOCK_H], tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):  # the mean square (one step up to BLOCK_H columns)
+        ok = h0 + cols < hidden
+        s = round_to_kind(tl.load(X + t * stride_x + h0 + cols, mask=ok, other=0.0).to(tl.float32)
+                          + tl.load(RES + t * stride_r + h0 + cols, mask=ok, other=0.0).to(tl.float32), X_KIND)
+        sq += s * s
+    inv_rms = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / hidden + eps)
+    experts = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = experts < num_experts
+    acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        ok = h0 + cols < hidden
+        s = round_to_kind(tl.load(X + t * stride_x + h0 + cols, mask=ok, other=0.0).to(tl.float32)
+                          + tl.load(RES + t * stride_r + h0 + cols, mask=ok, other=0.0).to(tl.float32), X_KIND)
+        w = tl.load(NORM_W + h0 + cols, mask=ok, other=0.0).to(tl.float32)
+        h = round_to_kind(w * round_to_kind(s * inv_rms, X_KIND), H_KIND)  # as rms_norm rounds
+        if eb == 0:
+            tl.store(RES_OUT + t * stride_ro + h0 + cols, s, mask=ok)
+            tl.store(H_OUT + t * stride_h + h0 + cols, h, mask=ok)
+        wr = tl.load(ROUTER_W + experts[:, None].to(tl.int64) * stride_w + (h0 + cols)[None, :],
+                     mask=e_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
+        acc += wr * h[None, :]
+    tl.store(LOGITS + t * stride_l + experts, tl.sum(acc, axis=1), mask=e_ok)
+    tl.debug_barrier()  # every thread's logits are stored before the ticket (released by it)
+    ticket = tl.atomic_add(TICKETS + t, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(1) - 1:
+        offs = tl.arange(0, ALL_E)
+        all_ok = offs < num_experts
+        # the other programs' logits: read through L2 (".cg"), not a stale L1
+        logits = tl.load(LOGITS + t * stride_l + offs, mask=all_ok, other=float("-inf"), cache_modifier=".cg")
+        ids, weights = _topk_of_logits(logits, offs, all_ok, scale, K, BLOCK_K, SOFTMAX, NORM)
+        slot = tl.arange(0, BLOCK_K)
+        keep = slot < K
+        tl.store(WEIGHTS + t * K + slot, weights, mask=keep)
+        tl.store(IDS + t * K + slot, ids.to(tl.int64), mask=keep)
+        tl.store(TICKETS + t, 0)
+
+
+def norm_route_topk(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    router_weight: torch.Tensor, top_k: int, tickets: torch.Tensor, *, scoring: str = "softmax",
+                    norm_topk_prob: bool = False, scaling: float = 1.0
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A pre-norm block's residual add and RMSNorm, the router's float32 logits of the normed rows
+    and their top-k, in one launch (decode: four launches before).
+
+    ``x``, ``residual`` ``(T, hidden)`` of one dtype, ``norm_weight (hidden,)``, ``router_weight
+    (E, hidden)``, ``tickets`` int32 zeros of at least ``T`` entries (left zero). Returns ``h (T,
+    hidden)`` (``rms_norm(x, norm_weight, eps, residual)[0]``), the sum ``x + residual`` and
+    ``route_topk``'s ``weights (T, k)`` float32 and ``ids (T, k)`` int64 of
+    ``router_logits(h, router_weight)``; every value as those functions round it, up to the
+    order of float32 sums. Every token's programs read the whole router weight: for few tokens."""
+    if (x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.shape != (x.shape[1],)
+            or router_weight.dim() != 2 or router_weight.shape[1] != x.shape[1]):
+        raise ValueError(f"norm_route_topk: x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} "
+                         f"{residual.dtype}, norm weight {tuple(norm_weight.shape)}, router weight "
+                         f"{tuple(router_weight.shape)}")
+    for name, t in (("x", x), ("residual", residual), ("norm weight", norm_weight), ("router weight", router_weight)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"norm_route_topk needs a unit stride on the hidden dim ({name})")
+    tokens, hidden = x.shape
+    experts = router_weight.shape[0]
+    _check_route(experts, top_k, scoring)
+    if tickets.dtype != torch.int32 or tickets.numel() < tokens:
+        raise ValueError(f"norm_route_topk needs int32 tickets for {tokens} tokens, got {tickets.numel()} "
+                         f"{tickets.dtype}")
+    h = torch.empty(tokens, hidden, dtype=torch.result_type(norm_weight, x), device=x.device)
+    total = torch.empty_like(x)
+    logits = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
+    if tokens:
+        _norm_route_kernel[(tokens, triton.cdiv(experts, _ROUTER_BLOCK_E))](
+            x, residual, norm_weight, total, h, router_weight, logits, weights, ids, tickets,
+            x.stride(0), residual.stride(0), total.stride(0), h.stride(0), router_weight.stride(0),
+            logits.stride(0), hidden, experts, float(eps), float(scaling),
+            X_KIND=kind_of(x.dtype), H_KIND=kind_of(h.dtype), BLOCK_H=min(2048, triton.next_power_of_2(hidden)),
+            BLOCK_E=_ROUTER_BLOCK_E, ALL_E=triton.next_power_of_2(experts), K=top_k,
+            BLOCK_K=triton.next_power_of_2(top_k), SOFTMAX=scoring == "softmax", NORM=norm_topk_prob, num_warps=4,
+        )
+    return h, total, weights, ids
 
 
 @triton.jit

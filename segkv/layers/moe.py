@@ -9,10 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from segkv.layers.activation import GatedMLP
+from segkv.layers.norm import RMSNorm
 
 SCORING_FUNCS = ("softmax", "sigmoid")
-# fused routers take their float32 logits from one Triton launch up to this many tokens (decode);
-# beyond, each token's programs reading the whole weight again would lose to cuBLAS
+# fused routers take their float32 logits from one Triton launch up to this many tokens (decode),
+# with the block's norm and the top-k in the same launch where the block allows; beyond, each
+# token's programs reading the whole weight again would lose to cuBLAS
 ROUTER_KERNEL_MAX_TOKENS = 16
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
@@ -86,8 +88,16 @@ class TopKRouter(nn.Module):
         self.spec = spec
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size))
         self.fused = False  # see use_fused
+        self._tickets: torch.Tensor | None = None  # see tickets (not saved)
         if spec.has_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(spec.num_experts), requires_grad=False)
+
+    def tickets(self, device: torch.device) -> torch.Tensor:
+        """int32 zeros for the fused norm-and-route kernel's per-token tickets (every launch
+        leaves them zero): allocated once per device, before any graph capture uses them."""
+        if self._tickets is None or self._tickets.device != device:
+            self._tickets = torch.zeros(ROUTER_KERNEL_MAX_TOKENS, dtype=torch.int32, device=device)
+        return self._tickets
 
     def use_fused(self) -> None:
         """Scores, top-k, weights and scaling in one kernel (``kernels.moe_ops.route_topk``) for
@@ -192,6 +202,29 @@ class MixtureOfExperts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        return self._experts(x, weights, ids)
+
+    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pre-norm block's second half: ``(self(norm(x + residual)), x + residual)``. Fused
+        with a few tokens (decode), the residual add, the norm, the router's logits and its top-k
+        are one launch (``kernels.moe_ops.norm_route_topk``)."""
+        gate = self.gate
+        if not (self.fused and gate.fused and norm.fused and x.dim() == 2
+                and x.shape[0] <= ROUTER_KERNEL_MAX_TOKENS):
+            h, residual = norm.add_and_norm(x, residual)
+            return self(h), residual
+        from segkv.kernels.moe_ops import norm_route_topk
+
+        s = gate.spec
+        h, residual, weights, ids = norm_route_topk(
+            x, residual, norm.weight, norm.eps, gate.weight, s.top_k, gate.tickets(x.device),
+            scoring=s.scoring, norm_topk_prob=s.norm_topk_prob, scaling=s.routed_scaling_factor)
+        return self._experts(h, weights, ids), residual
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' outputs weighted by ``weights (T, k)`` for ``ids (T, k)``, plus the
+        shared experts' output: ``(T, hidden)``."""
         if self._packed is None:
             out = self._looped_experts(x, weights, ids)
             return out if self.shared_experts is None else out + self.shared_experts(x)

@@ -29,7 +29,11 @@ class PreNormBlock(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, positions, meta), residual)
+        attn = self.self_attn(h, positions, meta)
+        after_norm = getattr(self.mlp, "forward_after_norm", None)  # a MoE fuses the norm into its router
+        if after_norm is not None:
+            return after_norm(attn, residual, self.post_attention_layernorm)
+        h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
         return self.mlp(h), residual
 
 
