@@ -190,8 +190,8 @@ def test_graph_buckets_hold_every_decode_plan_of_their_size(kv_heads, latent):
     from segkv.runner.cuda_graphs import max_graph_work_items
 
     device = DeviceSpec(kind="cuda", name="H200-sized", num_multiprocessors=132, blocks_per_multiprocessor=2,
-                        min_rows_per_partition=64, max_partitions=256, max_query_rows_per_work=64,
-                        partition_overhead_rows=256)
+                        min_rows_per_partition=64, min_rows_per_latent_partition=32, max_partitions=256,
+                        max_query_rows_per_work=64, partition_overhead_rows=256)
     shape = AttentionShape(16, 1, 576, 512) if latent else AttentionShape(4 * kv_heads, kv_heads, 128, 128)
     fullest = 0.0
     for batch in (1, 3, 8, 16, 32, 64):

@@ -264,6 +264,27 @@ def test_short_context_small_batch_splits_down_to_one_tile():
     assert plan_attention([seq(1056)], GQA, wide, page_size=PS).num_partitions == 4
 
 
+def test_latent_partitions_have_their_own_minimum():
+    """Latent attention's shortest partition is its own setting (one 32-row latent tile on CUDA):
+    at batch 1 / 1K it cuts one partition per 32 rows (33) where the GQA minimum (64) would give
+    14, and a GQA plan on the same device keeps the 64-row minimum."""
+    spec = DeviceSpec(kind="cuda", name="h200", num_multiprocessors=132, blocks_per_multiprocessor=2,
+                      min_rows_per_partition=64, min_rows_per_latent_partition=32, max_partitions=256,
+                      partition_overhead_rows=256)
+    latent16 = AttentionShape(num_q_heads=16, num_kv_heads=1, key_dim=576, value_dim=512)
+    plan = plan_attention([seq(1056)], latent16, spec, page_size=PS)
+    assert plan.route == Route.SPLIT and plan.num_partitions == 33
+    assert min(p.num_rows for p in plan.pieces) >= 32 and covered_rows(plan, 0) == 1056
+    as_gqa = DeviceSpec(kind="cuda", name="h200", num_multiprocessors=132, blocks_per_multiprocessor=2,
+                        min_rows_per_partition=64, min_rows_per_latent_partition=64, max_partitions=256,
+                        partition_overhead_rows=256)
+    assert plan_attention([seq(1056)], latent16, as_gqa, page_size=PS).num_partitions == 14
+    gqa = plan_attention([seq(1056)], GQA, spec, page_size=PS)
+    assert min(p.num_rows for p in gqa.pieces) >= 64
+    with pytest.raises(ValueError, match="min_rows_per_latent_partition"):
+        DeviceSpec(kind="cuda", name="x", num_multiprocessors=1, min_rows_per_latent_partition=0)
+
+
 def test_prefill_chunk_over_long_history_keeps_partials_within_the_workspace():
     """A 1002-row follow-up over 20K and 50K rows of history: the split's float32 partials stay
     within ``max_partial_bytes`` (the cost model alone would cut the 50K history into 7), and the

@@ -15,6 +15,10 @@ CUDA_BLOCKS_PER_SM = 2  # stage 1 at (BLOCK_N 64, 4 warps, 3 stages): about 204 
 # Fewest KV rows per partition on CUDA: one BLOCK_N tile. Short contexts at small batches then
 # still fill the device (4 programs of 272 rows left a 1K-context decode step latency-bound).
 CUDA_MIN_PARTITION_ROWS = 64
+# The same for latent (MLA) attention: one 32-row latent tile. At batch 1 / 1K a partition per
+# tile (about 34) ran DeepSeek-V2-Lite decode at 380 tok/s against 376 with 64-row partitions
+# (H200, alternating runs); from 8K on the 256-partition cap decides either way.
+CUDA_MIN_LATENT_PARTITION_ROWS = 32
 # Float32 split partials (output + LSE) a plan may need; the Triton backend keeps one buffer of
 # this size, so a long history adds no per-step workspace (see DeviceSpec.max_partial_bytes).
 PARTIAL_WORKSPACE_BYTES = 64 << 20
@@ -26,7 +30,8 @@ class DeviceSpec:
 
     ``num_multiprocessors * blocks_per_multiprocessor`` work items run at once (a "wave").
     ``min_rows_per_partition`` is the fewest KV rows worth giving one partition: below it
-    the merge costs more than the parallelism gains. ``max_query_rows_per_work`` bounds the
+    the merge costs more than the parallelism gains (``min_rows_per_latent_partition``: the same
+    for latent attention, whose tiles are shorter). ``max_query_rows_per_work`` bounds the
     query rows one stage-1 work item serves (tile height on a GPU). ``max_partial_bytes`` bounds
     the float32 partials a split adds: a many-row query (a prefill chunk) over a long history is
     cut into no more partitions than fit, so the workspace never grows with the history.
@@ -37,6 +42,7 @@ class DeviceSpec:
     num_multiprocessors: int
     blocks_per_multiprocessor: int = 1
     min_rows_per_partition: int = 256
+    min_rows_per_latent_partition: int = 256
     max_partitions: int = 64
     max_query_rows_per_work: int = 64
     partition_overhead_rows: int = 256
@@ -46,7 +52,7 @@ class DeviceSpec:
         if self.kind not in ("cpu", "cuda"):
             raise ValueError(f"DeviceSpec.kind must be 'cpu' or 'cuda', got {self.kind!r}")
         for name in ("num_multiprocessors", "blocks_per_multiprocessor", "min_rows_per_partition",
-                     "max_partitions", "max_query_rows_per_work", "partition_overhead_rows", "max_partial_bytes"):
+                     "min_rows_per_latent_partition", "max_partitions", "max_query_rows_per_work", "partition_overhead_rows", "max_partial_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DeviceSpec.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -66,6 +72,7 @@ class DeviceSpec:
             num_multiprocessors=threads,
             blocks_per_multiprocessor=1,
             min_rows_per_partition=16384,
+            min_rows_per_latent_partition=16384,
             max_partitions=8,
             max_query_rows_per_work=4096,
             partition_overhead_rows=4096,
@@ -89,6 +96,7 @@ class DeviceSpec:
             num_multiprocessors=props.multi_processor_count,
             blocks_per_multiprocessor=blocks_per_multiprocessor,
             min_rows_per_partition=min_rows_per_partition,
+            min_rows_per_latent_partition=env_int("SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS", CUDA_MIN_LATENT_PARTITION_ROWS),
             max_partitions=256,
             max_query_rows_per_work=64,
             partition_overhead_rows=256,

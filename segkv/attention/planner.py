@@ -231,7 +231,8 @@ def _auto_chunk(
     """The page-aligned partition size with the lowest estimated time on the device.
 
     Without splitting, the batch makes ``base`` work items. Each candidate count ``p`` of partitions of the longest run
-    (partitions of at least ``device.min_rows_per_partition`` rows, at most
+    (partitions of at least ``device.min_rows_per_partition`` rows, ``min_rows_per_latent_partition``
+    for latent attention, at most
     ``device.max_partitions`` per run) is costed as ``waves x (rows per partition +
     partition_overhead_rows)``: a partial wave costs a whole one, and every partition pays a
     fixed prologue, epilogue and merge share. When the unsplit batch leaves slots idle, the
@@ -247,7 +248,8 @@ def _auto_chunk(
     base = sum(units)
     wave = _wave(device, shape)
     longest = max(run_rows)
-    min_chunk = max(page_size, math.ceil(device.min_rows_per_partition / page_size) * page_size)
+    min_rows = device.min_rows_per_latent_partition if shape.is_latent else device.min_rows_per_partition
+    min_chunk = max(page_size, math.ceil(min_rows / page_size) * page_size)
     if longest < 2 * min_chunk:
         return None, f"longest run {longest} rows < 2 x {min_chunk} rows per partition"
 
