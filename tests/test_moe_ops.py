@@ -210,3 +210,71 @@ def test_fused_block_routes_few_tokens_in_the_norm_launch(tokens, gen, monkeypat
     assert torch.equal(total, ref_total)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     torch.testing.assert_close(out, ref_out, rtol=2**-5, atol=2**-5 * ref_out.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens,k,hidden,with_shared", [(1, 6, 2048, True), (3, 2, 100, False)])
+def test_combine_add_rms_norm_matches_the_two_kernels(dtype, tokens, k, hidden, with_shared, gen):
+    """The combine inside the next block's residual add and RMSNorm against combine_experts then
+    rms_norm: the sum as those round it exactly, the normed row to float32 summation order."""
+    from segkv.kernels.fused_ops import rms_norm
+    from segkv.kernels.moe_ops import combine_add_rms_norm
+
+    y = torch.randn(tokens * k, hidden, generator=gen).to(dtype).to(DEVICE)
+    weights = torch.rand(tokens, k, generator=gen).to(DEVICE)
+    shared = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE) if with_shared else None
+    residual = (4 * torch.randn(tokens, hidden, generator=gen)).to(dtype).to(DEVICE)
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(DEVICE)
+    ref_h, ref_total = rms_norm(combine_experts(y, weights, shared), norm_w, 1e-5, residual=residual)
+    h, total = combine_add_rms_norm(y, weights, shared, residual, norm_w, 1e-5)
+    assert torch.equal(total, ref_total)
+    assert h.dtype == ref_h.dtype and torch.isfinite(h).all()
+    ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-23}[dtype]
+    torch.testing.assert_close(h.float(), ref_h.float(), rtol=4 * ulp, atol=0)
+    with pytest.raises(ValueError, match="combine_add_rms_norm"):
+        combine_add_rms_norm(y, weights, shared, residual[:, :-1], norm_w, 1e-5)
+
+
+def test_a_fused_moe_model_forms_each_layers_output_in_the_next_norm(gen, monkeypatch):
+    """A fused two-layer DeepSeek-style stack at decode: each MoE layer's output reaches the next
+    norm unformed and is combined there (no combine launch), and the hidden states equal the
+    unfused model's."""
+    from segkv.kernels import moe_ops
+    from segkv.layers.moe import MixtureOfExperts, RouterSpec
+    from segkv.layers.norm import PendingCombine, RMSNorm
+
+    layers = [MixtureOfExperts(40, 24, RouterSpec(num_experts=6, top_k=2), num_shared=1) for _ in range(2)]
+    norms = [RMSNorm(40) for _ in range(5)]  # input and post-attention norms of two blocks, the final norm
+    with torch.no_grad():
+        for p in (q for m in (*layers, *norms) for q in m.parameters()):
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen) + (1 if p.dim() == 1 else 0))
+    layers = [m.to(torch.bfloat16).to(DEVICE) for m in layers]
+    norms = [m.to(torch.bfloat16).to(DEVICE) for m in norms]
+    x = torch.randn(1, 40, generator=gen).to(torch.bfloat16).to(DEVICE)
+    residual = torch.randn(1, 40, generator=gen).to(torch.bfloat16).to(DEVICE)
+
+    def run(defer: bool):
+        out, res = x, residual
+        for i, layer in enumerate(layers):
+            h, res = norms[2 * i].add_and_norm(out, res)
+            out, res = layer.forward_after_norm(0.5 * h, res, norms[2 * i + 1], defer_combine=defer)  # 0.5 h: attention
+        return norms[4].add_and_norm(out, res)
+
+    with torch.no_grad():
+        ref_h, ref_total = run(False)
+        for m in (*layers, *norms):
+            if isinstance(m, MixtureOfExperts):
+                m.pack_experts()
+                for sub in (m, m.gate, m.shared_experts):
+                    sub.use_fused()
+            else:
+                m.use_fused()
+        combines = []
+        monkeypatch.setattr(moe_ops, "combine_experts", lambda *a, **kw: combines.append(1))
+        pending, _ = layers[0].forward_after_norm(x, residual, norms[1], defer_combine=True)
+        assert isinstance(pending, PendingCombine) and pending.parts.shape == (2, 40)
+        h, total = run(True)
+    assert not combines
+    assert torch.isfinite(h).all()
+    torch.testing.assert_close(total, ref_total, rtol=2**-5, atol=2**-5 * ref_total.abs().max().item())
+    torch.testing.assert_close(h, ref_h, rtol=2**-5, atol=2**-5 * ref_h.abs().max().item())

@@ -8,7 +8,8 @@
   and top-k of the normed rows, one kernel for a few tokens (the last program of each token,
   found by an atomic ticket, takes the top-k) instead of three.
 * :func:`combine_experts`: the weighted sum of each token's expert outputs in float32, rounded
-  once, plus the shared experts' output, one kernel instead of about five.
+  once, plus the shared experts' output, one kernel instead of about five;
+  :func:`combine_add_rms_norm` does it inside the next block's residual add and RMSNorm.
 
 A decode step of a model with many small MoE layers (DeepSeek-V2-Lite: 26) is made of
 launches of a few microseconds each, so fewer launches is most of what there is to gain.
@@ -275,3 +276,58 @@ def combine_experts(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor
             enable_fp_fusion=False,  # y*w + acc as an FMA would round once; torch rounds the product
         )
     return out
+
+
+@triton.jit
+def _combine_add_norm_kernel(Y, WEIGHTS, SHARED, RES, NORM_W, RES_OUT, H_OUT, stride_y, stride_s, stride_r,
+                             stride_ro, stride_h, hidden, eps, K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                             KIND: tl.constexpr, H_KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``t``: token ``t``'s expert outputs combined as :func:`combine_experts` combines
+    them, the residual added and the sum normed as ``rms_norm`` norms it (one row of ``BLOCK``)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(K):  # in slot order, each product rounded before the add (as torch)
+        w = tl.load(WEIGHTS + t * K + j)
+        acc = acc + tl.load(Y + (t * K + j) * stride_y + cols, mask=ok, other=0.0).to(tl.float32) * w
+    out = round_to_kind(acc, KIND)
+    if HAS_SHARED:
+        out = round_to_kind(out + tl.load(SHARED + t * stride_s + cols, mask=ok, other=0.0).to(tl.float32), KIND)
+    s = round_to_kind(out + tl.load(RES + t * stride_r + cols, mask=ok, other=0.0).to(tl.float32), KIND)
+    tl.store(RES_OUT + t * stride_ro + cols, s, mask=ok)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / hidden + eps)
+    w = tl.load(NORM_W + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(H_OUT + t * stride_h + cols, round_to_kind(w * round_to_kind(s * inv_rms, KIND), H_KIND), mask=ok)
+
+
+def combine_add_rms_norm(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None, residual: torch.Tensor,
+                         norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next pre-norm block's residual add and RMSNorm of a MoE layer's combined output, in one
+    launch with the combine: ``c = combine_experts(y, weights, shared)``, then ``rms_norm(c,
+    norm_weight, eps, residual)``, returning ``(h, c + residual)`` as that pair rounds them (up to
+    the order of float32 sums). ``residual (T, H)`` of ``y``'s dtype."""
+    tokens, k = weights.shape
+    if (y.dim() != 2 or y.shape[0] != tokens * k or weights.dtype != torch.float32
+            or (shared is not None and (shared.shape != (tokens, y.shape[1]) or shared.dtype != y.dtype))
+            or residual.shape != (tokens, y.shape[1]) or residual.dtype != y.dtype
+            or norm_weight.shape != (y.shape[1],)):
+        raise ValueError(f"combine_add_rms_norm: y {tuple(y.shape)} {y.dtype}, weights {tuple(weights.shape)} "
+                         f"{weights.dtype}, shared {None if shared is None else (tuple(shared.shape), shared.dtype)}, "
+                         f"residual {tuple(residual.shape)} {residual.dtype}, norm weight {tuple(norm_weight.shape)}")
+    for name, x in (("y", y), ("shared", shared), ("residual", residual), ("norm weight", norm_weight)):
+        if x is not None and x.stride(-1) != 1:
+            raise ValueError(f"combine_add_rms_norm: {name} needs a unit stride on its last dim")
+    hidden = y.shape[1]
+    weights = weights.contiguous()
+    total = torch.empty(tokens, hidden, dtype=y.dtype, device=y.device)
+    h = torch.empty(tokens, hidden, dtype=torch.result_type(norm_weight, y), device=y.device)
+    if tokens:
+        _combine_add_norm_kernel[(tokens,)](
+            y, weights, shared if shared is not None else y, residual, norm_weight, total, h, y.stride(0),
+            shared.stride(0) if shared is not None else 0, residual.stride(0), total.stride(0), h.stride(0),
+            hidden, float(eps), K=k, HAS_SHARED=shared is not None, KIND=kind_of(y.dtype), H_KIND=kind_of(h.dtype),
+            BLOCK=triton.next_power_of_2(hidden), num_warps=4 if hidden <= 4096 else 8,
+            enable_fp_fusion=False,  # y*w + acc as an FMA would round once; torch rounds the product
+        )
+    return h, total

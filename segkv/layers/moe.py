@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from segkv.layers.activation import GatedMLP
-from segkv.layers.norm import RMSNorm
+from segkv.kernels.settings import env_int
+from segkv.layers.norm import PendingCombine, RMSNorm
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 # fused routers take their float32 logits from one Triton launch up to this many tokens (decode),
@@ -17,6 +18,10 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 # token's programs reading the whole weight again would lose to cuBLAS
 ROUTER_KERNEL_MAX_TOKENS = 16
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+# decode fusions of a MoE block (docs/configuration.md), switchable for A/B runs: the norm with the
+# router's logits and top-k in one launch; the combine inside the next block's norm
+NORM_ROUTE = env_int("SEGKV_MOE_NORM_ROUTE", 1) == 1
+COMBINE_IN_NORM = env_int("SEGKV_MOE_COMBINE_IN_NORM", 1) == 1
 
 
 @dataclass(slots=True, frozen=True)
@@ -204,27 +209,33 @@ class MixtureOfExperts(nn.Module):
         weights, ids = self.gate(x)
         return self._experts(x, weights, ids)
 
-    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, *, defer_combine: bool = False
+                           ) -> tuple[torch.Tensor | PendingCombine, torch.Tensor]:
         """A pre-norm block's second half: ``(self(norm(x + residual)), x + residual)``. Fused
         with a few tokens (decode), the residual add, the norm, the router's logits and its top-k
-        are one launch (``kernels.moe_ops.norm_route_topk``)."""
+        are one launch (``kernels.moe_ops.norm_route_topk``, unless ``SEGKV_MOE_NORM_ROUTE=0``).
+        ``defer_combine``: a fused layer may return its output as a :class:`PendingCombine`, for
+        the next block's norm to form in its own launch (``SEGKV_MOE_COMBINE_IN_NORM=0``: never)."""
         gate = self.gate
-        if not (self.fused and gate.fused and norm.fused and x.dim() == 2
+        defer = defer_combine and COMBINE_IN_NORM
+        if not (NORM_ROUTE and self.fused and gate.fused and norm.fused and x.dim() == 2
                 and x.shape[0] <= ROUTER_KERNEL_MAX_TOKENS):
             h, residual = norm.add_and_norm(x, residual)
-            return self(h), residual
+            weights, ids = self.gate(h)
+            return self._experts(h, weights, ids, defer), residual
         from segkv.kernels.moe_ops import norm_route_topk
 
         s = gate.spec
         h, residual, weights, ids = norm_route_topk(
             x, residual, norm.weight, norm.eps, gate.weight, s.top_k, gate.tickets(x.device),
             scoring=s.scoring, norm_topk_prob=s.norm_topk_prob, scaling=s.routed_scaling_factor)
-        return self._experts(h, weights, ids), residual
+        return self._experts(h, weights, ids, defer), residual
 
-    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, defer_combine: bool = False
+                 ) -> torch.Tensor | PendingCombine:
         """The routed experts' outputs weighted by ``weights (T, k)`` for ``ids (T, k)``, plus the
-        shared experts' output: ``(T, hidden)``."""
+        shared experts' output: ``(T, hidden)``, or when fused and ``defer_combine`` the parts of
+        that sum (:class:`PendingCombine`)."""
         if self._packed is None:
             out = self._looped_experts(x, weights, ids)
             return out if self.shared_experts is None else out + self.shared_experts(x)
@@ -237,9 +248,8 @@ class MixtureOfExperts(nn.Module):
                 else self._grouped_experts(x, ids)
             shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.fused:
-            from segkv.kernels.moe_ops import combine_experts
-
-            return combine_experts(y, weights, shared)
+            pending = PendingCombine(y, weights, shared)
+            return pending if defer_combine else pending.materialize()
         tokens, k = ids.shape
         out = (y.float() * weights.reshape(-1, 1)).view(tokens, k, -1).sum(dim=1).to(x.dtype)
         return out if shared is None else out + shared

@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from segkv.kernels.fused_ops import rms_norm
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCombine:
+    """A mixture-of-experts layer's output not formed yet: ``sum_j weights[t, j] * parts[t k + j]``
+    in float32, rounded once, plus ``shared`` (``kernels.moe_ops.combine_experts``). The next
+    block's norm forms it inside its own launch (:meth:`RMSNorm.add_and_norm`).
+
+    ``parts (T k, H)``, ``weights (T, k)`` float32, ``shared (T, H)`` or None."""
+
+    parts: torch.Tensor
+    weights: torch.Tensor
+    shared: torch.Tensor | None
+
+    def materialize(self) -> torch.Tensor:
+        from segkv.kernels.moe_ops import combine_experts
+
+        return combine_experts(self.parts, self.weights, self.shared)
 
 
 class RMSNorm(nn.Module):
@@ -28,9 +48,17 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor | PendingCombine, residual: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(residual + x), residual + x)``: the residual add of a pre-norm block fused into
-        the norm when ``fused``."""
+        the norm when ``fused``; a :class:`PendingCombine` ``x`` is formed in the same launch."""
+        if isinstance(x, PendingCombine):
+            if not self.fused:
+                x = x.materialize()
+            else:
+                from segkv.kernels.moe_ops import combine_add_rms_norm
+
+                return combine_add_rms_norm(x.parts, x.weights, x.shared, residual, self.weight, self.eps)
         if self.fused:
             return rms_norm(x, self.weight, self.eps, residual=residual)
         total = residual + x

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from segkv.attention.metadata import AttentionMetadata
+from segkv.layers.norm import PendingCombine
 
 
 class PreNormBlock(nn.Module):
@@ -18,13 +19,15 @@ class PreNormBlock(nn.Module):
         out, residual = self.forward_with_residual(x, None, positions, meta)
         return residual + out
 
-    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                              meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_with_residual(self, x: torch.Tensor | PendingCombine, residual: torch.Tensor | None,
+                              positions: torch.Tensor, meta: AttentionMetadata, *, defer_combine: bool = False
+                              ) -> tuple[torch.Tensor | PendingCombine, torch.Tensor]:
         """The block with its last residual add left to the next norm (fused there with the norm).
 
-        ``x`` ``(T, hidden)``: the previous block's MLP output, or the embeddings when
-        ``residual`` is None. Returns ``(mlp output, residual)``; the block's output is their sum,
-        rounded once, as ``forward`` returns it."""
+        ``x`` ``(T, hidden)``: the previous block's MLP output (or its :class:`PendingCombine`),
+        or the embeddings when ``residual`` is None. Returns ``(mlp output, residual)``; the
+        block's output is their sum, rounded once, as ``forward`` returns it. ``defer_combine``:
+        a mixture-of-experts MLP may return its output unformed, for the next norm to form."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -32,7 +35,7 @@ class PreNormBlock(nn.Module):
         attn = self.self_attn(h, positions, meta)
         after_norm = getattr(self.mlp, "forward_after_norm", None)  # a MoE fuses the norm into its router
         if after_norm is not None:
-            return after_norm(attn, residual, self.post_attention_layernorm)
+            return after_norm(attn, residual, self.post_attention_layernorm, defer_combine=defer_combine)
         h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
         return self.mlp(h), residual
 
@@ -72,7 +75,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x, residual = layer.forward_with_residual(x, residual, positions, meta)
+            x, residual = layer.forward_with_residual(x, residual, positions, meta, defer_combine=True)
         if residual is None:  # no layers
             return self.model.norm(x)
         return self.model.norm.add_and_norm(x, residual)[0]
