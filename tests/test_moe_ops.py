@@ -278,3 +278,23 @@ def test_a_fused_moe_model_forms_each_layers_output_in_the_next_norm(gen, monkey
     assert torch.isfinite(h).all()
     torch.testing.assert_close(total, ref_total, rtol=2**-5, atol=2**-5 * ref_total.abs().max().item())
     torch.testing.assert_close(h, ref_h, rtol=2**-5, atol=2**-5 * ref_h.abs().max().item())
+
+
+def test_norm_route_topk_breaks_ties_to_the_lower_expert(gen):
+    """Experts with equal router rows (equal logits) are chosen and ordered by id, as route_topk
+    orders them."""
+    from segkv.kernels.moe_ops import norm_route_topk, router_logits
+
+    x = torch.randn(1, 64, generator=gen).to(DEVICE)
+    residual = torch.randn(1, 64, generator=gen).to(DEVICE)
+    router_w = torch.randn(8, 64, generator=gen).to(DEVICE)
+    norm_w, tickets = torch.ones(64, device=DEVICE), torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    h = norm_route_topk(x, residual, norm_w, 1e-6, router_w, 4, tickets)[0]
+    best = int(router_logits(h, router_w).argmax())
+    twins = [e for e in (7, 3, 0) if e != best][:2]
+    for twin in twins:  # two more copies of the best row
+        router_w[twin] = router_w[best]
+    h, _, weights, ids = norm_route_topk(x, residual, norm_w, 1e-6, router_w, 4, tickets)
+    ref_w, ref_ids = route_topk(router_logits(h, router_w), 4)
+    assert ids[0, :3].tolist() == sorted({best, *twins}) and torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-7)

@@ -138,55 +138,99 @@ def route_topk(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", no
 
 
 @triton.jit
+def _store_topk_by_rank(logits, offs, ok, scale, WEIGHTS, IDS, t, K: tl.constexpr, SOFTMAX: tl.constexpr,
+                        NORM: tl.constexpr):
+    """:func:`_topk_of_logits` stored straight into ``WEIGHTS``/``IDS`` row ``t``, by rank: an
+    expert's slot is the number of experts ahead of it (a larger logit, or an equal one and a
+    lower id), so the choice takes one reduction over all pairs of experts instead of ``K``
+    rounds of argmax (each a reduction across the program's warps)."""
+    ahead = (logits[None, :] > logits[:, None]) | ((logits[None, :] == logits[:, None]) & (offs[None, :] < offs[:, None]))
+    rank = tl.sum(ahead.to(tl.int32), axis=1)
+    chosen = ok & (rank < K)
+    if SOFTMAX:
+        e = tl.where(ok, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
+        scores = e / tl.sum(e, axis=0)
+    else:
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+    weights = tl.where(chosen, scores, 0.0)
+    if NORM:
+        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    slot = t * K + tl.where(chosen, rank, 0)
+    tl.store(WEIGHTS + slot, weights * scale, mask=chosen)
+    tl.store(IDS + slot, offs.to(tl.int64), mask=chosen)
+
+
+@triton.jit
 def _norm_route_kernel(
     X, RES, NORM_W, RES_OUT, H_OUT, ROUTER_W, LOGITS, WEIGHTS, IDS, TICKETS,
     stride_x, stride_r, stride_ro, stride_h, stride_w, stride_l,
     hidden, num_experts, eps, scale,
-    X_KIND: tl.constexpr, H_KIND: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-    ALL_E: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr, NORM: tl.constexpr,
+    X_KIND: tl.constexpr, H_KIND: tl.constexpr, BLOCK_H: tl.constexpr, ONE_STEP: tl.constexpr,
+    BLOCK_E: tl.constexpr, ALL_E: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr,
+    NORM: tl.constexpr, BY_RANK: tl.constexpr,
 ):
     """Program (token, block of experts): the residual sum and its RMSNorm (every program computes
     them alike; the first block's program stores them), ``BLOCK_E`` router logits of the normed
     row, then an atomic ticket per token: the token's last program reads all its logits back and
-    writes the top-k ids and weights, and resets the ticket to 0 for the next launch."""
+    writes the top-k ids and weights, and resets the ticket to 0 for the next launch.
+    ``ONE_STEP`` (rows of at most ``BLOCK_H``): every load is issued before any arithmetic, so the
+    router weight's latency hides behind the norm's."""
     t = tl.program_id(0).to(tl.int64)
     eb = tl.program_id(1)
     cols = tl.arange(0, BLOCK_H)
-    sq = tl.zeros([BLOCK_H], tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):  # the mean square (one step up to BLOCK_H columns)
-        ok = h0 + cols < hidden
-        s = round_to_kind(tl.load(X + t * stride_x + h0 + cols, mask=ok, other=0.0).to(tl.float32)
-                          + tl.load(RES + t * stride_r + h0 + cols, mask=ok, other=0.0).to(tl.float32), X_KIND)
-        sq += s * s
-    inv_rms = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / hidden + eps)
     experts = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = experts < num_experts
-    acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
-        ok = h0 + cols < hidden
-        s = round_to_kind(tl.load(X + t * stride_x + h0 + cols, mask=ok, other=0.0).to(tl.float32)
-                          + tl.load(RES + t * stride_r + h0 + cols, mask=ok, other=0.0).to(tl.float32), X_KIND)
-        w = tl.load(NORM_W + h0 + cols, mask=ok, other=0.0).to(tl.float32)
+    w_rows = ROUTER_W + experts[:, None].to(tl.int64) * stride_w
+    if ONE_STEP:
+        ok = cols < hidden
+        x = tl.load(X + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        r = tl.load(RES + t * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(NORM_W + cols, mask=ok, other=0.0).to(tl.float32)
+        wr = tl.load(w_rows + cols[None, :], mask=e_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
+        s = round_to_kind(x + r, X_KIND)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / hidden + eps)
         h = round_to_kind(w * round_to_kind(s * inv_rms, X_KIND), H_KIND)  # as rms_norm rounds
         if eb == 0:
-            tl.store(RES_OUT + t * stride_ro + h0 + cols, s, mask=ok)
-            tl.store(H_OUT + t * stride_h + h0 + cols, h, mask=ok)
-        wr = tl.load(ROUTER_W + experts[:, None].to(tl.int64) * stride_w + (h0 + cols)[None, :],
-                     mask=e_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
-        acc += wr * h[None, :]
-    tl.store(LOGITS + t * stride_l + experts, tl.sum(acc, axis=1), mask=e_ok)
+            tl.store(RES_OUT + t * stride_ro + cols, s, mask=ok)
+            tl.store(H_OUT + t * stride_h + cols, h, mask=ok)
+        logits = tl.sum(wr * h[None, :], axis=1)
+    else:
+        sq = tl.zeros([BLOCK_H], tl.float32)
+        for h0 in range(0, hidden, BLOCK_H):  # the mean square
+            ok = h0 + cols < hidden
+            s = round_to_kind(tl.load(X + t * stride_x + h0 + cols, mask=ok, other=0.0).to(tl.float32)
+                              + tl.load(RES + t * stride_r + h0 + cols, mask=ok, other=0.0).to(tl.float32), X_KIND)
+            sq += s * s
+        inv_rms = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / hidden + eps)
+        acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
+        for h0 in range(0, hidden, BLOCK_H):
+            ok = h0 + cols < hidden
+            s = round_to_kind(tl.load(X + t * stride_x + h0 + cols, mask=ok, other=0.0).to(tl.float32)
+                              + tl.load(RES + t * stride_r + h0 + cols, mask=ok, other=0.0).to(tl.float32), X_KIND)
+            w = tl.load(NORM_W + h0 + cols, mask=ok, other=0.0).to(tl.float32)
+            h = round_to_kind(w * round_to_kind(s * inv_rms, X_KIND), H_KIND)
+            if eb == 0:
+                tl.store(RES_OUT + t * stride_ro + h0 + cols, s, mask=ok)
+                tl.store(H_OUT + t * stride_h + h0 + cols, h, mask=ok)
+            wr = tl.load(w_rows + (h0 + cols)[None, :], mask=e_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
+            acc += wr * h[None, :]
+        logits = tl.sum(acc, axis=1)
+    tl.store(LOGITS + t * stride_l + experts, logits, mask=e_ok)
     tl.debug_barrier()  # every thread's logits are stored before the ticket (released by it)
     ticket = tl.atomic_add(TICKETS + t, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(1) - 1:
         offs = tl.arange(0, ALL_E)
         all_ok = offs < num_experts
         # the other programs' logits: read through L2 (".cg"), not a stale L1
-        logits = tl.load(LOGITS + t * stride_l + offs, mask=all_ok, other=float("-inf"), cache_modifier=".cg")
-        ids, weights = _topk_of_logits(logits, offs, all_ok, scale, K, BLOCK_K, SOFTMAX, NORM)
-        slot = tl.arange(0, BLOCK_K)
-        keep = slot < K
-        tl.store(WEIGHTS + t * K + slot, weights, mask=keep)
-        tl.store(IDS + t * K + slot, ids.to(tl.int64), mask=keep)
+        all_logits = tl.load(LOGITS + t * stride_l + offs, mask=all_ok, other=float("-inf"), cache_modifier=".cg")
+        if BY_RANK:
+            _store_topk_by_rank(all_logits, offs, all_ok, scale, WEIGHTS, IDS, t, K, SOFTMAX, NORM)
+        else:
+            ids, weights = _topk_of_logits(all_logits, offs, all_ok, scale, K, BLOCK_K, SOFTMAX, NORM)
+            slot = tl.arange(0, BLOCK_K)
+            keep = slot < K
+            tl.store(WEIGHTS + t * K + slot, weights, mask=keep)
+            tl.store(IDS + t * K + slot, ids.to(tl.int64), mask=keep)
         tl.store(TICKETS + t, 0)
 
 
@@ -222,14 +266,15 @@ def norm_route_topk(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.
     logits = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
-    if tokens:
+    block_h, all_e = min(2048, triton.next_power_of_2(hidden)), triton.next_power_of_2(experts)
+    if tokens:  # up to 128 experts the top-k goes by rank (a 128 x 128 comparison at most)
         _norm_route_kernel[(tokens, triton.cdiv(experts, _ROUTER_BLOCK_E))](
             x, residual, norm_weight, total, h, router_weight, logits, weights, ids, tickets,
             x.stride(0), residual.stride(0), total.stride(0), h.stride(0), router_weight.stride(0),
             logits.stride(0), hidden, experts, float(eps), float(scaling),
-            X_KIND=kind_of(x.dtype), H_KIND=kind_of(h.dtype), BLOCK_H=min(2048, triton.next_power_of_2(hidden)),
-            BLOCK_E=_ROUTER_BLOCK_E, ALL_E=triton.next_power_of_2(experts), K=top_k,
-            BLOCK_K=triton.next_power_of_2(top_k), SOFTMAX=scoring == "softmax", NORM=norm_topk_prob, num_warps=4,
+            X_KIND=kind_of(x.dtype), H_KIND=kind_of(h.dtype), BLOCK_H=block_h, ONE_STEP=hidden <= block_h,
+            BLOCK_E=_ROUTER_BLOCK_E, ALL_E=all_e, K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
+            SOFTMAX=scoring == "softmax", NORM=norm_topk_prob, BY_RANK=all_e <= 128, num_warps=4,
         )
     return h, total, weights, ids
 
@@ -327,7 +372,8 @@ def combine_add_rms_norm(y: torch.Tensor, weights: torch.Tensor, shared: torch.T
             y, weights, shared if shared is not None else y, residual, norm_weight, total, h, y.stride(0),
             shared.stride(0) if shared is not None else 0, residual.stride(0), total.stride(0), h.stride(0),
             hidden, float(eps), K=k, HAS_SHARED=shared is not None, KIND=kind_of(y.dtype), H_KIND=kind_of(h.dtype),
-            BLOCK=triton.next_power_of_2(hidden), num_warps=4 if hidden <= 4096 else 8,
+            # one program per token: 8 warps halve each thread's share of the ~9 rows it reads
+            BLOCK=triton.next_power_of_2(hidden), num_warps=8 if hidden <= 8192 else 16,
             enable_fp_fusion=False,  # y*w + acc as an FMA would round once; torch rounds the product
         )
     return h, total
