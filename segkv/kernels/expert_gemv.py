@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.fused_ops import kind_of, silu_mul_rounded
+from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -67,6 +68,7 @@ def _expert_gemv_kernel(
     IN: tl.constexpr, OUT_DIM: tl.constexpr, SHARED_IN: tl.constexpr, SHARED_OUT: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
     GATED: tl.constexpr, KIND: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program ``t``: ``BLOCK_O`` outputs of one product. The first ``num_pairs x cdiv(OUT_DIM,
     BLOCK_O)`` programs serve the routed pairs (pair ``n``: expert ``experts[n]`` on row
@@ -74,7 +76,11 @@ def _expert_gemv_kernel(
     expert that several tokens chose read each weight block at about the same time, so the
     second read hits L2 (DeepSeek-V2-Lite, batch 8: 1023 tok/s with blocks fastest, 1138 with
     pairs fastest). With ``HAS_SHARED`` the rest serve the shared weight ``SW (SHARED_OUT,
-    SHARED_IN)`` on every row of ``SX``."""
+    SHARED_IN)`` on every row of ``SX``. ``USE_PDL``: scheduled while the previous kernel
+    finishes, waiting for it before any load (``kernels.pdl``)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     ROUTED_BLOCKS: tl.constexpr = (OUT_DIM + BLOCK_O - 1) // BLOCK_O
     SHARED_BLOCKS: tl.constexpr = (SHARED_OUT + BLOCK_O - 1) // BLOCK_O
@@ -190,6 +196,6 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
             BLOCK_I=min(block_i, triton.next_power_of_2(max(in_dim, s_in_dim))),
             EXACT_FP32=kernel_dtype == torch.float32, PAIRS_PER_ROW=pairs_per_row, GATED=gated,
             KIND=kind_of(x.dtype), HAS_SHARED=has_shared, num_warps=num_warps,
-            UNROLL=default_unroll(n) if unroll is None else unroll,
+            UNROLL=default_unroll(n) if unroll is None else unroll, **pdl_options(x),
         )
     return out.to(out_dtype), shared_out.to(out_dtype)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.fused_ops import kind_of, round_to_kind
+from segkv.kernels.pdl import pdl_options
 
 
 @triton.jit
@@ -167,14 +168,15 @@ def _norm_route_kernel(
     hidden, num_experts, eps, scale,
     X_KIND: tl.constexpr, H_KIND: tl.constexpr, BLOCK_H: tl.constexpr, ONE_STEP: tl.constexpr,
     BLOCK_E: tl.constexpr, ALL_E: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr,
-    NORM: tl.constexpr, BY_RANK: tl.constexpr,
+    NORM: tl.constexpr, BY_RANK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (token, block of experts): the residual sum and its RMSNorm (every program computes
     them alike; the first block's program stores them), ``BLOCK_E`` router logits of the normed
     row, then an atomic ticket per token: the token's last program reads all its logits back and
     writes the top-k ids and weights, and resets the ticket to 0 for the next launch.
     ``ONE_STEP`` (rows of at most ``BLOCK_H``): every load is issued before any arithmetic, so the
-    router weight's latency hides behind the norm's."""
+    router weight's latency hides behind the norm's; with ``USE_PDL`` the weights load before the
+    wait for the previous kernel (``kernels.pdl``)."""
     t = tl.program_id(0).to(tl.int64)
     eb = tl.program_id(1)
     cols = tl.arange(0, BLOCK_H)
@@ -183,10 +185,13 @@ def _norm_route_kernel(
     w_rows = ROUTER_W + experts[:, None].to(tl.int64) * stride_w
     if ONE_STEP:
         ok = cols < hidden
-        x = tl.load(X + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-        r = tl.load(RES + t * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
         w = tl.load(NORM_W + cols, mask=ok, other=0.0).to(tl.float32)
         wr = tl.load(w_rows + cols[None, :], mask=e_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        x = tl.load(X + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        r = tl.load(RES + t * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
         s = round_to_kind(x + r, X_KIND)
         inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / hidden + eps)
         h = round_to_kind(w * round_to_kind(s * inv_rms, X_KIND), H_KIND)  # as rms_norm rounds
@@ -195,6 +200,9 @@ def _norm_route_kernel(
             tl.store(H_OUT + t * stride_h + cols, h, mask=ok)
         logits = tl.sum(wr * h[None, :], axis=1)
     else:
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         sq = tl.zeros([BLOCK_H], tl.float32)
         for h0 in range(0, hidden, BLOCK_H):  # the mean square
             ok = h0 + cols < hidden
@@ -275,6 +283,7 @@ def norm_route_topk(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.
             X_KIND=kind_of(x.dtype), H_KIND=kind_of(h.dtype), BLOCK_H=block_h, ONE_STEP=hidden <= block_h,
             BLOCK_E=_ROUTER_BLOCK_E, ALL_E=all_e, K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
             SOFTMAX=scoring == "softmax", NORM=norm_topk_prob, BY_RANK=all_e <= 128, num_warps=4,
+            **pdl_options(x),
         )
     return h, total, weights, ids
 
@@ -326,12 +335,17 @@ def combine_experts(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor
 @triton.jit
 def _combine_add_norm_kernel(Y, WEIGHTS, SHARED, RES, NORM_W, RES_OUT, H_OUT, stride_y, stride_s, stride_r,
                              stride_ro, stride_h, hidden, eps, K: tl.constexpr, HAS_SHARED: tl.constexpr,
-                             KIND: tl.constexpr, H_KIND: tl.constexpr, BLOCK: tl.constexpr):
+                             KIND: tl.constexpr, H_KIND: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Program ``t``: token ``t``'s expert outputs combined as :func:`combine_experts` combines
-    them, the residual added and the sum normed as ``rms_norm`` norms it (one row of ``BLOCK``)."""
+    them, the residual added and the sum normed as ``rms_norm`` norms it (one row of ``BLOCK``).
+    With ``USE_PDL`` the norm's weight loads before the wait for the previous kernel."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
+    norm_w = tl.load(NORM_W + cols, mask=ok, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK], tl.float32)
     for j in tl.static_range(K):  # in slot order, each product rounded before the add (as torch)
         w = tl.load(WEIGHTS + t * K + j)
@@ -342,8 +356,7 @@ def _combine_add_norm_kernel(Y, WEIGHTS, SHARED, RES, NORM_W, RES_OUT, H_OUT, st
     s = round_to_kind(out + tl.load(RES + t * stride_r + cols, mask=ok, other=0.0).to(tl.float32), KIND)
     tl.store(RES_OUT + t * stride_ro + cols, s, mask=ok)
     inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / hidden + eps)
-    w = tl.load(NORM_W + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(H_OUT + t * stride_h + cols, round_to_kind(w * round_to_kind(s * inv_rms, KIND), H_KIND), mask=ok)
+    tl.store(H_OUT + t * stride_h + cols, round_to_kind(norm_w * round_to_kind(s * inv_rms, KIND), H_KIND), mask=ok)
 
 
 def combine_add_rms_norm(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None, residual: torch.Tensor,
@@ -375,5 +388,6 @@ def combine_add_rms_norm(y: torch.Tensor, weights: torch.Tensor, shared: torch.T
             # one program per token: 8 warps halve each thread's share of the ~9 rows it reads
             BLOCK=triton.next_power_of_2(hidden), num_warps=8 if hidden <= 8192 else 16,
             enable_fp_fusion=False,  # y*w + acc as an FMA would round once; torch rounds the product
+            **pdl_options(y),
         )
     return h, total

@@ -1,0 +1,99 @@
+"""Launch sweep of the split-K batch-1 GEMV (``kernels.dense_gemv``) against cuBLAS (``F.linear``)
+at the dense projection shapes of DeepSeek-V2-Lite and Llama-3.1-8B (GPU machine).
+
+Each case captures 8 products over 8 distinct bf16 weight copies in one CUDA graph (the weights
+stream from memory, as in a decode step) and prints the median [min-max] of 10 replays per
+product, the weight bytes per second, and the result's largest difference from cuBLAS's.
+Usage: ``python3 scripts/dense_gemv_sweep.py``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from segkv.kernels.dense_gemv import splitk_gemv
+
+SHAPES = {"deepseek q+kv_a": (3648, 2048), "deepseek o": (2048, 2048), "llama qkv": (6144, 4096),
+          "llama o": (4096, 4096), "llama down": (4096, 14336), "llama gate+up": (28672, 4096)}
+LAUNCHES = [(16, 512, 4), (32, 256, 4), (32, 512, 4), (64, 256, 4), (32, 1024, 4), (64, 512, 8), (128, 256, 8)]
+
+
+def time_us(launches, reps: int = 10) -> list[float]:
+    for launch in launches:
+        launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for launch in launches:
+            launch()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(launches))
+    return times
+
+
+def chain(dev, gen) -> None:
+    """16 dependent products (each one's output the next one's input, as a decode step's layers),
+    square weights: cuBLAS, the split-K GEMV, and the split-K GEMV with programmatic dependent
+    launch (weights loaded before waiting for the previous product)."""
+    for dim in (2048, 4096):
+        weights = [torch.randn(dim, dim, device=dev, dtype=torch.bfloat16, generator=gen) / dim**0.5 for _ in range(16)]
+        x = torch.randn(1, dim, device=dev, dtype=torch.bfloat16, generator=gen)
+        ws = [(torch.empty(8 * dim, dtype=torch.float32, device=dev), torch.zeros(dim // 32, dtype=torch.int32, device=dev))
+              for _ in weights]
+
+        def run(kind):
+            h = x
+            for w, s in zip(weights, ws):
+                h = F.linear(h, w) if kind == "cublas" else splitk_gemv(h, w, block_n=32, block_k=256 if dim == 2048 else 512,
+                                                                      workspace=s, pdl=kind == "pdl")
+            return h
+
+        ref = run("cublas").float()
+        for kind in ("cublas", "splitk", "pdl", "cublas", "splitk", "pdl"):
+            times = time_us([partial(run, kind)])
+            err = (run(kind).float() - ref).abs().max()
+            print(f"chain of 16 x {dim}^2 {kind:6s}: {statistics.median(times) / 16:6.2f} us per product "
+                  f"[{min(times) / 16:.2f}-{max(times) / 16:.2f}], max diff from cuBLAS {err:.2e}", flush=True)
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    print(f"device {torch.cuda.get_device_name()}; bf16; one row; median [min-max] of 10 graph replays, per product")
+    chain(dev, gen)
+    if "--chain-only" in __import__("sys").argv:
+        return
+    for name, (out_dim, in_dim) in SHAPES.items():
+        weights = [torch.randn(out_dim, in_dim, device=dev, dtype=torch.bfloat16, generator=gen) / in_dim**0.5
+                   for _ in range(8)]
+        x = torch.randn(1, in_dim, device=dev, dtype=torch.bfloat16, generator=gen)
+        nbytes = out_dim * in_dim * 2
+        ref = F.linear(x, weights[0]).float()
+        base = statistics.median(time_us([partial(F.linear, x, w) for w in weights]))
+        print(f"{name:16s} cuBLAS: {base:6.1f} us {nbytes / base / 1e3:5.0f} GB/s", flush=True)
+        for block_n, block_k, warps in LAUNCHES:
+            split = -(-in_dim // block_k)
+            ws = [(torch.empty(split * out_dim, dtype=torch.float32, device=dev),
+                   torch.zeros(-(-out_dim // block_n), dtype=torch.int32, device=dev)) for _ in weights]
+            launches = [partial(splitk_gemv, x, w, block_n=block_n, block_k=block_k, num_warps=warps, workspace=s)
+                        for w, s in zip(weights, ws)]
+            times = time_us(launches)
+            med = statistics.median(times)
+            err = (splitk_gemv(x, weights[0], block_n=block_n, block_k=block_k, num_warps=warps).float() - ref).abs().max()
+            print(f"{name:16s} {block_n:3d} x {block_k:4d}, {warps} warps ({split} splits): {med:6.1f} us "
+                  f"[{min(times):.1f}-{max(times):.1f}] {nbytes / med / 1e3:5.0f} GB/s, {base / med:4.2f}x cuBLAS, "
+                  f"max diff {err:.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Programmatic dependent launch (PDL) for chains of Triton kernels on Hopper and later GPUs.
+
+A kernel launched with ``launch_pdl`` may be scheduled while the kernel before it in the stream
+is still running; it must wait (``gdc_wait``) before reading anything that kernel (or any earlier
+one) writes, and may load constant data (weights) before the wait, so that data's memory latency
+overlaps the previous kernel's tail. A kernel that calls ``gdc_launch_dependents`` lets the next
+one be scheduled from then on; the kernels here call it right after their own wait. Each
+kernel takes a ``USE_PDL`` constexpr; :func:`pdl_options` gives it with the launch option.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from segkv.kernels.settings import env_int
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_supported(device_index: int) -> bool:
+    """Whether device ``device_index`` and this Triton support PDL (capability 9.0 or later, a
+    Triton with ``launch_pdl`` and ``gdc_wait``); ``SEGKV_TRITON_PDL=0`` turns it off."""
+    if _INTERPRET or env_int("SEGKV_TRITON_PDL", 1) != 1 or not torch.cuda.is_available():
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra import cuda as tl_cuda
+    except ImportError:
+        return False
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return ("launch_pdl" in fields and hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents")
+            and torch.cuda.get_device_capability(device_index)[0] >= 9)
+
+
+def pdl_options(tensor: torch.Tensor) -> dict:
+    """``launch_pdl`` and the ``USE_PDL`` constexpr for a launch on ``tensor``'s device."""
+    on = tensor.is_cuda and pdl_supported(tensor.device.index or 0)
+    return {"launch_pdl": True, "USE_PDL": True} if on else {"USE_PDL": False}
