@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.fused_ops import kind_of
+from segkv.kernels.pdl import pdl_options
 
 
 @triton.jit
@@ -54,10 +55,11 @@ def _splitk_gemv_kernel(X, W, OUT, PART, TICKETS, stride_w, out_dim, in_dim,
 
 
 def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, *, block_n: int = 32, block_k: int = 512, num_warps: int = 4,
-                workspace: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False) -> torch.Tensor:
+                workspace: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool | None = None) -> torch.Tensor:
     """``x (In,)`` or ``(1, In)`` times ``weight (Out, In)`` -> ``(Out,)`` / ``(1, Out)`` in ``x``'s
     dtype, float32 sums rounded once. ``workspace``: (float32 partials of at least ``split x Out``,
-    int32 zero tickets of at least ``cdiv(Out, block_n)``), left zero; allocated when None."""
+    int32 zero tickets of at least ``cdiv(Out, block_n)``), left zero; allocated when None.
+    ``pdl``: programmatic dependent launch (default: where ``kernels.pdl`` supports it)."""
     out_dim, in_dim = weight.shape
     flat = x.reshape(-1)
     if flat.numel() != in_dim or weight.stride(1) != 1 or flat.stride(0) != 1:
@@ -71,8 +73,8 @@ def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, *, block_n: int = 32, blo
                      torch.zeros(blocks, dtype=torch.int32, device=x.device))
     part, tickets = workspace
     out = torch.empty(out_dim, dtype=x.dtype, device=x.device)
+    options = pdl_options(x) if pdl is None else ({"launch_pdl": True, "USE_PDL": True} if pdl else {"USE_PDL": False})
     _splitk_gemv_kernel[(blocks, split)](flat, weight, out, part, tickets, weight.stride(0), out_dim, in_dim,
                                          BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-                                         SPLIT_P2=triton.next_power_of_2(split), num_warps=num_warps,
-                                         USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+                                         SPLIT_P2=triton.next_power_of_2(split), num_warps=num_warps, **options)
     return out.view(*x.shape[:-1], out_dim)

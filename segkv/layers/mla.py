@@ -12,6 +12,7 @@ from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionShape
 from segkv.kernels.fused_ops import mla_rope_and_write_latent, mla_rope_fusable
 from segkv.layers.activation import stack_linears
+from segkv.layers.linear import RowProduct
 from segkv.layers.norm import RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
 
@@ -90,6 +91,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = nn.Linear(d.num_heads * d.v_head_dim, d.hidden_size, bias=bias)
         self.fused = False  # see use_fused
         self._x_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
+        self._row_product = RowProduct()  # batch-1 decode's x and o products (layers.linear)
 
     def use_fused(self) -> None:
         """RoPE of q and k and the latent cache write as one kernel (GPU decode), and the two
@@ -109,7 +111,7 @@ class MultiHeadLatentAttention(nn.Module):
             latent = self.kv_a_proj_with_mqa(x)
         else:
             weight, bias = self._x_proj
-            q_or_a, latent = F.linear(x, weight, bias).split([weight.shape[0] - d.latent_dim, d.latent_dim], -1)
+            q_or_a, latent = self._row_product(x, weight, bias).split([weight.shape[0] - d.latent_dim, d.latent_dim], -1)
         q = q_or_a if d.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_or_a))
         return q, latent
 
@@ -144,7 +146,10 @@ class MultiHeadLatentAttention(nn.Module):
                                       kv_transform=self._decompress)
         else:
             raise ValueError(f"mla_mode must be one of {MLA_MODES}, got {meta.mla_mode!r}")
-        return self.o_proj(out.reshape(t, d.num_heads * d.v_head_dim))
+        out = out.reshape(t, d.num_heads * d.v_head_dim)
+        if self.fused:
+            return self._row_product(out, self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(out)
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_uk (H, nope, r)`` and ``W_uv (H, v, r)``: views of ``kv_b_proj.weight`` (no copy)."""
