@@ -18,7 +18,7 @@ log="$OUT/experiments.txt"
 : > "$log"
 echo "== GPU tests, SEGKV_BATCH1_GEMV=1" | tee -a "$log"
 SEGKV_BATCH1_GEMV=1 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_dense_gemv.py \
-  tests/test_fused_ops.py -k "deepseek or gemv or row_product" 2>&1 | tail -3 | tee -a "$log"
+  tests/test_fused_ops.py -k "deepseek or moe or gemv or row_product" 2>&1 | tail -3 | tee -a "$log"
 for on in 0 1 0 1; do
   echo "== deepseek batch 1, SEGKV_BATCH1_GEMV=$on" | tee -a "$log"
   SEGKV_BATCH1_GEMV=$on timeout 60 python3 -m segkv.bench.decode_e2e --skip-hf --trials 3 --models deepseek-v2-lite \
