@@ -3,8 +3,9 @@
 cuBLAS streams a small model's projections at one row far below the memory bandwidth (2048 x
 2048 in about 6 us on the H200); the split-K GEMV spreads the weight over hundreds of programs
 and, launched with programmatic dependent launch, loads its weight block while the kernel before
-it finishes. Used where a layer opts in (``SEGKV_BATCH1_GEMV=1``; off by default until measured
-in the whole model), for one row on CUDA without a bias; everything else takes ``F.linear``.
+it finishes. Used where a layer opts in (the MLA layer's x and o products: DeepSeek-V2-Lite batch
+1 / 1K 415-417 -> 428-429 tok/s on the H200), for one row on CUDA without a bias
+(``SEGKV_BATCH1_GEMV=0``: never); everything else takes ``F.linear``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 from segkv.kernels.settings import env_int
 
-BATCH1_GEMV = env_int("SEGKV_BATCH1_GEMV", 0) == 1
+BATCH1_GEMV = env_int("SEGKV_BATCH1_GEMV", 1) == 1
 # split-K launch measured best on the H200 for 2048-wide inputs (scripts/dense_gemv_sweep.py:
 # DeepSeek-V2-Lite o 5.7 us against cuBLAS's 6.5, q + kv_a 6.9 against 6.8)
 BLOCK_N, BLOCK_K = 32, 256
