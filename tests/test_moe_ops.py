@@ -298,3 +298,21 @@ def test_norm_route_topk_breaks_ties_to_the_lower_expert(gen):
     ref_w, ref_ids = route_topk(router_logits(h, router_w), 4)
     assert ids[0, :3].tolist() == sorted({best, *twins}) and torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # NaN arithmetic in the interpreter
+def test_norm_route_topk_fills_every_slot_with_a_valid_expert_even_on_nan(gen):
+    """A NaN hidden row (an overflowed activation) still routes to k distinct, valid experts, so
+    the expert GEMVs never index outside the weights; finite rows are unaffected."""
+    from segkv.kernels.moe_ops import norm_route_topk
+
+    x = torch.randn(3, 64, generator=gen).to(DEVICE)
+    x[1, 5] = float("nan")
+    residual = torch.randn(3, 64, generator=gen).to(DEVICE)
+    router_w = torch.randn(10, 64, generator=gen).to(DEVICE)
+    tickets = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    _, _, weights, ids = norm_route_topk(x, residual, torch.ones(64, device=DEVICE), 1e-6, router_w, 4, tickets)
+    assert ids.min() >= 0 and ids.max() < 10
+    assert all(len(set(row)) == 4 for row in ids.tolist())
+    assert ids[1].tolist() == [0, 1, 2, 3]  # all logits NaN: ties to the lower ids
+    assert torch.isfinite(weights[[0, 2]]).all() and not tickets.any()

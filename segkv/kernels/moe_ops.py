@@ -145,7 +145,10 @@ def _store_topk_by_rank(logits, offs, ok, scale, WEIGHTS, IDS, t, K: tl.constexp
     expert's slot is the number of experts ahead of it (a larger logit, or an equal one and a
     lower id), so the choice takes one reduction over all pairs of experts instead of ``K``
     rounds of argmax (each a reduction across the program's warps)."""
-    ahead = (logits[None, :] > logits[:, None]) | ((logits[None, :] == logits[:, None]) & (offs[None, :] < offs[:, None]))
+    # NaN ranks first, as torch.topk ranks it; the keys are then totally ordered, so the valid
+    # experts' ranks are 0, 1, 2, ... and every slot gets exactly one expert
+    key = tl.where(logits != logits, float("inf"), logits)
+    ahead = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (offs[None, :] < offs[:, None]))
     rank = tl.sum(ahead.to(tl.int32), axis=1)
     chosen = ok & (rank < K)
     if SOFTMAX:
