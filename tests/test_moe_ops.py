@@ -316,3 +316,15 @@ def test_norm_route_topk_fills_every_slot_with_a_valid_expert_even_on_nan(gen):
     assert all(len(set(row)) == 4 for row in ids.tolist())
     assert ids[1].tolist() == [0, 1, 2, 3]  # all logits NaN: ties to the lower ids
     assert torch.isfinite(weights[[0, 2]]).all() and not tickets.any()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # NaN arithmetic in the interpreter
+def test_route_topk_chooses_valid_experts_for_nan_logits():
+    """NaN logits (160 experts: the block has padding entries past them) rank first, ties to the
+    lower id, and never yield an id past the experts."""
+    logits = torch.full((2, 160), float("nan"), device=DEVICE)
+    logits[1] = torch.arange(160, device=DEVICE, dtype=torch.float32)
+    logits[1, 7] = float("nan")
+    weights, ids = route_topk(logits, 3)
+    assert ids[0].tolist() == [0, 1, 2] and ids[1].tolist() == [7, 159, 158]
+    assert torch.isfinite(weights).sum() == 0  # softmax over a NaN row is NaN, as torch's

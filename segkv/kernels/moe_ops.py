@@ -82,7 +82,7 @@ def _topk_of_logits(logits, offs, ok, scale, K: tl.constexpr, BLOCK_K: tl.conste
     slot = tl.arange(0, BLOCK_K)
     weights = tl.zeros([BLOCK_K], tl.float32)
     ids = tl.zeros([BLOCK_K], tl.int32)
-    choice = logits
+    choice = tl.where(logits != logits, float("inf"), logits)  # NaN first, as torch.topk: never a padding id
     for j in tl.static_range(K):
         best = tl.argmax(choice, axis=0)  # the first of equal maxima: the lower expert id
         weights = tl.where(slot == j, tl.sum(tl.where(offs == best, scores, 0.0), axis=0), weights)
