@@ -69,16 +69,23 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _topk_of_logits(logits, offs, ok, scale, K: tl.constexpr, BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr,
-                    NORM: tl.constexpr):
-    """The top ``K`` of one token's float32 ``logits (BLOCK_E,)`` (-inf past the experts): their
-    ids (int32) and weights (float32, normalised when ``NORM``, times ``scale``), ``(BLOCK_K,)``.
-    Softmax and sigmoid are increasing, so the experts are the top-k by logit."""
+def _scores(logits, ok, SOFTMAX: tl.constexpr):
+    """A token's expert scores from its float32 ``logits`` (valid where ``ok``): softmax or sigmoid."""
     if SOFTMAX:
         e = tl.where(ok, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
         scores = e / tl.sum(e, axis=0)
     else:
         scores = 1.0 / (1.0 + tl.exp(-logits))
+    return scores
+
+
+@triton.jit
+def _topk_of_logits(logits, offs, ok, scale, K: tl.constexpr, BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr,
+                    NORM: tl.constexpr):
+    """The top ``K`` of one token's float32 ``logits (BLOCK_E,)`` (-inf past the experts): their
+    ids (int32) and weights (float32, normalised when ``NORM``, times ``scale``), ``(BLOCK_K,)``.
+    Softmax and sigmoid are increasing, so the experts are the top-k by logit."""
+    scores = _scores(logits, ok, SOFTMAX)
     slot = tl.arange(0, BLOCK_K)
     weights = tl.zeros([BLOCK_K], tl.float32)
     ids = tl.zeros([BLOCK_K], tl.int32)
@@ -151,11 +158,7 @@ def _store_topk_by_rank(logits, offs, ok, scale, WEIGHTS, IDS, t, K: tl.constexp
     ahead = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (offs[None, :] < offs[:, None]))
     rank = tl.sum(ahead.to(tl.int32), axis=1)
     chosen = ok & (rank < K)
-    if SOFTMAX:
-        e = tl.where(ok, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
-        scores = e / tl.sum(e, axis=0)
-    else:
-        scores = 1.0 / (1.0 + tl.exp(-logits))
+    scores = _scores(logits, ok, SOFTMAX)
     weights = tl.where(chosen, scores, 0.0)
     if NORM:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)

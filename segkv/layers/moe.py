@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from segkv.layers.activation import GatedMLP
 from segkv.kernels.settings import env_int
+from segkv.layers.activation import GatedMLP
 from segkv.layers.norm import PendingCombine, RMSNorm
 
 SCORING_FUNCS = ("softmax", "sigmoid")
