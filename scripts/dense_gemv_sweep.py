@@ -15,30 +15,13 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from expert_gemv_sweep import time_us  # scripts/ beside this one: the same graph timing
+
 from segkv.kernels.dense_gemv import splitk_gemv
 
 SHAPES = {"deepseek q+kv_a": (3648, 2048), "deepseek o": (2048, 2048), "llama qkv": (6144, 4096),
           "llama o": (4096, 4096), "llama down": (4096, 14336), "llama gate+up": (28672, 4096)}
 LAUNCHES = [(16, 512, 4), (32, 256, 4), (32, 512, 4), (64, 256, 4), (32, 1024, 4), (64, 512, 8), (128, 256, 8)]
-
-
-def time_us(launches, reps: int = 10) -> list[float]:
-    for launch in launches:
-        launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for launch in launches:
-            launch()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(launches))
-    return times
 
 
 def chain(dev, gen) -> None:

@@ -168,6 +168,25 @@ def _store_topk_by_rank(logits, offs, ok, scale, WEIGHTS, IDS, t, K: tl.constexp
 
 
 @triton.jit
+def _residual_sum(X, RES, t, stride_x, stride_r, cols, ok, X_KIND: tl.constexpr):
+    """Columns ``cols`` of row ``t`` of ``X + RES``, rounded to ``X_KIND`` as a torch add rounds."""
+    return round_to_kind(tl.load(X + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+                         + tl.load(RES + t * stride_r + cols, mask=ok, other=0.0).to(tl.float32), X_KIND)
+
+
+@triton.jit
+def _norm_and_store(s, w, inv_rms, store, RES_OUT, H_OUT, t, stride_ro, stride_h, cols, ok,
+                    X_KIND: tl.constexpr, H_KIND: tl.constexpr):
+    """``w * round(s * inv_rms)`` rounded as ``rms_norm`` rounds it; with ``store`` the sum ``s``
+    and the normed columns go to ``RES_OUT`` / ``H_OUT`` row ``t``. Returns the normed columns."""
+    h = round_to_kind(w * round_to_kind(s * inv_rms, X_KIND), H_KIND)
+    if store:
+        tl.store(RES_OUT + t * stride_ro + cols, s, mask=ok)
+        tl.store(H_OUT + t * stride_h + cols, h, mask=ok)
+    return h
+
+
+@triton.jit
 def _norm_route_kernel(
     X, RES, NORM_W, RES_OUT, H_OUT, ROUTER_W, LOGITS, WEIGHTS, IDS, TICKETS,
     stride_x, stride_r, stride_ro, stride_h, stride_w, stride_l,
@@ -196,14 +215,9 @@ def _norm_route_kernel(
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        x = tl.load(X + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-        r = tl.load(RES + t * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
-        s = round_to_kind(x + r, X_KIND)
+        s = _residual_sum(X, RES, t, stride_x, stride_r, cols, ok, X_KIND)
         inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / hidden + eps)
-        h = round_to_kind(w * round_to_kind(s * inv_rms, X_KIND), H_KIND)  # as rms_norm rounds
-        if eb == 0:
-            tl.store(RES_OUT + t * stride_ro + cols, s, mask=ok)
-            tl.store(H_OUT + t * stride_h + cols, h, mask=ok)
+        h = _norm_and_store(s, w, inv_rms, eb == 0, RES_OUT, H_OUT, t, stride_ro, stride_h, cols, ok, X_KIND, H_KIND)
         logits = tl.sum(wr * h[None, :], axis=1)
     else:
         if USE_PDL:
@@ -212,20 +226,16 @@ def _norm_route_kernel(
         sq = tl.zeros([BLOCK_H], tl.float32)
         for h0 in range(0, hidden, BLOCK_H):  # the mean square
             ok = h0 + cols < hidden
-            s = round_to_kind(tl.load(X + t * stride_x + h0 + cols, mask=ok, other=0.0).to(tl.float32)
-                              + tl.load(RES + t * stride_r + h0 + cols, mask=ok, other=0.0).to(tl.float32), X_KIND)
+            s = _residual_sum(X, RES, t, stride_x, stride_r, h0 + cols, ok, X_KIND)
             sq += s * s
         inv_rms = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / hidden + eps)
         acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
         for h0 in range(0, hidden, BLOCK_H):
             ok = h0 + cols < hidden
-            s = round_to_kind(tl.load(X + t * stride_x + h0 + cols, mask=ok, other=0.0).to(tl.float32)
-                              + tl.load(RES + t * stride_r + h0 + cols, mask=ok, other=0.0).to(tl.float32), X_KIND)
+            s = _residual_sum(X, RES, t, stride_x, stride_r, h0 + cols, ok, X_KIND)
             w = tl.load(NORM_W + h0 + cols, mask=ok, other=0.0).to(tl.float32)
-            h = round_to_kind(w * round_to_kind(s * inv_rms, X_KIND), H_KIND)
-            if eb == 0:
-                tl.store(RES_OUT + t * stride_ro + h0 + cols, s, mask=ok)
-                tl.store(H_OUT + t * stride_h + h0 + cols, h, mask=ok)
+            h = _norm_and_store(s, w, inv_rms, eb == 0, RES_OUT, H_OUT, t, stride_ro, stride_h, h0 + cols, ok,
+                                X_KIND, H_KIND)
             wr = tl.load(w_rows + (h0 + cols)[None, :], mask=e_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
             acc += wr * h[None, :]
         logits = tl.sum(acc, axis=1)
@@ -295,20 +305,52 @@ def norm_route_topk(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.
 
 
 @triton.jit
+def _combined(Y, WEIGHTS, SHARED, t, cols, ok, stride_y, stride_s, K: tl.constexpr, HAS_SHARED: tl.constexpr,
+              KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns ``cols`` of token ``t``'s combined expert outputs (float32 holding ``KIND``
+    values): the weighted sum in slot order, each product rounded before the add (as torch; the
+    launch disables FMA fusion), rounded once, then the shared experts' output added and rounded."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(K):
+        w = tl.load(WEIGHTS + t * K + j)
+        acc = acc + tl.load(Y + (t * K + j) * stride_y + cols, mask=ok, other=0.0).to(tl.float32) * w
+    out = round_to_kind(acc, KIND)
+    if HAS_SHARED:
+        out = round_to_kind(out + tl.load(SHARED + t * stride_s + cols, mask=ok, other=0.0).to(tl.float32), KIND)
+    return out
+
+
+@triton.jit
 def _combine_kernel(Y, WEIGHTS, SHARED, OUT, stride_y, stride_s, stride_o, hidden,
                     K: tl.constexpr, HAS_SHARED: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
     """Program (token, block): ``BLOCK`` outputs of one token."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
-    acc = tl.zeros([BLOCK], tl.float32)
-    for j in tl.static_range(K):  # in slot order, each product rounded before the add (as torch)
-        w = tl.load(WEIGHTS + t * K + j)
-        acc = acc + tl.load(Y + (t * K + j) * stride_y + cols, mask=ok, other=0.0).to(tl.float32) * w
-    out = round_to_kind(acc, KIND)
-    if HAS_SHARED:
-        out = round_to_kind(out + tl.load(SHARED + t * stride_s + cols, mask=ok, other=0.0).to(tl.float32), KIND)
+    out = _combined(Y, WEIGHTS, SHARED, t, cols, ok, stride_y, stride_s, K, HAS_SHARED, KIND, BLOCK)
     tl.store(OUT + t * stride_o + cols, out, mask=ok)
+
+
+def _described(t: torch.Tensor | None):
+    return None if t is None else (tuple(t.shape), t.dtype)
+
+
+def _check_combine(fn: str, y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
+                   residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None) -> None:
+    """The inputs of :func:`combine_experts` (and of :func:`combine_add_rms_norm`, with the
+    residual and the norm's weight): shapes, dtypes, unit last strides; errors name ``fn``."""
+    tokens, k = weights.shape
+    row = (tokens, y.shape[-1])
+    if (y.dim() != 2 or y.shape[0] != tokens * k or weights.dtype != torch.float32
+            or (shared is not None and (shared.shape != row or shared.dtype != y.dtype))
+            or (residual is not None and (residual.shape != row or residual.dtype != y.dtype))
+            or (norm_weight is not None and norm_weight.shape != (y.shape[-1],))):
+        raise ValueError(f"{fn}: y {_described(y)}, weights {_described(weights)}, shared {_described(shared)}"
+                         + (f", residual {_described(residual)}, norm weight {_described(norm_weight)}"
+                            if residual is not None else ""))
+    for name, x in (("y", y), ("shared", shared), ("residual", residual), ("norm weight", norm_weight)):
+        if x is not None and x.stride(-1) != 1:
+            raise ValueError(f"{fn}: {name} needs a unit stride on its last dim")
 
 
 def combine_experts(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
@@ -317,13 +359,7 @@ def combine_experts(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor
     ``sum_j y[t k + j] w[t, j]`` in float32 rounded once, then ``+ shared`` rounded as a torch
     add of two ``y``-dtype tensors rounds."""
     tokens, k = weights.shape
-    if (y.dim() != 2 or y.shape[0] != tokens * k or weights.dtype != torch.float32
-            or (shared is not None and (shared.shape != (tokens, y.shape[1]) or shared.dtype != y.dtype))):
-        raise ValueError(f"combine_experts: y {tuple(y.shape)} {y.dtype}, weights {tuple(weights.shape)} "
-                         f"{weights.dtype}, shared {None if shared is None else (tuple(shared.shape), shared.dtype)}")
-    for name, x in (("y", y), ("shared", shared)):
-        if x is not None and x.stride(-1) != 1:
-            raise ValueError(f"{name} needs a unit stride on its last dim")
+    _check_combine("combine_experts", y, weights, shared)
     hidden = y.shape[1]
     weights = weights.contiguous()
     out = torch.empty(tokens, hidden, dtype=y.dtype, device=y.device)
@@ -352,17 +388,10 @@ def _combine_add_norm_kernel(Y, WEIGHTS, SHARED, RES, NORM_W, RES_OUT, H_OUT, st
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros([BLOCK], tl.float32)
-    for j in tl.static_range(K):  # in slot order, each product rounded before the add (as torch)
-        w = tl.load(WEIGHTS + t * K + j)
-        acc = acc + tl.load(Y + (t * K + j) * stride_y + cols, mask=ok, other=0.0).to(tl.float32) * w
-    out = round_to_kind(acc, KIND)
-    if HAS_SHARED:
-        out = round_to_kind(out + tl.load(SHARED + t * stride_s + cols, mask=ok, other=0.0).to(tl.float32), KIND)
+    out = _combined(Y, WEIGHTS, SHARED, t, cols, ok, stride_y, stride_s, K, HAS_SHARED, KIND, BLOCK)
     s = round_to_kind(out + tl.load(RES + t * stride_r + cols, mask=ok, other=0.0).to(tl.float32), KIND)
-    tl.store(RES_OUT + t * stride_ro + cols, s, mask=ok)
     inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / hidden + eps)
-    tl.store(H_OUT + t * stride_h + cols, round_to_kind(norm_w * round_to_kind(s * inv_rms, KIND), H_KIND), mask=ok)
+    _norm_and_store(s, norm_w, inv_rms, True, RES_OUT, H_OUT, t, stride_ro, stride_h, cols, ok, KIND, H_KIND)
 
 
 def combine_add_rms_norm(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None, residual: torch.Tensor,
@@ -372,16 +401,7 @@ def combine_add_rms_norm(y: torch.Tensor, weights: torch.Tensor, shared: torch.T
     norm_weight, eps, residual)``, returning ``(h, c + residual)`` as that pair rounds them (up to
     the order of float32 sums). ``residual (T, H)`` of ``y``'s dtype."""
     tokens, k = weights.shape
-    if (y.dim() != 2 or y.shape[0] != tokens * k or weights.dtype != torch.float32
-            or (shared is not None and (shared.shape != (tokens, y.shape[1]) or shared.dtype != y.dtype))
-            or residual.shape != (tokens, y.shape[1]) or residual.dtype != y.dtype
-            or norm_weight.shape != (y.shape[1],)):
-        raise ValueError(f"combine_add_rms_norm: y {tuple(y.shape)} {y.dtype}, weights {tuple(weights.shape)} "
-                         f"{weights.dtype}, shared {None if shared is None else (tuple(shared.shape), shared.dtype)}, "
-                         f"residual {tuple(residual.shape)} {residual.dtype}, norm weight {tuple(norm_weight.shape)}")
-    for name, x in (("y", y), ("shared", shared), ("residual", residual), ("norm weight", norm_weight)):
-        if x is not None and x.stride(-1) != 1:
-            raise ValueError(f"combine_add_rms_norm: {name} needs a unit stride on its last dim")
+    _check_combine("combine_add_rms_norm", y, weights, shared, residual, norm_weight)
     hidden = y.shape[1]
     weights = weights.contiguous()
     total = torch.empty(tokens, hidden, dtype=y.dtype, device=y.device)
