@@ -4,7 +4,10 @@ at the dense projection shapes of DeepSeek-V2-Lite and Llama-3.1-8B (GPU machine
 Each case captures 8 products over 8 distinct bf16 weight copies in one CUDA graph (the weights
 stream from memory, as in a decode step) and prints the median [min-max] of 10 replays per
 product, the weight bytes per second, and the result's largest difference from cuBLAS's.
-Usage: ``python3 scripts/dense_gemv_sweep.py``.
+``--layers``: the chain of a Llama-3.1-8B layer at one row without its attention (residual add
+and RMSNorm, q/k/v, o, residual add and RMSNorm, gate/up, SiLU-and-mul, down) over 8 layers'
+weights: the separate kernels with cuBLAS against the fused split-K GEMVs (``layers.linear``).
+Usage: ``python3 scripts/dense_gemv_sweep.py [--chain-only | --layers]``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import torch.nn.functional as F
 
 from expert_gemv_sweep import time_us  # scripts/ beside this one: the same graph timing
 
-from segkv.kernels.dense_gemv import splitk_gemv
+from segkv.kernels.dense_gemv import gated_splitk_gemv, norm_splitk_gemv, splitk_gemv, workspace_size
+from segkv.kernels.fused_ops import rms_norm, silu_and_mul
+from segkv.layers.linear import launch_for
 
 SHAPES = {"deepseek q+kv_a": (3648, 2048), "deepseek o": (2048, 2048), "llama qkv": (6144, 4096),
           "llama o": (4096, 4096), "llama down": (4096, 14336), "llama gate+up": (28672, 4096)}
@@ -49,10 +54,75 @@ def chain(dev, gen) -> None:
                   f"[{min(times) / 16:.2f}-{max(times) / 16:.2f}], max diff from cuBLAS {err:.2e}", flush=True)
 
 
+def layers(dev, gen, hidden: int = 4096, inner: int = 14336, kv: int = 1024, count: int = 8) -> None:
+    """A Llama-3.1-8B layer's products at one row, attention left out (its output is the first
+    ``hidden`` of q/k/v), over ``count`` layers' weights: separate kernels and cuBLAS against the
+    fused split-K GEMVs, with launches from ``launch_for`` and the alternatives below."""
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=gen) / shape[-1] ** 0.5
+
+    weights = [(rand(hidden + 2 * kv, hidden), rand(hidden, hidden), rand(2 * inner, hidden), rand(hidden, inner),
+                1 + 0.1 * rand(hidden), 1 + 0.1 * rand(hidden)) for _ in range(count)]
+    x0 = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16, generator=gen)
+    r0 = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16, generator=gen)
+    nbytes = sum(w.numel() * 2 for w in weights[0][:4])
+
+    def cublas():
+        x, res = x0, r0
+        for qkv_w, o_w, gu_w, d_w, g1, g2 in weights:
+            h, res = rms_norm(x, g1, 1e-5, residual=res)
+            o = F.linear(F.linear(h, qkv_w)[:, :hidden], o_w)
+            h, res = rms_norm(o, g2, 1e-5, residual=res)
+            x = F.linear(silu_and_mul(F.linear(h, gu_w)), d_w)
+        return x
+
+    def fused(blocks, k_fastest):
+        spaces = {}
+
+        def kw(w):
+            bn, bk = blocks(*w.shape)
+            key = (w.shape, bn, bk)
+            if key not in spaces:
+                floats, tickets = workspace_size(*w.shape, bn, bk)
+                spaces[key] = (torch.empty(floats, dtype=torch.float32, device=dev),
+                               torch.zeros(tickets, dtype=torch.int32, device=dev))
+            return {"block_n": bn, "block_k": bk, "workspace": spaces[key], "k_fastest": k_fastest}
+
+        def run():
+            x, res = x0, r0
+            for qkv_w, o_w, gu_w, d_w, g1, g2 in weights:
+                qkv, res = norm_splitk_gemv(x, res, g1, 1e-5, qkv_w, **kw(qkv_w))
+                o = splitk_gemv(qkv[:, :hidden], o_w, **kw(o_w))
+                gu, res = norm_splitk_gemv(o, res, g2, 1e-5, gu_w, **kw(gu_w))
+                x = gated_splitk_gemv(gu, d_w, **kw(d_w))
+            return x
+        return run
+
+    variants = {"cuBLAS + kernels": cublas, "fused, launch_for": fused(launch_for, False),
+                "fused, launch_for, k fastest": fused(launch_for, True),
+                "fused, 16 x 1024": fused(lambda o, i: (16, 1024), False),
+                "fused, 32 x 512": fused(lambda o, i: (32, 512), False),
+                "fused, 8 x 1024": fused(lambda o, i: (8, 1024), False),
+                "fused, 16 x 1024, k fastest": fused(lambda o, i: (16, 1024), True)}
+    ref = cublas().float()
+    base = None
+    for _ in range(2):
+        for name, run in variants.items():
+            per_layer = [t / count for t in time_us([run])]  # one callable: the whole chain
+            med = statistics.median(per_layer)
+            base = base or med
+            err = (run().float() - ref).abs().max() / ref.abs().max()
+            print(f"layer chain {name:30s}: {med:6.1f} us per layer [{min(per_layer):.1f}-{max(per_layer):.1f}] "
+                  f"{nbytes / med / 1e3:5.0f} GB/s, {base / med:4.2f}x the first, max diff {err:.1e} of the largest",
+                  flush=True)
+
+
 def main() -> None:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     print(f"device {torch.cuda.get_device_name()}; bf16; one row; median [min-max] of 10 graph replays, per product")
+    if "--layers" in __import__("sys").argv:
+        return layers(dev, gen)
     chain(dev, gen)
     if "--chain-only" in __import__("sys").argv:
         return

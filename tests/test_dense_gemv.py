@@ -18,18 +18,82 @@ def test_splitk_gemv_matches_the_product_and_leaves_its_tickets_zero(out_dim, in
 
     w = (torch.randn(out_dim, in_dim, generator=gen) / in_dim**0.5).to(dtype).to(DEVICE)
     x = torch.randn(1, in_dim, generator=gen).to(dtype).to(DEVICE)
-    split = -(-in_dim // block_k)
-    workspace = (torch.empty(split * out_dim, device=DEVICE), torch.zeros(-(-out_dim // block_n), dtype=torch.int32,
-                                                                          device=DEVICE))
+    workspace = _workspace(out_dim, in_dim, block_n, block_k)
     ref = (x.double() @ w.double().T)
-    for _ in range(2):
-        y = splitk_gemv(x, w, block_n=block_n, block_k=block_k, workspace=workspace)
+    for k_fastest in (False, True):
+        y = splitk_gemv(x, w, block_n=block_n, block_k=block_k, workspace=workspace, k_fastest=k_fastest)
         assert y.shape == (1, out_dim) and y.dtype == dtype and torch.isfinite(y).all()
         assert not workspace[1].any()
         tol = 2.0**-7 if dtype == torch.bfloat16 else 1e-5  # one bf16 rounding of the float32 sum
         torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol)
     with pytest.raises(ValueError, match="splitk_gemv"):
         splitk_gemv(x[:, :-1], w)
+    with pytest.raises(ValueError, match="workspace"):
+        splitk_gemv(x, w, block_n=block_n, block_k=block_k, workspace=(workspace[0][:1], workspace[1]))
+
+
+def _workspace(out_dim, in_dim, block_n, block_k):
+    from segkv.kernels.dense_gemv import workspace_size
+
+    floats, tickets = workspace_size(out_dim, in_dim, block_n, block_k)
+    return (torch.full((floats,), float("nan"), device=DEVICE), torch.zeros(tickets, dtype=torch.int32, device=DEVICE))
+
+
+def _bf16_tol(dtype):
+    return 2.0**-7 if dtype == torch.bfloat16 else 1e-5  # one rounding of the float32 sum
+
+
+@pytest.mark.parametrize("out_dim,inner,block_n,block_k", [(100, 300, 32, 128), (48, 1000, 16, 256), (40, 64, 16, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gated_gemv_is_the_down_product_of_silu_and_mul(out_dim, inner, block_n, block_k, dtype, gen):
+    """``gated_splitk_gemv([gate | up], W) = W @ silu_and_mul([gate | up])``: the activation rounded
+    as the separate kernel rounds it; one split and several, both program orders."""
+    from segkv.kernels.dense_gemv import gated_splitk_gemv
+    from segkv.kernels.fused_ops import silu_and_mul
+
+    w = (torch.randn(out_dim, inner, generator=gen) / inner**0.5).to(dtype).to(DEVICE)
+    gate_up = (2 * torch.randn(1, 2 * inner, generator=gen)).to(dtype).to(DEVICE)
+    ref = silu_and_mul(gate_up).double() @ w.double().T
+    workspace = _workspace(out_dim, inner, block_n, block_k)
+    for k_fastest in (False, True):
+        y = gated_splitk_gemv(gate_up, w, block_n=block_n, block_k=block_k, workspace=workspace, k_fastest=k_fastest)
+        assert y.shape == (1, out_dim) and y.dtype == dtype and torch.isfinite(y).all()
+        assert not workspace[1].any()
+        torch.testing.assert_close(y.double(), ref, rtol=_bf16_tol(dtype), atol=_bf16_tol(dtype))
+    with pytest.raises(ValueError, match="gated_splitk_gemv"):
+        gated_splitk_gemv(gate_up[:, :inner], w)  # the gate half alone
+
+
+@pytest.mark.parametrize("out_dim,in_dim,block_n,block_k", [(100, 300, 32, 128), (64, 96, 16, 128), (70, 1030, 32, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norm_gemv_is_the_product_of_the_normed_residual_sum(out_dim, in_dim, block_n, block_k, dtype, with_residual,
+                                                             gen):
+    """``norm_splitk_gemv``: ``h = x + residual`` exactly as the dtype's add rounds it (returned,
+    the next residual; ``x`` itself without one) and ``W @ (g * h / rms(h))`` within one rounding of
+    the float64 product; the sum of squares spans every split of the row."""
+    from segkv.kernels.dense_gemv import norm_splitk_gemv
+
+    eps = 1e-5
+    w = (torch.randn(out_dim, in_dim, generator=gen) / in_dim**0.5).to(dtype).to(DEVICE)
+    x = (3 * torch.randn(1, in_dim, generator=gen)).to(dtype).to(DEVICE)
+    residual = (3 * torch.randn(1, in_dim, generator=gen)).to(dtype).to(DEVICE) if with_residual else None
+    g = (1 + 0.5 * torch.randn(in_dim, generator=gen)).to(dtype).to(DEVICE)
+    h_ref = x + residual if with_residual else x
+    h64 = h_ref.double()
+    ref = (g.double() * h64 / torch.sqrt(h64.square().mean() + eps)) @ w.double().T
+    workspace = _workspace(out_dim, in_dim, block_n, block_k)
+    for k_fastest in (False, True):
+        y, h = norm_splitk_gemv(x, residual, g, eps, w, block_n=block_n, block_k=block_k, workspace=workspace,
+                                k_fastest=k_fastest)
+        assert y.shape == (1, out_dim) and y.dtype == dtype and torch.isfinite(y).all()
+        assert not workspace[1].any()
+        assert torch.equal(h, h_ref) and (h is x) == (not with_residual)
+        torch.testing.assert_close(y.double(), ref, rtol=_bf16_tol(dtype), atol=_bf16_tol(dtype))
+    with pytest.raises(ValueError, match="norm weight"):
+        norm_splitk_gemv(x, residual, g[:-1], eps, w)
+    with pytest.raises(ValueError, match="residual"):
+        norm_splitk_gemv(x, x[:, :-1], g, eps, w)
 
 
 @pytest.mark.parametrize("on", [False, True])
@@ -55,3 +119,42 @@ def test_row_product_uses_the_gemv_only_for_one_cuda_row_without_bias(on, gen, m
         torch.testing.assert_close(y.double(), ref, rtol=2.0**-7, atol=2.0**-7)
     expected = 2 if (on and GPU) else 0
     assert len(calls) == expected and all(ws is calls[0] for ws in calls)
+
+
+@pytest.mark.parametrize("family", ["llama3.1", "qwen3"])
+def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_logits(family, tmp_path, monkeypatch):
+    """``SEGKV_BATCH1_FUSED_GEMV``: a grouped-query model fed one row at a time runs each layer as
+    the q/k/v GEMV with the residual add and norm inside, the o GEMV, the gate/up GEMV with the
+    second norm inside and the down GEMV with SiLU-and-mul inside (on the CPU too, for this test)
+    and gives the unfused model's logits and greedy tokens."""
+    from model_helpers import build_model_dir
+
+    from segkv.engine import LLM
+    from segkv.kernels import dense_gemv
+    from segkv.layers import linear
+    from segkv.sampling_params import SamplingParams
+
+    build_model_dir(tmp_path, family)
+    kw = dict(device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=64, prefill_chunk=8)
+    plain = LLM(tmp_path, fused_ops=False, **kw)
+    monkeypatch.setattr(linear, "BATCH1_FUSED_GEMV", True)
+    monkeypatch.setattr(linear, "one_row", lambda x, w, b=None: b is None and x.dim() == 2 and x.shape[0] == 1
+                        and x.is_contiguous() and x.dtype == w.dtype)
+    calls = {"norm": 0, "gated": 0, "plain": 0}
+    for name, key in (("norm_splitk_gemv", "norm"), ("gated_splitk_gemv", "gated"), ("splitk_gemv", "plain")):
+        original = getattr(dense_gemv, name)
+        monkeypatch.setattr(dense_gemv, name, lambda *a, _f=original, _k=key, **k: calls.__setitem__(_k, calls[_k] + 1)
+                            or _f(*a, **k))
+    fused = LLM(tmp_path, fused_ops=True, **kw)
+    layers = fused.runner.model.cfg.num_layers
+    chains = [llm.cache.new_chain() for llm in (plain, fused)]
+    for token in (5, 9, 13):
+        rows = [llm.runner.prompt_logits(chain, [token]) for llm, chain in zip((plain, fused), chains)]
+        assert torch.isfinite(rows[1]).all()
+        torch.testing.assert_close(rows[1], rows[0], rtol=1e-4, atol=1e-4)
+    assert calls == {"norm": 2 * 3 * layers, "gated": 3 * layers, "plain": 3 * layers}
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    assert ([o.outputs[0].token_ids for o in fused.generate(prompt, params)]
+            == [o.outputs[0].token_ids for o in plain.generate(prompt, params)])
+    assert calls["norm"] > 2 * 3 * layers  # decode steps of one sequence took the fused GEMVs

@@ -1,11 +1,24 @@
 """Triton kernel: one row times a dense weight, split over the input dim (batch-1 decode).
 
-``out = W @ x`` for ``W (Out, In)`` and one row ``x (In,)``: program ``(n, k)`` reads a
+``out = W @ a`` for ``W (Out, In)`` and one row ``a (In,)``: program ``(n, k)`` reads a
 ``BLOCK_N x BLOCK_K`` block of the weight, so even a small projection spreads its bytes over
 hundreds of programs (cuBLAS's batch-1 kernels stream the 8 MB projections of a small model at
 1.4-2.5 TB/s). The ``SPLIT`` partial sums of an output block meet by an atomic ticket: the
 block's last program adds them in a fixed order (no float atomics, so results do not depend on
 timing), rounds once and resets the ticket to 0 for the next launch.
+
+The row ``a`` is formed in the kernel from what the layer before left, so the small kernel that
+would form it disappears from a decode step:
+
+- ``INPUT_PLAIN``: ``a = x``;
+- ``INPUT_GATED``: ``a = silu(gate) * up`` from ``x = [gate | up] (2 In,)``, rounded as
+  ``fused_ops.silu_and_mul`` rounds (the down projection of a gated MLP);
+- ``INPUT_NORM``: ``a = g * h / rms(h)`` with ``h = x + residual`` rounded to ``x``'s dtype (the
+  residual add and RMSNorm of a pre-norm block). The mean square is a sum over the whole row, so
+  each program keeps the sum of squares of its own slice beside its partial product, and the last
+  program of an output block scales the block's sum by ``rsqrt(mean(h^2) + eps)``: ``a`` is
+  never rounded (the separate norm kernel rounds ``h / rms`` and ``g * (h / rms)`` to the dtype
+  first). The programs of output block 0 write ``h``, the next block's residual.
 """
 
 from __future__ import annotations
@@ -14,35 +27,65 @@ import torch
 import triton
 import triton.language as tl
 
-from segkv.kernels.fused_ops import kind_of
+from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
 from segkv.kernels.pdl import pdl_options
+
+INPUT_PLAIN, INPUT_GATED, INPUT_NORM = 0, 1, 2
 
 
 @triton.jit
-def _splitk_gemv_kernel(X, W, OUT, PART, TICKETS, stride_w, out_dim, in_dim,
+def _splitk_gemv_kernel(X, RES, G, RES_OUT, W, OUT, PART, TICKETS, stride_w, out_dim, in_dim, eps,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                        SPLIT_P2: tl.constexpr, USE_PDL: tl.constexpr):
-    """With ``USE_PDL`` (programmatic dependent launch): the next kernel may be scheduled at once,
+                        SPLIT_P2: tl.constexpr, INPUT: tl.constexpr, HAS_RES: tl.constexpr,
+                        KIND: tl.constexpr, K_FASTEST: tl.constexpr, USE_PDL: tl.constexpr):
+    """``PART``: float32 partial sums ``(SPLIT, out_dim)``, then (``INPUT_NORM``) the slices' sums
+    of squares ``(SPLIT, blocks)``. ``K_FASTEST``: consecutive programs take consecutive input
+    blocks of the same output rows (neighbouring weight bytes read together) instead of
+    consecutive output blocks.
+
+    With ``USE_PDL`` (programmatic dependent launch): the next kernel may be scheduled at once,
     and this one loads its weight block before waiting for the kernel before it (whose output
     ``X`` is): the weight's memory latency overlaps that kernel's tail."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    nb = tl.program_id(0)
-    kb = tl.program_id(1)
+    if K_FASTEST:
+        kb = tl.program_id(0)
+        nb = tl.program_id(1)
+    else:
+        nb = tl.program_id(0)
+        kb = tl.program_id(1)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < out_dim
     cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     c_ok = cols < in_dim
     w = tl.load(W + rows[:, None].to(tl.int64) * stride_w + cols[None, :], mask=r_ok[:, None] & c_ok[None, :],
                 other=0.0)
+    if INPUT == 2:
+        g = tl.load(G + cols, mask=c_ok, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    x = tl.load(X + cols, mask=c_ok, other=0.0)
-    part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    if INPUT == 1:
+        a = silu_mul_rounded(tl.load(X + cols, mask=c_ok, other=0.0).to(tl.float32),
+                             tl.load(X + in_dim + cols, mask=c_ok, other=0.0).to(tl.float32), KIND)
+    else:
+        a = tl.load(X + cols, mask=c_ok, other=0.0).to(tl.float32)
+    if INPUT == 2:
+        if HAS_RES:
+            a = round_to_kind(a + tl.load(RES + cols, mask=c_ok, other=0.0).to(tl.float32), KIND)
+            if nb == 0:
+                tl.store(RES_OUT + cols, a.to(RES_OUT.dtype.element_ty), mask=c_ok)
+        square_sum = tl.sum(a * a, axis=0)
+        a = a * g
+    part = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
     if SPLIT == 1:
+        if INPUT == 2:
+            part = part / tl.sqrt(square_sum / in_dim + eps)
         tl.store(OUT + rows, part.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne"), mask=r_ok)
     else:
         tl.store(PART + kb * out_dim + rows, part, mask=r_ok)
+        squares = PART + SPLIT * out_dim + nb * SPLIT  # this output block's slices' sums of squares
+        if INPUT == 2:
+            tl.store(squares + kb, square_sum)
         tl.debug_barrier()  # every thread's partials are stored before the ticket (released by it)
         ticket = tl.atomic_add(TICKETS + nb, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT - 1:
@@ -50,31 +93,101 @@ def _splitk_gemv_kernel(X, W, OUT, PART, TICKETS, stride_w, out_dim, in_dim,
             parts = tl.load(PART + ks[:, None] * out_dim + rows[None, :], mask=(ks[:, None] < SPLIT) & r_ok[None, :],
                             other=0.0, cache_modifier=".cg")
             total = tl.sum(parts, axis=0)
+            if INPUT == 2:
+                square_total = tl.sum(tl.load(squares + ks, mask=ks < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)
+                total = total / tl.sqrt(square_total / in_dim + eps)
             tl.store(OUT + rows, total.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne"), mask=r_ok)
             tl.store(TICKETS + nb, 0)
 
 
-def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, *, block_n: int = 32, block_k: int = 512, num_warps: int = 4,
-                workspace: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool | None = None) -> torch.Tensor:
-    """``x (In,)`` or ``(1, In)`` times ``weight (Out, In)`` -> ``(Out,)`` / ``(1, Out)`` in ``x``'s
-    dtype, float32 sums rounded once. ``workspace``: (float32 partials of at least ``split x Out``,
-    int32 zero tickets of at least ``cdiv(Out, block_n)``), left zero; allocated when None.
-    ``pdl``: programmatic dependent launch (default: where ``kernels.pdl`` supports it)."""
+def workspace_size(out_dim: int, in_dim: int, block_n: int, block_k: int) -> tuple[int, int]:
+    """``(float32 elements, int32 tickets)`` of a workspace for ``W (out_dim, in_dim)``."""
+    split, blocks = triton.cdiv(in_dim, block_k), triton.cdiv(out_dim, block_n)
+    return split * (out_dim + blocks), blocks
+
+
+def _unit_row(t: torch.Tensor, n: int, name: str, what: str) -> torch.Tensor:
+    flat = t.reshape(-1)
+    if flat.numel() != n or flat.stride(0) != 1:
+        raise ValueError(f"{name}: {what} of {n} with unit stride expected, got {tuple(t.shape)}")
+    return flat
+
+
+def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kind: int, residual: torch.Tensor | None,
+            norm_weight: torch.Tensor | None, eps: float, block_n: int, block_k: int, num_warps: int,
+            workspace: tuple[torch.Tensor, torch.Tensor] | None, pdl: bool | None, k_fastest: bool
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     out_dim, in_dim = weight.shape
-    flat = x.reshape(-1)
-    if flat.numel() != in_dim or weight.stride(1) != 1 or flat.stride(0) != 1:
-        raise ValueError(f"splitk_gemv: one row of {in_dim} with unit strides expected, got x {tuple(x.shape)} "
-                         f"and weight {tuple(weight.shape)}")
-    kind_of(x.dtype)
-    split = triton.cdiv(in_dim, block_k)
-    blocks = triton.cdiv(out_dim, block_n)
+    if weight.stride(1) != 1:
+        raise ValueError(f"{name}: weight {tuple(weight.shape)} needs unit stride along its input dim")
+    flat = _unit_row(x, 2 * in_dim if input_kind == INPUT_GATED else in_dim, name, "one row")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"{name}: weight of {weight.dtype} for a row of {x.dtype}")
+    kind = kind_of(x.dtype)
+    res = res_out = None
+    if residual is not None:
+        res = _unit_row(residual, in_dim, name, "a residual row")
+        if residual.dtype != x.dtype:
+            raise ValueError(f"{name}: residual of {residual.dtype} for a row of {x.dtype}")
+        res_out = torch.empty_like(res)
+    g = _unit_row(norm_weight, in_dim, name, "a norm weight") if norm_weight is not None else None
+    split, blocks = triton.cdiv(in_dim, block_k), triton.cdiv(out_dim, block_n)
+    floats, tickets_needed = workspace_size(out_dim, in_dim, block_n, block_k)
     if workspace is None:
-        workspace = (torch.empty(split * out_dim, dtype=torch.float32, device=x.device),
-                     torch.zeros(blocks, dtype=torch.int32, device=x.device))
+        workspace = (torch.empty(floats, dtype=torch.float32, device=x.device),
+                     torch.zeros(tickets_needed, dtype=torch.int32, device=x.device))
     part, tickets = workspace
+    if part.numel() < floats or tickets.numel() < tickets_needed:
+        raise ValueError(f"{name}: workspace of {part.numel()} floats and {tickets.numel()} tickets, "
+                         f"{floats} and {tickets_needed} needed")
     out = torch.empty(out_dim, dtype=x.dtype, device=x.device)
     options = pdl_options(x) if pdl is None else ({"launch_pdl": True, "USE_PDL": True} if pdl else {"USE_PDL": False})
-    _splitk_gemv_kernel[(blocks, split)](flat, weight, out, part, tickets, weight.stride(0), out_dim, in_dim,
-                                         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-                                         SPLIT_P2=triton.next_power_of_2(split), num_warps=num_warps, **options)
-    return out.view(*x.shape[:-1], out_dim)
+    grid = (split, blocks) if k_fastest else (blocks, split)
+    _splitk_gemv_kernel[grid](flat, res if res is not None else flat, g if g is not None else flat,
+                              res_out if res_out is not None else out, weight, out, part, tickets,
+                              weight.stride(0), out_dim, in_dim, float(eps),
+                              BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, SPLIT_P2=triton.next_power_of_2(split),
+                              INPUT=input_kind, HAS_RES=res is not None, KIND=kind, K_FASTEST=k_fastest,
+                              num_warps=num_warps, **options)
+    return out.view(*x.shape[:-1], out_dim), res_out
+
+
+def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, *, block_n: int = 32, block_k: int = 512, num_warps: int = 4,
+                workspace: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool | None = None,
+                k_fastest: bool = False) -> torch.Tensor:
+    """``x (In,)`` or ``(1, In)`` times ``weight (Out, In)`` -> ``(Out,)`` / ``(1, Out)`` in ``x``'s
+    dtype, float32 sums rounded once. ``workspace``: (float32 partials of at least
+    :func:`workspace_size`, int32 zero tickets), left zero; allocated when None. ``pdl``:
+    programmatic dependent launch (default: where ``kernels.pdl`` supports it)."""
+    return _launch("splitk_gemv", x, weight, input_kind=INPUT_PLAIN, residual=None, norm_weight=None, eps=0.0,
+                   block_n=block_n, block_k=block_k, num_warps=num_warps, workspace=workspace, pdl=pdl,
+                   k_fastest=k_fastest)[0]
+
+
+def gated_splitk_gemv(gate_up: torch.Tensor, weight: torch.Tensor, *, block_n: int = 32, block_k: int = 512,
+                      num_warps: int = 4, workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      pdl: bool | None = None, k_fastest: bool = False) -> torch.Tensor:
+    """``weight (Out, I) @ silu(gate) * up`` for one row ``gate_up (2I,)`` or ``(1, 2I)`` holding
+    ``[gate | up]``: a gated MLP's down projection with its activation, ``(Out,)`` / ``(1, Out)``.
+    The activation is rounded as ``fused_ops.silu_and_mul`` rounds it; arguments as
+    :func:`splitk_gemv`."""
+    return _launch("gated_splitk_gemv", gate_up, weight, input_kind=INPUT_GATED, residual=None, norm_weight=None,
+                   eps=0.0, block_n=block_n, block_k=block_k, num_warps=num_warps, workspace=workspace, pdl=pdl,
+                   k_fastest=k_fastest)[0]
+
+
+def norm_splitk_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     weight: torch.Tensor, *, block_n: int = 32, block_k: int = 512, num_warps: int = 4,
+                     workspace: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool | None = None,
+                     k_fastest: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm block's residual add, RMSNorm and the product after it, for one row:
+    ``h = x + residual`` (rounded to ``x``'s dtype; ``h = x`` without a residual) and
+    ``weight (Out, In) @ (norm_weight * h / sqrt(mean(h^2) + eps))`` in float32, rounded once.
+
+    ``x``, ``residual``: ``(In,)`` or ``(1, In)``; ``norm_weight (In,)``. Returns ``(product
+    (..., Out), h)``: ``h`` a new tensor (``x`` itself without a residual), the next residual.
+    Other arguments as :func:`splitk_gemv`."""
+    out, res_out = _launch("norm_splitk_gemv", x, weight, input_kind=INPUT_NORM, residual=residual,
+                           norm_weight=norm_weight, eps=eps, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                           workspace=workspace, pdl=pdl, k_fastest=k_fastest)
+    return out, (x if res_out is None else res_out.view(x.shape))

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from segkv.kernels.fused_ops import silu_and_mul
+from segkv.layers.linear import RowProduct
+from segkv.layers.norm import RMSNorm
 
 
 class GatedMLP(nn.Module):
@@ -24,6 +26,7 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
+        self._row_product = RowProduct(fused_decoder=True)  # batch-1 decode (layers.linear)
 
     def use_fused(self) -> None:
         """Stack ``gate_proj`` and ``up_proj`` into one ``(2I, hidden)`` weight (one GEMM instead of
@@ -41,6 +44,21 @@ class GatedMLP(nn.Module):
         if self._gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(silu_and_mul(F.linear(x, *self._gate_up)))  # [gate | up] -> act
+
+    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, *,
+                           defer_combine: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pre-norm block's second half: ``(self(norm(x + residual)), x + residual)``. At one
+        row on CUDA with gate and up stacked, the residual add and the norm run inside the gate/up
+        product's launch and SiLU-and-mul inside the down product's (``layers.linear.RowProduct``).
+        ``defer_combine`` is for mixture-of-experts MLPs and has no effect here."""
+        rows = self._row_product
+        if not (self._gate_up is not None and self._gate_up[1] is None and self.down_proj.bias is None
+                and norm.fused and rows.applies(x, self._gate_up[0]) and self.down_proj.weight.stride(-1) == 1
+                and self.down_proj.weight.dtype == x.dtype):
+            h, residual = norm.add_and_norm(x, residual)
+            return self(h), residual
+        gate_up, residual = rows.after_norm(x, residual, norm.weight, norm.eps, self._gate_up[0])
+        return rows.gated(gate_up, self.down_proj.weight), residual
 
 
 def stack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -3,9 +3,12 @@
 cuBLAS streams a small model's projections at one row far below the memory bandwidth (2048 x
 2048 in about 6 us on the H200); the split-K GEMV spreads the weight over hundreds of programs
 and, launched with programmatic dependent launch, loads its weight block while the kernel before
-it finishes. Used where a layer opts in (the MLA layer's x and o products: DeepSeek-V2-Lite batch
-1 / 1K 415-417 -> 428-429 tok/s on the H200), for one row on CUDA without a bias
-(``SEGKV_BATCH1_GEMV=0``: never); everything else takes ``F.linear``.
+it finishes. The MLA layer's x and o products take it (``SEGKV_BATCH1_GEMV``: DeepSeek-V2-Lite
+batch 1 / 1K 415-417 -> 428-429 tok/s on the H200). The grouped-query decoder's projections and
+gated MLPs take it with the layer's residual add and RMSNorm, or its SiLU-and-mul, inside the
+product's launch (``SEGKV_BATCH1_FUSED_GEMV``): a pre-norm block at one row is then its GEMVs,
+RoPE with the cache write, and attention. One row on CUDA without a bias; everything else takes
+``F.linear`` and the separate kernels.
 """
 
 from __future__ import annotations
@@ -16,31 +19,77 @@ import torch.nn.functional as F
 from segkv.kernels.settings import env_int
 
 BATCH1_GEMV = env_int("SEGKV_BATCH1_GEMV", 1) == 1
-# split-K launch measured best on the H200 for 2048-wide inputs (scripts/dense_gemv_sweep.py:
-# DeepSeek-V2-Lite o 5.7 us against cuBLAS's 6.5, q + kv_a 6.9 against 6.8)
-BLOCK_N, BLOCK_K = 32, 256
+BATCH1_FUSED_GEMV = env_int("SEGKV_BATCH1_FUSED_GEMV", 0) == 1
+# Visit order of the programs (scripts/dense_gemv_sweep.py): input blocks of the same rows side by side.
+K_FASTEST = env_int("SEGKV_GEMV_K_FASTEST", 0) == 1
+
+
+def launch_for(out_dim: int, in_dim: int) -> tuple[int, int]:
+    """``(BLOCK_N, BLOCK_K)`` of the split-K GEMV for ``W (out_dim, in_dim)``, from the H200 sweep
+    (scripts/dense_gemv_sweep.py): 2048-wide inputs 32 x 256 (DeepSeek-V2-Lite o 5.7 us against
+    cuBLAS's 6.5, q + kv_a 6.9 against 6.8); wider inputs 16 x 512 (Llama-3.1-8B qkv, gate + up,
+    down: 0.95-0.96x cuBLAS alone; 32 x 1024, 1.02x on the square o, spills registers when the
+    weight block is loaded before the PDL wait)."""
+    del out_dim
+    return (32, 256) if in_dim <= 2048 else (16, 512)
+
+
+def one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether ``x`` is one contiguous row on CUDA in ``weight``'s dtype, with no bias."""
+    return (bias is None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
+            and weight.stride(-1) == 1 and x.dtype == weight.dtype)
 
 
 class RowProduct:
     """``F.linear(x, weight, bias)``, through the split-K GEMV for one row on CUDA (no bias), with
-    a workspace (float32 partials, zeroed tickets) kept per weight shape for the next call."""
+    a workspace (float32 partials, zeroed tickets) kept per weight shape for the next call.
 
-    def __init__(self) -> None:
+    ``fused_decoder``: the grouped-query decoder's products, switched by
+    ``SEGKV_BATCH1_FUSED_GEMV`` (else ``SEGKV_BATCH1_GEMV``); :meth:`after_norm` and
+    :meth:`gated` form their row in the launch."""
+
+    def __init__(self, *, fused_decoder: bool = False) -> None:
+        self.fused_decoder = fused_decoder
         self._workspace: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @property
+    def enabled(self) -> bool:
+        return BATCH1_FUSED_GEMV if self.fused_decoder else BATCH1_GEMV
+
+    def applies(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+        """Whether a call with these arguments takes the split-K GEMV."""
+        return self.enabled and one_row(x, weight, bias)
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not (BATCH1_GEMV and bias is None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
-                and x.is_contiguous() and weight.stride(-1) == 1 and x.dtype == weight.dtype):
+        if not self.applies(x, weight, bias):
             return F.linear(x, weight, bias)
         from segkv.kernels.dense_gemv import splitk_gemv
 
-        return splitk_gemv(x, weight, block_n=BLOCK_N, block_k=BLOCK_K, workspace=self._buffers(weight))
+        return splitk_gemv(x, weight, **self._launch(weight))
 
-    def _buffers(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gated(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``weight @ silu(gate) * up`` for one row ``gate_up (1, 2I)`` (``applies`` checked by
+        the caller on the row's first half)."""
+        from segkv.kernels.dense_gemv import gated_splitk_gemv
+
+        return gated_splitk_gemv(gate_up, weight, **self._launch(weight))
+
+    def after_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weight @ rms_norm(x + residual), x + residual)`` for one row (``kernels.dense_gemv.
+        norm_splitk_gemv``; ``applies`` checked by the caller)."""
+        from segkv.kernels.dense_gemv import norm_splitk_gemv
+
+        return norm_splitk_gemv(x, residual, norm_weight, eps, weight, **self._launch(weight))
+
+    def _launch(self, weight: torch.Tensor) -> dict:
+        from segkv.kernels.dense_gemv import workspace_size
+
         out_dim, in_dim = weight.shape
+        block_n, block_k = launch_for(out_dim, in_dim)
         key = (out_dim, in_dim, weight.device)
         if key not in self._workspace:
-            split = -(-in_dim // BLOCK_K)
-            self._workspace[key] = (torch.empty(split * out_dim, dtype=torch.float32, device=weight.device),
-                                    torch.zeros(-(-out_dim // BLOCK_N), dtype=torch.int32, device=weight.device))
-        return self._workspace[key]
+            floats, tickets = workspace_size(out_dim, in_dim, block_n, block_k)
+            self._workspace[key] = (torch.empty(floats, dtype=torch.float32, device=weight.device),
+                                    torch.zeros(tickets, dtype=torch.int32, device=weight.device))
+        return {"block_n": block_n, "block_k": block_k, "workspace": self._workspace[key], "k_fastest": K_FASTEST}

@@ -28,11 +28,15 @@ class PreNormBlock(nn.Module):
         or the embeddings when ``residual`` is None. Returns ``(mlp output, residual)``; the
         block's output is their sum, rounded once, as ``forward`` returns it. ``defer_combine``:
         a mixture-of-experts MLP may return its output unformed, for the next norm to form."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
+        attn_after_norm = getattr(self.self_attn, "forward_after_norm", None)  # the norm fused into q/k/v
+        if attn_after_norm is not None and not isinstance(x, PendingCombine):
+            attn, residual = attn_after_norm(x, residual, self.input_layernorm, positions, meta)
         else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
-        attn = self.self_attn(h, positions, meta)
+            if residual is None:
+                h, residual = self.input_layernorm(x), x
+            else:
+                h, residual = self.input_layernorm.add_and_norm(x, residual)
+            attn = self.self_attn(h, positions, meta)
         after_norm = getattr(self.mlp, "forward_after_norm", None)  # a MoE fuses the norm into its router
         if after_norm is not None:
             return after_norm(attn, residual, self.post_attention_layernorm, defer_combine=defer_combine)

@@ -15,6 +15,7 @@ from segkv.config import KVLayout
 from segkv.kernels.fused_ops import rope_and_write_kv, rope_fusable
 from segkv.layers.activation import GatedMLP, stack_linears
 from segkv.layers.attention import PagedAttention
+from segkv.layers.linear import RowProduct
 from segkv.layers.norm import RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
 from segkv.models.base import CausalLM, PreNormBlock
@@ -89,6 +90,7 @@ class DecoderAttention(nn.Module):
         self.fused = False  # RoPE and the cache write in one Triton kernel (kernels/fused_ops.py)
         self._rope_fusable = rope_fusable(cfg.head_dim, interleaved=rotary.interleaved)
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
+        self._row_product = RowProduct(fused_decoder=True)  # batch-1 decode (layers.linear)
 
     def use_fused(self) -> None:
         """Stack the q, k and v projections into one weight (one GEMM instead of three; their
@@ -98,17 +100,38 @@ class DecoderAttention(nn.Module):
         self.fused = self._rope_fusable
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        t, d = x.shape[0], self.head_dim
         if self._qkv is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
-            q, k, v = F.linear(x, *self._qkv).split(
-                [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+            return self._split_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        return self._split_heads(*F.linear(x, *self._qkv).split(self._qkv_sizes(), dim=-1))
+
+    def _qkv_sizes(self) -> list[int]:
+        d = self.head_dim
+        return [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+
+    def _split_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, d = q.shape[0], self.head_dim
         return q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self._project(x)
+        return self._attend(*self._project(x), positions, meta)
+
+    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                           positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pre-norm block's first half: ``(self(norm(x + residual)), x + residual)`` (``x``
+        itself without a residual). At one row on CUDA with the projections stacked, the residual
+        add and the norm run inside the q/k/v product's launch (``layers.linear.RowProduct``)."""
+        if not (self._qkv is not None and self._qkv[1] is None and norm.fused
+                and self._row_product.applies(x, self._qkv[0])):
+            h, residual = (norm(x), x) if residual is None else norm.add_and_norm(x, residual)
+            return self(h, positions, meta), residual
+        qkv, residual = self._row_product.after_norm(x, residual, norm.weight, norm.eps, self._qkv[0])
+        return self._attend(*self._split_heads(*qkv.split(self._qkv_sizes(), dim=-1)), positions, meta), residual
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """``q (T, H, D)``, ``k, v (T, KVH, D)`` of the new rows -> the output projection ``(T, hidden)``."""
+        t = q.shape[0]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.fused:
@@ -119,7 +142,10 @@ class DecoderAttention(nn.Module):
         else:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
             out = self.attn(q, k, v, meta)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        if self._qkv is None:  # not fused: torch's product
+            return self.o_proj(out)
+        return self._row_product(out, self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(PreNormBlock):
