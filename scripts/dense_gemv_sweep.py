@@ -76,17 +76,18 @@ def layers(dev, gen, hidden: int = 4096, inner: int = 14336, kv: int = 1024, cou
             x = F.linear(silu_and_mul(F.linear(h, gu_w)), d_w)
         return x
 
-    def fused(blocks, k_fastest):
+    def fused(launch):
+        """``launch(out_dim, in_dim)`` -> (BLOCK_N, BLOCK_K, warps, evict_first) per product."""
         spaces = {}
 
         def kw(w):
-            bn, bk = blocks(*w.shape)
+            bn, bk, warps, evict = launch(*w.shape)
             key = (w.shape, bn, bk)
             if key not in spaces:
                 floats, tickets = workspace_size(*w.shape, bn, bk)
                 spaces[key] = (torch.empty(floats, dtype=torch.float32, device=dev),
                                torch.zeros(tickets, dtype=torch.int32, device=dev))
-            return {"block_n": bn, "block_k": bk, "workspace": spaces[key], "k_fastest": k_fastest}
+            return {"block_n": bn, "block_k": bk, "num_warps": warps, "evict_first": evict, "workspace": spaces[key]}
 
         def run():
             x, res = x0, r0
@@ -98,12 +99,21 @@ def layers(dev, gen, hidden: int = 4096, inner: int = 14336, kv: int = 1024, cou
             return x
         return run
 
-    variants = {"cuBLAS + kernels": cublas, "fused, launch_for": fused(launch_for, False),
-                "fused, launch_for, k fastest": fused(launch_for, True),
-                "fused, 16 x 1024": fused(lambda o, i: (16, 1024), False),
-                "fused, 32 x 512": fused(lambda o, i: (32, 512), False),
-                "fused, 8 x 1024": fused(lambda o, i: (8, 1024), False),
-                "fused, 16 x 1024, k fastest": fused(lambda o, i: (16, 1024), True)}
+    def every(bn, bk, warps=4, evict=False):
+        return lambda o, i: (bn, bk, warps, evict)
+
+    def small_big(small, big):  # q/k/v and o, then gate/up and down
+        return lambda o, i: small if o * i <= (hidden + 2 * kv) * hidden else big
+
+    variants = {"cuBLAS + kernels": cublas, "fused, launch_for": fused(lambda o, i: (*launch_for(o, i), 4, False)),
+                "fused, 16 x 512, evict first": fused(every(16, 512, 4, True)),
+                "fused, 16 x 512, 2 warps": fused(every(16, 512, 2)),
+                "fused, 16 x 512, 8 warps": fused(every(16, 512, 8)),
+                "fused, 16 x 256": fused(every(16, 256)),
+                "fused, 8 x 512, 2 warps": fused(every(8, 512, 2)),
+                "fused, 32 x 256": fused(every(32, 256)),
+                "fused, small 32 x 256, big 16 x 512": fused(small_big((32, 256, 4, False), (16, 512, 4, False))),
+                "fused, small 8 x 512, big 16 x 512": fused(small_big((8, 512, 4, False), (16, 512, 4, False)))}
     ref = cublas().float()
     base = None
     for _ in range(2):
@@ -112,7 +122,7 @@ def layers(dev, gen, hidden: int = 4096, inner: int = 14336, kv: int = 1024, cou
             med = statistics.median(per_layer)
             base = base or med
             err = (run().float() - ref).abs().max() / ref.abs().max()
-            print(f"layer chain {name:30s}: {med:6.1f} us per layer [{min(per_layer):.1f}-{max(per_layer):.1f}] "
+            print(f"layer chain {name:36s}: {med:6.1f} us per layer [{min(per_layer):.1f}-{max(per_layer):.1f}] "
                   f"{nbytes / med / 1e3:5.0f} GB/s, {base / med:4.2f}x the first, max diff {err:.1e} of the largest",
                   flush=True)
 

@@ -20,8 +20,8 @@ def test_splitk_gemv_matches_the_product_and_leaves_its_tickets_zero(out_dim, in
     x = torch.randn(1, in_dim, generator=gen).to(dtype).to(DEVICE)
     workspace = _workspace(out_dim, in_dim, block_n, block_k)
     ref = (x.double() @ w.double().T)
-    for k_fastest in (False, True):
-        y = splitk_gemv(x, w, block_n=block_n, block_k=block_k, workspace=workspace, k_fastest=k_fastest)
+    for evict_first in (False, True):
+        y = splitk_gemv(x, w, block_n=block_n, block_k=block_k, workspace=workspace, evict_first=evict_first)
         assert y.shape == (1, out_dim) and y.dtype == dtype and torch.isfinite(y).all()
         assert not workspace[1].any()
         tol = 2.0**-7 if dtype == torch.bfloat16 else 1e-5  # one bf16 rounding of the float32 sum
@@ -47,7 +47,7 @@ def _bf16_tol(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gated_gemv_is_the_down_product_of_silu_and_mul(out_dim, inner, block_n, block_k, dtype, gen):
     """``gated_splitk_gemv([gate | up], W) = W @ silu_and_mul([gate | up])``: the activation rounded
-    as the separate kernel rounds it; one split and several, both program orders."""
+    as the separate kernel rounds it; one split and several, with and without the eviction hint."""
     from segkv.kernels.dense_gemv import gated_splitk_gemv
     from segkv.kernels.fused_ops import silu_and_mul
 
@@ -55,8 +55,8 @@ def test_gated_gemv_is_the_down_product_of_silu_and_mul(out_dim, inner, block_n,
     gate_up = (2 * torch.randn(1, 2 * inner, generator=gen)).to(dtype).to(DEVICE)
     ref = silu_and_mul(gate_up).double() @ w.double().T
     workspace = _workspace(out_dim, inner, block_n, block_k)
-    for k_fastest in (False, True):
-        y = gated_splitk_gemv(gate_up, w, block_n=block_n, block_k=block_k, workspace=workspace, k_fastest=k_fastest)
+    for evict_first in (False, True):
+        y = gated_splitk_gemv(gate_up, w, block_n=block_n, block_k=block_k, workspace=workspace, evict_first=evict_first)
         assert y.shape == (1, out_dim) and y.dtype == dtype and torch.isfinite(y).all()
         assert not workspace[1].any()
         torch.testing.assert_close(y.double(), ref, rtol=_bf16_tol(dtype), atol=_bf16_tol(dtype))
@@ -83,9 +83,9 @@ def test_norm_gemv_is_the_product_of_the_normed_residual_sum(out_dim, in_dim, bl
     h64 = h_ref.double()
     ref = (g.double() * h64 / torch.sqrt(h64.square().mean() + eps)) @ w.double().T
     workspace = _workspace(out_dim, in_dim, block_n, block_k)
-    for k_fastest in (False, True):
+    for evict_first in (False, True):
         y, h = norm_splitk_gemv(x, residual, g, eps, w, block_n=block_n, block_k=block_k, workspace=workspace,
-                                k_fastest=k_fastest)
+                                evict_first=evict_first)
         assert y.shape == (1, out_dim) and y.dtype == dtype and torch.isfinite(y).all()
         assert not workspace[1].any()
         assert torch.equal(h, h_ref) and (h is x) == (not with_residual)

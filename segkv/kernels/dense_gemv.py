@@ -37,29 +37,23 @@ INPUT_PLAIN, INPUT_GATED, INPUT_NORM = 0, 1, 2
 def _splitk_gemv_kernel(X, RES, G, RES_OUT, W, OUT, PART, TICKETS, stride_w, out_dim, in_dim, eps,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                         SPLIT_P2: tl.constexpr, INPUT: tl.constexpr, HAS_RES: tl.constexpr,
-                        KIND: tl.constexpr, K_FASTEST: tl.constexpr, USE_PDL: tl.constexpr):
+                        KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, USE_PDL: tl.constexpr):
     """``PART``: float32 partial sums ``(SPLIT, out_dim)``, then (``INPUT_NORM``) the slices' sums
-    of squares ``(SPLIT, blocks)``. ``K_FASTEST``: consecutive programs take consecutive input
-    blocks of the same output rows (neighbouring weight bytes read together) instead of
-    consecutive output blocks.
+    of squares ``(SPLIT, blocks)``. ``EVICT_FIRST``: the weight's lines leave the L2 cache first.
 
     With ``USE_PDL`` (programmatic dependent launch): the next kernel may be scheduled at once,
     and this one loads its weight block before waiting for the kernel before it (whose output
     ``X`` is): the weight's memory latency overlaps that kernel's tail."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if K_FASTEST:
-        kb = tl.program_id(0)
-        nb = tl.program_id(1)
-    else:
-        nb = tl.program_id(0)
-        kb = tl.program_id(1)
+    nb = tl.program_id(0)
+    kb = tl.program_id(1)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < out_dim
     cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     c_ok = cols < in_dim
     w = tl.load(W + rows[:, None].to(tl.int64) * stride_w + cols[None, :], mask=r_ok[:, None] & c_ok[None, :],
-                other=0.0)
+                other=0.0, eviction_policy="evict_first" if EVICT_FIRST else "")
     if INPUT == 2:
         g = tl.load(G + cols, mask=c_ok, other=0.0).to(tl.float32)
     if USE_PDL:
@@ -115,7 +109,7 @@ def _unit_row(t: torch.Tensor, n: int, name: str, what: str) -> torch.Tensor:
 
 def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kind: int, residual: torch.Tensor | None,
             norm_weight: torch.Tensor | None, eps: float, block_n: int, block_k: int, num_warps: int,
-            workspace: tuple[torch.Tensor, torch.Tensor] | None, pdl: bool | None, k_fastest: bool
+            workspace: tuple[torch.Tensor, torch.Tensor] | None, pdl: bool | None, evict_first: bool
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     out_dim, in_dim = weight.shape
     if weight.stride(1) != 1:
@@ -142,44 +136,44 @@ def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kind: int
                          f"{floats} and {tickets_needed} needed")
     out = torch.empty(out_dim, dtype=x.dtype, device=x.device)
     options = pdl_options(x) if pdl is None else ({"launch_pdl": True, "USE_PDL": True} if pdl else {"USE_PDL": False})
-    grid = (split, blocks) if k_fastest else (blocks, split)
-    _splitk_gemv_kernel[grid](flat, res if res is not None else flat, g if g is not None else flat,
+    _splitk_gemv_kernel[(blocks, split)](flat, res if res is not None else flat, g if g is not None else flat,
                               res_out if res_out is not None else out, weight, out, part, tickets,
                               weight.stride(0), out_dim, in_dim, float(eps),
                               BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, SPLIT_P2=triton.next_power_of_2(split),
-                              INPUT=input_kind, HAS_RES=res is not None, KIND=kind, K_FASTEST=k_fastest,
+                              INPUT=input_kind, HAS_RES=res is not None, KIND=kind, EVICT_FIRST=evict_first,
                               num_warps=num_warps, **options)
     return out.view(*x.shape[:-1], out_dim), res_out
 
 
 def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, *, block_n: int = 32, block_k: int = 512, num_warps: int = 4,
                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool | None = None,
-                k_fastest: bool = False) -> torch.Tensor:
+                evict_first: bool = False) -> torch.Tensor:
     """``x (In,)`` or ``(1, In)`` times ``weight (Out, In)`` -> ``(Out,)`` / ``(1, Out)`` in ``x``'s
     dtype, float32 sums rounded once. ``workspace``: (float32 partials of at least
     :func:`workspace_size`, int32 zero tickets), left zero; allocated when None. ``pdl``:
-    programmatic dependent launch (default: where ``kernels.pdl`` supports it)."""
+    programmatic dependent launch (default: where ``kernels.pdl`` supports it). ``evict_first``:
+    the weight's lines leave the L2 cache before other data."""
     return _launch("splitk_gemv", x, weight, input_kind=INPUT_PLAIN, residual=None, norm_weight=None, eps=0.0,
                    block_n=block_n, block_k=block_k, num_warps=num_warps, workspace=workspace, pdl=pdl,
-                   k_fastest=k_fastest)[0]
+                   evict_first=evict_first)[0]
 
 
 def gated_splitk_gemv(gate_up: torch.Tensor, weight: torch.Tensor, *, block_n: int = 32, block_k: int = 512,
                       num_warps: int = 4, workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      pdl: bool | None = None, k_fastest: bool = False) -> torch.Tensor:
+                      pdl: bool | None = None, evict_first: bool = False) -> torch.Tensor:
     """``weight (Out, I) @ silu(gate) * up`` for one row ``gate_up (2I,)`` or ``(1, 2I)`` holding
     ``[gate | up]``: a gated MLP's down projection with its activation, ``(Out,)`` / ``(1, Out)``.
     The activation is rounded as ``fused_ops.silu_and_mul`` rounds it; arguments as
     :func:`splitk_gemv`."""
     return _launch("gated_splitk_gemv", gate_up, weight, input_kind=INPUT_GATED, residual=None, norm_weight=None,
                    eps=0.0, block_n=block_n, block_k=block_k, num_warps=num_warps, workspace=workspace, pdl=pdl,
-                   k_fastest=k_fastest)[0]
+                   evict_first=evict_first)[0]
 
 
 def norm_splitk_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                      weight: torch.Tensor, *, block_n: int = 32, block_k: int = 512, num_warps: int = 4,
                      workspace: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool | None = None,
-                     k_fastest: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     evict_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm block's residual add, RMSNorm and the product after it, for one row:
     ``h = x + residual`` (rounded to ``x``'s dtype; ``h = x`` without a residual) and
     ``weight (Out, In) @ (norm_weight * h / sqrt(mean(h^2) + eps))`` in float32, rounded once.
@@ -189,5 +183,5 @@ def norm_splitk_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     Other arguments as :func:`splitk_gemv`."""
     out, res_out = _launch("norm_splitk_gemv", x, weight, input_kind=INPUT_NORM, residual=residual,
                            norm_weight=norm_weight, eps=eps, block_n=block_n, block_k=block_k, num_warps=num_warps,
-                           workspace=workspace, pdl=pdl, k_fastest=k_fastest)
+                           workspace=workspace, pdl=pdl, evict_first=evict_first)
     return out, (x if res_out is None else res_out.view(x.shape))

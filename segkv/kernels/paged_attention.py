@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from segkv.kernels.pdl import trigger_next
 from segkv.kernels.settings import env_int
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -155,7 +154,6 @@ def _stage1_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
-    TRIGGER_NEXT: tl.constexpr = False,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (``BLOCK_N / PAGE_SIZE`` pages) at a time with
@@ -168,10 +166,7 @@ def _stage1_kernel(
     (work items of one query row, at most ``MERGE`` partials per row) the last program of each
     (row, head) merges it (``merge_if_last``, tickets in COUNTERS ``(rows, heads)`` int32, all 0
     between launches) and the first work item's programs zero the rows without partials: no
-    merge launch. ``TRIGGER_NEXT``: a kernel launched after this one with programmatic dependent
-    launch (``kernels.pdl``) may be scheduled at once and load its weights before it waits."""
-    if TRIGGER_NEXT:
-        tl.extra.cuda.gdc_launch_dependents()
+    merge launch."""
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
         kvh = tl.program_id(0)
@@ -241,7 +236,7 @@ def _stage1_kernel(
 def _merge_kernel(
     PART_OUT, PART_LSE, OUT, OUT_LSE, reduce_ptr, reduce_partials,
     stride_pp, stride_ph, stride_lp, stride_or, stride_oh, stride_lr,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr, TRIGGER_NEXT: tl.constexpr = False,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """One program per (query row, head, ``BLOCK_DV`` value columns): the exact merge of its
     partials, rounded once. Rows without partials get 0 and LSE -inf; rows with exactly one were
@@ -250,9 +245,7 @@ def _merge_kernel(
     running maximum, weight sum and weighted sum; with at most ``BLOCK_P`` partials (every decode
     plan) that is the contract's formula in one step. Column blocks keep wide values (latent
     attention: 512 columns) from leaving a batch-1 merge to a handful of programs that each stream
-    every partial. ``TRIGGER_NEXT`` as in the stage-1 kernel."""
-    if TRIGGER_NEXT:
-        tl.extra.cuda.gdc_launch_dependents()
+    every partial."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     cb = tl.program_id(2)
@@ -385,7 +378,7 @@ def paged_attention(
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
             lse.stride(0), num_heads,
-            scale, num_rows, TRIGGER_NEXT=trigger_next(query), **meta,
+            scale, num_rows, **meta,
         )
     if num_rows and not merged and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
@@ -476,7 +469,7 @@ def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> Non
         out.stride(0), out.stride(1), lse.stride(0),
         # 64 partials per step: a GQA decode row's partials (33 on the H200) in one step, a
         # 256-way latent split in four
-        DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, TRIGGER_NEXT=trigger_next(out),
+        DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64,
     )
 
 

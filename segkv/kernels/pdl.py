@@ -40,14 +40,3 @@ def pdl_options(tensor: torch.Tensor) -> dict:
     """``launch_pdl`` and the ``USE_PDL`` constexpr for a launch on ``tensor``'s device."""
     on = tensor.is_cuda and pdl_supported(tensor.device.index or 0)
     return {"launch_pdl": True, "USE_PDL": True} if on else {"USE_PDL": False}
-
-
-_TRIGGER_NEXT = env_int("SEGKV_ATTENTION_TRIGGER_NEXT", 1) == 1
-
-
-def trigger_next(tensor: torch.Tensor) -> bool:
-    """The ``TRIGGER_NEXT`` constexpr of the attention kernels (launched plainly themselves): call
-    ``gdc_launch_dependents`` at once, so that a PDL kernel after them (the batch-1 output
-    GEMV) is scheduled and loads its weights while they run. ``SEGKV_ATTENTION_TRIGGER_NEXT=0``:
-    never."""
-    return _TRIGGER_NEXT and tensor.is_cuda and pdl_supported(tensor.device.index or 0)
