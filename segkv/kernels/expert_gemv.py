@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST
 from segkv.kernels.fused_ops import kind_of, silu_mul_rounded
 from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
@@ -27,34 +28,36 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _gemv_chunk(acc, x_row, w_rows, o_ok, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, GATED: tl.constexpr,
-                 KIND: tl.constexpr):
+                KIND: tl.constexpr, EVICT_FIRST: tl.constexpr):
     """``acc`` plus inputs ``i0 .. i0 + BLOCK_I`` of the product (see :func:`_gemv_tile`)."""
     offs_i = i0 + tl.arange(0, BLOCK_I)
     i_ok = offs_i < IN
     x = tl.load(x_row + offs_i, mask=i_ok, other=0.0).to(tl.float32)
     if GATED:  # rounded as silu_and_mul rounds, so the product sees the same activation
         x = silu_mul_rounded(x, tl.load(x_row + IN + offs_i, mask=i_ok, other=0.0).to(tl.float32), KIND)
-    w = tl.load(w_rows[:, None] + offs_i[None, :], mask=o_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
+    w = tl.load(w_rows[:, None] + offs_i[None, :], mask=o_ok[:, None] & i_ok[None, :], other=0.0,
+                eviction_policy="evict_first" if EVICT_FIRST else "").to(tl.float32)
     return acc + tl.sum(w * x[None, :], axis=1)
 
 
 @triton.jit
 def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constexpr, BLOCK_O: tl.constexpr,
                BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, GATED: tl.constexpr, KIND: tl.constexpr,
-               UNROLL: tl.constexpr):
+               UNROLL: tl.constexpr, EVICT_FIRST: tl.constexpr):
     """Outputs ``ob * BLOCK_O ...`` of one product: ``w_rows`` points at the weight's first
     column, one row per output (row stride folded in); ``x_row`` at the input row, which holds
     ``[gate | up]`` (``2 IN`` columns, reduced to ``silu(gate) * up`` on the fly) when ``GATED``.
-    ``UNROLL``: the input loop unrolled, so every chunk's weights can be requested at once."""
+    ``UNROLL``: the input loop unrolled, so every chunk's weights can be requested at once.
+    ``EVICT_FIRST``: the weight's lines leave L2 first (read once: no other pair wants them)."""
     offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
     o_ok = offs_o < OUT_DIM
     acc = tl.zeros([BLOCK_O], tl.float32)
     if UNROLL:
         for i0 in tl.static_range(0, IN, BLOCK_I):
-            acc = _gemv_chunk(acc, x_row, w_rows, o_ok, i0, IN, BLOCK_I, GATED, KIND)
+            acc = _gemv_chunk(acc, x_row, w_rows, o_ok, i0, IN, BLOCK_I, GATED, KIND, EVICT_FIRST)
     else:
         for i0 in range(0, IN, BLOCK_I):
-            acc = _gemv_chunk(acc, x_row, w_rows, o_ok, i0, IN, BLOCK_I, GATED, KIND)
+            acc = _gemv_chunk(acc, x_row, w_rows, o_ok, i0, IN, BLOCK_I, GATED, KIND, EVICT_FIRST)
     if EXACT_FP32:
         tl.store(out_row + offs_o, acc, mask=o_ok)
     else:
@@ -68,7 +71,7 @@ def _expert_gemv_kernel(
     IN: tl.constexpr, OUT_DIM: tl.constexpr, SHARED_IN: tl.constexpr, SHARED_OUT: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
     GATED: tl.constexpr, KIND: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, EVICT_FIRST: tl.constexpr = False,
 ):
     """Program ``t``: ``BLOCK_O`` outputs of one product. The first ``num_pairs x cdiv(OUT_DIM,
     BLOCK_O)`` programs serve the routed pairs (pair ``n``: expert ``experts[n]`` on row
@@ -90,7 +93,7 @@ def _expert_gemv_kernel(
         ob = (t - routed_programs) % SHARED_BLOCKS
         offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
         _gemv_tile(SX + token * stride_sxr, SW + offs_o.to(tl.int64) * stride_swo, SOUT + token * stride_son, ob,
-                   SHARED_IN, SHARED_OUT, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND, UNROLL)
+                   SHARED_IN, SHARED_OUT, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND, UNROLL, EVICT_FIRST)
     else:
         n = t % num_pairs
         ob = t // num_pairs
@@ -102,7 +105,7 @@ def _expert_gemv_kernel(
         offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
         _gemv_tile(X + row * stride_xr, W + expert * stride_we + offs_o.to(tl.int64) * stride_wo,
                    OUT + n.to(tl.int64) * stride_on, ob, IN, OUT_DIM, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND,
-                   UNROLL)
+                   UNROLL, EVICT_FIRST)
 
 
 # Measured on the H200 (scripts/expert_gemv_sweep.py, DeepSeek-V2-Lite shapes, 6 and 48 pairs):
@@ -132,7 +135,8 @@ def default_block_i(pairs: int) -> int:
 
 def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
                 *, out_dtype: torch.dtype | None = None, gated: bool = False, block_o: int = BLOCK_O,
-                block_i: int | None = None, num_warps: int = NUM_WARPS, unroll: bool | None = None) -> torch.Tensor:
+                block_i: int | None = None, num_warps: int = NUM_WARPS, unroll: bool | None = None,
+                distinct_experts: bool = False) -> torch.Tensor:
     """``x (R, In)``, ``rows (N,)`` and ``experts (N,)`` int64/int32 on the device, ``weight
     (E, Out, In)`` with unit stride on In -> ``(N, Out)`` in ``out_dtype`` (default ``x``'s).
     ``rows`` may be an int ``r``: pair ``n`` reads row ``n // r`` (a token's ``r`` experts in a
@@ -140,24 +144,30 @@ def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor
     ``gated``: ``x (R, 2 In)`` holds ``[gate | up]`` and the product takes ``silu(gate) * up``,
     rounded as :func:`segkv.kernels.fused_ops.silu_and_mul` rounds (one launch instead of two).
     ``block_o``/``block_i``/``num_warps``/``unroll``: the launch (default: the measured best,
-    :func:`default_block_i`, :func:`default_unroll`; tuning runs set them)."""
-    return _launch(x, rows, experts, weight, None, None, out_dtype, gated, block_o, block_i, num_warps, unroll)[0]
+    :func:`default_block_i`, :func:`default_unroll`; tuning runs set them). ``distinct_experts``:
+    no two pairs share an expert (one token's choice), so each weight is read once and its lines
+    leave L2 first (``dense_gemv.WEIGHTS_EVICT_FIRST``)."""
+    return _launch(x, rows, experts, weight, None, None, out_dtype, gated, block_o, block_i, num_warps, unroll,
+                   distinct_experts)[0]
 
 
 def expert_gemv_with_shared(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
-                            shared_x: torch.Tensor, shared_weight: torch.Tensor, *, gated: bool = False
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            shared_x: torch.Tensor, shared_weight: torch.Tensor, *, gated: bool = False,
+                            distinct_experts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`expert_gemv`, and in the same launch ``shared_weight (Out_s, In_s)`` (a MoE layer's
     shared experts, one dense weight) on every row of ``shared_x (T, In_s)`` (``(T, 2 In_s)``
     when ``gated``): returns ``(routed (N, Out), shared (T, Out_s))`` in ``x``'s dtype. At decode
-    sizes each product is a few microseconds, so one launch for both halves the launches."""
+    sizes each product is a few microseconds, so one launch for both halves the launches.
+    ``distinct_experts`` as in :func:`expert_gemv`."""
     if shared_weight.dim() != 2 or shared_x.dim() != 2 or shared_x.dtype != x.dtype:
         raise ValueError(f"shared weight (Out, In) and rows (T, In) of x's dtype expected, got "
                          f"{tuple(shared_weight.shape)} and {tuple(shared_x.shape)} {shared_x.dtype}")
-    return _launch(x, rows, experts, weight, shared_x, shared_weight, None, gated, BLOCK_O, None, NUM_WARPS, None)
+    return _launch(x, rows, experts, weight, shared_x, shared_weight, None, gated, BLOCK_O, None, NUM_WARPS, None,
+                   distinct_experts)
 
 
-def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated, block_o, block_i, num_warps, unroll):
+def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated, block_o, block_i, num_warps, unroll,
+            distinct_experts):
     """Checks, outputs and the launch of :func:`expert_gemv` / :func:`expert_gemv_with_shared`."""
     has_shared = shared_weight is not None
     for name, t in (("x", x), ("weight", weight), ("shared x", shared_x), ("shared weight", shared_weight)):
@@ -197,5 +207,6 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
             EXACT_FP32=kernel_dtype == torch.float32, PAIRS_PER_ROW=pairs_per_row, GATED=gated,
             KIND=kind_of(x.dtype), HAS_SHARED=has_shared, num_warps=num_warps,
             UNROLL=default_unroll(n) if unroll is None else unroll, **pdl_options(x),
+            EVICT_FIRST=WEIGHTS_EVICT_FIRST and distinct_experts,
         )
     return out.to(out_dtype), shared_out.to(out_dtype)

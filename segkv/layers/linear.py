@@ -21,9 +21,6 @@ from segkv.kernels.settings import env_int
 
 BATCH1_GEMV = env_int("SEGKV_BATCH1_GEMV", 1) == 1
 BATCH1_FUSED_GEMV = env_int("SEGKV_BATCH1_FUSED_GEMV", 1) == 1
-# The weights stream through once a step: their lines leave L2 first (the activations, partial
-# sums and KV pages stay). Llama-3.1-8B batch 1 on the H200: 214-215 -> 219 tok/s at 1K.
-EVICT_FIRST = env_int("SEGKV_GEMV_EVICT_FIRST", 1) == 1
 
 
 def launch_for(out_dim: int, in_dim: int) -> tuple[int, int]:
@@ -85,7 +82,7 @@ class RowProduct:
         return norm_splitk_gemv(x, residual, norm_weight, eps, weight, **self._launch(weight))
 
     def _launch(self, weight: torch.Tensor) -> dict:
-        from segkv.kernels.dense_gemv import workspace_size
+        from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST, workspace_size
 
         out_dim, in_dim = weight.shape
         block_n, block_k = launch_for(out_dim, in_dim)
@@ -95,4 +92,4 @@ class RowProduct:
             self._workspace[key] = (torch.empty(floats, dtype=torch.float32, device=weight.device),
                                     torch.zeros(tickets, dtype=torch.int32, device=weight.device))
         return {"block_n": block_n, "block_k": block_k, "workspace": self._workspace[key],
-                "evict_first": EVICT_FIRST}
+                "evict_first": WEIGHTS_EVICT_FIRST}

@@ -269,12 +269,13 @@ class MixtureOfExperts(nn.Module):
         gate_up, down = self._packed
         experts = ids.reshape(-1)
         x = x.contiguous()
+        one = x.shape[0] == 1  # one token's experts are distinct: each weight read once
         if shared is not None:
-            h, shared_h = expert_gemv_with_shared(x, ids.shape[1], experts, gate_up, x, shared[0])
-            return expert_gemv_with_shared(h, 1, experts, down, shared_h, shared[1], gated=True)
-        h = expert_gemv(x, ids.shape[1], experts, gate_up)  # (T k, 2I)
+            h, shared_h = expert_gemv_with_shared(x, ids.shape[1], experts, gate_up, x, shared[0], distinct_experts=one)
+            return expert_gemv_with_shared(h, 1, experts, down, shared_h, shared[1], gated=True, distinct_experts=one)
+        h = expert_gemv(x, ids.shape[1], experts, gate_up, distinct_experts=one)  # (T k, 2I)
         if experts.numel() <= FEW_PAIRS:
-            return expert_gemv(h, 1, experts, down, gated=True), None
+            return expert_gemv(h, 1, experts, down, gated=True, distinct_experts=one), None
         return expert_gemv(silu_and_mul(h), 1, experts, down), None
 
     def _stacked_shared_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
