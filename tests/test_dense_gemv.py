@@ -30,12 +30,6 @@ def test_splitk_gemv_matches_the_product_and_leaves_its_tickets_zero(out_dim, in
         splitk_gemv(x[:, :-1], w)
     with pytest.raises(ValueError, match="workspace"):
         splitk_gemv(x, w, block_n=block_n, block_k=block_k, workspace=(workspace[0][:1], workspace[1]))
-    # float32 out (logits): the float32 sum itself, not rounded to the row's dtype first
-    y32 = splitk_gemv(x, w, block_n=block_n, block_k=block_k, workspace=workspace, out_dtype=torch.float32)
-    assert y32.dtype == torch.float32 and not workspace[1].any()
-    torch.testing.assert_close(y32.double(), ref, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="float32 expected"):
-        splitk_gemv(x, w, out_dtype=torch.float16 if dtype != torch.float16 else torch.bfloat16)
 
 
 def _workspace(out_dim, in_dim, block_n, block_k):
@@ -131,9 +125,8 @@ def test_row_product_uses_the_gemv_only_for_one_cuda_row_without_bias(on, gen, m
 def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_logits(family, tmp_path, monkeypatch):
     """``SEGKV_BATCH1_FUSED_GEMV``: a grouped-query model fed one row at a time runs each layer as
     the q/k/v GEMV with the residual add and norm inside, the o GEMV, the gate/up GEMV with the
-    second norm inside and the down GEMV with SiLU-and-mul inside, and (``SEGKV_BATCH1_LOGITS_GEMV``)
-    the logits through the GEMV (on the CPU too, for this test), and gives the unfused model's
-    logits and greedy tokens."""
+    second norm inside and the down GEMV with SiLU-and-mul inside (on the CPU too, for this test)
+    and gives the unfused model's logits and greedy tokens."""
     from model_helpers import build_model_dir
 
     from segkv.engine import LLM
@@ -145,7 +138,6 @@ def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_log
     kw = dict(device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=64, prefill_chunk=8)
     plain = LLM(tmp_path, fused_ops=False, **kw)
     monkeypatch.setattr(linear, "BATCH1_FUSED_GEMV", True)
-    monkeypatch.setattr(linear, "BATCH1_LOGITS_GEMV", True)
     monkeypatch.setattr(linear, "one_row", lambda x, w, b=None: b is None and x.dim() == 2 and x.shape[0] == 1
                         and x.is_contiguous() and x.dtype == w.dtype)
     calls = {"norm": 0, "gated": 0, "plain": 0}
@@ -160,7 +152,7 @@ def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_log
         rows = [llm.runner.prompt_logits(chain, [token]) for llm, chain in zip((plain, fused), chains)]
         assert torch.isfinite(rows[1]).all()
         torch.testing.assert_close(rows[1], rows[0], rtol=1e-4, atol=1e-4)
-    assert calls == {"norm": 2 * 3 * layers, "gated": 3 * layers, "plain": 3 * (layers + 1)}  # o, then logits
+    assert calls == {"norm": 2 * 3 * layers, "gated": 3 * layers, "plain": 3 * layers}
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
     assert ([o.outputs[0].token_ids for o in fused.generate(prompt, params)]

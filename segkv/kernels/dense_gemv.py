@@ -114,8 +114,8 @@ def _unit_row(t: torch.Tensor, n: int, name: str, what: str) -> torch.Tensor:
 
 def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kind: int, residual: torch.Tensor | None,
             norm_weight: torch.Tensor | None, eps: float, block_n: int, block_k: int, num_warps: int,
-            workspace: tuple[torch.Tensor, torch.Tensor] | None, pdl: bool | None, evict_first: bool,
-            out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            workspace: tuple[torch.Tensor, torch.Tensor] | None, pdl: bool | None, evict_first: bool
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     out_dim, in_dim = weight.shape
     if weight.stride(1) != 1:
         raise ValueError(f"{name}: weight {tuple(weight.shape)} needs unit stride along its input dim")
@@ -139,9 +139,7 @@ def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kind: int
     if part.numel() < floats or tickets.numel() < tickets_needed:
         raise ValueError(f"{name}: workspace of {part.numel()} floats and {tickets.numel()} tickets, "
                          f"{floats} and {tickets_needed} needed")
-    if out_dtype not in (None, x.dtype, torch.float32):
-        raise ValueError(f"{name}: output in {out_dtype}; the row's dtype or float32 expected")
-    out = torch.empty(out_dim, dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty(out_dim, dtype=x.dtype, device=x.device)
     options = pdl_options(x) if pdl is None else ({"launch_pdl": True, "USE_PDL": True} if pdl else {"USE_PDL": False})
     _splitk_gemv_kernel[(blocks, split)](flat, res if res is not None else flat, g if g is not None else flat,
                               res_out if res_out is not None else out, weight, out, part, tickets,
@@ -154,15 +152,15 @@ def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kind: int
 
 def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, *, block_n: int = 32, block_k: int = 512, num_warps: int = 4,
                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool | None = None,
-                evict_first: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                evict_first: bool = False) -> torch.Tensor:
     """``x (In,)`` or ``(1, In)`` times ``weight (Out, In)`` -> ``(Out,)`` / ``(1, Out)`` in ``x``'s
-    dtype (or float32: ``out_dtype``), float32 sums rounded once. ``workspace``: (float32 partials of at least
+    dtype, float32 sums rounded once. ``workspace``: (float32 partials of at least
     :func:`workspace_size`, int32 zero tickets), left zero; allocated when None. ``pdl``:
     programmatic dependent launch (default: where ``kernels.pdl`` supports it). ``evict_first``:
     the weight's lines leave the L2 cache before other data."""
     return _launch("splitk_gemv", x, weight, input_kind=INPUT_PLAIN, residual=None, norm_weight=None, eps=0.0,
                    block_n=block_n, block_k=block_k, num_warps=num_warps, workspace=workspace, pdl=pdl,
-                   evict_first=evict_first, out_dtype=out_dtype)[0]
+                   evict_first=evict_first)[0]
 
 
 def gated_splitk_gemv(gate_up: torch.Tensor, weight: torch.Tensor, *, block_n: int = 32, block_k: int = 512,

@@ -21,7 +21,6 @@ from segkv.kernels.settings import env_int
 
 BATCH1_GEMV = env_int("SEGKV_BATCH1_GEMV", 1) == 1
 BATCH1_FUSED_GEMV = env_int("SEGKV_BATCH1_FUSED_GEMV", 1) == 1
-BATCH1_LOGITS_GEMV = env_int("SEGKV_BATCH1_LOGITS_GEMV", 0) == 1
 
 
 def launch_for(out_dim: int, in_dim: int) -> tuple[int, int]:
@@ -44,35 +43,28 @@ class RowProduct:
     """``F.linear(x, weight, bias)``, through the split-K GEMV for one row on CUDA (no bias), with
     a workspace (float32 partials, zeroed tickets) kept per weight shape for the next call.
 
-    ``switch``: which setting turns it on: ``"mla"`` (``SEGKV_BATCH1_GEMV``), ``"decoder"`` (the
-    grouped-query decoder's products, ``SEGKV_BATCH1_FUSED_GEMV``; :meth:`after_norm` and
-    :meth:`gated` form their row in the launch) or ``"logits"`` (the output head,
-    ``SEGKV_BATCH1_LOGITS_GEMV``)."""
+    ``fused_decoder``: the grouped-query decoder's products, switched by
+    ``SEGKV_BATCH1_FUSED_GEMV`` (else ``SEGKV_BATCH1_GEMV``); :meth:`after_norm` and
+    :meth:`gated` form their row in the launch."""
 
-    def __init__(self, switch: str = "mla") -> None:
-        if switch not in ("mla", "decoder", "logits"):
-            raise ValueError(f"RowProduct switch {switch!r}: 'mla', 'decoder' or 'logits'")
-        self.switch = switch
+    def __init__(self, *, fused_decoder: bool = False) -> None:
+        self.fused_decoder = fused_decoder
         self._workspace: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def enabled(self) -> bool:
-        return {"mla": BATCH1_GEMV, "decoder": BATCH1_FUSED_GEMV, "logits": BATCH1_LOGITS_GEMV}[self.switch]
+        return BATCH1_FUSED_GEMV if self.fused_decoder else BATCH1_GEMV
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
         """Whether a call with these arguments takes the split-K GEMV."""
         return self.enabled and one_row(x, weight, bias)
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` in ``out_dtype`` (default ``x``'s; float32 logits are
-        stored as float32 by the GEMV, not rounded first)."""
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.applies(x, weight, bias):
-            y = F.linear(x, weight, bias)
-            return y if out_dtype is None else y.to(out_dtype)
+            return F.linear(x, weight, bias)
         from segkv.kernels.dense_gemv import splitk_gemv
 
-        return splitk_gemv(x, weight, out_dtype=out_dtype, **self._launch(weight))
+        return splitk_gemv(x, weight, **self._launch(weight))
 
     def gated(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``weight @ silu(gate) * up`` for one row ``gate_up (1, 2I)`` (``applies`` checked by

@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from segkv.attention.metadata import AttentionMetadata
-from segkv.layers.linear import RowProduct
 from segkv.layers.norm import PendingCombine
 
 
@@ -59,7 +58,6 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._logits_product: RowProduct | None = None  # batch-1 logits when fused (layers.linear)
 
     def use_fused_ops(self) -> None:
         """The decode step with fewer, larger kernels (GPU): q/k/v and gate/up projections stacked
@@ -73,7 +71,6 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if id(module) not in experts and hasattr(module, "use_fused"):
                 module.use_fused()
-        self._logits_product = RowProduct("logits")
 
     @property
     def max_model_len(self) -> int:
@@ -88,7 +85,4 @@ class CausalLM(nn.Module):
         return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden (N, hidden)`` -> float32 logits ``(N, vocab)``."""
-        if self._logits_product is None:
-            return self.lm_head(hidden).float()
-        return self._logits_product(hidden, self.lm_head.weight, self.lm_head.bias, out_dtype=torch.float32)
+        return self.lm_head(hidden).float()

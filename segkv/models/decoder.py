@@ -90,7 +90,7 @@ class DecoderAttention(nn.Module):
         self.fused = False  # RoPE and the cache write in one Triton kernel (kernels/fused_ops.py)
         self._rope_fusable = rope_fusable(cfg.head_dim, interleaved=rotary.interleaved)
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
-        self._row_product = RowProduct("decoder")  # batch-1 decode (layers.linear)
+        self._row_product = RowProduct(fused_decoder=True)  # batch-1 decode (layers.linear)
 
     def use_fused(self) -> None:
         """Stack the q, k and v projections into one weight (one GEMM instead of three; their
