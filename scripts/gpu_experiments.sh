@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # Open questions, measured in one go on the GPU machine (about 7 minutes); results under
 # $OUT/experiments.txt. Defaults change only after a measurement.
-#   1. GPU tests of the fused split-K GEMVs (norm and SiLU-and-mul inside).
-#   2. The chain of a Llama-3.1-8B layer's products: separate kernels and cuBLAS against the
-#      fused GEMVs (scripts/dense_gemv_sweep.py --layers).
-#   3. Whole-model batch-1 decode (Llama-3.1-8B, Qwen3-8B, DeepSeek-V2-Lite), alternating fused
-#      GEMVs off / on; Llama with the weights evicted from L2 first.
+#   1. GPU tests of the split-K GEMVs, expert GEMVs, MoE ops, fused models, graphs and engine,
+#      with the logits through the GEMV.
+#   2. Whole-model batch-1 decode, alternating: the logits through the split-K GEMV off / on
+#      (Llama-3.1-8B, DeepSeek-V2-Lite), the expert weights evict-first off / on (DeepSeek).
 # Results of earlier runs: docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,10 +17,10 @@ if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; th
 fi
 log="$OUT/experiments.txt"
 : > "$log"
-echo "== GPU tests (fused GEMVs on)" | tee -a "$log"
-SEGKV_BATCH1_FUSED_GEMV=1 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_dense_gemv.py 2>&1 | grep -E "passed|failed|Error|error" | tail -8 | tee -a "$log"
-echo "== layer chain" | tee -a "$log"
-timeout 150 python3 scripts/dense_gemv_sweep.py --layers 2>&1 | tee -a "$log"
+echo "== GPU tests" | tee -a "$log"
+SEGKV_BATCH1_LOGITS_GEMV=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_dense_gemv.py tests/test_expert_gemv.py \
+  tests/test_moe_ops.py tests/test_fused_ops.py tests/test_cuda_graphs.py tests/test_gpu_engine.py 2>&1 \
+  | grep -E "passed|failed|Error|error" | tail -8 | tee -a "$log"
 e2e() {  # label, env assignments..., --, decode_e2e arguments...
   local label=$1; shift
   local envs=()
@@ -31,13 +30,12 @@ e2e() {  # label, env assignments..., --, decode_e2e arguments...
   env "${envs[@]}" timeout 120 python3 -m segkv.bench.decode_e2e --skip-hf --trials 3 --batches 1 --contexts 1K,16K "$@" \
     2>&1 | grep -E "^\[|rror" | tee -a "$log"
 }
-echo "== batch 1, fused GEMVs off / on" | tee -a "$log"
-e2e "llama off" SEGKV_BATCH1_FUSED_GEMV=0 -- --models llama-3.1-8b
-e2e "llama on" SEGKV_BATCH1_FUSED_GEMV=1 -- --models llama-3.1-8b
-e2e "qwen3 off" SEGKV_BATCH1_FUSED_GEMV=0 -- --models qwen3-8b
-e2e "qwen3 on" SEGKV_BATCH1_FUSED_GEMV=1 -- --models qwen3-8b
-e2e "deepseek off" SEGKV_BATCH1_FUSED_GEMV=0 -- --models deepseek-v2-lite
-e2e "deepseek on" SEGKV_BATCH1_FUSED_GEMV=1 -- --models deepseek-v2-lite
-e2e "llama on, evict first" SEGKV_BATCH1_FUSED_GEMV=1 SEGKV_GEMV_EVICT_FIRST=1 -- --models llama-3.1-8b
-e2e "llama off" SEGKV_BATCH1_FUSED_GEMV=0 -- --models llama-3.1-8b
-e2e "llama on" SEGKV_BATCH1_FUSED_GEMV=1 -- --models llama-3.1-8b
+echo "== batch 1: logits GEMV off / on; expert weights evict-first off / on" | tee -a "$log"
+for round in 1 2; do
+  e2e "llama logits off" SEGKV_BATCH1_LOGITS_GEMV=0 -- --models llama-3.1-8b
+  e2e "llama logits on" SEGKV_BATCH1_LOGITS_GEMV=1 -- --models llama-3.1-8b
+  e2e "deepseek evict off" SEGKV_GEMV_EVICT_FIRST=0 -- --models deepseek-v2-lite
+  e2e "deepseek evict on" SEGKV_GEMV_EVICT_FIRST=1 -- --models deepseek-v2-lite
+  e2e "deepseek evict on, logits on" SEGKV_BATCH1_LOGITS_GEMV=1 -- --models deepseek-v2-lite
+done
+e2e "qwen3 logits on" SEGKV_BATCH1_LOGITS_GEMV=1 -- --models qwen3-8b

@@ -23,6 +23,8 @@ would form it disappears from a decode step:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -39,20 +41,19 @@ WEIGHTS_EVICT_FIRST = env_int("SEGKV_GEMV_EVICT_FIRST", 1) == 1
 
 
 @triton.jit
-def _splitk_gemv_kernel(X, RES, G, RES_OUT, W, OUT, PART, TICKETS, stride_w, out_dim, in_dim, eps,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                        SPLIT_P2: tl.constexpr, INPUT: tl.constexpr, HAS_RES: tl.constexpr,
-                        KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, USE_PDL: tl.constexpr):
-    """``PART``: float32 partial sums ``(SPLIT, out_dim)``, then (``INPUT_NORM``) the slices' sums
-    of squares ``(SPLIT, blocks)``. ``EVICT_FIRST``: the weight's lines leave the L2 cache first.
+def gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INPUT: tl.constexpr, HAS_RES: tl.constexpr,
+               KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program ``(nb, kb)``'s share: the float32 partial product ``(BLOCK_N,)`` of output block
+    ``nb`` over input block ``kb``, and (``INPUT_NORM``, else 0) the slice's sum of squares of
+    ``h``; block ``nb == 0`` writes its slice of ``h`` to ``RES_OUT``.
 
     With ``USE_PDL`` (programmatic dependent launch): the next kernel may be scheduled at once,
     and this one loads its weight block before waiting for the kernel before it (whose output
-    ``X`` is): the weight's memory latency overlaps that kernel's tail."""
+    ``X`` is): the weight's memory latency overlaps that kernel's tail. ``EVICT_FIRST``: the
+    weight's lines leave the L2 cache first."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    nb = tl.program_id(0)
-    kb = tl.program_id(1)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < out_dim
     cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -68,6 +69,7 @@ def _splitk_gemv_kernel(X, RES, G, RES_OUT, W, OUT, PART, TICKETS, stride_w, out
                              tl.load(X + in_dim + cols, mask=c_ok, other=0.0).to(tl.float32), KIND)
     else:
         a = tl.load(X + cols, mask=c_ok, other=0.0).to(tl.float32)
+    square_sum = 0.0
     if INPUT == 2:
         if HAS_RES:
             a = round_to_kind(a + tl.load(RES + cols, mask=c_ok, other=0.0).to(tl.float32), KIND)
@@ -75,11 +77,26 @@ def _splitk_gemv_kernel(X, RES, G, RES_OUT, W, OUT, PART, TICKETS, stride_w, out
                 tl.store(RES_OUT + cols, a.to(RES_OUT.dtype.element_ty), mask=c_ok)
         square_sum = tl.sum(a * a, axis=0)
         a = a * g
-    part = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+    return tl.sum(w.to(tl.float32) * a[None, :], axis=1), square_sum
+
+
+@triton.jit
+def _splitk_gemv_kernel(X, RES, G, RES_OUT, W, OUT, PART, TICKETS, stride_w, out_dim, in_dim, eps,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                        SPLIT_P2: tl.constexpr, INPUT: tl.constexpr, HAS_RES: tl.constexpr,
+                        KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program ``(nb, kb)``: :func:`gemv_slice`, then the ticket. ``PART``: float32 partial sums
+    ``(SPLIT, out_dim)``, then (``INPUT_NORM``) the slices' sums of squares ``(blocks, SPLIT)``."""
+    nb = tl.program_id(0)
+    kb = tl.program_id(1)
+    part, square_sum = gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, BLOCK_N, BLOCK_K,
+                                  INPUT, HAS_RES, KIND, EVICT_FIRST, USE_PDL)
+    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok = rows < out_dim
     if SPLIT == 1:
         if INPUT == 2:
             part = part / tl.sqrt(square_sum / in_dim + eps)
-        tl.store(OUT + rows, part.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne"), mask=r_ok)
+        tl.store(OUT + rows, round_to_kind(part, KIND).to(OUT.dtype.element_ty), mask=r_ok)
     else:
         tl.store(PART + kb * out_dim + rows, part, mask=r_ok)
         squares = PART + SPLIT * out_dim + nb * SPLIT  # this output block's slices' sums of squares
@@ -93,10 +110,17 @@ def _splitk_gemv_kernel(X, RES, G, RES_OUT, W, OUT, PART, TICKETS, stride_w, out
                             other=0.0, cache_modifier=".cg")
             total = tl.sum(parts, axis=0)
             if INPUT == 2:
-                square_total = tl.sum(tl.load(squares + ks, mask=ks < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)
-                total = total / tl.sqrt(square_total / in_dim + eps)
-            tl.store(OUT + rows, total.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne"), mask=r_ok)
+                total = total / tl.sqrt(square_total(squares, SPLIT, SPLIT_P2) / in_dim + eps)
+            # rounded to nearest even by bits (Triton's interpreter truncates a float32 -> bf16 cast)
+            tl.store(OUT + rows, round_to_kind(total, KIND).to(OUT.dtype.element_ty), mask=r_ok)
             tl.store(TICKETS + nb, 0)
+
+
+@triton.jit
+def square_total(squares, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr):
+    """The row's sum of squares from one output block's ``SPLIT`` slice sums at ``squares``."""
+    ks = tl.arange(0, SPLIT_P2)
+    return tl.sum(tl.load(squares + ks, mask=ks < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)
 
 
 def workspace_size(out_dim: int, in_dim: int, block_n: int, block_k: int) -> tuple[int, int]:
@@ -112,10 +136,28 @@ def _unit_row(t: torch.Tensor, n: int, name: str, what: str) -> torch.Tensor:
     return flat
 
 
-def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kind: int, residual: torch.Tensor | None,
-            norm_weight: torch.Tensor | None, eps: float, block_n: int, block_k: int, num_warps: int,
-            workspace: tuple[torch.Tensor, torch.Tensor] | None, pdl: bool | None, evict_first: bool
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+@dataclass(frozen=True, slots=True)
+class GemvOperands:
+    """A checked one-row launch: the row ``flat``, residual and norm weight (or ``flat`` where
+    absent), the residual output (or None), workspace, grid and PDL options."""
+
+    flat: torch.Tensor
+    res: torch.Tensor
+    g: torch.Tensor
+    res_out: torch.Tensor | None
+    part: torch.Tensor
+    tickets: torch.Tensor
+    split: int
+    blocks: int
+    kind: int
+    options: dict
+
+
+def gemv_operands(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kind: int,
+                  residual: torch.Tensor | None, norm_weight: torch.Tensor | None, block_n: int, block_k: int,
+                  workspace: tuple[torch.Tensor, torch.Tensor] | None, pdl: bool | None) -> GemvOperands:
+    """Check one row ``x`` against ``weight (Out, In)`` (clear errors naming ``name``), and make
+    the residual output and, when None, the workspace."""
     out_dim, in_dim = weight.shape
     if weight.stride(1) != 1:
         raise ValueError(f"{name}: weight {tuple(weight.shape)} needs unit stride along its input dim")
@@ -139,15 +181,25 @@ def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kind: int
     if part.numel() < floats or tickets.numel() < tickets_needed:
         raise ValueError(f"{name}: workspace of {part.numel()} floats and {tickets.numel()} tickets, "
                          f"{floats} and {tickets_needed} needed")
-    out = torch.empty(out_dim, dtype=x.dtype, device=x.device)
     options = pdl_options(x) if pdl is None else ({"launch_pdl": True, "USE_PDL": True} if pdl else {"USE_PDL": False})
-    _splitk_gemv_kernel[(blocks, split)](flat, res if res is not None else flat, g if g is not None else flat,
-                              res_out if res_out is not None else out, weight, out, part, tickets,
-                              weight.stride(0), out_dim, in_dim, float(eps),
-                              BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, SPLIT_P2=triton.next_power_of_2(split),
-                              INPUT=input_kind, HAS_RES=res is not None, KIND=kind, EVICT_FIRST=evict_first,
-                              num_warps=num_warps, **options)
-    return out.view(*x.shape[:-1], out_dim), res_out
+    return GemvOperands(flat, flat if res is None else res, flat if g is None else g, res_out, part, tickets, split,
+                        blocks, kind, options)
+
+
+def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kind: int, residual: torch.Tensor | None,
+            norm_weight: torch.Tensor | None, eps: float, block_n: int, block_k: int, num_warps: int,
+            workspace: tuple[torch.Tensor, torch.Tensor] | None, pdl: bool | None, evict_first: bool
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    out_dim, in_dim = weight.shape
+    ops = gemv_operands(name, x, weight, input_kind=input_kind, residual=residual, norm_weight=norm_weight,
+                        block_n=block_n, block_k=block_k, workspace=workspace, pdl=pdl)
+    out = torch.empty(out_dim, dtype=x.dtype, device=x.device)
+    _splitk_gemv_kernel[(ops.blocks, ops.split)](
+        ops.flat, ops.res, ops.g, out if ops.res_out is None else ops.res_out, weight, out, ops.part, ops.tickets,
+        weight.stride(0), out_dim, in_dim, float(eps), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=ops.split,
+        SPLIT_P2=triton.next_power_of_2(ops.split), INPUT=input_kind, HAS_RES=ops.res_out is not None, KIND=ops.kind,
+        EVICT_FIRST=evict_first, num_warps=num_warps, **ops.options)
+    return out.view(*x.shape[:-1], out_dim), ops.res_out
 
 
 def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, *, block_n: int = 32, block_k: int = 512, num_warps: int = 4,

@@ -140,7 +140,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _cos_sin(POS, COS_SIN, t, d, max_position, HALF: tl.constexpr):
+def cos_sin_at(POS, COS_SIN, t, d, max_position, HALF: tl.constexpr):
     """cos and sin (float32) of token ``t``'s position, columns ``d``, from the ``[cos | sin]``
     table. Positions beyond the table (invalid input) read its last row, not foreign memory."""
     pos = tl.minimum(tl.maximum(tl.load(POS + t).to(tl.int64), 0), max_position - 1)
@@ -154,8 +154,13 @@ def _rotate(src, i1, i2, cos, sin, KIND: tl.constexpr):
     """RoPE of one head at ``src``, pairs ``(x[i1], x[i2])`` (half-split: ``d, HALF + d``;
     interleaved: ``2d, 2d + 1``): ``(x1 cos - x2 sin, x2 cos + x1 sin)``, each product and sum
     rounded as the torch ops round."""
-    x1 = tl.load(src + i1).to(tl.float32)
-    x2 = tl.load(src + i2).to(tl.float32)
+    return rotate_pair(tl.load(src + i1).to(tl.float32), tl.load(src + i2).to(tl.float32), cos, sin, KIND)
+
+
+@triton.jit
+def rotate_pair(x1, x2, cos, sin, KIND: tl.constexpr):
+    """``(x1 cos - x2 sin, x2 cos + x1 sin)`` of float32 values, each product and sum rounded as
+    the torch ops round in the dtype of ``KIND``."""
     lo = round_to_kind(round_to_kind(x1 * cos, KIND) - round_to_kind(x2 * sin, KIND), KIND)
     hi = round_to_kind(round_to_kind(x2 * cos, KIND) + round_to_kind(x1 * sin, KIND), KIND)
     return lo, hi
@@ -175,7 +180,7 @@ def _rope_kv_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
-    cos, sin = _cos_sin(POS, COS_SIN, t, d, max_position, HALF)
+    cos, sin = cos_sin_at(POS, COS_SIN, t, d, max_position, HALF)
     if h < HQ:
         lo, hi = _rotate(Q + t * stride_qt + h * stride_qh, d, HALF + d, cos, sin, KIND)
         dst = Q_OUT + t * stride_ot + h * stride_oh
@@ -261,7 +266,7 @@ def _mla_rope_latent_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
-    cos, sin = _cos_sin(POS, COS_SIN, t, d, max_position, HALF)
+    cos, sin = cos_sin_at(POS, COS_SIN, t, d, max_position, HALF)
     if INTERLEAVED:
         i1 = 2 * d
         i2 = 2 * d + 1
