@@ -121,16 +121,18 @@ def test_row_product_uses_the_gemv_only_for_one_cuda_row_without_bias(on, gen, m
     assert len(calls) == expected and all(ws is calls[0] for ws in calls)
 
 
-@pytest.mark.parametrize("family", ["llama3.1", "qwen3"])
-def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_logits(family, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family,rope_in_product", [("llama3.1", True), ("qwen3", True), ("llama3.1", False)])
+def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_logits(family, rope_in_product, tmp_path,
+                                                                                      monkeypatch):
     """``SEGKV_BATCH1_FUSED_GEMV``: a grouped-query model fed one row at a time runs each layer as
     the q/k/v GEMV with the residual add and norm inside, the o GEMV, the gate/up GEMV with the
     second norm inside and the down GEMV with SiLU-and-mul inside (on the CPU too, for this test)
-    and gives the unfused model's logits and greedy tokens."""
+    and gives the unfused model's logits and greedy tokens. With ``SEGKV_BATCH1_QKV_ROPE`` the
+    q/k/v launch also applies the q/k norms (Qwen3), RoPE and the cache write."""
     from model_helpers import build_model_dir
 
     from segkv.engine import LLM
-    from segkv.kernels import dense_gemv
+    from segkv.kernels import dense_gemv, qkv_gemv
     from segkv.layers import linear
     from segkv.sampling_params import SamplingParams
 
@@ -138,12 +140,14 @@ def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_log
     kw = dict(device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=64, prefill_chunk=8)
     plain = LLM(tmp_path, fused_ops=False, **kw)
     monkeypatch.setattr(linear, "BATCH1_FUSED_GEMV", True)
+    monkeypatch.setattr(linear, "BATCH1_QKV_ROPE", rope_in_product)
     monkeypatch.setattr(linear, "one_row", lambda x, w, b=None: b is None and x.dim() == 2 and x.shape[0] == 1
                         and x.is_contiguous() and x.dtype == w.dtype)
-    calls = {"norm": 0, "gated": 0, "plain": 0}
-    for name, key in (("norm_splitk_gemv", "norm"), ("gated_splitk_gemv", "gated"), ("splitk_gemv", "plain")):
-        original = getattr(dense_gemv, name)
-        monkeypatch.setattr(dense_gemv, name, lambda *a, _f=original, _k=key, **k: calls.__setitem__(_k, calls[_k] + 1)
+    calls = {"norm": 0, "gated": 0, "plain": 0, "rope": 0}
+    for module, name, key in ((dense_gemv, "norm_splitk_gemv", "norm"), (dense_gemv, "gated_splitk_gemv", "gated"),
+                              (dense_gemv, "splitk_gemv", "plain"), (qkv_gemv, "qkv_rope_gemv", "rope")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _k=key, **k: calls.__setitem__(_k, calls[_k] + 1)
                             or _f(*a, **k))
     fused = LLM(tmp_path, fused_ops=True, **kw)
     layers = fused.runner.model.cfg.num_layers
@@ -152,9 +156,10 @@ def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_log
         rows = [llm.runner.prompt_logits(chain, [token]) for llm, chain in zip((plain, fused), chains)]
         assert torch.isfinite(rows[1]).all()
         torch.testing.assert_close(rows[1], rows[0], rtol=1e-4, atol=1e-4)
-    assert calls == {"norm": 2 * 3 * layers, "gated": 3 * layers, "plain": 3 * layers}
+    rope = 3 * layers if rope_in_product else 0  # one launch per layer and token for q/k/v
+    assert calls == {"norm": 2 * 3 * layers - rope, "gated": 3 * layers, "plain": 3 * layers, "rope": rope}
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
     assert ([o.outputs[0].token_ids for o in fused.generate(prompt, params)]
             == [o.outputs[0].token_ids for o in plain.generate(prompt, params)])
-    assert calls["norm"] > 2 * 3 * layers  # decode steps of one sequence took the fused GEMVs
+    assert calls["gated"] > 3 * layers  # decode steps of one sequence took the fused GEMVs

@@ -185,7 +185,7 @@ def test_copy_rows_length_mismatch_raises_and_changes_nothing(gen):
 
 
 def test_rows_for_kernels_that_write_themselves_are_checked_first():
-    """``rows_to_write`` / ``latent_rows_to_write`` hand a layer's rows to a fused kernel only
+    """``rows_to_write`` / ``mha_rows`` / ``latent_rows_to_write`` hand a layer's rows to a fused kernel only
     after the write's checks: the wrong cache kind or slots out of range change nothing."""
     (_, mha), (_, mla) = make(MHA), make(MLA)
     latent = mla.latent_rows_to_write(1, torch.tensor([0, 23]))
@@ -197,4 +197,13 @@ def test_rows_for_kernels_that_write_themselves_are_checked_first():
         mha.latent_rows_to_write(0, torch.tensor([0]))
     with pytest.raises(ValueError, match="'mha' caches"):
         mla.rows_to_write(0, torch.tensor([0]), torch.zeros(1, 1, 1), torch.zeros(1, 1, 1))
+    with pytest.raises(ValueError, match="'mha' caches"):
+        mla.mha_rows(0, torch.tensor([0]))
     assert unchanged(mla, before)
+    keys, values = mha.mha_rows(1, torch.tensor([5]))  # for a kernel that makes the rows itself
+    assert keys.data_ptr() == mha.k[1].data_ptr() and values.data_ptr() == mha.v[1].data_ptr()
+    assert keys.shape == values.shape == (mha.k[1].shape[0] * mha.k[1].shape[1], *mha.k[1].shape[2:])
+    before = snapshot(mha)
+    with pytest.raises(ValueError, match="out of range"):
+        mha.mha_rows(0, torch.tensor([keys.shape[0]]))
+    assert unchanged(mha, before)

@@ -102,6 +102,17 @@ class PagedKVStorage:
         self._check_rows(_as_slots(slots, self.device), key, value, check_range=not trusted_slots)
         return self._flat(self.k[layer]), self._flat(self.v[layer])
 
+    def mha_rows(self, layer: int, slots: torch.Tensor, *, trusted_slots: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validate the slots of an 'mha' write as :meth:`write` does and return the layer's
+        ``(slots_total, num_kv_heads, head_dim)`` key and value rows, for a kernel that makes the
+        rows and writes them itself (the one-launch q/k/v product)."""
+        if self.layout.kind != "mha":
+            raise ValueError("mha_rows is for 'mha' caches")
+        if not trusted_slots:
+            self._check_slot_range(_as_slots(slots, self.device))
+        return self._flat(self.k[layer]), self._flat(self.v[layer])
+
     def latent_rows_to_write(self, layer: int, slots: torch.Tensor, *, trusted_slots: bool = False) -> torch.Tensor:
         """Validate the slots of an 'mla' write as :meth:`write` does and return the layer's
         ``(slots_total, kv_lora_rank + rope_dim)`` latent rows, for a kernel that makes the rows

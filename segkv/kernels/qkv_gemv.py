@@ -20,6 +20,8 @@ import triton.language as tl
 from segkv.kernels.dense_gemv import INPUT_NORM, gemv_operands, gemv_slice, square_total
 from segkv.kernels.fused_ops import cos_sin_at, kind_of, rotate_pair, round_to_kind
 
+_NORM_INPUT = tl.constexpr(INPUT_NORM)  # a global the compiled kernel may read
+
 
 @triton.jit
 def _head_norm(lo, hi, W, d, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, KIND: tl.constexpr):
@@ -47,7 +49,7 @@ def _qkv_rope_kernel(X, RES, G, RES_OUT, W, PART, TICKETS, stride_w, out_dim, in
     nb = tl.program_id(0)
     kb = tl.program_id(1)
     part, square_sum = gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, BLOCK_N, BLOCK_K,
-                                  INPUT_NORM, HAS_RES, KIND, EVICT_FIRST, USE_PDL)
+                                  _NORM_INPUT, HAS_RES, KIND, EVICT_FIRST, USE_PDL)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(PART + kb * out_dim + rows, part)
     tl.store(PART + SPLIT * out_dim + nb * SPLIT + kb, square_sum)

@@ -21,6 +21,7 @@ from segkv.kernels.settings import env_int
 
 BATCH1_GEMV = env_int("SEGKV_BATCH1_GEMV", 1) == 1
 BATCH1_FUSED_GEMV = env_int("SEGKV_BATCH1_FUSED_GEMV", 1) == 1
+BATCH1_QKV_ROPE = env_int("SEGKV_BATCH1_QKV_ROPE", 1) == 1
 
 
 def launch_for(out_dim: int, in_dim: int) -> tuple[int, int]:
@@ -81,12 +82,31 @@ class RowProduct:
 
         return norm_splitk_gemv(x, residual, norm_weight, eps, weight, **self._launch(weight))
 
-    def _launch(self, weight: torch.Tensor) -> dict:
+    @property
+    def rope_in_product(self) -> bool:
+        """Whether :meth:`after_norm_with_rope` is on (``SEGKV_BATCH1_QKV_ROPE``)."""
+        return BATCH1_QKV_ROPE
+
+    def after_norm_with_rope(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                             eps: float, weight: torch.Tensor, **rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`after_norm` for a stacked q/k/v weight, with the q/k norms, RoPE and the cache
+        write in the same launch (``kernels.qkv_gemv.qkv_rope_gemv``, ``rope`` its keyword
+        arguments): returns ``(rotated q (1, H, D), x + residual)``."""
+        from segkv.kernels.qkv_gemv import qkv_rope_gemv
+
+        head_dim = rope["cos_sin"].shape[-1]
+        block_n = launch_for(*weight.shape)[0]
+        while head_dim % block_n:  # a head's rows are whole output blocks
+            block_n //= 2
+        return qkv_rope_gemv(x, residual, norm_weight, eps, weight, **rope, **self._launch(weight, block_n))
+
+    def _launch(self, weight: torch.Tensor, block_n: int | None = None) -> dict:
         from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST, workspace_size
 
         out_dim, in_dim = weight.shape
-        block_n, block_k = launch_for(out_dim, in_dim)
-        key = (out_dim, in_dim, weight.device)
+        default_n, block_k = launch_for(out_dim, in_dim)
+        block_n = block_n or default_n
+        key = (out_dim, in_dim, block_n, weight.device)
         if key not in self._workspace:
             floats, tickets = workspace_size(out_dim, in_dim, block_n, block_k)
             self._workspace[key] = (torch.empty(floats, dtype=torch.float32, device=weight.device),

@@ -120,11 +120,23 @@ class DecoderAttention(nn.Module):
                            positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """A pre-norm block's first half: ``(self(norm(x + residual)), x + residual)`` (``x``
         itself without a residual). At one row on CUDA with the projections stacked, the residual
-        add and the norm run inside the q/k/v product's launch (``layers.linear.RowProduct``)."""
+        add and the norm run inside the q/k/v product's launch (``layers.linear.RowProduct``), and
+        with RoPE fused, the q/k norms, RoPE and the cache write too (``kernels.qkv_gemv``)."""
         if not (self._qkv is not None and self._qkv[1] is None and norm.fused
                 and self._row_product.applies(x, self._qkv[0])):
             h, residual = (norm(x), x) if residual is None else norm.add_and_norm(x, residual)
             return self(h, positions, meta), residual
+        if self.fused and self._row_product.rope_in_product and (
+                not self.qk_norm or self.q_norm.eps == self.k_norm.eps):
+            layer = self.attn.layer_index
+            keys, values = meta.storage.mha_rows(layer, meta.slots, trusted_slots=meta.trusted_slots)
+            norms = {"q_norm": self.q_norm.weight, "k_norm": self.k_norm.weight, "qk_eps": self.q_norm.eps} \
+                if self.qk_norm else {}
+            q, residual = self._row_product.after_norm_with_rope(
+                x, residual, norm.weight, norm.eps, self._qkv[0], num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads, positions=positions, cos_sin=self.rotary.cos_sin_table(x.dtype),
+                slots=meta.slots, key_rows=keys, value_rows=values, **norms)
+            return self._output(self.attn.attend(q, meta)), residual
         qkv, residual = self._row_product.after_norm(x, residual, norm.weight, norm.eps, self._qkv[0])
         return self._attend(*self._split_heads(*qkv.split(self._qkv_sizes(), dim=-1)), positions, meta), residual
 
@@ -142,7 +154,11 @@ class DecoderAttention(nn.Module):
         else:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
             out = self.attn(q, k, v, meta)
-        out = out.reshape(t, self.num_heads * self.head_dim)
+        return self._output(out)
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention's ``(T, H, D)`` -> the output projection ``(T, hidden)``."""
+        out = out.reshape(out.shape[0], self.num_heads * self.head_dim)
         if self._qkv is None:  # not fused: torch's product
             return self.o_proj(out)
         return self._row_product(out, self.o_proj.weight, self.o_proj.bias)
