@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Open questions, measured in one go on the GPU machine (about 7 minutes); results under
 # $OUT/experiments.txt. Defaults change only after a measurement.
-#   1. GPU tests of the split-K GEMVs, expert GEMVs, MoE ops, fused models, graphs and engine,
-#      with the logits through the GEMV.
-#   2. Whole-model batch-1 decode, alternating: the logits through the split-K GEMV off / on
-#      (Llama-3.1-8B, DeepSeek-V2-Lite), the expert weights evict-first off / on (DeepSeek).
+#   1. GPU tests of the one-launch q/k/v product with RoPE and cache write, the split-K GEMVs,
+#      fused models, graphs and engine.
+#   2. Whole-model batch-1 decode (Llama-3.1-8B, Qwen3-8B), alternating: RoPE and the cache
+#      write in the q/k/v launch off / on (SEGKV_BATCH1_QKV_ROPE).
 # Results of earlier runs: docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,9 +18,8 @@ fi
 log="$OUT/experiments.txt"
 : > "$log"
 echo "== GPU tests" | tee -a "$log"
-SEGKV_BATCH1_LOGITS_GEMV=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_dense_gemv.py tests/test_expert_gemv.py \
-  tests/test_moe_ops.py tests/test_fused_ops.py tests/test_cuda_graphs.py tests/test_gpu_engine.py 2>&1 \
-  | grep -E "passed|failed|Error|error" | tail -8 | tee -a "$log"
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_qkv_gemv.py tests/test_dense_gemv.py tests/test_fused_ops.py \
+  tests/test_cuda_graphs.py tests/test_gpu_engine.py 2>&1 | grep -E "passed|failed|Error|error" | tail -8 | tee -a "$log"
 e2e() {  # label, env assignments..., --, decode_e2e arguments...
   local label=$1; shift
   local envs=()
@@ -30,12 +29,10 @@ e2e() {  # label, env assignments..., --, decode_e2e arguments...
   env "${envs[@]}" timeout 120 python3 -m segkv.bench.decode_e2e --skip-hf --trials 3 --batches 1 --contexts 1K,16K "$@" \
     2>&1 | grep -E "^\[|rror" | tee -a "$log"
 }
-echo "== batch 1: logits GEMV off / on; expert weights evict-first off / on" | tee -a "$log"
+echo "== batch 1: RoPE and the cache write in the q/k/v launch off / on" | tee -a "$log"
 for round in 1 2; do
-  e2e "llama logits off" SEGKV_BATCH1_LOGITS_GEMV=0 -- --models llama-3.1-8b
-  e2e "llama logits on" SEGKV_BATCH1_LOGITS_GEMV=1 -- --models llama-3.1-8b
-  e2e "deepseek evict off" SEGKV_GEMV_EVICT_FIRST=0 -- --models deepseek-v2-lite
-  e2e "deepseek evict on" SEGKV_GEMV_EVICT_FIRST=1 -- --models deepseek-v2-lite
-  e2e "deepseek evict on, logits on" SEGKV_BATCH1_LOGITS_GEMV=1 -- --models deepseek-v2-lite
+  e2e "llama off" SEGKV_BATCH1_QKV_ROPE=0 -- --models llama-3.1-8b
+  e2e "llama on" SEGKV_BATCH1_QKV_ROPE=1 -- --models llama-3.1-8b
+  e2e "qwen3 off" SEGKV_BATCH1_QKV_ROPE=0 -- --models qwen3-8b
+  e2e "qwen3 on" SEGKV_BATCH1_QKV_ROPE=1 -- --models qwen3-8b
 done
-e2e "qwen3 logits on" SEGKV_BATCH1_LOGITS_GEMV=1 -- --models qwen3-8b
