@@ -6,10 +6,11 @@ and, launched with programmatic dependent launch, loads its weight block while t
 it finishes. The MLA layer's x and o products take it (``SEGKV_BATCH1_GEMV``: DeepSeek-V2-Lite
 batch 1 / 1K 415-417 -> 428-429 tok/s on the H200). The grouped-query decoder's projections and
 gated MLPs take it with the layer's residual add and RMSNorm, or its SiLU-and-mul, inside the
-product's launch (``SEGKV_BATCH1_FUSED_GEMV``): a pre-norm block at one row is then its four
-GEMVs, RoPE with the cache write, and attention (H200, batch 1, 1K / 16K: Llama-3.1-8B 207 / 187
--> 219 / 195 tok/s, Qwen3-8B 193 / 174 -> 205 / 182). One row on CUDA without a bias; everything
-else takes ``F.linear`` and the separate kernels.
+product's launch (``SEGKV_BATCH1_FUSED_GEMV``), and the q/k/v launch also takes the q/k norms,
+RoPE and the cache write (``SEGKV_BATCH1_QKV_ROPE``, ``kernels.qkv_gemv``): a pre-norm block at
+one row is then its four GEMVs and attention (H200, batch 1, 1K / 16K: Llama-3.1-8B 207 / 187 ->
+219-220 / 196-197 tok/s, Qwen3-8B 193 / 174 -> 213-214 / 189). One row on CUDA without a bias;
+everything else takes ``F.linear`` and the separate kernels.
 """
 
 from __future__ import annotations
