@@ -143,7 +143,6 @@ class DecoderAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """``q (T, H, D)``, ``k, v (T, KVH, D)`` of the new rows -> the output projection ``(T, hidden)``."""
-        t = q.shape[0]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.fused:
