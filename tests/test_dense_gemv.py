@@ -121,6 +121,43 @@ def test_row_product_uses_the_gemv_only_for_one_cuda_row_without_bias(on, gen, m
     assert len(calls) == expected and all(ws is calls[0] for ws in calls)
 
 
+@pytest.mark.parametrize("out_dim,in_dim,block_n,block_k", [(100, 300, 32, 128), (64, 96, 16, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_combine_norm_gemv_forms_the_experts_output_in_the_product(out_dim, in_dim, block_n, block_k, dtype,
+                                                                     with_shared, gen):
+    """``combine_norm_splitk_gemv``: one token's expert outputs combined as ``combine_experts``
+    combines them, the residual added (returned: the next residual) and the product of the normed
+    sum, within one rounding of float64; bad shapes are clear errors."""
+    from segkv.kernels.dense_gemv import combine_norm_splitk_gemv
+    from segkv.kernels.moe_ops import combine_experts
+
+    k, eps = 6, 1e-6
+    w = (torch.randn(out_dim, in_dim, generator=gen) / in_dim**0.5).to(dtype).to(DEVICE)
+    parts = (2 * torch.randn(k, in_dim, generator=gen)).to(dtype).to(DEVICE)
+    expert_weights = torch.rand(1, k, generator=gen).to(DEVICE)
+    shared = (2 * torch.randn(1, in_dim, generator=gen)).to(dtype).to(DEVICE) if with_shared else None
+    residual = (2 * torch.randn(1, in_dim, generator=gen)).to(dtype).to(DEVICE)
+    g = (1 + 0.3 * torch.randn(in_dim, generator=gen)).to(dtype).to(DEVICE)
+    h_ref = combine_experts(parts, expert_weights, shared) + residual
+    h64 = h_ref.double()
+    ref = (g.double() * h64 / torch.sqrt(h64.square().mean() + eps)) @ w.double().T
+    workspace = _workspace(out_dim, in_dim, block_n, block_k)
+    for _ in range(2):
+        y, h = combine_norm_splitk_gemv(parts, expert_weights, shared, residual, g, eps, w, block_n=block_n,
+                                        block_k=block_k, workspace=workspace)
+        assert y.shape == (1, out_dim) and y.dtype == dtype and torch.isfinite(y).all()
+        assert not workspace[1].any()
+        # the GPU may contract the combine's products into FMAs: within one rounding of h's dtype
+        torch.testing.assert_close(h, h_ref, rtol=_bf16_tol(dtype), atol=_bf16_tol(dtype))
+        torch.testing.assert_close(y.double(), ref, rtol=2 * _bf16_tol(dtype), atol=2 * _bf16_tol(dtype))
+    with pytest.raises(ValueError, match="combine_norm_splitk_gemv"):
+        combine_norm_splitk_gemv(parts[:-1], expert_weights, shared, residual, g, eps, w)
+    with pytest.raises(ValueError, match="one token"):
+        combine_norm_splitk_gemv(parts.repeat(2, 1), expert_weights.repeat(2, 1), None, residual.repeat(2, 1), g, eps,
+                                 w)
+
+
 @pytest.mark.parametrize("family,rope_in_product", [("llama3.1", True), ("qwen3", True), ("llama3.1", False)])
 def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_logits(family, rope_in_product, tmp_path,
                                                                                       monkeypatch):
@@ -163,3 +200,44 @@ def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_log
     assert ([o.outputs[0].token_ids for o in fused.generate(prompt, params)]
             == [o.outputs[0].token_ids for o in plain.generate(prompt, params)])
     assert calls["gated"] > 3 * layers  # decode steps of one sequence took the fused GEMVs
+
+
+def test_mla_model_with_the_norm_and_combine_in_its_x_gemv_gives_the_unfused_logits(tmp_path, monkeypatch):
+    """``SEGKV_BATCH1_NORM_IN_MLA``: a DeepSeek model (a dense layer, then routed + shared experts)
+    fed one token at a time forms the previous MoE layer's combine, the residual add and the norm
+    inside the x product's launch (the dense layer's plain row too), and gives the unfused
+    model's logits and greedy tokens (on the CPU too, for this test)."""
+    from model_helpers import build_deepseek_dir
+
+    from segkv.engine import LLM
+    from segkv.kernels import dense_gemv
+    from segkv.layers import linear, mla
+    from segkv.sampling_params import SamplingParams
+
+    build_deepseek_dir(tmp_path, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+                       num_hidden_layers=4)
+    kw = dict(device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=64, prefill_chunk=8)
+    plain = LLM(tmp_path, fused_ops=False, cuda_graphs=False, **kw)
+    monkeypatch.setattr(mla, "NORM_IN_MLA", True)
+    monkeypatch.setattr(linear, "one_row", lambda x, w, b=None: b is None and x.dim() == 2 and x.shape[0] == 1
+                        and x.is_contiguous() and x.dtype == w.dtype)
+    calls = {"combine": 0, "norm": 0}
+    for name, key in (("combine_norm_splitk_gemv", "combine"), ("norm_splitk_gemv", "norm")):
+        original = getattr(dense_gemv, name)
+        monkeypatch.setattr(dense_gemv, name, lambda *a, _f=original, _k=key, **k: calls.__setitem__(_k, calls[_k] + 1)
+                            or _f(*a, **k))
+    fused = LLM(tmp_path, fused_ops=True, cuda_graphs=True if GPU else "emulate", **kw)
+    layers = fused.runner.model.cfg.num_layers
+    chains = [llm.cache.new_chain() for llm in (plain, fused)]
+    for token in (5, 9, 13):
+        rows = [llm.runner.prompt_logits(chain, [token]) for llm, chain in zip((plain, fused), chains)]
+        assert torch.isfinite(rows[1]).all()
+        torch.testing.assert_close(rows[1], rows[0], rtol=1e-4, atol=1e-4)
+    # per token: every MoE layer after the first takes the combine; layer 0 (embeddings) and
+    # layer 1 (after the dense MLP) a plain row, plus the dense layer's gate/up norm GEMV
+    assert calls["combine"] == 3 * (layers - 2) and calls["combine"] > 0
+    assert calls["norm"] == 3 * 3
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    assert ([o.outputs[0].token_ids for o in fused.generate(prompt, params)]
+            == [o.outputs[0].token_ids for o in plain.generate(prompt, params)])

@@ -30,10 +30,11 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
+from segkv.kernels.moe_ops import check_combine, combine_row
 from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
 
-INPUT_PLAIN, INPUT_GATED, INPUT_NORM = 0, 1, 2
+INPUT_PLAIN, INPUT_GATED, INPUT_NORM, INPUT_COMBINE = 0, 1, 2, 3
 # Weights stream through once a decode step: their lines may leave L2 first, so that activations,
 # partial sums and KV pages stay (``SEGKV_GEMV_EVICT_FIRST=0``: the default policy). Llama-3.1-8B
 # batch 1 on the H200: 214-215 -> 219 tok/s at 1K.
@@ -41,12 +42,16 @@ WEIGHTS_EVICT_FIRST = env_int("SEGKV_GEMV_EVICT_FIRST", 1) == 1
 
 
 @triton.jit
-def gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb,
+def gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, EXPERT_W, SHARED, stride_x,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INPUT: tl.constexpr, HAS_RES: tl.constexpr,
-               KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, USE_PDL: tl.constexpr):
+               KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
+               EXPERTS: tl.constexpr = 1, HAS_SHARED: tl.constexpr = False):
     """Program ``(nb, kb)``'s share: the float32 partial product ``(BLOCK_N,)`` of output block
-    ``nb`` over input block ``kb``, and (``INPUT_NORM``, else 0) the slice's sum of squares of
-    ``h``; block ``nb == 0`` writes its slice of ``h`` to ``RES_OUT``.
+    ``nb`` over input block ``kb``, and (``INPUT_NORM``/``INPUT_COMBINE``, else 0) the slice's sum
+    of squares of ``h``; block ``nb == 0`` writes its slice of ``h`` to ``RES_OUT``.
+    ``INPUT_COMBINE``: ``X`` holds ``EXPERTS`` expert output rows (row stride ``stride_x``)
+    weighted by ``EXPERT_W`` (float32), plus ``SHARED`` (``HAS_SHARED``), combined as
+    ``moe_ops.combine_experts`` combines them (up to FMA contraction of its products).
 
     With ``USE_PDL`` (programmatic dependent launch): the next kernel may be scheduled at once,
     and this one loads its weight block before waiting for the kernel before it (whose output
@@ -60,17 +65,19 @@ def gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb,
     c_ok = cols < in_dim
     w = tl.load(W + rows[:, None].to(tl.int64) * stride_w + cols[None, :], mask=r_ok[:, None] & c_ok[None, :],
                 other=0.0, eviction_policy="evict_first" if EVICT_FIRST else "")
-    if INPUT == 2:
+    if INPUT >= 2:
         g = tl.load(G + cols, mask=c_ok, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    if INPUT == 1:
+    if INPUT == 3:
+        a = combine_row(X, EXPERT_W, SHARED, 0, cols, c_ok, stride_x, 0, EXPERTS, HAS_SHARED, KIND, BLOCK_K)
+    elif INPUT == 1:
         a = silu_mul_rounded(tl.load(X + cols, mask=c_ok, other=0.0).to(tl.float32),
                              tl.load(X + in_dim + cols, mask=c_ok, other=0.0).to(tl.float32), KIND)
     else:
         a = tl.load(X + cols, mask=c_ok, other=0.0).to(tl.float32)
     square_sum = 0.0
-    if INPUT == 2:
+    if INPUT >= 2:
         if HAS_RES:
             a = round_to_kind(a + tl.load(RES + cols, mask=c_ok, other=0.0).to(tl.float32), KIND)
             if nb == 0:
@@ -82,25 +89,28 @@ def gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb,
 
 @triton.jit
 def _splitk_gemv_kernel(X, RES, G, RES_OUT, W, OUT, PART, TICKETS, stride_w, out_dim, in_dim, eps,
+                        EXPERT_W, SHARED, stride_x,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                         SPLIT_P2: tl.constexpr, INPUT: tl.constexpr, HAS_RES: tl.constexpr,
-                        KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, USE_PDL: tl.constexpr):
+                        KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
+                        EXPERTS: tl.constexpr, HAS_SHARED: tl.constexpr):
     """Program ``(nb, kb)``: :func:`gemv_slice`, then the ticket. ``PART``: float32 partial sums
     ``(SPLIT, out_dim)``, then (``INPUT_NORM``) the slices' sums of squares ``(blocks, SPLIT)``."""
     nb = tl.program_id(0)
     kb = tl.program_id(1)
-    part, square_sum = gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, BLOCK_N, BLOCK_K,
-                                  INPUT, HAS_RES, KIND, EVICT_FIRST, USE_PDL)
+    part, square_sum = gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, EXPERT_W, SHARED,
+                                  stride_x, BLOCK_N, BLOCK_K, INPUT, HAS_RES, KIND, EVICT_FIRST, USE_PDL, EXPERTS,
+                                  HAS_SHARED)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < out_dim
     if SPLIT == 1:
-        if INPUT == 2:
+        if INPUT >= 2:
             part = part / tl.sqrt(square_sum / in_dim + eps)
         tl.store(OUT + rows, round_to_kind(part, KIND).to(OUT.dtype.element_ty), mask=r_ok)
     else:
         tl.store(PART + kb * out_dim + rows, part, mask=r_ok)
         squares = PART + SPLIT * out_dim + nb * SPLIT  # this output block's slices' sums of squares
-        if INPUT == 2:
+        if INPUT >= 2:
             tl.store(squares + kb, square_sum)
         tl.debug_barrier()  # every thread's partials are stored before the ticket (released by it)
         ticket = tl.atomic_add(TICKETS + nb, 1, sem="acq_rel", scope="gpu")
@@ -109,7 +119,7 @@ def _splitk_gemv_kernel(X, RES, G, RES_OUT, W, OUT, PART, TICKETS, stride_w, out
             parts = tl.load(PART + ks[:, None] * out_dim + rows[None, :], mask=(ks[:, None] < SPLIT) & r_ok[None, :],
                             other=0.0, cache_modifier=".cg")
             total = tl.sum(parts, axis=0)
-            if INPUT == 2:
+            if INPUT >= 2:
                 total = total / tl.sqrt(square_total(squares, SPLIT, SPLIT_P2) / in_dim + eps)
             # rounded to nearest even by bits (Triton's interpreter truncates a float32 -> bf16 cast)
             tl.store(OUT + rows, round_to_kind(total, KIND).to(OUT.dtype.element_ty), mask=r_ok)
@@ -161,7 +171,9 @@ def gemv_operands(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kin
     out_dim, in_dim = weight.shape
     if weight.stride(1) != 1:
         raise ValueError(f"{name}: weight {tuple(weight.shape)} needs unit stride along its input dim")
-    flat = _unit_row(x, 2 * in_dim if input_kind == INPUT_GATED else in_dim, name, "one row")
+    # a combine's rows are checked by moe_ops.check_combine (the caller)
+    flat = x if input_kind == INPUT_COMBINE else _unit_row(x, 2 * in_dim if input_kind == INPUT_GATED else in_dim,
+                                                           name, "one row")
     if weight.dtype != x.dtype:
         raise ValueError(f"{name}: weight of {weight.dtype} for a row of {x.dtype}")
     kind = kind_of(x.dtype)
@@ -188,7 +200,8 @@ def gemv_operands(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kin
 
 def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kind: int, residual: torch.Tensor | None,
             norm_weight: torch.Tensor | None, eps: float, block_n: int, block_k: int, num_warps: int,
-            workspace: tuple[torch.Tensor, torch.Tensor] | None, pdl: bool | None, evict_first: bool
+            workspace: tuple[torch.Tensor, torch.Tensor] | None, pdl: bool | None, evict_first: bool,
+            expert_weights: torch.Tensor | None = None, shared: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     out_dim, in_dim = weight.shape
     ops = gemv_operands(name, x, weight, input_kind=input_kind, residual=residual, norm_weight=norm_weight,
@@ -196,9 +209,14 @@ def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kind: int
     out = torch.empty(out_dim, dtype=x.dtype, device=x.device)
     _splitk_gemv_kernel[(ops.blocks, ops.split)](
         ops.flat, ops.res, ops.g, out if ops.res_out is None else ops.res_out, weight, out, ops.part, ops.tickets,
-        weight.stride(0), out_dim, in_dim, float(eps), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=ops.split,
-        SPLIT_P2=triton.next_power_of_2(ops.split), INPUT=input_kind, HAS_RES=ops.res_out is not None, KIND=ops.kind,
-        EVICT_FIRST=evict_first, num_warps=num_warps, **ops.options)
+        weight.stride(0), out_dim, in_dim, float(eps), ops.flat if expert_weights is None else expert_weights,
+        ops.flat if shared is None else shared, x.stride(0) if input_kind == INPUT_COMBINE else 0,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=ops.split, SPLIT_P2=triton.next_power_of_2(ops.split),
+        INPUT=input_kind, HAS_RES=ops.res_out is not None, KIND=ops.kind, EVICT_FIRST=evict_first,
+        EXPERTS=1 if expert_weights is None else expert_weights.numel(), HAS_SHARED=shared is not None,
+        num_warps=num_warps, **ops.options)
+    if input_kind == INPUT_COMBINE:
+        return out.view(1, out_dim), ops.res_out
     return out.view(*x.shape[:-1], out_dim), ops.res_out
 
 
@@ -242,3 +260,26 @@ def norm_splitk_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
                            norm_weight=norm_weight, eps=eps, block_n=block_n, block_k=block_k, num_warps=num_warps,
                            workspace=workspace, pdl=pdl, evict_first=evict_first)
     return out, (x if res_out is None else res_out.view(x.shape))
+
+
+def combine_norm_splitk_gemv(parts: torch.Tensor, expert_weights: torch.Tensor, shared: torch.Tensor | None,
+                             residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *,
+                             block_n: int = 32, block_k: int = 512, num_warps: int = 4,
+                             workspace: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool | None = None,
+                             evict_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`norm_splitk_gemv` of one token whose ``x`` is a mixture-of-experts layer's output
+    not formed yet (``layers.norm.PendingCombine``): ``parts (k, In)`` expert outputs weighted by
+    ``expert_weights (1, k)`` float32, plus ``shared (1, In)`` or None, combined as
+    ``moe_ops.combine_experts`` combines them (the GPU may contract its products into FMAs), then
+    ``h = combined + residual (1, In)``. Returns ``(product (1, Out), h)``."""
+    name = "combine_norm_splitk_gemv"
+    check_combine(name, parts, expert_weights, shared, residual, norm_weight)
+    if expert_weights.shape[0] != 1:
+        raise ValueError(f"{name}: one token's experts expected, got weights {tuple(expert_weights.shape)}")
+    if parts.shape[1] != weight.shape[1]:
+        raise ValueError(f"{name}: rows of {parts.shape[1]} for a weight {tuple(weight.shape)}")
+    out, h = _launch(name, parts, weight, input_kind=INPUT_COMBINE, residual=residual, norm_weight=norm_weight,
+                     eps=eps, block_n=block_n, block_k=block_k, num_warps=num_warps, workspace=workspace, pdl=pdl,
+                     evict_first=evict_first, expert_weights=expert_weights.contiguous(),
+                     shared=None if shared is None else shared.reshape(-1))
+    return out, h.view(residual.shape)

@@ -305,7 +305,7 @@ def norm_route_topk(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.
 
 
 @triton.jit
-def _combined(Y, WEIGHTS, SHARED, t, cols, ok, stride_y, stride_s, K: tl.constexpr, HAS_SHARED: tl.constexpr,
+def combine_row(Y, WEIGHTS, SHARED, t, cols, ok, stride_y, stride_s, K: tl.constexpr, HAS_SHARED: tl.constexpr,
               KIND: tl.constexpr, BLOCK: tl.constexpr):
     """Columns ``cols`` of token ``t``'s combined expert outputs (float32 holding ``KIND``
     values): the weighted sum in slot order, each product rounded before the add (as torch; the
@@ -327,7 +327,7 @@ def _combine_kernel(Y, WEIGHTS, SHARED, OUT, stride_y, stride_s, stride_o, hidde
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
-    out = _combined(Y, WEIGHTS, SHARED, t, cols, ok, stride_y, stride_s, K, HAS_SHARED, KIND, BLOCK)
+    out = combine_row(Y, WEIGHTS, SHARED, t, cols, ok, stride_y, stride_s, K, HAS_SHARED, KIND, BLOCK)
     tl.store(OUT + t * stride_o + cols, out, mask=ok)
 
 
@@ -335,7 +335,7 @@ def _described(t: torch.Tensor | None):
     return None if t is None else (tuple(t.shape), t.dtype)
 
 
-def _check_combine(fn: str, y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
+def check_combine(fn: str, y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
                    residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None) -> None:
     """The inputs of :func:`combine_experts` (and of :func:`combine_add_rms_norm`, with the
     residual and the norm's weight): shapes, dtypes, unit last strides; errors name ``fn``."""
@@ -359,7 +359,7 @@ def combine_experts(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor
     ``sum_j y[t k + j] w[t, j]`` in float32 rounded once, then ``+ shared`` rounded as a torch
     add of two ``y``-dtype tensors rounds."""
     tokens, k = weights.shape
-    _check_combine("combine_experts", y, weights, shared)
+    check_combine("combine_experts", y, weights, shared)
     hidden = y.shape[1]
     weights = weights.contiguous()
     out = torch.empty(tokens, hidden, dtype=y.dtype, device=y.device)
@@ -388,7 +388,7 @@ def _combine_add_norm_kernel(Y, WEIGHTS, SHARED, RES, NORM_W, RES_OUT, H_OUT, st
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    out = _combined(Y, WEIGHTS, SHARED, t, cols, ok, stride_y, stride_s, K, HAS_SHARED, KIND, BLOCK)
+    out = combine_row(Y, WEIGHTS, SHARED, t, cols, ok, stride_y, stride_s, K, HAS_SHARED, KIND, BLOCK)
     s = round_to_kind(out + tl.load(RES + t * stride_r + cols, mask=ok, other=0.0).to(tl.float32), KIND)
     inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / hidden + eps)
     _norm_and_store(s, norm_w, inv_rms, True, RES_OUT, H_OUT, t, stride_ro, stride_h, cols, ok, KIND, H_KIND)
@@ -401,7 +401,7 @@ def combine_add_rms_norm(y: torch.Tensor, weights: torch.Tensor, shared: torch.T
     norm_weight, eps, residual)``, returning ``(h, c + residual)`` as that pair rounds them (up to
     the order of float32 sums). ``residual (T, H)`` of ``y``'s dtype."""
     tokens, k = weights.shape
-    _check_combine("combine_add_rms_norm", y, weights, shared, residual, norm_weight)
+    check_combine("combine_add_rms_norm", y, weights, shared, residual, norm_weight)
     hidden = y.shape[1]
     weights = weights.contiguous()
     total = torch.empty(tokens, hidden, dtype=y.dtype, device=y.device)

@@ -48,8 +48,8 @@ def _qkv_rope_kernel(X, RES, G, RES_OUT, W, PART, TICKETS, stride_w, out_dim, in
     rotated and a value head as is, into cache row ``SLOTS[0]``."""
     nb = tl.program_id(0)
     kb = tl.program_id(1)
-    part, square_sum = gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, BLOCK_N, BLOCK_K,
-                                  _NORM_INPUT, HAS_RES, KIND, EVICT_FIRST, USE_PDL)
+    part, square_sum = gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, X, X, 0, BLOCK_N,
+                                  BLOCK_K, _NORM_INPUT, HAS_RES, KIND, EVICT_FIRST, USE_PDL)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(PART + kb * out_dim + rows, part)
     tl.store(PART + SPLIT * out_dim + nb * SPLIT + kb, square_sum)

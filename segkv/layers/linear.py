@@ -83,6 +83,17 @@ class RowProduct:
 
         return norm_splitk_gemv(x, residual, norm_weight, eps, weight, **self._launch(weight))
 
+    def after_combine_norm(self, parts: torch.Tensor, expert_weights: torch.Tensor, shared: torch.Tensor | None,
+                           residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`after_norm` of one token whose ``x`` is a MoE layer's output not formed yet
+        (``kernels.dense_gemv.combine_norm_splitk_gemv``; ``applies`` checked by the caller on the
+        residual)."""
+        from segkv.kernels.dense_gemv import combine_norm_splitk_gemv
+
+        return combine_norm_splitk_gemv(parts, expert_weights, shared, residual, norm_weight, eps, weight,
+                                        **self._launch(weight))
+
     @property
     def rope_in_product(self) -> bool:
         """Whether :meth:`after_norm_with_rope` is on (``SEGKV_BATCH1_QKV_ROPE``)."""

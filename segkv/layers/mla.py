@@ -11,12 +11,15 @@ from torch import nn
 from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionShape
 from segkv.kernels.fused_ops import mla_rope_and_write_latent, mla_rope_fusable
+from segkv.kernels.settings import env_int
 from segkv.layers.activation import stack_linears
 from segkv.layers.linear import RowProduct
-from segkv.layers.norm import RMSNorm
+from segkv.layers.norm import PendingCombine, RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
 
 MLA_MODES = ("absorbed", "naive")
+# one token's residual add and norm (and the previous MoE layer's combine) in the x product's launch
+NORM_IN_MLA = env_int("SEGKV_BATCH1_NORM_IN_MLA", 0) == 1
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
 
 
@@ -111,13 +114,58 @@ class MultiHeadLatentAttention(nn.Module):
             latent = self.kv_a_proj_with_mqa(x)
         else:
             weight, bias = self._x_proj
-            q_or_a, latent = self._row_product(x, weight, bias).split([weight.shape[0] - d.latent_dim, d.latent_dim], -1)
+            return self._split_product(self._row_product(x, weight, bias))
+        q = q_or_a if d.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_or_a))
+        return q, latent
+
+    def _split_product(self, product: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stacked x product ``(T, q or q_a + latent)`` -> ``q (T, H * qk_head_dim)`` and the latent."""
+        d = self.dims
+        q_or_a, latent = product.split([product.shape[-1] - d.latent_dim, d.latent_dim], -1)
         q = q_or_a if d.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_or_a))
         return q, latent
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        d, t = self.dims, x.shape[0]
-        q, latent = self._project(x)
+        return self._attend(*self._project(x), positions, meta)
+
+    def forward_after_norm(self, x: torch.Tensor | PendingCombine, residual: torch.Tensor | None, norm: RMSNorm,
+                           positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pre-norm block's first half: ``(self(norm(x + residual)), x + residual)`` (``x``
+        itself without a residual). ``x`` may be the previous MoE layer's output not formed yet
+        (:class:`PendingCombine`). At one token on CUDA with the x projections stacked and
+        ``SEGKV_BATCH1_NORM_IN_MLA`` on, the combine, the residual add and the norm run inside
+        the x product's launch (``kernels.dense_gemv``): two launches become one."""
+        product = self._normed_product(x, residual, norm) if NORM_IN_MLA else None
+        if product is None:
+            if residual is None:
+                h, residual = norm(x), x
+            else:
+                h, residual = norm.add_and_norm(x, residual)
+            return self(h, positions, meta), residual
+        product, residual = product
+        return self._attend(*self._split_product(product), positions, meta), residual
+
+    def _normed_product(self, x: torch.Tensor | PendingCombine, residual: torch.Tensor | None, norm: RMSNorm
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(x product of norm(x + residual), x + residual)`` through the one-row GEMVs, or None
+        where they do not apply (more tokens, no stacked weight, a bias, the CPU)."""
+        if self._x_proj is None or self._x_proj[1] is not None or not norm.fused:
+            return None
+        weight = self._x_proj[0]
+        rows = self._row_product
+        if isinstance(x, PendingCombine):
+            if residual is None or x.weights.shape[0] != 1 or not rows.applies(residual, weight):
+                return None
+            return rows.after_combine_norm(x.parts, x.weights, x.shared, residual, norm.weight, norm.eps, weight)
+        if not rows.applies(x, weight):
+            return None
+        return rows.after_norm(x, residual, norm.weight, norm.eps, weight)
+
+    def _attend(self, q: torch.Tensor, latent: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """``q (T, H * qk_head_dim)`` and ``latent (T, r + rope)`` of the new rows: RoPE, the
+        latent cache write, attention and the output projection ``(T, hidden)``."""
+        d, t = self.dims, q.shape[0]
         q = q.view(t, d.num_heads, d.qk_head_dim)
         q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], -1)
         c_kv, k_pe = latent.split([d.kv_lora_rank, d.qk_rope_head_dim], -1)

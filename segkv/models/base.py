@@ -29,7 +29,7 @@ class PreNormBlock(nn.Module):
         block's output is their sum, rounded once, as ``forward`` returns it. ``defer_combine``:
         a mixture-of-experts MLP may return its output unformed, for the next norm to form."""
         attn_after_norm = getattr(self.self_attn, "forward_after_norm", None)  # the norm fused into q/k/v
-        if attn_after_norm is not None and not isinstance(x, PendingCombine):
+        if attn_after_norm is not None:
             attn, residual = attn_after_norm(x, residual, self.input_layernorm, positions, meta)
         else:
             if residual is None:

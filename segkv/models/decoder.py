@@ -16,7 +16,7 @@ from segkv.kernels.fused_ops import rope_and_write_kv, rope_fusable
 from segkv.layers.activation import GatedMLP, stack_linears
 from segkv.layers.attention import PagedAttention
 from segkv.layers.linear import RowProduct
-from segkv.layers.norm import RMSNorm
+from segkv.layers.norm import PendingCombine, RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
 from segkv.models.base import CausalLM, PreNormBlock
 from segkv.models.hf_config import require, rope_settings
@@ -116,14 +116,14 @@ class DecoderAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self._attend(*self._project(x), positions, meta)
 
-    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+    def forward_after_norm(self, x: torch.Tensor | PendingCombine, residual: torch.Tensor | None, norm: RMSNorm,
                            positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """A pre-norm block's first half: ``(self(norm(x + residual)), x + residual)`` (``x``
-        itself without a residual). At one row on CUDA with the projections stacked, the residual
+        itself without a residual; a MoE layer's :class:`PendingCombine` takes the separate path). At one row on CUDA with the projections stacked, the residual
         add and the norm run inside the q/k/v product's launch (``layers.linear.RowProduct``), and
         with RoPE fused, the q/k norms, RoPE and the cache write too (``kernels.qkv_gemv``)."""
-        if not (self._qkv is not None and self._qkv[1] is None and norm.fused
-                and self._row_product.applies(x, self._qkv[0])):
+        if isinstance(x, PendingCombine) or not (self._qkv is not None and self._qkv[1] is None and norm.fused
+                                                 and self._row_product.applies(x, self._qkv[0])):
             h, residual = (norm(x), x) if residual is None else norm.add_and_norm(x, residual)
             return self(h, positions, meta), residual
         if self.fused and self._row_product.rope_in_product and (
