@@ -202,15 +202,18 @@ def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_log
     assert calls["gated"] > 3 * layers  # decode steps of one sequence took the fused GEMVs
 
 
-def test_mla_model_with_the_norm_and_combine_in_its_x_gemv_gives_the_unfused_logits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("rope_in_product", [False, True])
+def test_mla_model_with_the_norm_and_combine_in_its_x_gemv_gives_the_unfused_logits(rope_in_product, tmp_path,
+                                                                                     monkeypatch):
     """``SEGKV_BATCH1_NORM_IN_MLA``: a DeepSeek model (a dense layer, then routed + shared experts)
     fed one token at a time forms the previous MoE layer's combine, the residual add and the norm
     inside the x product's launch (the dense layer's plain row too), and gives the unfused
-    model's logits and greedy tokens (on the CPU too, for this test)."""
+    model's logits and greedy tokens (on the CPU too, for this test). With ``SEGKV_BATCH1_MLA_ROPE``
+    the same launch rotates the query and writes the latent cache row."""
     from model_helpers import build_deepseek_dir
 
     from segkv.engine import LLM
-    from segkv.kernels import dense_gemv
+    from segkv.kernels import dense_gemv, mla_x_gemv
     from segkv.layers import linear, mla
     from segkv.sampling_params import SamplingParams
 
@@ -219,12 +222,14 @@ def test_mla_model_with_the_norm_and_combine_in_its_x_gemv_gives_the_unfused_log
     kw = dict(device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=64, prefill_chunk=8)
     plain = LLM(tmp_path, fused_ops=False, cuda_graphs=False, **kw)
     monkeypatch.setattr(mla, "NORM_IN_MLA", True)
+    monkeypatch.setattr(mla, "MLA_ROPE", rope_in_product)
     monkeypatch.setattr(linear, "one_row", lambda x, w, b=None: b is None and x.dim() == 2 and x.shape[0] == 1
                         and x.is_contiguous() and x.dtype == w.dtype)
-    calls = {"combine": 0, "norm": 0}
-    for name, key in (("combine_norm_splitk_gemv", "combine"), ("norm_splitk_gemv", "norm")):
-        original = getattr(dense_gemv, name)
-        monkeypatch.setattr(dense_gemv, name, lambda *a, _f=original, _k=key, **k: calls.__setitem__(_k, calls[_k] + 1)
+    calls = {"combine": 0, "norm": 0, "rope": 0}
+    for module, name, key in ((dense_gemv, "combine_norm_splitk_gemv", "combine"),
+                              (dense_gemv, "norm_splitk_gemv", "norm"), (mla_x_gemv, "mla_x_rope_gemv", "rope")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _k=key, **k: calls.__setitem__(_k, calls[_k] + 1)
                             or _f(*a, **k))
     fused = LLM(tmp_path, fused_ops=True, cuda_graphs=True if GPU else "emulate", **kw)
     layers = fused.runner.model.cfg.num_layers
@@ -235,8 +240,10 @@ def test_mla_model_with_the_norm_and_combine_in_its_x_gemv_gives_the_unfused_log
         torch.testing.assert_close(rows[1], rows[0], rtol=1e-4, atol=1e-4)
     # per token: every MoE layer after the first takes the combine; layer 0 (embeddings) and
     # layer 1 (after the dense MLP) a plain row, plus the dense layer's gate/up norm GEMV
-    assert calls["combine"] == 3 * (layers - 2) and calls["combine"] > 0
-    assert calls["norm"] == 3 * 3
+    if rope_in_product:  # every layer's x product, plus the dense layer's gate/up norm GEMV
+        assert calls == {"combine": 0, "norm": 3, "rope": 3 * layers}
+    else:
+        assert calls == {"combine": 3 * (layers - 2), "norm": 3 * 3, "rope": 0} and calls["combine"] > 0
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
     assert ([o.outputs[0].token_ids for o in fused.generate(prompt, params)]

@@ -94,6 +94,20 @@ class RowProduct:
         return combine_norm_splitk_gemv(parts, expert_weights, shared, residual, norm_weight, eps, weight,
                                         **self._launch(weight))
 
+    def after_norm_mla_rope(self, *, weight: torch.Tensor, x: torch.Tensor, **kwargs
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLA x product of one token with the query's RoPE and the latent cache write in its
+        launch (``kernels.mla_x_gemv.mla_x_rope_gemv``, ``kwargs`` its arguments): returns
+        ``(q_nope (1, H, nope), x + residual)``."""
+        from segkv.kernels.mla_x_gemv import mla_x_rope_gemv
+
+        groups = (kwargs["nope_dim"] + kwargs["cos_sin"].shape[-1], kwargs["latent_rows"].shape[-1])
+        block_n = launch_for(*weight.shape)[0]
+        while any(rows % block_n for rows in groups):  # a query head and the latent row are whole blocks
+            block_n //= 2
+        return mla_x_rope_gemv(x, kwargs.pop("residual"), kwargs.pop("norm_weight"), kwargs.pop("eps"), weight,
+                               **kwargs, **self._launch(weight, block_n))
+
     @property
     def rope_in_product(self) -> bool:
         """Whether :meth:`after_norm_with_rope` is on (``SEGKV_BATCH1_QKV_ROPE``)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from segkv.attention.metadata import AttentionMetadata
@@ -21,6 +20,8 @@ MLA_MODES = ("absorbed", "naive")
 # one token's residual add and norm (and the previous MoE layer's combine) in the x product's launch
 # (H200, DeepSeek-V2-Lite batch 1, 1K / 16K: 439-441 / 378-380 -> 447-448 / 386-387 tok/s)
 NORM_IN_MLA = env_int("SEGKV_BATCH1_NORM_IN_MLA", 1) == 1
+# ... and the query's RoPE and the latent cache write in the same launch (not yet measured on a GPU)
+MLA_ROPE = env_int("SEGKV_BATCH1_MLA_ROPE", 0) == 1
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
 
 
@@ -135,32 +136,50 @@ class MultiHeadLatentAttention(nn.Module):
         itself without a residual). ``x`` may be the previous MoE layer's output not formed yet
         (:class:`PendingCombine`). At one token on CUDA with the x projections stacked and
         ``SEGKV_BATCH1_NORM_IN_MLA`` on, the combine, the residual add and the norm run inside
-        the x product's launch (``kernels.dense_gemv``): two launches become one."""
-        product = self._normed_product(x, residual, norm) if NORM_IN_MLA else None
-        if product is None:
+        the x product's launch (``kernels.dense_gemv``): two launches become one. With
+        ``SEGKV_BATCH1_MLA_ROPE`` (absorbed attention, no q LoRA) the same launch also rotates the
+        query and writes the latent cache row (``kernels.mla_x_gemv``): one launch fewer again."""
+        source = self._gemv_source(x, residual, norm) if NORM_IN_MLA else None
+        if source is None:
             if residual is None:
                 h, residual = norm(x), x
             else:
                 h, residual = norm.add_and_norm(x, residual)
             return self(h, positions, meta), residual
-        product, residual = product
+        d, weight, rows = self.dims, self._x_proj[0], self._row_product
+        if MLA_ROPE and self.fused and meta.mla_mode == "absorbed" and d.q_lora_rank is None:
+            query = weight.new_empty(1, d.num_heads, d.kv_lora_rank + d.qk_rope_head_dim)
+            kv_norm = self.kv_a_layernorm
+            q_nope, residual = rows.after_norm_mla_rope(
+                **source, norm_weight=norm.weight, eps=norm.eps, weight=weight, num_heads=d.num_heads,
+                nope_dim=d.qk_nope_head_dim, kv_norm=(kv_norm.weight, kv_norm.eps), positions=positions,
+                cos_sin=self.rotary.cos_sin_table(weight.dtype), slots=meta.slots,
+                latent_rows=meta.storage.latent_rows_to_write(self.layer_index, meta.slots,
+                                                              trusted_slots=meta.trusted_slots),
+                q_rope_out=query[..., d.kv_lora_rank:], interleaved=self.rotary.interleaved)
+            return self._output(self._absorbed(q_nope, query[..., d.kv_lora_rank:], meta, query)), residual
+        if "expert_weights" in source:
+            product, residual = rows.after_combine_norm(source["x"], source["expert_weights"], source["shared"],
+                                                        source["residual"], norm.weight, norm.eps, weight)
+        else:
+            product, residual = rows.after_norm(source["x"], source["residual"], norm.weight, norm.eps, weight)
         return self._attend(*self._split_product(product), positions, meta), residual
 
-    def _normed_product(self, x: torch.Tensor | PendingCombine, residual: torch.Tensor | None, norm: RMSNorm
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(x product of norm(x + residual), x + residual)`` through the one-row GEMVs, or None
-        where they do not apply (more tokens, no stacked weight, a bias, the CPU)."""
+    def _gemv_source(self, x: torch.Tensor | PendingCombine, residual: torch.Tensor | None, norm: RMSNorm
+                     ) -> dict | None:
+        """The one-row GEMVs' input (``x``, ``residual``, and for a :class:`PendingCombine` its
+        ``expert_weights`` and ``shared``), or None where they do not apply (more tokens, no
+        stacked weight, a bias, the CPU)."""
         if self._x_proj is None or self._x_proj[1] is not None or not norm.fused:
             return None
-        weight = self._x_proj[0]
-        rows = self._row_product
+        weight, rows = self._x_proj[0], self._row_product
         if isinstance(x, PendingCombine):
             if residual is None or x.weights.shape[0] != 1 or not rows.applies(residual, weight):
                 return None
-            return rows.after_combine_norm(x.parts, x.weights, x.shared, residual, norm.weight, norm.eps, weight)
+            return {"x": x.parts, "residual": residual, "expert_weights": x.weights, "shared": x.shared}
         if not rows.applies(x, weight):
             return None
-        return rows.after_norm(x, residual, norm.weight, norm.eps, weight)
+        return {"x": x, "residual": residual}
 
     def _attend(self, q: torch.Tensor, latent: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -195,7 +214,11 @@ class MultiHeadLatentAttention(nn.Module):
                                       kv_transform=self._decompress)
         else:
             raise ValueError(f"mla_mode must be one of {MLA_MODES}, got {meta.mla_mode!r}")
-        out = out.reshape(t, d.num_heads * d.v_head_dim)
+        return self._output(out)
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention's ``(T, H, v)`` -> the output projection ``(T, hidden)``."""
+        out = out.reshape(out.shape[0], self.dims.num_heads * self.dims.v_head_dim)
         if self.fused:
             return self._row_product(out, self.o_proj.weight, self.o_proj.bias)
         return self.o_proj(out)
