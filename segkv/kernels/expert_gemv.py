@@ -27,37 +27,54 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _gemv_chunk(acc, x_row, w_rows, o_ok, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, GATED: tl.constexpr,
-                KIND: tl.constexpr, EVICT_FIRST: tl.constexpr):
-    """``acc`` plus inputs ``i0 .. i0 + BLOCK_I`` of the product (see :func:`_gemv_tile`)."""
+def _chunk_weights(w_rows, o_ok, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, EVICT_FIRST: tl.constexpr):
+    """The weight block of inputs ``i0 .. i0 + BLOCK_I`` (``(BLOCK_O, BLOCK_I)``, float32)."""
+    offs_i = i0 + tl.arange(0, BLOCK_I)
+    i_ok = offs_i < IN
+    return tl.load(w_rows[:, None] + offs_i[None, :], mask=o_ok[:, None] & i_ok[None, :], other=0.0,
+                   eviction_policy="evict_first" if EVICT_FIRST else "").to(tl.float32)
+
+
+@triton.jit
+def _chunk_product(acc, x_row, w, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, GATED: tl.constexpr,
+                   KIND: tl.constexpr):
+    """``acc`` plus the product of weight block ``w`` with inputs ``i0 .. i0 + BLOCK_I``."""
     offs_i = i0 + tl.arange(0, BLOCK_I)
     i_ok = offs_i < IN
     x = tl.load(x_row + offs_i, mask=i_ok, other=0.0).to(tl.float32)
     if GATED:  # rounded as silu_and_mul rounds, so the product sees the same activation
         x = silu_mul_rounded(x, tl.load(x_row + IN + offs_i, mask=i_ok, other=0.0).to(tl.float32), KIND)
-    w = tl.load(w_rows[:, None] + offs_i[None, :], mask=o_ok[:, None] & i_ok[None, :], other=0.0,
-                eviction_policy="evict_first" if EVICT_FIRST else "").to(tl.float32)
     return acc + tl.sum(w * x[None, :], axis=1)
 
 
 @triton.jit
 def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constexpr, BLOCK_O: tl.constexpr,
                BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, GATED: tl.constexpr, KIND: tl.constexpr,
-               UNROLL: tl.constexpr, EVICT_FIRST: tl.constexpr):
+               UNROLL: tl.constexpr, EVICT_FIRST: tl.constexpr, WAIT: tl.constexpr):
     """Outputs ``ob * BLOCK_O ...`` of one product: ``w_rows`` points at the weight's first
     column, one row per output (row stride folded in); ``x_row`` at the input row, which holds
     ``[gate | up]`` (``2 IN`` columns, reduced to ``silu(gate) * up`` on the fly) when ``GATED``.
     ``UNROLL``: the input loop unrolled, so every chunk's weights can be requested at once.
-    ``EVICT_FIRST``: the weight's lines leave L2 first (read once: no other pair wants them)."""
+    ``EVICT_FIRST``: the weight's lines leave L2 first (read once: no other pair wants them).
+    ``WAIT``: the first weight block loads, then the program waits for the previous kernel
+    (programmatic dependent launch) before reading ``x_row``."""
     offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
     o_ok = offs_o < OUT_DIM
     acc = tl.zeros([BLOCK_O], tl.float32)
+    START: tl.constexpr = BLOCK_I if WAIT else 0
+    if WAIT:
+        w = _chunk_weights(w_rows, o_ok, 0, IN, BLOCK_I, EVICT_FIRST)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        acc = _chunk_product(acc, x_row, w, 0, IN, BLOCK_I, GATED, KIND)
     if UNROLL:
-        for i0 in tl.static_range(0, IN, BLOCK_I):
-            acc = _gemv_chunk(acc, x_row, w_rows, o_ok, i0, IN, BLOCK_I, GATED, KIND, EVICT_FIRST)
+        for i0 in tl.static_range(START, IN, BLOCK_I):
+            w = _chunk_weights(w_rows, o_ok, i0, IN, BLOCK_I, EVICT_FIRST)
+            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND)
     else:
-        for i0 in range(0, IN, BLOCK_I):
-            acc = _gemv_chunk(acc, x_row, w_rows, o_ok, i0, IN, BLOCK_I, GATED, KIND, EVICT_FIRST)
+        for i0 in range(START, IN, BLOCK_I):
+            w = _chunk_weights(w_rows, o_ok, i0, IN, BLOCK_I, EVICT_FIRST)
+            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND)
     if EXACT_FP32:
         tl.store(out_row + offs_o, acc, mask=o_ok)
     else:
@@ -71,7 +88,8 @@ def _expert_gemv_kernel(
     IN: tl.constexpr, OUT_DIM: tl.constexpr, SHARED_IN: tl.constexpr, SHARED_OUT: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
     GATED: tl.constexpr, KIND: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
-    USE_PDL: tl.constexpr, EVICT_FIRST: tl.constexpr = False,
+    USE_PDL: tl.constexpr, EVICT_FIRST: tl.constexpr = False, PRELOAD_SHARED: tl.constexpr = False,
+    PRELOAD_ROUTED: tl.constexpr = False,
 ):
     """Program ``t``: ``BLOCK_O`` outputs of one product. The first ``num_pairs x cdiv(OUT_DIM,
     BLOCK_O)`` programs serve the routed pairs (pair ``n``: expert ``experts[n]`` on row
@@ -80,8 +98,10 @@ def _expert_gemv_kernel(
     second read hits L2 (DeepSeek-V2-Lite, batch 8: 1023 tok/s with blocks fastest, 1138 with
     pairs fastest). With ``HAS_SHARED`` the rest serve the shared weight ``SW (SHARED_OUT,
     SHARED_IN)`` on every row of ``SX``. ``USE_PDL``: scheduled while the previous kernel
-    finishes, waiting for it before any load (``kernels.pdl``)."""
-    if USE_PDL:
+    finishes (``kernels.pdl``) and waits for it before any load; with ``PRELOAD_SHARED`` the
+    shared weight's first block loads before the wait, and with ``PRELOAD_ROUTED`` (``rows`` and
+    ``experts`` written two launches back) the routed pairs' too."""
+    if USE_PDL and not PRELOAD_SHARED:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
@@ -93,8 +113,12 @@ def _expert_gemv_kernel(
         ob = (t - routed_programs) % SHARED_BLOCKS
         offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
         _gemv_tile(SX + token * stride_sxr, SW + offs_o.to(tl.int64) * stride_swo, SOUT + token * stride_son, ob,
-                   SHARED_IN, SHARED_OUT, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND, UNROLL, EVICT_FIRST)
+                   SHARED_IN, SHARED_OUT, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND, UNROLL, EVICT_FIRST,
+                   PRELOAD_SHARED)
     else:
+        if PRELOAD_SHARED and not PRELOAD_ROUTED:  # the router's choice may come from the kernel just before
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         n = t % num_pairs
         ob = t // num_pairs
         if PAIRS_PER_ROW > 0:
@@ -105,7 +129,7 @@ def _expert_gemv_kernel(
         offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
         _gemv_tile(X + row * stride_xr, W + expert * stride_we + offs_o.to(tl.int64) * stride_wo,
                    OUT + n.to(tl.int64) * stride_on, ob, IN, OUT_DIM, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND,
-                   UNROLL, EVICT_FIRST)
+                   UNROLL, EVICT_FIRST, PRELOAD_ROUTED)
 
 
 # Measured on the H200 (scripts/expert_gemv_sweep.py, DeepSeek-V2-Lite shapes, 6 and 48 pairs):
@@ -115,6 +139,11 @@ def _expert_gemv_kernel(
 BLOCK_O, BLOCK_I, NUM_WARPS = 16, 128, 4
 WIDE_BLOCK_I = 256
 
+
+# with programmatic dependent launch, the weights' first block requested before the wait: the shared
+# experts' always, the routed experts' where the ids are older than the previous launch (the down
+# product). SEGKV_EXPERT_PRELOAD=1; off by default until measured on a GPU.
+PRELOAD = env_int("SEGKV_EXPERT_PRELOAD", 0) == 1
 
 # pairs up to which a launch reads 256 inputs per step with the loop unrolled: one token's experts
 # (6 pairs: gate/up 20.3 -> 19.6 us, down 12.5 -> 11.6 us); at 48 pairs unrolling gained nothing
@@ -136,7 +165,7 @@ def default_block_i(pairs: int) -> int:
 def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
                 *, out_dtype: torch.dtype | None = None, gated: bool = False, block_o: int = BLOCK_O,
                 block_i: int | None = None, num_warps: int = NUM_WARPS, unroll: bool | None = None,
-                distinct_experts: bool = False) -> torch.Tensor:
+                distinct_experts: bool = False, ids_ready: bool = False) -> torch.Tensor:
     """``x (R, In)``, ``rows (N,)`` and ``experts (N,)`` int64/int32 on the device, ``weight
     (E, Out, In)`` with unit stride on In -> ``(N, Out)`` in ``out_dtype`` (default ``x``'s).
     ``rows`` may be an int ``r``: pair ``n`` reads row ``n // r`` (a token's ``r`` experts in a
@@ -146,28 +175,32 @@ def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor
     ``block_o``/``block_i``/``num_warps``/``unroll``: the launch (default: the measured best,
     :func:`default_block_i`, :func:`default_unroll`; tuning runs set them). ``distinct_experts``:
     no two pairs share an expert (one token's choice), so each weight is read once and its lines
-    leave L2 first (``dense_gemv.WEIGHTS_EVICT_FIRST``)."""
+    leave L2 first (``dense_gemv.WEIGHTS_EVICT_FIRST``). ``ids_ready``: ``rows`` and ``experts``
+    were written before the launch just before this one, which waited for them (the down product
+    after the gate/up product): with programmatic dependent launch the routed weights' first
+    block loads before the wait for that launch."""
     return _launch(x, rows, experts, weight, None, None, out_dtype, gated, block_o, block_i, num_warps, unroll,
-                   distinct_experts)[0]
+                   distinct_experts, ids_ready)[0]
 
 
 def expert_gemv_with_shared(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
                             shared_x: torch.Tensor, shared_weight: torch.Tensor, *, gated: bool = False,
-                            distinct_experts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                            distinct_experts: bool = False, ids_ready: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`expert_gemv`, and in the same launch ``shared_weight (Out_s, In_s)`` (a MoE layer's
     shared experts, one dense weight) on every row of ``shared_x (T, In_s)`` (``(T, 2 In_s)``
     when ``gated``): returns ``(routed (N, Out), shared (T, Out_s))`` in ``x``'s dtype. At decode
     sizes each product is a few microseconds, so one launch for both halves the launches.
-    ``distinct_experts`` as in :func:`expert_gemv`."""
+    ``distinct_experts`` and ``ids_ready`` as in :func:`expert_gemv`."""
     if shared_weight.dim() != 2 or shared_x.dim() != 2 or shared_x.dtype != x.dtype:
         raise ValueError(f"shared weight (Out, In) and rows (T, In) of x's dtype expected, got "
                          f"{tuple(shared_weight.shape)} and {tuple(shared_x.shape)} {shared_x.dtype}")
     return _launch(x, rows, experts, weight, shared_x, shared_weight, None, gated, BLOCK_O, None, NUM_WARPS, None,
-                   distinct_experts)
+                   distinct_experts, ids_ready)
 
 
 def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated, block_o, block_i, num_warps, unroll,
-            distinct_experts):
+            distinct_experts, ids_ready=False):
     """Checks, outputs and the launch of :func:`expert_gemv` / :func:`expert_gemv_with_shared`."""
     has_shared = shared_weight is not None
     for name, t in (("x", x), ("weight", weight), ("shared x", shared_x), ("shared weight", shared_weight)):
@@ -198,6 +231,7 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
         block_i = default_block_i(n)
     if programs:
         sx, sw = (shared_x, shared_weight) if has_shared else (x, weight)
+        options = pdl_options(x)
         _expert_gemv_kernel[(programs,)](
             x, weight, out, rows, experts, sx, sw, shared_out,
             x.stride(0), weight.stride(0), weight.stride(1), out.stride(0), sx.stride(0),
@@ -206,7 +240,8 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
             BLOCK_I=min(block_i, triton.next_power_of_2(max(in_dim, s_in_dim))),
             EXACT_FP32=kernel_dtype == torch.float32, PAIRS_PER_ROW=pairs_per_row, GATED=gated,
             KIND=kind_of(x.dtype), HAS_SHARED=has_shared, num_warps=num_warps,
-            UNROLL=default_unroll(n) if unroll is None else unroll, **pdl_options(x),
+            UNROLL=default_unroll(n) if unroll is None else unroll, **options,
             EVICT_FIRST=WEIGHTS_EVICT_FIRST and distinct_experts,
+            PRELOAD_SHARED=PRELOAD and options["USE_PDL"], PRELOAD_ROUTED=PRELOAD and ids_ready and options["USE_PDL"],
         )
     return out.to(out_dtype), shared_out.to(out_dtype)

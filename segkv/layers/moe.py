@@ -272,10 +272,11 @@ class MixtureOfExperts(nn.Module):
         one = x.shape[0] == 1  # one token's experts are distinct: each weight read once
         if shared is not None:
             h, shared_h = expert_gemv_with_shared(x, ids.shape[1], experts, gate_up, x, shared[0], distinct_experts=one)
-            return expert_gemv_with_shared(h, 1, experts, down, shared_h, shared[1], gated=True, distinct_experts=one)
+            return expert_gemv_with_shared(h, 1, experts, down, shared_h, shared[1], gated=True, distinct_experts=one,
+                                           ids_ready=True)
         h = expert_gemv(x, ids.shape[1], experts, gate_up, distinct_experts=one)  # (T k, 2I)
         if experts.numel() <= FEW_PAIRS:
-            return expert_gemv(h, 1, experts, down, gated=True, distinct_experts=one), None
+            return expert_gemv(h, 1, experts, down, gated=True, distinct_experts=one, ids_ready=True), None
         return expert_gemv(silu_and_mul(h), 1, experts, down), None
 
     def _stacked_shared_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
