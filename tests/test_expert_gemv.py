@@ -87,3 +87,22 @@ def test_gated_products_with_shared_weight_in_one_launch(dtype, gen):
     assert torch.isfinite(sy).all() and ((sy.double() - ref).abs() <= ulp + 1e-5).all()
     with pytest.raises(ValueError, match="shapes do not match"):
         expert_gemv_with_shared(h, 1, experts, down, x, s_down, gated=True)  # shared rows are not [gate | up]
+
+
+@pytest.mark.parametrize("ids_ready", [False, True])
+def test_first_weight_block_taken_apart_gives_the_same_products(ids_ready, gen, monkeypatch):
+    """``SEGKV_EXPERT_PRELOAD``: the first weight block loaded apart (before the PDL wait on a
+    GPU) for the shared experts and, with ``ids_ready``, the routed pairs: the same outputs."""
+    from segkv.kernels import expert_gemv as module
+
+    x = torch.randn(3, 2 * 300, generator=gen).to(torch.bfloat16).to(DEVICE)
+    weight = (torch.randn(4, 48, 300, generator=gen) / 300**0.5).to(torch.bfloat16).to(DEVICE)
+    shared_x = torch.randn(1, 2 * 200, generator=gen).to(torch.bfloat16).to(DEVICE)
+    shared_w = (torch.randn(40, 200, generator=gen) / 200**0.5).to(torch.bfloat16).to(DEVICE)
+    experts = torch.tensor([2, 0, 3], device=DEVICE)
+    ref = module.expert_gemv_with_shared(x, 1, experts, weight, shared_x, shared_w, gated=True)
+    monkeypatch.setattr(module, "PRELOAD", True)
+    out = module.expert_gemv_with_shared(x, 1, experts, weight, shared_x, shared_w, gated=True, ids_ready=ids_ready)
+    assert all(torch.isfinite(o).all() for o in out)
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-6, atol=1e-6)  # float32 sums in another order at most
+    torch.testing.assert_close(out[1], ref[1], rtol=1e-6, atol=1e-6)

@@ -50,22 +50,23 @@ def _chunk_product(acc, x_row, w, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, G
 @triton.jit
 def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constexpr, BLOCK_O: tl.constexpr,
                BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, GATED: tl.constexpr, KIND: tl.constexpr,
-               UNROLL: tl.constexpr, EVICT_FIRST: tl.constexpr, WAIT: tl.constexpr):
+               UNROLL: tl.constexpr, EVICT_FIRST: tl.constexpr, FIRST_APART: tl.constexpr, PDL: tl.constexpr):
     """Outputs ``ob * BLOCK_O ...`` of one product: ``w_rows`` points at the weight's first
     column, one row per output (row stride folded in); ``x_row`` at the input row, which holds
     ``[gate | up]`` (``2 IN`` columns, reduced to ``silu(gate) * up`` on the fly) when ``GATED``.
     ``UNROLL``: the input loop unrolled, so every chunk's weights can be requested at once.
     ``EVICT_FIRST``: the weight's lines leave L2 first (read once: no other pair wants them).
-    ``WAIT``: the first weight block loads, then the program waits for the previous kernel
-    (programmatic dependent launch) before reading ``x_row``."""
+    ``FIRST_APART``: the first weight block loads first and, with ``PDL``, the program then waits
+    for the previous kernel (programmatic dependent launch) before reading ``x_row``."""
     offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
     o_ok = offs_o < OUT_DIM
     acc = tl.zeros([BLOCK_O], tl.float32)
-    START: tl.constexpr = BLOCK_I if WAIT else 0
-    if WAIT:
+    START: tl.constexpr = BLOCK_I if FIRST_APART else 0
+    if FIRST_APART:
         w = _chunk_weights(w_rows, o_ok, 0, IN, BLOCK_I, EVICT_FIRST)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         acc = _chunk_product(acc, x_row, w, 0, IN, BLOCK_I, GATED, KIND)
     if UNROLL:
         for i0 in tl.static_range(START, IN, BLOCK_I):
@@ -100,7 +101,8 @@ def _expert_gemv_kernel(
     SHARED_IN)`` on every row of ``SX``. ``USE_PDL``: scheduled while the previous kernel
     finishes (``kernels.pdl``) and waits for it before any load; with ``PRELOAD_SHARED`` the
     shared weight's first block loads before the wait, and with ``PRELOAD_ROUTED`` (``rows`` and
-    ``experts`` written two launches back) the routed pairs' too."""
+    ``experts`` written two launches back) the routed pairs' too. (Without PDL the preloads only
+    take the first block apart: the same sums.)"""
     if USE_PDL and not PRELOAD_SHARED:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -114,11 +116,12 @@ def _expert_gemv_kernel(
         offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
         _gemv_tile(SX + token * stride_sxr, SW + offs_o.to(tl.int64) * stride_swo, SOUT + token * stride_son, ob,
                    SHARED_IN, SHARED_OUT, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND, UNROLL, EVICT_FIRST,
-                   PRELOAD_SHARED)
+                   PRELOAD_SHARED, USE_PDL)
     else:
-        if PRELOAD_SHARED and not PRELOAD_ROUTED:  # the router's choice may come from the kernel just before
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        if USE_PDL:
+            if PRELOAD_SHARED and not PRELOAD_ROUTED:  # the router's choice may come from the kernel just before
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
         n = t % num_pairs
         ob = t // num_pairs
         if PAIRS_PER_ROW > 0:
@@ -129,7 +132,7 @@ def _expert_gemv_kernel(
         offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
         _gemv_tile(X + row * stride_xr, W + expert * stride_we + offs_o.to(tl.int64) * stride_wo,
                    OUT + n.to(tl.int64) * stride_on, ob, IN, OUT_DIM, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND,
-                   UNROLL, EVICT_FIRST, PRELOAD_ROUTED)
+                   UNROLL, EVICT_FIRST, PRELOAD_ROUTED, USE_PDL)
 
 
 # Measured on the H200 (scripts/expert_gemv_sweep.py, DeepSeek-V2-Lite shapes, 6 and 48 pairs):
@@ -242,6 +245,6 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
             KIND=kind_of(x.dtype), HAS_SHARED=has_shared, num_warps=num_warps,
             UNROLL=default_unroll(n) if unroll is None else unroll, **options,
             EVICT_FIRST=WEIGHTS_EVICT_FIRST and distinct_experts,
-            PRELOAD_SHARED=PRELOAD and options["USE_PDL"], PRELOAD_ROUTED=PRELOAD and ids_ready and options["USE_PDL"],
+            PRELOAD_SHARED=PRELOAD, PRELOAD_ROUTED=PRELOAD and ids_ready,
         )
     return out.to(out_dtype), shared_out.to(out_dtype)
