@@ -108,29 +108,51 @@ def _splitk_gemv_kernel(X, RES, G, RES_OUT, W, OUT, PART, TICKETS, stride_w, out
             part = part / tl.sqrt(square_sum / in_dim + eps)
         tl.store(OUT + rows, round_to_kind(part, KIND).to(OUT.dtype.element_ty), mask=r_ok)
     else:
-        tl.store(PART + kb * out_dim + rows, part, mask=r_ok)
-        squares = PART + SPLIT * out_dim + nb * SPLIT  # this output block's slices' sums of squares
-        if INPUT >= 2:
-            tl.store(squares + kb, square_sum)
-        tl.debug_barrier()  # every thread's partials are stored before the ticket (released by it)
+        store_slice(PART, part, square_sum, out_dim, nb, kb, BLOCK_N, SPLIT)
         ticket = tl.atomic_add(TICKETS + nb, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT - 1:
-            ks = tl.arange(0, SPLIT_P2)
-            parts = tl.load(PART + ks[:, None] * out_dim + rows[None, :], mask=(ks[:, None] < SPLIT) & r_ok[None, :],
-                            other=0.0, cache_modifier=".cg")
-            total = tl.sum(parts, axis=0)
+            total = partials_total(PART, out_dim, rows, r_ok, SPLIT, SPLIT_P2)
             if INPUT >= 2:
-                total = total / tl.sqrt(square_total(squares, SPLIT, SPLIT_P2) / in_dim + eps)
+                total = total / row_rms(PART, out_dim, in_dim, nb, eps, SPLIT, SPLIT_P2)
             # rounded to nearest even by bits (Triton's interpreter truncates a float32 -> bf16 cast)
             tl.store(OUT + rows, round_to_kind(total, KIND).to(OUT.dtype.element_ty), mask=r_ok)
             tl.store(TICKETS + nb, 0)
 
 
 @triton.jit
-def square_total(squares, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr):
-    """The row's sum of squares from one output block's ``SPLIT`` slice sums at ``squares``."""
+def store_slice(PART, part, square_sum, out_dim, nb, kb, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """Program ``(nb, kb)``'s partial product into ``PART (SPLIT, out_dim)`` and its slice's sum
+    of squares into the ``(blocks, SPLIT)`` part after it; every thread's stores are made before
+    the caller takes its ticket (which releases them)."""
+    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(PART + kb * out_dim + rows, part, mask=rows < out_dim)
+    tl.store(PART + SPLIT * out_dim + nb * SPLIT + kb, square_sum)
+    tl.debug_barrier()
+
+
+@triton.jit
+def partials_total(PART, out_dim, cols, ok, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr):
+    """Columns ``cols`` (where ``ok``) of the product: the ``SPLIT`` partial sums in a fixed order."""
     ks = tl.arange(0, SPLIT_P2)
-    return tl.sum(tl.load(squares + ks, mask=ks < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)
+    parts = tl.load(PART + ks[:, None] * out_dim + cols[None, :], mask=(ks[:, None] < SPLIT) & ok[None, :],
+                    other=0.0, cache_modifier=".cg")
+    return tl.sum(parts, axis=0)
+
+
+@triton.jit
+def stored_product(PART, out_dim, cols, rms, KIND: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr):
+    """Columns ``cols`` of the normed product as the norm GEMV stores them: the partials' total
+    over ``rms``, rounded once to the dtype of ``KIND`` (float32 values)."""
+    return round_to_kind(partials_total(PART, out_dim, cols, cols < out_dim, SPLIT, SPLIT_P2) / rms, KIND)
+
+
+@triton.jit
+def row_rms(PART, out_dim, in_dim, nb, eps, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr):
+    """``sqrt(mean(h^2) + eps)`` of the input row, from the slice sums of squares that output
+    block ``nb``'s programs stored (every block's programs cover the whole row)."""
+    ks = tl.arange(0, SPLIT_P2)
+    squares = tl.load(PART + SPLIT * out_dim + nb * SPLIT + ks, mask=ks < SPLIT, other=0.0, cache_modifier=".cg")
+    return tl.sqrt(tl.sum(squares, axis=0) / in_dim + eps)
 
 
 def workspace_size(out_dim: int, in_dim: int, block_n: int, block_k: int) -> tuple[int, int]:

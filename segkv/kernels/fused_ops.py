@@ -158,6 +158,19 @@ def _rotate(src, i1, i2, cos, sin, KIND: tl.constexpr):
 
 
 @triton.jit
+def rope_pairs(d, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The columns of RoPE pairs ``d``: ``(2d, 2d + 1)`` interleaved (DeepSeek), else the halves'
+    ``(d, HALF + d)``."""
+    if INTERLEAVED:
+        i1 = 2 * d
+        i2 = 2 * d + 1
+    else:
+        i1 = d
+        i2 = HALF + d
+    return i1, i2
+
+
+@triton.jit
 def rotate_pair(x1, x2, cos, sin, KIND: tl.constexpr):
     """``(x1 cos - x2 sin, x2 cos + x1 sin)`` of float32 values, each product and sum rounded as
     the torch ops round in the dtype of ``KIND``."""
@@ -267,12 +280,7 @@ def _mla_rope_latent_kernel(
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
     cos, sin = cos_sin_at(POS, COS_SIN, t, d, max_position, HALF)
-    if INTERLEAVED:
-        i1 = 2 * d
-        i2 = 2 * d + 1
-    else:
-        i1 = d
-        i2 = HALF + d
+    i1, i2 = rope_pairs(d, HALF, INTERLEAVED)
     if h < H:
         lo, hi = _rotate(Q_PE + t * stride_qt + h * stride_qh, i1, i2, cos, sin, KIND)
         dst = Q_OUT + t * stride_ot + h * stride_oh

@@ -20,18 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from segkv.kernels.dense_gemv import INPUT_COMBINE, INPUT_NORM, gemv_operands, gemv_slice, square_total
-from segkv.kernels.fused_ops import cos_sin_at, kind_of, rotate_pair, round_to_kind
+from segkv.kernels.dense_gemv import (INPUT_COMBINE, INPUT_NORM, gemv_operands, gemv_slice, row_rms, store_slice,
+                                      stored_product)
+from segkv.kernels.fused_ops import cos_sin_at, kind_of, rope_pairs, rotate_pair, round_to_kind
 from segkv.kernels.moe_ops import check_combine
-
-
-@triton.jit
-def _group_sum(PART, out_dim, cols, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr):
-    """Columns ``cols`` of the product: the ``SPLIT`` partial sums added in a fixed order."""
-    ks = tl.arange(0, SPLIT_P2)
-    parts = tl.load(PART + ks[:, None] * out_dim + cols[None, :], mask=ks[:, None] < SPLIT, other=0.0,
-                    cache_modifier=".cg")
-    return tl.sum(parts, axis=0)
 
 
 @triton.jit
@@ -50,10 +42,7 @@ def _mla_x_kernel(X, RES, G, RES_OUT, W, PART, TICKETS, stride_w, out_dim, in_di
     part, square_sum = gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, EXPERT_W, SHARED,
                                   stride_x, BLOCK_N, BLOCK_K, INPUT, HAS_RES, KIND, EVICT_FIRST, USE_PDL, EXPERTS,
                                   HAS_SHARED)
-    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(PART + kb * out_dim + rows, part)
-    tl.store(PART + SPLIT * out_dim + nb * SPLIT + kb, square_sum)
-    tl.debug_barrier()  # every thread's partials are stored before the ticket (released by it)
+    store_slice(PART, part, square_sum, out_dim, nb, kb, BLOCK_N, SPLIT)
     Q_ROWS: tl.constexpr = NOPE + 2 * HALF
     Q_BLOCKS: tl.constexpr = Q_ROWS // BLOCK_N
     KV_BLOCKS: tl.constexpr = (RANK + 2 * HALF) // BLOCK_N
@@ -63,34 +52,29 @@ def _mla_x_kernel(X, RES, G, RES_OUT, W, PART, TICKETS, stride_w, out_dim, in_di
     ticket = tl.atomic_add(TICKETS + group, 1, sem="acq_rel", scope="gpu")
     if ticket == count - 1:
         base = group * Q_ROWS
-        rms = tl.sqrt(square_total(PART + SPLIT * out_dim + nb * SPLIT, SPLIT, SPLIT_P2) / in_dim + eps)
+        rms = row_rms(PART, out_dim, in_dim, nb, eps, SPLIT, SPLIT_P2)
         d = tl.arange(0, HALF)
-        if INTERLEAVED:
-            i1 = 2 * d
-            i2 = 2 * d + 1
-        else:
-            i1 = d
-            i2 = HALF + d
+        i1, i2 = rope_pairs(d, HALF, INTERLEAVED)
         cos, sin = cos_sin_at(POS, COS_SIN, 0, d, max_position, HALF)
         if is_q:
             nope = tl.arange(0, NOPE)
-            q_nope = round_to_kind(_group_sum(PART, out_dim, base + nope, SPLIT, SPLIT_P2) / rms, KIND)
+            q_nope = stored_product(PART, out_dim, base + nope, rms, KIND, SPLIT, SPLIT_P2)
             tl.store(Q_NOPE + group * NOPE + nope, q_nope.to(Q_NOPE.dtype.element_ty))
-            lo = round_to_kind(_group_sum(PART, out_dim, base + NOPE + i1, SPLIT, SPLIT_P2) / rms, KIND)
-            hi = round_to_kind(_group_sum(PART, out_dim, base + NOPE + i2, SPLIT, SPLIT_P2) / rms, KIND)
+            lo = stored_product(PART, out_dim, base + NOPE + i1, rms, KIND, SPLIT, SPLIT_P2)
+            hi = stored_product(PART, out_dim, base + NOPE + i2, rms, KIND, SPLIT, SPLIT_P2)
             lo, hi = rotate_pair(lo, hi, cos, sin, KIND)
             tl.store(Q_ROPE + group * stride_rh + i1, lo.to(Q_ROPE.dtype.element_ty))
             tl.store(Q_ROPE + group * stride_rh + i2, hi.to(Q_ROPE.dtype.element_ty))
         else:
             row = LATENT + tl.load(SLOTS).to(tl.int64) * (RANK + 2 * HALF)
-            lo = round_to_kind(_group_sum(PART, out_dim, base + RANK + i1, SPLIT, SPLIT_P2) / rms, KIND)
-            hi = round_to_kind(_group_sum(PART, out_dim, base + RANK + i2, SPLIT, SPLIT_P2) / rms, KIND)
+            lo = stored_product(PART, out_dim, base + RANK + i1, rms, KIND, SPLIT, SPLIT_P2)
+            hi = stored_product(PART, out_dim, base + RANK + i2, rms, KIND, SPLIT, SPLIT_P2)
             lo, hi = rotate_pair(lo, hi, cos, sin, KIND)
             tl.store(row + RANK + i1, round_to_kind(lo, CACHE_KIND).to(LATENT.dtype.element_ty))
             tl.store(row + RANK + i2, round_to_kind(hi, CACHE_KIND).to(LATENT.dtype.element_ty))
             # kv_a_layernorm as the RMSNorm kernel: float32 statistics, h rounded, then weight * h
             cols = tl.arange(0, RANK)
-            c = round_to_kind(_group_sum(PART, out_dim, base + cols, SPLIT, SPLIT_P2) / rms, KIND)
+            c = stored_product(PART, out_dim, base + cols, rms, KIND, SPLIT, SPLIT_P2)
             hn = round_to_kind(c * (1.0 / tl.sqrt(tl.sum(c * c, axis=0) / RANK + kv_eps)), KIND)
             w = tl.load(KV_NORM + cols).to(tl.float32)
             tl.store(row + cols, round_to_kind(round_to_kind(w * hn, NORM_KIND), CACHE_KIND).to(LATENT.dtype.element_ty))

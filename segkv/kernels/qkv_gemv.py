@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from segkv.kernels.dense_gemv import INPUT_NORM, gemv_operands, gemv_slice, square_total
+from segkv.kernels.dense_gemv import INPUT_NORM, gemv_operands, gemv_slice, row_rms, store_slice, stored_product
 from segkv.kernels.fused_ops import cos_sin_at, kind_of, rotate_pair, round_to_kind
 
 _NORM_INPUT = tl.constexpr(INPUT_NORM)  # a global the compiled kernel may read
@@ -50,26 +50,18 @@ def _qkv_rope_kernel(X, RES, G, RES_OUT, W, PART, TICKETS, stride_w, out_dim, in
     kb = tl.program_id(1)
     part, square_sum = gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, X, X, 0, BLOCK_N,
                                   BLOCK_K, _NORM_INPUT, HAS_RES, KIND, EVICT_FIRST, USE_PDL)
-    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(PART + kb * out_dim + rows, part)
-    tl.store(PART + SPLIT * out_dim + nb * SPLIT + kb, square_sum)
-    tl.debug_barrier()  # every thread's partials are stored before the ticket (released by it)
+    store_slice(PART, part, square_sum, out_dim, nb, kb, BLOCK_N, SPLIT)
     BLOCKS_PER_HEAD: tl.constexpr = HEAD_DIM // BLOCK_N
     head = nb // BLOCKS_PER_HEAD
     ticket = tl.atomic_add(TICKETS + head, 1, sem="acq_rel", scope="gpu")
     if ticket == SPLIT * BLOCKS_PER_HEAD - 1:
         HALF: tl.constexpr = HEAD_DIM // 2
         d = tl.arange(0, HALF)
-        ks = tl.arange(0, SPLIT_P2)
-        k_ok = ks[:, None] < SPLIT
-        first = PART + ks[:, None] * out_dim + head * HEAD_DIM + d[None, :]
-        lo = tl.sum(tl.load(first, mask=k_ok, other=0.0, cache_modifier=".cg"), axis=0)
-        hi = tl.sum(tl.load(first + HALF, mask=k_ok, other=0.0, cache_modifier=".cg"), axis=0)
-        rms = tl.sqrt(square_total(PART + SPLIT * out_dim + head * BLOCKS_PER_HEAD * SPLIT, SPLIT, SPLIT_P2)
-                      / in_dim + eps)
+        lo_cols = head * HEAD_DIM + d
+        rms = row_rms(PART, out_dim, in_dim, nb, eps, SPLIT, SPLIT_P2)
         # the product as the GEMV stores it (scaled, rounded once to the row's dtype)
-        lo = round_to_kind(lo / rms, KIND)
-        hi = round_to_kind(hi / rms, KIND)
+        lo = stored_product(PART, out_dim, lo_cols, rms, KIND, SPLIT, SPLIT_P2)
+        hi = stored_product(PART, out_dim, lo_cols + HALF, rms, KIND, SPLIT, SPLIT_P2)
         slot = tl.load(SLOTS).to(tl.int64)
         if head < HQ + HKV:
             if QK_NORM:
