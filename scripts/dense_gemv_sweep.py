@@ -105,7 +105,7 @@ def layers(dev, gen, hidden: int = 4096, inner: int = 14336, kv: int = 1024, cou
     def small_big(small, big):  # q/k/v and o, then gate/up and down
         return lambda o, i: small if o * i <= (hidden + 2 * kv) * hidden else big
 
-    variants = {"cuBLAS + kernels": cublas, "fused, launch_for": fused(lambda o, i: (*launch_for(o, i), 4, False)),
+    variants = {"cuBLAS + kernels": cublas, "fused, launch_for": fused(lambda o, i: (*launch_for(i), 4, False)),
                 "fused, 16 x 512, evict first": fused(every(16, 512, 4, True)),
                 "fused, 16 x 512, 2 warps": fused(every(16, 512, 2)),
                 "fused, 16 x 512, 8 warps": fused(every(16, 512, 8)),

@@ -99,8 +99,8 @@ class PagedKVStorage:
         key and value rows for a kernel that writes them itself (fused RoPE and write)."""
         if self.layout.kind != "mha":
             raise ValueError("rows_to_write is for 'mha' caches")
-        self._check_rows(_as_slots(slots, self.device), key, value, check_range=not trusted_slots)
-        return self._flat(self.k[layer]), self._flat(self.v[layer])
+        self._check_rows(_as_slots(slots, self.device), key, value, check_range=False)
+        return self.mha_rows(layer, slots, trusted_slots=trusted_slots)
 
     def mha_rows(self, layer: int, slots: torch.Tensor, *, trusted_slots: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,13 +25,12 @@ BATCH1_FUSED_GEMV = env_int("SEGKV_BATCH1_FUSED_GEMV", 1) == 1
 BATCH1_QKV_ROPE = env_int("SEGKV_BATCH1_QKV_ROPE", 1) == 1
 
 
-def launch_for(out_dim: int, in_dim: int) -> tuple[int, int]:
-    """``(BLOCK_N, BLOCK_K)`` of the split-K GEMV for ``W (out_dim, in_dim)``, from the H200 sweep
+def launch_for(in_dim: int) -> tuple[int, int]:
+    """``(BLOCK_N, BLOCK_K)`` of the split-K GEMV for a weight of ``in_dim`` inputs, from the H200 sweep
     (scripts/dense_gemv_sweep.py): 2048-wide inputs 32 x 256 (DeepSeek-V2-Lite o 5.7 us against
     cuBLAS's 6.5, q + kv_a 6.9 against 6.8); wider inputs 16 x 512 (Llama-3.1-8B qkv, gate + up,
     down: 0.95-0.96x cuBLAS alone; 32 x 1024, 1.02x on the square o, spills registers when the
     weight block is loaded before the PDL wait)."""
-    del out_dim
     return (32, 256) if in_dim <= 2048 else (16, 512)
 
 
@@ -94,19 +93,16 @@ class RowProduct:
         return combine_norm_splitk_gemv(parts, expert_weights, shared, residual, norm_weight, eps, weight,
                                         **self._launch(weight))
 
-    def after_norm_mla_rope(self, *, weight: torch.Tensor, x: torch.Tensor, **kwargs
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def after_norm_mla_rope(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                            eps: float, weight: torch.Tensor, **rope) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLA x product of one token with the query's RoPE and the latent cache write in its
-        launch (``kernels.mla_x_gemv.mla_x_rope_gemv``, ``kwargs`` its arguments): returns
+        launch (``kernels.mla_x_gemv.mla_x_rope_gemv``, ``rope`` its keyword arguments): returns
         ``(q_nope (1, H, nope), x + residual)``."""
         from segkv.kernels.mla_x_gemv import mla_x_rope_gemv
 
-        groups = (kwargs["nope_dim"] + kwargs["cos_sin"].shape[-1], kwargs["latent_rows"].shape[-1])
-        block_n = launch_for(*weight.shape)[0]
-        while any(rows % block_n for rows in groups):  # a query head and the latent row are whole blocks
-            block_n //= 2
-        return mla_x_rope_gemv(x, kwargs.pop("residual"), kwargs.pop("norm_weight"), kwargs.pop("eps"), weight,
-                               **kwargs, **self._launch(weight, block_n))
+        query_head = rope["nope_dim"] + rope["cos_sin"].shape[-1]
+        return mla_x_rope_gemv(x, residual, norm_weight, eps, weight, **rope,
+                               **self._launch(weight, whole=(query_head, rope["latent_rows"].shape[-1])))
 
     @property
     def rope_in_product(self) -> bool:
@@ -120,18 +116,18 @@ class RowProduct:
         arguments): returns ``(rotated q (1, H, D), x + residual)``."""
         from segkv.kernels.qkv_gemv import qkv_rope_gemv
 
-        head_dim = rope["cos_sin"].shape[-1]
-        block_n = launch_for(*weight.shape)[0]
-        while head_dim % block_n:  # a head's rows are whole output blocks
-            block_n //= 2
-        return qkv_rope_gemv(x, residual, norm_weight, eps, weight, **rope, **self._launch(weight, block_n))
+        return qkv_rope_gemv(x, residual, norm_weight, eps, weight, **rope,
+                             **self._launch(weight, whole=(rope["cos_sin"].shape[-1],)))
 
-    def _launch(self, weight: torch.Tensor, block_n: int | None = None) -> dict:
+    def _launch(self, weight: torch.Tensor, whole: tuple[int, ...] = ()) -> dict:
+        """The launch arguments for ``weight``: ``launch_for``'s blocks, ``BLOCK_N`` halved until
+        each group of rows in ``whole`` (a head) is whole output blocks, and the workspace."""
         from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST, workspace_size
 
         out_dim, in_dim = weight.shape
-        default_n, block_k = launch_for(out_dim, in_dim)
-        block_n = block_n or default_n
+        block_n, block_k = launch_for(in_dim)
+        while any(rows % block_n for rows in whole):
+            block_n //= 2
         key = (out_dim, in_dim, block_n, weight.device)
         if key not in self._workspace:
             floats, tickets = workspace_size(out_dim, in_dim, block_n, block_k)
