@@ -197,3 +197,10 @@ def triton_and_reference(plan, query: torch.Tensor, key_cache: torch.Tensor, val
     rb = TorchReferenceBackend(page_size=page_size, device=device)
     ref, ref_lse = rb.run(rb.prepare(plan), query, key_cache, value_cache, scale=scale)
     return out, lse, ref, ref_lse
+
+
+def rope_table(max_position: int, dim: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The ``[cos | sin]`` table ``(max_position, dim)`` the model layers hand the RoPE kernels."""
+    from segkv.layers.rotary import RotaryEmbedding
+
+    return RotaryEmbedding(dim, base=10000.0, max_position=max_position).to(device).cos_sin_table(dtype)

@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_helpers import rope_table
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
-
-
-def _table(max_position, dim, dtype):
-    inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).double() / dim))
-    angles = torch.arange(max_position).double()[:, None] * inv[None, :]
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype).to(DEVICE).contiguous()
 
 
 @pytest.mark.parametrize("heads,nope,rope,rank,hidden,block_k", [(4, 16, 16, 32, 96, 64), (2, 32, 32, 64, 200, 128)])
@@ -34,7 +29,7 @@ def test_mla_x_rope_gemv_equals_the_kernels_it_replaces(heads, nope, rope, rank,
     w = (torch.randn(out_dim, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEVICE)
     g = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(dtype).to(DEVICE)
     kv_w = (1 + 0.3 * torch.randn(rank, generator=gen)).to(dtype).to(DEVICE)
-    table = _table(64, rope, dtype)
+    table = rope_table(64, rope, dtype, DEVICE)
     floats, tickets = workspace_size(out_dim, hidden, block_n, block_k)
     workspace = (torch.full((floats,), float("nan"), device=DEVICE),
                  torch.zeros(tickets, dtype=torch.int32, device=DEVICE))
@@ -87,7 +82,7 @@ def test_mla_x_rope_gemv_rejects_bad_shapes(gen):
     one = torch.zeros(1, dtype=torch.long, device=DEVICE)
     query = torch.zeros(1, heads, rank + rope, device=DEVICE)
     kw = dict(num_heads=heads, nope_dim=nope, kv_norm=(torch.ones(rank, device=DEVICE), 1e-6), positions=one,
-              cos_sin=_table(8, rope, torch.float32), slots=one, latent_rows=torch.zeros(4, rank + rope, device=DEVICE),
+              cos_sin=rope_table(8, rope, torch.float32, DEVICE), slots=one, latent_rows=torch.zeros(4, rank + rope, device=DEVICE),
               q_rope_out=query[..., rank:], interleaved=True, block_n=16)
     with pytest.raises(ValueError, match="heads of"):
         mla_x_rope_gemv(x, None, g, 1e-5, w[:-16], **kw)

@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_helpers import rope_table
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
-
-
-def _table(max_position, dim, dtype):
-    inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).double() / dim))
-    angles = torch.arange(max_position).double()[:, None] * inv[None, :]
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype).to(DEVICE).contiguous()
 
 
 @pytest.mark.parametrize("hq,hkv,dim,hidden,block_k", [(4, 2, 32, 96, 64), (2, 2, 64, 200, 128), (8, 1, 16, 64, 64)])
@@ -33,7 +28,7 @@ def test_qkv_rope_gemv_equals_the_kernels_it_replaces(hq, hkv, dim, hidden, bloc
     w = (torch.randn(out_dim, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEVICE)
     g = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(dtype).to(DEVICE)
     qn, kn = ((1 + 0.3 * torch.randn(dim, generator=gen)).to(dtype).to(DEVICE) for _ in range(2))
-    table = _table(64, dim, dtype)
+    table = rope_table(64, dim, dtype, DEVICE)
     floats, tickets = workspace_size(out_dim, hidden, block_n, block_k)
     workspace = (torch.full((floats,), float("nan"), device=DEVICE), torch.zeros(tickets, dtype=torch.int32,
                                                                                 device=DEVICE))
@@ -76,7 +71,7 @@ def test_qkv_rope_gemv_rejects_bad_shapes(gen):
     dim, hq, hkv, hidden = 32, 4, 2, 64
     w = torch.randn((hq + 2 * hkv) * dim, hidden, generator=gen).to(DEVICE)
     x, g = torch.randn(1, hidden, generator=gen).to(DEVICE), torch.ones(hidden, device=DEVICE)
-    table = _table(8, dim, torch.float32)
+    table = rope_table(8, dim, torch.float32, DEVICE)
     keys = torch.zeros(4, hkv, dim, device=DEVICE)
     one = torch.zeros(1, dtype=torch.long, device=DEVICE)
     kw = dict(num_heads=hq, num_kv_heads=hkv, positions=one, cos_sin=table, slots=one, key_rows=keys,
