@@ -56,7 +56,8 @@ def test_gated_gemv_is_the_down_product_of_silu_and_mul(out_dim, inner, block_n,
     ref = silu_and_mul(gate_up).double() @ w.double().T
     workspace = _workspace(out_dim, inner, block_n, block_k)
     for evict_first in (False, True):
-        y = gated_splitk_gemv(gate_up, w, block_n=block_n, block_k=block_k, workspace=workspace, evict_first=evict_first)
+        y = gated_splitk_gemv(gate_up, w, block_n=block_n, block_k=block_k, workspace=workspace,
+                              evict_first=evict_first)
         assert y.shape == (1, out_dim) and y.dtype == dtype and torch.isfinite(y).all()
         assert not workspace[1].any()
         torch.testing.assert_close(y.double(), ref, rtol=_bf16_tol(dtype), atol=_bf16_tol(dtype))

@@ -82,7 +82,8 @@ def test_mla_x_rope_gemv_rejects_bad_shapes(gen):
     one = torch.zeros(1, dtype=torch.long, device=DEVICE)
     query = torch.zeros(1, heads, rank + rope, device=DEVICE)
     kw = dict(num_heads=heads, nope_dim=nope, kv_norm=(torch.ones(rank, device=DEVICE), 1e-6), positions=one,
-              cos_sin=rope_table(8, rope, torch.float32, DEVICE), slots=one, latent_rows=torch.zeros(4, rank + rope, device=DEVICE),
+              cos_sin=rope_table(8, rope, torch.float32, DEVICE), slots=one,
+              latent_rows=torch.zeros(4, rank + rope, device=DEVICE),
               q_rope_out=query[..., rank:], interleaved=True, block_n=16)
     with pytest.raises(ValueError, match="heads of"):
         mla_x_rope_gemv(x, None, g, 1e-5, w[:-16], **kw)

@@ -17,8 +17,8 @@ DEVICE = "cuda" if GPU else "cpu"
 def test_qkv_rope_gemv_equals_the_kernels_it_replaces(hq, hkv, dim, hidden, block_k, dtype, with_residual, qk_norm,
                                                        gen):
     """Same q, same key and value rows at the slot (other rows untouched), same next residual as
-    the norm GEMV, q/k ``rms_norm`` and ``rope_and_write_kv`` (bit for bit without q/k norms); twice with one workspace (tickets
-    back to 0); one split and several."""
+    the norm GEMV, q/k ``rms_norm`` and ``rope_and_write_kv`` (bit for bit without q/k norms);
+    twice with one workspace (tickets back to 0); one split and several."""
     from segkv.kernels.dense_gemv import norm_splitk_gemv, workspace_size
     from segkv.kernels.fused_ops import rms_norm, rope_and_write_kv
     from segkv.kernels.qkv_gemv import qkv_rope_gemv

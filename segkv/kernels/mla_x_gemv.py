@@ -77,7 +77,8 @@ def _mla_x_kernel(X, RES, G, RES_OUT, W, PART, TICKETS, stride_w, out_dim, in_di
             c = stored_product(PART, out_dim, base + cols, rms, KIND, SPLIT, SPLIT_P2)
             hn = round_to_kind(c * (1.0 / tl.sqrt(tl.sum(c * c, axis=0) / RANK + kv_eps)), KIND)
             w = tl.load(KV_NORM + cols).to(tl.float32)
-            tl.store(row + cols, round_to_kind(round_to_kind(w * hn, NORM_KIND), CACHE_KIND).to(LATENT.dtype.element_ty))
+            normed = round_to_kind(round_to_kind(w * hn, NORM_KIND), CACHE_KIND)
+            tl.store(row + cols, normed.to(LATENT.dtype.element_ty))
         tl.store(TICKETS + group, 0)
 
 

@@ -119,9 +119,10 @@ class DecoderAttention(nn.Module):
     def forward_after_norm(self, x: torch.Tensor | PendingCombine, residual: torch.Tensor | None, norm: RMSNorm,
                            positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """A pre-norm block's first half: ``(self(norm(x + residual)), x + residual)`` (``x``
-        itself without a residual; a MoE layer's :class:`PendingCombine` takes the separate path). At one row on CUDA with the projections stacked, the residual
-        add and the norm run inside the q/k/v product's launch (``layers.linear.RowProduct``), and
-        with RoPE fused, the q/k norms, RoPE and the cache write too (``kernels.qkv_gemv``)."""
+        itself without a residual; a MoE layer's :class:`PendingCombine` takes the separate path).
+        At one row on CUDA with the projections stacked, the residual add and the norm run inside
+        the q/k/v product's launch (``layers.linear.RowProduct``), and with RoPE fused, the q/k
+        norms, RoPE and the cache write too (``kernels.qkv_gemv``)."""
         if isinstance(x, PendingCombine) or not (self._qkv is not None and self._qkv[1] is None and norm.fused
                                                  and self._row_product.applies(x, self._qkv[0])):
             h, residual = (norm(x), x) if residual is None else norm.add_and_norm(x, residual)
