@@ -7,12 +7,15 @@ product, the weight bytes per second, and the result's largest difference from c
 ``--layers``: the chain of a Llama-3.1-8B layer at one row without its attention (residual add
 and RMSNorm, q/k/v, o, residual add and RMSNorm, gate/up, SiLU-and-mul, down) over 8 layers'
 weights: the separate kernels with cuBLAS against the fused split-K GEMVs (``layers.linear``).
-Usage: ``python3 scripts/dense_gemv_sweep.py [--chain-only | --layers]``.
+``--layers`` compares register caps (``maxnreg``, ``dense_gemv.PLAIN_REGISTER_CAP`` /
+``NORM_REGISTER_CAP``); ``--layers --all-tiles`` the tile shapes instead.
+Usage: ``python3 scripts/dense_gemv_sweep.py [--chain-only | --layers [--all-tiles]]``.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 from functools import partial
 
 import torch
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 
 from expert_gemv_sweep import time_us  # scripts/ beside this one: the same graph timing
 
+from segkv.kernels import dense_gemv
 from segkv.kernels.dense_gemv import gated_splitk_gemv, norm_splitk_gemv, splitk_gemv, workspace_size
 from segkv.kernels.fused_ops import rms_norm, silu_and_mul
 from segkv.layers.linear import launch_for
@@ -105,15 +109,29 @@ def layers(dev, gen, hidden: int = 4096, inner: int = 14336, kv: int = 1024, cou
     def small_big(small, big):  # q/k/v and o, then gate/up and down
         return lambda o, i: small if o * i <= (hidden + 2 * kv) * hidden else big
 
-    variants = {"cuBLAS + kernels": cublas, "fused, launch_for": fused(lambda o, i: (*launch_for(i), 4, False)),
-                "fused, 16 x 512, evict first": fused(every(16, 512, 4, True)),
-                "fused, 16 x 512, 2 warps": fused(every(16, 512, 2)),
-                "fused, 16 x 512, 8 warps": fused(every(16, 512, 8)),
-                "fused, 16 x 256": fused(every(16, 256)),
-                "fused, 8 x 512, 2 warps": fused(every(8, 512, 2)),
-                "fused, 32 x 256": fused(every(32, 256)),
-                "fused, small 32 x 256, big 16 x 512": fused(small_big((32, 256, 4, False), (16, 512, 4, False))),
-                "fused, small 8 x 512, big 16 x 512": fused(small_big((8, 512, 4, False), (16, 512, 4, False)))}
+    def capped(plain, norm, launch=lambda o, i: (*launch_for(i), 4, True)):
+        """The fused chain with ``maxnreg`` caps (0: none) for the plain/gated and the norm GEMVs."""
+        run = fused(launch)
+
+        def with_caps():
+            dense_gemv.PLAIN_REGISTER_CAP, dense_gemv.NORM_REGISTER_CAP = plain, norm
+            return run()
+        return with_caps
+
+    if "--all-tiles" in sys.argv:  # the tile sweep of earlier runs (docs/benchmarks.md)
+        variants = {"cuBLAS + kernels": cublas, "fused, launch_for": fused(lambda o, i: (*launch_for(i), 4, False)),
+                    "fused, 16 x 512, evict first": fused(every(16, 512, 4, True)),
+                    "fused, 16 x 512, 2 warps": fused(every(16, 512, 2)),
+                    "fused, 16 x 512, 8 warps": fused(every(16, 512, 8)),
+                    "fused, 16 x 256": fused(every(16, 256)),
+                    "fused, 8 x 512, 2 warps": fused(every(8, 512, 2)),
+                    "fused, 32 x 256": fused(every(32, 256)),
+                    "fused, small 32 x 256, big 16 x 512": fused(small_big((32, 256, 4, False), (16, 512, 4, False))),
+                    "fused, small 8 x 512, big 16 x 512": fused(small_big((8, 512, 4, False), (16, 512, 4, False)))}
+    else:  # registers per thread: programs per multiprocessor, weight bytes in flight
+        variants = {"cuBLAS + kernels": cublas, "fused, evict first, no caps": capped(0, 0),
+                    "fused, caps 48 / 72": capped(48, 72), "fused, caps 48 / 64": capped(48, 64),
+                    "fused, caps 40 / 64": capped(40, 64), "fused, caps 48 / 0": capped(48, 0)}
     ref = cublas().float()
     base = None
     for _ in range(2):
@@ -131,10 +149,10 @@ def main() -> None:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     print(f"device {torch.cuda.get_device_name()}; bf16; one row; median [min-max] of 10 graph replays, per product")
-    if "--layers" in __import__("sys").argv:
+    if "--layers" in sys.argv:
         return layers(dev, gen)
     chain(dev, gen)
-    if "--chain-only" in __import__("sys").argv:
+    if "--chain-only" in sys.argv:
         return
     for name, (out_dim, in_dim) in SHAPES.items():
         weights = [torch.randn(out_dim, in_dim, device=dev, dtype=torch.bfloat16, generator=gen) / in_dim**0.5

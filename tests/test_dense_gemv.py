@@ -32,6 +32,21 @@ def test_splitk_gemv_matches_the_product_and_leaves_its_tickets_zero(out_dim, in
         splitk_gemv(x, w, block_n=block_n, block_k=block_k, workspace=(workspace[0][:1], workspace[1]))
 
 
+def test_register_caps_apply_only_to_cuda_launches_on_hopper(monkeypatch):
+    """The ``maxnreg`` caps were measured on Hopper: none on the CPU, in the interpreter or on
+    other GPUs; on Hopper the norm launches take the norm cap."""
+    from segkv.kernels import dense_gemv
+
+    assert dense_gemv.register_cap(torch.zeros(1), dense_gemv.INPUT_NORM) == 0
+    if not GPU:
+        return
+    x = torch.zeros(1, device="cuda")
+    monkeypatch.setattr(dense_gemv, "_INTERPRET", False)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    assert dense_gemv.register_cap(x, dense_gemv.INPUT_NORM) == (dense_gemv.NORM_REGISTER_CAP if hopper else 0)
+    assert dense_gemv.register_cap(x, dense_gemv.INPUT_GATED) == (dense_gemv.PLAIN_REGISTER_CAP if hopper else 0)
+
+
 def _workspace(out_dim, in_dim, block_n, block_k):
     from segkv.kernels.dense_gemv import workspace_size
 

@@ -23,6 +23,8 @@ would form it disappears from a decode step:
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +41,29 @@ INPUT_PLAIN, INPUT_GATED, INPUT_NORM, INPUT_COMBINE = 0, 1, 2, 3
 # partial sums and KV pages stay (``SEGKV_GEMV_EVICT_FIRST=0``: the default policy). Llama-3.1-8B
 # batch 1 on the H200: 214-215 -> 219 tok/s at 1K.
 WEIGHTS_EVICT_FIRST = env_int("SEGKV_GEMV_EVICT_FIRST", 1) == 1
+# Registers per thread (ptxas ``maxnreg``; 0: the compiler's choice) of the one-row GEMVs whose
+# input is the row itself or a gated pair, and of those that norm it (norm, combine, q/k/v and
+# MLA x launches), on Hopper (where they were measured). A program holds its 16 x 512 weight
+# block in registers from before the PDL wait, so registers set the programs per multiprocessor
+# and with them the weight bytes in flight across a product boundary. Triton 3.6 gives the norm
+# launches 80 registers (6 programs per SM); capped at 72, 7 fit with no spill: Llama-3.1-8B
+# batch 1 on the H200 219-220 -> 222-223 tok/s at 1K. Caps that spill (64 / 40) lose 6-15%.
+PLAIN_REGISTER_CAP = env_int("SEGKV_GEMV_MAXNREG", 48)
+NORM_REGISTER_CAP = env_int("SEGKV_GEMV_MAXNREG_NORM", 72)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def register_cap(x: torch.Tensor, input_kind: int) -> int:
+    """The ``maxnreg`` of a one-row GEMV launch on ``x``'s device (0: none): the caps above on a
+    Hopper GPU, none elsewhere (other register files were not measured) or in the interpreter."""
+    if _INTERPRET or not x.is_cuda or not _is_hopper(x.device.index or 0):
+        return 0
+    return PLAIN_REGISTER_CAP if input_kind in (INPUT_PLAIN, INPUT_GATED) else NORM_REGISTER_CAP
 
 
 @triton.jit
@@ -216,6 +241,9 @@ def gemv_operands(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kin
         raise ValueError(f"{name}: workspace of {part.numel()} floats and {tickets.numel()} tickets, "
                          f"{floats} and {tickets_needed} needed")
     options = pdl_options(x) if pdl is None else ({"launch_pdl": True, "USE_PDL": True} if pdl else {"USE_PDL": False})
+    cap = register_cap(x, input_kind)
+    if cap > 0:
+        options["maxnreg"] = cap
     return GemvOperands(flat, flat if res is None else res, flat if g is None else g, res_out, part, tickets, split,
                         blocks, kind, options)
 

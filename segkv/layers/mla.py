@@ -20,8 +20,9 @@ MLA_MODES = ("absorbed", "naive")
 # one token's residual add and norm (and the previous MoE layer's combine) in the x product's launch
 # (H200, DeepSeek-V2-Lite batch 1, 1K / 16K: 439-441 / 378-380 -> 447-448 / 386-387 tok/s)
 NORM_IN_MLA = env_int("SEGKV_BATCH1_NORM_IN_MLA", 1) == 1
-# ... and the query's RoPE and the latent cache write in the same launch (not yet measured on a GPU)
-MLA_ROPE = env_int("SEGKV_BATCH1_MLA_ROPE", 0) == 1
+# ... and the query's RoPE and the latent cache write in the same launch (H200, alternating
+# in one run, two rounds: 457 / 391-394 -> 461-462 / 399-400 tok/s at 1K / 16K)
+MLA_ROPE = env_int("SEGKV_BATCH1_MLA_ROPE", 1) == 1
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
 
 
