@@ -130,8 +130,8 @@ def layers(dev, gen, hidden: int = 4096, inner: int = 14336, kv: int = 1024, cou
                     "fused, small 8 x 512, big 16 x 512": fused(small_big((8, 512, 4, False), (16, 512, 4, False)))}
     else:  # registers per thread: programs per multiprocessor, weight bytes in flight
         variants = {"cuBLAS + kernels": cublas, "fused, evict first, no caps": capped(0, 0),
-                    "fused, caps 48 / 72": capped(48, 72), "fused, caps 48 / 64": capped(48, 64),
-                    "fused, caps 40 / 64": capped(40, 64), "fused, caps 48 / 0": capped(48, 0)}
+                    "fused, caps 48 / 72": capped(48, 72), "fused, caps 0 / 72": capped(0, 72),
+                    "fused, caps 48 / 64": capped(48, 64), "fused, caps 40 / 64": capped(40, 64)}
     ref = cublas().float()
     base = None
     for _ in range(2):

@@ -47,8 +47,9 @@ WEIGHTS_EVICT_FIRST = env_int("SEGKV_GEMV_EVICT_FIRST", 1) == 1
 # block in registers from before the PDL wait, so registers set the programs per multiprocessor
 # and with them the weight bytes in flight across a product boundary. Triton 3.6 gives the norm
 # launches 80 registers (6 programs per SM); capped at 72, 7 fit with no spill: Llama-3.1-8B
-# batch 1 on the H200 219-220 -> 222-223 tok/s at 1K. Caps that spill (64 / 40) lose 6-15%.
-PLAIN_REGISTER_CAP = env_int("SEGKV_GEMV_MAXNREG", 48)
+# batch 1 on the H200 219-220 -> 222-223 tok/s at 1K. The others take 56 (9 programs); 48 (10)
+# measured level. Caps that spill (64 / 40) lose 6-15%.
+PLAIN_REGISTER_CAP = env_int("SEGKV_GEMV_MAXNREG", 0)
 NORM_REGISTER_CAP = env_int("SEGKV_GEMV_MAXNREG_NORM", 72)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
