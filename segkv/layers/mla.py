@@ -10,6 +10,7 @@ from torch import nn
 from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionShape
 from segkv.kernels.fused_ops import mla_rope_and_write_latent, mla_rope_fusable
+from segkv.kernels.head_gemv import head_gemv
 from segkv.kernels.settings import env_int
 from segkv.layers.activation import stack_linears
 from segkv.layers.linear import RowProduct
@@ -23,7 +24,15 @@ NORM_IN_MLA = env_int("SEGKV_BATCH1_NORM_IN_MLA", 1) == 1
 # ... and the query's RoPE and the latent cache write in the same launch (H200, alternating
 # in one run, two rounds: 457 / 391-394 -> 461-462 / 399-400 tok/s at 1K / 16K)
 MLA_ROPE = env_int("SEGKV_BATCH1_MLA_ROPE", 1) == 1
+# one token's absorbed products (q_nope through W_uk, the latent output through W_uv) as per-head
+# GEMVs with PDL (kernels.head_gemv) instead of batched GEMMs; off until measured on a GPU
+LATENT_GEMV = env_int("SEGKV_BATCH1_LATENT_GEMV", 0) == 1
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
+
+
+def one_token_on_cuda(rows: torch.Tensor) -> bool:
+    """Whether ``rows (T, ...)`` are one token's, on a CUDA device (the per-head GEMVs' case)."""
+    return rows.shape[0] == 1 and rows.is_cuda
 
 
 @dataclass(slots=True, frozen=True)
@@ -236,14 +245,23 @@ class MultiHeadLatentAttention(nn.Module):
         a buffer whose rope columns already hold ``q_pe`` (the fused RoPE wrote them); the latent
         columns are computed into it, so no concatenation copies the query (one launch fewer)."""
         w_uk, w_uv = self._kv_b()
-        if query is None:
+        rank = self.dims.kv_lora_rank
+        per_head = LATENT_GEMV and self.fused and one_token_on_cuda(q_nope)
+        if per_head:  # W_uk read through its transpose (H, r, n): no re-laid copy
+            if query is None:
+                query = torch.cat((head_gemv(q_nope[0], w_uk.transpose(1, 2)).unsqueeze(0), q_pe), dim=-1)
+            else:
+                head_gemv(q_nope[0], w_uk.transpose(1, 2), out=query[0, :, :rank])
+        elif query is None:
             q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
             query = torch.cat((q_latent, q_pe), dim=-1)
         else:  # (H, T, n) @ (H, n, r) into the (H, T, r) view of the query's latent columns
-            torch.bmm(q_nope.transpose(0, 1), w_uk, out=query[..., : self.dims.kv_lora_rank].transpose(0, 1))
+            torch.bmm(q_nope.transpose(0, 1), w_uk, out=query[..., :rank].transpose(0, 1))
         storage, layer = meta.storage, self.layer_index
         out, _ = meta.backend.run(meta.prepared, query, storage.key_cache(layer), storage.value_cache(layer),
                                   scale=self.scale)  # (T, H, r)
+        if per_head:
+            return head_gemv(out[0], w_uv).unsqueeze(0)
         return torch.einsum("thr,hvr->thv", out, w_uv)
 
     def _decompress(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
