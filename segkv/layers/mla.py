@@ -25,8 +25,9 @@ NORM_IN_MLA = env_int("SEGKV_BATCH1_NORM_IN_MLA", 1) == 1
 # in one run, two rounds: 457 / 391-394 -> 461-462 / 399-400 tok/s at 1K / 16K)
 MLA_ROPE = env_int("SEGKV_BATCH1_MLA_ROPE", 1) == 1
 # one token's absorbed products (q_nope through W_uk, the latent output through W_uv) as per-head
-# GEMVs with PDL (kernels.head_gemv) instead of batched GEMMs; off until measured on a GPU
-LATENT_GEMV = env_int("SEGKV_BATCH1_LATENT_GEMV", 0) == 1
+# GEMVs with PDL (kernels.head_gemv) instead of batched GEMMs (H200, DeepSeek-V2-Lite batch 1,
+# alternating, two rounds: 465-468 / 398-401 -> 481-482 / 411-417 tok/s at 1K / 16K)
+LATENT_GEMV = env_int("SEGKV_BATCH1_LATENT_GEMV", 1) == 1
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
 
 
