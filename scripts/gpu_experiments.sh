@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Open questions, measured in one go on the GPU machine (about 7 minutes); results under
 # $OUT/experiments.txt. Defaults change only after a measurement.
-#   1. GPU tests of the one-row GEMVs, fused models, graphs and engine at the defaults (register
-#      caps for the norm launches, the MLA x launch with RoPE and the latent write).
-#   2. Whole-model batch 1 at the defaults, and Llama-3.1-8B alternating the merge inside stage 1
-#      for rows of up to 8 (default) / 16 partials (SEGKV_MERGE_IN_STAGE1_MAX): at 1K a batch-1
-#      row has 11 partials, so 16 takes the merge launch out of each layer.
+#   1. Where a batch-1 DeepSeek-V2-Lite graph step goes now, by kernel (scripts/trace_gaps.py
+#      --kernels): the expert GEMVs, the latent attention at 1K (its stage 1 and merge were 8.9 +
+#      3.2 us per layer, latency), the per-head latent GEMVs.
+#   2. DeepSeek-V2-Lite batch 1 alternating the shortest latent partition
+#      (SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS 32, the default, / 64 / 128): fewer, longer pieces mean
+#      fewer partials for the merge.
+#   3. The engine's GPU tests at the defaults (the per-head latent GEMVs in the engine and graphs).
 # (The headline table at batches 8 and 32 is unchanged by these one-row paths: gpu_check.sh with
 # SEGKV_GPU_E2E remakes it.) Results of earlier runs: docs/benchmarks.md.
 set -uo pipefail
@@ -19,10 +21,13 @@ if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; th
 fi
 log="$OUT/experiments.txt"
 : > "$log"
-echo "== GPU tests at the defaults" | tee -a "$log"
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_qkv_gemv.py tests/test_mla_x_gemv.py tests/test_dense_gemv.py \
-  tests/test_expert_gemv.py tests/test_moe_ops.py tests/test_fused_ops.py tests/test_cuda_graphs.py tests/test_gpu_engine.py \
-  2>&1 | grep -E "passed|failed|^E  " | tail -8 | tee -a "$log"
+echo "== GPU tests at the defaults: engine, graphs, latent products" | tee -a "$log"
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_head_gemv.py tests/test_cuda_graphs.py \
+  tests/test_gpu_engine.py 2>&1 | grep -E "passed|failed|^E  " | tail -8 | tee -a "$log"
+echo "== where a batch-1 graph step goes: deepseek-v2-lite, 1K, by kernel" | tee -a "$log"
+timeout 120 python3 scripts/profile_decode.py --model deepseek-v2-lite --batch 1 --context 1024 --rows 5 \
+  --trace /tmp/deepseek_b1.json > /dev/null 2>&1
+python3 scripts/trace_gaps.py /tmp/deepseek_b1.json --kernels --min-us 5 --rows 25 2>&1 | tee -a "$log"
 e2e() {  # label, env assignments..., --, decode_e2e arguments...
   local label=$1; shift
   local envs=()
@@ -32,10 +37,10 @@ e2e() {  # label, env assignments..., --, decode_e2e arguments...
   env "${envs[@]}" timeout 100 python3 -m segkv.bench.decode_e2e --skip-hf --trials 3 --batches 1 --contexts 1K,16K "$@" \
     2>&1 | grep -E "^\[|rror" | tee -a "$log"
 }
-echo "== batch 1 at the defaults; Llama-3.1-8B merge in stage 1 up to 8 / 16 partials" | tee -a "$log"
+echo "== DeepSeek-V2-Lite batch 1: shortest latent partition 32 / 64 / 128 rows" | tee -a "$log"
 for round in 1 2; do
-  e2e "llama merge in stage 1 up to 8" SEGKV_MERGE_IN_STAGE1_MAX=8 -- --models llama-3.1-8b
-  e2e "llama merge in stage 1 up to 16" SEGKV_MERGE_IN_STAGE1_MAX=16 -- --models llama-3.1-8b
+  for rows in 32 64 128; do
+    e2e "deepseek latent partitions of at least $rows rows" SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS=$rows \
+      -- --models deepseek-v2-lite
+  done
 done
-e2e "qwen3-8b defaults" SEGKV_TRITON_PDL=1 -- --models qwen3-8b
-e2e "deepseek-v2-lite defaults" SEGKV_TRITON_PDL=1 -- --models deepseek-v2-lite
