@@ -17,6 +17,7 @@ import triton.language as tl
 from segkv.kernels.paged_attention import (
     _INTERPRET,
     LaunchConfig,
+    attention_pdl_options,
     maxnreg_option,
     page_index,
     stages_that_fit,
@@ -38,9 +39,11 @@ def _mla_stage1_kernel(
     scale, num_heads,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """One program: ``BLOCK_M`` (query row, head) pairs of one work item, scanning its piece
-    ``BLOCK_N`` latent rows at a time with an online softmax in float32."""
+    ``BLOCK_N`` latent rows at a time with an online softmax in float32. ``USE_PDL``: as the GQA
+    stage 1 (``paged_attention.ATTENTION_PDL``)."""
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     mb = tl.program_id(0)
     w = tl.program_id(1)
@@ -48,6 +51,9 @@ def _mla_stage1_kernel(
     n_rows = tl.load(work_partial_start + w + 1) - p0
     if mb * BLOCK_M >= n_rows * num_heads:  # also padding work items of fixed-size plan buffers
         return
+    if USE_PDL:  # the plan is the host's; queries, latent rows and outputs wait for the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pair = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     r = pair // num_heads
     valid = r < n_rows
@@ -154,7 +160,7 @@ def mla_paged_attention(
             query.stride(0), query.stride(1), latent_cache.stride(0), latent_cache.stride(1),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
             lse.stride(0),
-            scale, num_heads, **meta,
+            scale, num_heads, **meta, **attention_pdl_options(query),
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)

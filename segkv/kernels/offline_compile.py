@@ -110,7 +110,8 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     """A stage-1 attention kernel as its launcher would launch it, for one decode-shaped ``case``:
     ``{"kernel": "gqa" | "latent", "dtype": "bfloat16" | "float16" | "float32", "page_size": int,
     "rows": query rows per work item, "head_dim": int (gqa), "group": int (gqa, default 4),
-    "heads": int (latent, default 16), "assemble": bool (default False)}``. ``launch``: a
+    "heads": int (latent, default 16), "assemble": bool (default False), "pdl": bool (default
+    False: the programmatic-dependent-launch variant)}``. ``launch``: a
     ``paged_attention.LaunchConfig`` (default: the launcher's). Returns the compiled kernel and
     the launch constants used."""
     import torch
@@ -132,6 +133,7 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
                                                page_size=case["page_size"], max_work_rows=case["rows"],
                                                element_size=element, launch=launch)
         fn, pointers = mla_attention._mla_stage1_kernel, {"Q": f"*{t}", "LAT": f"*{t}", **common}
+    meta = {**meta, "USE_PDL": bool(case.get("pdl", False))}
     return compile_offline(fn, meta, pointers=pointers, assemble=case.get("assemble", False)), meta
 
 

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -154,6 +155,7 @@ def _stage1_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (``BLOCK_N / PAGE_SIZE`` pages) at a time with
@@ -175,12 +177,15 @@ def _stage1_kernel(
         w = tl.program_id(0)
         kvh = tl.program_id(1)
     mb = tl.program_id(2)
+    p0 = tl.load(work_partial_start + w)
+    n_rows = tl.load(work_partial_start + w + 1) - p0
+    if USE_PDL:  # the plan is the host's; everything read or written below waits for the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if MERGE > 0:
         if (w == 0) & (mb == 0):
             zero_empty_rows(reduce_ptr, num_rows, kvh, FINAL, FINAL_LSE, stride_fr, stride_fh, stride_flr,
                             GROUP, DV, BLOCK_DV)
-    p0 = tl.load(work_partial_start + w)
-    n_rows = tl.load(work_partial_start + w + 1) - p0
     if mb * BLOCK_M >= n_rows * GROUP:  # also the padding work items of fixed-size plan buffers
         return
     pair = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -236,7 +241,7 @@ def _stage1_kernel(
 def _merge_kernel(
     PART_OUT, PART_LSE, OUT, OUT_LSE, reduce_ptr, reduce_partials,
     stride_pp, stride_ph, stride_lp, stride_or, stride_oh, stride_lr,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """One program per (query row, head, ``BLOCK_DV`` value columns): the exact merge of its
     partials, rounded once. Rows without partials get 0 and LSE -inf; rows with exactly one were
@@ -253,6 +258,9 @@ def _merge_kernel(
     end = tl.load(reduce_ptr + row + 1)
     if end - start == 1:  # stage 1 already wrote this row's only partial, rounded once
         return
+    if USE_PDL:  # the partials are complete once stage 1 is
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs = cb * BLOCK_DV + tl.arange(0, BLOCK_DV)
     col_ok = offs < DV
     offs_p = tl.arange(0, BLOCK_P)
@@ -378,7 +386,7 @@ def paged_attention(
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
             lse.stride(0), num_heads,
-            scale, num_rows, **meta,
+            scale, num_rows, **meta, **attention_pdl_options(query),
         )
     if num_rows and not merged and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
@@ -414,6 +422,20 @@ def stages_that_fit(num_stages: int, tile_bytes: int) -> int:
     tile of ``tile_bytes`` would not fit in shared memory (float32 tiles of 64 rows x 256-wide
     heads: 128 KB each, so 2 stages, one buffer)."""
     return max(1, min(num_stages, 1 + PIPELINE_SHARED_BYTES // max(tile_bytes, 1)))
+
+
+# Programmatic dependent launch for stage 1 and the merge (``kernels.pdl``): each is scheduled
+# while the kernel before it finishes (at batch 1 a PDL GEMV that lets its successor in at once),
+# reads only the host's plan before waiting for it, and lets its own successor in (the merge, the
+# o GEMV, which loads its weights meanwhile) right after the wait. An earlier try, when the
+# kernels around attention were cuBLAS and did not let a successor in, measured 0-1%. Off until
+# measured again with the PDL GEMVs around it (SEGKV_ATTENTION_PDL=1).
+ATTENTION_PDL = env_int("SEGKV_ATTENTION_PDL", 0) == 1
+
+
+def attention_pdl_options(tensor: torch.Tensor) -> dict:
+    """``launch_pdl`` and ``USE_PDL`` for an attention launch on ``tensor``'s device."""
+    return pdl_options(tensor) if ATTENTION_PDL else {"USE_PDL": False}
 
 
 def maxnreg_option(launch: LaunchConfig) -> dict:
@@ -469,7 +491,7 @@ def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> Non
         out.stride(0), out.stride(1), lse.stride(0),
         # 64 partials per step: a GQA decode row's partials (33 on the H200) in one step, a
         # 256-way latent split in four
-        DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64,
+        DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, **attention_pdl_options(out),
     )
 
 
