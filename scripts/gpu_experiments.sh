@@ -6,8 +6,10 @@
 #        (the q/k/v launch before attention and the o GEMV after it are PDL GEMVs now), batch 8,
 #        and the kernel benchmark at batch 1 / 32K-64K (the merge launch overlapping stage 1).
 #   bash scripts/gpu_experiments.sh mla   where a batch-1 DeepSeek-V2-Lite graph step goes, by
-#        kernel (scripts/trace_gaps.py --kernels), and the shortest latent partition
-#        (SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS 32, the default, / 128) alternating.
+#        kernel (scripts/trace_gaps.py --kernels), the shortest latent partition
+#        (SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS 32, the default, / 128) alternating; and the one-row
+#        GEMVs' registers (the norm launches now 64 uncapped, after 80): the Llama layer chain
+#        with caps, and Llama-3.1-8B batch 1 at the defaults against this session's 222 / 198.
 # (The headline table at batches 8 and 32: gpu_check.sh with SEGKV_GPU_E2E.) Results of earlier
 # runs: docs/benchmarks.md.
 set -uo pipefail
@@ -70,6 +72,12 @@ elif [ "$part" = mla ]; then
       e2e "deepseek latent partitions of at least $rows rows" SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS=$rows \
         -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
     done
+  done
+  echo "== Llama-3.1-8B layer chain: register caps plain / norm" | tee -a "$log"
+  timeout 200 python3 scripts/dense_gemv_sweep.py --layers 2>&1 | grep -E "layer chain|rror" | tee -a "$log"
+  for round in 1 2; do
+    e2e "llama-3.1-8b defaults" SEGKV_TRITON_PDL=1 -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
+    e2e "llama-3.1-8b norm cap 72" SEGKV_GEMV_MAXNREG_NORM=72 -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
   done
 else
   echo "unknown part $part (pdl or mla)" >&2

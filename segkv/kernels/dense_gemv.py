@@ -45,12 +45,13 @@ WEIGHTS_EVICT_FIRST = env_int("SEGKV_GEMV_EVICT_FIRST", 1) == 1
 # input is the row itself or a gated pair, and of those that norm it (norm, combine, q/k/v and
 # MLA x launches), on Hopper (where they were measured). A program holds its 16 x 512 weight
 # block in registers from before the PDL wait, so registers set the programs per multiprocessor
-# and with them the weight bytes in flight across a product boundary. Triton 3.6 gives the norm
-# launches 80 registers (6 programs per SM); capped at 72, 7 fit with no spill: Llama-3.1-8B
-# batch 1 on the H200 219-220 -> 222-223 tok/s at 1K. The others take 56 (9 programs); 48 (10)
-# measured level. Caps that spill (64 / 40) lose 6-15%.
+# and with them the weight bytes in flight across a product boundary. With Triton 3.6 the norm
+# launches took 80 registers (6 programs per SM) while block 0 stored the residual under a branch;
+# capped at 72 (7 programs) Llama-3.1-8B batch 1 on the H200 went 219-220 -> 222-223 tok/s at 1K.
+# The store is now predicated instead, and they take 64 uncapped (8 programs; a cap of 72 lets
+# ptxas give the q/k/v and MLA x launches 70-72). Caps that spill (64 / 40) lost 6-15%.
 PLAIN_REGISTER_CAP = env_int("SEGKV_GEMV_MAXNREG", 0)
-NORM_REGISTER_CAP = env_int("SEGKV_GEMV_MAXNREG_NORM", 72)
+NORM_REGISTER_CAP = env_int("SEGKV_GEMV_MAXNREG_NORM", 0)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -106,8 +107,10 @@ def gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, EXPERT_
     if INPUT >= 2:
         if HAS_RES:
             a = round_to_kind(a + tl.load(RES + cols, mask=c_ok, other=0.0).to(tl.float32), KIND)
-            if nb == 0:
-                tl.store(RES_OUT + cols, a.to(RES_OUT.dtype.element_ty), mask=c_ok)
+            # block 0's programs write h; a predicated store, not a branch: the branch kept 16
+            # more registers live (80 -> 64 per thread, 6 -> 8 programs per SM; sm_90a, Triton 3.6)
+            first_block = tl.zeros_like(cols) + nb == 0
+            tl.store(RES_OUT + cols, a.to(RES_OUT.dtype.element_ty), mask=c_ok & first_block)
         square_sum = tl.sum(a * a, axis=0)
         a = a * g
     return tl.sum(w.to(tl.float32) * a[None, :], axis=1), square_sum
