@@ -9,7 +9,8 @@
 #        kernel (scripts/trace_gaps.py --kernels), the shortest latent partition
 #        (SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS 32, the default, / 128) alternating; and the one-row
 #        GEMVs' registers (the norm launches now 64 uncapped, after 80): the Llama layer chain
-#        with caps, and Llama-3.1-8B batch 1 at the defaults against this session's 222 / 198.
+#        with caps, and Llama-3.1-8B batch 1 at the defaults against this session's 222 / 198; and
+#        Llama-3.1-8B batch 1 / 1K with the shortest GQA partition at 32 / 64 / 128 rows.
 # (The headline table at batches 8 and 32: gpu_check.sh with SEGKV_GPU_E2E.) Results of earlier
 # runs: docs/benchmarks.md.
 set -uo pipefail
@@ -78,6 +79,12 @@ elif [ "$part" = mla ]; then
   for round in 1 2; do
     e2e "llama-3.1-8b defaults" SEGKV_TRITON_PDL=1 -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
     e2e "llama-3.1-8b norm cap 72" SEGKV_GEMV_MAXNREG_NORM=72 -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
+  done
+  echo "== Llama-3.1-8B batch 1 / 1K: shortest partition 32 / 64 (default) / 128 rows (attention is latency here)" \
+    | tee -a "$log"
+  for rows in 32 64 128; do
+    e2e "llama-3.1-8b partitions of at least $rows rows" SEGKV_CUDA_MIN_PARTITION_ROWS=$rows -- --models llama-3.1-8b \
+      --batches 1 --contexts 1K
   done
 else
   echo "unknown part $part (pdl or mla)" >&2
