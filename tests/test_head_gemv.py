@@ -53,8 +53,9 @@ def test_head_gemv_rejects_what_it_cannot_compute(gen):
 @pytest.mark.parametrize("rope_in_product", [False, True])
 def test_mla_model_with_per_head_latent_products_gives_the_plain_logits(rope_in_product, tmp_path, monkeypatch):
     """``SEGKV_BATCH1_LATENT_GEMV``: a DeepSeek model fed one token at a time takes both absorbed
-    products through ``head_gemv`` (on the CPU too, for this test), with the query's latent columns
-    written in place or concatenated, and gives the unfused model's logits and greedy tokens."""
+    products through ``head_gemv`` (on the CPU too, for this test), the query's latent columns
+    written in place (after the x launch with RoPE, or the RoPE-and-latent-write kernel), and gives
+    the unfused model's logits and greedy tokens."""
     from model_helpers import build_deepseek_dir
     from test_dense_gemv import _counted, _gemvs_on_the_cpu_too, _same_greedy_tokens, _same_logits_one_token_at_a_time
 

@@ -247,12 +247,10 @@ class MultiHeadLatentAttention(nn.Module):
         columns are computed into it, so no concatenation copies the query (one launch fewer)."""
         w_uk, w_uv = self._kv_b()
         rank = self.dims.kv_lora_rank
-        per_head = LATENT_GEMV and self.fused and one_token_on_cuda(q_nope)
-        if per_head:  # W_uk read through its transpose (H, r, n): no re-laid copy
-            if query is None:
-                query = torch.cat((head_gemv(q_nope[0], w_uk.transpose(1, 2)).unsqueeze(0), q_pe), dim=-1)
-            else:
-                head_gemv(q_nope[0], w_uk.transpose(1, 2), out=query[0, :, :rank])
+        # (the fused paths hand a query buffer; W_uk is read through its transpose (H, r, n))
+        per_head = LATENT_GEMV and query is not None and one_token_on_cuda(q_nope)
+        if per_head:
+            head_gemv(q_nope[0], w_uk.transpose(1, 2), out=query[0, :, :rank])
         elif query is None:
             q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
             query = torch.cat((q_latent, q_pe), dim=-1)
