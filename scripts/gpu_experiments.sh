@@ -11,6 +11,10 @@
 #        GEMVs' registers (the norm launches now 64 uncapped, after 80): the Llama layer chain
 #        with caps, and Llama-3.1-8B batch 1 at the defaults against this session's 222 / 198; and
 #        Llama-3.1-8B batch 1 / 1K with the shortest GQA partition at 32 / 64 / 128 rows.
+#   bash scripts/gpu_experiments.sh prefetch   the L2 prefetch of the o weight before a batch-1
+#        layer's attention (SEGKV_BATCH1_PREFETCH_MB 0 / 16 / 32): its GPU tests, Llama-3.1-8B and
+#        Qwen3-8B batch 1 alternating (at 16K attention streams 64 MB per layer: the prefetched
+#        lines may not survive it).
 # (The headline table at batches 8 and 32: gpu_check.sh with SEGKV_GPU_E2E.) Results of earlier
 # runs: docs/benchmarks.md.
 set -uo pipefail
@@ -86,7 +90,21 @@ elif [ "$part" = mla ]; then
     e2e "llama-3.1-8b partitions of at least $rows rows" SEGKV_CUDA_MIN_PARTITION_ROWS=$rows -- --models llama-3.1-8b \
       --batches 1 --contexts 1K
   done
+elif [ "$part" = prefetch ]; then
+  echo "== GPU tests of the L2 prefetch" | tee -a "$log"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_l2_prefetch.py 2>&1 | grep -E "passed|failed|^E  " \
+    | tail -5 | tee -a "$log"
+  echo "== batch 1: o weight prefetched into L2 before attention, 0 / 16 / 32 MB" | tee -a "$log"
+  for round in 1 2; do
+    for mb in 0 16 32; do
+      e2e "llama-3.1-8b prefetch $mb MB" SEGKV_BATCH1_PREFETCH_MB=$mb -- --models llama-3.1-8b --batches 1 \
+        --contexts 1K,16K
+    done
+  done
+  for mb in 0 32; do
+    e2e "qwen3-8b prefetch $mb MB" SEGKV_BATCH1_PREFETCH_MB=$mb -- --models qwen3-8b --batches 1 --contexts 1K,16K
+  done
 else
-  echo "unknown part $part (pdl or mla)" >&2
+  echo "unknown part $part (pdl, mla or prefetch)" >&2
   exit 2
 fi
