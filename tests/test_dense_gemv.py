@@ -183,6 +183,12 @@ def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_log
     and gives the unfused model's logits and greedy tokens. With ``SEGKV_BATCH1_QKV_ROPE`` the
     q/k/v launch also applies the q/k norms (Qwen3), RoPE and the cache write."""
     from model_helpers import build_model_dir
+    from one_row_helpers import (
+        counted,
+        gemvs_on_the_cpu_too,
+        same_greedy_tokens,
+        same_logits_one_token_at_a_time,
+    )
 
     from segkv.engine import LLM
     from segkv.kernels import dense_gemv, qkv_gemv
@@ -193,15 +199,15 @@ def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_log
     plain = LLM(tmp_path, fused_ops=False, **kw)
     monkeypatch.setattr(linear, "BATCH1_FUSED_GEMV", True)
     monkeypatch.setattr(linear, "BATCH1_QKV_ROPE", rope_in_product)
-    _gemvs_on_the_cpu_too(monkeypatch)
-    calls = _counted(monkeypatch, norm=(dense_gemv, "norm_splitk_gemv"), gated=(dense_gemv, "gated_splitk_gemv"),
+    gemvs_on_the_cpu_too(monkeypatch)
+    calls = counted(monkeypatch, norm=(dense_gemv, "norm_splitk_gemv"), gated=(dense_gemv, "gated_splitk_gemv"),
                      plain=(dense_gemv, "splitk_gemv"), rope=(qkv_gemv, "qkv_rope_gemv"))
     fused = LLM(tmp_path, fused_ops=True, **kw)
     layers = fused.runner.model.cfg.num_layers
-    _same_logits_one_token_at_a_time(plain, fused)
+    same_logits_one_token_at_a_time(plain, fused)
     rope = 3 * layers if rope_in_product else 0  # one launch per layer and token for q/k/v
     assert calls == {"norm": 2 * 3 * layers - rope, "gated": 3 * layers, "plain": 3 * layers, "rope": rope}
-    _same_greedy_tokens(plain, fused)
+    same_greedy_tokens(plain, fused)
     assert calls["gated"] > 3 * layers  # decode steps of one sequence took the fused GEMVs
 
 
@@ -214,6 +220,12 @@ def test_mla_model_with_the_norm_and_combine_in_its_x_gemv_gives_the_unfused_log
     model's logits and greedy tokens (on the CPU too, for this test). With ``SEGKV_BATCH1_MLA_ROPE``
     the same launch rotates the query and writes the latent cache row."""
     from model_helpers import build_deepseek_dir
+    from one_row_helpers import (
+        counted,
+        gemvs_on_the_cpu_too,
+        same_greedy_tokens,
+        same_logits_one_token_at_a_time,
+    )
 
     from segkv.engine import LLM
     from segkv.kernels import dense_gemv, mla_x_gemv
@@ -225,51 +237,16 @@ def test_mla_model_with_the_norm_and_combine_in_its_x_gemv_gives_the_unfused_log
     plain = LLM(tmp_path, fused_ops=False, cuda_graphs=False, **kw)
     monkeypatch.setattr(mla, "NORM_IN_MLA", True)
     monkeypatch.setattr(mla, "MLA_ROPE", rope_in_product)
-    _gemvs_on_the_cpu_too(monkeypatch)
-    calls = _counted(monkeypatch, combine=(dense_gemv, "combine_norm_splitk_gemv"),
+    gemvs_on_the_cpu_too(monkeypatch)
+    calls = counted(monkeypatch, combine=(dense_gemv, "combine_norm_splitk_gemv"),
                      norm=(dense_gemv, "norm_splitk_gemv"), rope=(mla_x_gemv, "mla_x_rope_gemv"))
     fused = LLM(tmp_path, fused_ops=True, cuda_graphs=True if GPU else "emulate", **kw)
     layers = fused.runner.model.cfg.num_layers
-    _same_logits_one_token_at_a_time(plain, fused)
+    same_logits_one_token_at_a_time(plain, fused)
     # per token: every MoE layer after the first takes the combine; layer 0 (embeddings) and
     # layer 1 (after the dense MLP) a plain row, plus the dense layer's gate/up norm GEMV
     if rope_in_product:  # every layer's x product, plus the dense layer's gate/up norm GEMV
         assert calls == {"combine": 0, "norm": 3, "rope": 3 * layers}
     else:
         assert calls == {"combine": 3 * (layers - 2), "norm": 3 * 3, "rope": 0} and calls["combine"] > 0
-    _same_greedy_tokens(plain, fused)
-
-
-def _gemvs_on_the_cpu_too(monkeypatch):
-    """The one-row GEMV paths taken on the CPU too (in Triton's interpreter), for model tests."""
-    from segkv.layers import linear
-
-    monkeypatch.setattr(linear, "one_row", lambda x, w, b=None: b is None and x.dim() == 2 and x.shape[0] == 1
-                        and x.is_contiguous() and x.dtype == w.dtype)
-
-
-def _counted(monkeypatch, **targets):
-    """Count the calls of ``targets`` (``key=(module, function name)``): the returned dict holds them."""
-    calls = dict.fromkeys(targets, 0)
-    for key, (module, name) in targets.items():
-        original = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _f=original, _k=key, **k: calls.__setitem__(_k, calls[_k] + 1)
-                            or _f(*a, **k))
-    return calls
-
-
-def _same_logits_one_token_at_a_time(plain, fused):
-    chains = [llm.cache.new_chain() for llm in (plain, fused)]
-    for token in (5, 9, 13):
-        rows = [llm.runner.prompt_logits(chain, [token]) for llm, chain in zip((plain, fused), chains)]
-        assert torch.isfinite(rows[1]).all()
-        torch.testing.assert_close(rows[1], rows[0], rtol=1e-4, atol=1e-4)
-
-
-def _same_greedy_tokens(plain, fused):
-    from segkv.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
-    assert ([o.outputs[0].token_ids for o in fused.generate(prompt, params)]
-            == [o.outputs[0].token_ids for o in plain.generate(prompt, params)])
+    same_greedy_tokens(plain, fused)

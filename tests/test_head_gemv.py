@@ -57,7 +57,12 @@ def test_mla_model_with_per_head_latent_products_gives_the_plain_logits(rope_in_
     written in place (after the x launch with RoPE, or the RoPE-and-latent-write kernel), and gives
     the unfused model's logits and greedy tokens."""
     from model_helpers import build_deepseek_dir
-    from test_dense_gemv import _counted, _gemvs_on_the_cpu_too, _same_greedy_tokens, _same_logits_one_token_at_a_time
+    from one_row_helpers import (
+        counted,
+        gemvs_on_the_cpu_too,
+        same_greedy_tokens,
+        same_logits_one_token_at_a_time,
+    )
 
     from segkv.engine import LLM
     from segkv.layers import mla
@@ -69,10 +74,10 @@ def test_mla_model_with_per_head_latent_products_gives_the_plain_logits(rope_in_
     monkeypatch.setattr(mla, "LATENT_GEMV", True)
     monkeypatch.setattr(mla, "MLA_ROPE", rope_in_product)
     monkeypatch.setattr(mla, "one_token_on_cuda", lambda rows: rows.shape[0] == 1)
-    _gemvs_on_the_cpu_too(monkeypatch)
-    calls = _counted(monkeypatch, heads=(mla, "head_gemv"))
+    gemvs_on_the_cpu_too(monkeypatch)
+    calls = counted(monkeypatch, heads=(mla, "head_gemv"))
     fused = LLM(tmp_path, fused_ops=True, cuda_graphs=True if GPU else "emulate", **kw)
     layers = fused.runner.model.cfg.num_layers
-    _same_logits_one_token_at_a_time(plain, fused)
+    same_logits_one_token_at_a_time(plain, fused)
     assert calls == {"heads": 2 * 3 * layers}  # two products per layer and token
-    _same_greedy_tokens(plain, fused)
+    same_greedy_tokens(plain, fused)

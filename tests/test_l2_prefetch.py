@@ -40,7 +40,12 @@ def test_decoder_prefetching_its_output_weight_gives_the_same_logits(tmp_path, m
     """``SEGKV_BATCH1_PREFETCH_MB``: each layer at one row asks for its o weight before attention
     (on the GPU the kernel runs, graphs included); logits and greedy tokens are unchanged."""
     from model_helpers import build_model_dir
-    from test_dense_gemv import _counted, _gemvs_on_the_cpu_too, _same_greedy_tokens, _same_logits_one_token_at_a_time
+    from one_row_helpers import (
+        counted,
+        gemvs_on_the_cpu_too,
+        same_greedy_tokens,
+        same_logits_one_token_at_a_time,
+    )
 
     from segkv.engine import LLM
     from segkv.kernels import l2_prefetch
@@ -50,10 +55,10 @@ def test_decoder_prefetching_its_output_weight_gives_the_same_logits(tmp_path, m
     kw = dict(device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=64, prefill_chunk=8)
     plain = LLM(tmp_path, fused_ops=False, **kw)
     monkeypatch.setattr(linear, "BATCH1_PREFETCH_MB", 64)
-    _gemvs_on_the_cpu_too(monkeypatch)
-    calls = _counted(monkeypatch, prefetch=(l2_prefetch, "l2_prefetch"))
+    gemvs_on_the_cpu_too(monkeypatch)
+    calls = counted(monkeypatch, prefetch=(l2_prefetch, "l2_prefetch"))
     fused = LLM(tmp_path, fused_ops=True, **kw)
     layers = fused.runner.model.cfg.num_layers
-    _same_logits_one_token_at_a_time(plain, fused)
+    same_logits_one_token_at_a_time(plain, fused)
     assert calls == {"prefetch": 3 * layers}  # one per layer and token
-    _same_greedy_tokens(plain, fused)
+    same_greedy_tokens(plain, fused)

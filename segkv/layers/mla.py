@@ -10,6 +10,7 @@ from torch import nn
 from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionShape
 from segkv.kernels.fused_ops import mla_rope_and_write_latent, mla_rope_fusable
+from segkv.kernels.head_gemv import MAX_IN as HEAD_GEMV_MAX_IN
 from segkv.kernels.head_gemv import head_gemv
 from segkv.kernels.settings import env_int
 from segkv.layers.activation import stack_linears
@@ -244,11 +245,14 @@ class MultiHeadLatentAttention(nn.Module):
                   query: torch.Tensor | None = None) -> torch.Tensor:
         """Attention over the latent rows: ``(T, H, r + rope)`` query -> ``(T, H, v)``. ``query``:
         a buffer whose rope columns already hold ``q_pe`` (the fused RoPE wrote them); the latent
-        columns are computed into it, so no concatenation copies the query (one launch fewer)."""
+        columns are computed into it, so no concatenation copies the query (one launch fewer). At
+        one token on CUDA with such a buffer (``SEGKV_BATCH1_LATENT_GEMV``) both per-head products
+        are one-row GEMVs (``kernels.head_gemv``; ``W_uk`` read through its transpose ``(H, r,
+        n)``) instead of batched GEMMs."""
         w_uk, w_uv = self._kv_b()
         rank = self.dims.kv_lora_rank
-        # (the fused paths hand a query buffer; W_uk is read through its transpose (H, r, n))
-        per_head = LATENT_GEMV and query is not None and one_token_on_cuda(q_nope)
+        per_head = (LATENT_GEMV and query is not None and one_token_on_cuda(q_nope)
+                    and max(rank, self.dims.qk_nope_head_dim) <= HEAD_GEMV_MAX_IN)
         if per_head:
             head_gemv(q_nope[0], w_uk.transpose(1, 2), out=query[0, :, :rank])
         elif query is None:

@@ -1,0 +1,42 @@
+"""Shared by the model tests of the one-row decode paths (split-K GEMVs, per-head latent
+GEMVs, the L2 prefetch): taking those paths on the CPU, counting kernel calls, and comparing a
+model with them against one without."""
+
+from __future__ import annotations
+
+import torch
+
+
+def gemvs_on_the_cpu_too(monkeypatch):
+    """The one-row GEMV paths taken on the CPU too (in Triton's interpreter), for model tests."""
+    from segkv.layers import linear
+
+    monkeypatch.setattr(linear, "one_row", lambda x, w, b=None: b is None and x.dim() == 2 and x.shape[0] == 1
+                        and x.is_contiguous() and x.dtype == w.dtype)
+
+
+def counted(monkeypatch, **targets):
+    """Count the calls of ``targets`` (``key=(module, function name)``): the returned dict holds them."""
+    calls = dict.fromkeys(targets, 0)
+    for key, (module, name) in targets.items():
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _k=key, **k: calls.__setitem__(_k, calls[_k] + 1)
+                            or _f(*a, **k))
+    return calls
+
+
+def same_logits_one_token_at_a_time(plain, fused):
+    chains = [llm.cache.new_chain() for llm in (plain, fused)]
+    for token in (5, 9, 13):
+        rows = [llm.runner.prompt_logits(chain, [token]) for llm, chain in zip((plain, fused), chains)]
+        assert torch.isfinite(rows[1]).all()
+        torch.testing.assert_close(rows[1], rows[0], rtol=1e-4, atol=1e-4)
+
+
+def same_greedy_tokens(plain, fused):
+    from segkv.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    assert ([o.outputs[0].token_ids for o in fused.generate(prompt, params)]
+            == [o.outputs[0].token_ids for o in plain.generate(prompt, params)])
