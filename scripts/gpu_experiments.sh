@@ -12,9 +12,9 @@
 #        with caps, and Llama-3.1-8B batch 1 at the defaults against this session's 222 / 198; and
 #        Llama-3.1-8B batch 1 / 1K with the shortest GQA partition at 32 / 64 / 128 rows.
 #   bash scripts/gpu_experiments.sh prefetch   the L2 prefetch of the o weight before a batch-1
-#        layer's attention (SEGKV_BATCH1_PREFETCH_MB 0 / 16 / 32): its GPU tests, Llama-3.1-8B and
-#        Qwen3-8B batch 1 alternating (at 16K attention streams 64 MB per layer: the prefetched
-#        lines may not survive it).
+#        layer's attention (SEGKV_BATCH1_PREFETCH_MB 0 / 16 / 32; DeepSeek-V2-Lite 0 / 8): its GPU
+#        tests, Llama-3.1-8B, Qwen3-8B and DeepSeek-V2-Lite batch 1 alternating (at 16K attention
+#        streams 64 MB per layer: the prefetched lines may not survive it).
 # (The headline table at batches 8 and 32: gpu_check.sh with SEGKV_GPU_E2E.) Results of earlier
 # runs: docs/benchmarks.md.
 set -uo pipefail
@@ -103,6 +103,12 @@ elif [ "$part" = prefetch ]; then
   done
   for mb in 0 32; do
     e2e "qwen3-8b prefetch $mb MB" SEGKV_BATCH1_PREFETCH_MB=$mb -- --models qwen3-8b --batches 1 --contexts 1K,16K
+  done
+  for round in 1 2; do
+    for mb in 0 8; do  # its o weight is 8 MB
+      e2e "deepseek-v2-lite prefetch $mb MB" SEGKV_BATCH1_PREFETCH_MB=$mb -- --models deepseek-v2-lite --batches 1 \
+        --contexts 1K,16K
+    done
   done
 else
   echo "unknown part $part (pdl, mla or prefetch)" >&2

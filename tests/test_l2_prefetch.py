@@ -62,3 +62,27 @@ def test_decoder_prefetching_its_output_weight_gives_the_same_logits(tmp_path, m
     same_logits_one_token_at_a_time(plain, fused)
     assert calls == {"prefetch": 3 * layers}  # one per layer and token
     same_greedy_tokens(plain, fused)
+
+
+def test_mla_model_prefetching_its_output_weight_gives_the_same_logits(tmp_path, monkeypatch):
+    """The same for a DeepSeek model at one token (the x launch with RoPE, then the prefetch)."""
+    from model_helpers import build_deepseek_dir
+    from one_row_helpers import counted, gemvs_on_the_cpu_too, same_greedy_tokens, same_logits_one_token_at_a_time
+
+    from segkv.engine import LLM
+    from segkv.kernels import l2_prefetch
+    from segkv.layers import linear, mla
+
+    build_deepseek_dir(tmp_path, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+                       num_hidden_layers=3)
+    kw = dict(device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=64, prefill_chunk=8)
+    plain = LLM(tmp_path, fused_ops=False, cuda_graphs=False, **kw)
+    monkeypatch.setattr(linear, "BATCH1_PREFETCH_MB", 64)
+    monkeypatch.setattr(mla, "MLA_ROPE", True)
+    gemvs_on_the_cpu_too(monkeypatch)
+    calls = counted(monkeypatch, prefetch=(l2_prefetch, "l2_prefetch"))
+    fused = LLM(tmp_path, fused_ops=True, cuda_graphs=True if GPU else "emulate", **kw)
+    layers = fused.runner.model.cfg.num_layers
+    same_logits_one_token_at_a_time(plain, fused)
+    assert calls == {"prefetch": 3 * layers}
+    same_greedy_tokens(plain, fused)
