@@ -45,22 +45,17 @@ if [ "$part" = pdl ]; then
     -k "(bf16 and 128) or not test_kernels_match_the_reference" 2>&1 | grep -E "passed|failed|^E  " | tail -8 \
     | tee -a "$log"
   echo "== batch 1: attention PDL off / on" | tee -a "$log"
-  for round in 1 2; do
-    for model in llama-3.1-8b deepseek-v2-lite; do
-      for on in 0 1; do
-        e2e "$model attention PDL $on" SEGKV_ATTENTION_PDL=$on -- --models $model --batches 1 --contexts 1K,16K
-      done
+  for model in llama-3.1-8b deepseek-v2-lite qwen3-8b llama-3.1-8b; do
+    for on in 0 1; do
+      e2e "$model attention PDL $on" SEGKV_ATTENTION_PDL=$on -- --models $model --batches 1 --contexts 1K,16K
     done
   done
   for on in 0 1; do
-    e2e "qwen3-8b attention PDL $on" SEGKV_ATTENTION_PDL=$on -- --models qwen3-8b --batches 1 --contexts 1K,16K
-  done
-  for on in 0 1; do
     e2e "llama-3.1-8b batch 8 attention PDL $on" SEGKV_ATTENTION_PDL=$on -- --models llama-3.1-8b --batches 8 \
-      --contexts 1K,16K
+      --contexts 1K
   done
   echo "== decode attention kernels, batch 1: PDL off / on" | tee -a "$log"
-  for on in 0 1 0 1; do
+  for on in 0 1; do
     echo "-- SEGKV_ATTENTION_PDL=$on" | tee -a "$log"
     SEGKV_ATTENTION_PDL=$on timeout 90 python3 -m segkv.bench.decode_attention --shapes llama3-8b --batches 1 \
       --contexts 32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 | grep -E "^\[|^device|rror" \
