@@ -23,8 +23,6 @@ would form it disappears from a decode step:
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +31,7 @@ import triton.language as tl
 
 from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
 from segkv.kernels.moe_ops import check_combine, combine_row
-from segkv.kernels.pdl import pdl_options
+from segkv.kernels.pdl import _INTERPRET, capability_major, pdl_options
 from segkv.kernels.settings import env_int
 
 INPUT_PLAIN, INPUT_GATED, INPUT_NORM, INPUT_COMBINE = 0, 1, 2, 3
@@ -52,18 +50,12 @@ WEIGHTS_EVICT_FIRST = env_int("SEGKV_GEMV_EVICT_FIRST", 1) == 1
 # ptxas give the q/k/v and MLA x launches 70-72). Caps that spill (64 / 40) lost 6-15%.
 PLAIN_REGISTER_CAP = env_int("SEGKV_GEMV_MAXNREG", 0)
 NORM_REGISTER_CAP = env_int("SEGKV_GEMV_MAXNREG_NORM", 0)
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.cache
-def _is_hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 def register_cap(x: torch.Tensor, input_kind: int) -> int:
     """The ``maxnreg`` of a one-row GEMV launch on ``x``'s device (0: none): the caps above on a
     Hopper GPU, none elsewhere (other register files were not measured) or in the interpreter."""
-    if _INTERPRET or not x.is_cuda or not _is_hopper(x.device.index or 0):
+    if _INTERPRET or not x.is_cuda or capability_major(x.device.index or 0) != 9:
         return 0
     return PLAIN_REGISTER_CAP if input_kind in (INPUT_PLAIN, INPUT_GATED) else NORM_REGISTER_CAP
 
@@ -244,7 +236,7 @@ def gemv_operands(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kin
     if part.numel() < floats or tickets.numel() < tickets_needed:
         raise ValueError(f"{name}: workspace of {part.numel()} floats and {tickets.numel()} tickets, "
                          f"{floats} and {tickets_needed} needed")
-    options = pdl_options(x) if pdl is None else ({"launch_pdl": True, "USE_PDL": True} if pdl else {"USE_PDL": False})
+    options = pdl_options(x, pdl)
     cap = register_cap(x, input_kind)
     if cap > 0:
         options["maxnreg"] = cap

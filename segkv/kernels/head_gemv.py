@@ -74,7 +74,7 @@ def head_gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None
     if heads == 0 or out_dim == 0:
         return out
     block_o = block_outputs(in_dim)
-    options = pdl_options(x) if pdl is None else ({"launch_pdl": True, "USE_PDL": True} if pdl else {"USE_PDL": False})
+    options = pdl_options(x, pdl)
     _head_gemv_kernel[(heads, triton.cdiv(out_dim, block_o))](
         x, weight, out, x.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), out.stride(0), out_dim,
         in_dim, IN_P2=triton.next_power_of_2(in_dim), BLOCK_O=block_o, KIND=kind_of(x.dtype), num_warps=4, **options)

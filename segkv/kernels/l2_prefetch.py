@@ -12,17 +12,14 @@ scheduled while the kernel before it finishes, prefetches at once, then waits fo
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from segkv.kernels.pdl import pdl_options
+from segkv.kernels.pdl import _INTERPRET, capability_major, pdl_options
 
 CHUNK_BYTES = 4096  # per thread and prefetch instruction (a multiple of 16)
 THREADS = 128  # one program of 4 warps, one chunk per thread
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -45,7 +42,7 @@ def _l2_prefetch_kernel(W, nbytes, CHUNK: tl.constexpr, THREADS: tl.constexpr, U
 def supported(t: torch.Tensor) -> bool:
     """Whether ``l2_prefetch`` launches for ``t``: a CUDA tensor on a Hopper or later GPU (bulk
     prefetch is sm_90), outside Triton's interpreter (which runs no PTX)."""
-    return t.is_cuda and not _INTERPRET and torch.cuda.get_device_capability(t.device)[0] >= 9
+    return t.is_cuda and not _INTERPRET and capability_major(t.device.index or 0) >= 9
 
 
 def l2_prefetch(weight: torch.Tensor, max_bytes: int | None = None) -> int:

@@ -33,10 +33,17 @@ def pdl_supported(device_index: int) -> bool:
         return False
     fields = getattr(CUDAOptions, "__dataclass_fields__", {})
     return ("launch_pdl" in fields and hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents")
-            and torch.cuda.get_device_capability(device_index)[0] >= 9)
+            and capability_major(device_index) >= 9)
 
 
-def pdl_options(tensor: torch.Tensor) -> dict:
-    """``launch_pdl`` and the ``USE_PDL`` constexpr for a launch on ``tensor``'s device."""
-    on = tensor.is_cuda and pdl_supported(tensor.device.index or 0)
+@functools.cache
+def capability_major(device_index: int) -> int:
+    """The major compute capability of CUDA device ``device_index`` (9: Hopper), asked once."""
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def pdl_options(tensor: torch.Tensor, pdl: bool | None = None) -> dict:
+    """``launch_pdl`` and the ``USE_PDL`` constexpr for a launch on ``tensor``'s device: where
+    :func:`pdl_supported` says so, or as ``pdl`` forces it (tests and sweeps)."""
+    on = (tensor.is_cuda and pdl_supported(tensor.device.index or 0)) if pdl is None else pdl
     return {"launch_pdl": True, "USE_PDL": True} if on else {"USE_PDL": False}
