@@ -11,16 +11,10 @@
 #   SEGKV_GPU_TRAIN  non-empty: retrain the built-in models (about 6.5 min) and compare them byte for byte
 #   SEGKV_GPU_SWEEPS non-empty: the expert GEMV launch sweep and the prefill attention launch sweep
 #   SEGKV_GPU_NCU    non-empty: Nsight Compute counters of the stage-1 kernels (scripts/ncu_kernels.sh)
-# Installs pytest from .whl/ (carried) when the machine lacks it.
+# Installs pytest from .whl/ (carried) when the machine lacks it (scripts/gpu_env.sh).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/segkv-gpu-out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+# shellcheck source=scripts/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_mla.py tests/test_cuda_graphs.py tests/test_expert_gemv.py tests/test_grouped_expert_gemm.py tests/test_moe_ops.py tests/test_dense_gemv.py tests/test_qkv_gemv.py tests/test_mla_x_gemv.py tests/test_head_gemv.py tests/test_l2_prefetch.py tests/test_sampling_ops.py tests/test_fused_ops.py tests/test_gpu_engine.py \
   -k "${SEGKV_GPU_TESTS:-}" 2>&1 | tail -25 | tee "$OUT/tests.txt"

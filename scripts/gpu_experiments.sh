@@ -18,14 +18,8 @@
 # (The headline table at batches 8 and 32: gpu_check.sh with SEGKV_GPU_E2E.) Results of earlier
 # runs: docs/benchmarks.md.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/segkv-gpu-out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+# shellcheck source=scripts/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh"
 log="$OUT/experiments.txt"
 : > "$log"
 part=${1:-pdl}

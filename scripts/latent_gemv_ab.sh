@@ -2,14 +2,8 @@
 # Per-head latent GEMVs (SEGKV_BATCH1_LATENT_GEMV) on the GPU machine, short: the kernel tests,
 # DeepSeek-V2-Lite batch 1 off / on, the model tests, off / on again. Results: $OUT/latent.txt.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/segkv-gpu-out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+# shellcheck source=scripts/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh"
 log="$OUT/latent.txt"
 : > "$log"
 t() { timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_head_gemv.py "$@" 2>&1 | grep -E "passed|failed|^E  " | tail -5 | tee -a "$log"; }

@@ -1,0 +1,11 @@
+# Sourced by the GPU machine's scripts (gpu_check.sh, gpu_experiments.sh, latent_gemv_ab.sh): run
+# from the repository root with segkv from the working tree, results under $OUT (made here), and
+# pytest installed from .whl/ (carried) when the machine lacks it.
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-/tmp/segkv-gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ! python3 -c 'import pytest' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
