@@ -6,6 +6,29 @@ from __future__ import annotations
 
 import torch
 
+GPU = torch.cuda.is_available()
+# small models' LLM settings for these comparisons; a fused DeepSeek model runs its decode graphs
+# (emulated on the CPU)
+LLM_SETTINGS = {"device": "cuda" if GPU else "cpu", "dtype": "float32", "backend": "triton", "page_size": 16,
+                "num_pages": 64, "prefill_chunk": 8}
+GRAPHS = True if GPU else "emulate"
+
+
+def small_deepseek_dir(tmp_path, num_hidden_layers: int) -> None:
+    """A DeepSeek model in ``tmp_path``: a dense first layer, then routed (4, 2 per token) and
+    shared experts."""
+    from model_helpers import build_deepseek_dir
+
+    build_deepseek_dir(tmp_path, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+                       num_hidden_layers=num_hidden_layers)
+
+
+def llm(tmp_path, *, fused_ops: bool, **settings):
+    """The model in ``tmp_path`` as an ``LLM`` with :data:`LLM_SETTINGS` (``settings`` added)."""
+    from segkv.engine import LLM
+
+    return LLM(tmp_path, fused_ops=fused_ops, **LLM_SETTINGS, **settings)
+
 
 def gemvs_on_the_cpu_too(monkeypatch):
     """The one-row GEMV paths taken on the CPU too (in Triton's interpreter), for model tests."""

@@ -186,23 +186,22 @@ def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_log
     from one_row_helpers import (
         counted,
         gemvs_on_the_cpu_too,
+        llm,
         same_greedy_tokens,
         same_logits_one_token_at_a_time,
     )
 
-    from segkv.engine import LLM
     from segkv.kernels import dense_gemv, qkv_gemv
     from segkv.layers import linear
 
     build_model_dir(tmp_path, family)
-    kw = dict(device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=64, prefill_chunk=8)
-    plain = LLM(tmp_path, fused_ops=False, **kw)
+    plain = llm(tmp_path, fused_ops=False)
     monkeypatch.setattr(linear, "BATCH1_FUSED_GEMV", True)
     monkeypatch.setattr(linear, "BATCH1_QKV_ROPE", rope_in_product)
     gemvs_on_the_cpu_too(monkeypatch)
     calls = counted(monkeypatch, norm=(dense_gemv, "norm_splitk_gemv"), gated=(dense_gemv, "gated_splitk_gemv"),
                      plain=(dense_gemv, "splitk_gemv"), rope=(qkv_gemv, "qkv_rope_gemv"))
-    fused = LLM(tmp_path, fused_ops=True, **kw)
+    fused = llm(tmp_path, fused_ops=True)
     layers = fused.runner.model.cfg.num_layers
     same_logits_one_token_at_a_time(plain, fused)
     rope = 3 * layers if rope_in_product else 0  # one launch per layer and token for q/k/v
@@ -219,28 +218,27 @@ def test_mla_model_with_the_norm_and_combine_in_its_x_gemv_gives_the_unfused_log
     inside the x product's launch (the dense layer's plain row too), and gives the unfused
     model's logits and greedy tokens (on the CPU too, for this test). With ``SEGKV_BATCH1_MLA_ROPE``
     the same launch rotates the query and writes the latent cache row."""
-    from model_helpers import build_deepseek_dir
     from one_row_helpers import (
+        GRAPHS,
         counted,
         gemvs_on_the_cpu_too,
+        llm,
         same_greedy_tokens,
         same_logits_one_token_at_a_time,
+        small_deepseek_dir,
     )
 
-    from segkv.engine import LLM
     from segkv.kernels import dense_gemv, mla_x_gemv
     from segkv.layers import mla
 
-    build_deepseek_dir(tmp_path, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
-                       num_hidden_layers=4)
-    kw = dict(device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=64, prefill_chunk=8)
-    plain = LLM(tmp_path, fused_ops=False, cuda_graphs=False, **kw)
+    small_deepseek_dir(tmp_path, num_hidden_layers=4)
+    plain = llm(tmp_path, fused_ops=False, cuda_graphs=False)
     monkeypatch.setattr(mla, "NORM_IN_MLA", True)
     monkeypatch.setattr(mla, "MLA_ROPE", rope_in_product)
     gemvs_on_the_cpu_too(monkeypatch)
     calls = counted(monkeypatch, combine=(dense_gemv, "combine_norm_splitk_gemv"),
                      norm=(dense_gemv, "norm_splitk_gemv"), rope=(mla_x_gemv, "mla_x_rope_gemv"))
-    fused = LLM(tmp_path, fused_ops=True, cuda_graphs=True if GPU else "emulate", **kw)
+    fused = llm(tmp_path, fused_ops=True, cuda_graphs=GRAPHS)
     layers = fused.runner.model.cfg.num_layers
     same_logits_one_token_at_a_time(plain, fused)
     # per token: every MoE layer after the first takes the combine; layer 0 (embeddings) and

@@ -56,27 +56,26 @@ def test_mla_model_with_per_head_latent_products_gives_the_plain_logits(rope_in_
     products through ``head_gemv`` (on the CPU too, for this test), the query's latent columns
     written in place (after the x launch with RoPE, or the RoPE-and-latent-write kernel), and gives
     the unfused model's logits and greedy tokens."""
-    from model_helpers import build_deepseek_dir
     from one_row_helpers import (
+        GRAPHS,
         counted,
         gemvs_on_the_cpu_too,
+        llm,
         same_greedy_tokens,
         same_logits_one_token_at_a_time,
+        small_deepseek_dir,
     )
 
-    from segkv.engine import LLM
     from segkv.layers import mla
 
-    build_deepseek_dir(tmp_path, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
-                       num_hidden_layers=3)
-    kw = dict(device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=64, prefill_chunk=8)
-    plain = LLM(tmp_path, fused_ops=False, cuda_graphs=False, **kw)
+    small_deepseek_dir(tmp_path, num_hidden_layers=3)
+    plain = llm(tmp_path, fused_ops=False, cuda_graphs=False)
     monkeypatch.setattr(mla, "LATENT_GEMV", True)
     monkeypatch.setattr(mla, "MLA_ROPE", rope_in_product)
     monkeypatch.setattr(mla, "one_token_on_cuda", lambda rows: rows.shape[0] == 1)
     gemvs_on_the_cpu_too(monkeypatch)
     calls = counted(monkeypatch, heads=(mla, "head_gemv"))
-    fused = LLM(tmp_path, fused_ops=True, cuda_graphs=True if GPU else "emulate", **kw)
+    fused = llm(tmp_path, fused_ops=True, cuda_graphs=GRAPHS)
     layers = fused.runner.model.cfg.num_layers
     same_logits_one_token_at_a_time(plain, fused)
     assert calls == {"heads": 2 * 3 * layers}  # two products per layer and token

@@ -43,21 +43,20 @@ def test_decoder_prefetching_its_output_weight_gives_the_same_logits(tmp_path, m
     from one_row_helpers import (
         counted,
         gemvs_on_the_cpu_too,
+        llm,
         same_greedy_tokens,
         same_logits_one_token_at_a_time,
     )
 
-    from segkv.engine import LLM
     from segkv.kernels import l2_prefetch
     from segkv.layers import linear
 
     build_model_dir(tmp_path, "llama3.1")
-    kw = dict(device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=64, prefill_chunk=8)
-    plain = LLM(tmp_path, fused_ops=False, **kw)
+    plain = llm(tmp_path, fused_ops=False)
     monkeypatch.setattr(linear, "BATCH1_PREFETCH_MB", 64)
     gemvs_on_the_cpu_too(monkeypatch)
     calls = counted(monkeypatch, prefetch=(l2_prefetch, "l2_prefetch"))
-    fused = LLM(tmp_path, fused_ops=True, **kw)
+    fused = llm(tmp_path, fused_ops=True)
     layers = fused.runner.model.cfg.num_layers
     same_logits_one_token_at_a_time(plain, fused)
     assert calls == {"prefetch": 3 * layers}  # one per layer and token
@@ -66,22 +65,26 @@ def test_decoder_prefetching_its_output_weight_gives_the_same_logits(tmp_path, m
 
 def test_mla_model_prefetching_its_output_weight_gives_the_same_logits(tmp_path, monkeypatch):
     """The same for a DeepSeek model at one token (the x launch with RoPE, then the prefetch)."""
-    from model_helpers import build_deepseek_dir
-    from one_row_helpers import counted, gemvs_on_the_cpu_too, same_greedy_tokens, same_logits_one_token_at_a_time
+    from one_row_helpers import (
+        GRAPHS,
+        counted,
+        gemvs_on_the_cpu_too,
+        llm,
+        same_greedy_tokens,
+        same_logits_one_token_at_a_time,
+        small_deepseek_dir,
+    )
 
-    from segkv.engine import LLM
     from segkv.kernels import l2_prefetch
     from segkv.layers import linear, mla
 
-    build_deepseek_dir(tmp_path, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
-                       num_hidden_layers=3)
-    kw = dict(device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=64, prefill_chunk=8)
-    plain = LLM(tmp_path, fused_ops=False, cuda_graphs=False, **kw)
+    small_deepseek_dir(tmp_path, num_hidden_layers=3)
+    plain = llm(tmp_path, fused_ops=False, cuda_graphs=False)
     monkeypatch.setattr(linear, "BATCH1_PREFETCH_MB", 64)
     monkeypatch.setattr(mla, "MLA_ROPE", True)
     gemvs_on_the_cpu_too(monkeypatch)
     calls = counted(monkeypatch, prefetch=(l2_prefetch, "l2_prefetch"))
-    fused = LLM(tmp_path, fused_ops=True, cuda_graphs=True if GPU else "emulate", **kw)
+    fused = llm(tmp_path, fused_ops=True, cuda_graphs=GRAPHS)
     layers = fused.runner.model.cfg.num_layers
     same_logits_one_token_at_a_time(plain, fused)
     assert calls == {"prefetch": 3 * layers}
