@@ -106,3 +106,23 @@ def test_first_weight_block_taken_apart_gives_the_same_products(ids_ready, gen, 
     assert all(torch.isfinite(o).all() for o in out)
     torch.testing.assert_close(out[0], ref[0], rtol=1e-6, atol=1e-6)  # float32 sums in another order at most
     torch.testing.assert_close(out[1], ref[1], rtol=1e-6, atol=1e-6)
+
+
+def test_inputs_per_step_can_be_forced_for_tuning_runs(gen, monkeypatch):
+    """``SEGKV_EXPERT_BLOCK_I`` sets the inputs per step of a launch (one token's few pairs take 256
+    by default, many pairs 128); the sums are the same, and a width that is not a power of two
+    >= 16 is refused before any launch."""
+    from segkv.kernels.expert_gemv import default_block_i
+
+    assert (default_block_i(6), default_block_i(48)) == (256, 128)
+    x = torch.randn(2, 200, generator=gen).to(DEVICE)
+    weight = torch.randn(4, 24, 200, generator=gen).to(DEVICE)
+    experts = torch.randint(0, 4, (6,), generator=gen).to(DEVICE)
+    ref = torch.einsum("noi,ni->no", weight[experts].double(), x.repeat_interleave(3, 0).double())
+    for width in (32, 64):
+        monkeypatch.setenv("SEGKV_EXPERT_BLOCK_I", str(width))
+        assert default_block_i(6) == width
+        torch.testing.assert_close(expert_gemv(x, 3, experts, weight).double(), ref, rtol=1e-5, atol=1e-4)
+    monkeypatch.setenv("SEGKV_EXPERT_BLOCK_I", "96")
+    with pytest.raises(ValueError, match="SEGKV_EXPERT_BLOCK_I must be a power of two"):
+        expert_gemv(x, 3, experts, weight)

@@ -285,6 +285,29 @@ def test_latent_partitions_have_their_own_minimum():
         DeviceSpec(kind="cuda", name="x", num_multiprocessors=1, min_rows_per_latent_partition=0)
 
 
+def test_each_latent_partition_costs_the_merge():
+    """Batch 1 latent attention: with the merge's cost per partition (its 512-wide partials are read
+    one after another) 16K rows make 128 partitions of 128 rows, not 256 of 64 (measured 423 against
+    395-409 tok/s for DeepSeek-V2-Lite on the H200); 1K still makes one partition per 32-row tile,
+    batch 8 keeps its one wave of partitions, and GQA plans do not change."""
+    def spec(merge_rows: int) -> DeviceSpec:
+        return DeviceSpec(kind="cuda", name="h200", num_multiprocessors=132, blocks_per_multiprocessor=2,
+                          min_rows_per_partition=64, min_rows_per_latent_partition=32, max_partitions=256,
+                          partition_overhead_rows=256, latent_merge_rows_per_partition=merge_rows)
+    latent16 = AttentionShape(num_q_heads=16, num_kv_heads=1, key_dim=576, value_dim=512)
+    free, costed = spec(0), spec(1)
+    assert plan_attention([seq(16384)], latent16, free, page_size=PS).num_partitions == 256
+    plan = plan_attention([seq(16384)], latent16, costed, page_size=PS)
+    assert plan.num_partitions == 128 and covered_rows(plan, 0) == 16384
+    assert {p.num_rows for p in plan.pieces} == {128}
+    assert plan_attention([seq(1024)], latent16, costed, page_size=PS).num_partitions == 32
+    assert plan_attention([seq(16384) for _ in range(8)], latent16, costed, page_size=PS).num_partitions == 32
+    assert (plan_attention([seq(16384)], GQA, costed, page_size=PS).num_partitions
+            == plan_attention([seq(16384)], GQA, free, page_size=PS).num_partitions)
+    with pytest.raises(ValueError, match="latent_merge_rows_per_partition"):
+        DeviceSpec(kind="cuda", name="x", num_multiprocessors=1, latent_merge_rows_per_partition=-1)
+
+
 def test_prefill_chunk_over_long_history_keeps_partials_within_the_workspace():
     """A 1002-row follow-up over 20K and 50K rows of history: the split's float32 partials stay
     within ``max_partial_bytes`` (the cost model alone would cut the 50K history into 7), and the

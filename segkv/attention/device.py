@@ -19,6 +19,12 @@ CUDA_MIN_PARTITION_ROWS = 64
 # tile (about 34) ran DeepSeek-V2-Lite decode at 380 tok/s against 376 with 64-row partitions
 # (H200, alternating runs); from 8K on the 256-partition cap decides either way.
 CUDA_MIN_LATENT_PARTITION_ROWS = 32
+# What one more latent partition costs the merge, in KV rows: each query row's merge reads one
+# 16-head x 512 float32 partial per partition, one after another. At batch 1 on the H200 (PDL on)
+# 256 partitions of 64 rows at 16K ran DeepSeek-V2-Lite at 395-409 tok/s, 128 of 128 rows at 423;
+# at 1K 32 partitions of 32 rows beat 8 of 128 (477-479 against 446-449). A cost of 1 row per
+# partition picks about sqrt(context) partitions: 32 at 1K, 128 at 16K.
+CUDA_LATENT_MERGE_ROWS_PER_PARTITION = 1
 # Float32 split partials (output + LSE) a plan may need; the Triton backend keeps one buffer of
 # this size, so a long history adds no per-step workspace (see DeviceSpec.max_partial_bytes).
 PARTIAL_WORKSPACE_BYTES = 64 << 20
@@ -32,7 +38,10 @@ class DeviceSpec:
     ``min_rows_per_partition`` is the fewest KV rows worth giving one partition: below it
     the merge costs more than the parallelism gains (``min_rows_per_latent_partition``: the same
     for latent attention, whose tiles are shorter). ``max_query_rows_per_work`` bounds the
-    query rows one stage-1 work item serves (tile height on a GPU). ``max_partial_bytes`` bounds
+    query rows one stage-1 work item serves (tile height on a GPU). ``partition_overhead_rows`` is
+    what a partition costs besides its rows (prologue, epilogue), in KV rows;
+    ``latent_merge_rows_per_partition`` what each latent partition adds to the merge, which reads
+    the partitions' wide partials one after another. ``max_partial_bytes`` bounds
     the float32 partials a split adds: a many-row query (a prefill chunk) over a long history is
     cut into no more partitions than fit, so the workspace never grows with the history.
     """
@@ -46,9 +55,13 @@ class DeviceSpec:
     max_partitions: int = 64
     max_query_rows_per_work: int = 64
     partition_overhead_rows: int = 256
+    latent_merge_rows_per_partition: int = 0
     max_partial_bytes: int = PARTIAL_WORKSPACE_BYTES
 
     def __post_init__(self) -> None:
+        if self.latent_merge_rows_per_partition < 0:
+            raise ValueError("DeviceSpec.latent_merge_rows_per_partition must be >= 0, "
+                             f"got {self.latent_merge_rows_per_partition}")
         if self.kind not in ("cpu", "cuda"):
             raise ValueError(f"DeviceSpec.kind must be 'cpu' or 'cuda', got {self.kind!r}")
         for name in ("num_multiprocessors", "blocks_per_multiprocessor", "min_rows_per_partition",
@@ -100,6 +113,8 @@ class DeviceSpec:
             max_partitions=256,
             max_query_rows_per_work=64,
             partition_overhead_rows=256,
+            latent_merge_rows_per_partition=env_int("SEGKV_CUDA_LATENT_MERGE_ROWS",
+                                                    CUDA_LATENT_MERGE_ROWS_PER_PARTITION),
         )
 
     @classmethod

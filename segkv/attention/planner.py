@@ -235,7 +235,9 @@ def _auto_chunk(
     for latent attention, at most
     ``device.max_partitions`` per run) is costed as ``waves x (rows per partition +
     partition_overhead_rows)``: a partial wave costs a whole one, and every partition pays a
-    fixed prologue, epilogue and merge share. When the unsplit batch leaves slots idle, the
+    fixed prologue, epilogue and merge share (latent attention adds
+    ``latent_merge_rows_per_partition`` per partition: its merge reads 512-wide partials).
+    When the unsplit batch leaves slots idle, the
     most partitions among the cheapest estimates win; otherwise the fewest. A split is therefore
     never chosen over an equally cheap or cheaper single pass when the device is full.
     Candidates whose float32 partials exceed ``device.max_partial_bytes`` are out.
@@ -261,6 +263,8 @@ def _auto_chunk(
     per_run = np.minimum(device.max_partitions, -(-rows_arr[None, :] // chunk_all[:, None]))
     items_all = per_run @ np.asarray(units, dtype=np.int64)
     cost_all = -(-items_all // wave) * (chunk_all + device.partition_overhead_rows)
+    if shape.is_latent:  # the merge reads each row's wide latent partials one after another
+        cost_all = cost_all + parts_all * device.latent_merge_rows_per_partition
     # partials a candidate adds (one per partition and query row): over the workspace, it is out
     partial_bytes = (per_run @ np.asarray(query_rows, dtype=np.int64)) * shape.num_q_heads * (shape.value_dim + 1) * 4
     too_big = (partial_bytes > device.max_partial_bytes) & (parts_all > 1)

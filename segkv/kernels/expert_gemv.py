@@ -161,7 +161,13 @@ def default_unroll(pairs: int) -> bool:
 
 
 def default_block_i(pairs: int) -> int:
-    """Inputs per step for ``pairs`` pairs: 256 for one token's few pairs, else 128."""
+    """Inputs per step for ``pairs`` pairs: 256 for one token's few pairs, else 128
+    (``SEGKV_EXPERT_BLOCK_I`` overrides, for tuning runs)."""
+    forced = env_int("SEGKV_EXPERT_BLOCK_I", None)
+    if forced is not None:
+        if forced < 16 or forced & (forced - 1):
+            raise ValueError(f"SEGKV_EXPERT_BLOCK_I must be a power of two >= 16, got {forced}")
+        return forced
     return WIDE_BLOCK_I if pairs <= FEW_PAIRS else BLOCK_I
 
 

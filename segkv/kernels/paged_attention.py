@@ -427,10 +427,10 @@ def stages_that_fit(num_stages: int, tile_bytes: int) -> int:
 # Programmatic dependent launch for stage 1 and the merge (``kernels.pdl``): each is scheduled
 # while the kernel before it finishes (at batch 1 a PDL GEMV that lets its successor in at once),
 # reads only the host's plan before waiting for it, and lets its own successor in (the merge, the
-# o GEMV, which loads its weights meanwhile) right after the wait. An earlier try, when the
-# kernels around attention were cuBLAS and did not let a successor in, measured 0-1%. Off until
-# measured again with the PDL GEMVs around it (SEGKV_ATTENTION_PDL=1).
-ATTENTION_PDL = env_int("SEGKV_ATTENTION_PDL", 0) == 1
+# o GEMV, which loads its weights meanwhile) right after the wait. On by default: with the PDL
+# GEMVs around it, batch 1 on the H200 gained 1-1.5% (Llama-3.1-8B 224 -> 226-227 tok/s at 1K,
+# Qwen3-8B 217 -> 220), batch 8 level (docs/benchmarks.md). SEGKV_ATTENTION_PDL=0 turns it off.
+ATTENTION_PDL = env_int("SEGKV_ATTENTION_PDL", 1) == 1
 
 
 def attention_pdl_options(tensor: torch.Tensor) -> dict:
