@@ -23,9 +23,6 @@ from segkv.kernels.settings import env_int
 BATCH1_GEMV = env_int("SEGKV_BATCH1_GEMV", 1) == 1
 BATCH1_FUSED_GEMV = env_int("SEGKV_BATCH1_FUSED_GEMV", 1) == 1
 BATCH1_QKV_ROPE = env_int("SEGKV_BATCH1_QKV_ROPE", 1) == 1
-# MB of the product after attention that one row's layer asks the L2 for before attending
-# (``kernels.l2_prefetch``); 0: none (the default until measured on a GPU)
-BATCH1_PREFETCH_MB = env_int("SEGKV_BATCH1_PREFETCH_MB", 0)
 
 
 def launch_for(in_dim: int) -> tuple[int, int]:
@@ -121,16 +118,6 @@ class RowProduct:
 
         return qkv_rope_gemv(x, residual, norm_weight, eps, weight, **rope,
                              **self._launch(weight, whole=(rope["cos_sin"].shape[-1],)))
-
-    def prefetch(self, weight: torch.Tensor) -> int:
-        """Before one row's attention, which leaves the memory mostly idle at short context: ask
-        the L2 for the first ``SEGKV_BATCH1_PREFETCH_MB`` MB of ``weight``, the product after it
-        (``kernels.l2_prefetch``, a hint). Returns the bytes asked for (0: off, or no such GPU)."""
-        if BATCH1_PREFETCH_MB <= 0:
-            return 0
-        from segkv.kernels.l2_prefetch import l2_prefetch
-
-        return l2_prefetch(weight, BATCH1_PREFETCH_MB << 20)
 
     def _launch(self, weight: torch.Tensor, whole: tuple[int, ...] = ()) -> dict:
         """The launch arguments for ``weight``: ``launch_for``'s blocks, ``BLOCK_N`` halved until

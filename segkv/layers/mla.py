@@ -169,7 +169,6 @@ class MultiHeadLatentAttention(nn.Module):
                 latent_rows=meta.storage.latent_rows_to_write(self.layer_index, meta.slots,
                                                               trusted_slots=meta.trusted_slots),
                 q_rope_out=query[..., d.kv_lora_rank:], interleaved=self.rotary.interleaved)
-            rows.prefetch(self.o_proj.weight)
             return self._output(self._absorbed(q_nope, query[..., d.kv_lora_rank:], meta, query)), residual
         if "expert_weights" in source:
             product, residual = rows.after_combine_norm(source["x"], source["expert_weights"], source["shared"],

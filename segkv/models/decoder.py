@@ -137,7 +137,6 @@ class DecoderAttention(nn.Module):
                 x, residual, norm.weight, norm.eps, self._qkv[0], num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads, positions=positions, cos_sin=self.rotary.cos_sin_table(x.dtype),
                 slots=meta.slots, key_rows=keys, value_rows=values, **norms)
-            self._row_product.prefetch(self.o_proj.weight)
             return self._output(self.attn.attend(q, meta)), residual
         qkv, residual = self._row_product.after_norm(x, residual, norm.weight, norm.eps, self._qkv[0])
         return self._attend(*self._split_heads(*qkv.split(self._qkv_sizes(), dim=-1)), positions, meta), residual
