@@ -375,7 +375,10 @@ def test_merge_splits_value_columns_over_programs(gen, monkeypatch):
     64-wide value takes four programs per row and head, and every column and LSE is written."""
     from segkv.kernels import paged_attention
 
+    assert (paged_attention.merge_block_dv(128), paged_attention.merge_block_dv(512),
+            paged_attention.merge_block_dv(32)) == (64, 32, 32)  # GQA, latent, narrow
     monkeypatch.setattr(paged_attention, "MERGE_BLOCK_DV", 16)
+    assert paged_attention.merge_block_dv(512) == 16
     batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=16, ratio=4, head_dim=64, rows=3)
     plan, out, lse, ref, ref_lse = run_both(batch, "split")
     assert max(len(p) for p in plan.reduce_map) > 1  # rows really merged

@@ -476,15 +476,27 @@ MERGE_IN_STAGE1_MAX_PARTIALS = env_int("SEGKV_MERGE_IN_STAGE1_MAX", 8)
 if MERGE_IN_STAGE1_MAX_PARTIALS not in (0, 2, 4, 8, 16):
     raise ValueError(f"SEGKV_MERGE_IN_STAGE1_MAX must be 0, 2, 4, 8 or 16, got {MERGE_IN_STAGE1_MAX_PARTIALS}")
 
-# value columns per merge program: 64 measured best for 512-wide latent values at batch 1 (8
-# programs per row and head instead of 1) and within 1% of the best for 128-wide GQA values
-MERGE_BLOCK_DV = env_int("SEGKV_MERGE_BLOCK_DV", 64)
+# value columns per merge program (SEGKV_MERGE_BLOCK_DV forces one width): 64 is within 1% of the
+# best for 128-wide GQA values; 512-wide latent values take 32 (16 programs per row and head: a
+# batch-1 latent merge reads 32-256 partials per row, latency the extra programs hide). H200,
+# DeepSeek-V2-Lite batch 1: 489 / 421 tok/s at 1K / 16K with 32 against 480-484 / 406-412 with 64.
+MERGE_BLOCK_DV = env_int("SEGKV_MERGE_BLOCK_DV", None)
+GQA_MERGE_BLOCK_DV, LATENT_MERGE_BLOCK_DV = 64, 32
+
+
+def merge_block_dv(dv: int) -> int:
+    """Value columns per merge program for ``dv``-wide values."""
+    if MERGE_BLOCK_DV is not None:
+        width = MERGE_BLOCK_DV
+    else:
+        width = LATENT_MERGE_BLOCK_DV if dv >= 512 else GQA_MERGE_BLOCK_DV
+    return min(max(16, triton.next_power_of_2(dv)), width)
 
 
 def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> None:
     """Launch the merge: every row of ``out``/``lse`` from its partials (CSR ``reduce_ptr``)."""
     num_rows, num_heads, dv = out.shape
-    block_dv = min(max(16, triton.next_power_of_2(dv)), MERGE_BLOCK_DV)
+    block_dv = merge_block_dv(dv)
     _merge_kernel[(num_rows, num_heads, triton.cdiv(dv, block_dv))](
         part_out, part_lse, out, lse, reduce_ptr, reduce_partials,
         part_out.stride(0), part_out.stride(1), part_lse.stride(0),
