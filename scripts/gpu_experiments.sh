@@ -12,6 +12,9 @@
 #             2 stages, the merge at 128 / 32 columns per program, and partitions of at least 64
 #             rows, between runs at the defaults (at 1K stage 1 and the merge are 15% of a step for
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
+#   latent-stages  the latent stage 1 at 16 heads, batch 1 and 8, with 3-6 pipeline stages and
+#             16 / 64-row tiles (kernel level, segkv.bench.mla_decode), then DeepSeek-V2-Lite batch 1
+#             at 3 / 5 stages (5 keeps 1 program per SM: batch 8's 256 programs would take 2 waves).
 # (The headline table at batches 8 and 32: gpu_check.sh with SEGKV_GPU_E2E.) Results of earlier
 # runs, among them the parts this script had before (attention PDL, register caps, the shortest
 # latent partition, an L2 prefetch of the o weight): docs/benchmarks.md.
@@ -61,8 +64,24 @@ elif [ "$part" = mla ]; then
   e2e "deepseek latent partitions of at least 64 rows" SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS=64 \
     -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
   e2e "deepseek defaults" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
+elif [ "$part" = latent-stages ]; then
+  # 16 latent heads at batch 1 stream 12 GB/s per stage-1 program (16 heads, 32K -> 128K: 2.9 us
+  # per 32-row tile); deeper pipelines (4-6 stages, 131-205 KB of shared memory, 1 program per SM)
+  # and other tile shapes, kernel level, then the whole model at batch 1 for the best of them
+  echo "== latent stage 1, 16 heads, batch 1: stages / BLOCK_N / warps (ms)" | tee -a "$log"
+  (command -v ncu || echo "no ncu") | tee -a "$log"
+  for cfg in "SEGKV_MLA_STAGES=3" "SEGKV_MLA_STAGES=4" "SEGKV_MLA_STAGES=5" "SEGKV_MLA_STAGES=6" \
+      "SEGKV_MLA_BLOCK_N=64 SEGKV_MLA_STAGES=3" "SEGKV_MLA_BLOCK_N=16 SEGKV_MLA_STAGES=6"; do
+    echo "-- $cfg" | tee -a "$log"
+    env $cfg timeout 120 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1,8 \
+      --contexts 16384,32768,131072 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
+  done
+  for stages in 3 5 3 5; do
+    e2e "deepseek latent stages $stages" SEGKV_MLA_STAGES=$stages -- --models deepseek-v2-lite --batches 1 \
+      --contexts 1K,16K
+  done
 else
-  echo "unknown part $part (merge, expert or mla)" >&2
+  echo "unknown part $part (merge, expert, mla or latent-stages)" >&2
   exit 2
 fi
 done
