@@ -15,6 +15,8 @@
 #   latent-stages  the latent stage 1 at 16 heads, batch 1 and 8, with 3-6 pipeline stages and
 #             16 / 64-row tiles (kernel level, segkv.bench.mla_decode), then DeepSeek-V2-Lite batch 1
 #             at 3 / 5 stages (5 keeps 1 program per SM: batch 8's 256 programs would take 2 waves).
+#   profile   batch-1 graph steps of DeepSeek-V2-Lite and Llama-3.1-8B at 1K and 16K by kernel and
+#             launch grid (scripts/trace_gaps.py --kernels --by-grid).
 # (The headline table at batches 8 and 32: gpu_check.sh with SEGKV_GPU_E2E.) Results of earlier
 # runs, among them the parts this script had before (attention PDL, register caps, the shortest
 # latent partition, an L2 prefetch of the o weight): docs/benchmarks.md.
@@ -80,8 +82,19 @@ elif [ "$part" = latent-stages ]; then
     e2e "deepseek latent stages $stages" SEGKV_MLA_STAGES=$stages -- --models deepseek-v2-lite --batches 1 \
       --contexts 1K,16K
   done
+elif [ "$part" = profile ]; then
+  # where a batch-1 graph step goes now, each kernel's launch sizes apart (an expert GEMV's gate/up
+  # and down products; stage 1 at 1K and 16K)
+  for model in deepseek-v2-lite llama-3.1-8b; do
+    for context in 1024 16384; do
+      echo "== where a batch-1 graph step goes: $model, $context, by kernel and grid" | tee -a "$log"
+      timeout 120 python3 scripts/profile_decode.py --model $model --batch 1 --context $context --rows 5 \
+        --trace /tmp/step.json > /dev/null 2>&1
+      python3 scripts/trace_gaps.py /tmp/step.json --kernels --by-grid --min-us 5 --rows 16 2>&1 | tee -a "$log"
+    done
+  done
 else
-  echo "unknown part $part (merge, expert, mla or latent-stages)" >&2
+  echo "unknown part $part (merge, expert, mla, latent-stages or profile)" >&2
   exit 2
 fi
 done

@@ -9,7 +9,9 @@ CUDA runtime calls, by name: total overlapped microseconds and count).
 
 ``--kernels``: instead, the GPU's busy time by kernel name (count, total, mean) and the small gaps
 (shorter than ``--min-us``) between one kernel's end and the next one's start, summed: what the
-kernel boundaries inside graph replays cost.
+kernel boundaries inside graph replays cost. ``--by-grid`` names each kernel with its launch grid,
+so launches of one kernel at different sizes (an expert GEMV's gate/up and down products) are
+counted apart.
 """
 
 from __future__ import annotations
@@ -33,9 +35,16 @@ def gpu_gaps(events: list[dict], min_us: float) -> list[tuple[float, float]]:
     return gaps
 
 
-def kernel_summary(events: list[dict], min_us: float, rows: int) -> None:
-    """Print busy time by kernel name and the sum of the inter-kernel gaps below ``min_us``."""
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+def kernel_label(event: dict, by_grid: bool) -> str:
+    """The event's name, with its launch grid (``args.grid`` of torch's trace) when ``by_grid``."""
+    grid = event.get("args", {}).get("grid") if by_grid else None
+    return f"{event['name']} grid={tuple(grid)}" if grid else event["name"]
+
+
+def kernel_summary(events: list[dict], min_us: float, rows: int, by_grid: bool = False) -> None:
+    """Print busy time by kernel name (and grid, ``by_grid``) and the sum of the inter-kernel gaps
+    below ``min_us``."""
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), kernel_label(e, by_grid)) for e in events
                    if e.get("cat") in GPU_CATEGORIES)
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     small_gaps, count, busy_until = 0.0, 0, None
@@ -50,7 +59,7 @@ def kernel_summary(events: list[dict], min_us: float, rows: int) -> None:
     print(f"GPU busy {busy:.0f} us over {len(spans)} kernels/copies; {count} gaps under {min_us:g} us "
           f"sum to {small_gaps:.0f} us")
     for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:rows]:
-        print(f"  {us:9.1f} us {100 * us / busy:5.1f}%  {n:5d} x {us / n:7.2f} us  {name[:90]}")
+        print(f"  {us:9.1f} us {100 * us / busy:5.1f}%  {n:5d} x {us / n:7.2f} us  {name[:110]}")
     # With programmatic dependent launch a kernel starts while the one before it runs, so its span
     # counts that overlap twice. Along a chain each kernel ends after the one before: the time from
     # the previous end to its own end is what it adds to the step.
@@ -65,7 +74,7 @@ def kernel_summary(events: list[dict], min_us: float, rows: int) -> None:
     total = sum(us for us, _ in added.values())
     print(f"busy end to end: {total:.0f} us; by the kernel that ends (its end minus the previous end or its start)")
     for name, (us, n) in sorted(added.items(), key=lambda kv: -kv[1][0])[:rows]:
-        print(f"  {us:9.1f} us {100 * us / total:5.1f}%  {n:5d} x {us / n:7.2f} us  {name[:90]}")
+        print(f"  {us:9.1f} us {100 * us / total:5.1f}%  {n:5d} x {us / n:7.2f} us  {name[:110]}")
 
 
 def main() -> None:
@@ -74,11 +83,12 @@ def main() -> None:
     p.add_argument("--min-us", type=float, default=20.0)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--kernels", action="store_true", help="busy time by kernel and the small gaps between kernels")
+    p.add_argument("--by-grid", action="store_true", help="with --kernels: each kernel's launch grids apart")
     args = p.parse_args()
     with open(args.trace) as f:
         events = json.load(f)["traceEvents"]
     if args.kernels:
-        kernel_summary(events, args.min_us, args.rows)
+        kernel_summary(events, args.min_us, args.rows, args.by_grid)
         return
     gaps = gpu_gaps(events, args.min_us)
     print(f"{len(gaps)} GPU idle gaps over {args.min_us:g} us: "
