@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Each part takes 1-3 minutes; several parts run in one call
-# (bash scripts/gpu_experiments.sh merge expert mla):
+# (bash scripts/gpu_experiments.sh latent profile):
 #   merge     DeepSeek-V2-Lite batch 1 with the latent merge's cost per partition
 #             (SEGKV_CUDA_LATENT_MERGE_ROWS 0 / 1, the default: 256 or 128 partitions at 16K),
 #             alternating.
 #   expert    one token's expert GEMVs at 256 inputs per step unrolled (the default: 64 / 72
 #             registers, 8 / 7 programs per SM, so the 1408 gate/up programs take 1.3 waves) against
 #             128 inputs looped (40 registers, 12 per SM: one wave), DeepSeek-V2-Lite batch 1.
-#   mla       DeepSeek-V2-Lite batch 1 with the latent stage 1 at 8 warps, 8 heads per program or
+#   mla       DeepSeek-V2-Lite batch 1 with the latent stage 1 at 8 warps, BLOCK_M 8 (clamped to 16) or
 #             2 stages, the merge at 128 / 32 columns per program, and partitions of at least 64
 #             rows, between runs at the defaults (at 1K stage 1 and the merge are 15% of a step for
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
-#   latent-stages  the latent stage 1 at 16 heads, batch 1 and 8, with 3-6 pipeline stages and
-#             16 / 64-row tiles (kernel level, segkv.bench.mla_decode), then DeepSeek-V2-Lite batch 1
-#             at 3 / 5 stages (5 keeps 1 program per SM: batch 8's 256 programs would take 2 waves).
+#   latent    the latent stage 1 with the transposed products (SEGKV_MLA_TRANSPOSED: its GPU
+#             tests, then 16 heads at batch 1 and 8, kernel level, against 4-5 pipeline stages and
+#             64-row tiles of the row-major kernel), then DeepSeek-V2-Lite batch 1 and 8 alternating.
 #   profile   batch-1 graph steps of DeepSeek-V2-Lite and Llama-3.1-8B at 1K and 16K by kernel and
 #             launch grid (scripts/trace_gaps.py --kernels --by-grid).
 # (The headline table at batches 8 and 32: gpu_check.sh with SEGKV_GPU_E2E.) Results of earlier
@@ -66,21 +66,30 @@ elif [ "$part" = mla ]; then
   e2e "deepseek latent partitions of at least 64 rows" SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS=64 \
     -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
   e2e "deepseek defaults" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
-elif [ "$part" = latent-stages ]; then
+elif [ "$part" = latent ]; then
   # 16 latent heads at batch 1 stream 12 GB/s per stage-1 program (16 heads, 32K -> 128K: 2.9 us
-  # per 32-row tile); deeper pipelines (4-6 stages, 131-205 KB of shared memory, 1 program per SM)
-  # and other tile shapes, kernel level, then the whole model at batch 1 for the best of them
-  echo "== latent stage 1, 16 heads, batch 1: stages / BLOCK_N / warps (ms)" | tee -a "$log"
-  (command -v ncu || echo "no ncu") | tee -a "$log"
-  for cfg in "SEGKV_MLA_STAGES=3" "SEGKV_MLA_STAGES=4" "SEGKV_MLA_STAGES=5" "SEGKV_MLA_STAGES=6" \
-      "SEGKV_MLA_BLOCK_N=64 SEGKV_MLA_STAGES=3" "SEGKV_MLA_BLOCK_N=16 SEGKV_MLA_STAGES=6"; do
+  # per 32-row tile). The transposed products (SEGKV_MLA_TRANSPOSED: warpgroup MMAs from shared
+  # memory, 190 registers instead of 240), deeper pipelines and 64-row tiles, kernel level, then the
+  # whole model
+  echo "== GPU tests of the transposed latent products" | tee -a "$log"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py -k transposed 2>&1 \
+    | grep -E "passed|failed|^E  " | tail -5 | tee -a "$log"
+  echo "== latent stage 1, 16 heads, batch 1 and 8 (ms)" | tee -a "$log"
+  for cfg in "SEGKV_MLA_TRANSPOSED=0" "SEGKV_MLA_TRANSPOSED=1" "SEGKV_MLA_TRANSPOSED=1 SEGKV_MLA_WARPS=8 SEGKV_MLA_STAGES=4" \
+      "SEGKV_MLA_STAGES=5" "SEGKV_MLA_BLOCK_N=64"; do
     echo "-- $cfg" | tee -a "$log"
-    env $cfg timeout 120 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1,8 \
+    env $cfg timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1,8 \
       --contexts 16384,32768,131072 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
   done
-  for stages in 3 5 3 5; do
-    e2e "deepseek latent stages $stages" SEGKV_MLA_STAGES=$stages -- --models deepseek-v2-lite --batches 1 \
-      --contexts 1K,16K
+  for round in 1 2; do
+    for on in 0 1; do
+      e2e "deepseek transposed latent products $on" SEGKV_MLA_TRANSPOSED=$on -- --models deepseek-v2-lite \
+        --batches 1 --contexts 1K,16K
+    done
+  done
+  for on in 0 1; do
+    e2e "deepseek batch 8 transposed latent products $on" SEGKV_MLA_TRANSPOSED=$on -- --models deepseek-v2-lite \
+      --batches 8 --contexts 1K,16K
   done
 elif [ "$part" = profile ]; then
   # where a batch-1 graph step goes now, each kernel's launch sizes apart (an expert GEMV's gate/up
@@ -94,7 +103,7 @@ elif [ "$part" = profile ]; then
     done
   done
 else
-  echo "unknown part $part (merge, expert, mla, latent-stages or profile)" >&2
+  echo "unknown part $part (merge, expert, mla, latent or profile)" >&2
   exit 2
 fi
 done

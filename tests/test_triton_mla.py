@@ -79,6 +79,31 @@ def test_latent_fully_masked_rows_give_zero(gen):
         assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
 
 
+TRANSPOSED_GRID = (list(itertools.product(["single", "split", "cascade"], ["bf16", "fp16", "fp32"], [16, 32], [16, 20, 128]))
+                   if GPU else [("split", "bf16", 16, 4), ("single", "fp32", 32, 20), ("cascade", "fp16", 16, 5)])
+
+
+@pytest.mark.parametrize("route,dtype,page_size,heads", TRANSPOSED_GRID)
+def test_transposed_latent_products_match_the_reference(route, dtype, page_size, heads, gen, monkeypatch):
+    """``SEGKV_MLA_TRANSPOSED``: the latent tile as the tall operand of both products (scores
+    ``(BLOCK_N, BLOCK_M)``, accumulator ``(rank, BLOCK_M)``) gives the reference's results on every
+    route, fully masked rows included (0, LSE -inf, no NaN)."""
+    from segkv.kernels import mla_attention
+
+    monkeypatch.setattr(mla_attention, "MLA_TRANSPOSED", True)
+    assert mla_attention.default_mla_launch_config(page_size=page_size).transposed
+    for rows in ([1, 4, 17] if GPU else [1 + heads % 4]):
+        cache, _, queries = latent_batch(gen, dtype=DTYPES[dtype], page_size=page_size, rows=rows)
+        out, lse, ref, ref_lse = run_latent(cache, queries, heads, route, gen, dtype=DTYPES[dtype])
+        check(out, lse, ref, ref_lse)
+    cache, _, (q0, q1, _) = latent_batch(gen, dtype=torch.bfloat16, page_size=16, rows=2)
+    out, lse, ref, ref_lse = run_latent(cache, [q0, SequenceQuery(q1.spans, 2, query_start=-2), SequenceQuery((), 2)],
+                                        4, "split", gen, dtype=torch.bfloat16)
+    check(out, lse, ref, ref_lse)
+    dead = [2, 3, 4, 5]
+    assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
+
+
 def test_latent_width_other_than_deepseek(gen):
     """Checkpoints with other latent widths (a rank that is not a power of two)."""
     rank, rope = (256, 32) if GPU else (48, 8)

@@ -30,6 +30,37 @@ from segkv.kernels.settings import env_int
 
 
 @triton.jit
+def _latent_step_transposed(q_lat, q_rope, c, k_rope, scale, kpos, offset, in_page, valid, m_i, l_i, acc_t,
+                            EXACT_FP32: tl.constexpr):
+    """``online_softmax_step`` with the latent tile as the tall operand of both products: scores
+    ``s_t = c q^T (BLOCK_N, BLOCK_M)`` and ``acc_t (RANK, BLOCK_M) += c^T p_t``. With 16 query
+    heads the tile's rows (64) fill a Hopper warpgroup MMA's M, both operands stay in shared
+    memory, and the query is not copied into every warp's registers each tile. Same float32
+    arithmetic as the row-major step (P split into two half-precision parts)."""
+    if EXACT_FP32:
+        s = tl.dot(c.to(tl.float32), tl.trans(q_lat.to(tl.float32)), input_precision="ieee")
+        s += tl.dot(k_rope.to(tl.float32), tl.trans(q_rope.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(c, tl.trans(q_lat)) + tl.dot(k_rope, tl.trans(q_rope))
+    s = s * scale
+    visible = (kpos[:, None] <= offset[None, :]) & in_page[:, None] & valid[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[None, :])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    acc_t = acc_t * alpha[None, :]
+    if EXACT_FP32:
+        acc_t = tl.dot(tl.trans(c.to(tl.float32)), p, acc_t, input_precision="ieee")
+    else:
+        p_hi = p.to(c.dtype)
+        p_lo = (p - p_hi.to(tl.float32)).to(c.dtype)
+        acc_t = tl.dot(tl.trans(c), p_lo, tl.dot(tl.trans(c), p_hi, acc_t))
+    return m_new, l_i, acc_t
+
+
+@triton.jit
 def _mla_stage1_kernel(
     Q, LAT, OUT, LSE, FINAL, FINAL_LSE,
     page_table, page_rows, page_key_start, work_pages, work_partial_start, partial_row,
@@ -39,11 +70,13 @@ def _mla_stage1_kernel(
     scale, num_heads,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False,
 ):
     """One program: ``BLOCK_M`` (query row, head) pairs of one work item, scanning its piece
     ``BLOCK_N`` latent rows at a time with an online softmax in float32. ``USE_PDL``: as the GQA
-    stage 1 (``paged_attention.ATTENTION_PDL``)."""
+    stage 1 (``paged_attention.ATTENTION_PDL``). ``TRANSPOSED``: the products with the latent
+    rows as the tall operand, scores ``(BLOCK_N, BLOCK_M)`` and the accumulator ``(RANK,
+    BLOCK_M)`` (:func:`_latent_step_transposed`)."""
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     mb = tl.program_id(0)
     w = tl.program_id(1)
@@ -73,7 +106,10 @@ def _mla_stage1_kernel(
     pg1 = tl.load(work_pages + 2 * w + 1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    if TRANSPOSED:
+        acc = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     slot = offs_n // PAGE_SIZE
     row_in_page = offs_n % PAGE_SIZE
@@ -88,17 +124,30 @@ def _mla_stage1_kernel(
         tile = row_base + (page * stride_lp)[:, None]
         c = tl.load(tile + offs_r[None, :], mask=in_page[:, None] & r_ok[None, :], other=0.0)
         k_rope = tl.load(tile + RANK + offs_e[None, :], mask=in_page[:, None] & e_ok[None, :], other=0.0)
-        if EXACT_FP32:
-            s = tl.dot(q_lat.to(tl.float32), tl.trans(c.to(tl.float32)), input_precision="ieee")
-            s += tl.dot(q_rope.to(tl.float32), tl.trans(k_rope.to(tl.float32)), input_precision="ieee")
-        else:  # bf16/fp16 products are exact in the float32 accumulators
-            s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_rope, tl.trans(k_rope))
-        m_i, l_i, acc = online_softmax_step(s, scale, key_start + row_in_page, offset, in_page, valid, c, m_i, l_i,
-                                            acc, EXACT_FP32)
+        if TRANSPOSED:
+            m_i, l_i, acc = _latent_step_transposed(q_lat, q_rope, c, k_rope, scale, key_start + row_in_page, offset,
+                                                    in_page, valid, m_i, l_i, acc, EXACT_FP32)
+        else:
+            if EXACT_FP32:
+                s = tl.dot(q_lat.to(tl.float32), tl.trans(c.to(tl.float32)), input_precision="ieee")
+                s += tl.dot(q_rope.to(tl.float32), tl.trans(k_rope.to(tl.float32)), input_precision="ieee")
+            else:  # bf16/fp16 products are exact in the float32 accumulators
+                s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_rope, tl.trans(k_rope))
+            m_i, l_i, acc = online_softmax_step(s, scale, key_start + row_in_page, offset, in_page, valid, c, m_i,
+                                                l_i, acc, EXACT_FP32)
+    if TRANSPOSED:
+        acc = tl.trans(acc)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_r, r_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
                    stride_op, stride_oh, stride_lsp, stride_fr, stride_fh, stride_flr)
 
 MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulator fits in registers
+
+
+# The transposed products (``_latent_step_transposed``), SEGKV_MLA_TRANSPOSED=1: for sm_90a (Triton
+# 3.6, offline) warpgroup MMAs with both operands in shared memory, 190 registers (row-major: 240,
+# the query copied into every warp's registers each tile), no spills, the same 94 KB of shared
+# memory. Off until measured on a GPU.
+MLA_TRANSPOSED = env_int("SEGKV_MLA_TRANSPOSED", 0) == 1
 
 
 def default_mla_launch_config(*, page_size: int) -> LaunchConfig:
@@ -112,6 +161,7 @@ def default_mla_launch_config(*, page_size: int) -> LaunchConfig:
         num_stages=env_int("SEGKV_MLA_STAGES", 3),
         block_m=env_int("SEGKV_MLA_BLOCK_M", MLA_BLOCK_M),
         maxnreg=env_int("SEGKV_MLA_MAXNREG", None),
+        transposed=MLA_TRANSPOSED,
     )
 
 
@@ -126,7 +176,7 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
         BLOCK_ROPE=max(16, triton.next_power_of_2(rope)),
         BLOCK_M=max(16, min(launch.block_m, triton.next_power_of_2(max_work_rows * num_heads))),
         PAGE_SIZE=page_size, BLOCK_N=block_n, EXACT_FP32=dtype == torch.float32 or _INTERPRET,
-        num_warps=launch.num_warps, **maxnreg_option(launch),
+        num_warps=launch.num_warps, TRANSPOSED=launch.transposed, **maxnreg_option(launch),
         num_stages=stages_that_fit(launch.num_stages, block_n * (rank + rope) * element_size),
     )
 

@@ -314,6 +314,7 @@ class LaunchConfig:
     tall_warps: int = 4  # warps for programs of 64 or more pairs (8 measured slower for cascade)
     heads_fastest: bool = False  # launch a piece's KV heads side by side (they share its pages)
     maxnreg: int | None = None  # register cap per thread (more resident programs, maybe spills)
+    transposed: bool = False  # latent kernel: the tile as the tall operand (mla_attention)
 
 
 def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
