@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Each part takes 1-3 minutes; several parts run in one call
-# (bash scripts/gpu_experiments.sh latent profile):
+# (bash scripts/gpu_experiments.sh latent transposed profile):
 #   merge     DeepSeek-V2-Lite batch 1 with the latent merge's cost per partition
 #             (SEGKV_CUDA_LATENT_MERGE_ROWS 0 / 1, the default: 256 or 128 partitions at 16K),
 #             alternating.
@@ -15,6 +15,9 @@
 #   latent    the latent stage 1 with the transposed products (SEGKV_MLA_TRANSPOSED: its GPU
 #             tests, then 16 heads at batch 1 and 8, kernel level, against 4-5 pipeline stages and
 #             64-row tiles of the row-major kernel), then DeepSeek-V2-Lite batch 1 and 8 alternating.
+#   transposed  GQA decode programs with the K/V tile as the tall operand (SEGKV_TRITON_TRANSPOSED):
+#             GPU tests, the kernels at batch 1 / 4 / 16 and 16K-64K against SDPA (8B and 70B shapes),
+#             Llama-3.1-8B batch 1 and 8 alternating.
 #   profile   batch-1 graph steps of DeepSeek-V2-Lite and Llama-3.1-8B at 1K and 16K by kernel and
 #             launch grid (scripts/trace_gaps.py --kernels --by-grid).
 # (The headline table at batches 8 and 32: gpu_check.sh with SEGKV_GPU_E2E.) Results of earlier
@@ -91,6 +94,31 @@ elif [ "$part" = latent ]; then
     e2e "deepseek batch 8 transposed latent products $on" SEGKV_MLA_TRANSPOSED=$on -- --models deepseek-v2-lite \
       --batches 8 --contexts 1K,16K
   done
+elif [ "$part" = transposed ]; then
+  # GQA decode programs of <= 16 (row, head) pairs with the K/V tile as the tall operand
+  # (SEGKV_TRITON_TRANSPOSED: warpgroup MMAs from shared memory, 118 registers instead of 189 at
+  # head_dim 128, offline): GPU tests, the kernels against SDPA in one process per setting, then
+  # the whole model
+  echo "== GPU tests with SEGKV_TRITON_TRANSPOSED=1" | tee -a "$log"
+  SEGKV_TRITON_TRANSPOSED=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
+    -k "transposed or (bf16 and 128) or not test_kernels_match_the_reference" 2>&1 | grep -E "passed|failed|^E  " \
+    | tail -5 | tee -a "$log"
+  for on in 0 1 0 1; do
+    echo "-- decode attention kernels, SEGKV_TRITON_TRANSPOSED=$on" | tee -a "$log"
+    SEGKV_TRITON_TRANSPOSED=$on timeout 150 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b \
+      --batches 1,4,16 --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 \
+      | grep -E "^\[|^device|rror" | tee -a "$log"
+  done
+  for round in 1 2; do
+    for on in 0 1; do
+      e2e "llama-3.1-8b transposed attention $on" SEGKV_TRITON_TRANSPOSED=$on -- --models llama-3.1-8b --batches 1 \
+        --contexts 1K,16K
+    done
+  done
+  for on in 0 1; do
+    e2e "llama-3.1-8b batch 8 transposed attention $on" SEGKV_TRITON_TRANSPOSED=$on -- --models llama-3.1-8b \
+      --batches 8 --contexts 1K,16K
+  done
 elif [ "$part" = profile ]; then
   # where a batch-1 graph step goes now, each kernel's launch sizes apart (an expert GEMV's gate/up
   # and down products; stage 1 at 1K and 16K)
@@ -103,7 +131,7 @@ elif [ "$part" = profile ]; then
     done
   done
 else
-  echo "unknown part $part (merge, expert, mla, latent or profile)" >&2
+  echo "unknown part $part (merge, expert, mla, latent, transposed or profile)" >&2
   exit 2
 fi
 done

@@ -24,6 +24,7 @@ from segkv.kernels.paged_attention import (
     attention_outputs,
     merge_into,
     online_softmax_step,
+    online_softmax_step_transposed,
     store_partials,
 )
 from segkv.kernels.settings import env_int
@@ -32,32 +33,15 @@ from segkv.kernels.settings import env_int
 @triton.jit
 def _latent_step_transposed(q_lat, q_rope, c, k_rope, scale, kpos, offset, in_page, valid, m_i, l_i, acc_t,
                             EXACT_FP32: tl.constexpr):
-    """``online_softmax_step`` with the latent tile as the tall operand of both products: scores
-    ``s_t = c q^T (BLOCK_N, BLOCK_M)`` and ``acc_t (RANK, BLOCK_M) += c^T p_t``. With 16 query
-    heads the tile's rows (64) fill a Hopper warpgroup MMA's M, both operands stay in shared
-    memory, and the query is not copied into every warp's registers each tile. Same float32
-    arithmetic as the row-major step (P split into two half-precision parts)."""
+    """One latent tile with the tile as the tall operand of both products: scores ``s_t = c q^T
+    (BLOCK_N, BLOCK_M)``, then ``online_softmax_step_transposed`` into ``acc_t (RANK, BLOCK_M)``.
+    With 16 query heads both operands of the Hopper warpgroup MMAs stay in shared memory."""
     if EXACT_FP32:
-        s = tl.dot(c.to(tl.float32), tl.trans(q_lat.to(tl.float32)), input_precision="ieee")
-        s += tl.dot(k_rope.to(tl.float32), tl.trans(q_rope.to(tl.float32)), input_precision="ieee")
+        s_t = tl.dot(c.to(tl.float32), tl.trans(q_lat.to(tl.float32)), input_precision="ieee")
+        s_t += tl.dot(k_rope.to(tl.float32), tl.trans(q_rope.to(tl.float32)), input_precision="ieee")
     else:
-        s = tl.dot(c, tl.trans(q_lat)) + tl.dot(k_rope, tl.trans(q_rope))
-    s = s * scale
-    visible = (kpos[:, None] <= offset[None, :]) & in_page[:, None] & valid[None, :]
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_safe[None, :])
-    alpha = tl.exp(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 0)
-    acc_t = acc_t * alpha[None, :]
-    if EXACT_FP32:
-        acc_t = tl.dot(tl.trans(c.to(tl.float32)), p, acc_t, input_precision="ieee")
-    else:
-        p_hi = p.to(c.dtype)
-        p_lo = (p - p_hi.to(tl.float32)).to(c.dtype)
-        acc_t = tl.dot(tl.trans(c), p_lo, tl.dot(tl.trans(c), p_hi, acc_t))
-    return m_new, l_i, acc_t
+        s_t = tl.dot(c, tl.trans(q_lat)) + tl.dot(k_rope, tl.trans(q_rope))
+    return online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, c, m_i, l_i, acc_t, EXACT_FP32)
 
 
 @triton.jit

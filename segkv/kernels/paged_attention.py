@@ -65,6 +65,32 @@ def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc
 
 
 @triton.jit
+def online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc_t,
+                                   EXACT_FP32: tl.constexpr):
+    """:func:`online_softmax_step` with the KV tile as the tall operand: scores ``s_t (N, M)``,
+    values ``v (N, D)``, accumulator ``acc_t (D, M) += v^T p_t``. With a few (row, head) pairs
+    per program (M = 16) the tile's rows fill a Hopper warpgroup MMA's M and both operands stay in
+    shared memory; the query is not copied into every warp's registers each tile. The same float32
+    arithmetic (P split into two half-precision parts)."""
+    s = s_t * scale
+    visible = (kpos[:, None] <= offset[None, :]) & in_page[:, None] & valid[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[None, :])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    acc_t = acc_t * alpha[None, :]
+    if EXACT_FP32:
+        acc_t = tl.dot(tl.trans(v.to(tl.float32)), p, acc_t, input_precision="ieee")
+    else:
+        p_hi = p.to(v.dtype)
+        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+        acc_t = tl.dot(tl.trans(v), p_lo, tl.dot(tl.trans(v), p_hi, acc_t))
+    return m_new, l_i, acc_t
+
+
+@triton.jit
 def store_partials(acc, m_i, l_i, partial, head, valid, offs_d, d_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
                    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr):
     """Normalise a program's (row, head) results and store them: a partial that is its row's
@@ -155,7 +181,7 @@ def _stage1_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (``BLOCK_N / PAGE_SIZE`` pages) at a time with
@@ -168,7 +194,8 @@ def _stage1_kernel(
     (work items of one query row, at most ``MERGE`` partials per row) the last program of each
     (row, head) merges it (``merge_if_last``, tickets in COUNTERS ``(rows, heads)`` int32, all 0
     between launches) and the first work item's programs zero the rows without partials: no
-    merge launch."""
+    merge launch. ``TRANSPOSED``: the K/V tile as the tall operand (scores ``(BLOCK_N, BLOCK_M)``,
+    accumulator ``(BLOCK_DV, BLOCK_M)``, :func:`online_softmax_step_transposed`)."""
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
         kvh = tl.program_id(0)
@@ -206,7 +233,10 @@ def _stage1_kernel(
     pg1 = tl.load(work_pages + 2 * w + 1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if TRANSPOSED:
+        acc = tl.zeros([BLOCK_DV, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     slot = offs_n // PAGE_SIZE
     row_in_page = offs_n % PAGE_SIZE
@@ -223,12 +253,22 @@ def _stage1_kernel(
         k_cur, v_cur = _load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_in_page < rows_cur, dk_ok, dv_ok)
         in_page = row_in_page < rows_cur
         kpos = kst_cur + row_in_page
-        if EXACT_FP32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
+        if TRANSPOSED:
+            if EXACT_FP32:
+                s_t = tl.dot(k_cur.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+            else:
+                s_t = tl.dot(k_cur, tl.trans(q))
+            m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i,
+                                                           acc, EXACT_FP32)
         else:
-            s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
-        m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i, acc,
-                                            EXACT_FP32)
+            if EXACT_FP32:
+                s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
+            m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i, acc,
+                                                EXACT_FP32)
+    if TRANSPOSED:
+        acc = tl.trans(acc)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
                    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr)
     if MERGE > 0:
@@ -314,7 +354,7 @@ class LaunchConfig:
     tall_warps: int = 4  # warps for programs of 64 or more pairs (8 measured slower for cascade)
     heads_fastest: bool = False  # launch a piece's KV heads side by side (they share its pages)
     maxnreg: int | None = None  # register cap per thread (more resident programs, maybe spills)
-    transposed: bool = False  # latent kernel: the tile as the tall operand (mla_attention)
+    transposed: bool = False  # the K/V (latent) tile as the tall operand of the products
 
 
 def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
@@ -333,6 +373,7 @@ def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
         # a piece's KV heads side by side: 0-3% faster at batch 1-16 over 32K-128K (H200)
         heads_fastest=env_int("SEGKV_TRITON_HEADS_FASTEST", 1) == 1,
         maxnreg=env_int("SEGKV_TRITON_MAXNREG", None),
+        transposed=env_int("SEGKV_TRITON_TRANSPOSED", 0) == 1,
     )
 
 
@@ -399,7 +440,9 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     """The stage-1 kernel's constexprs and launch options (``num_warps``, ``num_stages``, the
     register cap) for a plan of this shape: at most 64 (row x head) pairs per program (32 for
     heads wider than 128), tall programs with ``tall_warps``, and pipeline stages shrunk to what
-    fits in shared memory. ``launch`` defaults to :func:`default_launch_config`."""
+    fits in shared memory. ``launch.transposed`` takes the transposed products for programs of at
+    most 16 pairs (decode rows; taller programs already fill a warpgroup MMA with their pairs).
+    ``launch`` defaults to :func:`default_launch_config`."""
     launch = launch or default_launch_config(head_dim=max(dk, dv), page_size=page_size)
     block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
     block_n = max(page_size, launch.block_n)
@@ -408,7 +451,8 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
         # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
-        MERGE=0, num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
+        MERGE=0, TRANSPOSED=launch.transposed and block_m <= 16,
+        num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size), **maxnreg_option(launch),
     )
 
