@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Each part takes 1-3 minutes; several parts run in one call
-# (bash scripts/gpu_experiments.sh latent transposed profile):
+# (bash scripts/gpu_experiments.sh latent transposed expert profile):
 #   merge     DeepSeek-V2-Lite batch 1 with the latent merge's cost per partition
 #             (SEGKV_CUDA_LATENT_MERGE_ROWS 0 / 1, the default: 256 or 128 partitions at 16K),
 #             alternating.
-#   expert    one token's expert GEMVs at 256 inputs per step unrolled (the default: 64 / 72
-#             registers, 8 / 7 programs per SM, so the 1408 gate/up programs take 1.3 waves) against
-#             128 inputs looped (40 registers, 12 per SM: one wave), DeepSeek-V2-Lite batch 1.
+#   expert    one token's expert GEMVs at 16 outputs x 4 warps per program (the default), 8 x 1,
+#             8 x 2 and 4 x 2 (SEGKV_EXPERT_BLOCK_O, SEGKV_EXPERT_WARPS), DeepSeek-V2-Lite batch 1.
 #   mla       DeepSeek-V2-Lite batch 1 with the latent stage 1 at 8 warps, BLOCK_M 8 (clamped to 16) or
 #             2 stages, the merge at 128 / 32 columns per program, and partitions of at least 64
 #             rows, between runs at the defaults (at 1K stage 1 and the merge are 15% of a step for
@@ -37,7 +36,7 @@ e2e() {  # label, env assignments..., --, decode_e2e arguments...
   env ${envs[@]+"${envs[@]}"} timeout 100 python3 -m segkv.bench.decode_e2e --skip-hf --trials 3 "$@" \
     2>&1 | grep -E "^\[|rror" | tee -a "$log"
 }
-for part in "${@:-merge}"; do
+for part in "${@:-latent}"; do
 if [ "$part" = merge ]; then
   echo "== DeepSeek-V2-Lite batch 1: latent merge cost per partition 0 / 1 rows" | tee -a "$log"
   for round in 1 2; do
@@ -47,12 +46,17 @@ if [ "$part" = merge ]; then
     done
   done
 elif [ "$part" = expert ]; then
-  echo "== DeepSeek-V2-Lite batch 1: expert GEMVs 256 inputs unrolled / 128 looped" | tee -a "$log"
+  # one token's expert GEMVs: outputs and warps per program (Triton 3.6, sm_90a, offline: the
+  # default 16 x 4 warps takes 64 / 72 registers, 8 / 7 programs per SM, so the 1408 gate/up
+  # programs take 1.33 waves; 8 outputs x 1 warp: 82 / 126 registers, 23 / 16 per SM, 0.93 / 0.85
+  # waves; 8 x 2 warps: 1.33 / 0.97; 4 x 2 warps: 2.03 / 1.29)
+  echo "== DeepSeek-V2-Lite batch 1: expert GEMVs, outputs x warps per program" | tee -a "$log"
   for round in 1 2; do
-    e2e "deepseek experts 256 unrolled" SEGKV_EXPERT_BLOCK_I=256 SEGKV_GEMV_UNROLL=1 \
-      -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
-    e2e "deepseek experts 128 looped" SEGKV_EXPERT_BLOCK_I=128 SEGKV_GEMV_UNROLL=0 \
-      -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
+    for cfg in "16 4" "8 1" "8 2" "4 2"; do
+      read -r outputs warps <<< "$cfg"
+      e2e "deepseek experts $outputs outputs x $warps warps" SEGKV_EXPERT_BLOCK_O=$outputs SEGKV_EXPERT_WARPS=$warps \
+        -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
+    done
   done
 elif [ "$part" = mla ]; then
   echo "== DeepSeek-V2-Lite batch 1: latent stage 1 and merge launches (attention is latency at 1K)" | tee -a "$log"

@@ -126,3 +126,30 @@ def test_inputs_per_step_can_be_forced_for_tuning_runs(gen, monkeypatch):
     monkeypatch.setenv("SEGKV_EXPERT_BLOCK_I", "96")
     with pytest.raises(ValueError, match="SEGKV_EXPERT_BLOCK_I must be a power of two"):
         expert_gemv(x, 3, experts, weight)
+
+
+def test_outputs_and_warps_per_program_can_be_forced_for_tuning_runs(gen, monkeypatch):
+    """``SEGKV_EXPERT_BLOCK_O`` and ``SEGKV_EXPERT_WARPS`` set the launch of every expert GEMV,
+    the one with the shared experts included; the products stay the same, and values the kernel
+    cannot take are refused before any launch."""
+    from segkv.kernels.expert_gemv import default_block_o, default_num_warps, expert_gemv_with_shared
+
+    assert (default_block_o(), default_num_warps()) == (16, 4)
+    x = torch.randn(2, 2 * 40, generator=gen).to(DEVICE)
+    weight = torch.randn(4, 24, 40, generator=gen).to(DEVICE)
+    shared = torch.randn(36, 40, generator=gen).to(DEVICE)
+    experts = torch.randint(0, 4, (6,), generator=gen).to(DEVICE)
+    expected = expert_gemv_with_shared(x, 3, experts, weight, x, shared, gated=True)
+    for block_o, warps in (("8", "2"), ("32", "8")):
+        monkeypatch.setenv("SEGKV_EXPERT_BLOCK_O", block_o)
+        monkeypatch.setenv("SEGKV_EXPERT_WARPS", warps)
+        assert (default_block_o(), default_num_warps()) == (int(block_o), int(warps))
+        for got, want in zip(expert_gemv_with_shared(x, 3, experts, weight, x, shared, gated=True), expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    monkeypatch.setenv("SEGKV_EXPERT_BLOCK_O", "12")
+    with pytest.raises(ValueError, match="SEGKV_EXPERT_BLOCK_O must be a power of two"):
+        expert_gemv(x[:, :40], 3, experts, weight)
+    monkeypatch.setenv("SEGKV_EXPERT_BLOCK_O", "16")
+    monkeypatch.setenv("SEGKV_EXPERT_WARPS", "3")
+    with pytest.raises(ValueError, match="SEGKV_EXPERT_WARPS must be 1, 2, 4, 8 or 16"):
+        expert_gemv(x[:, :40], 3, experts, weight)

@@ -160,6 +160,22 @@ def default_unroll(pairs: int) -> bool:
     return pairs <= FEW_PAIRS if forced is None else bool(forced)
 
 
+def default_block_o() -> int:
+    """Outputs per program (``SEGKV_EXPERT_BLOCK_O`` overrides, for tuning runs)."""
+    forced = env_int("SEGKV_EXPERT_BLOCK_O", None)
+    if forced is not None and (forced < 1 or forced & (forced - 1)):
+        raise ValueError(f"SEGKV_EXPERT_BLOCK_O must be a power of two, got {forced}")
+    return BLOCK_O if forced is None else forced
+
+
+def default_num_warps() -> int:
+    """Warps per program (``SEGKV_EXPERT_WARPS`` overrides, for tuning runs)."""
+    forced = env_int("SEGKV_EXPERT_WARPS", None)
+    if forced is not None and forced not in (1, 2, 4, 8, 16):
+        raise ValueError(f"SEGKV_EXPERT_WARPS must be 1, 2, 4, 8 or 16, got {forced}")
+    return NUM_WARPS if forced is None else forced
+
+
 def default_block_i(pairs: int) -> int:
     """Inputs per step for ``pairs`` pairs: 256 for one token's few pairs, else 128
     (``SEGKV_EXPERT_BLOCK_I`` overrides, for tuning runs)."""
@@ -172,8 +188,8 @@ def default_block_i(pairs: int) -> int:
 
 
 def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
-                *, out_dtype: torch.dtype | None = None, gated: bool = False, block_o: int = BLOCK_O,
-                block_i: int | None = None, num_warps: int = NUM_WARPS, unroll: bool | None = None,
+                *, out_dtype: torch.dtype | None = None, gated: bool = False, block_o: int | None = None,
+                block_i: int | None = None, num_warps: int | None = None, unroll: bool | None = None,
                 distinct_experts: bool = False, ids_ready: bool = False) -> torch.Tensor:
     """``x (R, In)``, ``rows (N,)`` and ``experts (N,)`` int64/int32 on the device, ``weight
     (E, Out, In)`` with unit stride on In -> ``(N, Out)`` in ``out_dtype`` (default ``x``'s).
@@ -182,7 +198,8 @@ def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor
     ``gated``: ``x (R, 2 In)`` holds ``[gate | up]`` and the product takes ``silu(gate) * up``,
     rounded as :func:`segkv.kernels.fused_ops.silu_and_mul` rounds (one launch instead of two).
     ``block_o``/``block_i``/``num_warps``/``unroll``: the launch (default: the measured best,
-    :func:`default_block_i`, :func:`default_unroll`; tuning runs set them). ``distinct_experts``:
+    :func:`default_block_o`, :func:`default_block_i`, :func:`default_num_warps`,
+    :func:`default_unroll`; tuning runs set them). ``distinct_experts``:
     no two pairs share an expert (one token's choice), so each weight is read once and its lines
     leave L2 first (``dense_gemv.WEIGHTS_EVICT_FIRST``). ``ids_ready``: ``rows`` and ``experts``
     were written before the launch just before this one, which waited for them (the down product
@@ -204,7 +221,7 @@ def expert_gemv_with_shared(x: torch.Tensor, rows: torch.Tensor | int, experts: 
     if shared_weight.dim() != 2 or shared_x.dim() != 2 or shared_x.dtype != x.dtype:
         raise ValueError(f"shared weight (Out, In) and rows (T, In) of x's dtype expected, got "
                          f"{tuple(shared_weight.shape)} and {tuple(shared_x.shape)} {shared_x.dtype}")
-    return _launch(x, rows, experts, weight, shared_x, shared_weight, None, gated, BLOCK_O, None, NUM_WARPS, None,
+    return _launch(x, rows, experts, weight, shared_x, shared_weight, None, gated, None, None, None, None,
                    distinct_experts, ids_ready)
 
 
@@ -212,6 +229,8 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
             distinct_experts, ids_ready=False):
     """Checks, outputs and the launch of :func:`expert_gemv` / :func:`expert_gemv_with_shared`."""
     has_shared = shared_weight is not None
+    block_o = block_o or default_block_o()
+    num_warps = num_warps or default_num_warps()
     for name, t in (("x", x), ("weight", weight), ("shared x", shared_x), ("shared weight", shared_weight)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"expert_gemv needs unit column strides ({name})")
