@@ -90,7 +90,7 @@ def test_transposed_latent_products_match_the_reference(route, dtype, page_size,
     route, fully masked rows included (0, LSE -inf, no NaN)."""
     from segkv.kernels import mla_attention
 
-    monkeypatch.setattr(mla_attention, "MLA_TRANSPOSED", True)
+    monkeypatch.setenv("SEGKV_MLA_TRANSPOSED", "1")
     assert mla_attention.default_mla_launch_config(page_size=page_size).transposed
     for rows in ([1, 4, 17] if GPU else [1 + heads % 4]):
         cache, _, queries = latent_batch(gen, dtype=DTYPES[dtype], page_size=page_size, rows=rows)

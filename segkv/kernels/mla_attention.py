@@ -127,25 +127,22 @@ def _mla_stage1_kernel(
 MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulator fits in registers
 
 
-# The transposed products (``_latent_step_transposed``), SEGKV_MLA_TRANSPOSED=1: for sm_90a (Triton
-# 3.6, offline) warpgroup MMAs with both operands in shared memory, 190 registers (row-major: 240,
-# the query copied into every warp's registers each tile), no spills, the same 94 KB of shared
-# memory. Off until measured on a GPU.
-MLA_TRANSPOSED = env_int("SEGKV_MLA_TRANSPOSED", 0) == 1
-
-
 def default_mla_launch_config(*, page_size: int) -> LaunchConfig:
     """BLOCK_N 32 (a 32 x 576 latent tile per pipeline stage, 36 KB in bf16), 16 pairs, 4 warps,
     3 stages (two latent buffers: the next tile loads during this one's products; 16 heads, batch 1
     / 128K 0.0767 -> 0.0641 ms on the H200), no register cap; ``SEGKV_MLA_BLOCK_N``, ``SEGKV_MLA_BLOCK_M``, ``SEGKV_MLA_WARPS``,
-    ``SEGKV_MLA_STAGES`` and ``SEGKV_MLA_MAXNREG`` override them (tuning runs)."""
+    ``SEGKV_MLA_STAGES`` and ``SEGKV_MLA_MAXNREG`` override them (tuning runs).
+    ``SEGKV_MLA_TRANSPOSED=1``: the transposed products (``_latent_step_transposed``; for sm_90a,
+    Triton 3.6, offline: warpgroup MMAs with both operands in shared memory, 190 registers against
+    240 row-major, whose every warp copies the query into its registers each tile; no spills, the
+    same 94 KB of shared memory). Off until measured on a GPU."""
     return LaunchConfig(
         block_n=max(page_size, env_int("SEGKV_MLA_BLOCK_N", 32)),
         num_warps=env_int("SEGKV_MLA_WARPS", 4),
         num_stages=env_int("SEGKV_MLA_STAGES", 3),
         block_m=env_int("SEGKV_MLA_BLOCK_M", MLA_BLOCK_M),
         maxnreg=env_int("SEGKV_MLA_MAXNREG", None),
-        transposed=MLA_TRANSPOSED,
+        transposed=env_int("SEGKV_MLA_TRANSPOSED", 0) == 1,
     )
 
 
