@@ -88,6 +88,11 @@ elif [ "$part" = latent ]; then
     env $cfg timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1,8 \
       --contexts 16384,32768,131072 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
   done
+  for on in 0 1; do  # 128 heads (DeepSeek-V2/V3): 8 programs per work item
+    echo "-- 128 latent heads, SEGKV_MLA_TRANSPOSED=$on" | tee -a "$log"
+    SEGKV_MLA_TRANSPOSED=$on timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 128 --batches 1,8 \
+      --contexts 32768 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
+  done
   for round in 1 2; do
     for on in 0 1; do
       e2e "deepseek transposed latent products $on" SEGKV_MLA_TRANSPOSED=$on -- --models deepseek-v2-lite \
