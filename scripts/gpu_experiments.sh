@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
-# only after a measurement. Each part takes 1-3 minutes; several parts run in one call
-# (bash scripts/gpu_experiments.sh latent transposed expert profile):
+# only after a measurement. Parts take 2-8 minutes; a device call runs at most 10, so the open
+# ones go in three calls: `... latent`, `... transposed`, `... expert profile`.
 #   merge     DeepSeek-V2-Lite batch 1 with the latent merge's cost per partition
 #             (SEGKV_CUDA_LATENT_MERGE_ROWS 0 / 1, the default: 256 or 128 partitions at 16K),
 #             alternating.
