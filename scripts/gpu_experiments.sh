@@ -78,8 +78,9 @@ elif [ "$part" = latent ]; then
   # per 32-row tile). The transposed products (SEGKV_MLA_TRANSPOSED: warpgroup MMAs from shared
   # memory, 190 registers instead of 240), deeper pipelines and 64-row tiles, kernel level, then the
   # whole model
-  echo "== GPU tests of the transposed latent products" | tee -a "$log"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py -k transposed 2>&1 \
+  echo "== GPU tests of the latent kernel: transposed products, and the 32-column merge at rank 512" | tee -a "$log"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py \
+    -k "transposed or (bf16 and 16-16) or not test_latent_kernel_matches_the_reference" 2>&1 \
     | grep -E "passed|failed|^E  " | tail -5 | tee -a "$log"
   echo "== latent stage 1, 16 heads, batch 1 and 8 (ms)" | tee -a "$log"
   for cfg in "SEGKV_MLA_TRANSPOSED=0" "SEGKV_MLA_TRANSPOSED=1" "SEGKV_MLA_TRANSPOSED=1 SEGKV_MLA_WARPS=8 SEGKV_MLA_STAGES=4" \
