@@ -59,15 +59,15 @@ class DeviceSpec:
     max_partial_bytes: int = PARTIAL_WORKSPACE_BYTES
 
     def __post_init__(self) -> None:
-        if self.latent_merge_rows_per_partition < 0:
-            raise ValueError("DeviceSpec.latent_merge_rows_per_partition must be >= 0, "
-                             f"got {self.latent_merge_rows_per_partition}")
         if self.kind not in ("cpu", "cuda"):
             raise ValueError(f"DeviceSpec.kind must be 'cpu' or 'cuda', got {self.kind!r}")
         for name in ("num_multiprocessors", "blocks_per_multiprocessor", "min_rows_per_partition",
                      "min_rows_per_latent_partition", "max_partitions", "max_query_rows_per_work", "partition_overhead_rows", "max_partial_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DeviceSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if self.latent_merge_rows_per_partition < 0:  # 0: partitions cost the merge nothing
+            raise ValueError("DeviceSpec.latent_merge_rows_per_partition must be >= 0, "
+                             f"got {self.latent_merge_rows_per_partition}")
 
     @property
     def wave_size(self) -> int:

@@ -160,29 +160,36 @@ def default_unroll(pairs: int) -> bool:
     return pairs <= FEW_PAIRS if forced is None else bool(forced)
 
 
+def _forced(name: str, allowed, what: str) -> int | None:
+    """The launch setting forced by environment variable ``name`` (tuning runs), None when unset;
+    a value ``allowed`` refuses is a clear error naming the variable and ``what`` it takes."""
+    forced = env_int(name, None)
+    if forced is not None and not allowed(forced):
+        raise ValueError(f"{name} must be {what}, got {forced}")
+    return forced
+
+
+def _power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
 def default_block_o() -> int:
     """Outputs per program (``SEGKV_EXPERT_BLOCK_O`` overrides, for tuning runs)."""
-    forced = env_int("SEGKV_EXPERT_BLOCK_O", None)
-    if forced is not None and (forced < 1 or forced & (forced - 1)):
-        raise ValueError(f"SEGKV_EXPERT_BLOCK_O must be a power of two, got {forced}")
+    forced = _forced("SEGKV_EXPERT_BLOCK_O", _power_of_two, "a power of two")
     return BLOCK_O if forced is None else forced
 
 
 def default_num_warps() -> int:
     """Warps per program (``SEGKV_EXPERT_WARPS`` overrides, for tuning runs)."""
-    forced = env_int("SEGKV_EXPERT_WARPS", None)
-    if forced is not None and forced not in (1, 2, 4, 8, 16):
-        raise ValueError(f"SEGKV_EXPERT_WARPS must be 1, 2, 4, 8 or 16, got {forced}")
+    forced = _forced("SEGKV_EXPERT_WARPS", lambda n: n in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16")
     return NUM_WARPS if forced is None else forced
 
 
 def default_block_i(pairs: int) -> int:
     """Inputs per step for ``pairs`` pairs: 256 for one token's few pairs, else 128
     (``SEGKV_EXPERT_BLOCK_I`` overrides, for tuning runs)."""
-    forced = env_int("SEGKV_EXPERT_BLOCK_I", None)
+    forced = _forced("SEGKV_EXPERT_BLOCK_I", lambda n: n >= 16 and _power_of_two(n), "a power of two >= 16")
     if forced is not None:
-        if forced < 16 or forced & (forced - 1):
-            raise ValueError(f"SEGKV_EXPERT_BLOCK_I must be a power of two >= 16, got {forced}")
         return forced
     return WIDE_BLOCK_I if pairs <= FEW_PAIRS else BLOCK_I
 
