@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Parts take 2-8 minutes; a device call runs at most 10, so the open
-# ones go in three calls: `... latent`, `... transposed`, `... expert profile`.
+# ones go in one call: `... valuesplit transposed`.
 #   merge     DeepSeek-V2-Lite batch 1 with the latent merge's cost per partition
 #             (SEGKV_CUDA_LATENT_MERGE_ROWS 0 / 1, the default: 256 or 128 partitions at 16K),
 #             alternating.
@@ -11,17 +11,17 @@
 #             2 stages, the merge at 128 / 32 columns per program, and partitions of at least 64
 #             rows, between runs at the defaults (at 1K stage 1 and the merge are 15% of a step for
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
-#   latent    the latent stage 1 with the transposed products (SEGKV_MLA_TRANSPOSED: its GPU
-#             tests, then 16 heads at batch 1 and 8, kernel level, against 4-5 pipeline stages and
-#             64-row tiles of the row-major kernel), then DeepSeek-V2-Lite batch 1 and 8 alternating.
-#   transposed  GQA decode programs with the K/V tile as the tall operand (SEGKV_TRITON_TRANSPOSED):
-#             GPU tests, the kernels at batch 1 / 4 / 16 and 16K-64K against SDPA (8B and 70B shapes),
-#             Llama-3.1-8B batch 1 and 8 alternating.
+#   valuesplit  the latent stage 1 with two programs per work item, each with half the value columns
+#             (SEGKV_MLA_VALUE_SPLIT=2): GPU tests, 16 / 128 heads kernel level, DeepSeek-V2-Lite
+#             batch 1 and 8 alternating.
+#   transposed  GQA decode programs of 8-16 pairs with the K/V tile as the tall operand (the default
+#             since it measured faster on the 70B shape): GPU tests, the 70B kernels at batch 1 / 4 /
+#             16 and 16K-64K against SDPA, Qwen3-32B batch 1 and 8 alternating with it off.
 #   profile   batch-1 graph steps of DeepSeek-V2-Lite and Llama-3.1-8B at 1K and 16K by kernel and
 #             launch grid (scripts/trace_gaps.py --kernels --by-grid).
 # (The headline table at batches 8 and 32: gpu_check.sh with SEGKV_GPU_E2E.) Results of earlier
 # runs, among them the parts this script had before (attention PDL, register caps, the shortest
-# latent partition, an L2 prefetch of the o weight): docs/benchmarks.md.
+# latent partition, an L2 prefetch of the o weight, the transposed latent products): docs/benchmarks.md.
 set -uo pipefail
 # shellcheck source=scripts/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh"
@@ -73,65 +73,55 @@ elif [ "$part" = mla ]; then
   e2e "deepseek latent partitions of at least 64 rows" SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS=64 \
     -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
   e2e "deepseek defaults" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
-elif [ "$part" = latent ]; then
-  # 16 latent heads at batch 1 stream 12 GB/s per stage-1 program (16 heads, 32K -> 128K: 2.9 us
-  # per 32-row tile). The transposed products (SEGKV_MLA_TRANSPOSED: warpgroup MMAs from shared
-  # memory, 190 registers instead of 240), deeper pipelines and 64-row tiles, kernel level, then the
-  # whole model
-  echo "== GPU tests of the latent kernel: transposed products, and the 32-column merge at rank 512" | tee -a "$log"
+elif [ "$part" = valuesplit ]; then
+  # the latent stage 1 at batch 1 holds one program per SM (16K: 128 partitions x 16 heads, 16.8
+  # us a layer for 19 MB): two programs per work item, each with half the value columns
+  # (SEGKV_MLA_VALUE_SPLIT=2), keep two per SM busy for the same partials and merge
+  echo "== GPU tests of the latent kernel with the value split" | tee -a "$log"
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py \
-    -k "transposed or (bf16 and 16-16) or not test_latent_kernel_matches_the_reference" 2>&1 \
+    -k "value_split or (bf16 and 16-16) or not test_latent_kernel_matches_the_reference" 2>&1 \
     | grep -E "passed|failed|^E  " | tail -5 | tee -a "$log"
-  echo "== latent stage 1, 16 heads, batch 1 and 8 (ms)" | tee -a "$log"
-  for cfg in "SEGKV_MLA_TRANSPOSED=0" "SEGKV_MLA_TRANSPOSED=1" "SEGKV_MLA_TRANSPOSED=1 SEGKV_MLA_WARPS=8 SEGKV_MLA_STAGES=4" \
-      "SEGKV_MLA_STAGES=5" "SEGKV_MLA_BLOCK_N=64"; do
-    echo "-- $cfg" | tee -a "$log"
-    env $cfg timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1,8 \
-      --contexts 16384,32768,131072 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
-  done
-  for on in 0 1; do  # 128 heads (DeepSeek-V2/V3): 8 programs per work item
-    echo "-- 128 latent heads, SEGKV_MLA_TRANSPOSED=$on" | tee -a "$log"
-    SEGKV_MLA_TRANSPOSED=$on timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 128 --batches 1,8 \
+  for split in 1 2; do
+    echo "-- latent stage 1, SEGKV_MLA_VALUE_SPLIT=$split (ms)" | tee -a "$log"
+    SEGKV_MLA_VALUE_SPLIT=$split timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1,8 \
+      --contexts 1024,16384,32768,131072 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
+    SEGKV_MLA_VALUE_SPLIT=$split timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 128 --batches 1 \
       --contexts 32768 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
   done
   for round in 1 2; do
-    for on in 0 1; do
-      e2e "deepseek transposed latent products $on" SEGKV_MLA_TRANSPOSED=$on -- --models deepseek-v2-lite \
-        --batches 1 --contexts 1K,16K
-    done
-  done
-  for on in 0 1; do
-    e2e "deepseek batch 8 transposed latent products $on" SEGKV_MLA_TRANSPOSED=$on -- --models deepseek-v2-lite \
-      --batches 8 --contexts 1K,16K
-  done
-elif [ "$part" = transposed ]; then
-  # GQA decode programs of <= 16 (row, head) pairs with the K/V tile as the tall operand
-  # (SEGKV_TRITON_TRANSPOSED: warpgroup MMAs from shared memory, 118 registers instead of 189 at
-  # head_dim 128, offline): GPU tests, the kernels against SDPA in one process per setting, then
-  # the whole model
-  echo "== GPU tests with SEGKV_TRITON_TRANSPOSED=1" | tee -a "$log"
-  SEGKV_TRITON_TRANSPOSED=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
-    -k "transposed or (bf16 and 128) or not test_kernels_match_the_reference" 2>&1 | grep -E "passed|failed|^E  " \
-    | tail -5 | tee -a "$log"
-  # 64-row tiles (118 registers, 106 KB: 2 programs per SM), and 32-row tiles with 4 / 3 stages
-  # (96 registers, 63 / 47 KB: 3 / 4 programs per SM, so the planner assumes as many)
-  for cfg in "SEGKV_TRITON_TRANSPOSED=0" "SEGKV_TRITON_TRANSPOSED=1" \
-      "SEGKV_TRITON_TRANSPOSED=1 SEGKV_TRITON_BLOCK_N=32 SEGKV_TRITON_STAGES=4 SEGKV_CUDA_BLOCKS_PER_SM=3" \
-      "SEGKV_TRITON_TRANSPOSED=1 SEGKV_TRITON_BLOCK_N=32 SEGKV_TRITON_STAGES=3 SEGKV_CUDA_BLOCKS_PER_SM=4" \
-      "SEGKV_TRITON_TRANSPOSED=0"; do
-    echo "-- decode attention kernels, $cfg" | tee -a "$log"
-    env $cfg timeout 150 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b --batches 1,4,16 \
-      --contexts 32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 | grep -E "^\[|^device|rror" \
-      | tee -a "$log"
-  done
-  for round in 1 2; do
-    for on in 0 1; do
-      e2e "llama-3.1-8b transposed attention $on" SEGKV_TRITON_TRANSPOSED=$on -- --models llama-3.1-8b --batches 1 \
+    for split in 1 2; do
+      e2e "deepseek latent value split $split" SEGKV_MLA_VALUE_SPLIT=$split -- --models deepseek-v2-lite --batches 1 \
         --contexts 1K,16K
     done
   done
-  for on in 0 1; do
-    e2e "llama-3.1-8b batch 8 transposed attention $on" SEGKV_TRITON_TRANSPOSED=$on -- --models llama-3.1-8b \
+  for split in 1 2; do
+    e2e "deepseek batch 8 latent value split $split" SEGKV_MLA_VALUE_SPLIT=$split -- --models deepseek-v2-lite \
+      --batches 8 --contexts 1K,16K
+  done
+elif [ "$part" = transposed ]; then
+  # GQA decode programs of 8-16 (row, head) pairs take the K/V tile as the tall operand by default
+  # (SEGKV_TRITON_TRANSPOSED=8; measured: the 70B shape's 8 pairs gained 2-5%, the 8B shape's 4
+  # lost 1-3%, so they stay row-major): GPU tests at the default, the kernels against SDPA with it
+  # off / at the default / with 3 programs per SM of 2 stages, then Qwen3-32B (8 heads per KV head)
+  echo "== GPU tests at the default launch (transposed from 8 pairs)" | tee -a "$log"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
+    -k "transposed or (bf16 and 128) or not test_kernels_match_the_reference" 2>&1 | grep -E "passed|failed|^E  " \
+    | tail -5 | tee -a "$log"
+  for cfg in "SEGKV_TRITON_TRANSPOSED=0" "SEGKV_TRITON_TRANSPOSED=8" \
+      "SEGKV_TRITON_TRANSPOSED=8 SEGKV_TRITON_STAGES=2 SEGKV_CUDA_BLOCKS_PER_SM=3" "SEGKV_TRITON_TRANSPOSED=0"; do
+    echo "-- decode attention kernels, $cfg" | tee -a "$log"
+    env $cfg timeout 150 python3 -m segkv.bench.decode_attention --shapes llama3-70b --batches 1,4,16 \
+      --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 | grep -E "^\[|^device|rror" \
+      | tee -a "$log"
+  done
+  for round in 1 2; do
+    for min_pairs in 0 8; do
+      e2e "qwen3-32b transposed from $min_pairs pairs" SEGKV_TRITON_TRANSPOSED=$min_pairs -- --models qwen3-32b \
+        --batches 1 --contexts 1K,16K
+    done
+  done
+  for min_pairs in 0 8; do
+    e2e "qwen3-32b batch 8 transposed from $min_pairs pairs" SEGKV_TRITON_TRANSPOSED=$min_pairs -- --models qwen3-32b \
       --batches 8 --contexts 1K,16K
   done
 elif [ "$part" = profile ]; then
@@ -146,7 +136,7 @@ elif [ "$part" = profile ]; then
     done
   done
 else
-  echo "unknown part $part (merge, expert, mla, latent, transposed or profile)" >&2
+  echo "unknown part $part (merge, expert, mla, valuesplit, transposed or profile)" >&2
   exit 2
 fi
 done

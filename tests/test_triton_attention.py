@@ -265,28 +265,37 @@ def test_kernel_matches_the_reference_at_every_pipeline_depth(route, gen):
 @pytest.mark.parametrize("route", ["split", "cascade"] if not GPU else ROUTES)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"] if not GPU else ["fp32", "bf16", "fp16"])
 def test_transposed_products_match_the_reference(route, dtype, gen, monkeypatch):
-    """``SEGKV_TRITON_TRANSPOSED``: programs of at most 16 (row, head) pairs take the K/V tile as the
-    tall operand (scores ``(BLOCK_N, pairs)``, accumulator ``(head_dim, pairs)``); taller programs
-    keep the row-major products. Both give the reference's results, over pieces that end inside a
-    tile, with fully masked rows and with the merge inside stage 1."""
+    """Programs of ``transposed_min_pairs`` to 16 (row, head) pairs take the K/V tile as the tall
+    operand (scores ``(BLOCK_N, pairs)``, accumulator ``(head_dim, pairs)``); others keep the
+    row-major products. By default from 8 pairs (``SEGKV_TRITON_TRANSPOSED`` sets the least, 0:
+    none). Both give the reference's results, over pieces that end inside a tile, with fully masked
+    rows and with the merge inside stage 1."""
     from segkv.kernels import paged_attention
     from segkv.kernels.paged_attention import LaunchConfig
 
+    def meta(rows, group, launch):
+        return paged_attention.stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=group, page_size=16,
+                                             max_work_rows=rows, element_size=2, launch=launch)["TRANSPOSED"]
+
+    monkeypatch.delenv("SEGKV_TRITON_TRANSPOSED", raising=False)
+    default = paged_attention.default_launch_config(head_dim=64, page_size=16)
+    assert default.transposed_min_pairs == 8
+    assert [meta(1, g, default) for g in (1, 4, 8, 16)] == [False, False, True, True]
+    assert meta(2, 4, default) and not meta(3, 8, default) and not meta(17, 4, default)
     monkeypatch.setenv("SEGKV_TRITON_TRANSPOSED", "1")
-    launch = paged_attention.default_launch_config(head_dim=64, page_size=16)
-    assert launch.transposed
-    meta = lambda rows: paged_attention.stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=4, page_size=16,
-                                                      max_work_rows=rows, element_size=2, launch=launch)
-    assert meta(1)["TRANSPOSED"] and meta(4)["TRANSPOSED"] and not meta(17)["TRANSPOSED"]
-    for rows, page_size, block_n in ((1, 16, 16), (3, 16, 64), (17, 32, 64)):
-        batch = gqa_batch(gen, dtype=DTYPES[dtype], page_size=page_size, ratio=4, head_dim=64, rows=rows)
+    every = paged_attention.default_launch_config(head_dim=64, page_size=16)
+    assert meta(1, 1, every) and meta(4, 4, every) and not meta(17, 4, every)
+    monkeypatch.setenv("SEGKV_TRITON_TRANSPOSED", "0")
+    assert not any(meta(1, g, paged_attention.default_launch_config(head_dim=64, page_size=16)) for g in (1, 8, 16))
+    for rows, ratio, page_size, block_n in ((1, 8, 16, 16), (3, 4, 16, 64), (17, 4, 32, 64)):
+        batch = gqa_batch(gen, dtype=DTYPES[dtype], page_size=page_size, ratio=ratio, head_dim=64, rows=rows)
         batch.queries[1] = SequenceQuery(batch.queries[1].spans, rows, query_start=-rows)  # fully masked
         plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=page_size, route=route,
                               num_partitions=3 if route == "split" else None)
         storage = batch.cache.storage
         args = (batch.query, storage.key_cache(0), storage.value_cache(0))
         tb = TritonBackend(page_size=page_size, device=DEVICE, poison=True,
-                           launch=LaunchConfig(block_n, 4, 3, transposed=True))
+                           launch=LaunchConfig(block_n, 4, 3, transposed_min_pairs=1))
         out, lse = tb.run(tb.prepare(plan), *args, scale=batch.scale)
         rb = TorchReferenceBackend(page_size=page_size, device=DEVICE)
         ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=batch.scale)

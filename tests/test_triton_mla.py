@@ -79,29 +79,44 @@ def test_latent_fully_masked_rows_give_zero(gen):
         assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
 
 
-TRANSPOSED_GRID = (list(itertools.product(["single", "split", "cascade"], ["bf16", "fp16", "fp32"], [16, 32], [16, 20, 128]))
-                   if GPU else [("split", "bf16", 16, 4), ("single", "fp32", 32, 20), ("cascade", "fp16", 16, 5)])
+VALUE_SPLIT_GRID = (list(itertools.product([r.value for r in Route], ["bf16", "fp16", "fp32"], [16, 32], [16, 20, 128]))
+                    if GPU else [("split", "bf16", 16, 4), ("single", "fp32", 32, 20), ("cascade", "fp16", 16, 5)])
 
 
-@pytest.mark.parametrize("route,dtype,page_size,heads", TRANSPOSED_GRID)
-def test_transposed_latent_products_match_the_reference(route, dtype, page_size, heads, gen, monkeypatch):
-    """``SEGKV_MLA_TRANSPOSED``: the latent tile as the tall operand of both products (scores
-    ``(BLOCK_N, BLOCK_M)``, accumulator ``(rank, BLOCK_M)``) gives the reference's results on every
-    route, fully masked rows included (0, LSE -inf, no NaN)."""
+@pytest.mark.parametrize("route,dtype,page_size,heads", VALUE_SPLIT_GRID)
+def test_value_split_matches_the_reference(route, dtype, page_size, heads, gen, monkeypatch):
+    """Two programs per (work item, head block), each with half the value columns, give the
+    reference's results on every route, a rank that is not a power of two and fully masked rows
+    included (0, LSE -inf, no NaN). By default a batch whose (row, head) pairs fit one program
+    splits (batch-1 decode); ``SEGKV_MLA_VALUE_SPLIT`` 1 / 2 force it; other values are refused."""
     from segkv.kernels import mla_attention
 
-    monkeypatch.setenv("SEGKV_MLA_TRANSPOSED", "1")
-    assert mla_attention.default_mla_launch_config(page_size=page_size).transposed
+    def split(rows, num_heads):
+        return mla_attention.mla_stage1_launch(dtype=torch.bfloat16, rank=RANK, rope=ROPE, num_heads=num_heads,
+                                               page_size=16, max_work_rows=1, element_size=2,
+                                               num_rows=rows)["VALUE_SPLIT"]
+
+    monkeypatch.delenv("SEGKV_MLA_VALUE_SPLIT", raising=False)
+    assert [split(1, 16), split(1, 4), split(4, 4), split(2, 16), split(8, 16), split(1, 128)] == [2, 2, 2, 1, 1, 1]
+    monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT", "1")
+    assert split(1, 16) == 1
+    monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT", "2")
+    assert mla_attention.default_mla_launch_config(page_size=page_size).value_split == 2
+    assert split(8, 128) == 2
     for rows in ([1, 4, 17] if GPU else [1 + heads % 4]):
         cache, _, queries = latent_batch(gen, dtype=DTYPES[dtype], page_size=page_size, rows=rows)
-        out, lse, ref, ref_lse = run_latent(cache, queries, heads, route, gen, dtype=DTYPES[dtype])
-        check(out, lse, ref, ref_lse)
-    cache, _, (q0, q1, _) = latent_batch(gen, dtype=torch.bfloat16, page_size=16, rows=2)
+        check(*run_latent(cache, queries, heads, route, gen, dtype=DTYPES[dtype]))
+    rank, rope = (448, 64) if GPU else (48, 8)
+    cache, _, (q0, q1, _) = latent_batch(gen, dtype=torch.bfloat16, page_size=16, rows=2, rank=rank, rope=rope)
     out, lse, ref, ref_lse = run_latent(cache, [q0, SequenceQuery(q1.spans, 2, query_start=-2), SequenceQuery((), 2)],
-                                        4, "split", gen, dtype=torch.bfloat16)
+                                        4, "split", gen, dtype=torch.bfloat16, rank=rank, rope=rope)
     check(out, lse, ref, ref_lse)
     dead = [2, 3, 4, 5]
     assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
+    monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT", "3")
+    with pytest.raises(ValueError, match="value split"):
+        mla_attention.mla_stage1_launch(dtype=torch.bfloat16, rank=RANK, rope=ROPE, num_heads=heads,
+                                        page_size=page_size, max_work_rows=1, element_size=2)
 
 
 def test_latent_width_other_than_deepseek(gen):

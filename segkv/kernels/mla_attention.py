@@ -24,24 +24,18 @@ from segkv.kernels.paged_attention import (
     attention_outputs,
     merge_into,
     online_softmax_step,
-    online_softmax_step_transposed,
     store_partials,
 )
 from segkv.kernels.settings import env_int
 
 
 @triton.jit
-def _latent_step_transposed(q_lat, q_rope, c, k_rope, scale, kpos, offset, in_page, valid, m_i, l_i, acc_t,
-                            EXACT_FP32: tl.constexpr):
-    """One latent tile with the tile as the tall operand of both products: scores ``s_t = c q^T
-    (BLOCK_N, BLOCK_M)``, then ``online_softmax_step_transposed`` into ``acc_t (RANK, BLOCK_M)``.
-    With 16 query heads both operands of the Hopper warpgroup MMAs stay in shared memory."""
+def _latent_scores(q, c, EXACT_FP32: tl.constexpr):
+    """``q (BLOCK_M, W) . c (BLOCK_N, W)^T`` in float32 (bf16/fp16 products are exact in the
+    float32 accumulators)."""
     if EXACT_FP32:
-        s_t = tl.dot(c.to(tl.float32), tl.trans(q_lat.to(tl.float32)), input_precision="ieee")
-        s_t += tl.dot(k_rope.to(tl.float32), tl.trans(q_rope.to(tl.float32)), input_precision="ieee")
-    else:
-        s_t = tl.dot(c, tl.trans(q_lat)) + tl.dot(k_rope, tl.trans(q_rope))
-    return online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, c, m_i, l_i, acc_t, EXACT_FP32)
+        return tl.dot(q.to(tl.float32), tl.trans(c.to(tl.float32)), input_precision="ieee")
+    return tl.dot(q, tl.trans(c))
 
 
 @triton.jit
@@ -54,23 +48,24 @@ def _mla_stage1_kernel(
     scale, num_heads,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
-    USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, VALUE_SPLIT: tl.constexpr = 1,
 ):
     """One program: ``BLOCK_M`` (query row, head) pairs of one work item, scanning its piece
     ``BLOCK_N`` latent rows at a time with an online softmax in float32. ``USE_PDL``: as the GQA
-    stage 1 (``paged_attention.ATTENTION_PDL``). ``TRANSPOSED``: the products with the latent
-    rows as the tall operand, scores ``(BLOCK_N, BLOCK_M)`` and the accumulator ``(RANK,
-    BLOCK_M)`` (:func:`_latent_step_transposed`)."""
+    stage 1 (``paged_attention.ATTENTION_PDL``). ``VALUE_SPLIT`` (1 or 2) programs share a work
+    item's pairs: each computes the whole scores (its own half of the latent columns first) and
+    the output of its half only, so a short plan keeps twice the programs per SM busy (values
+    other than 1 and 2 are refused by the launcher)."""
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
-    mb = tl.program_id(0)
+    BLOCK_V: tl.constexpr = BLOCK_R // VALUE_SPLIT
+    mb = tl.program_id(0) // VALUE_SPLIT
+    vb = tl.program_id(0) % VALUE_SPLIT  # the program's value columns: [vb * BLOCK_V, (vb + 1) * BLOCK_V)
     w = tl.program_id(1)
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
     if mb * BLOCK_M >= n_rows * num_heads:  # also padding work items of fixed-size plan buffers
         return
-    if USE_PDL:  # the plan is the host's; queries, latent rows and outputs wait for the kernel before
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    # the plan is the host's (written before the graph or launch): read it before the wait
     pair = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     r = pair // num_heads
     valid = r < n_rows
@@ -78,51 +73,51 @@ def _mla_stage1_kernel(
     partial = p0 + tl.where(valid, r, 0)
     qrow = tl.load(partial_row + partial, mask=valid, other=0).to(tl.int64)
     offset = tl.load(partial_offset + partial, mask=valid, other=-1)
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_e = tl.arange(0, BLOCK_ROPE)
-    r_ok = offs_r < RANK
-    e_ok = offs_e < ROPE
-    q_base = Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh
-    q_lat = tl.load(q_base + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
-    q_rope = tl.load(q_base + RANK + offs_e[None, :], mask=valid[:, None] & e_ok[None, :], other=0.0)
-
     pg0 = tl.load(work_pages + 2 * w)  # the work item's pages: no piece table in between
     pg1 = tl.load(work_pages + 2 * w + 1)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    if TRANSPOSED:
-        acc = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     slot = offs_n // PAGE_SIZE
     row_in_page = offs_n % PAGE_SIZE
-    row_base = LAT + (row_in_page * stride_ln)[:, None]
     # page indices one block ahead (loop-carried): the latent loads then depend on no load of their
     # own iteration, and the pipeliner can keep the next tile in flight during this one's products
     page_next, rows_next, start_next = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
+    if USE_PDL:  # queries, latent rows and outputs wait for the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)  # this program's value columns
+    offs_o = (1 - vb) * BLOCK_V + tl.arange(0, BLOCK_V)  # the other half (VALUE_SPLIT 2)
+    offs_e = tl.arange(0, BLOCK_ROPE)
+    v_ok = offs_v < RANK
+    o_ok = offs_o < RANK
+    e_ok = offs_e < ROPE
+    q_base = Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh
+    q_lat = tl.load(q_base + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
+    q_rope = tl.load(q_base + RANK + offs_e[None, :], mask=valid[:, None] & e_ok[None, :], other=0.0)
+    if VALUE_SPLIT == 2:
+        q_other = tl.load(q_base + offs_o[None, :], mask=valid[:, None] & o_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
+    row_base = LAT + (row_in_page * stride_ln)[:, None]
     for pg in range(pg0, pg1, PAGES):
         page, rows, key_start = page_next, rows_next, start_next
         page_next, rows_next, start_next = page_index(page_table, page_rows, page_key_start, pg + PAGES + slot, pg1)
         in_page = row_in_page < rows
         tile = row_base + (page * stride_lp)[:, None]
-        c = tl.load(tile + offs_r[None, :], mask=in_page[:, None] & r_ok[None, :], other=0.0)
+        c = tl.load(tile + offs_v[None, :], mask=in_page[:, None] & v_ok[None, :], other=0.0)
         k_rope = tl.load(tile + RANK + offs_e[None, :], mask=in_page[:, None] & e_ok[None, :], other=0.0)
-        if TRANSPOSED:
-            m_i, l_i, acc = _latent_step_transposed(q_lat, q_rope, c, k_rope, scale, key_start + row_in_page, offset,
-                                                    in_page, valid, m_i, l_i, acc, EXACT_FP32)
-        else:
-            if EXACT_FP32:
-                s = tl.dot(q_lat.to(tl.float32), tl.trans(c.to(tl.float32)), input_precision="ieee")
-                s += tl.dot(q_rope.to(tl.float32), tl.trans(k_rope.to(tl.float32)), input_precision="ieee")
-            else:  # bf16/fp16 products are exact in the float32 accumulators
-                s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_rope, tl.trans(k_rope))
-            m_i, l_i, acc = online_softmax_step(s, scale, key_start + row_in_page, offset, in_page, valid, c, m_i,
-                                                l_i, acc, EXACT_FP32)
-    if TRANSPOSED:
-        acc = tl.trans(acc)
-    store_partials(acc, m_i, l_i, partial, head, valid, offs_r, r_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
-                   stride_op, stride_oh, stride_lsp, stride_fr, stride_fh, stride_flr)
+        s = _latent_scores(q_lat, c, EXACT_FP32) + _latent_scores(q_rope, k_rope, EXACT_FP32)
+        if VALUE_SPLIT == 2:
+            c_other = tl.load(tile + offs_o[None, :], mask=in_page[:, None] & o_ok[None, :], other=0.0)
+            s += _latent_scores(q_other, c_other, EXACT_FP32)
+        m_i, l_i, acc = online_softmax_step(s, scale, key_start + row_in_page, offset, in_page, valid, c, m_i,
+                                            l_i, acc, EXACT_FP32)
+    # with VALUE_SPLIT 2 the first program stores the LSE: the other's float32 scores summed its own
+    # half first, so they may differ in the last bit (a vector mask: the interpreter refuses a
+    # vector & scalar one)
+    store_partials(acc, m_i, l_i, partial, head, valid, offs_v, v_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
+                   stride_op, stride_oh, stride_lsp, stride_fr, stride_fh, stride_flr, valid & (pair * 0 + vb == 0))
 
 MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulator fits in registers
 
@@ -131,33 +126,41 @@ def default_mla_launch_config(*, page_size: int) -> LaunchConfig:
     """BLOCK_N 32 (a 32 x 576 latent tile per pipeline stage, 36 KB in bf16), 16 pairs, 4 warps,
     3 stages (two latent buffers: the next tile loads during this one's products; 16 heads, batch 1
     / 128K 0.0767 -> 0.0641 ms on the H200), no register cap; ``SEGKV_MLA_BLOCK_N``, ``SEGKV_MLA_BLOCK_M``, ``SEGKV_MLA_WARPS``,
-    ``SEGKV_MLA_STAGES`` and ``SEGKV_MLA_MAXNREG`` override them (tuning runs).
-    ``SEGKV_MLA_TRANSPOSED=1``: the transposed products (``_latent_step_transposed``; for sm_90a,
-    Triton 3.6, offline: warpgroup MMAs with both operands in shared memory, 190 registers against
-    240 row-major, whose every warp copies the query into its registers each tile; no spills, the
-    same 94 KB of shared memory). Off until measured on a GPU."""
+    ``SEGKV_MLA_STAGES`` and ``SEGKV_MLA_MAXNREG`` override them (tuning runs). The value split
+    (``SEGKV_MLA_VALUE_SPLIT``) is 0, chosen per launch (:func:`mla_stage1_launch`); 1 or 2 force it.
+    (Products with the latent tile as the tall operand measured 5-20% slower on the H200:
+    docs/benchmarks.md.)"""
     return LaunchConfig(
         block_n=max(page_size, env_int("SEGKV_MLA_BLOCK_N", 32)),
         num_warps=env_int("SEGKV_MLA_WARPS", 4),
         num_stages=env_int("SEGKV_MLA_STAGES", 3),
         block_m=env_int("SEGKV_MLA_BLOCK_M", MLA_BLOCK_M),
         maxnreg=env_int("SEGKV_MLA_MAXNREG", None),
-        transposed=env_int("SEGKV_MLA_TRANSPOSED", 0) == 1,
+        value_split=env_int("SEGKV_MLA_VALUE_SPLIT", 0),
     )
 
 
 def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size: int, max_work_rows: int,
-                      element_size: int, launch: LaunchConfig | None = None) -> dict:
+                      element_size: int, num_rows: int | None = None, launch: LaunchConfig | None = None) -> dict:
     """The latent stage-1 kernel's constexprs and launch options for a plan of this shape (pipeline
-    stages shrunk to what fits in shared memory); ``launch`` defaults to :func:`default_mla_launch_config`."""
+    stages shrunk to what fits in shared memory); ``launch`` defaults to :func:`default_mla_launch_config`.
+    ``launch.value_split`` 0 splits the values over two programs when the batch's ``num_rows``
+    query rows x heads fit one program (batch-1 decode of up to 16 heads: the plan's few programs
+    then leave most of each SM idle; DeepSeek-V2-Lite +2% at 1K and 16K on the H200, while batch 8
+    lost up to 10% and 128 heads at batch 1 ran 1.6x slower)."""
     launch = launch or default_mla_launch_config(page_size=page_size)
+    if launch.value_split not in (0, 1, 2):
+        raise ValueError(f"the latent value split must be 0 (chosen per launch), 1 or 2 programs, "
+                         f"got {launch.value_split}")
     block_n = max(page_size, launch.block_n)
+    block_m = max(16, min(launch.block_m, triton.next_power_of_2(max_work_rows * num_heads)))
+    one_program = num_rows is not None and num_rows * num_heads <= block_m
     return dict(
         RANK=rank, ROPE=rope, BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        BLOCK_ROPE=max(16, triton.next_power_of_2(rope)),
-        BLOCK_M=max(16, min(launch.block_m, triton.next_power_of_2(max_work_rows * num_heads))),
+        BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), BLOCK_M=block_m,
         PAGE_SIZE=page_size, BLOCK_N=block_n, EXACT_FP32=dtype == torch.float32 or _INTERPRET,
-        num_warps=launch.num_warps, TRANSPOSED=launch.transposed, **maxnreg_option(launch),
+        num_warps=launch.num_warps, VALUE_SPLIT=launch.value_split or (2 if one_program else 1),
+        **maxnreg_option(launch),
         num_stages=stages_that_fit(launch.num_stages, block_n * (rank + rope) * element_size),
     )
 
@@ -182,8 +185,9 @@ def mla_paged_attention(
     num_work = work_pages.numel() // 2
     if num_work and num_partials:
         meta = mla_stage1_launch(dtype=query.dtype, rank=rank, rope=rope, num_heads=num_heads, page_size=page_size,
-                                 max_work_rows=max_work_rows, element_size=latent_cache.element_size(), launch=launch)
-        grid = (triton.cdiv(max_work_rows * num_heads, meta["BLOCK_M"]), num_work)
+                                 max_work_rows=max_work_rows, element_size=latent_cache.element_size(),
+                                 num_rows=num_rows, launch=launch)
+        grid = (triton.cdiv(max_work_rows * num_heads, meta["BLOCK_M"]) * meta["VALUE_SPLIT"], num_work)
         _mla_stage1_kernel[grid](
             query, latent_cache, part_out, part_lse, out, lse,
             page_table, page_rows, page_key_start, work_pages, work_partial_start,

@@ -92,10 +92,11 @@ def online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v, 
 
 @triton.jit
 def store_partials(acc, m_i, l_i, partial, head, valid, offs_d, d_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
-                   stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr):
+                   stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, lse_valid):
     """Normalise a program's (row, head) results and store them: a partial that is its row's
     only one (``partial_direct >= 0``) is rounded once into FINAL/FINAL_LSE, the others go to
-    OUT/LSE in float32 for the merge. Empty rows are 0 with LSE -inf."""
+    OUT/LSE in float32 for the merge. Empty rows are 0 with LSE -inf. The LSEs of the pairs in
+    ``lse_valid`` only (``valid``, or none where another program of the same pairs stores them)."""
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
@@ -105,10 +106,10 @@ def store_partials(acc, m_i, l_i, partial, head, valid, offs_d, d_ok, partial_di
     frow = tl.where(to_final, direct, 0).to(tl.int64)
     tl.store(OUT + partial[:, None] * stride_op + head[:, None] * stride_oh + offs_d[None, :], out,
              mask=to_merge[:, None] & d_ok[None, :])
-    tl.store(LSE + partial * stride_lp + head, lse, mask=to_merge)
+    tl.store(LSE + partial * stride_lp + head, lse, mask=to_merge & lse_valid)
     tl.store(FINAL + frow[:, None] * stride_fr + head[:, None] * stride_fh + offs_d[None, :],
              out.to(FINAL.dtype.element_ty, fp_downcast_rounding="rtne"), mask=to_final[:, None] & d_ok[None, :])
-    tl.store(FINAL_LSE + frow * stride_flr + head, lse, mask=to_final)
+    tl.store(FINAL_LSE + frow * stride_flr + head, lse, mask=to_final & lse_valid)
 
 
 @triton.jit
@@ -270,7 +271,7 @@ def _stage1_kernel(
     if TRANSPOSED:
         acc = tl.trans(acc)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
-                   stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr)
+                   stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, valid)
     if MERGE > 0:
         merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
                       OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp, stride_fr,
@@ -343,6 +344,11 @@ def _kv_write_kernel(SRC, DST, slots, stride_sn, stride_dn, WIDTH: tl.constexpr,
     tl.store(DST + slot * stride_dn + offs, row.to(DST.dtype.element_ty), mask=offs < WIDTH)
 
 
+# Decode programs of at least this many (query row x head) pairs (and at most 16) take the K/V tile
+# as the tall operand by default (SEGKV_TRITON_TRANSPOSED overrides; docs/benchmarks.md).
+TRANSPOSED_MIN_PAIRS = 8
+
+
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
     """Stage-1 tile and launch parameters: KV rows per iteration, warps, pipeline stages."""
@@ -354,7 +360,10 @@ class LaunchConfig:
     tall_warps: int = 4  # warps for programs of 64 or more pairs (8 measured slower for cascade)
     heads_fastest: bool = False  # launch a piece's KV heads side by side (they share its pages)
     maxnreg: int | None = None  # register cap per thread (more resident programs, maybe spills)
-    transposed: bool = False  # the K/V (latent) tile as the tall operand of the products
+    # GQA programs of this many (query row x head) pairs up to 16 take the K/V tile as the tall
+    # operand of the products (0: none)
+    transposed_min_pairs: int = 0
+    value_split: int = 1  # latent programs per work item and head block, each with its share of the values
 
 
 def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
@@ -373,7 +382,9 @@ def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
         # a piece's KV heads side by side: 0-3% faster at batch 1-16 over 32K-128K (H200)
         heads_fastest=env_int("SEGKV_TRITON_HEADS_FASTEST", 1) == 1,
         maxnreg=env_int("SEGKV_TRITON_MAXNREG", None),
-        transposed=env_int("SEGKV_TRITON_TRANSPOSED", 0) == 1,
+        # transposed products from 8 pairs: on the H200 the 70B shape (8 heads per KV head) gained
+        # 2-5% at batch 1-16 over 32K-64K, the 8B shape (4) lost 1-3%
+        transposed_min_pairs=env_int("SEGKV_TRITON_TRANSPOSED", TRANSPOSED_MIN_PAIRS),
     )
 
 
@@ -440,8 +451,8 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     """The stage-1 kernel's constexprs and launch options (``num_warps``, ``num_stages``, the
     register cap) for a plan of this shape: at most 64 (row x head) pairs per program (32 for
     heads wider than 128), tall programs with ``tall_warps``, and pipeline stages shrunk to what
-    fits in shared memory. ``launch.transposed`` takes the transposed products for programs of at
-    most 16 pairs (decode rows; taller programs already fill a warpgroup MMA with their pairs).
+    fits in shared memory. Programs of ``launch.transposed_min_pairs`` to 16 pairs take the
+    transposed products (decode rows; taller programs already fill a warpgroup MMA with their pairs).
     ``launch`` defaults to :func:`default_launch_config`."""
     launch = launch or default_launch_config(head_dim=max(dk, dv), page_size=page_size)
     block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
@@ -451,7 +462,7 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
         # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
-        MERGE=0, TRANSPOSED=launch.transposed and block_m <= 16,
+        MERGE=0, TRANSPOSED=block_m <= 16 and 0 < launch.transposed_min_pairs <= max_work_rows * group,
         num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size), **maxnreg_option(launch),
     )
