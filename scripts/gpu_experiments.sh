@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Parts take 2-8 minutes; a device call runs at most 10, so the open
-# ones go in one call: `... valuesplit transposed`.
+# ones go in one call: `... valuesplit` (about 6 minutes).
 #   merge     DeepSeek-V2-Lite batch 1 with the latent merge's cost per partition
 #             (SEGKV_CUDA_LATENT_MERGE_ROWS 0 / 1, the default: 256 or 128 partitions at 16K),
 #             alternating.
@@ -11,9 +11,10 @@
 #             2 stages, the merge at 128 / 32 columns per program, and partitions of at least 64
 #             rows, between runs at the defaults (at 1K stage 1 and the merge are 15% of a step for
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
-#   valuesplit  the latent stage 1 with two programs per work item, each with half the value columns
-#             (SEGKV_MLA_VALUE_SPLIT=2): GPU tests, 16 / 128 heads kernel level, DeepSeek-V2-Lite
-#             batch 1 and 8 alternating.
+#   valuesplit  the latent stage 1 at batch 1 with two programs per pair block that halve the values
+#             for plans of at most one partial per SM (the default) against one program: GPU
+#             tests, kernels at 1K-128K, DeepSeek-V2-Lite batch 1 at 1K / 16K / 64K alternating,
+#             and the latent merge's cost per partition 1 / 2 / 4 rows with it.
 #   transposed  GQA decode programs of 8-16 pairs with the K/V tile as the tall operand (the default
 #             since it measured faster on the 70B shape): GPU tests, the 70B kernels at batch 1 / 4 /
 #             16 and 16K-64K against SDPA, Qwen3-32B batch 1 and 8 alternating with it off.
@@ -74,29 +75,28 @@ elif [ "$part" = mla ]; then
     -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
   e2e "deepseek defaults" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 elif [ "$part" = valuesplit ]; then
-  # the latent stage 1 at batch 1 holds one program per SM (16K: 128 partitions x 16 heads, 16.8
-  # us a layer for 19 MB): two programs per work item, each with half the value columns
-  # (SEGKV_MLA_VALUE_SPLIT=2), keep two per SM busy for the same partials and merge
+  # the latent value split at batch 1, now halving the values only for plans of at most one
+  # partial per SM (read from the plan): its GPU tests, the kernels at 1K-128K against one program
+  # per pair block, then DeepSeek-V2-Lite batch 1 at 1K / 16K / 64K alternating (64K: 256
+  # partitions, where the second program must exit at once and cost nothing)
   echo "== GPU tests of the latent kernel with the value split" | tee -a "$log"
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py \
     -k "value_split or (bf16 and 16-16) or not test_latent_kernel_matches_the_reference" 2>&1 \
     | grep -E "passed|failed|^E  " | tail -5 | tee -a "$log"
-  for split in 1 2; do
+  for split in 1 0; do
     echo "-- latent stage 1, SEGKV_MLA_VALUE_SPLIT=$split (ms)" | tee -a "$log"
-    SEGKV_MLA_VALUE_SPLIT=$split timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1,8 \
+    SEGKV_MLA_VALUE_SPLIT=$split timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 \
       --contexts 1024,16384,32768,131072 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
-    SEGKV_MLA_VALUE_SPLIT=$split timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 128 --batches 1 \
-      --contexts 32768 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
   done
   for round in 1 2; do
-    for split in 1 2; do
+    for split in 1 0; do
       e2e "deepseek latent value split $split" SEGKV_MLA_VALUE_SPLIT=$split -- --models deepseek-v2-lite --batches 1 \
-        --contexts 1K,16K
+        --contexts 1K,16K,64K
     done
   done
-  for split in 1 2; do
-    e2e "deepseek batch 8 latent value split $split" SEGKV_MLA_VALUE_SPLIT=$split -- --models deepseek-v2-lite \
-      --batches 8 --contexts 1K,16K
+  for rows in 1 2 4; do  # the merge's cost per partition again, now that a partition is two programs
+    e2e "deepseek latent merge rows $rows" SEGKV_CUDA_LATENT_MERGE_ROWS=$rows -- --models deepseek-v2-lite \
+      --batches 1 --contexts 1K,16K
   done
 elif [ "$part" = transposed ]; then
   # GQA decode programs of 8-16 (row, head) pairs take the K/V tile as the tall operand by default

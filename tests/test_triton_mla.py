@@ -87,8 +87,10 @@ VALUE_SPLIT_GRID = (list(itertools.product([r.value for r in Route], ["bf16", "f
 def test_value_split_matches_the_reference(route, dtype, page_size, heads, gen, monkeypatch):
     """Two programs per (work item, head block), each with half the value columns, give the
     reference's results on every route, a rank that is not a power of two and fully masked rows
-    included (0, LSE -inf, no NaN). By default a batch whose (row, head) pairs fit one program
-    splits (batch-1 decode); ``SEGKV_MLA_VALUE_SPLIT`` 1 / 2 force it; other values are refused."""
+    included (0, LSE -inf, no NaN); so does a plan of more partials than
+    ``SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS`` (the first program takes all the values, the second
+    exits). By default a batch whose (row, head) pairs fit one program launches the two (batch-1
+    decode); ``SEGKV_MLA_VALUE_SPLIT`` 1 / 2 force it; other values are refused."""
     from segkv.kernels import mla_attention
 
     def split(rows, num_heads):
@@ -106,6 +108,10 @@ def test_value_split_matches_the_reference(route, dtype, page_size, heads, gen, 
     for rows in ([1, 4, 17] if GPU else [1 + heads % 4]):
         cache, _, queries = latent_batch(gen, dtype=DTYPES[dtype], page_size=page_size, rows=rows)
         check(*run_latent(cache, queries, heads, route, gen, dtype=DTYPES[dtype]))
+        # a plan of more partials than the limit: the first program takes all the values
+        monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", "1")
+        check(*run_latent(cache, queries, heads, route, gen, dtype=DTYPES[dtype]))
+        monkeypatch.delenv("SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS")
     rank, rope = (448, 64) if GPU else (48, 8)
     cache, _, (q0, q1, _) = latent_batch(gen, dtype=torch.bfloat16, page_size=16, rows=2, rank=rank, rope=rope)
     out, lse, ref, ref_lse = run_latent(cache, [q0, SequenceQuery(q1.spans, 2, query_start=-2), SequenceQuery((), 2)],

@@ -10,6 +10,8 @@ and the merge follow ``paged_attention`` exactly (float32 throughout, rounded on
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -39,27 +41,76 @@ def _latent_scores(q, c, EXACT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
+                  stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
+                  stride_fh, stride_flr, scale, pair, valid, head, partial, qrow, offset, pg0, pg1, page_next,
+                  rows_next, start_next, vb,
+                  RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_ROPE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  EXACT_FP32: tl.constexpr, HALF: tl.constexpr):
+    """A program's scan of its work item's latent rows and the store of its pairs' partials: the
+    values' ``BLOCK_V`` columns from ``vb * BLOCK_V`` (all of them unless ``HALF``: then the
+    scores also take the other half's columns, and only program ``vb == 0`` stores the LSE)."""
+    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
+    offs_n = tl.arange(0, BLOCK_N)
+    slot = offs_n // PAGE_SIZE
+    row_in_page = offs_n % PAGE_SIZE
+    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)  # this program's value columns
+    offs_o = (1 - vb) * BLOCK_V + tl.arange(0, BLOCK_V)  # the other half (HALF)
+    offs_e = tl.arange(0, BLOCK_ROPE)
+    v_ok = offs_v < RANK
+    o_ok = offs_o < RANK
+    e_ok = offs_e < ROPE
+    q_base = Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh
+    q_lat = tl.load(q_base + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
+    q_rope = tl.load(q_base + RANK + offs_e[None, :], mask=valid[:, None] & e_ok[None, :], other=0.0)
+    if HALF:
+        q_other = tl.load(q_base + offs_o[None, :], mask=valid[:, None] & o_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
+    row_base = LAT + (row_in_page * stride_ln)[:, None]
+    for pg in range(pg0, pg1, PAGES):
+        page, rows, key_start = page_next, rows_next, start_next
+        page_next, rows_next, start_next = page_index(page_table, page_rows, page_key_start, pg + PAGES + slot, pg1)
+        in_page = row_in_page < rows
+        tile = row_base + (page * stride_lp)[:, None]
+        c = tl.load(tile + offs_v[None, :], mask=in_page[:, None] & v_ok[None, :], other=0.0)
+        k_rope = tl.load(tile + RANK + offs_e[None, :], mask=in_page[:, None] & e_ok[None, :], other=0.0)
+        s = _latent_scores(q_lat, c, EXACT_FP32) + _latent_scores(q_rope, k_rope, EXACT_FP32)
+        if HALF:
+            c_other = tl.load(tile + offs_o[None, :], mask=in_page[:, None] & o_ok[None, :], other=0.0)
+            s += _latent_scores(q_other, c_other, EXACT_FP32)
+        m_i, l_i, acc = online_softmax_step(s, scale, key_start + row_in_page, offset, in_page, valid, c, m_i,
+                                            l_i, acc, EXACT_FP32)
+    # halves: the first program stores the LSE (the other's float32 scores summed its own half
+    # first, so they may differ in the last bit); a vector mask, as the interpreter refuses a
+    # vector & scalar one
+    store_partials(acc, m_i, l_i, partial, head, valid, offs_v, v_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
+                   stride_op, stride_oh, stride_lsp, stride_fr, stride_fh, stride_flr, valid & (pair * 0 + vb == 0))
+
+
+@triton.jit
 def _mla_stage1_kernel(
     Q, LAT, OUT, LSE, FINAL, FINAL_LSE,
     page_table, page_rows, page_key_start, work_pages, work_partial_start, partial_row,
     partial_offset, partial_direct,
     stride_qr, stride_qh, stride_lp, stride_ln,
     stride_op, stride_oh, stride_lsp, stride_fr, stride_fh, stride_flr,
-    scale, num_heads,
+    scale, num_heads, num_work, split_max_partials,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr = False, VALUE_SPLIT: tl.constexpr = 1,
 ):
     """One program: ``BLOCK_M`` (query row, head) pairs of one work item, scanning its piece
-    ``BLOCK_N`` latent rows at a time with an online softmax in float32. ``USE_PDL``: as the GQA
-    stage 1 (``paged_attention.ATTENTION_PDL``). ``VALUE_SPLIT`` (1 or 2) programs share a work
-    item's pairs: each computes the whole scores (its own half of the latent columns first) and
-    the output of its half only, so a short plan keeps twice the programs per SM busy (values
-    other than 1 and 2 are refused by the launcher)."""
-    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
-    BLOCK_V: tl.constexpr = BLOCK_R // VALUE_SPLIT
+    ``BLOCK_N`` latent rows at a time with an online softmax in float32 (:func:`_latent_pairs`).
+    ``USE_PDL``: as the GQA stage 1 (``paged_attention.ATTENTION_PDL``). ``VALUE_SPLIT`` 2: two
+    programs per pair block; when the plan has at most ``split_max_partials`` partials (read from
+    the plan, so a graph's fixed grid follows each step's plan) each computes the whole scores
+    and the output of its half of the values, keeping twice the programs per SM busy; with more
+    the first takes all the values and the second exits."""
     mb = tl.program_id(0) // VALUE_SPLIT
-    vb = tl.program_id(0) % VALUE_SPLIT  # the program's value columns: [vb * BLOCK_V, (vb + 1) * BLOCK_V)
+    vb = tl.program_id(0) % VALUE_SPLIT
     w = tl.program_id(1)
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
@@ -75,49 +126,35 @@ def _mla_stage1_kernel(
     offset = tl.load(partial_offset + partial, mask=valid, other=-1)
     pg0 = tl.load(work_pages + 2 * w)  # the work item's pages: no piece table in between
     pg1 = tl.load(work_pages + 2 * w + 1)
-    offs_n = tl.arange(0, BLOCK_N)
-    slot = offs_n // PAGE_SIZE
-    row_in_page = offs_n % PAGE_SIZE
+    slot = tl.arange(0, BLOCK_N) // PAGE_SIZE
     # page indices one block ahead (loop-carried): the latent loads then depend on no load of their
     # own iteration, and the pipeliner can keep the next tile in flight during this one's products
     page_next, rows_next, start_next = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
+    if VALUE_SPLIT == 2:
+        halves = tl.load(work_partial_start + num_work) <= split_max_partials  # the plan's partials
     if USE_PDL:  # queries, latent rows and outputs wait for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)  # this program's value columns
-    offs_o = (1 - vb) * BLOCK_V + tl.arange(0, BLOCK_V)  # the other half (VALUE_SPLIT 2)
-    offs_e = tl.arange(0, BLOCK_ROPE)
-    v_ok = offs_v < RANK
-    o_ok = offs_o < RANK
-    e_ok = offs_e < ROPE
-    q_base = Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh
-    q_lat = tl.load(q_base + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
-    q_rope = tl.load(q_base + RANK + offs_e[None, :], mask=valid[:, None] & e_ok[None, :], other=0.0)
     if VALUE_SPLIT == 2:
-        q_other = tl.load(q_base + offs_o[None, :], mask=valid[:, None] & o_ok[None, :], other=0.0)
+        if halves:
+            _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
+                          stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
+                          stride_fh, stride_flr, scale, pair, valid, head, partial, qrow, offset, pg0, pg1,
+                          page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 2, BLOCK_ROPE, BLOCK_M,
+                          PAGE_SIZE, BLOCK_N, EXACT_FP32, True)
+        elif vb == 0:
+            _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
+                          stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
+                          stride_fh, stride_flr, scale, pair, valid, head, partial, qrow, offset, pg0, pg1,
+                          page_next, rows_next, start_next, 0, RANK, ROPE, BLOCK_R, BLOCK_ROPE, BLOCK_M,
+                          PAGE_SIZE, BLOCK_N, EXACT_FP32, False)
+    else:
+        _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
+                      stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
+                      stride_fh, stride_flr, scale, pair, valid, head, partial, qrow, offset, pg0, pg1,
+                      page_next, rows_next, start_next, 0, RANK, ROPE, BLOCK_R, BLOCK_ROPE, BLOCK_M,
+                      PAGE_SIZE, BLOCK_N, EXACT_FP32, False)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
-    row_base = LAT + (row_in_page * stride_ln)[:, None]
-    for pg in range(pg0, pg1, PAGES):
-        page, rows, key_start = page_next, rows_next, start_next
-        page_next, rows_next, start_next = page_index(page_table, page_rows, page_key_start, pg + PAGES + slot, pg1)
-        in_page = row_in_page < rows
-        tile = row_base + (page * stride_lp)[:, None]
-        c = tl.load(tile + offs_v[None, :], mask=in_page[:, None] & v_ok[None, :], other=0.0)
-        k_rope = tl.load(tile + RANK + offs_e[None, :], mask=in_page[:, None] & e_ok[None, :], other=0.0)
-        s = _latent_scores(q_lat, c, EXACT_FP32) + _latent_scores(q_rope, k_rope, EXACT_FP32)
-        if VALUE_SPLIT == 2:
-            c_other = tl.load(tile + offs_o[None, :], mask=in_page[:, None] & o_ok[None, :], other=0.0)
-            s += _latent_scores(q_other, c_other, EXACT_FP32)
-        m_i, l_i, acc = online_softmax_step(s, scale, key_start + row_in_page, offset, in_page, valid, c, m_i,
-                                            l_i, acc, EXACT_FP32)
-    # with VALUE_SPLIT 2 the first program stores the LSE: the other's float32 scores summed its own
-    # half first, so they may differ in the last bit (a vector mask: the interpreter refuses a
-    # vector & scalar one)
-    store_partials(acc, m_i, l_i, partial, head, valid, offs_v, v_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
-                   stride_op, stride_oh, stride_lsp, stride_fr, stride_fh, stride_flr, valid & (pair * 0 + vb == 0))
 
 MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulator fits in registers
 
@@ -137,17 +174,41 @@ def default_mla_launch_config(*, page_size: int) -> LaunchConfig:
         block_m=env_int("SEGKV_MLA_BLOCK_M", MLA_BLOCK_M),
         maxnreg=env_int("SEGKV_MLA_MAXNREG", None),
         value_split=env_int("SEGKV_MLA_VALUE_SPLIT", 0),
+        value_split_max_partials=env_int("SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", None),
     )
+
+
+# A plan of at most this many partials halves its values when the device is not a GPU (the
+# interpreter): the H200's multiprocessors
+INTERPRETER_SPLIT_MAX_PARTIALS = 132
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def value_split_max_partials(launch: LaunchConfig, device: torch.device) -> int:
+    """The most partials a plan may have for a value-split launch to halve its values: the
+    launch's setting, else the device's multiprocessor count (one program per SM unsplit; at
+    batch 1 the partials are the partitions)."""
+    if launch.value_split_max_partials is not None:
+        return launch.value_split_max_partials
+    if device.type == "cuda":
+        return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return INTERPRETER_SPLIT_MAX_PARTIALS
 
 
 def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size: int, max_work_rows: int,
                       element_size: int, num_rows: int | None = None, launch: LaunchConfig | None = None) -> dict:
     """The latent stage-1 kernel's constexprs and launch options for a plan of this shape (pipeline
     stages shrunk to what fits in shared memory); ``launch`` defaults to :func:`default_mla_launch_config`.
-    ``launch.value_split`` 0 splits the values over two programs when the batch's ``num_rows``
-    query rows x heads fit one program (batch-1 decode of up to 16 heads: the plan's few programs
-    then leave most of each SM idle; DeepSeek-V2-Lite +2% at 1K and 16K on the H200, while batch 8
-    lost up to 10% and 128 heads at batch 1 ran 1.6x slower)."""
+    ``launch.value_split`` 0 launches two programs per pair block when the batch's ``num_rows``
+    query rows x heads fit one program (batch-1 decode of up to 16 heads); they halve the values
+    when the plan has at most :func:`value_split_max_partials` partials (the kernel reads the
+    count from the plan), so the plan's few programs do not leave most of each SM idle
+    (DeepSeek-V2-Lite +2% at 1K and 16K on the H200; at 32K, 187 partitions, and 128K the halves
+    took 1.5x as long as one program per pair block; batch 8 lost up to 10%, 128 heads 1.6x)."""
     launch = launch or default_mla_launch_config(page_size=page_size)
     if launch.value_split not in (0, 1, 2):
         raise ValueError(f"the latent value split must be 0 (chosen per launch), 1 or 2 programs, "
@@ -195,7 +256,8 @@ def mla_paged_attention(
             query.stride(0), query.stride(1), latent_cache.stride(0), latent_cache.stride(1),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
             lse.stride(0),
-            scale, num_heads, **meta, **attention_pdl_options(query),
+            scale, num_heads, num_work, value_split_max_partials(launch or default_mla_launch_config(
+                page_size=page_size), query.device), **meta, **attention_pdl_options(query),
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)

@@ -363,7 +363,8 @@ class LaunchConfig:
     # GQA programs of this many (query row x head) pairs up to 16 take the K/V tile as the tall
     # operand of the products (0: none)
     transposed_min_pairs: int = 0
-    value_split: int = 1  # latent programs per work item and head block, each with its share of the values
+    value_split: int = 1  # latent programs per pair block, each with its share of the values (0: chosen per launch)
+    value_split_max_partials: int | None = None  # the most partials of a plan whose latent programs halve the values
 
 
 def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
