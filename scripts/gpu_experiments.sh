@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Parts take 2-8 minutes; a device call runs at most 10, so the open
-# ones go in one call: `... valuesplit` (about 6 minutes).
+# ones go in two calls: `... valuesplit` (about 6 minutes), `... plan` (about 5).
 #   merge     DeepSeek-V2-Lite batch 1 with the latent merge's cost per partition
 #             (SEGKV_CUDA_LATENT_MERGE_ROWS 0 / 1, the default: 256 or 128 partitions at 16K),
 #             alternating.
@@ -15,6 +15,9 @@
 #             for plans of at most one partial per SM (the default) against one program: GPU
 #             tests, kernels at 1K-128K, DeepSeek-V2-Lite batch 1 at 1K / 16K / 64K alternating,
 #             and the latent merge's cost per partition 1 / 2 / 4 rows with it.
+#   plan      Llama-3.1-8B batch 1 with the attention plan read before the PDL wait and the merge's
+#             late trigger (SEGKV_ATTENTION_PLAN_EARLY, SEGKV_MERGE_LATE_TRIGGER), DeepSeek-V2-Lite
+#             with the plan read early, alternating.
 #   transposed  GQA decode programs of 8-16 pairs with the K/V tile as the tall operand (the default
 #             since it measured faster on the 70B shape): GPU tests, the 70B kernels at batch 1 / 4 /
 #             16 and 16K-64K against SDPA, Qwen3-32B batch 1 and 8 alternating with it off.
@@ -98,6 +101,26 @@ elif [ "$part" = valuesplit ]; then
     e2e "deepseek latent merge rows $rows" SEGKV_CUDA_LATENT_MERGE_ROWS=$rows -- --models deepseek-v2-lite \
       --batches 1 --contexts 1K,16K
   done
+elif [ "$part" = plan ]; then
+  # batch-1 attention at 1K is latency: Llama-3.1-8B's stage 1 and merge take 12 us a layer for 4
+  # MB (8.7% of a step). The plan's reads before the PDL wait (SEGKV_ATTENTION_PLAN_EARLY) and the
+  # merge letting the o GEMV in only when it ends (SEGKV_MERGE_LATE_TRIGGER), alternating
+  echo "== GPU tests: plan reads before the wait, the merge's late trigger" | tee -a "$log"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py -k "plan_reads or folds_blocks" \
+    2>&1 | grep -E "passed|failed|^E  " | tail -5 | tee -a "$log"
+  for round in 1 2; do
+    for cfg in "SEGKV_ATTENTION_PLAN_EARLY=0" "SEGKV_ATTENTION_PLAN_EARLY=1" "SEGKV_MERGE_LATE_TRIGGER=1" \
+        "SEGKV_ATTENTION_PLAN_EARLY=1 SEGKV_MERGE_LATE_TRIGGER=1"; do
+      # shellcheck disable=SC2086
+      e2e "llama-3.1-8b $cfg" $cfg -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
+    done
+  done
+  for round in 1 2; do
+    for early in 0 1; do
+      e2e "deepseek-v2-lite plan early $early" SEGKV_ATTENTION_PLAN_EARLY=$early -- --models deepseek-v2-lite \
+        --batches 1 --contexts 1K,16K
+    done
+  done
 elif [ "$part" = transposed ]; then
   # GQA decode programs of 8-16 (row, head) pairs take the K/V tile as the tall operand by default
   # (SEGKV_TRITON_TRANSPOSED=8; measured: the 70B shape's 8 pairs gained 2-5%, the 8B shape's 4
@@ -136,7 +159,7 @@ elif [ "$part" = profile ]; then
     done
   done
 else
-  echo "unknown part $part (merge, expert, mla, valuesplit, transposed or profile)" >&2
+  echo "unknown part $part (merge, expert, mla, valuesplit, plan, transposed or profile)" >&2
   exit 2
 fi
 done

@@ -304,6 +304,36 @@ def test_transposed_products_match_the_reference(route, dtype, gen, monkeypatch)
         assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
 
 
+@pytest.mark.parametrize("route", ["split", "cascade"] if not GPU else ROUTES)
+def test_plan_reads_before_the_wait_match_the_reference(route, gen, monkeypatch):
+    """``SEGKV_ATTENTION_PLAN_EARLY``: stage 1 reads its plan share and the merge its first partial
+    ids before waiting for the previous kernel, and with ``SEGKV_MERGE_LATE_TRIGGER`` the merge
+    lets the next kernel in only when it ends: the same results as the reference, over pieces that
+    end inside a tile, with fully masked rows, more partials than one merge block and the merge
+    inside stage 1."""
+    from segkv.kernels import paged_attention
+    from segkv.kernels.paged_attention import LaunchConfig
+
+    monkeypatch.setattr(paged_attention, "PLAN_EARLY", True)
+    monkeypatch.setattr(paged_attention, "MERGE_LATE_TRIGGER", True)
+    assert paged_attention.stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=4, page_size=16, max_work_rows=1,
+                                         element_size=2)["PLAN_EARLY"]
+    for rows, ratio, page_size, block_n, parts in ((1, 8, 16, 16, 3), (3, 4, 16, 64, 3), (1, 4, 16, 16, 70)):
+        batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=page_size, ratio=ratio, head_dim=64, rows=rows)
+        batch.queries[1] = SequenceQuery(batch.queries[1].spans, rows, query_start=-rows)  # fully masked
+        plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=page_size, route=route,
+                              num_partitions=parts if route == "split" else None)
+        storage = batch.cache.storage
+        args = (batch.query, storage.key_cache(0), storage.value_cache(0))
+        tb = TritonBackend(page_size=page_size, device=DEVICE, poison=True, launch=LaunchConfig(block_n, 4, 3))
+        out, lse = tb.run(tb.prepare(plan), *args, scale=batch.scale)
+        rb = TorchReferenceBackend(page_size=page_size, device=DEVICE)
+        ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=batch.scale)
+        check(out, lse, ref, ref_lse)
+        dead = slice(rows, 2 * rows)
+        assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_decode_rows_of_few_partials_merge_inside_stage1(dtype, gen, monkeypatch):
     """Work items of one query row (decode) and at most 8 partials per row: the last program of
@@ -377,12 +407,18 @@ def test_merge_of_many_partials_per_row(gen):
                                 scale=0.125, device=DEVICE))
 
 
-def test_merge_kernel_folds_blocks_of_partials_exactly(gen):
+@pytest.mark.parametrize("plan_early", [False, True])
+def test_merge_kernel_folds_blocks_of_partials_exactly(plan_early, gen, monkeypatch):
     """The one-pass merge against the contract's formula (``merge_partials``) on synthetic partials:
     rows of 150 partials (three blocks of 64) whose first block is all empty, whose last is, whose
     live LSEs span 80 nats (the running maximum grows across blocks and earlier sums are rescaled),
-    a row of 64 empties, and a row with no partials. Empty partials hold NaN outputs: weight 0."""
+    a row of 64 empties, and a row with no partials. Empty partials hold NaN outputs: weight 0.
+    Also with the first block's partial ids read before the wait and the late trigger."""
+    from segkv.kernels import paged_attention
     from segkv.kernels.paged_attention import merge_into
+
+    monkeypatch.setattr(paged_attention, "PLAN_EARLY", plan_early)
+    monkeypatch.setattr(paged_attention, "MERGE_LATE_TRIGGER", plan_early)
 
     heads, dim = 3, 96
     counts = [150, 150, 150, 64, 0, 2]

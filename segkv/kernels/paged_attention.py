@@ -172,6 +172,28 @@ def merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce
 
 
 @triton.jit
+def _plan_reads(p0, n_rows, mb, w, kvh, partial_row, partial_offset, work_pages, page_table, page_rows,
+                page_key_start, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                PAGE_SIZE: tl.constexpr):
+    """A GQA stage-1 program's share of the plan: its pairs' validity, heads, partials, query rows
+    and causal offsets, its work item's page range, and the first block's page indices (one block
+    ahead, loop-carried: the K/V loads then depend on no load of their own iteration, so with 3
+    pipeline stages the next tile stays in flight during this one's products)."""
+    pair = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    r = pair // GROUP
+    valid = r < n_rows
+    head = kvh * GROUP + pair % GROUP
+    partial = p0 + tl.where(valid, r, 0)
+    qrow = tl.load(partial_row + partial, mask=valid, other=0).to(tl.int64)
+    offset = tl.load(partial_offset + partial, mask=valid, other=-1)
+    pg0 = tl.load(work_pages + 2 * w)  # the work item's pages: no piece table in between
+    pg1 = tl.load(work_pages + 2 * w + 1)
+    slot = tl.arange(0, BLOCK_N) // PAGE_SIZE
+    page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
+    return valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst
+
+
+@triton.jit
 def _stage1_kernel(
     Q, K, V, OUT, LSE, FINAL, FINAL_LSE,
     page_table, page_rows, page_key_start, work_pages, work_partial_start, partial_row,
@@ -182,7 +204,7 @@ def _stage1_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
-    USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (``BLOCK_N / PAGE_SIZE`` pages) at a time with
@@ -196,7 +218,8 @@ def _stage1_kernel(
     (row, head) merges it (``merge_if_last``, tickets in COUNTERS ``(rows, heads)`` int32, all 0
     between launches) and the first work item's programs zero the rows without partials: no
     merge launch. ``TRANSPOSED``: the K/V tile as the tall operand (scores ``(BLOCK_N, BLOCK_M)``,
-    accumulator ``(BLOCK_DV, BLOCK_M)``, :func:`online_softmax_step_transposed`)."""
+    accumulator ``(BLOCK_DV, BLOCK_M)``, :func:`online_softmax_step_transposed`). ``PLAN_EARLY``
+    (with ``USE_PDL``): the program's plan reads (:func:`_plan_reads`) come before the wait."""
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
         kvh = tl.program_id(0)
@@ -207,7 +230,11 @@ def _stage1_kernel(
     mb = tl.program_id(2)
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
-    if USE_PDL:  # the plan is the host's; everything read or written below waits for the kernel before
+    if PLAN_EARLY:  # the rest of the host's plan too, before the wait
+        valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst = _plan_reads(
+            p0, n_rows, mb, w, kvh, partial_row, partial_offset, work_pages, page_table, page_rows, page_key_start,
+            GROUP, BLOCK_M, BLOCK_N, PAGE_SIZE)
+    if USE_PDL:  # the plan is the host's; everything else read or written below waits for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if MERGE > 0:
@@ -216,13 +243,10 @@ def _stage1_kernel(
                             GROUP, DV, BLOCK_DV)
     if mb * BLOCK_M >= n_rows * GROUP:  # also the padding work items of fixed-size plan buffers
         return
-    pair = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    r = pair // GROUP
-    valid = r < n_rows
-    head = kvh * GROUP + pair % GROUP
-    partial = p0 + tl.where(valid, r, 0)
-    qrow = tl.load(partial_row + partial, mask=valid, other=0).to(tl.int64)
-    offset = tl.load(partial_offset + partial, mask=valid, other=-1)
+    if not PLAN_EARLY:
+        valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst = _plan_reads(
+            p0, n_rows, mb, w, kvh, partial_row, partial_offset, work_pages, page_table, page_rows, page_key_start,
+            GROUP, BLOCK_M, BLOCK_N, PAGE_SIZE)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     dk_ok = offs_dk < DK
@@ -230,8 +254,6 @@ def _stage1_kernel(
     q = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + offs_dk[None, :],
                 mask=valid[:, None] & dk_ok[None, :], other=0.0)
 
-    pg0 = tl.load(work_pages + 2 * w)  # the work item's pages: no piece table in between
-    pg1 = tl.load(work_pages + 2 * w + 1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     if TRANSPOSED:
@@ -244,10 +266,6 @@ def _stage1_kernel(
     # loop-invariant parts of the K/V addresses: this KV head, the row within its page
     k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
     v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
-    # page indices one block ahead (loop-carried): the K/V loads then depend on no load of their own
-    # iteration, so with 3 pipeline stages the next tile stays in flight during this one's products
-    # (with the indices loaded in the same iteration the pipeliner kept one buffer and waited on it)
-    page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
     for pg in range(pg0, pg1, PAGES):
         page_cur, rows_cur, kst_cur = page, rows, kst
         page, rows, kst = page_index(page_table, page_rows, page_key_start, pg + PAGES + slot, pg1)
@@ -283,6 +301,7 @@ def _merge_kernel(
     PART_OUT, PART_LSE, OUT, OUT_LSE, reduce_ptr, reduce_partials,
     stride_pp, stride_ph, stride_lp, stride_or, stride_oh, stride_lr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr = False,
+    PLAN_EARLY: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
 ):
     """One program per (query row, head, ``BLOCK_DV`` value columns): the exact merge of its
     partials, rounded once. Rows without partials get 0 and LSE -inf; rows with exactly one were
@@ -291,7 +310,10 @@ def _merge_kernel(
     running maximum, weight sum and weighted sum; with at most ``BLOCK_P`` partials (every decode
     plan) that is the contract's formula in one step. Column blocks keep wide values (latent
     attention: 512 columns) from leaving a batch-1 merge to a handful of programs that each stream
-    every partial."""
+    every partial. With ``USE_PDL``: ``PLAN_EARLY`` reads the first block's partial ids (the
+    host's plan) before waiting for stage 1; ``LATE_TRIGGER`` lets the next kernel in only when
+    the merge ends (not right after the wait), so its weight loads do not compete with the
+    merge's."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     cb = tl.program_id(2)
@@ -299,18 +321,25 @@ def _merge_kernel(
     end = tl.load(reduce_ptr + row + 1)
     if end - start == 1:  # stage 1 already wrote this row's only partial, rounded once
         return
+    offs_p = tl.arange(0, BLOCK_P)
+    # the partial ids one block ahead (loop-carried), the first block before the wait when PLAN_EARLY
+    if PLAN_EARLY:
+        p_next = tl.load(reduce_partials + start + offs_p, mask=start + offs_p < end, other=0)
     if USE_PDL:  # the partials are complete once stage 1 is
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not LATE_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
+    if not PLAN_EARLY:
+        p_next = tl.load(reduce_partials + start + offs_p, mask=start + offs_p < end, other=0)
     offs = cb * BLOCK_DV + tl.arange(0, BLOCK_DV)
     col_ok = offs < DV
-    offs_p = tl.arange(0, BLOCK_P)
     m = tl.full([BLOCK_P], float("-inf"), tl.float32)  # running maximum (all lanes equal)
     total = tl.zeros([BLOCK_P], tl.float32)
     acc = tl.zeros([BLOCK_P, BLOCK_DV], tl.float32)
     for i0 in range(start, end, BLOCK_P):
         ok = i0 + offs_p < end
-        p = tl.load(reduce_partials + i0 + offs_p, mask=ok, other=0)
+        p = p_next
+        p_next = tl.load(reduce_partials + i0 + BLOCK_P + offs_p, mask=i0 + BLOCK_P + offs_p < end, other=0)
         lse = tl.load(PART_LSE + p * stride_lp + head, mask=ok, other=float("-inf"))
         o = tl.load(PART_OUT + p[:, None] * stride_pp + head * stride_ph + offs[None, :],
                     mask=ok[:, None] & col_ok[None, :], other=0.0)
@@ -464,6 +493,7 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
         MERGE=0, TRANSPOSED=block_m <= 16 and 0 < launch.transposed_min_pairs <= max_work_rows * group,
+        PLAN_EARLY=PLAN_EARLY,
         num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size), **maxnreg_option(launch),
     )
@@ -488,6 +518,12 @@ def stages_that_fit(num_stages: int, tile_bytes: int) -> int:
 # GEMVs around it, batch 1 on the H200 gained 1-1.5% (Llama-3.1-8B 224 -> 226-227 tok/s at 1K,
 # Qwen3-8B 217 -> 220), batch 8 level (docs/benchmarks.md). SEGKV_ATTENTION_PDL=0 turns it off.
 ATTENTION_PDL = env_int("SEGKV_ATTENTION_PDL", 1) == 1
+# With PDL: the GQA stage 1 and the merge read the host's plan (partial rows, pages, partial ids)
+# before waiting for the kernel before them, so fewer dependent loads follow the wait
+# (SEGKV_ATTENTION_PLAN_EARLY=1; the latent stage 1 always does); and the merge lets the o GEMV
+# in only when it ends (SEGKV_MERGE_LATE_TRIGGER=1). Both off until measured on a GPU.
+PLAN_EARLY = env_int("SEGKV_ATTENTION_PLAN_EARLY", 0) == 1
+MERGE_LATE_TRIGGER = env_int("SEGKV_MERGE_LATE_TRIGGER", 0) == 1
 
 
 def attention_pdl_options(tensor: torch.Tensor) -> dict:
@@ -560,7 +596,8 @@ def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> Non
         out.stride(0), out.stride(1), lse.stride(0),
         # 64 partials per step: a GQA decode row's partials (33 on the H200) in one step, a
         # 256-way latent split in four
-        DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, **attention_pdl_options(out),
+        DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, PLAN_EARLY=PLAN_EARLY,
+        LATE_TRIGGER=MERGE_LATE_TRIGGER, **attention_pdl_options(out),
     )
 
 
