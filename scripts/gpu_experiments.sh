@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Parts take 2-8 minutes; a device call runs at most 10, so the open
-# ones go in two calls: `... valuesplit` (about 6 minutes), `... plan` (about 5).
+# ones go in two calls: `... valuesplit` (about 6 minutes), `... heads128 plan` (about 7).
 #   merge     DeepSeek-V2-Lite batch 1 with the latent merge's cost per partition
 #             (SEGKV_CUDA_LATENT_MERGE_ROWS 0 / 1, the default: 256 or 128 partitions at 16K),
 #             alternating.
@@ -15,6 +15,8 @@
 #             for plans of at most one partial per SM (the default) against one program: GPU
 #             tests, kernels at 1K-128K, DeepSeek-V2-Lite batch 1 at 1K / 16K / 64K alternating,
 #             and the latent merge's cost per partition 1 / 2 / 4 rows with it.
+#   heads128  128 latent heads at batch 1 and 8, kernel level: 64 heads per program with a quarter of
+#             the values each (warpgroup MMAs) against the 16-head programs.
 #   plan      Llama-3.1-8B batch 1 with the attention plan read before the PDL wait and the merge's
 #             late trigger (SEGKV_ATTENTION_PLAN_EARLY, SEGKV_MERGE_LATE_TRIGGER), DeepSeek-V2-Lite
 #             with the plan read early, alternating.
@@ -101,6 +103,20 @@ elif [ "$part" = valuesplit ]; then
     e2e "deepseek latent merge rows $rows" SEGKV_CUDA_LATENT_MERGE_ROWS=$rows -- --models deepseek-v2-lite \
       --batches 1 --contexts 1K,16K
   done
+elif [ "$part" = heads128 ]; then
+  # 128 latent heads (DeepSeek-V2/V3) run at 0.7x torch: eight 16-head programs per work item
+  # each pay the latency-bound 2.9 us per tile. 64 heads per program with a quarter of the values
+  # each (SEGKV_MLA_BLOCK_M=64 SEGKV_MLA_VALUE_SPLIT=4): warpgroup MMAs, no spills (offline,
+  # sm_90a: 227 registers and 129 KB with 16-row tiles, 246 and 184 KB with 32), one program per SM
+  for cfg in "SEGKV_MLA_VALUE_SPLIT=1" "SEGKV_MLA_BLOCK_M=64 SEGKV_MLA_VALUE_SPLIT=4 SEGKV_MLA_BLOCK_N=16" \
+      "SEGKV_MLA_BLOCK_M=64 SEGKV_MLA_VALUE_SPLIT=4" "SEGKV_MLA_BLOCK_M=32 SEGKV_MLA_VALUE_SPLIT=4"; do
+    echo "-- 128 latent heads, $cfg (ms)" | tee -a "$log"
+    env $cfg timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 128 --batches 1,8 \
+      --contexts 16384,32768,131072 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
+  done
+  echo "-- 16 latent heads, SEGKV_MLA_VALUE_SPLIT=4 (152 registers offline) (ms)" | tee -a "$log"
+  SEGKV_MLA_VALUE_SPLIT=4 timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 \
+    --contexts 1024,16384 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
 elif [ "$part" = plan ]; then
   # batch-1 attention at 1K is latency: Llama-3.1-8B's stage 1 and merge take 12 us a layer for 4
   # MB (8.7% of a step). The plan's reads before the PDL wait (SEGKV_ATTENTION_PLAN_EARLY) and the
@@ -159,7 +175,7 @@ elif [ "$part" = profile ]; then
     done
   done
 else
-  echo "unknown part $part (merge, expert, mla, valuesplit, plan, transposed or profile)" >&2
+  echo "unknown part $part (merge, expert, mla, valuesplit, heads128, plan, transposed or profile)" >&2
   exit 2
 fi
 done

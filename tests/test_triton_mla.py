@@ -89,8 +89,9 @@ def test_value_split_matches_the_reference(route, dtype, page_size, heads, gen, 
     reference's results on every route, a rank that is not a power of two and fully masked rows
     included (0, LSE -inf, no NaN); so does a plan of more partials than
     ``SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS`` (the first program takes all the values, the second
-    exits). By default a batch whose (row, head) pairs fit one program launches the two (batch-1
-    decode); ``SEGKV_MLA_VALUE_SPLIT`` 1 / 2 force it; other values are refused."""
+    exits); so do four programs with a quarter each. By default a batch whose (row, head) pairs
+    fit one program launches the two (batch-1 decode); ``SEGKV_MLA_VALUE_SPLIT`` 1 / 2 / 4 force
+    it; other values are refused."""
     from segkv.kernels import mla_attention
 
     def split(rows, num_heads):
@@ -119,7 +120,13 @@ def test_value_split_matches_the_reference(route, dtype, page_size, heads, gen, 
     check(out, lse, ref, ref_lse)
     dead = [2, 3, 4, 5]
     assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
-    monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT", "3")
+    # four programs per pair block, a quarter of the values each (forced, for tuning)
+    monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT", "4")
+    out, lse, ref, ref_lse = run_latent(cache, [q0, SequenceQuery(q1.spans, 2, query_start=-2), SequenceQuery((), 2)],
+                                        heads, route, gen, dtype=torch.bfloat16, rank=rank, rope=rope)
+    check(out, lse, ref, ref_lse)
+    assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
+    monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT", "3")  # 0, 1, 2 or 4
     with pytest.raises(ValueError, match="value split"):
         mla_attention.mla_stage1_launch(dtype=torch.bfloat16, rank=RANK, rope=ROPE, num_heads=heads,
                                         page_size=page_size, max_work_rows=1, element_size=2)

@@ -41,31 +41,42 @@ def _latent_scores(q, c, EXACT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _latent_cols(tile, offs, in_page, RANK: tl.constexpr):
+    """Columns ``offs`` of a latent tile's valid rows (0 elsewhere)."""
+    return tl.load(tile + offs[None, :], mask=in_page[:, None] & (offs < RANK)[None, :], other=0.0)
+
+
+@triton.jit
 def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                   stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                   stride_fh, stride_flr, scale, pair, valid, head, partial, qrow, offset, pg0, pg1, page_next,
                   rows_next, start_next, vb,
                   RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_ROPE: tl.constexpr,
                   BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  EXACT_FP32: tl.constexpr, HALF: tl.constexpr):
+                  EXACT_FP32: tl.constexpr, PARTS: tl.constexpr):
     """A program's scan of its work item's latent rows and the store of its pairs' partials: the
-    values' ``BLOCK_V`` columns from ``vb * BLOCK_V`` (all of them unless ``HALF``: then the
-    scores also take the other half's columns, and only program ``vb == 0`` stores the LSE)."""
+    values' ``BLOCK_V`` columns from ``vb * BLOCK_V``, one of ``PARTS`` (1, 2 or 4) shares (with
+    more than one the scores also take the other shares' columns, after its own, and only program
+    ``vb == 0`` stores the LSE)."""
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     offs_n = tl.arange(0, BLOCK_N)
     slot = offs_n // PAGE_SIZE
     row_in_page = offs_n % PAGE_SIZE
     offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)  # this program's value columns
-    offs_o = (1 - vb) * BLOCK_V + tl.arange(0, BLOCK_V)  # the other half (HALF)
     offs_e = tl.arange(0, BLOCK_ROPE)
     v_ok = offs_v < RANK
-    o_ok = offs_o < RANK
     e_ok = offs_e < ROPE
     q_base = Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh
     q_lat = tl.load(q_base + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
     q_rope = tl.load(q_base + RANK + offs_e[None, :], mask=valid[:, None] & e_ok[None, :], other=0.0)
-    if HALF:
-        q_other = tl.load(q_base + offs_o[None, :], mask=valid[:, None] & o_ok[None, :], other=0.0)
+    if PARTS > 1:  # the other shares' columns, for the scores
+        offs_1 = ((vb + 1) % PARTS) * BLOCK_V + tl.arange(0, BLOCK_V)
+        q_1 = tl.load(q_base + offs_1[None, :], mask=valid[:, None] & (offs_1 < RANK)[None, :], other=0.0)
+    if PARTS == 4:
+        offs_2 = ((vb + 2) % PARTS) * BLOCK_V + tl.arange(0, BLOCK_V)
+        offs_3 = ((vb + 3) % PARTS) * BLOCK_V + tl.arange(0, BLOCK_V)
+        q_2 = tl.load(q_base + offs_2[None, :], mask=valid[:, None] & (offs_2 < RANK)[None, :], other=0.0)
+        q_3 = tl.load(q_base + offs_3[None, :], mask=valid[:, None] & (offs_3 < RANK)[None, :], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
@@ -78,12 +89,14 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
         c = tl.load(tile + offs_v[None, :], mask=in_page[:, None] & v_ok[None, :], other=0.0)
         k_rope = tl.load(tile + RANK + offs_e[None, :], mask=in_page[:, None] & e_ok[None, :], other=0.0)
         s = _latent_scores(q_lat, c, EXACT_FP32) + _latent_scores(q_rope, k_rope, EXACT_FP32)
-        if HALF:
-            c_other = tl.load(tile + offs_o[None, :], mask=in_page[:, None] & o_ok[None, :], other=0.0)
-            s += _latent_scores(q_other, c_other, EXACT_FP32)
+        if PARTS > 1:
+            s += _latent_scores(q_1, _latent_cols(tile, offs_1, in_page, RANK), EXACT_FP32)
+        if PARTS == 4:
+            s += _latent_scores(q_2, _latent_cols(tile, offs_2, in_page, RANK), EXACT_FP32)
+            s += _latent_scores(q_3, _latent_cols(tile, offs_3, in_page, RANK), EXACT_FP32)
         m_i, l_i, acc = online_softmax_step(s, scale, key_start + row_in_page, offset, in_page, valid, c, m_i,
                                             l_i, acc, EXACT_FP32)
-    # halves: the first program stores the LSE (the other's float32 scores summed its own half
+    # shares: the first program stores the LSE (the others' float32 scores summed their own share
     # first, so they may differ in the last bit); a vector mask, as the interpreter refuses a
     # vector & scalar one
     store_partials(acc, m_i, l_i, partial, head, valid, offs_v, v_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
@@ -108,7 +121,8 @@ def _mla_stage1_kernel(
     programs per pair block; when the plan has at most ``split_max_partials`` partials (read from
     the plan, so a graph's fixed grid follows each step's plan) each computes the whole scores
     and the output of its half of the values, keeping twice the programs per SM busy; with more
-    the first takes all the values and the second exits."""
+    the first takes all the values and the second exits. ``VALUE_SPLIT`` 4 (forced, for tuning):
+    four programs, each with a quarter of the values, whatever the plan."""
     mb = tl.program_id(0) // VALUE_SPLIT
     vb = tl.program_id(0) % VALUE_SPLIT
     w = tl.program_id(1)
@@ -141,19 +155,25 @@ def _mla_stage1_kernel(
                           stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                           stride_fh, stride_flr, scale, pair, valid, head, partial, qrow, offset, pg0, pg1,
                           page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 2, BLOCK_ROPE, BLOCK_M,
-                          PAGE_SIZE, BLOCK_N, EXACT_FP32, True)
+                          PAGE_SIZE, BLOCK_N, EXACT_FP32, 2)
         elif vb == 0:
             _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                           stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                           stride_fh, stride_flr, scale, pair, valid, head, partial, qrow, offset, pg0, pg1,
                           page_next, rows_next, start_next, 0, RANK, ROPE, BLOCK_R, BLOCK_ROPE, BLOCK_M,
-                          PAGE_SIZE, BLOCK_N, EXACT_FP32, False)
+                          PAGE_SIZE, BLOCK_N, EXACT_FP32, 1)
+    elif VALUE_SPLIT == 4:  # forced (tuning): quarters whatever the plan
+        _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
+                      stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
+                      stride_fh, stride_flr, scale, pair, valid, head, partial, qrow, offset, pg0, pg1,
+                      page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 4, BLOCK_ROPE, BLOCK_M,
+                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 4)
     else:
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, pair, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, 0, RANK, ROPE, BLOCK_R, BLOCK_ROPE, BLOCK_M,
-                      PAGE_SIZE, BLOCK_N, EXACT_FP32, False)
+                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 1)
 
 
 MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulator fits in registers
@@ -210,8 +230,8 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
     (DeepSeek-V2-Lite +2% at 1K and 16K on the H200; at 32K, 187 partitions, and 128K the halves
     took 1.5x as long as one program per pair block; batch 8 lost up to 10%, 128 heads 1.6x)."""
     launch = launch or default_mla_launch_config(page_size=page_size)
-    if launch.value_split not in (0, 1, 2):
-        raise ValueError(f"the latent value split must be 0 (chosen per launch), 1 or 2 programs, "
+    if launch.value_split not in (0, 1, 2, 4):
+        raise ValueError(f"the latent value split must be 0 (chosen per launch), 1, 2 or 4 programs, "
                          f"got {launch.value_split}")
     block_n = max(page_size, launch.block_n)
     block_m = max(16, min(launch.block_m, triton.next_power_of_2(max_work_rows * num_heads)))
