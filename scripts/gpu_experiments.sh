@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Parts take 2-8 minutes; a device call runs at most 10, so the open
-# ones go in two calls: `... valuesplit` (about 6 minutes), `... heads128 plan` (about 7).
+# ones go in three calls: `... valuesplit` (about 6 minutes), `... stage1merge` (about 5),
+# `... heads128 plan` (about 7).
 #   merge     DeepSeek-V2-Lite batch 1 with the latent merge's cost per partition
 #             (SEGKV_CUDA_LATENT_MERGE_ROWS 0 / 1, the default: 256 or 128 partitions at 16K),
 #             alternating.
@@ -17,6 +18,9 @@
 #             and the latent merge's cost per partition 1 / 2 / 4 rows with it.
 #   heads128  128 latent heads at batch 1 and 8, kernel level: 64 heads per program with a quarter of
 #             the values each (warpgroup MMAs) against the 16-head programs.
+#   stage1merge  batch 1's 32-33 partials merged by stage 1's last program a chunk at a time
+#             (SEGKV_MERGE_IN_STAGE1_MAX=64) against the merge launch: GPU tests, kernels at
+#             batch 1 / 4 and 16K-64K (8B and 70B shapes), Llama-3.1-8B batch 1 alternating.
 #   plan      Llama-3.1-8B batch 1 with the attention plan read before the PDL wait and the merge's
 #             late trigger (SEGKV_ATTENTION_PLAN_EARLY, SEGKV_MERGE_LATE_TRIGGER), DeepSeek-V2-Lite
 #             with the plan read early, alternating.
@@ -117,6 +121,25 @@ elif [ "$part" = heads128 ]; then
   echo "-- 16 latent heads, SEGKV_MLA_VALUE_SPLIT=4 (152 registers offline) (ms)" | tee -a "$log"
   SEGKV_MLA_VALUE_SPLIT=4 timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 \
     --contexts 1024,16384 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
+elif [ "$part" = stage1merge ]; then
+  # batch 1's 32-33 partials per row merged by stage 1's last program a chunk at a time
+  # (SEGKV_MERGE_IN_STAGE1_MAX=64) instead of the merge launch (3.7 us of a 40 us step at 32K):
+  # GPU tests, the kernels against SDPA, then Llama-3.1-8B batch 1 and 8 alternating
+  echo "== GPU tests: the chunked merge inside stage 1" | tee -a "$log"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
+    -k "by_chunks or merge_inside_stage1" 2>&1 | grep -E "passed|failed|^E  " | tail -5 | tee -a "$log"
+  for bound in 8 64 8 64; do
+    echo "-- decode attention kernels, SEGKV_MERGE_IN_STAGE1_MAX=$bound" | tee -a "$log"
+    SEGKV_MERGE_IN_STAGE1_MAX=$bound timeout 150 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b \
+      --batches 1,4 --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 \
+      | grep -E "^\[|^device|rror" | tee -a "$log"
+  done
+  for round in 1 2; do
+    for bound in 8 64; do
+      e2e "llama-3.1-8b merge in stage 1 up to $bound" SEGKV_MERGE_IN_STAGE1_MAX=$bound -- --models llama-3.1-8b \
+        --batches 1 --contexts 1K,16K
+    done
+  done
 elif [ "$part" = plan ]; then
   # batch-1 attention at 1K is latency: Llama-3.1-8B's stage 1 and merge take 12 us a layer for 4
   # MB (8.7% of a step). The plan's reads before the PDL wait (SEGKV_ATTENTION_PLAN_EARLY) and the
@@ -175,7 +198,7 @@ elif [ "$part" = profile ]; then
     done
   done
 else
-  echo "unknown part $part (merge, expert, mla, valuesplit, heads128, plan, transposed or profile)" >&2
+  echo "unknown part $part (merge, expert, mla, valuesplit, heads128, stage1merge, plan, transposed or profile)" >&2
   exit 2
 fi
 done

@@ -389,6 +389,65 @@ def test_decode_rows_of_few_partials_merge_inside_stage1(dtype, gen, monkeypatch
         TritonBackend(page_size=16, device=DEVICE, capacity=capacity).prepare(plan)
 
 
+@pytest.mark.parametrize("ratio", [4, 8])
+def test_rows_of_many_partials_merge_inside_stage1_by_chunks(ratio, gen, monkeypatch):
+    """``SEGKV_MERGE_IN_STAGE1_MAX=32``: decode rows of up to 32 partials are merged by the last
+    program of their query row's heads, a chunk of partials at a time (16 at 4 heads per KV head,
+    8 at 8, so several chunks and a running maximum), with no merge launch: rows of 20 and 33-way
+    splits' partials (above the bound: the merge kernel), a fully masked row, an empty chain and a
+    fixed buffer's padding rows come out as the reference's, and the tickets are back to 0."""
+    from segkv.attention import triton_backend
+    from segkv.attention.triton_backend import PlanCapacity
+    from segkv.kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "MERGE_IN_STAGE1_MAX_PARTIALS", 32)
+    triton_backend.stage1_merge_bound.cache_clear()
+    try:
+        merges = []
+        merge_into = paged_attention.merge_into
+        monkeypatch.setattr(paged_attention, "merge_into", lambda *a: merges.append(1) or merge_into(*a))
+        layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+        cache = PagedKVCache(layout, CacheConfig(page_size=16, num_pages=128), device=DEVICE)
+        chains = [cache.new_chain() for _ in range(2)]
+        for chain, n in zip(chains, (700, 37)):  # 44 and 3 pages
+            slots = chain.append(n)
+            kv = torch.randn(2, n, 2, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+            cache.storage.write(0, slots, kv[0], kv[1])
+        a, b = (SequenceQuery.from_chain(c, 1) for c in chains)
+        heads = 2 * ratio
+        batch = Batch(cache, chains, [a, SequenceQuery(b.spans, 1, query_start=-2), SequenceQuery((), 1), b],
+                      torch.randn(4, heads, 64, generator=gen).to(torch.bfloat16).to(DEVICE),
+                      AttentionShape(heads, 2, 64, 64), 0.125)
+        k, v = cache.storage.key_cache(0), cache.storage.value_cache(0)
+        rb = TorchReferenceBackend(page_size=16, device=DEVICE)
+        capacity = PlanCapacity(max_pages=256, max_work=128, max_partials=256, max_rows=8, max_work_rows=1,
+                                max_row_partials=32)
+        for parts in (20, 33):
+            plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=16, route="split",
+                                  num_partitions=parts)
+            assert plan.max_row_partials == parts and plan.max_work_rows == 1
+            ref, ref_lse = rb.run(rb.prepare(plan), batch.query, k, v, scale=batch.scale)
+            for fixed in (False, True) if parts <= 32 else (False,):
+                merges.clear()
+                tb = TritonBackend(page_size=16, device=DEVICE, poison=True, capacity=capacity if fixed else None)
+                prepared = tb.prepare(plan)
+                assert prepared.merge_in_stage1 == (parts <= 32)
+                query = batch.query
+                if fixed:  # a graph bucket: 4 padding rows past the plan's
+                    query = torch.cat([query, torch.randn(4, *query.shape[1:], generator=gen).to(query.dtype)
+                                       .to(DEVICE)])
+                for _ in range(2):
+                    out, lse = tb.run(prepared, query, k, v, scale=batch.scale)
+                    check(out[:4], lse[:4], ref, ref_lse)
+                    dead = [1, 2, *range(4, len(query))]
+                    assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
+                    if parts <= 32:
+                        assert tb._counters is not None and not tb._counters.any()
+                assert len(merges) == (0 if parts <= 32 else 2)
+    finally:
+        triton_backend.stage1_merge_bound.cache_clear()
+
+
 def test_merge_of_many_partials_per_row(gen):
     """More partials per row than the merge kernel reads at once (blocks of 64)."""
     layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)

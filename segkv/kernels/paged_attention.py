@@ -172,6 +172,64 @@ def merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce
 
 
 @triton.jit
+def merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
+                        OUT, LSE, FINAL, FINAL_LSE, offs_d, d_ok, stride_op, stride_oh, stride_lp, stride_fr,
+                        stride_fh, stride_flr, kvh, MAX_PARTIALS: tl.constexpr, GROUP: tl.constexpr,
+                        GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """:func:`merge_if_last` for rows of many partials (16 to 64): a decode program's pairs are
+    one query row's ``GROUP`` heads (lanes ``0 .. GROUP - 1``), so the program holding the last
+    tickets merges those heads only, ``CHUNK`` partials at a time with a running maximum (a
+    ``(GROUP, CHUNK, BLOCK_DV)`` float32 block, about 64 registers a thread at 4 warps) instead
+    of ``(BLOCK_M, MAX_PARTIALS, BLOCK_DV)`` at once. ``GROUP_P2``: ``GROUP`` rounded up to a power
+    of 2."""
+    CHUNK: tl.constexpr = min(MAX_PARTIALS, max(4, 64 // GROUP_P2))
+    direct = tl.load(partial_direct + partial, mask=valid, other=0)
+    shared = valid & (direct < 0)
+    count_pair = (tl.load(reduce_ptr + qrow + 1, mask=shared, other=0)
+                  - tl.load(reduce_ptr + qrow, mask=shared, other=0))
+    tl.debug_barrier()  # every thread's partial stores come before the ticket (released by it)
+    ticket = tl.atomic_add(COUNTERS + qrow * stride_c + head, 1, mask=shared, sem="acq_rel", scope="gpu")
+    last = shared & (ticket == count_pair - 1)
+    if tl.max(last.to(tl.int32), 0) > 0:
+        g = tl.arange(0, GROUP_P2)
+        lane = tl.arange(0, BLOCK_M)
+        last_g = tl.max(tl.where((lane[None, :] == g[:, None]) & last[None, :], 1, 0), 1) > 0  # (GROUP_P2,)
+        row = tl.max(tl.where(valid, qrow, 0), 0)  # the program's one query row
+        start = tl.load(reduce_ptr + row)
+        count = tl.load(reduce_ptr + row + 1) - start
+        head_g = kvh * GROUP + g
+        j = tl.arange(0, CHUNK)
+        m = tl.full([GROUP_P2], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_P2], tl.float32)
+        acc = tl.zeros([GROUP_P2, BLOCK_DV], tl.float32)
+        for i0 in range(0, count, CHUNK):
+            in_row = i0 + j < count
+            p = tl.load(reduce_partials + start + i0 + j, mask=in_row, other=0).to(tl.int64)
+            ok = last_g[:, None] & in_row[None, :]
+            # other programs' partials: read through L2 (".cg"), not a stale L1
+            lse = tl.load(LSE + p[None, :] * stride_lp + head_g[:, None], mask=ok, other=float("-inf"),
+                          cache_modifier=".cg")
+            live = lse != float("-inf")
+            o = tl.load(OUT + p[None, :, None] * stride_op + head_g[:, None, None] * stride_oh + offs_d[None, None, :],
+                        mask=live[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, tl.max(lse, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)  # rescales earlier chunks; 0 while nothing was live
+            wgt = tl.where(live, tl.exp(lse - m_safe[:, None]), 0.0)
+            acc = acc * alpha[:, None] + tl.sum(wgt[:, :, None] * o, 1)
+            total = total * alpha + tl.sum(wgt, 1)
+            m = m_new
+        empty = total == 0.0
+        out = acc / tl.where(empty, 1.0, total)[:, None]
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(FINAL + row * stride_fr + head_g[:, None] * stride_fh + offs_d[None, :],
+                 out.to(FINAL.dtype.element_ty, fp_downcast_rounding="rtne"), mask=last_g[:, None] & d_ok[None, :])
+        tl.store(FINAL_LSE + row * stride_flr + head_g,
+                 tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total))), mask=last_g)
+        tl.store(COUNTERS + row * stride_c + head_g, tl.zeros([GROUP_P2], tl.int32), mask=last_g)
+
+
+@triton.jit
 def _plan_reads(p0, n_rows, mb, w, kvh, partial_row, partial_offset, work_pages, page_table, page_rows,
                 page_key_start, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 PAGE_SIZE: tl.constexpr):
@@ -205,6 +263,7 @@ def _stage1_kernel(
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
+    GROUP_P2: tl.constexpr = 1,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (``BLOCK_N / PAGE_SIZE`` pages) at a time with
@@ -290,7 +349,11 @@ def _stage1_kernel(
         acc = tl.trans(acc)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
                    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, valid)
-    if MERGE > 0:
+    if MERGE > 8:
+        merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
+                            stride_c, OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp,
+                            stride_fr, stride_fh, stride_flr, kvh, MERGE, GROUP, GROUP_P2, BLOCK_M, BLOCK_DV)
+    elif MERGE > 0:
         merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
                       OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp, stride_fr,
                       stride_fh, stride_flr, MERGE)
@@ -493,7 +556,7 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
         MERGE=0, TRANSPOSED=block_m <= 16 and 0 < launch.transposed_min_pairs <= max_work_rows * group,
-        PLAN_EARLY=PLAN_EARLY,
+        PLAN_EARLY=PLAN_EARLY, GROUP_P2=triton.next_power_of_2(group),
         num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size), **maxnreg_option(launch),
     )
@@ -565,9 +628,11 @@ def attention_outputs(query, dv: int, num_partials: int, out_dtype, poison: bool
 # batch 4 in 8, a history of 8 segments in 8 or more; batch 1 in 16-33, where a launch that
 # reads all of a row's partials at once is faster. 8 against 4 (H200): 8 segments at batch 16
 # 2% faster on the 70B shape, batch 4 within -1% .. +1.5%.
+# From 16 partials the last program merges its query row's heads a chunk of partials at a time
+# (merge_group_if_last; 16-64 not yet measured with it: the whole-row version at 16 lost 1%).
 MERGE_IN_STAGE1_MAX_PARTIALS = env_int("SEGKV_MERGE_IN_STAGE1_MAX", 8)
-if MERGE_IN_STAGE1_MAX_PARTIALS not in (0, 2, 4, 8, 16):
-    raise ValueError(f"SEGKV_MERGE_IN_STAGE1_MAX must be 0, 2, 4, 8 or 16, got {MERGE_IN_STAGE1_MAX_PARTIALS}")
+if MERGE_IN_STAGE1_MAX_PARTIALS not in (0, 2, 4, 8, 16, 32, 64):
+    raise ValueError(f"SEGKV_MERGE_IN_STAGE1_MAX must be 0, 2, 4, 8, 16, 32 or 64, got {MERGE_IN_STAGE1_MAX_PARTIALS}")
 
 # value columns per merge program (SEGKV_MERGE_BLOCK_DV forces one width): 64 is within 1% of the
 # best for 128-wide GQA values; 512-wide latent values take 32 (16 programs per row and head: a
