@@ -389,16 +389,18 @@ def test_decode_rows_of_few_partials_merge_inside_stage1(dtype, gen, monkeypatch
         TritonBackend(page_size=16, device=DEVICE, capacity=capacity).prepare(plan)
 
 
-@pytest.mark.parametrize("ratio", [4, 8])
+@pytest.mark.parametrize("ratio", [4, 8, 32])
 def test_rows_of_many_partials_merge_inside_stage1_by_chunks(ratio, gen, monkeypatch):
     """``SEGKV_MERGE_IN_STAGE1_MAX=32``: decode rows of up to 32 partials are merged by the last
     program of their query row's heads, a chunk of partials at a time (16 at 4 heads per KV head,
-    8 at 8, so several chunks and a running maximum), with no merge launch: rows of 20 and 33-way
-    splits' partials (above the bound: the merge kernel), a fully masked row, an empty chain and a
-    fixed buffer's padding rows come out as the reference's, and the tickets are back to 0."""
+    8 at 8, so several chunks and a running maximum; 32 heads per KV head in programs of 16 pairs,
+    two programs per row), with no merge launch: rows of 20 and 33-way splits' partials (above the
+    bound: the merge kernel), a fully masked row, an empty chain and a fixed buffer's padding rows
+    come out as the reference's, and the tickets are back to 0."""
     from segkv.attention import triton_backend
     from segkv.attention.triton_backend import PlanCapacity
     from segkv.kernels import paged_attention
+    from segkv.kernels.paged_attention import LaunchConfig
 
     monkeypatch.setattr(paged_attention, "MERGE_IN_STAGE1_MAX_PARTIALS", 32)
     triton_backend.stage1_merge_bound.cache_clear()
@@ -429,7 +431,8 @@ def test_rows_of_many_partials_merge_inside_stage1_by_chunks(ratio, gen, monkeyp
             ref, ref_lse = rb.run(rb.prepare(plan), batch.query, k, v, scale=batch.scale)
             for fixed in (False, True) if parts <= 32 else (False,):
                 merges.clear()
-                tb = TritonBackend(page_size=16, device=DEVICE, poison=True, capacity=capacity if fixed else None)
+                tb = TritonBackend(page_size=16, device=DEVICE, poison=True, capacity=capacity if fixed else None,
+                                   launch=LaunchConfig(16, 4, 3, block_m=16))
                 prepared = tb.prepare(plan)
                 assert prepared.merge_in_stage1 == (parts <= 32)
                 query = batch.query

@@ -174,15 +174,14 @@ def merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce
 @triton.jit
 def merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
                         OUT, LSE, FINAL, FINAL_LSE, offs_d, d_ok, stride_op, stride_oh, stride_lp, stride_fr,
-                        stride_fh, stride_flr, kvh, MAX_PARTIALS: tl.constexpr, GROUP: tl.constexpr,
-                        GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+                        stride_fh, stride_flr, kvh, mb, MAX_PARTIALS: tl.constexpr, GROUP: tl.constexpr,
+                        LANES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
     """:func:`merge_if_last` for rows of many partials (16 to 64): a decode program's pairs are
-    one query row's ``GROUP`` heads (lanes ``0 .. GROUP - 1``), so the program holding the last
-    tickets merges those heads only, ``CHUNK`` partials at a time with a running maximum (a
-    ``(GROUP, CHUNK, BLOCK_DV)`` float32 block, about 64 registers a thread at 4 warps) instead
-    of ``(BLOCK_M, MAX_PARTIALS, BLOCK_DV)`` at once. ``GROUP_P2``: ``GROUP`` rounded up to a power
-    of 2."""
-    CHUNK: tl.constexpr = min(MAX_PARTIALS, max(4, 64 // GROUP_P2))
+    heads of one query row, in its first ``LANES`` lanes (``GROUP`` rounded up to a power of 2, at
+    most ``BLOCK_M``), so the program holding the last tickets merges those heads only, ``CHUNK``
+    partials at a time with a running maximum (a ``(LANES, CHUNK, BLOCK_DV)`` float32 block, about
+    64 registers a thread at 4 warps) instead of ``(BLOCK_M, MAX_PARTIALS, BLOCK_DV)`` at once."""
+    CHUNK: tl.constexpr = min(MAX_PARTIALS, max(4, 64 // LANES))
     direct = tl.load(partial_direct + partial, mask=valid, other=0)
     shared = valid & (direct < 0)
     count_pair = (tl.load(reduce_ptr + qrow + 1, mask=shared, other=0)
@@ -191,17 +190,17 @@ def merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, 
     ticket = tl.atomic_add(COUNTERS + qrow * stride_c + head, 1, mask=shared, sem="acq_rel", scope="gpu")
     last = shared & (ticket == count_pair - 1)
     if tl.max(last.to(tl.int32), 0) > 0:
-        g = tl.arange(0, GROUP_P2)
+        g = tl.arange(0, LANES)
         lane = tl.arange(0, BLOCK_M)
-        last_g = tl.max(tl.where((lane[None, :] == g[:, None]) & last[None, :], 1, 0), 1) > 0  # (GROUP_P2,)
+        last_g = tl.max(tl.where((lane[None, :] == g[:, None]) & last[None, :], 1, 0), 1) > 0  # (LANES,)
         row = tl.max(tl.where(valid, qrow, 0), 0)  # the program's one query row
         start = tl.load(reduce_ptr + row)
         count = tl.load(reduce_ptr + row + 1) - start
-        head_g = kvh * GROUP + g
+        head_g = kvh * GROUP + (mb * BLOCK_M + g) % GROUP  # as the pairs' heads
         j = tl.arange(0, CHUNK)
-        m = tl.full([GROUP_P2], float("-inf"), tl.float32)
-        total = tl.zeros([GROUP_P2], tl.float32)
-        acc = tl.zeros([GROUP_P2, BLOCK_DV], tl.float32)
+        m = tl.full([LANES], float("-inf"), tl.float32)
+        total = tl.zeros([LANES], tl.float32)
+        acc = tl.zeros([LANES, BLOCK_DV], tl.float32)
         for i0 in range(0, count, CHUNK):
             in_row = i0 + j < count
             p = tl.load(reduce_partials + start + i0 + j, mask=in_row, other=0).to(tl.int64)
@@ -226,7 +225,7 @@ def merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, 
                  out.to(FINAL.dtype.element_ty, fp_downcast_rounding="rtne"), mask=last_g[:, None] & d_ok[None, :])
         tl.store(FINAL_LSE + row * stride_flr + head_g,
                  tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total))), mask=last_g)
-        tl.store(COUNTERS + row * stride_c + head_g, tl.zeros([GROUP_P2], tl.int32), mask=last_g)
+        tl.store(COUNTERS + row * stride_c + head_g, tl.zeros([LANES], tl.int32), mask=last_g)
 
 
 @triton.jit
@@ -263,7 +262,7 @@ def _stage1_kernel(
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
-    GROUP_P2: tl.constexpr = 1,
+    MERGE_LANES: tl.constexpr = 1,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (``BLOCK_N / PAGE_SIZE`` pages) at a time with
@@ -352,7 +351,7 @@ def _stage1_kernel(
     if MERGE > 8:
         merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
                             stride_c, OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp,
-                            stride_fr, stride_fh, stride_flr, kvh, MERGE, GROUP, GROUP_P2, BLOCK_M, BLOCK_DV)
+                            stride_fr, stride_fh, stride_flr, kvh, mb, MERGE, GROUP, MERGE_LANES, BLOCK_M, BLOCK_DV)
     elif MERGE > 0:
         merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
                       OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp, stride_fr,
@@ -556,7 +555,7 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
         MERGE=0, TRANSPOSED=block_m <= 16 and 0 < launch.transposed_min_pairs <= max_work_rows * group,
-        PLAN_EARLY=PLAN_EARLY, GROUP_P2=triton.next_power_of_2(group),
+        PLAN_EARLY=PLAN_EARLY, MERGE_LANES=min(triton.next_power_of_2(group), block_m),
         num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size), **maxnreg_option(launch),
     )
