@@ -334,15 +334,18 @@ def test_plan_reads_before_the_wait_match_the_reference(route, gen, monkeypatch)
         assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_decode_rows_of_few_partials_merge_inside_stage1(dtype, gen, monkeypatch):
+@pytest.mark.parametrize("dtype,chunked", [("fp32", False), ("bf16", False), ("bf16", True)])
+def test_decode_rows_of_few_partials_merge_inside_stage1(dtype, chunked, gen, monkeypatch):
     """Work items of one query row (decode) and at most 8 partials per row: the last program of
     each (row, head) merges it, so no merge launch runs. Rows of several partials, a fully masked
     row, an empty chain and (fixed buffers) padding rows all come out as the reference's; the
     tickets are back to 0 after every launch, so a second launch is right too. A plan of 12
-    partials per row launches the merge kernel instead, and a fixed buffer bounded at 8 refuses it."""
+    partials per row launches the merge kernel instead, and a fixed buffer bounded at 8 refuses it.
+    ``chunked``: the last program merges with the chunked merge of many-partial rows."""
     from segkv.attention.triton_backend import PlanCapacity, stage1_merge_bound
     from segkv.kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "MERGE_IN_STAGE1_CHUNKED", chunked)
 
     merges = []
     merge_into = paged_attention.merge_into

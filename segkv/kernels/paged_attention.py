@@ -262,7 +262,7 @@ def _stage1_kernel(
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
-    MERGE_LANES: tl.constexpr = 1,
+    MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (``BLOCK_N / PAGE_SIZE`` pages) at a time with
@@ -348,7 +348,7 @@ def _stage1_kernel(
         acc = tl.trans(acc)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
                    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, valid)
-    if MERGE > 8:
+    if MERGE > 8 or (MERGE > 0 and MERGE_CHUNKED):
         merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
                             stride_c, OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp,
                             stride_fr, stride_fh, stride_flr, kvh, mb, MERGE, GROUP, MERGE_LANES, BLOCK_M, BLOCK_DV)
@@ -556,6 +556,7 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
         MERGE=0, TRANSPOSED=block_m <= 16 and 0 < launch.transposed_min_pairs <= max_work_rows * group,
         PLAN_EARLY=PLAN_EARLY, MERGE_LANES=min(triton.next_power_of_2(group), block_m),
+        MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED,
         num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size), **maxnreg_option(launch),
     )
@@ -630,6 +631,9 @@ def attention_outputs(query, dv: int, num_partials: int, out_dtype, poison: bool
 # From 16 partials the last program merges its query row's heads a chunk of partials at a time
 # (merge_group_if_last; 16-64 not yet measured with it: the whole-row version at 16 lost 1%).
 MERGE_IN_STAGE1_MAX_PARTIALS = env_int("SEGKV_MERGE_IN_STAGE1_MAX", 8)
+# SEGKV_MERGE_IN_STAGE1_CHUNKED=1: the chunked merge for rows of 2-8 partials too (offline, sm_90a,
+# head_dim 128: 168 registers at 4 heads per KV head against the whole-row merge's 232)
+MERGE_IN_STAGE1_CHUNKED = env_int("SEGKV_MERGE_IN_STAGE1_CHUNKED", 0) == 1
 if MERGE_IN_STAGE1_MAX_PARTIALS not in (0, 2, 4, 8, 16, 32, 64):
     raise ValueError(f"SEGKV_MERGE_IN_STAGE1_MAX must be 0, 2, 4, 8, 16, 32 or 64, got {MERGE_IN_STAGE1_MAX_PARTIALS}")
 
