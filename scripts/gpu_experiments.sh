@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Parts take 2-8 minutes; a device call runs at most 10, so the open
-# ones go in three calls: `... valuesplit` (about 6 minutes), `... stage1merge` (about 5),
-# `... heads128 plan` (about 7).
+# ones go in four calls: `... tests` (about 5 minutes), `... valuesplit` (about 4),
+# `... stage1merge` (about 6), `... heads128 plan` (about 7).
 #   merge     DeepSeek-V2-Lite batch 1 with the latent merge's cost per partition
 #             (SEGKV_CUDA_LATENT_MERGE_ROWS 0 / 1, the default: 256 or 128 partitions at 16K),
 #             alternating.
@@ -12,9 +12,11 @@
 #             2 stages, the merge at 128 / 32 columns per program, and partitions of at least 64
 #             rows, between runs at the defaults (at 1K stage 1 and the merge are 15% of a step for
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
+#   tests     the GPU tests of the attention kernels, graphs and engine (bf16 / head_dim 128 grid
+#             cases and every other test), after this round's kernel changes.
 #   valuesplit  the latent stage 1 at batch 1 with two programs per pair block that halve the values
-#             for plans of at most one partial per SM (the default) against one program: GPU
-#             tests, kernels at 1K-128K, DeepSeek-V2-Lite batch 1 at 1K / 16K / 64K alternating,
+#             for plans of at most one partial per SM (the default) against one program:
+#             kernels at 1K-128K, DeepSeek-V2-Lite batch 1 at 1K / 16K / 64K alternating,
 #             and the latent merge's cost per partition 1 / 2 / 4 rows with it.
 #   heads128  128 latent heads at batch 1 and 8, kernel level: 64 heads per program with a quarter of
 #             the values each (warpgroup MMAs) against the 16-head programs.
@@ -83,15 +85,21 @@ elif [ "$part" = mla ]; then
   e2e "deepseek latent partitions of at least 64 rows" SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS=64 \
     -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
   e2e "deepseek defaults" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
+elif [ "$part" = tests ]; then
+  # the kernels changed since the last GPU run (the GQA stage 1's plan reads in a helper, the merge's
+  # partial ids one block ahead, the latent stage 1's value split read from the plan, the chunked
+  # merge inside stage 1): the GPU tests at bf16 / head_dim 128 and every test that is not a grid
+  # case, graphs and the engine included
+  echo "== GPU tests (kernels, graphs, engine)" | tee -a "$log"
+  timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_mla.py \
+    tests/test_cuda_graphs.py tests/test_gpu_engine.py \
+    -k "not (test_kernels_match_the_reference or test_latent_kernel_matches_the_reference) or (bf16 and 128) or (bf16 and 16-16)" \
+    2>&1 | grep -E "passed|failed|^E  |^FAILED" | tail -15 | tee -a "$log"
 elif [ "$part" = valuesplit ]; then
   # the latent value split at batch 1, now halving the values only for plans of at most one
   # partial per SM (read from the plan): its GPU tests, the kernels at 1K-128K against one program
   # per pair block, then DeepSeek-V2-Lite batch 1 at 1K / 16K / 64K alternating (64K: 256
   # partitions, where the second program must exit at once and cost nothing)
-  echo "== GPU tests of the latent kernel with the value split" | tee -a "$log"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py \
-    -k "value_split or (bf16 and 16-16) or not test_latent_kernel_matches_the_reference" 2>&1 \
-    | grep -E "passed|failed|^E  " | tail -5 | tee -a "$log"
   for split in 1 0; do
     echo "-- latent stage 1, SEGKV_MLA_VALUE_SPLIT=$split (ms)" | tee -a "$log"
     SEGKV_MLA_VALUE_SPLIT=$split timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 \
@@ -201,7 +209,7 @@ elif [ "$part" = profile ]; then
     done
   done
 else
-  echo "unknown part $part (merge, expert, mla, valuesplit, heads128, stage1merge, plan, transposed or profile)" >&2
+  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed or profile)" >&2
   exit 2
 fi
 done
