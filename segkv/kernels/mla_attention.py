@@ -121,7 +121,7 @@ def _mla_stage1_kernel(
     programs per pair block; when the plan has at most ``split_max_partials`` partials (read from
     the plan, so a graph's fixed grid follows each step's plan) each computes the whole scores
     and the output of its half of the values, keeping twice the programs per SM busy; with more
-    the first takes all the values and the second exits. ``VALUE_SPLIT`` 4 (forced, for tuning):
+    the first takes all the values and the second exits before the wait. ``VALUE_SPLIT`` 4 (forced, for tuning):
     four programs, each with a quarter of the values, whatever the plan."""
     mb = tl.program_id(0) // VALUE_SPLIT
     vb = tl.program_id(0) % VALUE_SPLIT
@@ -146,6 +146,8 @@ def _mla_stage1_kernel(
     page_next, rows_next, start_next = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
     if VALUE_SPLIT == 2:
         halves = tl.load(work_partial_start + num_work) <= split_max_partials  # the plan's partials
+        if (vb > 0) & (halves == 0):  # nothing to do: leave before the wait, freeing the slot
+            return
     if USE_PDL:  # queries, latent rows and outputs wait for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -156,7 +158,7 @@ def _mla_stage1_kernel(
                           stride_fh, stride_flr, scale, pair, valid, head, partial, qrow, offset, pg0, pg1,
                           page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 2, BLOCK_ROPE, BLOCK_M,
                           PAGE_SIZE, BLOCK_N, EXACT_FP32, 2)
-        elif vb == 0:
+        else:  # the first program, all the values
             _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                           stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                           stride_fh, stride_flr, scale, pair, valid, head, partial, qrow, offset, pg0, pg1,
