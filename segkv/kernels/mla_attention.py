@@ -131,6 +131,10 @@ def _mla_stage1_kernel(
     if mb * BLOCK_M >= n_rows * num_heads:  # also padding work items of fixed-size plan buffers
         return
     # the plan is the host's (written before the graph or launch): read it before the wait
+    if VALUE_SPLIT == 2:
+        halves = tl.load(work_partial_start + num_work) <= split_max_partials  # the plan's partials
+        if (vb > 0) & (halves == 0):  # nothing to do: leave before the wait, freeing the slot
+            return
     pair = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     r = pair // num_heads
     valid = r < n_rows
@@ -144,10 +148,6 @@ def _mla_stage1_kernel(
     # page indices one block ahead (loop-carried): the latent loads then depend on no load of their
     # own iteration, and the pipeliner can keep the next tile in flight during this one's products
     page_next, rows_next, start_next = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
-    if VALUE_SPLIT == 2:
-        halves = tl.load(work_partial_start + num_work) <= split_max_partials  # the plan's partials
-        if (vb > 0) & (halves == 0):  # nothing to do: leave before the wait, freeing the slot
-            return
     if USE_PDL:  # queries, latent rows and outputs wait for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
