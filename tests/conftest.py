@@ -45,3 +45,10 @@ def gen(request) -> torch.Generator:
     seed = (_session_seed(request.config) + zlib.crc32(request.node.nodeid.encode())) % 2**63
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The session seed again at the end of a failed run (``-q`` hides the header)."""
+    if exitstatus != 0:
+        seed = _session_seed(config)
+        terminalreporter.write_line(f"segkv test seed: {seed} (rerun with SEGKV_TEST_SEED={seed})")
