@@ -334,6 +334,64 @@ def test_plan_reads_before_the_wait_match_the_reference(route, gen, monkeypatch)
         assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
 
 
+def decode_rows_batch(gen, *, dtype, long_rows: int, ratio: int, num_pages: int) -> Batch:
+    """Four decode rows over 2 KV heads: a ``long_rows`` history, a fully masked row, an empty
+    chain and a 37-row history."""
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, dtype=dtype)
+    cache = PagedKVCache(layout, CacheConfig(page_size=16, num_pages=num_pages), device=DEVICE)
+    chains = [cache.new_chain() for _ in range(2)]
+    for chain, n in zip(chains, (long_rows, 37)):
+        slots = chain.append(n)
+        kv = torch.randn(2, n, 2, 64, generator=gen).to(dtype).to(DEVICE)
+        cache.storage.write(0, slots, kv[0], kv[1])
+    a, b = (SequenceQuery.from_chain(c, 1) for c in chains)
+    heads = 2 * ratio
+    return Batch(cache, chains, [a, SequenceQuery(b.spans, 1, query_start=-2), SequenceQuery((), 1), b],
+                 torch.randn(4, heads, 64, generator=gen).to(dtype).to(DEVICE), AttentionShape(heads, 2, 64, 64),
+                 0.125)
+
+
+def check_merges_inside_stage1(batch, gen, *, parts: int, bound: int, capacity, merges: list, launch=None):
+    """A ``parts``-way split of ``batch`` against the reference, launched twice per backend (free
+    arrays, and the fixed buffers of ``capacity`` with 4 padding rows when ``parts <= bound``):
+    stage 1 merges the rows itself up to ``bound`` partials (no merge launch, tickets back to 0),
+    the merge kernel runs above it; masked, empty and padding rows are 0 with LSE -inf."""
+    k, v = batch.cache.storage.key_cache(0), batch.cache.storage.value_cache(0)
+    plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=16, route="split",
+                          num_partitions=parts)
+    assert plan.max_row_partials == parts and plan.max_work_rows == 1
+    rb = TorchReferenceBackend(page_size=16, device=DEVICE)
+    ref, ref_lse = rb.run(rb.prepare(plan), batch.query, k, v, scale=batch.scale)
+    for fixed in (False, True) if parts <= bound else (False,):
+        merges.clear()
+        tb = TritonBackend(page_size=16, device=DEVICE, poison=True, capacity=capacity if fixed else None,
+                           launch=launch)
+        prepared = tb.prepare(plan)
+        assert prepared.merge_in_stage1 == (parts <= bound)
+        query = batch.query
+        if fixed:  # a graph bucket: 4 padding rows past the plan's
+            query = torch.cat([query, torch.randn(4, *query.shape[1:], generator=gen).to(query.dtype).to(DEVICE)])
+        for _ in range(2):
+            out, lse = tb.run(prepared, query, k, v, scale=batch.scale)
+            check(out[:4], lse[:4], ref, ref_lse)
+            dead = [1, 2, *range(4, len(query))]
+            assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
+            if parts <= bound:
+                assert tb._counters is not None and not tb._counters.any()
+        assert len(merges) == (0 if parts <= bound else 2)
+    return plan
+
+
+def count_merge_launches(monkeypatch) -> list:
+    """A list that grows by one per merge-kernel launch."""
+    from segkv.kernels import paged_attention
+
+    merges = []
+    merge_into = paged_attention.merge_into
+    monkeypatch.setattr(paged_attention, "merge_into", lambda *a: merges.append(1) or merge_into(*a))
+    return merges
+
+
 @pytest.mark.parametrize("dtype,chunked", [("fp32", False), ("bf16", False), ("bf16", True)])
 def test_decode_rows_of_few_partials_merge_inside_stage1(dtype, chunked, gen, monkeypatch):
     """Work items of one query row (decode) and at most 8 partials per row: the last program of
@@ -346,48 +404,13 @@ def test_decode_rows_of_few_partials_merge_inside_stage1(dtype, chunked, gen, mo
     from segkv.kernels import paged_attention
 
     monkeypatch.setattr(paged_attention, "MERGE_IN_STAGE1_CHUNKED", chunked)
-
-    merges = []
-    merge_into = paged_attention.merge_into
-    monkeypatch.setattr(paged_attention, "merge_into", lambda *a: merges.append(1) or merge_into(*a))
-    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, dtype=DTYPES[dtype])
-    cache = PagedKVCache(layout, CacheConfig(page_size=16, num_pages=64), device=DEVICE)
-    chains = [cache.new_chain() for _ in range(2)]
-    for chain, n in zip(chains, (200, 37)):  # 13 and 3 pages
-        slots = chain.append(n)
-        kv = torch.randn(2, n, 2, 64, generator=gen).to(DTYPES[dtype]).to(DEVICE)
-        cache.storage.write(0, slots, kv[0], kv[1])
-    a, b = (SequenceQuery.from_chain(c, 1) for c in chains)
-    batch = Batch(cache, chains, [a, SequenceQuery(b.spans, 1, query_start=-2), SequenceQuery((), 1), b],
-                  torch.randn(4, 8, 64, generator=gen).to(DTYPES[dtype]).to(DEVICE), AttentionShape(8, 2, 64, 64),
-                  0.125)
-    storage = batch.cache.storage
-    k, v = storage.key_cache(0), storage.value_cache(0)
-    rb = TorchReferenceBackend(page_size=16, device=DEVICE)
+    merges = count_merge_launches(monkeypatch)
+    batch = decode_rows_batch(gen, dtype=DTYPES[dtype], long_rows=200, ratio=4, num_pages=64)  # 13 and 3 pages
     capacity = PlanCapacity(max_pages=256, max_work=64, max_partials=256, max_rows=8, max_work_rows=1,
                             max_row_partials=8)
     assert stage1_merge_bound() == 8
     for parts in (3, 12):
-        plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=16, route="split",
-                              num_partitions=parts)
-        assert plan.max_row_partials == parts and plan.max_work_rows == 1
-        ref, ref_lse = rb.run(rb.prepare(plan), batch.query, k, v, scale=batch.scale)
-        for fixed in (False, True) if parts <= 8 else (False,):
-            merges.clear()
-            tb = TritonBackend(page_size=16, device=DEVICE, poison=True, capacity=capacity if fixed else None)
-            prepared = tb.prepare(plan)
-            assert prepared.merge_in_stage1 == (parts <= 8)
-            query = batch.query
-            if fixed:  # a graph bucket: 4 padding rows past the plan's
-                query = torch.cat([query, torch.randn(4, *query.shape[1:], generator=gen).to(query.dtype).to(DEVICE)])
-            for _ in range(2):
-                out, lse = tb.run(prepared, query, k, v, scale=batch.scale)
-                check(out[:4], lse[:4], ref, ref_lse)
-                dead = [1, 2, *range(4, len(query))]
-                assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
-                if parts <= 8:
-                    assert tb._counters is not None and not tb._counters.any()
-            assert len(merges) == (0 if parts <= 8 else 2)
+        plan = check_merges_inside_stage1(batch, gen, parts=parts, bound=8, capacity=capacity, merges=merges)
     with pytest.raises(ValueError, match=f"merges {plan.max_row_partials} partials into a row, capacity is 8"):
         TritonBackend(page_size=16, device=DEVICE, capacity=capacity).prepare(plan)
 
@@ -408,48 +431,14 @@ def test_rows_of_many_partials_merge_inside_stage1_by_chunks(ratio, gen, monkeyp
     monkeypatch.setattr(paged_attention, "MERGE_IN_STAGE1_MAX_PARTIALS", 32)
     triton_backend.stage1_merge_bound.cache_clear()
     try:
-        merges = []
-        merge_into = paged_attention.merge_into
-        monkeypatch.setattr(paged_attention, "merge_into", lambda *a: merges.append(1) or merge_into(*a))
-        layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
-        cache = PagedKVCache(layout, CacheConfig(page_size=16, num_pages=128), device=DEVICE)
-        chains = [cache.new_chain() for _ in range(2)]
-        for chain, n in zip(chains, (700, 37)):  # 44 and 3 pages
-            slots = chain.append(n)
-            kv = torch.randn(2, n, 2, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
-            cache.storage.write(0, slots, kv[0], kv[1])
-        a, b = (SequenceQuery.from_chain(c, 1) for c in chains)
-        heads = 2 * ratio
-        batch = Batch(cache, chains, [a, SequenceQuery(b.spans, 1, query_start=-2), SequenceQuery((), 1), b],
-                      torch.randn(4, heads, 64, generator=gen).to(torch.bfloat16).to(DEVICE),
-                      AttentionShape(heads, 2, 64, 64), 0.125)
-        k, v = cache.storage.key_cache(0), cache.storage.value_cache(0)
-        rb = TorchReferenceBackend(page_size=16, device=DEVICE)
+        merges = count_merge_launches(monkeypatch)
+        batch = decode_rows_batch(gen, dtype=torch.bfloat16, long_rows=700, ratio=ratio,
+                                  num_pages=128)  # 44 and 3 pages
         capacity = PlanCapacity(max_pages=256, max_work=128, max_partials=256, max_rows=8, max_work_rows=1,
                                 max_row_partials=32)
         for parts in (20, 33):
-            plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=16, route="split",
-                                  num_partitions=parts)
-            assert plan.max_row_partials == parts and plan.max_work_rows == 1
-            ref, ref_lse = rb.run(rb.prepare(plan), batch.query, k, v, scale=batch.scale)
-            for fixed in (False, True) if parts <= 32 else (False,):
-                merges.clear()
-                tb = TritonBackend(page_size=16, device=DEVICE, poison=True, capacity=capacity if fixed else None,
-                                   launch=LaunchConfig(16, 4, 3, block_m=16))
-                prepared = tb.prepare(plan)
-                assert prepared.merge_in_stage1 == (parts <= 32)
-                query = batch.query
-                if fixed:  # a graph bucket: 4 padding rows past the plan's
-                    query = torch.cat([query, torch.randn(4, *query.shape[1:], generator=gen).to(query.dtype)
-                                       .to(DEVICE)])
-                for _ in range(2):
-                    out, lse = tb.run(prepared, query, k, v, scale=batch.scale)
-                    check(out[:4], lse[:4], ref, ref_lse)
-                    dead = [1, 2, *range(4, len(query))]
-                    assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
-                    if parts <= 32:
-                        assert tb._counters is not None and not tb._counters.any()
-                assert len(merges) == (0 if parts <= 32 else 2)
+            check_merges_inside_stage1(batch, gen, parts=parts, bound=32, capacity=capacity, merges=merges,
+                                       launch=LaunchConfig(16, 4, 3, block_m=16))
     finally:
         triton_backend.stage1_merge_bound.cache_clear()
 
