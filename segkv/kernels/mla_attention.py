@@ -22,6 +22,7 @@ from segkv.kernels.paged_attention import (
     attention_pdl_options,
     maxnreg_option,
     page_index,
+    plan_reads,
     stages_that_fit,
     attention_outputs,
     merge_into,
@@ -49,7 +50,7 @@ def _latent_cols(tile, offs, in_page, RANK: tl.constexpr):
 @triton.jit
 def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                   stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
-                  stride_fh, stride_flr, scale, pair, valid, head, partial, qrow, offset, pg0, pg1, page_next,
+                  stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1, page_next,
                   rows_next, start_next, vb,
                   RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_ROPE: tl.constexpr,
                   BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -100,7 +101,7 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
     # first, so they may differ in the last bit); a vector mask, as the interpreter refuses a
     # vector & scalar one
     store_partials(acc, m_i, l_i, partial, head, valid, offs_v, v_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
-                   stride_op, stride_oh, stride_lsp, stride_fr, stride_fh, stride_flr, valid & (pair * 0 + vb == 0))
+                   stride_op, stride_oh, stride_lsp, stride_fr, stride_fh, stride_flr, valid & (head * 0 + vb == 0))
 
 
 @triton.jit
@@ -135,19 +136,9 @@ def _mla_stage1_kernel(
         halves = tl.load(work_partial_start + num_work) <= split_max_partials  # the plan's partials
         if (vb > 0) & (halves == 0):  # nothing to do: leave before the wait, freeing the slot
             return
-    pair = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    r = pair // num_heads
-    valid = r < n_rows
-    head = pair % num_heads
-    partial = p0 + tl.where(valid, r, 0)
-    qrow = tl.load(partial_row + partial, mask=valid, other=0).to(tl.int64)
-    offset = tl.load(partial_offset + partial, mask=valid, other=-1)
-    pg0 = tl.load(work_pages + 2 * w)  # the work item's pages: no piece table in between
-    pg1 = tl.load(work_pages + 2 * w + 1)
-    slot = tl.arange(0, BLOCK_N) // PAGE_SIZE
-    # page indices one block ahead (loop-carried): the latent loads then depend on no load of their
-    # own iteration, and the pipeliner can keep the next tile in flight during this one's products
-    page_next, rows_next, start_next = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
+    valid, head, partial, qrow, offset, pg0, pg1, page_next, rows_next, start_next = plan_reads(
+        p0, n_rows, mb, w, 0, num_heads, partial_row, partial_offset, work_pages, page_table, page_rows,
+        page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE)
     if USE_PDL:  # queries, latent rows and outputs wait for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -155,25 +146,25 @@ def _mla_stage1_kernel(
         if halves:
             _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                           stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
-                          stride_fh, stride_flr, scale, pair, valid, head, partial, qrow, offset, pg0, pg1,
+                          stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                           page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 2, BLOCK_ROPE, BLOCK_M,
                           PAGE_SIZE, BLOCK_N, EXACT_FP32, 2)
         else:  # the first program, all the values
             _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                           stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
-                          stride_fh, stride_flr, scale, pair, valid, head, partial, qrow, offset, pg0, pg1,
+                          stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                           page_next, rows_next, start_next, 0, RANK, ROPE, BLOCK_R, BLOCK_ROPE, BLOCK_M,
                           PAGE_SIZE, BLOCK_N, EXACT_FP32, 1)
     elif VALUE_SPLIT == 4:  # forced (tuning): quarters whatever the plan
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
-                      stride_fh, stride_flr, scale, pair, valid, head, partial, qrow, offset, pg0, pg1,
+                      stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 4, BLOCK_ROPE, BLOCK_M,
                       PAGE_SIZE, BLOCK_N, EXACT_FP32, 4)
     else:
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
-                      stride_fh, stride_flr, scale, pair, valid, head, partial, qrow, offset, pg0, pg1,
+                      stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, 0, RANK, ROPE, BLOCK_R, BLOCK_ROPE, BLOCK_M,
                       PAGE_SIZE, BLOCK_N, EXACT_FP32, 1)
 

@@ -229,17 +229,17 @@ def merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, 
 
 
 @triton.jit
-def _plan_reads(p0, n_rows, mb, w, kvh, partial_row, partial_offset, work_pages, page_table, page_rows,
-                page_key_start, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                PAGE_SIZE: tl.constexpr):
-    """A GQA stage-1 program's share of the plan: its pairs' validity, heads, partials, query rows
-    and causal offsets, its work item's page range, and the first block's page indices (one block
+def plan_reads(p0, n_rows, mb, w, first_head, group, partial_row, partial_offset, work_pages, page_table,
+               page_rows, page_key_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """A stage-1 program's share of the plan (GQA: ``group`` heads from ``first_head``, its KV
+    head's; latent: all the heads from 0): its pairs' validity, heads, partials, query rows and
+    causal offsets, its work item's page range, and the first block's page indices (one block
     ahead, loop-carried: the K/V loads then depend on no load of their own iteration, so with 3
     pipeline stages the next tile stays in flight during this one's products)."""
     pair = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    r = pair // GROUP
+    r = pair // group
     valid = r < n_rows
-    head = kvh * GROUP + pair % GROUP
+    head = first_head + pair % group
     partial = p0 + tl.where(valid, r, 0)
     qrow = tl.load(partial_row + partial, mask=valid, other=0).to(tl.int64)
     offset = tl.load(partial_offset + partial, mask=valid, other=-1)
@@ -277,7 +277,7 @@ def _stage1_kernel(
     between launches) and the first work item's programs zero the rows without partials: no
     merge launch. ``TRANSPOSED``: the K/V tile as the tall operand (scores ``(BLOCK_N, BLOCK_M)``,
     accumulator ``(BLOCK_DV, BLOCK_M)``, :func:`online_softmax_step_transposed`). ``PLAN_EARLY``
-    (with ``USE_PDL``): the program's plan reads (:func:`_plan_reads`) come before the wait."""
+    (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait."""
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
         kvh = tl.program_id(0)
@@ -289,9 +289,9 @@ def _stage1_kernel(
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
     if PLAN_EARLY:  # the rest of the host's plan too, before the wait
-        valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst = _plan_reads(
-            p0, n_rows, mb, w, kvh, partial_row, partial_offset, work_pages, page_table, page_rows, page_key_start,
-            GROUP, BLOCK_M, BLOCK_N, PAGE_SIZE)
+        valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst = plan_reads(
+            p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages, page_table, page_rows,
+            page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE)
     if USE_PDL:  # the plan is the host's; everything else read or written below waits for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -302,9 +302,9 @@ def _stage1_kernel(
     if mb * BLOCK_M >= n_rows * GROUP:  # also the padding work items of fixed-size plan buffers
         return
     if not PLAN_EARLY:
-        valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst = _plan_reads(
-            p0, n_rows, mb, w, kvh, partial_row, partial_offset, work_pages, page_table, page_rows, page_key_start,
-            GROUP, BLOCK_M, BLOCK_N, PAGE_SIZE)
+        valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst = plan_reads(
+            p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages, page_table, page_rows,
+            page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     dk_ok = offs_dk < DK
