@@ -258,6 +258,7 @@ def mla_paged_attention(
     out, lse, part_out, part_lse = attention_outputs(query, rank, num_partials, out_dtype, poison, workspace)
     num_work = work_pages.numel() // 2
     if num_work and num_partials:
+        launch = launch or default_mla_launch_config(page_size=page_size)
         meta = mla_stage1_launch(dtype=query.dtype, rank=rank, rope=rope, num_heads=num_heads, page_size=page_size,
                                  max_work_rows=max_work_rows, element_size=latent_cache.element_size(),
                                  num_rows=num_rows, launch=launch)
@@ -269,8 +270,8 @@ def mla_paged_attention(
             query.stride(0), query.stride(1), latent_cache.stride(0), latent_cache.stride(1),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
             lse.stride(0),
-            scale, num_heads, num_work, value_split_max_partials(launch or default_mla_launch_config(
-                page_size=page_size), query.device), **meta, **attention_pdl_options(query),
+            scale, num_heads, num_work, value_split_max_partials(launch, query.device), **meta,
+            **attention_pdl_options(query),
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
