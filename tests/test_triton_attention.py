@@ -314,10 +314,17 @@ def test_plan_reads_before_the_wait_match_the_reference(route, gen, monkeypatch)
     from segkv.kernels import paged_attention
     from segkv.kernels.paged_attention import LaunchConfig
 
-    monkeypatch.setattr(paged_attention, "PLAN_EARLY", True)
+    def reads_early(group: int, setting: int) -> bool:
+        monkeypatch.setattr(paged_attention, "PLAN_EARLY", setting)
+        meta = paged_attention.stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=group, page_size=16,
+                                             max_work_rows=1, element_size=2,
+                                             launch=LaunchConfig(16, 4, 3, transposed_min_pairs=8))
+        return meta["PLAN_EARLY"]
+
+    # the default reads early in row-major programs only (4 pairs), 2 in transposed ones (8) too
+    assert [reads_early(4, 1), reads_early(8, 1), reads_early(8, 2), reads_early(4, 0)] == [True, False, True, False]
+    monkeypatch.setattr(paged_attention, "PLAN_EARLY", 2)
     monkeypatch.setattr(paged_attention, "MERGE_LATE_TRIGGER", True)
-    assert paged_attention.stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=4, page_size=16, max_work_rows=1,
-                                         element_size=2)["PLAN_EARLY"]
     for rows, ratio, page_size, block_n, parts in ((1, 8, 16, 16, 3), (3, 4, 16, 64, 3), (1, 4, 16, 16, 70)):
         batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=page_size, ratio=ratio, head_dim=64, rows=rows)
         batch.queries[1] = SequenceQuery(batch.queries[1].spans, rows, query_start=-rows)  # fully masked
@@ -471,7 +478,7 @@ def test_merge_kernel_folds_blocks_of_partials_exactly(plan_early, gen, monkeypa
     from segkv.kernels import paged_attention
     from segkv.kernels.paged_attention import merge_into
 
-    monkeypatch.setattr(paged_attention, "PLAN_EARLY", plan_early)
+    monkeypatch.setattr(paged_attention, "PLAN_EARLY", int(plan_early))
     monkeypatch.setattr(paged_attention, "MERGE_LATE_TRIGGER", plan_early)
 
     heads, dim = 3, 96

@@ -229,13 +229,9 @@ def merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, 
 
 
 @triton.jit
-def plan_reads(p0, n_rows, mb, w, first_head, group, partial_row, partial_offset, work_pages, page_table,
-               page_rows, page_key_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """A stage-1 program's share of the plan (GQA: ``group`` heads from ``first_head``, its KV
-    head's; latent: all the heads from 0): its pairs' validity, heads, partials, query rows and
-    causal offsets, its work item's page range, and the first block's page indices (one block
-    ahead, loop-carried: the K/V loads then depend on no load of their own iteration, so with 3
-    pipeline stages the next tile stays in flight during this one's products)."""
+def pair_reads(p0, n_rows, mb, first_head, group, partial_row, partial_offset, BLOCK_M: tl.constexpr):
+    """A stage-1 program's pairs (GQA: ``group`` heads from ``first_head``, its KV head's; latent:
+    all the heads from 0): their validity, heads, partials, query rows and causal offsets."""
     pair = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     r = pair // group
     valid = r < n_rows
@@ -243,6 +239,18 @@ def plan_reads(p0, n_rows, mb, w, first_head, group, partial_row, partial_offset
     partial = p0 + tl.where(valid, r, 0)
     qrow = tl.load(partial_row + partial, mask=valid, other=0).to(tl.int64)
     offset = tl.load(partial_offset + partial, mask=valid, other=-1)
+    return valid, head, partial, qrow, offset
+
+
+@triton.jit
+def plan_reads(p0, n_rows, mb, w, first_head, group, partial_row, partial_offset, work_pages, page_table,
+               page_rows, page_key_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """A stage-1 program's whole share of the plan: :func:`pair_reads`, its work item's page range,
+    and the first block's page indices (one block ahead, loop-carried: the K/V loads then depend
+    on no load of their own iteration, so with 3 pipeline stages the next tile stays in flight
+    during this one's products)."""
+    valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, first_head, group, partial_row, partial_offset,
+                                                    BLOCK_M)
     pg0 = tl.load(work_pages + 2 * w)  # the work item's pages: no piece table in between
     pg1 = tl.load(work_pages + 2 * w + 1)
     slot = tl.arange(0, BLOCK_N) // PAGE_SIZE
@@ -302,15 +310,18 @@ def _stage1_kernel(
     if mb * BLOCK_M >= n_rows * GROUP:  # also the padding work items of fixed-size plan buffers
         return
     if not PLAN_EARLY:
-        valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst = plan_reads(
-            p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages, page_table, page_rows,
-            page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE)
+        valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, kvh * GROUP, GROUP, partial_row,
+                                                        partial_offset, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     dk_ok = offs_dk < DK
     dv_ok = offs_dv < DV
     q = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + offs_dk[None, :],
                 mask=valid[:, None] & dk_ok[None, :], other=0.0)
+    if not PLAN_EARLY:  # the page range after the query: with every page read first (plan_reads) the 70B
+        # shape's transposed programs were 3.5% slower at batch 4 and 16 (H200)
+        pg0 = tl.load(work_pages + 2 * w)
+        pg1 = tl.load(work_pages + 2 * w + 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -324,6 +335,8 @@ def _stage1_kernel(
     # loop-invariant parts of the K/V addresses: this KV head, the row within its page
     k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
     v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
+    if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
+        page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
     for pg in range(pg0, pg1, PAGES):
         page_cur, rows_cur, kst_cur = page, rows, kst
         page, rows, kst = page_index(page_table, page_rows, page_key_start, pg + PAGES + slot, pg1)
@@ -549,13 +562,14 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     launch = launch or default_launch_config(head_dim=max(dk, dv), page_size=page_size)
     block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
     block_n = max(page_size, launch.block_n)
+    transposed = block_m <= 16 and 0 < launch.transposed_min_pairs <= max_work_rows * group
     return dict(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
         # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
-        MERGE=0, TRANSPOSED=block_m <= 16 and 0 < launch.transposed_min_pairs <= max_work_rows * group,
-        PLAN_EARLY=PLAN_EARLY, MERGE_LANES=min(triton.next_power_of_2(group), block_m),
+        MERGE=0, TRANSPOSED=transposed, PLAN_EARLY=PLAN_EARLY == 2 or (PLAN_EARLY == 1 and not transposed),
+        MERGE_LANES=min(triton.next_power_of_2(group), block_m),
         MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED,
         num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size), **maxnreg_option(launch),
@@ -582,10 +596,16 @@ def stages_that_fit(num_stages: int, tile_bytes: int) -> int:
 # Qwen3-8B 217 -> 220), batch 8 level (docs/benchmarks.md). SEGKV_ATTENTION_PDL=0 turns it off.
 ATTENTION_PDL = env_int("SEGKV_ATTENTION_PDL", 1) == 1
 # With PDL: the GQA stage 1 and the merge read the host's plan (partial rows, pages, partial ids)
-# before waiting for the kernel before them, so fewer dependent loads follow the wait
-# (SEGKV_ATTENTION_PLAN_EARLY=1; the latent stage 1 always does); and the merge lets the o GEMV
-# in only when it ends (SEGKV_MERGE_LATE_TRIGGER=1). Both off until measured on a GPU.
-PLAN_EARLY = env_int("SEGKV_ATTENTION_PLAN_EARLY", 0) == 1
+# before waiting for the kernel before them, so fewer dependent loads follow the wait (the latent
+# stage 1 always does). SEGKV_ATTENTION_PLAN_EARLY: 1 (default) in the merge and the row-major
+# stage-1 programs, 2 in the transposed ones too, 0 nowhere. Measured on the H200: the 8B shape's
+# batch-1 kernels 2.5% faster at 16K, Llama-3.1-8B 203 -> 205 tok/s at 16K; the 70B shape's
+# transposed programs 2-4% slower with it, hence not there.
+PLAN_EARLY = env_int("SEGKV_ATTENTION_PLAN_EARLY", 1)
+if PLAN_EARLY not in (0, 1, 2):
+    raise ValueError(f"SEGKV_ATTENTION_PLAN_EARLY must be 0, 1 or 2, got {PLAN_EARLY}")
+# The merge lets the o GEMV in only when it ends (SEGKV_MERGE_LATE_TRIGGER=1): measured level with
+# Llama-3.1-8B at batch 1 (226 / 203-204 tok/s against 226-227 / 203), so off.
 MERGE_LATE_TRIGGER = env_int("SEGKV_MERGE_LATE_TRIGGER", 0) == 1
 
 
@@ -664,7 +684,7 @@ def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> Non
         out.stride(0), out.stride(1), lse.stride(0),
         # 64 partials per step: a GQA decode row's partials (33 on the H200) in one step, a
         # 256-way latent split in four
-        DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, PLAN_EARLY=PLAN_EARLY,
+        DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, PLAN_EARLY=PLAN_EARLY > 0,
         LATE_TRIGGER=MERGE_LATE_TRIGGER, **attention_pdl_options(out),
     )
 
