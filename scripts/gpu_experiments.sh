@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
-# only after a measurement. Parts take 2-8 minutes; a device call runs at most 10, so the open
-# ones go in four calls: `... tests` (about 5 minutes), `... valuesplit` (about 4),
-# `... stage1merge` (about 6), `... heads128 plan` (about 7).
+# only after a measurement. Parts take 2-8 minutes; a device call runs at most 10. Open now:
+# `... shares short` (about 6 minutes). Measured (docs/benchmarks.md, "The prepared switches
+# measured"): tests, valuesplit, stage1merge, heads128, plan.
+#   shares    the latent value split with quarters for plans of at most a quarter of the SM count
+#             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
+#             against 0.0067 with halves) and the shares as the grid's last dimension
+#             (SEGKV_MLA_SHARES_LAST=1, so programs without a share exit at the launch's tail: at
+#             64K the halves' idle second programs cost DeepSeek-V2-Lite 2%): GPU tests, kernels,
+#             DeepSeek-V2-Lite batch 1 at 1K / 16K / 64K alternating.
+#   short     batch 1 at 1K-4K with partitions of at least 64 / 128 / 256 rows
+#             (SEGKV_CUDA_MIN_PARTITION_ROWS): at 1K the default's 16 partitions need the merge
+#             launch (5.5 us a layer), 8 or fewer are merged inside stage 1. Kernels and
+#             Llama-3.1-8B alternating.
 #   merge     DeepSeek-V2-Lite batch 1 with the latent merge's cost per partition
 #             (SEGKV_CUDA_LATENT_MERGE_ROWS 0 / 1, the default: 256 or 128 partitions at 16K),
 #             alternating.
@@ -208,8 +218,39 @@ elif [ "$part" = profile ]; then
       python3 scripts/trace_gaps.py /tmp/step.json --kernels --by-grid --min-us 5 --rows 16 2>&1 | tee -a "$log"
     done
   done
+elif [ "$part" = shares ]; then
+  echo "== GPU tests: latent value shares" | tee -a "$log"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py -k "adaptive or value_split" \
+    2>&1 | grep -E "passed|failed|^E  " | tail -5 | tee -a "$log"
+  for cfg in "SEGKV_MLA_VALUE_SPLIT_AUTO=2" "SEGKV_MLA_VALUE_SPLIT_AUTO=4" "SEGKV_MLA_SHARES_LAST=1" \
+      "SEGKV_MLA_VALUE_SPLIT_AUTO=4 SEGKV_MLA_SHARES_LAST=1"; do
+    echo "-- latent stage 1, $cfg (ms)" | tee -a "$log"
+    # shellcheck disable=SC2086
+    env $cfg timeout 100 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 --page-size 32 \
+      --contexts 1024,4096,16384,65536 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
+  done
+  for round in 1 2; do
+    for cfg in "SEGKV_MLA_VALUE_SPLIT_AUTO=2" "SEGKV_MLA_VALUE_SPLIT_AUTO=4" "SEGKV_MLA_SHARES_LAST=1" \
+        "SEGKV_MLA_VALUE_SPLIT_AUTO=4 SEGKV_MLA_SHARES_LAST=1"; do
+      # shellcheck disable=SC2086
+      e2e "deepseek $cfg" $cfg -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K,64K
+    done
+  done
+elif [ "$part" = short ]; then
+  for rows in 64 128 256; do
+    echo "-- decode attention kernels, SEGKV_CUDA_MIN_PARTITION_ROWS=$rows" | tee -a "$log"
+    SEGKV_CUDA_MIN_PARTITION_ROWS=$rows timeout 100 python3 -m segkv.bench.decode_attention \
+      --shapes llama3-8b,llama3-70b --batches 1 --contexts 1024,2048,4096 --page-sizes 32 --no-cascade --trials 5 \
+      2>&1 | grep -E "^\[|rror" | tee -a "$log"
+  done
+  for round in 1 2; do
+    for rows in 64 128 256; do
+      e2e "llama-3.1-8b partitions of at least $rows rows" SEGKV_CUDA_MIN_PARTITION_ROWS=$rows \
+        -- --models llama-3.1-8b --batches 1 --contexts 1K,4K
+    done
+  done
 else
-  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed or profile)" >&2
+  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares or short)" >&2
   exit 2
 fi
 done

@@ -132,6 +132,41 @@ def test_value_split_matches_the_reference(route, dtype, page_size, heads, gen, 
                                         page_size=page_size, max_work_rows=1, element_size=2)
 
 
+@pytest.mark.parametrize("route,shares_last", [("split", False), ("split", True), ("cascade", True)]
+                         + ([("single", False), ("single", True)] if GPU else []))
+def test_adaptive_value_shares_match_the_reference(route, shares_last, gen, monkeypatch):
+    """``SEGKV_MLA_VALUE_SPLIT_AUTO=4``: four programs per pair block take a quarter of the values
+    each when the plan has at most a quarter of ``SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS`` partials,
+    two take a half with at most that many, else the first takes all (the others exit before
+    the wait); each gives the reference's results, fully masked rows included, with the shares
+    as neighbours in the grid or as its third dimension (``SEGKV_MLA_SHARES_LAST``)."""
+    from segkv.kernels import mla_attention
+
+    monkeypatch.delenv("SEGKV_MLA_VALUE_SPLIT", raising=False)
+    monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT_AUTO", "4")
+    monkeypatch.setenv("SEGKV_MLA_SHARES_LAST", "1" if shares_last else "0")
+    meta = mla_attention.mla_stage1_launch(dtype=torch.bfloat16, rank=RANK, rope=ROPE, num_heads=4, page_size=16,
+                                           max_work_rows=1, element_size=2, num_rows=1)
+    assert (meta["VALUE_SPLIT"], meta["ADAPTIVE"], meta["SHARES_LAST"]) == (4, True, shares_last)
+    heads = 4
+    cache, _, (q0, q1, _) = latent_batch(gen, dtype=torch.bfloat16, page_size=16, rows=1)
+    queries = [q0, SequenceQuery(q1.spans, 1, query_start=-1), SequenceQuery((), 1)]  # masked, empty
+    shape = AttentionShape(heads, 1, RANK + ROPE, RANK)
+    device = DeviceSpec.cuda() if GPU else DeviceSpec.cpu()
+    partials = plan_attention(queries, shape, device, page_size=16, route=route,
+                              num_partitions=3 if route == "split" else None).num_partials
+    assert partials > 1
+    for limit in (4 * partials, partials, partials - 1):  # quarters, halves, one program
+        monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", str(limit))
+        out, lse, ref, ref_lse = run_latent(cache, queries, heads, route, gen, dtype=torch.bfloat16)
+        check(out, lse, ref, ref_lse)
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+    monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT_AUTO", "3")
+    with pytest.raises(ValueError, match="2 or 4 programs"):
+        mla_attention.mla_stage1_launch(dtype=torch.bfloat16, rank=RANK, rope=ROPE, num_heads=heads, page_size=16,
+                                        max_work_rows=1, element_size=2)
+
+
 def test_latent_width_other_than_deepseek(gen):
     """Checkpoints with other latent widths (a rank that is not a power of two)."""
     rank, rope = (256, 32) if GPU else (48, 8)

@@ -114,27 +114,41 @@ def _mla_stage1_kernel(
     scale, num_heads, num_work, split_max_partials,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
-    USE_PDL: tl.constexpr = False, VALUE_SPLIT: tl.constexpr = 1,
+    USE_PDL: tl.constexpr = False, VALUE_SPLIT: tl.constexpr = 1, ADAPTIVE: tl.constexpr = False,
+    SHARES_LAST: tl.constexpr = False,
 ):
     """One program: ``BLOCK_M`` (query row, head) pairs of one work item, scanning its piece
     ``BLOCK_N`` latent rows at a time with an online softmax in float32 (:func:`_latent_pairs`).
-    ``USE_PDL``: as the GQA stage 1 (``paged_attention.ATTENTION_PDL``). ``VALUE_SPLIT`` 2: two
-    programs per pair block; when the plan has at most ``split_max_partials`` partials (read from
-    the plan, so a graph's fixed grid follows each step's plan) each computes the whole scores
-    and the output of its half of the values, keeping twice the programs per SM busy; with more
-    the first takes all the values and the second exits before the wait. ``VALUE_SPLIT`` 4 (forced, for tuning):
-    four programs, each with a quarter of the values, whatever the plan."""
-    mb = tl.program_id(0) // VALUE_SPLIT
-    vb = tl.program_id(0) % VALUE_SPLIT
+    ``USE_PDL``: as the GQA stage 1 (``paged_attention.ATTENTION_PDL``). ``VALUE_SPLIT``: programs
+    per pair block, each computing the whole scores and the output of its share of the values.
+    ``ADAPTIVE``: the shares follow the plan's partial count (read from the plan, so a graph's
+    fixed grid follows each step's plan): 4 programs take a quarter each when the plan has at most
+    ``split_max_partials / 4`` partials (``VALUE_SPLIT`` 4), 2 a half each with at most
+    ``split_max_partials``, else the first takes all the values; programs without a share exit
+    before the wait. Otherwise (forced, for tuning) the ``VALUE_SPLIT`` shares whatever the plan.
+    ``SHARES_LAST``: the shares are the grid's third dimension (every work item's first programs
+    launch before any second one, so programs without a share exit at the launch's tail) instead
+    of neighbours in the first."""
+    if SHARES_LAST:
+        mb = tl.program_id(0)
+        vb = tl.program_id(2)
+    else:
+        mb = tl.program_id(0) // VALUE_SPLIT
+        vb = tl.program_id(0) % VALUE_SPLIT
     w = tl.program_id(1)
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
     if mb * BLOCK_M >= n_rows * num_heads:  # also padding work items of fixed-size plan buffers
         return
     # the plan is the host's (written before the graph or launch): read it before the wait
-    if VALUE_SPLIT == 2:
-        halves = tl.load(work_partial_start + num_work) <= split_max_partials  # the plan's partials
-        if (vb > 0) & (halves == 0):  # nothing to do: leave before the wait, freeing the slot
+    shares = VALUE_SPLIT
+    if ADAPTIVE:
+        partials = tl.load(work_partial_start + num_work)
+        if VALUE_SPLIT == 4:
+            shares = tl.where(partials * 4 <= split_max_partials, 4, tl.where(partials <= split_max_partials, 2, 1))
+        else:
+            shares = tl.where(partials <= split_max_partials, 2, 1)
+        if vb >= shares:  # nothing to do: leave before the wait, freeing the slot
             return
     valid, head, partial, qrow, offset, pg0, pg1, page_next, rows_next, start_next = plan_reads(
         p0, n_rows, mb, w, 0, num_heads, partial_row, partial_offset, work_pages, page_table, page_rows,
@@ -142,26 +156,25 @@ def _mla_stage1_kernel(
     if USE_PDL:  # queries, latent rows and outputs wait for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if VALUE_SPLIT == 2:
-        if halves:
-            _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
-                          stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
-                          stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
-                          page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 2, BLOCK_ROPE, BLOCK_M,
-                          PAGE_SIZE, BLOCK_N, EXACT_FP32, 2)
-        else:  # the first program, all the values
-            _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
-                          stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
-                          stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
-                          page_next, rows_next, start_next, 0, RANK, ROPE, BLOCK_R, BLOCK_ROPE, BLOCK_M,
-                          PAGE_SIZE, BLOCK_N, EXACT_FP32, 1)
-    elif VALUE_SPLIT == 4:  # forced (tuning): quarters whatever the plan
+    quarters = False  # which share this program computes (compile-time constants unless ADAPTIVE)
+    halves = False
+    if VALUE_SPLIT == 4:
+        quarters = shares == 4
+    if VALUE_SPLIT >= 2:
+        halves = shares == 2
+    if quarters:
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 4, BLOCK_ROPE, BLOCK_M,
                       PAGE_SIZE, BLOCK_N, EXACT_FP32, 4)
-    else:
+    elif halves:
+        _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
+                      stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
+                      stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
+                      page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 2, BLOCK_ROPE, BLOCK_M,
+                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 2)
+    else:  # one program, all the values
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
@@ -177,7 +190,9 @@ def default_mla_launch_config(*, page_size: int) -> LaunchConfig:
     3 stages (two latent buffers: the next tile loads during this one's products; 16 heads, batch 1
     / 128K 0.0767 -> 0.0641 ms on the H200), no register cap; ``SEGKV_MLA_BLOCK_N``, ``SEGKV_MLA_BLOCK_M``, ``SEGKV_MLA_WARPS``,
     ``SEGKV_MLA_STAGES`` and ``SEGKV_MLA_MAXNREG`` override them (tuning runs). The value split
-    (``SEGKV_MLA_VALUE_SPLIT``) is 0, chosen per launch (:func:`mla_stage1_launch`); 1 or 2 force it.
+    (``SEGKV_MLA_VALUE_SPLIT``) is 0, chosen per launch (:func:`mla_stage1_launch`) up to
+    ``SEGKV_MLA_VALUE_SPLIT_AUTO`` programs (2; 4 adds quarters for plans of few partials); 1, 2 or 4
+    force it. ``SEGKV_MLA_SHARES_LAST=1`` launches the shares as the grid's third dimension.
     (Products with the latent tile as the tall operand measured 5-20% slower on the H200:
     docs/benchmarks.md.)"""
     return LaunchConfig(
@@ -188,6 +203,8 @@ def default_mla_launch_config(*, page_size: int) -> LaunchConfig:
         maxnreg=env_int("SEGKV_MLA_MAXNREG", None),
         value_split=env_int("SEGKV_MLA_VALUE_SPLIT", 0),
         value_split_max_partials=env_int("SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", None),
+        value_split_auto=env_int("SEGKV_MLA_VALUE_SPLIT_AUTO", 2),
+        shares_last=env_int("SEGKV_MLA_SHARES_LAST", 0) == 1,
     )
 
 
@@ -226,14 +243,20 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
     if launch.value_split not in (0, 1, 2, 4):
         raise ValueError(f"the latent value split must be 0 (chosen per launch), 1, 2 or 4 programs, "
                          f"got {launch.value_split}")
+    if launch.value_split_auto not in (2, 4):
+        raise ValueError(f"the automatic latent value split launches 2 or 4 programs, got {launch.value_split_auto}")
     block_n = max(page_size, launch.block_n)
     block_m = max(16, min(launch.block_m, triton.next_power_of_2(max_work_rows * num_heads)))
     one_program = num_rows is not None and num_rows * num_heads <= block_m
+    value_split = launch.value_split or (launch.value_split_auto if one_program else 1)
     return dict(
         RANK=rank, ROPE=rope, BLOCK_R=max(16, triton.next_power_of_2(rank)),
         BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), BLOCK_M=block_m,
         PAGE_SIZE=page_size, BLOCK_N=block_n, EXACT_FP32=dtype == torch.float32 or _INTERPRET,
-        num_warps=launch.num_warps, VALUE_SPLIT=launch.value_split or (2 if one_program else 1),
+        num_warps=launch.num_warps, VALUE_SPLIT=value_split,
+        # forced 2 and the automatic split follow the plan; forced 4 quarters whatever the plan
+        ADAPTIVE=launch.value_split == 2 or (launch.value_split == 0 and value_split > 1),
+        SHARES_LAST=launch.shares_last,
         **maxnreg_option(launch),
         num_stages=stages_that_fit(launch.num_stages, block_n * (rank + rope) * element_size),
     )
@@ -262,7 +285,9 @@ def mla_paged_attention(
         meta = mla_stage1_launch(dtype=query.dtype, rank=rank, rope=rope, num_heads=num_heads, page_size=page_size,
                                  max_work_rows=max_work_rows, element_size=latent_cache.element_size(),
                                  num_rows=num_rows, launch=launch)
-        grid = (triton.cdiv(max_work_rows * num_heads, meta["BLOCK_M"]) * meta["VALUE_SPLIT"], num_work)
+        blocks = triton.cdiv(max_work_rows * num_heads, meta["BLOCK_M"])
+        grid = ((blocks, num_work, meta["VALUE_SPLIT"]) if meta["SHARES_LAST"]
+                else (blocks * meta["VALUE_SPLIT"], num_work))
         _mla_stage1_kernel[grid](
             query, latent_cache, part_out, part_lse, out, lse,
             page_table, page_rows, page_key_start, work_pages, work_partial_start,

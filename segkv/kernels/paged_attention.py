@@ -469,6 +469,8 @@ class LaunchConfig:
     transposed_min_pairs: int = 0
     value_split: int = 1  # latent programs per pair block, each with its share of the values (0: chosen per launch)
     value_split_max_partials: int | None = None  # the most partials of a plan whose latent programs halve the values
+    value_split_auto: int = 2  # latent programs the automatic split launches (4: quarters for the fewest partials)
+    shares_last: bool = False  # latent shares as the grid's third dimension (see _mla_stage1_kernel)
 
 
 def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
