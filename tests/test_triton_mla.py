@@ -167,6 +167,15 @@ def test_adaptive_value_shares_match_the_reference(route, shares_last, gen, monk
                                         max_work_rows=1, element_size=2)
 
 
+@pytest.mark.parametrize("page_size", [20, 48])
+def test_latent_page_sizes_that_do_not_divide_the_tile(page_size, gen):
+    """Latent pages of 20 or 48 rows (32- and 64-row tiles of one whole page): every route gives
+    the reference's results."""
+    for route in [r.value for r in Route]:
+        cache, _, queries = latent_batch(gen, dtype=torch.float32, page_size=page_size, rows=2)
+        check(*run_latent(cache, queries, 4, route, gen, dtype=torch.float32))
+
+
 def test_latent_width_other_than_deepseek(gen):
     """Checkpoints with other latent widths (a rank that is not a power of two)."""
     rank, rope = (256, 32) if GPU else (48, 8)

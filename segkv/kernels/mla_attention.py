@@ -28,6 +28,7 @@ from segkv.kernels.paged_attention import (
     merge_into,
     online_softmax_step,
     store_partials,
+    tile_rows_in_page,
 )
 from segkv.kernels.settings import env_int
 
@@ -62,7 +63,7 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     offs_n = tl.arange(0, BLOCK_N)
     slot = offs_n // PAGE_SIZE
-    row_in_page = offs_n % PAGE_SIZE
+    row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
     offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)  # this program's value columns
     offs_e = tl.arange(0, BLOCK_ROPE)
     v_ok = offs_v < RANK
@@ -245,7 +246,7 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
                          f"got {launch.value_split}")
     if launch.value_split_auto not in (2, 4):
         raise ValueError(f"the automatic latent value split launches 2 or 4 programs, got {launch.value_split_auto}")
-    block_n = max(page_size, launch.block_n)
+    block_n = triton.next_power_of_2(max(page_size, launch.block_n))  # a tile holds at least one page
     block_m = max(16, min(launch.block_m, triton.next_power_of_2(max_work_rows * num_heads)))
     one_program = num_rows is not None and num_rows * num_heads <= block_m
     value_split = launch.value_split or (launch.value_split_auto if one_program else 1)

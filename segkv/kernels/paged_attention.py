@@ -31,6 +31,18 @@ def page_index(page_table, page_rows, page_key_start, pidx, pg1):
 
 
 @triton.jit
+def tile_rows_in_page(offs_n, PAGE_SIZE: tl.constexpr, PAGES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Each tile row's row within its page. A tile covers ``PAGES`` whole pages; when the page
+    size does not divide the tile (a page of 20 or 48 rows in a 64-row tile) the rows past those
+    pages get ``PAGE_SIZE``, which no page's row count exceeds, so they load and count nothing
+    (the next step covers them)."""
+    row_in_page = offs_n % PAGE_SIZE
+    if PAGES * PAGE_SIZE != BLOCK_N:
+        row_in_page = tl.where(offs_n < PAGES * PAGE_SIZE, row_in_page, PAGE_SIZE)
+    return row_in_page
+
+
+@triton.jit
 def _load_kv(k_base, v_base, page, stride_kp, stride_vp, in_page, dk_ok, dv_ok):
     """The K and V tiles ``(BLOCK_N, D)`` of one block of pages (0 outside valid rows)."""
     k = tl.load(k_base + (page * stride_kp)[:, None], mask=in_page[:, None] & dk_ok[None, :], other=0.0)
@@ -331,7 +343,7 @@ def _stage1_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     slot = offs_n // PAGE_SIZE
-    row_in_page = offs_n % PAGE_SIZE
+    row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
     # loop-invariant parts of the K/V addresses: this KV head, the row within its page
     k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
     v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
@@ -563,7 +575,7 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     ``launch`` defaults to :func:`default_launch_config`."""
     launch = launch or default_launch_config(head_dim=max(dk, dv), page_size=page_size)
     block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
-    block_n = max(page_size, launch.block_n)
+    block_n = triton.next_power_of_2(max(page_size, launch.block_n))  # a tile holds at least one page
     transposed = block_m <= 16 and 0 < launch.transposed_min_pairs <= max_work_rows * group
     return dict(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
