@@ -334,15 +334,17 @@ def test_plan_reads_before_the_wait_match_the_reference(route, gen, monkeypatch)
     from segkv.kernels import paged_attention
     from segkv.kernels.paged_attention import LaunchConfig
 
-    def reads_early(group: int, setting: int) -> bool:
+    def reads_early(group: int, setting: int, rows: int = 1) -> bool:
         monkeypatch.setattr(paged_attention, "PLAN_EARLY", setting)
         meta = paged_attention.stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=group, page_size=16,
-                                             max_work_rows=1, element_size=2,
+                                             max_work_rows=rows, element_size=2,
                                              launch=LaunchConfig(16, 4, 3, transposed_min_pairs=8))
         return meta["PLAN_EARLY"]
 
-    # the default reads early in row-major programs only (4 pairs), 2 in transposed ones (8) too
-    assert [reads_early(4, 1), reads_early(8, 1), reads_early(8, 2), reads_early(4, 0)] == [True, False, True, False]
+    # the default reads early in row-major decode programs (4 pairs), not in transposed ones (8)
+    # or tall ones (64: cascade, prefill); 2 everywhere, 0 nowhere
+    assert [reads_early(4, 1), reads_early(8, 1), reads_early(4, 1, rows=16), reads_early(8, 2),
+            reads_early(4, 2, rows=16), reads_early(4, 0)] == [True, False, False, True, True, False]
     monkeypatch.setattr(paged_attention, "PLAN_EARLY", 2)
     monkeypatch.setattr(paged_attention, "MERGE_LATE_TRIGGER", True)
     for rows, ratio, page_size, block_n, parts in ((1, 8, 16, 16, 3), (3, 4, 16, 64, 3), (1, 4, 16, 16, 70)):

@@ -582,7 +582,7 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
         # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
-        MERGE=0, TRANSPOSED=transposed, PLAN_EARLY=PLAN_EARLY == 2 or (PLAN_EARLY == 1 and not transposed),
+        MERGE=0, TRANSPOSED=transposed, PLAN_EARLY=PLAN_EARLY == 2 or (PLAN_EARLY == 1 and block_m <= 16 and not transposed),
         MERGE_LANES=min(triton.next_power_of_2(group), block_m),
         MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED,
         num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
@@ -612,9 +612,10 @@ ATTENTION_PDL = env_int("SEGKV_ATTENTION_PDL", 1) == 1
 # With PDL: the GQA stage 1 and the merge read the host's plan (partial rows, pages, partial ids)
 # before waiting for the kernel before them, so fewer dependent loads follow the wait (the latent
 # stage 1 always does). SEGKV_ATTENTION_PLAN_EARLY: 1 (default) in the merge and the row-major
-# stage-1 programs, 2 in the transposed ones too, 0 nowhere. Measured on the H200: the 8B shape's
-# batch-1 kernels 2.5% faster at 16K, Llama-3.1-8B 203 -> 205 tok/s at 16K; the 70B shape's
-# transposed programs 2-4% slower with it, hence not there.
+# decode programs of at most 16 pairs, 2 in every stage-1 program, 0 nowhere. Measured on the
+# H200: the 8B shape's batch-1 kernels 3% faster at 16K, Llama-3.1-8B 203 -> 205 tok/s at 16K; the
+# 70B shape's transposed programs 2-4% slower with it, hence not there; taller programs (cascade,
+# prefill) not measured with it.
 PLAN_EARLY = env_int("SEGKV_ATTENTION_PLAN_EARLY", 1)
 if PLAN_EARLY not in (0, 1, 2):
     raise ValueError(f"SEGKV_ATTENTION_PLAN_EARLY must be 0, 1 or 2, got {PLAN_EARLY}")
