@@ -9,10 +9,10 @@
 #             (SEGKV_MLA_SHARES_LAST=1, so programs without a share exit at the launch's tail: at
 #             64K the halves' idle second programs cost DeepSeek-V2-Lite 2%): GPU tests, kernels,
 #             DeepSeek-V2-Lite batch 1 at 1K / 16K / 64K alternating.
-#   short     batch 1 at 1K-4K with partitions of at least 64 / 128 / 256 rows
-#             (SEGKV_CUDA_MIN_PARTITION_ROWS): at 1K the default's 16 partitions need the merge
-#             launch (5.5 us a layer), 8 or fewer are merged inside stage 1. Kernels and
-#             Llama-3.1-8B alternating.
+#   short     batch 1 at 1K-8K with the merge launch costed by the planner
+#             (SEGKV_CUDA_MERGE_LAUNCH_ROWS=256 / 512: short contexts take the 8 partitions stage 1
+#             merges itself) or partitions of at least 128 rows, against the default (at 1K 16
+#             partitions and the merge launch, 5.5 us a layer): kernels, Llama-3.1-8B alternating.
 #   merge     DeepSeek-V2-Lite batch 1 with the latent merge's cost per partition
 #             (SEGKV_CUDA_LATENT_MERGE_ROWS 0 / 1, the default: 256 or 128 partitions at 16K),
 #             alternating.
@@ -237,16 +237,21 @@ elif [ "$part" = shares ]; then
     done
   done
 elif [ "$part" = short ]; then
-  for rows in 64 128 256; do
-    echo "-- decode attention kernels, SEGKV_CUDA_MIN_PARTITION_ROWS=$rows" | tee -a "$log"
-    SEGKV_CUDA_MIN_PARTITION_ROWS=$rows timeout 100 python3 -m segkv.bench.decode_attention \
-      --shapes llama3-8b,llama3-70b --batches 1 --contexts 1024,2048,4096 --page-sizes 32 --no-cascade --trials 5 \
-      2>&1 | grep -E "^\[|rror" | tee -a "$log"
+  echo "== GPU tests: short decode plans merged inside stage 1" | tee -a "$log"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_planner.py \
+    -k "merge_inside_stage1 or merge_launch or do_not_divide" 2>&1 | grep -E "passed|failed|^E  " | tail -5 \
+    | tee -a "$log"
+  configs=("SEGKV_CUDA_MIN_PARTITION_ROWS=64" "SEGKV_CUDA_MIN_PARTITION_ROWS=128" "SEGKV_CUDA_MERGE_LAUNCH_ROWS=256"
+           "SEGKV_CUDA_MERGE_LAUNCH_ROWS=512")
+  for cfg in "${configs[@]}"; do
+    echo "-- decode attention kernels, $cfg" | tee -a "$log"
+    env "$cfg" timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b --batches 1 \
+      --contexts 1024,2048,4096,8192 --page-sizes 32 --no-cascade --trials 5 2>&1 | grep -E "^\[|rror" \
+      | tee -a "$log"
   done
   for round in 1 2; do
-    for rows in 64 128 256; do
-      e2e "llama-3.1-8b partitions of at least $rows rows" SEGKV_CUDA_MIN_PARTITION_ROWS=$rows \
-        -- --models llama-3.1-8b --batches 1 --contexts 1K,4K
+    for cfg in "${configs[@]}"; do
+      e2e "llama-3.1-8b $cfg" "$cfg" -- --models llama-3.1-8b --batches 1 --contexts 1K,4K
     done
   done
 else

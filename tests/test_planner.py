@@ -285,6 +285,31 @@ def test_latent_partitions_have_their_own_minimum():
         DeviceSpec(kind="cuda", name="x", num_multiprocessors=1, min_rows_per_latent_partition=0)
 
 
+def test_a_merge_launch_costs_decode_plans_of_many_partials_per_row():
+    """GQA decode at batch 1: with the merge launch costed (``merge_launch_rows``), a short context
+    takes at most the partials stage 1 merges itself (1K: 8 partitions of 128 rows instead of 16 of
+    64; 2K: 8 of 256 at a cost of 256), a long one still splits for the whole device (16K: 32); a
+    cost of 0 changes nothing, nor does it change plans whose work items hold several rows."""
+    def spec(launch_rows: int, bound: int = 8) -> DeviceSpec:
+        return DeviceSpec(kind="cuda", name="h200", num_multiprocessors=132, blocks_per_multiprocessor=2,
+                          min_rows_per_partition=64, min_rows_per_latent_partition=32, max_partitions=256,
+                          partition_overhead_rows=256, merge_launch_rows=launch_rows,
+                          stage1_merge_max_partials=bound)
+    llama = AttentionShape(num_q_heads=32, num_kv_heads=8, key_dim=128, value_dim=128)
+    parts = {(context, cost): plan_attention([seq(context)], llama, spec(cost), page_size=PS).num_partitions
+             for context in (1024, 2048, 16384) for cost in (0, 256)}
+    assert parts == {(1024, 0): 16, (1024, 256): 8, (2048, 0): 32, (2048, 256): 8, (16384, 0): 32,
+                     (16384, 256): 32}
+    plan = plan_attention([seq(1024)], llama, spec(256), page_size=PS)
+    assert plan.max_row_partials == 8 and {p.num_rows for p in plan.pieces} == {128}
+    assert plan_attention([seq(1024)], llama, spec(256, bound=0), page_size=PS).num_partitions == 16
+    rows4 = [seq(1024, num_query_rows=4)]  # a verify window: work items of 4 rows
+    assert (plan_attention(rows4, llama, spec(256), page_size=PS).num_partitions
+            == plan_attention(rows4, llama, spec(0), page_size=PS).num_partitions)
+    with pytest.raises(ValueError, match="merge_launch_rows"):
+        DeviceSpec(kind="cuda", name="x", num_multiprocessors=1, merge_launch_rows=-1)
+
+
 def test_each_latent_partition_costs_the_merge():
     """Batch 1 latent attention: with the merge's cost per partition (its 512-wide partials are read
     one after another) 16K rows make 128 partitions of 128 rows, not 256 of 64 (measured 423 against

@@ -25,6 +25,11 @@ CUDA_MIN_LATENT_PARTITION_ROWS = 32
 # at 1K 32 partitions of 32 rows beat 8 of 128 (477-479 against 446-449). A cost of 1 row per
 # partition picks about sqrt(context) partitions: 32 at 1K, 128 at 16K.
 CUDA_LATENT_MERGE_ROWS_PER_PARTITION = 1
+# What a GQA merge launch costs, in KV rows, when stage 1 cannot merge a decode plan's rows itself
+# (more partials per row than it merges). 0: not costed. At batch 1 and 1K the merge launch takes
+# about 5.5 us a layer after stage 1 (Llama-3.1-8B on the H200), while 8 partitions of 128 rows would
+# merge inside stage 1. SEGKV_CUDA_MERGE_LAUNCH_ROWS; 0 until measured (gpu_experiments.sh short).
+CUDA_MERGE_LAUNCH_ROWS = 0
 # Float32 split partials (output + LSE) a plan may need; the Triton backend keeps one buffer of
 # this size, so a long history adds no per-step workspace (see DeviceSpec.max_partial_bytes).
 PARTIAL_WORKSPACE_BYTES = 64 << 20
@@ -44,6 +49,9 @@ class DeviceSpec:
     the partitions' wide partials one after another. ``max_partial_bytes`` bounds
     the float32 partials a split adds: a many-row query (a prefill chunk) over a long history is
     cut into no more partitions than fit, so the workspace never grows with the history.
+    ``merge_launch_rows`` is what a merge launch costs (GQA), in KV rows, for a decode plan (one
+    query row per sequence, no shared pieces) with more partials per row than
+    ``stage1_merge_max_partials``, the most the stage-1 kernel merges itself (0: none).
     """
 
     kind: str
@@ -57,6 +65,8 @@ class DeviceSpec:
     partition_overhead_rows: int = 256
     latent_merge_rows_per_partition: int = 0
     max_partial_bytes: int = PARTIAL_WORKSPACE_BYTES
+    merge_launch_rows: int = 0
+    stage1_merge_max_partials: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("cpu", "cuda"):
@@ -65,9 +75,9 @@ class DeviceSpec:
                      "min_rows_per_latent_partition", "max_partitions", "max_query_rows_per_work", "partition_overhead_rows", "max_partial_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DeviceSpec.{name} must be >= 1, got {getattr(self, name)}")
-        if self.latent_merge_rows_per_partition < 0:  # 0: partitions cost the merge nothing
-            raise ValueError("DeviceSpec.latent_merge_rows_per_partition must be >= 0, "
-                             f"got {self.latent_merge_rows_per_partition}")
+        for name in ("latent_merge_rows_per_partition", "merge_launch_rows", "stage1_merge_max_partials"):
+            if getattr(self, name) < 0:  # 0: not costed / no merge inside stage 1
+                raise ValueError(f"DeviceSpec.{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def wave_size(self) -> int:
@@ -98,6 +108,8 @@ class DeviceSpec:
         (default ``SEGKV_CUDA_BLOCKS_PER_SM``, else the measured default) sets how many stage-1
         programs per multiprocessor the split planner aims for; ``min_rows_per_partition``
         (default ``SEGKV_CUDA_MIN_PARTITION_ROWS``, else one tile) the shortest partition."""
+        from segkv.attention.triton_backend import stage1_merge_bound  # the CUDA kernels' setting
+
         props = torch.cuda.get_device_properties(index)
         if blocks_per_multiprocessor is None:
             blocks_per_multiprocessor = env_int("SEGKV_CUDA_BLOCKS_PER_SM", CUDA_BLOCKS_PER_SM)
@@ -115,6 +127,8 @@ class DeviceSpec:
             partition_overhead_rows=256,
             latent_merge_rows_per_partition=env_int("SEGKV_CUDA_LATENT_MERGE_ROWS",
                                                     CUDA_LATENT_MERGE_ROWS_PER_PARTITION),
+            merge_launch_rows=env_int("SEGKV_CUDA_MERGE_LAUNCH_ROWS", CUDA_MERGE_LAUNCH_ROWS),
+            stage1_merge_max_partials=stage1_merge_bound(),
         )
 
     @classmethod

@@ -236,7 +236,8 @@ def _auto_chunk(
     ``device.max_partitions`` per run) is costed as ``waves x (rows per partition +
     partition_overhead_rows)``: a partial wave costs a whole one, and every partition pays a
     fixed prologue, epilogue and merge share (latent attention adds
-    ``latent_merge_rows_per_partition`` per partition: its merge reads 512-wide partials).
+    ``latent_merge_rows_per_partition`` per partition: its merge reads 512-wide partials; a GQA
+    decode batch adds ``merge_launch_rows`` when a row gets more partials than stage 1 merges).
     When the unsplit batch leaves slots idle, the
     most partitions among the cheapest estimates win; otherwise the fewest. A split is therefore
     never chosen over an equally cheap or cheaper single pass when the device is full.
@@ -265,6 +266,10 @@ def _auto_chunk(
     cost_all = -(-items_all // wave) * (chunk_all + device.partition_overhead_rows)
     if shape.is_latent:  # the merge reads each row's wide latent partials one after another
         cost_all = cost_all + parts_all * device.latent_merge_rows_per_partition
+    elif device.merge_launch_rows and all(rows == 1 for rows in query_rows):
+        # decode rows: stage 1 merges rows of few partials itself, more need the merge launch
+        launches = per_run.max(axis=1) > device.stage1_merge_max_partials
+        cost_all = cost_all + launches * device.merge_launch_rows
     # partials a candidate adds (one per partition and query row): over the workspace, it is out
     partial_bytes = (per_run @ np.asarray(query_rows, dtype=np.int64)) * shape.num_q_heads * (shape.value_dim + 1) * 4
     too_big = (partial_bytes > device.max_partial_bytes) & (parts_all > 1)
