@@ -150,7 +150,9 @@ def test_v3_checkpoint_with_mtp_layers_loads(tmp_path, gen):
     }
     state.update({f"model.layers.{layers}.{k}": torch.randn(shape) for k, shape in mtp.items()})
     save_file(state, weights, metadata={"format": "pt"})
-    model = load_model(path)
+    # only some of the MTP module's weights: it loads without them, and says so
+    with pytest.warns(UserWarning, match="multi-token prediction is disabled"):
+        model = load_model(path)
     assert len(model.model.layers) == layers
     ids = torch.randint(0, VOCAB, (12,), generator=gen)
     with torch.no_grad():
