@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Parts take 2-8 minutes; a device call runs at most 10. Open now:
-# `... shares short` (about 6 minutes). Measured (docs/benchmarks.md, "The prepared switches
+# `... shares short` (about 6 minutes), `... subpage` (about 4). Measured (docs/benchmarks.md, "The prepared switches
 # measured"): tests, valuesplit, stage1merge, heads128, plan.
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
@@ -9,6 +9,9 @@
 #             (SEGKV_MLA_SHARES_LAST=1, so programs without a share exit at the launch's tail: at
 #             64K the halves' idle second programs cost DeepSeek-V2-Lite 2%): GPU tests, kernels,
 #             DeepSeek-V2-Lite batch 1 at 1K / 16K / 64K alternating.
+#   subpage   pages of 64 rows with the tiles kept at 32 latent / 64 GQA rows (SEGKV_SUBPAGE_TILES=1)
+#             against tiles grown to the page (the latent one then spills): GPU tests, kernels,
+#             DeepSeek-V2-Lite batch 1 and 8 with --page-size 64 alternating; GQA kernels with pages of 128.
 #   short     batch 1 at 1K-8K with the merge launch costed by the planner
 #             (SEGKV_CUDA_MERGE_LAUNCH_ROWS=256 / 512: short contexts take the 8 partitions stage 1
 #             merges itself) or partitions of at least 128 rows, against the default (at 1K 16
@@ -236,6 +239,27 @@ elif [ "$part" = shares ]; then
       e2e "deepseek $cfg" $cfg -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K,64K
     done
   done
+elif [ "$part" = subpage ]; then
+  echo "== GPU tests: pages longer than the tile, pages that do not divide it" | tee -a "$log"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_mla.py \
+    -k "longer_than_the_tile or do_not_divide" 2>&1 | grep -E "passed|failed|^E  " | tail -5 | tee -a "$log"
+  for sub in 0 1; do
+    echo "-- latent stage 1, pages of 64, SEGKV_SUBPAGE_TILES=$sub (ms)" | tee -a "$log"
+    SEGKV_SUBPAGE_TILES=$sub timeout 100 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1,8 \
+      --page-size 64 --contexts 4096,32768 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
+  done
+  for round in 1 2; do
+    for sub in 0 1; do
+      e2e "deepseek pages of 64, subpage tiles $sub" SEGKV_SUBPAGE_TILES=$sub -- --models deepseek-v2-lite \
+        --batches 1,8 --contexts 1K,16K --page-size 64
+    done
+  done
+  for sub in 0 1; do  # GQA: pages of 128 in 64-row tiles against 128-row ones
+    echo "-- decode attention kernels, pages of 128, SEGKV_SUBPAGE_TILES=$sub" | tee -a "$log"
+    SEGKV_SUBPAGE_TILES=$sub timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b \
+      --batches 1,16 --contexts 16384 --page-sizes 128 --no-cascade --trials 5 2>&1 | grep -E "^\[|rror" \
+      | tee -a "$log"
+  done
 elif [ "$part" = short ]; then
   echo "== GPU tests: short decode plans merged inside stage 1" | tee -a "$log"
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_planner.py \
@@ -255,7 +279,7 @@ elif [ "$part" = short ]; then
     done
   done
 else
-  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares or short)" >&2
+  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage or short)" >&2
   exit 2
 fi
 done

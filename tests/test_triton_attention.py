@@ -129,6 +129,28 @@ def test_page_sizes_that_do_not_divide_the_tile(page_size, gen):
         assert torch.equal(out[2:4], torch.zeros_like(out[2:4])) and torch.isneginf(lse[2:4]).all()
 
 
+@pytest.mark.parametrize("page_size,transposed", [(32, 0), (48, 1), (20, 0)])
+def test_pages_longer_than_the_tile(page_size, transposed, gen, monkeypatch):
+    """``SEGKV_SUBPAGE_TILES=1`` with 16-row tiles: pages of 32, 48 or 20 rows are walked 2, 3 or
+    2 tiles at a time (the last one partly past the page), row-major and transposed products,
+    every route, fully masked rows included, against the reference."""
+    from segkv.kernels.paged_attention import default_launch_config, stage1_launch
+
+    monkeypatch.setenv("SEGKV_SUBPAGE_TILES", "1")
+    monkeypatch.setenv("SEGKV_TRITON_BLOCK_N", "16")
+    monkeypatch.setenv("SEGKV_TRITON_TRANSPOSED", str(transposed))
+    launch = default_launch_config(head_dim=64, page_size=page_size)
+    assert launch.subpage_tiles and stage1_launch(dtype=torch.float32, dk=64, dv=64, group=4, page_size=page_size,
+                                                  max_work_rows=1, element_size=4, launch=launch)["BLOCK_N"] == 16
+    batch = gqa_batch(gen, dtype=torch.float32, page_size=page_size, ratio=4, head_dim=64, rows=2)
+    q0, q1, q2 = batch.queries
+    batch.queries = [q0, SequenceQuery(q1.spans, 2, query_start=-2), q2]
+    for route in ROUTES:
+        _, out, lse, ref, ref_lse = run_both(batch, route)
+        check(out, lse, ref, ref_lse)
+        assert torch.equal(out[2:4], torch.zeros_like(out[2:4])) and torch.isneginf(lse[2:4]).all()
+
+
 @pytest.mark.skipif(not GPU, reason="a 128K-row history needs the GPU")
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_mixed_long_and_short_batch_in_one_launch(dtype, gen):

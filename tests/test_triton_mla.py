@@ -176,6 +176,23 @@ def test_latent_page_sizes_that_do_not_divide_the_tile(page_size, gen):
         check(*run_latent(cache, queries, 4, route, gen, dtype=torch.float32))
 
 
+@pytest.mark.parametrize("page_size", [32, 20])
+def test_latent_pages_longer_than_the_tile(page_size, gen, monkeypatch):
+    """``SEGKV_SUBPAGE_TILES=1`` with 16-row latent tiles: pages of 32 or 20 rows span two tiles;
+    every route, with one program and with the value halves, gives the reference's results."""
+    from segkv.kernels import mla_attention
+
+    monkeypatch.setenv("SEGKV_SUBPAGE_TILES", "1")
+    monkeypatch.setenv("SEGKV_MLA_BLOCK_N", "16")
+    assert mla_attention.mla_stage1_launch(dtype=torch.float32, rank=RANK, rope=ROPE, num_heads=4,
+                                           page_size=page_size, max_work_rows=1, element_size=4)["BLOCK_N"] == 16
+    for split in ("1", "0"):
+        monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT", split)
+        for route in [r.value for r in Route]:
+            cache, _, queries = latent_batch(gen, dtype=torch.float32, page_size=page_size, rows=1)
+            check(*run_latent(cache, queries, 4, route, gen, dtype=torch.float32))
+
+
 def test_latent_width_other_than_deepseek(gen):
     """Checkpoints with other latent widths (a rank that is not a power of two)."""
     rank, rope = (256, 32) if GPU else (48, 8)

@@ -28,7 +28,10 @@ from segkv.kernels.paged_attention import (
     merge_into,
     online_softmax_step,
     store_partials,
+    next_tile_pages,
+    tile_range,
     tile_rows_in_page,
+    subpage_tiles,
 )
 from segkv.kernels.settings import env_int
 
@@ -60,7 +63,8 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
     values' ``BLOCK_V`` columns from ``vb * BLOCK_V``, one of ``PARTS`` (1, 2 or 4) shares (with
     more than one the scores also take the other shares' columns, after its own, and only program
     ``vb == 0`` stores the LSE)."""
-    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
+    PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
+    SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     offs_n = tl.arange(0, BLOCK_N)
     slot = offs_n // PAGE_SIZE
     row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
@@ -83,11 +87,20 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
     row_base = LAT + (row_in_page * stride_ln)[:, None]
-    for pg in range(pg0, pg1, PAGES):
+    t0, t1 = tile_range(pg0, pg1, SUB)
+    for t in range(t0, t1, PAGES):
         page, rows, key_start = page_next, rows_next, start_next
-        page_next, rows_next, start_next = page_index(page_table, page_rows, page_key_start, pg + PAGES + slot, pg1)
-        in_page = row_in_page < rows
-        tile = row_base + (page * stride_lp)[:, None]
+        page_next, rows_next, start_next = page_index(page_table, page_rows, page_key_start,
+                                                      next_tile_pages(t, slot, PAGES, SUB), pg1)
+        if SUB > 1:  # this tile's rows of a longer page
+            sub_rows = (t % SUB) * BLOCK_N
+            row_cur = row_in_page + sub_rows
+            in_page = row_cur < rows
+            tile = row_base + (page * stride_lp + sub_rows * stride_ln)[:, None]
+        else:
+            row_cur = row_in_page
+            in_page = row_cur < rows
+            tile = row_base + (page * stride_lp)[:, None]
         c = tl.load(tile + offs_v[None, :], mask=in_page[:, None] & v_ok[None, :], other=0.0)
         k_rope = tl.load(tile + RANK + offs_e[None, :], mask=in_page[:, None] & e_ok[None, :], other=0.0)
         s = _latent_scores(q_lat, c, EXACT_FP32) + _latent_scores(q_rope, k_rope, EXACT_FP32)
@@ -96,7 +109,7 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
         if PARTS == 4:
             s += _latent_scores(q_2, _latent_cols(tile, offs_2, in_page, RANK), EXACT_FP32)
             s += _latent_scores(q_3, _latent_cols(tile, offs_3, in_page, RANK), EXACT_FP32)
-        m_i, l_i, acc = online_softmax_step(s, scale, key_start + row_in_page, offset, in_page, valid, c, m_i,
+        m_i, l_i, acc = online_softmax_step(s, scale, key_start + row_cur, offset, in_page, valid, c, m_i,
                                             l_i, acc, EXACT_FP32)
     # shares: the first program stores the LSE (the others' float32 scores summed their own share
     # first, so they may differ in the last bit); a vector mask, as the interpreter refuses a
@@ -196,8 +209,10 @@ def default_mla_launch_config(*, page_size: int) -> LaunchConfig:
     force it. ``SEGKV_MLA_SHARES_LAST=1`` launches the shares as the grid's third dimension.
     (Products with the latent tile as the tall operand measured 5-20% slower on the H200:
     docs/benchmarks.md.)"""
+    block_n, subpage = env_int("SEGKV_MLA_BLOCK_N", 32), subpage_tiles()
     return LaunchConfig(
-        block_n=max(page_size, env_int("SEGKV_MLA_BLOCK_N", 32)),
+        block_n=block_n if subpage else max(page_size, block_n),
+        subpage_tiles=subpage,
         num_warps=env_int("SEGKV_MLA_WARPS", 4),
         num_stages=env_int("SEGKV_MLA_STAGES", 3),
         block_m=env_int("SEGKV_MLA_BLOCK_M", MLA_BLOCK_M),
@@ -246,7 +261,8 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
                          f"got {launch.value_split}")
     if launch.value_split_auto not in (2, 4):
         raise ValueError(f"the automatic latent value split launches 2 or 4 programs, got {launch.value_split_auto}")
-    block_n = triton.next_power_of_2(max(page_size, launch.block_n))  # a tile holds at least one page
+    # a tile holds at least one page, unless the launch walks longer pages a tile at a time
+    block_n = triton.next_power_of_2(launch.block_n if launch.subpage_tiles else max(page_size, launch.block_n))
     block_m = max(16, min(launch.block_m, triton.next_power_of_2(max_work_rows * num_heads)))
     one_program = num_rows is not None and num_rows * num_heads <= block_m
     value_split = launch.value_split or (launch.value_split_auto if one_program else 1)

@@ -37,9 +37,27 @@ def tile_rows_in_page(offs_n, PAGE_SIZE: tl.constexpr, PAGES: tl.constexpr, BLOC
     pages get ``PAGE_SIZE``, which no page's row count exceeds, so they load and count nothing
     (the next step covers them)."""
     row_in_page = offs_n % PAGE_SIZE
-    if PAGES * PAGE_SIZE != BLOCK_N:
+    if PAGES * PAGE_SIZE < BLOCK_N:
         row_in_page = tl.where(offs_n < PAGES * PAGE_SIZE, row_in_page, PAGE_SIZE)
     return row_in_page
+
+
+@triton.jit
+def tile_range(pg0, pg1, SUB: tl.constexpr):
+    """The loop bounds over a work item's tiles: its page entries ``[pg0, pg1)``, or with pages
+    of ``SUB`` tiles each (a page longer than the tile) ``SUB`` steps per entry."""
+    if SUB > 1:
+        return pg0 * SUB, pg1 * SUB
+    return pg0, pg1
+
+
+@triton.jit
+def next_tile_pages(t, slot, PAGES: tl.constexpr, SUB: tl.constexpr):
+    """The page entries of the tile after tile ``t``, one per tile row (``slot``: the row's page
+    within a tile of whole pages; 0 when a page spans tiles)."""
+    if SUB > 1:
+        return (t + 1) // SUB + slot
+    return t + PAGES + slot
 
 
 @triton.jit
@@ -298,7 +316,8 @@ def _stage1_kernel(
     merge launch. ``TRANSPOSED``: the K/V tile as the tall operand (scores ``(BLOCK_N, BLOCK_M)``,
     accumulator ``(BLOCK_DV, BLOCK_M)``, :func:`online_softmax_step_transposed`). ``PLAN_EARLY``
     (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait."""
-    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
+    PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
+    SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
         kvh = tl.program_id(0)
         w = tl.program_id(1)
@@ -349,12 +368,20 @@ def _stage1_kernel(
     v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
     if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
         page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
-    for pg in range(pg0, pg1, PAGES):
+    t0, t1 = tile_range(pg0, pg1, SUB)
+    for t in range(t0, t1, PAGES):
         page_cur, rows_cur, kst_cur = page, rows, kst
-        page, rows, kst = page_index(page_table, page_rows, page_key_start, pg + PAGES + slot, pg1)
-        k_cur, v_cur = _load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_in_page < rows_cur, dk_ok, dv_ok)
-        in_page = row_in_page < rows_cur
-        kpos = kst_cur + row_in_page
+        page, rows, kst = page_index(page_table, page_rows, page_key_start, next_tile_pages(t, slot, PAGES, SUB), pg1)
+        if SUB > 1:  # this tile's rows of a longer page
+            sub_rows = (t % SUB) * BLOCK_N
+            row_cur = row_in_page + sub_rows
+            k_cur, v_cur = _load_kv(k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn, page_cur,
+                                    stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
+        else:
+            row_cur = row_in_page
+            k_cur, v_cur = _load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
+        in_page = row_cur < rows_cur
+        kpos = kst_cur + row_cur
         if TRANSPOSED:
             if EXACT_FP32:
                 s_t = tl.dot(k_cur.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
@@ -460,6 +487,14 @@ def _kv_write_kernel(SRC, DST, slots, stride_sn, stride_dn, WIDTH: tl.constexpr,
     tl.store(DST + slot * stride_dn + offs, row.to(DST.dtype.element_ty), mask=offs < WIDTH)
 
 
+def subpage_tiles() -> bool:
+    """Tiles of the launch's rows whatever the page size (``SEGKV_SUBPAGE_TILES=1``): a page longer
+    than the tile is walked a tile at a time, so a 64-row page keeps the latent kernel's 32-row
+    tile (a 64-row one holds 255 registers and spills 1 KB, offline, sm_90a) and wide GQA heads
+    their 32. Off until measured: the tile grows to the page."""
+    return env_int("SEGKV_SUBPAGE_TILES", 0) == 1
+
+
 # Decode programs of at least this many (query row x head) pairs (and at most 16) take the K/V tile
 # as the tall operand by default (SEGKV_TRITON_TRANSPOSED overrides; docs/benchmarks.md).
 TRANSPOSED_MIN_PAIRS = 8
@@ -483,6 +518,7 @@ class LaunchConfig:
     value_split_max_partials: int | None = None  # the most partials of a plan whose latent programs halve the values
     value_split_auto: int = 2  # latent programs the automatic split launches (4: quarters for the fewest partials)
     shares_last: bool = False  # latent shares as the grid's third dimension (see _mla_stage1_kernel)
+    subpage_tiles: bool = False  # the tile is block_n rows whatever the page size (a longer page spans tiles)
 
 
 def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
@@ -490,8 +526,10 @@ def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
     of ``docs/configuration.md`` (tile, warps, stages, pairs, launch order, register cap)."""
     wide = head_dim > 128
     block_n = env_int("SEGKV_TRITON_BLOCK_N", 32 if wide else 64)
+    subpage = subpage_tiles()
     return LaunchConfig(
-        block_n=max(page_size, block_n),
+        block_n=block_n if subpage else max(page_size, block_n),
+        subpage_tiles=subpage,
         num_warps=env_int("SEGKV_TRITON_WARPS", 4),
         # 3 stages: two K/V buffers, the next tile loading during this one (2 stages: one buffer);
         # batch 1 / 32K 0.0456 -> 0.0422 ms, batch 16 0.531 -> 0.500 (H200, with 2 programs per SM)
@@ -575,7 +613,8 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     ``launch`` defaults to :func:`default_launch_config`."""
     launch = launch or default_launch_config(head_dim=max(dk, dv), page_size=page_size)
     block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
-    block_n = triton.next_power_of_2(max(page_size, launch.block_n))  # a tile holds at least one page
+    # a tile holds at least one page, unless the launch walks longer pages a tile at a time
+    block_n = triton.next_power_of_2(launch.block_n if launch.subpage_tiles else max(page_size, launch.block_n))
     transposed = block_m <= 16 and 0 < launch.transposed_min_pairs <= max_work_rows * group
     return dict(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
