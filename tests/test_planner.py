@@ -386,3 +386,28 @@ def test_automatic_plan_of_a_segmented_history_is_the_contiguous_one(batch, cont
     assert auto_cut.route == auto_whole.route
     forced = plan_attention(cut, GQA, H200_LIKE, page_size=PS, route="segments")
     assert min(len(p.page_ids) for p in forced.pieces) <= len(whole[0].spans[0].page_ids) // 8 + 1
+
+
+def test_cuda_device_spec_from_properties_and_environment(monkeypatch):
+    """``DeviceSpec.cuda`` (run on a GPU only) on a stand-in device: the SM count from the device's
+    properties, the measured defaults, the ``SEGKV_CUDA_*`` overrides, and the stage-1 merge bound
+    the GQA kernels use."""
+    import types
+    from unittest import mock
+
+    props = types.SimpleNamespace(name="stand-in", multi_processor_count=132)
+    with mock.patch("torch.cuda.get_device_properties", return_value=props):
+        spec = DeviceSpec.cuda()
+        assert (spec.kind, spec.num_multiprocessors, spec.blocks_per_multiprocessor, spec.min_rows_per_partition,
+                spec.min_rows_per_latent_partition, spec.latent_merge_rows_per_partition, spec.merge_launch_rows,
+                spec.stage1_merge_max_partials) == ("cuda", 132, 2, 64, 32, 1, 0, 8)
+        for name, value in (("SEGKV_CUDA_BLOCKS_PER_SM", "3"), ("SEGKV_CUDA_MIN_PARTITION_ROWS", "128"),
+                            ("SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS", "64"), ("SEGKV_CUDA_LATENT_MERGE_ROWS", "0"),
+                            ("SEGKV_CUDA_MERGE_LAUNCH_ROWS", "256")):
+            monkeypatch.setenv(name, value)
+        spec = DeviceSpec.cuda()
+        assert (spec.blocks_per_multiprocessor, spec.min_rows_per_partition, spec.min_rows_per_latent_partition,
+                spec.latent_merge_rows_per_partition, spec.merge_launch_rows) == (3, 128, 64, 0, 256)
+        monkeypatch.setenv("SEGKV_CUDA_MERGE_LAUNCH_ROWS", "-1")
+        with pytest.raises(ValueError, match="merge_launch_rows"):
+            DeviceSpec.cuda()
