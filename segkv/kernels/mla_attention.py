@@ -16,21 +16,23 @@ import torch
 import triton
 import triton.language as tl
 
+from segkv.kernels.attention_tiles import (
+    next_tile_pages,
+    online_softmax_step,
+    page_index,
+    plan_reads,
+    store_partials,
+    tile_range,
+    tile_rows_in_page,
+)
 from segkv.kernels.paged_attention import (
     _INTERPRET,
     LaunchConfig,
+    attention_outputs,
     attention_pdl_options,
     maxnreg_option,
-    page_index,
-    plan_reads,
-    stages_that_fit,
-    attention_outputs,
     merge_into,
-    online_softmax_step,
-    store_partials,
-    next_tile_pages,
-    tile_range,
-    tile_rows_in_page,
+    stages_that_fit,
     subpage_tiles,
 )
 from segkv.kernels.settings import env_int

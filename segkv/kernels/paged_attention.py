@@ -1,6 +1,7 @@
 """Triton kernels for attention over pieces: stage-1 partials, the exact LSE merge, the KV write.
 
-Imports torch and triton only. The plan arrives as flat int32 tensors (see the launchers'
+The stage-1 program's building blocks are in ``attention_tiles`` (shared with the latent kernel)
+and ``stage1_merge`` (the merge inside stage 1). Imports torch and triton only. The plan arrives as flat int32 tensors (see the launchers'
 docstrings); every float accumulation is float32 and the output is rounded once, in the
 merge kernel, so results equal float32 attention over the whole history rounded once.
 """
@@ -14,278 +15,23 @@ import torch
 import triton
 import triton.language as tl
 
+from segkv.kernels.attention_tiles import (
+    load_kv,
+    next_tile_pages,
+    online_softmax_step,
+    online_softmax_step_transposed,
+    page_index,
+    pair_reads,
+    plan_reads,
+    store_partials,
+    tile_range,
+    tile_rows_in_page,
+)
 from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
+from segkv.kernels.stage1_merge import merge_group_if_last, merge_if_last, zero_empty_rows
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def page_index(page_table, page_rows, page_key_start, pidx, pg1):
-    """Page ids, valid rows and first-row positions of pages ``pidx`` (0 past ``pg1``)."""
-    in_range = pidx < pg1
-    page = tl.load(page_table + pidx, mask=in_range, other=0).to(tl.int64)
-    rows = tl.load(page_rows + pidx, mask=in_range, other=0)
-    key_start = tl.load(page_key_start + pidx, mask=in_range, other=0)
-    return page, rows, key_start
-
-
-@triton.jit
-def tile_rows_in_page(offs_n, PAGE_SIZE: tl.constexpr, PAGES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Each tile row's row within its page. A tile covers ``PAGES`` whole pages; when the page
-    size does not divide the tile (a page of 20 or 48 rows in a 64-row tile) the rows past those
-    pages get ``PAGE_SIZE``, which no page's row count exceeds, so they load and count nothing
-    (the next step covers them)."""
-    row_in_page = offs_n % PAGE_SIZE
-    if PAGES * PAGE_SIZE < BLOCK_N:
-        row_in_page = tl.where(offs_n < PAGES * PAGE_SIZE, row_in_page, PAGE_SIZE)
-    return row_in_page
-
-
-@triton.jit
-def tile_range(pg0, pg1, SUB: tl.constexpr):
-    """The loop bounds over a work item's tiles: its page entries ``[pg0, pg1)``, or with pages
-    of ``SUB`` tiles each (a page longer than the tile) ``SUB`` steps per entry."""
-    if SUB > 1:
-        return pg0 * SUB, pg1 * SUB
-    return pg0, pg1
-
-
-@triton.jit
-def next_tile_pages(t, slot, PAGES: tl.constexpr, SUB: tl.constexpr):
-    """The page entries of the tile after tile ``t``, one per tile row (``slot``: the row's page
-    within a tile of whole pages; 0 when a page spans tiles)."""
-    if SUB > 1:
-        return (t + 1) // SUB + slot
-    return t + PAGES + slot
-
-
-@triton.jit
-def _load_kv(k_base, v_base, page, stride_kp, stride_vp, in_page, dk_ok, dv_ok):
-    """The K and V tiles ``(BLOCK_N, D)`` of one block of pages (0 outside valid rows)."""
-    k = tl.load(k_base + (page * stride_kp)[:, None], mask=in_page[:, None] & dk_ok[None, :], other=0.0)
-    v = tl.load(v_base + (page * stride_vp)[:, None], mask=in_page[:, None] & dv_ok[None, :], other=0.0)
-    return k, v
-
-
-@triton.jit
-def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc, EXACT_FP32: tl.constexpr):
-    """One block of the online softmax: raw scores ``s (M, N)`` float32 of the keys at positions
-    ``kpos (N,)``, masked causally against ``offset (M,)`` and to valid rows; ``v (N, D)`` the
-    block's values. Returns the updated running max, sum and float32 accumulator ``(M, D)``.
-    A fully masked row keeps max -inf and adds nothing (no NaN)."""
-    s = s * scale
-    visible = (kpos[None, :] <= offset[:, None]) & in_page[None, :] & valid[:, None]
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    # the products accumulate into acc itself: a separate (M, D) float32 result per dot would
-    # triple the accumulator registers (255 with spills for 64 x 128 and 16 x 512 tiles)
-    if EXACT_FP32:
-        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-    else:  # P split exactly into two half-precision parts: about 16 bits of P, float32 sums
-        p_hi = p.to(v.dtype)
-        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-        acc = tl.dot(p_lo, v, tl.dot(p_hi, v, acc))
-    return m_new, l_i, acc
-
-
-@triton.jit
-def online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc_t,
-                                   EXACT_FP32: tl.constexpr):
-    """:func:`online_softmax_step` with the KV tile as the tall operand: scores ``s_t (N, M)``,
-    values ``v (N, D)``, accumulator ``acc_t (D, M) += v^T p_t``. With a few (row, head) pairs
-    per program (M = 16) the tile's rows fill a Hopper warpgroup MMA's M and both operands stay in
-    shared memory; the query is not copied into every warp's registers each tile. The same float32
-    arithmetic (P split into two half-precision parts)."""
-    s = s_t * scale
-    visible = (kpos[:, None] <= offset[None, :]) & in_page[:, None] & valid[None, :]
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_safe[None, :])
-    alpha = tl.exp(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 0)
-    acc_t = acc_t * alpha[None, :]
-    if EXACT_FP32:
-        acc_t = tl.dot(tl.trans(v.to(tl.float32)), p, acc_t, input_precision="ieee")
-    else:
-        p_hi = p.to(v.dtype)
-        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-        acc_t = tl.dot(tl.trans(v), p_lo, tl.dot(tl.trans(v), p_hi, acc_t))
-    return m_new, l_i, acc_t
-
-
-@triton.jit
-def store_partials(acc, m_i, l_i, partial, head, valid, offs_d, d_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
-                   stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, lse_valid):
-    """Normalise a program's (row, head) results and store them: a partial that is its row's
-    only one (``partial_direct >= 0``) is rounded once into FINAL/FINAL_LSE, the others go to
-    OUT/LSE in float32 for the merge. Empty rows are 0 with LSE -inf. The LSEs of the pairs in
-    ``lse_valid`` only (``valid``, or none where another program of the same pairs stores them)."""
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    direct = tl.load(partial_direct + partial, mask=valid, other=-1)
-    to_merge = valid & (direct < 0)
-    to_final = valid & (direct >= 0)
-    frow = tl.where(to_final, direct, 0).to(tl.int64)
-    tl.store(OUT + partial[:, None] * stride_op + head[:, None] * stride_oh + offs_d[None, :], out,
-             mask=to_merge[:, None] & d_ok[None, :])
-    tl.store(LSE + partial * stride_lp + head, lse, mask=to_merge & lse_valid)
-    tl.store(FINAL + frow[:, None] * stride_fr + head[:, None] * stride_fh + offs_d[None, :],
-             out.to(FINAL.dtype.element_ty, fp_downcast_rounding="rtne"), mask=to_final[:, None] & d_ok[None, :])
-    tl.store(FINAL_LSE + frow * stride_flr + head, lse, mask=to_final & lse_valid)
-
-
-@triton.jit
-def zero_empty_rows(reduce_ptr, num_rows, kvh, FINAL, FINAL_LSE, stride_fr, stride_fh, stride_flr,
-                    GROUP: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Rows without partials (no visible key, a graph bucket's padding rows): 0 with LSE -inf in
-    KV head ``kvh``'s query heads (what the merge kernel writes for them)."""
-    PAIRS: tl.constexpr = 16
-    offs_d = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < DV
-    for p0 in range(0, num_rows * GROUP, PAIRS):
-        pair = p0 + tl.arange(0, PAIRS)
-        row = (pair // GROUP).to(tl.int64)
-        ok = row < num_rows
-        count = tl.load(reduce_ptr + row + 1, mask=ok, other=0) - tl.load(reduce_ptr + row, mask=ok, other=0)
-        empty = ok & (count == 0)
-        head = kvh * GROUP + pair % GROUP
-        tl.store(FINAL + row[:, None] * stride_fr + head[:, None] * stride_fh + offs_d[None, :],
-                 tl.zeros([PAIRS, BLOCK_DV], FINAL.dtype.element_ty), mask=empty[:, None] & d_ok[None, :])
-        tl.store(FINAL_LSE + row * stride_flr + head, tl.full([PAIRS], float("-inf"), tl.float32), mask=empty)
-
-
-@triton.jit
-def merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
-                  OUT, LSE, FINAL, FINAL_LSE, offs_d, d_ok, stride_op, stride_oh, stride_lp, stride_fr, stride_fh,
-                  stride_flr, MAX_PARTIALS: tl.constexpr):
-    """After a program stored its partials: for each of its (row, head) pairs with several
-    partials (at most ``MAX_PARTIALS``), count this one in (an atomic ticket per pair). The
-    program holding a pair's last ticket merges that pair's partials by the contract's formula
-    (all of them in one load: no chain of dependent loads), rounds once into FINAL/FINAL_LSE and
-    resets the ticket to 0 for the next launch. Saves the merge launch of a decode step."""
-    direct = tl.load(partial_direct + partial, mask=valid, other=0)
-    shared = valid & (direct < 0)
-    start = tl.load(reduce_ptr + qrow, mask=shared, other=0)
-    count = tl.load(reduce_ptr + qrow + 1, mask=shared, other=0) - start
-    tl.debug_barrier()  # every thread's partial stores come before the ticket (released by it)
-    ticket = tl.atomic_add(COUNTERS + qrow * stride_c + head, 1, mask=shared, sem="acq_rel", scope="gpu")
-    last = shared & (ticket == count - 1)
-    if tl.max(last.to(tl.int32), 0) > 0:
-        j = tl.arange(0, MAX_PARTIALS)
-        ok = last[:, None] & (j[None, :] < count[:, None])
-        p = tl.load(reduce_partials + start[:, None] + j[None, :], mask=ok, other=0).to(tl.int64)
-        # other programs' partials: read through L2 (".cg"), not a stale L1
-        lse = tl.load(LSE + p * stride_lp + head[:, None], mask=ok, other=float("-inf"), cache_modifier=".cg")
-        live = lse != float("-inf")
-        o = tl.load(OUT + p[:, :, None] * stride_op + head[:, None, None] * stride_oh + offs_d[None, None, :],
-                    mask=live[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-        m = tl.max(lse, 1)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        wgt = tl.where(live, tl.exp(lse - m_safe[:, None]), 0.0)
-        total = tl.sum(wgt, 1)
-        acc = tl.sum(wgt[:, :, None] * o, 1)
-        empty = total == 0.0
-        out = acc / tl.where(empty, 1.0, total)[:, None]
-        tl.store(FINAL + qrow[:, None] * stride_fr + head[:, None] * stride_fh + offs_d[None, :],
-                 out.to(FINAL.dtype.element_ty, fp_downcast_rounding="rtne"), mask=last[:, None] & d_ok[None, :])
-        tl.store(FINAL_LSE + qrow * stride_flr + head,
-                 tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total))), mask=last)
-        tl.store(COUNTERS + qrow * stride_c + head, tl.zeros_like(ticket), mask=last)
-
-
-@triton.jit
-def merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
-                        OUT, LSE, FINAL, FINAL_LSE, offs_d, d_ok, stride_op, stride_oh, stride_lp, stride_fr,
-                        stride_fh, stride_flr, kvh, mb, MAX_PARTIALS: tl.constexpr, GROUP: tl.constexpr,
-                        LANES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """:func:`merge_if_last` for rows of many partials (16 to 64): a decode program's pairs are
-    heads of one query row, in its first ``LANES`` lanes (``GROUP`` rounded up to a power of 2, at
-    most ``BLOCK_M``), so the program holding the last tickets merges those heads only, ``CHUNK``
-    partials at a time with a running maximum (a ``(LANES, CHUNK, BLOCK_DV)`` float32 block, about
-    64 registers a thread at 4 warps) instead of ``(BLOCK_M, MAX_PARTIALS, BLOCK_DV)`` at once."""
-    CHUNK: tl.constexpr = min(MAX_PARTIALS, max(4, 64 // LANES))
-    direct = tl.load(partial_direct + partial, mask=valid, other=0)
-    shared = valid & (direct < 0)
-    count_pair = (tl.load(reduce_ptr + qrow + 1, mask=shared, other=0)
-                  - tl.load(reduce_ptr + qrow, mask=shared, other=0))
-    tl.debug_barrier()  # every thread's partial stores come before the ticket (released by it)
-    ticket = tl.atomic_add(COUNTERS + qrow * stride_c + head, 1, mask=shared, sem="acq_rel", scope="gpu")
-    last = shared & (ticket == count_pair - 1)
-    if tl.max(last.to(tl.int32), 0) > 0:
-        g = tl.arange(0, LANES)
-        lane = tl.arange(0, BLOCK_M)
-        last_g = tl.max(tl.where((lane[None, :] == g[:, None]) & last[None, :], 1, 0), 1) > 0  # (LANES,)
-        row = tl.max(tl.where(valid, qrow, 0), 0)  # the program's one query row
-        start = tl.load(reduce_ptr + row)
-        count = tl.load(reduce_ptr + row + 1) - start
-        head_g = kvh * GROUP + (mb * BLOCK_M + g) % GROUP  # as the pairs' heads
-        j = tl.arange(0, CHUNK)
-        m = tl.full([LANES], float("-inf"), tl.float32)
-        total = tl.zeros([LANES], tl.float32)
-        acc = tl.zeros([LANES, BLOCK_DV], tl.float32)
-        for i0 in range(0, count, CHUNK):
-            in_row = i0 + j < count
-            p = tl.load(reduce_partials + start + i0 + j, mask=in_row, other=0).to(tl.int64)
-            ok = last_g[:, None] & in_row[None, :]
-            # other programs' partials: read through L2 (".cg"), not a stale L1
-            lse = tl.load(LSE + p[None, :] * stride_lp + head_g[:, None], mask=ok, other=float("-inf"),
-                          cache_modifier=".cg")
-            live = lse != float("-inf")
-            o = tl.load(OUT + p[None, :, None] * stride_op + head_g[:, None, None] * stride_oh + offs_d[None, None, :],
-                        mask=live[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, tl.max(lse, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_safe)  # rescales earlier chunks; 0 while nothing was live
-            wgt = tl.where(live, tl.exp(lse - m_safe[:, None]), 0.0)
-            acc = acc * alpha[:, None] + tl.sum(wgt[:, :, None] * o, 1)
-            total = total * alpha + tl.sum(wgt, 1)
-            m = m_new
-        empty = total == 0.0
-        out = acc / tl.where(empty, 1.0, total)[:, None]
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        tl.store(FINAL + row * stride_fr + head_g[:, None] * stride_fh + offs_d[None, :],
-                 out.to(FINAL.dtype.element_ty, fp_downcast_rounding="rtne"), mask=last_g[:, None] & d_ok[None, :])
-        tl.store(FINAL_LSE + row * stride_flr + head_g,
-                 tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total))), mask=last_g)
-        tl.store(COUNTERS + row * stride_c + head_g, tl.zeros([LANES], tl.int32), mask=last_g)
-
-
-@triton.jit
-def pair_reads(p0, n_rows, mb, first_head, group, partial_row, partial_offset, BLOCK_M: tl.constexpr):
-    """A stage-1 program's pairs (GQA: ``group`` heads from ``first_head``, its KV head's; latent:
-    all the heads from 0): their validity, heads, partials, query rows and causal offsets."""
-    pair = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    r = pair // group
-    valid = r < n_rows
-    head = first_head + pair % group
-    partial = p0 + tl.where(valid, r, 0)
-    qrow = tl.load(partial_row + partial, mask=valid, other=0).to(tl.int64)
-    offset = tl.load(partial_offset + partial, mask=valid, other=-1)
-    return valid, head, partial, qrow, offset
-
-
-@triton.jit
-def plan_reads(p0, n_rows, mb, w, first_head, group, partial_row, partial_offset, work_pages, page_table,
-               page_rows, page_key_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """A stage-1 program's whole share of the plan: :func:`pair_reads`, its work item's page range,
-    and the first block's page indices (one block ahead, loop-carried: the K/V loads then depend
-    on no load of their own iteration, so with 3 pipeline stages the next tile stays in flight
-    during this one's products)."""
-    valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, first_head, group, partial_row, partial_offset,
-                                                    BLOCK_M)
-    pg0 = tl.load(work_pages + 2 * w)  # the work item's pages: no piece table in between
-    pg1 = tl.load(work_pages + 2 * w + 1)
-    slot = tl.arange(0, BLOCK_N) // PAGE_SIZE
-    page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
-    return valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst
 
 
 @triton.jit
@@ -375,11 +121,11 @@ def _stage1_kernel(
         if SUB > 1:  # this tile's rows of a longer page
             sub_rows = (t % SUB) * BLOCK_N
             row_cur = row_in_page + sub_rows
-            k_cur, v_cur = _load_kv(k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn, page_cur,
+            k_cur, v_cur = load_kv(k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn, page_cur,
                                     stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
         else:
             row_cur = row_in_page
-            k_cur, v_cur = _load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
+            k_cur, v_cur = load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
         in_page = row_cur < rows_cur
         kpos = kst_cur + row_cur
         if TRANSPOSED:

@@ -1,0 +1,160 @@
+"""Triton building blocks of the stage-1 attention programs (GQA and latent): page indices and
+tile rows, the plan's share of a program, the online-softmax step in float32, and the store of a
+program's partials. Inlined by the kernels of ``paged_attention`` and ``mla_attention``."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def page_index(page_table, page_rows, page_key_start, pidx, pg1):
+    """Page ids, valid rows and first-row positions of pages ``pidx`` (0 past ``pg1``)."""
+    in_range = pidx < pg1
+    page = tl.load(page_table + pidx, mask=in_range, other=0).to(tl.int64)
+    rows = tl.load(page_rows + pidx, mask=in_range, other=0)
+    key_start = tl.load(page_key_start + pidx, mask=in_range, other=0)
+    return page, rows, key_start
+
+
+@triton.jit
+def tile_rows_in_page(offs_n, PAGE_SIZE: tl.constexpr, PAGES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Each tile row's row within its page. A tile covers ``PAGES`` whole pages; when the page
+    size does not divide the tile (a page of 20 or 48 rows in a 64-row tile) the rows past those
+    pages get ``PAGE_SIZE``, which no page's row count exceeds, so they load and count nothing
+    (the next step covers them)."""
+    row_in_page = offs_n % PAGE_SIZE
+    if PAGES * PAGE_SIZE < BLOCK_N:
+        row_in_page = tl.where(offs_n < PAGES * PAGE_SIZE, row_in_page, PAGE_SIZE)
+    return row_in_page
+
+
+@triton.jit
+def tile_range(pg0, pg1, SUB: tl.constexpr):
+    """The loop bounds over a work item's tiles: its page entries ``[pg0, pg1)``, or with pages
+    of ``SUB`` tiles each (a page longer than the tile) ``SUB`` steps per entry."""
+    if SUB > 1:
+        return pg0 * SUB, pg1 * SUB
+    return pg0, pg1
+
+
+@triton.jit
+def next_tile_pages(t, slot, PAGES: tl.constexpr, SUB: tl.constexpr):
+    """The page entries of the tile after tile ``t``, one per tile row (``slot``: the row's page
+    within a tile of whole pages; 0 when a page spans tiles)."""
+    if SUB > 1:
+        return (t + 1) // SUB + slot
+    return t + PAGES + slot
+
+
+@triton.jit
+def load_kv(k_base, v_base, page, stride_kp, stride_vp, in_page, dk_ok, dv_ok):
+    """The K and V tiles ``(BLOCK_N, D)`` of one block of pages (0 outside valid rows)."""
+    k = tl.load(k_base + (page * stride_kp)[:, None], mask=in_page[:, None] & dk_ok[None, :], other=0.0)
+    v = tl.load(v_base + (page * stride_vp)[:, None], mask=in_page[:, None] & dv_ok[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
+def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc, EXACT_FP32: tl.constexpr):
+    """One block of the online softmax: raw scores ``s (M, N)`` float32 of the keys at positions
+    ``kpos (N,)``, masked causally against ``offset (M,)`` and to valid rows; ``v (N, D)`` the
+    block's values. Returns the updated running max, sum and float32 accumulator ``(M, D)``.
+    A fully masked row keeps max -inf and adds nothing (no NaN)."""
+    s = s * scale
+    visible = (kpos[None, :] <= offset[:, None]) & in_page[None, :] & valid[:, None]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    # the products accumulate into acc itself: a separate (M, D) float32 result per dot would
+    # triple the accumulator registers (255 with spills for 64 x 128 and 16 x 512 tiles)
+    if EXACT_FP32:
+        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+    else:  # P split exactly into two half-precision parts: about 16 bits of P, float32 sums
+        p_hi = p.to(v.dtype)
+        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+        acc = tl.dot(p_lo, v, tl.dot(p_hi, v, acc))
+    return m_new, l_i, acc
+
+
+@triton.jit
+def online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc_t,
+                                   EXACT_FP32: tl.constexpr):
+    """:func:`online_softmax_step` with the KV tile as the tall operand: scores ``s_t (N, M)``,
+    values ``v (N, D)``, accumulator ``acc_t (D, M) += v^T p_t``. With a few (row, head) pairs
+    per program (M = 16) the tile's rows fill a Hopper warpgroup MMA's M and both operands stay in
+    shared memory; the query is not copied into every warp's registers each tile. The same float32
+    arithmetic (P split into two half-precision parts)."""
+    s = s_t * scale
+    visible = (kpos[:, None] <= offset[None, :]) & in_page[:, None] & valid[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[None, :])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    acc_t = acc_t * alpha[None, :]
+    if EXACT_FP32:
+        acc_t = tl.dot(tl.trans(v.to(tl.float32)), p, acc_t, input_precision="ieee")
+    else:
+        p_hi = p.to(v.dtype)
+        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+        acc_t = tl.dot(tl.trans(v), p_lo, tl.dot(tl.trans(v), p_hi, acc_t))
+    return m_new, l_i, acc_t
+
+
+@triton.jit
+def store_partials(acc, m_i, l_i, partial, head, valid, offs_d, d_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
+                   stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, lse_valid):
+    """Normalise a program's (row, head) results and store them: a partial that is its row's
+    only one (``partial_direct >= 0``) is rounded once into FINAL/FINAL_LSE, the others go to
+    OUT/LSE in float32 for the merge. Empty rows are 0 with LSE -inf. The LSEs of the pairs in
+    ``lse_valid`` only (``valid``, or none where another program of the same pairs stores them)."""
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    direct = tl.load(partial_direct + partial, mask=valid, other=-1)
+    to_merge = valid & (direct < 0)
+    to_final = valid & (direct >= 0)
+    frow = tl.where(to_final, direct, 0).to(tl.int64)
+    tl.store(OUT + partial[:, None] * stride_op + head[:, None] * stride_oh + offs_d[None, :], out,
+             mask=to_merge[:, None] & d_ok[None, :])
+    tl.store(LSE + partial * stride_lp + head, lse, mask=to_merge & lse_valid)
+    tl.store(FINAL + frow[:, None] * stride_fr + head[:, None] * stride_fh + offs_d[None, :],
+             out.to(FINAL.dtype.element_ty, fp_downcast_rounding="rtne"), mask=to_final[:, None] & d_ok[None, :])
+    tl.store(FINAL_LSE + frow * stride_flr + head, lse, mask=to_final & lse_valid)
+
+
+@triton.jit
+def pair_reads(p0, n_rows, mb, first_head, group, partial_row, partial_offset, BLOCK_M: tl.constexpr):
+    """A stage-1 program's pairs (GQA: ``group`` heads from ``first_head``, its KV head's; latent:
+    all the heads from 0): their validity, heads, partials, query rows and causal offsets."""
+    pair = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    r = pair // group
+    valid = r < n_rows
+    head = first_head + pair % group
+    partial = p0 + tl.where(valid, r, 0)
+    qrow = tl.load(partial_row + partial, mask=valid, other=0).to(tl.int64)
+    offset = tl.load(partial_offset + partial, mask=valid, other=-1)
+    return valid, head, partial, qrow, offset
+
+
+@triton.jit
+def plan_reads(p0, n_rows, mb, w, first_head, group, partial_row, partial_offset, work_pages, page_table,
+               page_rows, page_key_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """A stage-1 program's whole share of the plan: :func:`pair_reads`, its work item's page range,
+    and the first block's page indices (one block ahead, loop-carried: the K/V loads then depend
+    on no load of their own iteration, so with 3 pipeline stages the next tile stays in flight
+    during this one's products)."""
+    valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, first_head, group, partial_row, partial_offset,
+                                                    BLOCK_M)
+    pg0 = tl.load(work_pages + 2 * w)  # the work item's pages: no piece table in between
+    pg1 = tl.load(work_pages + 2 * w + 1)
+    slot = tl.arange(0, BLOCK_N) // PAGE_SIZE
+    page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
+    return valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst
