@@ -256,7 +256,10 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
     when the plan has at most :func:`value_split_max_partials` partials (the kernel reads the
     count from the plan), so the plan's few programs do not leave most of each SM idle
     (DeepSeek-V2-Lite +2% at 1K and 16K on the H200; at 32K, 187 partitions, and 128K the halves
-    took 1.5x as long as one program per pair block; batch 8 lost up to 10%, 128 heads 1.6x)."""
+    took 1.5x as long as one program per pair block; batch 8 lost up to 10%, 128 heads 1.6x).
+    ``launch.value_split_auto`` 4 launches four instead, which take quarters of the values when the
+    plan has at most a quarter as many partials. Forced 2 follows the plan as the automatic split
+    does; forced 4 takes quarters whatever the plan (tuning)."""
     launch = launch or default_mla_launch_config(page_size=page_size)
     if launch.value_split not in (0, 1, 2, 4):
         raise ValueError(f"the latent value split must be 0 (chosen per launch), 1, 2 or 4 programs, "
