@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Parts take 2-8 minutes; a device call runs at most 10. Open now:
-# `... shares short` (about 6 minutes), `... subpage` (about 4). Measured (docs/benchmarks.md, "The prepared switches
+# `... shares short` (about 8 minutes), `... subpage cascade` (about 6). Measured (docs/benchmarks.md, "The prepared switches
 # measured"): tests, valuesplit, stage1merge, heads128, plan.
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
@@ -12,6 +12,10 @@
 #   subpage   pages of 64 rows with the tiles kept at 32 latent / 64 GQA rows (SEGKV_SUBPAGE_TILES=1)
 #             against tiles grown to the page (the latent one then spills): GPU tests, kernels,
 #             DeepSeek-V2-Lite batch 1 and 8 with --page-size 64 alternating; GQA kernels with pages of 128.
+#   cascade   16 forks of a 32K prefix (+ 512 rows each) on the 8B shape at pages of 16 and 32, and
+#             on the 70B shape (16 forks x 8 heads = 128 pairs per KV head) with its prefix in
+#             programs of 64 pairs x 4 warps (the default) or 128 pairs x 8 warps (two warpgroups,
+#             whose softmax and products can interleave), alternating.
 #   short     batch 1 at 1K-8K with the merge launch costed by the planner
 #             (SEGKV_CUDA_MERGE_LAUNCH_ROWS=256 / 512: short contexts take the 8 partitions stage 1
 #             merges itself) or partitions of at least 128 rows, against the default (at 1K 16
@@ -260,6 +264,16 @@ elif [ "$part" = subpage ]; then
       --batches 1,16 --contexts 16384 --page-sizes 128 --no-cascade --trials 5 2>&1 | grep -E "^\[|rror" \
       | tee -a "$log"
   done
+elif [ "$part" = cascade ]; then
+  for round in 1 2; do
+    for cfg in "llama3-8b 16 64 4" "llama3-8b 32 64 4" "llama3-70b 16 64 4" "llama3-70b 16 128 8"; do
+      read -r shape page pairs warps <<< "$cfg"
+      echo "-- cascade $shape, pages of $page, prefix programs of $pairs pairs x $warps warps" | tee -a "$log"
+      SEGKV_TRITON_BLOCK_M=$pairs SEGKV_TRITON_TALL_WARPS=$warps timeout 100 python3 -m segkv.bench.decode_attention \
+        --cascade-only --cascade-shape "$shape" --cascade-page-size "$page" --trials 5 2>&1 \
+        | grep -E "^cascade|^  |rror" | tee -a "$log"
+    done
+  done
 elif [ "$part" = short ]; then
   echo "== GPU tests: short decode plans merged inside stage 1" | tee -a "$log"
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_planner.py \
@@ -279,7 +293,7 @@ elif [ "$part" = short ]; then
     done
   done
 else
-  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage or short)" >&2
+  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade or short)" >&2
   exit 2
 fi
 done

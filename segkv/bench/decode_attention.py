@@ -403,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cascade-caps", default="", help="also the cascade with at most N partitions per run, "
                         "e.g. 8,17,33")
     parser.add_argument("--cascade-only", action="store_true", help="only the cascade comparison")
+    parser.add_argument("--cascade-shape", default="llama3-8b", choices=sorted(SHAPES),
+                        help="the cascade's model shape (default %(default)s)")
+    parser.add_argument("--cascade-page-size", type=int, default=16, help="the cascade's page size (default 16)")
     parser.add_argument("--tune", default="", help="instead: sweep partition counts on BxCTX cases, e.g. 1x131072 "
                         "(the first of --shapes)")
     parser.add_argument("--launch", default="64,4,2", help="with --tune: BLOCK_N,WARPS,STAGES")
@@ -447,12 +450,14 @@ def main(argv: list[str] | None = None) -> int:
                         torch.cuda.empty_cache()
         report["rows"] = rows
         if not args.no_cascade:
-            cascade = bench_cascade(shape_name="llama3-8b", forks=16, prefix=32768, suffix=512, page_size=16,
+            cascade = bench_cascade(shape_name=args.cascade_shape, forks=16, prefix=32768, suffix=512,
+                                    page_size=args.cascade_page_size,
                                     partition_caps=tuple(_ints(args.cascade_caps)) if args.cascade_caps else (),
                                     dtype=dtype, trials=args.trials, bandwidth=bandwidth)
             report["cascade"] = cascade
             v = cascade["variants"]
-            print(f"cascade 16 forks x 32K prefix + 512: cascade {v['cascade']['median_ms']:.3f} ms, "
+            print(f"cascade {args.cascade_shape} p{args.cascade_page_size} 16 forks x 32K prefix + 512: "
+                  f"cascade {v['cascade']['median_ms']:.3f} ms, "
                   f"no sharing {v['no_sharing']['median_ms']:.3f} ms, speedup {cascade['speedup']:.1f}x", flush=True)
             for name, plan in cascade["plans"].items():
                 print(f"  {name}: {v[name]['median_ms']:.4f} ms, {plan['reason']}", flush=True)
