@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Parts take 2-8 minutes; a device call runs at most 10. Open now:
-# `... shares short` (about 8 minutes), `... subpage cascade` (about 6). Measured (docs/benchmarks.md, "The prepared switches
+# `... tests` (about 6 minutes: this round's kernel changes), `... shares` (about 6), `... short subpage`
+# (about 7), `... cascade` (about 2). Measured (docs/benchmarks.md, "The prepared switches
 # measured"): tests, valuesplit, stage1merge, heads128, plan.
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
@@ -103,10 +104,10 @@ elif [ "$part" = mla ]; then
     -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
   e2e "deepseek defaults" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 elif [ "$part" = tests ]; then
-  # the kernels changed since the last GPU run (the GQA stage 1's plan reads in a helper, the merge's
-  # partial ids one block ahead, the latent stage 1's value split read from the plan, the chunked
-  # merge inside stage 1): the GPU tests at bf16 / head_dim 128 and every test that is not a grid
-  # case, graphs and the engine included
+  # the kernels changed since the last GPU run (tiles of whole pages only, pages longer than the
+  # tile, the latent shares by the plan's partial count or as the grid's last dimension, the
+  # building blocks moved to attention_tiles / stage1_merge): the GPU tests at bf16 / head_dim 128
+  # and every test that is not a grid case, graphs and the engine included
   echo "== GPU tests (kernels, graphs, engine)" | tee -a "$log"
   timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_mla.py \
     tests/test_cuda_graphs.py tests/test_gpu_engine.py \
