@@ -30,6 +30,14 @@ def test_generate_prints_the_greedy_completion(model_dir):
     assert done.returncode == 0, done.stderr
     assert done.stdout.rstrip("\n") == expected.outputs[0].text.rstrip("\n")
     assert "loading weights" in done.stderr  # progress bar
+    assert "leaked" not in done.stderr  # nothing left for the bindings to report at exit
+
+
+def test_generate_reports_a_bad_page_size_clearly(model_dir):
+    done = subprocess.run([sys.executable, "-m", "segkv.cli", "generate", "--model", str(model_dir), "--page-size",
+                           "0", "--prompt", "x"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "page_size must be >= 1, got 0" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_generate_reports_a_missing_model_clearly(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import itertools
 from collections.abc import Sequence as Seq
@@ -20,6 +21,16 @@ from segkv.runner.model_runner import ModelRunner
 from segkv.sampling_params import SamplingParams
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def _freeze_until_exit() -> None:
+    """Keep what exists now out of the cyclic collector's scans (``gc.freeze``) until the
+    interpreter exits, when it is unfrozen, so the final collection frees it: frozen cycles left
+    at exit made the Triton bindings print a leak report after every command."""
+    gc.freeze()
+    if not getattr(_freeze_until_exit, "registered", False):
+        atexit.register(gc.unfreeze)
+        _freeze_until_exit.registered = True
 
 
 class LLM:
@@ -58,6 +69,8 @@ class LLM:
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
         page_size = default_page_size(self.device.type) if page_size is None else page_size
+        if page_size < 1:  # before the cache budget divides by it
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device, progress=progress)
         self.fingerprint = fingerprint(self.model_dir)
@@ -78,7 +91,7 @@ class LLM:
         self._request_ids = itertools.count()
         # what exists now lives as long as the engine: keep it out of the cyclic collector's
         # scans, which otherwise fire inside every step's planning (page lists are large)
-        gc.freeze()
+        _freeze_until_exit()
 
     # -- stateless generation ---------------------------------------------------------
     def generate(
