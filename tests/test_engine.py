@@ -175,3 +175,26 @@ def test_page_size_defaults_to_the_devices_measured_choice(model_dir):
     assert (default_page_size("cuda"), default_page_size("cpu")) == (32, 16)
     assert LLM(model_dir, num_pages=8).cache.page_size == 16  # this test's device: the CPU
     assert LLM(model_dir, num_pages=8, page_size=8).cache.page_size == 8
+
+
+def test_bad_devices_and_page_sizes_are_clear_errors(model_dir, monkeypatch):
+    """An unknown device, a device this torch build or machine lacks, and a page size below 1
+    are refused with what is wrong, before any weights load."""
+    import torch
+
+    from segkv.config import parse_device
+
+    assert parse_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU
+    for device, message in (("tpu", "unknown device 'tpu'"), ("mps", "not supported"),
+                            ("cuda", "not available"), ("cuda:7", "not available")):
+        with pytest.raises(ValueError, match=message):
+            LLM(model_dir, device=device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert parse_device("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(ValueError, match=r"'cuda:1' is not available: 1 GPU\(s\) visible"):
+        parse_device("cuda:1")
+    for size in (0, -16):
+        with pytest.raises(ValueError, match=f"page_size must be >= 1, got {size}"):
+            LLM(model_dir, page_size=size)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from segkv.cache.kv_cache import PagedKVCache
-from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype
+from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_device, parse_dtype
 from segkv.engine.generation import Generator
 from segkv.engine.tokenizer import Tokenizer
 from segkv.models.default_models import resolve_model_dir
@@ -67,7 +67,7 @@ class LLM:
     ) -> None:
         self.model_dir = resolve_model_dir(model_dir)  # "default", "default-mla" or a directory
         self.dtype = parse_dtype(dtype)
-        self.device = torch.device(device)
+        self.device = parse_device(device)
         page_size = default_page_size(self.device.type) if page_size is None else page_size
         if page_size < 1:  # before the cache budget divides by it
             raise ValueError(f"page_size must be >= 1, got {page_size}")
