@@ -537,3 +537,14 @@ def test_a_compacted_chain_keeps_its_segments(tmp_path, gen):
     assert dst.pool.bytes_copied == 0  # loading writes each row once and never compacts
     assert_bits_equal(gather(dst, loaded.snapshot), rows)
     assert loaded.token_ids == tokens
+
+
+def test_saving_into_a_missing_directory_names_the_file(tmp_path, gen):
+    """A save whose directory does not exist fails naming the file asked for (not the temporary
+    file beside it) and leaves nothing behind."""
+    cache = make_cache()
+    snapshot, _, _ = build_history(cache, gen)
+    target = tmp_path / "missing" / "conv.segkv"
+    with pytest.raises(FileNotFoundError, match=f"cannot write '{target}'"):
+        save_snapshot(target, snapshot, cache, fingerprint=FINGERPRINT)
+    assert list(tmp_path.iterdir()) == []

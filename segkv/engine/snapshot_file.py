@@ -98,7 +98,10 @@ def _gather(cache: PagedKVCache, slots: list[int]) -> dict[str, torch.Tensor]:
 
 def _atomic_save_file(path: Path, tensors: dict[str, torch.Tensor], header: dict[str, str]) -> None:
     """Write to a temp file in ``path``'s directory, fsync, then rename over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:  # name the file asked for, not the temp file beside it
+        raise type(exc)(exc.errno, f"cannot write {str(path)!r}: {exc.strerror}") from None
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=header)
