@@ -182,7 +182,7 @@ def test_bad_devices_and_page_sizes_are_clear_errors(model_dir, monkeypatch):
     are refused with what is wrong, before any weights load."""
     import torch
 
-    from segkv.config import parse_device
+    from segkv.engine.llm import parse_device
 
     assert parse_device("cpu") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU

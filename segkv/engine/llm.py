@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from segkv.cache.kv_cache import PagedKVCache
-from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_device, parse_dtype
+from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype
 from segkv.engine.generation import Generator
 from segkv.engine.tokenizer import Tokenizer
 from segkv.models.default_models import resolve_model_dir
@@ -21,6 +21,25 @@ from segkv.runner.model_runner import ModelRunner
 from segkv.sampling_params import SamplingParams
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    """The torch device for ``device`` ("cpu", "cuda", "cuda:1", ...), refused with a clear error
+    when torch does not know it or it is not on this machine (a CUDA device without a CUDA build
+    of torch or a visible GPU, or past the last GPU)."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {device!r}: {exc}") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} is not available: torch {torch.__version__} "
+                             f"{'has no CUDA support' if torch.version.cuda is None else 'sees no GPU'}")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} is not available: {torch.cuda.device_count()} GPU(s) visible")
+    elif parsed.type != "cpu":
+        raise ValueError(f"device {device!r} is not supported: 'cpu' or 'cuda' (e.g. 'cuda:0')")
+    return parsed
 
 
 def _freeze_until_exit() -> None:
