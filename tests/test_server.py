@@ -171,7 +171,14 @@ def test_errors_are_openai_bodies_with_4xx_statuses(server, client):
         response = httpx.post(f"{base}{path}", json=body)
         assert response.status_code == 400, (body, response.text)
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
-    assert httpx.post(f"{base}/v1/completions", content=b"{not json").status_code == 400
+    response = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("the request body is not valid JSON")
+    for content in (b"{not json", b"[1, 2]"):  # not sent as JSON; a JSON array
+        headers = {"content-type": "application/json"} if content.startswith(b"[") else {}
+        response = httpx.post(f"{base}/v1/chat/completions", content=content, headers=headers)
+        assert response.status_code == 400
+        assert response.json()["error"]["message"].startswith("the request body must be a JSON object")
 
 
 def test_client_disconnect_aborts_the_stream(server):

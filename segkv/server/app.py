@@ -120,6 +120,15 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":  # the body is not JSON: say so, and where it broke
+            where = first.get("ctx", {}).get("error", "")
+            body = error_body(f"the request body is not valid JSON{f': {where}' if where else ''} "
+                              f"(at character {first.get('loc', ('body', '?'))[-1]})", "invalid_request_error")
+            return JSONResponse(body, status_code=400)
+        if tuple(first.get("loc", ())) == ("body",):  # not an object at all (or not sent as JSON)
+            body = error_body("the request body must be a JSON object, sent with content-type application/json",
+                              "invalid_request_error")
+            return JSONResponse(body, status_code=400)
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}"
                             for e in errors)
