@@ -49,8 +49,8 @@ def _stage1_kernel(
     MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
-    scanning the work item's piece ``BLOCK_N`` rows (``BLOCK_N / PAGE_SIZE`` pages) at a time with
-    an online softmax in float32. Q.K products of bf16/fp16 inputs are exact in float32; for P.V,
+    scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
+    at a time with an online softmax in float32. Q.K products of bf16/fp16 inputs are exact in float32; for P.V,
     P is split into two bf16/fp16 parts (about 16 significant bits) against the native V tile,
     accumulated in float32; float32 inputs use IEEE float32 throughout.
 
