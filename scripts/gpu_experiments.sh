@@ -2,7 +2,7 @@
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Parts take 2-8 minutes; a device call runs at most 10. Open now:
 # `... tests` (about 6 minutes: this round's kernel changes), `... shares` (about 6), `... short subpage`
-# (about 7), `... cascade` (about 2). Measured (docs/benchmarks.md, "The prepared switches
+# (about 7), `... cascade b16` (about 4). Measured (docs/benchmarks.md, "The prepared switches
 # measured"): tests, valuesplit, stage1merge, heads128, plan.
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
@@ -17,6 +17,9 @@
 #             on the 70B shape (16 forks x 8 heads = 128 pairs per KV head) with its prefix in
 #             programs of 64 pairs x 4 warps (the default) or 128 pairs x 8 warps (two warpgroups,
 #             whose softmax and products can interleave), alternating.
+#   b16       batch 16 (0.98-1.00x of cuDNN SDPA on the 70B shape): 32-row tiles (47 KB of shared
+#             memory and 166 registers for the transposed 8-pair programs, offline: 3 per SM instead of
+#             2), with the planner aiming at 3 programs per SM or at 2, against the default 64-row tiles.
 #   short     batch 1 at 1K-8K with the merge launch costed by the planner
 #             (SEGKV_CUDA_MERGE_LAUNCH_ROWS=256 / 512: short contexts take the 8 partitions stage 1
 #             merges itself) or partitions of at least 128 rows, against the default (at 1K 16
@@ -275,6 +278,16 @@ elif [ "$part" = cascade ]; then
         | grep -E "^cascade|^  |rror" | tee -a "$log"
     done
   done
+elif [ "$part" = b16 ]; then
+  for round in 1 2; do
+    for cfg in "SEGKV_TRITON_BLOCK_N=64" "SEGKV_TRITON_BLOCK_N=32" "SEGKV_TRITON_BLOCK_N=32 SEGKV_CUDA_BLOCKS_PER_SM=3"; do
+      echo "-- decode attention kernels, batch 16, $cfg" | tee -a "$log"
+      # shellcheck disable=SC2086
+      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-70b,llama3-8b --batches 16 \
+        --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 | grep -E "^\[|rror" \
+        | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' | tee -a "$log"
+    done
+  done
 elif [ "$part" = short ]; then
   echo "== GPU tests: short decode plans merged inside stage 1" | tee -a "$log"
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_planner.py \
@@ -294,7 +307,7 @@ elif [ "$part" = short ]; then
     done
   done
 else
-  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade or short)" >&2
+  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16 or short)" >&2
   exit 2
 fi
 done
