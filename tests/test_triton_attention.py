@@ -109,6 +109,18 @@ def test_fully_masked_rows_and_empty_chains_give_zero(gen):
         assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
 
 
+def check_every_route_with_a_masked_row(gen, page_size: int) -> None:
+    """Every route against the reference over pages of ``page_size`` rows (float32, 4 heads per KV
+    head, 2 rows per sequence), the second sequence's rows fully masked: 0 with LSE -inf."""
+    batch = gqa_batch(gen, dtype=torch.float32, page_size=page_size, ratio=4, head_dim=64, rows=2)
+    q0, q1, q2 = batch.queries
+    batch.queries = [q0, SequenceQuery(q1.spans, 2, query_start=-2), q2]
+    for route in ROUTES:
+        _, out, lse, ref, ref_lse = run_both(batch, route)
+        check(out, lse, ref, ref_lse)
+        assert torch.equal(out[2:4], torch.zeros_like(out[2:4])) and torch.isneginf(lse[2:4]).all()
+
+
 @pytest.mark.parametrize("page_size", [20, 48, 100])
 def test_page_sizes_that_do_not_divide_the_tile(page_size, gen):
     """Pages of 20, 48 or 100 rows: a 64-row tile covers 3, 1 or (in a 128-row tile) 1 whole
@@ -120,13 +132,7 @@ def test_page_sizes_that_do_not_divide_the_tile(page_size, gen):
     meta = stage1_launch(dtype=torch.float32, dk=64, dv=64, group=4, page_size=page_size, max_work_rows=1,
                          element_size=4)
     assert meta["BLOCK_N"] % page_size != 0 and meta["BLOCK_N"] >= page_size
-    batch = gqa_batch(gen, dtype=torch.float32, page_size=page_size, ratio=4, head_dim=64, rows=2)
-    q0, q1, q2 = batch.queries
-    batch.queries = [q0, SequenceQuery(q1.spans, 2, query_start=-2), q2]
-    for route in ROUTES:
-        _, out, lse, ref, ref_lse = run_both(batch, route)
-        check(out, lse, ref, ref_lse)
-        assert torch.equal(out[2:4], torch.zeros_like(out[2:4])) and torch.isneginf(lse[2:4]).all()
+    check_every_route_with_a_masked_row(gen, page_size)
 
 
 @pytest.mark.parametrize("page_size,transposed", [(32, 0), (48, 1), (20, 0)])
@@ -142,13 +148,7 @@ def test_pages_longer_than_the_tile(page_size, transposed, gen, monkeypatch):
     launch = default_launch_config(head_dim=64, page_size=page_size)
     assert launch.subpage_tiles and stage1_launch(dtype=torch.float32, dk=64, dv=64, group=4, page_size=page_size,
                                                   max_work_rows=1, element_size=4, launch=launch)["BLOCK_N"] == 16
-    batch = gqa_batch(gen, dtype=torch.float32, page_size=page_size, ratio=4, head_dim=64, rows=2)
-    q0, q1, q2 = batch.queries
-    batch.queries = [q0, SequenceQuery(q1.spans, 2, query_start=-2), q2]
-    for route in ROUTES:
-        _, out, lse, ref, ref_lse = run_both(batch, route)
-        check(out, lse, ref, ref_lse)
-        assert torch.equal(out[2:4], torch.zeros_like(out[2:4])) and torch.isneginf(lse[2:4]).all()
+    check_every_route_with_a_masked_row(gen, page_size)
 
 
 @pytest.mark.skipif(not GPU, reason="a 128K-row history needs the GPU")
