@@ -145,7 +145,7 @@ def test_pages_longer_than_the_tile(page_size, transposed, gen, monkeypatch):
     monkeypatch.setenv("SEGKV_SUBPAGE_TILES", "1")
     monkeypatch.setenv("SEGKV_TRITON_BLOCK_N", "16")
     monkeypatch.setenv("SEGKV_TRITON_TRANSPOSED", str(transposed))
-    launch = default_launch_config(head_dim=64, page_size=page_size)
+    launch = default_launch_config(head_dim=64)
     assert launch.subpage_tiles and stage1_launch(dtype=torch.float32, dk=64, dv=64, group=4, page_size=page_size,
                                                   max_work_rows=1, element_size=4, launch=launch)["BLOCK_N"] == 16
     check_every_route_with_a_masked_row(gen, page_size)
@@ -320,15 +320,15 @@ def test_transposed_products_match_the_reference(route, dtype, gen, monkeypatch)
                                              max_work_rows=rows, element_size=2, launch=launch)["TRANSPOSED"]
 
     monkeypatch.delenv("SEGKV_TRITON_TRANSPOSED", raising=False)
-    default = paged_attention.default_launch_config(head_dim=64, page_size=16)
+    default = paged_attention.default_launch_config(head_dim=64)
     assert default.transposed_min_pairs == 8
     assert [meta(1, g, default) for g in (1, 4, 8, 16)] == [False, False, True, True]
     assert meta(2, 4, default) and not meta(3, 8, default) and not meta(17, 4, default)
     monkeypatch.setenv("SEGKV_TRITON_TRANSPOSED", "1")
-    every = paged_attention.default_launch_config(head_dim=64, page_size=16)
+    every = paged_attention.default_launch_config(head_dim=64)
     assert meta(1, 1, every) and meta(4, 4, every) and not meta(17, 4, every)
     monkeypatch.setenv("SEGKV_TRITON_TRANSPOSED", "0")
-    assert not any(meta(1, g, paged_attention.default_launch_config(head_dim=64, page_size=16)) for g in (1, 8, 16))
+    assert not any(meta(1, g, paged_attention.default_launch_config(head_dim=64)) for g in (1, 8, 16))
     for rows, ratio, page_size, block_n in ((1, 8, 16, 16), (3, 4, 16, 64), (17, 4, 32, 64)):
         batch = gqa_batch(gen, dtype=DTYPES[dtype], page_size=page_size, ratio=ratio, head_dim=64, rows=rows)
         batch.queries[1] = SequenceQuery(batch.queries[1].spans, rows, query_start=-rows)  # fully masked
@@ -618,12 +618,12 @@ def test_launch_overrides_from_the_environment(monkeypatch):
     monkeypatch.setenv("SEGKV_TRITON_WARPS", "8")
     monkeypatch.setenv("SEGKV_TRITON_HEADS_FASTEST", "0")
     monkeypatch.setenv("SEGKV_MLA_MAXNREG", "168")
-    launch = default_launch_config(head_dim=128, page_size=16)
+    launch = default_launch_config(head_dim=128)
     assert (launch.num_warps, launch.heads_fastest, launch.maxnreg) == (8, False, None)
-    assert default_mla_launch_config(page_size=16).maxnreg == 168
+    assert default_mla_launch_config().maxnreg == 168
     monkeypatch.setenv("SEGKV_TRITON_STAGES", "two")
     with pytest.raises(ValueError, match="SEGKV_TRITON_STAGES"):
-        default_launch_config(head_dim=128, page_size=16)
+        default_launch_config(head_dim=128)
 
 
 def test_pipeline_stages_shrink_to_fit_shared_memory():

@@ -104,7 +104,7 @@ def test_value_split_matches_the_reference(route, dtype, page_size, heads, gen, 
     monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT", "1")
     assert split(1, 16) == 1
     monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT", "2")
-    assert mla_attention.default_mla_launch_config(page_size=page_size).value_split == 2
+    assert mla_attention.default_mla_launch_config().value_split == 2
     assert split(8, 128) == 2
     for rows in ([1, 4, 17] if GPU else [1 + heads % 4]):
         cache, _, queries = latent_batch(gen, dtype=DTYPES[dtype], page_size=page_size, rows=rows)

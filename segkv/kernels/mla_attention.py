@@ -34,6 +34,7 @@ from segkv.kernels.paged_attention import (
     merge_into,
     stages_that_fit,
     subpage_tiles,
+    tile_rows,
 )
 from segkv.kernels.settings import env_int
 
@@ -201,7 +202,7 @@ def _mla_stage1_kernel(
 MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulator fits in registers
 
 
-def default_mla_launch_config(*, page_size: int) -> LaunchConfig:
+def default_mla_launch_config() -> LaunchConfig:
     """BLOCK_N 32 (a 32 x 576 latent tile per pipeline stage, 36 KB in bf16), 16 pairs, 4 warps,
     3 stages (two latent buffers: the next tile loads during this one's products; 16 heads, batch 1
     / 128K 0.0767 -> 0.0641 ms on the H200), no register cap; ``SEGKV_MLA_BLOCK_N``, ``SEGKV_MLA_BLOCK_M``, ``SEGKV_MLA_WARPS``,
@@ -211,10 +212,9 @@ def default_mla_launch_config(*, page_size: int) -> LaunchConfig:
     force it. ``SEGKV_MLA_SHARES_LAST=1`` launches the shares as the grid's third dimension.
     (Products with the latent tile as the tall operand measured 5-20% slower on the H200:
     docs/benchmarks.md.)"""
-    block_n, subpage = env_int("SEGKV_MLA_BLOCK_N", 32), subpage_tiles()
     return LaunchConfig(
-        block_n=block_n if subpage else max(page_size, block_n),
-        subpage_tiles=subpage,
+        block_n=env_int("SEGKV_MLA_BLOCK_N", 32),  # grown to the page at launch unless subpage_tiles
+        subpage_tiles=subpage_tiles(),
         num_warps=env_int("SEGKV_MLA_WARPS", 4),
         num_stages=env_int("SEGKV_MLA_STAGES", 3),
         block_m=env_int("SEGKV_MLA_BLOCK_M", MLA_BLOCK_M),
@@ -260,14 +260,13 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
     ``launch.value_split_auto`` 4 launches four instead, which take quarters of the values when the
     plan has at most a quarter as many partials. Forced 2 follows the plan as the automatic split
     does; forced 4 takes quarters whatever the plan (tuning)."""
-    launch = launch or default_mla_launch_config(page_size=page_size)
+    launch = launch or default_mla_launch_config()
     if launch.value_split not in (0, 1, 2, 4):
         raise ValueError(f"the latent value split must be 0 (chosen per launch), 1, 2 or 4 programs, "
                          f"got {launch.value_split}")
     if launch.value_split_auto not in (2, 4):
         raise ValueError(f"the automatic latent value split launches 2 or 4 programs, got {launch.value_split_auto}")
-    # a tile holds at least one page, unless the launch walks longer pages a tile at a time
-    block_n = triton.next_power_of_2(launch.block_n if launch.subpage_tiles else max(page_size, launch.block_n))
+    block_n = tile_rows(launch, page_size)
     block_m = max(16, min(launch.block_m, triton.next_power_of_2(max_work_rows * num_heads)))
     one_program = num_rows is not None and num_rows * num_heads <= block_m
     value_split = launch.value_split or (launch.value_split_auto if one_program else 1)
@@ -303,7 +302,7 @@ def mla_paged_attention(
     out, lse, part_out, part_lse = attention_outputs(query, rank, num_partials, out_dtype, poison, workspace)
     num_work = work_pages.numel() // 2
     if num_work and num_partials:
-        launch = launch or default_mla_launch_config(page_size=page_size)
+        launch = launch or default_mla_launch_config()
         meta = mla_stage1_launch(dtype=query.dtype, rank=rank, rope=rope, num_heads=num_heads, page_size=page_size,
                                  max_work_rows=max_work_rows, element_size=latent_cache.element_size(),
                                  num_rows=num_rows, launch=launch)

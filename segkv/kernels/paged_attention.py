@@ -267,15 +267,20 @@ class LaunchConfig:
     subpage_tiles: bool = False  # the tile is block_n rows whatever the page size (a longer page spans tiles)
 
 
-def default_launch_config(*, head_dim: int, page_size: int) -> LaunchConfig:
+def tile_rows(launch: LaunchConfig, page_size: int) -> int:
+    """KV rows per stage-1 tile (``BLOCK_N``): a power of two holding at least one page, unless the
+    launch walks longer pages a tile at a time (``subpage_tiles``)."""
+    return triton.next_power_of_2(launch.block_n if launch.subpage_tiles else max(page_size, launch.block_n))
+
+
+def default_launch_config(*, head_dim: int) -> LaunchConfig:
     """Measured defaults (``docs/benchmarks.md``), overridable by the ``SEGKV_TRITON_*`` variables
     of ``docs/configuration.md`` (tile, warps, stages, pairs, launch order, register cap)."""
     wide = head_dim > 128
     block_n = env_int("SEGKV_TRITON_BLOCK_N", 32 if wide else 64)
-    subpage = subpage_tiles()
     return LaunchConfig(
-        block_n=block_n if subpage else max(page_size, block_n),
-        subpage_tiles=subpage,
+        block_n=block_n,  # grown to the page at launch unless subpage_tiles (tile_rows)
+        subpage_tiles=subpage_tiles(),
         num_warps=env_int("SEGKV_TRITON_WARPS", 4),
         # 3 stages: two K/V buffers, the next tile loading during this one (2 stages: one buffer);
         # batch 1 / 32K 0.0456 -> 0.0422 ms, batch 16 0.531 -> 0.500 (H200, with 2 programs per SM)
@@ -357,10 +362,9 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     fits in shared memory. Programs of ``launch.transposed_min_pairs`` to 16 pairs take the
     transposed products (decode rows; taller programs already fill a warpgroup MMA with their pairs).
     ``launch`` defaults to :func:`default_launch_config`."""
-    launch = launch or default_launch_config(head_dim=max(dk, dv), page_size=page_size)
+    launch = launch or default_launch_config(head_dim=max(dk, dv))
     block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
-    # a tile holds at least one page, unless the launch walks longer pages a tile at a time
-    block_n = triton.next_power_of_2(launch.block_n if launch.subpage_tiles else max(page_size, launch.block_n))
+    block_n = tile_rows(launch, page_size)
     transposed = block_m <= 16 and 0 < launch.transposed_min_pairs <= max_work_rows * group
     return dict(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
