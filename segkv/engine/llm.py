@@ -21,6 +21,9 @@ from segkv.runner.model_runner import ModelRunner
 from segkv.sampling_params import SamplingParams
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+# Engines gc.freeze() what they hold; unfrozen at exit, the final collection frees it (frozen
+# cycles left at exit made the Triton bindings print a leak report after every command)
+atexit.register(gc.unfreeze)
 
 
 def parse_device(device: str | torch.device) -> torch.device:
@@ -40,16 +43,6 @@ def parse_device(device: str | torch.device) -> torch.device:
     elif parsed.type != "cpu":
         raise ValueError(f"device {device!r} is not supported: 'cpu' or 'cuda' (e.g. 'cuda:0')")
     return parsed
-
-
-def _freeze_until_exit() -> None:
-    """Keep what exists now out of the cyclic collector's scans (``gc.freeze``) until the
-    interpreter exits, when it is unfrozen, so the final collection frees it: frozen cycles left
-    at exit made the Triton bindings print a leak report after every command."""
-    gc.freeze()
-    if not getattr(_freeze_until_exit, "registered", False):
-        atexit.register(gc.unfreeze)
-        _freeze_until_exit.registered = True
 
 
 class LLM:
@@ -110,7 +103,7 @@ class LLM:
         self._request_ids = itertools.count()
         # what exists now lives as long as the engine: keep it out of the cyclic collector's
         # scans, which otherwise fire inside every step's planning (page lists are large)
-        _freeze_until_exit()
+        gc.freeze()
 
     # -- stateless generation ---------------------------------------------------------
     def generate(
