@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
-# only after a measurement. Parts take 2-8 minutes; a device call runs at most 10. Open now:
-# `... tests` (about 6 minutes: this round's kernel changes), `... shares` (about 6), `... short subpage`
-# (about 7), `... cascade b16` (about 4). Measured (docs/benchmarks.md, "The prepared switches
-# measured"): tests, valuesplit, stage1merge, heads128, plan.
+# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now: `... tests`
+# (the kernels) and `... enginetests` (graphs and engine; over 500 s with the kernels on a cold machine). Measured (docs/benchmarks.md, "Sub-page
+# tiles on" and "The prepared switches measured"): shares, short, b16, cascade, subpage (now the
+# default), valuesplit, stage1merge, heads128, plan.
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
 #             against 0.0067 with halves) and the shares as the grid's last dimension
@@ -33,8 +33,9 @@
 #             2 stages, the merge at 128 / 32 columns per program, and partitions of at least 64
 #             rows, between runs at the defaults (at 1K stage 1 and the merge are 15% of a step for
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
-#   tests     the GPU tests of the attention kernels, graphs and engine (bf16 / head_dim 128 grid
-#             cases and every other test), after this round's kernel changes.
+#   tests     the GPU tests of the attention kernels (bf16 / head_dim 128 / page 16 grid cases and
+#             every other test; sub-page tiles are now the default).
+#   enginetests  the GPU tests of CUDA graphs and the engine (model builds), with sub-page tiles.
 #   valuesplit  the latent stage 1 at batch 1 with two programs per pair block that halve the values
 #             for plans of at most one partial per SM (the default) against one program:
 #             kernels at 1K-128K, DeepSeek-V2-Lite batch 1 at 1K / 16K / 64K alternating,
@@ -106,16 +107,20 @@ elif [ "$part" = mla ]; then
   e2e "deepseek latent partitions of at least 64 rows" SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS=64 \
     -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
   e2e "deepseek defaults" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
-elif [ "$part" = tests ]; then
-  # the kernels changed since the last GPU run (tiles of whole pages only, pages longer than the
-  # tile, the latent shares by the plan's partial count or as the grid's last dimension, the
-  # building blocks moved to attention_tiles / stage1_merge): the GPU tests at bf16 / head_dim 128
-  # and every test that is not a grid case, graphs and the engine included
-  echo "== GPU tests (kernels, graphs, engine)" | tee -a "$log"
-  timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_mla.py \
-    tests/test_cuda_graphs.py tests/test_gpu_engine.py \
-    -k "not (test_kernels_match_the_reference or test_latent_kernel_matches_the_reference) or (bf16 and 128) or (bf16 and 16-16)" \
-    2>&1 | grep -E "passed|failed|^E  |^FAILED" | tail -15 | tee -a "$log"
+elif [ "$part" = tests ] || [ "$part" = enginetests ]; then
+  # the GPU tests, each test's line kept in $OUT/tests-<part>.txt as it runs (a timeout still shows
+  # how far they got): the attention kernels at bf16 / head_dim 128 / page 16 and every test that
+  # is not a grid case (about 20 s warm), or the graph and engine tests (model builds: minutes)
+  if [ "$part" = tests ]; then
+    files=(tests/test_triton_attention.py tests/test_triton_mla.py)
+  else
+    files=(tests/test_cuda_graphs.py tests/test_gpu_engine.py)
+  fi
+  echo "== GPU tests: ${files[*]}" | tee -a "$log"
+  timeout 450 python3 -m pytest -v -p no:cacheprovider "${files[@]}" --durations=10 \
+    -k "not (test_kernels_match_the_reference or test_latent_kernel_matches_the_reference) or (bf16 and 128 and 16-16)" \
+    > "$OUT/tests-$part.txt" 2>&1
+  grep -E " passed| failed|^E  |^FAILED" "$OUT/tests-$part.txt" | tail -15 | tee -a "$log"
 elif [ "$part" = valuesplit ]; then
   # the latent value split at batch 1, now halving the values only for plans of at most one
   # partial per SM (read from the plan): its GPU tests, the kernels at 1K-128K against one program
@@ -307,7 +312,7 @@ elif [ "$part" = short ]; then
     done
   done
 else
-  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16 or short)" >&2
+  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short or enginetests)" >&2
   exit 2
 fi
 done

@@ -167,10 +167,17 @@ def test_adaptive_value_shares_match_the_reference(route, shares_last, gen, monk
                                         max_work_rows=1, element_size=2)
 
 
-@pytest.mark.parametrize("page_size", [20, 48])
-def test_latent_page_sizes_that_do_not_divide_the_tile(page_size, gen):
-    """Latent pages of 20 or 48 rows (32- and 64-row tiles of one whole page): every route gives
-    the reference's results."""
+@pytest.mark.parametrize("page_size,subpage", [(20, 1), (48, 1), (48, 0)])
+def test_latent_page_sizes_that_do_not_divide_the_tile(page_size, subpage, gen, monkeypatch):
+    """Latent pages of 20 rows (one whole page in a 32-row tile) or 48 (a full and a partial
+    32-row tile by default; one page in a 64-row tile with ``SEGKV_SUBPAGE_TILES=0``): every route
+    gives the reference's results."""
+    from segkv.kernels import mla_attention
+
+    monkeypatch.setenv("SEGKV_SUBPAGE_TILES", str(subpage))
+    tile = mla_attention.mla_stage1_launch(dtype=torch.float32, rank=RANK, rope=ROPE, num_heads=4,
+                                           page_size=page_size, max_work_rows=1, element_size=4)["BLOCK_N"]
+    assert tile == (32 if subpage else 64) and tile % page_size != 0
     for route in [r.value for r in Route]:
         cache, _, queries = latent_batch(gen, dtype=torch.float32, page_size=page_size, rows=2)
         check(*run_latent(cache, queries, 4, route, gen, dtype=torch.float32))
@@ -178,7 +185,7 @@ def test_latent_page_sizes_that_do_not_divide_the_tile(page_size, gen):
 
 @pytest.mark.parametrize("page_size", [32, 20])
 def test_latent_pages_longer_than_the_tile(page_size, gen, monkeypatch):
-    """``SEGKV_SUBPAGE_TILES=1`` with 16-row latent tiles: pages of 32 or 20 rows span two tiles;
+    """Latent tiles kept at 16 rows (``SEGKV_SUBPAGE_TILES=1``, the default): pages of 32 or 20 rows span two tiles;
     every route, with one program and with the value halves, gives the reference's results."""
     from segkv.kernels import mla_attention
 

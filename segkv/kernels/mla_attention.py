@@ -213,7 +213,7 @@ def default_mla_launch_config() -> LaunchConfig:
     (Products with the latent tile as the tall operand measured 5-20% slower on the H200:
     docs/benchmarks.md.)"""
     return LaunchConfig(
-        block_n=env_int("SEGKV_MLA_BLOCK_N", 32),  # grown to the page at launch unless subpage_tiles
+        block_n=env_int("SEGKV_MLA_BLOCK_N", 32),  # a longer page spans tiles (tile_rows)
         subpage_tiles=subpage_tiles(),
         num_warps=env_int("SEGKV_MLA_WARPS", 4),
         num_stages=env_int("SEGKV_MLA_STAGES", 3),

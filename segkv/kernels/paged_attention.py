@@ -234,11 +234,12 @@ def _kv_write_kernel(SRC, DST, slots, stride_sn, stride_dn, WIDTH: tl.constexpr,
 
 
 def subpage_tiles() -> bool:
-    """Tiles of the launch's rows whatever the page size (``SEGKV_SUBPAGE_TILES=1``): a page longer
-    than the tile is walked a tile at a time, so a 64-row page keeps the latent kernel's 32-row
-    tile (a 64-row one holds 255 registers and spills 1 KB, offline, sm_90a) and wide GQA heads
-    their 32. Off until measured: the tile grows to the page."""
-    return env_int("SEGKV_SUBPAGE_TILES", 0) == 1
+    """Tiles of the launch's rows whatever the page size (the default; ``SEGKV_SUBPAGE_TILES=0``
+    grows the tile to the page): a page longer than the tile is walked a tile at a time. A 64-row
+    page keeps the latent kernel's 32-row tile (a 64-row one holds 255 registers and spills 1 KB,
+    offline, sm_90a); on the H200 the latent kernel at pages of 64 ran 2-2.9x faster at 32K and
+    GQA at pages of 128 1.4x (docs/benchmarks.md). Pages no longer than the tile compile as before."""
+    return env_int("SEGKV_SUBPAGE_TILES", 1) == 1
 
 
 # Decode programs of at least this many (query row x head) pairs (and at most 16) take the K/V tile
@@ -264,7 +265,7 @@ class LaunchConfig:
     value_split_max_partials: int | None = None  # the most partials of a plan whose latent programs halve the values
     value_split_auto: int = 2  # latent programs the automatic split launches (4: quarters for the fewest partials)
     shares_last: bool = False  # latent shares as the grid's third dimension (see _mla_stage1_kernel)
-    subpage_tiles: bool = False  # the tile is block_n rows whatever the page size (a longer page spans tiles)
+    subpage_tiles: bool = True  # the tile is block_n rows whatever the page size (a longer page spans tiles)
 
 
 def tile_rows(launch: LaunchConfig, page_size: int) -> int:
@@ -279,7 +280,7 @@ def default_launch_config(*, head_dim: int) -> LaunchConfig:
     wide = head_dim > 128
     block_n = env_int("SEGKV_TRITON_BLOCK_N", 32 if wide else 64)
     return LaunchConfig(
-        block_n=block_n,  # grown to the page at launch unless subpage_tiles (tile_rows)
+        block_n=block_n,  # a longer page spans tiles; grown to the page without subpage_tiles (tile_rows)
         subpage_tiles=subpage_tiles(),
         num_warps=env_int("SEGKV_TRITON_WARPS", 4),
         # 3 stages: two K/V buffers, the next tile loading during this one (2 stages: one buffer);
