@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
-# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now: `... mergeo`
-# (about 6 minutes), `... tests` (the kernels) and `... enginetests` (graphs and engine; over 500 s
-# with the kernels on a cold machine). Measured (docs/benchmarks.md, "Sub-page
+# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now: `... tests`
+# (the kernels) and `... enginetests` (graphs and engine; over 500 s with the kernels on a cold machine). Measured (docs/benchmarks.md, "Sub-page
 # tiles on" and "The prepared switches measured"): shares, short, b16, cascade, subpage (now the
 # default), valuesplit, stage1merge, heads128, plan.
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
@@ -34,8 +33,6 @@
 #             2 stages, the merge at 128 / 32 columns per program, and partitions of at least 64
 #             rows, between runs at the defaults (at 1K stage 1 and the merge are 15% of a step for
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
-#   mergeo    batch 1's merge launch left to the o product, which merges each head's partials itself
-#             (SEGKV_MERGE_INTO_O=1): GPU tests, Llama-3.1-8B and Qwen3-8B batch 1 alternating.
 #   tests     the GPU tests of the attention kernels (bf16 / head_dim 128 / page 16 grid cases and
 #             every other test; sub-page tiles are now the default).
 #   enginetests  the GPU tests of CUDA graphs and the engine (model builds), with sub-page tiles.
@@ -314,27 +311,8 @@ elif [ "$part" = short ]; then
       e2e "llama-3.1-8b $cfg" "$cfg" -- --models llama-3.1-8b --batches 1 --contexts 1K,4K
     done
   done
-elif [ "$part" = mergeo ]; then
-  # batch 1's merge launch (5.5 us of a Llama-3.1-8B layer at 1K, 5.8 at 16K) left to the o
-  # product, which merges each head's partials itself (SEGKV_MERGE_INTO_O=1, kernels/merge_gemv.py):
-  # GPU tests, then Llama-3.1-8B batch 1 alternating, at the default program shape (128 rows x 8
-  # warps, 16 partials a step: 77 registers offline, 3 programs per SM), 64 rows x 8 warps (48, 5
-  # per SM) and 128 x 8 with 32 partials a step (99, 2 per SM), and Qwen3-8B
-  echo "== GPU tests: the o product that merges its row" | tee -a "$log"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_merge_gemv.py 2>&1 | grep -E "passed|failed|^E  " \
-    | tail -5 | tee -a "$log"
-  for round in 1 2; do
-    for cfg in "SEGKV_MERGE_INTO_O=0" "SEGKV_MERGE_INTO_O=1" "SEGKV_MERGE_INTO_O=1 SEGKV_MERGE_GEMV_BLOCK_N=64" \
-        "SEGKV_MERGE_INTO_O=1 SEGKV_MERGE_GEMV_BLOCK_P=32"; do
-      # shellcheck disable=SC2086
-      e2e "llama-3.1-8b $cfg" $cfg -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
-    done
-  done
-  for merge in 0 1; do
-    e2e "qwen3-8b merge into o $merge" SEGKV_MERGE_INTO_O=$merge -- --models qwen3-8b --batches 1 --contexts 1K,16K
-  done
 else
-  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests or mergeo)" >&2
+  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short or enginetests)" >&2
   exit 2
 fi
 done

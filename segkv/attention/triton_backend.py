@@ -135,7 +135,6 @@ class TritonBackend:
 
     name = "triton"
     lse_api = LSE_API_TRITON
-    defers_merge = True  # run(defer_merge=True) may leave a batch-1 row's merge to its product
 
     def __init__(
         self,
@@ -247,14 +246,11 @@ class TritonBackend:
         scale: float,
         out_dtype: torch.dtype | None = None,
         kv_transform=None,
-        defer_merge: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer; same arguments and results as the reference backend.
 
         With fixed-size buffers ``query`` may carry padding rows past the plan's rows (a graph
-        bucket); they come out 0 with LSE -inf. ``defer_merge`` (grouped-query caches): one query
-        row whose merge would launch comes back as ``(kernels.partials_merge.PendingMerge, None)``,
-        for the output projection to merge (``kernels.merge_gemv``).
+        bucket); they come out 0 with LSE -inf.
         """
         from segkv.kernels.mla_attention import mla_paged_attention
         from segkv.kernels.paged_attention import paged_attention
@@ -289,7 +285,6 @@ class TritonBackend:
             out_dtype=out_dtype or query.dtype, needs_merge=prepared.needs_merge, launch=self.launch,
             poison=self.poison, workspace=workspace, merge_in_stage1=prepared.merge_in_stage1,
             counters=self._merge_counters(rows * query.shape[1]) if prepared.merge_in_stage1 else None,
-            defer_merge=defer_merge,
         )
 
     def _merge_counters(self, entries: int) -> torch.Tensor:

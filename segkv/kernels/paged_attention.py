@@ -27,7 +27,6 @@ from segkv.kernels.attention_tiles import (
     tile_range,
     tile_rows_in_page,
 )
-from segkv.kernels.partials_merge import PendingMerge, merge_partials
 from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
 from segkv.kernels.stage1_merge import merge_group_if_last, merge_if_last, zero_empty_rows
@@ -194,9 +193,29 @@ def _merge_kernel(
         p_next = tl.load(reduce_partials + start + offs_p, mask=start + offs_p < end, other=0)
     offs = cb * BLOCK_DV + tl.arange(0, BLOCK_DV)
     col_ok = offs < DV
-    out, weight, m_max = merge_partials(PART_OUT, PART_LSE, reduce_partials, start, end, p_next, head, offs, col_ok,
-                                        stride_pp, stride_ph, stride_lp, BLOCK_P, BLOCK_DV)
+    m = tl.full([BLOCK_P], float("-inf"), tl.float32)  # running maximum (all lanes equal)
+    total = tl.zeros([BLOCK_P], tl.float32)
+    acc = tl.zeros([BLOCK_P, BLOCK_DV], tl.float32)
+    for i0 in range(start, end, BLOCK_P):
+        ok = i0 + offs_p < end
+        p = p_next
+        p_next = tl.load(reduce_partials + i0 + BLOCK_P + offs_p, mask=i0 + BLOCK_P + offs_p < end, other=0)
+        lse = tl.load(PART_LSE + p * stride_lp + head, mask=ok, other=float("-inf"))
+        o = tl.load(PART_OUT + p[:, None] * stride_pp + head * stride_ph + offs[None, :],
+                    mask=ok[:, None] & col_ok[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)  # rescales what earlier blocks summed; 0 while nothing was live
+        live = lse != float("-inf")
+        wgt = tl.where(live, tl.exp(lse - m_safe), 0.0)
+        acc = acc * alpha[:, None] + wgt[:, None] * tl.where(live[:, None], o, 0.0)
+        total = total * alpha + wgt
+        m = m_new
+    out = tl.sum(acc, 0)
+    weight = tl.sum(total, 0)
+    m_max = tl.max(m, 0)
     empty = weight == 0.0
+    out = out / tl.where(empty, 1.0, weight)
     tl.store(OUT + row * stride_or + head * stride_oh + offs,
              out.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne"), mask=col_ok)
     if cb == 0:
@@ -282,7 +301,7 @@ def paged_attention(
     *, query, key_cache, value_cache, page_table, page_rows, page_key_start, work_pages, work_partial_start,
     partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
-    poison=False, workspace=None, counters=None, merge_in_stage1=False, defer_merge=False,
+    poison=False, workspace=None, counters=None, merge_in_stage1=False,
 ):
     """Attention of a plan: stage-1 partials, then the exact merge, rounded once.
 
@@ -300,9 +319,7 @@ def paged_attention(
     :data:`MERGE_IN_STAGE1_MAX_PARTIALS` partials (the caller's promise): stage 1 merges the rows
     itself, with ``counters``, int32 zeros of at least ``R * Hq`` entries that every launch leaves
     zero, and no merge kernel runs. Returns ``(out (R, Hq, Dv) out_dtype, lse (R, Hq)
-    float32)``; rows without partials are 0 with LSE -inf. ``defer_merge``: for one query row
-    whose merge would launch, ``(PendingMerge, None)`` instead, the merge left to the product that
-    reads the output (``merge_gemv``).
+    float32)``; rows without partials are 0 with LSE -inf.
     """
     num_rows, num_heads, dk = query.shape
     page_size, num_kv = key_cache.shape[1], key_cache.shape[2]
@@ -334,8 +351,6 @@ def paged_attention(
             scale, num_rows, **meta, **attention_pdl_options(query),
         )
     if num_rows and not merged and (needs_merge or not (num_work and num_partials)):
-        if defer_merge and num_rows == 1 and num_work and num_partials:
-            return PendingMerge(out, part_out, part_lse, reduce_ptr, reduce_partials, out_dtype), None
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
     return out.to(out_dtype), lse
 

@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from segkv.attention.metadata import AttentionMetadata
-from segkv.kernels.partials_merge import PendingMerge
 
 
 class PagedAttention(nn.Module):
@@ -26,14 +25,10 @@ class PagedAttention(nn.Module):
         storage.write(layer, meta.slots, k, v, trusted_slots=meta.trusted_slots)
         return self.attend(q, meta)
 
-    def attend(self, q: torch.Tensor, meta: AttentionMetadata, *, defer_merge: bool = False
-               ) -> torch.Tensor | PendingMerge:
-        """Attention of ``q (T, Hq, D)`` over the cache, the step's rows already written.
-        ``defer_merge``: where the backend can, one row whose merge would launch comes back as a
-        :class:`PendingMerge` for the output projection to merge (``kernels.merge_gemv``)."""
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of ``q (T, Hq, D)`` over the cache, the step's rows already written."""
         storage, layer = meta.storage, self.layer_index
-        defer = {"defer_merge": True} if defer_merge and getattr(meta.backend, "defers_merge", False) else {}
         out, _ = meta.backend.run(
-            meta.prepared, q, storage.key_cache(layer), storage.value_cache(layer), scale=self.scale, **defer
+            meta.prepared, q, storage.key_cache(layer), storage.value_cache(layer), scale=self.scale
         )
         return out

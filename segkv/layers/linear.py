@@ -105,34 +105,6 @@ class RowProduct:
                                **self._launch(weight, whole=(query_head, rope["latent_rows"].shape[-1])))
 
     @property
-    def merges_attention(self) -> bool:
-        """Whether attention may leave a batch-1 row's merge to :meth:`after_merge`
-        (``SEGKV_MERGE_INTO_O``, the grouped-query decoder's products)."""
-        from segkv.kernels.merge_gemv import MERGE_INTO_O
-
-        return MERGE_INTO_O and self.fused_decoder and self.enabled
-
-    def after_merge(self, pending, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(merged, weight, bias)`` for attention whose merge is ``pending``
-        (``kernels.partials_merge.PendingMerge``): the merge inside the product's launch
-        (``kernels.merge_gemv``) for one CUDA row without a bias, else the merge launch first."""
-        from segkv.kernels.merge_gemv import MERGE_GEMV_BLOCK_N, merge_splitk_gemv, merge_workspace_size
-
-        out = pending.out
-        rows, heads, dv = out.shape
-        x = out.view(rows, heads * dv)
-        if not self.applies(x if x.dtype == weight.dtype else x.to(weight.dtype), weight, bias):
-            return F.linear(pending.resolve().reshape(rows, heads * dv), weight, bias)
-        from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST
-
-        key = ("merge", weight.shape[0], heads, dv, MERGE_GEMV_BLOCK_N, weight.device)
-        if key not in self._workspace:
-            floats, tickets = merge_workspace_size(weight.shape[0], heads, dv, MERGE_GEMV_BLOCK_N)
-            self._workspace[key] = (torch.empty(floats, dtype=torch.float32, device=weight.device),
-                                    torch.zeros(tickets, dtype=torch.int32, device=weight.device))
-        return merge_splitk_gemv(pending, weight, workspace=self._workspace[key], evict_first=WEIGHTS_EVICT_FIRST)
-
-    @property
     def rope_in_product(self) -> bool:
         """Whether :meth:`after_norm_with_rope` is on (``SEGKV_BATCH1_QKV_ROPE``)."""
         return BATCH1_QKV_ROPE

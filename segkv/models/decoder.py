@@ -13,7 +13,6 @@ from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionShape
 from segkv.config import KVLayout
 from segkv.kernels.fused_ops import rope_and_write_kv, rope_fusable
-from segkv.kernels.partials_merge import PendingMerge
 from segkv.layers.activation import GatedMLP, stack_linears
 from segkv.layers.attention import PagedAttention
 from segkv.layers.linear import RowProduct
@@ -138,7 +137,7 @@ class DecoderAttention(nn.Module):
                 x, residual, norm.weight, norm.eps, self._qkv[0], num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads, positions=positions, cos_sin=self.rotary.cos_sin_table(x.dtype),
                 slots=meta.slots, key_rows=keys, value_rows=values, **norms)
-            return self._output(self.attn.attend(q, meta, defer_merge=self._row_product.merges_attention)), residual
+            return self._output(self.attn.attend(q, meta)), residual
         qkv, residual = self._row_product.after_norm(x, residual, norm.weight, norm.eps, self._qkv[0])
         return self._attend(*self._split_heads(*qkv.split(self._qkv_sizes(), dim=-1)), positions, meta), residual
 
@@ -151,17 +150,14 @@ class DecoderAttention(nn.Module):
             keys, values = meta.storage.rows_to_write(self.attn.layer_index, meta.slots, k, v,
                                                       trusted_slots=meta.trusted_slots)
             q = rope_and_write_kv(q, k, v, positions, self.rotary.cos_sin_table(q.dtype), meta.slots, keys, values)
-            out = self.attn.attend(q, meta, defer_merge=self._qkv is not None and self._row_product.merges_attention)
+            out = self.attn.attend(q, meta)
         else:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
             out = self.attn(q, k, v, meta)
         return self._output(out)
 
-    def _output(self, out: torch.Tensor | PendingMerge) -> torch.Tensor:
-        """Attention's ``(T, H, D)`` (or one row whose merge is pending) -> the output projection
-        ``(T, hidden)``."""
-        if isinstance(out, PendingMerge):
-            return self._row_product.after_merge(out, self.o_proj.weight, self.o_proj.bias)
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention's ``(T, H, D)`` -> the output projection ``(T, hidden)``."""
         out = out.reshape(out.shape[0], self.num_heads * self.head_dim)
         if self._qkv is None:  # not fused: torch's product
             return self.o_proj(out)
