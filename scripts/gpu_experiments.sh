@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
-# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now: `... tests`
-# (the kernels) and `... enginetests` (graphs and engine; over 500 s with the kernels on a cold machine). Measured (docs/benchmarks.md, "Sub-page
+# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now: `... trigger`
+# (about 4 minutes), `... tests` (the kernels) and `... enginetests` (graphs and engine; over 500 s
+# with the kernels on a cold machine). Measured (docs/benchmarks.md, "Sub-page
 # tiles on" and "The prepared switches measured"): shares, short, b16, cascade, subpage (now the
 # default), valuesplit, stage1merge, heads128, plan.
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
@@ -33,6 +34,8 @@
 #             2 stages, the merge at 128 / 32 columns per program, and partitions of at least 64
 #             rows, between runs at the defaults (at 1K stage 1 and the merge are 15% of a step for
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
+#   trigger   the merge letting the o GEMV launch at once (SEGKV_MERGE_TRIGGER=0), so its weight
+#             loads overlap stage 1: GPU tests, Llama-3.1-8B, Qwen3-8B, DeepSeek-V2-Lite batch 1.
 #   tests     the GPU tests of the attention kernels (bf16 / head_dim 128 / page 16 grid cases and
 #             every other test; sub-page tiles are now the default).
 #   enginetests  the GPU tests of CUDA graphs and the engine (model builds), with sub-page tiles.
@@ -46,7 +49,7 @@
 #             (SEGKV_MERGE_IN_STAGE1_MAX=64) against the merge launch: GPU tests, kernels at
 #             batch 1 / 4 and 16K-64K (8B and 70B shapes), Llama-3.1-8B batch 1 alternating.
 #   plan      Llama-3.1-8B batch 1 with the attention plan read before the PDL wait and the merge's
-#             late trigger (SEGKV_ATTENTION_PLAN_EARLY, SEGKV_MERGE_LATE_TRIGGER), DeepSeek-V2-Lite
+#             late trigger (SEGKV_ATTENTION_PLAN_EARLY, SEGKV_MERGE_TRIGGER=2), DeepSeek-V2-Lite
 #             with the plan read early, alternating.
 #   transposed  GQA decode programs of 8-16 pairs with the K/V tile as the tall operand (the default
 #             since it measured faster on the 70B shape): GPU tests, the 70B kernels at batch 1 / 4 /
@@ -180,13 +183,13 @@ elif [ "$part" = stage1merge ]; then
 elif [ "$part" = plan ]; then
   # batch-1 attention at 1K is latency: Llama-3.1-8B's stage 1 and merge take 12 us a layer for 4
   # MB (8.7% of a step). The plan's reads before the PDL wait (SEGKV_ATTENTION_PLAN_EARLY) and the
-  # merge letting the o GEMV in only when it ends (SEGKV_MERGE_LATE_TRIGGER), alternating
+  # merge letting the o GEMV in only when it ends (SEGKV_MERGE_TRIGGER=2), alternating
   echo "== GPU tests: plan reads before the wait, the merge's late trigger" | tee -a "$log"
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py -k "plan_reads or folds_blocks" \
     2>&1 | grep -E "passed|failed|^E  " | tail -5 | tee -a "$log"
   for round in 1 2; do
-    for cfg in "SEGKV_ATTENTION_PLAN_EARLY=0" "SEGKV_ATTENTION_PLAN_EARLY=1" "SEGKV_MERGE_LATE_TRIGGER=1" \
-        "SEGKV_ATTENTION_PLAN_EARLY=1 SEGKV_MERGE_LATE_TRIGGER=1"; do
+    for cfg in "SEGKV_ATTENTION_PLAN_EARLY=0" "SEGKV_ATTENTION_PLAN_EARLY=1" "SEGKV_MERGE_TRIGGER=2" \
+        "SEGKV_ATTENTION_PLAN_EARLY=1 SEGKV_MERGE_TRIGGER=2"; do
       # shellcheck disable=SC2086
       e2e "llama-3.1-8b $cfg" $cfg -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
     done
@@ -311,8 +314,30 @@ elif [ "$part" = short ]; then
       e2e "llama-3.1-8b $cfg" "$cfg" -- --models llama-3.1-8b --batches 1 --contexts 1K,4K
     done
   done
+elif [ "$part" = trigger ]; then
+  # the merge letting the next kernel launch at once (SEGKV_MERGE_TRIGGER=0) instead of after its
+  # wait for stage 1 (1): at batch 1 the o GEMV (or the latent per-head GEMV) then loads its weight
+  # blocks while stage 1 and the merge run, as it does at batch 4-16 where stage 1 merges itself
+  # (Llama-3.1-8B at 1K: stage 1 6.6 us, merge 5.5, o 11.0 for 34 MB)
+  echo "== GPU tests: the merge's trigger" | tee -a "$log"
+  for trigger in 0 2; do
+    SEGKV_MERGE_TRIGGER=$trigger timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
+      tests/test_triton_mla.py -k "plan_reads or folds_blocks or mixed_long or value_split" 2>&1 \
+      | grep -E "passed|failed|^E  " | tail -3 | tee -a "$log"
+  done
+  for round in 1 2; do
+    for trigger in 1 0; do
+      e2e "llama-3.1-8b merge trigger $trigger" SEGKV_MERGE_TRIGGER=$trigger -- --models llama-3.1-8b --batches 1 \
+        --contexts 1K,16K
+    done
+  done
+  for trigger in 1 0; do
+    e2e "qwen3-8b merge trigger $trigger" SEGKV_MERGE_TRIGGER=$trigger -- --models qwen3-8b --batches 1 --contexts 1K,16K
+    e2e "deepseek merge trigger $trigger" SEGKV_MERGE_TRIGGER=$trigger -- --models deepseek-v2-lite --batches 1 \
+      --contexts 1K,16K
+  done
 else
-  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short or enginetests)" >&2
+  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests or trigger)" >&2
   exit 2
 fi
 done

@@ -38,15 +38,20 @@ LARGEST = [
 #    test_pipeline_stages_shrink_to_fit_shared_memory)
 
 
-@pytest.fixture(scope="module")
-def compiled() -> list[dict]:
+def compile_cases(cases: list[dict]) -> list[dict]:
+    """The offline compiler's report of each case, in a subprocess without the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "segkv.kernels.offline_compile"], input=json.dumps(DECODE + LARGEST),
+    out = subprocess.run([sys.executable, "-m", "segkv.kernels.offline_compile"], input=json.dumps(cases),
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [r["case"] for r in results] == DECODE + LARGEST
+    assert [r["case"] for r in results] == cases
     return results
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[dict]:
+    return compile_cases(DECODE + LARGEST)
 
 
 @pytest.mark.parametrize("index", range(len(DECODE)), ids=[c["kernel"] for c in DECODE])
@@ -63,3 +68,14 @@ def test_decode_loops_keep_the_next_tile_in_flight(compiled, index):
 def test_largest_launches_fit_in_shared_memory(compiled, index):
     r = compiled[len(DECODE) + index]
     assert 0 < r["shared"] <= MAX_SHARED_PER_PROGRAM, r
+
+
+def test_the_merge_lets_the_next_kernel_launch_when_told():
+    """``SEGKV_MERGE_TRIGGER``: the merge lets the next kernel launch before its wait for stage 1
+    (0), right after it (1, the default) or only when it ends (2: no explicit trigger), for GQA
+    and latent widths, with the plan read before the wait or after it."""
+    cases = [{"kernel": "merge", "dv": dv, "trigger": t, "plan_early": early}
+             for dv, early in ((128, True), (512, False)) for t in (0, 1, 2)]
+    orders = [r["pdl"] for r in compile_cases(cases)]
+    expected = [["launch_dependents", "wait"], ["wait", "launch_dependents"], ["wait"]]
+    assert orders == expected * 2

@@ -351,8 +351,8 @@ def test_transposed_products_match_the_reference(route, dtype, gen, monkeypatch)
 @pytest.mark.parametrize("route", ["split", "cascade"] if not GPU else ROUTES)
 def test_plan_reads_before_the_wait_match_the_reference(route, gen, monkeypatch):
     """``SEGKV_ATTENTION_PLAN_EARLY``: stage 1 reads its plan share and the merge its first partial
-    ids before waiting for the previous kernel, and with ``SEGKV_MERGE_LATE_TRIGGER`` the merge
-    lets the next kernel in only when it ends: the same results as the reference, over pieces that
+    ids before waiting for the previous kernel, and with ``SEGKV_MERGE_TRIGGER=2`` the merge lets
+    the next kernel in only when it ends: the same results as the reference, over pieces that
     end inside a tile, with fully masked rows, more partials than one merge block and the merge
     inside stage 1."""
     from segkv.kernels import paged_attention
@@ -370,7 +370,7 @@ def test_plan_reads_before_the_wait_match_the_reference(route, gen, monkeypatch)
     assert [reads_early(4, 1), reads_early(8, 1), reads_early(4, 1, rows=16), reads_early(8, 2),
             reads_early(4, 2, rows=16), reads_early(4, 0)] == [True, False, False, True, True, False]
     monkeypatch.setattr(paged_attention, "PLAN_EARLY", 2)
-    monkeypatch.setattr(paged_attention, "MERGE_LATE_TRIGGER", True)
+    monkeypatch.setattr(paged_attention, "MERGE_TRIGGER", 2)
     for rows, ratio, page_size, block_n, parts in ((1, 8, 16, 16, 3), (3, 4, 16, 64, 3), (1, 4, 16, 16, 70)):
         batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=page_size, ratio=ratio, head_dim=64, rows=rows)
         batch.queries[1] = SequenceQuery(batch.queries[1].spans, rows, query_start=-rows)  # fully masked
@@ -514,18 +514,19 @@ def test_merge_of_many_partials_per_row(gen):
                                 scale=0.125, device=DEVICE))
 
 
-@pytest.mark.parametrize("plan_early", [False, True])
-def test_merge_kernel_folds_blocks_of_partials_exactly(plan_early, gen, monkeypatch):
+@pytest.mark.parametrize("plan_early,trigger", [(False, 1), (True, 2), (True, 0)])
+def test_merge_kernel_folds_blocks_of_partials_exactly(plan_early, trigger, gen, monkeypatch):
     """The one-pass merge against the contract's formula (``merge_partials``) on synthetic partials:
     rows of 150 partials (three blocks of 64) whose first block is all empty, whose last is, whose
     live LSEs span 80 nats (the running maximum grows across blocks and earlier sums are rescaled),
     a row of 64 empties, and a row with no partials. Empty partials hold NaN outputs: weight 0.
-    Also with the first block's partial ids read before the wait and the late trigger."""
+    Also with the first block's partial ids read before the wait, and the next kernel let in when
+    the merge ends or at once (``SEGKV_MERGE_TRIGGER``; on the GPU, where the merge uses PDL)."""
     from segkv.kernels import paged_attention
     from segkv.kernels.paged_attention import merge_into
 
     monkeypatch.setattr(paged_attention, "PLAN_EARLY", int(plan_early))
-    monkeypatch.setattr(paged_attention, "MERGE_LATE_TRIGGER", plan_early)
+    monkeypatch.setattr(paged_attention, "MERGE_TRIGGER", trigger)
 
     heads, dim = 3, 96
     counts = [150, 150, 150, 64, 0, 2]

@@ -149,15 +149,32 @@ def stage1_report(case: dict, launch=None) -> dict:
             "buffers": kernel.pipeline_buffers(meta["BLOCK_N"], cols), "waits": kernel.loop_waits(), "mma": mma}
 
 
+def merge_report(case: dict) -> dict:
+    """The merge kernel with programmatic dependent launch for ``{"kernel": "merge", "dv": int,
+    "trigger": 0 | 1 | 2, "plan_early": bool}`` (bf16 output, the launcher's column and partial
+    blocks): its PDL instructions in program order (``griddepcontrol.wait`` and
+    ``.launch_dependents``)."""
+    from segkv.kernels import paged_attention
+
+    dv = case["dv"]
+    block_dv = paged_attention.merge_block_dv(dv)
+    meta = {"DV": dv, "BLOCK_DV": block_dv, "BLOCK_P": 16 if block_dv > 256 else 64, "USE_PDL": True,
+            "PLAN_EARLY": bool(case.get("plan_early", False)), "TRIGGER": case["trigger"], "num_warps": 4}
+    kernel = compile_offline(paged_attention._merge_kernel, meta, assemble=False,
+                             pointers={"PART_OUT": "*fp32", "PART_LSE": "*fp32", "OUT": "*bf16", "OUT_LSE": "*fp32"})
+    return {"case": case, "pdl": re.findall(r"griddepcontrol\.(\w+)", kernel.ptx)}
+
+
 def _main() -> None:
-    """``python -m segkv.kernels.offline_compile < cases.json``: :func:`stage1_report` of each case,
-    one JSON object per line. Run it without ``TRITON_INTERPRET`` (the interpreter's kernels cannot
-    be compiled)."""
+    """``python -m segkv.kernels.offline_compile < cases.json``: :func:`stage1_report` (or, for
+    ``"kernel": "merge"``, :func:`merge_report`) of each case, one JSON object per line. Run it
+    without ``TRITON_INTERPRET`` (the interpreter's kernels cannot be compiled)."""
     import json
     import sys
 
     for case in json.load(sys.stdin):
-        print(json.dumps(stage1_report(case)), flush=True)
+        report = merge_report(case) if case["kernel"] == "merge" else stage1_report(case)
+        print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ def _merge_kernel(
     PART_OUT, PART_LSE, OUT, OUT_LSE, reduce_ptr, reduce_partials,
     stride_pp, stride_ph, stride_lp, stride_or, stride_oh, stride_lr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr = False,
-    PLAN_EARLY: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
+    PLAN_EARLY: tl.constexpr = False, TRIGGER: tl.constexpr = 1,
 ):
     """One program per (query row, head, ``BLOCK_DV`` value columns): the exact merge of its
     partials, rounded once. Rows without partials get 0 and LSE -inf; rows with exactly one were
@@ -171,9 +171,11 @@ def _merge_kernel(
     plan) that is the contract's formula in one step. Column blocks keep wide values (latent
     attention: 512 columns) from leaving a batch-1 merge to a handful of programs that each stream
     every partial. With ``USE_PDL``: ``PLAN_EARLY`` reads the first block's partial ids (the
-    host's plan) before waiting for stage 1; ``LATE_TRIGGER`` lets the next kernel in only when
-    the merge ends (not right after the wait), so its weight loads do not compete with the
-    merge's."""
+    host's plan) before waiting for stage 1; ``TRIGGER`` is when the next kernel may launch: 0 at
+    once (its programs load their weights while stage 1 and the merge run), 1 right after the
+    wait, 2 when the merge ends (its weight loads do not compete with the merge's)."""
+    if USE_PDL and TRIGGER == 0:  # the next kernel reads the merge's output only after its own wait
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     head = tl.program_id(1)
     cb = tl.program_id(2)
@@ -187,7 +189,7 @@ def _merge_kernel(
         p_next = tl.load(reduce_partials + start + offs_p, mask=start + offs_p < end, other=0)
     if USE_PDL:  # the partials are complete once stage 1 is
         tl.extra.cuda.gdc_wait()
-        if not LATE_TRIGGER:
+        if TRIGGER == 1:
             tl.extra.cuda.gdc_launch_dependents()
     if not PLAN_EARLY:
         p_next = tl.load(reduce_partials + start + offs_p, mask=start + offs_p < end, other=0)
@@ -409,9 +411,13 @@ ATTENTION_PDL = env_int("SEGKV_ATTENTION_PDL", 1) == 1
 PLAN_EARLY = env_int("SEGKV_ATTENTION_PLAN_EARLY", 1)
 if PLAN_EARLY not in (0, 1, 2):
     raise ValueError(f"SEGKV_ATTENTION_PLAN_EARLY must be 0, 1 or 2, got {PLAN_EARLY}")
-# The merge lets the o GEMV in only when it ends (SEGKV_MERGE_LATE_TRIGGER=1): measured level with
-# Llama-3.1-8B at batch 1 (226 / 203-204 tok/s against 226-227 / 203), so off.
-MERGE_LATE_TRIGGER = env_int("SEGKV_MERGE_LATE_TRIGGER", 0) == 1
+# When the merge lets the next kernel (the o GEMV) launch (SEGKV_MERGE_TRIGGER): 1, right after its
+# wait for stage 1, the default; 2, when it ends: measured level with Llama-3.1-8B at batch 1 (226
+# / 203-204 tok/s against 226-227 / 203); 0, at once, so the o GEMV's programs load their weights
+# while stage 1 runs (as after a merge inside stage 1): not yet measured.
+MERGE_TRIGGER = env_int("SEGKV_MERGE_TRIGGER", 1)
+if MERGE_TRIGGER not in (0, 1, 2):
+    raise ValueError(f"SEGKV_MERGE_TRIGGER must be 0, 1 or 2, got {MERGE_TRIGGER}")
 
 
 def attention_pdl_options(tensor: torch.Tensor) -> dict:
@@ -490,7 +496,7 @@ def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> Non
         # 64 partials per step: a GQA decode row's partials (33 on the H200) in one step, a
         # 256-way latent split in four
         DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, PLAN_EARLY=PLAN_EARLY > 0,
-        LATE_TRIGGER=MERGE_LATE_TRIGGER, **attention_pdl_options(out),
+        TRIGGER=MERGE_TRIGGER, **attention_pdl_options(out),
     )
 
 
