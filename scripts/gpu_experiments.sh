@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
-# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now: `... trigger`
-# (about 4 minutes), `... tests` (the kernels) and `... enginetests` (graphs and engine; over 500 s
+# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now: `... trigger
+# balance` (about 6 minutes), `... tests` (the kernels) and `... enginetests` (graphs and engine; over 500 s
 # with the kernels on a cold machine). Measured (docs/benchmarks.md, "Sub-page
 # tiles on" and "The prepared switches measured"): shares, short, b16, cascade, subpage (now the
 # default), valuesplit, stage1merge, heads128, plan.
@@ -36,6 +36,8 @@
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
 #   trigger   the merge letting the o GEMV launch at once (SEGKV_MERGE_TRIGGER=0), so its weight
 #             loads overlap stage 1: GPU tests, Llama-3.1-8B, Qwen3-8B, DeepSeek-V2-Lite batch 1.
+#   balance   DeepSeek-V2-Lite's shared-expert down programs at half the outputs, as long as the
+#             routed ones (SEGKV_EXPERT_SHARED_BALANCE=1): GPU tests, batch 1 and 8 alternating.
 #   tests     the GPU tests of the attention kernels (bf16 / head_dim 128 / page 16 grid cases and
 #             every other test; sub-page tiles are now the default).
 #   enginetests  the GPU tests of CUDA graphs and the engine (model builds), with sub-page tiles.
@@ -336,8 +338,25 @@ elif [ "$part" = trigger ]; then
     e2e "deepseek merge trigger $trigger" SEGKV_MERGE_TRIGGER=$trigger -- --models deepseek-v2-lite --batches 1 \
       --contexts 1K,16K
   done
+elif [ "$part" = balance ]; then
+  # DeepSeek-V2-Lite's down launch: 768 routed programs of 16 outputs x 1408 inputs and 128 shared
+  # ones of 16 x 2816 (twice the bytes: the launch's tail) stream 46 MB at 2.7 TB/s (gate/up: 3.9).
+  # SEGKV_EXPERT_SHARED_BALANCE=1: 256 shared programs of 8 outputs (offline: 71 registers, as 72)
+  echo "== GPU tests: shared-expert programs balanced" | tee -a "$log"
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_expert_gemv.py 2>&1 | grep -E "passed|failed|^E  " \
+    | tail -3 | tee -a "$log"
+  for round in 1 2; do
+    for balance in 0 1; do
+      e2e "deepseek shared balance $balance" SEGKV_EXPERT_SHARED_BALANCE=$balance -- --models deepseek-v2-lite \
+        --batches 1 --contexts 1K,16K
+    done
+  done
+  for balance in 0 1; do
+    e2e "deepseek batch 8 shared balance $balance" SEGKV_EXPERT_SHARED_BALANCE=$balance -- --models deepseek-v2-lite \
+      --batches 8 --contexts 1K
+  done
 else
-  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests or trigger)" >&2
+  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger or balance)" >&2
   exit 2
 fi
 done

@@ -89,6 +89,32 @@ def test_gated_products_with_shared_weight_in_one_launch(dtype, gen):
         expert_gemv_with_shared(h, 1, experts, down, x, s_down, gated=True)  # shared rows are not [gate | up]
 
 
+@pytest.mark.parametrize("shared_in", [200, 300])
+def test_shared_programs_balanced_to_the_routed_ones_give_the_same_products(shared_in, gen, monkeypatch):
+    """``SEGKV_EXPERT_SHARED_BALANCE``: shared-expert programs with wider inputs than the routed
+    ones take fewer outputs each (16 -> 8 for twice the inputs, 16 -> 4 for three times), so
+    every program reads about as much; routed and shared products as without the switch, output
+    blocks that do and do not fill a program."""
+    from segkv.kernels import expert_gemv as module
+
+    assert module.shared_block_o(16, 1408, 2816) == 16  # off by default
+    monkeypatch.setattr(module, "SHARED_BALANCE", True)
+    assert [module.shared_block_o(16, 1408, 2816), module.shared_block_o(16, 100, 300),
+            module.shared_block_o(16, 2048, 2048), module.shared_block_o(2, 100, 1000)] == [8, 4, 16, 1]
+    routed_in = 100
+    x = torch.randn(3, 2 * routed_in, generator=gen).to(torch.bfloat16).to(DEVICE)
+    weight = (torch.randn(4, 48, routed_in, generator=gen) / routed_in**0.5).to(torch.bfloat16).to(DEVICE)
+    shared_x = torch.randn(1, 2 * shared_in, generator=gen).to(torch.bfloat16).to(DEVICE)
+    shared_w = (torch.randn(44, shared_in, generator=gen) / shared_in**0.5).to(torch.bfloat16).to(DEVICE)
+    experts = torch.tensor([2, 0, 3], device=DEVICE)
+    balanced = module.expert_gemv_with_shared(x, 1, experts, weight, shared_x, shared_w, gated=True)
+    monkeypatch.setattr(module, "SHARED_BALANCE", False)
+    plain = module.expert_gemv_with_shared(x, 1, experts, weight, shared_x, shared_w, gated=True)
+    assert all(torch.isfinite(o).all() for o in balanced) and balanced[1].shape == (1, 44)
+    assert torch.equal(balanced[0], plain[0])
+    torch.testing.assert_close(balanced[1], plain[1], rtol=1e-6, atol=1e-6)  # a program's outputs, same sums
+
+
 @pytest.mark.parametrize("ids_ready", [False, True])
 def test_first_weight_block_taken_apart_gives_the_same_products(ids_ready, gen, monkeypatch):
     """``SEGKV_EXPERT_PRELOAD``: the first weight block loaded apart (before the PDL wait on a

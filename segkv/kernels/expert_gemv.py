@@ -90,7 +90,7 @@ def _expert_gemv_kernel(
     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
     GATED: tl.constexpr, KIND: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
     USE_PDL: tl.constexpr, EVICT_FIRST: tl.constexpr = False, PRELOAD_SHARED: tl.constexpr = False,
-    PRELOAD_ROUTED: tl.constexpr = False,
+    PRELOAD_ROUTED: tl.constexpr = False, SHARED_BLOCK_O: tl.constexpr = 16,
 ):
     """Program ``t``: ``BLOCK_O`` outputs of one product. The first ``num_pairs x cdiv(OUT_DIM,
     BLOCK_O)`` programs serve the routed pairs (pair ``n``: expert ``experts[n]`` on row
@@ -98,7 +98,7 @@ def _expert_gemv_kernel(
     expert that several tokens chose read each weight block at about the same time, so the
     second read hits L2 (DeepSeek-V2-Lite, batch 8: 1023 tok/s with blocks fastest, 1138 with
     pairs fastest). With ``HAS_SHARED`` the rest serve the shared weight ``SW (SHARED_OUT,
-    SHARED_IN)`` on every row of ``SX``. ``USE_PDL``: scheduled while the previous kernel
+    SHARED_IN)`` on every row of ``SX``, ``SHARED_BLOCK_O`` outputs a program. ``USE_PDL``: scheduled while the previous kernel
     finishes (``kernels.pdl``) and waits for it before any load; with ``PRELOAD_SHARED`` the
     shared weight's first block loads before the wait, and with ``PRELOAD_ROUTED`` (``rows`` and
     ``experts`` written two launches back) the routed pairs' too. (Without PDL the preloads only
@@ -108,14 +108,14 @@ def _expert_gemv_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     ROUTED_BLOCKS: tl.constexpr = (OUT_DIM + BLOCK_O - 1) // BLOCK_O
-    SHARED_BLOCKS: tl.constexpr = (SHARED_OUT + BLOCK_O - 1) // BLOCK_O
+    SHARED_BLOCKS: tl.constexpr = (SHARED_OUT + SHARED_BLOCK_O - 1) // SHARED_BLOCK_O
     routed_programs = num_pairs * ROUTED_BLOCKS
     if HAS_SHARED and t >= routed_programs:
         token = ((t - routed_programs) // SHARED_BLOCKS).to(tl.int64)
         ob = (t - routed_programs) % SHARED_BLOCKS
-        offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
-        _gemv_tile(SX + token * stride_sxr, SW + offs_o.to(tl.int64) * stride_swo, SOUT + token * stride_son, ob,
-                   SHARED_IN, SHARED_OUT, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND, UNROLL, EVICT_FIRST,
+        shared_rows = ob * SHARED_BLOCK_O + tl.arange(0, SHARED_BLOCK_O)  # its own name: its own width
+        _gemv_tile(SX + token * stride_sxr, SW + shared_rows.to(tl.int64) * stride_swo, SOUT + token * stride_son, ob,
+                   SHARED_IN, SHARED_OUT, SHARED_BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND, UNROLL, EVICT_FIRST,
                    PRELOAD_SHARED, USE_PDL)
     else:
         if USE_PDL:
@@ -147,6 +147,24 @@ WIDE_BLOCK_I = 256
 # experts' always, the routed experts' where the ids are older than the previous launch (the down
 # product). SEGKV_EXPERT_PRELOAD=1; off by default until measured on a GPU.
 PRELOAD = env_int("SEGKV_EXPERT_PRELOAD", 0) == 1
+
+# Shared-expert programs as long as the routed ones (SEGKV_EXPERT_SHARED_BALANCE=1): with wider
+# shared inputs a shared program takes proportionally fewer outputs. DeepSeek-V2-Lite's down
+# product: routed experts 1408 inputs, its two shared experts 2816, so at 16 outputs each of the
+# 128 shared programs reads 90 KB against the 768 routed programs' 45 KB, and the launch streams
+# 46 MB at 2.7 TB/s against the gate/up launch's 3.9 (balanced inputs); with the switch 256 shared
+# programs of 8 outputs. Off until measured on a GPU.
+SHARED_BALANCE = env_int("SEGKV_EXPERT_SHARED_BALANCE", 0) == 1
+
+
+def shared_block_o(block_o: int, in_dim: int, shared_in_dim: int) -> int:
+    """Outputs per shared-expert program: ``block_o``, or with :data:`SHARED_BALANCE` the largest
+    power of two (at least 1) whose program reads no more inputs x outputs than a routed one."""
+    if not SHARED_BALANCE or shared_in_dim <= in_dim:
+        return block_o
+    outputs = max(1, block_o * in_dim // shared_in_dim)
+    return 1 << (outputs.bit_length() - 1)
+
 
 # pairs up to which a launch reads 256 inputs per step with the loop unrolled: one token's experts
 # (6 pairs: gate/up 20.3 -> 19.6 us, down 12.5 -> 11.6 us); at 48 pairs unrolling gained nothing
@@ -261,7 +279,8 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
     tokens = shared_x.shape[0] if has_shared else 0
     shared_out = torch.empty(tokens, shared_weight.shape[0] if has_shared else 0, dtype=kernel_dtype, device=x.device)
     s_out_dim, s_in_dim = shared_weight.shape if has_shared else (block_o, 1)
-    programs = n * triton.cdiv(out_dim, block_o) + tokens * triton.cdiv(s_out_dim, block_o)
+    s_block_o = shared_block_o(block_o, in_dim, s_in_dim) if has_shared else block_o
+    programs = n * triton.cdiv(out_dim, block_o) + tokens * triton.cdiv(s_out_dim, s_block_o)
     if block_i is None:
         block_i = default_block_i(n)
     if programs:
@@ -277,6 +296,6 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
             KIND=kind_of(x.dtype), HAS_SHARED=has_shared, num_warps=num_warps,
             UNROLL=default_unroll(n) if unroll is None else unroll, **options,
             EVICT_FIRST=WEIGHTS_EVICT_FIRST and distinct_experts,
-            PRELOAD_SHARED=PRELOAD, PRELOAD_ROUTED=PRELOAD and ids_ready,
+            PRELOAD_SHARED=PRELOAD, PRELOAD_ROUTED=PRELOAD and ids_ready, SHARED_BLOCK_O=s_block_o,
         )
     return out.to(out_dtype), shared_out.to(out_dtype)
