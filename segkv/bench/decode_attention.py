@@ -250,8 +250,11 @@ def bench_case(*, shape_name: str, batch: int, context: int, page_size: int, dty
 def bench_cascade(*, shape_name: str, forks: int, prefix: int, suffix: int, page_size: int, dtype, trials: int,
                   bandwidth: float, seed: int = 0, partition_caps: tuple[int, ...] = ()) -> dict:
     """``forks`` sequences sharing a ``prefix``-row history, each with ``suffix`` rows of its own:
-    the planner's cascade plan against the same batch planned without sharing (split), and the
-    cascade plan of the prefix seen as 30 sealed segments (``cascade_segments30``).
+    the planner's cascade plan against the same batch planned without sharing (split; the forks
+    still read the same pages, so L2 serves some of the repeated reads), against ``forks``
+    sequences that each hold their own copy of the history (``own_copies``, split: what a cache
+    without shared pages reads), and the cascade plan of the prefix seen as 30 sealed segments
+    (``cascade_segments30``).
     ``partition_caps``: also the cascade planned with at most that many partitions per run
     (variants ``cascade_max<N>``), to see how the prefix's split pays."""
     device = "cuda"
@@ -286,6 +289,20 @@ def bench_cascade(*, shape_name: str, forks: int, prefix: int, suffix: int, page
     prepared = {name: backend.prepare(plan) for name, plan in plans.items()}
     timers = {name: Timer.capture([lambda p=p: backend.run(p, q, kc, vc, scale=head_dim**-0.5)])
               for name, p in prepared.items()}
+    # the same batch where every sequence holds its own copy of the history
+    own_pages = forks * -(-(prefix + suffix) // page_size) + 8
+    copies = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=own_pages), device=device,
+                          compaction=CompactionPolicy(enabled=False))
+    _fill_random(copies, gen)
+    own = [copies.new_chain() for _ in range(forks)]
+    for chain in own:
+        chain.append(prefix + suffix)
+    own_plan = plan_attention([SequenceQuery.from_chain(c, 1) for c in own], shape, spec, page_size=page_size,
+                              route="split")
+    plans["own_copies"] = own_plan
+    own_prepared = backend.prepare(own_plan)
+    ck, cv = copies.storage.key_cache(0), copies.storage.value_cache(0)
+    timers["own_copies"] = Timer.capture([lambda: backend.run(own_prepared, q, ck, cv, scale=head_dim**-0.5)])
     samples = _run_trials(timers, trials)
     element = torch.empty((), dtype=dtype).element_size()
     unique = 2 * (prefix + forks * suffix) * kv_heads * head_dim * element
@@ -293,7 +310,9 @@ def bench_cascade(*, shape_name: str, forks: int, prefix: int, suffix: int, page
               "dtype": str(dtype).replace("torch.", ""), "plans": {n: p.describe() for n, p in plans.items()},
               "variants": {name: _summarise(t, unique, bandwidth) for name, t in samples.items()}}
     result["speedup"] = result["variants"]["no_sharing"]["median_ms"] / result["variants"]["cascade"]["median_ms"]
-    for chain in (*chains, root):
+    result["speedup_vs_own_copies"] = (result["variants"]["own_copies"]["median_ms"]
+                                       / result["variants"]["cascade"]["median_ms"])
+    for chain in (*chains, root, *own):
         chain.release()
     return result
 
@@ -381,7 +400,8 @@ def markdown_tables(report: dict) -> str:
                   f"{cascade['suffix']} own rows each ({cascade['shape']}, page {cascade['page_size']}): "
                   f"cascade {v['cascade']['median_ms']:.4f} ms ({cascade['plans']['cascade']['max_partitions']} "
                   f"partitions of the prefix), no sharing {v['no_sharing']['median_ms']:.4f} ms, "
-                  f"**{cascade['speedup']:.1f}×**."]
+                  f"**{cascade['speedup']:.1f}×**; every fork with its own copy of the history "
+                  f"{v['own_copies']['median_ms']:.4f} ms, {cascade['speedup_vs_own_copies']:.1f}×."]
     return "\n".join(lines)
 
 
@@ -458,7 +478,9 @@ def main(argv: list[str] | None = None) -> int:
             v = cascade["variants"]
             print(f"cascade {args.cascade_shape} p{args.cascade_page_size} 16 forks x 32K prefix + 512: "
                   f"cascade {v['cascade']['median_ms']:.3f} ms, "
-                  f"no sharing {v['no_sharing']['median_ms']:.3f} ms, speedup {cascade['speedup']:.1f}x", flush=True)
+                  f"no sharing {v['no_sharing']['median_ms']:.3f} ms, speedup {cascade['speedup']:.1f}x; "
+                  f"own copies {v['own_copies']['median_ms']:.3f} ms, {cascade['speedup_vs_own_copies']:.1f}x",
+                  flush=True)
             for name, plan in cascade["plans"].items():
                 print(f"  {name}: {v[name]['median_ms']:.4f} ms, {plan['reason']}", flush=True)
     if args.json:
