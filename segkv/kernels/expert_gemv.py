@@ -98,10 +98,10 @@ def _expert_gemv_kernel(
     expert that several tokens chose read each weight block at about the same time, so the
     second read hits L2 (DeepSeek-V2-Lite, batch 8: 1023 tok/s with blocks fastest, 1138 with
     pairs fastest). With ``HAS_SHARED`` the rest serve the shared weight ``SW (SHARED_OUT,
-    SHARED_IN)`` on every row of ``SX``, ``SHARED_BLOCK_O`` outputs a program. ``USE_PDL``: scheduled while the previous kernel
-    finishes (``kernels.pdl``) and waits for it before any load; with ``PRELOAD_SHARED`` the
-    shared weight's first block loads before the wait, and with ``PRELOAD_ROUTED`` (``rows`` and
-    ``experts`` written two launches back) the routed pairs' too. (Without PDL the preloads only
+    SHARED_IN)`` on every row of ``SX``, ``SHARED_BLOCK_O`` outputs a program. ``USE_PDL``:
+    scheduled while the previous kernel finishes (``kernels.pdl``) and waits for it before any
+    load; with ``PRELOAD_SHARED`` the shared weight's first block loads before the wait, and with
+    ``PRELOAD_ROUTED`` (``rows`` and ``experts`` written two launches back) the routed pairs' too. (Without PDL the preloads only
     take the first block apart: the same sums.)"""
     if USE_PDL and not PRELOAD_SHARED:
         tl.extra.cuda.gdc_wait()
@@ -113,10 +113,11 @@ def _expert_gemv_kernel(
     if HAS_SHARED and t >= routed_programs:
         token = ((t - routed_programs) // SHARED_BLOCKS).to(tl.int64)
         ob = (t - routed_programs) % SHARED_BLOCKS
-        shared_rows = ob * SHARED_BLOCK_O + tl.arange(0, SHARED_BLOCK_O)  # its own name: its own width
-        _gemv_tile(SX + token * stride_sxr, SW + shared_rows.to(tl.int64) * stride_swo, SOUT + token * stride_son, ob,
-                   SHARED_IN, SHARED_OUT, SHARED_BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND, UNROLL, EVICT_FIRST,
-                   PRELOAD_SHARED, USE_PDL)
+        # not offs_o: a name keeps one shape in both branches (Triton), and this one may be narrower
+        shared_rows = ob * SHARED_BLOCK_O + tl.arange(0, SHARED_BLOCK_O)
+        _gemv_tile(SX + token * stride_sxr, SW + shared_rows.to(tl.int64) * stride_swo, SOUT + token * stride_son,
+                   ob, SHARED_IN, SHARED_OUT, SHARED_BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND, UNROLL,
+                   EVICT_FIRST, PRELOAD_SHARED, USE_PDL)
     else:
         if USE_PDL:
             if PRELOAD_SHARED and not PRELOAD_ROUTED:  # the router's choice may come from the kernel just before
