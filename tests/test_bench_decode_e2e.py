@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from segkv.bench import decode_e2e as e2e
+from segkv.bench.hf_baseline import hf_tensor
 from segkv.models.registry import model_class
 
 CPU = torch.device("cpu")
@@ -76,16 +77,16 @@ def test_fused_expert_views():
     gate_up = torch.randn(3, 10, 6)  # (E, 2I, H) with I = 5, H = 6
     down = torch.randn(3, 6, 5)
     state, used = {"m.experts.gate_up_proj": gate_up, "m.experts.down_proj": down}, set()
-    assert torch.equal(e2e._hf_tensor("m.experts.1.up_proj.weight", (5, 6), state, used), gate_up[1, 5:])
-    assert torch.equal(e2e._hf_tensor("m.experts.2.down_proj.weight", (6, 5), state, used), down[2])
+    assert torch.equal(hf_tensor("m.experts.1.up_proj.weight", (5, 6), state, used), gate_up[1, 5:])
+    assert torch.equal(hf_tensor("m.experts.2.down_proj.weight", (6, 5), state, used), down[2])
     transposed = {"m.experts.gate_up_proj": gate_up.transpose(1, 2).contiguous(),  # (E, H, 2I)
                   "m.experts.down_proj": down.transpose(1, 2).contiguous()}
-    gate = e2e._hf_tensor("m.experts.0.gate_proj.weight", (5, 6), transposed, used)
+    gate = hf_tensor("m.experts.0.gate_proj.weight", (5, 6), transposed, used)
     assert torch.equal(gate, gate_up[0, :5])
-    assert torch.equal(e2e._hf_tensor("m.experts.0.down_proj.weight", (6, 5), transposed, used), down[0])
+    assert torch.equal(hf_tensor("m.experts.0.down_proj.weight", (6, 5), transposed, used), down[0])
     assert used == {"m.experts.gate_up_proj", "m.experts.down_proj"}
     with pytest.raises(ValueError, match="no Hugging Face tensor"):
-        e2e._hf_tensor("m.other.weight", (2, 2), state, used)
+        hf_tensor("m.other.weight", (2, 2), state, used)
 
 
 def test_pipeline_segkv_alone(tmp_path, monkeypatch):

@@ -38,7 +38,7 @@ forward. Decode rate = batch x (steps - 4) / (time from the third decode forward
 last): prefill and the first three decode forwards (a new cache each call: allocation, CUDA
 graph warm-up and recording at its addresses) are excluded; their time is reported apart.
 Cases whose prompt (batch x context) exceeds ``--hf-max-prompt-tokens`` or whose estimated
-memory does not fit are skipped with the reason; failures are recorded.
+memory does not fit are skipped with the reason; failures are recorded. (That side's code: ``hf_baseline``.)
 
 Run on a CUDA device, e.g. ``python -m segkv.bench.decode_e2e --models llama-3.1-8b --hf-variants
 eager --stop-after-s 420 --json build/e2e/llama.json`` (the report is rewritten after every case;
@@ -50,7 +50,6 @@ case (segkv from one run, a Hugging Face variant from another), without a GPU.
 from __future__ import annotations
 
 import argparse
-import gc
 import inspect
 import json
 import math
@@ -67,6 +66,16 @@ from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype
 from segkv.models.loader import _keep_fp32
 from segkv.models.registry import model_class
+from segkv.bench.hf_baseline import (
+    HF_SKIPPED_FORWARDS,
+    HF_VARIANTS,
+    build_hf,
+    drop_compiled,
+    hf_case,
+    hf_case_bytes,
+    hf_tensor,
+)
+from segkv.bench.runs import release, summary, sync
 from segkv.bench.turns import TokenIdsOnly
 from segkv.engine.generation import Generator, default_lookahead
 from segkv.runner.model_runner import ModelRunner, StepInput
@@ -122,10 +131,7 @@ TINY = {
                              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
                              num_experts_per_tok=2, moe_intermediate_size=48),
 }
-HF_VARIANTS = ("eager", "static", "compiled")
-HF_SKIPPED_FORWARDS = 3  # first decode forwards of a generate call left out of its timing
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.")
-_FUSED = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def model_config(name: str, preset: str = "real", *, init_std: float = 0.02) -> dict:
@@ -204,22 +210,15 @@ def measure_bandwidth(device: torch.device) -> float:
 def free_memory_bytes(device: torch.device) -> int:
     """Memory free for a new case: the device's free memory after emptying torch's cache."""
     if device.type == "cuda":
-        _release(device)
+        release(device)
         return torch.cuda.mem_get_info(device)[0]
     with open("/proc/meminfo") as f:
         fields = dict(line.split(":", 1) for line in f)
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
-def _release(device: torch.device) -> None:
-    if device.type == "cuda":  # (on the CPU reference counting frees enough; a collection costs 0.2 s)
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 # -- building the models --------------------------------------------------------------------
@@ -245,7 +244,7 @@ def build_segkv(cfg: dict, *, device: torch.device, dtype: torch.dtype, hf_state
             else:
                 t.normal_(0.0, std)
         else:
-            t = _hf_tensor(name, tuple(p.shape), hf_state, used)
+            t = hf_tensor(name, tuple(p.shape), hf_state, used)
             if t.dtype != want or t.device.type != device.type:
                 t = t.detach().to(device=device, dtype=want)
                 copied += t.numel() * t.element_size()
@@ -264,43 +263,8 @@ def build_segkv(cfg: dict, *, device: torch.device, dtype: torch.dtype, hf_state
     return model.eval().requires_grad_(False), copied
 
 
-def _hf_tensor(name: str, shape: tuple, hf_state: dict, used: set[str]) -> torch.Tensor:
-    """The Hugging Face tensor of segkv parameter ``name``: the same name, or a view of a fused
-    expert tensor (``experts.gate_up_proj`` (E, 2I, H) or (E, H, 2I); ``experts.down_proj``)."""
-    if name in hf_state and tuple(hf_state[name].shape) == shape:
-        used.add(name)
-        return hf_state[name]
-    match = _FUSED.match(name)
-    if match:
-        prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
-        fused_name = f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}"
-        fused = hf_state.get(fused_name)
-        if fused is not None:
-            used.add(fused_name)
-            w = fused[expert]
-            out_dim = shape[0]
-            if part != "down":
-                if w.shape[0] == 2 * out_dim and w.shape[1] == shape[1]:
-                    return w[:out_dim] if part == "gate" else w[out_dim:]
-                if w.shape[1] == 2 * out_dim and w.shape[0] == shape[1]:
-                    return (w[:, :out_dim] if part == "gate" else w[:, out_dim:]).t()
-            elif tuple(w.shape) == shape:
-                return w
-            elif tuple(w.shape) == shape[::-1]:
-                return w.t()
-            raise ValueError(f"{fused_name} has shape {tuple(fused.shape)}: no {shape} slice for {name}")
-    raise ValueError(f"no Hugging Face tensor for segkv parameter {name} {shape}")
 
 
-def build_hf(cfg: dict, *, device: torch.device, dtype: torch.dtype):
-    """The ``transformers`` model of ``cfg`` with its own random initialisation, on ``device``."""
-    import transformers
-
-    hf_cfg = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items()
-                                                                       if k != "model_type"})
-    with torch.device(device):
-        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa")
-    return hf.eval().requires_grad_(False)
 
 
 def parity(model, hf, *, device: torch.device, dtype: torch.dtype, vocab: int, seed: int) -> dict:
@@ -438,20 +402,20 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
         before = (getattr(g, "replays", 0), getattr(g, "fallbacks", 0))
         for _ in range(trials):
             for ahead in ((True, False) if lookahead else (False,)):
-                _sync(device)
+                sync(device)
                 start = time.perf_counter()
                 # the length limit only so the Generator never stops a case early
                 tokens, used = _generate(runner, chains, first, steps, lookahead=ahead,
                                          max_model_len=context + steps + 8)
-                _sync(device)
+                sync(device)
                 rates[ahead].append(batch * steps / (time.perf_counter() - start))
                 equal &= tokens == reference
                 ahead_used += used
                 _trim_to(chains, context)
-        out.update(_summary(rates[lookahead]), tokens_equal_eager=equal, lookahead=lookahead,
+        out.update(summary(rates[lookahead]), tokens_equal_eager=equal, lookahead=lookahead,
                    steps_ahead_used=ahead_used)
         if lookahead:
-            out["step_by_step"] = _summary(rates[False])
+            out["step_by_step"] = summary(rates[False])
         if g is not None:
             out["graph_replays"] = getattr(g, "replays", 0) - before[0]
             out["graph_fallbacks"] = getattr(g, "fallbacks", 0) - before[1]
@@ -466,109 +430,16 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
     return out
 
 
-def _summary(rates: list[float]) -> dict:
-    return {"tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates), "trials": rates}
 
 
-# -- Hugging Face ---------------------------------------------------------------------------
-def _step_clock(device: torch.device):
-    """A logits processor marking each time ``generate`` has new logits (CUDA events, no sync)."""
-    from transformers import LogitsProcessor
-
-    class StepClock(LogitsProcessor):
-        def __init__(self) -> None:
-            self.marks: list = []
-
-        def __call__(self, input_ids, scores):
-            if device.type == "cuda":
-                event = torch.cuda.Event(enable_timing=True)
-                event.record()
-                self.marks.append(event)
-            else:
-                self.marks.append(time.perf_counter())
-            return scores
-
-        def seconds(self, first: int) -> float:
-            if device.type == "cuda":
-                self.marks[-1].synchronize()
-                return self.marks[first].elapsed_time(self.marks[-1]) / 1e3
-            return self.marks[-1] - self.marks[first]
-
-    return StepClock()
 
 
-def hf_kv_row_bytes(hf, cfg: dict, element_size: int) -> int:
-    """Bytes one token takes in Hugging Face's cache (latent rows for MLA where it caches them)."""
-    if "kv_lora_rank" in cfg:
-        if hasattr(hf.model.layers[0].self_attn, "expand_kv"):
-            width = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
-        else:
-            width = cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
-                                                  + cfg["v_head_dim"])
-    else:
-        width = 2 * cfg["num_key_value_heads"] * cfg["head_dim"]
-    return cfg["num_hidden_layers"] * width * element_size
 
 
-def hf_case_bytes(hf, cfg: dict, *, batch: int, context: int, steps: int, element_size: int) -> int:
-    """Estimate of a ``generate`` call's memory beyond the weights: cache and prefill activations."""
-    inter = cfg["intermediate_size"]
-    wide = cfg.get("num_attention_heads", 0) * 3 * (cfg.get("qk_nope_head_dim", 0) + cfg.get("v_head_dim", 0))
-    act = batch * context * element_size * (8 * cfg["hidden_size"] + 3 * inter + wide)
-    cache = batch * (context + steps) * hf_kv_row_bytes(hf, cfg, element_size)
-    return cache + act + 4 * batch * cfg["vocab_size"] * 4
 
 
-def _hf_reset(hf) -> None:
-    """Forget static-cache sizes and caches of earlier calls (each case gets its own size)."""
-    for name in ("_previous_max_cache_length", "_cache"):
-        if name in hf.__dict__:
-            delattr(hf, name)
 
 
-def hf_case(hf, variant: str, *, device: torch.device, batch: int, context: int, steps: int, trials: int,
-            vocab: int, seed: int) -> dict:
-    """Greedy ``generate`` timings of one Hugging Face variant (see the module docstring)."""
-    from transformers import GenerationConfig, LogitsProcessorList
-
-    kwargs = {"do_sample": False, "num_beams": 1, "pad_token_id": 0, "disable_compile": variant != "compiled"}
-    short_warmup = variant == "eager"
-    if variant != "eager":
-        kwargs["cache_implementation"] = "static"
-        if hasattr(GenerationConfig(), "max_cache_len"):  # the same cache shape for a short warm-up
-            kwargs["max_cache_len"] = context + steps
-            short_warmup = True
-    if variant == "compiled":
-        for name in ("recompile_limit", "cache_size_limit"):  # never fall back to eager silently
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
-    gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, vocab, (batch, context), generator=gen).to(device)
-
-    def generate(ids: torch.Tensor, new: int):
-        clock = _step_clock(device)
-        _hf_reset(hf)
-        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                          min_new_tokens=new, logits_processor=LogitsProcessorList([clock]), **kwargs)
-        if tuple(out.shape) != (batch, ids.shape[1] + new) or len(clock.marks) != new:
-            raise RuntimeError(f"generate made {tuple(out.shape)} with {len(clock.marks)} logits steps, "
-                               f"expected {(batch, ids.shape[1] + new)} and {new}")
-        return clock
-
-    if short_warmup:  # compiles the decode step for the case's cache shape without the long prefill
-        generate(prompt[:, : min(context, 64)], HF_SKIPPED_FORWARDS + 1)
-    else:
-        generate(prompt, steps)
-    rates, first = [], []
-    for _ in range(trials):
-        clock = generate(prompt, steps)
-        rates.append(batch * (steps - 1 - HF_SKIPPED_FORWARDS) / clock.seconds(HF_SKIPPED_FORWARDS))
-        first.append(clock.seconds(0) - clock.seconds(HF_SKIPPED_FORWARDS))
-    result = {**_summary(rates), "skipped_forwards_s": first}
-    if variant == "compiled":
-        result["compiled"] = hasattr(hf, "_compiled_call")
-    _hf_reset(hf)
-    return result
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -621,9 +492,9 @@ def run_model(name: str, cfg: dict, cases: list[tuple[int, int]], args, report: 
                 info["hf_error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
                 hf = model = None
         if model is None:
-            _release(device)  # (after the except block: its traceback no longer holds the tensors)
+            release(device)  # (after the except block: its traceback no longer holds the tensors)
             model, copied = build_segkv(cfg, device=device, dtype=dtype)
-    _sync(device)
+    sync(device)
     info.update(build_s=time.perf_counter() - started, copied_bytes=copied, config=cfg,
                 params=sum(p.numel() for p in model.parameters()),
                 weight_bytes_all=sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -642,7 +513,7 @@ def run_model(name: str, cfg: dict, cases: list[tuple[int, int]], args, report: 
         """Free memory; compiled HF graphs of earlier cases are dropped first if ``need`` does not fit."""
         free = free_memory_bytes(device)
         if need > free and hf is not None and "_compiled_call" in hf.__dict__:
-            _drop_compiled(hf, device)
+            drop_compiled(hf, device)
             free = free_memory_bytes(device)
         return free
 
@@ -675,31 +546,17 @@ def run_model(name: str, cfg: dict, cases: list[tuple[int, int]], args, report: 
                                                   context=context, element=element, reserve=reserve,
                                                   free_for=free_for)
                 if "error" in case["hf"][variant] and "_compiled_call" in hf.__dict__:
-                    _drop_compiled(hf, device)  # a failed compiled run may hold graphs and memory
+                    drop_compiled(hf, device)  # a failed compiled run may hold graphs and memory
             case["speedup"] = speedups(case)
             report["cases"].append(case)
             write()
             print(case_line(report["device"], case, time.time() - report["_started"]), flush=True)
     finally:
         model = hf = None
-        _drop_compiled(None, device)
+        drop_compiled(None, device)
     return True
 
 
-def _drop_compiled(hf, device: torch.device) -> None:
-    """Forget ``generate``'s compiled decode step and its CUDA graphs (memory of earlier shapes)."""
-    if hf is not None:
-        for name in ("_compiled_call", "_last_compile_config"):
-            hf.__dict__.pop(name, None)
-    if device.type == "cuda":
-        torch._dynamo.reset()
-        try:
-            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
-
-            reset_cudagraph_trees()
-        except Exception:  # an older or newer torch without it: the dynamo reset is what matters
-            pass
-    _release(device)
 
 
 def _hf_variant(hf, variant: str, cfg: dict, args, *, device, batch: int, context: int, element: int,
@@ -726,7 +583,7 @@ def _guarded(fn, *args, device: torch.device, **kwargs) -> dict:
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {str(exc).strip()[:300]}"}
     finally:
-        _release(device)
+        release(device)
 
 
 def _ints(text: str) -> list[int]:
