@@ -319,11 +319,15 @@ def bench_cascade(*, shape_name: str, forks: int, prefix: int, suffix: int, page
 
 def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], launch, page_size: int = 16,
          shape_name: str = "llama3-8b") -> list[dict]:
-    """Partition-count sweep of the split route at one launch configuration (one model shape),
-    in the cache's token-major page layout and a head-major one (``(page, head, row, dim)``).
-    One configuration per process: a faulting configuration cannot spoil the others."""
+    """Partition-count sweep of the split route at one launch configuration (one model shape;
+    ``launch`` None: the kernels' defaults), in the cache's token-major page layout and a
+    head-major one (``(page, head, row, dim)``). One configuration per process: a faulting
+    configuration cannot spoil the others."""
+    from segkv.kernels.paged_attention import default_launch_config
+
     device = "cuda"
     q_heads, kv_heads, head_dim = SHAPES[shape_name]
+    launch = launch or default_launch_config(head_dim=head_dim)
     shape = AttentionShape(q_heads, kv_heads, head_dim, head_dim)
     spec = DeviceSpec.cuda()
     gen = torch.Generator(device=device).manual_seed(0)
@@ -345,7 +349,7 @@ def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], 
         auto = plan_attention(queries, shape, spec, page_size=page_size)
         backend = TritonBackend(page_size=page_size, device=device, launch=launch)
         timers = {}
-        for parts in sorted({1, 2, 4, 8, 16, 33, 66, 132, 264, 528, 1056, auto.num_partitions}):
+        for parts in sorted({1, 2, 4, 8, 12, 16, 24, 33, 48, 66, 132, 264, 528, 1056, auto.num_partitions}):
             if parts * page_size * 4 > context:
                 continue
             plan = plan_attention(queries, shape, spec, page_size=page_size, route="split", num_partitions=parts)
@@ -428,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cascade-page-size", type=int, default=16, help="the cascade's page size (default 16)")
     parser.add_argument("--tune", default="", help="instead: sweep partition counts on BxCTX cases, e.g. 1x131072 "
                         "(the first of --shapes)")
-    parser.add_argument("--launch", default="64,4,2", help="with --tune: BLOCK_N,WARPS,STAGES")
+    parser.add_argument("--launch", default="", help="with --tune: BLOCK_N,WARPS,STAGES (default: the kernels' "
+                        "defaults); the page size is the first of --page-sizes")
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None, metavar="REPORT_JSON",
                         help="print the tables of an earlier --json report and exit (no GPU needed)")
@@ -449,9 +454,9 @@ def main(argv: list[str] | None = None) -> int:
         cases = [tuple(int(x) for x in c.split("x")) for c in args.tune.split(",")]
         from segkv.kernels.paged_attention import LaunchConfig
 
-        launch = LaunchConfig(*_ints(args.launch))
+        launch = LaunchConfig(*_ints(args.launch)) if args.launch else None
         report["tune"] = tune(dtype=dtype, trials=args.trials, bandwidth=bandwidth, cases=cases, launch=launch,
-                              shape_name=args.shapes.split(",")[0])
+                              page_size=_ints(args.page_sizes)[0], shape_name=args.shapes.split(",")[0])
     else:
         rows = []
         started = time.time()
