@@ -153,6 +153,21 @@ def test_pages_longer_than_the_tile(page_size, transposed, gen, monkeypatch):
     check_every_route_with_a_masked_row(gen, page_size)
 
 
+def test_prefill_chunks_over_pages_longer_than_the_tile(gen, monkeypatch):
+    """Chunks of 17 query rows (causal among themselves; 68 row-head pairs: two tall programs per
+    work item) over pages of 48 rows walked in 16-row tiles, the last one partly past the page:
+    every route against the reference."""
+    from segkv.kernels.paged_attention import stage1_launch
+
+    monkeypatch.setenv("SEGKV_TRITON_BLOCK_N", "16")
+    meta = stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=4, page_size=48, max_work_rows=17, element_size=2)
+    assert meta["BLOCK_N"] == 16 and meta["BLOCK_M"] == 64
+    batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=48, ratio=4, head_dim=64, rows=17)
+    for route in ROUTES:
+        _, out, lse, ref, ref_lse = run_both(batch, route)
+        check(out, lse, ref, ref_lse)
+
+
 @pytest.mark.skipif(not GPU, reason="a 128K-row history needs the GPU")
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_mixed_long_and_short_batch_in_one_launch(dtype, gen):
