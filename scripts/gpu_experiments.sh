@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
-# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now: `... trigger
-# balance` (about 6 minutes), `... partitions cascade` (about 3), `... tests` (the kernels) and `... enginetests` (graphs and engine; over 500 s
-# with the kernels on a cold machine). Measured (docs/benchmarks.md, "Sub-page
-# tiles on" and "The prepared switches measured"): shares, short, b16, cascade, subpage (now the
-# default), valuesplit, stage1merge, heads128, plan.
+# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now:
+# `... trigger balance` (about 6 minutes), `... partitions cascade` (about 3; the cascade part now
+# also times forks with their own copies of the history), `... tests` (the kernels, about 1 warm)
+# and `... enginetests` (graphs and engine; with the kernels over 500 s on a cold machine).
+# Measured (docs/benchmarks.md, "Sub-page tiles on" and "The prepared switches measured"): shares,
+# short, b16, cascade, subpage (now the default), valuesplit, stage1merge, heads128, plan.
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
 #             against 0.0067 with halves) and the shares as the grid's last dimension
