@@ -2,7 +2,7 @@
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now:
 # `... trigger balance` (about 6 minutes), `... partitions cascade` (about 3; the cascade part now
-# also times forks with their own copies of the history), `... tests` (the kernels, about 1 warm)
+# also times forks with their own copies of the history), `... pagesize` (about 5), `... tests` (the kernels, about 1 warm)
 # and `... enginetests` (graphs and engine; with the kernels over 500 s on a cold machine).
 # Measured (docs/benchmarks.md, "Sub-page tiles on" and "The prepared switches measured"): shares,
 # short, b16, cascade, subpage (now the default), valuesplit, stage1merge, heads128, plan.
@@ -41,6 +41,8 @@
 #             routed ones (SEGKV_EXPERT_SHARED_BALANCE=1): GPU tests, batch 1 and 8 alternating.
 #   partitions  batch 1 at 16K-64K and batch 16 at 16K split into 1-1056 partitions against the
 #             planner's choice.
+#   pagesize  kernels at pages of 32 / 64 / 128 (walked in 64-row tiles), whole-model decode at
+#             pages of 32 (the CUDA default) and 64.
 #   tests     the GPU tests of the attention kernels (bf16 / head_dim 128 / page 16 grid cases and
 #             every other test; sub-page tiles are now the default).
 #   enginetests  the GPU tests of CUDA graphs and the engine (model builds), with sub-page tiles.
@@ -367,8 +369,25 @@ elif [ "$part" = partitions ]; then
     timeout 200 python3 -m segkv.bench.decode_attention --tune 1x16384,1x32768,1x65536,16x16384 --shapes $shape \
       --page-sizes 32 --trials 5 2>&1 | grep -E "^tune|rror" | tee -a "$log"
   done
+elif [ "$part" = pagesize ]; then
+  # pages longer than the tile, now walked a tile at a time: at batch 16 / 16K the kernels with
+  # pages of 128 measured 0.2457 / 0.2495 ms (8B / 70B shape, = SDPA) against 0.2502-0.2521 with
+  # pages of 32 (offline, sm_90a: 245 registers against 192, both 2 programs per SM). Kernels at
+  # pages of 32 / 64 / 128, then whole-model decode at pages of 32 (the CUDA default) and 64
+  echo "-- decode attention kernels, pages of 32 / 64 / 128" | tee -a "$log"
+  timeout 200 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b --batches 1,4,16 \
+    --contexts 16384,65536 --page-sizes 32,64,128 --no-cascade --trials 5 2>&1 | grep -E "^\[|rror" \
+    | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' | tee -a "$log"
+  for round in 1 2; do
+    for page in 32 64; do
+      e2e "llama-3.1-8b pages of $page" -- --models llama-3.1-8b --batches 1,8 --contexts 1K,16K --page-size $page
+    done
+  done
+  for page in 32 64; do
+    e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
+  done
 else
-  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, balance or partitions)" >&2
+  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, balance, partitions or pagesize)" >&2
   exit 2
 fi
 done
