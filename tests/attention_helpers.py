@@ -186,13 +186,14 @@ def ulp(x: torch.Tensor) -> torch.Tensor:
 
 
 def triton_and_reference(plan, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, *,
-                         page_size: int, scale: float, device) -> tuple[torch.Tensor, ...]:
-    """``(out, lse, ref, ref_lse)``: the plan run by the Triton backend (outputs poisoned first)
-    and by the torch reference, on the same tensors."""
+                         page_size: int, scale: float, device, launch=None) -> tuple[torch.Tensor, ...]:
+    """``(out, lse, ref, ref_lse)``: the plan run by the Triton backend (outputs poisoned first;
+    ``launch``: its ``LaunchConfig``, default the kernels') and by the torch reference, on the
+    same tensors."""
     from segkv.attention.reference import TorchReferenceBackend
     from segkv.attention.triton_backend import TritonBackend
 
-    tb = TritonBackend(page_size=page_size, device=device, poison=True)
+    tb = TritonBackend(page_size=page_size, device=device, poison=True, launch=launch)
     out, lse = tb.run(tb.prepare(plan), query, key_cache, value_cache, scale=scale)
     rb = TorchReferenceBackend(page_size=page_size, device=device)
     ref, ref_lse = rb.run(rb.prepare(plan), query, key_cache, value_cache, scale=scale)

@@ -313,12 +313,26 @@ def test_kernel_matches_the_reference_at_every_pipeline_depth(route, gen):
         plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=page_size, route=route,
                               num_partitions=3 if route == "split" else None)
         storage = batch.cache.storage
-        args = (batch.query, storage.key_cache(0), storage.value_cache(0))
-        tb = TritonBackend(page_size=page_size, device=DEVICE, poison=True, launch=LaunchConfig(block_n, 4, stages))
-        out, lse = tb.run(tb.prepare(plan), *args, scale=batch.scale)
-        rb = TorchReferenceBackend(page_size=page_size, device=DEVICE)
-        ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=batch.scale)
-        check(out, lse, ref, ref_lse)
+        check(*triton_and_reference(plan, batch.query, storage.key_cache(0), storage.value_cache(0),
+                                    page_size=page_size, scale=batch.scale, device=DEVICE,
+                                    launch=LaunchConfig(block_n, 4, stages)))
+
+
+def check_with_the_second_sequence_masked(gen, dtype, route: str, *, rows: int, ratio: int, page_size: int,
+                                          partitions: int, launch) -> None:
+    """One launch configuration against the reference: three sequences of ``rows`` query rows
+    each (head_dim 64), the second fully masked (0 with LSE -inf), the split route in
+    ``partitions``."""
+    batch = gqa_batch(gen, dtype=dtype, page_size=page_size, ratio=ratio, head_dim=64, rows=rows)
+    batch.queries[1] = SequenceQuery(batch.queries[1].spans, rows, query_start=-rows)  # fully masked
+    plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=page_size, route=route,
+                          num_partitions=partitions if route == "split" else None)
+    storage = batch.cache.storage
+    out, lse, ref, ref_lse = triton_and_reference(plan, batch.query, storage.key_cache(0), storage.value_cache(0),
+                                                  page_size=page_size, scale=batch.scale, device=DEVICE, launch=launch)
+    check(out, lse, ref, ref_lse)
+    dead = slice(rows, 2 * rows)
+    assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
 
 
 @pytest.mark.parametrize("route", ["split", "cascade"] if not GPU else ROUTES)
@@ -347,20 +361,8 @@ def test_transposed_products_match_the_reference(route, dtype, gen, monkeypatch)
     monkeypatch.setenv("SEGKV_TRITON_TRANSPOSED", "0")
     assert not any(meta(1, g, paged_attention.default_launch_config(head_dim=64)) for g in (1, 8, 16))
     for rows, ratio, page_size, block_n in ((1, 8, 16, 16), (3, 4, 16, 64), (17, 4, 32, 64)):
-        batch = gqa_batch(gen, dtype=DTYPES[dtype], page_size=page_size, ratio=ratio, head_dim=64, rows=rows)
-        batch.queries[1] = SequenceQuery(batch.queries[1].spans, rows, query_start=-rows)  # fully masked
-        plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=page_size, route=route,
-                              num_partitions=3 if route == "split" else None)
-        storage = batch.cache.storage
-        args = (batch.query, storage.key_cache(0), storage.value_cache(0))
-        tb = TritonBackend(page_size=page_size, device=DEVICE, poison=True,
-                           launch=LaunchConfig(block_n, 4, 3, transposed_min_pairs=1))
-        out, lse = tb.run(tb.prepare(plan), *args, scale=batch.scale)
-        rb = TorchReferenceBackend(page_size=page_size, device=DEVICE)
-        ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=batch.scale)
-        check(out, lse, ref, ref_lse)
-        dead = slice(rows, 2 * rows)
-        assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
+        check_with_the_second_sequence_masked(gen, DTYPES[dtype], route, rows=rows, ratio=ratio, page_size=page_size,
+                                              partitions=3, launch=LaunchConfig(block_n, 4, 3, transposed_min_pairs=1))
 
 
 @pytest.mark.parametrize("route", ["split", "cascade"] if not GPU else ROUTES)
@@ -387,19 +389,8 @@ def test_plan_reads_before_the_wait_match_the_reference(route, gen, monkeypatch)
     monkeypatch.setattr(paged_attention, "PLAN_EARLY", 2)
     monkeypatch.setattr(paged_attention, "MERGE_TRIGGER", 2)
     for rows, ratio, page_size, block_n, parts in ((1, 8, 16, 16, 3), (3, 4, 16, 64, 3), (1, 4, 16, 16, 70)):
-        batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=page_size, ratio=ratio, head_dim=64, rows=rows)
-        batch.queries[1] = SequenceQuery(batch.queries[1].spans, rows, query_start=-rows)  # fully masked
-        plan = plan_attention(batch.queries, batch.shape, DeviceSpec.cpu(), page_size=page_size, route=route,
-                              num_partitions=parts if route == "split" else None)
-        storage = batch.cache.storage
-        args = (batch.query, storage.key_cache(0), storage.value_cache(0))
-        tb = TritonBackend(page_size=page_size, device=DEVICE, poison=True, launch=LaunchConfig(block_n, 4, 3))
-        out, lse = tb.run(tb.prepare(plan), *args, scale=batch.scale)
-        rb = TorchReferenceBackend(page_size=page_size, device=DEVICE)
-        ref, ref_lse = rb.run(rb.prepare(plan), *args, scale=batch.scale)
-        check(out, lse, ref, ref_lse)
-        dead = slice(rows, 2 * rows)
-        assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
+        check_with_the_second_sequence_masked(gen, torch.bfloat16, route, rows=rows, ratio=ratio, page_size=page_size,
+                                              partitions=parts, launch=LaunchConfig(block_n, 4, 3))
 
 
 def decode_rows_batch(gen, *, dtype, long_rows: int, ratio: int, num_pages: int) -> Batch:
