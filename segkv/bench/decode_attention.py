@@ -306,9 +306,11 @@ def bench_cascade(*, shape_name: str, forks: int, prefix: int, suffix: int, page
     samples = _run_trials(timers, trials)
     element = torch.empty((), dtype=dtype).element_size()
     unique = 2 * (prefix + forks * suffix) * kv_heads * head_dim * element
+    # GB/s of the unique K/V, except own_copies: what it reads (every fork's whole history)
+    read = {"own_copies": 2 * forks * (prefix + suffix) * kv_heads * head_dim * element}
     result = {"shape": shape_name, "forks": forks, "prefix": prefix, "suffix": suffix, "page_size": page_size,
               "dtype": str(dtype).replace("torch.", ""), "plans": {n: p.describe() for n, p in plans.items()},
-              "variants": {name: _summarise(t, unique, bandwidth) for name, t in samples.items()}}
+              "variants": {name: _summarise(t, read.get(name, unique), bandwidth) for name, t in samples.items()}}
     result["speedup"] = result["variants"]["no_sharing"]["median_ms"] / result["variants"]["cascade"]["median_ms"]
     result["speedup_vs_own_copies"] = (result["variants"]["own_copies"]["median_ms"]
                                        / result["variants"]["cascade"]["median_ms"])
