@@ -101,8 +101,8 @@ def _expert_gemv_kernel(
     SHARED_IN)`` on every row of ``SX``, ``SHARED_BLOCK_O`` outputs a program. ``USE_PDL``:
     scheduled while the previous kernel finishes (``kernels.pdl``) and waits for it before any
     load; with ``PRELOAD_SHARED`` the shared weight's first block loads before the wait, and with
-    ``PRELOAD_ROUTED`` (``rows`` and ``experts`` written two launches back) the routed pairs' too. (Without PDL the preloads only
-    take the first block apart: the same sums.)"""
+    ``PRELOAD_ROUTED`` (``rows`` and ``experts`` written two launches back) the routed pairs'
+    too. (Without PDL the preloads only take the first block apart: the same sums.)"""
     if USE_PDL and not PRELOAD_SHARED:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
