@@ -14,6 +14,7 @@ kernels in Triton's interpreter, whose kernels cannot be compiled).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -68,6 +69,31 @@ def test_decode_loops_keep_the_next_tile_in_flight(compiled, index):
 def test_largest_launches_fit_in_shared_memory(compiled, index):
     r = compiled[len(DECODE) + index]
     assert 0 < r["shared"] <= MAX_SHARED_PER_PROGRAM, r
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_latent_value_split_compiles_for_narrow_ranks(dtype):
+    """A batch of one query row splits the latent values per plan (halves, or quarters when asked);
+    small models' ranks (16 heads of rank 32 / rope 16, as the engine's test models) compile, with
+    each share kept at 16 or more value columns, rather than failing on the GPU at the first launch."""
+    cases = [{"kernel": "latent", "dtype": dtype, "page_size": 16, "rows": 1, "rank": rank, "rope": 16,
+              "heads": 4, "one_query": True} for rank in (16, 32)]
+    reports = compile_cases(cases)
+    assert all(r["shared"] > 0 and r["num_stages"] >= 1 for r in reports), reports
+    assert all(r["mma"] != "none" for r in reports if dtype == "bfloat16"), reports
+
+
+def test_the_latent_value_split_keeps_sixteen_columns_a_share():
+    import torch
+
+    from segkv.kernels.mla_attention import default_mla_launch_config, mla_stage1_launch
+
+    for rank, auto, split in ((16, 2, 1), (32, 2, 2), (32, 4, 2), (64, 4, 4), (512, 4, 4), (512, 2, 2)):
+        launch = dataclasses.replace(default_mla_launch_config(), value_split_auto=auto)
+        meta = mla_stage1_launch(dtype=torch.bfloat16, rank=rank, rope=16, num_heads=4, page_size=16,
+                                 max_work_rows=1, element_size=2, num_rows=1, launch=launch)
+        assert (meta["VALUE_SPLIT"], meta["ADAPTIVE"]) == (split, split > 1), (rank, auto, meta)
+        assert meta["BLOCK_R"] // meta["VALUE_SPLIT"] >= 16
 
 
 def test_the_merge_lets_the_next_kernel_launch_when_told():

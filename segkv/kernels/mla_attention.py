@@ -173,8 +173,11 @@ def _mla_stage1_kernel(
     if USE_PDL:  # queries, latent rows and outputs wait for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    quarters = False  # which share this program computes (compile-time constants unless ADAPTIVE)
-    halves = False
+    # which share this program computes: compile-time constants unless ADAPTIVE (annotated, or
+    # Triton makes them runtime values and compiles every branch, including shares narrower than
+    # a product's 16 columns)
+    quarters: tl.constexpr = False
+    halves: tl.constexpr = False
     if VALUE_SPLIT == 4:
         quarters = shares == 4
     if VALUE_SPLIT >= 2:
@@ -259,7 +262,8 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
     took 1.5x as long as one program per pair block; batch 8 lost up to 10%, 128 heads 1.6x).
     ``launch.value_split_auto`` 4 launches four instead, which take quarters of the values when the
     plan has at most a quarter as many partials. Forced 2 follows the plan as the automatic split
-    does; forced 4 takes quarters whatever the plan (tuning)."""
+    does; forced 4 takes quarters whatever the plan (tuning). A split never leaves a share fewer
+    than 16 value columns (the products' minimum), so ranks under 64 split less or not at all."""
     launch = launch or default_mla_launch_config()
     if launch.value_split not in (0, 1, 2, 4):
         raise ValueError(f"the latent value split must be 0 (chosen per launch), 1, 2 or 4 programs, "
@@ -269,14 +273,16 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
     block_n = tile_rows(launch, page_size)
     block_m = max(16, min(launch.block_m, triton.next_power_of_2(max_work_rows * num_heads)))
     one_program = num_rows is not None and num_rows * num_heads <= block_m
-    value_split = launch.value_split or (launch.value_split_auto if one_program else 1)
+    block_r = max(16, triton.next_power_of_2(rank))
+    # each share's products need at least 16 value columns (small test models: rank 16 or 32)
+    value_split = min(launch.value_split or (launch.value_split_auto if one_program else 1), block_r // 16)
     return dict(
-        RANK=rank, ROPE=rope, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        RANK=rank, ROPE=rope, BLOCK_R=block_r,
         BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), BLOCK_M=block_m,
         PAGE_SIZE=page_size, BLOCK_N=block_n, EXACT_FP32=dtype == torch.float32 or _INTERPRET,
         num_warps=launch.num_warps, VALUE_SPLIT=value_split,
         # forced 2 and the automatic split follow the plan; forced 4 quarters whatever the plan
-        ADAPTIVE=launch.value_split == 2 or (launch.value_split == 0 and value_split > 1),
+        ADAPTIVE=value_split > 1 and (launch.value_split == 2 or launch.value_split == 0),
         SHARES_LAST=launch.shares_last,
         **maxnreg_option(launch),
         num_stages=stages_that_fit(launch.num_stages, block_n * (rank + rope) * element_size),

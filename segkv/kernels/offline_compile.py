@@ -110,8 +110,10 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     """A stage-1 attention kernel as its launcher would launch it, for one decode-shaped ``case``:
     ``{"kernel": "gqa" | "latent", "dtype": "bfloat16" | "float16" | "float32", "page_size": int,
     "rows": query rows per work item, "head_dim": int (gqa), "group": int (gqa, default 4),
-    "heads": int (latent, default 16), "assemble": bool (default False), "pdl": bool (default
-    False: the programmatic-dependent-launch variant)}``. ``launch``: a
+    "heads": int (latent, default 16), "rank" / "rope": int (latent, default 512 / 64),
+    "one_query": bool (latent, default False: the launch of a batch of one query row, whose value
+    split is chosen per plan), "assemble": bool (default False), "pdl": bool (default False: the
+    programmatic-dependent-launch variant)}``. ``launch``: a
     ``paged_attention.LaunchConfig`` (default: the launcher's). Returns the compiled kernel and
     the launch constants used."""
     import torch
@@ -129,9 +131,10 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
                                              element_size=element, launch=launch)
         fn, pointers = paged_attention._stage1_kernel, {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", **common}
     else:
-        meta = mla_attention.mla_stage1_launch(dtype=dtype, rank=512, rope=64, num_heads=case.get("heads", 16),
-                                               page_size=case["page_size"], max_work_rows=case["rows"],
-                                               element_size=element, launch=launch)
+        meta = mla_attention.mla_stage1_launch(dtype=dtype, rank=case.get("rank", 512), rope=case.get("rope", 64),
+                                               num_heads=case.get("heads", 16), page_size=case["page_size"],
+                                               max_work_rows=case["rows"], element_size=element,
+                                               num_rows=1 if case.get("one_query") else None, launch=launch)
         fn, pointers = mla_attention._mla_stage1_kernel, {"Q": f"*{t}", "LAT": f"*{t}", **common}
     meta = {**meta, "USE_PDL": bool(case.get("pdl", False))}
     return compile_offline(fn, meta, pointers=pointers, assemble=case.get("assemble", False)), meta
@@ -142,7 +145,8 @@ def stage1_report(case: dict, launch=None) -> dict:
     ``case["assemble"]``), the launch's warps and pipeline stages, the K/V (latent) tile buffers,
     the in-loop waits and the MMA kind."""
     kernel, meta = compile_stage1(case, launch)
-    cols = 512 if case["kernel"] == "latent" else max(16, triton.next_power_of_2(case["head_dim"]))
+    cols = (case.get("rank", 512) if case["kernel"] == "latent"
+            else max(16, triton.next_power_of_2(case["head_dim"])))
     mma = "wgmma" if "wgmma" in kernel.ptx else "mma.sync" if "mma.sync" in kernel.ptx else "none"
     return {"case": case, "shared": kernel.shared, "registers": kernel.registers, "spill_bytes": kernel.spill_bytes,
             "num_warps": meta["num_warps"], "num_stages": meta["num_stages"],
