@@ -7,18 +7,24 @@ Prints the median [min-max] over 10 replays of the time per launch in microsecon
 weight bytes read per second, per launch configuration (outputs and inputs per step, warps, the
 input loop unrolled or not), with the default configuration marked; for the down product also the
 gated form (``[gate | up]`` rows in, SiLU-and-mul applied by the kernel).
-Usage: ``python3 scripts/expert_gemv_sweep.py``.
+``--shared``: one token's launches with the shared experts as a decode step runs them (6 routed
+pairs and DeepSeek-V2-Lite's two shared experts stacked, 8 distinct shared weight copies), the
+gate/up launch and the gated down launch, with the shared programs split over their inputs
+(``SEGKV_EXPERT_SHARED_SPLIT``) or not, alternating.
+Usage: ``python3 scripts/expert_gemv_sweep.py [--shared]``.
 """
 
 from __future__ import annotations
 
 import itertools
 import statistics
+import sys
 from functools import partial
 
 import torch
 
-from segkv.kernels.expert_gemv import BLOCK_O, NUM_WARPS, default_block_i, default_unroll, expert_gemv
+from segkv.kernels.expert_gemv import (BLOCK_O, NUM_WARPS, default_block_i, default_unroll, expert_gemv,
+                                       expert_gemv_with_shared, shared_split_workspace)
 from segkv.kernels.grouped_expert_gemm import grouped_expert_gemm
 
 SHAPES = {"gate_up": (2816, 2048), "down": (2048, 1408)}  # (Out, In) per expert
@@ -74,10 +80,39 @@ def main() -> None:
                     time_us([partial(grouped_expert_gemm, x, rows, experts, weight) for experts in draws]), nbytes, "")
 
 
+def shared_launches() -> None:
+    """One token's expert launches with the shared experts (:func:`expert_gemv_with_shared`), split
+    and not, alternating twice: microseconds per launch and the bytes of weight read per second."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    hidden, inner, shared_inner, pairs = 2048, 1408, 2816, 6
+    gate_up = torch.randn(64, 2 * inner, hidden, device=dev, dtype=torch.bfloat16, generator=gen)
+    down = torch.randn(64, hidden, inner, device=dev, dtype=torch.bfloat16, generator=gen)
+    s_gate_up = [torch.randn(2 * shared_inner, hidden, device=dev, dtype=torch.bfloat16, generator=gen)
+                 for _ in range(8)]
+    s_down = [torch.randn(hidden, shared_inner, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(8)]
+    x = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16, generator=gen)
+    h = torch.randn(pairs, 2 * inner, device=dev, dtype=torch.bfloat16, generator=gen)
+    sh = torch.randn(1, 2 * shared_inner, device=dev, dtype=torch.bfloat16, generator=gen)
+    draws = [torch.randperm(64, device=dev, generator=gen)[:pairs] for _ in range(8)]
+    workspace = shared_split_workspace(hidden, BLOCK_O, dev)
+    print(f"device {torch.cuda.get_device_name()}; one token, {pairs} routed pairs + 2 shared experts; "
+          f"median [min-max] of 10 graph replays, per launch")
+    up_bytes = (pairs * 2 * inner + 2 * shared_inner) * hidden * 2
+    _report("gate/up with shared", time_us([partial(expert_gemv_with_shared, x, pairs, e, gate_up, x, w,
+                                                     distinct_experts=True) for e, w in zip(draws, s_gate_up)]),
+            up_bytes, "")
+    down_bytes = (pairs * inner + shared_inner) * hidden * 2
+    for split in (False, True, False, True):
+        launches = [partial(expert_gemv_with_shared, h, 1, e, down, sh, w, gated=True, distinct_experts=True,
+                            ids_ready=True, split=split, workspace=workspace) for e, w in zip(draws, s_down)]
+        _report(f"down with shared, split {int(split)}", time_us(launches), down_bytes, "")
+
+
 def _report(label: str, times: list[float], nbytes: int, mark: str) -> None:
     med = statistics.median(times)
     print(f"{label}: {med:7.1f} us [{min(times):.1f}-{max(times):.1f}] {nbytes / med / 1e3:7.0f} GB/s{mark}", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    shared_launches() if "--shared" in sys.argv[1:] else main()
