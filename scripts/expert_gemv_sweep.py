@@ -9,8 +9,7 @@ input loop unrolled or not), with the default configuration marked; for the down
 gated form (``[gate | up]`` rows in, SiLU-and-mul applied by the kernel).
 ``--shared``: one token's launches with the shared experts as a decode step runs them (6 routed
 pairs and DeepSeek-V2-Lite's two shared experts stacked, 8 distinct shared weight copies), the
-gate/up launch and the gated down launch, with the shared programs split over their inputs
-(``SEGKV_EXPERT_SHARED_SPLIT``) or not, alternating.
+gate/up launch and the gated down launch.
 Usage: ``python3 scripts/expert_gemv_sweep.py [--shared]``.
 """
 
@@ -24,7 +23,7 @@ from functools import partial
 import torch
 
 from segkv.kernels.expert_gemv import (BLOCK_O, NUM_WARPS, default_block_i, default_unroll, expert_gemv,
-                                       expert_gemv_with_shared, shared_split_workspace)
+                                       expert_gemv_with_shared)
 from segkv.kernels.grouped_expert_gemm import grouped_expert_gemm
 
 SHAPES = {"gate_up": (2816, 2048), "down": (2048, 1408)}  # (Out, In) per expert
@@ -81,8 +80,8 @@ def main() -> None:
 
 
 def shared_launches() -> None:
-    """One token's expert launches with the shared experts (:func:`expert_gemv_with_shared`), split
-    and not, alternating twice: microseconds per launch and the bytes of weight read per second."""
+    """One token's expert launches with the shared experts (:func:`expert_gemv_with_shared`), twice
+    each: microseconds per launch and the bytes of weight read per second."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     hidden, inner, shared_inner, pairs = 2048, 1408, 2816, 6
@@ -95,18 +94,17 @@ def shared_launches() -> None:
     h = torch.randn(pairs, 2 * inner, device=dev, dtype=torch.bfloat16, generator=gen)
     sh = torch.randn(1, 2 * shared_inner, device=dev, dtype=torch.bfloat16, generator=gen)
     draws = [torch.randperm(64, device=dev, generator=gen)[:pairs] for _ in range(8)]
-    workspace = shared_split_workspace(hidden, BLOCK_O, dev)
     print(f"device {torch.cuda.get_device_name()}; one token, {pairs} routed pairs + 2 shared experts; "
           f"median [min-max] of 10 graph replays, per launch")
     up_bytes = (pairs * 2 * inner + 2 * shared_inner) * hidden * 2
-    _report("gate/up with shared", time_us([partial(expert_gemv_with_shared, x, pairs, e, gate_up, x, w,
-                                                     distinct_experts=True) for e, w in zip(draws, s_gate_up)]),
-            up_bytes, "")
     down_bytes = (pairs * inner + shared_inner) * hidden * 2
-    for split in (False, True, False, True):
-        launches = [partial(expert_gemv_with_shared, h, 1, e, down, sh, w, gated=True, distinct_experts=True,
-                            ids_ready=True, split=split, workspace=workspace) for e, w in zip(draws, s_down)]
-        _report(f"down with shared, split {int(split)}", time_us(launches), down_bytes, "")
+    for _ in range(2):
+        _report("gate/up with shared", time_us([partial(expert_gemv_with_shared, x, pairs, e, gate_up, x, w,
+                                                         distinct_experts=True) for e, w in zip(draws, s_gate_up)]),
+                up_bytes, "")
+        _report("down with shared, gated", time_us([partial(expert_gemv_with_shared, h, 1, e, down, sh, w, gated=True,
+                                                             distinct_experts=True, ids_ready=True)
+                                                     for e, w in zip(draws, s_down)]), down_bytes, "")
 
 
 def _report(label: str, times: list[float], nbytes: int, mark: str) -> None:

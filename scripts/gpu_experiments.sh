@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
-# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now:
-# `... sharedsplit` (about 4 minutes). Measured: every other part below (docs/benchmarks.md, "The
-# last prepared switches measured" for trigger, balance, partitions, cascade, pagesize, tests and
-# enginetests).
+# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Nothing is open
+# now: every part below has been measured (docs/benchmarks.md, "The last prepared switches
+# measured" for trigger, partitions, cascade, pagesize, tests and enginetests; the shared-expert
+# balance and split parts measured there were removed with their switches, see git history).
 # Measured (docs/benchmarks.md, "Sub-page tiles on" and "The prepared switches measured"): shares,
 # short, b16, cascade, subpage (now the default), valuesplit, stage1merge, heads128, plan.
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
@@ -37,9 +37,6 @@
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
 #   trigger   the merge letting the o GEMV launch at once (SEGKV_MERGE_TRIGGER=0), so its weight
 #             loads overlap stage 1: GPU tests, Llama-3.1-8B, Qwen3-8B, DeepSeek-V2-Lite batch 1.
-#   sharedsplit  DeepSeek-V2-Lite's shared-expert down programs split over their inputs, as long as
-#             the routed ones (SEGKV_EXPERT_SHARED_SPLIT=1): GPU tests, the launches alone, batch 1
-#             alternating. (balance, its shared programs at 8 outputs, measured: 2% slower; removed.)
 #   partitions  batch 1 at 16K-64K and batch 16 at 16K split into 1-1056 partitions against the
 #             planner's choice.
 #   pagesize  kernels at pages of 32 / 64 / 128 (walked in 64-row tiles), whole-model decode at
@@ -344,25 +341,6 @@ elif [ "$part" = trigger ]; then
     e2e "deepseek merge trigger $trigger" SEGKV_MERGE_TRIGGER=$trigger -- --models deepseek-v2-lite --batches 1 \
       --contexts 1K,16K
   done
-elif [ "$part" = sharedsplit ]; then
-  # DeepSeek-V2-Lite's down launch: 768 routed programs of 16 outputs x 1408 inputs and 128 shared
-  # ones of 16 x 2816 (twice the bytes: the launch's tail) stream 46 MB at 2.7 TB/s (gate/up: 3.9).
-  # Programs of 8 outputs x 2816 (the balance switch, removed) cost 2%: they halve the loads in
-  # flight. SEGKV_EXPERT_SHARED_SPLIT=1: 256 shared programs of 16 x 1408, as the routed ones, whose
-  # float32 sums the second of each pair adds (offline: 72 registers, as without)
-  echo "-- one token's expert launches (us per launch)" | tee -a "$log"
-  timeout 120 python3 scripts/expert_gemv_sweep.py --shared 2>&1 | tail -6 | tee -a "$log"
-  for round in 1 2; do
-    for split in 0 1; do
-      e2e "deepseek shared split $split" SEGKV_EXPERT_SHARED_SPLIT=$split -- --models deepseek-v2-lite \
-        --batches 1 --contexts 1K,16K
-    done
-    if [ "$round" = 1 ]; then
-      echo "== GPU tests: split shared-expert programs" | tee -a "$log"
-      SEGKV_EXPERT_SHARED_SPLIT=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_expert_gemv.py \
-        tests/test_cuda_graphs.py -k "expert or moe" 2>&1 | grep -E "passed|failed|^E  " | tail -3 | tee -a "$log"
-    fi
-  done
 elif [ "$part" = partitions ]; then
   # batch 1 at 16K-64K (32K: 81% of the read bandwidth, the issue asks 85%) and batch 16 at 16K
   # (0.98-0.99x of cuDNN SDPA): the split into 1-1056 partitions (12, 24 and 48 among them) at the
@@ -390,7 +368,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, sharedsplit, partitions or pagesize)" >&2
+  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, partitions or pagesize)" >&2
   exit 2
 fi
 done

@@ -89,65 +89,6 @@ def test_gated_products_with_shared_weight_in_one_launch(dtype, gen):
         expert_gemv_with_shared(h, 1, experts, down, x, s_down, gated=True)  # shared rows are not [gate | up]
 
 
-def test_shared_split_rule():
-    """``SEGKV_EXPERT_SHARED_SPLIT``: one token's shared programs split into the power of two (at
-    most 4) that brings their inputs to about the routed ones', when it divides them; off by
-    default, and never for several tokens or inputs no wider than twice the routed ones."""
-    from segkv.kernels.expert_gemv import SHARED_SPLIT, shared_split
-
-    assert shared_split(1408, 2816, 1) == (2 if SHARED_SPLIT else 1)  # the variable's setting (off by default)
-    assert shared_split(1408, 2816, 1, enabled=False) == 1
-    cases = [(1408, 2816, 1), (100, 300, 1), (100, 400, 1), (100, 1000, 1), (2048, 2048, 1), (100, 199, 1),
-             (1408, 2816, 2), (100, 301, 1)]
-    assert [shared_split(*c, enabled=True) for c in cases] == [2, 2, 4, 4, 1, 1, 1, 1]
-
-
-@pytest.mark.parametrize("shared_in", [200, 300, 400])
-def test_split_shared_programs_give_the_products_rounded_once(shared_in, gen):
-    """Split shared programs: each output block's parts add their float32 sums in part order and
-    round once, so the shared product matches the float64 reference to one rounding and the
-    unsplit launch to float32 summation order; routed products unchanged; the workspace's
-    tickets are left zero, so a second launch on it (a graph replay) gives the same result."""
-    from segkv.kernels.expert_gemv import expert_gemv_with_shared, shared_split_workspace
-    from segkv.kernels.fused_ops import silu_and_mul
-
-    routed_in, shared_out = 100, 44  # 44: the last output block is partly empty
-    x = torch.randn(3, 2 * routed_in, generator=gen).to(torch.bfloat16).to(DEVICE)
-    weight = (torch.randn(4, 48, routed_in, generator=gen) / routed_in**0.5).to(torch.bfloat16).to(DEVICE)
-    shared_x = torch.randn(1, 2 * shared_in, generator=gen).to(torch.bfloat16).to(DEVICE)
-    shared_w = (torch.randn(shared_out, shared_in, generator=gen) / shared_in**0.5).to(torch.bfloat16).to(DEVICE)
-    experts = torch.tensor([2, 0, 3], device=DEVICE)
-    workspace = shared_split_workspace(shared_out, 16, DEVICE)
-    plain = expert_gemv_with_shared(x, 1, experts, weight, shared_x, shared_w, gated=True, split=False)
-    ref = torch.nn.functional.linear(silu_and_mul(shared_x).double(), shared_w.double())
-    for _ in range(2):
-        routed, shared = expert_gemv_with_shared(x, 1, experts, weight, shared_x, shared_w, gated=True, split=True,
-                                                 workspace=workspace)
-        assert shared.shape == (1, shared_out) and torch.isfinite(shared).all()
-        assert torch.equal(routed, plain[0])
-        torch.testing.assert_close(shared.double(), ref, rtol=2**-8, atol=1e-6)
-        ulp = torch.finfo(torch.bfloat16).eps * plain[1].double().abs()
-        assert ((shared.double() - plain[1].double()).abs() <= ulp).all()
-        assert not workspace[1].any(), "tickets left set: the next launch would never finish its blocks"
-
-
-def test_split_shared_programs_refuse_a_small_workspace_and_skip_several_tokens(gen):
-    from segkv.kernels.expert_gemv import expert_gemv_with_shared
-
-    x = torch.randn(2, 2 * 100, generator=gen).to(torch.bfloat16).to(DEVICE)
-    weight = (torch.randn(4, 48, 100, generator=gen) / 10).to(torch.bfloat16).to(DEVICE)
-    shared_w = (torch.randn(40, 200, generator=gen) / 14).to(torch.bfloat16).to(DEVICE)
-    experts = torch.tensor([1, 3], device=DEVICE)
-    small = (torch.empty(40, device=DEVICE), torch.zeros(3, dtype=torch.int32, device=DEVICE))
-    with pytest.raises(ValueError, match="workspace"):
-        expert_gemv_with_shared(x[:1], 1, experts[:1], weight, x[:1, :200].repeat(1, 2), shared_w, gated=True,
-                                split=True, workspace=small)
-    two = torch.randn(2, 400, generator=gen).to(torch.bfloat16).to(DEVICE)  # two tokens: not split
-    _, shared = expert_gemv_with_shared(x, 1, experts, weight, two, shared_w, gated=True, split=True, workspace=small)
-    _, plain = expert_gemv_with_shared(x, 1, experts, weight, two, shared_w, gated=True, split=False)
-    assert torch.equal(shared, plain) and not small[1].any()
-
-
 @pytest.mark.parametrize("ids_ready", [False, True])
 def test_first_weight_block_taken_apart_gives_the_same_products(ids_ready, gen, monkeypatch):
     """``SEGKV_EXPERT_PRELOAD``: the first weight block loaded apart (before the PDL wait on a
@@ -212,25 +153,3 @@ def test_outputs_and_warps_per_program_can_be_forced_for_tuning_runs(gen, monkey
     monkeypatch.setenv("SEGKV_EXPERT_WARPS", "3")
     with pytest.raises(ValueError, match="SEGKV_EXPERT_WARPS must be 1, 2, 4, 8 or 16"):
         expert_gemv(x[:, :40], 3, experts, weight)
-
-
-def test_moe_layer_with_split_shared_programs_matches_the_expert_loop(gen, monkeypatch):
-    """One token through a packed, fused MoE layer whose two shared experts are twice as wide as a
-    routed one (DeepSeek-V2-Lite's proportions): with the split on, the same output as the
-    expert loop, twice over one workspace that the layer keeps (tickets left zero)."""
-    from segkv.kernels import expert_gemv as module
-    from segkv.layers.moe import MixtureOfExperts, RouterSpec
-
-    monkeypatch.setattr(module, "SHARED_SPLIT", True)
-    moe = MixtureOfExperts(32, 24, RouterSpec(num_experts=6, top_k=2), num_shared=2).to(DEVICE)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-        x = torch.randn(1, 32, generator=gen).to(DEVICE)
-        looped = moe(x)
-        moe.pack_experts()
-        moe.use_fused()
-        moe.shared_experts.use_fused()
-        for _ in range(2):
-            torch.testing.assert_close(moe(x), looped, rtol=1e-5, atol=1e-5)
-    assert moe._shared_workspace is not None and not moe._shared_workspace[1].any()

@@ -37,46 +37,23 @@ def _chunk_weights(w_rows, o_ok, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, EV
 
 @triton.jit
 def _chunk_product(acc, x_row, w, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, GATED: tl.constexpr,
-                   KIND: tl.constexpr, UP: tl.constexpr):
-    """``acc`` plus the product of weight block ``w`` with inputs ``i0 .. i0 + BLOCK_I`` (of
-    ``IN``); ``GATED``: the ``up`` half starts ``UP`` columns after ``x_row``."""
+                   KIND: tl.constexpr):
+    """``acc`` plus the product of weight block ``w`` with inputs ``i0 .. i0 + BLOCK_I``."""
     offs_i = i0 + tl.arange(0, BLOCK_I)
     i_ok = offs_i < IN
     x = tl.load(x_row + offs_i, mask=i_ok, other=0.0).to(tl.float32)
     if GATED:  # rounded as silu_and_mul rounds, so the product sees the same activation
-        x = silu_mul_rounded(x, tl.load(x_row + UP + offs_i, mask=i_ok, other=0.0).to(tl.float32), KIND)
+        x = silu_mul_rounded(x, tl.load(x_row + IN + offs_i, mask=i_ok, other=0.0).to(tl.float32), KIND)
     return acc + tl.sum(w * x[None, :], axis=1)
-
-
-@triton.jit
-def _store_outputs(out_row, offs_o, o_ok, acc, EXACT_FP32: tl.constexpr):
-    """A program's float32 sums, rounded once to the output's dtype (float32 kept as is)."""
-    if EXACT_FP32:
-        tl.store(out_row + offs_o, acc, mask=o_ok)
-    else:
-        tl.store(out_row + offs_o, acc.to(out_row.dtype.element_ty, fp_downcast_rounding="rtne"), mask=o_ok)
 
 
 @triton.jit
 def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constexpr, BLOCK_O: tl.constexpr,
                BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, GATED: tl.constexpr, KIND: tl.constexpr,
                UNROLL: tl.constexpr, EVICT_FIRST: tl.constexpr, FIRST_APART: tl.constexpr, PDL: tl.constexpr):
-    """Outputs ``ob * BLOCK_O ...`` of one product, rounded once into ``out_row``: :func:`_gemv_sums`
-    over all ``IN`` inputs."""
-    offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
-    acc = _gemv_sums(x_row, w_rows, ob, IN, OUT_DIM, BLOCK_O, BLOCK_I, GATED, KIND, UNROLL, EVICT_FIRST,
-                     FIRST_APART, PDL, IN)
-    _store_outputs(out_row, offs_o, offs_o < OUT_DIM, acc, EXACT_FP32)
-
-
-@triton.jit
-def _gemv_sums(x_row, w_rows, ob, IN: tl.constexpr, OUT_DIM: tl.constexpr, BLOCK_O: tl.constexpr,
-               BLOCK_I: tl.constexpr, GATED: tl.constexpr, KIND: tl.constexpr, UNROLL: tl.constexpr,
-               EVICT_FIRST: tl.constexpr, FIRST_APART: tl.constexpr, PDL: tl.constexpr, UP: tl.constexpr):
-    """The float32 sums ``(BLOCK_O,)`` of outputs ``ob * BLOCK_O ...`` over ``IN`` inputs:
-    ``w_rows`` points at the weight's first column, one row per output (row stride folded in);
-    ``x_row`` at the input row, which holds ``[gate | up]`` (``up`` ``UP`` columns after the
-    start, reduced to ``silu(gate) * up`` on the fly) when ``GATED``.
+    """Outputs ``ob * BLOCK_O ...`` of one product: ``w_rows`` points at the weight's first
+    column, one row per output (row stride folded in); ``x_row`` at the input row, which holds
+    ``[gate | up]`` (``2 IN`` columns, reduced to ``silu(gate) * up`` on the fly) when ``GATED``.
     ``UNROLL``: the input loop unrolled, so every chunk's weights can be requested at once.
     ``EVICT_FIRST``: the weight's lines leave L2 first (read once: no other pair wants them).
     ``FIRST_APART``: the first weight block loads first and, with ``PDL``, the program then waits
@@ -90,41 +67,19 @@ def _gemv_sums(x_row, w_rows, ob, IN: tl.constexpr, OUT_DIM: tl.constexpr, BLOCK
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        acc = _chunk_product(acc, x_row, w, 0, IN, BLOCK_I, GATED, KIND, UP)
+        acc = _chunk_product(acc, x_row, w, 0, IN, BLOCK_I, GATED, KIND)
     if UNROLL:
         for i0 in tl.static_range(START, IN, BLOCK_I):
             w = _chunk_weights(w_rows, o_ok, i0, IN, BLOCK_I, EVICT_FIRST)
-            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND, UP)
+            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND)
     else:
         for i0 in range(START, IN, BLOCK_I):
             w = _chunk_weights(w_rows, o_ok, i0, IN, BLOCK_I, EVICT_FIRST)
-            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND, UP)
-    return acc
-
-
-@triton.jit
-def _shared_split_tile(x_row, w_rows, out_row, ob, part, parts_out, tickets, IN: tl.constexpr,
-                       OUT_DIM: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
-                       EXACT_FP32: tl.constexpr, GATED: tl.constexpr, KIND: tl.constexpr, UNROLL: tl.constexpr,
-                       EVICT_FIRST: tl.constexpr, FIRST_APART: tl.constexpr, PDL: tl.constexpr,
-                       SPLIT: tl.constexpr):
-    """Part ``part`` of ``SPLIT`` of a shared-expert output block: the sums over inputs ``part *
-    IN / SPLIT ...`` into ``parts_out (SPLIT, OUT_DIM)`` float32, then a ticket; the block's last
-    part adds the ``SPLIT`` sums in part order (the same result whichever part comes last),
-    rounds once into ``out_row`` and resets the ticket for the next launch."""
-    PART_IN: tl.constexpr = IN // SPLIT
-    offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
-    o_ok = offs_o < OUT_DIM
-    acc = _gemv_sums(x_row + part * PART_IN, w_rows + part * PART_IN, ob, PART_IN, OUT_DIM, BLOCK_O, BLOCK_I,
-                     GATED, KIND, UNROLL, EVICT_FIRST, FIRST_APART, PDL, IN)
-    tl.store(parts_out + part * OUT_DIM + offs_o, acc, mask=o_ok)
-    ticket = tl.atomic_add(tickets + ob, 1, sem="acq_rel", scope="gpu")
-    if ticket == SPLIT - 1:
-        total = tl.zeros([BLOCK_O], tl.float32)
-        for p in tl.static_range(SPLIT):
-            total += tl.load(parts_out + p * OUT_DIM + offs_o, mask=o_ok, other=0.0)
-        _store_outputs(out_row, offs_o, o_ok, total, EXACT_FP32)
-        tl.store(tickets + ob, 0)
+            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND)
+    if EXACT_FP32:
+        tl.store(out_row + offs_o, acc, mask=o_ok)
+    else:
+        tl.store(out_row + offs_o, acc.to(out_row.dtype.element_ty, fp_downcast_rounding="rtne"), mask=o_ok)
 
 
 @triton.jit
@@ -135,7 +90,7 @@ def _expert_gemv_kernel(
     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
     GATED: tl.constexpr, KIND: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
     USE_PDL: tl.constexpr, EVICT_FIRST: tl.constexpr = False, PRELOAD_SHARED: tl.constexpr = False,
-    PRELOAD_ROUTED: tl.constexpr = False, SHARED_SPLIT: tl.constexpr = 1, SPARTS=None, STICKETS=None,  # unread unless split
+    PRELOAD_ROUTED: tl.constexpr = False,
 ):
     """Program ``t``: ``BLOCK_O`` outputs of one product. The first ``num_pairs x cdiv(OUT_DIM,
     BLOCK_O)`` programs serve the routed pairs (pair ``n``: expert ``experts[n]`` on row
@@ -143,10 +98,7 @@ def _expert_gemv_kernel(
     expert that several tokens chose read each weight block at about the same time, so the
     second read hits L2 (DeepSeek-V2-Lite, batch 8: 1023 tok/s with blocks fastest, 1138 with
     pairs fastest). With ``HAS_SHARED`` the rest serve the shared weight ``SW (SHARED_OUT,
-    SHARED_IN)`` on every row of ``SX``, ``BLOCK_O`` outputs a program; with ``SHARED_SPLIT`` > 1
-    (one token) each output block is that many programs over a share of the inputs each
-    (:func:`_shared_split_tile`; float32 sums ``SPARTS (SHARED_SPLIT, SHARED_OUT)``, tickets
-    ``STICKETS`` zero between launches), parts fastest. ``USE_PDL``:
+    SHARED_IN)`` on every row of ``SX``, ``BLOCK_O`` outputs a program. ``USE_PDL``:
     scheduled while the previous kernel finishes (``kernels.pdl``) and waits for it before any
     load; with ``PRELOAD_SHARED`` the shared weight's first block loads before the wait, and with
     ``PRELOAD_ROUTED`` (``rows`` and ``experts`` written two launches back) the routed pairs'
@@ -159,22 +111,12 @@ def _expert_gemv_kernel(
     SHARED_BLOCKS: tl.constexpr = (SHARED_OUT + BLOCK_O - 1) // BLOCK_O
     routed_programs = num_pairs * ROUTED_BLOCKS
     if HAS_SHARED and t >= routed_programs:
-        s = t - routed_programs
-        part = s % SHARED_SPLIT  # a block's parts side by side: they finish together
-        s = s // SHARED_SPLIT
-        token = (s // SHARED_BLOCKS).to(tl.int64)
-        ob = s % SHARED_BLOCKS
-        # not offs_o: a name keeps one shape in both branches (Triton)
-        shared_rows = ob * BLOCK_O + tl.arange(0, BLOCK_O)
-        if SHARED_SPLIT > 1:
-            _shared_split_tile(SX + token * stride_sxr, SW + shared_rows.to(tl.int64) * stride_swo,
-                               SOUT + token * stride_son, ob, part, SPARTS, STICKETS, SHARED_IN, SHARED_OUT,
-                               BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND, UNROLL, EVICT_FIRST, PRELOAD_SHARED,
-                               USE_PDL, SHARED_SPLIT)
-        else:
-            _gemv_tile(SX + token * stride_sxr, SW + shared_rows.to(tl.int64) * stride_swo,
-                       SOUT + token * stride_son, ob, SHARED_IN, SHARED_OUT, BLOCK_O, BLOCK_I, EXACT_FP32, GATED,
-                       KIND, UNROLL, EVICT_FIRST, PRELOAD_SHARED, USE_PDL)
+        token = ((t - routed_programs) // SHARED_BLOCKS).to(tl.int64)
+        ob = (t - routed_programs) % SHARED_BLOCKS
+        shared_rows = ob * BLOCK_O + tl.arange(0, BLOCK_O)  # not offs_o: one shape per name (Triton)
+        _gemv_tile(SX + token * stride_sxr, SW + shared_rows.to(tl.int64) * stride_swo, SOUT + token * stride_son,
+                   ob, SHARED_IN, SHARED_OUT, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND, UNROLL,
+                   EVICT_FIRST, PRELOAD_SHARED, USE_PDL)
     else:
         if USE_PDL:
             if PRELOAD_SHARED and not PRELOAD_ROUTED:  # the router's choice may come from the kernel just before
@@ -205,36 +147,6 @@ WIDE_BLOCK_I = 256
 # experts' always, the routed experts' where the ids are older than the previous launch (the down
 # product). SEGKV_EXPERT_PRELOAD=1; off by default until measured on a GPU.
 PRELOAD = env_int("SEGKV_EXPERT_PRELOAD", 0) == 1
-
-# One token's shared-expert programs split over their inputs (SEGKV_EXPERT_SHARED_SPLIT=1).
-# DeepSeek-V2-Lite's down product: routed experts 1408 inputs, its two shared experts 2816, so at
-# 16 outputs each of the 128 shared programs reads 90 KB against the 768 routed programs' 45 KB;
-# the launch streams 46 MB at 2.7 TB/s against the gate/up launch's 3.9 (balanced inputs), its
-# shared programs finishing last. Split, 256 programs of 16 outputs x 1408 inputs read what a
-# routed one reads, with the same loads in flight (programs of 8 outputs x 2816, which halve
-# those, cost 2% at batch 1 on the H200). Off until measured on a GPU.
-SHARED_SPLIT = env_int("SEGKV_EXPERT_SHARED_SPLIT", 0) == 1
-MAX_SHARED_SPLIT = 4
-
-
-def shared_split(in_dim: int, shared_in_dim: int, tokens: int, enabled: bool | None = None) -> int:
-    """Programs per shared-expert output block: 1, or (``enabled``, default :data:`SHARED_SPLIT`)
-    for one token whose shared inputs are a multiple of at least twice the routed ones, that
-    multiple (a power of two, at most 4) so each program reads about what a routed one reads."""
-    enabled = SHARED_SPLIT if enabled is None else enabled
-    if not enabled or tokens != 1 or shared_in_dim < 2 * in_dim:
-        return 1
-    split = 1 << min((shared_in_dim // in_dim).bit_length() - 1, MAX_SHARED_SPLIT.bit_length() - 1)
-    return split if shared_in_dim % split == 0 else 1
-
-
-def shared_split_workspace(shared_out_dim: int, block_o: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A workspace for :func:`expert_gemv_with_shared`'s split shared programs: float32 sums
-    ``(MAX_SHARED_SPLIT, shared_out_dim)`` and the output blocks' int32 tickets, zero (the kernel
-    leaves them zero). A caller that launches repeatedly (a layer, a CUDA graph) keeps one."""
-    return (torch.empty(MAX_SHARED_SPLIT * shared_out_dim, dtype=torch.float32, device=device),
-            torch.zeros(triton.cdiv(shared_out_dim, block_o), dtype=torch.int32, device=device))
-
 
 # pairs up to which a launch reads 256 inputs per step with the loop unrolled: one token's experts
 # (6 pairs: gate/up 20.3 -> 19.6 us, down 12.5 -> 11.6 us); at 48 pairs unrolling gained nothing
@@ -306,27 +218,22 @@ def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor
 
 def expert_gemv_with_shared(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
                             shared_x: torch.Tensor, shared_weight: torch.Tensor, *, gated: bool = False,
-                            distinct_experts: bool = False, ids_ready: bool = False, split: bool | None = None,
-                            workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+                            distinct_experts: bool = False, ids_ready: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`expert_gemv`, and in the same launch ``shared_weight (Out_s, In_s)`` (a MoE layer's
     shared experts, one dense weight) on every row of ``shared_x (T, In_s)`` (``(T, 2 In_s)``
     when ``gated``): returns ``(routed (N, Out), shared (T, Out_s))`` in ``x``'s dtype. At decode
     sizes each product is a few microseconds, so one launch for both halves the launches.
-    ``distinct_experts`` and ``ids_ready`` as in :func:`expert_gemv`. ``split``: one token's
-    shared programs split over wide inputs (:func:`shared_split`; default
-    ``SEGKV_EXPERT_SHARED_SPLIT``), their sums added in ``workspace``
-    (:func:`shared_split_workspace`; allocated when None); the result is the same float32 sum
-    rounded once, up to float32 summation order."""
+    ``distinct_experts`` and ``ids_ready`` as in :func:`expert_gemv`."""
     if shared_weight.dim() != 2 or shared_x.dim() != 2 or shared_x.dtype != x.dtype:
         raise ValueError(f"shared weight (Out, In) and rows (T, In) of x's dtype expected, got "
                          f"{tuple(shared_weight.shape)} and {tuple(shared_x.shape)} {shared_x.dtype}")
     return _launch(x, rows, experts, weight, shared_x, shared_weight, None, gated, None, None, None, None,
-                   distinct_experts, ids_ready, split, workspace)
+                   distinct_experts, ids_ready)
 
 
 def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated, block_o, block_i, num_warps, unroll,
-            distinct_experts, ids_ready=False, split_enabled=None, workspace=None):
+            distinct_experts, ids_ready=False):
     """Checks, outputs and the launch of :func:`expert_gemv` / :func:`expert_gemv_with_shared`."""
     has_shared = shared_weight is not None
     block_o = block_o or default_block_o()
@@ -354,14 +261,7 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
     tokens = shared_x.shape[0] if has_shared else 0
     shared_out = torch.empty(tokens, shared_weight.shape[0] if has_shared else 0, dtype=kernel_dtype, device=x.device)
     s_out_dim, s_in_dim = shared_weight.shape if has_shared else (block_o, 1)
-    split = shared_split(in_dim, s_in_dim, tokens, split_enabled) if has_shared else 1
-    sparts = stickets = None
-    if split > 1:
-        sparts, stickets = workspace or shared_split_workspace(s_out_dim, block_o, x.device)
-        if sparts.numel() < split * s_out_dim or stickets.numel() < triton.cdiv(s_out_dim, block_o):
-            raise ValueError(f"shared-expert workspace of {sparts.numel()} floats and {stickets.numel()} tickets, "
-                             f"{split * s_out_dim} and {triton.cdiv(s_out_dim, block_o)} needed")
-    programs = n * triton.cdiv(out_dim, block_o) + tokens * triton.cdiv(s_out_dim, block_o) * split
+    programs = n * triton.cdiv(out_dim, block_o) + tokens * triton.cdiv(s_out_dim, block_o)
     if block_i is None:
         block_i = default_block_i(n)
     if programs:
@@ -377,7 +277,6 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
             KIND=kind_of(x.dtype), HAS_SHARED=has_shared, num_warps=num_warps,
             UNROLL=default_unroll(n) if unroll is None else unroll, **options,
             EVICT_FIRST=WEIGHTS_EVICT_FIRST and distinct_experts,
-            PRELOAD_SHARED=PRELOAD, PRELOAD_ROUTED=PRELOAD and ids_ready, SHARED_SPLIT=split,
-            SPARTS=out if sparts is None else sparts, STICKETS=experts if stickets is None else stickets,
+            PRELOAD_SHARED=PRELOAD, PRELOAD_ROUTED=PRELOAD and ids_ready,
         )
     return out.to(out_dtype), shared_out.to(out_dtype)

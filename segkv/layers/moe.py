@@ -164,8 +164,6 @@ class MixtureOfExperts(nn.Module):
         )
         self._packed: tuple[torch.Tensor, torch.Tensor] | None = None  # see pack_experts (not saved)
         self.fused = False  # see use_fused
-        # the split shared-expert programs' sums and tickets (kernels.expert_gemv; not saved)
-        self._shared_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # (token, expert) pairs up to which a packed layer runs one GEMV per pair: each pair reads
     # its expert's weights, which beats grouping the pairs by expert only for small batches
@@ -275,21 +273,11 @@ class MixtureOfExperts(nn.Module):
         if shared is not None:
             h, shared_h = expert_gemv_with_shared(x, ids.shape[1], experts, gate_up, x, shared[0], distinct_experts=one)
             return expert_gemv_with_shared(h, 1, experts, down, shared_h, shared[1], gated=True, distinct_experts=one,
-                                           ids_ready=True, workspace=self._shared_split_workspace(shared[1]))
+                                           ids_ready=True)
         h = expert_gemv(x, ids.shape[1], experts, gate_up, distinct_experts=one)  # (T k, 2I)
         if experts.numel() <= FEW_PAIRS:
             return expert_gemv(h, 1, experts, down, gated=True, distinct_experts=one, ids_ready=True), None
         return expert_gemv(silu_and_mul(h), 1, experts, down), None
-
-    def _shared_split_workspace(self, shared_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The workspace of the down launch's split shared programs (``expert_gemv``'s
-        ``SEGKV_EXPERT_SHARED_SPLIT``): allocated once per device, before a graph captures it;
-        every launch leaves its tickets zero."""
-        from segkv.kernels.expert_gemv import default_block_o, shared_split_workspace
-
-        if self._shared_workspace is None or self._shared_workspace[0].device != shared_down.device:
-            self._shared_workspace = shared_split_workspace(shared_down.shape[0], default_block_o(), shared_down.device)
-        return self._shared_workspace
 
     def _stacked_shared_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The shared experts' ``[gate | up] (2 S I, H)`` and ``down (H, S I)`` weights, when they
