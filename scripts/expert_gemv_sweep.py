@@ -9,7 +9,8 @@ input loop unrolled or not), with the default configuration marked; for the down
 gated form (``[gate | up]`` rows in, SiLU-and-mul applied by the kernel).
 ``--shared``: one token's launches with the shared experts as a decode step runs them (6 routed
 pairs and DeepSeek-V2-Lite's two shared experts stacked, 8 distinct shared weight copies), the
-gate/up launch and the gated down launch.
+gate/up launch and the gated down launch, against the gate/up launch writing ``silu(gate) * up``
+itself and a plain down launch (``SEGKV_EXPERT_ACT_IN_GATE_UP``), alternating.
 Usage: ``python3 scripts/expert_gemv_sweep.py [--shared]``.
 """
 
@@ -80,8 +81,9 @@ def main() -> None:
 
 
 def shared_launches() -> None:
-    """One token's expert launches with the shared experts (:func:`expert_gemv_with_shared`), twice
-    each: microseconds per launch and the bytes of weight read per second."""
+    """One token's expert launches with the shared experts (:func:`expert_gemv_with_shared`): the
+    activation in the down launch or in the gate/up launch, alternating twice; microseconds per
+    launch and the bytes of weight read per second."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     hidden, inner, shared_inner, pairs = 2048, 1408, 2816, 6
@@ -93,18 +95,22 @@ def shared_launches() -> None:
     x = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16, generator=gen)
     h = torch.randn(pairs, 2 * inner, device=dev, dtype=torch.bfloat16, generator=gen)
     sh = torch.randn(1, 2 * shared_inner, device=dev, dtype=torch.bfloat16, generator=gen)
+    ins = {False: (h, sh), True: (h[:, :inner].contiguous(), sh[:, :shared_inner].contiguous())}
     draws = [torch.randperm(64, device=dev, generator=gen)[:pairs] for _ in range(8)]
     print(f"device {torch.cuda.get_device_name()}; one token, {pairs} routed pairs + 2 shared experts; "
           f"median [min-max] of 10 graph replays, per launch")
     up_bytes = (pairs * 2 * inner + 2 * shared_inner) * hidden * 2
     down_bytes = (pairs * inner + shared_inner) * hidden * 2
-    for _ in range(2):
-        _report("gate/up with shared", time_us([partial(expert_gemv_with_shared, x, pairs, e, gate_up, x, w,
-                                                         distinct_experts=True) for e, w in zip(draws, s_gate_up)]),
-                up_bytes, "")
-        _report("down with shared, gated", time_us([partial(expert_gemv_with_shared, h, 1, e, down, sh, w, gated=True,
-                                                             distinct_experts=True, ids_ready=True)
-                                                     for e, w in zip(draws, s_down)]), down_bytes, "")
+    for act in (False, True, False, True):
+        where = "gate/up" if act else "down"
+        _report(f"gate/up with shared, activation in {where}",
+                time_us([partial(expert_gemv_with_shared, x, pairs, e, gate_up, x, w, distinct_experts=True,
+                                 activation=act) for e, w in zip(draws, s_gate_up)]), up_bytes, "")
+        rows, shared_rows = ins[act]
+        _report(f"down with shared, activation in {where}",
+                time_us([partial(expert_gemv_with_shared, rows, 1, e, down, shared_rows, w, gated=not act,
+                                 distinct_experts=True, ids_ready=True) for e, w in zip(draws, s_down)]),
+                down_bytes, "")
 
 
 def _report(label: str, times: list[float], nbytes: int, mark: str) -> None:

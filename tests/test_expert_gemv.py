@@ -153,3 +153,58 @@ def test_outputs_and_warps_per_program_can_be_forced_for_tuning_runs(gen, monkey
     monkeypatch.setenv("SEGKV_EXPERT_WARPS", "3")
     with pytest.raises(ValueError, match="SEGKV_EXPERT_WARPS must be 1, 2, 4, 8 or 16"):
         expert_gemv(x[:, :40], 3, experts, weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_activation_in_the_gate_up_product_equals_silu_and_mul_of_it(dtype, gen):
+    """``activation``: programs of 8 gate rows and their 8 up rows store ``silu(gate) * up``,
+    bit-equal to ``silu_and_mul`` of the stored ``[gate | up]`` product, routed and shared, with
+    inner sizes that leave the last program part empty (44, 20); a gated input is refused."""
+    from segkv.kernels.expert_gemv import expert_gemv_with_shared
+    from segkv.kernels.fused_ops import silu_and_mul
+
+    hidden, inner, shared_inner, k = 40, 44, 20, 3
+    x = (2 * torch.randn(2, hidden, generator=gen)).to(dtype).to(DEVICE)
+    gate_up = (torch.randn(6, 2 * inner, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEVICE)
+    s_gate_up = (torch.randn(2 * shared_inner, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEVICE)
+    experts = torch.tensor([4, 0, 5, 1, 2, 3], device=DEVICE)
+    plain, s_plain = expert_gemv_with_shared(x, k, experts, gate_up, x, s_gate_up)
+    act, s_act = expert_gemv_with_shared(x, k, experts, gate_up, x, s_gate_up, activation=True)
+    assert act.shape == (6, inner) and s_act.shape == (2, shared_inner) and act.dtype == dtype
+    assert torch.equal(act, silu_and_mul(plain)) and torch.equal(s_act, silu_and_mul(s_plain))
+    assert torch.equal(expert_gemv(x, k, experts, gate_up, activation=True), act)
+    with pytest.raises(ValueError, match="activation"):
+        down = torch.randn(6, hidden, inner, generator=gen).to(dtype).to(DEVICE)
+        expert_gemv(plain, 1, experts, down, gated=True, activation=True)
+    with pytest.raises(ValueError, match="even"):
+        expert_gemv(x, k, experts, gate_up[:, 1:], activation=True)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5])
+def test_moe_layer_with_the_activation_in_the_gate_up_product_matches_the_expert_loop(tokens, gen, monkeypatch):
+    """``SEGKV_EXPERT_ACT_IN_GATE_UP``: a packed, fused MoE layer with shared experts at one token
+    (shared experts in the routed launches), 2 tokens (a plain down launch instead of the gated
+    one) and 5 (10 pairs: instead of the separate SiLU-and-mul) gives the expert loop's output."""
+    from segkv.kernels import expert_gemv as module
+    from segkv.layers.moe import MixtureOfExperts, RouterSpec
+
+    moe = MixtureOfExperts(32, 24, RouterSpec(num_experts=6, top_k=2), num_shared=2).to(DEVICE)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        x = torch.randn(tokens, 32, generator=gen).to(DEVICE)
+        looped = moe(x)
+        moe.pack_experts()
+        moe.use_fused()
+        moe.shared_experts.use_fused()
+        calls = []
+        launch = module._launch
+
+        def counted(*args, **kwargs):
+            calls.append(args[14] if len(args) > 14 else kwargs.get("activation", False))  # _launch's activation
+            return launch(*args, **kwargs)
+
+        monkeypatch.setattr(module, "_launch", counted)
+        monkeypatch.setattr(module, "ACT_IN_GATE_UP", True)
+        torch.testing.assert_close(moe(x), looped, rtol=1e-5, atol=1e-5)
+    assert calls and calls[0] is True and not any(calls[1:]), calls  # gate/up with the activation, then down

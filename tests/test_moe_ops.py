@@ -103,7 +103,9 @@ def test_fused_layer_runs_one_token_in_two_expert_launches(dtype, gen, monkeypat
                             lambda *a, **kw: launches.append(kw) or one_launch(*a, **kw))
         monkeypatch.setattr(moe.shared_experts, "forward", None)  # one token must not call the shared MLP
         one = moe(xs[0])
-        assert [kw.get("gated", False) for kw in launches] == [False, True]
+        act = gemv_module.ACT_IN_GATE_UP  # silu(gate) * up in the gate/up launch, else in the down launch
+        assert [(kw.get("gated", False), kw.get("activation", False)) for kw in launches] == [(False, act),
+                                                                                             (not act, False)]
         monkeypatch.undo()
         three = moe(xs[1])
     ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20

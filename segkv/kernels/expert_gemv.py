@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST
-from segkv.kernels.fused_ops import kind_of, silu_mul_rounded
+from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
 from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
 
@@ -48,18 +48,51 @@ def _chunk_product(acc, x_row, w, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, G
 
 
 @triton.jit
+def _weight_rows(ob, BLOCK_O: tl.constexpr, OUT_DIM: tl.constexpr, ACT: tl.constexpr):
+    """Program ``ob``'s weight rows ``(BLOCK_O,)`` and which exist: outputs ``ob * BLOCK_O ...``, or
+    with ``ACT`` (a ``[gate | up]`` weight of ``OUT_DIM`` rows) the gate rows ``ob * BLOCK_O / 2
+    ...`` followed by their up rows, ``OUT_DIM / 2`` further."""
+    r = tl.arange(0, BLOCK_O)
+    if ACT:
+        j = ob * (BLOCK_O // 2) + r % (BLOCK_O // 2)
+        rows = j + (r >= BLOCK_O // 2).to(tl.int32) * (OUT_DIM // 2)
+        ok = j < OUT_DIM // 2
+    else:
+        rows = ob * BLOCK_O + r
+        ok = rows < OUT_DIM
+    return rows, ok
+
+
+@triton.jit
+def _store_activation(out_row, ob, acc, INNER: tl.constexpr, BLOCK_O: tl.constexpr, KIND: tl.constexpr,
+                      EXACT_FP32: tl.constexpr):
+    """``silu(gate) * up`` of a program's ``BLOCK_O / 2`` gate sums and their up sums (``acc``, in
+    that order), each rounded as the product's output would be, then as ``silu_and_mul`` rounds:
+    what the down product's gated input makes of the stored ``[gate | up]`` row."""
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_O // 2)), (1, 0)))
+    act = silu_mul_rounded(round_to_kind(gate, KIND), round_to_kind(up, KIND), KIND)
+    offs = ob * (BLOCK_O // 2) + tl.arange(0, BLOCK_O // 2)
+    if EXACT_FP32:
+        tl.store(out_row + offs, act, mask=offs < INNER)
+    else:  # already rounded: the cast is exact
+        tl.store(out_row + offs, act.to(out_row.dtype.element_ty), mask=offs < INNER)
+
+
+@triton.jit
 def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constexpr, BLOCK_O: tl.constexpr,
                BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, GATED: tl.constexpr, KIND: tl.constexpr,
-               UNROLL: tl.constexpr, EVICT_FIRST: tl.constexpr, FIRST_APART: tl.constexpr, PDL: tl.constexpr):
+               UNROLL: tl.constexpr, EVICT_FIRST: tl.constexpr, FIRST_APART: tl.constexpr, PDL: tl.constexpr,
+               ACT: tl.constexpr = False):
     """Outputs ``ob * BLOCK_O ...`` of one product: ``w_rows`` points at the weight's first
-    column, one row per output (row stride folded in); ``x_row`` at the input row, which holds
-    ``[gate | up]`` (``2 IN`` columns, reduced to ``silu(gate) * up`` on the fly) when ``GATED``.
+    column, one row per output of :func:`_weight_rows` (row stride folded in); ``x_row`` at the
+    input row, which holds ``[gate | up]`` (``2 IN`` columns, reduced to ``silu(gate) * up`` on the
+    fly) when ``GATED``. ``ACT``: the weight is ``[gate | up]`` and the program stores ``silu(gate)
+    * up`` of its rows (:func:`_store_activation`) instead of the products.
     ``UNROLL``: the input loop unrolled, so every chunk's weights can be requested at once.
     ``EVICT_FIRST``: the weight's lines leave L2 first (read once: no other pair wants them).
     ``FIRST_APART``: the first weight block loads first and, with ``PDL``, the program then waits
     for the previous kernel (programmatic dependent launch) before reading ``x_row``."""
-    offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
-    o_ok = offs_o < OUT_DIM
+    offs_o, o_ok = _weight_rows(ob, BLOCK_O, OUT_DIM, ACT)
     acc = tl.zeros([BLOCK_O], tl.float32)
     START: tl.constexpr = BLOCK_I if FIRST_APART else 0
     if FIRST_APART:
@@ -76,7 +109,9 @@ def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constex
         for i0 in range(START, IN, BLOCK_I):
             w = _chunk_weights(w_rows, o_ok, i0, IN, BLOCK_I, EVICT_FIRST)
             acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND)
-    if EXACT_FP32:
+    if ACT:
+        _store_activation(out_row, ob, acc, OUT_DIM // 2, BLOCK_O, KIND, EXACT_FP32)
+    elif EXACT_FP32:
         tl.store(out_row + offs_o, acc, mask=o_ok)
     else:
         tl.store(out_row + offs_o, acc.to(out_row.dtype.element_ty, fp_downcast_rounding="rtne"), mask=o_ok)
@@ -90,7 +125,7 @@ def _expert_gemv_kernel(
     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
     GATED: tl.constexpr, KIND: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
     USE_PDL: tl.constexpr, EVICT_FIRST: tl.constexpr = False, PRELOAD_SHARED: tl.constexpr = False,
-    PRELOAD_ROUTED: tl.constexpr = False,
+    PRELOAD_ROUTED: tl.constexpr = False, ACT: tl.constexpr = False,
 ):
     """Program ``t``: ``BLOCK_O`` outputs of one product. The first ``num_pairs x cdiv(OUT_DIM,
     BLOCK_O)`` programs serve the routed pairs (pair ``n``: expert ``experts[n]`` on row
@@ -102,7 +137,10 @@ def _expert_gemv_kernel(
     scheduled while the previous kernel finishes (``kernels.pdl``) and waits for it before any
     load; with ``PRELOAD_SHARED`` the shared weight's first block loads before the wait, and with
     ``PRELOAD_ROUTED`` (``rows`` and ``experts`` written two launches back) the routed pairs'
-    too. (Without PDL the preloads only take the first block apart: the same sums.)"""
+    too. (Without PDL the preloads only take the first block apart: the same sums.) ``ACT``: the
+    weights are ``[gate | up]`` stacks, and each program stores ``silu(gate) * up`` of half its
+    outputs' gate rows and their up rows (``OUT (N, OUT_DIM / 2)``, ``SOUT (T, SHARED_OUT /
+    2)``): the down product then reads the activation, not ``[gate | up]``."""
     if USE_PDL and not PRELOAD_SHARED:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -113,10 +151,10 @@ def _expert_gemv_kernel(
     if HAS_SHARED and t >= routed_programs:
         token = ((t - routed_programs) // SHARED_BLOCKS).to(tl.int64)
         ob = (t - routed_programs) % SHARED_BLOCKS
-        shared_rows = ob * BLOCK_O + tl.arange(0, BLOCK_O)  # not offs_o: one shape per name (Triton)
+        shared_rows, _ = _weight_rows(ob, BLOCK_O, SHARED_OUT, ACT)  # not offs_o: one shape per name (Triton)
         _gemv_tile(SX + token * stride_sxr, SW + shared_rows.to(tl.int64) * stride_swo, SOUT + token * stride_son,
                    ob, SHARED_IN, SHARED_OUT, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND, UNROLL,
-                   EVICT_FIRST, PRELOAD_SHARED, USE_PDL)
+                   EVICT_FIRST, PRELOAD_SHARED, USE_PDL, ACT)
     else:
         if USE_PDL:
             if PRELOAD_SHARED and not PRELOAD_ROUTED:  # the router's choice may come from the kernel just before
@@ -129,10 +167,10 @@ def _expert_gemv_kernel(
         else:
             row = tl.load(rows + n).to(tl.int64)
         expert = tl.load(experts + n).to(tl.int64)
-        offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
+        offs_o, _ = _weight_rows(ob, BLOCK_O, OUT_DIM, ACT)
         _gemv_tile(X + row * stride_xr, W + expert * stride_we + offs_o.to(tl.int64) * stride_wo,
                    OUT + n.to(tl.int64) * stride_on, ob, IN, OUT_DIM, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND,
-                   UNROLL, EVICT_FIRST, PRELOAD_ROUTED, USE_PDL)
+                   UNROLL, EVICT_FIRST, PRELOAD_ROUTED, USE_PDL, ACT)
 
 
 # Measured on the H200 (scripts/expert_gemv_sweep.py, DeepSeek-V2-Lite shapes, 6 and 48 pairs):
@@ -147,6 +185,15 @@ WIDE_BLOCK_I = 256
 # experts' always, the routed experts' where the ids are older than the previous launch (the down
 # product). SEGKV_EXPERT_PRELOAD=1; off by default until measured on a GPU.
 PRELOAD = env_int("SEGKV_EXPERT_PRELOAD", 0) == 1
+
+# The gate/up product writing silu(gate) * up itself (SEGKV_EXPERT_ACT_IN_GATE_UP=1, for the MoE
+# layer's packed experts): each program pairs 8 gate rows with their 8 up rows. The down product then
+# reads half the input and no activation math: taken in the down launch (gated), silu(gate) * up is
+# computed by each of the 4 warps of every program for the whole input row (the vector's layout
+# repeats across the warps; 38% more instructions than a plain down launch, offline, sm_90a), and
+# one token's down launch streams 2.7-3.0 TB/s against gate/up's 3.8. Beyond 8 pairs it also
+# replaces the separate SiLU-and-mul launch. Off until measured on a GPU.
+ACT_IN_GATE_UP = env_int("SEGKV_EXPERT_ACT_IN_GATE_UP", 0) == 1
 
 # pairs up to which a launch reads 256 inputs per step with the loop unrolled: one token's experts
 # (6 pairs: gate/up 20.3 -> 19.6 us, down 12.5 -> 11.6 us); at 48 pairs unrolling gained nothing
@@ -197,7 +244,7 @@ def default_block_i(pairs: int) -> int:
 def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
                 *, out_dtype: torch.dtype | None = None, gated: bool = False, block_o: int | None = None,
                 block_i: int | None = None, num_warps: int | None = None, unroll: bool | None = None,
-                distinct_experts: bool = False, ids_ready: bool = False) -> torch.Tensor:
+                distinct_experts: bool = False, ids_ready: bool = False, activation: bool = False) -> torch.Tensor:
     """``x (R, In)``, ``rows (N,)`` and ``experts (N,)`` int64/int32 on the device, ``weight
     (E, Out, In)`` with unit stride on In -> ``(N, Out)`` in ``out_dtype`` (default ``x``'s).
     ``rows`` may be an int ``r``: pair ``n`` reads row ``n // r`` (a token's ``r`` experts in a
@@ -211,29 +258,31 @@ def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor
     leave L2 first (``dense_gemv.WEIGHTS_EVICT_FIRST``). ``ids_ready``: ``rows`` and ``experts``
     were written before the launch just before this one, which waited for them (the down product
     after the gate/up product): with programmatic dependent launch the routed weights' first
-    block loads before the wait for that launch."""
+    block loads before the wait for that launch. ``activation``: ``weight`` is a ``(E, 2 I, In)``
+    ``[gate | up]`` stack and the result is ``silu(gate) * up`` ``(N, I)``, equal to
+    ``fused_ops.silu_and_mul`` of the plain product (each half rounded first, as it is stored)."""
     return _launch(x, rows, experts, weight, None, None, out_dtype, gated, block_o, block_i, num_warps, unroll,
-                   distinct_experts, ids_ready)[0]
+                   distinct_experts, ids_ready, activation)[0]
 
 
 def expert_gemv_with_shared(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
                             shared_x: torch.Tensor, shared_weight: torch.Tensor, *, gated: bool = False,
-                            distinct_experts: bool = False, ids_ready: bool = False
+                            distinct_experts: bool = False, ids_ready: bool = False, activation: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`expert_gemv`, and in the same launch ``shared_weight (Out_s, In_s)`` (a MoE layer's
     shared experts, one dense weight) on every row of ``shared_x (T, In_s)`` (``(T, 2 In_s)``
     when ``gated``): returns ``(routed (N, Out), shared (T, Out_s))`` in ``x``'s dtype. At decode
     sizes each product is a few microseconds, so one launch for both halves the launches.
-    ``distinct_experts`` and ``ids_ready`` as in :func:`expert_gemv`."""
+    ``distinct_experts``, ``ids_ready`` and ``activation`` (for both weights) as in :func:`expert_gemv`."""
     if shared_weight.dim() != 2 or shared_x.dim() != 2 or shared_x.dtype != x.dtype:
         raise ValueError(f"shared weight (Out, In) and rows (T, In) of x's dtype expected, got "
                          f"{tuple(shared_weight.shape)} and {tuple(shared_x.shape)} {shared_x.dtype}")
     return _launch(x, rows, experts, weight, shared_x, shared_weight, None, gated, None, None, None, None,
-                   distinct_experts, ids_ready)
+                   distinct_experts, ids_ready, activation)
 
 
 def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated, block_o, block_i, num_warps, unroll,
-            distinct_experts, ids_ready=False):
+            distinct_experts, ids_ready=False, activation=False):
     """Checks, outputs and the launch of :func:`expert_gemv` / :func:`expert_gemv_with_shared`."""
     has_shared = shared_weight is not None
     block_o = block_o or default_block_o()
@@ -254,12 +303,19 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
                          + (f", shared x {tuple(shared_x.shape)}, shared weight {tuple(shared_weight.shape)}"
                             if has_shared else "") + (" (gated: x holds [gate | up])" if gated else ""))
     n, out_dim, in_dim = rows.numel(), weight.shape[1], weight.shape[2]
+    if activation and (gated or block_o < 2 or out_dim % 2 or (has_shared and shared_weight.shape[0] % 2)):
+        raise ValueError(f"the activation takes [gate | up] weights of an even number of rows, at least 2 outputs "
+                         f"per program and inputs that are not [gate | up] themselves: weight {tuple(weight.shape)}, "
+                         f"block_o {block_o}, gated {gated}"
+                         + (f", shared weight {tuple(shared_weight.shape)}" if has_shared else ""))
+    out_cols = out_dim // 2 if activation else out_dim
     out_dtype = out_dtype or x.dtype
     # the interpreter truncates float32 -> bf16/fp16 stores: there it writes float32, torch rounds
     kernel_dtype = torch.float32 if _INTERPRET else out_dtype
-    out = torch.empty(n, out_dim, dtype=kernel_dtype, device=x.device)
+    out = torch.empty(n, out_cols, dtype=kernel_dtype, device=x.device)
     tokens = shared_x.shape[0] if has_shared else 0
-    shared_out = torch.empty(tokens, shared_weight.shape[0] if has_shared else 0, dtype=kernel_dtype, device=x.device)
+    s_cols = (shared_weight.shape[0] // (2 if activation else 1)) if has_shared else 0
+    shared_out = torch.empty(tokens, s_cols, dtype=kernel_dtype, device=x.device)
     s_out_dim, s_in_dim = shared_weight.shape if has_shared else (block_o, 1)
     programs = n * triton.cdiv(out_dim, block_o) + tokens * triton.cdiv(s_out_dim, block_o)
     if block_i is None:
@@ -277,6 +333,6 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
             KIND=kind_of(x.dtype), HAS_SHARED=has_shared, num_warps=num_warps,
             UNROLL=default_unroll(n) if unroll is None else unroll, **options,
             EVICT_FIRST=WEIGHTS_EVICT_FIRST and distinct_experts,
-            PRELOAD_SHARED=PRELOAD, PRELOAD_ROUTED=PRELOAD and ids_ready,
+            PRELOAD_SHARED=PRELOAD, PRELOAD_ROUTED=PRELOAD and ids_ready, ACT=activation,
         )
     return out.to(out_dtype), shared_out.to(out_dtype)

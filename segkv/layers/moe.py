@@ -263,18 +263,22 @@ class MixtureOfExperts(nn.Module):
         same two launches (else None). For one token's pairs the down product takes
         ``silu(gate) * up`` of the gate/up rows itself (rounded as ``silu_and_mul``: one launch
         less); more pairs run the activation apart (batch 8: 1123 -> 1149 tok/s that way)."""
-        from segkv.kernels.expert_gemv import FEW_PAIRS, expert_gemv, expert_gemv_with_shared
+        from segkv.kernels.expert_gemv import ACT_IN_GATE_UP, FEW_PAIRS, expert_gemv, expert_gemv_with_shared
         from segkv.kernels.fused_ops import silu_and_mul
 
         gate_up, down = self._packed
         experts = ids.reshape(-1)
         x = x.contiguous()
         one = x.shape[0] == 1  # one token's experts are distinct: each weight read once
+        act = ACT_IN_GATE_UP  # the gate/up launch writes silu(gate) * up: a plain down launch
         if shared is not None:
-            h, shared_h = expert_gemv_with_shared(x, ids.shape[1], experts, gate_up, x, shared[0], distinct_experts=one)
-            return expert_gemv_with_shared(h, 1, experts, down, shared_h, shared[1], gated=True, distinct_experts=one,
-                                           ids_ready=True)
-        h = expert_gemv(x, ids.shape[1], experts, gate_up, distinct_experts=one)  # (T k, 2I)
+            h, shared_h = expert_gemv_with_shared(x, ids.shape[1], experts, gate_up, x, shared[0], distinct_experts=one,
+                                                  activation=act)
+            return expert_gemv_with_shared(h, 1, experts, down, shared_h, shared[1], gated=not act,
+                                           distinct_experts=one, ids_ready=True)
+        h = expert_gemv(x, ids.shape[1], experts, gate_up, distinct_experts=one, activation=act)  # (T k, I or 2I)
+        if act:
+            return expert_gemv(h, 1, experts, down, distinct_experts=one, ids_ready=True), None
         if experts.numel() <= FEW_PAIRS:
             return expert_gemv(h, 1, experts, down, gated=True, distinct_experts=one, ids_ready=True), None
         return expert_gemv(silu_and_mul(h), 1, experts, down), None
