@@ -262,7 +262,8 @@ class MixtureOfExperts(nn.Module):
         with ``shared`` (:meth:`_stacked_shared_weights`) the shared experts' ``(T, H)`` from the
         same two launches (else None). For one token's pairs the down product takes
         ``silu(gate) * up`` of the gate/up rows itself (rounded as ``silu_and_mul``: one launch
-        less); more pairs run the activation apart (batch 8: 1123 -> 1149 tok/s that way)."""
+        less); more pairs run the activation apart (batch 8: 1123 -> 1149 tok/s that way). With
+        ``expert_gemv.ACT_IN_GATE_UP`` the gate/up launch writes the activation for every count."""
         from segkv.kernels.expert_gemv import ACT_IN_GATE_UP, FEW_PAIRS, expert_gemv, expert_gemv_with_shared
         from segkv.kernels.fused_ops import silu_and_mul
 
@@ -277,10 +278,8 @@ class MixtureOfExperts(nn.Module):
             return expert_gemv_with_shared(h, 1, experts, down, shared_h, shared[1], gated=not act,
                                            distinct_experts=one, ids_ready=True)
         h = expert_gemv(x, ids.shape[1], experts, gate_up, distinct_experts=one, activation=act)  # (T k, I or 2I)
-        if act:
-            return expert_gemv(h, 1, experts, down, distinct_experts=one, ids_ready=True), None
-        if experts.numel() <= FEW_PAIRS:
-            return expert_gemv(h, 1, experts, down, gated=True, distinct_experts=one, ids_ready=True), None
+        if act or experts.numel() <= FEW_PAIRS:  # the activation made, or taken in the down launch
+            return expert_gemv(h, 1, experts, down, gated=not act, distinct_experts=one, ids_ready=True), None
         return expert_gemv(silu_and_mul(h), 1, experts, down), None
 
     def _stacked_shared_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
