@@ -208,34 +208,3 @@ def test_moe_layer_with_the_activation_in_the_gate_up_product_matches_the_expert
         monkeypatch.setattr(module, "ACT_IN_GATE_UP", True)
         torch.testing.assert_close(moe(x), looped, rtol=1e-5, atol=1e-5)
     assert calls and calls[0] is True and not any(calls[1:]), calls  # gate/up with the activation, then down
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_wide_accumulator_gives_the_same_products(dtype, gen, monkeypatch):
-    """``SEGKV_EXPERT_WIDE_ACC``: products accumulated elementwise and summed once at the end give
-    the per-chunk sums' results to float32 summation order (one rounding of the output at most),
-    for plain, gated and activation launches with shared experts and a partly empty last chunk."""
-    from segkv.kernels import expert_gemv as module
-
-    hidden, inner, shared_inner = 300, 44, 88  # 300 inputs: 2 chunks of 256, the second part empty
-    x = torch.randn(2, hidden, generator=gen).to(dtype).to(DEVICE)
-    gate_up = (torch.randn(5, 2 * inner, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEVICE)
-    s_gate_up = (torch.randn(2 * shared_inner, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEVICE)
-    down = (torch.randn(5, hidden, inner, generator=gen) / inner**0.5).to(dtype).to(DEVICE)
-    s_down = (torch.randn(hidden, shared_inner, generator=gen) / shared_inner**0.5).to(dtype).to(DEVICE)
-    experts = torch.tensor([3, 0, 4, 1], device=DEVICE)
-
-    def launches():
-        h, sh = module.expert_gemv_with_shared(x, 2, experts, gate_up, x[:1], s_gate_up)
-        act, s_act = module.expert_gemv_with_shared(x, 2, experts, gate_up, x[:1], s_gate_up, activation=True)
-        y, sy = module.expert_gemv_with_shared(h, 1, experts, down, sh, s_down, gated=True)
-        return h, sh, act, s_act, y, sy
-
-    narrow = launches()
-    monkeypatch.setattr(module, "WIDE_ACC", True)
-    wide = launches()
-    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20
-    for a, b in zip(wide, narrow):
-        assert a.shape == b.shape and torch.isfinite(a).all()
-        assert ((a.double() - b.double()).abs() <= ulp * b.double().abs() + 1e-6).all()
-    assert not torch.equal(wide[0], torch.zeros_like(wide[0]))

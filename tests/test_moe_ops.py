@@ -79,13 +79,17 @@ def test_combine_experts_rejects_mismatched_shapes(gen):
         combine_experts(y, weights.double())
 
 
+@pytest.mark.parametrize("act", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_layer_runs_one_token_in_two_expert_launches(dtype, gen, monkeypatch):
+def test_fused_layer_runs_one_token_in_two_expert_launches(dtype, act, gen, monkeypatch):
     """A fused, packed MoE layer with two shared experts: one token runs the routed pairs and the
-    shared experts in two GEMV launches (no cuBLAS shared product, no separate SiLU-and-mul), more
-    tokens keep the shared MLP; both equal the unfused layer."""
+    shared experts in two GEMV launches (no cuBLAS shared product, no separate SiLU-and-mul), with
+    the activation written by the gate/up launch (``act``, the default) or taken by the down launch;
+    more tokens keep the shared MLP; both equal the unfused layer."""
     from segkv.kernels import expert_gemv as gemv_module
     from segkv.layers.moe import MixtureOfExperts, RouterSpec
+
+    monkeypatch.setattr(gemv_module, "ACT_IN_GATE_UP", act)
 
     moe = MixtureOfExperts(40, 24, RouterSpec(num_experts=6, top_k=3), num_shared=2).to(DEVICE)
     with torch.no_grad():
@@ -103,10 +107,10 @@ def test_fused_layer_runs_one_token_in_two_expert_launches(dtype, gen, monkeypat
                             lambda *a, **kw: launches.append(kw) or one_launch(*a, **kw))
         monkeypatch.setattr(moe.shared_experts, "forward", None)  # one token must not call the shared MLP
         one = moe(xs[0])
-        act = gemv_module.ACT_IN_GATE_UP  # silu(gate) * up in the gate/up launch, else in the down launch
         assert [(kw.get("gated", False), kw.get("activation", False)) for kw in launches] == [(False, act),
                                                                                              (not act, False)]
         monkeypatch.undo()
+        monkeypatch.setattr(gemv_module, "ACT_IN_GATE_UP", act)  # 3 tokens: the shared MLP, the routed pairs packed
         three = moe(xs[1])
     ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20
     for got, ref in ((one, unfused[0]), (three, unfused[1])):

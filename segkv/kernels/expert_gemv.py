@@ -37,20 +37,14 @@ def _chunk_weights(w_rows, o_ok, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, EV
 
 @triton.jit
 def _chunk_product(acc, x_row, w, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, GATED: tl.constexpr,
-                   KIND: tl.constexpr, WIDE: tl.constexpr = False):
-    """``acc`` plus the product of weight block ``w`` with inputs ``i0 .. i0 + BLOCK_I``: summed
-    over the chunk into ``acc (BLOCK_O,)``, or with ``WIDE`` added elementwise into ``acc
-    (BLOCK_O, BLOCK_I)`` (the sum across the program's threads then comes once, at the end)."""
+                   KIND: tl.constexpr):
+    """``acc (BLOCK_O,)`` plus the product of weight block ``w`` with inputs ``i0 .. i0 + BLOCK_I``."""
     offs_i = i0 + tl.arange(0, BLOCK_I)
     i_ok = offs_i < IN
     x = tl.load(x_row + offs_i, mask=i_ok, other=0.0).to(tl.float32)
     if GATED:  # rounded as silu_and_mul rounds, so the product sees the same activation
         x = silu_mul_rounded(x, tl.load(x_row + IN + offs_i, mask=i_ok, other=0.0).to(tl.float32), KIND)
-    if WIDE:
-        acc = acc + w * x[None, :]
-    else:
-        acc = acc + tl.sum(w * x[None, :], axis=1)
-    return acc
+    return acc + tl.sum(w * x[None, :], axis=1)
 
 
 @triton.jit
@@ -88,7 +82,7 @@ def _store_activation(out_row, ob, acc, INNER: tl.constexpr, BLOCK_O: tl.constex
 def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constexpr, BLOCK_O: tl.constexpr,
                BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, GATED: tl.constexpr, KIND: tl.constexpr,
                UNROLL: tl.constexpr, EVICT_FIRST: tl.constexpr, FIRST_APART: tl.constexpr, PDL: tl.constexpr,
-               ACT: tl.constexpr = False, WIDE: tl.constexpr = False):
+               ACT: tl.constexpr = False):
     """Outputs ``ob * BLOCK_O ...`` of one product: ``w_rows`` points at the weight's first
     column, one row per output of :func:`_weight_rows` (row stride folded in); ``x_row`` at the
     input row, which holds ``[gate | up]`` (``2 IN`` columns, reduced to ``silu(gate) * up`` on the
@@ -97,31 +91,24 @@ def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constex
     ``UNROLL``: the input loop unrolled, so every chunk's weights can be requested at once.
     ``EVICT_FIRST``: the weight's lines leave L2 first (read once: no other pair wants them).
     ``FIRST_APART``: the first weight block loads first and, with ``PDL``, the program then waits
-    for the previous kernel (programmatic dependent launch) before reading ``x_row``. ``WIDE``:
-    the products accumulate elementwise and are summed across the threads once, at the end, not
-    once per chunk."""
+    for the previous kernel (programmatic dependent launch) before reading ``x_row``."""
     offs_o, o_ok = _weight_rows(ob, BLOCK_O, OUT_DIM, ACT)
-    if WIDE:
-        acc = tl.zeros([BLOCK_O, BLOCK_I], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_O], tl.float32)
+    acc = tl.zeros([BLOCK_O], tl.float32)
     START: tl.constexpr = BLOCK_I if FIRST_APART else 0
     if FIRST_APART:
         w = _chunk_weights(w_rows, o_ok, 0, IN, BLOCK_I, EVICT_FIRST)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        acc = _chunk_product(acc, x_row, w, 0, IN, BLOCK_I, GATED, KIND, WIDE)
+        acc = _chunk_product(acc, x_row, w, 0, IN, BLOCK_I, GATED, KIND)
     if UNROLL:
         for i0 in tl.static_range(START, IN, BLOCK_I):
             w = _chunk_weights(w_rows, o_ok, i0, IN, BLOCK_I, EVICT_FIRST)
-            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND, WIDE)
+            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND)
     else:
         for i0 in range(START, IN, BLOCK_I):
             w = _chunk_weights(w_rows, o_ok, i0, IN, BLOCK_I, EVICT_FIRST)
-            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND, WIDE)
-    if WIDE:
-        acc = tl.sum(acc, axis=1)
+            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND)
     if ACT:
         _store_activation(out_row, ob, acc, OUT_DIM // 2, BLOCK_O, KIND, EXACT_FP32)
     elif EXACT_FP32:
@@ -138,7 +125,7 @@ def _expert_gemv_kernel(
     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
     GATED: tl.constexpr, KIND: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
     USE_PDL: tl.constexpr, EVICT_FIRST: tl.constexpr = False, PRELOAD_SHARED: tl.constexpr = False,
-    PRELOAD_ROUTED: tl.constexpr = False, ACT: tl.constexpr = False, WIDE: tl.constexpr = False,
+    PRELOAD_ROUTED: tl.constexpr = False, ACT: tl.constexpr = False,
 ):
     """Program ``t``: ``BLOCK_O`` outputs of one product. The first ``num_pairs x cdiv(OUT_DIM,
     BLOCK_O)`` programs serve the routed pairs (pair ``n``: expert ``experts[n]`` on row
@@ -167,7 +154,7 @@ def _expert_gemv_kernel(
         shared_rows, _ = _weight_rows(ob, BLOCK_O, SHARED_OUT, ACT)  # not offs_o: one shape per name (Triton)
         _gemv_tile(SX + token * stride_sxr, SW + shared_rows.to(tl.int64) * stride_swo, SOUT + token * stride_son,
                    ob, SHARED_IN, SHARED_OUT, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND, UNROLL,
-                   EVICT_FIRST, PRELOAD_SHARED, USE_PDL, ACT, WIDE)
+                   EVICT_FIRST, PRELOAD_SHARED, USE_PDL, ACT)
     else:
         if USE_PDL:
             if PRELOAD_SHARED and not PRELOAD_ROUTED:  # the router's choice may come from the kernel just before
@@ -183,7 +170,7 @@ def _expert_gemv_kernel(
         offs_o, _ = _weight_rows(ob, BLOCK_O, OUT_DIM, ACT)
         _gemv_tile(X + row * stride_xr, W + expert * stride_we + offs_o.to(tl.int64) * stride_wo,
                    OUT + n.to(tl.int64) * stride_on, ob, IN, OUT_DIM, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND,
-                   UNROLL, EVICT_FIRST, PRELOAD_ROUTED, USE_PDL, ACT, WIDE)
+                   UNROLL, EVICT_FIRST, PRELOAD_ROUTED, USE_PDL, ACT)
 
 
 # Measured on the H200 (scripts/expert_gemv_sweep.py, DeepSeek-V2-Lite shapes, 6 and 48 pairs):
@@ -199,20 +186,14 @@ WIDE_BLOCK_I = 256
 # product). SEGKV_EXPERT_PRELOAD=1; off by default until measured on a GPU.
 PRELOAD = env_int("SEGKV_EXPERT_PRELOAD", 0) == 1
 
-# The gate/up product writing silu(gate) * up itself (SEGKV_EXPERT_ACT_IN_GATE_UP=1, for the MoE
-# layer's packed experts): each program pairs 8 gate rows with their 8 up rows. The down product then
-# reads half the input and no activation math: taken in the down launch (gated), each input chunk's
-# silu(gate) * up is converted through shared memory to the products' layout (offline, sm_90a: 70
-# barriers against 36, 14% more instructions than a plain down launch), and one token's down
-# launch streams 2.7-3.0 TB/s against gate/up's 3.8. Beyond 8 pairs it also replaces the separate
-# SiLU-and-mul launch. Off until measured on a GPU.
-ACT_IN_GATE_UP = env_int("SEGKV_EXPERT_ACT_IN_GATE_UP", 0) == 1
-
-# Products accumulated elementwise in a (BLOCK_O, BLOCK_I) float32 block and summed across the
-# program's threads once, at the end (SEGKV_EXPERT_WIDE_ACC=1), instead of once per input chunk:
-# offline (sm_90a) a down launch's 340 warp shuffles become 40, its registers 64-72 become 86-90
-# (8 programs per SM become 5). Off until measured on a GPU.
-WIDE_ACC = env_int("SEGKV_EXPERT_WIDE_ACC", 0) == 1
+# The gate/up product writing silu(gate) * up itself (for the MoE layer's packed experts; 0 turns it
+# off): each program pairs 8 gate rows with their 8 up rows. The down product then reads half the
+# input and no activation math: taken in the down launch (gated), each input chunk's silu(gate) * up
+# is converted through shared memory to the products' layout (offline, sm_90a: 70 barriers against
+# 36). Measured on the H200 (DeepSeek-V2-Lite, one token): the down launch 14.6-14.7 us against
+# 15.1-15.2, gate/up level; batch 8 1316 / 1105 tok/s against 1298 / 1097 at 1K / 16K (it also
+# replaces the separate SiLU-and-mul launch there); batch 1 level (500 / 430 against 500 / 431-433).
+ACT_IN_GATE_UP = env_int("SEGKV_EXPERT_ACT_IN_GATE_UP", 1) == 1
 
 # pairs up to which a launch reads 256 inputs per step with the loop unrolled: one token's experts
 # (6 pairs: gate/up 20.3 -> 19.6 us, down 12.5 -> 11.6 us); at 48 pairs unrolling gained nothing
@@ -352,6 +333,6 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
             KIND=kind_of(x.dtype), HAS_SHARED=has_shared, num_warps=num_warps,
             UNROLL=default_unroll(n) if unroll is None else unroll, **options,
             EVICT_FIRST=WEIGHTS_EVICT_FIRST and distinct_experts,
-            PRELOAD_SHARED=PRELOAD, PRELOAD_ROUTED=PRELOAD and ids_ready, ACT=activation, WIDE=WIDE_ACC,
+            PRELOAD_SHARED=PRELOAD, PRELOAD_ROUTED=PRELOAD and ids_ready, ACT=activation,
         )
     return out.to(out_dtype), shared_out.to(out_dtype)

@@ -262,8 +262,8 @@ class MixtureOfExperts(nn.Module):
         with ``shared`` (:meth:`_stacked_shared_weights`) the shared experts' ``(T, H)`` from the
         same two launches (else None). For one token's pairs the down product takes
         ``silu(gate) * up`` of the gate/up rows itself (rounded as ``silu_and_mul``: one launch
-        less); more pairs run the activation apart (batch 8: 1123 -> 1149 tok/s that way). With
-        ``expert_gemv.ACT_IN_GATE_UP`` the gate/up launch writes the activation for every count."""
+        less); more pairs run the activation apart. With ``expert_gemv.ACT_IN_GATE_UP`` (the
+        default) the gate/up launch writes the activation for every count instead."""
         from segkv.kernels.expert_gemv import ACT_IN_GATE_UP, FEW_PAIRS, expert_gemv, expert_gemv_with_shared
         from segkv.kernels.fused_ops import silu_and_mul
 
