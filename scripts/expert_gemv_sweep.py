@@ -8,9 +8,9 @@ weight bytes read per second, per launch configuration (outputs and inputs per s
 input loop unrolled or not), with the default configuration marked; for the down product also the
 gated form (``[gate | up]`` rows in, SiLU-and-mul applied by the kernel).
 ``--shared``: one token's launches with the shared experts as a decode step runs them (6 routed
-pairs and DeepSeek-V2-Lite's two shared experts stacked, 8 distinct shared weight copies), the
-gate/up launch and the gated down launch, against the gate/up launch writing ``silu(gate) * up``
-itself and a plain down launch (``SEGKV_EXPERT_ACT_IN_GATE_UP``), alternating.
+pairs and DeepSeek-V2-Lite's two shared experts stacked, 8 distinct shared weight copies): the
+gate/up launch writing ``silu(gate) * up`` and the plain down launch, each alone and as a pair,
+against both in one launch (``kernels.expert_mlp``, ``SEGKV_EXPERT_ONE_LAUNCH``), alternating.
 Usage: ``python3 scripts/expert_gemv_sweep.py [--shared]``.
 """
 
@@ -25,6 +25,7 @@ import torch
 
 from segkv.kernels.expert_gemv import (BLOCK_O, NUM_WARPS, default_block_i, default_unroll, expert_gemv,
                                        expert_gemv_with_shared)
+from segkv.kernels.expert_mlp import counters_size, expert_mlp_one_token
 from segkv.kernels.grouped_expert_gemm import grouped_expert_gemm
 
 SHAPES = {"gate_up": (2816, 2048), "down": (2048, 1408)}  # (Out, In) per expert
@@ -81,9 +82,10 @@ def main() -> None:
 
 
 def shared_launches() -> None:
-    """One token's expert launches with the shared experts (:func:`expert_gemv_with_shared`): the
-    activation in the down launch or in the gate/up launch, alternating twice; microseconds per
-    launch and the bytes of weight read per second."""
+    """One token's expert launches with the shared experts: the gate/up launch writing the
+    activation and the down launch (:func:`expert_gemv_with_shared`, each timed alone), against
+    both as one launch (:func:`expert_mlp_one_token`) and the pair of launches it replaces,
+    alternating twice; microseconds per launch (or per pair) and the bytes of weight read per second."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     hidden, inner, shared_inner, pairs = 2048, 1408, 2816, 6
@@ -93,24 +95,32 @@ def shared_launches() -> None:
                  for _ in range(8)]
     s_down = [torch.randn(hidden, shared_inner, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(8)]
     x = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16, generator=gen)
-    h = torch.randn(pairs, 2 * inner, device=dev, dtype=torch.bfloat16, generator=gen)
-    sh = torch.randn(1, 2 * shared_inner, device=dev, dtype=torch.bfloat16, generator=gen)
-    ins = {False: (h, sh), True: (h[:, :inner].contiguous(), sh[:, :shared_inner].contiguous())}
+    act = torch.randn(pairs, inner, device=dev, dtype=torch.bfloat16, generator=gen)
+    s_act = torch.randn(1, shared_inner, device=dev, dtype=torch.bfloat16, generator=gen)
     draws = [torch.randperm(64, device=dev, generator=gen)[:pairs] for _ in range(8)]
+    counters = torch.zeros(counters_size(pairs), dtype=torch.int32, device=dev)
     print(f"device {torch.cuda.get_device_name()}; one token, {pairs} routed pairs + 2 shared experts; "
-          f"median [min-max] of 10 graph replays, per launch")
+          f"median [min-max] of 10 graph replays, per launch (per pair of launches where two)")
     up_bytes = (pairs * 2 * inner + 2 * shared_inner) * hidden * 2
     down_bytes = (pairs * inner + shared_inner) * hidden * 2
-    for act in (False, True, False, True):
-        where = "gate/up" if act else "down"
-        _report(f"gate/up with shared, activation in {where}",
+
+    def two_launches(e, wu, wd):
+        a, sa = expert_gemv_with_shared(x, pairs, e, gate_up, x, wu, distinct_experts=True, activation=True)
+        expert_gemv_with_shared(a, 1, e, down, sa, wd, distinct_experts=True, ids_ready=True)
+
+    for _ in range(2):
+        _report("gate/up with shared, activation written",
                 time_us([partial(expert_gemv_with_shared, x, pairs, e, gate_up, x, w, distinct_experts=True,
-                                 activation=act) for e, w in zip(draws, s_gate_up)]), up_bytes, "")
-        rows, shared_rows = ins[act]
-        _report(f"down with shared, activation in {where}",
-                time_us([partial(expert_gemv_with_shared, rows, 1, e, down, shared_rows, w, gated=not act,
-                                 distinct_experts=True, ids_ready=True) for e, w in zip(draws, s_down)]),
-                down_bytes, "")
+                                 activation=True) for e, w in zip(draws, s_gate_up)]), up_bytes, "")
+        _report("down with shared, plain",
+                time_us([partial(expert_gemv_with_shared, act, 1, e, down, s_act, w, distinct_experts=True,
+                                 ids_ready=True) for e, w in zip(draws, s_down)]), down_bytes, "")
+        _report("gate/up then down (two launches)",
+                time_us([partial(two_launches, e, wu, wd) for e, wu, wd in zip(draws, s_gate_up, s_down)]),
+                up_bytes + down_bytes, "")
+        _report("gate/up and down in one launch",
+                time_us([partial(expert_mlp_one_token, x, e, gate_up, down, wu, wd, counters)
+                         for e, wu, wd in zip(draws, s_gate_up, s_down)]), up_bytes + down_bytes, "")
 
 
 def _report(label: str, times: list[float], nbytes: int, mark: str) -> None:

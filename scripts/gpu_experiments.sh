@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
-# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Every part below
-# has been measured (docs/benchmarks.md, "The activation in the gate/up launch" for actgateup, "The
+# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now:
+# `... onelaunch` (about 5 minutes). Every other part below has been measured (docs/benchmarks.md, "The activation in the gate/up launch" for actgateup, "The
 # last prepared switches measured" for trigger, partitions, cascade, pagesize, tests and
 # enginetests; the shared-expert balance and split parts measured there were removed with their
 # switches, see git history).
@@ -36,6 +36,8 @@
 #             2 stages, the merge at 128 / 32 columns per program, and partitions of at least 64
 #             rows, between runs at the defaults (at 1K stage 1 and the merge are 15% of a step for
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
+#   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH=1,
+#             kernels.expert_mlp) against two: the launches alone, GPU tests, DeepSeek-V2-Lite batch 1.
 #   actgateup  DeepSeek-V2-Lite's expert gate/up launch writing silu(gate) * up, the down launch
 #             reading it plain (SEGKV_EXPERT_ACT_IN_GATE_UP, the default) against the activation in
 #             the down launch: the launches alone, GPU tests, batch 1 and 8 alternating.
@@ -345,6 +347,23 @@ elif [ "$part" = trigger ]; then
     e2e "deepseek merge trigger $trigger" SEGKV_MERGE_TRIGGER=$trigger -- --models deepseek-v2-lite --batches 1 \
       --contexts 1K,16K
   done
+elif [ "$part" = onelaunch ]; then
+  # SEGKV_EXPERT_ONE_LAUNCH=1: one token's gate/up and down expert products (with the shared
+  # experts) as one launch whose down items start as each pair's activation is complete
+  # (kernels.expert_mlp), against the two launches: the launches alone, GPU tests, DeepSeek-V2-Lite
+  # batch 1 alternating.
+  echo "-- one token's expert launches (us per launch)" | tee -a "$log"
+  timeout 150 python3 scripts/expert_gemv_sweep.py --shared 2>&1 | tail -9 | tee -a "$log"
+  echo "== GPU tests: the experts in one launch" | tee -a "$log"
+  SEGKV_EXPERT_ONE_LAUNCH=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_expert_mlp.py \
+    tests/test_expert_gemv.py tests/test_cuda_graphs.py tests/test_deepseek_parity.py tests/test_moe_ops.py \
+    -k "expert or moe or deepseek or launch" 2>&1 | grep -E "passed|failed|^E  " | tail -3 | tee -a "$log"
+  for round in 1 2; do
+    for one in 0 1; do
+      e2e "deepseek experts in one launch $one" SEGKV_EXPERT_ONE_LAUNCH=$one -- \
+        --models deepseek-v2-lite --batches 1 --contexts 1K,16K
+    done
+  done
 elif [ "$part" = actgateup ]; then
   # SEGKV_EXPERT_ACT_IN_GATE_UP (1, the default since this part measured it): the gate/up launch
   # writes silu(gate) * up (programs of 8 gate rows and their 8 up rows), the down launch reads it
@@ -391,7 +410,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done

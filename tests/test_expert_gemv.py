@@ -206,5 +206,6 @@ def test_moe_layer_with_the_activation_in_the_gate_up_product_matches_the_expert
 
         monkeypatch.setattr(module, "_launch", counted)
         monkeypatch.setattr(module, "ACT_IN_GATE_UP", True)
+        monkeypatch.setattr("segkv.layers.moe.ONE_LAUNCH_MLP", False)  # the two launches
         torch.testing.assert_close(moe(x), looped, rtol=1e-5, atol=1e-5)
     assert calls and calls[0] is True and not any(calls[1:]), calls  # gate/up with the activation, then down

@@ -90,6 +90,7 @@ def test_fused_layer_runs_one_token_in_two_expert_launches(dtype, act, gen, monk
     from segkv.layers.moe import MixtureOfExperts, RouterSpec
 
     monkeypatch.setattr(gemv_module, "ACT_IN_GATE_UP", act)
+    monkeypatch.setattr("segkv.layers.moe.ONE_LAUNCH_MLP", False)  # the two launches (one: test_expert_mlp)
 
     moe = MixtureOfExperts(40, 24, RouterSpec(num_experts=6, top_k=3), num_shared=2).to(DEVICE)
     with torch.no_grad():
@@ -111,6 +112,7 @@ def test_fused_layer_runs_one_token_in_two_expert_launches(dtype, act, gen, monk
                                                                                              (not act, False)]
         monkeypatch.undo()
         monkeypatch.setattr(gemv_module, "ACT_IN_GATE_UP", act)  # 3 tokens: the shared MLP, the routed pairs packed
+        monkeypatch.setattr("segkv.layers.moe.ONE_LAUNCH_MLP", False)
         three = moe(xs[1])
     ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20
     for got, ref in ((one, unfused[0]), (three, unfused[1])):

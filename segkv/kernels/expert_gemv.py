@@ -37,11 +37,12 @@ def _chunk_weights(w_rows, o_ok, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, EV
 
 @triton.jit
 def _chunk_product(acc, x_row, w, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, GATED: tl.constexpr,
-                   KIND: tl.constexpr):
-    """``acc (BLOCK_O,)`` plus the product of weight block ``w`` with inputs ``i0 .. i0 + BLOCK_I``."""
+                   KIND: tl.constexpr, X_CG: tl.constexpr = False):
+    """``acc (BLOCK_O,)`` plus the product of weight block ``w`` with inputs ``i0 .. i0 + BLOCK_I``.
+    ``X_CG``: the inputs are read through L2 (written by other programs of the same launch)."""
     offs_i = i0 + tl.arange(0, BLOCK_I)
     i_ok = offs_i < IN
-    x = tl.load(x_row + offs_i, mask=i_ok, other=0.0).to(tl.float32)
+    x = tl.load(x_row + offs_i, mask=i_ok, other=0.0, cache_modifier=".cg" if X_CG else "").to(tl.float32)
     if GATED:  # rounded as silu_and_mul rounds, so the product sees the same activation
         x = silu_mul_rounded(x, tl.load(x_row + IN + offs_i, mask=i_ok, other=0.0).to(tl.float32), KIND)
     return acc + tl.sum(w * x[None, :], axis=1)
@@ -82,7 +83,7 @@ def _store_activation(out_row, ob, acc, INNER: tl.constexpr, BLOCK_O: tl.constex
 def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constexpr, BLOCK_O: tl.constexpr,
                BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, GATED: tl.constexpr, KIND: tl.constexpr,
                UNROLL: tl.constexpr, EVICT_FIRST: tl.constexpr, FIRST_APART: tl.constexpr, PDL: tl.constexpr,
-               ACT: tl.constexpr = False):
+               ACT: tl.constexpr = False, X_CG: tl.constexpr = False):
     """Outputs ``ob * BLOCK_O ...`` of one product: ``w_rows`` points at the weight's first
     column, one row per output of :func:`_weight_rows` (row stride folded in); ``x_row`` at the
     input row, which holds ``[gate | up]`` (``2 IN`` columns, reduced to ``silu(gate) * up`` on the
@@ -91,7 +92,8 @@ def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constex
     ``UNROLL``: the input loop unrolled, so every chunk's weights can be requested at once.
     ``EVICT_FIRST``: the weight's lines leave L2 first (read once: no other pair wants them).
     ``FIRST_APART``: the first weight block loads first and, with ``PDL``, the program then waits
-    for the previous kernel (programmatic dependent launch) before reading ``x_row``."""
+    for the previous kernel (programmatic dependent launch) before reading ``x_row``. ``X_CG``: the
+    input row is read through L2 (other programs of the same launch wrote it)."""
     offs_o, o_ok = _weight_rows(ob, BLOCK_O, OUT_DIM, ACT)
     acc = tl.zeros([BLOCK_O], tl.float32)
     START: tl.constexpr = BLOCK_I if FIRST_APART else 0
@@ -100,15 +102,15 @@ def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constex
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        acc = _chunk_product(acc, x_row, w, 0, IN, BLOCK_I, GATED, KIND)
+        acc = _chunk_product(acc, x_row, w, 0, IN, BLOCK_I, GATED, KIND, X_CG)
     if UNROLL:
         for i0 in tl.static_range(START, IN, BLOCK_I):
             w = _chunk_weights(w_rows, o_ok, i0, IN, BLOCK_I, EVICT_FIRST)
-            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND)
+            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND, X_CG)
     else:
         for i0 in range(START, IN, BLOCK_I):
             w = _chunk_weights(w_rows, o_ok, i0, IN, BLOCK_I, EVICT_FIRST)
-            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND)
+            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND, X_CG)
     if ACT:
         _store_activation(out_row, ob, acc, OUT_DIM // 2, BLOCK_O, KIND, EXACT_FP32)
     elif EXACT_FP32:

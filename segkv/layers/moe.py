@@ -22,6 +22,9 @@ TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 # router's logits and top-k in one launch; the combine inside the next block's norm
 NORM_ROUTE = env_int("SEGKV_MOE_NORM_ROUTE", 1) == 1
 COMBINE_IN_NORM = env_int("SEGKV_MOE_COMBINE_IN_NORM", 1) == 1
+# one token's routed and shared experts as one launch (kernels.expert_mlp: the down items start as
+# each pair's gate/up items finish) instead of two; off until measured on a GPU
+ONE_LAUNCH_MLP = env_int("SEGKV_EXPERT_ONE_LAUNCH", 0) == 1
 
 
 @dataclass(slots=True, frozen=True)
@@ -163,6 +166,7 @@ class MixtureOfExperts(nn.Module):
             if num_shared else None
         )
         self._packed: tuple[torch.Tensor, torch.Tensor] | None = None  # see pack_experts (not saved)
+        self._counters: dict[tuple, torch.Tensor] = {}  # kernels.expert_mlp's, per (device, pairs); left zero
         self.fused = False  # see use_fused
 
     # (token, expert) pairs up to which a packed layer runs one GEMV per pair: each pair reads
@@ -272,6 +276,8 @@ class MixtureOfExperts(nn.Module):
         x = x.contiguous()
         one = x.shape[0] == 1  # one token's experts are distinct: each weight read once
         act = ACT_IN_GATE_UP  # the gate/up launch writes silu(gate) * up: a plain down launch
+        if shared is not None and one and act and ONE_LAUNCH_MLP:
+            return self._one_launch(x, experts, shared)
         if shared is not None:
             h, shared_h = expert_gemv_with_shared(x, ids.shape[1], experts, gate_up, x, shared[0], distinct_experts=one,
                                                   activation=act)
@@ -281,6 +287,18 @@ class MixtureOfExperts(nn.Module):
         if act or experts.numel() <= FEW_PAIRS:  # the activation made, or taken in the down launch
             return expert_gemv(h, 1, experts, down, gated=not act, distinct_experts=one, ids_ready=True), None
         return expert_gemv(silu_and_mul(h), 1, experts, down), None
+
+    def _one_launch(self, x: torch.Tensor, experts: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token's pairs and shared experts in one launch (``kernels.expert_mlp``), with this
+        layer's counters (allocated at the first call, before any graph capture replays it)."""
+        from segkv.kernels.expert_mlp import counters_size, expert_mlp_one_token
+
+        key = (x.device, experts.numel())
+        if key not in self._counters:
+            self._counters[key] = torch.zeros(counters_size(experts.numel()), dtype=torch.int32, device=x.device)
+        gate_up, down = self._packed
+        return expert_mlp_one_token(x, experts, gate_up, down, shared[0], shared[1], self._counters[key])
 
     def _stacked_shared_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The shared experts' ``[gate | up] (2 S I, H)`` and ``down (H, S I)`` weights, when they

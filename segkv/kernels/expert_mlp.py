@@ -1,0 +1,171 @@
+"""Triton kernel: one token's mixture-of-experts MLP (routed pairs and shared experts) in one launch.
+
+At batch 1 a MoE layer's experts were two GEMV launches (``expert_gemv_with_shared``): gate/up
+writing ``silu(gate) * up``, then down. The down launch is short (46 MB for DeepSeek-V2-Lite), so
+its ramp and tail weigh: alone it streams 3.1 TB/s against gate/up's 3.8. Here both products are
+work items of one launch, in this order: the shared experts' gate/up blocks, each routed pair's
+gate/up blocks (pair after pair), then the shared down blocks and each pair's down blocks. A
+gate/up item counts itself in its expert's counter when its activation is stored; a down item
+waits (spins) until its expert's counter is full, then reads the activation through L2. The
+first pairs' down items thus stream while later pairs' gate/up items still run, and the launch
+has one tail instead of two.
+
+Programs take their work item from an atomic counter, not from their program id, so the items
+are started in order whatever order the GPU starts programs in: a program holding a down item
+knows every gate/up item is held by a running program, and its wait ends (no deadlock, whatever
+the occupancy). The last down item to pass its wait sets the counters back to 0 for the next
+launch. Each item computes exactly what the two-launch path computes (same blocks, same float32
+sums, same roundings): the results are bit-equal.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST
+from segkv.kernels.expert_gemv import WIDE_BLOCK_I, _gemv_tile, _weight_rows
+from segkv.kernels.fused_ops import kind_of
+from segkv.kernels.pdl import pdl_options
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# counters: [0] the work dispenser, [1] down items past their wait, [2 + n] pair n's gate/up
+# items done, [2 + pairs] the shared experts'
+_FIXED_COUNTERS = tl.constexpr(2)
+
+
+@triton.jit
+def _count_done(COUNTER):
+    """Count one gate/up item in: every thread's activation stores come first (released by it)."""
+    tl.debug_barrier()
+    tl.atomic_add(COUNTER, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait_full(COUNTER, need):
+    """Spin until ``COUNTER`` reaches ``need`` (acquire: the counted stores are visible after)."""
+    seen = tl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
+    while seen < need:
+        seen = tl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _expert_mlp_kernel(
+    X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUNTERS,
+    stride_gue, stride_guo, stride_de, stride_do, stride_sguo, stride_sdo,
+    PAIRS: tl.constexpr, HIDDEN: tl.constexpr, INNER: tl.constexpr, S_INNER: tl.constexpr,
+    BLOCK_O: tl.constexpr, BLOCK_I_UP: tl.constexpr, BLOCK_I_DOWN: tl.constexpr, EXACT_FP32: tl.constexpr,
+    KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, COUNTERS_P2: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """One work item per program (see the module docstring): ``X (1, HIDDEN)``; routed ``GU (E,
+    2 INNER, HIDDEN)`` ``[gate | up]`` stacks and ``DOWN (E, HIDDEN, INNER)`` for the ``PAIRS``
+    experts ``experts[n]``, activations into ``ACT (PAIRS, INNER)``, results into ``OUT (PAIRS,
+    HIDDEN)``; shared ``SGU (2 S_INNER, HIDDEN)``, ``SDOWN (HIDDEN, S_INNER)``, ``SACT (S_INNER,)``,
+    ``SOUT (HIDDEN,)``. ``COUNTERS``: int32 zeros, ``PAIRS + 3`` of them, left zero."""
+    UP_BLOCKS: tl.constexpr = (INNER + BLOCK_O // 2 - 1) // (BLOCK_O // 2)
+    S_UP_BLOCKS: tl.constexpr = (S_INNER + BLOCK_O // 2 - 1) // (BLOCK_O // 2)
+    DOWN_BLOCKS: tl.constexpr = (HIDDEN + BLOCK_O - 1) // BLOCK_O
+    UP_ITEMS: tl.constexpr = S_UP_BLOCKS + PAIRS * UP_BLOCKS
+    ITEMS: tl.constexpr = UP_ITEMS + (PAIRS + 1) * DOWN_BLOCKS
+    item = tl.atomic_add(COUNTERS, 1, sem="relaxed", scope="gpu")  # not written by the kernel before
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if item < UP_ITEMS:
+        if item < S_UP_BLOCKS:  # the shared experts' gate/up: not routed, so first
+            rows, _ = _weight_rows(item, BLOCK_O, 2 * S_INNER, True)
+            _gemv_tile(X, SGU + rows.to(tl.int64) * stride_sguo, SACT, item, HIDDEN, 2 * S_INNER, BLOCK_O,
+                       BLOCK_I_UP, EXACT_FP32, False, KIND, True, EVICT_FIRST, False, False, True)
+            _count_done(COUNTERS + _FIXED_COUNTERS + PAIRS)
+        else:
+            n = (item - S_UP_BLOCKS) // UP_BLOCKS
+            ob = (item - S_UP_BLOCKS) % UP_BLOCKS
+            expert = tl.load(experts + n).to(tl.int64)
+            rows, _ = _weight_rows(ob, BLOCK_O, 2 * INNER, True)
+            _gemv_tile(X, GU + expert * stride_gue + rows.to(tl.int64) * stride_guo, ACT + n * INNER, ob, HIDDEN,
+                       2 * INNER, BLOCK_O, BLOCK_I_UP, EXACT_FP32, False, KIND, True, EVICT_FIRST, False, False,
+                       True)
+            _count_done(COUNTERS + _FIXED_COUNTERS + n)
+    else:
+        d = item - UP_ITEMS
+        ob = d % DOWN_BLOCKS
+        rows = ob * BLOCK_O + tl.arange(0, BLOCK_O)
+        if d < DOWN_BLOCKS:  # the shared experts' down: their gate/up items came first
+            _wait_full(COUNTERS + _FIXED_COUNTERS + PAIRS, S_UP_BLOCKS)
+            _gemv_tile(SACT, SDOWN + rows.to(tl.int64) * stride_sdo, SOUT, ob, S_INNER, HIDDEN, BLOCK_O,
+                       BLOCK_I_DOWN, EXACT_FP32, False, KIND, True, EVICT_FIRST, False, False, False, True)
+        else:
+            n = d // DOWN_BLOCKS - 1
+            _wait_full(COUNTERS + _FIXED_COUNTERS + n, UP_BLOCKS)
+            expert = tl.load(experts + n).to(tl.int64)
+            _gemv_tile(ACT + n * INNER, DOWN + expert * stride_de + rows.to(tl.int64) * stride_do,
+                       OUT + n * HIDDEN, ob, INNER, HIDDEN, BLOCK_O, BLOCK_I_DOWN, EXACT_FP32, False, KIND, True,
+                       EVICT_FIRST, False, False, False, True)
+        # the last down item past its wait: every item was taken and every activation counted
+        passed = tl.atomic_add(COUNTERS + 1, 1, sem="relaxed", scope="gpu")
+        if passed == ITEMS - UP_ITEMS - 1:
+            offs = tl.arange(0, COUNTERS_P2)
+            tl.store(COUNTERS + offs, tl.zeros_like(offs), mask=offs < PAIRS + _FIXED_COUNTERS + 1)
+
+
+BLOCK_O, NUM_WARPS = 16, 4  # the expert GEMVs' measured best (kernels.expert_gemv)
+
+
+def counters_size(pairs: int) -> int:
+    """int32 counters one launch for ``pairs`` routed pairs needs (zeros; the launch leaves them zero)."""
+    return pairs + _FIXED_COUNTERS.value + 1
+
+
+def expert_mlp_one_token(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                         shared_gate_up: torch.Tensor, shared_down: torch.Tensor, counters: torch.Tensor,
+                         *, pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's experts in one launch: ``x (1, H)``; ``experts (k,)`` int ids on the device;
+    routed ``gate_up (E, 2 I, H)`` (``[gate | up]`` rows) and ``down (E, H, I)``; shared
+    ``shared_gate_up (2 S, H)`` and ``shared_down (H, S)``; ``counters``: :func:`counters_size`
+    int32 zeros on the device (kept between launches: each launch leaves them zero). Returns
+    ``(routed (k, H), shared (1, H))`` in ``x``'s dtype: ``down[e] @ silu(gate) * up`` per pair and
+    the same for the shared weights, equal bit for bit to ``expert_gemv_with_shared``'s gate/up
+    launch with ``activation=True`` followed by its plain down launch."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1:
+        raise ValueError(f"expert_mlp_one_token takes one contiguous row, got x {tuple(x.shape)}")
+    hidden = x.shape[1]
+    pairs = experts.numel()
+    num_experts, two_inner, _ = gate_up.shape
+    inner, s_inner = two_inner // 2, shared_gate_up.shape[0] // 2
+    if (gate_up.shape[2] != hidden or two_inner % 2 or down.shape != (num_experts, hidden, inner)
+            or shared_gate_up.shape != (2 * s_inner, hidden) or shared_down.shape != (hidden, s_inner)):
+        raise ValueError(f"shapes do not match: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down "
+                         f"{tuple(down.shape)}, shared gate_up {tuple(shared_gate_up.shape)}, shared down "
+                         f"{tuple(shared_down.shape)}")
+    for name, t in (("gate_up", gate_up), ("down", down), ("shared gate_up", shared_gate_up),
+                    ("shared down", shared_down)):
+        if t.stride(-1) != 1 or t.dtype != x.dtype or t.device != x.device:
+            raise ValueError(f"expert_mlp_one_token: {name} needs unit column stride and x's dtype and device, "
+                             f"got strides {t.stride()} {t.dtype} on {t.device}")
+    if counters.dtype != torch.int32 or counters.numel() < counters_size(pairs) or counters.device != x.device:
+        raise ValueError(f"expert_mlp_one_token: {counters_size(pairs)} int32 counters on {x.device} needed, got "
+                         f"{counters.numel()} {counters.dtype} on {counters.device}")
+    # the interpreter truncates float32 -> bf16/fp16 stores: there it writes float32, torch rounds
+    kernel_dtype = torch.float32 if _INTERPRET else x.dtype
+    act = torch.empty(pairs, inner, dtype=kernel_dtype, device=x.device)
+    s_act = torch.empty(s_inner, dtype=kernel_dtype, device=x.device)
+    out = torch.empty(pairs, hidden, dtype=kernel_dtype, device=x.device)
+    s_out = torch.empty(1, hidden, dtype=kernel_dtype, device=x.device)
+    up_blocks = triton.cdiv(inner, BLOCK_O // 2)
+    items = triton.cdiv(s_inner, BLOCK_O // 2) + pairs * up_blocks + (pairs + 1) * triton.cdiv(hidden, BLOCK_O)
+    _expert_mlp_kernel[(items,)](
+        x, gate_up, down, act, out, experts, shared_gate_up, shared_down, s_act, s_out, counters,
+        gate_up.stride(0), gate_up.stride(1), down.stride(0), down.stride(1), shared_gate_up.stride(0),
+        shared_down.stride(0),
+        PAIRS=pairs, HIDDEN=hidden, INNER=inner, S_INNER=s_inner, BLOCK_O=BLOCK_O,
+        BLOCK_I_UP=min(WIDE_BLOCK_I, triton.next_power_of_2(hidden)),
+        BLOCK_I_DOWN=min(WIDE_BLOCK_I, triton.next_power_of_2(max(inner, s_inner))),
+        EXACT_FP32=kernel_dtype == torch.float32, KIND=kind_of(x.dtype), EVICT_FIRST=WEIGHTS_EVICT_FIRST,
+        COUNTERS_P2=triton.next_power_of_2(counters_size(pairs)), num_warps=NUM_WARPS,
+        **pdl_options(x, pdl),
+    )
+    return out.to(x.dtype), s_out.to(x.dtype)

@@ -1,0 +1,93 @@
+"""One token's expert MLP in one launch (``kernels.expert_mlp``) against the two GEMV launches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from segkv.kernels.expert_gemv import expert_gemv_with_shared
+from segkv.kernels.expert_mlp import counters_size, expert_mlp_one_token
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+
+
+def _weights(num_experts, hidden, inner, s_inner, dtype, gen):
+    """Routed ``[gate | up] (E, 2I, H)`` and ``down (E, H, I)``, shared ``(2S, H)`` and ``(H, S)``."""
+    def w(*shape):
+        return (torch.randn(*shape, generator=gen) / shape[-1] ** 0.5).to(dtype).to(DEVICE)
+    return w(num_experts, 2 * inner, hidden), w(num_experts, hidden, inner), w(2 * s_inner, hidden), w(hidden, s_inner)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden,inner,s_inner,pairs", [(48, 20, 40, 3), (300, 44, 88, 1), (64, 8, 24, 6)]
+                         + ([(2048, 1408, 2816, 6)] if GPU else []))
+def test_one_launch_equals_the_two_launches(dtype, hidden, inner, s_inner, pairs, gen):
+    """Routed pairs and shared experts in one launch give bit for bit the gate/up launch with the
+    activation followed by the plain down launch (widths that do not fill a block, one and several
+    pairs), and leave the counters zero, so a second launch on new experts is right too."""
+    gate_up, down, s_gate_up, s_down = _weights(7, hidden, inner, s_inner, dtype, gen)
+    counters = torch.zeros(counters_size(pairs), dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        x = torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE)
+        experts = torch.randperm(7, generator=gen)[:pairs].to(DEVICE)
+        routed, shared = expert_mlp_one_token(x, experts, gate_up, down, s_gate_up, s_down, counters)
+        act, s_act = expert_gemv_with_shared(x, pairs, experts, gate_up, x, s_gate_up, activation=True)
+        ref, s_ref = expert_gemv_with_shared(act, 1, experts, down, s_act, s_down)
+        assert routed.dtype == dtype and routed.shape == (pairs, hidden) and shared.shape == (1, hidden)
+        assert torch.isfinite(routed).all() and torch.isfinite(shared).all()
+        assert torch.equal(routed, ref) and torch.equal(shared, s_ref)
+        assert torch.equal(counters.cpu(), torch.zeros_like(counters.cpu()))
+    # and against the float64 MLP: down[e] @ (silu(gate) * up)
+    for n, e in enumerate(experts.tolist()):
+        h = gate_up[e].double() @ x[0].double()
+        exact = down[e].double() @ (torch.nn.functional.silu(h[:inner]) * h[inner:])
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(routed[n].double(), exact, rtol=tol, atol=tol * exact.abs().max().item())
+
+
+def test_bad_input_is_refused_and_counters_untouched(gen):
+    gate_up, down, s_gate_up, s_down = _weights(4, 32, 8, 16, torch.float32, gen)
+    experts = torch.tensor([1, 3], device=DEVICE)
+    counters = torch.zeros(counters_size(2), dtype=torch.int32, device=DEVICE)
+    x = torch.randn(2, 32, generator=gen).to(DEVICE)
+    with pytest.raises(ValueError, match="one contiguous row"):
+        expert_mlp_one_token(x, experts, gate_up, down, s_gate_up, s_down, counters)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        expert_mlp_one_token(x[:1], experts, gate_up, down[:, :16], s_gate_up, s_down, counters)
+    with pytest.raises(ValueError, match="int32 counters"):
+        expert_mlp_one_token(x[:1], experts, gate_up, down, s_gate_up, s_down, counters[:2])
+    with pytest.raises(ValueError, match="dtype"):
+        expert_mlp_one_token(x[:1], experts, gate_up.double(), down, s_gate_up, s_down, counters)
+    assert not counters.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_layer_runs_one_token_in_one_expert_launch(dtype, gen, monkeypatch):
+    """``SEGKV_EXPERT_ONE_LAUNCH``: a packed, fused MoE layer with shared experts runs one token's
+    experts in one launch, with the same output bit for bit as its two launches; 2 tokens keep
+    the two-launch path."""
+    from segkv.kernels import expert_mlp
+    from segkv.layers import moe as moe_module
+    from segkv.layers.moe import MixtureOfExperts, RouterSpec
+
+    moe = MixtureOfExperts(40, 24, RouterSpec(num_experts=6, top_k=3), num_shared=2).to(DEVICE)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        moe = moe.to(dtype)
+        moe.pack_experts()
+        for module in (moe, moe.gate, moe.shared_experts):
+            module.use_fused()
+        xs = [torch.randn(t, 40, generator=gen).to(dtype).to(DEVICE) for t in (1, 1, 2)]
+        two = [moe(x) for x in xs]
+        calls = []
+        launch = expert_mlp.expert_mlp_one_token
+        monkeypatch.setattr(expert_mlp, "expert_mlp_one_token", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+        monkeypatch.setattr(moe_module, "ONE_LAUNCH_MLP", True)
+        one = [moe(x) for x in xs]
+    assert len(calls) == 2  # the one-token calls only
+    for got, ref in zip(one, two):
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        assert torch.equal(got, ref)
+    assert len(moe._counters) == 1 and not next(iter(moe._counters.values())).any()
