@@ -354,6 +354,26 @@ elif [ "$part" = onelaunch ]; then
   # batch 1 alternating.
   echo "-- one token's expert launches (us per launch)" | tee -a "$log"
   timeout 150 python3 scripts/expert_gemv_sweep.py --shared 2>&1 | tail -9 | tee -a "$log"
+  echo "-- one launch against two, DeepSeek-V2-Lite shapes: largest difference in units of the last place" \
+    | tee -a "$log"
+  timeout 60 python3 - <<'PY' 2>&1 | tail -3 | tee -a "$log"
+import torch
+from segkv.kernels.expert_gemv import expert_gemv_with_shared
+from segkv.kernels.expert_mlp import counters_size, expert_mlp_one_token
+g = torch.Generator(device="cuda").manual_seed(1)
+for dtype in (torch.float32, torch.bfloat16):
+    w = lambda *s: (torch.randn(*s, device="cuda", generator=g) / s[-1] ** 0.5).to(dtype)
+    gu, dn, sgu, sdn, x = w(16, 2816, 2048), w(16, 2048, 1408), w(5632, 2048), w(2048, 2816), w(1, 2048)
+    e = torch.randperm(16, device="cuda", generator=g)[:6]
+    c = torch.zeros(counters_size(6), dtype=torch.int32, device="cuda")
+    r, s = expert_mlp_one_token(x, e, gu, dn, sgu, sdn, c, poison=True)
+    a, sa = expert_gemv_with_shared(x, 6, e, gu, x, sgu, activation=True)
+    rr, ss = expert_gemv_with_shared(a, 1, e, dn, sa, sdn)
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-23
+    d = max(((r.double() - rr.double()).abs() / (rr.double().abs() * ulp)).max().item(),
+            ((s.double() - ss.double()).abs() / (ss.double().abs() * ulp)).max().item())
+    print(dtype, "bit-equal" if torch.equal(r, rr) and torch.equal(s, ss) else f"differs, {d:.2f} ulp at most")
+PY
   echo "== GPU tests: the experts in one launch" | tee -a "$log"
   SEGKV_EXPERT_ONE_LAUNCH=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_expert_mlp.py \
     tests/test_expert_gemv.py tests/test_cuda_graphs.py tests/test_deepseek_parity.py tests/test_moe_ops.py \

@@ -23,27 +23,39 @@ def _weights(num_experts, hidden, inner, s_inner, dtype, gen):
 @pytest.mark.parametrize("hidden,inner,s_inner,pairs", [(48, 20, 40, 3), (300, 44, 88, 1), (64, 8, 24, 6)]
                          + ([(2048, 1408, 2816, 6)] if GPU else []))
 def test_one_launch_equals_the_two_launches(dtype, hidden, inner, s_inner, pairs, gen):
-    """Routed pairs and shared experts in one launch give bit for bit the gate/up launch with the
-    activation followed by the plain down launch (widths that do not fill a block, one and several
-    pairs), and leave the counters zero, so a second launch on new experts is right too."""
+    """Routed pairs and shared experts in one launch give the gate/up launch with the activation
+    followed by the plain down launch (to float32 summation order: one rounding apart at most;
+    widths that do not fill a block, one and several pairs), with the activation buffers poisoned
+    (a down item reading them early would give NaN); three launches back to back on the same
+    counters, each on new experts, are all right and leave the counters zero."""
     gate_up, down, s_gate_up, s_down = _weights(7, hidden, inner, s_inner, dtype, gen)
     counters = torch.zeros(counters_size(pairs), dtype=torch.int32, device=DEVICE)
-    for _ in range(2):
-        x = torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE)
-        experts = torch.randperm(7, generator=gen)[:pairs].to(DEVICE)
-        routed, shared = expert_mlp_one_token(x, experts, gate_up, down, s_gate_up, s_down, counters)
+    xs = [torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE) for _ in range(3)]
+    draws = [torch.randperm(7, generator=gen)[:pairs].to(DEVICE) for _ in range(3)]
+    # back to back on the same counters (on a GPU with PDL each launch may start before the last ends)
+    results = [expert_mlp_one_token(x, experts, gate_up, down, s_gate_up, s_down, counters, poison=True)
+               for x, experts in zip(xs, draws)]
+    assert torch.equal(counters.cpu(), torch.zeros_like(counters.cpu()))
+    for x, experts, (routed, shared) in zip(xs, draws, results):
         act, s_act = expert_gemv_with_shared(x, pairs, experts, gate_up, x, s_gate_up, activation=True)
         ref, s_ref = expert_gemv_with_shared(act, 1, experts, down, s_act, s_down)
         assert routed.dtype == dtype and routed.shape == (pairs, hidden) and shared.shape == (1, hidden)
-        assert torch.isfinite(routed).all() and torch.isfinite(shared).all()
-        assert torch.equal(routed, ref) and torch.equal(shared, s_ref)
-        assert torch.equal(counters.cpu(), torch.zeros_like(counters.cpu()))
+        _assert_same_sums(routed, ref)
+        _assert_same_sums(shared, s_ref)
     # and against the float64 MLP: down[e] @ (silu(gate) * up)
     for n, e in enumerate(experts.tolist()):
         h = gate_up[e].double() @ x[0].double()
         exact = down[e].double() @ (torch.nn.functional.silu(h[:inner]) * h[inner:])
         tol = 1e-4 if dtype == torch.float32 else 5e-2
         torch.testing.assert_close(routed[n].double(), exact, rtol=tol, atol=tol * exact.abs().max().item())
+
+
+def _assert_same_sums(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal up to float32 summation order: within one rounding of the output dtype."""
+    ulp = 2.0**-7 if got.dtype == torch.bfloat16 else 2.0**-20
+    assert got.shape == ref.shape and torch.isfinite(got).all()
+    ref = ref.double()
+    assert ((got.double() - ref).abs() <= ulp * (ref.abs() + ref.abs().max()) + 1e-6).all()
 
 
 def test_bad_input_is_refused_and_counters_untouched(gen):
@@ -65,8 +77,8 @@ def test_bad_input_is_refused_and_counters_untouched(gen):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_layer_runs_one_token_in_one_expert_launch(dtype, gen, monkeypatch):
     """``SEGKV_EXPERT_ONE_LAUNCH``: a packed, fused MoE layer with shared experts runs one token's
-    experts in one launch, with the same output bit for bit as its two launches; 2 tokens keep
-    the two-launch path."""
+    experts in one launch, with the output of its two launches (to float32 summation order); 2
+    tokens keep the two-launch path."""
     from segkv.kernels import expert_mlp
     from segkv.layers import moe as moe_module
     from segkv.layers.moe import MixtureOfExperts, RouterSpec
@@ -88,6 +100,6 @@ def test_moe_layer_runs_one_token_in_one_expert_launch(dtype, gen, monkeypatch):
         one = [moe(x) for x in xs]
     assert len(calls) == 2  # the one-token calls only
     for got, ref in zip(one, two):
-        assert got.dtype == dtype and torch.isfinite(got).all()
-        assert torch.equal(got, ref)
+        assert got.dtype == dtype
+        _assert_same_sums(got, ref)
     assert len(moe._counters) == 1 and not next(iter(moe._counters.values())).any()

@@ -14,8 +14,8 @@ Programs take their work item from an atomic counter, not from their program id,
 are started in order whatever order the GPU starts programs in: a program holding a down item
 knows every gate/up item is held by a running program, and its wait ends (no deadlock, whatever
 the occupancy). The last down item to pass its wait sets the counters back to 0 for the next
-launch. Each item computes exactly what the two-launch path computes (same blocks, same float32
-sums, same roundings): the results are bit-equal.
+launch. Each item computes what the two-launch path computes (same blocks, float32 sums, same
+roundings).
 """
 
 from __future__ import annotations
@@ -71,10 +71,10 @@ def _expert_mlp_kernel(
     DOWN_BLOCKS: tl.constexpr = (HIDDEN + BLOCK_O - 1) // BLOCK_O
     UP_ITEMS: tl.constexpr = S_UP_BLOCKS + PAIRS * UP_BLOCKS
     ITEMS: tl.constexpr = UP_ITEMS + (PAIRS + 1) * DOWN_BLOCKS
-    item = tl.atomic_add(COUNTERS, 1, sem="relaxed", scope="gpu")  # not written by the kernel before
-    if USE_PDL:
+    if USE_PDL:  # before the counters too: the launch before may be this kernel on the same counters
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    item = tl.atomic_add(COUNTERS, 1, sem="relaxed", scope="gpu")
     if item < UP_ITEMS:
         if item < S_UP_BLOCKS:  # the shared experts' gate/up: not routed, so first
             rows, _ = _weight_rows(item, BLOCK_O, 2 * S_INNER, True)
@@ -120,16 +120,22 @@ def counters_size(pairs: int) -> int:
     return pairs + _FIXED_COUNTERS.value + 1
 
 
+def _activation_buffer(shape: tuple, dtype: torch.dtype, device: torch.device, poison: bool) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device) if poison else torch.empty(
+        shape, dtype=dtype, device=device)
+
+
 def expert_mlp_one_token(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                          shared_gate_up: torch.Tensor, shared_down: torch.Tensor, counters: torch.Tensor,
-                         *, pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         *, pdl: bool | None = None, poison: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One token's experts in one launch: ``x (1, H)``; ``experts (k,)`` int ids on the device;
     routed ``gate_up (E, 2 I, H)`` (``[gate | up]`` rows) and ``down (E, H, I)``; shared
     ``shared_gate_up (2 S, H)`` and ``shared_down (H, S)``; ``counters``: :func:`counters_size`
     int32 zeros on the device (kept between launches: each launch leaves them zero). Returns
     ``(routed (k, H), shared (1, H))`` in ``x``'s dtype: ``down[e] @ silu(gate) * up`` per pair and
-    the same for the shared weights, equal bit for bit to ``expert_gemv_with_shared``'s gate/up
-    launch with ``activation=True`` followed by its plain down launch."""
+    the same for the shared weights, as ``expert_gemv_with_shared``'s gate/up launch with
+    ``activation=True`` followed by its plain down launch computes them (to float32 summation order). ``poison``: the activation
+    buffers start as NaN (tests: a down item that read them before they were complete shows)."""
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1:
         raise ValueError(f"expert_mlp_one_token takes one contiguous row, got x {tuple(x.shape)}")
     hidden = x.shape[1]
@@ -151,8 +157,8 @@ def expert_mlp_one_token(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.
                          f"{counters.numel()} {counters.dtype} on {counters.device}")
     # the interpreter truncates float32 -> bf16/fp16 stores: there it writes float32, torch rounds
     kernel_dtype = torch.float32 if _INTERPRET else x.dtype
-    act = torch.empty(pairs, inner, dtype=kernel_dtype, device=x.device)
-    s_act = torch.empty(s_inner, dtype=kernel_dtype, device=x.device)
+    act = _activation_buffer((pairs, inner), kernel_dtype, x.device, poison)
+    s_act = _activation_buffer((s_inner,), kernel_dtype, x.device, poison)
     out = torch.empty(pairs, hidden, dtype=kernel_dtype, device=x.device)
     s_out = torch.empty(1, hidden, dtype=kernel_dtype, device=x.device)
     up_blocks = triton.cdiv(inner, BLOCK_O // 2)
