@@ -27,9 +27,10 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST
-from segkv.kernels.expert_gemv import WIDE_BLOCK_I, _gemv_tile, _weight_rows
+from segkv.kernels.expert_gemv import _gemv_tile, _weight_rows
 from segkv.kernels.fused_ops import kind_of
 from segkv.kernels.pdl import pdl_options
+from segkv.kernels.settings import env_int
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -60,6 +61,7 @@ def _expert_mlp_kernel(
     PAIRS: tl.constexpr, HIDDEN: tl.constexpr, INNER: tl.constexpr, S_INNER: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_I_UP: tl.constexpr, BLOCK_I_DOWN: tl.constexpr, EXACT_FP32: tl.constexpr,
     KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, COUNTERS_P2: tl.constexpr, USE_PDL: tl.constexpr,
+    UNROLL: tl.constexpr = True,
 ):
     """One work item per program (see the module docstring): ``X (1, HIDDEN)``; routed ``GU (E,
     2 INNER, HIDDEN)`` ``[gate | up]`` stacks and ``DOWN (E, HIDDEN, INNER)`` for the ``PAIRS``
@@ -79,7 +81,7 @@ def _expert_mlp_kernel(
         if item < S_UP_BLOCKS:  # the shared experts' gate/up: not routed, so first
             rows, _ = _weight_rows(item, BLOCK_O, 2 * S_INNER, True)
             _gemv_tile(X, SGU + rows.to(tl.int64) * stride_sguo, SACT, item, HIDDEN, 2 * S_INNER, BLOCK_O,
-                       BLOCK_I_UP, EXACT_FP32, False, KIND, True, EVICT_FIRST, False, False, True)
+                       BLOCK_I_UP, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, False, False, True)
             _count_done(COUNTERS + _FIXED_COUNTERS + PAIRS)
         else:
             n = (item - S_UP_BLOCKS) // UP_BLOCKS
@@ -87,7 +89,7 @@ def _expert_mlp_kernel(
             expert = tl.load(experts + n).to(tl.int64)
             rows, _ = _weight_rows(ob, BLOCK_O, 2 * INNER, True)
             _gemv_tile(X, GU + expert * stride_gue + rows.to(tl.int64) * stride_guo, ACT + n * INNER, ob, HIDDEN,
-                       2 * INNER, BLOCK_O, BLOCK_I_UP, EXACT_FP32, False, KIND, True, EVICT_FIRST, False, False,
+                       2 * INNER, BLOCK_O, BLOCK_I_UP, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, False, False,
                        True)
             _count_done(COUNTERS + _FIXED_COUNTERS + n)
     else:
@@ -97,13 +99,13 @@ def _expert_mlp_kernel(
         if d < DOWN_BLOCKS:  # the shared experts' down: their gate/up items came first
             _wait_full(COUNTERS + _FIXED_COUNTERS + PAIRS, S_UP_BLOCKS)
             _gemv_tile(SACT, SDOWN + rows.to(tl.int64) * stride_sdo, SOUT, ob, S_INNER, HIDDEN, BLOCK_O,
-                       BLOCK_I_DOWN, EXACT_FP32, False, KIND, True, EVICT_FIRST, False, False, False, True)
+                       BLOCK_I_DOWN, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, False, False, False, True)
         else:
             n = d // DOWN_BLOCKS - 1
             _wait_full(COUNTERS + _FIXED_COUNTERS + n, UP_BLOCKS)
             expert = tl.load(experts + n).to(tl.int64)
             _gemv_tile(ACT + n * INNER, DOWN + expert * stride_de + rows.to(tl.int64) * stride_do,
-                       OUT + n * HIDDEN, ob, INNER, HIDDEN, BLOCK_O, BLOCK_I_DOWN, EXACT_FP32, False, KIND, True,
+                       OUT + n * HIDDEN, ob, INNER, HIDDEN, BLOCK_O, BLOCK_I_DOWN, EXACT_FP32, False, KIND, UNROLL,
                        EVICT_FIRST, False, False, False, True)
         # the last down item past its wait: every item was taken and every activation counted
         passed = tl.atomic_add(COUNTERS + 1, 1, sem="relaxed", scope="gpu")
@@ -112,7 +114,12 @@ def _expert_mlp_kernel(
             tl.store(COUNTERS + offs, tl.zeros_like(offs), mask=offs < PAIRS + _FIXED_COUNTERS + 1)
 
 
-BLOCK_O, NUM_WARPS = 16, 4  # the expert GEMVs' measured best (kernels.expert_gemv)
+# 16 outputs a program (8 gate rows with their 8 up rows). Measured on the H200 (DeepSeek-V2-Lite,
+# one token, `expert_gemv_sweep.py --shared` and whole-model decode at batch 1, 1K / 16K): 512 inputs
+# a step and 8 warps 37.2 us a launch, 517-518 / 444-447 tok/s; the two-launch GEMVs' 256 and 4
+# warps 39.3 us, 505 / 438-439; 512 x 4 warps 37.5 us but 506-507 / 430-431; 256 x 8 warps 514 /
+# 445-446; 128, 1024, 2048 inputs, 16 warps and the pipelined (not unrolled) loop were slower.
+BLOCK_O, BLOCK_I, NUM_WARPS = 16, 512, 8
 
 
 def counters_size(pairs: int) -> int:
@@ -161,6 +168,7 @@ def expert_mlp_one_token(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.
     s_act = _activation_buffer((s_inner,), kernel_dtype, x.device, poison)
     out = torch.empty(pairs, hidden, dtype=kernel_dtype, device=x.device)
     s_out = torch.empty(1, hidden, dtype=kernel_dtype, device=x.device)
+    block_i = env_int("SEGKV_EXPERT_MLP_BLOCK_I", BLOCK_I)  # the SEGKV_EXPERT_MLP_* settings: tuning runs
     up_blocks = triton.cdiv(inner, BLOCK_O // 2)
     items = triton.cdiv(s_inner, BLOCK_O // 2) + pairs * up_blocks + (pairs + 1) * triton.cdiv(hidden, BLOCK_O)
     _expert_mlp_kernel[(items,)](
@@ -168,10 +176,11 @@ def expert_mlp_one_token(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.
         gate_up.stride(0), gate_up.stride(1), down.stride(0), down.stride(1), shared_gate_up.stride(0),
         shared_down.stride(0),
         PAIRS=pairs, HIDDEN=hidden, INNER=inner, S_INNER=s_inner, BLOCK_O=BLOCK_O,
-        BLOCK_I_UP=min(WIDE_BLOCK_I, triton.next_power_of_2(hidden)),
-        BLOCK_I_DOWN=min(WIDE_BLOCK_I, triton.next_power_of_2(max(inner, s_inner))),
+        BLOCK_I_UP=min(block_i, triton.next_power_of_2(hidden)),
+        BLOCK_I_DOWN=min(block_i, triton.next_power_of_2(max(inner, s_inner))),
         EXACT_FP32=kernel_dtype == torch.float32, KIND=kind_of(x.dtype), EVICT_FIRST=WEIGHTS_EVICT_FIRST,
-        COUNTERS_P2=triton.next_power_of_2(counters_size(pairs)), num_warps=NUM_WARPS,
+        COUNTERS_P2=triton.next_power_of_2(counters_size(pairs)), num_warps=env_int("SEGKV_EXPERT_MLP_WARPS", NUM_WARPS),
+        UNROLL=env_int("SEGKV_EXPERT_MLP_UNROLL", 1) == 1, num_stages=env_int("SEGKV_EXPERT_MLP_STAGES", 3),
         **pdl_options(x, pdl),
     )
     return out.to(x.dtype), s_out.to(x.dtype)
