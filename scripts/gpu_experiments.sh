@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
-# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now:
-# `... onelaunch` (about 5 minutes). Every other part below has been measured (docs/benchmarks.md, "The activation in the gate/up launch" for actgateup, "The
+# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Every part below
+# has been measured (docs/benchmarks.md, "One token's experts in one launch" for onelaunch, "The
+# activation in the gate/up launch" for actgateup, "The
 # last prepared switches measured" for trigger, partitions, cascade, pagesize, tests and
 # enginetests; the shared-expert balance and split parts measured there were removed with their
 # switches, see git history).
@@ -36,8 +37,9 @@
 #             2 stages, the merge at 128 / 32 columns per program, and partitions of at least 64
 #             rows, between runs at the defaults (at 1K stage 1 and the merge are 15% of a step for
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
-#   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH=1,
-#             kernels.expert_mlp) against two: the launches alone, GPU tests, DeepSeek-V2-Lite batch 1.
+#   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
+#             kernels.expert_mlp, the default) against two: the launches alone, the difference, GPU
+#             tests, DeepSeek-V2-Lite batch 1 alternating.
 #   actgateup  DeepSeek-V2-Lite's expert gate/up launch writing silu(gate) * up, the down launch
 #             reading it plain (SEGKV_EXPERT_ACT_IN_GATE_UP, the default) against the activation in
 #             the down launch: the launches alone, GPU tests, batch 1 and 8 alternating.
@@ -348,8 +350,8 @@ elif [ "$part" = trigger ]; then
       --contexts 1K,16K
   done
 elif [ "$part" = onelaunch ]; then
-  # SEGKV_EXPERT_ONE_LAUNCH=1: one token's gate/up and down expert products (with the shared
-  # experts) as one launch whose down items start as each pair's activation is complete
+  # SEGKV_EXPERT_ONE_LAUNCH (on by default since this part measured it): one token's gate/up and
+  # down expert products (with the shared experts) as one launch whose down items start as each pair's activation is complete
   # (kernels.expert_mlp), against the two launches: the launches alone, GPU tests, DeepSeek-V2-Lite
   # batch 1 alternating.
   echo "-- one token's expert launches (us per launch)" | tee -a "$log"

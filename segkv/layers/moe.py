@@ -150,9 +150,10 @@ class MixtureOfExperts(nn.Module):
     it; the weighted expert outputs are summed in float32 and rounded once. Unpacked layers
     loop over experts (a host synchronisation per layer); packed ones (:meth:`pack_experts`)
     stay on the device: a GEMV per (token, expert) pair up to ``PACKED_PAIRS_LIMIT`` pairs, a
-    grouped GEMM per expert beyond it. Fused (GPU decode) with one token, the GEMV launches also
-    run the shared experts and the down product applies SiLU-and-mul itself: two launches for
-    every expert of the layer, where a batch-1 step of small experts is mostly launches.
+    grouped GEMM per expert beyond it. Fused (GPU decode) with one token, every routed and shared
+    expert of the layer runs in one launch (``kernels.expert_mlp``; ``SEGKV_EXPERT_ONE_LAUNCH=0``:
+    the gate/up launch writing ``silu(gate) * up``, then the down launch), where a batch-1 step of
+    small experts is mostly launches.
     """
 
     def __init__(self, hidden_size: int, expert_size: int, spec: RouterSpec, *, num_shared: int = 0,
@@ -265,10 +266,10 @@ class MixtureOfExperts(nn.Module):
         """Device-side dispatch for few pairs: one GEMV per (token, expert) pair; pair ``n`` is
         token ``n // k`` (no index tensors to build). Returns the routed outputs ``(T k, H)``, and
         with ``shared`` (:meth:`_stacked_shared_weights`) the shared experts' ``(T, H)`` from the
-        same two launches (else None). For one token's pairs the down product takes
-        ``silu(gate) * up`` of the gate/up rows itself (rounded as ``silu_and_mul``: one launch
-        less); more pairs run the activation apart. With ``expert_gemv.ACT_IN_GATE_UP`` (the
-        default) the gate/up launch writes the activation for every count instead."""
+        same launches (else None): one token's in one launch (``ONE_LAUNCH_MLP``, the default),
+        else two. With ``expert_gemv.ACT_IN_GATE_UP`` (the default) the gate/up launch writes
+        ``silu(gate) * up``; without, one token's down launch takes it of the gate/up rows itself
+        (rounded as ``silu_and_mul``) and more pairs run the activation apart."""
         from segkv.kernels.expert_gemv import ACT_IN_GATE_UP, FEW_PAIRS, expert_gemv, expert_gemv_with_shared
         from segkv.kernels.fused_ops import silu_and_mul
 
