@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
-# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Every part below
-# has been measured (docs/benchmarks.md, "One token's experts in one launch" for onelaunch, "The
+# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now:
+# `... moeblock` (about 5 minutes). Every other part below has been measured (docs/benchmarks.md, "One token's experts in one launch" for onelaunch, "The
 # activation in the gate/up launch" for actgateup, "The
 # last prepared switches measured" for trigger, partitions, cascade, pagesize, tests and
 # enginetests; the shared-expert balance and split parts measured there were removed with their
@@ -37,6 +37,9 @@
 #             2 stages, the merge at 128 / 32 columns per program, and partitions of at least 64
 #             rows, between runs at the defaults (at 1K stage 1 and the merge are 15% of a step for
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
+#   moeblock  one token's whole MoE block (norm, router, top-k, experts) in one launch
+#             (SEGKV_MOE_ONE_LAUNCH=1) against the norm-route launch and the experts' launch: GPU
+#             tests, DeepSeek-V2-Lite batch 1 alternating, a profile.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
 #             kernels.expert_mlp, the default) against two: the launches alone, the difference, GPU
 #             tests, DeepSeek-V2-Lite batch 1 alternating.
@@ -349,6 +352,26 @@ elif [ "$part" = trigger ]; then
     e2e "deepseek merge trigger $trigger" SEGKV_MERGE_TRIGGER=$trigger -- --models deepseek-v2-lite --batches 1 \
       --contexts 1K,16K
   done
+elif [ "$part" = moeblock ]; then
+  # SEGKV_MOE_ONE_LAUNCH=1: one token's whole MoE block in one launch (kernels.expert_mlp.moe_block_one_token):
+  # the router's 16 programs first (residual add, norm, logits, top-k), the shared experts' items
+  # waiting only for the normed row, the routed ones for the ids, so the router's latency (3.8 us
+  # a layer in the profile) overlaps the shared experts' streaming: GPU tests, DeepSeek-V2-Lite
+  # batch 1 alternating, and where a step goes with it.
+  echo "== GPU tests: the MoE block in one launch" | tee -a "$log"
+  SEGKV_MOE_ONE_LAUNCH=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_expert_mlp.py \
+    tests/test_deepseek_parity.py tests/test_cuda_graphs.py tests/test_moe_ops.py \
+    -k "expert or moe or deepseek or launch or block" 2>&1 | grep -E "passed|failed|^E  " | tail -3 | tee -a "$log"
+  for round in 1 2; do
+    for one in 0 1; do
+      e2e "deepseek MoE block in one launch $one" SEGKV_MOE_ONE_LAUNCH=$one -- \
+        --models deepseek-v2-lite --batches 1 --contexts 1K,16K
+    done
+  done
+  echo "== where a batch-1 graph step goes with it: deepseek-v2-lite, 1K" | tee -a "$log"
+  SEGKV_MOE_ONE_LAUNCH=1 timeout 120 python3 scripts/profile_decode.py --model deepseek-v2-lite --batch 1 \
+    --context 1024 --rows 5 --trace /tmp/step.json > /dev/null 2>&1
+  python3 scripts/trace_gaps.py /tmp/step.json --kernels --by-grid --min-us 3 --rows 12 2>&1 | tee -a "$log"
 elif [ "$part" = onelaunch ]; then
   # SEGKV_EXPERT_ONE_LAUNCH (on by default since this part measured it): one token's gate/up and
   # down expert products (with the shared experts) as one launch whose down items start as each pair's activation is complete
@@ -432,7 +455,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done

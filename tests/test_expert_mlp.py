@@ -103,3 +103,90 @@ def test_moe_layer_runs_one_token_in_one_expert_launch(dtype, gen, monkeypatch):
         assert got.dtype == dtype
         _assert_same_sums(got, ref)
     assert len(moe._counters) == 1 and not next(iter(moe._counters.values())).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden,experts_count,top_k", [(48, 6, 3), (96, 64, 6)])
+def test_whole_block_in_one_launch_equals_route_then_experts(dtype, hidden, experts_count, top_k, gen):
+    """``moe_block_one_token``: the router's programs and the expert items in one launch give the
+    norm-route launch's sum, weights and ids exactly and the expert launch's outputs on them (to
+    float32 summation order), with poisoned activations, twice on the same counters and tickets."""
+    from segkv.kernels.moe_ops import norm_route_topk
+    from segkv.kernels.expert_mlp import moe_block_one_token
+
+    inner, s_inner = 20, 40
+    gate_up, down, s_gate_up, s_down = _weights(experts_count, hidden, inner, s_inner, dtype, gen)
+    router = (torch.randn(experts_count, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEVICE)
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(DEVICE)
+    counters = torch.zeros(counters_size(top_k), dtype=torch.int32, device=DEVICE)
+    tickets = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        x, res = (torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+        total, weights, ids, routed, shared = moe_block_one_token(
+            x, res, norm_w, 1e-6, router, top_k, tickets, gate_up, down, s_gate_up, s_down, counters,
+            scoring="softmax", norm_topk_prob=True, scaling=1.5, poison=True)
+        assert not counters.any() and not tickets.any()
+        h, ref_total, ref_weights, ref_ids = norm_route_topk(x, res, norm_w, 1e-6, router, top_k, tickets,
+                                                             scoring="softmax", norm_topk_prob=True, scaling=1.5)
+        assert torch.equal(total, ref_total) and torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+        assert len(set(ids[0].tolist())) == top_k
+        ref, s_ref = expert_mlp_one_token(h, ids[0], gate_up, down, s_gate_up, s_down, counters)
+        _assert_same_sums(routed, ref)
+        _assert_same_sums(shared, s_ref)
+
+
+def test_whole_block_refuses_bad_input(gen):
+    from segkv.kernels.expert_mlp import moe_block_one_token
+
+    gate_up, down, s_gate_up, s_down = _weights(6, 32, 8, 16, torch.float32, gen)
+    router = torch.randn(6, 32, generator=gen).to(DEVICE)
+    counters = torch.zeros(counters_size(2), dtype=torch.int32, device=DEVICE)
+    tickets = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    x = torch.randn(2, 32, generator=gen).to(DEVICE)
+    norm_w = torch.ones(32, device=DEVICE)
+    with pytest.raises(ValueError, match="one contiguous row"):
+        moe_block_one_token(x, x, norm_w, 1e-6, router, 2, tickets, gate_up, down, s_gate_up, s_down, counters)
+    with pytest.raises(ValueError, match="moe_block_one_token"):
+        moe_block_one_token(x[:1], x[:1], norm_w[:16], 1e-6, router, 2, tickets, gate_up, down, s_gate_up, s_down,
+                            counters)
+    with pytest.raises(ValueError, match="int32 counters"):
+        moe_block_one_token(x[:1], x[:1], norm_w, 1e-6, router, 2, tickets, gate_up, down, s_gate_up, s_down,
+                            counters[:3])
+    assert not counters.any() and not tickets.any()
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_moe_block_runs_one_token_in_one_launch(defer, gen, monkeypatch):
+    """``SEGKV_MOE_ONE_LAUNCH``: a fused block's second half (``forward_after_norm``) at one token
+    is one launch (no norm-route launch, no expert launch), with the sum, the combined output (or
+    its deferred parts) of the two launches; 2 tokens keep them apart."""
+    from segkv.kernels import expert_mlp, moe_ops
+    from segkv.layers.moe import MixtureOfExperts, RouterSpec
+    from segkv.layers.norm import PendingCombine, RMSNorm
+
+    moe = MixtureOfExperts(40, 24, RouterSpec(num_experts=6, top_k=3, norm_topk_prob=True), num_shared=2)
+    norm = RMSNorm(40)
+    with torch.no_grad():
+        for p in (*moe.parameters(), *norm.parameters()):
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen) + (1 if p is norm.weight else 0))
+    moe, norm = moe.to(torch.bfloat16).to(DEVICE), norm.to(torch.bfloat16).to(DEVICE)
+    with torch.no_grad():
+        moe.pack_experts()
+        for module in (moe, moe.gate, moe.shared_experts, norm):
+            module.use_fused()
+        rows = [[torch.randn(t, 40, generator=gen).to(torch.bfloat16).to(DEVICE) for _ in range(2)] for t in (1, 1, 2)]
+        apart = [moe.forward_after_norm(x, r, norm, defer_combine=defer) for x, r in rows]
+        calls = []
+        for module, name in ((moe_ops, "norm_route_topk"), (expert_mlp, "moe_block_one_token")):
+            original = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _n=name, _f=original, **kw: calls.append(_n) or _f(*a, **kw))
+        monkeypatch.setattr("segkv.layers.moe.ONE_LAUNCH_BLOCK", True)
+        together = [moe.forward_after_norm(x, r, norm, defer_combine=defer) for x, r in rows]
+    assert calls == ["moe_block_one_token", "moe_block_one_token", "norm_route_topk"]
+    for (out, total), (ref_out, ref_total) in zip(together, apart):
+        assert torch.equal(total, ref_total)
+        if defer:
+            assert isinstance(out, PendingCombine) and isinstance(ref_out, PendingCombine)
+            assert torch.equal(out.weights, ref_out.weights)
+            out, ref_out = out.materialize(), ref_out.materialize()
+        _assert_same_sums(out, ref_out)

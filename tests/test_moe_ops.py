@@ -195,6 +195,7 @@ def test_fused_block_routes_few_tokens_in_the_norm_launch(tokens, gen, monkeypat
     from segkv.layers.moe import MixtureOfExperts, RouterSpec
     from segkv.layers.norm import RMSNorm
 
+    monkeypatch.setattr("segkv.layers.moe.ONE_LAUNCH_BLOCK", False)  # the norm-route launch (one: test_expert_mlp)
     moe = MixtureOfExperts(40, 24, RouterSpec(num_experts=6, top_k=2, norm_topk_prob=True), num_shared=1)
     norm = RMSNorm(40)
     with torch.no_grad():

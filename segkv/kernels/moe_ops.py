@@ -17,6 +17,8 @@ launches of a few microseconds each, so fewer launches is most of what there is 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -187,6 +189,14 @@ def _norm_and_store(s, w, inv_rms, store, RES_OUT, H_OUT, t, stride_ro, stride_h
 
 
 @triton.jit
+def _signal_if(COUNTER, cond):
+    """Add 1 to ``COUNTER`` when ``cond`` (a scalar), after every thread's stores (release)."""
+    tl.debug_barrier()
+    if cond:
+        tl.atomic_add(COUNTER, 1, sem="release", scope="gpu")
+
+
+@triton.jit
 def _norm_route_kernel(
     X, RES, NORM_W, RES_OUT, H_OUT, ROUTER_W, LOGITS, WEIGHTS, IDS, TICKETS,
     stride_x, stride_r, stride_ro, stride_h, stride_w, stride_l,
@@ -195,15 +205,32 @@ def _norm_route_kernel(
     BLOCK_E: tl.constexpr, ALL_E: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr,
     NORM: tl.constexpr, BY_RANK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Program (token, block of experts): the residual sum and its RMSNorm (every program computes
-    them alike; the first block's program stores them), ``BLOCK_E`` router logits of the normed
-    row, then an atomic ticket per token: the token's last program reads all its logits back and
-    writes the top-k ids and weights, and resets the ticket to 0 for the next launch.
+    """Program (token, block of experts): :func:`norm_route_program`."""
+    norm_route_program(X, RES, NORM_W, RES_OUT, H_OUT, ROUTER_W, LOGITS, WEIGHTS, IDS, TICKETS,
+                       stride_x, stride_r, stride_ro, stride_h, stride_w, stride_l, hidden, num_experts, eps, scale,
+                       tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1), TICKETS, TICKETS,
+                       X_KIND, H_KIND, BLOCK_H, ONE_STEP, BLOCK_E, ALL_E, K, BLOCK_K, SOFTMAX, NORM, BY_RANK, USE_PDL,
+                       False)
+
+
+@triton.jit
+def norm_route_program(
+    X, RES, NORM_W, RES_OUT, H_OUT, ROUTER_W, LOGITS, WEIGHTS, IDS, TICKETS,
+    stride_x, stride_r, stride_ro, stride_h, stride_w, stride_l, hidden, num_experts, eps, scale,
+    t, eb, blocks, NORM_READY, IDS_READY,
+    X_KIND: tl.constexpr, H_KIND: tl.constexpr, BLOCK_H: tl.constexpr, ONE_STEP: tl.constexpr,
+    BLOCK_E: tl.constexpr, ALL_E: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr,
+    NORM: tl.constexpr, BY_RANK: tl.constexpr, USE_PDL: tl.constexpr, SIGNAL: tl.constexpr,
+):
+    """Token ``t``'s router block ``eb`` of ``blocks``: the residual sum and its RMSNorm (every
+    program computes them alike; block 0's program stores them), ``BLOCK_E`` router logits of the
+    normed row, then an atomic ticket per token: the token's last program reads all its logits
+    back and writes the top-k ids and weights, and resets the ticket to 0 for the next launch.
     ``ONE_STEP`` (rows of at most ``BLOCK_H``): every load is issued before any arithmetic, so the
     router weight's latency hides behind the norm's; with ``USE_PDL`` the weights load before the
-    wait for the previous kernel (``kernels.pdl``)."""
-    t = tl.program_id(0).to(tl.int64)
-    eb = tl.program_id(1)
+    wait for the previous kernel (``kernels.pdl``). ``SIGNAL`` (a launch whose other programs wait
+    for these results): block 0's program adds 1 to ``NORM_READY`` once the normed row is stored,
+    the last program 1 to ``IDS_READY`` once the ids and weights are (release)."""
     cols = tl.arange(0, BLOCK_H)
     experts = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = experts < num_experts
@@ -218,6 +245,8 @@ def _norm_route_kernel(
         s = _residual_sum(X, RES, t, stride_x, stride_r, cols, ok, X_KIND)
         inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / hidden + eps)
         h = _norm_and_store(s, w, inv_rms, eb == 0, RES_OUT, H_OUT, t, stride_ro, stride_h, cols, ok, X_KIND, H_KIND)
+        if SIGNAL:
+            _signal_if(NORM_READY, eb == 0)
         logits = tl.sum(wr * h[None, :], axis=1)
     else:
         if USE_PDL:
@@ -238,11 +267,13 @@ def _norm_route_kernel(
                                 X_KIND, H_KIND)
             wr = tl.load(w_rows + (h0 + cols)[None, :], mask=e_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
             acc += wr * h[None, :]
+        if SIGNAL:
+            _signal_if(NORM_READY, eb == 0)
         logits = tl.sum(acc, axis=1)
     tl.store(LOGITS + t * stride_l + experts, logits, mask=e_ok)
     tl.debug_barrier()  # every thread's logits are stored before the ticket (released by it)
     ticket = tl.atomic_add(TICKETS + t, 1, sem="acq_rel", scope="gpu")
-    if ticket == tl.num_programs(1) - 1:
+    if ticket == blocks - 1:
         offs = tl.arange(0, ALL_E)
         all_ok = offs < num_experts
         # the other programs' logits: read through L2 (".cg"), not a stale L1
@@ -256,6 +287,8 @@ def _norm_route_kernel(
             tl.store(WEIGHTS + t * K + slot, weights, mask=keep)
             tl.store(IDS + t * K + slot, ids.to(tl.int64), mask=keep)
         tl.store(TICKETS + t, 0)
+        if SIGNAL:
+            _signal_if(IDS_READY, True)
 
 
 def norm_route_topk(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -271,37 +304,66 @@ def norm_route_topk(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.
     ``route_topk``'s ``weights (T, k)`` float32 and ``ids (T, k)`` int64 of
     ``router_logits(h, router_weight)``; every value as those functions round it, up to the
     order of float32 sums. Every token's programs read the whole router weight: for few tokens."""
+    route = prepare_norm_route(x, residual, norm_weight, router_weight, top_k, tickets, scoring=scoring,
+                               norm_topk_prob=norm_topk_prob, name="norm_route_topk")
+    tokens = x.shape[0]
+    if tokens:
+        _norm_route_kernel[(tokens, route.blocks)](
+            x, residual, norm_weight, route.total, route.h, router_weight, route.logits, route.weights, route.ids,
+            tickets, *route.strides(x, residual, router_weight), x.shape[1], router_weight.shape[0], float(eps),
+            float(scaling), **route.meta, num_warps=4, **pdl_options(x),
+        )
+    return route.h, route.total, route.weights, route.ids
+
+
+@dataclass
+class NormRoute:
+    """Outputs and launch constants of :func:`norm_route_program` for ``T`` tokens: ``h (T,
+    hidden)``, ``total (T, hidden)``, float32 ``logits (T, E)``, ``weights (T, k)`` float32, ``ids
+    (T, k)`` int64; ``blocks`` programs per token; ``meta`` its constexprs."""
+
+    h: torch.Tensor
+    total: torch.Tensor
+    logits: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+    blocks: int
+    meta: dict
+
+    def strides(self, x: torch.Tensor, residual: torch.Tensor, router_weight: torch.Tensor) -> tuple[int, ...]:
+        """The program's ``stride_x, stride_r, stride_ro, stride_h, stride_w, stride_l``."""
+        return (x.stride(0), residual.stride(0), self.total.stride(0), self.h.stride(0), router_weight.stride(0),
+                self.logits.stride(0))
+
+
+def prepare_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                       router_weight: torch.Tensor, top_k: int, tickets: torch.Tensor, *, scoring: str,
+                       norm_topk_prob: bool, name: str) -> NormRoute:
+    """Checks of a norm-route launch's inputs (a clear error naming ``name``) and its outputs."""
     if (x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.shape != (x.shape[1],)
             or router_weight.dim() != 2 or router_weight.shape[1] != x.shape[1]):
-        raise ValueError(f"norm_route_topk: x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} "
+        raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} "
                          f"{residual.dtype}, norm weight {tuple(norm_weight.shape)}, router weight "
                          f"{tuple(router_weight.shape)}")
-    for name, t in (("x", x), ("residual", residual), ("norm weight", norm_weight), ("router weight", router_weight)):
+    for what, t in (("x", x), ("residual", residual), ("norm weight", norm_weight),
+                    ("router weight", router_weight)):
         if t.stride(-1) != 1:
-            raise ValueError(f"norm_route_topk needs a unit stride on the hidden dim ({name})")
+            raise ValueError(f"{name} needs a unit stride on the hidden dim ({what})")
     tokens, hidden = x.shape
     experts = router_weight.shape[0]
     _check_route(experts, top_k, scoring)
     if tickets.dtype != torch.int32 or tickets.numel() < tokens:
-        raise ValueError(f"norm_route_topk needs int32 tickets for {tokens} tokens, got {tickets.numel()} "
-                         f"{tickets.dtype}")
+        raise ValueError(f"{name} needs int32 tickets for {tokens} tokens, got {tickets.numel()} {tickets.dtype}")
     h = torch.empty(tokens, hidden, dtype=torch.result_type(norm_weight, x), device=x.device)
-    total = torch.empty_like(x)
-    logits = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
     block_h, all_e = min(2048, triton.next_power_of_2(hidden)), triton.next_power_of_2(experts)
-    if tokens:  # up to 128 experts the top-k goes by rank (a 128 x 128 comparison at most)
-        _norm_route_kernel[(tokens, triton.cdiv(experts, _ROUTER_BLOCK_E))](
-            x, residual, norm_weight, total, h, router_weight, logits, weights, ids, tickets,
-            x.stride(0), residual.stride(0), total.stride(0), h.stride(0), router_weight.stride(0),
-            logits.stride(0), hidden, experts, float(eps), float(scaling),
-            X_KIND=kind_of(x.dtype), H_KIND=kind_of(h.dtype), BLOCK_H=block_h, ONE_STEP=hidden <= block_h,
-            BLOCK_E=_ROUTER_BLOCK_E, ALL_E=all_e, K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
-            SOFTMAX=scoring == "softmax", NORM=norm_topk_prob, BY_RANK=all_e <= 128, num_warps=4,
-            **pdl_options(x),
-        )
-    return h, total, weights, ids
+    # up to 128 experts the top-k goes by rank (a 128 x 128 comparison at most)
+    meta = dict(X_KIND=kind_of(x.dtype), H_KIND=kind_of(h.dtype), BLOCK_H=block_h, ONE_STEP=hidden <= block_h,
+                BLOCK_E=_ROUTER_BLOCK_E, ALL_E=all_e, K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
+                SOFTMAX=scoring == "softmax", NORM=norm_topk_prob, BY_RANK=all_e <= 128)
+    return NormRoute(h, torch.empty_like(x), torch.empty(tokens, experts, dtype=torch.float32, device=x.device),
+                     torch.empty(tokens, top_k, dtype=torch.float32, device=x.device),
+                     torch.empty(tokens, top_k, dtype=torch.int64, device=x.device),
+                     triton.cdiv(experts, _ROUTER_BLOCK_E), meta)
 
 
 @triton.jit

@@ -26,6 +26,10 @@ COMBINE_IN_NORM = env_int("SEGKV_MOE_COMBINE_IN_NORM", 1) == 1
 # each pair's gate/up items finish) instead of two (0). H200, DeepSeek-V2-Lite batch 1: 517-518 /
 # 444-447 tok/s at 1K / 16K against 498-501 / 433-434
 ONE_LAUNCH_MLP = env_int("SEGKV_EXPERT_ONE_LAUNCH", 1) == 1
+# with it, the norm, the router and its top-k in the same launch too (kernels.expert_mlp.moe_block_one_token:
+# the shared experts' items wait only for the normed row, the routed ones for the ids); off until
+# measured on a GPU
+ONE_LAUNCH_BLOCK = env_int("SEGKV_MOE_ONE_LAUNCH", 0) == 1
 
 
 @dataclass(slots=True, frozen=True)
@@ -232,10 +236,34 @@ class MixtureOfExperts(nn.Module):
         from segkv.kernels.moe_ops import norm_route_topk
 
         s = gate.spec
+        block = self._block_in_one_launch(x, residual, norm)
+        if block is not None:
+            total, weights, ids, y, shared = block
+            pending = PendingCombine(y, weights, shared)
+            return (pending if defer else pending.materialize()), total
         h, residual, weights, ids = norm_route_topk(
             x, residual, norm.weight, norm.eps, gate.weight, s.top_k, gate.tickets(x.device),
             scoring=s.scoring, norm_topk_prob=s.norm_topk_prob, scaling=s.routed_scaling_factor)
         return self._experts(h, weights, ids, defer), residual
+
+    def _block_in_one_launch(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple | None:
+        """One token's norm, router, top-k and experts in one launch (``ONE_LAUNCH_BLOCK``, with the
+        experts' one launch and the activation in gate/up; shared experts stacked, a norm weight
+        of ``x``'s dtype): ``moe_block_one_token``'s results, else None."""
+        from segkv.kernels.expert_gemv import ACT_IN_GATE_UP
+
+        shared = self._stacked_shared_weights() if self._packed is not None else None
+        if not (ONE_LAUNCH_BLOCK and ONE_LAUNCH_MLP and ACT_IN_GATE_UP and shared is not None and x.shape[0] == 1
+                and norm.weight.dtype == x.dtype):
+            return None
+        from segkv.kernels.expert_mlp import moe_block_one_token
+
+        s, k = self.gate.spec, self.gate.spec.top_k
+        gate_up, down = self._packed
+        return moe_block_one_token(
+            x.contiguous(), residual.contiguous(), norm.weight, norm.eps, self.gate.weight, k,
+            self.gate.tickets(x.device), gate_up, down, shared[0], shared[1], self._launch_counters(x.device, k),
+            scoring=s.scoring, norm_topk_prob=s.norm_topk_prob, scaling=s.routed_scaling_factor)
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, defer_combine: bool = False
                  ) -> torch.Tensor | PendingCombine:
@@ -292,15 +320,22 @@ class MixtureOfExperts(nn.Module):
 
     def _one_launch(self, x: torch.Tensor, experts: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token's pairs and shared experts in one launch (``kernels.expert_mlp``), with this
-        layer's counters (allocated at the first call, before any graph capture replays it)."""
-        from segkv.kernels.expert_mlp import counters_size, expert_mlp_one_token
+        """One token's pairs and shared experts in one launch (``kernels.expert_mlp``)."""
+        from segkv.kernels.expert_mlp import expert_mlp_one_token
 
-        key = (x.device, experts.numel())
-        if key not in self._counters:
-            self._counters[key] = torch.zeros(counters_size(experts.numel()), dtype=torch.int32, device=x.device)
         gate_up, down = self._packed
-        return expert_mlp_one_token(x, experts, gate_up, down, shared[0], shared[1], self._counters[key])
+        return expert_mlp_one_token(x, experts, gate_up, down, shared[0], shared[1],
+                                    self._launch_counters(x.device, experts.numel()))
+
+    def _launch_counters(self, device: torch.device, pairs: int) -> torch.Tensor:
+        """This layer's int32 counters for one-launch experts of ``pairs`` pairs (left zero by every
+        launch; allocated at the first call, which precedes any graph capture replaying it)."""
+        from segkv.kernels.expert_mlp import counters_size
+
+        key = (device, pairs)
+        if key not in self._counters:
+            self._counters[key] = torch.zeros(counters_size(pairs), dtype=torch.int32, device=device)
+        return self._counters[key]
 
     def _stacked_shared_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The shared experts' ``[gate | up] (2 S I, H)`` and ``down (H, S I)`` weights, when they
