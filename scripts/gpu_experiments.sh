@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now:
-# `... moeblock` (about 5 minutes). Every other part below has been measured (docs/benchmarks.md, "One token's experts in one launch" for onelaunch, "The
+# `... moeblock mergehead` (about 5 minutes each). Every other part below has been measured (docs/benchmarks.md, "One token's experts in one launch" for onelaunch, "The
 # activation in the gate/up launch" for actgateup, "The
 # last prepared switches measured" for trigger, partitions, cascade, pagesize, tests and
 # enginetests; the shared-expert balance and split parts measured there were removed with their
@@ -37,6 +37,8 @@
 #             2 stages, the merge at 128 / 32 columns per program, and partitions of at least 64
 #             rows, between runs at the defaults (at 1K stage 1 and the merge are 15% of a step for
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
+#   mergehead  one token's latent merge and W_uv product in one launch (SEGKV_MLA_MERGE_HEAD_GEMV=1)
+#             against the merge and the per-head GEMV: GPU tests, DeepSeek-V2-Lite batch 1 alternating.
 #   moeblock  one token's whole MoE block (norm, router, top-k, experts) in one launch
 #             (SEGKV_MOE_ONE_LAUNCH=1) against the norm-route launch and the experts' launch: GPU
 #             tests, DeepSeek-V2-Lite batch 1 alternating, a profile.
@@ -352,6 +354,21 @@ elif [ "$part" = trigger ]; then
     e2e "deepseek merge trigger $trigger" SEGKV_MERGE_TRIGGER=$trigger -- --models deepseek-v2-lite --batches 1 \
       --contexts 1K,16K
   done
+elif [ "$part" = mergehead ]; then
+  # SEGKV_MLA_MERGE_HEAD_GEMV=1: one token's latent merge and W_uv product in one launch
+  # (kernels.latent_output; the product's programs load their weight blocks while the merge runs):
+  # GPU tests, DeepSeek-V2-Lite batch 1 alternating (with the MoE block in one launch too, if
+  # that part won, set SEGKV_MOE_ONE_LAUNCH=1 in the environment).
+  echo "== GPU tests: the merge and the head product in one launch" | tee -a "$log"
+  SEGKV_MLA_MERGE_HEAD_GEMV=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_latent_output.py \
+    tests/test_triton_mla.py tests/test_deepseek_parity.py tests/test_cuda_graphs.py \
+    -k "latent or head or deepseek or mla or launch" 2>&1 | grep -E "passed|failed|^E  " | tail -3 | tee -a "$log"
+  for round in 1 2; do
+    for one in 0 1; do
+      e2e "deepseek merge and W_uv in one launch $one" SEGKV_MLA_MERGE_HEAD_GEMV=$one -- \
+        --models deepseek-v2-lite --batches 1 --contexts 1K,16K
+    done
+  done
 elif [ "$part" = moeblock ]; then
   # SEGKV_MOE_ONE_LAUNCH=1: one token's whole MoE block in one launch (kernels.expert_mlp.moe_block_one_token):
   # the router's 16 programs first (residual add, norm, logits, top-k), the shared experts' items
@@ -455,7 +472,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (moeblock, mergehead, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done

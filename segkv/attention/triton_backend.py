@@ -162,6 +162,7 @@ class TritonBackend:
         # merge tickets of the GQA kernels (paged_attention's ``counters``): zeros, and every
         # launch leaves them zero; grown, never shrunk (graph captures keep their address)
         self._counters: torch.Tensor | None = None
+        self._head_counter_buffer: torch.Tensor | None = None  # kernels.latent_output's
         if capacity is not None:
             sizes = capacity.sizes()
             total = sum(sizes.values())
@@ -246,19 +247,22 @@ class TritonBackend:
         scale: float,
         out_dtype: torch.dtype | None = None,
         kv_transform=None,
+        head_weight: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer; same arguments and results as the reference backend.
 
         With fixed-size buffers ``query`` may carry padding rows past the plan's rows (a graph
-        bucket); they come out 0 with LSE -inf.
+        bucket); they come out 0 with LSE -inf. ``head_weight`` on a latent cache with one query
+        row: the merge and the per-head output product in one launch (``kernels.latent_output``).
         """
+        from segkv.attention.reference import project_heads
         from segkv.kernels.mla_attention import mla_paged_attention
         from segkv.kernels.paged_attention import paged_attention
 
         plan = prepared.plan
         if kv_transform is not None:  # naive MLA decompresses pieces: the reference does that
             return self._reference_run(prepared, query, key_cache, value_cache, scale=scale, out_dtype=out_dtype,
-                                       kv_transform=kv_transform)
+                                       kv_transform=kv_transform, head_weight=head_weight)
         rows = query.shape[0]
         if prepared.fixed:
             if not plan.num_query_rows <= rows <= self.capacity.max_rows:
@@ -273,12 +277,18 @@ class TritonBackend:
         dv = value_cache.shape[3]
         workspace = None if prepared.fixed else self._partials_workspace(prepared.num_partials * query.shape[1] * (dv + 1))
         if latent:
-            return mla_paged_attention(
+            fused_head = head_weight is not None and rows == 1
+            out, lse = mla_paged_attention(
                 query=query, latent_cache=key_cache.squeeze(2), rank=dv,
                 **{name: a[name] for name in _FIELDS}, num_partials=prepared.num_partials,
                 max_work_rows=prepared.max_work_rows, scale=scale, out_dtype=out_dtype or query.dtype,
                 needs_merge=prepared.needs_merge, poison=self.poison, workspace=workspace,
+                head_weight=head_weight if fused_head else None,
+                head_counters=self._head_counters(query.shape[1]) if fused_head else None,
             )
+            return (out, lse) if head_weight is None or fused_head else (project_heads(out, head_weight), lse)
+        if head_weight is not None:
+            raise ValueError("head_weight is for latent (MLA) caches")
         return paged_attention(
             query=query, key_cache=key_cache, value_cache=value_cache, **{name: a[name] for name in _FIELDS},
             num_partials=prepared.num_partials, max_work_rows=prepared.max_work_rows, scale=scale,
@@ -286,6 +296,15 @@ class TritonBackend:
             poison=self.poison, workspace=workspace, merge_in_stage1=prepared.merge_in_stage1,
             counters=self._merge_counters(rows * query.shape[1]) if prepared.merge_in_stage1 else None,
         )
+
+    def _head_counters(self, heads: int) -> torch.Tensor:
+        """int32 zeros for ``kernels.latent_output`` (each launch leaves them zero), sized at a graph
+        bucket's first (uncaptured) step."""
+        from segkv.kernels.latent_output import counters_size
+
+        if self._head_counter_buffer is None or self._head_counter_buffer.numel() < counters_size(heads):
+            self._head_counter_buffer = torch.zeros(counters_size(heads), dtype=torch.int32, device=self.device)
+        return self._head_counter_buffer
 
     def _merge_counters(self, entries: int) -> torch.Tensor:
         """At least ``entries`` int32 merge tickets, all zero (the kernels leave them so). A graph

@@ -33,6 +33,7 @@ from segkv.kernels.fused_ops import kind_of
 from segkv.kernels.moe_ops import norm_route_program, prepare_norm_route
 from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
+from segkv.kernels.work_items import claim_item, count_done, wait_full
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -41,31 +42,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # block 0), [4 + pairs] the top-k ids stored (the router's last block)
 _FIXED_COUNTERS = tl.constexpr(2)
 _ROUTE_COUNTERS = tl.constexpr(2)
-
-
-@triton.jit
-def _count_done(COUNTER):
-    """Count one gate/up item in: every thread's activation stores come first (released by it)."""
-    tl.debug_barrier()
-    tl.atomic_add(COUNTER, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _wait_full(COUNTER, need):
-    """Spin until ``COUNTER`` reaches ``need`` (acquire: the counted stores are visible after)."""
-    seen = tl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
-    while seen < need:
-        seen = tl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
-
-
-@triton.jit
-def _claim_item(COUNTERS, USE_PDL: tl.constexpr):
-    """The program's work item, from the dispenser, after the PDL wait (the launch before may be
-    this kernel on the same counters)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    return tl.atomic_add(COUNTERS, 1, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -91,33 +67,33 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
     if item < UP_ITEMS:
         if item < S_UP_BLOCKS:  # the shared experts' gate/up: not routed, so first
             if ROUTED:
-                _wait_full(COUNTERS + NORM_READY, 1)
+                wait_full(COUNTERS + NORM_READY, 1)
             rows, _ = _weight_rows(item, BLOCK_O, 2 * S_INNER, True)
             _gemv_tile(X, SGU + rows.to(tl.int64) * stride_sguo, SACT, item, HIDDEN, 2 * S_INNER, BLOCK_O,
                        BLOCK_I_UP, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, False, False, True, ROUTED)
-            _count_done(COUNTERS + _FIXED_COUNTERS + PAIRS)
+            count_done(COUNTERS + _FIXED_COUNTERS + PAIRS)
         else:
             n = (item - S_UP_BLOCKS) // UP_BLOCKS
             ob = (item - S_UP_BLOCKS) % UP_BLOCKS
             if ROUTED:  # the ids come after the normed row
-                _wait_full(COUNTERS + NORM_READY + 1, 1)
+                wait_full(COUNTERS + NORM_READY + 1, 1)
             expert = tl.load(experts + n, cache_modifier=CG).to(tl.int64)
             rows, _ = _weight_rows(ob, BLOCK_O, 2 * INNER, True)
             _gemv_tile(X, GU + expert * stride_gue + rows.to(tl.int64) * stride_guo, ACT + n * INNER, ob, HIDDEN,
                        2 * INNER, BLOCK_O, BLOCK_I_UP, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, False, False,
                        True, ROUTED)
-            _count_done(COUNTERS + _FIXED_COUNTERS + n)
+            count_done(COUNTERS + _FIXED_COUNTERS + n)
     else:
         d = item - UP_ITEMS
         ob = d % DOWN_BLOCKS
         rows = ob * BLOCK_O + tl.arange(0, BLOCK_O)
         if d < DOWN_BLOCKS:  # the shared experts' down: their gate/up items came first
-            _wait_full(COUNTERS + _FIXED_COUNTERS + PAIRS, S_UP_BLOCKS)
+            wait_full(COUNTERS + _FIXED_COUNTERS + PAIRS, S_UP_BLOCKS)
             _gemv_tile(SACT, SDOWN + rows.to(tl.int64) * stride_sdo, SOUT, ob, S_INNER, HIDDEN, BLOCK_O,
                        BLOCK_I_DOWN, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, False, False, False, True)
         else:
             n = d // DOWN_BLOCKS - 1
-            _wait_full(COUNTERS + _FIXED_COUNTERS + n, UP_BLOCKS)
+            wait_full(COUNTERS + _FIXED_COUNTERS + n, UP_BLOCKS)
             expert = tl.load(experts + n, cache_modifier=CG).to(tl.int64)
             _gemv_tile(ACT + n * INNER, DOWN + expert * stride_de + rows.to(tl.int64) * stride_do,
                        OUT + n * HIDDEN, ob, INNER, HIDDEN, BLOCK_O, BLOCK_I_DOWN, EXACT_FP32, False, KIND, UNROLL,
@@ -140,7 +116,7 @@ def _expert_mlp_kernel(
     UNROLL: tl.constexpr = True,
 ):
     """One expert work item per program (:func:`_mlp_item`); ``COUNTERS``: int32 zeros, left zero."""
-    item = _claim_item(COUNTERS, USE_PDL)
+    item = claim_item(COUNTERS, USE_PDL)
     _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUNTERS,
               stride_gue, stride_guo, stride_de, stride_do, stride_sguo, stride_sdo, PAIRS, HIDDEN, INNER, S_INNER,
               BLOCK_O, BLOCK_I_UP, BLOCK_I_DOWN, EXACT_FP32, KIND, EVICT_FIRST, COUNTERS_P2, UNROLL, False)
@@ -164,7 +140,7 @@ def _moe_block_kernel(
     (``moe_ops.norm_route_program``: the residual add ``RES_OUT = XO + RES``, its RMSNorm ``X``, the
     logits and the top-k ``experts`` / ``WEIGHTS``, signalling the counters the expert items wait
     on), the rest the expert items of :func:`_mlp_item` with ``K`` pairs."""
-    item = _claim_item(COUNTERS, USE_PDL)
+    item = claim_item(COUNTERS, USE_PDL)
     if item < ROUTER_BLOCKS:
         norm_route_program(XO, RES, NORM_W, RES_OUT, X, ROUTER_W, LOGITS, WEIGHTS, experts, TICKETS,
                            stride_xo, stride_r, stride_ro, stride_h, stride_w, stride_l, HIDDEN, num_experts, eps,

@@ -174,11 +174,18 @@ def _merge_kernel(
     host's plan) before waiting for stage 1; ``TRIGGER`` is when the next kernel may launch: 0 at
     once (its programs load their weights while stage 1 and the merge run), 1 right after the
     wait, 2 when the merge ends (its weight loads do not compete with the merge's)."""
+    merge_program(PART_OUT, PART_LSE, OUT, OUT_LSE, reduce_ptr, reduce_partials, stride_pp, stride_ph, stride_lp,
+                  stride_or, stride_oh, stride_lr, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                  DV, BLOCK_DV, BLOCK_P, USE_PDL, PLAN_EARLY, TRIGGER)
+
+
+@triton.jit
+def merge_program(PART_OUT, PART_LSE, OUT, OUT_LSE, reduce_ptr, reduce_partials, stride_pp, stride_ph, stride_lp,
+                  stride_or, stride_oh, stride_lr, row, head, cb, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr, PLAN_EARLY: tl.constexpr, TRIGGER: tl.constexpr):
+    """:func:`_merge_kernel`'s program ``(row, head, cb)`` (a launch of other work calls it too)."""
     if USE_PDL and TRIGGER == 0:  # the next kernel reads the merge's output only after its own wait
         tl.extra.cuda.gdc_launch_dependents()
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    cb = tl.program_id(2)
     start = tl.load(reduce_ptr + row)
     end = tl.load(reduce_ptr + row + 1)
     if end - start == 1:  # stage 1 already wrote this row's only partial, rounded once
