@@ -376,13 +376,15 @@ elif [ "$part" = moeblock ]; then
   # a layer in the profile) overlaps the shared experts' streaming: GPU tests, DeepSeek-V2-Lite
   # batch 1 alternating, and where a step goes with it.
   echo "== GPU tests: the MoE block in one launch" | tee -a "$log"
-  SEGKV_MOE_ONE_LAUNCH=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_expert_mlp.py \
+  SEGKV_MOE_ONE_LAUNCH=1 SEGKV_EXPERT_MLP_PRELOAD=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_expert_mlp.py \
     tests/test_deepseek_parity.py tests/test_cuda_graphs.py tests/test_moe_ops.py \
     -k "expert or moe or deepseek or launch or block" 2>&1 | grep -E "passed|failed|^E  " | tail -3 | tee -a "$log"
+  # SEGKV_EXPERT_MLP_PRELOAD=1: items that wait for a row (down items, the block's shared gate/up
+  # items) load their first weight block before the wait
   for round in 1 2; do
-    for one in 0 1; do
-      e2e "deepseek MoE block in one launch $one" SEGKV_MOE_ONE_LAUNCH=$one -- \
-        --models deepseek-v2-lite --batches 1 --contexts 1K,16K
+    for cfg in "SEGKV_MOE_ONE_LAUNCH=0" "SEGKV_MOE_ONE_LAUNCH=1" "SEGKV_MOE_ONE_LAUNCH=1 SEGKV_EXPERT_MLP_PRELOAD=1"; do
+      # shellcheck disable=SC2086
+      e2e "deepseek $cfg" $cfg -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
     done
   done
   echo "== where a batch-1 graph step goes with it: deepseek-v2-lite, 1K" | tee -a "$log"

@@ -22,12 +22,14 @@ def _weights(num_experts, hidden, inner, s_inner, dtype, gen):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden,inner,s_inner,pairs", [(48, 20, 40, 3), (300, 44, 88, 1), (64, 8, 24, 6)]
                          + ([(2048, 1408, 2816, 6)] if GPU else []))
-def test_one_launch_equals_the_two_launches(dtype, hidden, inner, s_inner, pairs, gen):
+@pytest.mark.parametrize("preload", [False, True])
+def test_one_launch_equals_the_two_launches(dtype, hidden, inner, s_inner, pairs, preload, gen, monkeypatch):
     """Routed pairs and shared experts in one launch give the gate/up launch with the activation
     followed by the plain down launch (to float32 summation order: one rounding apart at most;
     widths that do not fill a block, one and several pairs), with the activation buffers poisoned
     (a down item reading them early would give NaN); three launches back to back on the same
     counters, each on new experts, are all right and leave the counters zero."""
+    monkeypatch.setattr("segkv.kernels.expert_mlp.PRELOAD", preload)  # first weight block before the waits
     gate_up, down, s_gate_up, s_down = _weights(7, hidden, inner, s_inner, dtype, gen)
     counters = torch.zeros(counters_size(pairs), dtype=torch.int32, device=DEVICE)
     xs = [torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE) for _ in range(3)]
@@ -107,13 +109,16 @@ def test_moe_layer_runs_one_token_in_one_expert_launch(dtype, gen, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden,experts_count,top_k", [(48, 6, 3), (96, 64, 6)])
-def test_whole_block_in_one_launch_equals_route_then_experts(dtype, hidden, experts_count, top_k, gen):
+@pytest.mark.parametrize("preload", [False, True])
+def test_whole_block_in_one_launch_equals_route_then_experts(dtype, hidden, experts_count, top_k, preload, gen,
+                                                             monkeypatch):
     """``moe_block_one_token``: the router's programs and the expert items in one launch give the
     norm-route launch's sum, weights and ids exactly and the expert launch's outputs on them (to
     float32 summation order), with poisoned activations, twice on the same counters and tickets."""
     from segkv.kernels.moe_ops import norm_route_topk
     from segkv.kernels.expert_mlp import moe_block_one_token
 
+    monkeypatch.setattr("segkv.kernels.expert_mlp.PRELOAD", preload)
     inner, s_inner = 20, 40
     gate_up, down, s_gate_up, s_down = _weights(experts_count, hidden, inner, s_inner, dtype, gen)
     router = (torch.randn(experts_count, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEVICE)

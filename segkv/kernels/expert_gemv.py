@@ -22,6 +22,7 @@ from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST
 from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
 from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
+from segkv.kernels.work_items import wait_full
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -83,7 +84,8 @@ def _store_activation(out_row, ob, acc, INNER: tl.constexpr, BLOCK_O: tl.constex
 def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constexpr, BLOCK_O: tl.constexpr,
                BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, GATED: tl.constexpr, KIND: tl.constexpr,
                UNROLL: tl.constexpr, EVICT_FIRST: tl.constexpr, FIRST_APART: tl.constexpr, PDL: tl.constexpr,
-               ACT: tl.constexpr = False, X_CG: tl.constexpr = False):
+               ACT: tl.constexpr = False, X_CG: tl.constexpr = False, SPIN: tl.constexpr = False, spin_ptr=None,
+               spin_need=0):
     """Outputs ``ob * BLOCK_O ...`` of one product: ``w_rows`` points at the weight's first
     column, one row per output of :func:`_weight_rows` (row stride folded in); ``x_row`` at the
     input row, which holds ``[gate | up]`` (``2 IN`` columns, reduced to ``silu(gate) * up`` on the
@@ -93,15 +95,21 @@ def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constex
     ``EVICT_FIRST``: the weight's lines leave L2 first (read once: no other pair wants them).
     ``FIRST_APART``: the first weight block loads first and, with ``PDL``, the program then waits
     for the previous kernel (programmatic dependent launch) before reading ``x_row``. ``X_CG``: the
-    input row is read through L2 (other programs of the same launch wrote it)."""
+    input row is read through L2 (other programs of the same launch wrote it). ``SPIN``: the
+    program first waits until ``spin_ptr`` counts ``spin_need`` (``kernels.work_items``; after the
+    first weight block's load with ``FIRST_APART``): the input row is another program's."""
     offs_o, o_ok = _weight_rows(ob, BLOCK_O, OUT_DIM, ACT)
     acc = tl.zeros([BLOCK_O], tl.float32)
     START: tl.constexpr = BLOCK_I if FIRST_APART else 0
+    if SPIN and not FIRST_APART:
+        wait_full(spin_ptr, spin_need)
     if FIRST_APART:
         w = _chunk_weights(w_rows, o_ok, 0, IN, BLOCK_I, EVICT_FIRST)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+        if SPIN:
+            wait_full(spin_ptr, spin_need)
         acc = _chunk_product(acc, x_row, w, 0, IN, BLOCK_I, GATED, KIND, X_CG)
     if UNROLL:
         for i0 in tl.static_range(START, IN, BLOCK_I):
