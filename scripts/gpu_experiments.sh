@@ -82,14 +82,32 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 log="$OUT/experiments.txt"
 : > "$log"
-e2e() {  # label, env assignments..., --, decode_e2e arguments...
-  local label=$1; shift
-  local envs=()
-  while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+split_env() {  # env assignments..., --, arguments...: into the arrays ENVS and REST
+  ENVS=()
+  while [ "$1" != "--" ]; do ENVS+=("$1"); shift; done
   shift
-  echo "-- $label" | tee -a "$log"
-  env ${envs[@]+"${envs[@]}"} timeout 100 python3 -m segkv.bench.decode_e2e --skip-hf --trials 3 "$@" \
-    2>&1 | grep -E "^\[|rror" | tee -a "$log"
+  REST=("$@")
+}
+e2e() {  # label, env assignments..., --, decode_e2e arguments...
+  echo "-- $1" | tee -a "$log"
+  shift
+  split_env "$@"
+  env ${ENVS[@]+"${ENVS[@]}"} timeout 100 python3 -m segkv.bench.decode_e2e --skip-hf --trials 3 \
+    ${REST[@]+"${REST[@]}"} 2>&1 | grep -E "^\[|rror" | tee -a "$log"
+}
+gpu_tests() {  # label, env assignments..., --, pytest arguments...
+  echo "== GPU tests: $1" | tee -a "$log"
+  shift
+  split_env "$@"
+  env ${ENVS[@]+"${ENVS[@]}"} timeout 200 python3 -m pytest -q -p no:cacheprovider ${REST[@]+"${REST[@]}"} 2>&1 \
+    | grep -E "passed|failed|^E  " | tail -3 | tee -a "$log"
+}
+deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it off and on, two rounds
+  for round in 1 2; do
+    for value in 0 1; do
+      e2e "deepseek $1=$value" "$1=$value" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
+    done
+  done
 }
 for part in "${@:-latent}"; do
 if [ "$part" = merge ]; then
@@ -359,26 +377,19 @@ elif [ "$part" = mergehead ]; then
   # (kernels.latent_output; the product's programs load their weight blocks while the merge runs):
   # GPU tests, DeepSeek-V2-Lite batch 1 alternating (with the MoE block in one launch too, if
   # that part won, set SEGKV_MOE_ONE_LAUNCH=1 in the environment).
-  echo "== GPU tests: the merge and the head product in one launch" | tee -a "$log"
-  SEGKV_MLA_MERGE_HEAD_GEMV=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_latent_output.py \
+  gpu_tests "the merge and the head product in one launch" SEGKV_MLA_MERGE_HEAD_GEMV=1 -- tests/test_latent_output.py \
     tests/test_triton_mla.py tests/test_deepseek_parity.py tests/test_cuda_graphs.py \
-    -k "latent or head or deepseek or mla or launch" 2>&1 | grep -E "passed|failed|^E  " | tail -3 | tee -a "$log"
-  for round in 1 2; do
-    for one in 0 1; do
-      e2e "deepseek merge and W_uv in one launch $one" SEGKV_MLA_MERGE_HEAD_GEMV=$one -- \
-        --models deepseek-v2-lite --batches 1 --contexts 1K,16K
-    done
-  done
+    -k "latent or head or deepseek or mla or launch"
+  deepseek_ab SEGKV_MLA_MERGE_HEAD_GEMV
 elif [ "$part" = moeblock ]; then
   # SEGKV_MOE_ONE_LAUNCH=1: one token's whole MoE block in one launch (kernels.expert_mlp.moe_block_one_token):
   # the router's 16 programs first (residual add, norm, logits, top-k), the shared experts' items
   # waiting only for the normed row, the routed ones for the ids, so the router's latency (3.8 us
   # a layer in the profile) overlaps the shared experts' streaming: GPU tests, DeepSeek-V2-Lite
   # batch 1 alternating, and where a step goes with it.
-  echo "== GPU tests: the MoE block in one launch" | tee -a "$log"
-  SEGKV_MOE_ONE_LAUNCH=1 SEGKV_EXPERT_MLP_PRELOAD=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_expert_mlp.py \
-    tests/test_deepseek_parity.py tests/test_cuda_graphs.py tests/test_moe_ops.py \
-    -k "expert or moe or deepseek or launch or block" 2>&1 | grep -E "passed|failed|^E  " | tail -3 | tee -a "$log"
+  gpu_tests "the MoE block in one launch, first blocks preloaded" SEGKV_MOE_ONE_LAUNCH=1 SEGKV_EXPERT_MLP_PRELOAD=1 -- \
+    tests/test_expert_mlp.py tests/test_deepseek_parity.py tests/test_cuda_graphs.py tests/test_moe_ops.py \
+    -k "expert or moe or deepseek or launch or block"
   # SEGKV_EXPERT_MLP_PRELOAD=1: items that wait for a row (down items, the block's shared gate/up
   # items) load their first weight block before the wait
   for round in 1 2; do
@@ -418,16 +429,10 @@ for dtype in (torch.float32, torch.bfloat16):
             ((s.double() - ss.double()).abs() / (ss.double().abs() * ulp)).max().item())
     print(dtype, "bit-equal" if torch.equal(r, rr) and torch.equal(s, ss) else f"differs, {d:.2f} ulp at most")
 PY
-  echo "== GPU tests: the experts in one launch" | tee -a "$log"
-  SEGKV_EXPERT_ONE_LAUNCH=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_expert_mlp.py \
+  gpu_tests "the experts in one launch" SEGKV_EXPERT_ONE_LAUNCH=1 -- tests/test_expert_mlp.py \
     tests/test_expert_gemv.py tests/test_cuda_graphs.py tests/test_deepseek_parity.py tests/test_moe_ops.py \
-    -k "expert or moe or deepseek or launch" 2>&1 | grep -E "passed|failed|^E  " | tail -3 | tee -a "$log"
-  for round in 1 2; do
-    for one in 0 1; do
-      e2e "deepseek experts in one launch $one" SEGKV_EXPERT_ONE_LAUNCH=$one -- \
-        --models deepseek-v2-lite --batches 1 --contexts 1K,16K
-    done
-  done
+    -k "expert or moe or deepseek or launch"
+  deepseek_ab SEGKV_EXPERT_ONE_LAUNCH
 elif [ "$part" = actgateup ]; then
   # SEGKV_EXPERT_ACT_IN_GATE_UP (1, the default since this part measured it): the gate/up launch
   # writes silu(gate) * up (programs of 8 gate rows and their 8 up rows), the down launch reads it

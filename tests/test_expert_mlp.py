@@ -165,16 +165,11 @@ def test_moe_block_runs_one_token_in_one_launch(defer, gen, monkeypatch):
     """``SEGKV_MOE_ONE_LAUNCH``: a fused block's second half (``forward_after_norm``) at one token
     is one launch (no norm-route launch, no expert launch), with the sum, the combined output (or
     its deferred parts) of the two launches; 2 tokens keep them apart."""
+    from moe_helpers import random_moe_block
     from segkv.kernels import expert_mlp, moe_ops
-    from segkv.layers.moe import MixtureOfExperts, RouterSpec
-    from segkv.layers.norm import PendingCombine, RMSNorm
+    from segkv.layers.norm import PendingCombine
 
-    moe = MixtureOfExperts(40, 24, RouterSpec(num_experts=6, top_k=3, norm_topk_prob=True), num_shared=2)
-    norm = RMSNorm(40)
-    with torch.no_grad():
-        for p in (*moe.parameters(), *norm.parameters()):
-            p.copy_(0.3 * torch.randn(p.shape, generator=gen) + (1 if p is norm.weight else 0))
-    moe, norm = moe.to(torch.bfloat16).to(DEVICE), norm.to(torch.bfloat16).to(DEVICE)
+    moe, norm = random_moe_block(gen, DEVICE, top_k=3, num_shared=2)
     with torch.no_grad():
         moe.pack_experts()
         for module in (moe, moe.gate, moe.shared_experts, norm):

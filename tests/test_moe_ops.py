@@ -190,18 +190,12 @@ def test_fused_block_routes_few_tokens_in_the_norm_launch(tokens, gen, monkeypat
     """A fused MoE block's second half (``forward_after_norm``): up to 16 tokens the norm, the
     router's logits and its top-k are one launch and the separate kernels do not run; more
     tokens take them apart. Either way the result equals the unfused norm and layer."""
+    from moe_helpers import random_moe_block
     from segkv.kernels import moe_ops
     from segkv.layers import norm as norm_module
-    from segkv.layers.moe import MixtureOfExperts, RouterSpec
-    from segkv.layers.norm import RMSNorm
 
     monkeypatch.setattr("segkv.layers.moe.ONE_LAUNCH_BLOCK", False)  # the norm-route launch (one: test_expert_mlp)
-    moe = MixtureOfExperts(40, 24, RouterSpec(num_experts=6, top_k=2, norm_topk_prob=True), num_shared=1)
-    norm = RMSNorm(40)
-    with torch.no_grad():
-        for p in (*moe.parameters(), *norm.parameters()):
-            p.copy_(0.3 * torch.randn(p.shape, generator=gen) + (1 if p is norm.weight else 0))
-    moe, norm = moe.to(torch.bfloat16).to(DEVICE), norm.to(torch.bfloat16).to(DEVICE)
+    moe, norm = random_moe_block(gen, DEVICE, top_k=2, num_shared=1)
     x = torch.randn(tokens, 40, generator=gen).to(torch.bfloat16).to(DEVICE)
     residual = torch.randn(tokens, 40, generator=gen).to(torch.bfloat16).to(DEVICE)
     with torch.no_grad():
