@@ -11,7 +11,9 @@ gated form (``[gate | up]`` rows in, SiLU-and-mul applied by the kernel).
 pairs and DeepSeek-V2-Lite's two shared experts stacked, 8 distinct shared weight copies): the
 gate/up launch writing ``silu(gate) * up`` and the plain down launch, each alone and as a pair,
 against both in one launch (``kernels.expert_mlp``, ``SEGKV_EXPERT_ONE_LAUNCH``), alternating.
-Usage: ``python3 scripts/expert_gemv_sweep.py [--shared]``.
+``--block``: the norm-route launch and the experts' launch against the whole MoE block in one
+launch (``SEGKV_MOE_ONE_LAUNCH``), with and without ``SEGKV_EXPERT_MLP_PRELOAD``.
+Usage: ``python3 scripts/expert_gemv_sweep.py [--shared | --block]``.
 """
 
 from __future__ import annotations
@@ -123,10 +125,58 @@ def shared_launches() -> None:
                          for e, wu, wd in zip(draws, s_gate_up, s_down)]), up_bytes + down_bytes, "")
 
 
+def block_launches() -> None:
+    """One token's whole MoE block as a decode step runs it (DeepSeek-V2-Lite shapes: 64 experts,
+    top-6, 2 shared experts; 8 distinct weight copies of the shared and router weights): the
+    norm-route launch then the experts' one launch, against the block in one launch
+    (:func:`moe_block_one_token`), with and without the first weight blocks loaded before the
+    waits (``expert_mlp.PRELOAD``), alternating twice; microseconds per block."""
+    from segkv.kernels import expert_mlp
+    from segkv.kernels.expert_mlp import moe_block_one_token
+    from segkv.kernels.moe_ops import norm_route_topk
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    hidden, inner, shared_inner, top_k = 2048, 1408, 2816, 6
+
+    def weight(*shape):
+        return (torch.randn(*shape, device=dev, generator=gen) / shape[-1] ** 0.5).to(torch.bfloat16)
+
+    gate_up, down = weight(64, 2 * inner, hidden), weight(64, hidden, inner)
+    copies = [(weight(2 * shared_inner, hidden), weight(hidden, shared_inner), weight(64, hidden)) for _ in range(8)]
+    x, res = weight(1, hidden), weight(1, hidden)
+    norm_w = torch.ones(hidden, device=dev, dtype=torch.bfloat16)
+    counters = torch.zeros(counters_size(top_k), dtype=torch.int32, device=dev)
+    tickets = torch.zeros(1, dtype=torch.int32, device=dev)
+    nbytes = (top_k * 3 * inner + 3 * shared_inner) * hidden * 2 + 64 * hidden * 2
+
+    def two_launches(su, sd, router):
+        h, _, _, ids = norm_route_topk(x, res, norm_w, 1e-6, router, top_k, tickets)
+        expert_mlp_one_token(h, ids[0], gate_up, down, su, sd, counters)
+
+    def one_launch(su, sd, router):
+        moe_block_one_token(x, res, norm_w, 1e-6, router, top_k, tickets, gate_up, down, su, sd, counters)
+
+    print(f"device {torch.cuda.get_device_name()}; one token's MoE block; median [min-max] of 10 graph replays, "
+          f"per block")
+    for _ in range(2):
+        for preload in (False, True):
+            expert_mlp.PRELOAD = preload
+            _report(f"norm-route launch, then the experts' launch, preload {int(preload)}",
+                    time_us([partial(two_launches, *c) for c in copies]), nbytes, "")
+            _report(f"the block in one launch, preload {int(preload)}",
+                    time_us([partial(one_launch, *c) for c in copies]), nbytes, "")
+
+
 def _report(label: str, times: list[float], nbytes: int, mark: str) -> None:
     med = statistics.median(times)
     print(f"{label}: {med:7.1f} us [{min(times):.1f}-{max(times):.1f}] {nbytes / med / 1e3:7.0f} GB/s{mark}", flush=True)
 
 
 if __name__ == "__main__":
-    shared_launches() if "--shared" in sys.argv[1:] else main()
+    if "--block" in sys.argv[1:]:
+        block_launches()
+    elif "--shared" in sys.argv[1:]:
+        shared_launches()
+    else:
+        main()

@@ -387,6 +387,8 @@ elif [ "$part" = moeblock ]; then
   # waiting only for the normed row, the routed ones for the ids, so the router's latency (3.8 us
   # a layer in the profile) overlaps the shared experts' streaming: GPU tests, DeepSeek-V2-Lite
   # batch 1 alternating, and where a step goes with it.
+  echo "-- one token's MoE block (us per block)" | tee -a "$log"
+  timeout 120 python3 scripts/expert_gemv_sweep.py --block 2>&1 | tail -9 | tee -a "$log"
   gpu_tests "the MoE block in one launch, first blocks preloaded" SEGKV_MOE_ONE_LAUNCH=1 SEGKV_EXPERT_MLP_PRELOAD=1 -- \
     tests/test_expert_mlp.py tests/test_deepseek_parity.py tests/test_cuda_graphs.py tests/test_moe_ops.py \
     -k "expert or moe or deepseek or launch or block"
