@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now:
-# `... moeblock mergehead` (about 5 minutes each). Every other part below has been measured (docs/benchmarks.md, "One token's experts in one launch" for onelaunch, "The
+# `... moeblock mergehead mlponelaunch` (about 5 minutes each). Every other part below has been measured (docs/benchmarks.md, "One token's experts in one launch" for onelaunch, "The
 # activation in the gate/up launch" for actgateup, "The
 # last prepared switches measured" for trigger, partitions, cascade, pagesize, tests and
 # enginetests; the shared-expert balance and split parts measured there were removed with their
@@ -37,6 +37,8 @@
 #             2 stages, the merge at 128 / 32 columns per program, and partitions of at least 64
 #             rows, between runs at the defaults (at 1K stage 1 and the merge are 15% of a step for
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
+#   mlponelaunch  a dense gated MLP's two products of one row in one launch
+#             (SEGKV_BATCH1_MLP_ONE_LAUNCH=1) against two: GPU tests, Llama-3.1-8B and Qwen3-8B batch 1.
 #   mergehead  one token's latent merge and W_uv product in one launch (SEGKV_MLA_MERGE_HEAD_GEMV=1)
 #             against the merge and the per-head GEMV: GPU tests, DeepSeek-V2-Lite batch 1 alternating.
 #   moeblock  one token's whole MoE block (norm, router, top-k, experts) in one launch
@@ -372,6 +374,21 @@ elif [ "$part" = trigger ]; then
     e2e "deepseek merge trigger $trigger" SEGKV_MERGE_TRIGGER=$trigger -- --models deepseek-v2-lite --batches 1 \
       --contexts 1K,16K
   done
+elif [ "$part" = mlponelaunch ]; then
+  # SEGKV_BATCH1_MLP_ONE_LAUNCH=1: a dense pre-norm gated MLP's gate/up (with the residual add and
+  # RMSNorm) and down (with SiLU-and-mul) products of one row as one launch (kernels.gated_mlp: the
+  # down items of an input block start when its gate and up blocks are stored): GPU tests,
+  # Llama-3.1-8B and Qwen3-8B batch 1 alternating.
+  gpu_tests "the gated MLP in one launch" SEGKV_BATCH1_MLP_ONE_LAUNCH=1 -- tests/test_gated_mlp.py \
+    tests/test_dense_gemv.py tests/test_gqa_parity.py tests/test_cuda_graphs.py -k "mlp or gemv or parity or graph"
+  for round in 1 2; do
+    for model in llama-3.1-8b qwen3-8b; do
+      for one in 0 1; do
+        e2e "$model, MLP in one launch $one" SEGKV_BATCH1_MLP_ONE_LAUNCH=$one -- \
+          --models $model --batches 1 --contexts 1K,16K
+      done
+    done
+  done
 elif [ "$part" = mergehead ]; then
   # SEGKV_MLA_MERGE_HEAD_GEMV=1: one token's latent merge and W_uv product in one launch
   # (kernels.latent_output; the product's programs load their weight blocks while the merge runs):
@@ -481,7 +498,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (moeblock, mergehead, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (moeblock, mergehead, mlponelaunch, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done
