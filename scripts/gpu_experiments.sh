@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now:
-# `... moeblock mergehead mlponelaunch` (about 5 minutes each). Every other part below has been measured (docs/benchmarks.md, "One token's experts in one launch" for onelaunch, "The
+# `... moeblock mergehead mlponelaunch attnonelaunch` (about 5 minutes each). Every other part below has been measured (docs/benchmarks.md, "One token's experts in one launch" for onelaunch, "The
 # activation in the gate/up launch" for actgateup, "The
 # last prepared switches measured" for trigger, partitions, cascade, pagesize, tests and
 # enginetests; the shared-expert balance and split parts measured there were removed with their
@@ -37,6 +37,8 @@
 #             2 stages, the merge at 128 / 32 columns per program, and partitions of at least 64
 #             rows, between runs at the defaults (at 1K stage 1 and the merge are 15% of a step for
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
+#   attnonelaunch  GQA stage 1 and the merge in one launch (SEGKV_ATTENTION_ONE_LAUNCH=1) against two:
+#             GPU tests, batch-1 kernels at 16K-64K (8B and 70B shapes), Llama-3.1-8B batch 1.
 #   mlponelaunch  a dense gated MLP's two products of one row in one launch
 #             (SEGKV_BATCH1_MLP_ONE_LAUNCH=1) against two: GPU tests, Llama-3.1-8B and Qwen3-8B batch 1.
 #   mergehead  one token's latent merge and W_uv product in one launch (SEGKV_MLA_MERGE_HEAD_GEMV=1)
@@ -374,6 +376,26 @@ elif [ "$part" = trigger ]; then
     e2e "deepseek merge trigger $trigger" SEGKV_MERGE_TRIGGER=$trigger -- --models deepseek-v2-lite --batches 1 \
       --contexts 1K,16K
   done
+elif [ "$part" = attnonelaunch ]; then
+  # SEGKV_ATTENTION_ONE_LAUNCH=1: plans merged by a merge launch (batch 1 at 16K and up: 32-33
+  # partials a row) run stage 1 and the merge as one launch (kernels.attention_one_launch; merge
+  # items wait for their row's partials), so the merge starts without a launch boundary: batch 1
+  # at 32K is 78% of the read bandwidth with about 10 us fixed a call, 3.7 of them the merge launch.
+  gpu_tests "stage 1 and the merge in one launch" SEGKV_ATTENTION_ONE_LAUNCH=1 -- \
+    tests/test_attention_one_launch.py tests/test_triton_attention.py tests/test_cuda_graphs.py \
+    -k "one_launch or reference or masked or graph or merge"
+  for one in 0 1 0 1; do
+    echo "-- decode attention kernels, SEGKV_ATTENTION_ONE_LAUNCH=$one" | tee -a "$log"
+    SEGKV_ATTENTION_ONE_LAUNCH=$one timeout 150 python3 -m segkv.bench.decode_attention \
+      --shapes llama3-8b,llama3-70b --batches 1 --contexts 16384,32768,65536 --page-sizes 32 --no-cascade \
+      --trials 5 2>&1 | grep -E "^\[|^device|rror" | tee -a "$log"
+  done
+  for round in 1 2; do
+    for one in 0 1; do
+      e2e "llama-3.1-8b, stage 1 and merge in one launch $one" SEGKV_ATTENTION_ONE_LAUNCH=$one -- \
+        --models llama-3.1-8b --batches 1 --contexts 1K,16K
+    done
+  done
 elif [ "$part" = mlponelaunch ]; then
   # SEGKV_BATCH1_MLP_ONE_LAUNCH=1: a dense pre-norm gated MLP's gate/up (with the residual add and
   # RMSNorm) and down (with SiLU-and-mul) products of one row as one launch (kernels.gated_mlp: the
@@ -498,7 +520,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (moeblock, mergehead, mlponelaunch, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (moeblock, mergehead, mlponelaunch, attnonelaunch, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done

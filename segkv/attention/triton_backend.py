@@ -257,6 +257,7 @@ class TritonBackend:
         """
         from segkv.attention.reference import project_heads
         from segkv.kernels.mla_attention import mla_paged_attention
+        from segkv.kernels.paged_attention import ONE_LAUNCH as ATTENTION_ONE_LAUNCH
         from segkv.kernels.paged_attention import paged_attention
 
         plan = prepared.plan
@@ -294,7 +295,8 @@ class TritonBackend:
             num_partials=prepared.num_partials, max_work_rows=prepared.max_work_rows, scale=scale,
             out_dtype=out_dtype or query.dtype, needs_merge=prepared.needs_merge, launch=self.launch,
             poison=self.poison, workspace=workspace, merge_in_stage1=prepared.merge_in_stage1,
-            counters=self._merge_counters(rows * query.shape[1]) if prepared.merge_in_stage1 else None,
+            counters=(self._merge_counters(rows * query.shape[1] + 2)
+                      if prepared.merge_in_stage1 or ATTENTION_ONE_LAUNCH else None),
         )
 
     def _head_counters(self, heads: int) -> torch.Tensor:
