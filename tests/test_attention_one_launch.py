@@ -18,7 +18,7 @@ def test_one_launch_matches_the_reference(route, dtype, gen, monkeypatch):
     from segkv.kernels import paged_attention
 
     monkeypatch.setattr(paged_attention, "ONE_LAUNCH", True)
-    monkeypatch.setattr(paged_attention, "MERGE_IN_STAGE1_MAX_PARTIALS", 0)  # every merge is the launch's
+    monkeypatch.setattr("segkv.attention.triton_backend.stage1_merge_bound", lambda: 0)  # every merge: the launch
     merges = count_merge_launches(monkeypatch)
     for rows, ratio, page_size, parts in ((1, 4, 16, 3), (3, 8, 16, 3), (1, 4, 16, 70)):
         check_with_the_second_sequence_masked(gen, dtype, route, rows=rows, ratio=ratio, page_size=page_size,
@@ -36,7 +36,7 @@ def test_counters_are_left_zero_for_the_next_launch(gen, monkeypatch):
     from test_triton_attention import check, gqa_batch
 
     monkeypatch.setattr(paged_attention, "ONE_LAUNCH", True)
-    monkeypatch.setattr(paged_attention, "MERGE_IN_STAGE1_MAX_PARTIALS", 0)
+    monkeypatch.setattr("segkv.attention.triton_backend.stage1_merge_bound", lambda: 0)
     batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=16, ratio=4, head_dim=64, rows=1)
     device = DeviceSpec.cuda() if GPU else DeviceSpec.cpu()
     plan = plan_attention(batch.queries, batch.shape, device, page_size=16, route="split", num_partitions=3)
