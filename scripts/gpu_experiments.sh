@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
-# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now:
-# `... moeblock mergehead mlponelaunch attnonelaunch` (about 5 minutes each). Every other part below has been measured (docs/benchmarks.md, "One token's experts in one launch" for onelaunch, "The
-# activation in the gate/up launch" for actgateup, "The
-# last prepared switches measured" for trigger, partitions, cascade, pagesize, tests and
-# enginetests; the shared-expert balance and split parts measured there were removed with their
-# switches, see git history).
+# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now, about
+# 5 minutes each: `... moeblock mergehead` (one call), then `... mlponelaunch attnonelaunch`. Every
+# other part below has been measured (docs/benchmarks.md: "One token's experts in one launch" for
+# onelaunch, "The activation in the gate/up launch" for actgateup, "The last prepared switches
+# measured" for trigger, partitions, cascade, pagesize, tests and enginetests; the shared-expert
+# balance and split parts measured there were removed with their switches, see git history).
 # Measured (docs/benchmarks.md, "Sub-page tiles on" and "The prepared switches measured"): shares,
 # short, b16, cascade, subpage (now the default), valuesplit, stage1merge, heads128, plan.
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
