@@ -76,7 +76,8 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
         else:
             n = (item - S_UP_BLOCKS) // UP_BLOCKS
             ob = (item - S_UP_BLOCKS) % UP_BLOCKS
-            if ROUTED:  # the ids come after the normed row
+            if ROUTED:  # the normed row, then the ids (each released by its own count)
+                wait_full(COUNTERS + NORM_READY, 1)
                 wait_full(COUNTERS + NORM_READY + 1, 1)
             expert = tl.load(experts + n, cache_modifier=CG).to(tl.int64)
             rows, _ = _weight_rows(ob, BLOCK_O, 2 * INNER, True)
