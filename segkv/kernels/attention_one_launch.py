@@ -64,7 +64,7 @@ def _attention_one_launch_kernel(
             wait_full(COUNTERS + row * stride_c + head, count)
         merge_program(OUT, LSE, FINAL, FINAL_LSE, reduce_ptr, reduce_partials, stride_op, stride_oh, stride_lp,
                       stride_fr, stride_fh, stride_flr, row, head, m % COLUMN_BLOCKS, DV, MERGE_DV, MERGE_P, False,
-                      False, 1, ".cg")
+                      False, 1, True)
         passed = tl.atomic_add(tail + 1, 1, sem="relaxed", scope="gpu")
         if passed == num_rows * num_heads * COLUMN_BLOCKS - 1:  # every count complete: back to 0
             offs = tl.arange(0, 1024)

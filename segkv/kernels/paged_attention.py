@@ -214,9 +214,10 @@ def _merge_kernel(
 def merge_program(PART_OUT, PART_LSE, OUT, OUT_LSE, reduce_ptr, reduce_partials, stride_pp, stride_ph, stride_lp,
                   stride_or, stride_oh, stride_lr, row, head, cb, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr, PLAN_EARLY: tl.constexpr, TRIGGER: tl.constexpr,
-                  CG: tl.constexpr = ""):
+                  THROUGH_L2: tl.constexpr = False):
     """:func:`_merge_kernel`'s program ``(row, head, cb)`` (a launch of other work calls it too;
-    ``CG=".cg"``: the partials are read through L2, other programs of the launch wrote them)."""
+    ``THROUGH_L2``: the partials are read through L2, other programs of the launch wrote them)."""
+    CG: tl.constexpr = ".cg" if THROUGH_L2 else ""
     if USE_PDL and TRIGGER == 0:  # the next kernel reads the merge's output only after its own wait
         tl.extra.cuda.gdc_launch_dependents()
     start = tl.load(reduce_ptr + row)
