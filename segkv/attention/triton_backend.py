@@ -162,7 +162,6 @@ class TritonBackend:
         # merge tickets of the GQA kernels (paged_attention's ``counters``): zeros, and every
         # launch leaves them zero; grown, never shrunk (graph captures keep their address)
         self._counters: torch.Tensor | None = None
-        self._head_counter_buffer: torch.Tensor | None = None  # kernels.latent_output's
         if capacity is not None:
             sizes = capacity.sizes()
             total = sum(sizes.values())
@@ -256,9 +255,10 @@ class TritonBackend:
         row: the merge and the per-head output product in one launch (``kernels.latent_output``).
         """
         from segkv.attention.reference import project_heads
+        from segkv.kernels.latent_output import counters_size as head_counters_size
         from segkv.kernels.mla_attention import mla_paged_attention
         from segkv.kernels.paged_attention import ONE_LAUNCH as ATTENTION_ONE_LAUNCH
-        from segkv.kernels.paged_attention import paged_attention
+        from segkv.kernels.paged_attention import one_launch_counters, paged_attention
 
         plan = prepared.plan
         if kv_transform is not None:  # naive MLA decompresses pieces: the reference does that
@@ -285,7 +285,7 @@ class TritonBackend:
                 max_work_rows=prepared.max_work_rows, scale=scale, out_dtype=out_dtype or query.dtype,
                 needs_merge=prepared.needs_merge, poison=self.poison, workspace=workspace,
                 head_weight=head_weight if fused_head else None,
-                head_counters=self._head_counters(query.shape[1]) if fused_head else None,
+                head_counters=self._merge_counters(head_counters_size(query.shape[1])) if fused_head else None,
             )
             return (out, lse) if head_weight is None or fused_head else (project_heads(out, head_weight), lse)
         if head_weight is not None:
@@ -295,21 +295,13 @@ class TritonBackend:
             num_partials=prepared.num_partials, max_work_rows=prepared.max_work_rows, scale=scale,
             out_dtype=out_dtype or query.dtype, needs_merge=prepared.needs_merge, launch=self.launch,
             poison=self.poison, workspace=workspace, merge_in_stage1=prepared.merge_in_stage1,
-            counters=(self._merge_counters(rows * query.shape[1] + 2)
+            counters=(self._merge_counters(one_launch_counters(rows, query.shape[1]))
                       if prepared.merge_in_stage1 or ATTENTION_ONE_LAUNCH else None),
         )
 
-    def _head_counters(self, heads: int) -> torch.Tensor:
-        """int32 zeros for ``kernels.latent_output`` (each launch leaves them zero), sized at a graph
-        bucket's first (uncaptured) step."""
-        from segkv.kernels.latent_output import counters_size
-
-        if self._head_counter_buffer is None or self._head_counter_buffer.numel() < counters_size(heads):
-            self._head_counter_buffer = torch.zeros(counters_size(heads), dtype=torch.int32, device=self.device)
-        return self._head_counter_buffer
-
     def _merge_counters(self, entries: int) -> torch.Tensor:
-        """At least ``entries`` int32 merge tickets, all zero (the kernels leave them so). A graph
+        """At least ``entries`` int32 merge tickets, all zero (the kernels leave them so): the GQA
+        merge's, or the latent merge-and-product launch's (one launch at a time uses them). A graph
         bucket's first (uncaptured) step sizes them for its rows, so capture allocates nothing."""
         if self._counters is None or self._counters.numel() < entries:
             self._counters = torch.zeros(max(entries, 1024), dtype=torch.int32, device=self.device)

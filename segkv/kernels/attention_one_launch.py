@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.paged_attention import merge_program, stage1_program
-from segkv.kernels.work_items import claim_item, wait_full
+from segkv.kernels.work_items import claim_item, leave_zero_if_last, wait_full
 
 
 @triton.jit
@@ -65,14 +65,4 @@ def _attention_one_launch_kernel(
         merge_program(OUT, LSE, FINAL, FINAL_LSE, reduce_ptr, reduce_partials, stride_op, stride_oh, stride_lp,
                       stride_fr, stride_fh, stride_flr, row, head, m % COLUMN_BLOCKS, DV, MERGE_DV, MERGE_P, False,
                       False, 1, True)
-        passed = tl.atomic_add(tail + 1, 1, sem="relaxed", scope="gpu")
-        if passed == num_rows * num_heads * COLUMN_BLOCKS - 1:  # every count complete: back to 0
-            offs = tl.arange(0, 1024)
-            for i0 in range(0, num_rows * stride_c, 1024):
-                tl.store(COUNTERS + i0 + offs, tl.zeros_like(offs), mask=i0 + offs < num_rows * stride_c)
-            tl.store(tail + tl.arange(0, 2), tl.zeros([2], tl.int32))
-
-
-def counters_size(rows: int, heads: int) -> int:
-    """int32 counters a launch over ``rows`` query rows of ``heads`` heads needs (zeros; left zero)."""
-    return rows * heads + 2
+        leave_zero_if_last(tail + 1, num_rows * num_heads * COLUMN_BLOCKS, COUNTERS, num_rows * stride_c + 2, 1024)

@@ -33,7 +33,7 @@ from segkv.kernels.fused_ops import kind_of
 from segkv.kernels.moe_ops import norm_route_program, prepare_norm_route
 from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
-from segkv.kernels.work_items import claim_item, count_done, wait_full
+from segkv.kernels.work_items import claim_item, count_done, leave_zero_if_last, wait_full
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -101,12 +101,8 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
             _gemv_tile(ACT + n * INNER, DOWN + expert * stride_de + rows.to(tl.int64) * stride_do,
                        OUT + n * HIDDEN, ob, INNER, HIDDEN, BLOCK_O, BLOCK_I_DOWN, EXACT_FP32, False, KIND, UNROLL,
                        EVICT_FIRST, PRELOAD, False, False, True, True, COUNTERS + _FIXED_COUNTERS + n, UP_BLOCKS)
-        # the last down item past its wait: every item was taken and every count is complete
-        passed = tl.atomic_add(COUNTERS + 1, 1, sem="relaxed", scope="gpu")
-        if passed == ITEMS - UP_ITEMS - 1:
-            offs = tl.arange(0, COUNTERS_P2)
-            tl.store(COUNTERS + offs, tl.zeros_like(offs),
-                     mask=offs < PAIRS + _FIXED_COUNTERS + 1 + _ROUTE_COUNTERS)
+        leave_zero_if_last(COUNTERS + 1, ITEMS - UP_ITEMS, COUNTERS, PAIRS + _FIXED_COUNTERS + 1 + _ROUTE_COUNTERS,
+                           COUNTERS_P2)
 
 
 @triton.jit

@@ -19,33 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from segkv.kernels.dense_gemv import (INPUT_GATED, INPUT_NORM, gemv_operands, gemv_slice, partials_total, row_rms,
-                                      store_slice)
-from segkv.kernels.fused_ops import round_to_kind
-from segkv.kernels.work_items import claim_item, count_done
+from segkv.kernels.dense_gemv import INPUT_GATED, INPUT_NORM, finish_block, gemv_operands, gemv_slice
+from segkv.kernels.work_items import claim_item, count_done, leave_zero_if_last
 
 _FIXED_COUNTERS = tl.constexpr(2)  # [0] the work dispenser, [1] down items past their wait, [2 + s] slice s
 _NORM_INPUT, _GATED_INPUT = tl.constexpr(INPUT_NORM), tl.constexpr(INPUT_GATED)
-
-
-@triton.jit
-def _finish_block(PART, TICKETS, OUT, nb, out_dim, in_dim, eps, part, square_sum, kb, BLOCK_N: tl.constexpr,
-                  SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, NORM: tl.constexpr, KIND: tl.constexpr):
-    """Program ``(nb, kb)``'s partial product stored, then the split-K ticket: the block's last
-    program adds the partials in a fixed order (over the row's rms with ``NORM``), rounds once into
-    ``OUT`` and resets the ticket. Returns whether this program finished the block."""
-    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    r_ok = rows < out_dim
-    store_slice(PART, part, square_sum, out_dim, nb, kb, BLOCK_N, SPLIT)
-    ticket = tl.atomic_add(TICKETS + nb, 1, sem="acq_rel", scope="gpu")
-    last = ticket == SPLIT - 1
-    if last:
-        total = partials_total(PART, out_dim, rows, r_ok, SPLIT, SPLIT_P2)
-        if NORM:
-            total = total / row_rms(PART, out_dim, in_dim, nb, eps, SPLIT, SPLIT_P2)
-        tl.store(OUT + rows, round_to_kind(total, KIND).to(OUT.dtype.element_ty), mask=r_ok)
-        tl.store(TICKETS + nb, 0)
-    return last
 
 
 @triton.jit
@@ -74,7 +52,7 @@ def _gated_mlp_kernel(
         nb = (block // PER_SLICE) * (INNER // BLOCK_N) + s * PER_SLICE + block % PER_SLICE
         part, square_sum = gemv_slice(X, RES, G, RES_OUT, W_UP, stride_wu, 2 * INNER, HIDDEN, nb, kb, X, X, 0,
                                       BLOCK_N, BLOCK_K, _NORM_INPUT, HAS_RES, KIND, EVICT_FIRST, False)
-        if _finish_block(PART_UP, TICKETS_UP, H, nb, 2 * INNER, HIDDEN, eps, part, square_sum, kb, BLOCK_N,
+        if finish_block(PART_UP, TICKETS_UP, H, nb, 2 * INNER, HIDDEN, eps, part, square_sum, kb, BLOCK_N,
                          UP_SPLIT, UP_SPLIT_P2, True, KIND):
             count_done(COUNTERS + _FIXED_COUNTERS + s)
     else:
@@ -85,12 +63,9 @@ def _gated_mlp_kernel(
         part, _ = gemv_slice(H, H, H, H, W_DOWN, stride_wd, HIDDEN, INNER, nb, kb, H, H, 0, BLOCK_N, BLOCK_K,
                              _GATED_INPUT, False, KIND, EVICT_FIRST, False, 1, False, True,
                              COUNTERS + _FIXED_COUNTERS + kb, 2 * PER_SLICE)
-        _finish_block(PART_DOWN, TICKETS_DOWN, OUT, nb, HIDDEN, INNER, eps, part, 0.0, kb, BLOCK_N, DOWN_SPLIT,
+        finish_block(PART_DOWN, TICKETS_DOWN, OUT, nb, HIDDEN, INNER, eps, part, 0.0, kb, BLOCK_N, DOWN_SPLIT,
                       DOWN_SPLIT_P2, False, KIND)
-        passed = tl.atomic_add(COUNTERS + 1, 1, sem="relaxed", scope="gpu")
-        if passed == DOWN_SPLIT * DOWN_BLOCKS - 1:
-            offs = tl.arange(0, COUNTERS_P2)
-            tl.store(COUNTERS + offs, tl.zeros_like(offs), mask=offs < DOWN_SPLIT + _FIXED_COUNTERS)
+        leave_zero_if_last(COUNTERS + 1, DOWN_SPLIT * DOWN_BLOCKS, COUNTERS, DOWN_SPLIT + _FIXED_COUNTERS, COUNTERS_P2)
 
 
 def counters_size(inner: int, block_k: int) -> int:

@@ -23,7 +23,7 @@ from segkv.kernels.fused_ops import kind_of, round_to_kind
 from segkv.kernels.head_gemv import MAX_IN, block_outputs
 from segkv.kernels.paged_attention import merge_block_dv, merge_program
 from segkv.kernels.pdl import pdl_options
-from segkv.kernels.work_items import claim_item, count_done, wait_full
+from segkv.kernels.work_items import claim_item, count_done, leave_zero_if_last, wait_full
 
 _FIXED_COUNTERS = tl.constexpr(2)  # [0] the work dispenser, [1] product items past their wait, [2 + h] head h
 
@@ -62,10 +62,7 @@ def _merge_head_gemv_kernel(
                                   cache_modifier=".cg").to(tl.float32), KIND)
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         tl.store(OUT + h * stride_oh + offs_o, round_to_kind(acc, KIND).to(OUT.dtype.element_ty), mask=o_ok)
-        passed = tl.atomic_add(COUNTERS + 1, 1, sem="relaxed", scope="gpu")
-        if passed == HEADS * OUT_BLOCKS - 1:
-            offs = tl.arange(0, COUNTERS_P2)
-            tl.store(COUNTERS + offs, tl.zeros_like(offs), mask=offs < HEADS + _FIXED_COUNTERS)
+        leave_zero_if_last(COUNTERS + 1, HEADS * OUT_BLOCKS, COUNTERS, HEADS + _FIXED_COUNTERS, COUNTERS_P2)
 
 
 def counters_size(heads: int) -> int:

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from segkv.kernels.fused_ops import kind_of, round_to_kind
 from segkv.kernels.pdl import pdl_options
+from segkv.kernels.work_items import count_done
 
 
 @triton.jit
@@ -189,14 +190,6 @@ def _norm_and_store(s, w, inv_rms, store, RES_OUT, H_OUT, t, stride_ro, stride_h
 
 
 @triton.jit
-def _signal_if(COUNTER, cond):
-    """Add 1 to ``COUNTER`` when ``cond`` (a scalar), after every thread's stores (release)."""
-    tl.debug_barrier()
-    if cond:
-        tl.atomic_add(COUNTER, 1, sem="release", scope="gpu")
-
-
-@triton.jit
 def _norm_route_kernel(
     X, RES, NORM_W, RES_OUT, H_OUT, ROUTER_W, LOGITS, WEIGHTS, IDS, TICKETS,
     stride_x, stride_r, stride_ro, stride_h, stride_w, stride_l,
@@ -246,7 +239,8 @@ def norm_route_program(
         inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / hidden + eps)
         h = _norm_and_store(s, w, inv_rms, eb == 0, RES_OUT, H_OUT, t, stride_ro, stride_h, cols, ok, X_KIND, H_KIND)
         if SIGNAL:
-            _signal_if(NORM_READY, eb == 0)
+            if eb == 0:
+                count_done(NORM_READY)
         logits = tl.sum(wr * h[None, :], axis=1)
     else:
         if USE_PDL:
@@ -268,7 +262,8 @@ def norm_route_program(
             wr = tl.load(w_rows + (h0 + cols)[None, :], mask=e_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
             acc += wr * h[None, :]
         if SIGNAL:
-            _signal_if(NORM_READY, eb == 0)
+            if eb == 0:
+                count_done(NORM_READY)
         logits = tl.sum(acc, axis=1)
     tl.store(LOGITS + t * stride_l + experts, logits, mask=e_ok)
     tl.debug_barrier()  # every thread's logits are stored before the ticket (released by it)
@@ -288,7 +283,7 @@ def norm_route_program(
             tl.store(IDS + t * K + slot, ids.to(tl.int64), mask=keep)
         tl.store(TICKETS + t, 0)
         if SIGNAL:
-            _signal_if(IDS_READY, True)
+            count_done(IDS_READY)
 
 
 def norm_route_topk(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,

@@ -379,7 +379,7 @@ def paged_attention(
             raise ValueError(f"merge in stage 1 needs work items of one row, at most "
                              f"{MERGE_IN_STAGE1_MAX_PARTIALS} partials per row and {num_rows * num_heads} counters")
     one_launch = bool(ONE_LAUNCH and not merged and needs_merge and num_work and num_partials and num_rows
-                      and counters is not None and counters.numel() >= num_rows * num_heads + 2)
+                      and counters is not None and counters.numel() >= one_launch_counters(num_rows, num_heads))
     if num_work and num_partials:
         meta = stage1_launch(dtype=query.dtype, dk=dk, dv=dv, group=group, page_size=page_size,
                              max_work_rows=max_work_rows, element_size=key_cache.element_size(), launch=launch)
@@ -528,6 +528,12 @@ MERGE_IN_STAGE1_MAX_PARTIALS = env_int("SEGKV_MERGE_IN_STAGE1_MAX", 8)
 # plans merged by a merge launch run stage 1 and the merge as one launch instead
 # (kernels.attention_one_launch; the caller passes counters); off until measured on a GPU
 ONE_LAUNCH = env_int("SEGKV_ATTENTION_ONE_LAUNCH", 0) == 1
+
+
+def one_launch_counters(rows: int, heads: int) -> int:
+    """int32 counters the one launch over ``rows`` query rows of ``heads`` heads needs: a count
+    per (row, head), the dispenser and the merge items' count (zeros; every launch leaves them so)."""
+    return rows * heads + 2
 # SEGKV_MERGE_IN_STAGE1_CHUNKED=1: the chunked merge for rows of 2-8 partials too (offline, sm_90a,
 # head_dim 128: 168 registers at 4 heads per KV head against the whole-row merge's 232)
 MERGE_IN_STAGE1_CHUNKED = env_int("SEGKV_MERGE_IN_STAGE1_CHUNKED", 0) == 1

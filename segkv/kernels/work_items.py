@@ -38,3 +38,15 @@ def claim_item(COUNTERS, USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     return tl.atomic_add(COUNTERS, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def leave_zero_if_last(PASSED, waiters, COUNTERS, size, BLOCK: tl.constexpr):
+    """Count one waiter past its wait in ``PASSED``; the last of ``waiters`` sets ``COUNTERS[0:size]``
+    (the dispenser and ``PASSED`` among them) back to 0 for the next launch: by then every item was
+    taken and every count it waited for is complete."""
+    passed = tl.atomic_add(PASSED, 1, sem="relaxed", scope="gpu")
+    if passed == waiters - 1:
+        offs = tl.arange(0, BLOCK)
+        for i0 in range(0, size, BLOCK):
+            tl.store(COUNTERS + i0 + offs, tl.zeros_like(offs), mask=i0 + offs < size)

@@ -86,12 +86,12 @@ class RowProduct:
         slices; else the two launches."""
         from segkv.kernels.gated_mlp import counters_size, fits, gated_mlp_one_row
 
-        up_launch, down_launch = self._launch(gate_up), self._launch(down)
-        blocks = (up_launch["block_n"], up_launch["block_k"])
-        if not (BATCH1_MLP_ONE_LAUNCH and blocks == (down_launch["block_n"], down_launch["block_k"])
+        blocks = launch_for(gate_up.shape[1])
+        if not (BATCH1_MLP_ONE_LAUNCH and blocks == launch_for(down.shape[1])
                 and fits(down.shape[0], down.shape[1], *blocks)):
             h, total = self.after_norm(x, residual, norm_weight, eps, gate_up)
             return self.gated(h, down), total
+        up_launch, down_launch = self._launch(gate_up), self._launch(down)
         key = (x.device, down.shape[1], blocks[1])
         if key not in self._counters:  # left zero by every launch
             self._counters[key] = torch.zeros(counters_size(down.shape[1], blocks[1]), dtype=torch.int32,
