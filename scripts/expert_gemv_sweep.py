@@ -12,7 +12,7 @@ pairs and DeepSeek-V2-Lite's two shared experts stacked, 8 distinct shared weigh
 gate/up launch writing ``silu(gate) * up`` and the plain down launch, each alone and as a pair,
 against both in one launch (``kernels.expert_mlp``, ``SEGKV_EXPERT_ONE_LAUNCH``), alternating.
 ``--block``: the norm-route launch and the experts' launch against the whole MoE block in one
-launch (``SEGKV_MOE_ONE_LAUNCH``), with and without ``SEGKV_EXPERT_MLP_PRELOAD``.
+launch (``SEGKV_MOE_ONE_LAUNCH``, the default), alternating.
 Usage: ``python3 scripts/expert_gemv_sweep.py [--shared | --block]``.
 """
 
@@ -129,9 +129,7 @@ def block_launches() -> None:
     """One token's whole MoE block as a decode step runs it (DeepSeek-V2-Lite shapes: 64 experts,
     top-6, 2 shared experts; 8 distinct weight copies of the shared and router weights): the
     norm-route launch then the experts' one launch, against the block in one launch
-    (:func:`moe_block_one_token`), with and without the first weight blocks loaded before the
-    waits (``expert_mlp.PRELOAD``), alternating twice; microseconds per block."""
-    from segkv.kernels import expert_mlp
+    (:func:`moe_block_one_token`), alternating four times; microseconds per block."""
     from segkv.kernels.expert_mlp import moe_block_one_token
     from segkv.kernels.moe_ops import norm_route_topk
 
@@ -159,13 +157,10 @@ def block_launches() -> None:
 
     print(f"device {torch.cuda.get_device_name()}; one token's MoE block; median [min-max] of 10 graph replays, "
           f"per block")
-    for _ in range(2):
-        for preload in (False, True):
-            expert_mlp.PRELOAD = preload
-            _report(f"norm-route launch, then the experts' launch, preload {int(preload)}",
-                    time_us([partial(two_launches, *c) for c in copies]), nbytes, "")
-            _report(f"the block in one launch, preload {int(preload)}",
-                    time_us([partial(one_launch, *c) for c in copies]), nbytes, "")
+    for _ in range(4):
+        _report("norm-route launch, then the experts' launch",
+                time_us([partial(two_launches, *c) for c in copies]), nbytes, "")
+        _report("the block in one launch", time_us([partial(one_launch, *c) for c in copies]), nbytes, " (default)")
 
 
 def _report(label: str, times: list[float], nbytes: int, mark: str) -> None:

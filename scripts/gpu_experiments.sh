@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
-# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. Open now, about
-# 5 minutes each, one part a call: `... moeblock`, `... mergehead`, `... mlponelaunch`, `... attnonelaunch`. Every
-# other part below has been measured (docs/benchmarks.md: "One token's experts in one launch" for
+# only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. `... verify`
+# checks the defaults after a change. Every part below has been measured (docs/benchmarks.md: "Four
+# one-launch fusions measured" for moeblock, now the default; the losing attnonelaunch,
+# mlponelaunch and mergehead parts were removed with their switches; "One token's experts in one launch" for
 # onelaunch, "The activation in the gate/up launch" for actgateup, "The last prepared switches
 # measured" for trigger, partitions, cascade, pagesize, tests and enginetests; the shared-expert
 # balance and split parts measured there were removed with their switches, see git history).
@@ -37,15 +38,11 @@
 #             2 stages, the merge at 128 / 32 columns per program, and partitions of at least 64
 #             rows, between runs at the defaults (at 1K stage 1 and the merge are 15% of a step for
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
-#   attnonelaunch  GQA stage 1 and the merge in one launch (SEGKV_ATTENTION_ONE_LAUNCH=1) against two:
-#             GPU tests, batch-1 kernels at 16K-64K (8B and 70B shapes), Llama-3.1-8B batch 1.
-#   mlponelaunch  a dense gated MLP's two products of one row in one launch
-#             (SEGKV_BATCH1_MLP_ONE_LAUNCH=1) against two: GPU tests, Llama-3.1-8B and Qwen3-8B batch 1.
-#   mergehead  one token's latent merge and W_uv product in one launch (SEGKV_MLA_MERGE_HEAD_GEMV=1)
-#             against the merge and the per-head GEMV: GPU tests, DeepSeek-V2-Lite batch 1 alternating.
 #   moeblock  one token's whole MoE block (norm, router, top-k, experts) in one launch
-#             (SEGKV_MOE_ONE_LAUNCH=1) against the norm-route launch and the experts' launch: GPU
-#             tests, DeepSeek-V2-Lite batch 1 alternating, a profile.
+#             (SEGKV_MOE_ONE_LAUNCH, the default) against the norm-route launch and the experts'
+#             launch: the block alone, GPU tests, DeepSeek-V2-Lite batch 1 alternating, a profile.
+#   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
+#             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
 #             kernels.expert_mlp, the default) against two: the launches alone, the difference, GPU
 #             tests, DeepSeek-V2-Lite batch 1 alternating.
@@ -103,7 +100,8 @@ gpu_tests() {  # label, env assignments..., --, pytest arguments...
   echo "== GPU tests: $1" | tee -a "$log"
   shift
   split_env "$@"
-  env ${ENVS[@]+"${ENVS[@]}"} timeout 200 python3 -m pytest -q -p no:cacheprovider ${REST[@]+"${REST[@]}"} 2>&1 \
+  # a cold machine compiles every kernel first: the attention tests take about 140 s warm, more cold
+  env ${ENVS[@]+"${ENVS[@]}"} timeout "${GPU_TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider ${REST[@]+"${REST[@]}"} 2>&1 \
     | grep -E "passed|failed|^E  " | tail -3 | tee -a "$log"
 }
 deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it off and on, two rounds
@@ -376,72 +374,32 @@ elif [ "$part" = trigger ]; then
     e2e "deepseek merge trigger $trigger" SEGKV_MERGE_TRIGGER=$trigger -- --models deepseek-v2-lite --batches 1 \
       --contexts 1K,16K
   done
-elif [ "$part" = attnonelaunch ]; then
-  # SEGKV_ATTENTION_ONE_LAUNCH=1: plans merged by a merge launch (batch 1 at 16K and up: 32-33
-  # partials a row) run stage 1 and the merge as one launch (kernels.attention_one_launch; merge
-  # items wait for their row's partials), so the merge starts without a launch boundary: batch 1
-  # at 32K is 78% of the read bandwidth with about 10 us fixed a call, 3.7 of them the merge launch.
-  gpu_tests "stage 1 and the merge in one launch" SEGKV_ATTENTION_ONE_LAUNCH=1 -- \
-    tests/test_attention_one_launch.py tests/test_triton_attention.py tests/test_cuda_graphs.py \
-    -k "one_launch or reference or masked or graph or merge"
-  for one in 0 1 0 1; do
-    echo "-- decode attention kernels, SEGKV_ATTENTION_ONE_LAUNCH=$one" | tee -a "$log"
-    SEGKV_ATTENTION_ONE_LAUNCH=$one timeout 150 python3 -m segkv.bench.decode_attention \
-      --shapes llama3-8b,llama3-70b --batches 1 --contexts 16384,32768,65536 --page-sizes 32 --no-cascade \
-      --trials 5 2>&1 | grep -E "^\[|^device|rror" | tee -a "$log"
-  done
-  for round in 1 2; do
-    for one in 0 1; do
-      e2e "llama-3.1-8b, stage 1 and merge in one launch $one" SEGKV_ATTENTION_ONE_LAUNCH=$one -- \
-        --models llama-3.1-8b --batches 1 --contexts 1K,16K
-    done
-  done
-elif [ "$part" = mlponelaunch ]; then
-  # SEGKV_BATCH1_MLP_ONE_LAUNCH=1: a dense pre-norm gated MLP's gate/up (with the residual add and
-  # RMSNorm) and down (with SiLU-and-mul) products of one row as one launch (kernels.gated_mlp: the
-  # down items of an input block start when its gate and up blocks are stored): GPU tests,
-  # Llama-3.1-8B and Qwen3-8B batch 1 alternating.
-  gpu_tests "the gated MLP in one launch" SEGKV_BATCH1_MLP_ONE_LAUNCH=1 -- tests/test_gated_mlp.py \
-    tests/test_dense_gemv.py tests/test_gqa_parity.py tests/test_cuda_graphs.py -k "mlp or gemv or parity or graph"
-  for round in 1 2; do
-    for model in llama-3.1-8b qwen3-8b; do
-      for one in 0 1; do
-        e2e "$model, MLP in one launch $one" SEGKV_BATCH1_MLP_ONE_LAUNCH=$one -- \
-          --models $model --batches 1 --contexts 1K,16K
-      done
-    done
-  done
-elif [ "$part" = mergehead ]; then
-  # SEGKV_MLA_MERGE_HEAD_GEMV=1: one token's latent merge and W_uv product in one launch
-  # (kernels.latent_output; the product's programs load their weight blocks while the merge runs):
-  # GPU tests, DeepSeek-V2-Lite batch 1 alternating (with the MoE block in one launch too, if
-  # that part won, set SEGKV_MOE_ONE_LAUNCH=1 in the environment).
-  gpu_tests "the merge and the head product in one launch" SEGKV_MLA_MERGE_HEAD_GEMV=1 -- tests/test_latent_output.py \
-    tests/test_deepseek_parity.py tests/test_cuda_graphs.py -k "latent or head or deepseek or launch"
-  deepseek_ab SEGKV_MLA_MERGE_HEAD_GEMV
 elif [ "$part" = moeblock ]; then
-  # SEGKV_MOE_ONE_LAUNCH=1: one token's whole MoE block in one launch (kernels.expert_mlp.moe_block_one_token):
-  # the router's 16 programs first (residual add, norm, logits, top-k), the shared experts' items
-  # waiting only for the normed row, the routed ones for the ids, so the router's latency (3.8 us
-  # a layer in the profile) overlaps the shared experts' streaming: GPU tests, DeepSeek-V2-Lite
-  # batch 1 alternating, and where a step goes with it.
+  # SEGKV_MOE_ONE_LAUNCH (on by default since this part measured it): one token's whole MoE block
+  # in one launch (kernels.expert_mlp.moe_block_one_token): the router's 16 programs first (residual
+  # add, norm, logits, top-k), the shared experts' items waiting only for the normed row, the routed
+  # ones for the ids, so the router's latency overlaps the shared experts' streaming: the block
+  # alone, GPU tests, DeepSeek-V2-Lite batch 1 alternating, and where a step goes with it.
   echo "-- one token's MoE block (us per block)" | tee -a "$log"
   timeout 120 python3 scripts/expert_gemv_sweep.py --block 2>&1 | tail -9 | tee -a "$log"
-  gpu_tests "the MoE block in one launch, first blocks preloaded" SEGKV_MOE_ONE_LAUNCH=1 SEGKV_EXPERT_MLP_PRELOAD=1 -- \
-    tests/test_expert_mlp.py tests/test_deepseek_parity.py tests/test_cuda_graphs.py tests/test_moe_ops.py \
-    -k "expert or moe or deepseek or launch or block"
-  # SEGKV_EXPERT_MLP_PRELOAD=1: items that wait for a row (down items, the block's shared gate/up
-  # items) load their first weight block before the wait
-  for round in 1 2; do
-    for cfg in "SEGKV_MOE_ONE_LAUNCH=0" "SEGKV_MOE_ONE_LAUNCH=1" "SEGKV_MOE_ONE_LAUNCH=1 SEGKV_EXPERT_MLP_PRELOAD=1"; do
-      # shellcheck disable=SC2086
-      e2e "deepseek $cfg" $cfg -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
-    done
-  done
+  gpu_tests "the MoE block in one launch" -- tests/test_expert_mlp.py tests/test_deepseek_parity.py \
+    tests/test_cuda_graphs.py tests/test_moe_ops.py -k "expert or moe or deepseek or launch or block"
+  deepseek_ab SEGKV_MOE_ONE_LAUNCH
   echo "== where a batch-1 graph step goes with it: deepseek-v2-lite, 1K" | tee -a "$log"
-  SEGKV_MOE_ONE_LAUNCH=1 timeout 120 python3 scripts/profile_decode.py --model deepseek-v2-lite --batch 1 \
+  timeout 120 python3 scripts/profile_decode.py --model deepseek-v2-lite --batch 1 \
     --context 1024 --rows 5 --trace /tmp/step.json > /dev/null 2>&1
   python3 scripts/trace_gaps.py /tmp/step.json --kernels --by-grid --min-us 3 --rows 12 2>&1 | tee -a "$log"
+elif [ "$part" = verify ]; then
+  # after a change of defaults or a removal: the attention kernels' GPU tests (bf16 / head_dim 128 /
+  # page 16 grid cases and every other test), the expert, MoE, GEMV, DeepSeek and graph tests, the
+  # MoE block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 (about 7 minutes cold)
+  GPU_TESTS_TIMEOUT=420 gpu_tests "attention kernels" -- tests/test_triton_attention.py tests/test_triton_mla.py \
+    -k "not (test_kernels_match_the_reference or test_latent_kernel_matches_the_reference) or (bf16 and 128 and 16-16)"
+  gpu_tests "experts, MoE, GEMVs, DeepSeek, graphs" -- tests/test_expert_mlp.py tests/test_expert_gemv.py \
+    tests/test_moe_ops.py tests/test_dense_gemv.py tests/test_deepseek_parity.py tests/test_cuda_graphs.py
+  echo "-- one token's MoE block (us per block)" | tee -a "$log"
+  timeout 120 python3 scripts/expert_gemv_sweep.py --block 2>&1 | tail -5 | tee -a "$log"
+  e2e "defaults" -- --models llama-3.1-8b,deepseek-v2-lite --batches 1 --contexts 1K,16K
 elif [ "$part" = onelaunch ]; then
   # SEGKV_EXPERT_ONE_LAUNCH (on by default since this part measured it): one token's gate/up and
   # down expert products (with the shared experts) as one launch whose down items start as each pair's activation is complete
@@ -519,7 +477,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (moeblock, mergehead, mlponelaunch, attnonelaunch, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (verify, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done

@@ -22,14 +22,12 @@ def _weights(num_experts, hidden, inner, s_inner, dtype, gen):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden,inner,s_inner,pairs", [(48, 20, 40, 3), (300, 44, 88, 1), (64, 8, 24, 6)]
                          + ([(2048, 1408, 2816, 6)] if GPU else []))
-@pytest.mark.parametrize("preload", [False, True])
-def test_one_launch_equals_the_two_launches(dtype, hidden, inner, s_inner, pairs, preload, gen, monkeypatch):
+def test_one_launch_equals_the_two_launches(dtype, hidden, inner, s_inner, pairs, gen):
     """Routed pairs and shared experts in one launch give the gate/up launch with the activation
     followed by the plain down launch (to float32 summation order: one rounding apart at most;
     widths that do not fill a block, one and several pairs), with the activation buffers poisoned
     (a down item reading them early would give NaN); three launches back to back on the same
     counters, each on new experts, are all right and leave the counters zero."""
-    monkeypatch.setattr("segkv.kernels.expert_mlp.PRELOAD", preload)  # first weight block before the waits
     gate_up, down, s_gate_up, s_down = _weights(7, hidden, inner, s_inner, dtype, gen)
     counters = torch.zeros(counters_size(pairs), dtype=torch.int32, device=DEVICE)
     xs = [torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE) for _ in range(3)]
@@ -50,6 +48,13 @@ def test_one_launch_equals_the_two_launches(dtype, hidden, inner, s_inner, pairs
         exact = down[e].double() @ (torch.nn.functional.silu(h[:inner]) * h[inner:])
         tol = 1e-4 if dtype == torch.float32 else 5e-2
         torch.testing.assert_close(routed[n].double(), exact, rtol=tol, atol=tol * exact.abs().max().item())
+
+
+def _assert_same_weights(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Router weights (float32) equal up to the logits' summation order: the block launch's
+    programs have more warps than the norm-route launch's, so their cross-warp sums differ."""
+    assert got.dtype == ref.dtype == torch.float32 and torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
 
 
 def _assert_same_sums(got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -109,16 +114,13 @@ def test_moe_layer_runs_one_token_in_one_expert_launch(dtype, gen, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden,experts_count,top_k", [(48, 6, 3), (96, 64, 6)])
-@pytest.mark.parametrize("preload", [False, True])
-def test_whole_block_in_one_launch_equals_route_then_experts(dtype, hidden, experts_count, top_k, preload, gen,
-                                                             monkeypatch):
+def test_whole_block_in_one_launch_equals_route_then_experts(dtype, hidden, experts_count, top_k, gen):
     """``moe_block_one_token``: the router's programs and the expert items in one launch give the
     norm-route launch's sum, weights and ids exactly and the expert launch's outputs on them (to
     float32 summation order), with poisoned activations, twice on the same counters and tickets."""
     from segkv.kernels.moe_ops import norm_route_topk
     from segkv.kernels.expert_mlp import moe_block_one_token
 
-    monkeypatch.setattr("segkv.kernels.expert_mlp.PRELOAD", preload)
     inner, s_inner = 20, 40
     gate_up, down, s_gate_up, s_down = _weights(experts_count, hidden, inner, s_inner, dtype, gen)
     router = (torch.randn(experts_count, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEVICE)
@@ -133,7 +135,8 @@ def test_whole_block_in_one_launch_equals_route_then_experts(dtype, hidden, expe
         assert not counters.any() and not tickets.any()
         h, ref_total, ref_weights, ref_ids = norm_route_topk(x, res, norm_w, 1e-6, router, top_k, tickets,
                                                              scoring="softmax", norm_topk_prob=True, scaling=1.5)
-        assert torch.equal(total, ref_total) and torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+        assert torch.equal(total, ref_total) and torch.equal(ids, ref_ids)
+        _assert_same_weights(weights, ref_weights)
         assert len(set(ids[0].tolist())) == top_k
         ref, s_ref = expert_mlp_one_token(h, ids[0], gate_up, down, s_gate_up, s_down, counters)
         _assert_same_sums(routed, ref)
@@ -187,6 +190,6 @@ def test_moe_block_runs_one_token_in_one_launch(defer, gen, monkeypatch):
         assert torch.equal(total, ref_total)
         if defer:
             assert isinstance(out, PendingCombine) and isinstance(ref_out, PendingCombine)
-            assert torch.equal(out.weights, ref_out.weights)
+            _assert_same_weights(out.weights, ref_out.weights)
             out, ref_out = out.materialize(), ref_out.materialize()
         _assert_same_sums(out, ref_out)

@@ -35,14 +35,6 @@ class PreparedPlan:
     partial_rows: torch.Tensor
 
 
-def project_heads(out: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
-    """``out (R, H, D)`` times each head's ``head_weight (H, V, D)`` -> ``(R, H, V)`` in the
-    weight's dtype: float32 sums of the stored values, rounded once (as ``kernels.head_gemv``)."""
-    if head_weight.dim() != 3 or head_weight.shape[0] != out.shape[1] or head_weight.shape[2] != out.shape[2]:
-        raise ValueError(f"head weights (H, V, D) for outputs {tuple(out.shape)}, got {tuple(head_weight.shape)}")
-    return torch.einsum("rhd,hvd->rhv", out.float(), head_weight.float()).to(head_weight.dtype)
-
-
 def piece_slots(piece: Piece, page_size: int, device: torch.device) -> torch.Tensor:
     """Flat slots ``page_id * page_size + offset`` of a piece's valid rows, in order."""
     if not piece.page_ids:
@@ -120,7 +112,6 @@ class TorchReferenceBackend:
         scale: float,
         out_dtype: torch.dtype | None = None,
         kv_transform: KVTransform | None = None,
-        head_weight: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer.
 
@@ -134,8 +125,6 @@ class TorchReferenceBackend:
             kv_transform: maps each piece's gathered ``(key, value)`` rows to the per-head
                 K/V that are attended, e.g. MLA's naive path decompresses latent rows
                 ``(n, 1, r + rope)`` into ``(n, H, Dk)`` keys and ``(n, H, Dv)`` values.
-            head_weight: ``(Hq, V, Dv)``: each head's output multiplied by its weight
-                (:func:`project_heads`; absorbed MLA's ``W_uv``), so ``out`` is ``(R, Hq, V)``.
 
         Returns:
             ``(out, lse)``: ``(R, Hq, Dv)`` in ``out_dtype`` and ``(R, Hq)`` float32.
@@ -169,5 +158,4 @@ class TorchReferenceBackend:
             partial_lse[start:end] = lse
             start = end
         out, lse = merge_partials(partial_out, partial_lse, prepared.partial_rows, plan.num_query_rows)
-        out = out.to(out_dtype or query.dtype)
-        return (out if head_weight is None else project_heads(out, head_weight)), lse
+        return out.to(out_dtype or query.dtype), lse

@@ -246,24 +246,19 @@ class TritonBackend:
         scale: float,
         out_dtype: torch.dtype | None = None,
         kv_transform=None,
-        head_weight: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer; same arguments and results as the reference backend.
 
         With fixed-size buffers ``query`` may carry padding rows past the plan's rows (a graph
-        bucket); they come out 0 with LSE -inf. ``head_weight`` on a latent cache with one query
-        row: the merge and the per-head output product in one launch (``kernels.latent_output``).
+        bucket); they come out 0 with LSE -inf.
         """
-        from segkv.attention.reference import project_heads
-        from segkv.kernels.latent_output import counters_size as head_counters_size
         from segkv.kernels.mla_attention import mla_paged_attention
-        from segkv.kernels.paged_attention import ONE_LAUNCH as ATTENTION_ONE_LAUNCH
-        from segkv.kernels.paged_attention import one_launch_counters, paged_attention
+        from segkv.kernels.paged_attention import paged_attention
 
         plan = prepared.plan
         if kv_transform is not None:  # naive MLA decompresses pieces: the reference does that
             return self._reference_run(prepared, query, key_cache, value_cache, scale=scale, out_dtype=out_dtype,
-                                       kv_transform=kv_transform, head_weight=head_weight)
+                                       kv_transform=kv_transform)
         rows = query.shape[0]
         if prepared.fixed:
             if not plan.num_query_rows <= rows <= self.capacity.max_rows:
@@ -278,30 +273,22 @@ class TritonBackend:
         dv = value_cache.shape[3]
         workspace = None if prepared.fixed else self._partials_workspace(prepared.num_partials * query.shape[1] * (dv + 1))
         if latent:
-            fused_head = head_weight is not None and rows == 1
-            out, lse = mla_paged_attention(
+            return mla_paged_attention(
                 query=query, latent_cache=key_cache.squeeze(2), rank=dv,
                 **{name: a[name] for name in _FIELDS}, num_partials=prepared.num_partials,
                 max_work_rows=prepared.max_work_rows, scale=scale, out_dtype=out_dtype or query.dtype,
                 needs_merge=prepared.needs_merge, poison=self.poison, workspace=workspace,
-                head_weight=head_weight if fused_head else None,
-                head_counters=self._merge_counters(head_counters_size(query.shape[1])) if fused_head else None,
             )
-            return (out, lse) if head_weight is None or fused_head else (project_heads(out, head_weight), lse)
-        if head_weight is not None:
-            raise ValueError("head_weight is for latent (MLA) caches")
         return paged_attention(
             query=query, key_cache=key_cache, value_cache=value_cache, **{name: a[name] for name in _FIELDS},
             num_partials=prepared.num_partials, max_work_rows=prepared.max_work_rows, scale=scale,
             out_dtype=out_dtype or query.dtype, needs_merge=prepared.needs_merge, launch=self.launch,
             poison=self.poison, workspace=workspace, merge_in_stage1=prepared.merge_in_stage1,
-            counters=(self._merge_counters(one_launch_counters(rows, query.shape[1]))
-                      if prepared.merge_in_stage1 or ATTENTION_ONE_LAUNCH else None),
+            counters=self._merge_counters(rows * query.shape[1]) if prepared.merge_in_stage1 else None,
         )
 
     def _merge_counters(self, entries: int) -> torch.Tensor:
-        """At least ``entries`` int32 merge tickets, all zero (the kernels leave them so): the GQA
-        merge's, or the latent merge-and-product launch's (one launch at a time uses them). A graph
+        """At least ``entries`` int32 merge tickets, all zero (the kernels leave them so). A graph
         bucket's first (uncaptured) step sizes them for its rows, so capture allocates nothing."""
         if self._counters is None or self._counters.numel() < entries:
             self._counters = torch.zeros(max(entries, 1024), dtype=torch.int32, device=self.device)

@@ -33,7 +33,6 @@ from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
 from segkv.kernels.moe_ops import check_combine, combine_row
 from segkv.kernels.pdl import _INTERPRET, capability_major, pdl_options
 from segkv.kernels.settings import env_int
-from segkv.kernels.work_items import wait_full
 
 INPUT_PLAIN, INPUT_GATED, INPUT_NORM, INPUT_COMBINE = 0, 1, 2, 3
 # Weights stream through once a decode step: their lines may leave L2 first, so that activations,
@@ -65,8 +64,7 @@ def register_cap(x: torch.Tensor, input_kind: int) -> int:
 def gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, EXPERT_W, SHARED, stride_x,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INPUT: tl.constexpr, HAS_RES: tl.constexpr,
                KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
-               EXPERTS: tl.constexpr = 1, HAS_SHARED: tl.constexpr = False, SPIN: tl.constexpr = False,
-               spin_ptr=None, spin_need=0):
+               EXPERTS: tl.constexpr = 1, HAS_SHARED: tl.constexpr = False):
     """Program ``(nb, kb)``'s share: the float32 partial product ``(BLOCK_N,)`` of output block
     ``nb`` over input block ``kb``, and (``INPUT_NORM``/``INPUT_COMBINE``, else 0) the slice's sum
     of squares of ``h``; block ``nb == 0`` writes its slice of ``h`` to ``RES_OUT``.
@@ -77,9 +75,7 @@ def gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, EXPERT_
     With ``USE_PDL`` (programmatic dependent launch): the next kernel may be scheduled at once,
     and this one loads its weight block before waiting for the kernel before it (whose output
     ``X`` is): the weight's memory latency overlaps that kernel's tail. ``EVICT_FIRST``: the
-    weight's lines leave the L2 cache first. ``SPIN`` (a launch whose other programs write ``X``):
-    after the weight block's load the program waits until ``spin_ptr`` counts ``spin_need``
-    (``kernels.work_items``) and reads ``X`` through L2."""
+    weight's lines leave the L2 cache first."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -92,15 +88,11 @@ def gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, EXPERT_
         g = tl.load(G + cols, mask=c_ok, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    if SPIN:
-        wait_full(spin_ptr, spin_need)
-    CG: tl.constexpr = ".cg" if SPIN else ""
     if INPUT == 3:
         a = combine_row(X, EXPERT_W, SHARED, 0, cols, c_ok, stride_x, 0, EXPERTS, HAS_SHARED, KIND, BLOCK_K)
     elif INPUT == 1:
-        a = silu_mul_rounded(tl.load(X + cols, mask=c_ok, other=0.0, cache_modifier=CG).to(tl.float32),
-                             tl.load(X + in_dim + cols, mask=c_ok, other=0.0, cache_modifier=CG).to(tl.float32),
-                             KIND)
+        a = silu_mul_rounded(tl.load(X + cols, mask=c_ok, other=0.0).to(tl.float32),
+                             tl.load(X + in_dim + cols, mask=c_ok, other=0.0).to(tl.float32), KIND)
     else:
         a = tl.load(X + cols, mask=c_ok, other=0.0).to(tl.float32)
     square_sum = 0.0
@@ -146,20 +138,18 @@ def finish_block(PART, TICKETS, OUT, nb, out_dim, in_dim, eps, part, square_sum,
                   SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, NORM: tl.constexpr, KIND: tl.constexpr):
     """Program ``(nb, kb)``'s partial product stored, then the split-K ticket: the block's last
     program adds the partials in a fixed order (over the row's rms with ``NORM``), rounds once into
-    ``OUT`` and resets the ticket. Returns whether this program finished the block."""
+    ``OUT`` and resets the ticket."""
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < out_dim
     store_slice(PART, part, square_sum, out_dim, nb, kb, BLOCK_N, SPLIT)
     ticket = tl.atomic_add(TICKETS + nb, 1, sem="acq_rel", scope="gpu")
-    last = ticket == SPLIT - 1
-    if last:
+    if ticket == SPLIT - 1:
         total = partials_total(PART, out_dim, rows, r_ok, SPLIT, SPLIT_P2)
         if NORM:
             total = total / row_rms(PART, out_dim, in_dim, nb, eps, SPLIT, SPLIT_P2)
         # rounded to nearest even by bits (Triton's interpreter truncates a float32 -> bf16 cast)
         tl.store(OUT + rows, round_to_kind(total, KIND).to(OUT.dtype.element_ty), mask=r_ok)
         tl.store(TICKETS + nb, 0)
-    return last
 
 
 @triton.jit

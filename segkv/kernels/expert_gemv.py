@@ -96,20 +96,18 @@ def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constex
     ``FIRST_APART``: the first weight block loads first and, with ``PDL``, the program then waits
     for the previous kernel (programmatic dependent launch) before reading ``x_row``. ``X_CG``: the
     input row is read through L2 (other programs of the same launch wrote it). ``SPIN``: the
-    program first waits until ``spin_ptr`` counts ``spin_need`` (``kernels.work_items``; after the
-    first weight block's load with ``FIRST_APART``): the input row is another program's."""
+    program first waits until ``spin_ptr`` counts ``spin_need`` (``kernels.work_items``): the input
+    row is another program's."""
     offs_o, o_ok = _weight_rows(ob, BLOCK_O, OUT_DIM, ACT)
     acc = tl.zeros([BLOCK_O], tl.float32)
     START: tl.constexpr = BLOCK_I if FIRST_APART else 0
-    if SPIN and not FIRST_APART:
+    if SPIN:
         wait_full(spin_ptr, spin_need)
     if FIRST_APART:
         w = _chunk_weights(w_rows, o_ok, 0, IN, BLOCK_I, EVICT_FIRST)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        if SPIN:
-            wait_full(spin_ptr, spin_need)
         acc = _chunk_product(acc, x_row, w, 0, IN, BLOCK_I, GATED, KIND, X_CG)
     if UNROLL:
         for i0 in tl.static_range(START, IN, BLOCK_I):

@@ -50,14 +50,13 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
               PAIRS: tl.constexpr, HIDDEN: tl.constexpr, INNER: tl.constexpr, S_INNER: tl.constexpr,
               BLOCK_O: tl.constexpr, BLOCK_I_UP: tl.constexpr, BLOCK_I_DOWN: tl.constexpr, EXACT_FP32: tl.constexpr,
               KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, COUNTERS_P2: tl.constexpr, UNROLL: tl.constexpr,
-              ROUTED: tl.constexpr, PRELOAD: tl.constexpr):
+              ROUTED: tl.constexpr):
     """Expert work item ``item`` (see the module docstring): ``X (1, HIDDEN)``; routed ``GU (E,
     2 INNER, HIDDEN)`` ``[gate | up]`` stacks and ``DOWN (E, HIDDEN, INNER)`` for the ``PAIRS``
     experts ``experts[n]``, activations into ``ACT (PAIRS, INNER)``, results into ``OUT (PAIRS,
     HIDDEN)``; shared ``SGU (2 S_INNER, HIDDEN)``, ``SDOWN (HIDDEN, S_INNER)``, ``SACT (S_INNER,)``,
     ``SOUT (HIDDEN,)``. ``ROUTED``: ``X`` and ``experts`` are written by the router's programs of
-    the same launch: the gate/up items wait for their counters and read them through L2.
-    ``PRELOAD``: items that wait for a row load their first weight block before the wait."""
+    the same launch: the gate/up items wait for their counters and read them through L2."""
     UP_BLOCKS: tl.constexpr = (INNER + BLOCK_O // 2 - 1) // (BLOCK_O // 2)
     S_UP_BLOCKS: tl.constexpr = (S_INNER + BLOCK_O // 2 - 1) // (BLOCK_O // 2)
     DOWN_BLOCKS: tl.constexpr = (HIDDEN + BLOCK_O - 1) // BLOCK_O
@@ -68,9 +67,9 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
     if item < UP_ITEMS:
         if item < S_UP_BLOCKS:  # the shared experts' gate/up: not routed, so first
             rows, _ = _weight_rows(item, BLOCK_O, 2 * S_INNER, True)
-            # routed: the normed row is the router's block 0's (the first weight block may load before)
+            # routed: the normed row is the router's block 0's
             _gemv_tile(X, SGU + rows.to(tl.int64) * stride_sguo, SACT, item, HIDDEN, 2 * S_INNER, BLOCK_O,
-                       BLOCK_I_UP, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, PRELOAD if ROUTED else False, False, True,
+                       BLOCK_I_UP, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, False, False, True,
                        ROUTED, ROUTED, COUNTERS + NORM_READY, 1)
             count_done(COUNTERS + _FIXED_COUNTERS + PAIRS)
         else:
@@ -91,16 +90,16 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
         rows = ob * BLOCK_O + tl.arange(0, BLOCK_O)
         if d < DOWN_BLOCKS:  # the shared experts' down: their gate/up items came first
             _gemv_tile(SACT, SDOWN + rows.to(tl.int64) * stride_sdo, SOUT, ob, S_INNER, HIDDEN, BLOCK_O,
-                       BLOCK_I_DOWN, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, PRELOAD, False, False, True,
+                       BLOCK_I_DOWN, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, False, False, False, True,
                        True, COUNTERS + _FIXED_COUNTERS + PAIRS, S_UP_BLOCKS)
         else:
             n = d // DOWN_BLOCKS - 1
-            if ROUTED:  # the ids first: the weights' address (and preload) needs them
+            if ROUTED:  # the ids first: the weights' address needs them
                 wait_full(COUNTERS + NORM_READY + 1, 1)
             expert = tl.load(experts + n, cache_modifier=CG).to(tl.int64)
             _gemv_tile(ACT + n * INNER, DOWN + expert * stride_de + rows.to(tl.int64) * stride_do,
                        OUT + n * HIDDEN, ob, INNER, HIDDEN, BLOCK_O, BLOCK_I_DOWN, EXACT_FP32, False, KIND, UNROLL,
-                       EVICT_FIRST, PRELOAD, False, False, True, True, COUNTERS + _FIXED_COUNTERS + n, UP_BLOCKS)
+                       EVICT_FIRST, False, False, False, True, True, COUNTERS + _FIXED_COUNTERS + n, UP_BLOCKS)
         leave_zero_if_last(COUNTERS + 1, ITEMS - UP_ITEMS, COUNTERS, PAIRS + _FIXED_COUNTERS + 1 + _ROUTE_COUNTERS,
                            COUNTERS_P2)
 
@@ -112,13 +111,13 @@ def _expert_mlp_kernel(
     PAIRS: tl.constexpr, HIDDEN: tl.constexpr, INNER: tl.constexpr, S_INNER: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_I_UP: tl.constexpr, BLOCK_I_DOWN: tl.constexpr, EXACT_FP32: tl.constexpr,
     KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, COUNTERS_P2: tl.constexpr, USE_PDL: tl.constexpr,
-    UNROLL: tl.constexpr = True, PRELOAD: tl.constexpr = False,
+    UNROLL: tl.constexpr = True,
 ):
     """One expert work item per program (:func:`_mlp_item`); ``COUNTERS``: int32 zeros, left zero."""
     item = claim_item(COUNTERS, USE_PDL)
     _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUNTERS,
               stride_gue, stride_guo, stride_de, stride_do, stride_sguo, stride_sdo, PAIRS, HIDDEN, INNER, S_INNER,
-              BLOCK_O, BLOCK_I_UP, BLOCK_I_DOWN, EXACT_FP32, KIND, EVICT_FIRST, COUNTERS_P2, UNROLL, False, PRELOAD)
+              BLOCK_O, BLOCK_I_UP, BLOCK_I_DOWN, EXACT_FP32, KIND, EVICT_FIRST, COUNTERS_P2, UNROLL, False)
 
 
 @triton.jit
@@ -133,7 +132,7 @@ def _moe_block_kernel(
     HIDDEN: tl.constexpr, INNER: tl.constexpr, S_INNER: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_I_UP: tl.constexpr, BLOCK_I_DOWN: tl.constexpr, EXACT_FP32: tl.constexpr,
     KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, COUNTERS_P2: tl.constexpr, USE_PDL: tl.constexpr,
-    UNROLL: tl.constexpr = True, PRELOAD: tl.constexpr = False,
+    UNROLL: tl.constexpr = True,
 ):
     """One token's whole MoE block: the first ``ROUTER_BLOCKS`` items are the router's programs
     (``moe_ops.norm_route_program``: the residual add ``RES_OUT = XO + RES``, its RMSNorm ``X``, the
@@ -149,8 +148,7 @@ def _moe_block_kernel(
     else:
         _mlp_item(item - ROUTER_BLOCKS, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUNTERS,
                   stride_gue, stride_guo, stride_de, stride_do, stride_sguo, stride_sdo, K, HIDDEN, INNER, S_INNER,
-                  BLOCK_O, BLOCK_I_UP, BLOCK_I_DOWN, EXACT_FP32, KIND, EVICT_FIRST, COUNTERS_P2, UNROLL, True,
-                  PRELOAD)
+                  BLOCK_O, BLOCK_I_UP, BLOCK_I_DOWN, EXACT_FP32, KIND, EVICT_FIRST, COUNTERS_P2, UNROLL, True)
 
 
 # 16 outputs a program (8 gate rows with their 8 up rows). Measured on the H200 (DeepSeek-V2-Lite,
@@ -159,10 +157,6 @@ def _moe_block_kernel(
 # warps 39.3 us, 505 / 438-439; 512 x 4 warps 37.5 us but 506-507 / 430-431; 256 x 8 warps 514 /
 # 445-446; 128, 1024, 2048 inputs, 16 warps and the pipelined (not unrolled) loop were slower.
 BLOCK_O, BLOCK_I, NUM_WARPS = 16, 512, 8
-# items that wait for another's row (down items for their activation; in the block launch the
-# shared gate/up items for the normed row) load their first weight block before the wait
-# (SEGKV_EXPERT_MLP_PRELOAD=1); off until measured on a GPU
-PRELOAD = env_int("SEGKV_EXPERT_MLP_PRELOAD", 0) == 1
 
 
 def counters_size(pairs: int) -> int:
@@ -221,7 +215,7 @@ def _prepare_experts(name: str, x: torch.Tensor, pairs: int, gate_up: torch.Tens
                 BLOCK_I_DOWN=min(block_i, triton.next_power_of_2(max(inner, s_inner))),
                 EXACT_FP32=kernel_dtype == torch.float32, KIND=kind_of(x.dtype), EVICT_FIRST=WEIGHTS_EVICT_FIRST,
                 COUNTERS_P2=triton.next_power_of_2(counters_size(pairs)),
-                UNROLL=env_int("SEGKV_EXPERT_MLP_UNROLL", 1) == 1, PRELOAD=PRELOAD,
+                UNROLL=env_int("SEGKV_EXPERT_MLP_UNROLL", 1) == 1,
                 num_warps=env_int("SEGKV_EXPERT_MLP_WARPS", NUM_WARPS), num_stages=env_int("SEGKV_EXPERT_MLP_STAGES", 3))
     return _ExpertLaunch(
         _activation_buffer((pairs, inner), kernel_dtype, x.device, poison),

@@ -293,14 +293,11 @@ def mla_paged_attention(
     *, query, latent_cache, rank, page_table, page_rows, page_key_start, work_pages, work_partial_start,
     partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
-    poison=False, workspace=None, head_weight=None, head_counters=None,
+    poison=False, workspace=None,
 ):
     """Absorbed MLA over a plan: query ``(R, H, rank + rope)``, latent_cache ``(P, page_size,
     rank + rope)`` (or any view with unit column stride); the plan tensors and ``workspace`` as in
     ``paged_attention``. Returns ``(out (R, H, rank) out_dtype, lse (R, H) float32)``.
-    ``head_weight (H, v, rank)`` (one query row): the merge and each head's product with its
-    weight in one launch (``kernels.latent_output``, with ``head_counters``): returns ``(out (1,
-    H, v), lse)``, ``out[0, h] = head_weight[h] @ latent_out[0, h]``.
     """
     num_rows, num_heads, width = query.shape
     page_size = latent_cache.shape[1]
@@ -328,11 +325,6 @@ def mla_paged_attention(
             scale, num_heads, num_work, value_split_max_partials(launch, query.device), **meta,
             **attention_pdl_options(query),
         )
-    if head_weight is not None:
-        from segkv.kernels.latent_output import merge_with_head_gemv
-
-        return merge_with_head_gemv(out, lse, part_out, part_lse, reduce_ptr, reduce_partials, head_weight,
-                                    head_counters).unsqueeze(0), lse
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
     return out.to(out_dtype), lse

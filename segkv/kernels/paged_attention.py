@@ -68,34 +68,7 @@ def _stage1_kernel(
     else:
         w = tl.program_id(0)
         kvh = tl.program_id(1)
-    stage1_program(
-        Q, K, V, OUT, LSE, FINAL, FINAL_LSE,
-        page_table, page_rows, page_key_start, work_pages, work_partial_start, partial_row,
-        partial_offset, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
-        stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
-        stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, stride_c,
-        scale, num_rows, w, kvh, tl.program_id(2),
-        GROUP, DK, DV, BLOCK_M, BLOCK_DK, BLOCK_DV, PAGE_SIZE, BLOCK_N, EXACT_FP32, MERGE, USE_PDL, TRANSPOSED,
-        PLAN_EARLY, MERGE_LANES, MERGE_CHUNKED, False)
-
-
-@triton.jit
-def stage1_program(
-    Q, K, V, OUT, LSE, FINAL, FINAL_LSE,
-    page_table, page_rows, page_key_start, work_pages, work_partial_start, partial_row,
-    partial_offset, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
-    stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
-    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, stride_c,
-    scale, num_rows, w, kvh, mb,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, MERGE: tl.constexpr, USE_PDL: tl.constexpr,
-    TRANSPOSED: tl.constexpr, PLAN_EARLY: tl.constexpr, MERGE_LANES: tl.constexpr, MERGE_CHUNKED: tl.constexpr,
-    COUNT: tl.constexpr,
-):
-    """:func:`_stage1_kernel`'s program for work item ``w``, KV head ``kvh`` and pair block ``mb``.
-    ``COUNT`` (a launch whose merge items wait for the partials): each stored partial that is not
-    its row's only one counts itself in ``COUNTERS[row, head]`` (release)."""
+    mb = tl.program_id(2)
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     p0 = tl.load(work_partial_start + w)
@@ -173,10 +146,6 @@ def stage1_program(
         acc = tl.trans(acc)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
                    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, valid)
-    if COUNT:
-        shared = valid & (tl.load(partial_direct + partial, mask=valid, other=0) < 0)
-        tl.debug_barrier()  # every thread's partial stores come before the counts (released by them)
-        tl.atomic_add(COUNTERS + qrow * stride_c + head, 1, mask=shared, sem="release", scope="gpu")
     if MERGE > 8 or (MERGE > 0 and MERGE_CHUNKED):
         merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
                             stride_c, OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp,
@@ -205,19 +174,9 @@ def _merge_kernel(
     host's plan) before waiting for stage 1; ``TRIGGER`` is when the next kernel may launch: 0 at
     once (its programs load their weights while stage 1 and the merge run), 1 right after the
     wait, 2 when the merge ends (its weight loads do not compete with the merge's)."""
-    merge_program(PART_OUT, PART_LSE, OUT, OUT_LSE, reduce_ptr, reduce_partials, stride_pp, stride_ph, stride_lp,
-                  stride_or, stride_oh, stride_lr, tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                  DV, BLOCK_DV, BLOCK_P, USE_PDL, PLAN_EARLY, TRIGGER)
-
-
-@triton.jit
-def merge_program(PART_OUT, PART_LSE, OUT, OUT_LSE, reduce_ptr, reduce_partials, stride_pp, stride_ph, stride_lp,
-                  stride_or, stride_oh, stride_lr, row, head, cb, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr, PLAN_EARLY: tl.constexpr, TRIGGER: tl.constexpr,
-                  THROUGH_L2: tl.constexpr = False):
-    """:func:`_merge_kernel`'s program ``(row, head, cb)`` (a launch of other work calls it too;
-    ``THROUGH_L2``: the partials are read through L2, other programs of the launch wrote them)."""
-    CG: tl.constexpr = ".cg" if THROUGH_L2 else ""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    cb = tl.program_id(2)
     if USE_PDL and TRIGGER == 0:  # the next kernel reads the merge's output only after its own wait
         tl.extra.cuda.gdc_launch_dependents()
     start = tl.load(reduce_ptr + row)
@@ -243,9 +202,9 @@ def merge_program(PART_OUT, PART_LSE, OUT, OUT_LSE, reduce_ptr, reduce_partials,
         ok = i0 + offs_p < end
         p = p_next
         p_next = tl.load(reduce_partials + i0 + BLOCK_P + offs_p, mask=i0 + BLOCK_P + offs_p < end, other=0)
-        lse = tl.load(PART_LSE + p * stride_lp + head, mask=ok, other=float("-inf"), cache_modifier=CG)
+        lse = tl.load(PART_LSE + p * stride_lp + head, mask=ok, other=float("-inf"))
         o = tl.load(PART_OUT + p[:, None] * stride_pp + head * stride_ph + offs[None, :],
-                    mask=ok[:, None] & col_ok[None, :], other=0.0, cache_modifier=CG)
+                    mask=ok[:, None] & col_ok[None, :], other=0.0)
         m_new = tl.maximum(m, tl.max(lse, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)  # rescales what earlier blocks summed; 0 while nothing was live
@@ -361,10 +320,8 @@ def paged_attention(
     ``merge_in_stage1``: every work item holds one query row and no row has more than
     :data:`MERGE_IN_STAGE1_MAX_PARTIALS` partials (the caller's promise): stage 1 merges the rows
     itself, with ``counters``, int32 zeros of at least ``R * Hq`` entries that every launch leaves
-    zero, and no merge kernel runs. With :data:`ONE_LAUNCH` a plan that needs the merge runs it in
-    stage 1's launch (``kernels.attention_one_launch``) when ``counters`` has ``R * Hq + 2``
-    entries. Returns ``(out (R, Hq, Dv) out_dtype, lse (R, Hq) float32)``; rows without partials
-    are 0 with LSE -inf.
+    zero, and no merge kernel runs. Returns ``(out (R, Hq, Dv) out_dtype, lse (R, Hq)
+    float32)``; rows without partials are 0 with LSE -inf.
     """
     num_rows, num_heads, dk = query.shape
     page_size, num_kv = key_cache.shape[1], key_cache.shape[2]
@@ -378,31 +335,11 @@ def paged_attention(
                 and counters is not None and counters.numel() >= num_rows * num_heads):
             raise ValueError(f"merge in stage 1 needs work items of one row, at most "
                              f"{MERGE_IN_STAGE1_MAX_PARTIALS} partials per row and {num_rows * num_heads} counters")
-    one_launch = bool(ONE_LAUNCH and not merged and needs_merge and num_work and num_partials and num_rows
-                      and counters is not None and counters.numel() >= one_launch_counters(num_rows, num_heads))
     if num_work and num_partials:
         meta = stage1_launch(dtype=query.dtype, dk=dk, dv=dv, group=group, page_size=page_size,
                              max_work_rows=max_work_rows, element_size=key_cache.element_size(), launch=launch)
         meta["MERGE"] = MERGE_IN_STAGE1_MAX_PARTIALS if merged else 0
         blocks = triton.cdiv(max_work_rows * group, meta["BLOCK_M"])
-    if one_launch:  # stage 1 and the merge as work items of one launch (kernels.attention_one_launch)
-        from segkv.kernels.attention_one_launch import _attention_one_launch_kernel
-
-        block_dv = merge_block_dv(dv)
-        items = num_work * num_kv * blocks + num_rows * num_heads * triton.cdiv(dv, block_dv)
-        _attention_one_launch_kernel[(items,)](
-            query, key_cache, value_cache, part_out, part_lse, out, lse,
-            page_table, page_rows, page_key_start, work_pages, work_partial_start,
-            partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials, counters,
-            query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-            part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
-            lse.stride(0), num_heads, scale, num_rows, num_work, num_heads, **meta, NUM_KV=num_kv,
-            PAIR_BLOCKS=blocks, MERGE_DV=block_dv, MERGE_P=16 if block_dv > 256 else 64,
-            **attention_pdl_options(query),
-        )
-        return out.to(out_dtype), lse
-    if num_work and num_partials:
         grid = (num_kv, num_work, blocks) if meta["HEADS_FASTEST"] else (num_work, num_kv, blocks)
         _stage1_kernel[grid](
             query, key_cache, value_cache, part_out, part_lse, out, lse,
@@ -525,15 +462,6 @@ def attention_outputs(query, dv: int, num_partials: int, out_dtype, poison: bool
 # From 16 partials the last program merges its query row's heads a chunk of partials at a time
 # (merge_group_if_last; 16-64 not yet measured with it: the whole-row version at 16 lost 1%).
 MERGE_IN_STAGE1_MAX_PARTIALS = env_int("SEGKV_MERGE_IN_STAGE1_MAX", 8)
-# plans merged by a merge launch run stage 1 and the merge as one launch instead
-# (kernels.attention_one_launch; the caller passes counters); off until measured on a GPU
-ONE_LAUNCH = env_int("SEGKV_ATTENTION_ONE_LAUNCH", 0) == 1
-
-
-def one_launch_counters(rows: int, heads: int) -> int:
-    """int32 counters the one launch over ``rows`` query rows of ``heads`` heads needs: a count
-    per (row, head), the dispenser and the merge items' count (zeros; every launch leaves them so)."""
-    return rows * heads + 2
 # SEGKV_MERGE_IN_STAGE1_CHUNKED=1: the chunked merge for rows of 2-8 partials too (offline, sm_90a,
 # head_dim 128: 168 registers at 4 heads per KV head against the whole-row merge's 232)
 MERGE_IN_STAGE1_CHUNKED = env_int("SEGKV_MERGE_IN_STAGE1_CHUNKED", 0) == 1

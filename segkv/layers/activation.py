@@ -49,8 +49,7 @@ class GatedMLP(nn.Module):
                            defer_combine: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """A pre-norm block's second half: ``(self(norm(x + residual)), x + residual)``. At one
         row on CUDA with gate and up stacked, the residual add and the norm run inside the gate/up
-        product's launch and SiLU-and-mul inside the down product's, or both products in one
-        launch (``layers.linear.RowProduct.mlp_after_norm``).
+        product's launch and SiLU-and-mul inside the down product's (``layers.linear.RowProduct``).
         ``defer_combine`` is for mixture-of-experts MLPs and has no effect here."""
         rows = self._row_product
         if not (self._gate_up is not None and self._gate_up[1] is None and self.down_proj.bias is None
@@ -58,7 +57,8 @@ class GatedMLP(nn.Module):
                 and self.down_proj.weight.dtype == x.dtype):
             h, residual = norm.add_and_norm(x, residual)
             return self(h), residual
-        return rows.mlp_after_norm(x, residual, norm.weight, norm.eps, self._gate_up[0], self.down_proj.weight)
+        gate_up, residual = rows.after_norm(x, residual, norm.weight, norm.eps, self._gate_up[0])
+        return rows.gated(gate_up, self.down_proj.weight), residual
 
 
 def stack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -23,9 +23,6 @@ from segkv.kernels.settings import env_int
 BATCH1_GEMV = env_int("SEGKV_BATCH1_GEMV", 1) == 1
 BATCH1_FUSED_GEMV = env_int("SEGKV_BATCH1_FUSED_GEMV", 1) == 1
 BATCH1_QKV_ROPE = env_int("SEGKV_BATCH1_QKV_ROPE", 1) == 1
-# a pre-norm gated MLP's gate/up and down products as one launch (kernels.gated_mlp: the down
-# items of an input block start when its gate and up blocks are stored); off until measured
-BATCH1_MLP_ONE_LAUNCH = env_int("SEGKV_BATCH1_MLP_ONE_LAUNCH", 0) == 1
 
 
 def launch_for(in_dim: int) -> tuple[int, int]:
@@ -54,7 +51,6 @@ class RowProduct:
     def __init__(self, *, fused_decoder: bool = False) -> None:
         self.fused_decoder = fused_decoder
         self._workspace: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._counters: dict[tuple, torch.Tensor] = {}  # kernels.gated_mlp's, per (device, inner, block_k)
 
     @property
     def enabled(self) -> bool:
@@ -77,28 +73,6 @@ class RowProduct:
         from segkv.kernels.dense_gemv import gated_splitk_gemv
 
         return gated_splitk_gemv(gate_up, weight, **self._launch(weight))
-
-    def mlp_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                       gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(down @ silu(gate) * up, x + residual)`` of :meth:`after_norm` with ``gate_up`` then
-        :meth:`gated` with ``down``: one launch (``kernels.gated_mlp``) where
-        ``SEGKV_BATCH1_MLP_ONE_LAUNCH`` is on and both products take the same blocks in whole
-        slices; else the two launches."""
-        from segkv.kernels.gated_mlp import counters_size, fits, gated_mlp_one_row
-
-        blocks = launch_for(gate_up.shape[1])
-        if not (BATCH1_MLP_ONE_LAUNCH and blocks == launch_for(down.shape[1])
-                and fits(down.shape[0], down.shape[1], *blocks)):
-            h, total = self.after_norm(x, residual, norm_weight, eps, gate_up)
-            return self.gated(h, down), total
-        up_launch, down_launch = self._launch(gate_up), self._launch(down)
-        key = (x.device, down.shape[1], blocks[1])
-        if key not in self._counters:  # left zero by every launch
-            self._counters[key] = torch.zeros(counters_size(down.shape[1], blocks[1]), dtype=torch.int32,
-                                              device=x.device)
-        return gated_mlp_one_row(x, residual, norm_weight, eps, gate_up, down, self._counters[key],
-                                 block_n=blocks[0], block_k=blocks[1], up_workspace=up_launch["workspace"],
-                                 down_workspace=down_launch["workspace"], evict_first=up_launch["evict_first"])
 
     def after_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,9 +29,6 @@ MLA_ROPE = env_int("SEGKV_BATCH1_MLA_ROPE", 1) == 1
 # GEMVs with PDL (kernels.head_gemv) instead of batched GEMMs (H200, DeepSeek-V2-Lite batch 1,
 # alternating, two rounds: 465-468 / 398-401 -> 481-482 / 411-417 tok/s at 1K / 16K)
 LATENT_GEMV = env_int("SEGKV_BATCH1_LATENT_GEMV", 1) == 1
-# with it, the latent merge and the W_uv product in one launch (kernels.latent_output: the product's
-# programs load their weights while the merge runs); off until measured on a GPU
-MERGE_HEAD_GEMV = env_int("SEGKV_MLA_MERGE_HEAD_GEMV", 0) == 1
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
 
 
@@ -264,9 +261,6 @@ class MultiHeadLatentAttention(nn.Module):
         else:  # (H, T, n) @ (H, n, r) into the (H, T, r) view of the query's latent columns
             torch.bmm(q_nope.transpose(0, 1), w_uk, out=query[..., :rank].transpose(0, 1))
         storage, layer = meta.storage, self.layer_index
-        if per_head and MERGE_HEAD_GEMV:  # the merge and the W_uv product in one launch: (1, H, v)
-            return meta.backend.run(meta.prepared, query, storage.key_cache(layer), storage.value_cache(layer),
-                                    scale=self.scale, head_weight=w_uv)[0]
         out, _ = meta.backend.run(meta.prepared, query, storage.key_cache(layer), storage.value_cache(layer),
                                   scale=self.scale)  # (T, H, r)
         if per_head:

@@ -29,7 +29,7 @@ ONE_LAUNCH_MLP = env_int("SEGKV_EXPERT_ONE_LAUNCH", 1) == 1
 # with it, the norm, the router and its top-k in the same launch too (kernels.expert_mlp.moe_block_one_token:
 # the shared experts' items wait only for the normed row, the routed ones for the ids); off until
 # measured on a GPU
-ONE_LAUNCH_BLOCK = env_int("SEGKV_MOE_ONE_LAUNCH", 0) == 1
+ONE_LAUNCH_BLOCK = env_int("SEGKV_MOE_ONE_LAUNCH", 1) == 1
 
 
 @dataclass(slots=True, frozen=True)
