@@ -41,6 +41,8 @@
 #   moeblock  one token's whole MoE block (norm, router, top-k, experts) in one launch
 #             (SEGKV_MOE_ONE_LAUNCH, the default) against the norm-route launch and the experts'
 #             launch: the block alone, GPU tests, DeepSeek-V2-Lite batch 1 alternating, a profile.
+#   latent16k  Nsight Compute on the latent stage 1 at batch 1 / 16K and DeepSeek-V2-Lite's 16K step
+#             by kernel and grid (about 3 minutes; not yet run).
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
@@ -264,6 +266,15 @@ elif [ "$part" = transposed ]; then
     e2e "qwen3-32b batch 8 transposed from $min_pairs pairs" SEGKV_TRITON_TRANSPOSED=$min_pairs -- --models qwen3-32b \
       --batches 8 --contexts 1K,16K
   done
+elif [ "$part" = latent16k ]; then
+  # why DeepSeek-V2-Lite's latent stage 1 streams 19 MB a layer at about 1.3 TB/s at 16K (14 us of
+  # an 82 us layer; 60% of the limit needs about 4 us less a layer): Nsight Compute's counters of
+  # the kernel at batch 1 / 16K, then the model's step at 16K by kernel and grid
+  bash scripts/ncu_kernels.sh latent16k 2>&1 | tee -a "$log"
+  echo "== where a batch-1 graph step goes: deepseek-v2-lite, 16K, by kernel and grid" | tee -a "$log"
+  timeout 120 python3 scripts/profile_decode.py --model deepseek-v2-lite --batch 1 --context 16384 --rows 5 \
+    --trace /tmp/step.json > /dev/null 2>&1
+  python3 scripts/trace_gaps.py /tmp/step.json --kernels --by-grid --min-us 3 --rows 14 2>&1 | tee -a "$log"
 elif [ "$part" = profile ]; then
   # where a batch-1 graph step goes now, each kernel's launch sizes apart (an expert GEMV's gate/up
   # and down products; stage 1 at 1K and 16K)
@@ -477,7 +488,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (verify, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done

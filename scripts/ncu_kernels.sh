@@ -2,7 +2,8 @@
 # Nsight Compute counters of the stage-1 attention kernels (GPU machine): DRAM throughput,
 # registers, resident warps, issue rate and the stall reasons per issued instruction, for one
 # split launch of each. Needs ncu (present on the device machine); clocks are left alone.
-#   usage: bash scripts/ncu_kernels.sh            (results under $OUT/ncu.txt)
+#   usage: bash scripts/ncu_kernels.sh [latent16k]  (results under $OUT/ncu.txt; latent16k: only the
+#          latent stage 1 at batch 1 / 16K and pages of 32, DeepSeek-V2-Lite's decode at 16K)
 # The latent cases are 16 heads, batch 1, 128K and 1K (the 2nd launch is the split kernel); the
 # GQA cases are Llama-3-8B, batch 4, 32K, and the cascade's first launch (its 64-pair programs).
 set -uo pipefail
@@ -20,6 +21,13 @@ for stall in long_scoreboard short_scoreboard wait barrier math_pipe_throttle mi
 done
 show() { grep -E "_kernel \(|grid_size|duration|dram__|registers|warps_active|issue_active|inst_exec|tensor|stalled" \
   | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//; s/ +/ /g'; }
+if [ "${1:-all}" = latent16k ]; then
+  echo "== latent stage 1: 16 heads, batch 1, 16K, pages of 32"
+  timeout 200 ncu --clock-control none --kernel-name regex:_mla_stage1 --launch-skip 1 --launch-count 1 \
+    --metrics "$metrics" python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 \
+    --contexts 16384 --dtypes bfloat16 --page-size 32 --trials 1 2>&1 | show | tee "$OUT/ncu.txt"
+  exit 0
+fi
 {
   echo "== latent stage 1: 16 heads, batch 1, 128K"
   timeout 200 ncu --clock-control none --kernel-name regex:_mla_stage1 --launch-skip 1 --launch-count 1 \
