@@ -42,7 +42,8 @@
 #             (SEGKV_MOE_ONE_LAUNCH, the default) against the norm-route launch and the experts'
 #             launch: the block alone, GPU tests, DeepSeek-V2-Lite batch 1 alternating, a profile.
 #   latent16k  Nsight Compute on the latent stage 1 at batch 1 / 16K and DeepSeek-V2-Lite's 16K step
-#             by kernel and grid (about 3 minutes; not yet run).
+#             by kernel and grid (about 1 minute; docs/benchmarks.md, "DeepSeek-V2-Lite at 16K: the
+#             latent stage 1").
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
