@@ -122,34 +122,22 @@ def _splitk_gemv_kernel(X, RES, G, RES_OUT, W, OUT, PART, TICKETS, stride_w, out
     part, square_sum = gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, EXPERT_W, SHARED,
                                   stride_x, BLOCK_N, BLOCK_K, INPUT, HAS_RES, KIND, EVICT_FIRST, USE_PDL, EXPERTS,
                                   HAS_SHARED)
-    NORM: tl.constexpr = INPUT >= 2
-    if SPLIT == 1:
-        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        if NORM:
-            part = part / tl.sqrt(square_sum / in_dim + eps)
-        tl.store(OUT + rows, round_to_kind(part, KIND).to(OUT.dtype.element_ty), mask=rows < out_dim)
-    else:
-        finish_block(PART, TICKETS, OUT, nb, out_dim, in_dim, eps, part, square_sum, kb, BLOCK_N, SPLIT, SPLIT_P2,
-                     NORM, KIND)
-
-
-@triton.jit
-def finish_block(PART, TICKETS, OUT, nb, out_dim, in_dim, eps, part, square_sum, kb, BLOCK_N: tl.constexpr,
-                  SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, NORM: tl.constexpr, KIND: tl.constexpr):
-    """Program ``(nb, kb)``'s partial product stored, then the split-K ticket: the block's last
-    program adds the partials in a fixed order (over the row's rms with ``NORM``), rounds once into
-    ``OUT`` and resets the ticket."""
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < out_dim
-    store_slice(PART, part, square_sum, out_dim, nb, kb, BLOCK_N, SPLIT)
-    ticket = tl.atomic_add(TICKETS + nb, 1, sem="acq_rel", scope="gpu")
-    if ticket == SPLIT - 1:
-        total = partials_total(PART, out_dim, rows, r_ok, SPLIT, SPLIT_P2)
-        if NORM:
-            total = total / row_rms(PART, out_dim, in_dim, nb, eps, SPLIT, SPLIT_P2)
-        # rounded to nearest even by bits (Triton's interpreter truncates a float32 -> bf16 cast)
-        tl.store(OUT + rows, round_to_kind(total, KIND).to(OUT.dtype.element_ty), mask=r_ok)
-        tl.store(TICKETS + nb, 0)
+    if SPLIT == 1:
+        if INPUT >= 2:
+            part = part / tl.sqrt(square_sum / in_dim + eps)
+        tl.store(OUT + rows, round_to_kind(part, KIND).to(OUT.dtype.element_ty), mask=r_ok)
+    else:
+        store_slice(PART, part, square_sum, out_dim, nb, kb, BLOCK_N, SPLIT)
+        ticket = tl.atomic_add(TICKETS + nb, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT - 1:
+            total = partials_total(PART, out_dim, rows, r_ok, SPLIT, SPLIT_P2)
+            if INPUT >= 2:
+                total = total / row_rms(PART, out_dim, in_dim, nb, eps, SPLIT, SPLIT_P2)
+            # rounded to nearest even by bits (Triton's interpreter truncates a float32 -> bf16 cast)
+            tl.store(OUT + rows, round_to_kind(total, KIND).to(OUT.dtype.element_ty), mask=r_ok)
+            tl.store(TICKETS + nb, 0)
 
 
 @triton.jit

@@ -191,7 +191,7 @@ WIDE_BLOCK_I = 256
 
 # with programmatic dependent launch, the weights' first block requested before the wait: the shared
 # experts' always, the routed experts' where the ids are older than the previous launch (the down
-# product). SEGKV_EXPERT_PRELOAD=1; off by default until measured on a GPU.
+# product). SEGKV_EXPERT_PRELOAD=1; off: it measured level on the H200 (docs/configuration.md).
 PRELOAD = env_int("SEGKV_EXPERT_PRELOAD", 0) == 1
 
 # The gate/up product writing silu(gate) * up itself (for the MoE layer's packed experts; 0 turns it

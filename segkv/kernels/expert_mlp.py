@@ -16,6 +16,10 @@ knows every gate/up item is held by a running program, and its wait ends (no dea
 the occupancy). The last down item to pass its wait sets the counters back to 0 for the next
 launch. Each item computes what the two-launch path computes (same blocks, float32 sums, same
 roundings).
+
+:func:`moe_block_one_token` (the default for a fused MoE block at one token) puts the router's
+programs (residual add, RMSNorm, logits, top-k) before these items in the same launch: the shared
+experts' gate/up items wait for the normed row, the routed ones for the ids too.
 """
 
 from __future__ import annotations

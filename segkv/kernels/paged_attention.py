@@ -62,6 +62,8 @@ def _stage1_kernel(
     merge launch. ``TRANSPOSED``: the K/V tile as the tall operand (scores ``(BLOCK_N, BLOCK_M)``,
     accumulator ``(BLOCK_DV, BLOCK_M)``, :func:`online_softmax_step_transposed`). ``PLAN_EARLY``
     (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait."""
+    PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
+    SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
         kvh = tl.program_id(0)
         w = tl.program_id(1)
@@ -69,8 +71,6 @@ def _stage1_kernel(
         w = tl.program_id(0)
         kvh = tl.program_id(1)
     mb = tl.program_id(2)
-    PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
-    SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
     if PLAN_EARLY:  # the rest of the host's plan too, before the wait
@@ -174,11 +174,11 @@ def _merge_kernel(
     host's plan) before waiting for stage 1; ``TRIGGER`` is when the next kernel may launch: 0 at
     once (its programs load their weights while stage 1 and the merge run), 1 right after the
     wait, 2 when the merge ends (its weight loads do not compete with the merge's)."""
+    if USE_PDL and TRIGGER == 0:  # the next kernel reads the merge's output only after its own wait
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     head = tl.program_id(1)
     cb = tl.program_id(2)
-    if USE_PDL and TRIGGER == 0:  # the next kernel reads the merge's output only after its own wait
-        tl.extra.cuda.gdc_launch_dependents()
     start = tl.load(reduce_ptr + row)
     end = tl.load(reduce_ptr + row + 1)
     if end - start == 1:  # stage 1 already wrote this row's only partial, rounded once

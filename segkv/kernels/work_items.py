@@ -1,12 +1,12 @@
 """Triton building blocks of launches whose programs take work items in order.
 
 A launch of several kinds of work, where some items need others' results (the experts' down
-products their activation, a head's output product its merged row), gives each program its item
-from an atomic dispenser instead of its program id: items then start in order whatever order the
-GPU starts programs in, so an item that waits for earlier ones (:func:`wait_full`) knows each of
-them is held by a running program, and its wait ends at any occupancy. Producers count themselves
-in (:func:`count_done`, release); waiters spin on an acquire load. The launch's last waiter sets
-the counters back to 0 for the next launch.
+products their activation, their gate/up products the router's normed row and ids), gives each
+program its item from an atomic dispenser instead of its program id: items then start in order
+whatever order the GPU starts programs in, so an item that waits for earlier ones
+(:func:`wait_full`) knows each of them is held by a running program, and its wait ends at any
+occupancy. Producers count themselves in (:func:`count_done`, release); waiters spin on an
+acquire load. The launch's last waiter sets the counters back to 0 for the next launch.
 """
 
 from __future__ import annotations
