@@ -645,3 +645,58 @@ def test_pipeline_stages_shrink_to_fit_shared_memory():
     assert stages_that_fit(3, 32 * 576 * 4) == 3  # float32 latent rows, 32 per tile
     assert stages_that_fit(3, 64 * 576 * 4) == 2  # float32 latent rows, page 64
     assert stages_that_fit(2, 1) == 2 and stages_that_fit(3, 10**9) == 1
+
+
+@pytest.mark.skipif(not GPU, reason="programmatic dependent launch needs the GPU")
+def test_a_graphs_merge_without_partials_still_orders_the_next_kernel(gen):
+    """A CUDA graph captured over a split plan keeps its merge launch; replayed over a one-piece
+    plan every row has a single partial, stage 1 writes the rows itself and the merge has nothing
+    to do. The kernel after the merge (here the o-projection GEMV, as in a decode step) waits only
+    for the merge under programmatic dependent launch, so the merge must not end before stage 1
+    has: a long stage 1 (64K rows, one program per KV head) and poisoned outputs before every
+    replay would show a read that came too early."""
+    from segkv.attention.triton_backend import PlanCapacity
+    from segkv.kernels.dense_gemv import splitk_gemv, workspace_size
+
+    layout = KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    rows = 65536
+    cache = PagedKVCache(layout, CacheConfig(page_size=16, num_pages=rows // 16 + 8), device=DEVICE)
+    chain = cache.new_chain()
+    for start in range(0, rows, 8192):
+        slots = chain.append(8192)
+        kv = torch.randn(2, 8192, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+        cache.storage.write(0, slots, kv[0], kv[1])
+    queries = [SequenceQuery.from_chain(chain, 1)]
+    shape = AttentionShape(32, 8, 128, 128)
+    split = plan_attention(queries, shape, DeviceSpec.cuda(), page_size=16, route="split", num_partitions=4)
+    single = plan_attention(queries, shape, DeviceSpec.cuda(), page_size=16, route="single")
+    capacity = PlanCapacity(max_pages=rows // 16 + 8, max_work=64, max_partials=64, max_rows=1)
+    tb = TritonBackend(page_size=16, device=DEVICE, capacity=capacity)
+    kc, vc = cache.storage.key_cache(0), cache.storage.value_cache(0)
+    query = torch.randn(1, 32, 128, device=DEVICE, dtype=torch.bfloat16)
+    weight = (torch.randn(4096, 4096, device=DEVICE) * 0.02).to(torch.bfloat16)
+    floats, tickets = workspace_size(4096, 4096, 32, 512)  # allocated here: no fill kernel in the graph
+    workspace = (torch.zeros(floats, device=DEVICE), torch.zeros(tickets, dtype=torch.int32, device=DEVICE))
+    prepared = tb.prepare(split)
+    assert prepared.needs_merge
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out, _ = tb.run(prepared, query, kc, vc, scale=128**-0.5)
+        splitk_gemv(out.reshape(1, -1), weight, workspace=workspace)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = tb.run(prepared, query, kc, vc, scale=128**-0.5)
+        projected = splitk_gemv(out.reshape(1, -1), weight, workspace=workspace)
+    single_prepared = tb.prepare(single)
+    assert not single_prepared.needs_merge  # every row's only partial is written by stage 1
+    for trial in range(8):
+        query.copy_(torch.randn(1, 32, 128, generator=gen).to(torch.bfloat16))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any()
+        expected = (weight.float() @ out.reshape(-1).float()).to(torch.bfloat16)
+        assert not torch.isnan(projected).any(), f"trial {trial}: the GEMV read the attention output too early"
+        torch.testing.assert_close(projected.reshape(-1), expected, rtol=2e-2, atol=2e-2)

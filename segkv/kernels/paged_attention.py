@@ -181,7 +181,14 @@ def _merge_kernel(
     cb = tl.program_id(2)
     start = tl.load(reduce_ptr + row)
     end = tl.load(reduce_ptr + row + 1)
-    if end - start == 1:  # stage 1 already wrote this row's only partial, rounded once
+    # stage 1 already wrote a row's only partial, rounded once: nothing to do. Program (0, 0, 0)
+    # still waits for stage 1 first (PDL): the next kernel waits only for this launch, so the
+    # launch must not end before stage 1 has, even when no row needs merging (a graph's merge
+    # replayed over a one-piece plan)
+    nothing = end - start == 1
+    if USE_PDL:
+        nothing = nothing & (row + head + cb != 0)
+    if nothing:
         return
     offs_p = tl.arange(0, BLOCK_P)
     # the partial ids one block ahead (loop-carried), the first block before the wait when PLAN_EARLY
@@ -191,6 +198,8 @@ def _merge_kernel(
         tl.extra.cuda.gdc_wait()
         if TRIGGER == 1:
             tl.extra.cuda.gdc_launch_dependents()
+        if end - start == 1:  # program (0, 0, 0) with nothing to merge, after its wait
+            return
     if not PLAN_EARLY:
         p_next = tl.load(reduce_partials + start + offs_p, mask=start + offs_p < end, other=0)
     offs = cb * BLOCK_DV + tl.arange(0, BLOCK_DV)
