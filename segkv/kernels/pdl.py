@@ -6,6 +6,11 @@ one) writes, and may load constant data (weights) before the wait, so that data'
 overlaps the previous kernel's tail. A kernel that calls ``gdc_launch_dependents`` lets the next
 one be scheduled from then on; the kernels here call it right after their own wait. Each
 kernel takes a ``USE_PDL`` constexpr; :func:`pdl_options` gives it with the launch option.
+
+A program with nothing to do may leave before the wait, but never all of a launch's programs:
+the next kernel's wait covers only this launch, so at least one program of every launch waits,
+and a launch thus ends only after the one before it has (the merge keeps its program (0, 0, 0)
+for that when no row needs merging).
 """
 
 from __future__ import annotations
