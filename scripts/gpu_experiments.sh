@@ -44,6 +44,12 @@
 #   latent16k  Nsight Compute on the latent stage 1 at batch 1 / 16K and DeepSeek-V2-Lite's 16K step
 #             by kernel and grid (about 1 minute; docs/benchmarks.md, "DeepSeek-V2-Lite at 16K: the
 #             latent stage 1").
+#   prefetch  each work item's first K/V (latent) tiles asked into L2 before stage 1's PDL wait
+#             (SEGKV_ATTENTION_PREFETCH_TILES 1 / 2, off by default until measured): its GPU tests, the
+#             attention tests with it on, the merge-ordering test, and the 8B-shape kernels at batch 1
+#             / 16K-64K (32K: 82-83% of the copy rate, the issue asks 85%) with 0 / 1 / 2 alternating.
+#   prefetche2e  the same switch end to end: Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at 1K / 16K
+#             with 0 / 2, two rounds alternating.
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
@@ -401,6 +407,27 @@ elif [ "$part" = moeblock ]; then
   timeout 120 python3 scripts/profile_decode.py --model deepseek-v2-lite --batch 1 \
     --context 1024 --rows 5 --trace /tmp/step.json > /dev/null 2>&1
   python3 scripts/trace_gaps.py /tmp/step.json --kernels --by-grid --min-us 3 --rows 12 2>&1 | tee -a "$log"
+elif [ "$part" = prefetch ]; then
+  gpu_tests "the prefetch and the merge's ordering" -- tests/test_attention_prefetch.py \
+    "tests/test_triton_attention.py::test_a_graphs_merge_without_partials_still_orders_the_next_kernel"
+  GPU_TESTS_TIMEOUT=300 gpu_tests "attention kernels with 2 tiles prefetched" SEGKV_ATTENTION_PREFETCH_TILES=2 -- \
+    tests/test_triton_attention.py tests/test_triton_mla.py tests/test_cuda_graphs.py \
+    -k "not (test_kernels_match_the_reference or test_latent_kernel_matches_the_reference) or (bf16 and 128 and 16-16)"
+  for round in 1 2; do
+    for tiles in 0 1 2; do
+      echo "-- kernels, batch 1, prefetch $tiles tiles (round $round)" | tee -a "$log"
+      SEGKV_ATTENTION_PREFETCH_TILES=$tiles timeout 150 python3 -m segkv.bench.decode_attention --shapes llama3-8b \
+        --batches 1 --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 | grep -E "^\[|rror" \
+        | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' | tee -a "$log"
+    done
+  done
+elif [ "$part" = prefetche2e ]; then
+  for round in 1 2; do
+    for tiles in 0 2; do
+      e2e "prefetch $tiles tiles" SEGKV_ATTENTION_PREFETCH_TILES=$tiles -- --models llama-3.1-8b,deepseek-v2-lite \
+        --batches 1 --contexts 1K,16K
+    done
+  done
 elif [ "$part" = verify ]; then
   # after a change of defaults or a removal: the attention kernels' GPU tests (bf16 / head_dim 128 /
   # page 16 grid cases and every other test), the expert, MoE, GEMV, DeepSeek and graph tests, the
@@ -489,7 +516,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (prefetch, prefetche2e, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done

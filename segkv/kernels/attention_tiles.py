@@ -57,6 +57,42 @@ def load_kv(k_base, v_base, page, stride_kp, stride_vp, in_page, dk_ok, dv_ok):
 
 
 @triton.jit
+def prefetch_rows_l2(ptrs, ok, ROW_BYTES: tl.constexpr):
+    """Ask the L2 cache for ``ROW_BYTES`` bytes at each of ``ptrs`` where ``ok``: one bulk
+    prefetch per row (``cp.async.bulk.prefetch.L2``, sm_90; 16-byte aligned rows of a multiple of
+    16 bytes). A hint: nothing waits for it and no register or shared memory holds the data, and
+    results never change (the L2 cache is where the GPU's writes meet, so a row written after its
+    prefetch is read as written)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r", [ptrs.to(tl.pointer_type(tl.int8)), tl.zeros_like(ok.to(tl.int32)) + ROW_BYTES, ok.to(tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_first_tiles(base, stride_p, stride_n, page_table, page_rows, page_key_start, pg0, pg1, page, rows, mine,
+                         ROW_BYTES: tl.constexpr, TILES: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    """Prefetch into L2 the rows of a work item's first ``TILES`` (1 or 2) tiles: rows of
+    ``ROW_BYTES`` at ``base + page * stride_p + row * stride_n``; ``page``/``rows`` are the first
+    tile's page ids and valid rows (:func:`plan_reads`), ``mine``: this program asks (one of the
+    programs that share the rows)."""
+    PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)
+    SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N
+    offs_n = tl.arange(0, BLOCK_N)
+    row = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
+    asks = tl.zeros_like(row) + mine.to(tl.int32) != 0  # a vector: the interpreter refuses vector & scalar
+    prefetch_rows_l2(base + page * stride_p + row * stride_n, (row < rows) & asks, ROW_BYTES)
+    if TILES > 1:
+        t0, _ = tile_range(pg0, pg1, SUB)
+        page1, rows1, _ = page_index(page_table, page_rows, page_key_start,
+                                     next_tile_pages(t0, offs_n // PAGE_SIZE, PAGES, SUB), pg1)
+        if SUB > 1:  # the second tile of a longer page
+            row = row + ((t0 + 1) % SUB) * BLOCK_N
+        prefetch_rows_l2(base + page1 * stride_p + row * stride_n, (row < rows1) & asks, ROW_BYTES)
+
+
+@triton.jit
 def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc, EXACT_FP32: tl.constexpr):
     """One block of the online softmax: raw scores ``s (M, N)`` float32 of the keys at positions
     ``kpos (N,)``, masked causally against ``offset (M,)`` and to valid rows; ``v (N, D)`` the

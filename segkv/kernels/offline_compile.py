@@ -113,7 +113,8 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     "heads": int (latent, default 16), "rank" / "rope": int (latent, default 512 / 64),
     "one_query": bool (latent, default False: the launch of a batch of one query row, whose value
     split is chosen per plan), "assemble": bool (default False), "pdl": bool (default False: the
-    programmatic-dependent-launch variant)}``. ``launch``: a
+    programmatic-dependent-launch variant), "prefetch": 0 | 1 | 2 (default 0: the first tiles
+    asked into L2 before the wait, ``paged_attention.PREFETCH_TILES``)}``. ``launch``: a
     ``paged_attention.LaunchConfig`` (default: the launcher's). Returns the compiled kernel and
     the launch constants used."""
     import torch
@@ -136,21 +137,24 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
                                                max_work_rows=case["rows"], element_size=element,
                                                num_rows=1 if case.get("one_query") else None, launch=launch)
         fn, pointers = mla_attention._mla_stage1_kernel, {"Q": f"*{t}", "LAT": f"*{t}", **common}
-    meta = {**meta, "USE_PDL": bool(case.get("pdl", False))}
+    meta = {**meta, "USE_PDL": bool(case.get("pdl", False)), "PREFETCH": case.get("prefetch", 0)}
     return compile_offline(fn, meta, pointers=pointers, assemble=case.get("assemble", False)), meta
 
 
 def stage1_report(case: dict, launch=None) -> dict:
     """:func:`compile_stage1`'s facts as plain values: shared bytes, registers, spills (None unless
     ``case["assemble"]``), the launch's warps and pipeline stages, the K/V (latent) tile buffers,
-    the in-loop waits and the MMA kind."""
+    the in-loop waits, the MMA kind, and its PDL waits and L2 bulk prefetches in program order
+    (``"wait"`` / ``"launch_dependents"`` / ``"prefetch"``)."""
     kernel, meta = compile_stage1(case, launch)
     cols = (case.get("rank", 512) if case["kernel"] == "latent"
             else max(16, triton.next_power_of_2(case["head_dim"])))
     mma = "wgmma" if "wgmma" in kernel.ptx else "mma.sync" if "mma.sync" in kernel.ptx else "none"
     return {"case": case, "shared": kernel.shared, "registers": kernel.registers, "spill_bytes": kernel.spill_bytes,
             "num_warps": meta["num_warps"], "num_stages": meta["num_stages"],
-            "buffers": kernel.pipeline_buffers(meta["BLOCK_N"], cols), "waits": kernel.loop_waits(), "mma": mma}
+            "buffers": kernel.pipeline_buffers(meta["BLOCK_N"], cols), "waits": kernel.loop_waits(), "mma": mma,
+            "order": ["prefetch" if m == "cp.async.bulk.prefetch.L2" else m.split(".")[1]
+                      for m in re.findall(r"griddepcontrol\.\w+|cp\.async\.bulk\.prefetch\.L2", kernel.ptx)]}
 
 
 def merge_report(case: dict) -> dict:
