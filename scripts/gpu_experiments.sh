@@ -45,11 +45,11 @@
 #             by kernel and grid (about 1 minute; docs/benchmarks.md, "DeepSeek-V2-Lite at 16K: the
 #             latent stage 1").
 #   prefetch  each work item's first K/V (latent) tiles asked into L2 before stage 1's PDL wait
-#             (SEGKV_ATTENTION_PREFETCH_TILES 1 / 2, off by default until measured): its GPU tests, the
+#             (SEGKV_ATTENTION_PREFETCH_TILES 2 / 4, off by default until measured): its GPU tests, the
 #             attention tests with it on, the merge-ordering test, and the 8B-shape kernels at batch 1
-#             / 16K-64K (32K: 82-83% of the copy rate, the issue asks 85%) with 0 / 1 / 2 alternating.
+#             / 16K-64K (32K: 82-83% of the copy rate, the issue asks 85%) with 0 / 2 / 4 alternating.
 #   prefetche2e  the same switch end to end: Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at 1K / 16K
-#             with 0 / 2, two rounds alternating.
+#             with 0 / 4, two rounds alternating.
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
@@ -414,7 +414,7 @@ elif [ "$part" = prefetch ]; then
     tests/test_triton_attention.py tests/test_triton_mla.py tests/test_cuda_graphs.py \
     -k "not (test_kernels_match_the_reference or test_latent_kernel_matches_the_reference) or (bf16 and 128 and 16-16)"
   for round in 1 2; do
-    for tiles in 0 1 2; do
+    for tiles in 0 2 4; do
       echo "-- kernels, batch 1, prefetch $tiles tiles (round $round)" | tee -a "$log"
       SEGKV_ATTENTION_PREFETCH_TILES=$tiles timeout 150 python3 -m segkv.bench.decode_attention --shapes llama3-8b \
         --batches 1 --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 | grep -E "^\[|rror" \
@@ -423,7 +423,7 @@ elif [ "$part" = prefetch ]; then
   done
 elif [ "$part" = prefetche2e ]; then
   for round in 1 2; do
-    for tiles in 0 2; do
+    for tiles in 0 4; do
       e2e "prefetch $tiles tiles" SEGKV_ATTENTION_PREFETCH_TILES=$tiles -- --models llama-3.1-8b,deepseek-v2-lite \
         --batches 1 --contexts 1K,16K
     done

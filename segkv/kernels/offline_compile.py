@@ -113,7 +113,7 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     "heads": int (latent, default 16), "rank" / "rope": int (latent, default 512 / 64),
     "one_query": bool (latent, default False: the launch of a batch of one query row, whose value
     split is chosen per plan), "assemble": bool (default False), "pdl": bool (default False: the
-    programmatic-dependent-launch variant), "prefetch": 0 | 1 | 2 (default 0: the first tiles
+    programmatic-dependent-launch variant), "prefetch": 0 | 1 | 2 | 4 (default 0: the first tiles
     asked into L2 before the wait, ``paged_attention.PREFETCH_TILES``)}``. ``launch``: a
     ``paged_attention.LaunchConfig`` (default: the launcher's). Returns the compiled kernel and
     the launch constants used."""

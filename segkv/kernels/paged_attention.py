@@ -433,13 +433,13 @@ PLAN_EARLY = env_int("SEGKV_ATTENTION_PLAN_EARLY", 1)
 if PLAN_EARLY not in (0, 1, 2):
     raise ValueError(f"SEGKV_ATTENTION_PLAN_EARLY must be 0, 1 or 2, got {PLAN_EARLY}")
 # Each work item's first K/V (latent) tiles asked into L2 before stage 1's PDL wait
-# (SEGKV_ATTENTION_PREFETCH_TILES: 0, the default until measured on the GPU; 1 or 2 tiles), where
+# (SEGKV_ATTENTION_PREFETCH_TILES: 0, the default until measured on the GPU; 1, 2 or 4 tiles), where
 # the plan is read before the wait (the GQA programs with PLAN_EARLY, every latent program): the
 # loop's first loads after the wait then come from L2, not memory, while the kernel before ends.
 # Bulk prefetches (sm_90): a hint, results never change.
 PREFETCH_TILES = env_int("SEGKV_ATTENTION_PREFETCH_TILES", 0)
-if PREFETCH_TILES not in (0, 1, 2):
-    raise ValueError(f"SEGKV_ATTENTION_PREFETCH_TILES must be 0, 1 or 2, got {PREFETCH_TILES}")
+if PREFETCH_TILES not in (0, 1, 2, 4):
+    raise ValueError(f"SEGKV_ATTENTION_PREFETCH_TILES must be 0, 1, 2 or 4, got {PREFETCH_TILES}")
 # When the merge lets the next kernel (the o GEMV) launch (SEGKV_MERGE_TRIGGER): 1, right after its
 # wait for stage 1, the default; 2, when it ends: measured level with Llama-3.1-8B at batch 1 (226
 # / 203-204 tok/s against 226-227 / 203); 0, at once, so the o GEMV's programs load their weights
