@@ -699,4 +699,5 @@ def test_a_graphs_merge_without_partials_still_orders_the_next_kernel(gen):
         assert not torch.isnan(out).any()
         expected = (weight.float() @ out.reshape(-1).float()).to(torch.bfloat16)
         assert not torch.isnan(projected).any(), f"trial {trial}: the GEMV read the attention output too early"
-        torch.testing.assert_close(projected.reshape(-1), expected, rtol=2e-2, atol=2e-2)
+        # outputs of about 5e-3 (attention over 64K random rows averages them): one bf16 rounding apart
+        torch.testing.assert_close(projected.reshape(-1), expected, rtol=2e-2, atol=1e-4)
