@@ -50,6 +50,12 @@
 #             / 16K-64K (32K: 82-83% of the copy rate, the issue asks 85%) with 0 / 2 / 4 alternating.
 #   prefetche2e  the same switch end to end: Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at 1K / 16K
 #             with 0 / 4, two rounds alternating.
+#   gemvahead  the one-row GEMVs asking L2 for the weight block of a program one wave later before
+#             their PDL wait (SEGKV_GEMV_PREFETCH_AHEAD=8 programs per SM, off by default until
+#             measured): its GPU tests, the GEMV tests with it on, and the products alone and a
+#             Llama-3.1-8B layer's chain (scripts/dense_gemv_sweep.py) with 0 / 8 alternating.
+#   gemvahead2e  the same switch end to end: Llama-3.1-8B, Qwen3-8B and DeepSeek-V2-Lite batch 1 at
+#             1K / 16K with 0 / 8, two rounds alternating.
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
@@ -407,6 +413,25 @@ elif [ "$part" = moeblock ]; then
   timeout 120 python3 scripts/profile_decode.py --model deepseek-v2-lite --batch 1 \
     --context 1024 --rows 5 --trace /tmp/step.json > /dev/null 2>&1
   python3 scripts/trace_gaps.py /tmp/step.json --kernels --by-grid --min-us 3 --rows 12 2>&1 | tee -a "$log"
+elif [ "$part" = gemvahead ]; then
+  gpu_tests "the GEMV look-ahead" -- tests/test_gemv_prefetch.py
+  gpu_tests "GEMVs with the look-ahead on" SEGKV_GEMV_PREFETCH_AHEAD=8 -- tests/test_dense_gemv.py \
+    tests/test_qkv_gemv.py tests/test_mla_x_gemv.py
+  for round in 1 2; do
+    for ahead in 0 8; do
+      echo "-- products and a layer's chain, look-ahead $ahead per SM (round $round)" | tee -a "$log"
+      SEGKV_GEMV_PREFETCH_AHEAD=$ahead timeout 120 python3 scripts/dense_gemv_sweep.py 2>&1 | tail -12 | tee -a "$log"
+      SEGKV_GEMV_PREFETCH_AHEAD=$ahead timeout 120 python3 scripts/dense_gemv_sweep.py --layers 2>&1 | tail -6 \
+        | tee -a "$log"
+    done
+  done
+elif [ "$part" = gemvahead2e ]; then
+  for round in 1 2; do
+    for ahead in 0 8; do
+      e2e "GEMV look-ahead $ahead" SEGKV_GEMV_PREFETCH_AHEAD=$ahead -- \
+        --models llama-3.1-8b,qwen3-8b,deepseek-v2-lite --batches 1 --contexts 1K,16K
+    done
+  done
 elif [ "$part" = prefetch ]; then
   gpu_tests "the prefetch and the merge's ordering" -- tests/test_attention_prefetch.py \
     "tests/test_triton_attention.py::test_a_graphs_merge_without_partials_still_orders_the_next_kernel"
@@ -516,7 +541,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (prefetch, prefetche2e, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (gemvahead, gemvahead2e, prefetch, prefetche2e, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done

@@ -7,6 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from segkv.kernels.l2_prefetch import prefetch_rows_l2
+
 
 @triton.jit
 def page_index(page_table, page_rows, page_key_start, pidx, pg1):
@@ -54,19 +56,6 @@ def load_kv(k_base, v_base, page, stride_kp, stride_vp, in_page, dk_ok, dv_ok):
     k = tl.load(k_base + (page * stride_kp)[:, None], mask=in_page[:, None] & dk_ok[None, :], other=0.0)
     v = tl.load(v_base + (page * stride_vp)[:, None], mask=in_page[:, None] & dv_ok[None, :], other=0.0)
     return k, v
-
-
-@triton.jit
-def prefetch_rows_l2(ptrs, ok, ROW_BYTES: tl.constexpr):
-    """Ask the L2 cache for ``ROW_BYTES`` bytes at each of ``ptrs`` where ``ok``: one bulk
-    prefetch per row (``cp.async.bulk.prefetch.L2``, sm_90; 16-byte aligned rows of a multiple of
-    16 bytes). A hint: nothing waits for it and no register or shared memory holds the data, and
-    results never change (the L2 cache is where the GPU's writes meet, so a row written after its
-    prefetch is read as written)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r,r", [ptrs.to(tl.pointer_type(tl.int8)), tl.zeros_like(ok.to(tl.int32)) + ROW_BYTES, ok.to(tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -173,15 +173,40 @@ def merge_report(case: dict) -> dict:
     return {"case": case, "pdl": re.findall(r"griddepcontrol\.(\w+)", kernel.ptx)}
 
 
+def gemv_report(case: dict) -> dict:
+    """The one-row split-K GEMV (``dense_gemv``) with PDL for ``{"kernel": "gemv", "input": 0 | 1 |
+    2 (plain, gated, normed), "ahead": int (the look-ahead prefetch's programs, 0: none),
+    "block_n": int, "block_k": int, "in_dim": int}`` (bf16): registers and spills (assembled), and
+    its PDL waits and L2 bulk prefetches in program order."""
+    import torch
+
+    from segkv.kernels import dense_gemv
+    from segkv.kernels.fused_ops import kind_of
+
+    split = -(-case["in_dim"] // case["block_k"])
+    meta = {"BLOCK_N": case["block_n"], "BLOCK_K": case["block_k"], "SPLIT": split,
+            "SPLIT_P2": triton.next_power_of_2(split), "INPUT": case["input"], "HAS_RES": case["input"] == 2,
+            "KIND": kind_of(torch.bfloat16), "EVICT_FIRST": True, "USE_PDL": True, "EXPERTS": 1,
+            "HAS_SHARED": False, "AHEAD": case["ahead"], "num_warps": 4}
+    bf16 = "*bf16"
+    kernel = compile_offline(dense_gemv._splitk_gemv_kernel, meta, pointers={
+        "X": bf16, "RES": bf16, "G": bf16, "RES_OUT": bf16, "W": bf16, "OUT": bf16, "PART": "*fp32",
+        "TICKETS": "*i32", "EXPERT_W": "*fp32", "SHARED": bf16, "eps": "fp32"}, assemble=True)
+    return {"case": case, "registers": kernel.registers, "spill_bytes": kernel.spill_bytes,
+            "order": ["prefetch" if m == "cp.async.bulk.prefetch.L2" else m.split(".")[1]
+                      for m in re.findall(r"griddepcontrol\.\w+|cp\.async\.bulk\.prefetch\.L2", kernel.ptx)]}
+
+
 def _main() -> None:
     """``python -m segkv.kernels.offline_compile < cases.json``: :func:`stage1_report` (or, for
-    ``"kernel": "merge"``, :func:`merge_report`) of each case, one JSON object per line. Run it
-    without ``TRITON_INTERPRET`` (the interpreter's kernels cannot be compiled)."""
+    ``"kernel": "merge"`` / ``"gemv"``, :func:`merge_report` / :func:`gemv_report`) of each case,
+    one JSON object per line. Run it without ``TRITON_INTERPRET`` (the interpreter's kernels cannot
+    be compiled)."""
     import json
     import sys
 
     for case in json.load(sys.stdin):
-        report = merge_report(case) if case["kernel"] == "merge" else stage1_report(case)
+        report = {"merge": merge_report, "gemv": gemv_report}.get(case["kernel"], stage1_report)(case)
         print(json.dumps(report), flush=True)
 
 
