@@ -56,6 +56,9 @@
 #             Llama-3.1-8B layer's chain (scripts/dense_gemv_sweep.py) with 0 / 8 alternating.
 #   gemvahead2e  the same switch end to end: Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at 1K / 16K
 #             with 0 / 8, two rounds alternating (about 6 minutes).
+#   prefetchab  both prefetches at once (SEGKV_ATTENTION_PREFETCH_TILES=4, SEGKV_GEMV_PREFETCH_AHEAD=8)
+#             against neither: Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at 1K / 16K, two rounds
+#             alternating (about 6 minutes; the parts above take them apart).
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
@@ -425,6 +428,13 @@ elif [ "$part" = gemvahead ]; then
         | tee -a "$log"
     done
   done
+elif [ "$part" = prefetchab ]; then
+  for round in 1 2; do
+    e2e "no prefetch" SEGKV_ATTENTION_PREFETCH_TILES=0 SEGKV_GEMV_PREFETCH_AHEAD=0 -- \
+      --models llama-3.1-8b,deepseek-v2-lite --batches 1 --contexts 1K,16K
+    e2e "attention 4 tiles, GEMV look-ahead 8" SEGKV_ATTENTION_PREFETCH_TILES=4 SEGKV_GEMV_PREFETCH_AHEAD=8 -- \
+      --models llama-3.1-8b,deepseek-v2-lite --batches 1 --contexts 1K,16K
+  done
 elif [ "$part" = gemvahead2e ]; then
   for round in 1 2; do
     for ahead in 0 8; do
@@ -541,7 +551,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (gemvahead, gemvahead2e, prefetch, prefetche2e, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (prefetchab, gemvahead, gemvahead2e, prefetch, prefetche2e, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done
