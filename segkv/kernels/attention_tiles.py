@@ -74,7 +74,7 @@ def prefetch_first_tiles(base, stride_p, stride_n, page_table, page_rows, page_k
     prefetch_rows_l2(base + page * stride_p + row * stride_n, (row < rows) & asks, ROW_BYTES)
     t0, _ = tile_range(pg0, pg1, SUB)
     for i in tl.static_range(1, TILES):
-        if SUB > 1:  # tile i of pages longer than the tile: page entry (t0 + i) // SUB, rows from ((t0 + i) % SUB) tiles in
+        if SUB > 1:  # pages longer than the tile: tile i is rows ((t0 + i) % SUB) tiles into entry (t0 + i) // SUB
             pidx = (t0 + i) // SUB + offs_n * 0
             row_i = row + ((t0 + i) % SUB) * BLOCK_N
         else:
