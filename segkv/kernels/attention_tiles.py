@@ -59,8 +59,8 @@ def load_kv(k_base, v_base, page, stride_kp, stride_vp, in_page, dk_ok, dv_ok):
 
 
 @triton.jit
-def prefetch_first_tiles(base, stride_p, stride_n, page_table, page_rows, page_key_start, pg0, pg1, page, rows, mine,
-                         ROW_BYTES: tl.constexpr, TILES: tl.constexpr, PAGE_SIZE: tl.constexpr,
+def prefetch_first_tiles(base, stride_p, stride_n, page_table, page_rows, page_key_start, pg0, pg1, page, rows,
+                         mine, ROW_BYTES: tl.constexpr, TILES: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr):
     """Prefetch into L2 the rows of a work item's first ``TILES`` tiles: rows of ``ROW_BYTES`` at
     ``base + page * stride_p + row * stride_n``; ``page``/``rows`` are the first tile's page ids
@@ -74,7 +74,7 @@ def prefetch_first_tiles(base, stride_p, stride_n, page_table, page_rows, page_k
     prefetch_rows_l2(base + page * stride_p + row * stride_n, (row < rows) & asks, ROW_BYTES)
     t0, _ = tile_range(pg0, pg1, SUB)
     for i in tl.static_range(1, TILES):
-        if SUB > 1:  # pages longer than the tile: tile i is rows ((t0 + i) % SUB) tiles into entry (t0 + i) // SUB
+        if SUB > 1:  # pages longer than the tile: tile i is ((t0 + i) % SUB) tiles into its page
             pidx = (t0 + i) // SUB + offs_n * 0
             row_i = row + ((t0 + i) % SUB) * BLOCK_N
         else:

@@ -129,7 +129,8 @@ def prefetch_block_ahead(W, stride_w, out_dim, in_dim, nb, kb, AHEAD: tl.constex
     start = (later // blocks) * BLOCK_K
     ELEMENT: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
     ok = (rows < out_dim) & (tl.zeros_like(rows) + start < in_dim)
-    prefetch_rows_l2(W + rows.to(tl.int64) * stride_w + start, ok, tl.minimum(in_dim - start, BLOCK_K) * ELEMENT)
+    nbytes = tl.minimum(in_dim - start, BLOCK_K) * ELEMENT
+    prefetch_rows_l2(W + rows.to(tl.int64) * stride_w + start, ok, nbytes)
 
 
 def prefetch_ahead(x: torch.Tensor, weight: torch.Tensor) -> int:
@@ -137,7 +138,8 @@ def prefetch_ahead(x: torch.Tensor, weight: torch.Tensor) -> int:
     multiprocessor of ``x``'s GPU where bulk prefetches run (Hopper or later, not the interpreter)
     and the weight's rows are 16-byte aligned 16-bit values."""
     if (PREFETCH_AHEAD_PER_SM <= 0 or _INTERPRET or not x.is_cuda or capability_major(x.device.index or 0) < 9
-            or weight.element_size() != 2 or weight.data_ptr() % 16 or weight.stride(0) % 8 or weight.shape[1] % 8):
+            or weight.element_size() != 2 or weight.data_ptr() % 16 or weight.stride(0) % 8
+            or weight.shape[1] % 8):
         return 0
     return PREFETCH_AHEAD_PER_SM * torch.cuda.get_device_properties(x.device).multi_processor_count
 
