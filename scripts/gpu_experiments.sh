@@ -56,9 +56,12 @@
 #             Llama-3.1-8B layer's chain (scripts/dense_gemv_sweep.py) with 0 / 8 alternating.
 #   gemvahead2e  the same switch end to end: Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at 1K / 16K
 #             with 0 / 8, two rounds alternating (about 6 minutes).
-#   prefetchab  both prefetches at once (SEGKV_ATTENTION_PREFETCH_TILES=4, SEGKV_GEMV_PREFETCH_AHEAD=8)
-#             against neither: Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at 1K / 16K, two rounds
-#             alternating (about 6 minutes; the parts above take them apart).
+#   moeprefetch  the MoE block's items asking L2 for their weight rows before they wait for their
+#             input (SEGKV_EXPERT_PREFETCH_WAITING=1, off by default until measured): its GPU tests, the
+#             expert tests with it on, the block alone with 0 / 1 alternating.
+#   prefetchab  the three prefetches at once (SEGKV_ATTENTION_PREFETCH_TILES=4, SEGKV_GEMV_PREFETCH_AHEAD=8,
+#             SEGKV_EXPERT_PREFETCH_WAITING=1) against none: Llama-3.1-8B and DeepSeek-V2-Lite batch 1
+#             at 1K / 16K, two rounds alternating (about 6 minutes; the parts above take them apart).
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
@@ -428,11 +431,23 @@ elif [ "$part" = gemvahead ]; then
         | tee -a "$log"
     done
   done
+elif [ "$part" = moeprefetch ]; then
+  gpu_tests "the waiting experts' prefetch" -- tests/test_expert_prefetch.py
+  gpu_tests "experts and MoE with it on" SEGKV_EXPERT_PREFETCH_WAITING=1 -- tests/test_expert_mlp.py \
+    tests/test_moe_ops.py tests/test_deepseek_parity.py
+  for round in 1 2; do
+    for on in 0 1; do
+      echo "-- one token's MoE block (us per block), prefetch while waiting $on (round $round)" | tee -a "$log"
+      SEGKV_EXPERT_PREFETCH_WAITING=$on timeout 120 python3 scripts/expert_gemv_sweep.py --block 2>&1 | tail -5 \
+        | tee -a "$log"
+    done
+  done
 elif [ "$part" = prefetchab ]; then
   for round in 1 2; do
-    e2e "no prefetch" SEGKV_ATTENTION_PREFETCH_TILES=0 SEGKV_GEMV_PREFETCH_AHEAD=0 -- \
-      --models llama-3.1-8b,deepseek-v2-lite --batches 1 --contexts 1K,16K
-    e2e "attention 4 tiles, GEMV look-ahead 8" SEGKV_ATTENTION_PREFETCH_TILES=4 SEGKV_GEMV_PREFETCH_AHEAD=8 -- \
+    e2e "no prefetch" SEGKV_ATTENTION_PREFETCH_TILES=0 SEGKV_GEMV_PREFETCH_AHEAD=0 SEGKV_EXPERT_PREFETCH_WAITING=0 \
+      -- --models llama-3.1-8b,deepseek-v2-lite --batches 1 --contexts 1K,16K
+    e2e "attention 4 tiles, GEMV look-ahead 8, waiting experts" SEGKV_ATTENTION_PREFETCH_TILES=4 \
+      SEGKV_GEMV_PREFETCH_AHEAD=8 SEGKV_EXPERT_PREFETCH_WAITING=1 -- \
       --models llama-3.1-8b,deepseek-v2-lite --batches 1 --contexts 1K,16K
   done
 elif [ "$part" = gemvahead2e ]; then
@@ -551,7 +566,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (prefetchab, gemvahead, gemvahead2e, prefetch, prefetche2e, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (moeprefetch, prefetchab, gemvahead, gemvahead2e, prefetch, prefetche2e, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done
