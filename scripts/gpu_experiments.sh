@@ -129,12 +129,30 @@ gpu_tests() {  # label, env assignments..., --, pytest arguments...
   env ${ENVS[@]+"${ENVS[@]}"} timeout "${GPU_TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider ${REST[@]+"${REST[@]}"} 2>&1 \
     | grep -E "passed|failed|^E  " | tail -3 | tee -a "$log"
 }
-deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it off and on, two rounds
+e2e_alternate() {  # variable, "values", decode_e2e arguments...: two rounds, each value in turn
+  local var=$1 values=$2
+  shift 2
   for round in 1 2; do
-    for value in 0 1; do
-      e2e "deepseek $1=$value" "$1=$value" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
+    for value in $values; do
+      e2e "$var=$value" "$var=$value" -- "$@"
     done
   done
+}
+deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it off and on, two rounds
+  e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
+}
+alternate() {  # variable, "values", filter, command...: two rounds, the command once per value in turn
+  local var=$1 values=$2 filter=$3
+  shift 3
+  for round in 1 2; do
+    for value in $values; do
+      echo "-- $var=$value (round $round): ${*: -1}" | tee -a "$log"
+      env "$var=$value" timeout 150 "$@" 2>&1 | $filter | tee -a "$log"
+    done
+  done
+}
+attention_rows() {  # decode_attention's result rows, the SDPA and segment variants cut short
+  grep -E "^\[|rror" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//'
 }
 for part in "${@:-latent}"; do
 if [ "$part" = merge ]; then
@@ -427,32 +445,16 @@ elif [ "$part" = gemvahead ]; then
   gpu_tests "the GEMV look-ahead" -- tests/test_gemv_prefetch.py
   gpu_tests "GEMVs with the look-ahead on" SEGKV_GEMV_PREFETCH_AHEAD=8 -- tests/test_dense_gemv.py \
     tests/test_qkv_gemv.py tests/test_mla_x_gemv.py
-  for round in 1 2; do
-    for ahead in 0 8; do
-      echo "-- products and a layer's chain, look-ahead $ahead per SM (round $round)" | tee -a "$log"
-      SEGKV_GEMV_PREFETCH_AHEAD=$ahead timeout 120 python3 scripts/dense_gemv_sweep.py 2>&1 | tail -12 | tee -a "$log"
-      SEGKV_GEMV_PREFETCH_AHEAD=$ahead timeout 120 python3 scripts/dense_gemv_sweep.py --layers 2>&1 | tail -6 \
-        | tee -a "$log"
-    done
-  done
+  alternate SEGKV_GEMV_PREFETCH_AHEAD "0 8" "tail -12" python3 scripts/dense_gemv_sweep.py
+  alternate SEGKV_GEMV_PREFETCH_AHEAD "0 8" "tail -6" python3 scripts/dense_gemv_sweep.py --layers
 elif [ "$part" = moeprefetch ]; then
   gpu_tests "the waiting experts' prefetch" -- tests/test_expert_prefetch.py
   gpu_tests "experts and MoE with it on" SEGKV_EXPERT_PREFETCH_WAITING=1 -- tests/test_expert_mlp.py \
     tests/test_moe_ops.py tests/test_deepseek_parity.py
-  for round in 1 2; do
-    for on in 0 1; do
-      echo "-- one token's MoE block (us per block), prefetch while waiting $on (round $round)" | tee -a "$log"
-      SEGKV_EXPERT_PREFETCH_WAITING=$on timeout 120 python3 scripts/expert_gemv_sweep.py --block 2>&1 | tail -5 \
-        | tee -a "$log"
-    done
-  done
+  alternate SEGKV_EXPERT_PREFETCH_WAITING "0 1" "tail -5" python3 scripts/expert_gemv_sweep.py --block
 elif [ "$part" = mergecols ]; then
-  for round in 1 2; do
-    e2e "deepseek latent merge 32 columns (default)" SEGKV_MERGE_BLOCK_DV= -- --models deepseek-v2-lite \
-      --batches 1 --contexts 1K,16K
-    e2e "deepseek latent merge 16 columns" SEGKV_MERGE_BLOCK_DV=16 -- --models deepseek-v2-lite \
-      --batches 1 --contexts 1K,16K
-  done
+  # 32 is the latent merge's default width (GQA merges, which it would also force, do not run here)
+  e2e_alternate SEGKV_MERGE_BLOCK_DV "32 16" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 elif [ "$part" = prefetchab ]; then
   for round in 1 2; do
     e2e "no prefetch" SEGKV_ATTENTION_PREFETCH_TILES=0 SEGKV_GEMV_PREFETCH_AHEAD=0 SEGKV_EXPERT_PREFETCH_WAITING=0 \
@@ -462,33 +464,18 @@ elif [ "$part" = prefetchab ]; then
       --models llama-3.1-8b,deepseek-v2-lite --batches 1 --contexts 1K,16K
   done
 elif [ "$part" = gemvahead2e ]; then
-  for round in 1 2; do
-    for ahead in 0 8; do
-      e2e "GEMV look-ahead $ahead" SEGKV_GEMV_PREFETCH_AHEAD=$ahead -- \
-        --models llama-3.1-8b,deepseek-v2-lite --batches 1 --contexts 1K,16K
-    done
-  done
+  e2e_alternate SEGKV_GEMV_PREFETCH_AHEAD "0 8" --models llama-3.1-8b,deepseek-v2-lite --batches 1 --contexts 1K,16K
 elif [ "$part" = prefetch ]; then
   gpu_tests "the prefetch and the merge's ordering" -- tests/test_attention_prefetch.py \
     "tests/test_triton_attention.py::test_a_graphs_merge_without_partials_still_orders_the_next_kernel"
   GPU_TESTS_TIMEOUT=300 gpu_tests "attention kernels with 2 tiles prefetched" SEGKV_ATTENTION_PREFETCH_TILES=2 -- \
     tests/test_triton_attention.py tests/test_triton_mla.py tests/test_cuda_graphs.py \
     -k "not (test_kernels_match_the_reference or test_latent_kernel_matches_the_reference) or (bf16 and 128 and 16-16)"
-  for round in 1 2; do
-    for tiles in 0 4; do
-      echo "-- kernels, batch 1 and 16, prefetch $tiles tiles (round $round)" | tee -a "$log"
-      SEGKV_ATTENTION_PREFETCH_TILES=$tiles timeout 150 python3 -m segkv.bench.decode_attention \
-        --shapes llama3-8b,llama3-70b --batches 1,16 --contexts 16384,32768 --page-sizes 32 --no-cascade --trials 5 \
-        2>&1 | grep -E "^\[|rror" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' | tee -a "$log"
-    done
-  done
+  alternate SEGKV_ATTENTION_PREFETCH_TILES "0 4" attention_rows python3 -m segkv.bench.decode_attention \
+    --shapes llama3-8b,llama3-70b --batches 1,16 --contexts 16384,32768 --page-sizes 32 --no-cascade --trials 5
 elif [ "$part" = prefetche2e ]; then
-  for round in 1 2; do
-    for tiles in 0 4; do
-      e2e "prefetch $tiles tiles" SEGKV_ATTENTION_PREFETCH_TILES=$tiles -- --models llama-3.1-8b,deepseek-v2-lite \
-        --batches 1 --contexts 1K,16K
-    done
-  done
+  e2e_alternate SEGKV_ATTENTION_PREFETCH_TILES "0 4" --models llama-3.1-8b,deepseek-v2-lite --batches 1 \
+    --contexts 1K,16K
 elif [ "$part" = verify ]; then
   # after a change of defaults or a removal: the attention kernels' GPU tests (bf16 / head_dim 128 /
   # page 16 grid cases and every other test), the expert, MoE, GEMV, DeepSeek and graph tests, the

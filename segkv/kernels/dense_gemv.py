@@ -30,9 +30,9 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
-from segkv.kernels.l2_prefetch import prefetch_rows_l2
+from segkv.kernels.l2_prefetch import prefetch_rows_l2, rows_prefetchable
 from segkv.kernels.moe_ops import check_combine, combine_row
-from segkv.kernels.pdl import _INTERPRET, capability_major, pdl_options
+from segkv.kernels.pdl import _INTERPRET, capability_major, multiprocessors, pdl_options
 from segkv.kernels.settings import env_int
 
 INPUT_PLAIN, INPUT_GATED, INPUT_NORM, INPUT_COMBINE = 0, 1, 2, 3
@@ -137,11 +137,9 @@ def prefetch_ahead(x: torch.Tensor, weight: torch.Tensor) -> int:
     """The ``AHEAD`` of a one-row GEMV launch (0: none): :data:`PREFETCH_AHEAD_PER_SM` programs per
     multiprocessor of ``x``'s GPU where bulk prefetches run (Hopper or later, not the interpreter)
     and the weight's rows are 16-byte aligned 16-bit values."""
-    if (PREFETCH_AHEAD_PER_SM <= 0 or _INTERPRET or not x.is_cuda or capability_major(x.device.index or 0) < 9
-            or weight.element_size() != 2 or weight.data_ptr() % 16 or weight.stride(0) % 8
-            or weight.shape[1] % 8):
+    if PREFETCH_AHEAD_PER_SM <= 0 or not x.is_cuda or not rows_prefetchable((weight,), (weight.shape[1],)):
         return 0
-    return PREFETCH_AHEAD_PER_SM * torch.cuda.get_device_properties(x.device).multi_processor_count
+    return PREFETCH_AHEAD_PER_SM * multiprocessors(x.device.index or 0)
 
 
 @triton.jit

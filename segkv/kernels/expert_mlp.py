@@ -34,8 +34,9 @@ import triton.language as tl
 from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST
 from segkv.kernels.expert_gemv import _gemv_tile, _weight_rows
 from segkv.kernels.fused_ops import kind_of
+from segkv.kernels.l2_prefetch import rows_prefetchable
 from segkv.kernels.moe_ops import norm_route_program, prepare_norm_route
-from segkv.kernels.pdl import capability_major, pdl_options
+from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
 from segkv.kernels.work_items import claim_item, count_done, leave_zero_if_last, wait_full
 
@@ -175,9 +176,7 @@ PREFETCH_WAITING = env_int("SEGKV_EXPERT_PREFETCH_WAITING", 0) == 1
 def prefetch_waiting(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> bool:
     """Whether the expert items of a launch on ``x`` prefetch while they wait: :data:`PREFETCH_WAITING`
     on a Hopper or later GPU outside the interpreter, for 16-byte aligned rows of 16-bit weights."""
-    return (PREFETCH_WAITING and not _INTERPRET and x.is_cuda and capability_major(x.device.index or 0) >= 9
-            and all(w.element_size() == 2 and w.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in w.stride()[:-1])
-                    and w.shape[-1] % 8 == 0 for w in weights))
+    return PREFETCH_WAITING and x.is_cuda and rows_prefetchable(weights, tuple(w.shape[-1] for w in weights))
 
 
 def counters_size(pairs: int) -> int:

@@ -10,8 +10,6 @@ and the merge follow ``paged_attention`` exactly (float32 throughout, rounded on
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -38,6 +36,7 @@ from segkv.kernels.paged_attention import (
     subpage_tiles,
     tile_rows,
 )
+from segkv.kernels.pdl import multiprocessors
 from segkv.kernels.settings import env_int
 
 
@@ -241,11 +240,6 @@ def default_mla_launch_config() -> LaunchConfig:
 INTERPRETER_SPLIT_MAX_PARTIALS = 132
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def value_split_max_partials(launch: LaunchConfig, device: torch.device) -> int:
     """The most partials a plan may have for a value-split launch to halve its values: the
     launch's setting, else the device's multiprocessor count (one program per SM unsplit; at
@@ -253,7 +247,7 @@ def value_split_max_partials(launch: LaunchConfig, device: torch.device) -> int:
     if launch.value_split_max_partials is not None:
         return launch.value_split_max_partials
     if device.type == "cuda":
-        return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+        return multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     return INTERPRETER_SPLIT_MAX_PARTIALS
 
 

@@ -53,6 +53,13 @@ class OfflineKernel:
         return [int(n) for n in re.findall(r"async_wait[^\n]*?num\s*=\s*(\d+)", self.ttgir)]
 
 
+def pdl_order(ptx: str) -> list[str]:
+    """A kernel's PDL instructions and L2 bulk prefetches in program order: ``"wait"``,
+    ``"launch_dependents"``, ``"prefetch"``."""
+    return ["prefetch" if m.startswith("cp.") else m.split(".")[1]
+            for m in re.findall(r"griddepcontrol\.\w+|cp\.async\.bulk\.prefetch\.L2", ptx)]
+
+
 def _arg_type(name: str, pointers: dict[str, str]) -> str:
     if name in pointers:
         return pointers[name]
@@ -153,8 +160,7 @@ def stage1_report(case: dict, launch=None) -> dict:
     return {"case": case, "shared": kernel.shared, "registers": kernel.registers, "spill_bytes": kernel.spill_bytes,
             "num_warps": meta["num_warps"], "num_stages": meta["num_stages"],
             "buffers": kernel.pipeline_buffers(meta["BLOCK_N"], cols), "waits": kernel.loop_waits(), "mma": mma,
-            "order": ["prefetch" if m == "cp.async.bulk.prefetch.L2" else m.split(".")[1]
-                      for m in re.findall(r"griddepcontrol\.\w+|cp\.async\.bulk\.prefetch\.L2", kernel.ptx)]}
+            "order": pdl_order(kernel.ptx)}
 
 
 def merge_report(case: dict) -> dict:
@@ -170,7 +176,7 @@ def merge_report(case: dict) -> dict:
             "PLAN_EARLY": bool(case.get("plan_early", False)), "TRIGGER": case["trigger"], "num_warps": 4}
     kernel = compile_offline(paged_attention._merge_kernel, meta, assemble=False,
                              pointers={"PART_OUT": "*fp32", "PART_LSE": "*fp32", "OUT": "*bf16", "OUT_LSE": "*fp32"})
-    return {"case": case, "pdl": re.findall(r"griddepcontrol\.(\w+)", kernel.ptx)}
+    return {"case": case, "pdl": pdl_order(kernel.ptx)}
 
 
 def gemv_report(case: dict) -> dict:
@@ -193,8 +199,7 @@ def gemv_report(case: dict) -> dict:
         "X": bf16, "RES": bf16, "G": bf16, "RES_OUT": bf16, "W": bf16, "OUT": bf16, "PART": "*fp32",
         "TICKETS": "*i32", "EXPERT_W": "*fp32", "SHARED": bf16, "eps": "fp32"}, assemble=True)
     return {"case": case, "registers": kernel.registers, "spill_bytes": kernel.spill_bytes,
-            "order": ["prefetch" if m == "cp.async.bulk.prefetch.L2" else m.split(".")[1]
-                      for m in re.findall(r"griddepcontrol\.\w+|cp\.async\.bulk\.prefetch\.L2", kernel.ptx)]}
+            "order": pdl_order(kernel.ptx)}
 
 
 def _main() -> None:

@@ -28,6 +28,7 @@ from segkv.kernels.attention_tiles import (
     tile_range,
     tile_rows_in_page,
 )
+from segkv.kernels.l2_prefetch import rows_prefetchable
 from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
 from segkv.kernels.stage1_merge import merge_group_if_last, merge_if_last, zero_empty_rows
@@ -460,9 +461,7 @@ def prefetch_option(query: torch.Tensor, caches: tuple[torch.Tensor, ...], row_e
     (a Hopper or later GPU) after reading its plan (``plan_early``), and the caches' rows (of
     ``row_elements`` each) are 16-byte aligned 16-bit values, as bulk prefetches need; else 0."""
     on = (PREFETCH_TILES > 0 and plan_early and attention_pdl_options(query)["USE_PDL"]
-          and all(c.dtype in (torch.bfloat16, torch.float16) and c.data_ptr() % 16 == 0 and c.stride(-1) == 1
-                  and all(s % 8 == 0 for s in c.stride()[:-1]) for c in caches)
-          and all(n % 8 == 0 for n in row_elements))
+          and rows_prefetchable(caches, row_elements))
     return {"PREFETCH": PREFETCH_TILES if on else 0}
 
 

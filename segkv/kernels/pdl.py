@@ -47,6 +47,12 @@ def capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
+@functools.cache
+def multiprocessors(device_index: int) -> int:
+    """The multiprocessor count of CUDA device ``device_index``, asked once."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def pdl_options(tensor: torch.Tensor, pdl: bool | None = None) -> dict:
     """``launch_pdl`` and the ``USE_PDL`` constexpr for a launch on ``tensor``'s device: where
     :func:`pdl_supported` says so, or as ``pdl`` forces it (tests and sweeps)."""
