@@ -40,14 +40,16 @@ def chain(dev, gen) -> None:
     for dim in (2048, 4096):
         weights = [torch.randn(dim, dim, device=dev, dtype=torch.bfloat16, generator=gen) / dim**0.5 for _ in range(16)]
         x = torch.randn(1, dim, device=dev, dtype=torch.bfloat16, generator=gen)
-        ws = [(torch.empty(8 * dim, dtype=torch.float32, device=dev), torch.zeros(dim // 32, dtype=torch.int32, device=dev))
+        block_k = 256 if dim == 2048 else 512
+        floats, tickets = workspace_size(dim, dim, 32, block_k)
+        ws = [(torch.empty(floats, dtype=torch.float32, device=dev), torch.zeros(tickets, dtype=torch.int32, device=dev))
               for _ in weights]
 
         def run(kind):
             h = x
             for w, s in zip(weights, ws):
-                h = F.linear(h, w) if kind == "cublas" else splitk_gemv(h, w, block_n=32, block_k=256 if dim == 2048 else 512,
-                                                                      workspace=s, pdl=kind == "pdl")
+                h = F.linear(h, w) if kind == "cublas" else splitk_gemv(h, w, block_n=32, block_k=block_k, workspace=s,
+                                                                      pdl=kind == "pdl")
             return h
 
         ref = run("cublas").float()

@@ -9,6 +9,8 @@
 # balance and split parts measured there were removed with their switches, see git history).
 # Measured (docs/benchmarks.md, "Sub-page tiles on" and "The prepared switches measured"): shares,
 # short, b16, cascade, subpage (now the default), valuesplit, stage1merge, heads128, plan.
+# Measured (docs/benchmarks.md, "Three L2 prefetches and the latent merge's width measured"):
+# prefetch, gemvahead, moeprefetch (all slower: removed with their switches) and mergecols.
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
 #             against 0.0067 with halves) and the shares as the grid's last dimension
@@ -44,28 +46,6 @@
 #   latent16k  Nsight Compute on the latent stage 1 at batch 1 / 16K and DeepSeek-V2-Lite's 16K step
 #             by kernel and grid (about 1 minute; docs/benchmarks.md, "DeepSeek-V2-Lite at 16K: the
 #             latent stage 1").
-#   prefetch  each work item's first K/V (latent) tiles asked into L2 before stage 1's PDL wait
-#             (SEGKV_ATTENTION_PREFETCH_TILES 2 / 4, off by default until measured): its GPU tests, the
-#             attention tests with it on, the merge-ordering test, and the 8B- and 70B-shape kernels at
-#             batch 1 and 16, 16K / 32K (batch 1 / 32K: 82-83% of the copy rate, the issue asks 85%;
-#             batch 16: 0.98-0.99x cuDNN SDPA) with 0 / 4 tiles, two rounds alternating.
-#   prefetche2e  the same switch end to end: Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at 1K / 16K
-#             with 0 / 4, two rounds alternating.
-#   gemvahead  the one-row GEMVs asking L2 for the weight block of a program one wave later before
-#             their PDL wait (SEGKV_GEMV_PREFETCH_AHEAD=8 programs per SM, off by default until
-#             measured): its GPU tests, the GEMV tests with it on, and the products alone and a
-#             Llama-3.1-8B layer's chain (scripts/dense_gemv_sweep.py) with 0 / 8 alternating.
-#   gemvahead2e  the same switch end to end: Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at 1K / 16K
-#             with 0 / 8, two rounds alternating (about 6 minutes).
-#   moeprefetch  the MoE block's items asking L2 for their weight rows before they wait for their
-#             input (SEGKV_EXPERT_PREFETCH_WAITING=1, off by default until measured): its GPU tests, the
-#             expert tests with it on, the block alone with 0 / 1 alternating.
-#   prefetchab  the three prefetches at once (SEGKV_ATTENTION_PREFETCH_TILES=4, SEGKV_GEMV_PREFETCH_AHEAD=8,
-#             SEGKV_EXPERT_PREFETCH_WAITING=1) against none: Llama-3.1-8B and DeepSeek-V2-Lite batch 1
-#             at 1K / 16K, two rounds alternating (about 6 minutes; the parts above take them apart).
-#   mergecols  DeepSeek-V2-Lite batch 1 with the latent merge at 16 value columns a program
-#             (SEGKV_MERGE_BLOCK_DV=16: 512 programs at batch 1 instead of 256) against the default 32
-#             (3.9 us a layer at 16K for 128 partitions), two rounds alternating (about 4 minutes).
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
@@ -140,19 +120,6 @@ e2e_alternate() {  # variable, "values", decode_e2e arguments...: two rounds, ea
 }
 deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it off and on, two rounds
   e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
-}
-alternate() {  # variable, "values", filter, command...: two rounds, the command once per value in turn
-  local var=$1 values=$2 filter=$3
-  shift 3
-  for round in 1 2; do
-    for value in $values; do
-      echo "-- $var=$value (round $round): ${*: -1}" | tee -a "$log"
-      env "$var=$value" timeout 150 "$@" 2>&1 | $filter | tee -a "$log"
-    done
-  done
-}
-attention_rows() {  # decode_attention's result rows, the SDPA and segment variants cut short
-  grep -E "^\[|rror" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//'
 }
 for part in "${@:-latent}"; do
 if [ "$part" = merge ]; then
@@ -441,41 +408,6 @@ elif [ "$part" = moeblock ]; then
   timeout 120 python3 scripts/profile_decode.py --model deepseek-v2-lite --batch 1 \
     --context 1024 --rows 5 --trace /tmp/step.json > /dev/null 2>&1
   python3 scripts/trace_gaps.py /tmp/step.json --kernels --by-grid --min-us 3 --rows 12 2>&1 | tee -a "$log"
-elif [ "$part" = gemvahead ]; then
-  gpu_tests "the GEMV look-ahead" -- tests/test_gemv_prefetch.py
-  gpu_tests "GEMVs with the look-ahead on" SEGKV_GEMV_PREFETCH_AHEAD=8 -- tests/test_dense_gemv.py \
-    tests/test_qkv_gemv.py tests/test_mla_x_gemv.py
-  alternate SEGKV_GEMV_PREFETCH_AHEAD "0 8" "tail -12" python3 scripts/dense_gemv_sweep.py
-  alternate SEGKV_GEMV_PREFETCH_AHEAD "0 8" "tail -6" python3 scripts/dense_gemv_sweep.py --layers
-elif [ "$part" = moeprefetch ]; then
-  gpu_tests "the waiting experts' prefetch" -- tests/test_expert_prefetch.py
-  gpu_tests "experts and MoE with it on" SEGKV_EXPERT_PREFETCH_WAITING=1 -- tests/test_expert_mlp.py \
-    tests/test_moe_ops.py tests/test_deepseek_parity.py
-  alternate SEGKV_EXPERT_PREFETCH_WAITING "0 1" "tail -5" python3 scripts/expert_gemv_sweep.py --block
-elif [ "$part" = mergecols ]; then
-  # 32 is the latent merge's default width (GQA merges, which it would also force, do not run here)
-  e2e_alternate SEGKV_MERGE_BLOCK_DV "32 16" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
-elif [ "$part" = prefetchab ]; then
-  for round in 1 2; do
-    e2e "no prefetch" SEGKV_ATTENTION_PREFETCH_TILES=0 SEGKV_GEMV_PREFETCH_AHEAD=0 SEGKV_EXPERT_PREFETCH_WAITING=0 \
-      -- --models llama-3.1-8b,deepseek-v2-lite --batches 1 --contexts 1K,16K
-    e2e "attention 4 tiles, GEMV look-ahead 8, waiting experts" SEGKV_ATTENTION_PREFETCH_TILES=4 \
-      SEGKV_GEMV_PREFETCH_AHEAD=8 SEGKV_EXPERT_PREFETCH_WAITING=1 -- \
-      --models llama-3.1-8b,deepseek-v2-lite --batches 1 --contexts 1K,16K
-  done
-elif [ "$part" = gemvahead2e ]; then
-  e2e_alternate SEGKV_GEMV_PREFETCH_AHEAD "0 8" --models llama-3.1-8b,deepseek-v2-lite --batches 1 --contexts 1K,16K
-elif [ "$part" = prefetch ]; then
-  gpu_tests "the prefetch and the merge's ordering" -- tests/test_attention_prefetch.py \
-    "tests/test_triton_attention.py::test_a_graphs_merge_without_partials_still_orders_the_next_kernel"
-  GPU_TESTS_TIMEOUT=300 gpu_tests "attention kernels with 2 tiles prefetched" SEGKV_ATTENTION_PREFETCH_TILES=2 -- \
-    tests/test_triton_attention.py tests/test_triton_mla.py tests/test_cuda_graphs.py \
-    -k "not (test_kernels_match_the_reference or test_latent_kernel_matches_the_reference) or (bf16 and 128 and 16-16)"
-  alternate SEGKV_ATTENTION_PREFETCH_TILES "0 4" attention_rows python3 -m segkv.bench.decode_attention \
-    --shapes llama3-8b,llama3-70b --batches 1,16 --contexts 16384,32768 --page-sizes 32 --no-cascade --trials 5
-elif [ "$part" = prefetche2e ]; then
-  e2e_alternate SEGKV_ATTENTION_PREFETCH_TILES "0 4" --models llama-3.1-8b,deepseek-v2-lite --batches 1 \
-    --contexts 1K,16K
 elif [ "$part" = verify ]; then
   # after a change of defaults or a removal: the attention kernels' GPU tests (bf16 / head_dim 128 /
   # page 16 grid cases and every other test), the expert, MoE, GEMV, DeepSeek and graph tests, the
@@ -564,7 +496,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (mergecols, moeprefetch, prefetchab, gemvahead, gemvahead2e, prefetch, prefetche2e, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done

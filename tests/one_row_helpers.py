@@ -1,5 +1,5 @@
 """Shared by the model tests of the one-row decode paths (split-K GEMVs, per-head latent
-GEMVs, the L2 prefetch): taking those paths on the CPU, counting kernel calls, and comparing a
+GEMVs): taking those paths on the CPU, counting kernel calls, and comparing a
 model with them against one without."""
 
 from __future__ import annotations

@@ -7,8 +7,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from segkv.kernels.l2_prefetch import prefetch_rows_l2
-
 
 @triton.jit
 def page_index(page_table, page_rows, page_key_start, pidx, pg1):
@@ -56,32 +54,6 @@ def load_kv(k_base, v_base, page, stride_kp, stride_vp, in_page, dk_ok, dv_ok):
     k = tl.load(k_base + (page * stride_kp)[:, None], mask=in_page[:, None] & dk_ok[None, :], other=0.0)
     v = tl.load(v_base + (page * stride_vp)[:, None], mask=in_page[:, None] & dv_ok[None, :], other=0.0)
     return k, v
-
-
-@triton.jit
-def prefetch_first_tiles(base, stride_p, stride_n, page_table, page_rows, page_key_start, pg0, pg1, page, rows,
-                         mine, ROW_BYTES: tl.constexpr, TILES: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
-    """Prefetch into L2 the rows of a work item's first ``TILES`` tiles: rows of ``ROW_BYTES`` at
-    ``base + page * stride_p + row * stride_n``; ``page``/``rows`` are the first tile's page ids
-    and valid rows (:func:`plan_reads`; the later tiles' are read here), ``mine``: this program
-    asks (one of the programs that share the rows)."""
-    PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)
-    SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N
-    offs_n = tl.arange(0, BLOCK_N)
-    row = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
-    asks = tl.zeros_like(row) + mine.to(tl.int32) != 0  # a vector: the interpreter refuses vector & scalar
-    prefetch_rows_l2(base + page * stride_p + row * stride_n, (row < rows) & asks, ROW_BYTES)
-    t0, _ = tile_range(pg0, pg1, SUB)
-    for i in tl.static_range(1, TILES):
-        if SUB > 1:  # pages longer than the tile: tile i is ((t0 + i) % SUB) tiles into its page
-            pidx = (t0 + i) // SUB + offs_n * 0
-            row_i = row + ((t0 + i) % SUB) * BLOCK_N
-        else:
-            pidx = t0 + i * PAGES + offs_n // PAGE_SIZE
-            row_i = row
-        page_i, rows_i, _ = page_index(page_table, page_rows, page_key_start, pidx, pg1)
-        prefetch_rows_l2(base + page_i * stride_p + row_i * stride_n, (row_i < rows_i) & asks, ROW_BYTES)
 
 
 @triton.jit

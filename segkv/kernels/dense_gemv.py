@@ -30,9 +30,8 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
-from segkv.kernels.l2_prefetch import prefetch_rows_l2, rows_prefetchable
 from segkv.kernels.moe_ops import check_combine, combine_row
-from segkv.kernels.pdl import _INTERPRET, capability_major, multiprocessors, pdl_options
+from segkv.kernels.pdl import _INTERPRET, capability_major, pdl_options
 from segkv.kernels.settings import env_int
 
 INPUT_PLAIN, INPUT_GATED, INPUT_NORM, INPUT_COMBINE = 0, 1, 2, 3
@@ -50,11 +49,6 @@ WEIGHTS_EVICT_FIRST = env_int("SEGKV_GEMV_EVICT_FIRST", 1) == 1
 # The store is now predicated instead, and they take 64 uncapped (8 programs; a cap of 72 lets
 # ptxas give the q/k/v and MLA x launches 70-72). Caps that spill (64 / 40) lost 6-15%.
 PLAIN_REGISTER_CAP = env_int("SEGKV_GEMV_MAXNREG", 0)
-# Each program asks L2, before its PDL wait, for the weight block of the program this many
-# programs per multiprocessor later in launch order (SEGKV_GEMV_PREFETCH_AHEAD; 0, off, until
-# measured on the GPU; 8 is one wave of the 64-register programs): the next wave's weights then
-# stream while this wave waits for the kernel before it, works and ends, instead of after.
-PREFETCH_AHEAD_PER_SM = env_int("SEGKV_GEMV_PREFETCH_AHEAD", 0)
 NORM_REGISTER_CAP = env_int("SEGKV_GEMV_MAXNREG_NORM", 0)
 
 
@@ -70,7 +64,7 @@ def register_cap(x: torch.Tensor, input_kind: int) -> int:
 def gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, EXPERT_W, SHARED, stride_x,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INPUT: tl.constexpr, HAS_RES: tl.constexpr,
                KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
-               EXPERTS: tl.constexpr = 1, HAS_SHARED: tl.constexpr = False, AHEAD: tl.constexpr = 0):
+               EXPERTS: tl.constexpr = 1, HAS_SHARED: tl.constexpr = False):
     """Program ``(nb, kb)``'s share: the float32 partial product ``(BLOCK_N,)`` of output block
     ``nb`` over input block ``kb``, and (``INPUT_NORM``/``INPUT_COMBINE``, else 0) the slice's sum
     of squares of ``h``; block ``nb == 0`` writes its slice of ``h`` to ``RES_OUT``.
@@ -81,8 +75,7 @@ def gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, EXPERT_
     With ``USE_PDL`` (programmatic dependent launch): the next kernel may be scheduled at once,
     and this one loads its weight block before waiting for the kernel before it (whose output
     ``X`` is): the weight's memory latency overlaps that kernel's tail. ``EVICT_FIRST``: the
-    weight's lines leave the L2 cache first. ``AHEAD > 0``: before the wait, the weight block of
-    the program ``AHEAD`` later in launch order is asked into L2 (:func:`prefetch_block_ahead`)."""
+    weight's lines leave the L2 cache first."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -93,8 +86,6 @@ def gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, EXPERT_
                 other=0.0, eviction_policy="evict_first" if EVICT_FIRST else "")
     if INPUT >= 2:
         g = tl.load(G + cols, mask=c_ok, other=0.0).to(tl.float32)
-    if AHEAD > 0:
-        prefetch_block_ahead(W, stride_w, out_dim, in_dim, nb, kb, AHEAD, BLOCK_N, BLOCK_K)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     if INPUT == 3:
@@ -118,44 +109,19 @@ def gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, EXPERT_
 
 
 @triton.jit
-def prefetch_block_ahead(W, stride_w, out_dim, in_dim, nb, kb, AHEAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
-    """Ask L2 for the ``BLOCK_N x BLOCK_K`` weight block of the program ``AHEAD`` after program
-    ``(nb, kb)`` in launch order (grid ``(blocks, split)``, ``nb`` fastest): one prefetch per row,
-    nothing past the last block."""
-    blocks = tl.cdiv(out_dim, BLOCK_N)
-    later = nb + kb * blocks + AHEAD
-    rows = (later % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    start = (later // blocks) * BLOCK_K
-    ELEMENT: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
-    ok = (rows < out_dim) & (tl.zeros_like(rows) + start < in_dim)
-    nbytes = tl.minimum(in_dim - start, BLOCK_K) * ELEMENT
-    prefetch_rows_l2(W + rows.to(tl.int64) * stride_w + start, ok, nbytes)
-
-
-def prefetch_ahead(x: torch.Tensor, weight: torch.Tensor) -> int:
-    """The ``AHEAD`` of a one-row GEMV launch (0: none): :data:`PREFETCH_AHEAD_PER_SM` programs per
-    multiprocessor of ``x``'s GPU where bulk prefetches run (Hopper or later, not the interpreter)
-    and the weight's rows are 16-byte aligned 16-bit values."""
-    if PREFETCH_AHEAD_PER_SM <= 0 or not x.is_cuda or not rows_prefetchable((weight,), (weight.shape[1],)):
-        return 0
-    return PREFETCH_AHEAD_PER_SM * multiprocessors(x.device.index or 0)
-
-
-@triton.jit
 def _splitk_gemv_kernel(X, RES, G, RES_OUT, W, OUT, PART, TICKETS, stride_w, out_dim, in_dim, eps,
                         EXPERT_W, SHARED, stride_x,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                         SPLIT_P2: tl.constexpr, INPUT: tl.constexpr, HAS_RES: tl.constexpr,
                         KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
-                        EXPERTS: tl.constexpr, HAS_SHARED: tl.constexpr, AHEAD: tl.constexpr = 0):
+                        EXPERTS: tl.constexpr, HAS_SHARED: tl.constexpr):
     """Program ``(nb, kb)``: :func:`gemv_slice`, then the ticket. ``PART``: float32 partial sums
     ``(SPLIT, out_dim)``, then (``INPUT_NORM``) the slices' sums of squares ``(blocks, SPLIT)``."""
     nb = tl.program_id(0)
     kb = tl.program_id(1)
     part, square_sum = gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, EXPERT_W, SHARED,
                                   stride_x, BLOCK_N, BLOCK_K, INPUT, HAS_RES, KIND, EVICT_FIRST, USE_PDL, EXPERTS,
-                                  HAS_SHARED, AHEAD)
+                                  HAS_SHARED)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < out_dim
     if SPLIT == 1:
@@ -270,7 +236,7 @@ def gemv_operands(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kin
     if part.numel() < floats or tickets.numel() < tickets_needed:
         raise ValueError(f"{name}: workspace of {part.numel()} floats and {tickets.numel()} tickets, "
                          f"{floats} and {tickets_needed} needed")
-    options = {**pdl_options(x, pdl), "AHEAD": prefetch_ahead(x, weight)}
+    options = pdl_options(x, pdl)
     cap = register_cap(x, input_kind)
     if cap > 0:
         options["maxnreg"] = cap

@@ -20,7 +20,6 @@ import triton.language as tl
 
 from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST
 from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
-from segkv.kernels.l2_prefetch import prefetch_rows_l2
 from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
 from segkv.kernels.work_items import wait_full
@@ -86,7 +85,7 @@ def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constex
                BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, GATED: tl.constexpr, KIND: tl.constexpr,
                UNROLL: tl.constexpr, EVICT_FIRST: tl.constexpr, FIRST_APART: tl.constexpr, PDL: tl.constexpr,
                ACT: tl.constexpr = False, X_CG: tl.constexpr = False, SPIN: tl.constexpr = False, spin_ptr=None,
-               spin_need=0, PREFETCH: tl.constexpr = False):
+               spin_need=0):
     """Outputs ``ob * BLOCK_O ...`` of one product: ``w_rows`` points at the weight's first
     column, one row per output of :func:`_weight_rows` (row stride folded in); ``x_row`` at the
     input row, which holds ``[gate | up]`` (``2 IN`` columns, reduced to ``silu(gate) * up`` on the
@@ -98,15 +97,11 @@ def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constex
     for the previous kernel (programmatic dependent launch) before reading ``x_row``. ``X_CG``: the
     input row is read through L2 (other programs of the same launch wrote it). ``SPIN``: the
     program first waits until ``spin_ptr`` counts ``spin_need`` (``kernels.work_items``): the input
-    row is another program's; with ``PREFETCH`` it asks L2 for its weight rows before that wait
-    (``kernels.l2_prefetch``: no registers held), so they stream while it waits."""
+    row is another program's."""
     offs_o, o_ok = _weight_rows(ob, BLOCK_O, OUT_DIM, ACT)
     acc = tl.zeros([BLOCK_O], tl.float32)
     START: tl.constexpr = BLOCK_I if FIRST_APART else 0
     if SPIN:
-        if PREFETCH:
-            ELEMENT: tl.constexpr = w_rows.dtype.element_ty.primitive_bitwidth // 8
-            prefetch_rows_l2(w_rows, o_ok, IN * ELEMENT)
         wait_full(spin_ptr, spin_need)
     if FIRST_APART:
         w = _chunk_weights(w_rows, o_ok, 0, IN, BLOCK_I, EVICT_FIRST)

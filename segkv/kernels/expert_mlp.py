@@ -34,7 +34,6 @@ import triton.language as tl
 from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST
 from segkv.kernels.expert_gemv import _gemv_tile, _weight_rows
 from segkv.kernels.fused_ops import kind_of
-from segkv.kernels.l2_prefetch import rows_prefetchable
 from segkv.kernels.moe_ops import norm_route_program, prepare_norm_route
 from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
@@ -55,14 +54,13 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
               PAIRS: tl.constexpr, HIDDEN: tl.constexpr, INNER: tl.constexpr, S_INNER: tl.constexpr,
               BLOCK_O: tl.constexpr, BLOCK_I_UP: tl.constexpr, BLOCK_I_DOWN: tl.constexpr, EXACT_FP32: tl.constexpr,
               KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, COUNTERS_P2: tl.constexpr, UNROLL: tl.constexpr,
-              ROUTED: tl.constexpr, PREFETCH: tl.constexpr = False):
+              ROUTED: tl.constexpr):
     """Expert work item ``item`` (see the module docstring): ``X (1, HIDDEN)``; routed ``GU (E,
     2 INNER, HIDDEN)`` ``[gate | up]`` stacks and ``DOWN (E, HIDDEN, INNER)`` for the ``PAIRS``
     experts ``experts[n]``, activations into ``ACT (PAIRS, INNER)``, results into ``OUT (PAIRS,
     HIDDEN)``; shared ``SGU (2 S_INNER, HIDDEN)``, ``SDOWN (HIDDEN, S_INNER)``, ``SACT (S_INNER,)``,
     ``SOUT (HIDDEN,)``. ``ROUTED``: ``X`` and ``experts`` are written by the router's programs of
-    the same launch: the gate/up items wait for their counters and read them through L2.
-    ``PREFETCH``: an item that waits for its input asks L2 for its weight rows first."""
+    the same launch: the gate/up items wait for their counters and read them through L2."""
     UP_BLOCKS: tl.constexpr = (INNER + BLOCK_O // 2 - 1) // (BLOCK_O // 2)
     S_UP_BLOCKS: tl.constexpr = (S_INNER + BLOCK_O // 2 - 1) // (BLOCK_O // 2)
     DOWN_BLOCKS: tl.constexpr = (HIDDEN + BLOCK_O - 1) // BLOCK_O
@@ -76,7 +74,7 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
             # routed: the normed row is the router's block 0's
             _gemv_tile(X, SGU + rows.to(tl.int64) * stride_sguo, SACT, item, HIDDEN, 2 * S_INNER, BLOCK_O,
                        BLOCK_I_UP, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, False, False, True,
-                       ROUTED, ROUTED, COUNTERS + NORM_READY, 1, PREFETCH)
+                       ROUTED, ROUTED, COUNTERS + NORM_READY, 1)
             count_done(COUNTERS + _FIXED_COUNTERS + PAIRS)
         else:
             n = (item - S_UP_BLOCKS) // UP_BLOCKS
@@ -97,7 +95,7 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
         if d < DOWN_BLOCKS:  # the shared experts' down: their gate/up items came first
             _gemv_tile(SACT, SDOWN + rows.to(tl.int64) * stride_sdo, SOUT, ob, S_INNER, HIDDEN, BLOCK_O,
                        BLOCK_I_DOWN, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, False, False, False, True,
-                       True, COUNTERS + _FIXED_COUNTERS + PAIRS, S_UP_BLOCKS, PREFETCH)
+                       True, COUNTERS + _FIXED_COUNTERS + PAIRS, S_UP_BLOCKS)
         else:
             n = d // DOWN_BLOCKS - 1
             if ROUTED:  # the ids first: the weights' address needs them
@@ -105,8 +103,7 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
             expert = tl.load(experts + n, cache_modifier=CG).to(tl.int64)
             _gemv_tile(ACT + n * INNER, DOWN + expert * stride_de + rows.to(tl.int64) * stride_do,
                        OUT + n * HIDDEN, ob, INNER, HIDDEN, BLOCK_O, BLOCK_I_DOWN, EXACT_FP32, False, KIND, UNROLL,
-                       EVICT_FIRST, False, False, False, True, True, COUNTERS + _FIXED_COUNTERS + n, UP_BLOCKS,
-                       PREFETCH)
+                       EVICT_FIRST, False, False, False, True, True, COUNTERS + _FIXED_COUNTERS + n, UP_BLOCKS)
         leave_zero_if_last(COUNTERS + 1, ITEMS - UP_ITEMS, COUNTERS, PAIRS + _FIXED_COUNTERS + 1 + _ROUTE_COUNTERS,
                            COUNTERS_P2)
 
@@ -118,13 +115,13 @@ def _expert_mlp_kernel(
     PAIRS: tl.constexpr, HIDDEN: tl.constexpr, INNER: tl.constexpr, S_INNER: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_I_UP: tl.constexpr, BLOCK_I_DOWN: tl.constexpr, EXACT_FP32: tl.constexpr,
     KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, COUNTERS_P2: tl.constexpr, USE_PDL: tl.constexpr,
-    UNROLL: tl.constexpr = True, PREFETCH: tl.constexpr = False,
+    UNROLL: tl.constexpr = True,
 ):
     """One expert work item per program (:func:`_mlp_item`); ``COUNTERS``: int32 zeros, left zero."""
     item = claim_item(COUNTERS, USE_PDL)
     _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUNTERS,
               stride_gue, stride_guo, stride_de, stride_do, stride_sguo, stride_sdo, PAIRS, HIDDEN, INNER, S_INNER,
-              BLOCK_O, BLOCK_I_UP, BLOCK_I_DOWN, EXACT_FP32, KIND, EVICT_FIRST, COUNTERS_P2, UNROLL, False, PREFETCH)
+              BLOCK_O, BLOCK_I_UP, BLOCK_I_DOWN, EXACT_FP32, KIND, EVICT_FIRST, COUNTERS_P2, UNROLL, False)
 
 
 @triton.jit
@@ -139,7 +136,7 @@ def _moe_block_kernel(
     HIDDEN: tl.constexpr, INNER: tl.constexpr, S_INNER: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_I_UP: tl.constexpr, BLOCK_I_DOWN: tl.constexpr, EXACT_FP32: tl.constexpr,
     KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, COUNTERS_P2: tl.constexpr, USE_PDL: tl.constexpr,
-    UNROLL: tl.constexpr = True, PREFETCH: tl.constexpr = False,
+    UNROLL: tl.constexpr = True,
 ):
     """One token's whole MoE block: the first ``ROUTER_BLOCKS`` items are the router's programs
     (``moe_ops.norm_route_program``: the residual add ``RES_OUT = XO + RES``, its RMSNorm ``X``, the
@@ -155,8 +152,7 @@ def _moe_block_kernel(
     else:
         _mlp_item(item - ROUTER_BLOCKS, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUNTERS,
                   stride_gue, stride_guo, stride_de, stride_do, stride_sguo, stride_sdo, K, HIDDEN, INNER, S_INNER,
-                  BLOCK_O, BLOCK_I_UP, BLOCK_I_DOWN, EXACT_FP32, KIND, EVICT_FIRST, COUNTERS_P2, UNROLL, True,
-                  PREFETCH)
+                  BLOCK_O, BLOCK_I_UP, BLOCK_I_DOWN, EXACT_FP32, KIND, EVICT_FIRST, COUNTERS_P2, UNROLL, True)
 
 
 # 16 outputs a program (8 gate rows with their 8 up rows). Measured on the H200 (DeepSeek-V2-Lite,
@@ -165,18 +161,6 @@ def _moe_block_kernel(
 # warps 39.3 us, 505 / 438-439; 512 x 4 warps 37.5 us but 506-507 / 430-431; 256 x 8 warps 514 /
 # 445-446; 128, 1024, 2048 inputs, 16 warps and the pipelined (not unrolled) loop were slower.
 BLOCK_O, BLOCK_I, NUM_WARPS = 16, 512, 8
-# An item that waits for its input (the shared experts' gate/up for the router's normed row, each
-# down product for its expert's activation) asks L2 for its weight rows before it waits
-# (SEGKV_EXPERT_PREFETCH_WAITING=1; 0, off, until measured on the GPU). Loading them into
-# registers there instead measured 45 us a block against 40 (docs/benchmarks.md); a prefetch holds
-# no registers.
-PREFETCH_WAITING = env_int("SEGKV_EXPERT_PREFETCH_WAITING", 0) == 1
-
-
-def prefetch_waiting(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> bool:
-    """Whether the expert items of a launch on ``x`` prefetch while they wait: :data:`PREFETCH_WAITING`
-    on a Hopper or later GPU outside the interpreter, for 16-byte aligned rows of 16-bit weights."""
-    return PREFETCH_WAITING and x.is_cuda and rows_prefetchable(weights, tuple(w.shape[-1] for w in weights))
 
 
 def counters_size(pairs: int) -> int:
@@ -236,7 +220,6 @@ def _prepare_experts(name: str, x: torch.Tensor, pairs: int, gate_up: torch.Tens
                 EXACT_FP32=kernel_dtype == torch.float32, KIND=kind_of(x.dtype), EVICT_FIRST=WEIGHTS_EVICT_FIRST,
                 COUNTERS_P2=triton.next_power_of_2(counters_size(pairs)),
                 UNROLL=env_int("SEGKV_EXPERT_MLP_UNROLL", 1) == 1,
-                PREFETCH=prefetch_waiting(x, (gate_up, down, shared_gate_up, shared_down)),
                 num_warps=env_int("SEGKV_EXPERT_MLP_WARPS", NUM_WARPS), num_stages=env_int("SEGKV_EXPERT_MLP_STAGES", 3))
     return _ExpertLaunch(
         _activation_buffer((pairs, inner), kernel_dtype, x.device, poison),

@@ -19,7 +19,6 @@ from segkv.kernels.attention_tiles import (
     online_softmax_step,
     page_index,
     plan_reads,
-    prefetch_first_tiles,
     store_partials,
     tile_range,
     tile_rows_in_page,
@@ -31,7 +30,6 @@ from segkv.kernels.paged_attention import (
     attention_pdl_options,
     maxnreg_option,
     merge_into,
-    prefetch_option,
     stages_that_fit,
     subpage_tiles,
     tile_rows,
@@ -133,7 +131,7 @@ def _mla_stage1_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr = False, VALUE_SPLIT: tl.constexpr = 1, ADAPTIVE: tl.constexpr = False,
-    SHARES_LAST: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    SHARES_LAST: tl.constexpr = False,
 ):
     """One program: ``BLOCK_M`` (query row, head) pairs of one work item, scanning its piece
     ``BLOCK_N`` latent rows at a time with an online softmax in float32 (:func:`_latent_pairs`).
@@ -146,8 +144,7 @@ def _mla_stage1_kernel(
     before the wait. Otherwise (forced, for tuning) the ``VALUE_SPLIT`` shares whatever the plan.
     ``SHARES_LAST``: the shares are the grid's third dimension (every work item's first programs
     launch before any second one, so programs without a share exit at the launch's tail) instead
-    of neighbours in the first. ``PREFETCH``: the work item's first ``PREFETCH`` latent tiles are
-    asked into L2 before the wait (``paged_attention.PREFETCH_TILES``)."""
+    of neighbours in the first."""
     if SHARES_LAST:
         mb = tl.program_id(0)
         vb = tl.program_id(2)
@@ -172,10 +169,6 @@ def _mla_stage1_kernel(
     valid, head, partial, qrow, offset, pg0, pg1, page_next, rows_next, start_next = plan_reads(
         p0, n_rows, mb, w, 0, num_heads, partial_row, partial_offset, work_pages, page_table, page_rows,
         page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE)
-    if PREFETCH > 0:  # one program of the work item asks for its first tiles
-        ROW: tl.constexpr = (RANK + ROPE) * LAT.dtype.element_ty.primitive_bitwidth // 8
-        prefetch_first_tiles(LAT, stride_lp, stride_ln, page_table, page_rows, page_key_start, pg0, pg1, page_next,
-                             rows_next, (mb == 0) & (vb == 0), ROW, PREFETCH, PAGE_SIZE, BLOCK_N)
     if USE_PDL:  # queries, latent rows and outputs wait for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -324,7 +317,7 @@ def mla_paged_attention(
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
             lse.stride(0),
             scale, num_heads, num_work, value_split_max_partials(launch, query.device), **meta,
-            **attention_pdl_options(query), **prefetch_option(query, (latent_cache,), (width,), True),
+            **attention_pdl_options(query),
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)

@@ -33,7 +33,7 @@ def _mla_x_kernel(X, RES, G, RES_OUT, W, PART, TICKETS, stride_w, out_dim, in_di
                   INPUT: tl.constexpr, HAS_RES: tl.constexpr, KIND: tl.constexpr, CACHE_KIND: tl.constexpr,
                   NORM_KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
                   EXPERTS: tl.constexpr, HAS_SHARED: tl.constexpr, H: tl.constexpr, NOPE: tl.constexpr,
-                  HALF: tl.constexpr, RANK: tl.constexpr, INTERLEAVED: tl.constexpr, AHEAD: tl.constexpr = 0):
+                  HALF: tl.constexpr, RANK: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Program ``(nb, kb)``: ``gemv_slice`` of the normed row, its partial and sum of squares
     stored, then its group's ticket (``TICKETS[group]``, back to 0 after): groups ``< H`` are the
     query heads (``NOPE + 2 HALF`` rows each), group ``H`` the latent row (``RANK + 2 HALF``)."""
@@ -41,7 +41,7 @@ def _mla_x_kernel(X, RES, G, RES_OUT, W, PART, TICKETS, stride_w, out_dim, in_di
     kb = tl.program_id(1)
     part, square_sum = gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, EXPERT_W, SHARED,
                                   stride_x, BLOCK_N, BLOCK_K, INPUT, HAS_RES, KIND, EVICT_FIRST, USE_PDL, EXPERTS,
-                                  HAS_SHARED, AHEAD)
+                                  HAS_SHARED)
     store_slice(PART, part, square_sum, out_dim, nb, kb, BLOCK_N, SPLIT)
     Q_ROWS: tl.constexpr = NOPE + 2 * HALF
     Q_BLOCKS: tl.constexpr = Q_ROWS // BLOCK_N

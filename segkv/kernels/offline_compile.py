@@ -54,10 +54,8 @@ class OfflineKernel:
 
 
 def pdl_order(ptx: str) -> list[str]:
-    """A kernel's PDL instructions and L2 bulk prefetches in program order: ``"wait"``,
-    ``"launch_dependents"``, ``"prefetch"``."""
-    return ["prefetch" if m.startswith("cp.") else m.split(".")[1]
-            for m in re.findall(r"griddepcontrol\.\w+|cp\.async\.bulk\.prefetch\.L2", ptx)]
+    """A kernel's PDL instructions in program order: ``"wait"`` and ``"launch_dependents"``."""
+    return re.findall(r"griddepcontrol\.(\w+)", ptx)
 
 
 def _arg_type(name: str, pointers: dict[str, str]) -> str:
@@ -120,8 +118,7 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     "heads": int (latent, default 16), "rank" / "rope": int (latent, default 512 / 64),
     "one_query": bool (latent, default False: the launch of a batch of one query row, whose value
     split is chosen per plan), "assemble": bool (default False), "pdl": bool (default False: the
-    programmatic-dependent-launch variant), "prefetch": 0 | 1 | 2 | 4 (default 0: the first tiles
-    asked into L2 before the wait, ``paged_attention.PREFETCH_TILES``)}``. ``launch``: a
+    programmatic-dependent-launch variant)}``. ``launch``: a
     ``paged_attention.LaunchConfig`` (default: the launcher's). Returns the compiled kernel and
     the launch constants used."""
     import torch
@@ -144,15 +141,14 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
                                                max_work_rows=case["rows"], element_size=element,
                                                num_rows=1 if case.get("one_query") else None, launch=launch)
         fn, pointers = mla_attention._mla_stage1_kernel, {"Q": f"*{t}", "LAT": f"*{t}", **common}
-    meta = {**meta, "USE_PDL": bool(case.get("pdl", False)), "PREFETCH": case.get("prefetch", 0)}
+    meta = {**meta, "USE_PDL": bool(case.get("pdl", False))}
     return compile_offline(fn, meta, pointers=pointers, assemble=case.get("assemble", False)), meta
 
 
 def stage1_report(case: dict, launch=None) -> dict:
     """:func:`compile_stage1`'s facts as plain values: shared bytes, registers, spills (None unless
     ``case["assemble"]``), the launch's warps and pipeline stages, the K/V (latent) tile buffers,
-    the in-loop waits, the MMA kind, and its PDL waits and L2 bulk prefetches in program order
-    (``"wait"`` / ``"launch_dependents"`` / ``"prefetch"``)."""
+    the in-loop waits, the MMA kind, and its PDL instructions in program order (:func:`pdl_order`)."""
     kernel, meta = compile_stage1(case, launch)
     cols = (case.get("rank", 512) if case["kernel"] == "latent"
             else max(16, triton.next_power_of_2(case["head_dim"])))
@@ -181,9 +177,8 @@ def merge_report(case: dict) -> dict:
 
 def gemv_report(case: dict) -> dict:
     """The one-row split-K GEMV (``dense_gemv``) with PDL for ``{"kernel": "gemv", "input": 0 | 1 |
-    2 (plain, gated, normed), "ahead": int (the look-ahead prefetch's programs, 0: none),
-    "block_n": int, "block_k": int, "in_dim": int}`` (bf16): registers and spills (assembled), and
-    its PDL waits and L2 bulk prefetches in program order."""
+    2 (plain, gated, normed), "block_n": int, "block_k": int, "in_dim": int}`` (bf16): registers and
+    spills (assembled), and its PDL instructions in program order (:func:`pdl_order`)."""
     import torch
 
     from segkv.kernels import dense_gemv
@@ -193,7 +188,7 @@ def gemv_report(case: dict) -> dict:
     meta = {"BLOCK_N": case["block_n"], "BLOCK_K": case["block_k"], "SPLIT": split,
             "SPLIT_P2": triton.next_power_of_2(split), "INPUT": case["input"], "HAS_RES": case["input"] == 2,
             "KIND": kind_of(torch.bfloat16), "EVICT_FIRST": True, "USE_PDL": True, "EXPERTS": 1,
-            "HAS_SHARED": False, "AHEAD": case["ahead"], "num_warps": 4}
+            "HAS_SHARED": False, "num_warps": 4}
     bf16 = "*bf16"
     kernel = compile_offline(dense_gemv._splitk_gemv_kernel, meta, pointers={
         "X": bf16, "RES": bf16, "G": bf16, "RES_OUT": bf16, "W": bf16, "OUT": bf16, "PART": "*fp32",

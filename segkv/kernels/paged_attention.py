@@ -23,12 +23,10 @@ from segkv.kernels.attention_tiles import (
     page_index,
     pair_reads,
     plan_reads,
-    prefetch_first_tiles,
     store_partials,
     tile_range,
     tile_rows_in_page,
 )
-from segkv.kernels.l2_prefetch import rows_prefetchable
 from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
 from segkv.kernels.stage1_merge import merge_group_if_last, merge_if_last, zero_empty_rows
@@ -48,7 +46,7 @@ def _stage1_kernel(
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
-    MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -63,10 +61,7 @@ def _stage1_kernel(
     between launches) and the first work item's programs zero the rows without partials: no
     merge launch. ``TRANSPOSED``: the K/V tile as the tall operand (scores ``(BLOCK_N, BLOCK_M)``,
     accumulator ``(BLOCK_DV, BLOCK_M)``, :func:`online_softmax_step_transposed`). ``PLAN_EARLY``
-    (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait.
-    ``PREFETCH`` (with ``PLAN_EARLY``): each work item's first ``PREFETCH`` K/V tiles are asked
-    into L2 before the wait (:func:`prefetch_first_tiles`), so the loop's first loads after it
-    find them there."""
+    (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
@@ -82,13 +77,6 @@ def _stage1_kernel(
         valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst = plan_reads(
             p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages, page_table, page_rows,
             page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE)
-        if PREFETCH > 0:  # the first pair block's programs ask for the work item's first tiles
-            ROW_K: tl.constexpr = DK * K.dtype.element_ty.primitive_bitwidth // 8
-            ROW_V: tl.constexpr = DV * V.dtype.element_ty.primitive_bitwidth // 8
-            prefetch_first_tiles(K + kvh * stride_kh, stride_kp, stride_kn, page_table, page_rows, page_key_start,
-                                 pg0, pg1, page, rows, mb == 0, ROW_K, PREFETCH, PAGE_SIZE, BLOCK_N)
-            prefetch_first_tiles(V + kvh * stride_vh, stride_vp, stride_vn, page_table, page_rows, page_key_start,
-                                 pg0, pg1, page, rows, mb == 0, ROW_V, PREFETCH, PAGE_SIZE, BLOCK_N)
     if USE_PDL:  # the plan is the host's; everything else read or written below waits for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -372,7 +360,6 @@ def paged_attention(
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
             lse.stride(0), num_heads,
             scale, num_rows, **meta, **attention_pdl_options(query),
-            **prefetch_option(query, (key_cache, value_cache), (dk, dv), meta["PLAN_EARLY"]),
         )
     if num_rows and not merged and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
@@ -433,14 +420,6 @@ ATTENTION_PDL = env_int("SEGKV_ATTENTION_PDL", 1) == 1
 PLAN_EARLY = env_int("SEGKV_ATTENTION_PLAN_EARLY", 1)
 if PLAN_EARLY not in (0, 1, 2):
     raise ValueError(f"SEGKV_ATTENTION_PLAN_EARLY must be 0, 1 or 2, got {PLAN_EARLY}")
-# Each work item's first K/V (latent) tiles asked into L2 before stage 1's PDL wait
-# (SEGKV_ATTENTION_PREFETCH_TILES: 0, the default until measured on the GPU; 1, 2 or 4 tiles), where
-# the plan is read before the wait (the GQA programs with PLAN_EARLY, every latent program): the
-# loop's first loads after the wait then come from L2, not memory, while the kernel before ends.
-# Bulk prefetches (sm_90): a hint, results never change.
-PREFETCH_TILES = env_int("SEGKV_ATTENTION_PREFETCH_TILES", 0)
-if PREFETCH_TILES not in (0, 1, 2, 4):
-    raise ValueError(f"SEGKV_ATTENTION_PREFETCH_TILES must be 0, 1, 2 or 4, got {PREFETCH_TILES}")
 # When the merge lets the next kernel (the o GEMV) launch (SEGKV_MERGE_TRIGGER): 1, right after its
 # wait for stage 1, the default; 2, when it ends: measured level with Llama-3.1-8B at batch 1 (226
 # / 203-204 tok/s against 226-227 / 203); 0, at once, so the o GEMV's programs load their weights
@@ -453,16 +432,6 @@ if MERGE_TRIGGER not in (0, 1, 2):
 def attention_pdl_options(tensor: torch.Tensor) -> dict:
     """``launch_pdl`` and ``USE_PDL`` for an attention launch on ``tensor``'s device."""
     return pdl_options(tensor) if ATTENTION_PDL else {"USE_PDL": False}
-
-
-def prefetch_option(query: torch.Tensor, caches: tuple[torch.Tensor, ...], row_elements: tuple[int, ...],
-                    plan_early: bool) -> dict:
-    """The stage-1 ``PREFETCH`` constexpr: :data:`PREFETCH_TILES` where the launch waits under PDL
-    (a Hopper or later GPU) after reading its plan (``plan_early``), and the caches' rows (of
-    ``row_elements`` each) are 16-byte aligned 16-bit values, as bulk prefetches need; else 0."""
-    on = (PREFETCH_TILES > 0 and plan_early and attention_pdl_options(query)["USE_PDL"]
-          and rows_prefetchable(caches, row_elements))
-    return {"PREFETCH": PREFETCH_TILES if on else 0}
 
 
 def maxnreg_option(launch: LaunchConfig) -> dict:
@@ -511,7 +480,8 @@ if MERGE_IN_STAGE1_MAX_PARTIALS not in (0, 2, 4, 8, 16, 32, 64):
 # value columns per merge program (SEGKV_MERGE_BLOCK_DV forces one width): 64 is within 1% of the
 # best for 128-wide GQA values; 512-wide latent values take 32 (16 programs per row and head: a
 # batch-1 latent merge reads 32-256 partials per row, latency the extra programs hide). H200,
-# DeepSeek-V2-Lite batch 1: 489 / 421 tok/s at 1K / 16K with 32 against 480-484 / 406-412 with 64.
+# DeepSeek-V2-Lite batch 1: 489 / 421 tok/s at 1K / 16K with 32 against 480-484 / 406-412 with 64;
+# 16 (twice the programs again) measured 506-508 / 439-440 against 32's 514-518 / 447.
 MERGE_BLOCK_DV = env_int("SEGKV_MERGE_BLOCK_DV", None)
 GQA_MERGE_BLOCK_DV, LATENT_MERGE_BLOCK_DV = 64, 32
 

@@ -41,7 +41,7 @@ def _qkv_rope_kernel(X, RES, G, RES_OUT, W, PART, TICKETS, stride_w, out_dim, in
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
                      HAS_RES: tl.constexpr, KIND: tl.constexpr, CACHE_KIND: tl.constexpr,
                      EVICT_FIRST: tl.constexpr, USE_PDL: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, AHEAD: tl.constexpr = 0):
+                     HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
     """Program ``(nb, kb)``: ``gemv_slice`` of the normed row, its partial and sum of squares
     stored, then the head's ticket (``TICKETS[head]``, back to 0 after); the head's last program
     finishes head ``nb // (HEAD_DIM / BLOCK_N)``: a query head rotated into ``Q_OUT``, a key head
@@ -49,7 +49,7 @@ def _qkv_rope_kernel(X, RES, G, RES_OUT, W, PART, TICKETS, stride_w, out_dim, in
     nb = tl.program_id(0)
     kb = tl.program_id(1)
     part, square_sum = gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, X, X, 0, BLOCK_N,
-                                  BLOCK_K, _NORM_INPUT, HAS_RES, KIND, EVICT_FIRST, USE_PDL, 1, False, AHEAD)
+                                  BLOCK_K, _NORM_INPUT, HAS_RES, KIND, EVICT_FIRST, USE_PDL)
     store_slice(PART, part, square_sum, out_dim, nb, kb, BLOCK_N, SPLIT)
     BLOCKS_PER_HEAD: tl.constexpr = HEAD_DIM // BLOCK_N
     head = nb // BLOCKS_PER_HEAD
