@@ -9,8 +9,9 @@
 # balance and split parts measured there were removed with their switches, see git history).
 # Measured (docs/benchmarks.md, "Sub-page tiles on" and "The prepared switches measured"): shares,
 # short, b16, cascade, subpage (now the default), valuesplit, stage1merge, heads128, plan.
-# Measured (docs/benchmarks.md, "Three L2 prefetches and the latent merge's width measured"):
-# prefetch, gemvahead, moeprefetch (all slower: removed with their switches) and mergecols.
+# Measured (docs/benchmarks.md, "Three L2 prefetches, the latent merge's width and tile measured"):
+# prefetch, gemvahead, moeprefetch (all slower: removed with their switches), mergecols and latent16
+# (both slower than the defaults); the parts are in git history.
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
 #             against 0.0067 with halves) and the shares as the grid's last dimension

@@ -212,7 +212,8 @@ def default_mla_launch_config() -> LaunchConfig:
     (``SEGKV_MLA_VALUE_SPLIT``) is 0, chosen per launch (:func:`mla_stage1_launch`) up to
     ``SEGKV_MLA_VALUE_SPLIT_AUTO`` programs (2; 4 adds quarters for plans of few partials); 1, 2 or 4
     force it. ``SEGKV_MLA_SHARES_LAST=1`` launches the shares as the grid's third dimension.
-    (Products with the latent tile as the tall operand measured 5-20% slower on the H200:
+    (Products with the latent tile as the tall operand measured 5-20% slower on the H200, and
+    16-row tiles, three programs per SM at 168 registers, 11% slower for DeepSeek-V2-Lite at 16K:
     docs/benchmarks.md.)"""
     return LaunchConfig(
         block_n=env_int("SEGKV_MLA_BLOCK_N", 32),  # a longer page spans tiles (tile_rows)
