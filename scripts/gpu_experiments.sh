@@ -11,7 +11,8 @@
 # short, b16, cascade, subpage (now the default), valuesplit, stage1merge, heads128, plan.
 # Measured (docs/benchmarks.md, "Three L2 prefetches, the latent merge's width and tile measured"):
 # prefetch, gemvahead, moeprefetch (all slower: removed with their switches), mergecols and latent16
-# (both slower than the defaults); the parts are in git history.
+# (both slower than the defaults); the parts are in git history. The scores' chains apart, now the
+# default, were measured end to end at batch 1 only: the part scorechains below has the rest.
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
 #             against 0.0067 with halves) and the shares as the grid's last dimension
@@ -47,6 +48,11 @@
 #   latent16k  Nsight Compute on the latent stage 1 at batch 1 / 16K and DeepSeek-V2-Lite's 16K step
 #             by kernel and grid (about 1 minute; docs/benchmarks.md, "DeepSeek-V2-Lite at 16K: the
 #             latent stage 1").
+#   scorechains  the latent stage 1's scores as separate MMA chains (SEGKV_MLA_SCORE_CHAINS, 1 by
+#             default since DeepSeek-V2-Lite batch 1 measured +0.5% / +1-2% at 1K / 16K; the halves'
+#             longest chain 36 -> 16 MMA steps) against one chain: the latent GPU tests, the kernel at
+#             batch 1 / 8 and 1K / 16K / 64K in two rounds, DeepSeek-V2-Lite batch 8 alternating
+#             (batch 8's programs take all the values: 36 -> 32; about 6 minutes).
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
@@ -409,6 +415,18 @@ elif [ "$part" = moeblock ]; then
   timeout 120 python3 scripts/profile_decode.py --model deepseek-v2-lite --batch 1 \
     --context 1024 --rows 5 --trace /tmp/step.json > /dev/null 2>&1
   python3 scripts/trace_gaps.py /tmp/step.json --kernels --by-grid --min-us 3 --rows 12 2>&1 | tee -a "$log"
+elif [ "$part" = scorechains ]; then
+  GPU_TESTS_TIMEOUT=300 gpu_tests "latent kernels with the scores' chains apart (the default)" -- \
+    tests/test_triton_mla.py -k "not test_latent_kernel_matches_the_reference or (bf16 and 16-16)"
+  for round in 1 2; do
+    for chains in 1 0; do
+      echo "-- latent stage 1, SEGKV_MLA_SCORE_CHAINS=$chains, round $round (ms)" | tee -a "$log"
+      SEGKV_MLA_SCORE_CHAINS=$chains timeout 100 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 \
+        --batches 1,8 --page-size 32 --contexts 1024,16384,65536 --dtypes bfloat16 --trials 5 2>&1 \
+        | grep -E "^\[|rror" | tee -a "$log"
+    done
+  done
+  e2e_alternate SEGKV_MLA_SCORE_CHAINS "1 0" --models deepseek-v2-lite --batches 8 --contexts 1K,16K
 elif [ "$part" = verify ]; then
   # after a change of defaults or a removal: the attention kernels' GPU tests (bf16 / head_dim 128 /
   # page 16 grid cases and every other test), the expert, MoE, GEMV, DeepSeek and graph tests, the
@@ -497,7 +515,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (scorechains, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done

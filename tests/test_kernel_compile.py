@@ -105,3 +105,20 @@ def test_the_merge_lets_the_next_kernel_launch_when_told():
     orders = [r["pdl"] for r in compile_cases(cases)]
     expected = [["launch_dependents", "wait"], ["wait", "launch_dependents"], ["wait"]]
     assert orders == expected * 2
+
+
+def test_latent_score_pieces_are_separate_mma_chains_when_told():
+    """``SEGKV_MLA_SCORE_CHAINS``: by default Triton folds the sum of the scores' pieces into one
+    accumulator, so a batch-1 latent program's scores are one chain of 36 MMA steps (its half of
+    the 512 latent columns, the 64 RoPE columns, the other half). Apart, the halves' longest
+    chain is 16 and the quarters' 8; the program that takes all the values keeps its 32 (one
+    product over its 512 columns); the P.V chains stay at 4 (two bf16 halves of P, 32 rows)."""
+    base = {"kernel": "latent", "dtype": "bfloat16", "page_size": 32, "rows": 1, "one_query": True}
+    cases = [{**base, "score_chains": apart} for apart in (False, True)]
+    cases += [{**base, "score_chains": apart, "value_split": 4} for apart in (False, True)]
+    one, apart, one_quarters, apart_quarters = [r["chains"] for r in compile_cases(cases)]
+    assert one.count(36) == 2 and max(one) == 36  # the halves' and the whole values' programs
+    assert max(apart) == 32 and apart.count(16) == 2 and 36 not in apart
+    assert max(one_quarters) == 36
+    assert max(apart_quarters) == 8
+    assert apart_quarters.count(4) >= 2  # the RoPE columns' chain and the P.V chain

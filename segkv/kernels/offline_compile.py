@@ -10,6 +10,7 @@ between versions; the helpers here accept the spellings of Triton 3.x.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import re
@@ -51,6 +52,21 @@ class OfflineKernel:
         """The ``num`` of every asynchronous-copy wait in the IR, in order (the in-loop wait leaves
         that many copy groups in flight; 0 waits for everything)."""
         return [int(n) for n in re.findall(r"async_wait[^\n]*?num\s*=\s*(\d+)", self.ttgir)]
+
+    def mma_chains(self) -> list[int]:
+        """The dependent MMA chains of the IR's products, each in steps of 16 along the reduced
+        dimension (a 16-deep k-loop of the MMA instructions per warp): a product whose accumulator
+        is another product's result continues that one's chain. One entry per chain's last
+        product, sorted. A chain's steps wait on each other's results, so with few warps per
+        scheduler its length, not the step count, sets the time."""
+        steps, ends = {}, {}
+        for m in re.finditer(r"(%[\w.]+) = (?:tt\.dot|ttng\.warp_group_dot) (%[\w.]+), %[\w.]+, (%[\w.]+)[^\n]*?"
+                             r": tensor<\d+x(\d+)x", self.ttgir):
+            result, _, acc, k = m.groups()
+            steps[result] = steps.get(acc, 0) + int(k) // 16
+            ends.pop(acc, None)
+            ends[result] = steps[result]
+        return sorted(ends.values())
 
 
 def pdl_order(ptx: str) -> list[str]:
@@ -117,8 +133,10 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     "rows": query rows per work item, "head_dim": int (gqa), "group": int (gqa, default 4),
     "heads": int (latent, default 16), "rank" / "rope": int (latent, default 512 / 64),
     "one_query": bool (latent, default False: the launch of a batch of one query row, whose value
-    split is chosen per plan), "assemble": bool (default False), "pdl": bool (default False: the
-    programmatic-dependent-launch variant)}``. ``launch``: a
+    split is chosen per plan), "score_chains": bool (latent, default: the launcher's
+    ``SEGKV_MLA_SCORE_CHAINS``), "assemble": bool (default False), "pdl": bool (default False:
+    the programmatic-dependent-launch variant), "value_split": int (latent, default: the
+    launcher's)}``. ``launch``: a
     ``paged_attention.LaunchConfig`` (default: the launcher's). Returns the compiled kernel and
     the launch constants used."""
     import torch
@@ -136,11 +154,16 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
                                              element_size=element, launch=launch)
         fn, pointers = paged_attention._stage1_kernel, {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", **common}
     else:
+        if "value_split" in case:
+            launch = dataclasses.replace(launch or mla_attention.default_mla_launch_config(),
+                                         value_split=case["value_split"])
         meta = mla_attention.mla_stage1_launch(dtype=dtype, rank=case.get("rank", 512), rope=case.get("rope", 64),
                                                num_heads=case.get("heads", 16), page_size=case["page_size"],
                                                max_work_rows=case["rows"], element_size=element,
                                                num_rows=1 if case.get("one_query") else None, launch=launch)
         fn, pointers = mla_attention._mla_stage1_kernel, {"Q": f"*{t}", "LAT": f"*{t}", **common}
+        if "score_chains" in case:
+            meta["CHAINS_APART"] = bool(case["score_chains"])
     meta = {**meta, "USE_PDL": bool(case.get("pdl", False))}
     return compile_offline(fn, meta, pointers=pointers, assemble=case.get("assemble", False)), meta
 
@@ -148,7 +171,8 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
 def stage1_report(case: dict, launch=None) -> dict:
     """:func:`compile_stage1`'s facts as plain values: shared bytes, registers, spills (None unless
     ``case["assemble"]``), the launch's warps and pipeline stages, the K/V (latent) tile buffers,
-    the in-loop waits, the MMA kind, and its PDL instructions in program order (:func:`pdl_order`)."""
+    the in-loop waits, the MMA kind and chains (:meth:`OfflineKernel.mma_chains`), and its PDL
+    instructions in program order (:func:`pdl_order`)."""
     kernel, meta = compile_stage1(case, launch)
     cols = (case.get("rank", 512) if case["kernel"] == "latent"
             else max(16, triton.next_power_of_2(case["head_dim"])))
@@ -156,7 +180,7 @@ def stage1_report(case: dict, launch=None) -> dict:
     return {"case": case, "shared": kernel.shared, "registers": kernel.registers, "spill_bytes": kernel.spill_bytes,
             "num_warps": meta["num_warps"], "num_stages": meta["num_stages"],
             "buffers": kernel.pipeline_buffers(meta["BLOCK_N"], cols), "waits": kernel.loop_waits(), "mma": mma,
-            "order": pdl_order(kernel.ptx)}
+            "chains": kernel.mma_chains(), "order": pdl_order(kernel.ptx)}
 
 
 def merge_report(case: dict) -> dict:
