@@ -48,6 +48,13 @@
 #   latent16k  Nsight Compute on the latent stage 1 at batch 1 / 16K and DeepSeek-V2-Lite's 16K step
 #             by kernel and grid (about 1 minute; docs/benchmarks.md, "DeepSeek-V2-Lite at 16K: the
 #             latent stage 1").
+#   chains    the row-major decode programs (8B shape) with P's two parts times V as separate MMA
+#             chains (SEGKV_ATTENTION_PV_APART=1) and the scores over the head's halves
+#             (SEGKV_ATTENTION_QK_HALVES=1), each off until measured: every chain of a 64-row tile 8 -> 4
+#             MMA steps, offline without more registers. The GPU tests (with both on), the 8B-shape
+#             kernels at batch 1 / 4 / 16 and 16K-64K (batch 1 at 32K: 80-83% of the copy rate, 85%
+#             asked) none / P.V / Q.K / both, two rounds (about 6 minutes).
+#   chainse2e  Llama-3.1-8B and Qwen3-8B batch 1 at 1K / 16K with none, P.V, both (about 5 minutes).
 #   scorechains  the latent stage 1's scores as separate MMA chains (SEGKV_MLA_SCORE_CHAINS, 1 by
 #             default since DeepSeek-V2-Lite batch 1 measured +0.5% / +1-2% at 1K / 16K; the halves'
 #             longest chain 36 -> 16 MMA steps) against one chain: the latent GPU tests, the kernel at
@@ -427,6 +434,29 @@ elif [ "$part" = scorechains ]; then
     done
   done
   e2e_alternate SEGKV_MLA_SCORE_CHAINS "1 0" --models deepseek-v2-lite --batches 8 --contexts 1K,16K
+elif [ "$part" = chains ]; then
+  GPU_TESTS_TIMEOUT=300 gpu_tests "decode products as separate chains" -- tests/test_triton_attention.py \
+    -k "separate_chains"
+  GPU_TESTS_TIMEOUT=300 gpu_tests "attention kernels and graphs with both on" SEGKV_ATTENTION_PV_APART=1 \
+    SEGKV_ATTENTION_QK_HALVES=1 -- tests/test_triton_attention.py tests/test_cuda_graphs.py \
+    -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
+  for round in 1 2; do
+    for cfg in "SEGKV_ATTENTION_PV_APART=0" "SEGKV_ATTENTION_PV_APART=1" "SEGKV_ATTENTION_QK_HALVES=1" \
+        "SEGKV_ATTENTION_PV_APART=1 SEGKV_ATTENTION_QK_HALVES=1"; do
+      echo "-- decode attention kernels, $cfg, round $round" | tee -a "$log"
+      # shellcheck disable=SC2086
+      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-8b --batches 1,4,16 \
+        --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 \
+        | grep -E "^\[|rror" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' | tee -a "$log"
+    done
+  done
+elif [ "$part" = chainse2e ]; then
+  for round in 1 2; do
+    e2e "one chain each" -- --models llama-3.1-8b,qwen3-8b --batches 1 --contexts 1K,16K
+    e2e "P.V apart" SEGKV_ATTENTION_PV_APART=1 -- --models llama-3.1-8b,qwen3-8b --batches 1 --contexts 1K,16K
+    e2e "P.V and Q.K apart" SEGKV_ATTENTION_PV_APART=1 SEGKV_ATTENTION_QK_HALVES=1 -- --models llama-3.1-8b,qwen3-8b \
+      --batches 1 --contexts 1K,16K
+  done
 elif [ "$part" = verify ]; then
   # after a change of defaults or a removal: the attention kernels' GPU tests (bf16 / head_dim 128 /
   # page 16 grid cases and every other test), the expert, MoE, GEMV, DeepSeek and graph tests, the
@@ -515,7 +545,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (scorechains, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (chains, chainse2e, scorechains, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done

@@ -122,3 +122,18 @@ def test_latent_score_pieces_are_separate_mma_chains_when_told():
     assert max(one_quarters) == 36
     assert max(apart_quarters) == 8
     assert apart_quarters.count(4) >= 2  # the RoPE columns' chain and the P.V chain
+
+
+def test_decode_products_are_separate_mma_chains_when_told():
+    """``SEGKV_ATTENTION_PV_APART`` / ``SEGKV_ATTENTION_QK_HALVES`` in a batch-1 decode program of
+    the 8B shape (4 heads of 128 per KV head, 64-row tiles): one chain of 8 MMA steps for the
+    scores (128 columns) and one of 8 for P.V (its two halves over 64 rows, each column of the
+    output); apart, every chain is 4 steps, without spills."""
+    base = {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 32, "rows": 1, "group": 4,
+            "pdl": True, "assemble": True}
+    cases = [{**base, "pv_apart": pv, "qk_halves": qk} for pv, qk in ((False, False), (True, False), (True, True))]
+    one, pv, both = compile_cases(cases)
+    assert one["chains"] == [8, 8]
+    assert pv["chains"] == [4, 4, 8]
+    assert both["chains"] == [4, 4, 4, 4]
+    assert all(r["spill_bytes"] == 0 for r in (one, pv, both))

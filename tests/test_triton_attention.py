@@ -393,6 +393,42 @@ def test_plan_reads_before_the_wait_match_the_reference(route, gen, monkeypatch)
                                               partitions=parts, launch=LaunchConfig(block_n, 4, 3))
 
 
+@pytest.mark.parametrize("route", ["split", "cascade"] if not GPU else ROUTES)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"] if not GPU else ["fp32", "bf16", "fp16"])
+def test_decode_products_as_separate_chains_match_the_reference(route, dtype, gen, monkeypatch):
+    """``SEGKV_ATTENTION_PV_APART`` and ``SEGKV_ATTENTION_QK_HALVES``: the row-major decode programs
+    (at most 16 pairs) multiply P's two half-precision parts by V, and the query by each half of
+    K's columns, as separate products added after. Only those programs take them (not the
+    transposed ones, not the tall ones of cascade prefixes and prefill). Either and both give the
+    reference's results, with fully masked rows, pieces that end inside a tile, the merge inside
+    stage 1, and a head of 80 columns (its second half masked past column 80). (P's two parts
+    exist only for half-precision inputs compiled for the GPU: the interpreter's float32 P.V is
+    one product, so there the P.V switch changes nothing; ``test_kernel_compile`` checks the
+    compiled chains.)"""
+    from segkv.kernels import paged_attention
+    from segkv.kernels.paged_attention import LaunchConfig
+
+    def meta(group: int, rows: int = 1, dk: int = 64):
+        return paged_attention.stage1_launch(dtype=torch.bfloat16, dk=dk, dv=dk, group=group, page_size=16,
+                                             max_work_rows=rows, element_size=2,
+                                             launch=LaunchConfig(16, 4, 3, transposed_min_pairs=8))
+
+    assert not meta(4)["PV_APART"] and not meta(4)["QK_HALVES"]  # off by default
+    row_major = LaunchConfig(64, 4, 3, transposed_min_pairs=0)
+    for pv, qk in ((True, False), (False, True), (True, True)):
+        monkeypatch.setattr(paged_attention, "PV_APART", pv)
+        monkeypatch.setattr(paged_attention, "QK_HALVES", qk)
+        assert (meta(4)["PV_APART"], meta(4)["QK_HALVES"]) == (pv, qk)
+        assert not any(meta(g, rows)[key] for g, rows in ((8, 1), (4, 16)) for key in ("PV_APART", "QK_HALVES"))
+        for rows, ratio, block_n in ((1, 4, 16), (3, 4, 64)):
+            check_with_the_second_sequence_masked(gen, DTYPES[dtype], route, rows=rows, ratio=ratio, page_size=16,
+                                                  partitions=3, launch=row_major if rows > 1 else
+                                                  LaunchConfig(block_n, 4, 3))
+    batch = gqa_batch(gen, dtype=DTYPES[dtype], page_size=16, ratio=2, head_dim=80, rows=1)
+    _, out, lse, ref, ref_lse = run_both(batch, route)
+    check(out, lse, ref, ref_lse)
+
+
 def decode_rows_batch(gen, *, dtype, long_rows: int, ratio: int, num_pages: int) -> Batch:
     """Four decode rows over 2 KV heads: a ``long_rows`` history, a fully masked row, an empty
     chain and a 37-row history."""

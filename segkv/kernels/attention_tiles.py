@@ -57,11 +57,24 @@ def load_kv(k_base, v_base, page, stride_kp, stride_vp, in_page, dk_ok, dv_ok):
 
 
 @triton.jit
-def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc, EXACT_FP32: tl.constexpr):
+def add_apart(x, y, APART: tl.constexpr):
+    """``x + y`` for float32 tensors. ``APART``: as ``fma(x, 1, y)``, the same float32 sum
+    (``x * 1`` is exact, so it rounds once as the add does), which Triton's combine pass does not
+    fold into a product's accumulator: products summed this way stay independent MMA chains."""
+    if APART:
+        return tl.fma(x, 1.0, y)
+    return x + y
+
+
+@triton.jit
+def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc, EXACT_FP32: tl.constexpr,
+                        PV_APART: tl.constexpr = False):
     """One block of the online softmax: raw scores ``s (M, N)`` float32 of the keys at positions
     ``kpos (N,)``, masked causally against ``offset (M,)`` and to valid rows; ``v (N, D)`` the
     block's values. Returns the updated running max, sum and float32 accumulator ``(M, D)``.
-    A fully masked row keeps max -inf and adds nothing (no NaN)."""
+    A fully masked row keeps max -inf and adds nothing (no NaN). ``PV_APART``: P's low half
+    times V is its own MMA chain, added after (:func:`add_apart`), instead of continuing the high
+    half's (one more ``(M, D)`` float32 product in registers)."""
     s = s * scale
     visible = (kpos[None, :] <= offset[:, None]) & in_page[None, :] & valid[:, None]
     s = tl.where(visible, s, float("-inf"))
@@ -78,18 +91,21 @@ def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc
     else:  # P split exactly into two half-precision parts: about 16 bits of P, float32 sums
         p_hi = p.to(v.dtype)
         p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-        acc = tl.dot(p_lo, v, tl.dot(p_hi, v, acc))
+        if PV_APART:
+            acc = add_apart(tl.dot(p_lo, v), tl.dot(p_hi, v, acc), True)
+        else:
+            acc = tl.dot(p_lo, v, tl.dot(p_hi, v, acc))
     return m_new, l_i, acc
 
 
 @triton.jit
 def online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc_t,
-                                   EXACT_FP32: tl.constexpr):
+                                   EXACT_FP32: tl.constexpr, PV_APART: tl.constexpr = False):
     """:func:`online_softmax_step` with the KV tile as the tall operand: scores ``s_t (N, M)``,
     values ``v (N, D)``, accumulator ``acc_t (D, M) += v^T p_t``. With a few (row, head) pairs
     per program (M = 16) the tile's rows fill a Hopper warpgroup MMA's M and both operands stay in
     shared memory; the query is not copied into every warp's registers each tile. The same float32
-    arithmetic (P split into two half-precision parts)."""
+    arithmetic (P split into two half-precision parts), ``PV_APART`` likewise."""
     s = s_t * scale
     visible = (kpos[:, None] <= offset[None, :]) & in_page[:, None] & valid[None, :]
     s = tl.where(visible, s, float("-inf"))
@@ -104,7 +120,10 @@ def online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v, 
     else:
         p_hi = p.to(v.dtype)
         p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-        acc_t = tl.dot(tl.trans(v), p_lo, tl.dot(tl.trans(v), p_hi, acc_t))
+        if PV_APART:
+            acc_t = add_apart(tl.dot(tl.trans(v), p_lo), tl.dot(tl.trans(v), p_hi, acc_t), True)
+        else:
+            acc_t = tl.dot(tl.trans(v), p_lo, tl.dot(tl.trans(v), p_hi, acc_t))
     return m_new, l_i, acc_t
 
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.attention_tiles import (
+    add_apart,
     next_tile_pages,
     online_softmax_step,
     page_index,
@@ -48,17 +49,6 @@ def _latent_scores(q, c, EXACT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _add_scores(x, y, APART: tl.constexpr):
-    """``x + y`` for float32 score pieces. ``APART``: as ``fma(x, 1, y)``, the same float32 sum
-    (``x * 1`` is exact, so it rounds once as the add does), which Triton's combine pass does not
-    fold into a product's accumulator: products summed this way stay independent MMA chains
-    instead of one chain through every column of the scores."""
-    if APART:
-        return tl.fma(x, 1.0, y)
-    return x + y
-
-
-@triton.jit
 def _latent_cols(tile, offs, in_page, RANK: tl.constexpr):
     """Columns ``offs`` of a latent tile's valid rows (0 elsewhere)."""
     return tl.load(tile + offs[None, :], mask=in_page[:, None] & (offs < RANK)[None, :], other=0.0)
@@ -76,7 +66,7 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
     values' ``BLOCK_V`` columns from ``vb * BLOCK_V``, one of ``PARTS`` (1, 2 or 4) shares (with
     more than one the scores also take the other shares' columns, after its own, and only program
     ``vb == 0`` stores the LSE). ``CHAINS_APART``: the scores' pieces (the own share's columns,
-    the RoPE columns, each other share's) are separate MMA chains, added (:func:`_add_scores`)."""
+    the RoPE columns, each other share's) are separate MMA chains, added (``attention_tiles.add_apart``)."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     offs_n = tl.arange(0, BLOCK_N)
@@ -117,15 +107,15 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
             tile = row_base + (page * stride_lp)[:, None]
         c = tl.load(tile + offs_v[None, :], mask=in_page[:, None] & v_ok[None, :], other=0.0)
         k_rope = tl.load(tile + RANK + offs_e[None, :], mask=in_page[:, None] & e_ok[None, :], other=0.0)
-        s = _add_scores(_latent_scores(q_lat, c, EXACT_FP32), _latent_scores(q_rope, k_rope, EXACT_FP32),
+        s = add_apart(_latent_scores(q_lat, c, EXACT_FP32), _latent_scores(q_rope, k_rope, EXACT_FP32),
                         CHAINS_APART)
         if PARTS > 1:
-            s = _add_scores(s, _latent_scores(q_1, _latent_cols(tile, offs_1, in_page, RANK), EXACT_FP32),
+            s = add_apart(s, _latent_scores(q_1, _latent_cols(tile, offs_1, in_page, RANK), EXACT_FP32),
                             CHAINS_APART)
         if PARTS == 4:
-            s = _add_scores(s, _latent_scores(q_2, _latent_cols(tile, offs_2, in_page, RANK), EXACT_FP32),
+            s = add_apart(s, _latent_scores(q_2, _latent_cols(tile, offs_2, in_page, RANK), EXACT_FP32),
                             CHAINS_APART)
-            s = _add_scores(s, _latent_scores(q_3, _latent_cols(tile, offs_3, in_page, RANK), EXACT_FP32),
+            s = add_apart(s, _latent_scores(q_3, _latent_cols(tile, offs_3, in_page, RANK), EXACT_FP32),
                             CHAINS_APART)
         m_i, l_i, acc = online_softmax_step(s, scale, key_start + row_cur, offset, in_page, valid, c, m_i,
                                             l_i, acc, EXACT_FP32)

@@ -134,11 +134,11 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     "heads": int (latent, default 16), "rank" / "rope": int (latent, default 512 / 64),
     "one_query": bool (latent, default False: the launch of a batch of one query row, whose value
     split is chosen per plan), "score_chains": bool (latent, default: the launcher's
-    ``SEGKV_MLA_SCORE_CHAINS``), "assemble": bool (default False), "pdl": bool (default False:
-    the programmatic-dependent-launch variant), "value_split": int (latent, default: the
-    launcher's)}``. ``launch``: a
-    ``paged_attention.LaunchConfig`` (default: the launcher's). Returns the compiled kernel and
-    the launch constants used."""
+    ``SEGKV_MLA_SCORE_CHAINS``), "pv_apart" / "qk_halves": bool (gqa, default: the launcher's
+    ``SEGKV_ATTENTION_PV_APART`` / ``SEGKV_ATTENTION_QK_HALVES``), "value_split": int (latent,
+    default: the launcher's), "assemble": bool (default False), "pdl": bool (default False: the
+    programmatic-dependent-launch variant)}``. ``launch``: a ``paged_attention.LaunchConfig``
+    (default: the launcher's). Returns the compiled kernel and the launch constants used."""
     import torch
 
     from segkv.kernels import mla_attention, paged_attention
@@ -153,6 +153,9 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
                                              page_size=case["page_size"], max_work_rows=case["rows"],
                                              element_size=element, launch=launch)
         fn, pointers = paged_attention._stage1_kernel, {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", **common}
+        for key, name in (("pv_apart", "PV_APART"), ("qk_halves", "QK_HALVES")):
+            if key in case:
+                meta[name] = bool(case[key])
     else:
         if "value_split" in case:
             launch = dataclasses.replace(launch or mla_attention.default_mla_launch_config(),

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.attention_tiles import (
+    add_apart,
     load_kv,
     next_tile_pages,
     online_softmax_step,
@@ -46,7 +47,8 @@ def _stage1_kernel(
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
-    MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False,
+    MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False, PV_APART: tl.constexpr = False,
+    QK_HALVES: tl.constexpr = False,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -61,7 +63,10 @@ def _stage1_kernel(
     between launches) and the first work item's programs zero the rows without partials: no
     merge launch. ``TRANSPOSED``: the K/V tile as the tall operand (scores ``(BLOCK_N, BLOCK_M)``,
     accumulator ``(BLOCK_DV, BLOCK_M)``, :func:`online_softmax_step_transposed`). ``PLAN_EARLY``
-    (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait."""
+    (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait.
+    ``PV_APART``: P's two half-precision parts times V as separate MMA chains (:data:`PV_APART`).
+    ``QK_HALVES`` (row-major programs): the scores as two products over the halves of the head's
+    columns, separate MMA chains added after (:data:`QK_HALVES`); K is loaded a half at a time."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
@@ -89,12 +94,20 @@ def _stage1_kernel(
     if not PLAN_EARLY:
         valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, kvh * GROUP, GROUP, partial_row,
                                                         partial_offset, BLOCK_M)
-    offs_dk = tl.arange(0, BLOCK_DK)
+    HALF_DK: tl.constexpr = BLOCK_DK // 2
+    if QK_HALVES:  # q and K: the first half of the head's columns (the second at + HALF_DK)
+        offs_dk = tl.arange(0, HALF_DK)
+    else:
+        offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     dk_ok = offs_dk < DK
     dv_ok = offs_dv < DV
     q = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + offs_dk[None, :],
                 mask=valid[:, None] & dk_ok[None, :], other=0.0)
+    if QK_HALVES:
+        dk_ok_b = HALF_DK + offs_dk < DK
+        q_b = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + HALF_DK + offs_dk[None, :],
+                      mask=valid[:, None] & dk_ok_b[None, :], other=0.0)
     if not PLAN_EARLY:  # the page range after the query: with every page read first (plan_reads) the 70B
         # shape's transposed programs were 3.5% slower at batch 4 and 16 (H200)
         pg0 = tl.load(work_pages + 2 * w)
@@ -123,9 +136,15 @@ def _stage1_kernel(
             row_cur = row_in_page + sub_rows
             k_cur, v_cur = load_kv(k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn, page_cur,
                                     stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
+            if QK_HALVES:
+                k_b = tl.load(k_base + sub_rows * stride_kn + HALF_DK + (page_cur * stride_kp)[:, None],
+                              mask=(row_cur < rows_cur)[:, None] & dk_ok_b[None, :], other=0.0)
         else:
             row_cur = row_in_page
             k_cur, v_cur = load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
+            if QK_HALVES:
+                k_b = tl.load(k_base + HALF_DK + (page_cur * stride_kp)[:, None],
+                              mask=(row_cur < rows_cur)[:, None] & dk_ok_b[None, :], other=0.0)
         in_page = row_cur < rows_cur
         kpos = kst_cur + row_cur
         if TRANSPOSED:
@@ -134,14 +153,19 @@ def _stage1_kernel(
             else:
                 s_t = tl.dot(k_cur, tl.trans(q))
             m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i,
-                                                           acc, EXACT_FP32)
+                                                           acc, EXACT_FP32, PV_APART)
         else:
             if EXACT_FP32:
                 s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
+                if QK_HALVES:
+                    s = add_apart(s, tl.dot(q_b.to(tl.float32), tl.trans(k_b.to(tl.float32)), input_precision="ieee"),
+                                  True)
             else:
                 s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
+                if QK_HALVES:
+                    s = add_apart(s, tl.dot(q_b, tl.trans(k_b)), True)
             m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i, acc,
-                                                EXACT_FP32)
+                                                EXACT_FP32, PV_APART)
     if TRANSPOSED:
         acc = tl.trans(acc)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
@@ -385,7 +409,8 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
         MERGE=0, TRANSPOSED=transposed, PLAN_EARLY=PLAN_EARLY == 2 or (PLAN_EARLY == 1 and block_m <= 16 and not transposed),
         MERGE_LANES=min(triton.next_power_of_2(group), block_m),
-        MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED,
+        MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED, PV_APART=PV_APART and block_m <= 16 and not transposed,
+        QK_HALVES=QK_HALVES and block_m <= 16 and not transposed and dk >= 32,
         num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size), **maxnreg_option(launch),
     )
@@ -420,6 +445,19 @@ ATTENTION_PDL = env_int("SEGKV_ATTENTION_PDL", 1) == 1
 PLAN_EARLY = env_int("SEGKV_ATTENTION_PLAN_EARLY", 1)
 if PLAN_EARLY not in (0, 1, 2):
     raise ValueError(f"SEGKV_ATTENTION_PLAN_EARLY must be 0, 1 or 2, got {PLAN_EARLY}")
+# Row-major decode programs (at most 16 pairs, mma.sync) multiply P's two half-precision parts by
+# V as separate MMA chains, added after (SEGKV_ATTENTION_PV_APART=1; 0, one chain, until measured
+# on the GPU): the longest P.V chain of a 64-row tile goes from 8 MMA steps to 4, with the same
+# registers offline (Triton 3.6, sm_90a: 189-192 at 4 pairs, 245 at pages of 128). A decode
+# program's few warps per scheduler cannot hide a chain's latency (Nsight Compute: "wait", MMA
+# results, the first stall of every stage-1 kernel; a 64-row tile takes about 1.4 us whatever
+# the pipeline depth). Not the transposed programs: Triton waits for each warpgroup MMA at once,
+# so separate products would not overlap there.
+PV_APART = env_int("SEGKV_ATTENTION_PV_APART", 0) == 1
+# The same for the row-major decode programs' scores (SEGKV_ATTENTION_QK_HALVES=1; 0 until
+# measured): two products over the halves of the head's columns, K loaded a half at a time; the
+# scores' chain of a 128-wide head goes from 8 MMA steps to 4.
+QK_HALVES = env_int("SEGKV_ATTENTION_QK_HALVES", 0) == 1
 # When the merge lets the next kernel (the o GEMV) launch (SEGKV_MERGE_TRIGGER): 1, right after its
 # wait for stage 1, the default; 2, when it ends: measured level with Llama-3.1-8B at batch 1 (226
 # / 203-204 tok/s against 226-227 / 203); 0, at once, so the o GEMV's programs load their weights
