@@ -59,7 +59,9 @@
 #             default since DeepSeek-V2-Lite batch 1 measured +0.5% / +1-2% at 1K / 16K; the halves'
 #             longest chain 36 -> 16 MMA steps) against one chain: the latent GPU tests, the kernel at
 #             batch 1 / 8 and 1K / 16K / 64K in two rounds, DeepSeek-V2-Lite batch 8 alternating
-#             (batch 8's programs take all the values: 36 -> 32; about 6 minutes).
+#             (batch 8's programs take all the values: 36 -> 32), and batch 1 with quarters of the
+#             values for plans of few partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4, SEGKV_MLA_SHARES_LAST=1;
+#             chains of 8 steps, the halves' 16) against the default halves (about 8 minutes).
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
@@ -434,6 +436,13 @@ elif [ "$part" = scorechains ]; then
     done
   done
   e2e_alternate SEGKV_MLA_SCORE_CHAINS "1 0" --models deepseek-v2-lite --batches 8 --contexts 1K,16K
+  # quarters of the values for plans of at most 33 partials: their chains are 8 steps now, the
+  # halves' 16 (measured level at 1K and 2-4% slower at 16K when both were 36)
+  for round in 1 2; do
+    e2e "halves (default)" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
+    e2e "quarters, shares last" SEGKV_MLA_VALUE_SPLIT_AUTO=4 SEGKV_MLA_SHARES_LAST=1 -- --models deepseek-v2-lite \
+      --batches 1 --contexts 1K,16K
+  done
 elif [ "$part" = chains ]; then
   GPU_TESTS_TIMEOUT=300 gpu_tests "decode products as separate chains" -- tests/test_triton_attention.py \
     -k "separate_chains"
