@@ -51,10 +51,13 @@
 #   chains    the row-major decode programs (8B shape) with P's two parts times V as separate MMA
 #             chains (SEGKV_ATTENTION_PV_APART=1) and the scores over the head's halves
 #             (SEGKV_ATTENTION_QK_HALVES=1), each off until measured: every chain of a 64-row tile 8 -> 4
-#             MMA steps, offline without more registers. The GPU tests (with both on), the 8B-shape
-#             kernels at batch 1 / 4 / 16 and 16K-64K (batch 1 at 32K: 80-83% of the copy rate, 85%
-#             asked) none / P.V / Q.K / both, two rounds (about 6 minutes).
-#   chainse2e  Llama-3.1-8B and Qwen3-8B batch 1 at 1K / 16K with none, P.V, both (about 5 minutes).
+#             MMA steps, offline without more registers; and the row sums kept per key column until
+#             the scan ends (SEGKV_ATTENTION_SUM_LATE=1: one reduction across the warps a tile, not
+#             two). The GPU tests (all on), the 8B-shape kernels at batch 1 / 4 / 16 and 16K-64K
+#             (batch 1 at 32K: 80-83% of the copy rate, 85% asked) none / each / P.V and Q.K / all
+#             three, two rounds (about 7 minutes).
+#   chainse2e  Llama-3.1-8B and Qwen3-8B batch 1 at 1K / 16K with none, P.V and Q.K, all three
+#             (about 5 minutes).
 #   scorechains  the latent stage 1's scores as separate MMA chains (SEGKV_MLA_SCORE_CHAINS, 1 by
 #             default since DeepSeek-V2-Lite batch 1 measured +0.5% / +1-2% at 1K / 16K; the halves'
 #             longest chain 36 -> 16 MMA steps) against one chain: the latent GPU tests, the kernel at
@@ -446,12 +449,13 @@ elif [ "$part" = scorechains ]; then
 elif [ "$part" = chains ]; then
   GPU_TESTS_TIMEOUT=300 gpu_tests "decode products as separate chains" -- tests/test_triton_attention.py \
     -k "separate_chains"
-  GPU_TESTS_TIMEOUT=300 gpu_tests "attention kernels and graphs with both on" SEGKV_ATTENTION_PV_APART=1 \
-    SEGKV_ATTENTION_QK_HALVES=1 -- tests/test_triton_attention.py tests/test_cuda_graphs.py \
+  GPU_TESTS_TIMEOUT=300 gpu_tests "attention kernels and graphs with all three on" SEGKV_ATTENTION_PV_APART=1 \
+    SEGKV_ATTENTION_QK_HALVES=1 SEGKV_ATTENTION_SUM_LATE=1 -- tests/test_triton_attention.py tests/test_cuda_graphs.py \
     -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
   for round in 1 2; do
     for cfg in "SEGKV_ATTENTION_PV_APART=0" "SEGKV_ATTENTION_PV_APART=1" "SEGKV_ATTENTION_QK_HALVES=1" \
-        "SEGKV_ATTENTION_PV_APART=1 SEGKV_ATTENTION_QK_HALVES=1"; do
+        "SEGKV_ATTENTION_SUM_LATE=1" "SEGKV_ATTENTION_PV_APART=1 SEGKV_ATTENTION_QK_HALVES=1" \
+        "SEGKV_ATTENTION_PV_APART=1 SEGKV_ATTENTION_QK_HALVES=1 SEGKV_ATTENTION_SUM_LATE=1"; do
       echo "-- decode attention kernels, $cfg, round $round" | tee -a "$log"
       # shellcheck disable=SC2086
       env $cfg timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-8b --batches 1,4,16 \
@@ -462,9 +466,10 @@ elif [ "$part" = chains ]; then
 elif [ "$part" = chainse2e ]; then
   for round in 1 2; do
     e2e "one chain each" -- --models llama-3.1-8b,qwen3-8b --batches 1 --contexts 1K,16K
-    e2e "P.V apart" SEGKV_ATTENTION_PV_APART=1 -- --models llama-3.1-8b,qwen3-8b --batches 1 --contexts 1K,16K
     e2e "P.V and Q.K apart" SEGKV_ATTENTION_PV_APART=1 SEGKV_ATTENTION_QK_HALVES=1 -- --models llama-3.1-8b,qwen3-8b \
       --batches 1 --contexts 1K,16K
+    e2e "P.V and Q.K apart, sums late" SEGKV_ATTENTION_PV_APART=1 SEGKV_ATTENTION_QK_HALVES=1 \
+      SEGKV_ATTENTION_SUM_LATE=1 -- --models llama-3.1-8b,qwen3-8b --batches 1 --contexts 1K,16K
   done
 elif [ "$part" = verify ]; then
   # after a change of defaults or a removal: the attention kernels' GPU tests (bf16 / head_dim 128 /

@@ -128,12 +128,16 @@ def test_decode_products_are_separate_mma_chains_when_told():
     """``SEGKV_ATTENTION_PV_APART`` / ``SEGKV_ATTENTION_QK_HALVES`` in a batch-1 decode program of
     the 8B shape (4 heads of 128 per KV head, 64-row tiles): one chain of 8 MMA steps for the
     scores (128 columns) and one of 8 for P.V (its two halves over 64 rows, each column of the
-    output); apart, every chain is 4 steps, without spills."""
+    output); apart, every chain is 4 steps, without spills. ``SEGKV_ATTENTION_SUM_LATE`` takes the
+    row sum's reduction out of the loop."""
     base = {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 32, "rows": 1, "group": 4,
             "pdl": True, "assemble": True}
-    cases = [{**base, "pv_apart": pv, "qk_halves": qk} for pv, qk in ((False, False), (True, False), (True, True))]
-    one, pv, both = compile_cases(cases)
+    cases = [{**base, "pv_apart": pv, "qk_halves": qk, "sum_late": late}
+             for pv, qk, late in ((False, False, False), (True, False, False), (True, True, False), (True, True, True))]
+    one, pv, both, late = compile_cases(cases)
     assert one["chains"] == [8, 8]
     assert pv["chains"] == [4, 4, 8]
-    assert both["chains"] == [4, 4, 4, 4]
-    assert all(r["spill_bytes"] == 0 for r in (one, pv, both))
+    assert both["chains"] == [4, 4, 4, 4] == late["chains"]
+    # SEGKV_ATTENTION_SUM_LATE: the row max stays in the loop, the row sum leaves it
+    assert one["loop_reductions"] == 2 and late["loop_reductions"] == 1
+    assert all(r["spill_bytes"] == 0 for r in (one, pv, both, late))

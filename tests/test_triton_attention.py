@@ -398,8 +398,9 @@ def test_plan_reads_before_the_wait_match_the_reference(route, gen, monkeypatch)
 def test_decode_products_as_separate_chains_match_the_reference(route, dtype, gen, monkeypatch):
     """``SEGKV_ATTENTION_PV_APART`` and ``SEGKV_ATTENTION_QK_HALVES``: the row-major decode programs
     (at most 16 pairs) multiply P's two half-precision parts by V, and the query by each half of
-    K's columns, as separate products added after. Only those programs take them (not the
-    transposed ones, not the tall ones of cascade prefixes and prefill). Either and both give the
+    K's columns, as separate products added after; ``SEGKV_ATTENTION_SUM_LATE``: they keep the
+    softmax's row sums per key column until the scan ends. Only those programs take them (not the
+    transposed ones, not the tall ones of cascade prefixes and prefill). Each and all give the
     reference's results, with fully masked rows, pieces that end inside a tile, the merge inside
     stage 1, and a head of 80 columns (its second half masked past column 80). (P's two parts
     exist only for half-precision inputs compiled for the GPU: the interpreter's float32 P.V is
@@ -413,13 +414,14 @@ def test_decode_products_as_separate_chains_match_the_reference(route, dtype, ge
                                              max_work_rows=rows, element_size=2,
                                              launch=LaunchConfig(16, 4, 3, transposed_min_pairs=8))
 
-    assert not meta(4)["PV_APART"] and not meta(4)["QK_HALVES"]  # off by default
+    keys = ("PV_APART", "QK_HALVES", "SUM_LATE")
+    assert not any(meta(4)[key] for key in keys)  # off by default
     row_major = LaunchConfig(64, 4, 3, transposed_min_pairs=0)
-    for pv, qk in ((True, False), (False, True), (True, True)):
-        monkeypatch.setattr(paged_attention, "PV_APART", pv)
-        monkeypatch.setattr(paged_attention, "QK_HALVES", qk)
-        assert (meta(4)["PV_APART"], meta(4)["QK_HALVES"]) == (pv, qk)
-        assert not any(meta(g, rows)[key] for g, rows in ((8, 1), (4, 16)) for key in ("PV_APART", "QK_HALVES"))
+    for setting in ((True, False, False), (False, True, False), (False, False, True), (True, True, True)):
+        for key, on in zip(keys, setting):
+            monkeypatch.setattr(paged_attention, key, on)
+        assert tuple(meta(4)[key] for key in keys) == setting
+        assert not any(meta(g, rows)[key] for g, rows in ((8, 1), (4, 16)) for key in keys)
         for rows, ratio, block_n in ((1, 4, 16), (3, 4, 64)):
             check_with_the_second_sequence_masked(gen, DTYPES[dtype], route, rows=rows, ratio=ratio, page_size=16,
                                                   partitions=3, launch=row_major if rows > 1 else

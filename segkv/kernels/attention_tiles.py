@@ -68,13 +68,15 @@ def add_apart(x, y, APART: tl.constexpr):
 
 @triton.jit
 def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc, EXACT_FP32: tl.constexpr,
-                        PV_APART: tl.constexpr = False):
+                        PV_APART: tl.constexpr = False, SUM_LATE: tl.constexpr = False):
     """One block of the online softmax: raw scores ``s (M, N)`` float32 of the keys at positions
     ``kpos (N,)``, masked causally against ``offset (M,)`` and to valid rows; ``v (N, D)`` the
     block's values. Returns the updated running max, sum and float32 accumulator ``(M, D)``.
     A fully masked row keeps max -inf and adds nothing (no NaN). ``PV_APART``: P's low half
     times V is its own MMA chain, added after (:func:`add_apart`), instead of continuing the high
-    half's (one more ``(M, D)`` float32 product in registers)."""
+    half's (one more ``(M, D)`` float32 product in registers). ``SUM_LATE``: ``l_i`` is ``(M, N)``,
+    each key column's running sum, summed over the columns after the last block (no reduction
+    across the warps, and its barrier, in every block)."""
     s = s * scale
     visible = (kpos[None, :] <= offset[:, None]) & in_page[None, :] & valid[:, None]
     s = tl.where(visible, s, float("-inf"))
@@ -82,7 +84,10 @@ def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    if SUM_LATE:
+        l_i = l_i * alpha[:, None] + p
+    else:
+        l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     # the products accumulate into acc itself: a separate (M, D) float32 result per dot would
     # triple the accumulator registers (255 with spills for 64 x 128 and 16 x 512 tiles)

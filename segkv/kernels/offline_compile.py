@@ -53,6 +53,21 @@ class OfflineKernel:
         that many copy groups in flight; 0 waits for everything)."""
         return [int(n) for n in re.findall(r"async_wait[^\n]*?num\s*=\s*(\d+)", self.ttgir)]
 
+    def loop_reductions(self) -> int:
+        """Reductions (``tt.reduce``: a row max or sum, across warps when the reduced dimension is
+        split over them) inside the IR's loops, each counted once per loop that holds it."""
+        lines = self.ttgir.splitlines()
+        count = 0
+        for i, line in enumerate(lines):
+            if "scf.for" not in line:
+                continue
+            indent = len(line) - len(line.lstrip())
+            for body in lines[i + 1:]:
+                if body.strip().startswith("}") and len(body) - len(body.lstrip()) == indent:
+                    break
+                count += "tt.reduce" in body and "tt.reduce.return" not in body
+        return count
+
     def mma_chains(self) -> list[int]:
         """The dependent MMA chains of the IR's products, each in steps of 16 along the reduced
         dimension (a 16-deep k-loop of the MMA instructions per warp): a product whose accumulator
@@ -134,8 +149,8 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     "heads": int (latent, default 16), "rank" / "rope": int (latent, default 512 / 64),
     "one_query": bool (latent, default False: the launch of a batch of one query row, whose value
     split is chosen per plan), "score_chains": bool (latent, default: the launcher's
-    ``SEGKV_MLA_SCORE_CHAINS``), "pv_apart" / "qk_halves": bool (gqa, default: the launcher's
-    ``SEGKV_ATTENTION_PV_APART`` / ``SEGKV_ATTENTION_QK_HALVES``), "value_split": int (latent,
+    ``SEGKV_MLA_SCORE_CHAINS``), "pv_apart" / "qk_halves" / "sum_late": bool (gqa, default: the
+    launcher's ``SEGKV_ATTENTION_PV_APART`` / ``_QK_HALVES`` / ``_SUM_LATE``), "value_split": int (latent,
     default: the launcher's), "assemble": bool (default False), "pdl": bool (default False: the
     programmatic-dependent-launch variant)}``. ``launch``: a ``paged_attention.LaunchConfig``
     (default: the launcher's). Returns the compiled kernel and the launch constants used."""
@@ -153,7 +168,7 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
                                              page_size=case["page_size"], max_work_rows=case["rows"],
                                              element_size=element, launch=launch)
         fn, pointers = paged_attention._stage1_kernel, {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", **common}
-        for key, name in (("pv_apart", "PV_APART"), ("qk_halves", "QK_HALVES")):
+        for key, name in (("pv_apart", "PV_APART"), ("qk_halves", "QK_HALVES"), ("sum_late", "SUM_LATE")):
             if key in case:
                 meta[name] = bool(case[key])
     else:
@@ -174,8 +189,8 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
 def stage1_report(case: dict, launch=None) -> dict:
     """:func:`compile_stage1`'s facts as plain values: shared bytes, registers, spills (None unless
     ``case["assemble"]``), the launch's warps and pipeline stages, the K/V (latent) tile buffers,
-    the in-loop waits, the MMA kind and chains (:meth:`OfflineKernel.mma_chains`), and its PDL
-    instructions in program order (:func:`pdl_order`)."""
+    the in-loop waits, the MMA kind and chains (:meth:`OfflineKernel.mma_chains`), the reductions
+    in its loops, and its PDL instructions in program order (:func:`pdl_order`)."""
     kernel, meta = compile_stage1(case, launch)
     cols = (case.get("rank", 512) if case["kernel"] == "latent"
             else max(16, triton.next_power_of_2(case["head_dim"])))
@@ -183,7 +198,7 @@ def stage1_report(case: dict, launch=None) -> dict:
     return {"case": case, "shared": kernel.shared, "registers": kernel.registers, "spill_bytes": kernel.spill_bytes,
             "num_warps": meta["num_warps"], "num_stages": meta["num_stages"],
             "buffers": kernel.pipeline_buffers(meta["BLOCK_N"], cols), "waits": kernel.loop_waits(), "mma": mma,
-            "chains": kernel.mma_chains(), "order": pdl_order(kernel.ptx)}
+            "chains": kernel.mma_chains(), "loop_reductions": kernel.loop_reductions(), "order": pdl_order(kernel.ptx)}
 
 
 def merge_report(case: dict) -> dict:

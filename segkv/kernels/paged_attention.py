@@ -48,7 +48,7 @@ def _stage1_kernel(
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
     MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False, PV_APART: tl.constexpr = False,
-    QK_HALVES: tl.constexpr = False,
+    QK_HALVES: tl.constexpr = False, SUM_LATE: tl.constexpr = False,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -66,7 +66,9 @@ def _stage1_kernel(
     (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait.
     ``PV_APART``: P's two half-precision parts times V as separate MMA chains (:data:`PV_APART`).
     ``QK_HALVES`` (row-major programs): the scores as two products over the halves of the head's
-    columns, separate MMA chains added after (:data:`QK_HALVES`); K is loaded a half at a time."""
+    columns, separate MMA chains added after (:data:`QK_HALVES`); K is loaded a half at a time.
+    ``SUM_LATE`` (row-major programs): the softmax's row sums kept per key column and summed
+    after the scan (:data:`SUM_LATE`)."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
@@ -114,7 +116,10 @@ def _stage1_kernel(
         pg1 = tl.load(work_pages + 2 * w + 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SUM_LATE:
+        l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     if TRANSPOSED:
         acc = tl.zeros([BLOCK_DV, BLOCK_M], tl.float32)
     else:
@@ -165,9 +170,11 @@ def _stage1_kernel(
                 if QK_HALVES:
                     s = add_apart(s, tl.dot(q_b, tl.trans(k_b)), True)
             m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i, acc,
-                                                EXACT_FP32, PV_APART)
+                                                EXACT_FP32, PV_APART, SUM_LATE)
     if TRANSPOSED:
         acc = tl.trans(acc)
+    if SUM_LATE:
+        l_i = tl.sum(l_i, 1)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
                    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, valid)
     if MERGE > 8 or (MERGE > 0 and MERGE_CHUNKED):
@@ -411,6 +418,7 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         MERGE_LANES=min(triton.next_power_of_2(group), block_m),
         MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED, PV_APART=PV_APART and block_m <= 16 and not transposed,
         QK_HALVES=QK_HALVES and block_m <= 16 and not transposed and dk >= 32,
+        SUM_LATE=SUM_LATE and block_m <= 16 and not transposed,
         num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size), **maxnreg_option(launch),
     )
@@ -458,6 +466,11 @@ PV_APART = env_int("SEGKV_ATTENTION_PV_APART", 0) == 1
 # measured): two products over the halves of the head's columns, K loaded a half at a time; the
 # scores' chain of a 128-wide head goes from 8 MMA steps to 4.
 QK_HALVES = env_int("SEGKV_ATTENTION_QK_HALVES", 0) == 1
+# The same programs keep the softmax's row sums per key column ((pairs, BLOCK_N) float32, 8 more
+# registers a thread at 16 x 64) and sum them once after the scan (SEGKV_ATTENTION_SUM_LATE=1; 0
+# until measured): with the pairs' rows split over the warps by key columns, every tile's row sum
+# was a reduction across the warps through shared memory, with a barrier.
+SUM_LATE = env_int("SEGKV_ATTENTION_SUM_LATE", 0) == 1
 # When the merge lets the next kernel (the o GEMV) launch (SEGKV_MERGE_TRIGGER): 1, right after its
 # wait for stage 1, the default; 2, when it ends: measured level with Llama-3.1-8B at batch 1 (226
 # / 203-204 tok/s against 226-227 / 203); 0, at once, so the o GEMV's programs load their weights
