@@ -48,6 +48,10 @@
 #   latent16k  Nsight Compute on the latent stage 1 at batch 1 / 16K and DeepSeek-V2-Lite's 16K step
 #             by kernel and grid (about 1 minute; docs/benchmarks.md, "DeepSeek-V2-Lite at 16K: the
 #             latent stage 1").
+#   latentlate  the latent stage 1 keeping its row sums per latent row until the scan ends
+#             (SEGKV_MLA_SUM_LATE=1, off until measured: the loop's reductions across warps 2 -> 1,
+#             no more registers offline): GPU tests with it on, DeepSeek-V2-Lite batch 1 at 1K / 16K
+#             alternating (about 4 minutes; 60% at 16K needs about 4% more).
 #   chains    the row-major decode programs (8B shape) with P's two parts times V as separate MMA
 #             chains (SEGKV_ATTENTION_PV_APART=1) and the scores over the head's halves
 #             (SEGKV_ATTENTION_QK_HALVES=1), each off until measured: every chain of a 64-row tile 8 -> 4
@@ -471,6 +475,10 @@ elif [ "$part" = chainse2e ]; then
     e2e "P.V and Q.K apart, sums late" SEGKV_ATTENTION_PV_APART=1 SEGKV_ATTENTION_QK_HALVES=1 \
       SEGKV_ATTENTION_SUM_LATE=1 -- --models llama-3.1-8b,qwen3-8b --batches 1 --contexts 1K,16K
   done
+elif [ "$part" = latentlate ]; then
+  GPU_TESTS_TIMEOUT=240 gpu_tests "latent kernels and DeepSeek with the row sums late" SEGKV_MLA_SUM_LATE=1 -- \
+    tests/test_triton_mla.py tests/test_deepseek_parity.py -k "not test_latent_kernel_matches_the_reference or (bf16 and 16-16)"
+  deepseek_ab SEGKV_MLA_SUM_LATE
 elif [ "$part" = verify ]; then
   # after a change of defaults or a removal: the attention kernels' GPU tests (bf16 / head_dim 128 /
   # page 16 grid cases and every other test), the expert, MoE, GEMV, DeepSeek and graph tests, the
@@ -559,7 +567,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (chains, chainse2e, scorechains, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (latentlate, chains, chainse2e, scorechains, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done

@@ -116,7 +116,11 @@ def test_latent_score_pieces_are_separate_mma_chains_when_told():
     base = {"kernel": "latent", "dtype": "bfloat16", "page_size": 32, "rows": 1, "one_query": True}
     cases = [{**base, "score_chains": apart} for apart in (False, True)]
     cases += [{**base, "score_chains": apart, "value_split": 4} for apart in (False, True)]
-    one, apart, one_quarters, apart_quarters = [r["chains"] for r in compile_cases(cases)]
+    cases.append({**base, "sum_late": True})
+    reports = compile_cases(cases)
+    one, apart, one_quarters, apart_quarters, _ = [r["chains"] for r in reports]
+    # SEGKV_MLA_SUM_LATE: the row sums leave the loop (the halves' and the whole values' programs)
+    assert reports[0]["loop_reductions"] == 4 and reports[4]["loop_reductions"] == 2
     assert one.count(36) == 2 and max(one) == 36  # the halves' and the whole values' programs
     assert max(apart) == 32 and apart.count(16) == 2 and 36 not in apart
     assert max(one_quarters) == 36

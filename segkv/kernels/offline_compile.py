@@ -149,8 +149,9 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     "heads": int (latent, default 16), "rank" / "rope": int (latent, default 512 / 64),
     "one_query": bool (latent, default False: the launch of a batch of one query row, whose value
     split is chosen per plan), "score_chains": bool (latent, default: the launcher's
-    ``SEGKV_MLA_SCORE_CHAINS``), "pv_apart" / "qk_halves" / "sum_late": bool (gqa, default: the
-    launcher's ``SEGKV_ATTENTION_PV_APART`` / ``_QK_HALVES`` / ``_SUM_LATE``), "value_split": int (latent,
+    ``SEGKV_MLA_SCORE_CHAINS``), "pv_apart" / "qk_halves": bool (gqa, default: the launcher's
+    ``SEGKV_ATTENTION_PV_APART`` / ``_QK_HALVES``), "sum_late": bool (default: the launcher's
+    ``SEGKV_ATTENTION_SUM_LATE`` / ``SEGKV_MLA_SUM_LATE``), "value_split": int (latent,
     default: the launcher's), "assemble": bool (default False), "pdl": bool (default False: the
     programmatic-dependent-launch variant)}``. ``launch``: a ``paged_attention.LaunchConfig``
     (default: the launcher's). Returns the compiled kernel and the launch constants used."""
@@ -182,6 +183,8 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
         fn, pointers = mla_attention._mla_stage1_kernel, {"Q": f"*{t}", "LAT": f"*{t}", **common}
         if "score_chains" in case:
             meta["CHAINS_APART"] = bool(case["score_chains"])
+        if "sum_late" in case:
+            meta["SUM_LATE"] = bool(case["sum_late"])
     meta = {**meta, "USE_PDL": bool(case.get("pdl", False))}
     return compile_offline(fn, meta, pointers=pointers, assemble=case.get("assemble", False)), meta
 
