@@ -105,12 +105,13 @@ def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc
 
 @triton.jit
 def online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc_t,
-                                   EXACT_FP32: tl.constexpr, PV_APART: tl.constexpr = False):
+                                   EXACT_FP32: tl.constexpr):
     """:func:`online_softmax_step` with the KV tile as the tall operand: scores ``s_t (N, M)``,
     values ``v (N, D)``, accumulator ``acc_t (D, M) += v^T p_t``. With a few (row, head) pairs
     per program (M = 16) the tile's rows fill a Hopper warpgroup MMA's M and both operands stay in
     shared memory; the query is not copied into every warp's registers each tile. The same float32
-    arithmetic (P split into two half-precision parts), ``PV_APART`` likewise."""
+    arithmetic (P split into two half-precision parts). (The two parts' products stay one chain:
+    Triton waits for each warpgroup MMA as soon as it is issued, so apart they would not overlap.)"""
     s = s_t * scale
     visible = (kpos[:, None] <= offset[None, :]) & in_page[:, None] & valid[None, :]
     s = tl.where(visible, s, float("-inf"))
@@ -125,10 +126,7 @@ def online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v, 
     else:
         p_hi = p.to(v.dtype)
         p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-        if PV_APART:
-            acc_t = add_apart(tl.dot(tl.trans(v), p_lo), tl.dot(tl.trans(v), p_hi, acc_t), True)
-        else:
-            acc_t = tl.dot(tl.trans(v), p_lo, tl.dot(tl.trans(v), p_hi, acc_t))
+        acc_t = tl.dot(tl.trans(v), p_lo, tl.dot(tl.trans(v), p_hi, acc_t))
     return m_new, l_i, acc_t
 
 

@@ -64,7 +64,8 @@ def _stage1_kernel(
     merge launch. ``TRANSPOSED``: the K/V tile as the tall operand (scores ``(BLOCK_N, BLOCK_M)``,
     accumulator ``(BLOCK_DV, BLOCK_M)``, :func:`online_softmax_step_transposed`). ``PLAN_EARLY``
     (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait.
-    ``PV_APART``: P's two half-precision parts times V as separate MMA chains (:data:`PV_APART`).
+    ``PV_APART`` (row-major programs): P's two half-precision parts times V as separate MMA
+    chains (:data:`PV_APART`).
     ``QK_HALVES`` (row-major programs): the scores as two products over the halves of the head's
     columns, separate MMA chains added after (:data:`QK_HALVES`); K is loaded a half at a time.
     ``SUM_LATE`` (row-major programs): the softmax's row sums kept per key column and summed
@@ -158,7 +159,7 @@ def _stage1_kernel(
             else:
                 s_t = tl.dot(k_cur, tl.trans(q))
             m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i,
-                                                           acc, EXACT_FP32, PV_APART)
+                                                           acc, EXACT_FP32)
         else:
             if EXACT_FP32:
                 s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
