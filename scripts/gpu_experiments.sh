@@ -48,6 +48,13 @@
 #   latent16k  Nsight Compute on the latent stage 1 at batch 1 / 16K and DeepSeek-V2-Lite's 16K step
 #             by kernel and grid (about 1 minute; docs/benchmarks.md, "DeepSeek-V2-Lite at 16K: the
 #             latent stage 1").
+#   warpsplit  the row-major decode programs with each tile's rows split between their warps, each
+#             warp with its own online softmax merged after the scan (SEGKV_ATTENTION_WARP_SPLIT=1,
+#             off until measured; kernels.warp_split_scan: no reduction across warps and no trip of
+#             P through shared memory per tile, 255 registers offline): GPU tests with it on, the 8B-
+#             and 70B-shape kernels at batch 1 / 4 / 16 and 16K-64K with it off, on, and on with the
+#             70B shape's 8-pair programs row-major (SEGKV_TRITON_TRANSPOSED=0), two rounds;
+#             Llama-3.1-8B batch 1 alternating (about 8 minutes).
 #   latentlate  the latent stage 1 keeping its row sums per latent row until the scan ends
 #             (SEGKV_MLA_SUM_LATE=1, off until measured: the loop's reductions across warps 2 -> 1,
 #             no more registers offline): GPU tests with it on, DeepSeek-V2-Lite batch 1 at 1K / 16K
@@ -475,6 +482,24 @@ elif [ "$part" = chainse2e ]; then
     e2e "P.V and Q.K apart, sums late" SEGKV_ATTENTION_PV_APART=1 SEGKV_ATTENTION_QK_HALVES=1 \
       SEGKV_ATTENTION_SUM_LATE=1 -- --models llama-3.1-8b,qwen3-8b --batches 1 --contexts 1K,16K
   done
+elif [ "$part" = warpsplit ]; then
+  GPU_TESTS_TIMEOUT=300 gpu_tests "attention kernels and graphs with the warp split" SEGKV_ATTENTION_WARP_SPLIT=1 -- \
+    tests/test_triton_attention.py tests/test_cuda_graphs.py \
+    -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
+  for round in 1 2; do
+    for cfg in "SEGKV_ATTENTION_WARP_SPLIT=0" "SEGKV_ATTENTION_WARP_SPLIT=1" \
+        "SEGKV_ATTENTION_WARP_SPLIT=1 SEGKV_TRITON_TRANSPOSED=0"; do
+      echo "-- decode attention kernels, $cfg, round $round" | tee -a "$log"
+      # shellcheck disable=SC2086
+      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b --batches 1,4,16 \
+        --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 \
+        | grep -E "^\[|rror" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' | tee -a "$log"
+    done
+  done
+  for round in 1 2; do
+    e2e "default scan" -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
+    e2e "warp split" SEGKV_ATTENTION_WARP_SPLIT=1 -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
+  done
 elif [ "$part" = latentlate ]; then
   GPU_TESTS_TIMEOUT=240 gpu_tests "latent kernels and DeepSeek with the row sums late" SEGKV_MLA_SUM_LATE=1 -- \
     tests/test_triton_mla.py tests/test_deepseek_parity.py -k "not test_latent_kernel_matches_the_reference or (bf16 and 16-16)"
@@ -567,7 +592,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (latentlate, chains, chainse2e, scorechains, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (warpsplit, latentlate, chains, chainse2e, scorechains, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done

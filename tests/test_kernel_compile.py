@@ -145,3 +145,17 @@ def test_decode_products_are_separate_mma_chains_when_told():
     # SEGKV_ATTENTION_SUM_LATE: the row max stays in the loop, the row sum leaves it
     assert one["loop_reductions"] == 2 and late["loop_reductions"] == 1
     assert all(r["spill_bytes"] == 0 for r in (one, pv, both, late))
+
+
+def test_warp_split_scan_keeps_each_tile_inside_the_warps():
+    """``SEGKV_ATTENTION_WARP_SPLIT`` in a batch-1 decode program of the 8B shape: the products'
+    warps split the batch of tile parts ([4, 1, 1]) instead of the key columns ([1, 4]), so the
+    row max and sum reduce inside each warp and P reaches the P.V product without a trip through
+    shared memory (the default scan writes P's two halves there every tile); no spills."""
+    base = {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 32, "rows": 1, "group": 4,
+            "pdl": True, "assemble": True}
+    default, split = compile_cases([{**base, "warp_split": False}, {**base, "warp_split": True}])
+    assert default["mma_warps"] == [[1, 4]] and default["loop_shared_stores"] >= 1
+    assert split["mma_warps"] == [[4, 1, 1]] and split["loop_shared_stores"] == 0
+    assert split["spill_bytes"] == 0 and split["registers"] <= 255
+    assert split["waits"][0] >= 1 and split["waits"] == default["waits"]  # the next tile's copies stay in flight

@@ -431,6 +431,38 @@ def test_decode_products_as_separate_chains_match_the_reference(route, dtype, ge
     check(out, lse, ref, ref_lse)
 
 
+@pytest.mark.parametrize("route", ["split", "cascade"] if not GPU else ROUTES)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"] if not GPU else ["fp32", "bf16", "fp16"])
+def test_warp_split_scan_matches_the_reference(route, dtype, gen, monkeypatch):
+    """``SEGKV_ATTENTION_WARP_SPLIT``: the row-major decode programs split each tile's rows between
+    their warps, each warp with its own online softmax, merged once after the scan. Only programs
+    of at most 16 pairs with at least 16 rows a warp take it (not the transposed ones, not the tall
+    ones, not 16-row tiles). The reference's results with fully masked rows, pieces that end inside
+    a tile (a warp's part of a tile may see no key), pages longer than the tile and a head of 80
+    columns."""
+    from segkv.kernels import paged_attention
+    from segkv.kernels.paged_attention import LaunchConfig
+
+    def parts(group: int, rows: int = 1, block_n: int = 64):
+        return paged_attention.stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=group, page_size=16,
+                                             max_work_rows=rows, element_size=2,
+                                             launch=LaunchConfig(block_n, 4, 3, transposed_min_pairs=8))["WARP_PARTS"]
+
+    assert parts(4) == 0  # off by default
+    monkeypatch.setattr(paged_attention, "WARP_SPLIT", True)
+    monkeypatch.setattr(paged_attention, "SUM_LATE", True)  # ignored under the split
+    assert [parts(4), parts(8), parts(4, rows=16), parts(4, block_n=16)] == [4, 0, 0, 0]
+    assert not paged_attention.stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=4, page_size=16,
+                                             max_work_rows=1, element_size=2)["SUM_LATE"]
+    row_major = LaunchConfig(64, 4, 3, transposed_min_pairs=0)
+    for rows, page_size in ((1, 16), (3, 16), (1, 128)):
+        check_with_the_second_sequence_masked(gen, DTYPES[dtype], route, rows=rows, ratio=4, page_size=page_size,
+                                              partitions=3, launch=row_major)
+    batch = gqa_batch(gen, dtype=DTYPES[dtype], page_size=16, ratio=2, head_dim=80, rows=1)
+    _, out, lse, ref, ref_lse = run_both(batch, route)
+    check(out, lse, ref, ref_lse)
+
+
 def decode_rows_batch(gen, *, dtype, long_rows: int, ratio: int, num_pages: int) -> Batch:
     """Four decode rows over 2 KV heads: a ``long_rows`` history, a fully masked row, an empty
     chain and a 37-row history."""

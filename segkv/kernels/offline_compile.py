@@ -53,11 +53,10 @@ class OfflineKernel:
         that many copy groups in flight; 0 waits for everything)."""
         return [int(n) for n in re.findall(r"async_wait[^\n]*?num\s*=\s*(\d+)", self.ttgir)]
 
-    def loop_reductions(self) -> int:
-        """Reductions (``tt.reduce``: a row max or sum, across warps when the reduced dimension is
-        split over them) inside the IR's loops, each counted once per loop that holds it."""
+    def _loop_lines(self) -> list[str]:
+        """The IR lines inside its loops (a nested loop's once per enclosing loop)."""
         lines = self.ttgir.splitlines()
-        count = 0
+        inside = []
         for i, line in enumerate(lines):
             if "scf.for" not in line:
                 continue
@@ -65,18 +64,36 @@ class OfflineKernel:
             for body in lines[i + 1:]:
                 if body.strip().startswith("}") and len(body) - len(body.lstrip()) == indent:
                     break
-                count += "tt.reduce" in body and "tt.reduce.return" not in body
-        return count
+                inside.append(body)
+        return inside
+
+    def loop_reductions(self) -> int:
+        """Reductions (``tt.reduce``: a row max or sum, across warps when the reduced dimension is
+        split over them) inside the IR's loops."""
+        return sum("tt.reduce" in line and "tt.reduce.return" not in line for line in self._loop_lines())
+
+    def loop_shared_stores(self) -> int:
+        """Tensors written to shared memory inside the IR's loops by the program itself
+        (``local_alloc`` / ``local_store``: a layout change such as P's for the P.V product;
+        the pipeliner's asynchronous copies are not counted)."""
+        return sum("ttg.local_alloc %" in line or "ttg.local_store" in line for line in self._loop_lines())
+
+    def mma_warps(self) -> list[list[int]]:
+        """The ``warpsPerCTA`` of each MMA layout of the IR (warps per dimension of the products'
+        results: a reduction along a dimension of 1 warp stays inside the warps)."""
+        return [[int(n) for n in m.split(",")]
+                for m in re.findall(r"nvidia_mma<\{[^}]*?warpsPerCTA = \[([\d, ]+)\]", self.ttgir)]
 
     def mma_chains(self) -> list[int]:
         """The dependent MMA chains of the IR's products, each in steps of 16 along the reduced
         dimension (a 16-deep k-loop of the MMA instructions per warp): a product whose accumulator
         is another product's result continues that one's chain. One entry per chain's last
         product, sorted. A chain's steps wait on each other's results, so with few warps per
-        scheduler its length, not the step count, sets the time."""
+        scheduler its length, not the step count, sets the time. ``tt.dot`` products only (the
+        reduced dimension is the first operand's last); warp-group MMAs are not counted."""
         steps, ends = {}, {}
-        for m in re.finditer(r"(%[\w.]+) = (?:tt\.dot|ttng\.warp_group_dot) (%[\w.]+), %[\w.]+, (%[\w.]+)[^\n]*?"
-                             r": tensor<\d+x(\d+)x", self.ttgir):
+        for m in re.finditer(r"(%[\w.]+) = tt\.dot (%[\w.]+), %[\w.]+, (%[\w.]+)[^\n]*?"
+                             r": tensor<(?:\d+x)*?(\d+)x[a-z]", self.ttgir):
             result, _, acc, k = m.groups()
             steps[result] = steps.get(acc, 0) + int(k) // 16
             ends.pop(acc, None)
@@ -151,7 +168,8 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     split is chosen per plan), "score_chains": bool (latent, default: the launcher's
     ``SEGKV_MLA_SCORE_CHAINS``), "pv_apart" / "qk_halves": bool (gqa, default: the launcher's
     ``SEGKV_ATTENTION_PV_APART`` / ``_QK_HALVES``), "sum_late": bool (default: the launcher's
-    ``SEGKV_ATTENTION_SUM_LATE`` / ``SEGKV_MLA_SUM_LATE``), "value_split": int (latent,
+    ``SEGKV_ATTENTION_SUM_LATE`` / ``SEGKV_MLA_SUM_LATE``), "warp_split": bool (gqa, default: the
+    launcher's ``SEGKV_ATTENTION_WARP_SPLIT``), "value_split": int (latent,
     default: the launcher's), "assemble": bool (default False), "pdl": bool (default False: the
     programmatic-dependent-launch variant)}``. ``launch``: a ``paged_attention.LaunchConfig``
     (default: the launcher's). Returns the compiled kernel and the launch constants used."""
@@ -172,6 +190,8 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
         for key, name in (("pv_apart", "PV_APART"), ("qk_halves", "QK_HALVES"), ("sum_late", "SUM_LATE")):
             if key in case:
                 meta[name] = bool(case[key])
+        if case.get("warp_split"):
+            meta["WARP_PARTS"] = meta["num_warps"]
     else:
         if "value_split" in case:
             launch = dataclasses.replace(launch or mla_attention.default_mla_launch_config(),
@@ -192,8 +212,9 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
 def stage1_report(case: dict, launch=None) -> dict:
     """:func:`compile_stage1`'s facts as plain values: shared bytes, registers, spills (None unless
     ``case["assemble"]``), the launch's warps and pipeline stages, the K/V (latent) tile buffers,
-    the in-loop waits, the MMA kind and chains (:meth:`OfflineKernel.mma_chains`), the reductions
-    in its loops, and its PDL instructions in program order (:func:`pdl_order`)."""
+    the in-loop waits, the MMA kind, chains (:meth:`OfflineKernel.mma_chains`) and warps, the
+    reductions and shared-memory writes in its loops, and its PDL instructions in program order
+    (:func:`pdl_order`)."""
     kernel, meta = compile_stage1(case, launch)
     cols = (case.get("rank", 512) if case["kernel"] == "latent"
             else max(16, triton.next_power_of_2(case["head_dim"])))
@@ -201,7 +222,9 @@ def stage1_report(case: dict, launch=None) -> dict:
     return {"case": case, "shared": kernel.shared, "registers": kernel.registers, "spill_bytes": kernel.spill_bytes,
             "num_warps": meta["num_warps"], "num_stages": meta["num_stages"],
             "buffers": kernel.pipeline_buffers(meta["BLOCK_N"], cols), "waits": kernel.loop_waits(), "mma": mma,
-            "chains": kernel.mma_chains(), "loop_reductions": kernel.loop_reductions(), "order": pdl_order(kernel.ptx)}
+            "chains": kernel.mma_chains(), "loop_reductions": kernel.loop_reductions(),
+            "loop_shared_stores": kernel.loop_shared_stores(), "mma_warps": kernel.mma_warps(),
+            "order": pdl_order(kernel.ptx)}
 
 
 def merge_report(case: dict) -> dict:

@@ -31,6 +31,7 @@ from segkv.kernels.attention_tiles import (
 from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
 from segkv.kernels.stage1_merge import merge_group_if_last, merge_if_last, zero_empty_rows
+from segkv.kernels.warp_split_scan import scan_warp_split
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -48,7 +49,7 @@ def _stage1_kernel(
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
     MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False, PV_APART: tl.constexpr = False,
-    QK_HALVES: tl.constexpr = False, SUM_LATE: tl.constexpr = False,
+    QK_HALVES: tl.constexpr = False, SUM_LATE: tl.constexpr = False, WARP_PARTS: tl.constexpr = 0,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -69,7 +70,9 @@ def _stage1_kernel(
     ``QK_HALVES`` (row-major programs): the scores as two products over the halves of the head's
     columns, separate MMA chains added after (:data:`QK_HALVES`); K is loaded a half at a time.
     ``SUM_LATE`` (row-major programs): the softmax's row sums kept per key column and summed
-    after the scan (:data:`SUM_LATE`)."""
+    after the scan (:data:`SUM_LATE`). ``WARP_PARTS > 0`` (row-major programs): each tile split
+    into that many parts, one per warp, each with its own online softmax, merged after the scan
+    (``warp_split_scan``, :data:`WARP_SPLIT`)."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
@@ -116,62 +119,68 @@ def _stage1_kernel(
         pg0 = tl.load(work_pages + 2 * w)
         pg1 = tl.load(work_pages + 2 * w + 1)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    if SUM_LATE:
-        l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if WARP_PARTS > 0:  # each warp its own part of every tile and its own online softmax
+        m_i, l_i, acc = scan_warp_split(q, K + kvh * stride_kh, V + kvh * stride_vh, stride_kp, stride_kn, stride_vp,
+                                        stride_vn, page_table, page_rows, page_key_start, pg0, pg1, offset, valid,
+                                        scale, DK, DV, BLOCK_M, BLOCK_DK, BLOCK_DV, BLOCK_N, PAGE_SIZE, WARP_PARTS,
+                                        EXACT_FP32)
     else:
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-    if TRANSPOSED:
-        acc = tl.zeros([BLOCK_DV, BLOCK_M], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    slot = offs_n // PAGE_SIZE
-    row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
-    # loop-invariant parts of the K/V addresses: this KV head, the row within its page
-    k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
-    v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
-    if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
-        page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
-    t0, t1 = tile_range(pg0, pg1, SUB)
-    for t in range(t0, t1, PAGES):
-        page_cur, rows_cur, kst_cur = page, rows, kst
-        page, rows, kst = page_index(page_table, page_rows, page_key_start, next_tile_pages(t, slot, PAGES, SUB), pg1)
-        if SUB > 1:  # this tile's rows of a longer page
-            sub_rows = (t % SUB) * BLOCK_N
-            row_cur = row_in_page + sub_rows
-            k_cur, v_cur = load_kv(k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn, page_cur,
-                                    stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
-            if QK_HALVES:
-                k_b = tl.load(k_base + sub_rows * stride_kn + HALF_DK + (page_cur * stride_kp)[:, None],
-                              mask=(row_cur < rows_cur)[:, None] & dk_ok_b[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        if SUM_LATE:
+            l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         else:
-            row_cur = row_in_page
-            k_cur, v_cur = load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
-            if QK_HALVES:
-                k_b = tl.load(k_base + HALF_DK + (page_cur * stride_kp)[:, None],
-                              mask=(row_cur < rows_cur)[:, None] & dk_ok_b[None, :], other=0.0)
-        in_page = row_cur < rows_cur
-        kpos = kst_cur + row_cur
+            l_i = tl.zeros([BLOCK_M], tl.float32)
         if TRANSPOSED:
-            if EXACT_FP32:
-                s_t = tl.dot(k_cur.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
-            else:
-                s_t = tl.dot(k_cur, tl.trans(q))
-            m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i,
-                                                           acc, EXACT_FP32)
+            acc = tl.zeros([BLOCK_DV, BLOCK_M], tl.float32)
         else:
-            if EXACT_FP32:
-                s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        slot = offs_n // PAGE_SIZE
+        row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
+        # loop-invariant parts of the K/V addresses: this KV head, the row within its page
+        k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
+        v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
+        if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
+            page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
+        t0, t1 = tile_range(pg0, pg1, SUB)
+        for t in range(t0, t1, PAGES):
+            page_cur, rows_cur, kst_cur = page, rows, kst
+            page, rows, kst = page_index(page_table, page_rows, page_key_start, next_tile_pages(t, slot, PAGES, SUB), pg1)
+            if SUB > 1:  # this tile's rows of a longer page
+                sub_rows = (t % SUB) * BLOCK_N
+                row_cur = row_in_page + sub_rows
+                k_cur, v_cur = load_kv(k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn, page_cur,
+                                        stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
                 if QK_HALVES:
-                    s = add_apart(s, tl.dot(q_b.to(tl.float32), tl.trans(k_b.to(tl.float32)), input_precision="ieee"),
-                                  True)
+                    k_b = tl.load(k_base + sub_rows * stride_kn + HALF_DK + (page_cur * stride_kp)[:, None],
+                                  mask=(row_cur < rows_cur)[:, None] & dk_ok_b[None, :], other=0.0)
             else:
-                s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
+                row_cur = row_in_page
+                k_cur, v_cur = load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
                 if QK_HALVES:
-                    s = add_apart(s, tl.dot(q_b, tl.trans(k_b)), True)
-            m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i, acc,
-                                                EXACT_FP32, PV_APART, SUM_LATE)
+                    k_b = tl.load(k_base + HALF_DK + (page_cur * stride_kp)[:, None],
+                                  mask=(row_cur < rows_cur)[:, None] & dk_ok_b[None, :], other=0.0)
+            in_page = row_cur < rows_cur
+            kpos = kst_cur + row_cur
+            if TRANSPOSED:
+                if EXACT_FP32:
+                    s_t = tl.dot(k_cur.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+                else:
+                    s_t = tl.dot(k_cur, tl.trans(q))
+                m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i,
+                                                               acc, EXACT_FP32)
+            else:
+                if EXACT_FP32:
+                    s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
+                    if QK_HALVES:
+                        s = add_apart(s, tl.dot(q_b.to(tl.float32), tl.trans(k_b.to(tl.float32)), input_precision="ieee"),
+                                      True)
+                else:
+                    s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
+                    if QK_HALVES:
+                        s = add_apart(s, tl.dot(q_b, tl.trans(k_b)), True)
+                m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i, acc,
+                                                    EXACT_FP32, PV_APART, SUM_LATE)
     if TRANSPOSED:
         acc = tl.trans(acc)
     if SUM_LATE:
@@ -410,6 +419,10 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
     block_n = tile_rows(launch, page_size)
     transposed = block_m <= 16 and 0 < launch.transposed_min_pairs <= max_work_rows * group
+    warps = launch.tall_warps if block_m >= 64 else launch.num_warps
+    row_major_decode = block_m <= 16 and not transposed
+    warp_parts = warps if WARP_SPLIT and row_major_decode and block_n // warps >= 16 else 0
+    default_scan = row_major_decode and not warp_parts  # the switches below change the default scan
     return dict(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
@@ -417,10 +430,10 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
         MERGE=0, TRANSPOSED=transposed, PLAN_EARLY=PLAN_EARLY == 2 or (PLAN_EARLY == 1 and block_m <= 16 and not transposed),
         MERGE_LANES=min(triton.next_power_of_2(group), block_m),
-        MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED, PV_APART=PV_APART and block_m <= 16 and not transposed,
-        QK_HALVES=QK_HALVES and block_m <= 16 and not transposed and dk >= 32,
-        SUM_LATE=SUM_LATE and block_m <= 16 and not transposed,
-        num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
+        MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED, PV_APART=PV_APART and default_scan,
+        QK_HALVES=QK_HALVES and default_scan and dk >= 32, SUM_LATE=SUM_LATE and default_scan,
+        WARP_PARTS=warp_parts,
+        num_warps=warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size), **maxnreg_option(launch),
     )
 
@@ -472,6 +485,12 @@ QK_HALVES = env_int("SEGKV_ATTENTION_QK_HALVES", 0) == 1
 # until measured): with the pairs' rows split over the warps by key columns, every tile's row sum
 # was a reduction across the warps through shared memory, with a barrier.
 SUM_LATE = env_int("SEGKV_ATTENTION_SUM_LATE", 0) == 1
+# The same programs with each tile's rows split between their warps, each warp keeping its own
+# online softmax over its rows of every tile, merged once after the scan
+# (SEGKV_ATTENTION_WARP_SPLIT=1; 0 until measured on the GPU; kernels.warp_split_scan): no
+# reduction across the warps and no shared-memory gather of P in the tiles, for a whole
+# (pairs, head_dim) float32 accumulator in every warp. The other three switches then do nothing.
+WARP_SPLIT = env_int("SEGKV_ATTENTION_WARP_SPLIT", 0) == 1
 # When the merge lets the next kernel (the o GEMV) launch (SEGKV_MERGE_TRIGGER): 1, right after its
 # wait for stage 1, the default; 2, when it ends: measured level with Llama-3.1-8B at batch 1 (226
 # / 203-204 tok/s against 226-227 / 203); 0, at once, so the o GEMV's programs load their weights
