@@ -437,7 +437,7 @@ def test_warp_split_scan_matches_the_reference(route, dtype, gen, monkeypatch):
     """``SEGKV_ATTENTION_WARP_SPLIT``: the row-major decode programs split each tile's rows between
     their warps, each warp with its own online softmax, merged once after the scan. Only programs
     of at most 16 pairs with at least 16 rows a warp take it (not the transposed ones, not the tall
-    ones, not 16-row tiles). The reference's results with fully masked rows, pieces that end inside
+    ones, not 16-row tiles; on the GPU not float32 inputs either). The reference's results with fully masked rows, pieces that end inside
     a tile (a warp's part of a tile may see no key), pages longer than the tile and a head of 80
     columns."""
     from segkv.kernels import paged_attention

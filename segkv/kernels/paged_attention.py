@@ -421,7 +421,10 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     transposed = block_m <= 16 and 0 < launch.transposed_min_pairs <= max_work_rows * group
     warps = launch.tall_warps if block_m >= 64 else launch.num_warps
     row_major_decode = block_m <= 16 and not transposed
-    warp_parts = warps if WARP_SPLIT and row_major_decode and block_n // warps >= 16 else 0
+    # float32 inputs keep the default scan on the GPU: Triton compiles their batched IEEE products
+    # without MMA instructions (20 KB of spills offline); the interpreter runs them all the same
+    batched_mma = dtype != torch.float32 or _INTERPRET
+    warp_parts = warps if WARP_SPLIT and row_major_decode and block_n // warps >= 16 and batched_mma else 0
     default_scan = row_major_decode and not warp_parts  # the switches below change the default scan
     return dict(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
