@@ -148,6 +148,9 @@ e2e_alternate() {  # variable, "values", decode_e2e arguments...: two rounds, ea
     done
   done
 }
+attention_rows() {  # decode_attention's result rows, the segment and efficient-SDPA columns cut, logged
+  grep -E "^\[|rror" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' | tee -a "$log"
+}
 deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it off and on, two rounds
   e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 }
@@ -379,8 +382,7 @@ elif [ "$part" = b16 ]; then
       echo "-- decode attention kernels, batch 16, $cfg" | tee -a "$log"
       # shellcheck disable=SC2086
       env $cfg timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-70b,llama3-8b --batches 16 \
-        --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 | grep -E "^\[|rror" \
-        | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' | tee -a "$log"
+        --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 | attention_rows
     done
   done
 elif [ "$part" = short ]; then
@@ -470,8 +472,7 @@ elif [ "$part" = chains ]; then
       echo "-- decode attention kernels, $cfg, round $round" | tee -a "$log"
       # shellcheck disable=SC2086
       env $cfg timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-8b --batches 1,4,16 \
-        --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 \
-        | grep -E "^\[|rror" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' | tee -a "$log"
+        --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 | attention_rows
     done
   done
 elif [ "$part" = chainse2e ]; then
@@ -492,8 +493,7 @@ elif [ "$part" = warpsplit ]; then
       echo "-- decode attention kernels, $cfg, round $round" | tee -a "$log"
       # shellcheck disable=SC2086
       env $cfg timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b --batches 1,4,16 \
-        --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 \
-        | grep -E "^\[|rror" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' | tee -a "$log"
+        --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 | attention_rows
     done
   done
   for round in 1 2; do
@@ -581,8 +581,7 @@ elif [ "$part" = pagesize ]; then
   # pages of 32 / 64 / 128, then whole-model decode at pages of 32 (the CUDA default) and 64
   echo "-- decode attention kernels, pages of 32 / 64 / 128" | tee -a "$log"
   timeout 200 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b --batches 1,4,16 \
-    --contexts 16384,65536 --page-sizes 32,64,128 --no-cascade --trials 5 2>&1 | grep -E "^\[|rror" \
-    | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' | tee -a "$log"
+    --contexts 16384,65536 --page-sizes 32,64,128 --no-cascade --trials 5 2>&1 | attention_rows
   for round in 1 2; do
     for page in 32 64; do
       e2e "llama-3.1-8b pages of $page" -- --models llama-3.1-8b --batches 1,8 --contexts 1K,16K --page-size $page

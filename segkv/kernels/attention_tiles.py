@@ -49,6 +49,17 @@ def next_tile_pages(t, slot, PAGES: tl.constexpr, SUB: tl.constexpr):
 
 
 @triton.jit
+def tile_kv_bases(t, row_in_page, k_base, v_base, stride_kn, stride_vn, SUB: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile ``t``'s rows within its page and its K / V address bases (``row_in_page``, ``k_base``,
+    ``v_base``: those of a tile starting a page); with pages of ``SUB`` tiles the tile starts
+    ``(t % SUB) * BLOCK_N`` rows into its page."""
+    if SUB > 1:
+        sub_rows = (t % SUB) * BLOCK_N
+        return row_in_page + sub_rows, k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn
+    return row_in_page, k_base, v_base
+
+
+@triton.jit
 def load_kv(k_base, v_base, page, stride_kp, stride_vp, in_page, dk_ok, dv_ok):
     """The K and V tiles ``(BLOCK_N, D)`` of one block of pages (0 outside valid rows)."""
     k = tl.load(k_base + (page * stride_kp)[:, None], mask=in_page[:, None] & dk_ok[None, :], other=0.0)

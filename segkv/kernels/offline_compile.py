@@ -159,6 +159,10 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     return registers, spills
 
 
+# case keys of compile_stage1 that force a stage-1 switch: the constexpr each sets
+_SWITCHES = {"pv_apart": "PV_APART", "qk_halves": "QK_HALVES", "sum_late": "SUM_LATE", "score_chains": "CHAINS_APART"}
+
+
 def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     """A stage-1 attention kernel as its launcher would launch it, for one decode-shaped ``case``:
     ``{"kernel": "gqa" | "latent", "dtype": "bfloat16" | "float16" | "float32", "page_size": int,
@@ -187,9 +191,6 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
                                              page_size=case["page_size"], max_work_rows=case["rows"],
                                              element_size=element, launch=launch)
         fn, pointers = paged_attention._stage1_kernel, {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", **common}
-        for key, name in (("pv_apart", "PV_APART"), ("qk_halves", "QK_HALVES"), ("sum_late", "SUM_LATE")):
-            if key in case:
-                meta[name] = bool(case[key])
         if case.get("warp_split"):
             meta["WARP_PARTS"] = meta["num_warps"]
     else:
@@ -201,20 +202,16 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
                                                max_work_rows=case["rows"], element_size=element,
                                                num_rows=1 if case.get("one_query") else None, launch=launch)
         fn, pointers = mla_attention._mla_stage1_kernel, {"Q": f"*{t}", "LAT": f"*{t}", **common}
-        if "score_chains" in case:
-            meta["CHAINS_APART"] = bool(case["score_chains"])
-        if "sum_late" in case:
-            meta["SUM_LATE"] = bool(case["sum_late"])
-    meta = {**meta, "USE_PDL": bool(case.get("pdl", False))}
+    meta = {**meta, **{name: bool(case[key]) for key, name in _SWITCHES.items() if key in case},
+            "USE_PDL": bool(case.get("pdl", False))}
     return compile_offline(fn, meta, pointers=pointers, assemble=case.get("assemble", False)), meta
 
 
 def stage1_report(case: dict, launch=None) -> dict:
     """:func:`compile_stage1`'s facts as plain values: shared bytes, registers, spills (None unless
     ``case["assemble"]``), the launch's warps and pipeline stages, the K/V (latent) tile buffers,
-    the in-loop waits, the MMA kind, chains (:meth:`OfflineKernel.mma_chains`) and warps, the
-    reductions and shared-memory writes in its loops, and its PDL instructions in program order
-    (:func:`pdl_order`)."""
+    the in-loop waits, the MMA kind, chains (:meth:`OfflineKernel.mma_chains`) and warps, and the
+    reductions and shared-memory writes in its loops."""
     kernel, meta = compile_stage1(case, launch)
     cols = (case.get("rank", 512) if case["kernel"] == "latent"
             else max(16, triton.next_power_of_2(case["head_dim"])))
@@ -223,8 +220,7 @@ def stage1_report(case: dict, launch=None) -> dict:
             "num_warps": meta["num_warps"], "num_stages": meta["num_stages"],
             "buffers": kernel.pipeline_buffers(meta["BLOCK_N"], cols), "waits": kernel.loop_waits(), "mma": mma,
             "chains": kernel.mma_chains(), "loop_reductions": kernel.loop_reductions(),
-            "loop_shared_stores": kernel.loop_shared_stores(), "mma_warps": kernel.mma_warps(),
-            "order": pdl_order(kernel.ptx)}
+            "loop_shared_stores": kernel.loop_shared_stores(), "mma_warps": kernel.mma_warps()}
 
 
 def merge_report(case: dict) -> dict:
@@ -243,38 +239,15 @@ def merge_report(case: dict) -> dict:
     return {"case": case, "pdl": pdl_order(kernel.ptx)}
 
 
-def gemv_report(case: dict) -> dict:
-    """The one-row split-K GEMV (``dense_gemv``) with PDL for ``{"kernel": "gemv", "input": 0 | 1 |
-    2 (plain, gated, normed), "block_n": int, "block_k": int, "in_dim": int}`` (bf16): registers and
-    spills (assembled), and its PDL instructions in program order (:func:`pdl_order`)."""
-    import torch
-
-    from segkv.kernels import dense_gemv
-    from segkv.kernels.fused_ops import kind_of
-
-    split = -(-case["in_dim"] // case["block_k"])
-    meta = {"BLOCK_N": case["block_n"], "BLOCK_K": case["block_k"], "SPLIT": split,
-            "SPLIT_P2": triton.next_power_of_2(split), "INPUT": case["input"], "HAS_RES": case["input"] == 2,
-            "KIND": kind_of(torch.bfloat16), "EVICT_FIRST": True, "USE_PDL": True, "EXPERTS": 1,
-            "HAS_SHARED": False, "num_warps": 4}
-    bf16 = "*bf16"
-    kernel = compile_offline(dense_gemv._splitk_gemv_kernel, meta, pointers={
-        "X": bf16, "RES": bf16, "G": bf16, "RES_OUT": bf16, "W": bf16, "OUT": bf16, "PART": "*fp32",
-        "TICKETS": "*i32", "EXPERT_W": "*fp32", "SHARED": bf16, "eps": "fp32"}, assemble=True)
-    return {"case": case, "registers": kernel.registers, "spill_bytes": kernel.spill_bytes,
-            "order": pdl_order(kernel.ptx)}
-
-
 def _main() -> None:
     """``python -m segkv.kernels.offline_compile < cases.json``: :func:`stage1_report` (or, for
-    ``"kernel": "merge"`` / ``"gemv"``, :func:`merge_report` / :func:`gemv_report`) of each case,
-    one JSON object per line. Run it without ``TRITON_INTERPRET`` (the interpreter's kernels cannot
-    be compiled)."""
+    ``"kernel": "merge"``, :func:`merge_report`) of each case, one JSON object per line. Run it
+    without ``TRITON_INTERPRET`` (the interpreter's kernels cannot be compiled)."""
     import json
     import sys
 
     for case in json.load(sys.stdin):
-        report = {"merge": merge_report, "gemv": gemv_report}.get(case["kernel"], stage1_report)(case)
+        report = merge_report(case) if case["kernel"] == "merge" else stage1_report(case)
         print(json.dumps(report), flush=True)
 
 

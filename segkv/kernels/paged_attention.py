@@ -25,6 +25,7 @@ from segkv.kernels.attention_tiles import (
     pair_reads,
     plan_reads,
     store_partials,
+    tile_kv_bases,
     tile_range,
     tile_rows_in_page,
 )
@@ -145,36 +146,28 @@ def _stage1_kernel(
         t0, t1 = tile_range(pg0, pg1, SUB)
         for t in range(t0, t1, PAGES):
             page_cur, rows_cur, kst_cur = page, rows, kst
-            page, rows, kst = page_index(page_table, page_rows, page_key_start, next_tile_pages(t, slot, PAGES, SUB), pg1)
-            if SUB > 1:  # this tile's rows of a longer page
-                sub_rows = (t % SUB) * BLOCK_N
-                row_cur = row_in_page + sub_rows
-                k_cur, v_cur = load_kv(k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn, page_cur,
-                                        stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
-                if QK_HALVES:
-                    k_b = tl.load(k_base + sub_rows * stride_kn + HALF_DK + (page_cur * stride_kp)[:, None],
-                                  mask=(row_cur < rows_cur)[:, None] & dk_ok_b[None, :], other=0.0)
-            else:
-                row_cur = row_in_page
-                k_cur, v_cur = load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
-                if QK_HALVES:
-                    k_b = tl.load(k_base + HALF_DK + (page_cur * stride_kp)[:, None],
-                                  mask=(row_cur < rows_cur)[:, None] & dk_ok_b[None, :], other=0.0)
+            page, rows, kst = page_index(page_table, page_rows, page_key_start, next_tile_pages(t, slot, PAGES, SUB),
+                                         pg1)
+            row_cur, k_tile, v_tile = tile_kv_bases(t, row_in_page, k_base, v_base, stride_kn, stride_vn, SUB, BLOCK_N)
             in_page = row_cur < rows_cur
+            k_cur, v_cur = load_kv(k_tile, v_tile, page_cur, stride_kp, stride_vp, in_page, dk_ok, dv_ok)
+            if QK_HALVES:  # the head's second half of K's columns
+                k_b = tl.load(k_tile + HALF_DK + (page_cur * stride_kp)[:, None],
+                              mask=in_page[:, None] & dk_ok_b[None, :], other=0.0)
             kpos = kst_cur + row_cur
             if TRANSPOSED:
                 if EXACT_FP32:
                     s_t = tl.dot(k_cur.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
                 else:
                     s_t = tl.dot(k_cur, tl.trans(q))
-                m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i,
-                                                               acc, EXACT_FP32)
+                m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v_cur, m_i,
+                                                               l_i, acc, EXACT_FP32)
             else:
                 if EXACT_FP32:
                     s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
                     if QK_HALVES:
-                        s = add_apart(s, tl.dot(q_b.to(tl.float32), tl.trans(k_b.to(tl.float32)), input_precision="ieee"),
-                                      True)
+                        s = add_apart(s, tl.dot(q_b.to(tl.float32), tl.trans(k_b.to(tl.float32)),
+                                                input_precision="ieee"), True)
                 else:
                     s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
                     if QK_HALVES:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from segkv.kernels.attention_tiles import next_tile_pages, page_index, tile_range, tile_rows_in_page
+from segkv.kernels.attention_tiles import next_tile_pages, page_index, tile_kv_bases, tile_range, tile_rows_in_page
 
 
 @triton.jit
@@ -53,15 +53,7 @@ def scan_warp_split(q, k_head, v_head, stride_kp, stride_kn, stride_vp, stride_v
         page_cur, rows_cur, kst_cur = page, rows, kst
         page, rows, kst = page_index(page_table, page_rows, page_key_start, next_tile_pages(t, slot, PAGES, SUB),
                                      pg1)
-        if SUB > 1:  # this tile's rows of a longer page
-            sub_rows = (t % SUB) * BLOCK_N
-            row_cur = row_in_page + sub_rows
-            k_tile = k_base + sub_rows * stride_kn
-            v_tile = v_base + sub_rows * stride_vn
-        else:
-            row_cur = row_in_page
-            k_tile = k_base
-            v_tile = v_base
+        row_cur, k_tile, v_tile = tile_kv_bases(t, row_in_page, k_base, v_base, stride_kn, stride_vn, SUB, BLOCK_N)
         in_page = row_cur < rows_cur
         k = tl.load(k_tile + (page_cur * stride_kp)[:, :, None], mask=in_page[:, :, None] & dk_ok, other=0.0)
         v = tl.load(v_tile + (page_cur * stride_vp)[:, :, None], mask=in_page[:, :, None] & dv_ok, other=0.0)
