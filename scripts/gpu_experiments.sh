@@ -13,6 +13,8 @@
 # prefetch, gemvahead, moeprefetch (all slower: removed with their switches), mergecols and latent16
 # (both slower than the defaults); the parts are in git history. The scores' chains apart, now the
 # default, were measured end to end at batch 1 only: the part scorechains below has the rest.
+# Measured (docs/benchmarks.md, "The decode programs' MMA chains, row sums and warp split
+# measured"): warpsplit, latentlate, chains and sumlate, all removed with their switches (git history).
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
 #             against 0.0067 with halves) and the shares as the grid's last dimension
@@ -48,34 +50,13 @@
 #   latent16k  Nsight Compute on the latent stage 1 at batch 1 / 16K and DeepSeek-V2-Lite's 16K step
 #             by kernel and grid (about 1 minute; docs/benchmarks.md, "DeepSeek-V2-Lite at 16K: the
 #             latent stage 1").
-#   warpsplit  the row-major decode programs with each tile's rows split between their warps, each
-#             warp with its own online softmax merged after the scan (SEGKV_ATTENTION_WARP_SPLIT=1,
-#             off until measured; kernels.warp_split_scan: no reduction across warps and no trip of
-#             P through shared memory per tile, 255 registers offline): GPU tests with it on, the 8B-
-#             and 70B-shape kernels at batch 1 / 4 / 16 and 16K-64K with it off, on, and on with the
-#             70B shape's 8-pair programs row-major (SEGKV_TRITON_TRANSPOSED=0), two rounds;
-#             Llama-3.1-8B batch 1 alternating (about 8 minutes).
-#   latentlate  the latent stage 1 keeping its row sums per latent row until the scan ends
-#             (SEGKV_MLA_SUM_LATE=1, off until measured: the loop's reductions across warps 2 -> 1,
-#             no more registers offline): GPU tests with it on, DeepSeek-V2-Lite batch 1 at 1K / 16K
-#             alternating (about 4 minutes; 60% at 16K needs about 4% more).
-#   chains    the row-major decode programs (8B shape) with P's two parts times V as separate MMA
-#             chains (SEGKV_ATTENTION_PV_APART=1) and the scores over the head's halves
-#             (SEGKV_ATTENTION_QK_HALVES=1), each off until measured: every chain of a 64-row tile 8 -> 4
-#             MMA steps, offline without more registers; and the row sums kept per key column until
-#             the scan ends (SEGKV_ATTENTION_SUM_LATE=1: one reduction across the warps a tile, not
-#             two). The GPU tests (all on), the 8B-shape kernels at batch 1 / 4 / 16 and 16K-64K
-#             (batch 1 at 32K: 80-83% of the copy rate, 85% asked) none / each / P.V and Q.K / all
-#             three, two rounds (about 7 minutes).
-#   chainse2e  Llama-3.1-8B and Qwen3-8B batch 1 at 1K / 16K with none, P.V and Q.K, all three
-#             (about 5 minutes).
 #   scorechains  the latent stage 1's scores as separate MMA chains (SEGKV_MLA_SCORE_CHAINS, 1 by
 #             default since DeepSeek-V2-Lite batch 1 measured +0.5% / +1-2% at 1K / 16K; the halves'
-#             longest chain 36 -> 16 MMA steps) against one chain: the latent GPU tests, the kernel at
-#             batch 1 / 8 and 1K / 16K / 64K in two rounds, DeepSeek-V2-Lite batch 8 alternating
-#             (batch 8's programs take all the values: 36 -> 32), and batch 1 with quarters of the
+#             longest chain 36 -> 16 MMA steps) against one chain (its GPU tests: verify): the kernel at
+#             batch 1 / 8 and 1K / 16K / 64K in two rounds (DeepSeek-V2-Lite batch 8: level / +0.5%
+#             at 1K / 16K, measured), and batch 1 with quarters of the
 #             values for plans of few partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4, SEGKV_MLA_SHARES_LAST=1;
-#             chains of 8 steps, the halves' 16) against the default halves (about 8 minutes).
+#             chains of 8 steps, the halves' 16) against the default halves (about 4 minutes).
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
@@ -441,8 +422,7 @@ elif [ "$part" = moeblock ]; then
     --context 1024 --rows 5 --trace /tmp/step.json > /dev/null 2>&1
   python3 scripts/trace_gaps.py /tmp/step.json --kernels --by-grid --min-us 3 --rows 12 2>&1 | tee -a "$log"
 elif [ "$part" = scorechains ]; then
-  GPU_TESTS_TIMEOUT=300 gpu_tests "latent kernels with the scores' chains apart (the default)" -- \
-    tests/test_triton_mla.py -k "not test_latent_kernel_matches_the_reference or (bf16 and 16-16)"
+  # (the latent GPU tests with the default chains apart: part verify)
   for round in 1 2; do
     for chains in 1 0; do
       echo "-- latent stage 1, SEGKV_MLA_SCORE_CHAINS=$chains, round $round (ms)" | tee -a "$log"
@@ -451,7 +431,7 @@ elif [ "$part" = scorechains ]; then
         | grep -E "^\[|rror" | tee -a "$log"
     done
   done
-  e2e_alternate SEGKV_MLA_SCORE_CHAINS "1 0" --models deepseek-v2-lite --batches 8 --contexts 1K,16K
+  # (DeepSeek-V2-Lite batch 8 with the chains apart / one chain: measured, docs/benchmarks.md)
   # quarters of the values for plans of at most 33 partials: their chains are 8 steps now, the
   # halves' 16 (measured level at 1K and 2-4% slower at 16K when both were 36)
   for round in 1 2; do
@@ -459,51 +439,6 @@ elif [ "$part" = scorechains ]; then
     e2e "quarters, shares last" SEGKV_MLA_VALUE_SPLIT_AUTO=4 SEGKV_MLA_SHARES_LAST=1 -- --models deepseek-v2-lite \
       --batches 1 --contexts 1K,16K
   done
-elif [ "$part" = chains ]; then
-  GPU_TESTS_TIMEOUT=300 gpu_tests "decode products as separate chains" -- tests/test_triton_attention.py \
-    -k "separate_chains"
-  GPU_TESTS_TIMEOUT=300 gpu_tests "attention kernels and graphs with all three on" SEGKV_ATTENTION_PV_APART=1 \
-    SEGKV_ATTENTION_QK_HALVES=1 SEGKV_ATTENTION_SUM_LATE=1 -- tests/test_triton_attention.py tests/test_cuda_graphs.py \
-    -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
-  for round in 1 2; do
-    for cfg in "SEGKV_ATTENTION_PV_APART=0" "SEGKV_ATTENTION_PV_APART=1" "SEGKV_ATTENTION_QK_HALVES=1" \
-        "SEGKV_ATTENTION_SUM_LATE=1" "SEGKV_ATTENTION_PV_APART=1 SEGKV_ATTENTION_QK_HALVES=1" \
-        "SEGKV_ATTENTION_PV_APART=1 SEGKV_ATTENTION_QK_HALVES=1 SEGKV_ATTENTION_SUM_LATE=1"; do
-      echo "-- decode attention kernels, $cfg, round $round" | tee -a "$log"
-      # shellcheck disable=SC2086
-      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-8b --batches 1,4,16 \
-        --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 | attention_rows
-    done
-  done
-elif [ "$part" = chainse2e ]; then
-  for round in 1 2; do
-    e2e "one chain each" -- --models llama-3.1-8b,qwen3-8b --batches 1 --contexts 1K,16K
-    e2e "P.V and Q.K apart" SEGKV_ATTENTION_PV_APART=1 SEGKV_ATTENTION_QK_HALVES=1 -- --models llama-3.1-8b,qwen3-8b \
-      --batches 1 --contexts 1K,16K
-    e2e "P.V and Q.K apart, sums late" SEGKV_ATTENTION_PV_APART=1 SEGKV_ATTENTION_QK_HALVES=1 \
-      SEGKV_ATTENTION_SUM_LATE=1 -- --models llama-3.1-8b,qwen3-8b --batches 1 --contexts 1K,16K
-  done
-elif [ "$part" = warpsplit ]; then
-  GPU_TESTS_TIMEOUT=300 gpu_tests "attention kernels and graphs with the warp split" SEGKV_ATTENTION_WARP_SPLIT=1 -- \
-    tests/test_triton_attention.py tests/test_cuda_graphs.py \
-    -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
-  for round in 1 2; do
-    for cfg in "SEGKV_ATTENTION_WARP_SPLIT=0" "SEGKV_ATTENTION_WARP_SPLIT=1" \
-        "SEGKV_ATTENTION_WARP_SPLIT=1 SEGKV_TRITON_TRANSPOSED=0"; do
-      echo "-- decode attention kernels, $cfg, round $round" | tee -a "$log"
-      # shellcheck disable=SC2086
-      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b --batches 1,4,16 \
-        --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 | attention_rows
-    done
-  done
-  for round in 1 2; do
-    e2e "default scan" -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
-    e2e "warp split" SEGKV_ATTENTION_WARP_SPLIT=1 -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
-  done
-elif [ "$part" = latentlate ]; then
-  GPU_TESTS_TIMEOUT=240 gpu_tests "latent kernels and DeepSeek with the row sums late" SEGKV_MLA_SUM_LATE=1 -- \
-    tests/test_triton_mla.py tests/test_deepseek_parity.py -k "not test_latent_kernel_matches_the_reference or (bf16 and 16-16)"
-  deepseek_ab SEGKV_MLA_SUM_LATE
 elif [ "$part" = verify ]; then
   # after a change of defaults or a removal: the attention kernels' GPU tests (bf16 / head_dim 128 /
   # page 16 grid cases and every other test), the expert, MoE, GEMV, DeepSeek and graph tests, the
@@ -591,7 +526,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (warpsplit, latentlate, chains, chainse2e, scorechains, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (scorechains, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done

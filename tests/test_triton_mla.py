@@ -132,30 +132,28 @@ def test_value_split_matches_the_reference(route, dtype, page_size, heads, gen, 
                                         page_size=page_size, max_work_rows=1, element_size=2)
 
 
-@pytest.mark.parametrize("route,shares_last,chains_apart,sum_late",
-                         [("split", False, False, False), ("split", True, False, False), ("cascade", True, False, False),
-                          ("split", False, True, False), ("split", False, True, True)]
-                         + ([("single", False, False, False), ("single", True, False, False),
-                             ("single", False, True, False), ("single", True, True, True)] if GPU else []))
-def test_adaptive_value_shares_match_the_reference(route, shares_last, chains_apart, sum_late, gen, monkeypatch):
+@pytest.mark.parametrize("route,shares_last,chains_apart",
+                         [("split", False, False), ("split", True, False), ("cascade", True, False),
+                          ("split", False, True)]
+                         + ([("single", False, False), ("single", True, False), ("single", False, True)]
+                            if GPU else []))
+def test_adaptive_value_shares_match_the_reference(route, shares_last, chains_apart, gen, monkeypatch):
     """``SEGKV_MLA_VALUE_SPLIT_AUTO=4``: four programs per pair block take a quarter of the values
     each when the plan has at most a quarter of ``SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS`` partials,
     two take a half with at most that many, else the first takes all (the others exit before
     the wait); each gives the reference's results, fully masked rows included, with the shares
-    as neighbours in the grid or as its third dimension (``SEGKV_MLA_SHARES_LAST``), with the
-    scores' pieces summed apart (``SEGKV_MLA_SCORE_CHAINS``) and with the row sums kept out of the
-    loop (``SEGKV_MLA_SUM_LATE``)."""
+    as neighbours in the grid or as its third dimension (``SEGKV_MLA_SHARES_LAST``), and with the
+    scores' pieces summed apart (``SEGKV_MLA_SCORE_CHAINS``)."""
     from segkv.kernels import mla_attention
 
     monkeypatch.delenv("SEGKV_MLA_VALUE_SPLIT", raising=False)
     monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT_AUTO", "4")
     monkeypatch.setenv("SEGKV_MLA_SHARES_LAST", "1" if shares_last else "0")
     monkeypatch.setattr(mla_attention, "SCORE_CHAINS_APART", chains_apart)
-    monkeypatch.setattr(mla_attention, "SUM_LATE", sum_late)
     meta = mla_attention.mla_stage1_launch(dtype=torch.bfloat16, rank=RANK, rope=ROPE, num_heads=4, page_size=16,
                                            max_work_rows=1, element_size=2, num_rows=1)
-    assert (meta["VALUE_SPLIT"], meta["ADAPTIVE"], meta["SHARES_LAST"], meta["CHAINS_APART"], meta["SUM_LATE"]) == (
-        4, True, shares_last, chains_apart, sum_late)
+    assert (meta["VALUE_SPLIT"], meta["ADAPTIVE"], meta["SHARES_LAST"], meta["CHAINS_APART"]) == (
+        4, True, shares_last, chains_apart)
     heads = 4
     cache, _, (q0, q1, _) = latent_batch(gen, dtype=torch.bfloat16, page_size=16, rows=1)
     queries = [q0, SequenceQuery(q1.spans, 1, query_start=-1), SequenceQuery((), 1)]  # masked, empty

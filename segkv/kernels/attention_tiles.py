@@ -49,17 +49,6 @@ def next_tile_pages(t, slot, PAGES: tl.constexpr, SUB: tl.constexpr):
 
 
 @triton.jit
-def tile_kv_bases(t, row_in_page, k_base, v_base, stride_kn, stride_vn, SUB: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Tile ``t``'s rows within its page and its K / V address bases (``row_in_page``, ``k_base``,
-    ``v_base``: those of a tile starting a page); with pages of ``SUB`` tiles the tile starts
-    ``(t % SUB) * BLOCK_N`` rows into its page."""
-    if SUB > 1:
-        sub_rows = (t % SUB) * BLOCK_N
-        return row_in_page + sub_rows, k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn
-    return row_in_page, k_base, v_base
-
-
-@triton.jit
 def load_kv(k_base, v_base, page, stride_kp, stride_vp, in_page, dk_ok, dv_ok):
     """The K and V tiles ``(BLOCK_N, D)`` of one block of pages (0 outside valid rows)."""
     k = tl.load(k_base + (page * stride_kp)[:, None], mask=in_page[:, None] & dk_ok[None, :], other=0.0)
@@ -68,26 +57,11 @@ def load_kv(k_base, v_base, page, stride_kp, stride_vp, in_page, dk_ok, dv_ok):
 
 
 @triton.jit
-def add_apart(x, y, APART: tl.constexpr):
-    """``x + y`` for float32 tensors. ``APART``: as ``fma(x, 1, y)``, the same float32 sum
-    (``x * 1`` is exact, so it rounds once as the add does), which Triton's combine pass does not
-    fold into a product's accumulator: products summed this way stay independent MMA chains."""
-    if APART:
-        return tl.fma(x, 1.0, y)
-    return x + y
-
-
-@triton.jit
-def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc, EXACT_FP32: tl.constexpr,
-                        PV_APART: tl.constexpr = False, SUM_LATE: tl.constexpr = False):
+def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc, EXACT_FP32: tl.constexpr):
     """One block of the online softmax: raw scores ``s (M, N)`` float32 of the keys at positions
     ``kpos (N,)``, masked causally against ``offset (M,)`` and to valid rows; ``v (N, D)`` the
     block's values. Returns the updated running max, sum and float32 accumulator ``(M, D)``.
-    A fully masked row keeps max -inf and adds nothing (no NaN). ``PV_APART``: P's low half
-    times V is its own MMA chain, added after (:func:`add_apart`), instead of continuing the high
-    half's (one more ``(M, D)`` float32 product in registers). ``SUM_LATE``: ``l_i`` is ``(M, N)``,
-    each key column's running sum, summed over the columns after the last block (no reduction
-    across the warps, and its barrier, in every block)."""
+    A fully masked row keeps max -inf and adds nothing (no NaN)."""
     s = s * scale
     visible = (kpos[None, :] <= offset[:, None]) & in_page[None, :] & valid[:, None]
     s = tl.where(visible, s, float("-inf"))
@@ -95,10 +69,7 @@ def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
-    if SUM_LATE:
-        l_i = l_i * alpha[:, None] + p
-    else:
-        l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     # the products accumulate into acc itself: a separate (M, D) float32 result per dot would
     # triple the accumulator registers (255 with spills for 64 x 128 and 16 x 512 tiles)
@@ -107,10 +78,7 @@ def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc
     else:  # P split exactly into two half-precision parts: about 16 bits of P, float32 sums
         p_hi = p.to(v.dtype)
         p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-        if PV_APART:
-            acc = add_apart(tl.dot(p_lo, v), tl.dot(p_hi, v, acc), True)
-        else:
-            acc = tl.dot(p_lo, v, tl.dot(p_hi, v, acc))
+        acc = tl.dot(p_lo, v, tl.dot(p_hi, v, acc))
     return m_new, l_i, acc
 
 
@@ -121,8 +89,7 @@ def online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v, 
     values ``v (N, D)``, accumulator ``acc_t (D, M) += v^T p_t``. With a few (row, head) pairs
     per program (M = 16) the tile's rows fill a Hopper warpgroup MMA's M and both operands stay in
     shared memory; the query is not copied into every warp's registers each tile. The same float32
-    arithmetic (P split into two half-precision parts). (The two parts' products stay one chain:
-    Triton waits for each warpgroup MMA as soon as it is issued, so apart they would not overlap.)"""
+    arithmetic (P split into two half-precision parts)."""
     s = s_t * scale
     visible = (kpos[:, None] <= offset[None, :]) & in_page[:, None] & valid[None, :]
     s = tl.where(visible, s, float("-inf"))

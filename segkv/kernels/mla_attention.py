@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.attention_tiles import (
-    add_apart,
     next_tile_pages,
     online_softmax_step,
     page_index,
@@ -49,6 +48,17 @@ def _latent_scores(q, c, EXACT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _add_scores(x, y, APART: tl.constexpr):
+    """``x + y`` for float32 score pieces. ``APART``: as ``fma(x, 1, y)``, the same float32 sum
+    (``x * 1`` is exact, so it rounds once as the add does), which Triton's combine pass does not
+    fold into a product's accumulator: products summed this way stay independent MMA chains
+    instead of one chain through every column of the scores."""
+    if APART:
+        return tl.fma(x, 1.0, y)
+    return x + y
+
+
+@triton.jit
 def _latent_cols(tile, offs, in_page, RANK: tl.constexpr):
     """Columns ``offs`` of a latent tile's valid rows (0 elsewhere)."""
     return tl.load(tile + offs[None, :], mask=in_page[:, None] & (offs < RANK)[None, :], other=0.0)
@@ -61,14 +71,12 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
                   rows_next, start_next, vb,
                   RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_ROPE: tl.constexpr,
                   BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  EXACT_FP32: tl.constexpr, PARTS: tl.constexpr, CHAINS_APART: tl.constexpr,
-                  SUM_LATE: tl.constexpr):
+                  EXACT_FP32: tl.constexpr, PARTS: tl.constexpr, CHAINS_APART: tl.constexpr):
     """A program's scan of its work item's latent rows and the store of its pairs' partials: the
     values' ``BLOCK_V`` columns from ``vb * BLOCK_V``, one of ``PARTS`` (1, 2 or 4) shares (with
     more than one the scores also take the other shares' columns, after its own, and only program
     ``vb == 0`` stores the LSE). ``CHAINS_APART``: the scores' pieces (the own share's columns,
-    the RoPE columns, each other share's) are separate MMA chains, added (``attention_tiles.add_apart``).
-    ``SUM_LATE``: the softmax's row sums kept per latent row until the scan ends."""
+    the RoPE columns, each other share's) are separate MMA chains, added (:func:`_add_scores`)."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     offs_n = tl.arange(0, BLOCK_N)
@@ -90,10 +98,7 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
         q_2 = tl.load(q_base + offs_2[None, :], mask=valid[:, None] & (offs_2 < RANK)[None, :], other=0.0)
         q_3 = tl.load(q_base + offs_3[None, :], mask=valid[:, None] & (offs_3 < RANK)[None, :], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    if SUM_LATE:
-        l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    else:
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
     row_base = LAT + (row_in_page * stride_ln)[:, None]
     t0, t1 = tile_range(pg0, pg1, SUB)
@@ -112,20 +117,18 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
             tile = row_base + (page * stride_lp)[:, None]
         c = tl.load(tile + offs_v[None, :], mask=in_page[:, None] & v_ok[None, :], other=0.0)
         k_rope = tl.load(tile + RANK + offs_e[None, :], mask=in_page[:, None] & e_ok[None, :], other=0.0)
-        s = add_apart(_latent_scores(q_lat, c, EXACT_FP32), _latent_scores(q_rope, k_rope, EXACT_FP32),
+        s = _add_scores(_latent_scores(q_lat, c, EXACT_FP32), _latent_scores(q_rope, k_rope, EXACT_FP32),
                         CHAINS_APART)
         if PARTS > 1:
-            s = add_apart(s, _latent_scores(q_1, _latent_cols(tile, offs_1, in_page, RANK), EXACT_FP32),
+            s = _add_scores(s, _latent_scores(q_1, _latent_cols(tile, offs_1, in_page, RANK), EXACT_FP32),
                             CHAINS_APART)
         if PARTS == 4:
-            s = add_apart(s, _latent_scores(q_2, _latent_cols(tile, offs_2, in_page, RANK), EXACT_FP32),
+            s = _add_scores(s, _latent_scores(q_2, _latent_cols(tile, offs_2, in_page, RANK), EXACT_FP32),
                             CHAINS_APART)
-            s = add_apart(s, _latent_scores(q_3, _latent_cols(tile, offs_3, in_page, RANK), EXACT_FP32),
+            s = _add_scores(s, _latent_scores(q_3, _latent_cols(tile, offs_3, in_page, RANK), EXACT_FP32),
                             CHAINS_APART)
         m_i, l_i, acc = online_softmax_step(s, scale, key_start + row_cur, offset, in_page, valid, c, m_i,
-                                            l_i, acc, EXACT_FP32, False, SUM_LATE)
-    if SUM_LATE:
-        l_i = tl.sum(l_i, 1)
+                                            l_i, acc, EXACT_FP32)
     # shares: the first program stores the LSE (the others' float32 scores summed their own share
     # first, so they may differ in the last bit); a vector mask, as the interpreter refuses a
     # vector & scalar one
@@ -144,7 +147,7 @@ def _mla_stage1_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr = False, VALUE_SPLIT: tl.constexpr = 1, ADAPTIVE: tl.constexpr = False,
-    SHARES_LAST: tl.constexpr = False, CHAINS_APART: tl.constexpr = False, SUM_LATE: tl.constexpr = False,
+    SHARES_LAST: tl.constexpr = False, CHAINS_APART: tl.constexpr = False,
 ):
     """One program: ``BLOCK_M`` (query row, head) pairs of one work item, scanning its piece
     ``BLOCK_N`` latent rows at a time with an online softmax in float32 (:func:`_latent_pairs`).
@@ -158,7 +161,7 @@ def _mla_stage1_kernel(
     ``SHARES_LAST``: the shares are the grid's third dimension (every work item's first programs
     launch before any second one, so programs without a share exit at the launch's tail) instead
     of neighbours in the first. ``CHAINS_APART``: the scores' pieces as independent MMA chains
-    (:data:`SCORE_CHAINS_APART`). ``SUM_LATE``: the row sums out of the loop (:data:`SUM_LATE`)."""
+    (:data:`SCORE_CHAINS_APART`)."""
     if SHARES_LAST:
         mb = tl.program_id(0)
         vb = tl.program_id(2)
@@ -200,19 +203,19 @@ def _mla_stage1_kernel(
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 4, BLOCK_ROPE, BLOCK_M,
-                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 4, CHAINS_APART, SUM_LATE)
+                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 4, CHAINS_APART)
     elif halves:
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 2, BLOCK_ROPE, BLOCK_M,
-                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 2, CHAINS_APART, SUM_LATE)
+                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 2, CHAINS_APART)
     else:  # one program, all the values
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, 0, RANK, ROPE, BLOCK_R, BLOCK_ROPE, BLOCK_M,
-                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 1, CHAINS_APART, SUM_LATE)
+                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 1, CHAINS_APART)
 
 
 MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulator fits in registers
@@ -224,11 +227,6 @@ MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulat
 # chain is the own share's 16. H200, DeepSeek-V2-Lite batch 1: 521-522 / 453 tok/s at 1K / 16K
 # against 518-519 / 445-449 with one chain.
 SCORE_CHAINS_APART = env_int("SEGKV_MLA_SCORE_CHAINS", 1) == 1
-# The softmax's row sums kept per latent row of the tile ((16, 32) float32, 4 more registers a
-# thread) and summed once after the scan (SEGKV_MLA_SUM_LATE=1; 0 until measured on the GPU): the
-# 32 rows are split over the 4 warps, so each tile's row sum was a reduction across the warps
-# through shared memory, with a barrier (as paged_attention.SUM_LATE for the GQA programs).
-SUM_LATE = env_int("SEGKV_MLA_SUM_LATE", 0) == 1
 
 
 def default_mla_launch_config() -> LaunchConfig:
@@ -305,7 +303,7 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
         num_warps=launch.num_warps, VALUE_SPLIT=value_split,
         # forced 2 and the automatic split follow the plan; forced 4 quarters whatever the plan
         ADAPTIVE=value_split > 1 and (launch.value_split == 2 or launch.value_split == 0),
-        SHARES_LAST=launch.shares_last, CHAINS_APART=SCORE_CHAINS_APART, SUM_LATE=SUM_LATE,
+        SHARES_LAST=launch.shares_last, CHAINS_APART=SCORE_CHAINS_APART,
         **maxnreg_option(launch),
         num_stages=stages_that_fit(launch.num_stages, block_n * (rank + rope) * element_size),
     )

@@ -160,7 +160,7 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
 
 
 # case keys of compile_stage1 that force a stage-1 switch: the constexpr each sets
-_SWITCHES = {"pv_apart": "PV_APART", "qk_halves": "QK_HALVES", "sum_late": "SUM_LATE", "score_chains": "CHAINS_APART"}
+_SWITCHES = {"score_chains": "CHAINS_APART"}
 
 
 def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
@@ -170,10 +170,7 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     "heads": int (latent, default 16), "rank" / "rope": int (latent, default 512 / 64),
     "one_query": bool (latent, default False: the launch of a batch of one query row, whose value
     split is chosen per plan), "score_chains": bool (latent, default: the launcher's
-    ``SEGKV_MLA_SCORE_CHAINS``), "pv_apart" / "qk_halves": bool (gqa, default: the launcher's
-    ``SEGKV_ATTENTION_PV_APART`` / ``_QK_HALVES``), "sum_late": bool (default: the launcher's
-    ``SEGKV_ATTENTION_SUM_LATE`` / ``SEGKV_MLA_SUM_LATE``), "warp_split": bool (gqa, default: the
-    launcher's ``SEGKV_ATTENTION_WARP_SPLIT``), "value_split": int (latent,
+    ``SEGKV_MLA_SCORE_CHAINS``), "value_split": int (latent,
     default: the launcher's), "assemble": bool (default False), "pdl": bool (default False: the
     programmatic-dependent-launch variant)}``. ``launch``: a ``paged_attention.LaunchConfig``
     (default: the launcher's). Returns the compiled kernel and the launch constants used."""
@@ -191,8 +188,6 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
                                              page_size=case["page_size"], max_work_rows=case["rows"],
                                              element_size=element, launch=launch)
         fn, pointers = paged_attention._stage1_kernel, {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", **common}
-        if case.get("warp_split"):
-            meta["WARP_PARTS"] = meta["num_warps"]
     else:
         if "value_split" in case:
             launch = dataclasses.replace(launch or mla_attention.default_mla_launch_config(),

@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.attention_tiles import (
-    add_apart,
     load_kv,
     next_tile_pages,
     online_softmax_step,
@@ -25,14 +24,12 @@ from segkv.kernels.attention_tiles import (
     pair_reads,
     plan_reads,
     store_partials,
-    tile_kv_bases,
     tile_range,
     tile_rows_in_page,
 )
 from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
 from segkv.kernels.stage1_merge import merge_group_if_last, merge_if_last, zero_empty_rows
-from segkv.kernels.warp_split_scan import scan_warp_split
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -49,8 +46,7 @@ def _stage1_kernel(
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
-    MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False, PV_APART: tl.constexpr = False,
-    QK_HALVES: tl.constexpr = False, SUM_LATE: tl.constexpr = False, WARP_PARTS: tl.constexpr = 0,
+    MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -65,15 +61,7 @@ def _stage1_kernel(
     between launches) and the first work item's programs zero the rows without partials: no
     merge launch. ``TRANSPOSED``: the K/V tile as the tall operand (scores ``(BLOCK_N, BLOCK_M)``,
     accumulator ``(BLOCK_DV, BLOCK_M)``, :func:`online_softmax_step_transposed`). ``PLAN_EARLY``
-    (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait.
-    ``PV_APART`` (row-major programs): P's two half-precision parts times V as separate MMA
-    chains (:data:`PV_APART`).
-    ``QK_HALVES`` (row-major programs): the scores as two products over the halves of the head's
-    columns, separate MMA chains added after (:data:`QK_HALVES`); K is loaded a half at a time.
-    ``SUM_LATE`` (row-major programs): the softmax's row sums kept per key column and summed
-    after the scan (:data:`SUM_LATE`). ``WARP_PARTS > 0`` (row-major programs): each tile split
-    into that many parts, one per warp, each with its own online softmax, merged after the scan
-    (``warp_split_scan``, :data:`WARP_SPLIT`)."""
+    (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
@@ -101,83 +89,61 @@ def _stage1_kernel(
     if not PLAN_EARLY:
         valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, kvh * GROUP, GROUP, partial_row,
                                                         partial_offset, BLOCK_M)
-    HALF_DK: tl.constexpr = BLOCK_DK // 2
-    if QK_HALVES:  # q and K: the first half of the head's columns (the second at + HALF_DK)
-        offs_dk = tl.arange(0, HALF_DK)
-    else:
-        offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     dk_ok = offs_dk < DK
     dv_ok = offs_dv < DV
     q = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + offs_dk[None, :],
                 mask=valid[:, None] & dk_ok[None, :], other=0.0)
-    if QK_HALVES:
-        dk_ok_b = HALF_DK + offs_dk < DK
-        q_b = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + HALF_DK + offs_dk[None, :],
-                      mask=valid[:, None] & dk_ok_b[None, :], other=0.0)
     if not PLAN_EARLY:  # the page range after the query: with every page read first (plan_reads) the 70B
         # shape's transposed programs were 3.5% slower at batch 4 and 16 (H200)
         pg0 = tl.load(work_pages + 2 * w)
         pg1 = tl.load(work_pages + 2 * w + 1)
 
-    if WARP_PARTS > 0:  # each warp its own part of every tile and its own online softmax
-        m_i, l_i, acc = scan_warp_split(q, K + kvh * stride_kh, V + kvh * stride_vh, stride_kp, stride_kn, stride_vp,
-                                        stride_vn, page_table, page_rows, page_key_start, pg0, pg1, offset, valid,
-                                        scale, DK, DV, BLOCK_M, BLOCK_DK, BLOCK_DV, BLOCK_N, PAGE_SIZE, WARP_PARTS,
-                                        EXACT_FP32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if TRANSPOSED:
+        acc = tl.zeros([BLOCK_DV, BLOCK_M], tl.float32)
     else:
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        if SUM_LATE:
-            l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    slot = offs_n // PAGE_SIZE
+    row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
+    # loop-invariant parts of the K/V addresses: this KV head, the row within its page
+    k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
+    v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
+    if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
+        page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
+    t0, t1 = tile_range(pg0, pg1, SUB)
+    for t in range(t0, t1, PAGES):
+        page_cur, rows_cur, kst_cur = page, rows, kst
+        page, rows, kst = page_index(page_table, page_rows, page_key_start, next_tile_pages(t, slot, PAGES, SUB), pg1)
+        if SUB > 1:  # this tile's rows of a longer page
+            sub_rows = (t % SUB) * BLOCK_N
+            row_cur = row_in_page + sub_rows
+            k_cur, v_cur = load_kv(k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn, page_cur,
+                                    stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
         else:
-            l_i = tl.zeros([BLOCK_M], tl.float32)
+            row_cur = row_in_page
+            k_cur, v_cur = load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
+        in_page = row_cur < rows_cur
+        kpos = kst_cur + row_cur
         if TRANSPOSED:
-            acc = tl.zeros([BLOCK_DV, BLOCK_M], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        offs_n = tl.arange(0, BLOCK_N)
-        slot = offs_n // PAGE_SIZE
-        row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
-        # loop-invariant parts of the K/V addresses: this KV head, the row within its page
-        k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
-        v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
-        if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
-            page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
-        t0, t1 = tile_range(pg0, pg1, SUB)
-        for t in range(t0, t1, PAGES):
-            page_cur, rows_cur, kst_cur = page, rows, kst
-            page, rows, kst = page_index(page_table, page_rows, page_key_start, next_tile_pages(t, slot, PAGES, SUB),
-                                         pg1)
-            row_cur, k_tile, v_tile = tile_kv_bases(t, row_in_page, k_base, v_base, stride_kn, stride_vn, SUB, BLOCK_N)
-            in_page = row_cur < rows_cur
-            k_cur, v_cur = load_kv(k_tile, v_tile, page_cur, stride_kp, stride_vp, in_page, dk_ok, dv_ok)
-            if QK_HALVES:  # the head's second half of K's columns
-                k_b = tl.load(k_tile + HALF_DK + (page_cur * stride_kp)[:, None],
-                              mask=in_page[:, None] & dk_ok_b[None, :], other=0.0)
-            kpos = kst_cur + row_cur
-            if TRANSPOSED:
-                if EXACT_FP32:
-                    s_t = tl.dot(k_cur.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
-                else:
-                    s_t = tl.dot(k_cur, tl.trans(q))
-                m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v_cur, m_i,
-                                                               l_i, acc, EXACT_FP32)
+            if EXACT_FP32:
+                s_t = tl.dot(k_cur.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
             else:
-                if EXACT_FP32:
-                    s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
-                    if QK_HALVES:
-                        s = add_apart(s, tl.dot(q_b.to(tl.float32), tl.trans(k_b.to(tl.float32)),
-                                                input_precision="ieee"), True)
-                else:
-                    s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
-                    if QK_HALVES:
-                        s = add_apart(s, tl.dot(q_b, tl.trans(k_b)), True)
-                m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i, acc,
-                                                    EXACT_FP32, PV_APART, SUM_LATE)
+                s_t = tl.dot(k_cur, tl.trans(q))
+            m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i,
+                                                           acc, EXACT_FP32)
+        else:
+            if EXACT_FP32:
+                s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
+            m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i, acc,
+                                                EXACT_FP32)
     if TRANSPOSED:
         acc = tl.trans(acc)
-    if SUM_LATE:
-        l_i = tl.sum(l_i, 1)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
                    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, valid)
     if MERGE > 8 or (MERGE > 0 and MERGE_CHUNKED):
@@ -412,13 +378,6 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
     block_n = tile_rows(launch, page_size)
     transposed = block_m <= 16 and 0 < launch.transposed_min_pairs <= max_work_rows * group
-    warps = launch.tall_warps if block_m >= 64 else launch.num_warps
-    row_major_decode = block_m <= 16 and not transposed
-    # float32 inputs keep the default scan on the GPU: Triton compiles their batched IEEE products
-    # without MMA instructions (20 KB of spills offline); the interpreter runs them all the same
-    batched_mma = dtype != torch.float32 or _INTERPRET
-    warp_parts = warps if WARP_SPLIT and row_major_decode and block_n // warps >= 16 and batched_mma else 0
-    default_scan = row_major_decode and not warp_parts  # the switches below change the default scan
     return dict(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
@@ -426,10 +385,8 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
         MERGE=0, TRANSPOSED=transposed, PLAN_EARLY=PLAN_EARLY == 2 or (PLAN_EARLY == 1 and block_m <= 16 and not transposed),
         MERGE_LANES=min(triton.next_power_of_2(group), block_m),
-        MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED, PV_APART=PV_APART and default_scan,
-        QK_HALVES=QK_HALVES and default_scan and dk >= 32, SUM_LATE=SUM_LATE and default_scan,
-        WARP_PARTS=warp_parts,
-        num_warps=warps,
+        MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED,
+        num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size), **maxnreg_option(launch),
     )
 
@@ -463,30 +420,6 @@ ATTENTION_PDL = env_int("SEGKV_ATTENTION_PDL", 1) == 1
 PLAN_EARLY = env_int("SEGKV_ATTENTION_PLAN_EARLY", 1)
 if PLAN_EARLY not in (0, 1, 2):
     raise ValueError(f"SEGKV_ATTENTION_PLAN_EARLY must be 0, 1 or 2, got {PLAN_EARLY}")
-# Row-major decode programs (at most 16 pairs, mma.sync) multiply P's two half-precision parts by
-# V as separate MMA chains, added after (SEGKV_ATTENTION_PV_APART=1; 0, one chain, until measured
-# on the GPU): the longest P.V chain of a 64-row tile goes from 8 MMA steps to 4, with the same
-# registers offline (Triton 3.6, sm_90a: 189-192 at 4 pairs, 245 at pages of 128). A decode
-# program's few warps per scheduler cannot hide a chain's latency (Nsight Compute: "wait", MMA
-# results, the first stall of every stage-1 kernel; a 64-row tile takes about 1.4 us whatever
-# the pipeline depth). Not the transposed programs: Triton waits for each warpgroup MMA at once,
-# so separate products would not overlap there.
-PV_APART = env_int("SEGKV_ATTENTION_PV_APART", 0) == 1
-# The same for the row-major decode programs' scores (SEGKV_ATTENTION_QK_HALVES=1; 0 until
-# measured): two products over the halves of the head's columns, K loaded a half at a time; the
-# scores' chain of a 128-wide head goes from 8 MMA steps to 4.
-QK_HALVES = env_int("SEGKV_ATTENTION_QK_HALVES", 0) == 1
-# The same programs keep the softmax's row sums per key column ((pairs, BLOCK_N) float32, 8 more
-# registers a thread at 16 x 64) and sum them once after the scan (SEGKV_ATTENTION_SUM_LATE=1; 0
-# until measured): with the pairs' rows split over the warps by key columns, every tile's row sum
-# was a reduction across the warps through shared memory, with a barrier.
-SUM_LATE = env_int("SEGKV_ATTENTION_SUM_LATE", 0) == 1
-# The same programs with each tile's rows split between their warps, each warp keeping its own
-# online softmax over its rows of every tile, merged once after the scan
-# (SEGKV_ATTENTION_WARP_SPLIT=1; 0 until measured on the GPU; kernels.warp_split_scan): no
-# reduction across the warps and no shared-memory gather of P in the tiles, for a whole
-# (pairs, head_dim) float32 accumulator in every warp. The other three switches then do nothing.
-WARP_SPLIT = env_int("SEGKV_ATTENTION_WARP_SPLIT", 0) == 1
 # When the merge lets the next kernel (the o GEMV) launch (SEGKV_MERGE_TRIGGER): 1, right after its
 # wait for stage 1, the default; 2, when it ends: measured level with Llama-3.1-8B at batch 1 (226
 # / 203-204 tok/s against 226-227 / 203); 0, at once, so the o GEMV's programs load their weights
