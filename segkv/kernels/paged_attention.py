@@ -423,7 +423,8 @@ if PLAN_EARLY not in (0, 1, 2):
 # When the merge lets the next kernel (the o GEMV) launch (SEGKV_MERGE_TRIGGER): 1, right after its
 # wait for stage 1, the default; 2, when it ends: measured level with Llama-3.1-8B at batch 1 (226
 # / 203-204 tok/s against 226-227 / 203); 0, at once, so the o GEMV's programs load their weights
-# while stage 1 runs (as after a merge inside stage 1): not yet measured.
+# while stage 1 runs (as after a merge inside stage 1): 3% slower at 1K, level at 16K (their weight
+# loads compete with stage 1's K/V reads, and they hold slots the merge's programs wait for).
 MERGE_TRIGGER = env_int("SEGKV_MERGE_TRIGGER", 1)
 if MERGE_TRIGGER not in (0, 1, 2):
     raise ValueError(f"SEGKV_MERGE_TRIGGER must be 0, 1 or 2, got {MERGE_TRIGGER}")
