@@ -28,7 +28,8 @@ CUDA_LATENT_MERGE_ROWS_PER_PARTITION = 1
 # What a GQA merge launch costs, in KV rows, when stage 1 cannot merge a decode plan's rows itself
 # (more partials per row than it merges). 0: not costed. At batch 1 and 1K the merge launch takes
 # about 5.5 us a layer after stage 1 (Llama-3.1-8B on the H200), while 8 partitions of 128 rows would
-# merge inside stage 1. SEGKV_CUDA_MERGE_LAUNCH_ROWS; 0 until measured (gpu_experiments.sh short).
+# merge inside stage 1. SEGKV_CUDA_MERGE_LAUNCH_ROWS; 0: costing it at 256 or 512 rows measured
+# slower on the H200 (Llama-3.1-8B batch 1 at 1K 217 against 226 tok/s; docs/benchmarks.md).
 CUDA_MERGE_LAUNCH_ROWS = 0
 # Float32 split partials (output + LSE) a plan may need; the Triton backend keeps one buffer of
 # this size, so a long history adds no per-step workspace (see DeviceSpec.max_partial_bytes).

@@ -470,7 +470,8 @@ def attention_outputs(query, dv: int, num_partials: int, out_dtype, poison: bool
 # reads all of a row's partials at once is faster. 8 against 4 (H200): 8 segments at batch 16
 # 2% faster on the 70B shape, batch 4 within -1% .. +1.5%.
 # From 16 partials the last program merges its query row's heads a chunk of partials at a time
-# (merge_group_if_last; 16-64 not yet measured with it: the whole-row version at 16 lost 1%).
+# (merge_group_if_last): a bound of 64 measured slower on the H200 (Llama-3.1-8B batch 1 220 / 195
+# against 226-227 / 203 tok/s at 1K / 16K; docs/benchmarks.md), so 8 stays.
 MERGE_IN_STAGE1_MAX_PARTIALS = env_int("SEGKV_MERGE_IN_STAGE1_MAX", 8)
 # SEGKV_MERGE_IN_STAGE1_CHUNKED=1: the chunked merge for rows of 2-8 partials too (offline, sm_90a,
 # head_dim 128: 168 registers at 4 heads per KV head against the whole-row merge's 232)
