@@ -165,6 +165,9 @@ def test_errors_are_openai_bodies_with_4xx_statuses(server, client):
     with pytest.raises(openai.BadRequestError) as err:  # streaming: rejected before the stream starts
         client.completions.create(model=MODEL, prompt=[1] * (llm.max_model_len + 5), stream=True)
     assert "maximum context length" in err.value.body["message"]
+    for n in (0, 129):  # samples per prompt: 1 to 128, as OpenAI allows
+        response = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x", "n": n})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "n", response.text
     for body in ({"model": MODEL}, {"model": MODEL, "prompt": "x", "n": "many"},
                  {"model": MODEL, "prompt": [10 ** 9]}, {"model": MODEL, "messages": []}):
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
@@ -200,6 +203,24 @@ def test_client_disconnect_aborts_the_stream(server):
     assert health["running"] == 0 and health["waiting"] == 0
     assert metric(base, "vllm:e2e_request_latency_seconds_count") == finished_before  # aborted, not finished
     assert metric(base, "segkv:pages_in_use") == pages_before  # its pages went back to the pool
+
+
+def test_a_non_streaming_request_is_aborted_when_its_client_leaves(server):
+    """A client that gives up on a non-streaming answer (here: a read timeout) frees the engine:
+    the request's sequences stop within a poll period, its pages go back, and nothing counts as
+    finished."""
+    llm, base = server
+    body = {"model": MODEL, "prompt": "pages " * 10, "n": 8, "max_tokens": 480, "ignore_eos": True}
+    finished_before = metric(base, "vllm:e2e_request_latency_seconds_count")
+    pages_before = metric(base, "segkv:pages_in_use")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    deadline = time.monotonic() + 5
+    while metric(base, "vllm:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the request kept running after the client left"
+        time.sleep(0.05)
+    assert metric(base, "vllm:e2e_request_latency_seconds_count") == finished_before  # aborted, not finished
+    assert metric(base, "segkv:pages_in_use") == pages_before
 
 
 def test_logprobs_n_and_several_prompts(server, client):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -86,6 +87,26 @@ def test_streamed_turn_and_errors(server):
     assert http.post("/v1/sessions/load", json={"name": "missing"}).status_code == 404
     assert http.delete(f"/v1/sessions/{sid}").status_code == 200
     assert http.delete(f"/v1/sessions/{sid}").status_code == 404
+
+
+def test_a_turn_whose_client_leaves_is_aborted_and_not_recorded(server):
+    """A non-streaming turn whose client gives up (a read timeout) stops within a poll period:
+    no turn is recorded, its pages go back, and the session takes the next turn."""
+    llm, http = server
+    sid = http.post("/v1/sessions", json={}).json()["id"]
+    pages_before = llm.cache.pool.pages_in_use
+    long_turn = {"content": "hi", "max_tokens": llm.max_model_len - 64, "temperature": 0, "ignore_eos": True}
+    url = f"{str(http.base_url).rstrip('/')}/v1/sessions/{sid}/turns"
+    with pytest.raises(httpx.ReadTimeout):  # a client of its own, whose connection closes as it gives up
+        httpx.post(url, json=long_turn, timeout=httpx.Timeout(30, read=0.1))
+    deadline = time.monotonic() + 5
+    while http.get("/health").json()["running"] != 0:
+        assert time.monotonic() < deadline, "the turn kept running after the client left"
+        time.sleep(0.05)
+    assert http.get(f"/v1/sessions/{sid}").json()["turns"] == 0
+    assert llm.cache.pool.pages_in_use == pages_before
+    reply = http.post(f"/v1/sessions/{sid}/turns", json={"content": "again", **TURN}).json()
+    assert reply["turns"] == 1 and reply["finish_reason"] == "length"
 
 
 def test_dashboard_is_served_with_sessions(server):

@@ -19,6 +19,7 @@ from segkv.engine import AsyncEngine, QueueFullError, SessionStore, StreamUpdate
 from segkv.outputs import RequestOutput
 from segkv.sampling_params import SamplingParams
 from segkv.server.dashboard import dashboard_router
+from segkv.server.disconnect import ClientGone, unless_client_leaves
 from segkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from segkv.server.sessions_api import sessions_router
 from segkv.server.protocol import (ChatCompletionRequest, CompletionRequest, Usage, chat_logprobs,
@@ -116,6 +117,11 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body, status_code=exc.status)
 
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, exc: ClientGone) -> JSONResponse:
+        # nobody reads it; 499 ("client closed request") keeps it apart from errors in logs
+        return JSONResponse(error_body(str(exc), "client_closed_request"), status_code=499)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
@@ -205,7 +211,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
         prompt = req.prompt
         if isinstance(prompt, str):
@@ -233,14 +239,14 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
             return StreamingResponse(stream_chunks(streams, chunk, n, usage=req.include_usage),
                                      media_type="text/event-stream",
                                      background=BackgroundTask(streams.aclose))
-        finals = await collect(streams, len(prompts))
+        finals = await unless_client_leaves(request, collect(streams, len(prompts)))
         choices = [{"index": i * n + out.index, "text": out.text, "finish_reason": finish_reason(out),
                     "logprobs": completion_logprobs(out, 0, token_text, 0)}
                    for i, final in enumerate(finals) for out in final.outputs]
         return {**base, "choices": choices, "usage": Usage.of(finals).model_dump()}
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest):
+    async def chat(req: ChatCompletionRequest, request: Request):
         check_model(req.model)
         try:
             ids = tokenizer.encode_chat([m.plain() for m in req.messages], add_generation_prompt=True)
@@ -269,7 +275,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
             return StreamingResponse(stream_chunks(streams, chunk, n, first=n, usage=req.include_usage),
                                      media_type="text/event-stream",
                                      background=BackgroundTask(streams.aclose))
-        (final,) = await collect(streams, 1)
+        (final,) = await unless_client_leaves(request, collect(streams, 1))
         choices = [{"index": out.index, "message": {"role": "assistant", "content": out.text},
                     "finish_reason": finish_reason(out), "logprobs": chat_logprobs(out, 0, token_text)}
                    for out in final.outputs]

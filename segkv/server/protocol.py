@@ -10,6 +10,9 @@ from segkv.outputs import CompletionOutput, RequestOutput
 from segkv.sampling_params import SamplingParams
 
 
+MAX_SAMPLES_PER_PROMPT = 128
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -27,7 +30,8 @@ class _Request(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    n: int = 1
+    # samples per prompt; bounded as OpenAI bounds it, so one request cannot hold the engine
+    n: int = Field(default=1, ge=1, le=MAX_SAMPLES_PER_PROMPT)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None

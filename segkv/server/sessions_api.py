@@ -7,11 +7,12 @@ import re
 import time
 from pathlib import Path
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from segkv.engine import QueueFullError, SessionStore
+from segkv.server.disconnect import unless_client_leaves
 from segkv.server.protocol import _Request, error_body
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -78,7 +79,7 @@ def sessions_router(store: SessionStore, *, snapshot_dir: Path | None) -> APIRou
         return {"id": session_id, "object": "session.deleted", "deleted": True}
 
     @router.post("/v1/sessions/{session_id}/turns")
-    async def turn(session_id: str, req: TurnRequest):
+    async def turn(session_id: str, req: TurnRequest, request: Request):
         session, err = find(session_id)
         if err:
             return err
@@ -116,9 +117,17 @@ def sessions_router(store: SessionStore, *, snapshot_dir: Path | None) -> APIRou
                     await stream.aclose()
                 yield "data: [DONE]\n\n"
             return StreamingResponse(sse(), media_type="text/event-stream")
-        last = first
-        async for update in updates():
-            last = update
+        async def last_update():
+            last = first
+            async for update in updates():
+                last = update
+            return last
+
+        # a client that leaves aborts the turn: nothing is recorded, the session can go on
+        try:
+            last = await unless_client_leaves(request, last_update())
+        finally:
+            await stream.aclose()
         out = last.output.outputs[0]
         return {**base, "message": {"role": "assistant", "content": out.text},
                 "finish_reason": out.finish_reason, "usage": _usage(last.output), "turns": len(session.turns)}
