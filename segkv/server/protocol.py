@@ -17,10 +17,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
-    """Fields shared by completions and chat; unknown fields are ignored, as OpenAI does."""
+def _in_use(value: Any) -> bool:
+    return bool(value)
 
-    model_config = ConfigDict(extra="ignore")
+
+# OpenAI request fields this server does not implement, and when a value asks for the feature
+# (a client library may send the neutral value): rejected with a clear error, never ignored
+UNSUPPORTED_FIELDS = {
+    "logit_bias": _in_use,
+    "tools": _in_use,
+    "functions": _in_use,
+    "tool_choice": lambda v: v not in (None, "none", "auto"),
+    "function_call": lambda v: v not in (None, "none", "auto"),
+    "response_format": lambda v: not (v is None or (isinstance(v, dict) and v.get("type") == "text")),
+    "echo": _in_use,
+    "suffix": _in_use,
+    "best_of": lambda v: v not in (None, 1),
+}
+
+
+class _Request(BaseModel):
+    """Fields shared by completions and chat. Unknown fields are ignored, as OpenAI does, except
+    the OpenAI features this server lacks (:data:`UNSUPPORTED_FIELDS`), which are refused."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = None
@@ -42,7 +62,11 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
 
     def sampling_params(self, *, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's settings (ValueError with a clear message for invalid values)."""
+        """The engine's settings (ValueError with a clear message for invalid values and for
+        features this server does not implement)."""
+        for name, asks in UNSUPPORTED_FIELDS.items():
+            if name in (self.model_extra or {}) and asks(self.model_extra[name]):
+                raise ValueError(f"`{name}` is not supported by this server")
         given = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "seed": self.seed, "presence_penalty": self.presence_penalty,
