@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV cache budget in GiB (pages = budget / page bytes)")
     serve.add_argument("--route", default=None, choices=["single", "split", "segments", "cascade"])
     serve.add_argument("--cuda-graphs", default="auto", choices=list(CUDA_GRAPHS), help=CUDA_GRAPHS_HELP)
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="on SIGTERM / Ctrl-C, seconds that requests in flight get to finish before "
+                            "they are cancelled (their sequences aborted) and the server exits")
     return parser
 
 
@@ -106,7 +109,9 @@ def run_serve(args) -> int:
 
     threading.Thread(target=load, name="segkv-load", daemon=True).start()
     try:
-        uvicorn.run(gate, host=args.host, port=args.port, log_level="info", lifespan="off")
+        # without a bound, a shutdown would wait for every request in flight, however long
+        uvicorn.run(gate, host=args.host, port=args.port, log_level="info", lifespan="off",
+                    timeout_graceful_shutdown=args.shutdown_timeout)
     finally:
         for engine in engines:
             engine.shutdown()

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
+
+import httpx
 
 import pytest
 
@@ -73,3 +79,50 @@ def test_cuda_graphs_are_on_where_available_by_default():
         args = parser.parse_args(command)
         assert args.cuda_graphs == "auto" and CUDA_GRAPHS[args.cuda_graphs] == "auto"
     assert CUDA_GRAPHS[parser.parse_args(["serve", "--cuda-graphs", "off"]).cuda_graphs] is False
+
+
+def test_serve_exits_within_its_shutdown_timeout_with_a_request_in_flight(model_dir):
+    """SIGTERM with a long request in flight: the server gives it ``--shutdown-timeout`` seconds,
+    then cancels it and exits (it used to wait for every request, however long)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "segkv.cli", "serve", "--model", str(model_dir), "--port",
+                               str(port), "--shutdown-timeout", "1"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        name = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+        long_request = {"model": name, "prompt": "x", "n": 64, "max_tokens": 400, "ignore_eos": True}
+        answers = []
+        client = threading.Thread(target=lambda: answers.append(
+            _status_or_error(lambda: httpx.post(f"{base}/v1/completions", json=long_request, timeout=60))))
+        client.start()
+        while httpx.get(f"{base}/health").json()["running"] == 0:  # the request is being served
+            time.sleep(0.05)
+        stopped = time.monotonic()
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+        assert time.monotonic() - stopped < 8, "shutdown waited for the request in flight"
+        client.join(timeout=30)
+        assert answers and answers[0] != 200  # cancelled, not answered
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert "timeout graceful shutdown exceeded" in server.stdout.read()
+
+
+def _status_or_error(call):
+    try:
+        return call().status_code
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
