@@ -28,3 +28,17 @@ def live_server(app):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def slow_engine_steps(monkeypatch, seconds: float) -> None:
+    """Every engine step takes at least ``seconds`` more: a long request stays long however fast
+    the machine, so a test can act while it runs."""
+    from segkv.engine.core import EngineCore
+
+    step = EngineCore.step
+
+    def slow_step(self):
+        time.sleep(seconds)
+        return step(self)
+
+    monkeypatch.setattr(EngineCore, "step", slow_step)

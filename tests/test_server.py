@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from model_helpers import build_model_dir
-from server_helpers import live_server
+from server_helpers import live_server, slow_engine_steps
 from segkv.engine import LLM, AsyncEngine, QueueFullError
 from segkv.sampling_params import SamplingParams
 from segkv.server.app import create_app
@@ -215,19 +215,20 @@ def test_client_disconnect_aborts_the_stream(server):
     assert metric(base, "segkv:pages_in_use") == pages_before  # its pages went back to the pool
 
 
-def test_a_non_streaming_request_is_aborted_when_its_client_leaves(server):
+def test_a_non_streaming_request_is_aborted_when_its_client_leaves(server, monkeypatch):
     """A client that gives up on a non-streaming answer (here: a read timeout) frees the engine:
     the request's sequences stop within a poll period, its pages go back, and nothing counts as
     finished."""
     llm, base = server
+    slow_engine_steps(monkeypatch, 0.005)  # the request's 480 steps outlast the client's patience
     body = {"model": MODEL, "prompt": "pages " * 10, "n": 8, "max_tokens": 480, "ignore_eos": True}
     finished_before = metric(base, "vllm:e2e_request_latency_seconds_count")
     pages_before = metric(base, "segkv:pages_in_use")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
     deadline = time.monotonic() + 5
-    while metric(base, "vllm:num_requests_running") != 0:
-        assert time.monotonic() < deadline, "the request kept running after the client left"
+    while metric(base, "vllm:num_requests_running") != 0 or metric(base, "segkv:pages_in_use") != pages_before:
+        assert time.monotonic() < deadline, "the request kept running (or its pages) after the client left"
         time.sleep(0.05)
     assert metric(base, "vllm:e2e_request_latency_seconds_count") == finished_before  # aborted, not finished
     assert metric(base, "segkv:pages_in_use") == pages_before

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from model_helpers import build_model_dir
-from server_helpers import live_server
+from server_helpers import live_server, slow_engine_steps
 from segkv.engine import LLM, AsyncEngine
 from segkv.sampling_params import SamplingParams
 from segkv.server.app import create_app
@@ -89,10 +89,11 @@ def test_streamed_turn_and_errors(server):
     assert http.delete(f"/v1/sessions/{sid}").status_code == 404
 
 
-def test_a_turn_whose_client_leaves_is_aborted_and_not_recorded(server):
+def test_a_turn_whose_client_leaves_is_aborted_and_not_recorded(server, monkeypatch):
     """A non-streaming turn whose client gives up (a read timeout) stops within a poll period:
     no turn is recorded, its pages go back, and the session takes the next turn."""
     llm, http = server
+    slow_engine_steps(monkeypatch, 0.005)  # the turn's 448 steps outlast the client's patience
     sid = http.post("/v1/sessions", json={}).json()["id"]
     pages_before = llm.cache.pool.pages_in_use
     long_turn = {"content": "hi", "max_tokens": llm.max_model_len - 64, "temperature": 0, "ignore_eos": True}
@@ -100,8 +101,8 @@ def test_a_turn_whose_client_leaves_is_aborted_and_not_recorded(server):
     with pytest.raises(httpx.ReadTimeout):  # a client of its own, whose connection closes as it gives up
         httpx.post(url, json=long_turn, timeout=httpx.Timeout(30, read=0.1))
     deadline = time.monotonic() + 5
-    while http.get("/health").json()["running"] != 0:
-        assert time.monotonic() < deadline, "the turn kept running after the client left"
+    while http.get("/health").json()["running"] != 0 or llm.cache.pool.pages_in_use != pages_before:
+        assert time.monotonic() < deadline, "the turn kept running (or its pages) after the client left"
         time.sleep(0.05)
     assert http.get(f"/v1/sessions/{sid}").json()["turns"] == 0
     assert llm.cache.pool.pages_in_use == pages_before

@@ -159,10 +159,6 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     return registers, spills
 
 
-# case keys of compile_stage1 that force a stage-1 switch: the constexpr each sets
-_SWITCHES = {"score_chains": "CHAINS_APART"}
-
-
 def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     """A stage-1 attention kernel as its launcher would launch it, for one decode-shaped ``case``:
     ``{"kernel": "gqa" | "latent", "dtype": "bfloat16" | "float16" | "float32", "page_size": int,
@@ -197,8 +193,9 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
                                                max_work_rows=case["rows"], element_size=element,
                                                num_rows=1 if case.get("one_query") else None, launch=launch)
         fn, pointers = mla_attention._mla_stage1_kernel, {"Q": f"*{t}", "LAT": f"*{t}", **common}
-    meta = {**meta, **{name: bool(case[key]) for key, name in _SWITCHES.items() if key in case},
-            "USE_PDL": bool(case.get("pdl", False))}
+        if "score_chains" in case:
+            meta["CHAINS_APART"] = bool(case["score_chains"])
+    meta = {**meta, "USE_PDL": bool(case.get("pdl", False))}
     return compile_offline(fn, meta, pointers=pointers, assemble=case.get("assemble", False)), meta
 
 

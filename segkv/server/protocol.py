@@ -17,21 +17,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-def _in_use(value: Any) -> bool:
-    return bool(value)
-
-
 # OpenAI request fields this server does not implement, and when a value asks for the feature
 # (a client library may send the neutral value): rejected with a clear error, never ignored
 UNSUPPORTED_FIELDS = {
-    "logit_bias": _in_use,
-    "tools": _in_use,
-    "functions": _in_use,
+    "logit_bias": bool,
+    "tools": bool,
+    "functions": bool,
     "tool_choice": lambda v: v not in (None, "none", "auto"),
     "function_call": lambda v: v not in (None, "none", "auto"),
     "response_format": lambda v: not (v is None or (isinstance(v, dict) and v.get("type") == "text")),
-    "echo": _in_use,
-    "suffix": _in_use,
+    "echo": bool,
+    "suffix": bool,
     "best_of": lambda v: v not in (None, 1),
 }
 
@@ -64,8 +60,9 @@ class _Request(BaseModel):
     def sampling_params(self, *, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's settings (ValueError with a clear message for invalid values and for
         features this server does not implement)."""
+        extra = self.model_extra or {}
         for name, asks in UNSUPPORTED_FIELDS.items():
-            if name in (self.model_extra or {}) and asks(self.model_extra[name]):
+            if name in extra and asks(extra[name]):
                 raise ValueError(f"`{name}` is not supported by this server")
         given = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,

@@ -123,11 +123,8 @@ def sessions_router(store: SessionStore, *, snapshot_dir: Path | None) -> APIRou
                 last = update
             return last
 
-        # a client that leaves aborts the turn: nothing is recorded, the session can go on
-        try:
-            last = await unless_client_leaves(request, last_update())
-        finally:
-            await stream.aclose()
+        # a client that leaves cancels the turn's stream: nothing is recorded, the session can go on
+        last = await unless_client_leaves(request, last_update())
         out = last.output.outputs[0]
         return {**base, "message": {"role": "assistant", "content": out.text},
                 "finish_reason": out.finish_reason, "usage": _usage(last.output), "turns": len(session.turns)}
