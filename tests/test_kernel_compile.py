@@ -142,3 +142,17 @@ def test_default_decode_program_structure():
     assert report["loop_reductions"] == 2
     assert report["mma_warps"] == [[1, 4]] and report["loop_shared_stores"] >= 1
     assert report["spill_bytes"] == 0 and report["waits"][0] >= 1
+
+
+def test_decode_programs_take_exp2_without_subnormals_and_32_bit_page_offsets():
+    """The online softmax's exponentials are ``ex2.approx.ftz`` (the plain one makes ptxas add a
+    subnormal fix-up to every element), and a cache of under 2^31 elements gets int32 page offsets:
+    fewer 64-bit multiplies than the int64 variant, which larger caches take."""
+    base = {"dtype": "bfloat16", "page_size": 32, "rows": 1}
+    cases = [{**base, "kernel": "gqa", "head_dim": 128, "wide": wide} for wide in (False, True)]
+    cases += [{**base, "kernel": "latent", "one_query": True, "wide": wide} for wide in (False, True)]
+    narrow, wide, latent_narrow, latent_wide = compile_cases(cases)
+    for report in (narrow, wide, latent_narrow, latent_wide):
+        assert report["ex2"] == ["ex2.approx.ftz.f32"]
+    assert narrow["mul64"] < wide["mul64"]
+    assert latent_narrow["mul64"] < latent_wide["mul64"]

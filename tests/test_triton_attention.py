@@ -704,3 +704,60 @@ def test_a_graphs_merge_without_partials_still_orders_the_next_kernel(gen):
         assert not torch.isnan(projected).any(), f"trial {trial}: the GEMV read the attention output too early"
         # outputs of about 5e-3 (attention over 64K random rows averages them): one bf16 rounding apart
         torch.testing.assert_close(projected.reshape(-1), expected, rtol=2e-2, atol=1e-4)
+
+
+def test_wide_offsets_follow_the_caches_extent():
+    """Page offsets are int32 unless some element of a cache (any strided view) lies at 2^31 or
+    beyond; meta tensors, so no memory is taken."""
+    from segkv.kernels.paged_attention import wide_offsets
+
+    page = 16 * 8 * 128  # elements of one page of 16 rows, 8 KV heads, head_dim 128
+    small = torch.empty(256, 16, 8, 128, device="meta")
+    fits = torch.empty(2**31 // page, 16, 8, 128, device="meta")  # last element at 2^31 - 1
+    past = torch.empty(2**31 // page + 1, 16, 8, 128, device="meta")
+    assert not wide_offsets(small, small) and not wide_offsets(fits)
+    assert wide_offsets(past) and wide_offsets(small, past)
+    assert not wide_offsets(past[:-1])
+    head_major = torch.empty(2**31 // page + 1, 8, 16, 128, device="meta").transpose(1, 2)
+    assert wide_offsets(head_major) and not wide_offsets(head_major[:-1])
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_page_offsets_in_32_or_64_bits_give_the_reference(wide, gen, monkeypatch):
+    """Both page-offset widths of stage 1 on every route (forced: the caches here are small)."""
+    from segkv.kernels import paged_attention
+
+    calls = []
+    monkeypatch.setattr(paged_attention, "wide_offsets", lambda *caches: calls.append(caches) or wide)
+    batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=16, ratio=4, head_dim=64, rows=3)
+    for route in ROUTES:
+        _, out, lse, ref, ref_lse = run_both(batch, route)
+        check(out, lse, ref, ref_lse)
+    assert calls  # the launcher asked
+
+
+@pytest.mark.skipif(not GPU, reason="a cache past 2^31 elements needs 8 GB of GPU memory")
+def test_pages_past_two_to_the_31_elements(gen):
+    """A cache whose pages lie past 2^31 elements (int64 page offsets): the history's pages are
+    taken after 131072 others, so every one of them starts beyond int32."""
+    from segkv.kernels.paged_attention import wide_offsets
+
+    layout = KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    filler_pages = 2**31 // (16 * 8 * 128)
+    cache = PagedKVCache(layout, CacheConfig(page_size=16, num_pages=filler_pages + 80), device=DEVICE,
+                         compaction=CompactionPolicy(enabled=False))
+    filler = cache.new_chain()
+    filler.append(filler_pages * 16)  # bookkeeping only: never read
+    chain = cache.new_chain()
+    slots = chain.append(1000)
+    kv = torch.randn(2, 1000, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    cache.storage.write(0, slots, kv[0], kv[1])
+    k, v = cache.storage.key_cache(0), cache.storage.value_cache(0)
+    assert wide_offsets(k, v)
+    assert min(p for span in chain.spans() for p in span.page_ids) >= filler_pages
+    queries = [SequenceQuery.from_chain(chain, 1)]
+    shape = AttentionShape(32, 8, 128, 128)
+    for route in ("single", "split"):
+        plan = plan_attention(queries, shape, DeviceSpec.cuda(), page_size=16, route=route)
+        q = torch.randn(1, 32, 128, device=DEVICE, dtype=torch.bfloat16)
+        check(*triton_and_reference(plan, q, k, v, page_size=16, scale=128**-0.5, device=DEVICE))

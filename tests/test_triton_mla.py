@@ -267,3 +267,17 @@ def test_mla_layer_absorbed_on_triton_matches_naive_reference(rows, gen):
             outputs[name] = layer(x, positions, meta)
     assert torch.isfinite(outputs["triton"]).all()
     torch.testing.assert_close(outputs["triton"], outputs["naive"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_latent_page_offsets_in_32_or_64_bits_give_the_reference(wide, gen, monkeypatch):
+    """Both page-offset widths of the latent stage 1 (forced: the caches here are small)."""
+    from segkv.kernels import mla_attention
+
+    calls = []
+    monkeypatch.setattr(mla_attention, "wide_offsets", lambda *caches: calls.append(caches) or wide)
+    cache, _, queries = latent_batch(gen, dtype=torch.bfloat16, page_size=16, rows=2)
+    for route in ("single", "split"):
+        out, lse, ref, ref_lse = run_latent(cache, queries, 4, route, gen, dtype=torch.bfloat16)
+        check(out, lse, ref, ref_lse)
+    assert calls

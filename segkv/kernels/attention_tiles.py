@@ -4,15 +4,40 @@ program's partials. Inlined by the kernels of ``paged_attention`` and ``mla_atte
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
+# ``ex2.approx.ftz.f32`` on the GPU: Triton's ``exp2`` emits ``ex2.approx.f32``, which ptxas wraps
+# in a subnormal fix-up (a compare and two predicated multiplies per element; about 100 of the
+# 1082 instructions of a 64-pair program's tile loop on sm_90a). Flushing results below 2^-126 to 0
+# changes nothing a float32 softmax can see: such a weight is under 2^-126 of the row's largest,
+# which is 1. The interpreter runs Triton's ``exp2``.
+FAST_EXP2: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
 
 @triton.jit
-def page_index(page_table, page_rows, page_key_start, pidx, pg1):
-    """Page ids, valid rows and first-row positions of pages ``pidx`` (0 past ``pg1``)."""
+def exp2_ftz(x):
+    """``2 ** x`` in float32, results below 2^-126 flushed to 0 (``exp2_ftz(-inf) == 0``)."""
+    if FAST_EXP2:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    return tl.exp2(x)
+
+
+@triton.jit
+def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.constexpr):
+    """Page ids, valid rows and first-row positions of pages ``pidx`` (0 past ``pg1``). The ids are
+    int64 when ``WIDE`` (a cache whose element offsets pass int32, :func:`paged_attention.wide_offsets`),
+    else int32: a page's offset is then one 32-bit multiply instead of a sign extension and a
+    64-bit product per tile row (sm_90a: 97 of a 64-pair tile loop's 857 instructions)."""
     in_range = pidx < pg1
-    page = tl.load(page_table + pidx, mask=in_range, other=0).to(tl.int64)
+    page = tl.load(page_table + pidx, mask=in_range, other=0)
+    if WIDE:
+        page = page.to(tl.int64)
     rows = tl.load(page_rows + pidx, mask=in_range, other=0)
     key_start = tl.load(page_key_start + pidx, mask=in_range, other=0)
     return page, rows, key_start
@@ -57,18 +82,27 @@ def load_kv(k_base, v_base, page, stride_kp, stride_vp, in_page, dk_ok, dv_ok):
 
 
 @triton.jit
-def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc, EXACT_FP32: tl.constexpr):
+def _key_positions(kpos, in_page):
+    """The keys' positions for the causal mask, past every query (int32 max) where the tile row
+    holds no key: one compare per score then masks both. Invalid query rows need no term of their
+    own: :func:`pair_reads` gives them offset -1, below every key position."""
+    return tl.where(in_page, kpos, 2147483647)
+
+
+@triton.jit
+def online_softmax_step(s, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT_FP32: tl.constexpr):
     """One block of the online softmax: raw scores ``s (M, N)`` float32 of the keys at positions
-    ``kpos (N,)``, masked causally against ``offset (M,)`` and to valid rows; ``v (N, D)`` the
-    block's values. Returns the updated running max, sum and float32 accumulator ``(M, D)``.
-    A fully masked row keeps max -inf and adds nothing (no NaN)."""
-    s = s * scale
-    visible = (kpos[None, :] <= offset[:, None]) & in_page[None, :] & valid[:, None]
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    ``kpos (N,)``, masked causally against ``offset (M,)`` (a program's padding rows have offset
+    -1, :func:`pair_reads`) and to the keys ``in_page``; ``v (N, D)`` the block's values. Returns the updated running max, sum and float32 accumulator ``(M, D)``.
+    The running max ``m_i`` is in base-2 units (``max(s) * scale * log2(e)``): each weight is then
+    one fused multiply-add and one ``exp2`` (:func:`store_partials` turns it back into a natural
+    LSE). A fully masked row keeps max -inf and adds nothing (no NaN)."""
+    scale2 = scale * LOG2E
+    s = tl.where(_key_positions(kpos, in_page)[None, :] <= offset[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)  # scale2 > 0: the max of the scaled scores
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(m_i - m_safe)
+    p = exp2_ftz(s * scale2 - m_safe[:, None])
+    alpha = exp2_ftz(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     # the products accumulate into acc itself: a separate (M, D) float32 result per dot would
@@ -83,20 +117,19 @@ def online_softmax_step(s, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc
 
 
 @triton.jit
-def online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v, m_i, l_i, acc_t,
+def online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v, m_i, l_i, acc_t,
                                    EXACT_FP32: tl.constexpr):
     """:func:`online_softmax_step` with the KV tile as the tall operand: scores ``s_t (N, M)``,
     values ``v (N, D)``, accumulator ``acc_t (D, M) += v^T p_t``. With a few (row, head) pairs
     per program (M = 16) the tile's rows fill a Hopper warpgroup MMA's M and both operands stay in
     shared memory; the query is not copied into every warp's registers each tile. The same float32
-    arithmetic (P split into two half-precision parts)."""
-    s = s_t * scale
-    visible = (kpos[:, None] <= offset[None, :]) & in_page[:, None] & valid[None, :]
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 0))
+    arithmetic (P split into two half-precision parts), the running max in base-2 units."""
+    scale2 = scale * LOG2E
+    s = tl.where(_key_positions(kpos, in_page)[:, None] <= offset[None, :], s_t, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0) * scale2)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_safe[None, :])
-    alpha = tl.exp(m_i - m_safe)
+    p = exp2_ftz(s * scale2 - m_safe[None, :])
+    alpha = exp2_ftz(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 0)
     acc_t = acc_t * alpha[None, :]
     if EXACT_FP32:
@@ -113,11 +146,12 @@ def store_partials(acc, m_i, l_i, partial, head, valid, offs_d, d_ok, partial_di
                    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, lse_valid):
     """Normalise a program's (row, head) results and store them: a partial that is its row's
     only one (``partial_direct >= 0``) is rounded once into FINAL/FINAL_LSE, the others go to
-    OUT/LSE in float32 for the merge. Empty rows are 0 with LSE -inf. The LSEs of the pairs in
-    ``lse_valid`` only (``valid``, or none where another program of the same pairs stores them)."""
+    OUT/LSE in float32 for the merge. Empty rows are 0 with LSE -inf. ``m_i`` is the running max
+    in base-2 units (:func:`online_softmax_step`); the stored LSE is natural. The LSEs of the pairs
+    in ``lse_valid`` only (``valid``, or none where another program of the same pairs stores them)."""
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
     direct = tl.load(partial_direct + partial, mask=valid, other=-1)
     to_merge = valid & (direct < 0)
     to_final = valid & (direct >= 0)
@@ -146,7 +180,8 @@ def pair_reads(p0, n_rows, mb, first_head, group, partial_row, partial_offset, B
 
 @triton.jit
 def plan_reads(p0, n_rows, mb, w, first_head, group, partial_row, partial_offset, work_pages, page_table,
-               page_rows, page_key_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+               page_rows, page_key_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+               WIDE: tl.constexpr):
     """A stage-1 program's whole share of the plan: :func:`pair_reads`, its work item's page range,
     and the first block's page indices (one block ahead, loop-carried: the K/V loads then depend
     on no load of their own iteration, so with 3 pipeline stages the next tile stays in flight
@@ -156,5 +191,5 @@ def plan_reads(p0, n_rows, mb, w, first_head, group, partial_row, partial_offset
     pg0 = tl.load(work_pages + 2 * w)  # the work item's pages: no piece table in between
     pg1 = tl.load(work_pages + 2 * w + 1)
     slot = tl.arange(0, BLOCK_N) // PAGE_SIZE
-    page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
+    page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1, WIDE)
     return valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst

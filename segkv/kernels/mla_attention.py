@@ -33,6 +33,7 @@ from segkv.kernels.paged_attention import (
     stages_that_fit,
     subpage_tiles,
     tile_rows,
+    wide_offsets,
 )
 from segkv.kernels.pdl import multiprocessors
 from segkv.kernels.settings import env_int
@@ -71,7 +72,7 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
                   rows_next, start_next, vb,
                   RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_ROPE: tl.constexpr,
                   BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  EXACT_FP32: tl.constexpr, PARTS: tl.constexpr, CHAINS_APART: tl.constexpr):
+                  EXACT_FP32: tl.constexpr, PARTS: tl.constexpr, CHAINS_APART: tl.constexpr, WIDE: tl.constexpr):
     """A program's scan of its work item's latent rows and the store of its pairs' partials: the
     values' ``BLOCK_V`` columns from ``vb * BLOCK_V``, one of ``PARTS`` (1, 2 or 4) shares (with
     more than one the scores also take the other shares' columns, after its own, and only program
@@ -105,7 +106,7 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
     for t in range(t0, t1, PAGES):
         page, rows, key_start = page_next, rows_next, start_next
         page_next, rows_next, start_next = page_index(page_table, page_rows, page_key_start,
-                                                      next_tile_pages(t, slot, PAGES, SUB), pg1)
+                                                      next_tile_pages(t, slot, PAGES, SUB), pg1, WIDE)
         if SUB > 1:  # this tile's rows of a longer page
             sub_rows = (t % SUB) * BLOCK_N
             row_cur = row_in_page + sub_rows
@@ -127,7 +128,7 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
                             CHAINS_APART)
             s = _add_scores(s, _latent_scores(q_3, _latent_cols(tile, offs_3, in_page, RANK), EXACT_FP32),
                             CHAINS_APART)
-        m_i, l_i, acc = online_softmax_step(s, scale, key_start + row_cur, offset, in_page, valid, c, m_i,
+        m_i, l_i, acc = online_softmax_step(s, scale, key_start + row_cur, offset, in_page, c, m_i,
                                             l_i, acc, EXACT_FP32)
     # shares: the first program stores the LSE (the others' float32 scores summed their own share
     # first, so they may differ in the last bit); a vector mask, as the interpreter refuses a
@@ -147,7 +148,7 @@ def _mla_stage1_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr = False, VALUE_SPLIT: tl.constexpr = 1, ADAPTIVE: tl.constexpr = False,
-    SHARES_LAST: tl.constexpr = False, CHAINS_APART: tl.constexpr = False,
+    SHARES_LAST: tl.constexpr = False, CHAINS_APART: tl.constexpr = False, WIDE_OFFSETS: tl.constexpr = True,
 ):
     """One program: ``BLOCK_M`` (query row, head) pairs of one work item, scanning its piece
     ``BLOCK_N`` latent rows at a time with an online softmax in float32 (:func:`_latent_pairs`).
@@ -185,7 +186,7 @@ def _mla_stage1_kernel(
             return
     valid, head, partial, qrow, offset, pg0, pg1, page_next, rows_next, start_next = plan_reads(
         p0, n_rows, mb, w, 0, num_heads, partial_row, partial_offset, work_pages, page_table, page_rows,
-        page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE)
+        page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS)
     if USE_PDL:  # queries, latent rows and outputs wait for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -203,19 +204,19 @@ def _mla_stage1_kernel(
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 4, BLOCK_ROPE, BLOCK_M,
-                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 4, CHAINS_APART)
+                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 4, CHAINS_APART, WIDE_OFFSETS)
     elif halves:
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 2, BLOCK_ROPE, BLOCK_M,
-                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 2, CHAINS_APART)
+                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 2, CHAINS_APART, WIDE_OFFSETS)
     else:  # one program, all the values
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, 0, RANK, ROPE, BLOCK_R, BLOCK_ROPE, BLOCK_M,
-                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 1, CHAINS_APART)
+                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 1, CHAINS_APART, WIDE_OFFSETS)
 
 
 MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulator fits in registers
@@ -271,7 +272,8 @@ def value_split_max_partials(launch: LaunchConfig, device: torch.device) -> int:
 
 
 def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size: int, max_work_rows: int,
-                      element_size: int, num_rows: int | None = None, launch: LaunchConfig | None = None) -> dict:
+                      element_size: int, num_rows: int | None = None, launch: LaunchConfig | None = None,
+                      wide_offsets: bool = False) -> dict:
     """The latent stage-1 kernel's constexprs and launch options for a plan of this shape (pipeline
     stages shrunk to what fits in shared memory); ``launch`` defaults to :func:`default_mla_launch_config`.
     ``launch.value_split`` 0 launches two programs per pair block when the batch's ``num_rows``
@@ -283,7 +285,8 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
     ``launch.value_split_auto`` 4 launches four instead, which take quarters of the values when the
     plan has at most a quarter as many partials. Forced 2 follows the plan as the automatic split
     does; forced 4 takes quarters whatever the plan (tuning). A split never leaves a share fewer
-    than 16 value columns (the products' minimum), so ranks under 64 split less or not at all."""
+    than 16 value columns (the products' minimum), so ranks under 64 split less or not at all.
+    ``wide_offsets``: the latent cache needs int64 element offsets (``paged_attention.wide_offsets``)."""
     launch = launch or default_mla_launch_config()
     if launch.value_split not in (0, 1, 2, 4):
         raise ValueError(f"the latent value split must be 0 (chosen per launch), 1, 2 or 4 programs, "
@@ -303,7 +306,7 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
         num_warps=launch.num_warps, VALUE_SPLIT=value_split,
         # forced 2 and the automatic split follow the plan; forced 4 quarters whatever the plan
         ADAPTIVE=value_split > 1 and (launch.value_split == 2 or launch.value_split == 0),
-        SHARES_LAST=launch.shares_last, CHAINS_APART=SCORE_CHAINS_APART,
+        SHARES_LAST=launch.shares_last, CHAINS_APART=SCORE_CHAINS_APART, WIDE_OFFSETS=wide_offsets,
         **maxnreg_option(launch),
         num_stages=stages_that_fit(launch.num_stages, block_n * (rank + rope) * element_size),
     )
@@ -331,7 +334,7 @@ def mla_paged_attention(
         launch = launch or default_mla_launch_config()
         meta = mla_stage1_launch(dtype=query.dtype, rank=rank, rope=rope, num_heads=num_heads, page_size=page_size,
                                  max_work_rows=max_work_rows, element_size=latent_cache.element_size(),
-                                 num_rows=num_rows, launch=launch)
+                                 num_rows=num_rows, launch=launch, wide_offsets=wide_offsets(latent_cache))
         blocks = triton.cdiv(max_work_rows * num_heads, meta["BLOCK_M"])
         grid = ((blocks, num_work, meta["VALUE_SPLIT"]) if meta["SHARES_LAST"]
                 else (blocks * meta["VALUE_SPLIT"], num_work))

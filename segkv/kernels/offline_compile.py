@@ -168,7 +168,8 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     split is chosen per plan), "score_chains": bool (latent, default: the launcher's
     ``SEGKV_MLA_SCORE_CHAINS``), "value_split": int (latent,
     default: the launcher's), "assemble": bool (default False), "pdl": bool (default False: the
-    programmatic-dependent-launch variant)}``. ``launch``: a ``paged_attention.LaunchConfig``
+    programmatic-dependent-launch variant), "wide": bool (default False: int32 page offsets, as for
+    caches of under 2^31 elements)}``. ``launch``: a ``paged_attention.LaunchConfig``
     (default: the launcher's). Returns the compiled kernel and the launch constants used."""
     import torch
 
@@ -182,7 +183,8 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
         d = case["head_dim"]
         meta = paged_attention.stage1_launch(dtype=dtype, dk=d, dv=d, group=case.get("group", 4),
                                              page_size=case["page_size"], max_work_rows=case["rows"],
-                                             element_size=element, launch=launch)
+                                             element_size=element, launch=launch,
+                                             wide_offsets=case.get("wide", False))
         fn, pointers = paged_attention._stage1_kernel, {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", **common}
     else:
         if "value_split" in case:
@@ -191,7 +193,8 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
         meta = mla_attention.mla_stage1_launch(dtype=dtype, rank=case.get("rank", 512), rope=case.get("rope", 64),
                                                num_heads=case.get("heads", 16), page_size=case["page_size"],
                                                max_work_rows=case["rows"], element_size=element,
-                                               num_rows=1 if case.get("one_query") else None, launch=launch)
+                                               num_rows=1 if case.get("one_query") else None, launch=launch,
+                                               wide_offsets=case.get("wide", False))
         fn, pointers = mla_attention._mla_stage1_kernel, {"Q": f"*{t}", "LAT": f"*{t}", **common}
         if "score_chains" in case:
             meta["CHAINS_APART"] = bool(case["score_chains"])
@@ -202,8 +205,9 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
 def stage1_report(case: dict, launch=None) -> dict:
     """:func:`compile_stage1`'s facts as plain values: shared bytes, registers, spills (None unless
     ``case["assemble"]``), the launch's warps and pipeline stages, the K/V (latent) tile buffers,
-    the in-loop waits, the MMA kind, chains (:meth:`OfflineKernel.mma_chains`) and warps, and the
-    reductions and shared-memory writes in its loops."""
+    the in-loop waits, the MMA kind, chains (:meth:`OfflineKernel.mma_chains`) and warps, the
+    reductions and shared-memory writes in its loops, the PTX's ``ex2`` spellings and its 64-bit
+    multiplies (``mul.lo.s64``: page offsets, and more of them with int64 ones)."""
     kernel, meta = compile_stage1(case, launch)
     cols = (case.get("rank", 512) if case["kernel"] == "latent"
             else max(16, triton.next_power_of_2(case["head_dim"])))
@@ -212,7 +216,8 @@ def stage1_report(case: dict, launch=None) -> dict:
             "num_warps": meta["num_warps"], "num_stages": meta["num_stages"],
             "buffers": kernel.pipeline_buffers(meta["BLOCK_N"], cols), "waits": kernel.loop_waits(), "mma": mma,
             "chains": kernel.mma_chains(), "loop_reductions": kernel.loop_reductions(),
-            "loop_shared_stores": kernel.loop_shared_stores(), "mma_warps": kernel.mma_warps()}
+            "loop_shared_stores": kernel.loop_shared_stores(), "mma_warps": kernel.mma_warps(),
+            "ex2": sorted(set(re.findall(r"ex2\.[\w.]+", kernel.ptx))), "mul64": kernel.ptx.count("mul.lo.s64")}
 
 
 def merge_report(case: dict) -> dict:

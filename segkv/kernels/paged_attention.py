@@ -46,7 +46,7 @@ def _stage1_kernel(
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
-    MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False,
+    MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False, WIDE_OFFSETS: tl.constexpr = True,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -76,7 +76,7 @@ def _stage1_kernel(
     if PLAN_EARLY:  # the rest of the host's plan too, before the wait
         valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst = plan_reads(
             p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages, page_table, page_rows,
-            page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE)
+            page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS)
     if USE_PDL:  # the plan is the host's; everything else read or written below waits for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -113,11 +113,12 @@ def _stage1_kernel(
     k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
     v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
     if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
-        page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1)
+        page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1, WIDE_OFFSETS)
     t0, t1 = tile_range(pg0, pg1, SUB)
     for t in range(t0, t1, PAGES):
         page_cur, rows_cur, kst_cur = page, rows, kst
-        page, rows, kst = page_index(page_table, page_rows, page_key_start, next_tile_pages(t, slot, PAGES, SUB), pg1)
+        page, rows, kst = page_index(page_table, page_rows, page_key_start, next_tile_pages(t, slot, PAGES, SUB), pg1,
+                                     WIDE_OFFSETS)
         if SUB > 1:  # this tile's rows of a longer page
             sub_rows = (t % SUB) * BLOCK_N
             row_cur = row_in_page + sub_rows
@@ -133,14 +134,14 @@ def _stage1_kernel(
                 s_t = tl.dot(k_cur.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
             else:
                 s_t = tl.dot(k_cur, tl.trans(q))
-            m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i,
+            m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v_cur, m_i, l_i,
                                                            acc, EXACT_FP32)
         else:
             if EXACT_FP32:
                 s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
-            m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, valid, v_cur, m_i, l_i, acc,
+            m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, v_cur, m_i, l_i, acc,
                                                 EXACT_FP32)
     if TRANSPOSED:
         acc = tl.trans(acc)
@@ -346,7 +347,8 @@ def paged_attention(
                              f"{MERGE_IN_STAGE1_MAX_PARTIALS} partials per row and {num_rows * num_heads} counters")
     if num_work and num_partials:
         meta = stage1_launch(dtype=query.dtype, dk=dk, dv=dv, group=group, page_size=page_size,
-                             max_work_rows=max_work_rows, element_size=key_cache.element_size(), launch=launch)
+                             max_work_rows=max_work_rows, element_size=key_cache.element_size(), launch=launch,
+                             wide_offsets=wide_offsets(key_cache, value_cache))
         meta["MERGE"] = MERGE_IN_STAGE1_MAX_PARTIALS if merged else 0
         blocks = triton.cdiv(max_work_rows * group, meta["BLOCK_M"])
         grid = (num_kv, num_work, blocks) if meta["HEADS_FASTEST"] else (num_work, num_kv, blocks)
@@ -366,14 +368,22 @@ def paged_attention(
     return out.to(out_dtype), lse
 
 
+def wide_offsets(*caches: torch.Tensor) -> bool:
+    """Whether an element offset into any of ``caches`` (pages of K, V or latent rows, any strided
+    view) may pass int32: the stage-1 kernels then take int64 page offsets (``WIDE_OFFSETS``)."""
+    return any(sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()) if size) >= 2**31
+               for t in caches)
+
+
 def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_work_rows: int, element_size: int,
-                  launch: LaunchConfig | None = None) -> dict:
+                  launch: LaunchConfig | None = None, wide_offsets: bool = False) -> dict:
     """The stage-1 kernel's constexprs and launch options (``num_warps``, ``num_stages``, the
     register cap) for a plan of this shape: at most 64 (row x head) pairs per program (32 for
     heads wider than 128), tall programs with ``tall_warps``, and pipeline stages shrunk to what
     fits in shared memory. Programs of ``launch.transposed_min_pairs`` to 16 pairs take the
     transposed products (decode rows; taller programs already fill a warpgroup MMA with their pairs).
-    ``launch`` defaults to :func:`default_launch_config`."""
+    ``launch`` defaults to :func:`default_launch_config`; ``wide_offsets``: the caches need int64
+    element offsets (:func:`wide_offsets`)."""
     launch = launch or default_launch_config(head_dim=max(dk, dv))
     block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
     block_n = tile_rows(launch, page_size)
@@ -385,7 +395,7 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
         MERGE=0, TRANSPOSED=transposed, PLAN_EARLY=PLAN_EARLY == 2 or (PLAN_EARLY == 1 and block_m <= 16 and not transposed),
         MERGE_LANES=min(triton.next_power_of_2(group), block_m),
-        MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED,
+        MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED, WIDE_OFFSETS=wide_offsets,
         num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size), **maxnreg_option(launch),
     )
