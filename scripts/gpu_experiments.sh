@@ -57,6 +57,9 @@
 #             at 1K / 16K, measured), and batch 1 with quarters of the
 #             values for plans of few partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4, SEGKV_MLA_SHARES_LAST=1;
 #             chains of 8 steps, the halves' 16) against the default halves (about 4 minutes).
+#   lean      the stage-1 instruction diet against the tree before it (.ab_base): the int64-offset
+#             GPU test, kernels at batch 1 / 16 and the cascade (about 5 minutes); leane2e:
+#             Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at 1K / 16K (about 6 minutes).
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
@@ -438,6 +441,33 @@ elif [ "$part" = scorechains ]; then
     e2e "halves (default)" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
     e2e "quarters, shares last" SEGKV_MLA_VALUE_SPLIT_AUTO=4 SEGKV_MLA_SHARES_LAST=1 -- --models deepseek-v2-lite \
       --batches 1 --contexts 1K,16K
+  done
+elif [ "$part" = lean ] || [ "$part" = leane2e ]; then
+  # the stage-1 instruction diet (base-2 softmax with ex2.approx.ftz, one compare per score for
+  # the mask, int32 page offsets): this tree against the one before it, unpacked into .ab_base
+  # (`git archive 5b548c8 segkv scripts | tar -x -C .ab_base`, carried), alternating, two rounds.
+  # lean: the GPU test of int64 page offsets, then the kernels (8B / 70B shapes, batch 1 and 16 at
+  # 16K / 32K, pages of 32, and the cascade); leane2e: Llama-3.1-8B and DeepSeek-V2-Lite batch 1.
+  if [ "$part" = lean ]; then
+    gpu_tests "int64 page offsets" -- tests/test_triton_attention.py -k "two_to_the_31 or offsets"
+  fi
+  for round in 1 2; do
+    for tree in base new; do
+      dir=$PWD
+      [ "$tree" = base ] && dir=$PWD/.ab_base
+      if [ "$part" = lean ]; then
+        echo "-- kernels, $tree tree, round $round" | tee -a "$log"
+        (cd "$dir" && PYTHONPATH="$dir" timeout 150 python3 -m segkv.bench.decode_attention \
+          --shapes llama3-8b,llama3-70b --batches 1,16 --contexts 16384,32768 --page-sizes 32 --trials 3) 2>&1 \
+          | grep -E "^\[|rror|cascade" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' \
+          | tee -a "$log"
+      else
+        echo "-- decode, $tree tree, round $round" | tee -a "$log"
+        (cd "$dir" && PYTHONPATH="$dir" timeout 130 python3 -m segkv.bench.decode_e2e --skip-hf --trials 3 \
+          --models llama-3.1-8b,deepseek-v2-lite --batches 1 --contexts 1K,16K) 2>&1 | grep -E "^\[|rror" \
+          | tee -a "$log"
+      fi
+    done
   done
 elif [ "$part" = verify ]; then
   # after a change of defaults or a removal: the attention kernels' GPU tests (bf16 / head_dim 128 /

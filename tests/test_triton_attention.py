@@ -722,6 +722,23 @@ def test_wide_offsets_follow_the_caches_extent():
     assert wide_offsets(head_major) and not wide_offsets(head_major[:-1])
 
 
+def test_which_launches_take_int64_page_offsets():
+    """Those whose cache needs them, and by default the row-major decode programs at pages of 32
+    rows or more (measured faster there); no others."""
+    from segkv.kernels.paged_attention import WIDE_OFFSETS_SETTING, page_offsets_wide, stage1_launch
+
+    assert WIDE_OFFSETS_SETTING is None  # the default rule (SEGKV_ATTENTION_WIDE_OFFSETS unset)
+    assert page_offsets_wide(True, row_major_decode=False, page_size=16)
+    assert page_offsets_wide(False, row_major_decode=True, page_size=32)
+    assert not page_offsets_wide(False, row_major_decode=True, page_size=16)
+    assert not page_offsets_wide(False, row_major_decode=False, page_size=64)
+    launch = dict(dtype=torch.bfloat16, dk=128, dv=128, element_size=2)
+    assert stage1_launch(group=4, page_size=32, max_work_rows=1, **launch)["WIDE_OFFSETS"]  # 8B decode
+    assert not stage1_launch(group=8, page_size=32, max_work_rows=1, **launch)["WIDE_OFFSETS"]  # transposed
+    assert not stage1_launch(group=4, page_size=32, max_work_rows=16, **launch)["WIDE_OFFSETS"]  # 64 pairs
+    assert stage1_launch(group=4, page_size=16, max_work_rows=16, wide_offsets=True, **launch)["WIDE_OFFSETS"]
+
+
 @pytest.mark.parametrize("wide", [False, True])
 def test_page_offsets_in_32_or_64_bits_give_the_reference(wide, gen, monkeypatch):
     """Both page-offset widths of stage 1 on every route (forced: the caches here are small)."""

@@ -14,7 +14,8 @@ import triton.language as tl
 # 1082 instructions of a 64-pair program's tile loop on sm_90a). Flushing results below 2^-126 to 0
 # changes nothing a float32 softmax can see: such a weight is under 2^-126 of the row's largest,
 # which is 1. The interpreter runs Triton's ``exp2``.
-FAST_EXP2: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+FAST_EXP2: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1"
+                                       and os.environ.get("SEGKV_ATTENTION_FTZ_EXP2", "1") == "1")
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 

@@ -32,6 +32,7 @@ from segkv.kernels.paged_attention import (
     merge_into,
     stages_that_fit,
     subpage_tiles,
+    page_offsets_wide,
     tile_rows,
     wide_offsets,
 )
@@ -306,7 +307,8 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
         num_warps=launch.num_warps, VALUE_SPLIT=value_split,
         # forced 2 and the automatic split follow the plan; forced 4 quarters whatever the plan
         ADAPTIVE=value_split > 1 and (launch.value_split == 2 or launch.value_split == 0),
-        SHARES_LAST=launch.shares_last, CHAINS_APART=SCORE_CHAINS_APART, WIDE_OFFSETS=wide_offsets,
+        SHARES_LAST=launch.shares_last, CHAINS_APART=SCORE_CHAINS_APART,
+        WIDE_OFFSETS=page_offsets_wide(wide_offsets, row_major_decode=False, page_size=page_size),
         **maxnreg_option(launch),
         num_stages=stages_that_fit(launch.num_stages, block_n * (rank + rope) * element_size),
     )

@@ -368,9 +368,32 @@ def paged_attention(
     return out.to(out_dtype), lse
 
 
+# Page offsets of the stage-1 programs (SEGKV_ATTENTION_WIDE_OFFSETS): unset, int32 wherever the
+# cache allows (wide_offsets) except in row-major decode programs at pages of 32 rows or more,
+# which keep int64 ones; 1: int64 everywhere; 0: int32 wherever the cache allows. int32 offsets
+# take a tile loop's sign extensions and 64-bit products away (sm_90a: 64-pair programs 857 -> 760
+# instructions) and on the H200 made the cascade's prefix programs 3% faster, the transposed
+# 70B-shape programs 2.5-5% at batch 1 and the latent kernel up to 6% (batch 8, 64K); but the
+# row-major 8B-shape programs at pages of 32 lost 4% at batch 1 / 32K with them (ptxas then issues
+# the next tile's page loads at the end of the iteration, after its copies), and at pages of 16
+# they lost 3% at batch 1 and gained 2-3.5% at batch 4-16 (docs/benchmarks.md).
+WIDE_OFFSETS_SETTING = env_int("SEGKV_ATTENTION_WIDE_OFFSETS", None)
+
+
+def page_offsets_wide(needed: bool, *, row_major_decode: bool, page_size: int) -> bool:
+    """Whether a stage-1 launch takes int64 page offsets: where the cache ``needed`` them
+    (:func:`wide_offsets`), else as :data:`WIDE_OFFSETS_SETTING` says (by default the GQA
+    ``row_major_decode`` programs, of at most 16 pairs, at pages of 32 rows or more)."""
+    if needed or WIDE_OFFSETS_SETTING == 1:
+        return True
+    if WIDE_OFFSETS_SETTING == 0:
+        return False
+    return row_major_decode and page_size >= 32
+
+
 def wide_offsets(*caches: torch.Tensor) -> bool:
     """Whether an element offset into any of ``caches`` (pages of K, V or latent rows, any strided
-    view) may pass int32: the stage-1 kernels then take int64 page offsets (``WIDE_OFFSETS``)."""
+    view) may pass int32: the stage-1 kernels then need int64 page offsets (``WIDE_OFFSETS``)."""
     return any(sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()) if size) >= 2**31
                for t in caches)
 
@@ -383,7 +406,7 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     fits in shared memory. Programs of ``launch.transposed_min_pairs`` to 16 pairs take the
     transposed products (decode rows; taller programs already fill a warpgroup MMA with their pairs).
     ``launch`` defaults to :func:`default_launch_config`; ``wide_offsets``: the caches need int64
-    element offsets (:func:`wide_offsets`)."""
+    element offsets (:func:`wide_offsets`; the launch's offsets: :func:`page_offsets_wide`)."""
     launch = launch or default_launch_config(head_dim=max(dk, dv))
     block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
     block_n = tile_rows(launch, page_size)
@@ -395,7 +418,9 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
         MERGE=0, TRANSPOSED=transposed, PLAN_EARLY=PLAN_EARLY == 2 or (PLAN_EARLY == 1 and block_m <= 16 and not transposed),
         MERGE_LANES=min(triton.next_power_of_2(group), block_m),
-        MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED, WIDE_OFFSETS=wide_offsets,
+        MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED,
+        WIDE_OFFSETS=page_offsets_wide(wide_offsets, row_major_decode=block_m <= 16 and not transposed,
+                                       page_size=page_size),
         num_warps=launch.tall_warps if block_m >= 64 else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size), **maxnreg_option(launch),
     )
