@@ -451,7 +451,9 @@ elif [ "$part" = lean ] || [ "$part" = leane2e ]; then
   if [ "$part" = lean ]; then
     gpu_tests "int64 page offsets" -- tests/test_triton_attention.py -k "two_to_the_31 or offsets"
   fi
-  for round in 1 2; do
+  rounds="1 2"
+  [ "$part" = lean ] && rounds=${LEAN_ROUNDS:-"1 2"}
+  for round in $rounds; do
     for tree in base new; do
       dir=$PWD
       [ "$tree" = base ] && dir=$PWD/.ab_base
