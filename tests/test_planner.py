@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from segkv.attention import (
@@ -411,3 +413,42 @@ def test_cuda_device_spec_from_properties_and_environment(monkeypatch):
         monkeypatch.setenv("SEGKV_CUDA_MERGE_LAUNCH_ROWS", "-1")
         with pytest.raises(ValueError, match="merge_launch_rows"):
             DeviceSpec.cuda()
+
+
+def test_tall_programs_plan_with_the_tall_wave():
+    """16 forks of a 32K prefix (16 rows x 4 heads: 64-pair programs) are planned for the tall
+    wave, 3 x 132 (their 32-row tiles under 168 registers fit 3 to an SM; H200: 0.0645 ms against
+    0.0762 with 2): 33 prefix partitions, not the 51 of 2 x 132. Decode rows keep the wave of 2."""
+    spec = DeviceSpec(kind="cuda", name="h200", num_multiprocessors=132, blocks_per_multiprocessor=2,
+                      tall_blocks_per_multiprocessor=3, min_rows_per_partition=64, max_partitions=256,
+                      partition_overhead_rows=256)
+    assert spec.wave_size == 264 and spec.tall_wave_size == 396
+    prefix = span(32768)
+    forks = [SequenceQuery((prefix, span(512, start=32768, sealed=False)), 1) for _ in range(16)]
+    plan = plan_attention(forks, GQA, spec, page_size=PS)
+    assert plan.route == Route.CASCADE and "wave 396: 33 partitions" in plan.reason
+    two = plan_attention(forks, GQA, dataclasses.replace(spec, tall_blocks_per_multiprocessor=0), page_size=PS)
+    assert "wave 264: 51 partitions" in two.reason
+    decode = plan_attention([seq(32768)], GQA, spec, page_size=PS)
+    assert "wave 264" in decode.reason
+
+
+@pytest.mark.parametrize("rows,group,head_dim", [(1, 4, 128), (8, 4, 128), (9, 4, 128), (16, 4, 128), (4, 8, 128),
+                                                 (5, 8, 128), (64, 1, 64), (33, 1, 128), (32, 1, 128),
+                                                 (17, 4, 256), (64, 8, 256)])
+def test_the_planners_tall_programs_are_the_launchers(rows, group, head_dim):
+    """``tall_programs`` (the planner's wave) agrees with the launcher's 64-pair programs, which
+    take 32-row tiles and a 168-register cap."""
+    import torch
+
+    from segkv.attention.device import tall_programs
+    from segkv.kernels.paged_attention import stage1_launch
+
+    meta = stage1_launch(dtype=torch.bfloat16, dk=head_dim, dv=head_dim, group=group, page_size=32,
+                         max_work_rows=rows, element_size=2)
+    tall = meta["BLOCK_M"] >= 64
+    assert tall_programs(rows, group, head_dim) == tall
+    if tall:
+        assert meta["BLOCK_N"] == 32 and meta["maxnreg"] == 168
+    else:
+        assert "maxnreg" not in meta

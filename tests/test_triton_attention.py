@@ -160,6 +160,7 @@ def test_prefill_chunks_over_pages_longer_than_the_tile(gen, monkeypatch):
     from segkv.kernels.paged_attention import stage1_launch
 
     monkeypatch.setenv("SEGKV_TRITON_BLOCK_N", "16")
+    monkeypatch.setenv("SEGKV_TRITON_TALL_BLOCK_N", "16")
     meta = stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=4, page_size=48, max_work_rows=17, element_size=2)
     assert meta["BLOCK_N"] == 16 and meta["BLOCK_M"] == 64
     batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=48, ratio=4, head_dim=64, rows=17)

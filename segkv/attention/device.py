@@ -12,6 +12,11 @@ from segkv.kernels.settings import env_int
 
 # Stage-1 programs per multiprocessor the split planner aims for on CUDA devices (docs/benchmarks.md).
 CUDA_BLOCKS_PER_SM = 2  # stage 1 at (BLOCK_N 64, 4 warps, 3 stages): about 204 registers, 72 KB of shared memory
+# The same for plans of tall (64-pair) programs: cascade prefixes and prefill chunks, launched with
+# 32-row tiles and at most 168 registers (paged_attention.default_launch_config), 64 KB of shared
+# memory, so 3 fit an SM. The cascade (16 forks of a 32K prefix) ran 0.0645 ms at 3 against 0.0762
+# with 64-row tiles at 2 (H200, docs/benchmarks.md).
+CUDA_TALL_BLOCKS_PER_SM = 3
 # Fewest KV rows per partition on CUDA: one BLOCK_N tile. Short contexts at small batches then
 # still fill the device (4 programs of 272 rows left a 1K-context decode step latency-bound).
 CUDA_MIN_PARTITION_ROWS = 64
@@ -40,7 +45,9 @@ PARTIAL_WORKSPACE_BYTES = 64 << 20
 class DeviceSpec:
     """Parallel capacity of a device, as the attention planner sees it.
 
-    ``num_multiprocessors * blocks_per_multiprocessor`` work items run at once (a "wave").
+    ``num_multiprocessors * blocks_per_multiprocessor`` work items run at once (a "wave");
+    ``tall_blocks_per_multiprocessor`` (0: the same) for plans whose programs take 64 (query row,
+    head) pairs (:func:`tall_programs`).
     ``min_rows_per_partition`` is the fewest KV rows worth giving one partition: below it
     the merge costs more than the parallelism gains (``min_rows_per_latent_partition``: the same
     for latent attention, whose tiles are shorter). ``max_query_rows_per_work`` bounds the
@@ -59,6 +66,7 @@ class DeviceSpec:
     name: str
     num_multiprocessors: int
     blocks_per_multiprocessor: int = 1
+    tall_blocks_per_multiprocessor: int = 0
     min_rows_per_partition: int = 256
     min_rows_per_latent_partition: int = 256
     max_partitions: int = 64
@@ -76,7 +84,8 @@ class DeviceSpec:
                      "min_rows_per_latent_partition", "max_partitions", "max_query_rows_per_work", "partition_overhead_rows", "max_partial_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DeviceSpec.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("latent_merge_rows_per_partition", "merge_launch_rows", "stage1_merge_max_partials"):
+        for name in ("latent_merge_rows_per_partition", "merge_launch_rows", "stage1_merge_max_partials",
+                     "tall_blocks_per_multiprocessor"):
             if getattr(self, name) < 0:  # 0: not costed / no merge inside stage 1
                 raise ValueError(f"DeviceSpec.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -84,6 +93,11 @@ class DeviceSpec:
     def wave_size(self) -> int:
         """Work items the device runs concurrently."""
         return self.num_multiprocessors * self.blocks_per_multiprocessor
+
+    @property
+    def tall_wave_size(self) -> int:
+        """Work items of tall programs (:func:`tall_programs`) the device runs concurrently."""
+        return self.num_multiprocessors * (self.tall_blocks_per_multiprocessor or self.blocks_per_multiprocessor)
 
     @classmethod
     def cpu(cls, *, num_threads: int | None = None) -> DeviceSpec:
@@ -121,6 +135,7 @@ class DeviceSpec:
             name=props.name,
             num_multiprocessors=props.multi_processor_count,
             blocks_per_multiprocessor=blocks_per_multiprocessor,
+            tall_blocks_per_multiprocessor=env_int("SEGKV_CUDA_TALL_BLOCKS_PER_SM", CUDA_TALL_BLOCKS_PER_SM),
             min_rows_per_partition=min_rows_per_partition,
             min_rows_per_latent_partition=env_int("SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS", CUDA_MIN_LATENT_PARTITION_ROWS),
             max_partitions=256,
@@ -140,3 +155,10 @@ class DeviceSpec:
         if device.type == "cpu":
             return cls.cpu()
         raise ValueError(f"no attention backend for device type {device.type!r}")
+
+
+def tall_programs(max_work_rows: int, group_size: int, head_dim: int) -> bool:
+    """Whether the GQA stage-1 launch of a plan whose work items hold up to ``max_work_rows`` query
+    rows takes tall programs: 64 (row, head) pairs, the kernels' launcher's ``BLOCK_M`` for more
+    than 32 pairs with heads of at most 128 (``paged_attention.stage1_launch``)."""
+    return head_dim <= 128 and max_work_rows * group_size > 32

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from segkv.attention.device import DeviceSpec
+from segkv.attention.device import DeviceSpec, tall_programs
 from segkv.attention.plan import (
     AttentionPlan,
     AttentionShape,
@@ -214,9 +214,12 @@ def _work_units(rows: int, shape: AttentionShape) -> int:
     return shape.num_kv_heads * max(1, math.ceil(rows * shape.group_size / tile))
 
 
-def _wave(device: DeviceSpec, shape: AttentionShape) -> int:
-    """Stage-1 programs of ``shape`` the device runs at once (latent programs: at most 2 per unit)."""
+def _wave(device: DeviceSpec, shape: AttentionShape, max_work_rows: int) -> int:
+    """Stage-1 programs of ``shape`` the device runs at once (latent programs: at most 2 per unit;
+    tall GQA programs, :func:`device.tall_programs`: the device's tall wave)."""
     if not shape.is_latent:
+        if tall_programs(max_work_rows, shape.group_size, max(shape.key_dim, shape.value_dim)):
+            return device.tall_wave_size
         return device.wave_size
     return device.num_multiprocessors * min(device.blocks_per_multiprocessor, _LATENT_RESIDENT_PER_MULTIPROCESSOR)
 
@@ -249,7 +252,7 @@ def _auto_chunk(
     units = [_work_units(rows, shape) for rows in query_rows]
     run_rows = [run.num_rows for run in runs]  # a sum over pages: computed once
     base = sum(units)
-    wave = _wave(device, shape)
+    wave = _wave(device, shape, min(max(query_rows), device.max_query_rows_per_work))
     longest = max(run_rows)
     min_rows = device.min_rows_per_latent_partition if shape.is_latent else device.min_rows_per_partition
     min_chunk = max(page_size, math.ceil(min_rows / page_size) * page_size)
