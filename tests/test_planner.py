@@ -434,21 +434,23 @@ def test_tall_programs_plan_with_the_tall_wave():
 
 
 @pytest.mark.parametrize("rows,group,head_dim", [(1, 4, 128), (8, 4, 128), (9, 4, 128), (16, 4, 128), (4, 8, 128),
-                                                 (5, 8, 128), (64, 1, 64), (33, 1, 128), (32, 1, 128),
-                                                 (17, 4, 256), (64, 8, 256)])
-def test_the_planners_tall_programs_are_the_launchers(rows, group, head_dim):
-    """``tall_programs`` (the planner's wave) agrees with the launcher's 64-pair programs, which
-    take 32-row tiles and a 168-register cap."""
+                                                 (5, 8, 128), (16, 8, 128), (17, 4, 128), (64, 4, 128),
+                                                 (64, 1, 64), (33, 1, 128), (32, 1, 128), (17, 4, 256), (16, 8, 256)])
+def test_the_planners_tall_decode_programs_are_the_launchers(rows, group, head_dim):
+    """``tall_decode_programs`` (the planner's tall wave) agrees with the launcher: 64-pair programs
+    of at most 16 query rows take 32-row tiles and a 168-register cap; prefill-sized ones (more
+    rows) and all others keep the launch's tile and no cap."""
     import torch
 
-    from segkv.attention.device import tall_programs
-    from segkv.kernels.paged_attention import stage1_launch
+    from segkv.attention import device
+    from segkv.kernels import paged_attention
 
-    meta = stage1_launch(dtype=torch.bfloat16, dk=head_dim, dv=head_dim, group=group, page_size=32,
-                         max_work_rows=rows, element_size=2)
-    tall = meta["BLOCK_M"] >= 64
-    assert tall_programs(rows, group, head_dim) == tall
-    if tall:
+    assert device.TALL_DECODE_MAX_ROWS == paged_attention.TALL_DECODE_MAX_ROWS
+    meta = paged_attention.stage1_launch(dtype=torch.bfloat16, dk=head_dim, dv=head_dim, group=group, page_size=32,
+                                         max_work_rows=rows, element_size=2)
+    tall_decode = meta["BLOCK_M"] >= 64 and rows <= 16
+    assert device.tall_decode_programs(rows, group, head_dim) == tall_decode
+    if tall_decode:
         assert meta["BLOCK_N"] == 32 and meta["maxnreg"] == 168
     else:
-        assert "maxnreg" not in meta
+        assert "maxnreg" not in meta and meta["BLOCK_N"] == (32 if head_dim > 128 else 64)

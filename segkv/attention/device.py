@@ -12,11 +12,15 @@ from segkv.kernels.settings import env_int
 
 # Stage-1 programs per multiprocessor the split planner aims for on CUDA devices (docs/benchmarks.md).
 CUDA_BLOCKS_PER_SM = 2  # stage 1 at (BLOCK_N 64, 4 warps, 3 stages): about 204 registers, 72 KB of shared memory
-# The same for plans of tall (64-pair) programs: cascade prefixes and prefill chunks, launched with
-# 32-row tiles and at most 168 registers (paged_attention.default_launch_config), 64 KB of shared
-# memory, so 3 fit an SM. The cascade (16 forks of a 32K prefix) ran 0.0645 ms at 3 against 0.0762
-# with 64-row tiles at 2 (H200, docs/benchmarks.md).
+# The same for plans of tall decode programs (tall_decode_programs: 64 pairs from at most 16 query
+# rows, the decode rows of forks sharing a prefix), launched with 32-row tiles and at most 168
+# registers (paged_attention.default_launch_config), 64 KB of shared memory, so 3 fit an SM. The
+# cascade (16 forks of a 32K prefix) ran 0.0645 ms at 3 against 0.0762 with 64-row tiles at 2
+# (H200, docs/benchmarks.md). Prefill chunks (work items of up to 64 rows) keep 64-row tiles, 2 per SM.
 CUDA_TALL_BLOCKS_PER_SM = 3
+# The most query rows per work item of a tall decode program (more: a prefill chunk's); the
+# launcher's kernels.paged_attention.TALL_DECODE_MAX_ROWS
+TALL_DECODE_MAX_ROWS = 16
 # Fewest KV rows per partition on CUDA: one BLOCK_N tile. Short contexts at small batches then
 # still fill the device (4 programs of 272 rows left a 1K-context decode step latency-bound).
 CUDA_MIN_PARTITION_ROWS = 64
@@ -46,8 +50,8 @@ class DeviceSpec:
     """Parallel capacity of a device, as the attention planner sees it.
 
     ``num_multiprocessors * blocks_per_multiprocessor`` work items run at once (a "wave");
-    ``tall_blocks_per_multiprocessor`` (0: the same) for plans whose programs take 64 (query row,
-    head) pairs (:func:`tall_programs`).
+    ``tall_blocks_per_multiprocessor`` (0: the same) for plans of tall decode programs
+    (:func:`tall_decode_programs`).
     ``min_rows_per_partition`` is the fewest KV rows worth giving one partition: below it
     the merge costs more than the parallelism gains (``min_rows_per_latent_partition``: the same
     for latent attention, whose tiles are shorter). ``max_query_rows_per_work`` bounds the
@@ -96,7 +100,7 @@ class DeviceSpec:
 
     @property
     def tall_wave_size(self) -> int:
-        """Work items of tall programs (:func:`tall_programs`) the device runs concurrently."""
+        """Work items of tall decode programs (:func:`tall_decode_programs`) the device runs concurrently."""
         return self.num_multiprocessors * (self.tall_blocks_per_multiprocessor or self.blocks_per_multiprocessor)
 
     @classmethod
@@ -157,8 +161,9 @@ class DeviceSpec:
         raise ValueError(f"no attention backend for device type {device.type!r}")
 
 
-def tall_programs(max_work_rows: int, group_size: int, head_dim: int) -> bool:
+def tall_decode_programs(max_work_rows: int, group_size: int, head_dim: int) -> bool:
     """Whether the GQA stage-1 launch of a plan whose work items hold up to ``max_work_rows`` query
-    rows takes tall programs: 64 (row, head) pairs, the kernels' launcher's ``BLOCK_M`` for more
-    than 32 pairs with heads of at most 128 (``paged_attention.stage1_launch``)."""
-    return head_dim <= 128 and max_work_rows * group_size > 32
+    rows takes tall decode programs: 64 (row, head) pairs (the launcher's ``BLOCK_M`` for more than
+    32 pairs with heads of at most 128, ``paged_attention.stage1_launch``) from at most
+    :data:`TALL_DECODE_MAX_ROWS` rows, the decode rows of forks that share a prefix."""
+    return head_dim <= 128 and max_work_rows * group_size > 32 and max_work_rows <= TALL_DECODE_MAX_ROWS

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from segkv.attention.device import DeviceSpec, tall_programs
+from segkv.attention.device import DeviceSpec, tall_decode_programs
 from segkv.attention.plan import (
     AttentionPlan,
     AttentionShape,
@@ -216,9 +216,9 @@ def _work_units(rows: int, shape: AttentionShape) -> int:
 
 def _wave(device: DeviceSpec, shape: AttentionShape, max_work_rows: int) -> int:
     """Stage-1 programs of ``shape`` the device runs at once (latent programs: at most 2 per unit;
-    tall GQA programs, :func:`device.tall_programs`: the device's tall wave)."""
+    tall GQA decode programs, :func:`device.tall_decode_programs`: the device's tall wave)."""
     if not shape.is_latent:
-        if tall_programs(max_work_rows, shape.group_size, max(shape.key_dim, shape.value_dim)):
+        if tall_decode_programs(max_work_rows, shape.group_size, max(shape.key_dim, shape.value_dim)):
             return device.tall_wave_size
         return device.wave_size
     return device.num_multiprocessors * min(device.blocks_per_multiprocessor, _LATENT_RESIDENT_PER_MULTIPROCESSOR)

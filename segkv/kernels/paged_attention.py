@@ -255,6 +255,11 @@ def subpage_tiles() -> bool:
     return env_int("SEGKV_SUBPAGE_TILES", 1) == 1
 
 
+# The most query rows per work item of a tall (64-pair) decode program, launched with the
+# tall_block_n / tall_maxnreg of LaunchConfig (the decode rows of forks sharing a prefix; prefill
+# chunks hold more). The planner's attention.device.TALL_DECODE_MAX_ROWS is this.
+TALL_DECODE_MAX_ROWS = 16
+
 # Decode programs of at least this many (query row x head) pairs (and at most 16) take the K/V tile
 # as the tall operand by default (SEGKV_TRITON_TRANSPOSED overrides; docs/benchmarks.md).
 TRANSPOSED_MIN_PAIRS = 8
@@ -269,8 +274,8 @@ class LaunchConfig:
     num_stages: int
     block_m: int = 64  # most (query row x head) pairs per program
     tall_warps: int = 4  # warps for programs of 64 or more pairs (8 measured slower for cascade)
-    tall_block_n: int = 64  # KV rows per tile of programs of 64 or more pairs
-    tall_maxnreg: int | None = None  # register cap of programs of 64 or more pairs
+    tall_block_n: int = 64  # KV rows per tile of tall decode programs (64 pairs from at most 16 query rows)
+    tall_maxnreg: int | None = None  # register cap of tall decode programs
     heads_fastest: bool = False  # launch a piece's KV heads side by side (they share its pages)
     maxnreg: int | None = None  # register cap per thread (more resident programs, maybe spills)
     # GQA programs of this many (query row x head) pairs up to 16 take the K/V tile as the tall
@@ -303,9 +308,10 @@ def default_launch_config(*, head_dim: int) -> LaunchConfig:
         num_stages=env_int("SEGKV_TRITON_STAGES", 3),
         block_m=env_int("SEGKV_TRITON_BLOCK_M", 64),
         tall_warps=env_int("SEGKV_TRITON_TALL_WARPS", 4),
-        # tall (64-pair) programs: 32-row tiles under 168 registers (40 bytes spilled) and 64 KB of
-        # shared memory, 3 per SM where 64-row tiles (243 registers, 112 KB) fit 2. The cascade (16
-        # forks of a 32K prefix) 0.0762 -> 0.0645 ms with the planner's tall wave of 3 per SM (H200)
+        # tall decode programs (64 pairs from at most 16 query rows: forks sharing a prefix): 32-row
+        # tiles under 168 registers (40 bytes spilled) and 64 KB of shared memory, 3 per SM where
+        # 64-row tiles (243 registers, 112 KB) fit 2. The cascade (16 forks of a 32K prefix) 0.0762
+        # -> 0.0645 ms with the planner's tall wave of 3 per SM (H200). Prefill chunks keep block_n
         tall_block_n=env_int("SEGKV_TRITON_TALL_BLOCK_N", 32),
         tall_maxnreg=env_int("SEGKV_TRITON_TALL_MAXNREG", 168) or None,
         # a piece's KV heads side by side: 0-3% faster at batch 1-16 over 32K-128K (H200)
@@ -410,9 +416,10 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
                   launch: LaunchConfig | None = None, wide_offsets: bool = False) -> dict:
     """The stage-1 kernel's constexprs and launch options (``num_warps``, ``num_stages``, the
     register cap) for a plan of this shape: at most 64 (row x head) pairs per program (32 for
-    heads wider than 128), tall (64-pair) programs with ``tall_warps``, ``tall_block_n`` rows per
-    tile and ``tall_maxnreg`` registers (the planner's tall wave, ``DeviceSpec.tall_wave_size``,
-    counts on them fitting 3 to an SM), and pipeline stages shrunk to what
+    heads wider than 128), tall (64-pair) programs with ``tall_warps``, and those of at most
+    ``TALL_DECODE_MAX_ROWS`` query rows (decode rows of forks sharing a prefix) with
+    ``tall_block_n`` rows per tile and ``tall_maxnreg`` registers (the planner's tall wave,
+    ``DeviceSpec.tall_wave_size``, counts on them fitting 3 to an SM), and pipeline stages shrunk to what
     fits in shared memory. Programs of ``launch.transposed_min_pairs`` to 16 pairs take the
     transposed products (decode rows; taller programs already fill a warpgroup MMA with their pairs).
     ``launch`` defaults to :func:`default_launch_config`; ``wide_offsets``: the caches need int64
@@ -420,7 +427,9 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     launch = launch or default_launch_config(head_dim=max(dk, dv))
     block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
     tall = block_m >= 64
-    block_n = tile_rows(dataclasses.replace(launch, block_n=launch.tall_block_n) if tall else launch, page_size)
+    tall_decode = tall and max_work_rows <= TALL_DECODE_MAX_ROWS  # device.tall_decode_programs
+    block_n = tile_rows(dataclasses.replace(launch, block_n=launch.tall_block_n) if tall_decode else launch,
+                        page_size)
     transposed = block_m <= 16 and 0 < launch.transposed_min_pairs <= max_work_rows * group
     return dict(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
@@ -434,8 +443,8 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
                                        page_size=page_size),
         num_warps=launch.tall_warps if tall else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size),
-        **maxnreg_option(dataclasses.replace(launch, maxnreg=launch.tall_maxnreg) if tall and launch.tall_maxnreg
-                         else launch),
+        **maxnreg_option(dataclasses.replace(launch, maxnreg=launch.tall_maxnreg)
+                         if tall_decode and launch.tall_maxnreg else launch),
     )
 
 
