@@ -58,8 +58,11 @@
 #             values for plans of few partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4, SEGKV_MLA_SHARES_LAST=1;
 #             chains of 8 steps, the halves' 16) against the default halves (about 4 minutes).
 #   lean      the stage-1 instruction diet against the tree before it (.ab_base): the int64-offset
-#             GPU test, kernels at batch 1 / 16 and the cascade (about 5 minutes); leane2e:
-#             Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at 1K / 16K (about 6 minutes).
+#             GPU test, kernels at batch 1 / 16 and the cascade (about 2 minutes; LEAN_ROUNDS=1 for
+#             one round); leane2e: Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at 1K / 16K (about 3
+#             minutes). Measured (docs/benchmarks.md, "The stage-1 instruction diet"); the tall
+#             decode programs' 32-row tiles, 3 per SM, came after and are not in that run: `lean`
+#             against the tree before them times the cascade at the new defaults.
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
