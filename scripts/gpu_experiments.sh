@@ -57,6 +57,10 @@
 #             at 1K / 16K, measured), and batch 1 with quarters of the
 #             values for plans of few partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4, SEGKV_MLA_SHARES_LAST=1;
 #             chains of 8 steps, the halves' 16) against the default halves (about 4 minutes).
+#   decode32  decode programs with 32-row tiles, planned for 4 or 3 per SM, against the defaults
+#             (kernels at batch 1 / 4 / 16, then Llama-3.1-8B batch 1 and 8; about 6 minutes).
+#   psplit    P's two bf16 parts by bit mask (SEGKV_ATTENTION_P_SPLIT_MASK=1): GPU tests with it,
+#             kernels and the cascade on / off (about 5 minutes).
 #   lean      the stage-1 instruction diet against the tree before it (.ab_base): the int64-offset
 #             GPU test, kernels at batch 1 / 16 and the cascade (about 2 minutes; LEAN_ROUNDS=1 for
 #             one round); leane2e: Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at 1K / 16K (about 3
@@ -444,6 +448,40 @@ elif [ "$part" = scorechains ]; then
     e2e "halves (default)" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
     e2e "quarters, shares last" SEGKV_MLA_VALUE_SPLIT_AUTO=4 SEGKV_MLA_SHARES_LAST=1 -- --models deepseek-v2-lite \
       --batches 1 --contexts 1K,16K
+  done
+elif [ "$part" = decode32 ]; then
+  # decode programs with 32-row tiles (SEGKV_TRITON_BLOCK_N=32): offline (sm_90a) the 8B shape's
+  # row-major programs take 128 registers and 38 KB instead of 186 and 72 KB (4 per SM instead of
+  # 2), the 70B shape's transposed ones 120 and 46 KB; planned for 4 or 3 per SM
+  # (SEGKV_CUDA_BLOCKS_PER_SM) against the default 64-row tiles at 2. (Batch 16 with 32-row tiles at
+  # 3 per SM lost 1-6% before the stage-1 instruction diet, with more registers.) Kernels, two
+  # rounds; then Llama-3.1-8B batch 1 and 8 alternating with the faster setting named in DECODE32
+  # (default "SEGKV_TRITON_BLOCK_N=32 SEGKV_CUDA_BLOCKS_PER_SM=4").
+  for round in 1 2; do
+    for cfg in "" "SEGKV_TRITON_BLOCK_N=32 SEGKV_CUDA_BLOCKS_PER_SM=4" "SEGKV_TRITON_BLOCK_N=32 SEGKV_CUDA_BLOCKS_PER_SM=3"; do
+      echo "-- kernels: ${cfg:-defaults}, round $round" | tee -a "$log"
+      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b --batches 1,4,16 \
+        --contexts 16384,32768 --page-sizes 32 --no-cascade --trials 3 2>&1 | attention_rows
+    done
+  done
+  cfg=${DECODE32:-"SEGKV_TRITON_BLOCK_N=32 SEGKV_CUDA_BLOCKS_PER_SM=4"}
+  for round in 1 2; do
+    e2e "defaults" -- --models llama-3.1-8b --batches 1,8 --contexts 1K,16K
+    e2e "$cfg" $cfg -- --models llama-3.1-8b --batches 1,8 --contexts 1K,16K
+  done
+elif [ "$part" = psplit ]; then
+  # P's two bf16 parts by bit mask (SEGKV_ATTENTION_P_SPLIT_MASK=1; a 64-pair tile loop 441 -> 427
+  # instructions, batch-1 decode 481 -> 473, offline): the GPU tests with it (the interpreter runs
+  # float32 products, so only the GPU runs the split), then kernels and the cascade, two rounds.
+  GPU_TESTS_TIMEOUT=300 gpu_tests "P split by mask" SEGKV_ATTENTION_P_SPLIT_MASK=1 -- tests/test_triton_attention.py \
+    tests/test_triton_mla.py -k "not (test_kernels_match_the_reference or test_latent_kernel_matches_the_reference) or (bf16 and 128 and 16-16)"
+  for round in 1 2; do
+    for value in 0 1; do
+      echo "-- kernels: SEGKV_ATTENTION_P_SPLIT_MASK=$value, round $round" | tee -a "$log"
+      SEGKV_ATTENTION_P_SPLIT_MASK=$value timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b \
+        --batches 1,16 --contexts 16384,32768 --page-sizes 32 --trials 3 2>&1 \
+        | grep -E "^\[|rror|cascade" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' | tee -a "$log"
+    done
   done
 elif [ "$part" = lean ] || [ "$part" = leane2e ]; then
   # the stage-1 instruction diet (base-2 softmax with ex2.approx.ftz, one compare per score for

@@ -39,9 +39,10 @@ LARGEST = [
 #    test_pipeline_stages_shrink_to_fit_shared_memory)
 
 
-def compile_cases(cases: list[dict]) -> list[dict]:
-    """The offline compiler's report of each case, in a subprocess without the interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def compile_cases(cases: list[dict], **settings: str) -> list[dict]:
+    """The offline compiler's report of each case, in a subprocess without the interpreter (and with
+    the environment ``settings``, e.g. a kernel switch read at import)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | settings
     out = subprocess.run([sys.executable, "-m", "segkv.kernels.offline_compile"], input=json.dumps(cases),
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -157,3 +158,14 @@ def test_decode_programs_take_exp2_without_subnormals_and_32_bit_page_offsets():
         assert report["ex2"] == ["ex2.approx.ftz.f32"]
     assert narrow["mul64"] < wide["mul64"]
     assert latent_narrow["mul64"] < latent_wide["mul64"]
+
+
+def test_p_split_by_mask_compiles_with_fewer_conversions():
+    """``SEGKV_ATTENTION_P_SPLIT_MASK=1`` (off by default, measured next on the GPU): P's high bf16
+    part by clearing its low 16 bits, so the bf16 -> float32 conversion back disappears (the
+    64-pair program: fewer ``cvt`` instructions, a 0xFFFF0000 mask), no spills added."""
+    case = {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 16, "rows": 16, "assemble": True}
+    (default,) = compile_cases([case])
+    (masked,) = compile_cases([case], SEGKV_ATTENTION_P_SPLIT_MASK="1")
+    assert masked["spill_bytes"] <= default["spill_bytes"]
+    assert masked["cvt"] < default["cvt"] and masked["mask_ffff0000"] > 0 == default["mask_ffff0000"]

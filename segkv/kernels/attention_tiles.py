@@ -16,6 +16,13 @@ import triton.language as tl
 # which is 1. The interpreter runs Triton's ``exp2``.
 FAST_EXP2: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1"
                                        and os.environ.get("SEGKV_ATTENTION_FTZ_EXP2", "1") == "1")
+# P's split into two bf16 parts by bit mask (SEGKV_ATTENTION_P_SPLIT_MASK=1): the high part is P
+# with its low 16 bits cleared (exact in bf16, no rounding), the low part the rounded rest; the
+# high part reaches the product by a pack instead of a conversion and back (sm_90a: a 64-pair
+# program's tile loop 760 -> 736 instructions). The low part then carries up to 8 bits instead of
+# 7 of the remainder: P to about 2^-16 instead of 2^-17, both far inside a bf16 output's rounding.
+# Off until measured on the GPU.
+P_SPLIT_MASK: tl.constexpr = tl.constexpr(os.environ.get("SEGKV_ATTENTION_P_SPLIT_MASK", "0") == "1")
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -83,6 +90,17 @@ def load_kv(k_base, v_base, page, stride_kp, stride_vp, in_page, dk_ok, dv_ok):
 
 
 @triton.jit
+def _split_p(p, dtype: tl.constexpr):
+    """Float32 weights ``p`` as two parts of the half-precision ``dtype`` whose sum is ``p`` to about
+    16 bits (:data:`P_SPLIT_MASK`: bf16's high part by bit mask)."""
+    if P_SPLIT_MASK and dtype == tl.bfloat16:
+        p_hi32 = (p.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return p_hi32.to(tl.bfloat16), (p - p_hi32).to(tl.bfloat16)
+    p_hi = p.to(dtype)
+    return p_hi, (p - p_hi.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _key_positions(kpos, in_page):
     """The keys' positions for the causal mask, past every query (int32 max) where the tile row
     holds no key: one compare per score then masks both. Invalid query rows need no term of their
@@ -111,8 +129,7 @@ def online_softmax_step(s, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT
     if EXACT_FP32:
         acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:  # P split exactly into two half-precision parts: about 16 bits of P, float32 sums
-        p_hi = p.to(v.dtype)
-        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+        p_hi, p_lo = _split_p(p, v.dtype)
         acc = tl.dot(p_lo, v, tl.dot(p_hi, v, acc))
     return m_new, l_i, acc
 
@@ -136,8 +153,7 @@ def online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v, m_i, l_
     if EXACT_FP32:
         acc_t = tl.dot(tl.trans(v.to(tl.float32)), p, acc_t, input_precision="ieee")
     else:
-        p_hi = p.to(v.dtype)
-        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+        p_hi, p_lo = _split_p(p, v.dtype)
         acc_t = tl.dot(tl.trans(v), p_lo, tl.dot(tl.trans(v), p_hi, acc_t))
     return m_new, l_i, acc_t
 
