@@ -18,10 +18,10 @@ FAST_EXP2: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1"
                                        and os.environ.get("SEGKV_ATTENTION_FTZ_EXP2", "1") == "1")
 # P's split into two bf16 parts by bit mask (SEGKV_ATTENTION_P_SPLIT_MASK=1): the high part is P
 # with its low 16 bits cleared (exact in bf16, no rounding), the low part the rounded rest; the
-# high part reaches the product by a pack instead of a conversion and back (sm_90a: a 64-pair
-# program's tile loop 760 -> 736 instructions). The low part then carries up to 8 bits instead of
-# 7 of the remainder: P to about 2^-16 instead of 2^-17, both far inside a bf16 output's rounding.
-# Off until measured on the GPU.
+# high part reaches the product by a pack instead of a conversion and back (sm_90a: a tall decode
+# program's 32-row tile loop 441 -> 427 instructions). The remainder is then under one bf16 ulp of
+# P instead of half of one: the two parts hold P to within 2^-16 of it instead of 2^-18, both far
+# inside a bf16 output's rounding. Off until measured on the GPU.
 P_SPLIT_MASK: tl.constexpr = tl.constexpr(os.environ.get("SEGKV_ATTENTION_P_SPLIT_MASK", "0") == "1")
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -112,8 +112,8 @@ def _key_positions(kpos, in_page):
 def online_softmax_step(s, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT_FP32: tl.constexpr):
     """One block of the online softmax: raw scores ``s (M, N)`` float32 of the keys at positions
     ``kpos (N,)``, masked causally against ``offset (M,)`` (a program's padding rows have offset
-    -1, :func:`pair_reads`) and to the keys ``in_page``; ``v (N, D)`` the block's values. Returns the updated running max, sum and float32 accumulator ``(M, D)``.
-    The running max ``m_i`` is in base-2 units (``max(s) * scale * log2(e)``): each weight is then
+    -1, :func:`pair_reads`) and to the keys ``in_page``; ``v (N, D)`` the block's values. Returns
+    the updated running max, sum and float32 accumulator ``(M, D)``. The running max ``m_i`` is in base-2 units (``max(s) * scale * log2(e)``): each weight is then
     one fused multiply-add and one ``exp2`` (:func:`store_partials` turns it back into a natural
     LSE). A fully masked row keeps max -inf and adds nothing (no NaN)."""
     scale2 = scale * LOG2E
