@@ -57,6 +57,8 @@
 #             at 1K / 16K, measured), and batch 1 with quarters of the
 #             values for plans of few partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4, SEGKV_MLA_SHARES_LAST=1;
 #             chains of 8 steps, the halves' 16) against the default halves (about 4 minutes).
+#   tall      the cascade with the tall decode programs at the defaults against the settings
+#             before them, 8B (pages of 16 / 32) and 70B shapes (about 3 minutes).
 #   decode32  decode programs with 32-row tiles, planned for 4 or 3 per SM, against the defaults
 #             (kernels at batch 1 / 4 / 16, then Llama-3.1-8B batch 1 and 8; about 6 minutes).
 #   psplit    P's two bf16 parts by bit mask (SEGKV_ATTENTION_P_SPLIT_MASK=1): GPU tests with it,
@@ -448,6 +450,21 @@ elif [ "$part" = scorechains ]; then
     e2e "halves (default)" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
     e2e "quarters, shares last" SEGKV_MLA_VALUE_SPLIT_AUTO=4 SEGKV_MLA_SHARES_LAST=1 -- --models deepseek-v2-lite \
       --batches 1 --contexts 1K,16K
+  done
+elif [ "$part" = tall ]; then
+  # the tall decode programs at the defaults (32-row tiles, 168 registers, planned 3 per SM) against
+  # the settings before them (64-row tiles, no cap, 2 per SM): the cascade on the 8B shape at pages
+  # of 16 and 32 and on the 70B shape (128 pairs: two programs per work item), two rounds; measured
+  # so far only with the settings forced for every program (docs/benchmarks.md).
+  before="SEGKV_TRITON_TALL_BLOCK_N=64 SEGKV_TRITON_TALL_MAXNREG=0 SEGKV_CUDA_TALL_BLOCKS_PER_SM=2"
+  for round in 1 2; do
+    for cfg in "" "$before"; do
+      for args in "--cascade-page-size 16" "--cascade-page-size 32" "--cascade-shape llama3-70b"; do
+        echo "-- cascade $args: ${cfg:-defaults}, round $round" | tee -a "$log"
+        env $cfg timeout 60 python3 -m segkv.bench.decode_attention --cascade-only --trials 3 $args 2>&1 \
+          | grep -E "cascade|rror" | head -2 | tee -a "$log"
+      done
+    done
   done
 elif [ "$part" = decode32 ]; then
   # decode programs with 32-row tiles (SEGKV_TRITON_BLOCK_N=32): offline (sm_90a) the 8B shape's
