@@ -457,6 +457,8 @@ elif [ "$part" = tall ]; then
   # of 16 and 32 and on the 70B shape (128 pairs: two programs per work item), two rounds; measured
   # so far only with the settings forced for every program (docs/benchmarks.md).
   before="SEGKV_TRITON_TALL_BLOCK_N=64 SEGKV_TRITON_TALL_MAXNREG=0 SEGKV_CUDA_TALL_BLOCKS_PER_SM=2"
+  GPU_TESTS_TIMEOUT=300 gpu_tests "attention kernels, every route (tall decode programs in the cascade ones)" -- \
+    tests/test_triton_attention.py -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
   for round in 1 2; do
     for cfg in "" "$before"; do
       for args in "--cascade-page-size 16" "--cascade-page-size 32" "--cascade-shape llama3-70b"; do
