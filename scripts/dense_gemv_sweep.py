@@ -33,6 +33,16 @@ SHAPES = {"deepseek q+kv_a": (3648, 2048), "deepseek o": (2048, 2048), "llama qk
 LAUNCHES = [(16, 512, 4), (32, 256, 4), (32, 512, 4), (64, 256, 4), (32, 1024, 4), (64, 512, 8), (128, 256, 8)]
 
 
+def weight_copies(dev, gen, out_dim: int, in_dim: int, copies: int = 8):
+    """``copies`` distinct bf16 weights ``(out_dim, in_dim)`` scaled by ``in_dim ** -0.5`` (so a product
+    streams from memory, not L2), one bf16 row ``x (1, in_dim)``, the bytes of one weight, and
+    cuBLAS's float32 product of ``x`` and the first weight (the reference)."""
+    weights = [torch.randn(out_dim, in_dim, device=dev, dtype=torch.bfloat16, generator=gen) / in_dim**0.5
+               for _ in range(copies)]
+    x = torch.randn(1, in_dim, device=dev, dtype=torch.bfloat16, generator=gen)
+    return weights, x, out_dim * in_dim * 2, F.linear(x, weights[0]).float()
+
+
 def chain(dev, gen) -> None:
     """16 dependent products (each one's output the next one's input, as a decode step's layers),
     square weights: cuBLAS, the split-K GEMV, and the split-K GEMV with programmatic dependent
@@ -157,11 +167,7 @@ def main() -> None:
     if "--chain-only" in sys.argv:
         return
     for name, (out_dim, in_dim) in SHAPES.items():
-        weights = [torch.randn(out_dim, in_dim, device=dev, dtype=torch.bfloat16, generator=gen) / in_dim**0.5
-                   for _ in range(8)]
-        x = torch.randn(1, in_dim, device=dev, dtype=torch.bfloat16, generator=gen)
-        nbytes = out_dim * in_dim * 2
-        ref = F.linear(x, weights[0]).float()
+        weights, x, nbytes, ref = weight_copies(dev, gen, out_dim, in_dim)
         base = statistics.median(time_us([partial(F.linear, x, w) for w in weights]))
         print(f"{name:16s} cuBLAS: {base:6.1f} us {nbytes / base / 1e3:5.0f} GB/s", flush=True)
         for block_n, block_k, warps in LAUNCHES:

@@ -141,8 +141,18 @@ e2e_alternate() {  # variable, "values", decode_e2e arguments...: two rounds, ea
     done
   done
 }
-attention_rows() {  # decode_attention's result rows, the segment and efficient-SDPA columns cut, logged
-  grep -E "^\[|rror" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' | tee -a "$log"
+attention_rows() {  # decode_attention's result and cascade rows, the segment and efficient-SDPA columns cut, logged
+  grep -E "^\[|rror|cascade" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' | tee -a "$log"
+}
+kernels_alternate() {  # decode_attention arguments...: two rounds, each setting of the array CFGS in turn
+  local round cfg
+  for round in 1 2; do
+    for cfg in "${CFGS[@]}"; do
+      echo "-- kernels: ${cfg:-defaults}, round $round" | tee -a "$log"
+      # shellcheck disable=SC2086
+      env $cfg timeout 100 python3 -m segkv.bench.decode_attention "$@" 2>&1 | attention_rows
+    done
+  done
 }
 deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it off and on, two rounds
   e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
@@ -370,14 +380,9 @@ elif [ "$part" = cascade ]; then
     done
   done
 elif [ "$part" = b16 ]; then
-  for round in 1 2; do
-    for cfg in "SEGKV_TRITON_BLOCK_N=64" "SEGKV_TRITON_BLOCK_N=32" "SEGKV_TRITON_BLOCK_N=32 SEGKV_CUDA_BLOCKS_PER_SM=3"; do
-      echo "-- decode attention kernels, batch 16, $cfg" | tee -a "$log"
-      # shellcheck disable=SC2086
-      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-70b,llama3-8b --batches 16 \
-        --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 | attention_rows
-    done
-  done
+  CFGS=("SEGKV_TRITON_BLOCK_N=64" "SEGKV_TRITON_BLOCK_N=32" "SEGKV_TRITON_BLOCK_N=32 SEGKV_CUDA_BLOCKS_PER_SM=3")
+  kernels_alternate --shapes llama3-70b,llama3-8b --batches 16 --contexts 16384,32768,65536 --page-sizes 32 \
+    --no-cascade --trials 5
 elif [ "$part" = short ]; then
   echo "== GPU tests: short decode plans merged inside stage 1" | tee -a "$log"
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_planner.py \
@@ -459,14 +464,11 @@ elif [ "$part" = tall ]; then
   before="SEGKV_TRITON_TALL_BLOCK_N=64 SEGKV_TRITON_TALL_MAXNREG=0 SEGKV_CUDA_TALL_BLOCKS_PER_SM=2"
   GPU_TESTS_TIMEOUT=300 gpu_tests "attention kernels, every route (tall decode programs in the cascade ones)" -- \
     tests/test_triton_attention.py -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
-  for round in 1 2; do
-    for cfg in "" "$before"; do
-      for args in "--cascade-page-size 16" "--cascade-page-size 32" "--cascade-shape llama3-70b"; do
-        echo "-- cascade $args: ${cfg:-defaults}, round $round" | tee -a "$log"
-        env $cfg timeout 60 python3 -m segkv.bench.decode_attention --cascade-only --trials 3 $args 2>&1 \
-          | grep -E "cascade|rror" | head -2 | tee -a "$log"
-      done
-    done
+  CFGS=("" "$before")
+  for args in "--cascade-page-size 16" "--cascade-page-size 32" "--cascade-shape llama3-70b"; do
+    echo "-- cascade $args" | tee -a "$log"
+    # shellcheck disable=SC2086
+    kernels_alternate --cascade-only --trials 3 $args
   done
 elif [ "$part" = decode32 ]; then
   # decode programs with 32-row tiles (SEGKV_TRITON_BLOCK_N=32): offline (sm_90a) the 8B shape's
@@ -476,13 +478,9 @@ elif [ "$part" = decode32 ]; then
   # 3 per SM lost 1-6% before the stage-1 instruction diet, with more registers.) Kernels, two
   # rounds; then Llama-3.1-8B batch 1 and 8 alternating with the faster setting named in DECODE32
   # (default "SEGKV_TRITON_BLOCK_N=32 SEGKV_CUDA_BLOCKS_PER_SM=4").
-  for round in 1 2; do
-    for cfg in "" "SEGKV_TRITON_BLOCK_N=32 SEGKV_CUDA_BLOCKS_PER_SM=4" "SEGKV_TRITON_BLOCK_N=32 SEGKV_CUDA_BLOCKS_PER_SM=3"; do
-      echo "-- kernels: ${cfg:-defaults}, round $round" | tee -a "$log"
-      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b --batches 1,4,16 \
-        --contexts 16384,32768 --page-sizes 32 --no-cascade --trials 3 2>&1 | attention_rows
-    done
-  done
+  CFGS=("" "SEGKV_TRITON_BLOCK_N=32 SEGKV_CUDA_BLOCKS_PER_SM=4" "SEGKV_TRITON_BLOCK_N=32 SEGKV_CUDA_BLOCKS_PER_SM=3")
+  kernels_alternate --shapes llama3-8b,llama3-70b --batches 1,4,16 --contexts 16384,32768 --page-sizes 32 \
+    --no-cascade --trials 3
   cfg=${DECODE32:-"SEGKV_TRITON_BLOCK_N=32 SEGKV_CUDA_BLOCKS_PER_SM=4"}
   for round in 1 2; do
     e2e "defaults" -- --models llama-3.1-8b --batches 1,8 --contexts 1K,16K
@@ -494,14 +492,8 @@ elif [ "$part" = psplit ]; then
   # float32 products, so only the GPU runs the split), then kernels and the cascade, two rounds.
   GPU_TESTS_TIMEOUT=300 gpu_tests "P split by mask" SEGKV_ATTENTION_P_SPLIT_MASK=1 -- tests/test_triton_attention.py \
     tests/test_triton_mla.py -k "not (test_kernels_match_the_reference or test_latent_kernel_matches_the_reference) or (bf16 and 128 and 16-16)"
-  for round in 1 2; do
-    for value in 0 1; do
-      echo "-- kernels: SEGKV_ATTENTION_P_SPLIT_MASK=$value, round $round" | tee -a "$log"
-      SEGKV_ATTENTION_P_SPLIT_MASK=$value timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b \
-        --batches 1,16 --contexts 16384,32768 --page-sizes 32 --trials 3 2>&1 \
-        | grep -E "^\[|rror|cascade" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' | tee -a "$log"
-    done
-  done
+  CFGS=("SEGKV_ATTENTION_P_SPLIT_MASK=0" "SEGKV_ATTENTION_P_SPLIT_MASK=1")
+  kernels_alternate --shapes llama3-8b,llama3-70b --batches 1,16 --contexts 16384,32768 --page-sizes 32 --trials 3
 elif [ "$part" = lean ] || [ "$part" = leane2e ]; then
   # the stage-1 instruction diet (base-2 softmax with ex2.approx.ftz, one compare per score for
   # the mask, int32 page offsets): this tree against the one before it, unpacked into .ab_base
@@ -521,8 +513,7 @@ elif [ "$part" = lean ] || [ "$part" = leane2e ]; then
         echo "-- kernels, $tree tree, round $round" | tee -a "$log"
         (cd "$dir" && PYTHONPATH="$dir" timeout 150 python3 -m segkv.bench.decode_attention \
           --shapes llama3-8b,llama3-70b --batches 1,16 --contexts 16384,32768 --page-sizes 32 --trials 3) 2>&1 \
-          | grep -E "^\[|rror|cascade" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' \
-          | tee -a "$log"
+          | attention_rows
       else
         echo "-- decode, $tree tree, round $round" | tee -a "$log"
         (cd "$dir" && PYTHONPATH="$dir" timeout 130 python3 -m segkv.bench.decode_e2e --skip-hf --trials 3 \

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from expert_gemv_sweep import time_us  # scripts/ beside this one: the same graph timing
+from dense_gemv_sweep import weight_copies  # scripts/ beside this one: the same weights
+from expert_gemv_sweep import time_us  # and the same graph timing
 
 from segkv.bench.decode_attention import measured_read_bandwidth
 from segkv.kernels.dense_gemv import splitk_gemv, workspace_size
@@ -120,11 +121,7 @@ if QUICK:
 
 def isolated(dev, gen, rate):
     for name, (out_dim, in_dim) in SHAPES.items():
-        weights = [torch.randn(out_dim, in_dim, device=dev, dtype=torch.bfloat16, generator=gen) / in_dim**0.5
-                   for _ in range(8)]
-        x = torch.randn(1, in_dim, device=dev, dtype=torch.bfloat16, generator=gen)
-        nbytes = out_dim * in_dim * 2
-        ref = F.linear(x, weights[0]).float()
+        weights, x, nbytes, ref = weight_copies(dev, gen, out_dim, in_dim)
         spaces = {}
         runs = {"cuBLAS": [partial(F.linear, x, w) for w in weights],
                 "split-K (engine)": [partial(splitk, x, w, spaces) for w in weights]}

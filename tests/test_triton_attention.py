@@ -737,7 +737,7 @@ def test_which_launches_take_int64_page_offsets():
     assert stage1_launch(group=4, page_size=32, max_work_rows=1, **launch)["WIDE_OFFSETS"]  # 8B decode
     assert not stage1_launch(group=8, page_size=32, max_work_rows=1, **launch)["WIDE_OFFSETS"]  # transposed
     assert not stage1_launch(group=4, page_size=32, max_work_rows=16, **launch)["WIDE_OFFSETS"]  # 64 pairs
-    assert stage1_launch(group=4, page_size=16, max_work_rows=16, wide_offsets=True, **launch)["WIDE_OFFSETS"]
+    assert stage1_launch(group=4, page_size=16, max_work_rows=16, cache_needs_int64=True, **launch)["WIDE_OFFSETS"]
 
 
 @pytest.mark.parametrize("wide", [False, True])

@@ -39,8 +39,8 @@ def exp2_ftz(x):
 @triton.jit
 def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.constexpr):
     """Page ids, valid rows and first-row positions of pages ``pidx`` (0 past ``pg1``). The ids are
-    int64 when ``WIDE`` (a cache whose element offsets pass int32, :func:`paged_attention.wide_offsets`),
-    else int32: a page's offset is then one 32-bit multiply instead of a sign extension and a
+    int64 when ``WIDE`` (:func:`paged_attention.page_offsets_wide`: a cache whose element offsets pass
+    int32, or a launch measured faster so), else int32: a page's offset is then one 32-bit multiply instead of a sign extension and a
     64-bit product per tile row (sm_90a: 97 of a 64-pair tile loop's 857 instructions)."""
     in_range = pidx < pg1
     page = tl.load(page_table + pidx, mask=in_range, other=0)

@@ -274,7 +274,7 @@ def value_split_max_partials(launch: LaunchConfig, device: torch.device) -> int:
 
 def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size: int, max_work_rows: int,
                       element_size: int, num_rows: int | None = None, launch: LaunchConfig | None = None,
-                      wide_offsets: bool = False) -> dict:
+                      cache_needs_int64: bool = False) -> dict:
     """The latent stage-1 kernel's constexprs and launch options for a plan of this shape (pipeline
     stages shrunk to what fits in shared memory); ``launch`` defaults to :func:`default_mla_launch_config`.
     ``launch.value_split`` 0 launches two programs per pair block when the batch's ``num_rows``
@@ -287,7 +287,7 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
     plan has at most a quarter as many partials. Forced 2 follows the plan as the automatic split
     does; forced 4 takes quarters whatever the plan (tuning). A split never leaves a share fewer
     than 16 value columns (the products' minimum), so ranks under 64 split less or not at all.
-    ``wide_offsets``: the latent cache needs int64 element offsets (``paged_attention.wide_offsets``)."""
+    ``cache_needs_int64``: the latent cache needs int64 element offsets (``paged_attention.wide_offsets``)."""
     launch = launch or default_mla_launch_config()
     if launch.value_split not in (0, 1, 2, 4):
         raise ValueError(f"the latent value split must be 0 (chosen per launch), 1, 2 or 4 programs, "
@@ -308,7 +308,7 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
         # forced 2 and the automatic split follow the plan; forced 4 quarters whatever the plan
         ADAPTIVE=value_split > 1 and (launch.value_split == 2 or launch.value_split == 0),
         SHARES_LAST=launch.shares_last, CHAINS_APART=SCORE_CHAINS_APART,
-        WIDE_OFFSETS=page_offsets_wide(wide_offsets, row_major_decode=False, page_size=page_size),
+        WIDE_OFFSETS=page_offsets_wide(cache_needs_int64, row_major_decode=False, page_size=page_size),
         **maxnreg_option(launch),
         num_stages=stages_that_fit(launch.num_stages, block_n * (rank + rope) * element_size),
     )
@@ -336,7 +336,8 @@ def mla_paged_attention(
         launch = launch or default_mla_launch_config()
         meta = mla_stage1_launch(dtype=query.dtype, rank=rank, rope=rope, num_heads=num_heads, page_size=page_size,
                                  max_work_rows=max_work_rows, element_size=latent_cache.element_size(),
-                                 num_rows=num_rows, launch=launch, wide_offsets=wide_offsets(latent_cache))
+                                 num_rows=num_rows, launch=launch,
+                                 cache_needs_int64=wide_offsets(latent_cache))
         blocks = triton.cdiv(max_work_rows * num_heads, meta["BLOCK_M"])
         grid = ((blocks, num_work, meta["VALUE_SPLIT"]) if meta["SHARES_LAST"]
                 else (blocks * meta["VALUE_SPLIT"], num_work))

@@ -184,7 +184,7 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
         meta = paged_attention.stage1_launch(dtype=dtype, dk=d, dv=d, group=case.get("group", 4),
                                              page_size=case["page_size"], max_work_rows=case["rows"],
                                              element_size=element, launch=launch,
-                                             wide_offsets=case.get("wide", False))
+                                             cache_needs_int64=case.get("wide", False))
         fn, pointers = paged_attention._stage1_kernel, {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", **common}
     else:
         if "value_split" in case:
@@ -194,7 +194,7 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
                                                num_heads=case.get("heads", 16), page_size=case["page_size"],
                                                max_work_rows=case["rows"], element_size=element,
                                                num_rows=1 if case.get("one_query") else None, launch=launch,
-                                               wide_offsets=case.get("wide", False))
+                                               cache_needs_int64=case.get("wide", False))
         fn, pointers = mla_attention._mla_stage1_kernel, {"Q": f"*{t}", "LAT": f"*{t}", **common}
         if "score_chains" in case:
             meta["CHAINS_APART"] = bool(case["score_chains"])

@@ -312,6 +312,7 @@ def default_launch_config(*, head_dim: int) -> LaunchConfig:
         # tiles under 168 registers (40 bytes spilled) and 64 KB of shared memory, 3 per SM where
         # 64-row tiles (243 registers, 112 KB) fit 2. The cascade (16 forks of a 32K prefix) 0.0762
         # -> 0.0645 ms with the planner's tall wave of 3 per SM (H200). Prefill chunks keep block_n
+        # and no cap
         tall_block_n=env_int("SEGKV_TRITON_TALL_BLOCK_N", 32),
         tall_maxnreg=env_int("SEGKV_TRITON_TALL_MAXNREG", 168) or None,
         # a piece's KV heads side by side: 0-3% faster at batch 1-16 over 32K-128K (H200)
@@ -362,7 +363,7 @@ def paged_attention(
     if num_work and num_partials:
         meta = stage1_launch(dtype=query.dtype, dk=dk, dv=dv, group=group, page_size=page_size,
                              max_work_rows=max_work_rows, element_size=key_cache.element_size(), launch=launch,
-                             wide_offsets=wide_offsets(key_cache, value_cache))
+                             cache_needs_int64=wide_offsets(key_cache, value_cache))
         meta["MERGE"] = MERGE_IN_STAGE1_MAX_PARTIALS if merged else 0
         blocks = triton.cdiv(max_work_rows * group, meta["BLOCK_M"])
         grid = (num_kv, num_work, blocks) if meta["HEADS_FASTEST"] else (num_work, num_kv, blocks)
@@ -413,7 +414,7 @@ def wide_offsets(*caches: torch.Tensor) -> bool:
 
 
 def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_work_rows: int, element_size: int,
-                  launch: LaunchConfig | None = None, wide_offsets: bool = False) -> dict:
+                  launch: LaunchConfig | None = None, cache_needs_int64: bool = False) -> dict:
     """The stage-1 kernel's constexprs and launch options (``num_warps``, ``num_stages``, the
     register cap) for a plan of this shape: at most 64 (row x head) pairs per program (32 for
     heads wider than 128), tall (64-pair) programs with ``tall_warps``, and those of at most
@@ -422,7 +423,7 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     ``DeviceSpec.tall_wave_size``, counts on them fitting 3 to an SM), and pipeline stages shrunk to what
     fits in shared memory. Programs of ``launch.transposed_min_pairs`` to 16 pairs take the
     transposed products (decode rows; taller programs already fill a warpgroup MMA with their pairs).
-    ``launch`` defaults to :func:`default_launch_config`; ``wide_offsets``: the caches need int64
+    ``launch`` defaults to :func:`default_launch_config`; ``cache_needs_int64``: the caches need int64
     element offsets (:func:`wide_offsets`; the launch's offsets: :func:`page_offsets_wide`)."""
     launch = launch or default_launch_config(head_dim=max(dk, dv))
     block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
@@ -439,7 +440,7 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         MERGE=0, TRANSPOSED=transposed, PLAN_EARLY=PLAN_EARLY == 2 or (PLAN_EARLY == 1 and block_m <= 16 and not transposed),
         MERGE_LANES=min(triton.next_power_of_2(group), block_m),
         MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED,
-        WIDE_OFFSETS=page_offsets_wide(wide_offsets, row_major_decode=block_m <= 16 and not transposed,
+        WIDE_OFFSETS=page_offsets_wide(cache_needs_int64, row_major_decode=block_m <= 16 and not transposed,
                                        page_size=page_size),
         num_warps=launch.tall_warps if tall else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size),
