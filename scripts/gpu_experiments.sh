@@ -15,6 +15,9 @@
 # default, were measured end to end at batch 1 only: the part scorechains below has the rest.
 # Measured (docs/benchmarks.md, "The decode programs' MMA chains, row sums and warp split
 # measured"): warpsplit, latentlate, chains and sumlate, all removed with their switches (git history).
+# Measured (docs/benchmarks.md, "The stage-1 instruction diet" and "Tall decode programs at the
+# defaults; 32-row decode tiles and P split by mask measured"): lean, leane2e, tall, decode32 and
+# psplit (the last two slower or level: removed, the P split with its switch; git history).
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
 #             against 0.0067 with halves) and the shares as the grid's last dimension
@@ -57,18 +60,6 @@
 #             at 1K / 16K, measured), and batch 1 with quarters of the
 #             values for plans of few partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4, SEGKV_MLA_SHARES_LAST=1;
 #             chains of 8 steps, the halves' 16) against the default halves (about 4 minutes).
-#   tall      the cascade with the tall decode programs at the defaults against the settings
-#             before them, 8B (pages of 16 / 32) and 70B shapes (about 3 minutes).
-#   decode32  decode programs with 32-row tiles, planned for 4 or 3 per SM, against the defaults
-#             (kernels at batch 1 / 4 / 16, then Llama-3.1-8B batch 1 and 8; about 6 minutes).
-#   psplit    P's two bf16 parts by bit mask (SEGKV_ATTENTION_P_SPLIT_MASK=1): GPU tests with it,
-#             kernels and the cascade on / off (about 5 minutes).
-#   lean      the stage-1 instruction diet against the tree before it (.ab_base): the int64-offset
-#             GPU test, kernels at batch 1 / 16 and the cascade (about 2 minutes; LEAN_ROUNDS=1 for
-#             one round); leane2e: Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at 1K / 16K (about 3
-#             minutes). Measured (docs/benchmarks.md, "The stage-1 instruction diet"); the tall
-#             decode programs' 32-row tiles, 3 per SM, came after and are not in that run: `lean`
-#             against the tree before them times the cascade at the new defaults.
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
@@ -455,72 +446,6 @@ elif [ "$part" = scorechains ]; then
     e2e "halves (default)" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
     e2e "quarters, shares last" SEGKV_MLA_VALUE_SPLIT_AUTO=4 SEGKV_MLA_SHARES_LAST=1 -- --models deepseek-v2-lite \
       --batches 1 --contexts 1K,16K
-  done
-elif [ "$part" = tall ]; then
-  # the tall decode programs at the defaults (32-row tiles, 168 registers, planned 3 per SM) against
-  # the settings before them (64-row tiles, no cap, 2 per SM): the cascade on the 8B shape at pages
-  # of 16 and 32 and on the 70B shape (128 pairs: two programs per work item), two rounds; measured
-  # so far only with the settings forced for every program (docs/benchmarks.md).
-  before="SEGKV_TRITON_TALL_BLOCK_N=64 SEGKV_TRITON_TALL_MAXNREG=0 SEGKV_CUDA_TALL_BLOCKS_PER_SM=2"
-  GPU_TESTS_TIMEOUT=300 gpu_tests "attention kernels, every route (tall decode programs in the cascade ones)" -- \
-    tests/test_triton_attention.py -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
-  CFGS=("" "$before")
-  for args in "--cascade-page-size 16" "--cascade-page-size 32" "--cascade-shape llama3-70b"; do
-    echo "-- cascade $args" | tee -a "$log"
-    # shellcheck disable=SC2086
-    kernels_alternate --cascade-only --trials 3 $args
-  done
-elif [ "$part" = decode32 ]; then
-  # decode programs with 32-row tiles (SEGKV_TRITON_BLOCK_N=32): offline (sm_90a) the 8B shape's
-  # row-major programs take 128 registers and 38 KB instead of 186 and 72 KB (4 per SM instead of
-  # 2), the 70B shape's transposed ones 120 and 46 KB; planned for 4 or 3 per SM
-  # (SEGKV_CUDA_BLOCKS_PER_SM) against the default 64-row tiles at 2. (Batch 16 with 32-row tiles at
-  # 3 per SM lost 1-6% before the stage-1 instruction diet, with more registers.) Kernels, two
-  # rounds; then Llama-3.1-8B batch 1 and 8 alternating with the faster setting named in DECODE32
-  # (default "SEGKV_TRITON_BLOCK_N=32 SEGKV_CUDA_BLOCKS_PER_SM=4").
-  CFGS=("" "SEGKV_TRITON_BLOCK_N=32 SEGKV_CUDA_BLOCKS_PER_SM=4" "SEGKV_TRITON_BLOCK_N=32 SEGKV_CUDA_BLOCKS_PER_SM=3")
-  kernels_alternate --shapes llama3-8b,llama3-70b --batches 1,4,16 --contexts 16384,32768 --page-sizes 32 \
-    --no-cascade --trials 3
-  cfg=${DECODE32:-"SEGKV_TRITON_BLOCK_N=32 SEGKV_CUDA_BLOCKS_PER_SM=4"}
-  for round in 1 2; do
-    e2e "defaults" -- --models llama-3.1-8b --batches 1,8 --contexts 1K,16K
-    e2e "$cfg" $cfg -- --models llama-3.1-8b --batches 1,8 --contexts 1K,16K
-  done
-elif [ "$part" = psplit ]; then
-  # P's two bf16 parts by bit mask (SEGKV_ATTENTION_P_SPLIT_MASK=1; a 64-pair tile loop 441 -> 427
-  # instructions, batch-1 decode 481 -> 473, offline): the GPU tests with it (the interpreter runs
-  # float32 products, so only the GPU runs the split), then kernels and the cascade, two rounds.
-  GPU_TESTS_TIMEOUT=300 gpu_tests "P split by mask" SEGKV_ATTENTION_P_SPLIT_MASK=1 -- tests/test_triton_attention.py \
-    tests/test_triton_mla.py -k "not (test_kernels_match_the_reference or test_latent_kernel_matches_the_reference) or (bf16 and 128 and 16-16)"
-  CFGS=("SEGKV_ATTENTION_P_SPLIT_MASK=0" "SEGKV_ATTENTION_P_SPLIT_MASK=1")
-  kernels_alternate --shapes llama3-8b,llama3-70b --batches 1,16 --contexts 16384,32768 --page-sizes 32 --trials 3
-elif [ "$part" = lean ] || [ "$part" = leane2e ]; then
-  # the stage-1 instruction diet (base-2 softmax with ex2.approx.ftz, one compare per score for
-  # the mask, int32 page offsets): this tree against the one before it, unpacked into .ab_base
-  # (`git archive 5b548c8 segkv scripts | tar -x -C .ab_base`, carried), alternating, two rounds.
-  # lean: the GPU test of int64 page offsets, then the kernels (8B / 70B shapes, batch 1 and 16 at
-  # 16K / 32K, pages of 32, and the cascade); leane2e: Llama-3.1-8B and DeepSeek-V2-Lite batch 1.
-  if [ "$part" = lean ]; then
-    gpu_tests "int64 page offsets" -- tests/test_triton_attention.py -k "two_to_the_31 or offsets"
-  fi
-  rounds="1 2"
-  [ "$part" = lean ] && rounds=${LEAN_ROUNDS:-"1 2"}
-  for round in $rounds; do
-    for tree in base new; do
-      dir=$PWD
-      [ "$tree" = base ] && dir=$PWD/.ab_base
-      if [ "$part" = lean ]; then
-        echo "-- kernels, $tree tree, round $round" | tee -a "$log"
-        (cd "$dir" && PYTHONPATH="$dir" timeout 150 python3 -m segkv.bench.decode_attention \
-          --shapes llama3-8b,llama3-70b --batches 1,16 --contexts 16384,32768 --page-sizes 32 --trials 3) 2>&1 \
-          | attention_rows
-      else
-        echo "-- decode, $tree tree, round $round" | tee -a "$log"
-        (cd "$dir" && PYTHONPATH="$dir" timeout 130 python3 -m segkv.bench.decode_e2e --skip-hf --trials 3 \
-          --models llama-3.1-8b,deepseek-v2-lite --batches 1 --contexts 1K,16K) 2>&1 | grep -E "^\[|rror" \
-          | tee -a "$log"
-      fi
-    done
   done
 elif [ "$part" = verify ]; then
   # after a change of defaults or a removal: the attention kernels' GPU tests (bf16 / head_dim 128 /

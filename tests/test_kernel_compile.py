@@ -158,14 +158,3 @@ def test_decode_programs_take_exp2_without_subnormals_and_32_bit_page_offsets():
         assert report["ex2"] == ["ex2.approx.ftz.f32"]
     assert narrow["mul64"] < wide["mul64"]
     assert latent_narrow["mul64"] < latent_wide["mul64"]
-
-
-def test_p_split_by_mask_compiles_with_fewer_conversions():
-    """``SEGKV_ATTENTION_P_SPLIT_MASK=1`` (off by default, measured next on the GPU): P's high bf16
-    part by clearing its low 16 bits, so the bf16 -> float32 conversion back disappears (the
-    64-pair program: fewer ``cvt`` instructions, a 0xFFFF0000 mask), no spills added."""
-    case = {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 16, "rows": 16, "assemble": True}
-    (default,) = compile_cases([case])
-    (masked,) = compile_cases([case], SEGKV_ATTENTION_P_SPLIT_MASK="1")
-    assert masked["spill_bytes"] <= default["spill_bytes"]
-    assert masked["cvt"] < default["cvt"] and masked["mask_ffff0000"] > 0 == default["mask_ffff0000"]

@@ -16,13 +16,6 @@ import triton.language as tl
 # which is 1. The interpreter runs Triton's ``exp2``.
 FAST_EXP2: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1"
                                        and os.environ.get("SEGKV_ATTENTION_FTZ_EXP2", "1") == "1")
-# P's split into two bf16 parts by bit mask (SEGKV_ATTENTION_P_SPLIT_MASK=1): the high part is P
-# with its low 16 bits cleared (exact in bf16, no rounding), the low part the rounded rest; the
-# high part reaches the product by a pack instead of a conversion and back (sm_90a: a tall decode
-# program's 32-row tile loop 441 -> 427 instructions). The remainder is then under one bf16 ulp of
-# P instead of half of one: the two parts hold P to within 2^-16 of it instead of 2^-18, both far
-# inside a bf16 output's rounding. Off until measured on the GPU.
-P_SPLIT_MASK: tl.constexpr = tl.constexpr(os.environ.get("SEGKV_ATTENTION_P_SPLIT_MASK", "0") == "1")
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -92,10 +85,7 @@ def load_kv(k_base, v_base, page, stride_kp, stride_vp, in_page, dk_ok, dv_ok):
 @triton.jit
 def _split_p(p, dtype: tl.constexpr):
     """Float32 weights ``p`` as two parts of the half-precision ``dtype`` whose sum is ``p`` to about
-    16 bits (:data:`P_SPLIT_MASK`: bf16's high part by bit mask)."""
-    if P_SPLIT_MASK and dtype == tl.bfloat16:
-        p_hi32 = (p.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
-        return p_hi32.to(tl.bfloat16), (p - p_hi32).to(tl.bfloat16)
+    16 bits: the high part rounded, the low part the rounded rest."""
     p_hi = p.to(dtype)
     return p_hi, (p - p_hi.to(tl.float32)).to(dtype)
 
