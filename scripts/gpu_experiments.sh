@@ -16,8 +16,8 @@
 # Measured (docs/benchmarks.md, "The decode programs' MMA chains, row sums and warp split
 # measured"): warpsplit, latentlate, chains and sumlate, all removed with their switches (git history).
 # Measured (docs/benchmarks.md, "The stage-1 instruction diet" and "Tall decode programs at the
-# defaults; 32-row decode tiles and P split by mask measured"): lean, leane2e, tall, decode32 and
-# psplit (the last two slower or level: removed, the P split with its switch; git history).
+# defaults; 32-row decode tiles and P split by mask measured"): lean, leane2e, tall, decode32,
+# psplit and cascadewave (the last three slower or level: removed, the P split with its switch; git history).
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
 #             against 0.0067 with halves) and the shares as the grid's last dimension
