@@ -62,8 +62,8 @@
 #             chains of 8 steps, the halves' 16) against the default halves (about 4 minutes).
 #   mergeblock  the GQA merge summing each block of partials as it comes (48 registers at 32
 #             partials a step, 96 at 64; 128 before, so the cascade's 1024 merge programs took two
-#             waves): GPU tests at 32 a step, then the tree before it (.ab_base: `git archive
-#             8f37f28 segkv scripts` unpacked, carried) against 64 and 32 a step: the cascade at pages of 16 and
+#             waves): GPU tests at 32 a step, then the tree before it (.ab_base, `git archive
+#             8f37f28..` unpacked, carried) against 64 and 32 a step: the cascade at pages of 16 and
 #             32, batch 1 / 4 at 16K / 32K / 128K, alternating, two rounds (about 5 minutes).
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
