@@ -60,11 +60,6 @@
 #             at 1K / 16K, measured), and batch 1 with quarters of the
 #             values for plans of few partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4, SEGKV_MLA_SHARES_LAST=1;
 #             chains of 8 steps, the halves' 16) against the default halves (about 4 minutes).
-#   mergeblock  the GQA merge summing each block of partials as it comes (48 registers at 32
-#             partials a step, 96 at 64; 128 before, so the cascade's 1024 merge programs took two
-#             waves): GPU tests at 32 a step, then the tree before it (.ab_base, `git archive
-#             8f37f28..` unpacked, carried) against 64 and 32 a step: the cascade at pages of 16 and
-#             32, batch 1 / 4 at 16K / 32K / 128K, alternating, two rounds (about 5 minutes).
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
@@ -451,23 +446,6 @@ elif [ "$part" = scorechains ]; then
     e2e "halves (default)" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
     e2e "quarters, shares last" SEGKV_MLA_VALUE_SPLIT_AUTO=4 SEGKV_MLA_SHARES_LAST=1 -- --models deepseek-v2-lite \
       --batches 1 --contexts 1K,16K
-  done
-elif [ "$part" = mergeblock ]; then
-  GPU_TESTS_TIMEOUT=240 gpu_tests "merge at 32 partials a step" SEGKV_MERGE_BLOCK_P=32 -- tests/test_triton_attention.py \
-    -k "merge or cascade or masked or many"
-  for round in 1 2; do
-    for cfg in base 64 32; do
-      dir=$PWD
-      [ "$cfg" = base ] && dir=$PWD/.ab_base
-      echo "-- merge $cfg, round $round" | tee -a "$log"
-      for pages in 16 32; do
-        (cd "$dir" && PYTHONPATH="$dir" SEGKV_MERGE_BLOCK_P=$cfg timeout 60 python3 -m segkv.bench.decode_attention \
-          --cascade-only --trials 3 --cascade-page-size "$pages") 2>&1 | grep -E "^cascade|rror" | tee -a "$log"
-      done
-      (cd "$dir" && PYTHONPATH="$dir" SEGKV_MERGE_BLOCK_P=$cfg timeout 100 python3 -m segkv.bench.decode_attention \
-        --shapes llama3-8b --batches 1,4 --contexts 16384,32768,131072 --page-sizes 32 --no-cascade --trials 3) 2>&1 \
-        | attention_rows
-    done
   done
 elif [ "$part" = verify ]; then
   # after a change of defaults or a removal: the attention kernels' GPU tests (bf16 / head_dim 128 /

@@ -108,18 +108,6 @@ def test_the_merge_lets_the_next_kernel_launch_when_told():
     assert orders == expected * 2
 
 
-def test_gqa_merge_programs_fit_eight_to_a_multiprocessor_at_32_partials_a_step():
-    """The GQA merge reduces each block of partials as it comes (a 64-column vector, not a
-    ``(partials, 64)`` running sum): at 32 partials a step a program takes at most 64 registers,
-    so 8 fit a multiprocessor and 16 rows' 1024 programs (the cascade's forks) one H200 wave; at
-    64 a step it takes more. The latent merge keeps its per-lane sums. No spills."""
-    cases = [{"kernel": "merge", "dv": dv, "trigger": 1, "plan_early": True} for dv in (128, 512)]
-    (gqa32, latent) = compile_cases(cases, SEGKV_MERGE_BLOCK_P="32")
-    (gqa64, _) = compile_cases(cases, SEGKV_MERGE_BLOCK_P="64")
-    assert gqa32["registers"] <= 64 < gqa64["registers"], (gqa32, gqa64)
-    assert gqa32["spill_bytes"] == gqa64["spill_bytes"] == latent["spill_bytes"] == 0
-
-
 def test_latent_score_pieces_are_separate_mma_chains_when_told():
     """``SEGKV_MLA_SCORE_CHAINS``: by default Triton folds the sum of the scores' pieces into one
     accumulator, so a batch-1 latent program's scores are one chain of 36 MMA steps (its half of

@@ -521,26 +521,21 @@ def test_merge_of_many_partials_per_row(gen):
                                 scale=0.125, device=DEVICE))
 
 
-@pytest.mark.parametrize("plan_early,trigger,dim,block_p", [(False, 1, 96, 64), (True, 2, 96, 32), (True, 0, 96, 16),
-                                                             (False, 1, 512, 64)])
-def test_merge_kernel_folds_blocks_of_partials_exactly(plan_early, trigger, dim, block_p, gen, monkeypatch):
+@pytest.mark.parametrize("plan_early,trigger", [(False, 1), (True, 2), (True, 0)])
+def test_merge_kernel_folds_blocks_of_partials_exactly(plan_early, trigger, gen, monkeypatch):
     """The one-pass merge against the contract's formula (``merge_partials``) on synthetic partials:
     rows of 150 partials (three blocks of 64) whose first block is all empty, whose last is, whose
     live LSEs span 80 nats (the running maximum grows across blocks and earlier sums are rescaled),
     a row of 64 empties, and a row with no partials. Empty partials hold NaN outputs: weight 0.
     Also with the first block's partial ids read before the wait, and the next kernel let in when
-    the merge ends or at once (``SEGKV_MERGE_TRIGGER``; on the GPU, where the merge uses PDL); GQA
-    widths (each block's partials summed as they come) at 64, 32 and 16 partials a step
-    (``SEGKV_MERGE_BLOCK_P``), and the latent width (per-lane sums)."""
+    the merge ends or at once (``SEGKV_MERGE_TRIGGER``; on the GPU, where the merge uses PDL)."""
     from segkv.kernels import paged_attention
     from segkv.kernels.paged_attention import merge_into
 
     monkeypatch.setattr(paged_attention, "PLAN_EARLY", int(plan_early))
     monkeypatch.setattr(paged_attention, "MERGE_TRIGGER", trigger)
-    monkeypatch.setattr(paged_attention, "GQA_MERGE_BLOCK_P", block_p)
-    assert paged_attention.merge_launch(dim)["SUM_EACH_BLOCK"] == (dim < 512)
 
-    heads = 3
+    heads, dim = 3, 96
     counts = [150, 150, 150, 64, 0, 2]
     num = sum(counts)
     lse = (torch.rand(num, heads, generator=gen) * 80 - 40).to(DEVICE)

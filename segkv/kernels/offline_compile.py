@@ -225,17 +225,17 @@ def stage1_report(case: dict, launch=None) -> dict:
 def merge_report(case: dict) -> dict:
     """The merge kernel with programmatic dependent launch for ``{"kernel": "merge", "dv": int,
     "trigger": 0 | 1 | 2, "plan_early": bool}`` (bf16 output, the launcher's column and partial
-    blocks, ``SEGKV_MERGE_BLOCK_P`` read at import): its PDL instructions in program order
-    (``griddepcontrol.wait`` and ``.launch_dependents``), registers and spilled bytes."""
+    blocks): its PDL instructions in program order (``griddepcontrol.wait`` and
+    ``.launch_dependents``)."""
     from segkv.kernels import paged_attention
 
     dv = case["dv"]
-    meta = {"DV": dv, **paged_attention.merge_launch(dv), "USE_PDL": True,
+    block_dv = paged_attention.merge_block_dv(dv)
+    meta = {"DV": dv, "BLOCK_DV": block_dv, "BLOCK_P": 16 if block_dv > 256 else 64, "USE_PDL": True,
             "PLAN_EARLY": bool(case.get("plan_early", False)), "TRIGGER": case["trigger"], "num_warps": 4}
-    kernel = compile_offline(paged_attention._merge_kernel, meta,
+    kernel = compile_offline(paged_attention._merge_kernel, meta, assemble=False,
                              pointers={"PART_OUT": "*fp32", "PART_LSE": "*fp32", "OUT": "*bf16", "OUT_LSE": "*fp32"})
-    return {"case": case, "pdl": pdl_order(kernel.ptx), "registers": kernel.registers,
-            "spill_bytes": kernel.spill_bytes}
+    return {"case": case, "pdl": pdl_order(kernel.ptx)}
 
 
 def _main() -> None:

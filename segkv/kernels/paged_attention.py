@@ -163,7 +163,7 @@ def _merge_kernel(
     PART_OUT, PART_LSE, OUT, OUT_LSE, reduce_ptr, reduce_partials,
     stride_pp, stride_ph, stride_lp, stride_or, stride_oh, stride_lr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr = False,
-    PLAN_EARLY: tl.constexpr = False, TRIGGER: tl.constexpr = 1, SUM_EACH_BLOCK: tl.constexpr = False,
+    PLAN_EARLY: tl.constexpr = False, TRIGGER: tl.constexpr = 1,
 ):
     """One program per (query row, head, ``BLOCK_DV`` value columns): the exact merge of its
     partials, rounded once. Rows without partials get 0 and LSE -inf; rows with exactly one were
@@ -175,10 +175,7 @@ def _merge_kernel(
     every partial. With ``USE_PDL``: ``PLAN_EARLY`` reads the first block's partial ids (the
     host's plan) before waiting for stage 1; ``TRIGGER`` is when the next kernel may launch: 0 at
     once (its programs load their weights while stage 1 and the merge run), 1 right after the
-    wait, 2 when the merge ends (its weight loads do not compete with the merge's). ``SUM_EACH_BLOCK``:
-    the weighted sum is reduced over each block's partials as it comes (a ``BLOCK_DV`` vector)
-    instead of kept per partial lane and reduced at the end (a ``(BLOCK_P, BLOCK_DV)`` block:
-    fewer cross-lane sums in a loop of many blocks, more registers)."""
+    wait, 2 when the merge ends (its weight loads do not compete with the merge's)."""
     if USE_PDL and TRIGGER == 0:  # the next kernel reads the merge's output only after its own wait
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
@@ -211,10 +208,7 @@ def _merge_kernel(
     col_ok = offs < DV
     m = tl.full([BLOCK_P], float("-inf"), tl.float32)  # running maximum (all lanes equal)
     total = tl.zeros([BLOCK_P], tl.float32)
-    if SUM_EACH_BLOCK:  # the weighted sum reduced over each block's partials as it comes
-        acc = tl.zeros([BLOCK_DV], tl.float32)
-    else:  # one running sum per lane, reduced once at the end
-        acc = tl.zeros([BLOCK_P, BLOCK_DV], tl.float32)
+    acc = tl.zeros([BLOCK_P, BLOCK_DV], tl.float32)
     for i0 in range(start, end, BLOCK_P):
         ok = i0 + offs_p < end
         p = p_next
@@ -227,16 +221,10 @@ def _merge_kernel(
         alpha = tl.exp(m - m_safe)  # rescales what earlier blocks summed; 0 while nothing was live
         live = lse != float("-inf")
         wgt = tl.where(live, tl.exp(lse - m_safe), 0.0)
-        if SUM_EACH_BLOCK:
-            acc = acc * tl.max(alpha, 0) + tl.sum(wgt[:, None] * tl.where(live[:, None], o, 0.0), 0)
-        else:
-            acc = acc * alpha[:, None] + wgt[:, None] * tl.where(live[:, None], o, 0.0)
+        acc = acc * alpha[:, None] + wgt[:, None] * tl.where(live[:, None], o, 0.0)
         total = total * alpha + wgt
         m = m_new
-    if SUM_EACH_BLOCK:
-        out = acc
-    else:
-        out = tl.sum(acc, 0)
+    out = tl.sum(acc, 0)
     weight = tl.sum(total, 0)
     m_max = tl.max(m, 0)
     empty = weight == 0.0
@@ -556,12 +544,6 @@ if MERGE_IN_STAGE1_MAX_PARTIALS not in (0, 2, 4, 8, 16, 32, 64):
 # 16 (twice the programs again) measured 506-508 / 439-440 against 32's 514-518 / 447.
 MERGE_BLOCK_DV = env_int("SEGKV_MERGE_BLOCK_DV", None)
 GQA_MERGE_BLOCK_DV, LATENT_MERGE_BLOCK_DV = 64, 32
-# partials per step of a GQA merge (SEGKV_MERGE_BLOCK_P): 64 takes a batch-1 row's 32-33 partials
-# in one step at 96 registers (sm_90a, 5 programs per SM); 32 takes 48 registers, so the 1024
-# programs of 16 rows' merge (the cascade's forks) fit one wave, and 33-34 partials take two steps
-GQA_MERGE_BLOCK_P = env_int("SEGKV_MERGE_BLOCK_P", 64)
-if GQA_MERGE_BLOCK_P not in (16, 32, 64, 128):
-    raise ValueError(f"SEGKV_MERGE_BLOCK_P must be 16, 32, 64 or 128, got {GQA_MERGE_BLOCK_P}")
 
 
 def merge_block_dv(dv: int) -> int:
@@ -573,26 +555,18 @@ def merge_block_dv(dv: int) -> int:
     return min(max(16, triton.next_power_of_2(dv)), width)
 
 
-def merge_launch(dv: int) -> dict:
-    """The merge kernel's column and partial blocks for ``dv``-wide values: GQA merges take
-    ``GQA_MERGE_BLOCK_P`` partials per step reduced as they come; latent merges (512 columns) 64
-    per step kept per lane (a 256-way latent split in four steps; 16 for columns blocks wider
-    than 256)."""
-    block_dv = merge_block_dv(dv)
-    if dv >= 512 or block_dv > 256:
-        return dict(BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, SUM_EACH_BLOCK=False)
-    return dict(BLOCK_DV=block_dv, BLOCK_P=GQA_MERGE_BLOCK_P, SUM_EACH_BLOCK=True)
-
-
 def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> None:
     """Launch the merge: every row of ``out``/``lse`` from its partials (CSR ``reduce_ptr``)."""
     num_rows, num_heads, dv = out.shape
-    blocks = merge_launch(dv)
-    _merge_kernel[(num_rows, num_heads, triton.cdiv(dv, blocks["BLOCK_DV"]))](
+    block_dv = merge_block_dv(dv)
+    _merge_kernel[(num_rows, num_heads, triton.cdiv(dv, block_dv))](
         part_out, part_lse, out, lse, reduce_ptr, reduce_partials,
         part_out.stride(0), part_out.stride(1), part_lse.stride(0),
         out.stride(0), out.stride(1), lse.stride(0),
-        DV=dv, PLAN_EARLY=PLAN_EARLY > 0, TRIGGER=MERGE_TRIGGER, **blocks, **attention_pdl_options(out),
+        # 64 partials per step: a GQA decode row's partials (33 on the H200) in one step, a
+        # 256-way latent split in four
+        DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, PLAN_EARLY=PLAN_EARLY > 0,
+        TRIGGER=MERGE_TRIGGER, **attention_pdl_options(out),
     )
 
 
