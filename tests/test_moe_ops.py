@@ -12,9 +12,12 @@ DEVICE = "cuda" if GPU else "cpu"
 
 
 def torch_route(logits: torch.Tensor, k: int, scoring: str, norm: bool, scaling: float):
-    """The unfused router's arithmetic (layers/moe.py, ungrouped)."""
+    """The unfused router's arithmetic (layers/moe.py, ungrouped), equal scores in the order of
+    their experts as the kernel takes them: distinct logits can still tie once scored (sigmoid
+    saturates, so logits 6.279085 and 6.279076 both score 0.99812835 in float32), and
+    ``topk``'s order among ties is unspecified."""
     scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
-    ids = scores.topk(k, dim=-1).indices
+    ids = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
     weights = scores.gather(1, ids)
     if norm:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -28,7 +31,7 @@ def test_route_topk_matches_the_torch_router(experts, k, scoring, norm, scaling,
     logits = (torch.randn(9, experts, generator=gen) * 3).to(DEVICE)
     weights, ids = route_topk(logits, k, scoring=scoring, norm_topk_prob=norm, scaling=scaling)
     ref_w, ref_ids = torch_route(logits, k, scoring, norm, scaling)
-    assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids)  # distinct random logits: no ties
+    assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids)
     assert torch.isfinite(weights).all()
     torch.testing.assert_close(weights, ref_w, rtol=2e-6, atol=1e-7)
 
