@@ -1,0 +1,346 @@
+"""Probe: the cascade's tall prefix programs written in Gluon, with each tile's P.V products in flight
+while the next tile's scores and softmax run (GPU machine; ``--compile-only`` anywhere with Triton 3.6).
+
+The Triton stage-1 kernel runs each tile as one chain per warpgroup: scores, wait, softmax, P.V
+products, wait (Triton 3.6 issues every warpgroup MMA synchronously on sm_90a). Gluon
+(``triton.experimental.gluon``) issues them asynchronously and waits with a count, so here the
+loop issues tile t+1's scores and tile t's P.V products together, waits for the scores only (2
+groups still outstanding), runs the softmax, and only then waits for the products
+(``OVERLAP`` 1, or 2 naming the softmax's weights in that wait so they come before it; 3: the
+weights keep a row's reference max until a tile passes it by 2^8, so the products are waited for
+only when a row's reference moves, and otherwise run on into the next tile's; 0: the same kernel waits after each
+product, as Triton does).
+
+The probe: 16 forks of one 32K prefix (the Llama-3-8B shape: 32 query heads, 8 KV heads,
+head_dim 128, pages of 16), each with one decode row at the prefix's end. The Gluon programs
+(one per KV head and partition, 64 (row, head) pairs, 32-row tiles in three cp.async buffers)
+write float32 partials that the engine's merge kernel combines; segkv's Triton path runs the
+planner's cascade plan of the same batch. Both are checked against float32 attention in torch and
+timed in CUDA graphs (median, min and max of shuffled trials).
+
+Usage: ``python3 scripts/gluon_tall_probe.py [--compile-only] [--trials 7]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
+                                                              warpgroup_mma_wait)
+
+LN2 = gl.constexpr(0.6931471805599453)
+TAU = gl.constexpr(8.0)  # how far (base 2) a row's max may pass its reference before the rescale (OVERLAP 3)
+LOG2E = 1.4426950408889634
+
+
+@gluon.jit
+def _exp2(x):
+    """``2 ** x``, results below 2^-126 flushed to 0 (as the Triton kernels' ``exp2_ftz``)."""
+    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _issue_tile(k_smem, v_smem, buf, t, n_tiles, K, V, page_table, pg0, pg1, kvh, stride_kp, stride_kn, stride_kh,
+                krows, cols, PAGE: gl.constexpr, PAGES_PER_TILE: gl.constexpr):
+    """cp.async of tile ``t``'s K and V rows ``(BLOCK_N, D)`` into buffer ``buf`` (zeros past the
+    partition or past the last tile), one commit group."""
+    entry = pg0 + t * PAGES_PER_TILE + krows // PAGE
+    ok = (entry < pg1) & (t < n_tiles)
+    page = gl.load(page_table + entry, mask=ok, other=0)
+    offset = page * stride_kp + (krows % PAGE) * stride_kn + kvh * stride_kh
+    mask = ok[:, None] & (cols >= 0)[None, :]  # broadcast to the tile
+    async_copy.async_copy_global_to_shared(k_smem.index(buf), K + offset[:, None] + cols[None, :], mask=mask)
+    async_copy.async_copy_global_to_shared(v_smem.index(buf), V + offset[:, None] + cols[None, :], mask=mask)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, t, pg0, pg1, scale2, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
+             PAGES_PER_TILE: gl.constexpr, s_layout: gl.constexpr):
+    """Tile ``t``'s scores ``(BLOCK_M, BLOCK_N)`` masked to the partition's keys, folded into the
+    running max (base-2 units) and sum: the weights, the rescale factor, the new max and sum."""
+    scol = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    live = (pg0 + t * PAGES_PER_TILE + scol // PAGE) < pg1
+    s = gl.where(live[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * scale2)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = _exp2(s * scale2 - m_safe[:, None])
+    alpha = _exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def tall_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
+                       stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_op, stride_oh, stride_lp,
+                       scale2, GROUP: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+                       BLOCK_N: gl.constexpr, OVERLAP: gl.constexpr):
+    """One program: the ``ROWS x GROUP`` (row, head) pairs of KV head ``program_id(0)`` over
+    partition ``program_id(1)`` of the prefix's pages, every key visible. Writes float32 partial
+    outputs ``OUT[part * ROWS + row, head, :]`` and natural LSEs ``LSE[part * ROWS + row, head]``."""
+    BLOCK_M: gl.constexpr = ROWS * GROUP
+    PAGES_PER_TILE: gl.constexpr = BLOCK_N // PAGE
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    kvh = gl.program_id(0)
+    part = gl.program_id(1)
+    pg0 = part * pages_per_part
+    pg1 = gl.minimum(pg0 + pages_per_part, num_pages)
+    n_tiles = (pg1 - pg0 + PAGES_PER_TILE - 1) // PAGES_PER_TILE
+
+    pairs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+    q = gl.load(Q + ((pairs // GROUP) * stride_qr + (kvh * GROUP + pairs % GROUP) * stride_qh)[:, None] + cols[None, :])
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D], sh, q)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_N, D], sh)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_N, D], sh)
+    krows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+    _issue_tile(k_smem, v_smem, 0, 0, n_tiles, K, V, page_table, pg0, pg1, kvh, stride_kp, stride_kn, stride_kh,
+                krows, cols, PAGE, PAGES_PER_TILE)
+    _issue_tile(k_smem, v_smem, 1, 1, n_tiles, K, V, page_table, pg0, pg1, kvh, stride_kp, stride_kn, stride_kh,
+                krows, cols, PAGE, PAGES_PER_TILE)
+    async_copy.wait_group(1)
+    fence_async_shared()
+    gl.thread_barrier()
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_l),
+                      use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    p, alpha, m_i, l_i = _softmax(s, gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_l)),
+                                  gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_l)), 0, pg0, pg1, scale2,
+                                  BLOCK_N, PAGE, PAGES_PER_TILE, s_l)
+    acc = gl.zeros([BLOCK_M, D], gl.float32, o_l)
+    if OVERLAP == 3:
+        acc = warpgroup_mma_init(acc)
+        a_hi_prev = gl.zeros([BLOCK_M, BLOCK_N], gl.bfloat16, p_l)
+        a_lo_prev = gl.zeros([BLOCK_M, BLOCK_N], gl.bfloat16, p_l)
+    for t in range(0, n_tiles - 1):
+        gl.thread_barrier()  # every warp is done with the buffer tile t + 2 overwrites (tile t - 1's)
+        _issue_tile(k_smem, v_smem, (t + 2) % 3, t + 2, n_tiles, K, V, page_table, pg0, pg1, kvh, stride_kp,
+                    stride_kn, stride_kh, krows, cols, PAGE, PAGES_PER_TILE)
+        async_copy.wait_group(1)  # tile t + 1 has landed
+        fence_async_shared()
+        gl.thread_barrier()
+        # P's two bf16 parts as the register operand of the P.V products, kept alive until they end
+        p_hi = p.to(gl.bfloat16)
+        a_hi = gl.convert_layout(p_hi, p_l)
+        a_lo = gl.convert_layout((p - p_hi.to(gl.float32)).to(gl.bfloat16), p_l)
+        v_cur = v_smem.index(t % 3)
+        if OVERLAP == 3:
+            # lazy rescaling: the weights keep the row's reference max until a tile's max passes it by
+            # TAU (base 2), so the accumulator is touched, and the P.V products waited for, only then
+            s = warpgroup_mma(q_smem, k_smem.index((t + 1) % 3).permute((1, 0)), s, use_acc=False, is_async=True)
+            acc = warpgroup_mma(a_hi, v_cur, acc, is_async=True)
+            acc = warpgroup_mma(a_lo, v_cur, acc, is_async=True)
+            # the scores and the previous tile's P.V products done; this tile's still in flight
+            s, a_hi_prev, a_lo_prev = warpgroup_mma_wait(num_outstanding=2, deps=(s, a_hi_prev, a_lo_prev))
+            scol = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
+            s = gl.where(((pg0 + (t + 1) * PAGES_PER_TILE + scol // PAGE) < pg1)[None, :], s, float("-inf"))
+            m_tile = gl.max(s, 1) * scale2
+            grow = m_tile > m_i + TAU
+            if gl.max(grow.to(gl.int32), 0) > 0:
+                done = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_hi, a_lo))
+                m_new = gl.where(grow, m_tile, m_i)
+                alpha = _exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
+                acc = warpgroup_mma_init(done[0] * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None])
+                l_i = l_i * alpha
+                m_i = m_new
+            p = _exp2(s * scale2 - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+            l_i = l_i + gl.sum(p, 1)
+            a_hi_prev = a_hi
+            a_lo_prev = a_lo
+        elif OVERLAP:
+            s = warpgroup_mma(q_smem, k_smem.index((t + 1) % 3).permute((1, 0)), s, use_acc=False, is_async=True)
+            acc = warpgroup_mma(a_hi, v_cur, acc, is_async=True)
+            acc = warpgroup_mma(a_lo, v_cur, acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))  # the P.V products stay in flight
+        else:
+            acc = warpgroup_mma(a_hi, v_cur, acc, is_async=True)
+            acc = warpgroup_mma(a_lo, v_cur, acc, is_async=True)
+            acc, a_hi, a_lo = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_hi, a_lo))
+            s = warpgroup_mma(q_smem, k_smem.index((t + 1) % 3).permute((1, 0)), s, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        if OVERLAP != 3:
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, t + 1, pg0, pg1, scale2, BLOCK_N, PAGE, PAGES_PER_TILE, s_l)
+            if OVERLAP == 1:
+                acc, a_hi, a_lo = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_hi, a_lo))
+            elif OVERLAP == 2:  # the softmax's results named too, so they are computed before the wait
+                acc, a_hi, a_lo, p, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_hi, a_lo, p, l_i))
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+    p_hi = p.to(gl.bfloat16)
+    a_hi = gl.convert_layout(p_hi, p_l)
+    a_lo = gl.convert_layout((p - p_hi.to(gl.float32)).to(gl.bfloat16), p_l)
+    v_cur = v_smem.index((n_tiles - 1) % 3)
+    acc = warpgroup_mma(a_hi, v_cur, acc, is_async=True)
+    acc = warpgroup_mma(a_lo, v_cur, acc, is_async=True)
+    if OVERLAP == 3:
+        acc, a_hi, a_lo, a_hi_prev, a_lo_prev = warpgroup_mma_wait(num_outstanding=0,
+                                                                   deps=(acc, a_hi, a_lo, a_hi_prev, a_lo_prev))
+    else:
+        acc, a_hi, a_lo = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_hi, a_lo))
+    async_copy.wait_group(0)
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_l))
+    out = acc / l_o[:, None]
+    pairs_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_l))
+    cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+    partial = part * ROWS + pairs_o // GROUP
+    head = kvh * GROUP + pairs_o % GROUP
+    gl.store(OUT + (partial * stride_op + head * stride_oh)[:, None] + cols_o[None, :], out)
+    gl.store(LSE + partial * stride_lp + head, (m_o + gl.log2(l_o)) * LN2)
+
+
+def compile_only() -> None:
+    """Offline (no GPU): registers, shared memory and the loop's MMA / wait / ex2 order on sm_90a."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    names = ["Q", "K", "V", "OUT", "LSE", "page_table", "pages_per_part", "num_pages", "stride_qr", "stride_qh",
+             "stride_kp", "stride_kn", "stride_kh", "stride_op", "stride_oh", "stride_lp", "scale2"]
+    types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*fp32", "LSE": "*fp32", "page_table": "*i32",
+             "scale2": "fp32"}
+    for block_n, overlap in ((32, 0), (32, 1), (32, 2), (32, 3), (16, 1), (64, 1)):
+        consts = {"GROUP": 4, "ROWS": 16, "D": 128, "PAGE": 16, "BLOCK_N": block_n, "OVERLAP": overlap}
+        sig = {n: types.get(n, "i32") for n in names} | {n: "constexpr" for n in consts}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.startswith(("stride", "Q", "K", "V",
+                                                                                                "OUT", "LSE", "page"))}
+        kernel = triton.compile(GluonASTSource(tall_prefix_kernel, sig, consts, attrs),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(f"{tmp}/k.ptx", "w") as f:
+                f.write(kernel.asm["ptx"])
+            usage = subprocess.run([f"{bin_dir}/ptxas", "-v", "--gpu-name=sm_90a", f"{tmp}/k.ptx", "-o", f"{tmp}/k.o"],
+                                   capture_output=True, text=True).stderr
+            sass = subprocess.run([f"{bin_dir}/nvdisasm", "-c", f"{tmp}/k.o"], capture_output=True, text=True).stdout
+        order = []
+        for line in sass.splitlines():
+            tag = ("MMA" if "HGMMA" in line else "WAIT" + line.split("DEPBAR.LE")[1].split(",")[1].strip(" ;")
+                   if "WARPGROUP.DEPBAR" in line else "EX2" if "MUFU.EX2" in line else None)
+            if tag and (not order or order[-1][0] != tag):
+                order.append([tag, 1])
+            elif tag:
+                order[-1][1] += 1
+        for warning in sorted({line.strip() for line in usage.splitlines() if "wgmma" in line.lower()}):
+            print("  ptxas:", warning)
+        regs = re.search(r"Used (\d+) registers", usage).group(1)
+        spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill", usage))
+        print(f"BLOCK_N={block_n} OVERLAP={overlap}: {regs} registers, {spills} bytes spilled, {kernel.metadata.shared} B shared; "
+              + " ".join(f"{tag}x{n}" for tag, n in order))
+
+
+def run(trials: int) -> None:
+    from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
+    from segkv.attention.triton_backend import TritonBackend
+    from segkv.bench.decode_attention import Timer, _fill_random, _run_trials
+    from segkv.cache import PagedKVCache
+    from segkv.config import CacheConfig, CompactionPolicy, KVLayout
+    from segkv.kernels.paged_attention import merge_into
+
+    device, forks, prefix, page, q_heads, kv_heads, dim = "cuda", 16, 32768, 16, 32, 8, 128
+    gen = torch.Generator(device=device).manual_seed(0)
+    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.bfloat16)
+    cache = PagedKVCache(layout, CacheConfig(page_size=page, num_pages=prefix // page + 8), device=device,
+                         compaction=CompactionPolicy(enabled=False))
+    _fill_random(cache, gen)
+    root = cache.new_chain()
+    root.append(prefix)
+    root.seal()
+    chains = [root.fork() for _ in range(forks)]
+    queries = [SequenceQuery.from_chain(c, 1) for c in chains]
+    kc, vc = cache.storage.key_cache(0), cache.storage.value_cache(0)
+    q = torch.randn(forks, q_heads, dim, device=device, dtype=torch.bfloat16, generator=gen)
+    scale = dim**-0.5
+    shape = AttentionShape(q_heads, kv_heads, dim, dim)
+    plan = plan_attention(queries, shape, DeviceSpec.cuda(), page_size=page)
+    print(plan.describe())
+    backend = TritonBackend(page_size=page, device=device)
+    prepared = backend.prepare(plan)
+
+    page_ids = [pid for span in SequenceQuery.from_chain(root, 1).spans for pid in span.page_ids]
+    page_table = torch.tensor(page_ids, dtype=torch.int32, device=device)
+    num_pages = len(page_ids)
+    outs = {}
+
+    def gluon_call(block_n: int, overlap: int, parts: int):
+        """The Gluon stage 1 over ``parts`` partitions of the prefix, then the engine's merge."""
+        pages_per_part = -(-num_pages // parts)
+        parts = -(-num_pages // pages_per_part)
+        part_out = torch.empty(parts * forks, q_heads, dim, device=device, dtype=torch.float32)
+        part_lse = torch.empty(parts * forks, q_heads, device=device, dtype=torch.float32)
+        reduce_ptr = torch.arange(0, forks * parts + 1, parts, dtype=torch.int32, device=device)
+        reduce_partials = torch.tensor([p * forks + r for r in range(forks) for p in range(parts)],
+                                       dtype=torch.int32, device=device)
+        out = torch.empty(forks, q_heads, dim, device=device, dtype=torch.bfloat16)
+        lse = torch.empty(forks, q_heads, device=device, dtype=torch.float32)
+
+        def call():
+            tall_prefix_kernel[(kv_heads, parts)](
+                q, kc, vc, part_out, part_lse, page_table, pages_per_part, num_pages,
+                q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), part_out.stride(0),
+                part_out.stride(1), part_lse.stride(0), scale * LOG2E,
+                GROUP=q_heads // kv_heads, ROWS=forks, D=dim, PAGE=page, BLOCK_N=block_n, OVERLAP=overlap,
+                num_warps=4)
+            merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
+        outs[f"gluon_n{block_n}_o{overlap}_p{parts}"] = out
+        return f"gluon_n{block_n}_o{overlap}_p{parts}", call
+
+    def triton_call():
+        outs["triton_cascade"] = backend.run(prepared, q, kc, vc, scale=scale)[0]
+
+    calls = {"triton_cascade": triton_call}
+    for block_n, overlap, parts in ((32, 0, 49), (32, 1, 49), (32, 3, 49), (32, 1, 33), (32, 1, 66), (16, 1, 49),
+                                    (16, 1, 66), (16, 1, 99), (64, 1, 33)):
+        name, call = gluon_call(block_n, overlap, parts)
+        calls[name] = call
+    timers = {name: Timer.capture([fn]) for name, fn in calls.items()}
+
+    # float32 attention over the whole prefix: every fork's row sees every key
+    k_all = kc[page_table.long()].reshape(prefix, kv_heads, dim).float()
+    v_all = vc[page_table.long()].reshape(prefix, kv_heads, dim).float()
+    group = q_heads // kv_heads
+    scores = torch.einsum("rhd,nhd->rhn", q.float(), k_all.repeat_interleave(group, dim=1)) * scale
+    ref = torch.einsum("rhn,nhd->rhd", scores.softmax(-1), v_all.repeat_interleave(group, dim=1))
+    for name, out in outs.items():
+        err = (out.float() - ref).abs().max().item()
+        print(f"{name}: max |out - float32 reference| = {err:.2e}, NaN: {bool(torch.isnan(out).any())}")
+
+    samples = _run_trials(timers, trials)
+    base = statistics.median(samples["triton_cascade"])
+    print(f"{torch.cuda.get_device_name()}: {forks} forks x {prefix // 1024}K prefix (8B shape, pages of {page}), "
+          f"{trials} trials, ms (gluon_n<tile rows>_o<OVERLAP>_p<partitions>)")
+    for name, times in samples.items():
+        med = statistics.median(times)
+        print(f"  {name:16s} {med:.4f} [{min(times):.4f}-{max(times):.4f}]  {base / med:.2f}x the Triton cascade")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--trials", type=int, default=7)
+    args = parser.parse_args()
+    if args.compile_only:
+        compile_only()
+    else:
+        try:
+            compile_only()
+        except (OSError, RuntimeError, AttributeError) as exc:  # no ptxas / nvdisasm beside this Triton
+            print(f"offline report skipped: {exc}")
+        run(args.trials)
+
+
+if __name__ == "__main__":
+    main()
