@@ -18,7 +18,9 @@ write float32 partials that the engine's merge kernel combines; segkv's Triton p
 planner's cascade plan of the same batch. Both are checked against float32 attention in torch and
 timed in CUDA graphs (median, min and max of shuffled trials).
 
-Usage: ``python3 scripts/gluon_tall_probe.py [--compile-only] [--trials 7]``.
+Usage: ``python3 scripts/gluon_tall_probe.py [--compile-only] [--trials 7]`` (Triton 3.6's Gluon API:
+Triton 3.9 renamed ``async_copy_global_to_shared`` to ``async_load``). Results: docs/benchmarks.md,
+"The tall programs in Gluon, a probe".
 """
 
 from __future__ import annotations
