@@ -167,7 +167,8 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     "one_query": bool (latent, default False: the launch of a batch of one query row, whose value
     split is chosen per plan), "score_chains": bool (latent, default: the launcher's
     ``SEGKV_MLA_SCORE_CHAINS``), "value_split": int (latent,
-    default: the launcher's), "assemble": bool (default False), "pdl": bool (default False: the
+    default: the launcher's), "key_positions": bool (gqa, default True: False as for a launch whose
+    every key is visible), "assemble": bool (default False), "pdl": bool (default False: the
     programmatic-dependent-launch variant), "wide": bool (default False: int32 page offsets, as for
     caches of under 2^31 elements)}``. ``launch``: a ``paged_attention.LaunchConfig``
     (default: the launcher's). Returns the compiled kernel and the launch constants used."""
@@ -186,6 +187,8 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
                                              element_size=element, launch=launch,
                                              cache_needs_int64=case.get("wide", False))
         fn, pointers = paged_attention._stage1_kernel, {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", **common}
+        if "key_positions" in case:  # paged_attention's every_key_visible, negated
+            meta["KEY_POSITIONS"] = bool(case["key_positions"])
     else:
         if "value_split" in case:
             launch = dataclasses.replace(launch or mla_attention.default_mla_launch_config(),
@@ -207,8 +210,8 @@ def stage1_report(case: dict, launch=None) -> dict:
     ``case["assemble"]``), the launch's warps and pipeline stages, the K/V (latent) tile buffers,
     the in-loop waits, the MMA kind, chains (:meth:`OfflineKernel.mma_chains`) and warps, the
     reductions and shared-memory writes in its loops, the PTX's ``ex2`` spellings, its 64-bit
-    multiplies (``mul.lo.s64``: page offsets, and more of them with int64 ones) and its conversions
-    (``cvt``)."""
+    multiplies (``mul.lo.s64``: page offsets, and more of them with int64 ones), its conversions
+    (``cvt``) and its global loads."""
     kernel, meta = compile_stage1(case, launch)
     cols = (case.get("rank", 512) if case["kernel"] == "latent"
             else max(16, triton.next_power_of_2(case["head_dim"])))
@@ -219,7 +222,7 @@ def stage1_report(case: dict, launch=None) -> dict:
             "chains": kernel.mma_chains(), "loop_reductions": kernel.loop_reductions(),
             "loop_shared_stores": kernel.loop_shared_stores(), "mma_warps": kernel.mma_warps(),
             "ex2": sorted(set(re.findall(r"ex2\.[\w.]+", kernel.ptx))), "mul64": kernel.ptx.count("mul.lo.s64"),
-            "cvt": len(re.findall(r"\bcvt\.", kernel.ptx))}
+            "cvt": len(re.findall(r"\bcvt\.", kernel.ptx)), "global_loads": kernel.ptx.count("ld.global")}
 
 
 def merge_report(case: dict) -> dict:
