@@ -247,21 +247,13 @@ def compile_only() -> None:
 def run(trials: int) -> None:
     from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
     from segkv.attention.triton_backend import TritonBackend
-    from segkv.bench.decode_attention import Timer, _fill_random, _run_trials
-    from segkv.cache import PagedKVCache
-    from segkv.config import CacheConfig, CompactionPolicy, KVLayout
+    from segkv.bench.decode_attention import Timer, _run_trials, forked_prefix
     from segkv.kernels.paged_attention import merge_into
 
     device, forks, prefix, page, q_heads, kv_heads, dim = "cuda", 16, 32768, 16, 32, 8, 128
     gen = torch.Generator(device=device).manual_seed(0)
-    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.bfloat16)
-    cache = PagedKVCache(layout, CacheConfig(page_size=page, num_pages=prefix // page + 8), device=device,
-                         compaction=CompactionPolicy(enabled=False))
-    _fill_random(cache, gen)
-    root = cache.new_chain()
-    root.append(prefix)
-    root.seal()
-    chains = [root.fork() for _ in range(forks)]
+    cache, root, chains = forked_prefix(kv_heads=kv_heads, head_dim=dim, dtype=torch.bfloat16, forks=forks,
+                                        prefix=prefix, suffix=0, page_size=page, generator=gen, device=device)
     queries = [SequenceQuery.from_chain(c, 1) for c in chains]
     kc, vc = cache.storage.key_cache(0), cache.storage.value_cache(0)
     q = torch.randn(forks, q_heads, dim, device=device, dtype=torch.bfloat16, generator=gen)

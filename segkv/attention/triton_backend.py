@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from segkv.attention.device import PARTIAL_WORKSPACE_BYTES
-from segkv.kernels.settings import env_int
 from segkv.attention.plan import AttentionPlan
+from segkv.kernels.settings import env_int
 
 LSE_API_TRITON = "triton-merge"
 

@@ -247,6 +247,25 @@ def bench_case(*, shape_name: str, batch: int, context: int, page_size: int, dty
     return result
 
 
+def forked_prefix(*, kv_heads: int, head_dim: int, dtype, forks: int, prefix: int, suffix: int, page_size: int,
+                  generator: torch.Generator, device: str = "cuda") -> tuple[PagedKVCache, object, list]:
+    """A cache of random rows holding a sealed ``prefix``-row history forked ``forks`` times, each
+    fork with ``suffix`` rows of its own: ``(cache, root chain, forks' chains)``."""
+    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    pages = (prefix + forks * (suffix + page_size)) // page_size + 8
+    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=pages), device=device,
+                         compaction=CompactionPolicy(enabled=False))
+    _fill_random(cache, generator)
+    root = cache.new_chain()
+    root.append(prefix)
+    root.seal()
+    chains = [root.fork() for _ in range(forks)]
+    for chain in chains:
+        if suffix:
+            chain.append(suffix)
+    return cache, root, chains
+
+
 def bench_cascade(*, shape_name: str, forks: int, prefix: int, suffix: int, page_size: int, dtype, trials: int,
                   bandwidth: float, seed: int = 0, partition_caps: tuple[int, ...] = ()) -> dict:
     """``forks`` sequences sharing a ``prefix``-row history, each with ``suffix`` rows of its own:
@@ -260,17 +279,8 @@ def bench_cascade(*, shape_name: str, forks: int, prefix: int, suffix: int, page
     device = "cuda"
     q_heads, kv_heads, head_dim = SHAPES[shape_name]
     gen = torch.Generator(device=device).manual_seed(seed)
-    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
-    pages = (prefix + forks * (suffix + page_size)) // page_size + 8
-    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=pages), device=device,
-                         compaction=CompactionPolicy(enabled=False))
-    _fill_random(cache, gen)
-    root = cache.new_chain()
-    root.append(prefix)
-    root.seal()
-    chains = [root.fork() for _ in range(forks)]
-    for chain in chains:
-        chain.append(suffix)
+    cache, root, chains = forked_prefix(kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, forks=forks, prefix=prefix,
+                                        suffix=suffix, page_size=page_size, generator=gen, device=device)
     queries = [SequenceQuery.from_chain(c, 1) for c in chains]
     shape = AttentionShape(q_heads, kv_heads, head_dim, head_dim)
     spec = DeviceSpec.cuda()

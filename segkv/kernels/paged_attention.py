@@ -91,7 +91,9 @@ def _stage1_kernel(
     if not PLAN_EARLY:
         valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, kvh * GROUP, GROUP, partial_row,
                                                         partial_offset, BLOCK_M)
-    if KEY_POSITIONS == False:  # noqa: E712 (a constexpr) every key visible: the compare keeps out padding pairs
+    # every key visible: the causal compare keeps out only the padding pairs (``not`` on this
+    # defaulted constexpr does not compile in Triton 3.6 / 3.9)
+    if KEY_POSITIONS == False:  # noqa: E712
         offset = tl.where(valid, 2147483646, offset)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
