@@ -301,7 +301,7 @@ def bench_cascade(*, shape_name: str, forks: int, prefix: int, suffix: int, page
               for name, p in prepared.items()}
     # the same batch where every sequence holds its own copy of the history
     own_pages = forks * -(-(prefix + suffix) // page_size) + 8
-    copies = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=own_pages), device=device,
+    copies = PagedKVCache(cache.layout, CacheConfig(page_size=page_size, num_pages=own_pages), device=device,
                           compaction=CompactionPolicy(enabled=False))
     _fill_random(copies, gen)
     own = [copies.new_chain() for _ in range(forks)]
