@@ -60,10 +60,6 @@
 #             at 1K / 16K, measured), and batch 1 with quarters of the
 #             values for plans of few partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4, SEGKV_MLA_SHARES_LAST=1;
 #             chains of 8 steps, the halves' 16) against the default halves (about 4 minutes).
-#   visiblekeys  decode launches without key positions (SEGKV_ATTENTION_VISIBLE_KEYS=1; offline a
-#             tall program's tile loop 441 -> 417 instructions, batch-1 decode 481 -> 466): GPU tests
-#             with it on, then kernels (8B / 70B shapes, batch 1 / 16 at 16K / 32K, pages of 32) and
-#             the cascade, then Llama-3.1-8B batch 1 and 8, alternating, two rounds (about 7 minutes).
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
@@ -451,12 +447,6 @@ elif [ "$part" = scorechains ]; then
     e2e "quarters, shares last" SEGKV_MLA_VALUE_SPLIT_AUTO=4 SEGKV_MLA_SHARES_LAST=1 -- --models deepseek-v2-lite \
       --batches 1 --contexts 1K,16K
   done
-elif [ "$part" = visiblekeys ]; then
-  GPU_TESTS_TIMEOUT=300 gpu_tests "visible keys" SEGKV_ATTENTION_VISIBLE_KEYS=1 -- tests/test_triton_attention.py \
-    tests/test_cuda_graphs.py -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
-  CFGS=("SEGKV_ATTENTION_VISIBLE_KEYS=0" "SEGKV_ATTENTION_VISIBLE_KEYS=1")
-  kernels_alternate --shapes llama3-8b,llama3-70b --batches 1,16 --contexts 16384,32768 --page-sizes 32 --trials 3
-  e2e_alternate SEGKV_ATTENTION_VISIBLE_KEYS "0 1" --models llama-3.1-8b --batches 1,8 --contexts 1K,16K
 elif [ "$part" = verify ]; then
   # after a change of defaults or a removal: the attention kernels' GPU tests (bf16 / head_dim 128 /
   # page 16 grid cases and every other test), the expert, MoE, GEMV, DeepSeek and graph tests, the

@@ -271,59 +271,6 @@ def test_fixed_size_plan_buffers_serve_any_plan_that_fits(gen):
                                      route="split", num_partitions=2))
 
 
-@pytest.mark.parametrize("route,ratio", [("split", 4), ("cascade", 8), ("segments", 1)])
-def test_decode_launches_read_no_key_positions_when_told(route, ratio, gen, monkeypatch):
-    """``SEGKV_ATTENTION_VISIBLE_KEYS``: decode rows see every key of their pieces, so their
-    launch reads no key positions (the kernel's ``KEY_POSITIONS`` off) and still equals the
-    reference, the programs' padding pairs included (3 rows x ``ratio`` heads fill no program);
-    rows of a prefill chunk see part of their own chunk only, so their plan keeps the positions,
-    and a fixed-size buffer that promises visible keys refuses it."""
-    from segkv.attention import triton_backend
-    from segkv.kernels import paged_attention
-
-    monkeypatch.setattr(triton_backend, "VISIBLE_KEYS_SETTING", True)
-    seen = []
-    launch = paged_attention.paged_attention
-
-    def spy(**kwargs):
-        seen.append(kwargs["every_key_visible"])
-        return launch(**kwargs)
-
-    monkeypatch.setattr(paged_attention, "paged_attention", spy)
-    decode = gqa_batch(gen, dtype=torch.bfloat16, page_size=16, ratio=ratio, head_dim=64, rows=1)
-    plan, out, lse, ref, ref_lse = run_both(decode, route)
-    assert seen == [True]
-    check(out, lse, ref, ref_lse)
-    prefill = gqa_batch(gen, dtype=torch.bfloat16, page_size=16, ratio=ratio, head_dim=64, rows=5)
-    prefill_plan, out, lse, ref, ref_lse = run_both(prefill, route)
-    assert seen == [True, False]
-    check(out, lse, ref, ref_lse)
-    capacity = triton_backend.PlanCapacity(max_pages=256, max_work=64, max_partials=256, max_rows=16,
-                                           every_key_visible=True)
-    fixed = TritonBackend(page_size=16, device=DEVICE, capacity=capacity)
-    assert fixed.prepare(plan).every_key_visible
-    with pytest.raises(ValueError, match="every key"):
-        fixed.prepare(prefill_plan)
-
-
-def test_every_key_visible_reads_the_flattened_plan(gen):
-    """Decode rows (each at its chain's last row) see every key of every piece; a prefill chunk's
-    first rows do not see the chunk's later keys; a query row placed before the end of its
-    history does not either."""
-    from segkv.attention.triton_backend import every_key_visible, flatten_plan
-
-    batch = gqa_batch(gen, dtype=torch.float32, page_size=16, ratio=2, head_dim=16, rows=1)
-    spec = DeviceSpec.cpu()
-    for route in ("single", "split", "cascade"):
-        plan = plan_attention(batch.queries, batch.shape, spec, page_size=16, route=route,
-                              num_partitions=3 if route == "split" else None)
-        assert every_key_visible(flatten_plan(plan)), route
-    chunk = gqa_batch(gen, dtype=torch.float32, page_size=16, ratio=2, head_dim=16, rows=4)
-    assert not every_key_visible(flatten_plan(plan_attention(chunk.queries, chunk.shape, spec, page_size=16)))
-    early = [SequenceQuery(q.spans, 1, q.query_start - 1) for q in batch.queries]
-    assert not every_key_visible(flatten_plan(plan_attention(early, batch.shape, spec, page_size=16)))
-
-
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need the GPU")
 def test_cuda_graph_replays_a_new_plan(gen):
     from segkv.attention.triton_backend import PlanCapacity

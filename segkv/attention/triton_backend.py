@@ -25,11 +25,6 @@ LSE_API_TRITON = "triton-merge"
 # Arrays the fixed-grid kernels read past a plan's entries: padded with their last value
 # (padding work items and query rows then have no partials).
 _PADDED = ("work_partial_start", "reduce_ptr")
-# SEGKV_ATTENTION_VISIBLE_KEYS=1: a GQA launch whose every query row sees every key of its pieces
-# (decode rows: each attends its whole history) reads no key positions and makes no causal compare
-# beyond the padding pairs' (kernel constexpr KEY_POSITIONS; sm_90a: a tall program's tile loop 441
-# -> 417 instructions, a batch-1 decode program's 481 -> 466). Off until measured on the GPU.
-VISIBLE_KEYS_SETTING = env_int("SEGKV_ATTENTION_VISIBLE_KEYS", 0) == 1
 # The plan arrays, in their order inside the packed buffer.
 _FIELDS = ("page_table", "page_rows", "page_key_start", "work_pages", "work_partial_start",
            "partial_row", "partial_offset", "partial_direct", "reduce_ptr", "reduce_partials")
@@ -43,9 +38,7 @@ class PlanCapacity:
     rows one work item may serve (the planner's ``max_query_rows_per_work``);
     ``max_row_partials``: when set, plans merge no row from more partials than that, and with
     work items of one row (``max_work_rows=1``) and a bound the kernels allow, stage 1 merges
-    the rows itself (no merge launch in the graph). ``every_key_visible``: every plan prepared
-    into it lets each query row see every key of its pieces (:func:`every_key_visible`; others
-    are refused), so the captured stage 1 reads no key positions. Stage 1 launches one program per possible
+    the rows itself (no merge launch in the graph). Stage 1 launches one program per possible
     work item (``max_work``) and KV head: padding ones start and exit, so ``max_work`` should be
     no larger than plans need (4000 idle programs cost 3-9 us per launch on the H200).
     """
@@ -56,7 +49,6 @@ class PlanCapacity:
     max_rows: int
     max_work_rows: int = 64
     max_row_partials: int | None = None
-    every_key_visible: bool = False  # plans prepared into it must pass every_key_visible (decode steps)
 
     def __post_init__(self) -> None:
         for name in ("max_pages", "max_work", "max_partials", "max_rows", "max_work_rows"):
@@ -89,7 +81,6 @@ class TritonPreparedPlan:
     needs_merge: bool  # some row has other than exactly one partial
     fixed: bool = False
     merge_in_stage1: bool = False  # GQA kernels: stage 1 merges the rows (paged_attention's argument)
-    every_key_visible: bool = False  # GQA kernels: no key positions read (paged_attention's argument)
     reference: object = None  # the reference backend's preparation, for kv_transform calls
 
     def __getattr__(self, name: str) -> torch.Tensor:  # prepared.page_table, ...
@@ -138,22 +129,6 @@ def flatten_plan(plan: AttentionPlan) -> dict[str, np.ndarray]:
         "partial_row": i32(plan.partial_rows), "partial_offset": i32(offsets), "partial_direct": i32(direct),
         "reduce_ptr": i32(reduce_ptr), "reduce_partials": i32(reduce_partials),
     }
-
-
-def every_key_visible(arrays: dict[str, np.ndarray]) -> bool:
-    """Whether every query row of a flattened plan (:func:`flatten_plan`) sees every key of its
-    work items' pieces: each partial's causal offset reaches its piece's last row (decode rows,
-    which attend their whole history)."""
-    pages = arrays["work_pages"].reshape(-1, 2).astype(np.int64)
-    starts = arrays["work_partial_start"].astype(np.int64)[:len(pages) + 1]
-    if not len(pages):
-        return True
-    last_key = np.full(len(pages), -1, dtype=np.int64)  # a work item without pages: nothing to see
-    has_pages = pages[:, 1] > pages[:, 0]
-    last = pages[has_pages, 1] - 1
-    last_key[has_pages] = arrays["page_key_start"][last].astype(np.int64) + arrays["page_rows"][last] - 1
-    offsets = arrays["partial_offset"][starts[0]:starts[-1]]
-    return bool((offsets >= np.repeat(last_key, np.diff(starts))).all())
 
 
 class TritonBackend:
@@ -228,8 +203,7 @@ class TritonBackend:
             return TritonPreparedPlan(plan, self._views(device_buffer, sizes, _ALIGN_INT32), plan.num_partials,
                                       max_work_rows, needs_merge,
                                       merge_in_stage1=needs_merge and merges_in_stage1(max_work_rows,
-                                                                                       plan.max_row_partials),
-                                      every_key_visible=VISIBLE_KEYS_SETTING and every_key_visible(arrays))
+                                                                                       plan.max_row_partials))
         cap = self.capacity
         if plan.num_query_rows > cap.max_rows or max_work_rows > cap.max_work_rows:
             raise ValueError(f"plan with {plan.num_query_rows} rows ({max_work_rows} per work item) exceeds "
@@ -237,9 +211,6 @@ class TritonBackend:
         if cap.max_row_partials is not None and plan.max_row_partials > cap.max_row_partials:
             raise ValueError(f"plan merges {plan.max_row_partials} partials into a row, capacity is "
                              f"{cap.max_row_partials}")
-        if cap.every_key_visible and not every_key_visible(arrays):
-            raise ValueError("plan has query rows that do not see every key of their pieces; the capacity "
-                             "promises they do (every_key_visible)")
         sizes = cap.sizes()
         for name in _FIELDS:
             if len(arrays[name]) > sizes[name]:
@@ -264,8 +235,7 @@ class TritonBackend:
             self._copied = torch.cuda.Event()
             self._copied.record()
         return TritonPreparedPlan(plan, self._fixed, cap.max_partials, cap.max_work_rows, True, fixed=True,
-                                  merge_in_stage1=merges_in_stage1(cap.max_work_rows, cap.max_row_partials),
-                                  every_key_visible=cap.every_key_visible)
+                                  merge_in_stage1=merges_in_stage1(cap.max_work_rows, cap.max_row_partials))
 
     def run(
         self,
@@ -316,7 +286,6 @@ class TritonBackend:
             out_dtype=out_dtype or query.dtype, needs_merge=prepared.needs_merge, launch=self.launch,
             poison=self.poison, workspace=workspace, merge_in_stage1=prepared.merge_in_stage1,
             counters=self._merge_counters(rows * query.shape[1]) if prepared.merge_in_stage1 else None,
-            every_key_visible=prepared.every_key_visible,
         )
 
     def _merge_counters(self, entries: int) -> torch.Tensor:

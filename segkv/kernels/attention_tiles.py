@@ -30,7 +30,7 @@ def exp2_ftz(x):
 
 
 @triton.jit
-def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.constexpr, KEYS: tl.constexpr = True):
+def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.constexpr):
     """Page ids, valid rows and first-row positions of pages ``pidx`` (0 past ``pg1``). The ids are
     int64 when ``WIDE`` (:func:`paged_attention.page_offsets_wide`: a cache whose element offsets pass
     int32, or a launch measured faster so), else int32: a page's offset is then one 32-bit multiply instead of a sign extension and a
@@ -40,10 +40,7 @@ def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.conste
     if WIDE:
         page = page.to(tl.int64)
     rows = tl.load(page_rows + pidx, mask=in_range, other=0)
-    if KEYS:
-        key_start = tl.load(page_key_start + pidx, mask=in_range, other=0)
-    else:  # the launch needs no key positions (every key visible to every pair)
-        key_start = rows * 0
+    key_start = tl.load(page_key_start + pidx, mask=in_range, other=0)
     return page, rows, key_start
 
 
@@ -191,7 +188,7 @@ def pair_reads(p0, n_rows, mb, first_head, group, partial_row, partial_offset, B
 @triton.jit
 def plan_reads(p0, n_rows, mb, w, first_head, group, partial_row, partial_offset, work_pages, page_table,
                page_rows, page_key_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-               WIDE: tl.constexpr, KEYS: tl.constexpr = True):
+               WIDE: tl.constexpr):
     """A stage-1 program's whole share of the plan: :func:`pair_reads`, its work item's page range,
     and the first block's page indices (one block ahead, loop-carried: the K/V loads then depend
     on no load of their own iteration, so with 3 pipeline stages the next tile stays in flight
@@ -201,5 +198,5 @@ def plan_reads(p0, n_rows, mb, w, first_head, group, partial_row, partial_offset
     pg0 = tl.load(work_pages + 2 * w)  # the work item's pages: no piece table in between
     pg1 = tl.load(work_pages + 2 * w + 1)
     slot = tl.arange(0, BLOCK_N) // PAGE_SIZE
-    page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1, WIDE, KEYS)
+    page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1, WIDE)
     return valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst

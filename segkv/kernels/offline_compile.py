@@ -167,8 +167,7 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     "one_query": bool (latent, default False: the launch of a batch of one query row, whose value
     split is chosen per plan), "score_chains": bool (latent, default: the launcher's
     ``SEGKV_MLA_SCORE_CHAINS``), "value_split": int (latent,
-    default: the launcher's), "key_positions": bool (gqa, default True: False as for a launch whose
-    every key is visible), "assemble": bool (default False), "pdl": bool (default False: the
+    default: the launcher's), "assemble": bool (default False), "pdl": bool (default False: the
     programmatic-dependent-launch variant), "wide": bool (default False: int32 page offsets, as for
     caches of under 2^31 elements)}``. ``launch``: a ``paged_attention.LaunchConfig``
     (default: the launcher's). Returns the compiled kernel and the launch constants used."""
@@ -187,8 +186,6 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
                                              element_size=element, launch=launch,
                                              cache_needs_int64=case.get("wide", False))
         fn, pointers = paged_attention._stage1_kernel, {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", **common}
-        if "key_positions" in case:  # paged_attention's every_key_visible, negated
-            meta["KEY_POSITIONS"] = bool(case["key_positions"])
     else:
         if "value_split" in case:
             launch = dataclasses.replace(launch or mla_attention.default_mla_launch_config(),

@@ -48,7 +48,6 @@ def _stage1_kernel(
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
     MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False, WIDE_OFFSETS: tl.constexpr = True,
-    KEY_POSITIONS: tl.constexpr = True,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -78,7 +77,7 @@ def _stage1_kernel(
     if PLAN_EARLY:  # the rest of the host's plan too, before the wait
         valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst = plan_reads(
             p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages, page_table, page_rows,
-            page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS, KEY_POSITIONS)
+            page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS)
     if USE_PDL:  # the plan is the host's; everything else read or written below waits for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -91,10 +90,6 @@ def _stage1_kernel(
     if not PLAN_EARLY:
         valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, kvh * GROUP, GROUP, partial_row,
                                                         partial_offset, BLOCK_M)
-    # every key visible: the causal compare keeps out only the padding pairs (``not`` on this
-    # defaulted constexpr does not compile in Triton 3.6 / 3.9)
-    if KEY_POSITIONS == False:  # noqa: E712
-        offset = tl.where(valid, 2147483646, offset)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     dk_ok = offs_dk < DK
@@ -119,13 +114,12 @@ def _stage1_kernel(
     k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
     v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
     if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
-        page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1, WIDE_OFFSETS,
-                                     KEY_POSITIONS)
+        page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1, WIDE_OFFSETS)
     t0, t1 = tile_range(pg0, pg1, SUB)
     for t in range(t0, t1, PAGES):
         page_cur, rows_cur, kst_cur = page, rows, kst
         page, rows, kst = page_index(page_table, page_rows, page_key_start, next_tile_pages(t, slot, PAGES, SUB), pg1,
-                                     WIDE_OFFSETS, KEY_POSITIONS)
+                                     WIDE_OFFSETS)
         if SUB > 1:  # this tile's rows of a longer page
             sub_rows = (t % SUB) * BLOCK_N
             row_cur = row_in_page + sub_rows
@@ -334,7 +328,7 @@ def paged_attention(
     *, query, key_cache, value_cache, page_table, page_rows, page_key_start, work_pages, work_partial_start,
     partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
-    poison=False, workspace=None, counters=None, merge_in_stage1=False, every_key_visible=False,
+    poison=False, workspace=None, counters=None, merge_in_stage1=False,
 ):
     """Attention of a plan: stage-1 partials, then the exact merge, rounded once.
 
@@ -351,9 +345,7 @@ def paged_attention(
     ``merge_in_stage1``: every work item holds one query row and no row has more than
     :data:`MERGE_IN_STAGE1_MAX_PARTIALS` partials (the caller's promise): stage 1 merges the rows
     itself, with ``counters``, int32 zeros of at least ``R * Hq`` entries that every launch leaves
-    zero, and no merge kernel runs. ``every_key_visible``: every partial's causal offset reaches
-    its piece's last row (the caller's promise, ``triton_backend.every_key_visible``): stage 1 reads
-    no key positions. Returns ``(out (R, Hq, Dv) out_dtype, lse (R, Hq)
+    zero, and no merge kernel runs. Returns ``(out (R, Hq, Dv) out_dtype, lse (R, Hq)
     float32)``; rows without partials are 0 with LSE -inf.
     """
     num_rows, num_heads, dk = query.shape
@@ -373,7 +365,6 @@ def paged_attention(
                              max_work_rows=max_work_rows, element_size=key_cache.element_size(), launch=launch,
                              cache_needs_int64=wide_offsets(key_cache, value_cache))
         meta["MERGE"] = MERGE_IN_STAGE1_MAX_PARTIALS if merged else 0
-        meta["KEY_POSITIONS"] = not every_key_visible
         blocks = triton.cdiv(max_work_rows * group, meta["BLOCK_M"])
         grid = (num_kv, num_work, blocks) if meta["HEADS_FASTEST"] else (num_work, num_kv, blocks)
         _stage1_kernel[grid](

@@ -25,8 +25,7 @@ from segkv.attention.device import DeviceSpec
 from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionPlan, SequenceQuery
 from segkv.attention.planner import plan_attention
-from segkv.attention.triton_backend import (VISIBLE_KEYS_SETTING, PlanCapacity, TritonBackend, merges_in_stage1,
-                                           stage1_merge_bound)
+from segkv.attention.triton_backend import PlanCapacity, TritonBackend, merges_in_stage1, stage1_merge_bound
 from segkv.cache.kv_cache import PagedKVCache
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -187,12 +186,9 @@ class DecodeGraphs:
         pages_per_seq = math.ceil(self.max_model_len / page) + 64  # + pages left part-full by segment ends
         work = max_graph_work_items(self.device_spec, size, kv_heads=self.cache.layout.num_kv_heads,
                                     latent=self.cache.layout.kind == "mla", wide=wide)
-        # decode rows see their whole history: with SEGKV_ATTENTION_VISIBLE_KEYS the captured stage 1
-        # reads no key positions (a plan that breaks the promise falls back to eager)
         return PlanCapacity(max_pages=size * pages_per_seq, max_work=work, max_partials=work + 64 * size,
                             max_rows=size, max_work_rows=size if wide else 1,
-                            max_row_partials=stage1_merge_bound() if few else None,
-                            every_key_visible=VISIBLE_KEYS_SETTING)
+                            max_row_partials=stage1_merge_bound() if few else None)
 
     def _capture(self, size: int, wide: bool, few: bool, mla_mode: str) -> _Bucket:
         backend = TritonBackend(page_size=self.cache.page_size, device=self.device,
