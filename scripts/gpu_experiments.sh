@@ -60,11 +60,6 @@
 #             at 1K / 16K, measured), and batch 1 with quarters of the
 #             values for plans of few partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4, SEGKV_MLA_SHARES_LAST=1;
 #             chains of 8 steps, the halves' 16) against the default halves (about 4 minutes).
-#   kvearly   stage 1's first tile of history loaded before the PDL wait (SEGKV_ATTENTION_KV_EARLY=1;
-#             offline, sm_90a: 186 -> 212 registers at pages of 32, 25 more loads before the wait):
-#             its GPU tests (the race with the q/k/v GEMV that writes the new row) and the attention
-#             tests with it on, kernels (8B / 70B, batch 1 at 1K / 16K / 32K, batch 4 at 16K, with
-#             the cascade) and Llama-3.1-8B batch 1 / 8 at 1K / 16K, alternating, two rounds.
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
 #   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
@@ -452,14 +447,6 @@ elif [ "$part" = scorechains ]; then
     e2e "quarters, shares last" SEGKV_MLA_VALUE_SPLIT_AUTO=4 SEGKV_MLA_SHARES_LAST=1 -- --models deepseek-v2-lite \
       --batches 1 --contexts 1K,16K
   done
-elif [ "$part" = kvearly ]; then
-  GPU_TESTS_TIMEOUT=300 gpu_tests "first tile before the wait" SEGKV_ATTENTION_KV_EARLY=1 -- \
-    tests/test_triton_attention.py -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
-  CFGS=("SEGKV_ATTENTION_KV_EARLY=0" "SEGKV_ATTENTION_KV_EARLY=1")
-  kernels_alternate --shapes llama3-8b,llama3-70b --batches 1 --contexts 1024,16384,32768 --page-sizes 32 --trials 3 \
-    --no-cascade
-  kernels_alternate --shapes llama3-8b --batches 4 --contexts 16384 --page-sizes 16 --trials 3
-  e2e_alternate SEGKV_ATTENTION_KV_EARLY "0 1" --models llama-3.1-8b --batches 1,8 --contexts 1K,16K
 elif [ "$part" = verify ]; then
   # after a change of defaults or a removal: the attention kernels' GPU tests (bf16 / head_dim 128 /
   # page 16 grid cases and every other test), the expert, MoE, GEMV, DeepSeek and graph tests, the

@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from attention_helpers import Batch, dense_attention, forked_history, rope_table, triton_and_reference, ulp
+from attention_helpers import Batch, dense_attention, forked_history, triton_and_reference, ulp
 from segkv.attention import AttentionShape, DeviceSpec, Route, SequenceQuery, TorchReferenceBackend, plan_attention
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
@@ -392,106 +392,6 @@ def test_plan_reads_before_the_wait_match_the_reference(route, gen, monkeypatch)
     for rows, ratio, page_size, block_n, parts in ((1, 8, 16, 16, 3), (3, 4, 16, 64, 3), (1, 4, 16, 16, 70)):
         check_with_the_second_sequence_masked(gen, torch.bfloat16, route, rows=rows, ratio=ratio, page_size=page_size,
                                               partitions=parts, launch=LaunchConfig(block_n, 4, 3))
-
-
-@pytest.mark.parametrize("route", ["split", "cascade"] if not GPU else ROUTES)
-def test_first_tile_loaded_before_the_wait_matches_the_reference(route, gen, monkeypatch):
-    """``SEGKV_ATTENTION_KV_EARLY``: where the plan is read before the wait, the first tile's
-    history rows load before it too and its rows from the first query's position on after it. The
-    same results as the reference: windows of 1 and 3 rows (whose new rows fall inside the first
-    tile), pages longer than a tile, one-tile and many-tile partitions, transposed products, fully
-    masked rows and the merge inside stage 1 (the race itself: the GPU test below)."""
-    from segkv.kernels import paged_attention
-    from segkv.kernels.paged_attention import LaunchConfig
-
-    def loads_early(group: int, plan_setting: int, rows: int = 1) -> bool:
-        monkeypatch.setattr(paged_attention, "PLAN_EARLY", plan_setting)
-        return paged_attention.stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=group, page_size=16,
-                                             max_work_rows=rows, element_size=2,
-                                             launch=LaunchConfig(16, 4, 3, transposed_min_pairs=8))["KV_EARLY"]
-
-    monkeypatch.setattr(paged_attention, "KV_EARLY", False)
-    assert not loads_early(4, 1)  # off by default
-    monkeypatch.setattr(paged_attention, "KV_EARLY", True)
-    # only where the plan is read early: row-major decode programs by default, every program with 2
-    assert [loads_early(4, 1), loads_early(8, 1), loads_early(8, 2), loads_early(4, 2, rows=16),
-            loads_early(4, 0)] == [True, False, True, True, False]
-    monkeypatch.setattr(paged_attention, "PLAN_EARLY", 2)
-    cases = ((1, 4, 16, 16, 3, 0), (3, 4, 16, 64, 3, 0), (1, 8, 32, 16, 2, 8), (3, 1, 16, 16, 1, 0),
-             (1, 4, 16, 16, 70, 0))
-    for rows, ratio, page_size, block_n, parts, transposed in cases:
-        check_with_the_second_sequence_masked(gen, torch.bfloat16, route, rows=rows, ratio=ratio, page_size=page_size,
-                                              partitions=parts,
-                                              launch=LaunchConfig(block_n, 4, 3, transposed_min_pairs=transposed))
-
-
-@pytest.mark.skipif(not GPU, reason="the race with the kernel before needs the GPU")
-@pytest.mark.parametrize("context", [1024, 4000])
-def test_first_tile_before_the_wait_sees_the_row_the_kernel_before_writes(context, gen, monkeypatch):
-    """A decode step's q/k/v GEMV (programmatic dependent launch, letting stage 1 in at once)
-    writes the new token's K/V row, whose slot holds NaN before every replay; stage 1 with
-    ``SEGKV_ATTENTION_KV_EARLY`` loads its first tiles before waiting for it. Were the new row
-    loaded early, the NaN would reach the output. 16 partitions of 64 rows at 1K (the new row in
-    the last partition's only tile), and a 4000-row context."""
-    from segkv.kernels import paged_attention
-    from segkv.kernels.dense_gemv import workspace_size
-    from segkv.kernels.qkv_gemv import qkv_rope_gemv
-
-    monkeypatch.setattr(paged_attention, "KV_EARLY", True)
-    hq, hkv, dim, hidden, page_size = 32, 8, 128, 4096, 16
-    layout = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=dim, dtype=torch.bfloat16)
-    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=context // page_size + 8), device=DEVICE)
-    chain = cache.new_chain()
-    slots = chain.append(context - 1)
-    kv = torch.randn(2, context - 1, hkv, dim, device=DEVICE, generator=gen).to(torch.bfloat16)
-    cache.storage.write(0, slots, kv[0], kv[1])
-    (new_slot,) = chain.append(1)
-    kc, vc = cache.storage.key_cache(0), cache.storage.value_cache(0)
-    key_rows, value_rows = kc.view(-1, hkv, dim), vc.view(-1, hkv, dim)
-    plan = plan_attention([SequenceQuery.from_chain(chain, 1)], AttentionShape(hq, hkv, dim, dim), DeviceSpec.cuda(),
-                          page_size=page_size)
-    assert plan.num_partitions > 1
-    tb = TritonBackend(page_size=page_size, device=DEVICE)
-    prepared = tb.prepare(plan)
-    cos_sin = rope_table(context + 8, dim, torch.bfloat16, DEVICE)
-    x = torch.randn(1, hidden, device=DEVICE, generator=gen).to(torch.bfloat16)
-    norm = torch.ones(hidden, device=DEVICE, dtype=torch.bfloat16)
-    weight = (torch.randn((hq + 2 * hkv) * dim, hidden, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16)
-    positions = torch.tensor([context - 1], device=DEVICE)
-    slot_tensor = torch.tensor([new_slot], device=DEVICE)
-    floats, tickets = workspace_size((hq + 2 * hkv) * dim, hidden, 16, 512)
-    workspace = (torch.zeros(floats, device=DEVICE), torch.zeros(tickets, dtype=torch.int32, device=DEVICE))
-
-    def step():
-        q, _ = qkv_rope_gemv(x, None, norm, 1e-5, weight, num_heads=hq, num_kv_heads=hkv, positions=positions,
-                             cos_sin=cos_sin, slots=slot_tensor, key_rows=key_rows, value_rows=value_rows,
-                             workspace=workspace, pdl=True)
-        out, _ = tb.run(prepared, q, kc, vc, scale=dim**-0.5)
-        return q, out
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        q, out = step()
-    for trial in range(6):
-        x.copy_(torch.randn(1, hidden, generator=gen).to(torch.bfloat16))
-        key_rows[new_slot].fill_(float("nan"))
-        value_rows[new_slot].fill_(float("nan"))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert not torch.isnan(key_rows[new_slot]).any()  # the GEMV wrote the row
-        rows = torch.tensor(list(slots) + [new_slot], device=DEVICE)
-        keys, values = key_rows[rows].double(), value_rows[rows].double()  # (context, hkv, dim)
-        grouped = q.double().view(hkv, hq // hkv, dim)
-        weights = torch.softmax(torch.einsum("hgd,nhd->hgn", grouped, keys) * dim**-0.5, dim=-1)
-        ref = torch.einsum("hgn,nhd->hgd", weights, values).reshape(1, hq, dim)
-        assert not torch.isnan(out).any(), trial
-        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 
 def decode_rows_batch(gen, *, dtype, long_rows: int, ratio: int, num_pages: int) -> Batch:

@@ -36,53 +36,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def tile_addressing(K, V, kvh, stride_kn, stride_kh, stride_vn, stride_vh, DK: tl.constexpr, DV: tl.constexpr,
-                    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                    PAGES: tl.constexpr):
-    """A GQA stage-1 program's loop-invariant K/V addressing: the head-dim offsets and their masks,
-    each tile row's page slot and row within its page, and the K/V bases of this KV head
-    ``(BLOCK_N, BLOCK_DK)`` / ``(BLOCK_N, BLOCK_DV)`` pointers, a page's offset still to add."""
-    offs_dk = tl.arange(0, BLOCK_DK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    offs_n = tl.arange(0, BLOCK_N)
-    slot = offs_n // PAGE_SIZE
-    row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
-    k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
-    v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
-    return offs_dk, offs_dv, offs_dk < DK, offs_dv < DV, slot, row_in_page, k_base, v_base
-
-
-@triton.jit
-def tile_bases(t, k_base, v_base, row_in_page, stride_kn, stride_vn, BLOCK_N: tl.constexpr, SUB: tl.constexpr):
-    """Tile ``t``'s K/V bases and rows within their pages: with pages of ``SUB`` tiles (a page
-    longer than the tile) the tile's share of its page, else the bases as they are."""
-    if SUB > 1:
-        sub_rows = (t % SUB) * BLOCK_N
-        return k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn, row_in_page + sub_rows
-    return k_base, v_base, row_in_page
-
-
-@triton.jit
-def attend_tile(q, k, v, kpos, offset, in_page, m_i, l_i, acc, scale, TRANSPOSED: tl.constexpr,
-                EXACT_FP32: tl.constexpr):
-    """One K/V tile ``(BLOCK_N, D)`` of keys at ``kpos`` into the running max, sum and accumulator
-    of queries ``q (BLOCK_M, DK)``: row-major scores, or with ``TRANSPOSED`` the tile as the tall
-    operand. bf16/fp16 products are exact in the float32 accumulator."""
-    if TRANSPOSED:
-        if EXACT_FP32:
-            s_t = tl.dot(k.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
-        else:
-            s_t = tl.dot(k, tl.trans(q))
-        return online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT_FP32)
-    if EXACT_FP32:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    return online_softmax_step(s, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT_FP32)
-
-
-
-@triton.jit
 def _stage1_kernel(
     Q, K, V, OUT, LSE, FINAL, FINAL_LSE,
     page_table, page_rows, page_key_start, work_pages, work_partial_start, partial_row,
@@ -95,7 +48,6 @@ def _stage1_kernel(
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
     MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False, WIDE_OFFSETS: tl.constexpr = True,
-    KV_EARLY: tl.constexpr = False,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -110,11 +62,7 @@ def _stage1_kernel(
     between launches) and the first work item's programs zero the rows without partials: no
     merge launch. ``TRANSPOSED``: the K/V tile as the tall operand (scores ``(BLOCK_N, BLOCK_M)``,
     accumulator ``(BLOCK_DV, BLOCK_M)``, :func:`online_softmax_step_transposed`). ``PLAN_EARLY``
-    (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait.
-    ``KV_EARLY`` (with ``PLAN_EARLY``): the first tile's K/V rows of keys before every query's
-    position (history no kernel of this step writes) load before the wait too, so their memory
-    latency overlaps the kernel before; its rows from the first query's position on (this step's
-    new rows, which that kernel may be writing) load after the wait."""
+    (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
@@ -130,16 +78,6 @@ def _stage1_kernel(
         valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst = plan_reads(
             p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages, page_table, page_rows,
             page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS)
-    if KV_EARLY:
-        offs_dk, offs_dv, dk_ok, dv_ok, slot, row_in_page, k_base, v_base = tile_addressing(
-            K, V, kvh, stride_kn, stride_kh, stride_vn, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, PAGE_SIZE,
-            PAGES)
-        # keys from the first query's position on are this step's: the kernel before may be writing them
-        fresh = tl.min(tl.where(valid, offset, 2147483647), 0)
-        t0, t1 = tile_range(pg0, pg1, SUB)
-        k0_base, v0_base, row0 = tile_bases(t0, k_base, v_base, row_in_page, stride_kn, stride_vn, BLOCK_N, SUB)
-        in0 = row0 < rows
-        k0, v0 = load_kv(k0_base, v0_base, page, stride_kp, stride_vp, in0 & (kst + row0 < fresh), dk_ok, dv_ok)
     if USE_PDL:  # the plan is the host's; everything else read or written below waits for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -152,10 +90,10 @@ def _stage1_kernel(
     if not PLAN_EARLY:
         valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, kvh * GROUP, GROUP, partial_row,
                                                         partial_offset, BLOCK_M)
-    if not KV_EARLY:
-        offs_dk, offs_dv, dk_ok, dv_ok, slot, row_in_page, k_base, v_base = tile_addressing(
-            K, V, kvh, stride_kn, stride_kh, stride_vn, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, PAGE_SIZE,
-            PAGES)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dk_ok = offs_dk < DK
+    dv_ok = offs_dv < DV
     q = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + offs_dk[None, :],
                 mask=valid[:, None] & dk_ok[None, :], other=0.0)
     if not PLAN_EARLY:  # the page range after the query: with every page read first (plan_reads) the 70B
@@ -169,28 +107,43 @@ def _stage1_kernel(
         acc = tl.zeros([BLOCK_DV, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    slot = offs_n // PAGE_SIZE
+    row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
+    # loop-invariant parts of the K/V addresses: this KV head, the row within its page
+    k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
+    v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
     if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
         page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1, WIDE_OFFSETS)
-    if KV_EARLY:  # the first tile: its new rows over the history loaded before the wait, then the rest
-        k0 = tl.load(k0_base + (page * stride_kp)[:, None], mask=(in0 & (kst + row0 >= fresh))[:, None] & dk_ok[None, :],
-                     other=k0)
-        v0 = tl.load(v0_base + (page * stride_vp)[:, None], mask=(in0 & (kst + row0 >= fresh))[:, None] & dv_ok[None, :],
-                     other=v0)
-        m_i, l_i, acc = attend_tile(q, k0, v0, kst + row0, offset, in0, m_i, l_i, acc, scale, TRANSPOSED, EXACT_FP32)
-        page, rows, kst = page_index(page_table, page_rows, page_key_start, next_tile_pages(t0, slot, PAGES, SUB), pg1,
-                                     WIDE_OFFSETS)
-        t_first = t0 + PAGES
-    else:
-        t0, t1 = tile_range(pg0, pg1, SUB)
-        t_first = t0
-    for t in range(t_first, t1, PAGES):
+    t0, t1 = tile_range(pg0, pg1, SUB)
+    for t in range(t0, t1, PAGES):
         page_cur, rows_cur, kst_cur = page, rows, kst
         page, rows, kst = page_index(page_table, page_rows, page_key_start, next_tile_pages(t, slot, PAGES, SUB), pg1,
                                      WIDE_OFFSETS)
-        k_tile, v_tile, row_cur = tile_bases(t, k_base, v_base, row_in_page, stride_kn, stride_vn, BLOCK_N, SUB)
-        k_cur, v_cur = load_kv(k_tile, v_tile, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
-        m_i, l_i, acc = attend_tile(q, k_cur, v_cur, kst_cur + row_cur, offset, row_cur < rows_cur, m_i, l_i, acc,
-                                    scale, TRANSPOSED, EXACT_FP32)
+        if SUB > 1:  # this tile's rows of a longer page
+            sub_rows = (t % SUB) * BLOCK_N
+            row_cur = row_in_page + sub_rows
+            k_cur, v_cur = load_kv(k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn, page_cur,
+                                    stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
+        else:
+            row_cur = row_in_page
+            k_cur, v_cur = load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
+        in_page = row_cur < rows_cur
+        kpos = kst_cur + row_cur
+        if TRANSPOSED:
+            if EXACT_FP32:
+                s_t = tl.dot(k_cur.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+            else:
+                s_t = tl.dot(k_cur, tl.trans(q))
+            m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v_cur, m_i, l_i,
+                                                           acc, EXACT_FP32)
+        else:
+            if EXACT_FP32:
+                s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
+            m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, v_cur, m_i, l_i, acc,
+                                                EXACT_FP32)
     if TRANSPOSED:
         acc = tl.trans(acc)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
@@ -479,13 +432,12 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     block_n = tile_rows(dataclasses.replace(launch, block_n=launch.tall_block_n) if tall_decode else launch,
                         page_size)
     transposed = block_m <= 16 and 0 < launch.transposed_min_pairs <= max_work_rows * group
-    plan_early = PLAN_EARLY == 2 or (PLAN_EARLY == 1 and block_m <= 16 and not transposed)
     return dict(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
         # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
-        MERGE=0, TRANSPOSED=transposed, PLAN_EARLY=plan_early, KV_EARLY=KV_EARLY and plan_early,
+        MERGE=0, TRANSPOSED=transposed, PLAN_EARLY=PLAN_EARLY == 2 or (PLAN_EARLY == 1 and block_m <= 16 and not transposed),
         MERGE_LANES=min(triton.next_power_of_2(group), block_m),
         MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED,
         WIDE_OFFSETS=page_offsets_wide(cache_needs_int64, row_major_decode=block_m <= 16 and not transposed,
@@ -526,11 +478,6 @@ ATTENTION_PDL = env_int("SEGKV_ATTENTION_PDL", 1) == 1
 PLAN_EARLY = env_int("SEGKV_ATTENTION_PLAN_EARLY", 1)
 if PLAN_EARLY not in (0, 1, 2):
     raise ValueError(f"SEGKV_ATTENTION_PLAN_EARLY must be 0, 1 or 2, got {PLAN_EARLY}")
-# With the plan read early: the first tile's history rows loaded before the PDL wait too, so a
-# program whose partition is one tile (batch 1 at 1K: 16 partitions of 64 rows) has its K/V in
-# flight while the kernel before it (the q/k/v GEMV, which writes this step's rows) finishes.
-# SEGKV_ATTENTION_KV_EARLY: 0 (default) off, 1 on wherever the plan is read early.
-KV_EARLY = env_int("SEGKV_ATTENTION_KV_EARLY", 0) == 1
 # When the merge lets the next kernel (the o GEMV) launch (SEGKV_MERGE_TRIGGER): 1, right after its
 # wait for stage 1, the default; 2, when it ends: measured level with Llama-3.1-8B at batch 1 (226
 # / 203-204 tok/s against 226-227 / 203); 0, at once, so the o GEMV's programs load their weights
