@@ -31,6 +31,7 @@ from segkv.attention.plan import SequenceQuery
 from segkv.bench.decode_e2e import _decode, _runner, _trim_to, build_segkv, case_pages, model_config
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, default_page_size
+from segkv.layers.sampler import argmax_rows
 
 
 def median_ms(fn, repeats: int, *, wait: bool = True) -> tuple[float, float, float]:
@@ -88,7 +89,7 @@ def timeline(runner, chains, first: list[int], steps: int) -> None:
         logits = runner.forward([StepInput(c, [t]) for c, t in zip(chains, tokens)])
         after_forward.append(torch.cuda.Event(enable_timing=True))
         after_forward[-1].record()
-        ids = logits.argmax(dim=-1)
+        ids = argmax_rows(logits)  # the engine's greedy argmax (sampler), not torch's one-block reduction
         after_argmax.append(torch.cuda.Event(enable_timing=True))
         after_argmax[-1].record()
         tokens = ids.tolist()

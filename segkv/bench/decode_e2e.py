@@ -78,6 +78,7 @@ from segkv.bench.hf_baseline import (
 from segkv.bench.runs import release, summary, sync
 from segkv.bench.turns import TokenIdsOnly
 from segkv.engine.generation import Generator, default_lookahead
+from segkv.layers.sampler import argmax_rows
 from segkv.runner.model_runner import ModelRunner, StepInput
 from segkv.sampling_params import SamplingParams
 
@@ -299,7 +300,7 @@ def _decode(runner: ModelRunner, chains, first: list[int], steps: int) -> list[l
     tokens, out = first, []
     for _ in range(steps):
         logits = runner.forward([StepInput(c, [t]) for c, t in zip(chains, tokens)])
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = argmax_rows(logits).tolist()  # the sampler's greedy argmax, as the engine takes it
         out.append(tokens)
     return out
 
