@@ -41,10 +41,9 @@ LARGEST = [
 #    test_pipeline_stages_shrink_to_fit_shared_memory)
 
 
-def compile_cases(cases: list[dict], **settings: str) -> list[dict]:
-    """The offline compiler's report of each case, in a subprocess without the interpreter (and with
-    the environment ``settings``, e.g. a kernel switch read at import)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | settings
+def compile_cases(cases: list[dict]) -> list[dict]:
+    """The offline compiler's report of each case, in a subprocess without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "segkv.kernels.offline_compile"], input=json.dumps(cases),
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -18,7 +18,6 @@ import torch
 
 from segkv.attention.device import PARTIAL_WORKSPACE_BYTES
 from segkv.attention.plan import AttentionPlan
-from segkv.kernels.settings import env_int
 
 LSE_API_TRITON = "triton-merge"
 

@@ -30,9 +30,9 @@ from segkv.kernels.paged_attention import (
     attention_pdl_options,
     maxnreg_option,
     merge_into,
+    page_offsets_wide,
     stages_that_fit,
     subpage_tiles,
-    page_offsets_wide,
     tile_rows,
     wide_offsets,
 )

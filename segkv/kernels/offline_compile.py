@@ -206,9 +206,8 @@ def stage1_report(case: dict, launch=None) -> dict:
     """:func:`compile_stage1`'s facts as plain values: shared bytes, registers, spills (None unless
     ``case["assemble"]``), the launch's warps and pipeline stages, the K/V (latent) tile buffers,
     the in-loop waits, the MMA kind, chains (:meth:`OfflineKernel.mma_chains`) and warps, the
-    reductions and shared-memory writes in its loops, the PTX's ``ex2`` spellings, its 64-bit
-    multiplies (``mul.lo.s64``: page offsets, and more of them with int64 ones) and its global
-    loads."""
+    reductions and shared-memory writes in its loops, the PTX's ``ex2`` spellings and its 64-bit
+    multiplies (``mul.lo.s64``: page offsets, and more of them with int64 ones)."""
     kernel, meta = compile_stage1(case, launch)
     cols = (case.get("rank", 512) if case["kernel"] == "latent"
             else max(16, triton.next_power_of_2(case["head_dim"])))
@@ -218,8 +217,7 @@ def stage1_report(case: dict, launch=None) -> dict:
             "buffers": kernel.pipeline_buffers(meta["BLOCK_N"], cols), "waits": kernel.loop_waits(), "mma": mma,
             "chains": kernel.mma_chains(), "loop_reductions": kernel.loop_reductions(),
             "loop_shared_stores": kernel.loop_shared_stores(), "mma_warps": kernel.mma_warps(),
-            "ex2": sorted(set(re.findall(r"ex2\.[\w.]+", kernel.ptx))), "mul64": kernel.ptx.count("mul.lo.s64"),
-            "global_loads": kernel.ptx.count("ld.global")}
+            "ex2": sorted(set(re.findall(r"ex2\.[\w.]+", kernel.ptx))), "mul64": kernel.ptx.count("mul.lo.s64")}
 
 
 def merge_report(case: dict) -> dict:
