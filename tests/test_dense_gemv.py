@@ -248,3 +248,55 @@ def test_mla_model_with_the_norm_and_combine_in_its_x_gemv_gives_the_unfused_log
     else:
         assert calls == {"combine": 3 * (layers - 2), "norm": 3 * 3, "rope": 0} and calls["combine"] > 0
     same_greedy_tokens(plain, fused)
+
+
+@pytest.mark.parametrize("out_dim,in_dim,block_n,block_k", [(100, 300, 32, 128), (70, 1030, 32, 256), (64, 64, 16, 512)])
+@pytest.mark.parametrize("per_sm,ahead", [(3, 1), (3, 2), (8, 2), (32, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_persistent_launches_give_the_one_program_per_block_result(out_dim, in_dim, block_n, block_k, per_sm, ahead,
+                                                                   dtype, gen, monkeypatch):
+    """Persistent launches (programs walking several output blocks, weights loaded 1 or 2 blocks
+    ahead) of the plain, gated and norm GEMVs: bit for bit the launch of one program per block,
+    tickets back to 0, the residual sum written once; groups of 1 to all blocks."""
+    from segkv.kernels import dense_gemv
+
+    monkeypatch.setattr(dense_gemv, "PERSISTENT_AHEAD", ahead)
+    split, blocks = -(-in_dim // block_k), -(-out_dim // block_n)
+    groups = dense_gemv.persistent_groups(torch.device(DEVICE), blocks, split, per_sm)
+    assert 1 <= groups <= blocks and -(-blocks // groups) == -(-blocks // max(1, min(blocks, per_sm // split)))
+    w = (torch.randn(out_dim, in_dim, generator=gen) / in_dim**0.5).to(dtype).to(DEVICE)
+    x = (3 * torch.randn(1, 2 * in_dim, generator=gen)).to(dtype).to(DEVICE)
+    residual = (3 * torch.randn(1, in_dim, generator=gen)).to(dtype).to(DEVICE)
+    g = (1 + 0.5 * torch.randn(in_dim, generator=gen)).to(dtype).to(DEVICE)
+    workspace = _workspace(out_dim, in_dim, block_n, block_k)
+    kw = {"block_n": block_n, "block_k": block_k, "workspace": workspace}
+    plain, gated = x[:, :in_dim], x
+    ref = (plain.double() @ w.double().T)
+    for persistent in (0, per_sm):
+        y = dense_gemv.splitk_gemv(plain, w, persistent=persistent, **kw)
+        if persistent == 0:
+            y_plain = y
+        assert torch.equal(y, y_plain) and not workspace[1].any()
+    torch.testing.assert_close(y.double(), ref, rtol=_bf16_tol(dtype), atol=_bf16_tol(dtype))
+    down = (torch.randn(out_dim, in_dim, generator=gen) / in_dim**0.5).to(dtype).to(DEVICE)
+    y0 = dense_gemv.gated_splitk_gemv(gated, down, persistent=0, **kw)
+    y1 = dense_gemv.gated_splitk_gemv(gated, down, persistent=per_sm, **kw)
+    assert torch.equal(y0, y1) and torch.isfinite(y1).all() and not workspace[1].any()
+    (n0, h0), (n1, h1) = (dense_gemv.norm_splitk_gemv(plain, residual, g, 1e-5, w, persistent=p, **kw) for p in (0, per_sm))
+    assert torch.equal(n0, n1) and torch.equal(h0, h1) and torch.equal(h1, plain + residual)
+    assert torch.isfinite(n1).all() and not workspace[1].any()
+
+
+def test_persistent_groups_fit_at_once_and_balance_their_blocks():
+    """``persistent_groups``: None when off; the groups of ``split`` programs that fit on the
+    device's multiprocessors at once, at most one per block, block counts within one."""
+    from segkv.kernels.dense_gemv import persistent_groups
+
+    cpu = torch.device("cpu")
+    assert persistent_groups(cpu, 10, 2, 0) is None
+    assert persistent_groups(cpu, 10, 2, 8) == 4  # 4 fit; 10 blocks over 4 groups: 3, 3, 2, 2
+    assert persistent_groups(cpu, 10, 2, 10) == 5 and persistent_groups(cpu, 10, 2, 32) == 10
+    assert persistent_groups(cpu, 10, 20, 4) == 1  # fewer slots than splits: one group
+    assert persistent_groups(cpu, 256, 1, 18) == 18 and persistent_groups(cpu, 7, 1, 5) == 4  # 2, 2, 2, 1
+    with pytest.raises(ValueError, match="programs per multiprocessor"):
+        persistent_groups(cpu, 10, 2, 33)
