@@ -8,9 +8,8 @@ product, the weight bytes per second, and the result's largest difference from c
 and RMSNorm, q/k/v, o, residual add and RMSNorm, gate/up, SiLU-and-mul, down) over 8 layers'
 weights: the separate kernels with cuBLAS against the fused split-K GEMVs (``layers.linear``).
 ``--layers`` compares register caps (``maxnreg``, ``dense_gemv.PLAIN_REGISTER_CAP`` /
-``NORM_REGISTER_CAP``); ``--layers --all-tiles`` the tile shapes instead; ``--layers --persistent``
-persistent launches (``dense_gemv.persistent_groups``) against the default.
-Usage: ``python3 scripts/dense_gemv_sweep.py [--chain-only | --layers [--all-tiles | --persistent]]``.
+``NORM_REGISTER_CAP``); ``--layers --all-tiles`` the tile shapes instead.
+Usage: ``python3 scripts/dense_gemv_sweep.py [--chain-only | --layers [--all-tiles]]``.
 """
 
 from __future__ import annotations
@@ -93,9 +92,8 @@ def layers(dev, gen, hidden: int = 4096, inner: int = 14336, kv: int = 1024, cou
             x = F.linear(silu_and_mul(F.linear(h, gu_w)), d_w)
         return x
 
-    def fused(launch, persistent=0, ahead=1):
-        """``launch(out_dim, in_dim)`` -> (BLOCK_N, BLOCK_K, warps, evict_first) per product;
-        ``persistent`` programs per SM (0: one program per block), weights ``ahead`` blocks ahead."""
+    def fused(launch):
+        """``launch(out_dim, in_dim)`` -> (BLOCK_N, BLOCK_K, warps, evict_first) per product."""
         spaces = {}
 
         def kw(w):
@@ -105,11 +103,9 @@ def layers(dev, gen, hidden: int = 4096, inner: int = 14336, kv: int = 1024, cou
                 floats, tickets = workspace_size(*w.shape, bn, bk)
                 spaces[key] = (torch.empty(floats, dtype=torch.float32, device=dev),
                                torch.zeros(tickets, dtype=torch.int32, device=dev))
-            return {"block_n": bn, "block_k": bk, "num_warps": warps, "evict_first": evict, "workspace": spaces[key],
-                    "persistent": persistent}
+            return {"block_n": bn, "block_k": bk, "num_warps": warps, "evict_first": evict, "workspace": spaces[key]}
 
         def run():
-            dense_gemv.PERSISTENT_AHEAD = ahead
             x, res = x0, r0
             for qkv_w, o_w, gu_w, d_w, g1, g2 in weights:
                 qkv, res = norm_splitk_gemv(x, res, g1, 1e-5, qkv_w, **kw(qkv_w))
@@ -144,11 +140,6 @@ def layers(dev, gen, hidden: int = 4096, inner: int = 14336, kv: int = 1024, cou
                     "fused, 32 x 256": fused(every(32, 256)),
                     "fused, small 32 x 256, big 16 x 512": fused(small_big((32, 256, 4, False), (16, 512, 4, False))),
                     "fused, small 8 x 512, big 16 x 512": fused(small_big((8, 512, 4, False), (16, 512, 4, False)))}
-    elif "--persistent" in sys.argv:  # programs walking several blocks, weights loaded ahead
-        variants = {"fused, evict first (default)": fused(every(16, 512, 4, True))}
-        for bn, warps, ahead, per_sm in ((16, 4, 1, 3), (8, 4, 1, 6), (8, 4, 2, 4), (16, 8, 2, 2), (8, 4, 1, 4)):
-            variants[f"persistent {bn} x 512, {warps} warps, {ahead} ahead, {per_sm}/SM"] = fused(
-                every(bn, 512, warps, True), per_sm, ahead)
     else:  # registers per thread: programs per multiprocessor, weight bytes in flight
         variants = {"cuBLAS + kernels": cublas, "fused, evict first, no caps": capped(0, 0),
                     "fused, caps 48 / 72": capped(48, 72), "fused, caps 0 / 72": capped(0, 72),

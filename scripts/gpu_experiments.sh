@@ -149,22 +149,7 @@ deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it
   e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 }
 for part in "${@:-latent}"; do
-if [ "$part" = persistent ]; then
-  # persistent one-row GEMVs (SEGKV_GEMV_PERSISTENT: programs per SM, each walking several output
-  # blocks with its weights loaded SEGKV_GEMV_AHEAD blocks ahead): their GPU tests, the layer chain
-  # against the default launch, then (PERSISTENT_E2E="label:env ...;...") Llama-3.1-8B batch 1
-  gpu_tests "dense GEMVs" -- tests/test_dense_gemv.py
-  timeout 240 python3 scripts/dense_gemv_sweep.py --layers --persistent 2>&1 | grep -E "layer chain|rror" | tee -a "$log"
-  if [ -n "${PERSISTENT_E2E:-}" ]; then
-    IFS=';' read -r -a settings <<< "$PERSISTENT_E2E"
-    for round in 1 2; do
-      for setting in "defaults:" "${settings[@]}"; do
-        # shellcheck disable=SC2086
-        e2e "llama ${setting%%:*}" ${setting#*:} -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
-      done
-    done
-  fi
-elif [ "$part" = merge ]; then
+if [ "$part" = merge ]; then
   echo "== DeepSeek-V2-Lite batch 1: latent merge cost per partition 0 / 1 rows" | tee -a "$log"
   for round in 1 2; do
     for rows in 0 1; do

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
 from segkv.kernels.moe_ops import check_combine, combine_row
-from segkv.kernels.pdl import _INTERPRET, capability_major, multiprocessors, pdl_options
+from segkv.kernels.pdl import _INTERPRET, capability_major, pdl_options
 from segkv.kernels.settings import env_int
 
 INPUT_PLAIN, INPUT_GATED, INPUT_NORM, INPUT_COMBINE = 0, 1, 2, 3
@@ -48,11 +48,6 @@ WEIGHTS_EVICT_FIRST = env_int("SEGKV_GEMV_EVICT_FIRST", 1) == 1
 # capped at 72 (7 programs) Llama-3.1-8B batch 1 on the H200 went 219-220 -> 222-223 tok/s at 1K.
 # The store is now predicated instead, and they take 64 uncapped (8 programs; a cap of 72 lets
 # ptxas give the q/k/v and MLA x launches 70-72). Caps that spill (64 / 40) lost 6-15%.
-# Persistent launches (``SEGKV_GEMV_PERSISTENT=P``, 0: off): P programs per multiprocessor, each
-# walking several output blocks of one input block with its weight blocks loaded ``SEGKV_GEMV_AHEAD``
-# (1 or 2) blocks ahead (:func:`_persistent_gemv_kernel`), instead of one program per block.
-PERSISTENT_PER_SM = env_int("SEGKV_GEMV_PERSISTENT", 0)
-PERSISTENT_AHEAD = env_int("SEGKV_GEMV_AHEAD", 1)
 PLAIN_REGISTER_CAP = env_int("SEGKV_GEMV_MAXNREG", 0)
 NORM_REGISTER_CAP = env_int("SEGKV_GEMV_MAXNREG_NORM", 0)
 
@@ -63,68 +58,6 @@ def register_cap(x: torch.Tensor, input_kind: int) -> int:
     if _INTERPRET or not x.is_cuda or capability_major(x.device.index or 0) != 9:
         return 0
     return PLAIN_REGISTER_CAP if input_kind in (INPUT_PLAIN, INPUT_GATED) else NORM_REGISTER_CAP
-
-
-@triton.jit
-def weight_block(W, stride_w, out_dim, in_dim, nb, kb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVICT_FIRST: tl.constexpr):
-    """The ``BLOCK_N x BLOCK_K`` weight block ``(nb, kb)`` in the weight's dtype (0 outside the
-    weight: a block past the last output rows is all masked and reads nothing)."""
-    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    return tl.load(W + rows[:, None].to(tl.int64) * stride_w + cols[None, :],
-                   mask=(rows < out_dim)[:, None] & (cols < in_dim)[None, :], other=0.0,
-                   eviction_policy="evict_first" if EVICT_FIRST else "")
-
-
-@triton.jit
-def weight_block_at(W, offsets, c_ok, stride_w, out_dim, nb, BLOCK_N: tl.constexpr, EVICT_FIRST: tl.constexpr):
-    """:func:`weight_block` ``(nb, kb)`` from the block-invariant int32 ``offsets`` of its
-    elements within a block row (``(BLOCK_N, BLOCK_K)``) and its columns' mask ``c_ok``: one 64-bit
-    base per block, so a program holding several blocks in flight keeps one set of offsets."""
-    first = nb * BLOCK_N
-    r_ok = tl.arange(0, BLOCK_N) < out_dim - first
-    return tl.load(W + first.to(tl.int64) * stride_w + offsets, mask=r_ok[:, None] & c_ok[None, :], other=0.0,
-                   eviction_policy="evict_first" if EVICT_FIRST else "")
-
-
-@triton.jit
-def input_slice(X, RES, RES_OUT, g, in_dim, nb, kb, EXPERT_W, SHARED, stride_x, BLOCK_K: tl.constexpr,
-                INPUT: tl.constexpr, HAS_RES: tl.constexpr, KIND: tl.constexpr, EXPERTS: tl.constexpr = 1,
-                HAS_SHARED: tl.constexpr = False):
-    """Input block ``kb`` of the row ``a`` (float32 ``(BLOCK_K,)``, see the module docstring) and
-    (``INPUT_NORM``/``INPUT_COMBINE``, else 0) its sum of squares of ``h``; ``g`` the norm
-    weight's slice (float32, loaded by the caller before its wait). The programs of output block
-    ``nb == 0`` write their slice of ``h`` to ``RES_OUT``."""
-    cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    c_ok = cols < in_dim
-    if INPUT == 3:
-        a = combine_row(X, EXPERT_W, SHARED, 0, cols, c_ok, stride_x, 0, EXPERTS, HAS_SHARED, KIND, BLOCK_K)
-    elif INPUT == 1:
-        a = silu_mul_rounded(tl.load(X + cols, mask=c_ok, other=0.0).to(tl.float32),
-                             tl.load(X + in_dim + cols, mask=c_ok, other=0.0).to(tl.float32), KIND)
-    else:
-        a = tl.load(X + cols, mask=c_ok, other=0.0).to(tl.float32)
-    square_sum = 0.0
-    if INPUT >= 2:
-        if HAS_RES:
-            a = round_to_kind(a + tl.load(RES + cols, mask=c_ok, other=0.0).to(tl.float32), KIND)
-            # block 0's programs write h; a predicated store, not a branch: the branch kept 16
-            # more registers live (80 -> 64 per thread, 6 -> 8 programs per SM; sm_90a, Triton 3.6)
-            first_block = tl.zeros_like(cols) + nb == 0
-            tl.store(RES_OUT + cols, a.to(RES_OUT.dtype.element_ty), mask=c_ok & first_block)
-        square_sum = tl.sum(a * a, axis=0)
-        a = a * g
-    return a, square_sum
-
-
-@triton.jit
-def norm_weight_slice(G, in_dim, kb, BLOCK_K: tl.constexpr, INPUT: tl.constexpr):
-    """The norm weight's slice ``kb`` in float32 (``INPUT_NORM``/``INPUT_COMBINE``; else 0)."""
-    cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    if INPUT >= 2:
-        return tl.load(G + cols, mask=cols < in_dim, other=0.0).to(tl.float32)
-    return tl.zeros([BLOCK_K], tl.float32)
 
 
 @triton.jit
@@ -145,12 +78,33 @@ def gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, EXPERT_
     weight's lines leave the L2 cache first."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    w = weight_block(W, stride_w, out_dim, in_dim, nb, kb, BLOCK_N, BLOCK_K, EVICT_FIRST)
-    g = norm_weight_slice(G, in_dim, kb, BLOCK_K, INPUT)
+    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok = rows < out_dim
+    cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    c_ok = cols < in_dim
+    w = tl.load(W + rows[:, None].to(tl.int64) * stride_w + cols[None, :], mask=r_ok[:, None] & c_ok[None, :],
+                other=0.0, eviction_policy="evict_first" if EVICT_FIRST else "")
+    if INPUT >= 2:
+        g = tl.load(G + cols, mask=c_ok, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    a, square_sum = input_slice(X, RES, RES_OUT, g, in_dim, nb, kb, EXPERT_W, SHARED, stride_x, BLOCK_K, INPUT,
-                                HAS_RES, KIND, EXPERTS, HAS_SHARED)
+    if INPUT == 3:
+        a = combine_row(X, EXPERT_W, SHARED, 0, cols, c_ok, stride_x, 0, EXPERTS, HAS_SHARED, KIND, BLOCK_K)
+    elif INPUT == 1:
+        a = silu_mul_rounded(tl.load(X + cols, mask=c_ok, other=0.0).to(tl.float32),
+                             tl.load(X + in_dim + cols, mask=c_ok, other=0.0).to(tl.float32), KIND)
+    else:
+        a = tl.load(X + cols, mask=c_ok, other=0.0).to(tl.float32)
+    square_sum = 0.0
+    if INPUT >= 2:
+        if HAS_RES:
+            a = round_to_kind(a + tl.load(RES + cols, mask=c_ok, other=0.0).to(tl.float32), KIND)
+            # block 0's programs write h; a predicated store, not a branch: the branch kept 16
+            # more registers live (80 -> 64 per thread, 6 -> 8 programs per SM; sm_90a, Triton 3.6)
+            first_block = tl.zeros_like(cols) + nb == 0
+            tl.store(RES_OUT + cols, a.to(RES_OUT.dtype.element_ty), mask=c_ok & first_block)
+        square_sum = tl.sum(a * a, axis=0)
+        a = a * g
     return tl.sum(w.to(tl.float32) * a[None, :], axis=1), square_sum
 
 
@@ -168,16 +122,6 @@ def _splitk_gemv_kernel(X, RES, G, RES_OUT, W, OUT, PART, TICKETS, stride_w, out
     part, square_sum = gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, EXPERT_W, SHARED,
                                   stride_x, BLOCK_N, BLOCK_K, INPUT, HAS_RES, KIND, EVICT_FIRST, USE_PDL, EXPERTS,
                                   HAS_SHARED)
-    finish_block(part, square_sum, OUT, PART, TICKETS, out_dim, in_dim, eps, nb, kb, BLOCK_N, SPLIT, SPLIT_P2,
-                 INPUT, KIND)
-
-
-@triton.jit
-def finish_block(part, square_sum, OUT, PART, TICKETS, out_dim, in_dim, eps, nb, kb, BLOCK_N: tl.constexpr,
-                 SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, INPUT: tl.constexpr, KIND: tl.constexpr):
-    """Program ``(nb, kb)``'s partial product into the workspace and its ticket; the block's last
-    program adds the ``SPLIT`` partials in a fixed order, norms, rounds once, stores the output
-    block and resets the ticket (with one split: the partial is the product)."""
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < out_dim
     if SPLIT == 1:
@@ -194,49 +138,6 @@ def finish_block(part, square_sum, OUT, PART, TICKETS, out_dim, in_dim, eps, nb,
             # rounded to nearest even by bits (Triton's interpreter truncates a float32 -> bf16 cast)
             tl.store(OUT + rows, round_to_kind(total, KIND).to(OUT.dtype.element_ty), mask=r_ok)
             tl.store(TICKETS + nb, 0)
-
-
-@triton.jit
-def _persistent_gemv_kernel(X, RES, G, RES_OUT, W, OUT, PART, TICKETS, stride_w, out_dim, in_dim, eps,
-                            EXPERT_W, SHARED, stride_x,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                            SPLIT_P2: tl.constexpr, INPUT: tl.constexpr, HAS_RES: tl.constexpr,
-                            KIND: tl.constexpr, EVICT_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
-                            EXPERTS: tl.constexpr, HAS_SHARED: tl.constexpr, AHEAD: tl.constexpr):
-    """Program ``(group, kb)`` of ``groups``: the output blocks ``group, group + groups, ...``
-    over input block ``kb``, each as :func:`_splitk_gemv_kernel`'s program ``(nb, kb)`` computes
-    it, with the same partials, tickets and rounding. Its input slice is formed once, and the
-    weight blocks stream through registers ``AHEAD`` (1 or 2) blocks ahead of the product: the
-    first ones load before the PDL wait, and a block's loads are in flight while the block before
-    it is multiplied and ticketed, so the weight stream does not stop at the launch's start or
-    between a program's blocks (one program per block stops at both)."""
-    group = tl.program_id(0)
-    kb = tl.program_id(1)
-    groups = tl.num_programs(0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    c_ok = cols < in_dim
-    offsets = tl.arange(0, BLOCK_N)[:, None] * stride_w + cols[None, :]
-    w0 = weight_block_at(W, offsets, c_ok, stride_w, out_dim, group, BLOCK_N, EVICT_FIRST)
-    if AHEAD == 2:
-        w1 = weight_block_at(W, offsets, c_ok, stride_w, out_dim, group + groups, BLOCK_N, EVICT_FIRST)
-    g = norm_weight_slice(G, in_dim, kb, BLOCK_K, INPUT)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    a, square_sum = input_slice(X, RES, RES_OUT, g, in_dim, group, kb, EXPERT_W, SHARED, stride_x, BLOCK_K, INPUT,
-                                HAS_RES, KIND, EXPERTS, HAS_SHARED)
-    blocks = tl.cdiv(out_dim, BLOCK_N)
-    for nb in tl.range(group, blocks, groups, num_stages=1):
-        w_next = weight_block_at(W, offsets, c_ok, stride_w, out_dim, nb + AHEAD * groups, BLOCK_N, EVICT_FIRST)
-        part = tl.sum(w0.to(tl.float32) * a[None, :], axis=1)
-        finish_block(part, square_sum, OUT, PART, TICKETS, out_dim, in_dim, eps, nb, kb, BLOCK_N, SPLIT, SPLIT_P2,
-                     INPUT, KIND)
-        if AHEAD == 2:
-            w0 = w1
-            w1 = w_next
-        else:
-            w0 = w_next
 
 
 @triton.jit
@@ -343,42 +244,23 @@ def gemv_operands(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kin
                         blocks, kind, options)
 
 
-def persistent_groups(device: torch.device, blocks: int, split: int, per_sm: int) -> int | None:
-    """Program groups of a persistent launch with ``per_sm`` programs per multiprocessor (None:
-    ``per_sm`` 0, one program per block): as many groups of ``split`` programs as fit at once
-    (so no program waits for another's slot while holding its list of blocks), at most one per
-    output block, and spread so that the groups' block counts differ by at most one. Off CUDA
-    (the interpreter) the device counts as one multiprocessor."""
-    if per_sm <= 0:
-        return None
-    if per_sm > 32 or PERSISTENT_AHEAD not in (1, 2):
-        raise ValueError(f"persistent GEMV: 1-32 programs per multiprocessor and 1 or 2 blocks ahead, got "
-                         f"{per_sm} and {PERSISTENT_AHEAD}")
-    sms = multiprocessors(device.index or 0) if device.type == "cuda" else 1
-    fit = max(1, min(blocks, sms * per_sm // split))
-    return -(-blocks // -(-blocks // fit))
-
-
 def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kind: int, residual: torch.Tensor | None,
             norm_weight: torch.Tensor | None, eps: float, block_n: int, block_k: int, num_warps: int,
             workspace: tuple[torch.Tensor, torch.Tensor] | None, pdl: bool | None, evict_first: bool,
-            expert_weights: torch.Tensor | None = None, shared: torch.Tensor | None = None,
-            persistent: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            expert_weights: torch.Tensor | None = None, shared: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     out_dim, in_dim = weight.shape
     ops = gemv_operands(name, x, weight, input_kind=input_kind, residual=residual, norm_weight=norm_weight,
                         block_n=block_n, block_k=block_k, workspace=workspace, pdl=pdl)
     out = torch.empty(out_dim, dtype=x.dtype, device=x.device)
-    groups = persistent_groups(x.device, ops.blocks, ops.split, PERSISTENT_PER_SM if persistent is None else persistent)
-    kernel, extra = ((_splitk_gemv_kernel, {}) if groups is None
-                     else (_persistent_gemv_kernel, {"AHEAD": PERSISTENT_AHEAD}))
-    kernel[(groups or ops.blocks, ops.split)](
+    _splitk_gemv_kernel[(ops.blocks, ops.split)](
         ops.flat, ops.res, ops.g, out if ops.res_out is None else ops.res_out, weight, out, ops.part, ops.tickets,
         weight.stride(0), out_dim, in_dim, float(eps), ops.flat if expert_weights is None else expert_weights,
         ops.flat if shared is None else shared, x.stride(0) if input_kind == INPUT_COMBINE else 0,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=ops.split, SPLIT_P2=triton.next_power_of_2(ops.split),
         INPUT=input_kind, HAS_RES=ops.res_out is not None, KIND=ops.kind, EVICT_FIRST=evict_first,
         EXPERTS=1 if expert_weights is None else expert_weights.numel(), HAS_SHARED=shared is not None,
-        num_warps=num_warps, **extra, **ops.options)
+        num_warps=num_warps, **ops.options)
     if input_kind == INPUT_COMBINE:
         return out.view(1, out_dim), ops.res_out
     return out.view(*x.shape[:-1], out_dim), ops.res_out
@@ -386,35 +268,33 @@ def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kind: int
 
 def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, *, block_n: int = 32, block_k: int = 512, num_warps: int = 4,
                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool | None = None,
-                evict_first: bool = False, persistent: int | None = None) -> torch.Tensor:
+                evict_first: bool = False) -> torch.Tensor:
     """``x (In,)`` or ``(1, In)`` times ``weight (Out, In)`` -> ``(Out,)`` / ``(1, Out)`` in ``x``'s
     dtype, float32 sums rounded once. ``workspace``: (float32 partials of at least
     :func:`workspace_size`, int32 zero tickets), left zero; allocated when None. ``pdl``:
     programmatic dependent launch (default: where ``kernels.pdl`` supports it). ``evict_first``:
-    the weight's lines leave the L2 cache before other data. ``persistent``: programs per
-    multiprocessor of a persistent launch (:func:`persistent_groups`; 0: one program per output
-    block; None: ``SEGKV_GEMV_PERSISTENT``), the same result."""
+    the weight's lines leave the L2 cache before other data."""
     return _launch("splitk_gemv", x, weight, input_kind=INPUT_PLAIN, residual=None, norm_weight=None, eps=0.0,
                    block_n=block_n, block_k=block_k, num_warps=num_warps, workspace=workspace, pdl=pdl,
-                   evict_first=evict_first, persistent=persistent)[0]
+                   evict_first=evict_first)[0]
 
 
 def gated_splitk_gemv(gate_up: torch.Tensor, weight: torch.Tensor, *, block_n: int = 32, block_k: int = 512,
                       num_warps: int = 4, workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      pdl: bool | None = None, evict_first: bool = False, persistent: int | None = None) -> torch.Tensor:
+                      pdl: bool | None = None, evict_first: bool = False) -> torch.Tensor:
     """``weight (Out, I) @ silu(gate) * up`` for one row ``gate_up (2I,)`` or ``(1, 2I)`` holding
     ``[gate | up]``: a gated MLP's down projection with its activation, ``(Out,)`` / ``(1, Out)``.
     The activation is rounded as ``fused_ops.silu_and_mul`` rounds it; arguments as
     :func:`splitk_gemv`."""
     return _launch("gated_splitk_gemv", gate_up, weight, input_kind=INPUT_GATED, residual=None, norm_weight=None,
                    eps=0.0, block_n=block_n, block_k=block_k, num_warps=num_warps, workspace=workspace, pdl=pdl,
-                   evict_first=evict_first, persistent=persistent)[0]
+                   evict_first=evict_first)[0]
 
 
 def norm_splitk_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                      weight: torch.Tensor, *, block_n: int = 32, block_k: int = 512, num_warps: int = 4,
                      workspace: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool | None = None,
-                     evict_first: bool = False, persistent: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     evict_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm block's residual add, RMSNorm and the product after it, for one row:
     ``h = x + residual`` (rounded to ``x``'s dtype; ``h = x`` without a residual) and
     ``weight (Out, In) @ (norm_weight * h / sqrt(mean(h^2) + eps))`` in float32, rounded once.
@@ -424,7 +304,7 @@ def norm_splitk_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     Other arguments as :func:`splitk_gemv`."""
     out, res_out = _launch("norm_splitk_gemv", x, weight, input_kind=INPUT_NORM, residual=residual,
                            norm_weight=norm_weight, eps=eps, block_n=block_n, block_k=block_k, num_warps=num_warps,
-                           workspace=workspace, pdl=pdl, evict_first=evict_first, persistent=persistent)
+                           workspace=workspace, pdl=pdl, evict_first=evict_first)
     return out, (x if res_out is None else res_out.view(x.shape))
 
 
@@ -432,7 +312,7 @@ def combine_norm_splitk_gemv(parts: torch.Tensor, expert_weights: torch.Tensor, 
                              residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *,
                              block_n: int = 32, block_k: int = 512, num_warps: int = 4,
                              workspace: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool | None = None,
-                             evict_first: bool = False, persistent: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             evict_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`norm_splitk_gemv` of one token whose ``x`` is a mixture-of-experts layer's output
     not formed yet (``layers.norm.PendingCombine``): ``parts (k, In)`` expert outputs weighted by
     ``expert_weights (1, k)`` float32, plus ``shared (1, In)`` or None, combined as
@@ -447,5 +327,5 @@ def combine_norm_splitk_gemv(parts: torch.Tensor, expert_weights: torch.Tensor, 
     out, h = _launch(name, parts, weight, input_kind=INPUT_COMBINE, residual=residual, norm_weight=norm_weight,
                      eps=eps, block_n=block_n, block_k=block_k, num_warps=num_warps, workspace=workspace, pdl=pdl,
                      evict_first=evict_first, expert_weights=expert_weights.contiguous(),
-                     shared=None if shared is None else shared.reshape(-1), persistent=persistent)
+                     shared=None if shared is None else shared.reshape(-1))
     return out, h.view(residual.shape)

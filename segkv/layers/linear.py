@@ -23,8 +23,6 @@ from segkv.kernels.settings import env_int
 BATCH1_GEMV = env_int("SEGKV_BATCH1_GEMV", 1) == 1
 BATCH1_FUSED_GEMV = env_int("SEGKV_BATCH1_FUSED_GEMV", 1) == 1
 BATCH1_QKV_ROPE = env_int("SEGKV_BATCH1_QKV_ROPE", 1) == 1
-# Output rows per weight block of persistent launches (``SEGKV_GEMV_PERSISTENT``; 0: launch_for's)
-PERSISTENT_BLOCK_N = env_int("SEGKV_GEMV_PERSISTENT_BLOCK_N", 0)
 
 
 def launch_for(in_dim: int) -> tuple[int, int]:
@@ -124,12 +122,10 @@ class RowProduct:
     def _launch(self, weight: torch.Tensor, whole: tuple[int, ...] = ()) -> dict:
         """The launch arguments for ``weight``: ``launch_for``'s blocks, ``BLOCK_N`` halved until
         each group of rows in ``whole`` (a head) is whole output blocks, and the workspace."""
-        from segkv.kernels.dense_gemv import PERSISTENT_PER_SM, WEIGHTS_EVICT_FIRST, workspace_size
+        from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST, workspace_size
 
         out_dim, in_dim = weight.shape
         block_n, block_k = launch_for(in_dim)
-        if PERSISTENT_PER_SM and PERSISTENT_BLOCK_N and not whole:
-            block_n = PERSISTENT_BLOCK_N
         while any(rows % block_n for rows in whole):
             block_n //= 2
         key = (out_dim, in_dim, block_n, weight.device)
