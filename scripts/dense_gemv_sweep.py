@@ -8,8 +8,9 @@ product, the weight bytes per second, and the result's largest difference from c
 and RMSNorm, q/k/v, o, residual add and RMSNorm, gate/up, SiLU-and-mul, down) over 8 layers'
 weights: the separate kernels with cuBLAS against the fused split-K GEMVs (``layers.linear``).
 ``--layers`` compares register caps (``maxnreg``, ``dense_gemv.PLAIN_REGISTER_CAP`` /
-``NORM_REGISTER_CAP``); ``--layers --all-tiles`` the tile shapes instead.
-Usage: ``python3 scripts/dense_gemv_sweep.py [--chain-only | --layers [--all-tiles]]``.
+``NORM_REGISTER_CAP``); ``--layers --all-tiles`` the tile shapes instead; ``--layers --whole-rows``
+programs of whole weight rows (one split: no partial sums, no tickets) against the default.
+Usage: ``python3 scripts/dense_gemv_sweep.py [--chain-only | --layers [--all-tiles | --whole-rows]]``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from expert_gemv_sweep import time_us  # scripts/ beside this one: the same graph timing
 
@@ -140,6 +142,18 @@ def layers(dev, gen, hidden: int = 4096, inner: int = 14336, kv: int = 1024, cou
                     "fused, 32 x 256": fused(every(32, 256)),
                     "fused, small 32 x 256, big 16 x 512": fused(small_big((32, 256, 4, False), (16, 512, 4, False))),
                     "fused, small 8 x 512, big 16 x 512": fused(small_big((8, 512, 4, False), (16, 512, 4, False)))}
+    elif "--whole-rows" in sys.argv:  # programs of whole weight rows: no split over the input, no tickets
+        def whole(rows, warps, down=(16, 512, 4)):
+            return lambda o, i: (rows, triton.next_power_of_2(i), warps, True) if i <= 4096 else (*down, True)
+
+        variants = {"fused, evict first (default)": fused(every(16, 512, 4, True)),
+                    "whole rows 1 x 4096, 4 warps": fused(whole(1, 4)),
+                    "whole rows 2 x 4096, 4 warps": fused(whole(2, 4)),
+                    "whole rows 4 x 4096, 4 warps": fused(whole(4, 4)),
+                    "whole rows 2 x 4096, 8 warps": fused(whole(2, 8)),
+                    "whole rows 4 x 4096, 8 warps": fused(whole(4, 8)),
+                    "whole rows 2 x 4096, down 1 x 16384 (8 warps)": fused(whole(2, 4, (1, 16384, 8))),
+                    "whole rows 2 x 4096, down 2 x 8192 (8 warps)": fused(whole(2, 4, (2, 8192, 8)))}
     else:  # registers per thread: programs per multiprocessor, weight bytes in flight
         variants = {"cuBLAS + kernels": cublas, "fused, evict first, no caps": capped(0, 0),
                     "fused, caps 48 / 72": capped(48, 72), "fused, caps 0 / 72": capped(0, 72),

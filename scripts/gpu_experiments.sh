@@ -149,7 +149,21 @@ deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it
   e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 }
 for part in "${@:-latent}"; do
-if [ "$part" = merge ]; then
+if [ "$part" = wholerows ]; then
+  # one-row GEMVs in programs of whole weight rows (one split: no partial sums, no tickets, whose
+  # release fence each program waits for) against the split-K default: the layer chain's launch
+  # sweep, then Llama-3.1-8B batch 1 with the products of <= 4096 inputs taking 1 or 2 rows a program
+  timeout 200 python3 scripts/dense_gemv_sweep.py --layers --whole-rows 2>&1 | grep -E "layer chain|rror" | tee -a "$log"
+  for round in 1 2; do
+    e2e "llama defaults" -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
+    for rows in 1 2; do
+      e2e "llama whole rows x $rows" SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS=4096 SEGKV_GEMV_WHOLE_ROWS=$rows \
+        -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
+    done
+  done
+  GPU_TESTS_TIMEOUT=150 gpu_tests "dense GEMVs and fused models, whole rows x 2" SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS=4096 \
+    -- tests/test_dense_gemv.py tests/test_fused_ops.py
+elif [ "$part" = merge ]; then
   echo "== DeepSeek-V2-Lite batch 1: latent merge cost per partition 0 / 1 rows" | tee -a "$log"
   for round in 1 2; do
     for rows in 0 1; do

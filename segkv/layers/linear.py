@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from segkv.kernels.settings import env_int
 
 BATCH1_GEMV = env_int("SEGKV_BATCH1_GEMV", 1) == 1
 BATCH1_FUSED_GEMV = env_int("SEGKV_BATCH1_FUSED_GEMV", 1) == 1
 BATCH1_QKV_ROPE = env_int("SEGKV_BATCH1_QKV_ROPE", 1) == 1
+# Products of at most this many inputs in programs of whole weight rows (one split: no partial
+# sums, no tickets), SEGKV_GEMV_WHOLE_ROWS rows a program (0: launch_for's split-K blocks)
+WHOLE_ROW_MAX_INPUTS = env_int("SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS", 0)
+WHOLE_ROWS = env_int("SEGKV_GEMV_WHOLE_ROWS", 2)
 
 
 def launch_for(in_dim: int) -> tuple[int, int]:
@@ -126,6 +131,8 @@ class RowProduct:
 
         out_dim, in_dim = weight.shape
         block_n, block_k = launch_for(in_dim)
+        if not whole and in_dim <= WHOLE_ROW_MAX_INPUTS:
+            block_n, block_k = WHOLE_ROWS, triton.next_power_of_2(in_dim)
         while any(rows % block_n for rows in whole):
             block_n //= 2
         key = (out_dim, in_dim, block_n, weight.device)
