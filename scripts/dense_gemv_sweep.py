@@ -147,13 +147,14 @@ def layers(dev, gen, hidden: int = 4096, inner: int = 14336, kv: int = 1024, cou
             return lambda o, i: (rows, triton.next_power_of_2(i), warps, True) if i <= 4096 else (*down, True)
 
         variants = {"fused, evict first (default)": fused(every(16, 512, 4, True)),
-                    "whole rows 1 x 4096, 4 warps": fused(whole(1, 4)),
-                    "whole rows 2 x 4096, 4 warps": fused(whole(2, 4)),
                     "whole rows 4 x 4096, 4 warps": fused(whole(4, 4)),
-                    "whole rows 2 x 4096, 8 warps": fused(whole(2, 8)),
-                    "whole rows 4 x 4096, 8 warps": fused(whole(4, 8)),
-                    "whole rows 2 x 4096, down 1 x 16384 (8 warps)": fused(whole(2, 4, (1, 16384, 8))),
-                    "whole rows 2 x 4096, down 2 x 8192 (8 warps)": fused(whole(2, 4, (2, 8192, 8)))}
+                    "whole rows 8 x 4096, 8 warps": fused(whole(8, 8)),
+                    "whole rows 4 x 4096, down 4 x 4096": fused(whole(4, 4, (4, 4096, 4))),
+                    "whole rows 4 x 4096, down 8 x 2048": fused(whole(4, 4, (8, 2048, 4))),
+                    "whole rows 4 x 4096, down 4 x 2048": fused(whole(4, 4, (4, 2048, 4))),
+                    "whole rows 4 x 4096, down 8 x 1024": fused(whole(4, 4, (8, 1024, 4)))}
+        # earlier (H200): 1 x 4096 0.77x, 2 x 4096 1.00x, 2 x 4096 with 8 warps 0.91x, 4 x 4096
+        # with 8 warps 1.04x; down in whole rows 1 x 16384 (8 warps) 0.74x, 2 x 8192 0.86x
     else:  # registers per thread: programs per multiprocessor, weight bytes in flight
         variants = {"cuBLAS + kernels": cublas, "fused, evict first, no caps": capped(0, 0),
                     "fused, caps 48 / 72": capped(48, 72), "fused, caps 0 / 72": capped(0, 72),

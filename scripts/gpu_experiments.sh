@@ -154,14 +154,19 @@ if [ "$part" = wholerows ]; then
   # release fence each program waits for) against the split-K default: the layer chain's launch
   # sweep, then Llama-3.1-8B batch 1 with the products of <= 4096 inputs taking 1 or 2 rows a program
   timeout 200 python3 scripts/dense_gemv_sweep.py --layers --whole-rows 2>&1 | grep -E "layer chain|rror" | tee -a "$log"
+  whole=(SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS=4096 SEGKV_GEMV_WHOLE_ROWS=4)
+  wide=(SEGKV_GEMV_WIDE_BLOCK_N="${WIDE_N:-4}" SEGKV_GEMV_WIDE_BLOCK_K="${WIDE_K:-4096}")
   for round in 1 2; do
     e2e "llama defaults" -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
-    for rows in 1 2; do
-      e2e "llama whole rows x $rows" SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS=4096 SEGKV_GEMV_WHOLE_ROWS=$rows \
-        -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
-    done
+    e2e "llama whole rows x 4" "${whole[@]}" -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
+    e2e "llama whole rows x 4, wide ${wide[*]}" "${whole[@]}" "${wide[@]}" -- --models llama-3.1-8b --batches 1 \
+      --contexts 1K,16K
   done
-  GPU_TESTS_TIMEOUT=150 gpu_tests "dense GEMVs and fused models, whole rows x 2" SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS=4096 \
+  for model in qwen3-8b deepseek-v2-lite; do
+    e2e "$model defaults" -- --models $model --batches 1 --contexts 1K,16K
+    e2e "$model whole rows x 4, wide" "${whole[@]}" "${wide[@]}" -- --models $model --batches 1 --contexts 1K,16K
+  done
+  GPU_TESTS_TIMEOUT=150 gpu_tests "dense GEMVs and fused models, whole rows x 4, wide" "${whole[@]}" "${wide[@]}" \
     -- tests/test_dense_gemv.py tests/test_fused_ops.py
 elif [ "$part" = merge ]; then
   echo "== DeepSeek-V2-Lite batch 1: latent merge cost per partition 0 / 1 rows" | tee -a "$log"

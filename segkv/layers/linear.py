@@ -28,6 +28,8 @@ BATCH1_QKV_ROPE = env_int("SEGKV_BATCH1_QKV_ROPE", 1) == 1
 # sums, no tickets), SEGKV_GEMV_WHOLE_ROWS rows a program (0: launch_for's split-K blocks)
 WHOLE_ROW_MAX_INPUTS = env_int("SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS", 0)
 WHOLE_ROWS = env_int("SEGKV_GEMV_WHOLE_ROWS", 2)
+# Blocks of the wider products (more inputs than that), when set: rows x inputs a program
+WIDE_BLOCK = (env_int("SEGKV_GEMV_WIDE_BLOCK_N", 0), env_int("SEGKV_GEMV_WIDE_BLOCK_K", 0))
 
 
 def launch_for(in_dim: int) -> tuple[int, int]:
@@ -133,6 +135,8 @@ class RowProduct:
         block_n, block_k = launch_for(in_dim)
         if not whole and in_dim <= WHOLE_ROW_MAX_INPUTS:
             block_n, block_k = WHOLE_ROWS, triton.next_power_of_2(in_dim)
+        elif not whole and WHOLE_ROW_MAX_INPUTS and all(WIDE_BLOCK):
+            block_n, block_k = WIDE_BLOCK
         while any(rows % block_n for rows in whole):
             block_n //= 2
         key = (out_dim, in_dim, block_n, weight.device)
