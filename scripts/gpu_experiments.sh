@@ -149,7 +149,19 @@ deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it
   e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 }
 for part in "${@:-latent}"; do
-if [ "$part" = wholerows ]; then
+if [ "$part" = wholerows2 ]; then
+  # whole-row GEMVs (4 rows a program, products of <= 4096 inputs; the wider down products keep
+  # their split-K blocks) for the other models, alternating, and the GPU tests with them
+  whole=(SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS=4096 SEGKV_GEMV_WHOLE_ROWS=4)
+  for round in 1 2; do
+    for model in qwen3-8b deepseek-v2-lite; do
+      e2e "$model defaults" -- --models $model --batches 1 --contexts 1K,16K
+      e2e "$model whole rows x 4" "${whole[@]}" -- --models $model --batches 1 --contexts 1K,16K
+    done
+  done
+  GPU_TESTS_TIMEOUT=200 gpu_tests "GEMVs, fused models, engine: whole rows x 4" "${whole[@]}" \
+    -- tests/test_dense_gemv.py tests/test_fused_ops.py tests/test_qkv_gemv.py tests/test_mla_x_gemv.py tests/test_gpu_engine.py
+elif [ "$part" = wholerows ]; then
   # one-row GEMVs in programs of whole weight rows (one split: no partial sums, no tickets, whose
   # release fence each program waits for) against the split-K default: the layer chain's launch
   # sweep, then Llama-3.1-8B batch 1 with the products of <= 4096 inputs taking 1 or 2 rows a program
