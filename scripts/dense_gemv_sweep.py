@@ -9,7 +9,8 @@ and RMSNorm, q/k/v, o, residual add and RMSNorm, gate/up, SiLU-and-mul, down) ov
 weights: the separate kernels with cuBLAS against the fused split-K GEMVs (``layers.linear``).
 ``--layers`` compares register caps (``maxnreg``, ``dense_gemv.PLAIN_REGISTER_CAP`` /
 ``NORM_REGISTER_CAP``); ``--layers --all-tiles`` the tile shapes instead; ``--layers --whole-rows``
-programs of whole weight rows (one split: no partial sums, no tickets) against the default.
+programs of whole weight rows (one split: no partial sums, no tickets; the engine's launch for
+products of up to 4096 inputs) against split-K blocks.
 Usage: ``python3 scripts/dense_gemv_sweep.py [--chain-only | --layers [--all-tiles | --whole-rows]]``.
 """
 
@@ -146,15 +147,15 @@ def layers(dev, gen, hidden: int = 4096, inner: int = 14336, kv: int = 1024, cou
         def whole(rows, warps, down=(16, 512, 4)):
             return lambda o, i: (rows, triton.next_power_of_2(i), warps, True) if i <= 4096 else (*down, True)
 
-        variants = {"fused, evict first (default)": fused(every(16, 512, 4, True)),
-                    "whole rows 4 x 4096, 4 warps": fused(whole(4, 4)),
+        variants = {"split-K 16 x 512 (before)": fused(every(16, 512, 4, True)),
+                    "launch_for (4 whole rows up to 4096 inputs)": fused(lambda o, i: (*launch_for(i, whole_rows=True), 4,
+                                                                                      True)),
                     "whole rows 8 x 4096, 8 warps": fused(whole(8, 8)),
-                    "whole rows 4 x 4096, down 4 x 4096": fused(whole(4, 4, (4, 4096, 4))),
-                    "whole rows 4 x 4096, down 8 x 2048": fused(whole(4, 4, (8, 2048, 4))),
-                    "whole rows 4 x 4096, down 4 x 2048": fused(whole(4, 4, (4, 2048, 4))),
-                    "whole rows 4 x 4096, down 8 x 1024": fused(whole(4, 4, (8, 1024, 4)))}
+                    "whole rows 4 x 4096, down 8 x 1024": fused(whole(4, 4, (8, 1024, 4))),
+                    "whole rows 4 x 4096, down 4 x 4096": fused(whole(4, 4, (4, 4096, 4)))}
         # earlier (H200): 1 x 4096 0.77x, 2 x 4096 1.00x, 2 x 4096 with 8 warps 0.91x, 4 x 4096
-        # with 8 warps 1.04x; down in whole rows 1 x 16384 (8 warps) 0.74x, 2 x 8192 0.86x
+        # with 8 warps 1.04x; down in whole rows 1 x 16384 (8 warps) 0.74x, 2 x 8192 0.86x; down
+        # 8 x 2048 / 4 x 2048 1.06-1.07x (4 x 4096 elsewhere: 1.09x)
     else:  # registers per thread: programs per multiprocessor, weight bytes in flight
         variants = {"cuBLAS + kernels": cublas, "fused, evict first, no caps": capped(0, 0),
                     "fused, caps 48 / 72": capped(48, 72), "fused, caps 0 / 72": capped(0, 72),

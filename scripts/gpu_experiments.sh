@@ -149,37 +149,17 @@ deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it
   e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 }
 for part in "${@:-latent}"; do
-if [ "$part" = wholerows2 ]; then
-  # whole-row GEMVs (4 rows a program, products of <= 4096 inputs; the wider down products keep
-  # their split-K blocks) for the other models, alternating, and the GPU tests with them
-  whole=(SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS=4096 SEGKV_GEMV_WHOLE_ROWS=4)
+if [ "$part" = wholerows ]; then
+  # one-row GEMVs in whole weight rows (now the default up to 4096 inputs; docs/benchmarks.md
+  # "One-row GEMVs in whole weight rows") against split-K blocks everywhere: the layer chain's
+  # launch sweep, then the three batch-1 models alternating (SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS=0: before)
+  timeout 200 python3 scripts/dense_gemv_sweep.py --layers --whole-rows 2>&1 | grep -E "layer chain|rror" | tee -a "$log"
   for round in 1 2; do
-    for model in qwen3-8b deepseek-v2-lite; do
+    for model in llama-3.1-8b qwen3-8b deepseek-v2-lite; do
+      e2e "$model split-K everywhere" SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS=0 -- --models $model --batches 1 --contexts 1K,16K
       e2e "$model defaults" -- --models $model --batches 1 --contexts 1K,16K
-      e2e "$model whole rows x 4" "${whole[@]}" -- --models $model --batches 1 --contexts 1K,16K
     done
   done
-  GPU_TESTS_TIMEOUT=200 gpu_tests "GEMVs, fused models, engine: whole rows x 4" "${whole[@]}" \
-    -- tests/test_dense_gemv.py tests/test_fused_ops.py tests/test_qkv_gemv.py tests/test_mla_x_gemv.py tests/test_gpu_engine.py
-elif [ "$part" = wholerows ]; then
-  # one-row GEMVs in programs of whole weight rows (one split: no partial sums, no tickets, whose
-  # release fence each program waits for) against the split-K default: the layer chain's launch
-  # sweep, then Llama-3.1-8B batch 1 with the products of <= 4096 inputs taking 1 or 2 rows a program
-  timeout 200 python3 scripts/dense_gemv_sweep.py --layers --whole-rows 2>&1 | grep -E "layer chain|rror" | tee -a "$log"
-  whole=(SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS=4096 SEGKV_GEMV_WHOLE_ROWS=4)
-  wide=(SEGKV_GEMV_WIDE_BLOCK_N="${WIDE_N:-4}" SEGKV_GEMV_WIDE_BLOCK_K="${WIDE_K:-4096}")
-  for round in 1 2; do
-    e2e "llama defaults" -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
-    e2e "llama whole rows x 4" "${whole[@]}" -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
-    e2e "llama whole rows x 4, wide ${wide[*]}" "${whole[@]}" "${wide[@]}" -- --models llama-3.1-8b --batches 1 \
-      --contexts 1K,16K
-  done
-  for model in qwen3-8b deepseek-v2-lite; do
-    e2e "$model defaults" -- --models $model --batches 1 --contexts 1K,16K
-    e2e "$model whole rows x 4, wide" "${whole[@]}" "${wide[@]}" -- --models $model --batches 1 --contexts 1K,16K
-  done
-  GPU_TESTS_TIMEOUT=150 gpu_tests "dense GEMVs and fused models, whole rows x 4, wide" "${whole[@]}" "${wide[@]}" \
-    -- tests/test_dense_gemv.py tests/test_fused_ops.py
 elif [ "$part" = merge ]; then
   echo "== DeepSeek-V2-Lite batch 1: latent merge cost per partition 0 / 1 rows" | tee -a "$log"
   for round in 1 2; do

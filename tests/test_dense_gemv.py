@@ -9,7 +9,8 @@ GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 
 
-@pytest.mark.parametrize("out_dim,in_dim,block_n,block_k", [(100, 300, 32, 128), (64, 64, 16, 512), (70, 1030, 32, 256)])
+@pytest.mark.parametrize("out_dim,in_dim,block_n,block_k", [(100, 300, 32, 128), (64, 64, 16, 512), (70, 1030, 32, 256),
+                                                              (70, 300, 4, 512)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_splitk_gemv_matches_the_product_and_leaves_its_tickets_zero(out_dim, in_dim, block_n, block_k, dtype, gen):
     """Output and input dims that do not fill a block, one split and several, twice with one
@@ -58,7 +59,8 @@ def _bf16_tol(dtype):
     return 2.0**-7 if dtype == torch.bfloat16 else 1e-5  # one rounding of the float32 sum
 
 
-@pytest.mark.parametrize("out_dim,inner,block_n,block_k", [(100, 300, 32, 128), (48, 1000, 16, 256), (40, 64, 16, 128)])
+@pytest.mark.parametrize("out_dim,inner,block_n,block_k", [(100, 300, 32, 128), (48, 1000, 16, 256), (40, 64, 16, 128),
+                                                            (42, 300, 4, 512)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gated_gemv_is_the_down_product_of_silu_and_mul(out_dim, inner, block_n, block_k, dtype, gen):
     """``gated_splitk_gemv([gate | up], W) = W @ silu_and_mul([gate | up])``: the activation rounded
@@ -80,7 +82,8 @@ def test_gated_gemv_is_the_down_product_of_silu_and_mul(out_dim, inner, block_n,
         gated_splitk_gemv(gate_up[:, :inner], w)  # the gate half alone
 
 
-@pytest.mark.parametrize("out_dim,in_dim,block_n,block_k", [(100, 300, 32, 128), (64, 96, 16, 128), (70, 1030, 32, 256)])
+@pytest.mark.parametrize("out_dim,in_dim,block_n,block_k", [(100, 300, 32, 128), (64, 96, 16, 128), (70, 1030, 32, 256),
+                                                              (70, 300, 4, 512)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_norm_gemv_is_the_product_of_the_normed_residual_sum(out_dim, in_dim, block_n, block_k, dtype, with_residual,
@@ -248,3 +251,28 @@ def test_mla_model_with_the_norm_and_combine_in_its_x_gemv_gives_the_unfused_log
     else:
         assert calls == {"combine": 3 * (layers - 2), "norm": 3 * 3, "rope": 0} and calls["combine"] > 0
     same_greedy_tokens(plain, fused)
+
+
+def test_one_row_launches_take_whole_rows_up_to_4096_inputs():
+    """``launch_for``: products of at most ``WHOLE_ROW_MAX_INPUTS`` inputs take ``WHOLE_ROWS`` whole
+    weight rows a program (one split: no partial sums, no tickets) where the launch allows it;
+    wider ones, and launches whose partials meet per head, keep split-K blocks. ``RowProduct``
+    gives the q/k/v launch with RoPE split-K blocks whole per head, the plain, norm and gated
+    products whole rows."""
+    from segkv.layers import linear
+    from segkv.layers.linear import RowProduct, launch_for
+
+    assert (linear.WHOLE_ROW_MAX_INPUTS, linear.WHOLE_ROWS) == (4096, 4)
+    assert launch_for(4096, whole_rows=True) == (4, 4096) and launch_for(3000, whole_rows=True) == (4, 4096)
+    assert launch_for(2048, whole_rows=True) == (4, 2048)
+    assert launch_for(14336, whole_rows=True) == (16, 512) and launch_for(4096) == (16, 512)
+    assert launch_for(2048) == (32, 256)
+    rows = RowProduct(fused_decoder=True)
+    w = torch.zeros(6144, 4096)
+    whole = rows._launch(w)
+    assert (whole["block_n"], whole["block_k"]) == (4, 4096)
+    assert whole["workspace"][0].numel() == 6144 + 6144 // 4  # one split: the outputs' partials, no more
+    per_head = rows._launch(w, whole=(128,))
+    assert (per_head["block_n"], per_head["block_k"]) == (16, 512)
+    down = rows._launch(torch.zeros(4096, 14336))
+    assert (down["block_n"], down["block_k"]) == (16, 512)

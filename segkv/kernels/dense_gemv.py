@@ -5,7 +5,11 @@
 hundreds of programs (cuBLAS's batch-1 kernels stream the 8 MB projections of a small model at
 1.4-2.5 TB/s). The ``SPLIT`` partial sums of an output block meet by an atomic ticket: the
 block's last program adds them in a fixed order (no float atomics, so results do not depend on
-timing), rounds once and resets the ticket to 0 for the next launch.
+timing), rounds once and resets the ticket to 0 for the next launch. A ticket costs its program a
+release fence (one thread's ``MEMBAR.ALL.GPU`` before the atomic) and the atomic's round trip
+before it ends: with one split (``BLOCK_K`` spanning the input, a few whole weight rows a
+program: ``layers.linear.launch_for``'s launch for products of up to 4096 inputs) a program
+stores its rows at once.
 
 The row ``a`` is formed in the kernel from what the layer before left, so the small kernel that
 would form it disappears from a decode step:

@@ -1,4 +1,4 @@
-"""One-row products for batch-1 decode through the split-K Triton GEMV (``kernels.dense_gemv``).
+"""One-row products for batch-1 decode through the one-row Triton GEMV (``kernels.dense_gemv``).
 
 cuBLAS streams a small model's projections at one row far below the memory bandwidth (2048 x
 2048 in about 6 us on the H200); the split-K GEMV spreads the weight over hundreds of programs
@@ -9,7 +9,8 @@ gated MLPs take it with the layer's residual add and RMSNorm, or its SiLU-and-mu
 product's launch (``SEGKV_BATCH1_FUSED_GEMV``), and the q/k/v launch also takes the q/k norms,
 RoPE and the cache write (``SEGKV_BATCH1_QKV_ROPE``, ``kernels.qkv_gemv``): a pre-norm block at
 one row is then its four GEMVs and attention (H200, batch 1, 1K / 16K: Llama-3.1-8B 207 / 187 ->
-219-220 / 196-197 tok/s, Qwen3-8B 193 / 174 -> 213-214 / 189). One row on CUDA without a bias;
+219-220 / 196-197 tok/s, Qwen3-8B 193 / 174 -> 213-214 / 189). Products of up to 4096 inputs
+take whole weight rows per program (:func:`launch_for`). One row on CUDA without a bias;
 everything else takes ``F.linear`` and the separate kernels.
 """
 
@@ -24,20 +25,31 @@ from segkv.kernels.settings import env_int
 BATCH1_GEMV = env_int("SEGKV_BATCH1_GEMV", 1) == 1
 BATCH1_FUSED_GEMV = env_int("SEGKV_BATCH1_FUSED_GEMV", 1) == 1
 BATCH1_QKV_ROPE = env_int("SEGKV_BATCH1_QKV_ROPE", 1) == 1
-# Products of at most this many inputs in programs of whole weight rows (one split: no partial
-# sums, no tickets), SEGKV_GEMV_WHOLE_ROWS rows a program (0: launch_for's split-K blocks)
-WHOLE_ROW_MAX_INPUTS = env_int("SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS", 0)
-WHOLE_ROWS = env_int("SEGKV_GEMV_WHOLE_ROWS", 2)
-# Blocks of the wider products (more inputs than that), when set: rows x inputs a program
-WIDE_BLOCK = (env_int("SEGKV_GEMV_WIDE_BLOCK_N", 0), env_int("SEGKV_GEMV_WIDE_BLOCK_K", 0))
+# Products of at most this many inputs take programs of whole weight rows, WHOLE_ROWS a program
+# (``SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS``, 0: split-K blocks everywhere; ``SEGKV_GEMV_WHOLE_ROWS``)
+WHOLE_ROW_MAX_INPUTS = env_int("SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS", 4096)
+WHOLE_ROWS = env_int("SEGKV_GEMV_WHOLE_ROWS", 4)
 
 
-def launch_for(in_dim: int) -> tuple[int, int]:
-    """``(BLOCK_N, BLOCK_K)`` of the split-K GEMV for a weight of ``in_dim`` inputs, from the H200 sweep
-    (scripts/dense_gemv_sweep.py): 2048-wide inputs 32 x 256 (DeepSeek-V2-Lite o 5.7 us against
-    cuBLAS's 6.5, q + kv_a 6.9 against 6.8); wider inputs 16 x 512 (Llama-3.1-8B qkv, gate + up,
-    down: 0.95-0.96x cuBLAS alone; 32 x 1024, 1.02x on the square o, spills registers when the
-    weight block is loaded before the PDL wait)."""
+def launch_for(in_dim: int, *, whole_rows: bool = False) -> tuple[int, int]:
+    """``(BLOCK_N, BLOCK_K)`` of the one-row GEMV for a weight of ``in_dim`` inputs.
+
+    ``whole_rows`` (launches whose output blocks need no partial sums meeting per head, unlike
+    the q/k/v launch with RoPE and the MLA x launch): products of at most
+    :data:`WHOLE_ROW_MAX_INPUTS` inputs take :data:`WHOLE_ROWS` whole rows a program (one split,
+    so no partial sums and no ticket, whose release fence every split-K program waits for before
+    it ends). H200, `scripts/dense_gemv_sweep.py --layers --whole-rows`: a Llama-3.1-8B layer's
+    products 106.3 us against 115.6-116.1 (4.1 TB/s, 96% of the copy rate); batch 1 Llama-3.1-8B
+    228 / 206 -> 240 / 216 tok/s at 1K / 16K, Qwen3-8B 221 / 198 -> 232-233 / 207,
+    DeepSeek-V2-Lite 523-525 / 453-454 -> 532-535 / 459 (docs/benchmarks.md). 1 or 2 rows a program
+    were 0.77x / 1.00x, whole rows of the 14336-input down product 0.74-0.86x.
+
+    Otherwise split-K blocks, from the H200 sweep: 2048-wide inputs 32 x 256 (DeepSeek-V2-Lite o
+    5.7 us against cuBLAS's 6.5, q + kv_a 6.9 against 6.8); wider inputs 16 x 512 (Llama-3.1-8B
+    qkv, gate + up, down: 0.95-0.96x cuBLAS alone; 32 x 1024, 1.02x on the square o, spills
+    registers when the weight block is loaded before the PDL wait)."""
+    if whole_rows and in_dim <= WHOLE_ROW_MAX_INPUTS:
+        return WHOLE_ROWS, triton.next_power_of_2(in_dim)
     return (32, 256) if in_dim <= 2048 else (16, 512)
 
 
@@ -127,16 +139,13 @@ class RowProduct:
                              **self._launch(weight, whole=(rope["cos_sin"].shape[-1],)))
 
     def _launch(self, weight: torch.Tensor, whole: tuple[int, ...] = ()) -> dict:
-        """The launch arguments for ``weight``: ``launch_for``'s blocks, ``BLOCK_N`` halved until
-        each group of rows in ``whole`` (a head) is whole output blocks, and the workspace."""
+        """The launch arguments for ``weight``: ``launch_for``'s blocks (whole weight rows unless
+        ``whole`` names row groups, heads, whose partial sums meet: then split-K blocks with
+        ``BLOCK_N`` halved until each group is whole output blocks), and the workspace."""
         from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST, workspace_size
 
         out_dim, in_dim = weight.shape
-        block_n, block_k = launch_for(in_dim)
-        if not whole and in_dim <= WHOLE_ROW_MAX_INPUTS:
-            block_n, block_k = WHOLE_ROWS, triton.next_power_of_2(in_dim)
-        elif not whole and WHOLE_ROW_MAX_INPUTS and all(WIDE_BLOCK):
-            block_n, block_k = WIDE_BLOCK
+        block_n, block_k = launch_for(in_dim, whole_rows=not whole)
         while any(rows % block_n for rows in whole):
             block_n //= 2
         key = (out_dim, in_dim, block_n, weight.device)
