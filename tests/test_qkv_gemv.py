@@ -11,20 +11,22 @@ GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 
 
-@pytest.mark.parametrize("hq,hkv,dim,hidden,block_k", [(4, 2, 32, 96, 64), (2, 2, 64, 200, 128), (8, 1, 16, 64, 64)])
+@pytest.mark.parametrize("hq,hkv,dim,hidden,block_n,block_k", [(4, 2, 32, 96, 16, 64), (2, 2, 64, 200, 16, 128),
+                                                                (8, 1, 16, 64, 16, 64), (4, 2, 32, 96, 4, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_residual,qk_norm", [(True, False), (False, False), (True, True)])
-def test_qkv_rope_gemv_equals_the_kernels_it_replaces(hq, hkv, dim, hidden, block_k, dtype, with_residual, qk_norm,
-                                                       gen):
+def test_qkv_rope_gemv_equals_the_kernels_it_replaces(hq, hkv, dim, hidden, block_n, block_k, dtype, with_residual,
+                                                       qk_norm, gen):
     """Same q, same key and value rows at the slot (other rows untouched), same next residual as
     the norm GEMV, q/k ``rms_norm`` and ``rope_and_write_kv`` (bit for bit without q/k norms);
-    twice with one workspace (tickets back to 0); one split and several."""
+    twice with one workspace (tickets back to 0); one split and several, and whole rows (4 a
+    program, 8 programs a head)."""
     from segkv.kernels.dense_gemv import norm_splitk_gemv, workspace_size
     from segkv.kernels.fused_ops import rms_norm, rope_and_write_kv
     from segkv.kernels.qkv_gemv import qkv_rope_gemv
 
     out_dim = (hq + 2 * hkv) * dim
-    block_n = min(16, dim)
+    block_n = min(block_n, dim)
     w = (torch.randn(out_dim, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEVICE)
     g = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(dtype).to(DEVICE)
     qn, kn = ((1 + 0.3 * torch.randn(dim, generator=gen)).to(dtype).to(DEVICE) for _ in range(2))
