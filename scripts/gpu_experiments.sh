@@ -149,19 +149,7 @@ deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it
   e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 }
 for part in "${@:-latent}"; do
-if [ "$part" = headrows ]; then
-  # the q/k/v-with-RoPE and MLA x launches in whole rows too (their per-head tickets stay):
-  # SEGKV_GEMV_HEAD_WHOLE_ROWS=4 against their split-K blocks, the three models at batch 1, and
-  # those launches' GPU tests with it
-  GPU_TESTS_TIMEOUT=150 gpu_tests "q/k/v and MLA x launches, head whole rows x 4" SEGKV_GEMV_HEAD_WHOLE_ROWS=4 \
-    -- tests/test_qkv_gemv.py tests/test_mla_x_gemv.py tests/test_dense_gemv.py
-  for round in 1 2; do
-    for model in qwen3-8b llama-3.1-8b deepseek-v2-lite; do
-      e2e "$model defaults" -- --models $model --batches 1 --contexts 1K,16K
-      e2e "$model head whole rows x 4" SEGKV_GEMV_HEAD_WHOLE_ROWS=4 -- --models $model --batches 1 --contexts 1K,16K
-    done
-  done
-elif [ "$part" = wholerows ]; then
+if [ "$part" = wholerows ]; then
   # one-row GEMVs in whole weight rows (now the default up to 4096 inputs; docs/benchmarks.md
   # "One-row GEMVs in whole weight rows") against split-K blocks everywhere: the layer chain's
   # launch sweep, then the three batch-1 models alternating (SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS=0: before)

@@ -29,9 +29,6 @@ BATCH1_QKV_ROPE = env_int("SEGKV_BATCH1_QKV_ROPE", 1) == 1
 # (``SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS``, 0: split-K blocks everywhere; ``SEGKV_GEMV_WHOLE_ROWS``)
 WHOLE_ROW_MAX_INPUTS = env_int("SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS", 4096)
 WHOLE_ROWS = env_int("SEGKV_GEMV_WHOLE_ROWS", 4)
-# Whole rows for the launches whose partials meet per head too (q/k/v with RoPE, MLA x), this many
-# a program (``SEGKV_GEMV_HEAD_WHOLE_ROWS``, 0: split-K blocks): their per-head tickets stay
-HEAD_WHOLE_ROWS = env_int("SEGKV_GEMV_HEAD_WHOLE_ROWS", 0)
 
 
 def launch_for(in_dim: int, *, whole_rows: bool = False) -> tuple[int, int]:
@@ -149,8 +146,6 @@ class RowProduct:
 
         out_dim, in_dim = weight.shape
         block_n, block_k = launch_for(in_dim, whole_rows=not whole)
-        if whole and HEAD_WHOLE_ROWS and in_dim <= WHOLE_ROW_MAX_INPUTS:
-            block_n, block_k = HEAD_WHOLE_ROWS, triton.next_power_of_2(in_dim)
         while any(rows % block_n for rows in whole):
             block_n //= 2
         key = (out_dim, in_dim, block_n, weight.device)
