@@ -149,7 +149,19 @@ deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it
   e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 }
 for part in "${@:-latent}"; do
-if [ "$part" = wholerows ]; then
+if [ "$part" = qkvrope ]; then
+  # the q/k/v product as a plain whole-row GEMV, then one RoPE-and-write launch that also applies
+  # Qwen3's q/k norms (SEGKV_BATCH1_QKV_ROPE=0), against the q/k/v launch with RoPE and its
+  # per-head tickets (the default), batch 1, alternating; then the GPU tests of that path
+  for round in 1 2; do
+    for model in qwen3-8b llama-3.1-8b; do
+      e2e "$model defaults" -- --models $model --batches 1 --contexts 1K,16K
+      e2e "$model q/k/v whole rows, RoPE launch" SEGKV_BATCH1_QKV_ROPE=0 -- --models $model --batches 1 --contexts 1K,16K
+    done
+  done
+  GPU_TESTS_TIMEOUT=150 gpu_tests "fused RoPE with head norms, the separate RoPE launch" SEGKV_BATCH1_QKV_ROPE=0 \
+    -- tests/test_fused_ops.py tests/test_dense_gemv.py tests/test_qkv_gemv.py -k "rope or decoder or qkv"
+elif [ "$part" = wholerows ]; then
   # one-row GEMVs in whole weight rows (now the default up to 4096 inputs; docs/benchmarks.md
   # "One-row GEMVs in whole weight rows") against split-K blocks everywhere: the layer chain's
   # launch sweep, then the three batch-1 models alternating (SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS=0: before)

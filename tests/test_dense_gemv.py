@@ -177,14 +177,15 @@ def test_combine_norm_gemv_forms_the_experts_output_in_the_product(out_dim, in_d
                                  w)
 
 
-@pytest.mark.parametrize("family,rope_in_product", [("llama3.1", True), ("qwen3", True), ("llama3.1", False)])
+@pytest.mark.parametrize("family,rope_in_product", [("llama3.1", True), ("qwen3", True), ("qwen3", False)])
 def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_logits(family, rope_in_product, tmp_path,
                                                                                       monkeypatch):
     """``SEGKV_BATCH1_FUSED_GEMV``: a grouped-query model fed one row at a time runs each layer as
     the q/k/v GEMV with the residual add and norm inside, the o GEMV, the gate/up GEMV with the
     second norm inside and the down GEMV with SiLU-and-mul inside (on the CPU too, for this test)
     and gives the unfused model's logits and greedy tokens. With ``SEGKV_BATCH1_QKV_ROPE`` the
-    q/k/v launch also applies the q/k norms (Qwen3), RoPE and the cache write."""
+    q/k/v launch also applies the q/k norms (Qwen3), RoPE and the cache write; without it the
+    RoPE-and-write kernel applies the q/k norms."""
     from model_helpers import build_model_dir
     from one_row_helpers import (
         counted,
@@ -196,6 +197,7 @@ def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_log
 
     from segkv.kernels import dense_gemv, qkv_gemv
     from segkv.layers import linear
+    from segkv.models import decoder
 
     build_model_dir(tmp_path, family)
     plain = llm(tmp_path, fused_ops=False)
@@ -204,6 +206,9 @@ def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_log
     gemvs_on_the_cpu_too(monkeypatch)
     calls = counted(monkeypatch, norm=(dense_gemv, "norm_splitk_gemv"), gated=(dense_gemv, "gated_splitk_gemv"),
                      plain=(dense_gemv, "splitk_gemv"), rope=(qkv_gemv, "qkv_rope_gemv"))
+    normed_in_rope, rope_and_write = [], decoder.rope_and_write_kv
+    monkeypatch.setattr(decoder, "rope_and_write_kv",
+                        lambda *a, **k: normed_in_rope.append("q_norm" in k) or rope_and_write(*a, **k))
     fused = llm(tmp_path, fused_ops=True)
     layers = fused.runner.model.cfg.num_layers
     same_logits_one_token_at_a_time(plain, fused)
@@ -211,6 +216,8 @@ def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_log
     assert calls == {"norm": 2 * 3 * layers - rope, "gated": 3 * layers, "plain": 3 * layers, "rope": rope}
     same_greedy_tokens(plain, fused)
     assert calls["gated"] > 3 * layers  # decode steps of one sequence took the fused GEMVs
+    # Qwen3's q/k norms in the RoPE-and-write launch wherever that launch runs
+    assert normed_in_rope and all(normed_in_rope) if family == "qwen3" else not any(normed_in_rope)
 
 
 @pytest.mark.parametrize("rope_in_product", [False, True])

@@ -128,6 +128,47 @@ def test_rope_and_write_kv_matches_rotary_and_cache_write(dtype, hq, hkv, dim, g
     assert keys[untouched].isnan().all() and values[untouched].isnan().all()  # no other row written
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,dim", [(4, 2, 16)] + ([(32, 8, 128)] if GPU else []))
+def test_rope_and_write_kv_with_head_norms_matches_norm_then_rope(dtype, hq, hkv, dim, gen):
+    """``q_norm``/``k_norm`` (Qwen3): each head RMS-normed in the RoPE launch equals ``rms_norm``
+    per head, then ``rope_and_write_kv`` without norms, within one rounding of the dtype (the mean
+    square is summed as two halves); values written unchanged; nothing else written."""
+    tokens, slots_total = 4, 30
+    rotary = RotaryEmbedding(dim, base=1000000.0, max_position=40960)
+    rotary.init_buffers(DEVICE)
+    qkv = (3 * torch.randn(tokens, (hq + 2 * hkv) * dim, generator=gen)).to(dtype).to(DEVICE)
+    q, k, v = (part.view(tokens, -1, dim) for part in qkv.split([hq * dim, hkv * dim, hkv * dim], dim=1))
+    q_norm, k_norm = ((torch.rand(dim, generator=gen) + 0.5).to(dtype).to(DEVICE) for _ in range(2))
+    positions = torch.tensor([0, 3, 1000, 40959], device=DEVICE)
+    slots = torch.randperm(slots_total, generator=gen)[:tokens].to(DEVICE)
+    table = rotary.cos_sin_table(dtype)
+
+    def fresh_rows():
+        return (torch.full((slots_total, hkv, dim), float("nan"), dtype=dtype, device=DEVICE),
+                torch.full((slots_total, hkv, dim), float("nan"), dtype=dtype, device=DEVICE))
+
+    keys_ref, values_ref = fresh_rows()
+    q_ref = rope_and_write_kv(rms_norm(q, q_norm, 1e-6)[0], rms_norm(k, k_norm, 1e-5)[0], v, positions, table,
+                              slots, keys_ref, values_ref)
+    keys, values = fresh_rows()
+    q_out = rope_and_write_kv(q, k, v, positions, table, slots, keys, values, q_norm=q_norm, k_norm=k_norm,
+                              q_eps=1e-6, k_eps=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2.0**-6  # one rounding of a value of magnitude ~2
+    for got, want in ((q_out, q_ref), (keys[slots], keys_ref[slots])):
+        assert not got.isnan().any()
+        assert (got.double() - want.double()).abs().max() <= tol * want.double().abs().max()
+    assert not torch.equal(q_out, rope_and_write_kv(q, k, v, positions, table, slots, *fresh_rows()))  # normed
+    assert torch.equal(values[slots], v)
+    untouched = torch.ones(slots_total, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert keys[untouched].isnan().all() and values[untouched].isnan().all()
+    with pytest.raises(ValueError, match="norm weights"):
+        rope_and_write_kv(q, k, v, positions, table, slots, keys, values, q_norm=q_norm)
+    with pytest.raises(ValueError, match="norm weights"):
+        rope_and_write_kv(q, k, v, positions, table, slots, keys, values, q_norm=q_norm[:-1], k_norm=k_norm)
+
+
 def test_rope_and_write_kv_rejects_mismatched_shapes():
     q = torch.zeros(2, 4, 16, device=DEVICE)
     k = torch.zeros(2, 2, 16, device=DEVICE)

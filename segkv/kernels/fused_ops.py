@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from segkv.kernels.pdl import pdl_options
+
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -180,29 +182,55 @@ def rotate_pair(x1, x2, cos, sin, KIND: tl.constexpr):
 
 
 @triton.jit
+def head_rms_norm(lo, hi, W, d, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, KIND: tl.constexpr):
+    """RMSNorm of one head held as halves ``lo, hi (HALF,)`` float32, weight ``W (HEAD_DIM,)``,
+    rounded as :func:`rms_norm` rounds (``h / rms``, then ``w * h``), as float32."""
+    inv = 1.0 / tl.sqrt((tl.sum(lo * lo, axis=0) + tl.sum(hi * hi, axis=0)) / HEAD_DIM + eps)
+    w_lo = tl.load(W + d).to(tl.float32)
+    w_hi = tl.load(W + HALF + d).to(tl.float32)
+    return (round_to_kind(w_lo * round_to_kind(lo * inv, KIND), KIND),
+            round_to_kind(w_hi * round_to_kind(hi * inv, KIND), KIND))
+
+
+@triton.jit
 def _rope_kv_kernel(
-    Q, K, V, POS, COS_SIN, SLOTS, Q_OUT, K_CACHE, V_CACHE,
+    Q, K, V, POS, COS_SIN, SLOTS, Q_OUT, K_CACHE, V_CACHE, Q_NORM, K_NORM,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_cs, stride_ch, stride_vs, stride_vch,
-    max_position,
+    max_position, q_eps, k_eps,
     HQ: tl.constexpr, HALF: tl.constexpr, KIND: tl.constexpr, CACHE_KIND: tl.constexpr,
+    QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (token, head): heads ``< HQ`` rotate a query head into ``Q_OUT``; the others rotate
     key head ``h - HQ`` and write it, with the value head, into the cache row ``SLOTS[token]``.
-    ``COS_SIN (max_position, 2 HALF)`` holds ``[cos | sin]`` already in the q dtype."""
+    ``COS_SIN (max_position, 2 HALF)`` holds ``[cos | sin]`` already in the q dtype. With
+    ``QK_NORM`` (Qwen3) each query / key head is RMS-normed by ``Q_NORM`` / ``K_NORM`` first."""
+    if USE_PDL:  # q, k, v come from the launch before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
     cos, sin = cos_sin_at(POS, COS_SIN, t, d, max_position, HALF)
     if h < HQ:
-        lo, hi = _rotate(Q + t * stride_qt + h * stride_qh, d, HALF + d, cos, sin, KIND)
+        src = Q + t * stride_qt + h * stride_qh
+        lo = tl.load(src + d).to(tl.float32)
+        hi = tl.load(src + HALF + d).to(tl.float32)
+        if QK_NORM:
+            lo, hi = head_rms_norm(lo, hi, Q_NORM, d, q_eps, 2 * HALF, HALF, KIND)
+        lo, hi = rotate_pair(lo, hi, cos, sin, KIND)
         dst = Q_OUT + t * stride_ot + h * stride_oh
         tl.store(dst + d, lo)
         tl.store(dst + HALF + d, hi)
     else:
         kv = h - HQ
         slot = tl.load(SLOTS + t).to(tl.int64)
-        lo, hi = _rotate(K + t * stride_kt + kv * stride_kh, d, HALF + d, cos, sin, KIND)
+        src = K + t * stride_kt + kv * stride_kh
+        lo = tl.load(src + d).to(tl.float32)
+        hi = tl.load(src + HALF + d).to(tl.float32)
+        if QK_NORM:
+            lo, hi = head_rms_norm(lo, hi, K_NORM, d, k_eps, 2 * HALF, HALF, KIND)
+        lo, hi = rotate_pair(lo, hi, cos, sin, KIND)
         dst = K_CACHE + slot * stride_cs + kv * stride_ch
         # the cache rounds once more to its own dtype (as ``.to(cache dtype)`` does)
         tl.store(dst + d, round_to_kind(lo, CACHE_KIND))
@@ -228,14 +256,20 @@ def mla_rope_fusable(rope_dim: int) -> bool:
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       cos_sin: torch.Tensor, slots: torch.Tensor, key_rows: torch.Tensor,
-                      value_rows: torch.Tensor) -> torch.Tensor:
+                      value_rows: torch.Tensor, *, q_norm: torch.Tensor | None = None,
+                      k_norm: torch.Tensor | None = None, q_eps: float = 1e-6, k_eps: float = 1e-6,
+                      pdl: bool | None = None) -> torch.Tensor:
     """Rotate ``q (T, Hq, D)`` and ``k (T, Hkv, D)`` at ``positions (T,)`` (half-split RoPE; the
     ``cos_sin (max_position, D)`` table ``[cos | sin]`` in ``q.dtype``, e.g.
     ``RotaryEmbedding.cos_sin_table``) and write the rotated k and ``v (T, Hkv, D)`` into
     ``key_rows``/``value_rows (slots, Hkv, D)`` at ``slots (T,)``. Returns the rotated q
     ``(T, Hq, D)`` in ``q.dtype``. Inputs may be strided views (the packed QKV product); the
     last dim must be contiguous. Slots are trusted (checked by the caller); positions are
-    clamped to the table."""
+    clamped to the table.
+
+    ``q_norm``, ``k_norm (D,)`` in ``q.dtype`` (both or neither; Qwen3): each head is first
+    RMS-normed as :func:`rms_norm` with ``q_eps`` / ``k_eps`` would, in the same launch. ``pdl``
+    forces programmatic dependent launch on or off (default: where the device has it)."""
     t, hq, dim = q.shape
     hkv = k.shape[1]
     if dim % 2 or cos_sin.shape[1:] != (dim,) or k.shape != (t, hkv, dim) or v.shape != (t, hkv, dim):
@@ -248,6 +282,10 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     half = dim // 2
     if half & (half - 1):
         raise ValueError(f"rope_and_write_kv needs a power-of-two head_dim / 2, got {half}")
+    if (q_norm is None) != (k_norm is None) or any(
+            w is not None and (w.shape != (dim,) or w.dtype != q.dtype or not w.is_contiguous())
+            for w in (q_norm, k_norm)):
+        raise ValueError(f"rope_and_write_kv: q and k norm weights of ({dim},) in {q.dtype}, both or neither")
     for name, x in (("q", q), ("k", k), ("v", v), ("key_rows", key_rows), ("value_rows", value_rows)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} needs a unit stride on its last dim")
@@ -255,11 +293,14 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     if t:
         _rope_kv_kernel[(t, hq + hkv)](
             q, k, v, positions, cos_sin, slots, q_out, key_rows, value_rows,
+            q_out if q_norm is None else q_norm, q_out if k_norm is None else k_norm,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             q_out.stride(0), q_out.stride(1), key_rows.stride(0), key_rows.stride(1),
-            value_rows.stride(0), value_rows.stride(1), cos_sin.shape[0],
-            HQ=hq, HALF=half, KIND=kind_of(q.dtype), CACHE_KIND=kind_of(key_rows.dtype), num_warps=1,
+            value_rows.stride(0), value_rows.stride(1), cos_sin.shape[0], float(q_eps), float(k_eps),
+            HQ=hq, HALF=half, KIND=kind_of(q.dtype), CACHE_KIND=kind_of(key_rows.dtype),
+            QK_NORM=q_norm is not None, num_warps=1,
             enable_fp_fusion=False,  # a*c - b*s as an FMA rounds once; torch rounds each product
+            **pdl_options(q, pdl),
         )
     return q_out
 

@@ -18,20 +18,9 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.dense_gemv import INPUT_NORM, gemv_operands, gemv_slice, row_rms, store_slice, stored_product
-from segkv.kernels.fused_ops import cos_sin_at, kind_of, rotate_pair, round_to_kind
+from segkv.kernels.fused_ops import cos_sin_at, head_rms_norm, kind_of, rotate_pair, round_to_kind
 
 _NORM_INPUT = tl.constexpr(INPUT_NORM)  # a global the compiled kernel may read
-
-
-@triton.jit
-def _head_norm(lo, hi, W, d, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, KIND: tl.constexpr):
-    """RMSNorm of one head held as halves ``lo, hi (HALF,)`` float32, weight ``W (HEAD_DIM,)``,
-    rounded as ``fused_ops.rms_norm`` rounds (``h / rms``, then ``w * h``)."""
-    inv = 1.0 / tl.sqrt((tl.sum(lo * lo, axis=0) + tl.sum(hi * hi, axis=0)) / HEAD_DIM + eps)
-    w_lo = tl.load(W + d).to(tl.float32)
-    w_hi = tl.load(W + HALF + d).to(tl.float32)
-    return (round_to_kind(w_lo * round_to_kind(lo * inv, KIND), KIND),
-            round_to_kind(w_hi * round_to_kind(hi * inv, KIND), KIND))
 
 
 @triton.jit
@@ -66,9 +55,9 @@ def _qkv_rope_kernel(X, RES, G, RES_OUT, W, PART, TICKETS, stride_w, out_dim, in
         if head < HQ + HKV:
             if QK_NORM:
                 if head < HQ:
-                    lo, hi = _head_norm(lo, hi, Q_NORM, d, qk_eps, HEAD_DIM, HALF, KIND)
+                    lo, hi = head_rms_norm(lo, hi, Q_NORM, d, qk_eps, HEAD_DIM, HALF, KIND)
                 else:
-                    lo, hi = _head_norm(lo, hi, K_NORM, d, qk_eps, HEAD_DIM, HALF, KIND)
+                    lo, hi = head_rms_norm(lo, hi, K_NORM, d, qk_eps, HEAD_DIM, HALF, KIND)
             cos, sin = cos_sin_at(POS, COS_SIN, 0, d, max_position, HALF)
             lo, hi = rotate_pair(lo, hi, cos, sin, KIND)
             if head < HQ:

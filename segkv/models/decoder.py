@@ -144,12 +144,17 @@ class DecoderAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """``q (T, H, D)``, ``k, v (T, KVH, D)`` of the new rows -> the output projection ``(T, hidden)``."""
-        if self.qk_norm:
+        # the fused kernel norms the heads itself where the norm weights are in q's dtype
+        norms_in_rope = self.fused and self.qk_norm and self.q_norm.weight.dtype == self.k_norm.weight.dtype == q.dtype
+        if self.qk_norm and not norms_in_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.fused:
             keys, values = meta.storage.rows_to_write(self.attn.layer_index, meta.slots, k, v,
                                                       trusted_slots=meta.trusted_slots)
-            q = rope_and_write_kv(q, k, v, positions, self.rotary.cos_sin_table(q.dtype), meta.slots, keys, values)
+            norms = {"q_norm": self.q_norm.weight, "k_norm": self.k_norm.weight, "q_eps": self.q_norm.eps,
+                     "k_eps": self.k_norm.eps} if norms_in_rope else {}
+            q = rope_and_write_kv(q, k, v, positions, self.rotary.cos_sin_table(q.dtype), meta.slots, keys, values,
+                                  **norms)
             out = self.attn.attend(q, meta)
         else:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
