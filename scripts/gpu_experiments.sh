@@ -149,7 +149,25 @@ deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it
   e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 }
 for part in "${@:-latent}"; do
-if [ "$part" = qkvrope ]; then
+if [ "$part" = ropepdl ]; then
+  # the RoPE-and-write launches (now PDL, the GQA one the default at batch 1) letting the next
+  # launch be scheduled before their wait (SEGKV_ROPE_EARLY_TRIGGER=1) or after it (the default);
+  # DeepSeek-V2-Lite's x product as a plain whole-row GEMV and the latent RoPE-and-write launch
+  # (SEGKV_BATCH1_MLA_ROPE=0) against the x launch with RoPE and per-head tickets (the default)
+  for round in 1 2; do
+    for model in qwen3-8b llama-3.1-8b; do
+      e2e "$model defaults" -- --models $model --batches 1 --contexts 1K,16K
+      e2e "$model early trigger" SEGKV_ROPE_EARLY_TRIGGER=1 -- --models $model --batches 1 --contexts 1K,16K
+    done
+    e2e "deepseek-v2-lite defaults" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
+    e2e "deepseek-v2-lite x whole rows, RoPE launch" SEGKV_BATCH1_MLA_ROPE=0 -- --models deepseek-v2-lite \
+      --batches 1 --contexts 1K,16K
+    e2e "deepseek-v2-lite x whole rows, RoPE launch, early trigger" SEGKV_BATCH1_MLA_ROPE=0 SEGKV_ROPE_EARLY_TRIGGER=1 \
+      -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
+  done
+  GPU_TESTS_TIMEOUT=200 gpu_tests "latent RoPE launch with PDL, x apart" SEGKV_BATCH1_MLA_ROPE=0 \
+    -- tests/test_fused_ops.py tests/test_mla_x_gemv.py tests/test_head_gemv.py tests/test_dense_gemv.py tests/test_cuda_graphs.py
+elif [ "$part" = qkvrope ]; then
   # the q/k/v product as a plain whole-row GEMV, then one RoPE-and-write launch that also applies
   # Qwen3's q/k norms (SEGKV_BATCH1_QKV_ROPE=0), against the q/k/v launch with RoPE and its
   # per-head tickets (the default), batch 1, alternating; then the GPU tests of that path

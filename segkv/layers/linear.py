@@ -24,7 +24,7 @@ from segkv.kernels.settings import env_int
 
 BATCH1_GEMV = env_int("SEGKV_BATCH1_GEMV", 1) == 1
 BATCH1_FUSED_GEMV = env_int("SEGKV_BATCH1_FUSED_GEMV", 1) == 1
-BATCH1_QKV_ROPE = env_int("SEGKV_BATCH1_QKV_ROPE", 1) == 1
+BATCH1_QKV_ROPE = env_int("SEGKV_BATCH1_QKV_ROPE", 0) == 1
 # Products of at most this many inputs take programs of whole weight rows, WHOLE_ROWS a program
 # (``SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS``, 0: split-K blocks everywhere; ``SEGKV_GEMV_WHOLE_ROWS``)
 WHOLE_ROW_MAX_INPUTS = env_int("SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS", 4096)
