@@ -15,6 +15,9 @@
 # default, were measured end to end at batch 1 only: the part scorechains below has the rest.
 # Measured (docs/benchmarks.md, "The decode programs' MMA chains, row sums and warp split
 # measured"): warpsplit, latentlate, chains and sumlate, all removed with their switches (git history).
+# Measured (docs/benchmarks.md, "The q/k/v product in whole rows, RoPE apart"): qkvrope (now the
+# default) and ropepdl (the RoPE launches' early PDL trigger, level: removed with its switch; the
+# latent x product apart, slower); the parts are in git history.
 # Measured (docs/benchmarks.md, "The stage-1 instruction diet" and "Tall decode programs at the
 # defaults; 32-row decode tiles and P split by mask measured"): lean, leane2e, tall, decode32,
 # psplit and cascadewave (the last three slower or level: removed, the P split with its switch; git history).
@@ -149,37 +152,7 @@ deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it
   e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 }
 for part in "${@:-latent}"; do
-if [ "$part" = ropepdl ]; then
-  # the RoPE-and-write launches (now PDL, the GQA one the default at batch 1) letting the next
-  # launch be scheduled before their wait (SEGKV_ROPE_EARLY_TRIGGER=1) or after it (the default);
-  # DeepSeek-V2-Lite's x product as a plain whole-row GEMV and the latent RoPE-and-write launch
-  # (SEGKV_BATCH1_MLA_ROPE=0) against the x launch with RoPE and per-head tickets (the default)
-  for round in 1 2; do
-    for model in qwen3-8b llama-3.1-8b; do
-      e2e "$model defaults" -- --models $model --batches 1 --contexts 1K,16K
-      e2e "$model early trigger" SEGKV_ROPE_EARLY_TRIGGER=1 -- --models $model --batches 1 --contexts 1K,16K
-    done
-    e2e "deepseek-v2-lite defaults" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
-    e2e "deepseek-v2-lite x whole rows, RoPE launch" SEGKV_BATCH1_MLA_ROPE=0 -- --models deepseek-v2-lite \
-      --batches 1 --contexts 1K,16K
-    e2e "deepseek-v2-lite x whole rows, RoPE launch, early trigger" SEGKV_BATCH1_MLA_ROPE=0 SEGKV_ROPE_EARLY_TRIGGER=1 \
-      -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
-  done
-  GPU_TESTS_TIMEOUT=200 gpu_tests "latent RoPE launch with PDL, x apart" SEGKV_BATCH1_MLA_ROPE=0 \
-    -- tests/test_fused_ops.py tests/test_mla_x_gemv.py tests/test_head_gemv.py tests/test_dense_gemv.py tests/test_cuda_graphs.py
-elif [ "$part" = qkvrope ]; then
-  # the q/k/v product as a plain whole-row GEMV, then one RoPE-and-write launch that also applies
-  # Qwen3's q/k norms (SEGKV_BATCH1_QKV_ROPE=0), against the q/k/v launch with RoPE and its
-  # per-head tickets (the default), batch 1, alternating; then the GPU tests of that path
-  for round in 1 2; do
-    for model in qwen3-8b llama-3.1-8b; do
-      e2e "$model defaults" -- --models $model --batches 1 --contexts 1K,16K
-      e2e "$model q/k/v whole rows, RoPE launch" SEGKV_BATCH1_QKV_ROPE=0 -- --models $model --batches 1 --contexts 1K,16K
-    done
-  done
-  GPU_TESTS_TIMEOUT=150 gpu_tests "fused RoPE with head norms, the separate RoPE launch" SEGKV_BATCH1_QKV_ROPE=0 \
-    -- tests/test_fused_ops.py tests/test_dense_gemv.py tests/test_qkv_gemv.py -k "rope or decoder or qkv"
-elif [ "$part" = wholerows ]; then
+if [ "$part" = wholerows ]; then
   # one-row GEMVs in whole weight rows (now the default up to 4096 inputs; docs/benchmarks.md
   # "One-row GEMVs in whole weight rows") against split-K blocks everywhere: the layer chain's
   # launch sweep, then the three batch-1 models alternating (SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS=0: before)

@@ -21,13 +21,8 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.pdl import pdl_options
-from segkv.kernels.settings import env_int
 
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
-# The RoPE-and-write launches let the next launch be scheduled before their PDL wait (1) or after it (0)
-ROPE_EARLY_TRIGGER = env_int("SEGKV_ROPE_EARLY_TRIGGER", 0)
 
 
 def kind_of(dtype: torch.dtype) -> int:
@@ -187,16 +182,13 @@ def rotate_pair(x1, x2, cos, sin, KIND: tl.constexpr):
 
 
 @triton.jit
-def _pdl_prologue(USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
-    """A small launch's PDL start: wait for the launch before (whose outputs it reads), and let the
-    next launch be scheduled after the wait, or before it with ``EARLY_TRIGGER``
-    (``SEGKV_ROPE_EARLY_TRIGGER``; the next launch's own wait still covers this one)."""
+def _pdl_prologue(USE_PDL: tl.constexpr):
+    """A small launch's PDL start: wait for the launch before (whose outputs it reads), then let
+    the next launch be scheduled. Letting it be scheduled before the wait measured level on the
+    H200 (Qwen3-8B and Llama-3.1-8B batch 1, docs/benchmarks.md)."""
     if USE_PDL:
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        if not EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -217,13 +209,13 @@ def _rope_kv_kernel(
     stride_ot, stride_oh, stride_cs, stride_ch, stride_vs, stride_vch,
     max_position, q_eps, k_eps,
     HQ: tl.constexpr, HALF: tl.constexpr, KIND: tl.constexpr, CACHE_KIND: tl.constexpr,
-    QK_NORM: tl.constexpr, USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
+    QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (token, head): heads ``< HQ`` rotate a query head into ``Q_OUT``; the others rotate
     key head ``h - HQ`` and write it, with the value head, into the cache row ``SLOTS[token]``.
     ``COS_SIN (max_position, 2 HALF)`` holds ``[cos | sin]`` already in the q dtype. With
     ``QK_NORM`` (Qwen3) each query / key head is RMS-normed by ``Q_NORM`` / ``K_NORM`` first."""
-    _pdl_prologue(USE_PDL, EARLY_TRIGGER)  # q, k, v come from the launch before
+    _pdl_prologue(USE_PDL)  # q, k, v come from the launch before
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
@@ -314,7 +306,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
             q_out.stride(0), q_out.stride(1), key_rows.stride(0), key_rows.stride(1),
             value_rows.stride(0), value_rows.stride(1), cos_sin.shape[0], float(q_eps), float(k_eps),
             HQ=hq, HALF=half, KIND=kind_of(q.dtype), CACHE_KIND=kind_of(key_rows.dtype),
-            QK_NORM=q_norm is not None, EARLY_TRIGGER=ROPE_EARLY_TRIGGER, num_warps=1,
+            QK_NORM=q_norm is not None, num_warps=1,
             enable_fp_fusion=False,  # a*c - b*s as an FMA rounds once; torch rounds each product
             **pdl_options(q, pdl),
         )
@@ -328,12 +320,12 @@ def _mla_rope_latent_kernel(
     max_position, RANK, eps,
     H: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
     KIND: tl.constexpr, CACHE_KIND: tl.constexpr, NORM: tl.constexpr, C_KIND: tl.constexpr,
-    NORM_KIND: tl.constexpr, USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
+    NORM_KIND: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (token, head): heads ``< H`` rotate a query's rope part into ``Q_OUT``; head ``H``
     writes the latent row ``[c_kv | rope(k_pe)]`` at ``SLOTS[token]``, with ``c_kv`` first
     RMS-normalised by ``NORM_W`` when ``NORM`` (then ``BLOCK_R`` covers the whole row)."""
-    _pdl_prologue(USE_PDL, EARLY_TRIGGER)  # q_pe, k_pe, c_kv come from the launch before
+    _pdl_prologue(USE_PDL)  # q_pe, k_pe, c_kv come from the launch before
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
@@ -409,7 +401,7 @@ def mla_rope_and_write_latent(q_pe: torch.Tensor, k_pe: torch.Tensor, c_kv: torc
             KIND=kind_of(q_pe.dtype), CACHE_KIND=kind_of(latent_rows.dtype), NORM=norm is not None,
             C_KIND=kind_of(c_kv.dtype),
             NORM_KIND=kind_of(torch.result_type(weight, c_kv)) if norm is not None else kind_of(c_kv.dtype),
-            num_warps=1 if norm is None or rank <= 1024 else 4, EARLY_TRIGGER=ROPE_EARLY_TRIGGER,
+            num_warps=1 if norm is None or rank <= 1024 else 4,
             enable_fp_fusion=False,  # a*c - b*s as an FMA rounds once; torch rounds each product
             **pdl_options(q_pe),
         )

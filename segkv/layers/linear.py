@@ -6,11 +6,13 @@ and, launched with programmatic dependent launch, loads its weight block while t
 it finishes. The MLA layer's x and o products take it (``SEGKV_BATCH1_GEMV``: DeepSeek-V2-Lite
 batch 1 / 1K 415-417 -> 428-429 tok/s on the H200). The grouped-query decoder's projections and
 gated MLPs take it with the layer's residual add and RMSNorm, or its SiLU-and-mul, inside the
-product's launch (``SEGKV_BATCH1_FUSED_GEMV``), and the q/k/v launch also takes the q/k norms,
-RoPE and the cache write (``SEGKV_BATCH1_QKV_ROPE``, ``kernels.qkv_gemv``): a pre-norm block at
-one row is then its four GEMVs and attention (H200, batch 1, 1K / 16K: Llama-3.1-8B 207 / 187 ->
+product's launch (``SEGKV_BATCH1_FUSED_GEMV``; H200, batch 1, 1K / 16K: Llama-3.1-8B 207 / 187 ->
 219-220 / 196-197 tok/s, Qwen3-8B 193 / 174 -> 213-214 / 189). Products of up to 4096 inputs
-take whole weight rows per program (:func:`launch_for`). One row on CUDA without a bias;
+take whole weight rows per program (:func:`launch_for`). The q/k/v product is such a plain
+whole-row GEMV, followed by one RoPE-and-write launch that also applies Qwen3's q/k norms
+(``fused_ops.rope_and_write_kv``); ``SEGKV_BATCH1_QKV_ROPE=1`` instead puts the q/k norms, RoPE
+and the cache write in the q/k/v launch (``kernels.qkv_gemv``, split-K blocks whose partial sums
+meet per head), 1.5% slower on the H200 since whole rows. One row on CUDA without a bias;
 everything else takes ``F.linear`` and the separate kernels.
 """
 
