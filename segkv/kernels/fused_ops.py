@@ -203,6 +203,17 @@ def head_rms_norm(lo, hi, W, d, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
 
 
 @triton.jit
+def _normed_rotated_head(src, d, W, eps, cos, sin, NORM: tl.constexpr, HALF: tl.constexpr, KIND: tl.constexpr):
+    """One half-split head at ``src``, RMS-normed by ``W`` first when ``NORM``, then rotated:
+    its halves ``(lo, hi)`` float32."""
+    lo = tl.load(src + d).to(tl.float32)
+    hi = tl.load(src + HALF + d).to(tl.float32)
+    if NORM:
+        lo, hi = head_rms_norm(lo, hi, W, d, eps, 2 * HALF, HALF, KIND)
+    return rotate_pair(lo, hi, cos, sin, KIND)
+
+
+@triton.jit
 def _rope_kv_kernel(
     Q, K, V, POS, COS_SIN, SLOTS, Q_OUT, K_CACHE, V_CACHE, Q_NORM, K_NORM,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -221,24 +232,16 @@ def _rope_kv_kernel(
     d = tl.arange(0, HALF)
     cos, sin = cos_sin_at(POS, COS_SIN, t, d, max_position, HALF)
     if h < HQ:
-        src = Q + t * stride_qt + h * stride_qh
-        lo = tl.load(src + d).to(tl.float32)
-        hi = tl.load(src + HALF + d).to(tl.float32)
-        if QK_NORM:
-            lo, hi = head_rms_norm(lo, hi, Q_NORM, d, q_eps, 2 * HALF, HALF, KIND)
-        lo, hi = rotate_pair(lo, hi, cos, sin, KIND)
+        lo, hi = _normed_rotated_head(Q + t * stride_qt + h * stride_qh, d, Q_NORM, q_eps, cos, sin, QK_NORM, HALF,
+                                      KIND)
         dst = Q_OUT + t * stride_ot + h * stride_oh
         tl.store(dst + d, lo)
         tl.store(dst + HALF + d, hi)
     else:
         kv = h - HQ
         slot = tl.load(SLOTS + t).to(tl.int64)
-        src = K + t * stride_kt + kv * stride_kh
-        lo = tl.load(src + d).to(tl.float32)
-        hi = tl.load(src + HALF + d).to(tl.float32)
-        if QK_NORM:
-            lo, hi = head_rms_norm(lo, hi, K_NORM, d, k_eps, 2 * HALF, HALF, KIND)
-        lo, hi = rotate_pair(lo, hi, cos, sin, KIND)
+        lo, hi = _normed_rotated_head(K + t * stride_kt + kv * stride_kh, d, K_NORM, k_eps, cos, sin, QK_NORM, HALF,
+                                      KIND)
         dst = K_CACHE + slot * stride_cs + kv * stride_ch
         # the cache rounds once more to its own dtype (as ``.to(cache dtype)`` does)
         tl.store(dst + d, round_to_kind(lo, CACHE_KIND))
