@@ -241,7 +241,7 @@ def test_mla_model_with_the_norm_and_combine_in_its_x_gemv_gives_the_unfused_log
     from segkv.kernels import dense_gemv, mla_x_gemv
     from segkv.layers import mla
 
-    small_deepseek_dir(tmp_path, num_hidden_layers=4)
+    small_deepseek_dir(tmp_path, num_hidden_layers=3)  # layer 2 takes the combine
     plain = llm(tmp_path, fused_ops=False, cuda_graphs=False)
     monkeypatch.setattr(mla, "NORM_IN_MLA", True)
     monkeypatch.setattr(mla, "MLA_ROPE", rope_in_product)

@@ -68,7 +68,7 @@ def test_mla_model_with_per_head_latent_products_gives_the_plain_logits(rope_in_
 
     from segkv.layers import mla
 
-    small_deepseek_dir(tmp_path, num_hidden_layers=3)
+    small_deepseek_dir(tmp_path, num_hidden_layers=2)  # a dense layer, then experts
     plain = llm(tmp_path, fused_ops=False, cuda_graphs=False)
     monkeypatch.setattr(mla, "LATENT_GEMV", True)
     monkeypatch.setattr(mla, "MLA_ROPE", rope_in_product)
