@@ -26,7 +26,7 @@ def _llm(path, **kw):
 
 def test_graph_decode_gives_the_eager_tokens(tmp_path):
     build_model_dir(tmp_path, "qwen3")
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompts = [[5, 9, 13, 40, 77] * 5, [3, 1, 4, 1, 5, 9, 2, 6] * 2, [8, 8, 1]]  # 3 rows: bucket 4, one pad
     eager = [o.outputs[0].token_ids for o in _llm(tmp_path).generate(prompts, params)]
     llm = _llm(tmp_path, cuda_graphs=MODE)
@@ -34,7 +34,7 @@ def test_graph_decode_gives_the_eager_tokens(tmp_path):
     assert graphs is not None
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == eager
-    assert graphs.replays >= 5 and (4, False, True) in graphs._buckets  # decode steps went through the bucket
+    assert graphs.replays >= 3 and (4, False, True) in graphs._buckets  # decode steps went through the bucket
     conv = llm.conversation()  # a follow-up turn on a segmented chain (mid-page boundaries)
     first = conv.say("hello there", params).output.token_ids
     second = conv.say("and a second turn", params).output.token_ids
@@ -100,19 +100,19 @@ def test_graph_decode_of_a_model_with_experts(tmp_path):
     """DeepSeek-V3-style MoE layers: packed experts inside the graph at every bucket (GEMV per
     pair for small batches, the grouped GEMM above 64 pairs)."""
     build_deepseek_dir(tmp_path, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=4)
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     prompts = [[5, 9, 13, 40, 77] * 4, [3, 1, 4, 1, 5, 9, 2, 6] * 2, [8, 8, 1]]
     eager = [o.outputs[0].token_ids for o in _llm(tmp_path).generate(prompts, params)]
     llm = _llm(tmp_path, cuda_graphs=MODE)
     graphs = llm.runner.graphs
     assert graphs.max_batch == max(graphs.buckets) >= 32  # no cap from the expert dispatch
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == eager
-    assert graphs.replays >= 4
+    assert graphs.replays >= 2  # both decode steps
     wide = [[(7 * i + j) % 90 + 3 for j in range(6)] for i in range(20)]  # 20 x 4 = 80 pairs per layer
     eager_wide = [o.outputs[0].token_ids for o in _llm(tmp_path).generate(wide, params)]
     replays = graphs.replays
     assert [o.outputs[0].token_ids for o in llm.generate(wide, params)] == eager_wide
-    assert graphs.replays >= replays + 4  # the 20-sequence batch ran in a graph
+    assert graphs.replays >= replays + 2  # the 20-sequence batch's decode steps ran in a graph
 
 
 def test_steps_planned_ahead_give_the_same_tokens(tmp_path):
