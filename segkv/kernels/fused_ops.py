@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from segkv.kernels.pdl import pdl_options
+from segkv.kernels.pdl import pdl_options, wait_then_release
 
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -182,16 +182,6 @@ def rotate_pair(x1, x2, cos, sin, KIND: tl.constexpr):
 
 
 @triton.jit
-def _pdl_prologue(USE_PDL: tl.constexpr):
-    """A small launch's PDL start: wait for the launch before (whose outputs it reads), then let
-    the next launch be scheduled. Letting it be scheduled before the wait measured level on the
-    H200 (Qwen3-8B and Llama-3.1-8B batch 1, docs/benchmarks.md)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
 def head_rms_norm(lo, hi, W, d, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, KIND: tl.constexpr):
     """RMSNorm of one head held as halves ``lo, hi (HALF,)`` float32, weight ``W (HEAD_DIM,)``,
     rounded as :func:`rms_norm` rounds (``h / rms``, then ``w * h``), as float32."""
@@ -226,7 +216,8 @@ def _rope_kv_kernel(
     key head ``h - HQ`` and write it, with the value head, into the cache row ``SLOTS[token]``.
     ``COS_SIN (max_position, 2 HALF)`` holds ``[cos | sin]`` already in the q dtype. With
     ``QK_NORM`` (Qwen3) each query / key head is RMS-normed by ``Q_NORM`` / ``K_NORM`` first."""
-    _pdl_prologue(USE_PDL)  # q, k, v come from the launch before
+    # letting the next launch be scheduled before the wait measured level on the H200 (docs/benchmarks.md)
+    wait_then_release(USE_PDL)  # q, k, v come from the launch before
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
@@ -328,7 +319,7 @@ def _mla_rope_latent_kernel(
     """Program (token, head): heads ``< H`` rotate a query's rope part into ``Q_OUT``; head ``H``
     writes the latent row ``[c_kv | rope(k_pe)]`` at ``SLOTS[token]``, with ``c_kv`` first
     RMS-normalised by ``NORM_W`` when ``NORM`` (then ``BLOCK_R`` covers the whole row)."""
-    _pdl_prologue(USE_PDL)  # q_pe, k_pe, c_kv come from the launch before
+    wait_then_release(USE_PDL)  # q_pe, k_pe, c_kv come from the launch before
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)

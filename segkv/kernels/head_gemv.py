@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.fused_ops import kind_of, round_to_kind
-from segkv.kernels.pdl import pdl_options
+from segkv.kernels.pdl import pdl_options, wait_then_release
 
 
 @triton.jit
@@ -32,9 +32,7 @@ def _head_gemv_kernel(X, W, OUT, stride_xh, stride_wh, stride_wo, stride_wi, str
     i_ok = offs_i < in_dim
     w = tl.load(W + h * stride_wh + offs_o[:, None].to(tl.int64) * stride_wo + offs_i[None, :] * stride_wi,
                 mask=o_ok[:, None] & i_ok[None, :], other=0.0)
-    if USE_PDL:  # the weight is constant: loaded before waiting for the rows' writer
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_release(USE_PDL)  # the weight is constant: loaded before waiting for the rows' writer
     x = tl.load(X + h * stride_xh + offs_i, mask=i_ok, other=0.0).to(tl.float32)
     acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     tl.store(OUT + h * stride_oh + offs_o, round_to_kind(acc, KIND).to(OUT.dtype.element_ty), mask=o_ok)

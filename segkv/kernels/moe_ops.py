@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.fused_ops import kind_of, round_to_kind
-from segkv.kernels.pdl import pdl_options
+from segkv.kernels.pdl import pdl_options, wait_then_release
 from segkv.kernels.work_items import count_done
 
 
@@ -442,9 +442,7 @@ def _combine_add_norm_kernel(Y, WEIGHTS, SHARED, RES, NORM_W, RES_OUT, H_OUT, st
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
     norm_w = tl.load(NORM_W + cols, mask=ok, other=0.0).to(tl.float32)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_release(USE_PDL)
     out = combine_row(Y, WEIGHTS, SHARED, t, cols, ok, stride_y, stride_s, K, HAS_SHARED, KIND, BLOCK)
     s = round_to_kind(out + tl.load(RES + t * stride_r + cols, mask=ok, other=0.0).to(tl.float32), KIND)
     inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / hidden + eps)

@@ -19,6 +19,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 from segkv.kernels.settings import env_int
 
@@ -58,3 +60,12 @@ def pdl_options(tensor: torch.Tensor, pdl: bool | None = None) -> dict:
     :func:`pdl_supported` says so, or as ``pdl`` forces it (tests and sweeps)."""
     on = (tensor.is_cuda and pdl_supported(tensor.device.index or 0)) if pdl is None else pdl
     return {"launch_pdl": True, "USE_PDL": True} if on else {"USE_PDL": False}
+
+
+@triton.jit
+def wait_then_release(USE_PDL: tl.constexpr):
+    """With ``USE_PDL``: wait for the launch before (whose outputs the program reads next), then
+    let the next launch be scheduled; nothing otherwise."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
