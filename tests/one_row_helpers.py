@@ -53,12 +53,15 @@ def counted(monkeypatch, **targets):
     return calls
 
 
-def same_logits_one_token_at_a_time(plain, fused):
+def same_logits_one_token_at_a_time(plain, fused) -> int:
+    """Both models fed the same tokens one at a time give the same logits; returns how many tokens."""
     chains = [llm.cache.new_chain() for llm in (plain, fused)]
-    for token in (5, 9, 13):
+    tokens = (5, 9)
+    for token in tokens:
         rows = [llm.runner.prompt_logits(chain, [token]) for llm, chain in zip((plain, fused), chains)]
         assert torch.isfinite(rows[1]).all()
         torch.testing.assert_close(rows[1], rows[0], rtol=1e-4, atol=1e-4)
+    return len(tokens)
 
 
 def same_greedy_tokens(plain, fused):

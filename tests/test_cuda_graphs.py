@@ -36,11 +36,12 @@ def test_graph_decode_gives_the_eager_tokens(tmp_path):
     assert got == eager
     assert graphs.replays >= 3 and (4, False, True) in graphs._buckets  # decode steps went through the bucket
     conv = llm.conversation()  # a follow-up turn on a segmented chain (mid-page boundaries)
-    first = conv.say("hello there", params).output.token_ids
-    second = conv.say("and a second turn", params).output.token_ids
+    turn = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    first = conv.say("hello there", turn).output.token_ids
+    second = conv.say("and a second turn", turn).output.token_ids
     ref = _llm(tmp_path).conversation()
-    assert [first, second] == [ref.say("hello there", params).output.token_ids,
-                               ref.say("and a second turn", params).output.token_ids]
+    assert [first, second] == [ref.say("hello there", turn).output.token_ids,
+                               ref.say("and a second turn", turn).output.token_ids]
 
 
 def test_steps_that_do_not_fit_run_eagerly(tmp_path):
@@ -108,19 +109,21 @@ def test_graph_decode_of_a_model_with_experts(tmp_path):
     assert graphs.max_batch == max(graphs.buckets) >= 32  # no cap from the expert dispatch
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == eager
     assert graphs.replays >= 2  # both decode steps
-    wide = [[(7 * i + j) % 90 + 3 for j in range(6)] for i in range(20)]  # 20 x 4 = 80 pairs per layer
-    eager_wide = [o.outputs[0].token_ids for o in _llm(tmp_path).generate(wide, params)]
+    wide = [[(7 * i + j) % 90 + 3 for j in range(3)] for i in range(17)]  # 17 x 4 = 68 pairs per layer
+    one_step = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    eager_wide = [o.outputs[0].token_ids for o in _llm(tmp_path).generate(wide, one_step)]
     replays = graphs.replays
-    assert [o.outputs[0].token_ids for o in llm.generate(wide, params)] == eager_wide
-    assert graphs.replays >= replays + 2  # the 20-sequence batch's decode steps ran in a graph
+    assert [o.outputs[0].token_ids for o in llm.generate(wide, one_step)] == eager_wide
+    assert graphs.replays >= replays + 1  # the 17-sequence batch's decode step ran in a graph
 
 
 def test_steps_planned_ahead_give_the_same_tokens(tmp_path):
     """While a graph step runs, the next step is planned for the same chains one row longer; it
     is used only when the chains really are that (not after a trim, a new page or a new batch)."""
     build_model_dir(tmp_path, "qwen3")
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    prompts = [[5, 9, 13, 40, 77] * 3, [3, 1, 4, 1, 5, 9, 2, 6]]  # tails cross page ends mid-decode
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    # 15 and 13 rows: both tails cross a page end (16 rows) mid-decode
+    prompts = [[5, 9, 13, 40, 77] * 3, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9]]
     eager = [o.outputs[0].token_ids for o in _llm(tmp_path).generate(prompts, params)]
     llm = _llm(tmp_path, cuda_graphs=MODE)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == eager
@@ -145,7 +148,7 @@ def test_steps_planned_ahead_give_the_same_tokens(tmp_path):
     torch.testing.assert_close(logits, fresh.forward([StepInput(ref_chain, [7])]), rtol=1e-5, atol=1e-5)
 
 
-def _decode_logits(llm, shared: bool, steps: int = 3) -> torch.Tensor:
+def _decode_logits(llm, shared: bool, steps: int = 2) -> torch.Tensor:
     """Logits of 4 sequences (a full bucket: the GEMMs have the eager step's shapes) decoding
     ``steps`` steps: forks of one sealed 40-row prefix (``shared``: a cascade plan, several
     query rows per work item) or 4 separate prompts."""

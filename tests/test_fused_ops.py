@@ -278,7 +278,7 @@ def test_fused_model_gives_the_unfused_tokens_and_logits(family, tmp_path):
     assert fused.runner.fused_ops and not plain.runner.fused_ops
     mla = [m for m in fused.runner.model.modules() if isinstance(m, MultiHeadLatentAttention)]
     assert all(m._x_proj is not None for m in mla) and (len(mla) > 0) == family.startswith("deepseek")
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)  # two decode steps
     prompts = [[5, 9, 13, 40, 77] * 4, [3, 1, 4, 1, 5, 9, 2, 6]]
     assert ([o.outputs[0].token_ids for o in fused.generate(prompts, params)]
             == [o.outputs[0].token_ids for o in plain.generate(prompts, params)])
@@ -324,7 +324,7 @@ def test_fused_moe_router_and_combine_give_the_unfused_tokens(tmp_path):
     layers = [m for m in fused.runner.model.modules() if isinstance(m, MixtureOfExperts)]
     assert layers and all(m.fused and m.packed and m.gate.fused for m in layers)
     assert all(m._stacked_shared_weights() is not None for m in layers)  # shared experts stackable
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)  # two decode steps
     prompts = [[5, 9, 13, 40, 77] * 5, [3, 1, 4, 1, 5, 9, 2, 6]]  # 25 x 3 = 75 pairs: the grouped GEMM
     assert ([o.outputs[0].token_ids for o in fused.generate(prompts, params)]
             == [o.outputs[0].token_ids for o in plain.generate(prompts, params)])
