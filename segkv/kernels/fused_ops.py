@@ -312,43 +312,47 @@ def _mla_rope_latent_kernel(
     Q_PE, K_PE, C_KV, POS, COS_SIN, SLOTS, Q_OUT, LATENT, NORM_W,
     stride_qt, stride_qh, stride_kt, stride_ct, stride_ot, stride_oh, stride_ls,
     max_position, RANK, eps,
-    H: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
+    H: tl.constexpr, H_P2: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
     KIND: tl.constexpr, CACHE_KIND: tl.constexpr, NORM: tl.constexpr, C_KIND: tl.constexpr,
     NORM_KIND: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Program (token, head): heads ``< H`` rotate a query's rope part into ``Q_OUT``; head ``H``
-    writes the latent row ``[c_kv | rope(k_pe)]`` at ``SLOTS[token]``, with ``c_kv`` first
-    RMS-normalised by ``NORM_W`` when ``NORM`` (then ``BLOCK_R`` covers the whole row)."""
+    """Program ``token``: rotates the rope part of each of its ``H`` query heads into ``Q_OUT``
+    (all heads as one tile), then writes the latent row ``[c_kv | rope(k_pe)]`` at
+    ``SLOTS[token]``, with ``c_kv`` first RMS-normalised by ``NORM_W`` when ``NORM`` (then
+    ``BLOCK_R`` covers the whole row)."""
     wait_then_release(USE_PDL)  # q_pe, k_pe, c_kv come from the launch before
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
     d = tl.arange(0, HALF)
     cos, sin = cos_sin_at(POS, COS_SIN, t, d, max_position, HALF)
     i1, i2 = rope_pairs(d, HALF, INTERLEAVED)
-    if h < H:
-        lo, hi = _rotate(Q_PE + t * stride_qt + h * stride_qh, i1, i2, cos, sin, KIND)
-        dst = Q_OUT + t * stride_ot + h * stride_oh
-        tl.store(dst + i1, lo)
-        tl.store(dst + i2, hi)
+    heads = tl.arange(0, H_P2)
+    h_ok = (heads < H)[:, None]
+    src = Q_PE + t * stride_qt + heads[:, None] * stride_qh
+    lo, hi = rotate_pair(tl.load(src + i1[None, :], mask=h_ok, other=0.0).to(tl.float32),
+                         tl.load(src + i2[None, :], mask=h_ok, other=0.0).to(tl.float32), cos[None, :], sin[None, :],
+                         KIND)
+    dst = Q_OUT + t * stride_ot + heads[:, None] * stride_oh
+    tl.store(dst + i1[None, :], lo, mask=h_ok)
+    tl.store(dst + i2[None, :], hi, mask=h_ok)
+    # the latent row
+    row = LATENT + tl.load(SLOTS + t).to(tl.int64) * stride_ls
+    lo, hi = _rotate(K_PE + t * stride_kt, i1, i2, cos, sin, KIND)
+    tl.store(row + RANK + i1, round_to_kind(lo, CACHE_KIND))
+    tl.store(row + RANK + i2, round_to_kind(hi, CACHE_KIND))
+    if NORM:  # as the RMSNorm kernel: float32 statistics, h rounded to c's dtype, then weight * h
+        cols = tl.arange(0, BLOCK_R)
+        ok = cols < RANK
+        c = tl.load(C_KV + t * stride_ct + cols, mask=ok, other=0.0).to(tl.float32)
+        var = tl.sum(c * c, axis=0) / RANK
+        hn = round_to_kind(c * (1.0 / tl.sqrt(var + eps)), C_KIND)
+        w = tl.load(NORM_W + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(row + cols, round_to_kind(round_to_kind(w * hn, NORM_KIND), CACHE_KIND), mask=ok)
     else:
-        row = LATENT + tl.load(SLOTS + t).to(tl.int64) * stride_ls
-        lo, hi = _rotate(K_PE + t * stride_kt, i1, i2, cos, sin, KIND)
-        tl.store(row + RANK + i1, round_to_kind(lo, CACHE_KIND))
-        tl.store(row + RANK + i2, round_to_kind(hi, CACHE_KIND))
-        if NORM:  # as the RMSNorm kernel: float32 statistics, h rounded to c's dtype, then weight * h
-            cols = tl.arange(0, BLOCK_R)
+        for r0 in range(0, RANK, BLOCK_R):
+            cols = r0 + tl.arange(0, BLOCK_R)
             ok = cols < RANK
             c = tl.load(C_KV + t * stride_ct + cols, mask=ok, other=0.0).to(tl.float32)
-            var = tl.sum(c * c, axis=0) / RANK
-            hn = round_to_kind(c * (1.0 / tl.sqrt(var + eps)), C_KIND)
-            w = tl.load(NORM_W + cols, mask=ok, other=0.0).to(tl.float32)
-            tl.store(row + cols, round_to_kind(round_to_kind(w * hn, NORM_KIND), CACHE_KIND), mask=ok)
-        else:
-            for r0 in range(0, RANK, BLOCK_R):
-                cols = r0 + tl.arange(0, BLOCK_R)
-                ok = cols < RANK
-                c = tl.load(C_KV + t * stride_ct + cols, mask=ok, other=0.0).to(tl.float32)
-                tl.store(row + cols, round_to_kind(c, CACHE_KIND), mask=ok)
+            tl.store(row + cols, round_to_kind(c, CACHE_KIND), mask=ok)
 
 
 def mla_rope_and_write_latent(q_pe: torch.Tensor, k_pe: torch.Tensor, c_kv: torch.Tensor, positions: torch.Tensor,
@@ -387,11 +391,11 @@ def mla_rope_and_write_latent(q_pe: torch.Tensor, k_pe: torch.Tensor, c_kv: torc
     if t:
         weight, eps = norm if norm is not None else (latent_rows, 0.0)  # the weight is unused without a norm
         whole_row = triton.next_power_of_2(max(rank, 16))
-        _mla_rope_latent_kernel[(t, heads + 1)](
+        _mla_rope_latent_kernel[(t,)](
             q_pe, k_pe, c_kv, positions, cos_sin, slots, q_out, latent_rows, weight,
             q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), c_kv.stride(0), q_out.stride(0), q_out.stride(1),
             latent_rows.stride(0), cos_sin.shape[0], rank, float(eps),
-            H=heads, HALF=half, INTERLEAVED=interleaved, BLOCK_R=whole_row if norm is not None else min(512, whole_row),
+            H=heads, H_P2=triton.next_power_of_2(max(heads, 1)), HALF=half, INTERLEAVED=interleaved, BLOCK_R=whole_row if norm is not None else min(512, whole_row),
             KIND=kind_of(q_pe.dtype), CACHE_KIND=kind_of(latent_rows.dtype), NORM=norm is not None,
             C_KIND=kind_of(c_kv.dtype),
             NORM_KIND=kind_of(torch.result_type(weight, c_kv)) if norm is not None else kind_of(c_kv.dtype),
