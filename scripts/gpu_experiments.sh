@@ -18,6 +18,8 @@
 # Measured (docs/benchmarks.md, "The q/k/v product in whole rows, RoPE apart"): qkvrope (now the
 # default) and ropepdl (the RoPE launches' early PDL trigger, level: removed with its switch; the
 # latent x product apart, slower); the parts are in git history.
+# Measured (docs/benchmarks.md, "Later weights asked into L2 during the latent attention: level"):
+# l2ahead (removed with its switch and kernels.l2_ahead; git history).
 # Measured (docs/benchmarks.md, "The stage-1 instruction diet" and "Tall decode programs at the
 # defaults; 32-row decode tiles and P split by mask measured"): lean, leane2e, tall, decode32,
 # psplit and cascadewave (the last three slower or level: removed, the P split with its switch; git history).
@@ -152,18 +154,7 @@ deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it
   e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 }
 for part in "${@:-latent}"; do
-if [ "$part" = l2ahead ]; then
-  # DeepSeek-V2-Lite batch 1: the W_uk launch asks L2 for the first N MB of o's and the shared
-  # experts' weights (8 MB o, 23 MB [gate | up], 11.5 MB down), read by o and the MoE block after
-  # the latency-bound attention chain that leaves DRAM mostly idle (SEGKV_MLA_L2_AHEAD_MB)
-  # (first call: 0 / 8 / 31 / 42 MB and 31 evict-last; 8 MB best at 16K, more lost at 1K: this
-  # call 0 / 4 / 8 / 16 MB in three rounds)
-  for round in 1 2 3; do
-    for mb in 0 4 8 16; do
-      e2e "deepseek L2 ahead $mb MB" SEGKV_MLA_L2_AHEAD_MB=$mb -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
-    done
-  done
-elif [ "$part" = wholerows ]; then
+if [ "$part" = wholerows ]; then
   # one-row GEMVs in whole weight rows (now the default up to 4096 inputs; docs/benchmarks.md
   # "One-row GEMVs in whole weight rows") against split-K blocks everywhere: the layer chain's
   # launch sweep, then the three batch-1 models alternating (SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS=0: before)

@@ -34,30 +34,6 @@ def test_head_gemv_is_each_heads_product(heads, out_dim, in_dim, transposed, dty
     assert buffer[0, :, out_dim:].isnan().all()
 
 
-@pytest.mark.skipif(not GPU, reason="bulk L2 prefetches are sm_90 PTX (the interpreter runs none)")
-@pytest.mark.parametrize("evict_last", [False, True])
-def test_l2_prefetch_of_later_weights_changes_no_result(evict_last, gen):
-    """The W_uk launch asking L2 for later launches' weights (``kernels.l2_ahead``; three ranges,
-    the last cut short by the byte cap, a range past the launch's capacity) gives bit-equal
-    outputs and leaves the prefetched tensors as they were."""
-    from segkv.kernels.head_gemv import head_gemv
-    from segkv.kernels.l2_ahead import prefetch_args
-
-    weight = (torch.randn(16, 512, 128, generator=gen) / 12).to(torch.bfloat16).to(DEVICE)
-    x = torch.randn(16, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
-    later = [torch.randn(n, 2048, generator=gen).to(torch.bfloat16).to(DEVICE) for n in (2048, 5632, 2816)]
-    copies = [t.clone() for t in later]
-    plain = head_gemv(x, weight)
-    for mb in (8, 31, 1000):
-        args = prefetch_args(tuple(later), mb << 20)
-        assert args is not None and sum(args[1::2]) == min(mb << 20, sum(t.numel() * 2 for t in later))
-        for _ in range(3):
-            assert torch.equal(head_gemv(x, weight, prefetch=args, evict_last=evict_last), plain)
-    torch.cuda.synchronize()
-    assert all(torch.equal(t, c) for t, c in zip(later, copies))
-    assert prefetch_args((later[0][:, 1:],), 1 << 20) is None  # not contiguous: no prefetch
-
-
 def test_head_gemv_rejects_what_it_cannot_compute(gen):
     from segkv.kernels.head_gemv import head_gemv
 

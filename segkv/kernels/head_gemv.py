@@ -17,24 +17,14 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.fused_ops import kind_of, round_to_kind
-from segkv.kernels.l2_ahead import PREFETCH_CHUNK, lanes, prefetch_ranges_l2
 from segkv.kernels.pdl import pdl_options, wait_then_release
-
-NUM_WARPS = 4
 
 
 @triton.jit
 def _head_gemv_kernel(X, W, OUT, stride_xh, stride_wh, stride_wo, stride_wi, stride_oh, out_dim, in_dim,
-                      R0, bytes0, R1, bytes1, R2, bytes2,
-                      IN_P2: tl.constexpr, BLOCK_O: tl.constexpr, KIND: tl.constexpr, USE_PDL: tl.constexpr,
-                      PREFETCH: tl.constexpr = False, LANES: tl.constexpr = 128, CHUNK: tl.constexpr = 16384,
-                      EVICT_LAST: tl.constexpr = False):
+                      IN_P2: tl.constexpr, BLOCK_O: tl.constexpr, KIND: tl.constexpr, USE_PDL: tl.constexpr):
     """Program ``(h, ob)``: ``OUT[h, o] = sum_i W[h, o, i] X[h, i]`` for ``BLOCK_O`` outputs ``o``,
-    float32 sums rounded once to ``OUT``'s dtype (``KIND``). ``PREFETCH``: first, the program's
-    share of L2 prefetches of the byte ranges ``R0 .. R2`` (``kernels.l2_ahead``)."""
-    if PREFETCH:
-        prefetch_ranges_l2(R0, bytes0, R1, bytes1, R2, bytes2, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                           tl.num_programs(0) * tl.num_programs(1), LANES, CHUNK, EVICT_LAST)
+    float32 sums rounded once to ``OUT``'s dtype (``KIND``)."""
     h = tl.program_id(0).to(tl.int64)
     offs_o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     o_ok = offs_o < out_dim
@@ -57,14 +47,12 @@ def block_outputs(in_dim: int) -> int:
 
 
 def head_gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
-              pdl: bool | None = None, prefetch: tuple | None = None, evict_last: bool = False) -> torch.Tensor:
+              pdl: bool | None = None) -> torch.Tensor:
     """``x (H, In)`` (unit stride on In) and ``weight (H, Out, In)`` (any strides, e.g. a
     transposed view) -> ``(H, Out)`` in ``x``'s dtype: ``out[h] = weight[h] @ x[h]``, float32 sums
     rounded once. ``out``: an ``(H, Out)`` destination with unit stride on Out (e.g. a view of a
     larger buffer); a new tensor when None. ``pdl``: programmatic dependent launch (default:
-    where ``kernels.pdl`` supports it). ``prefetch``: ``kernels.l2_ahead.prefetch_args`` of weights
-    a later launch reads, asked into L2 by this launch's programs first (``evict_last``: with the
-    evict-last cache policy)."""
+    where ``kernels.pdl`` supports it)."""
     if x.dim() != 2 or weight.dim() != 3 or weight.shape[0] != x.shape[0] or weight.shape[2] != x.shape[1]:
         raise ValueError(f"head_gemv: rows (H, In) and weights (H, Out, In) expected, got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -85,10 +73,7 @@ def head_gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None
         return out
     block_o = block_outputs(in_dim)
     options = pdl_options(x, pdl)
-    ranges = prefetch if prefetch is not None else (x, 0, x, 0, x, 0)
     _head_gemv_kernel[(heads, triton.cdiv(out_dim, block_o))](
         x, weight, out, x.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), out.stride(0), out_dim,
-        in_dim, *ranges, IN_P2=triton.next_power_of_2(in_dim), BLOCK_O=block_o, KIND=kind_of(x.dtype),
-        PREFETCH=prefetch is not None, LANES=lanes(NUM_WARPS), CHUNK=PREFETCH_CHUNK, EVICT_LAST=evict_last,
-        num_warps=NUM_WARPS, **options)
+        in_dim, IN_P2=triton.next_power_of_2(in_dim), BLOCK_O=block_o, KIND=kind_of(x.dtype), num_warps=4, **options)
     return out

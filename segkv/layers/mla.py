@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +12,6 @@ from segkv.attention.plan import AttentionShape
 from segkv.kernels.fused_ops import mla_rope_and_write_latent, mla_rope_fusable
 from segkv.kernels.head_gemv import MAX_IN as HEAD_GEMV_MAX_IN
 from segkv.kernels.head_gemv import head_gemv
-from segkv.kernels.l2_ahead import prefetch_args
 from segkv.kernels.settings import env_int
 from segkv.layers.activation import stack_linears
 from segkv.layers.linear import RowProduct
@@ -31,11 +29,6 @@ MLA_ROPE = env_int("SEGKV_BATCH1_MLA_ROPE", 1) == 1
 # GEMVs with PDL (kernels.head_gemv) instead of batched GEMMs (H200, DeepSeek-V2-Lite batch 1,
 # alternating, two rounds: 465-468 / 398-401 -> 481-482 / 411-417 tok/s at 1K / 16K)
 LATENT_GEMV = env_int("SEGKV_BATCH1_LATENT_GEMV", 1) == 1
-# At one token, the W_uk launch asks L2 for the first this many MB of the weights read after the
-# attention (o, the shared experts': ``weights_ahead``), so the MoE block finds them on chip
-# (SEGKV_MLA_L2_AHEAD_MB; 0: off; SEGKV_MLA_L2_AHEAD_EVICT_LAST=1: with the evict-last policy)
-L2_AHEAD_BYTES = env_int("SEGKV_MLA_L2_AHEAD_MB", 0) << 20
-L2_AHEAD_EVICT_LAST = env_int("SEGKV_MLA_L2_AHEAD_EVICT_LAST", 0) == 1
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
 
 
@@ -116,8 +109,6 @@ class MultiHeadLatentAttention(nn.Module):
         self.fused = False  # see use_fused
         self._x_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
         self._row_product = RowProduct()  # batch-1 decode's x and o products (layers.linear)
-        # the weights read after this attention (set by the decoder layer; L2_AHEAD_BYTES)
-        self.weights_ahead: Callable[[], tuple[torch.Tensor, ...]] | None = None
 
     def use_fused(self) -> None:
         """RoPE of q and k and the latent cache write as one kernel (GPU decode), and the two
@@ -263,10 +254,7 @@ class MultiHeadLatentAttention(nn.Module):
         per_head = (LATENT_GEMV and query is not None and one_token_on_cuda(q_nope)
                     and max(rank, self.dims.qk_nope_head_dim) <= HEAD_GEMV_MAX_IN)
         if per_head:
-            ahead = (prefetch_args(self.weights_ahead(), L2_AHEAD_BYTES)
-                     if L2_AHEAD_BYTES and self.weights_ahead is not None else None)
-            head_gemv(q_nope[0], w_uk.transpose(1, 2), out=query[0, :, :rank], prefetch=ahead,
-                      evict_last=L2_AHEAD_EVICT_LAST)
+            head_gemv(q_nope[0], w_uk.transpose(1, 2), out=query[0, :, :rank])
         elif query is None:
             q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
             query = torch.cat((q_latent, q_pe), dim=-1)

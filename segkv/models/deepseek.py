@@ -123,13 +123,6 @@ class DeepseekLayer(PreNormBlock):
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias,
                                 activation=cfg.hidden_act)
-        self.self_attn.weights_ahead = self._weights_ahead
-
-    def _weights_ahead(self) -> tuple[torch.Tensor, ...]:
-        """Weights this layer reads after its attention, in order: ``o``, then the shared experts'
-        ``[gate | up]`` and down (where they are stacked), for the attention's L2 prefetch."""
-        shared = self.mlp._stacked_shared_weights() if isinstance(self.mlp, MixtureOfExperts) else None
-        return (self.self_attn.o_proj.weight, *(shared or ()))
 
 
 
