@@ -157,19 +157,11 @@ for part in "${@:-latent}"; do
 if [ "$part" = ropeheads ]; then
   # the latent RoPE-and-write kernel with one program per token (all query heads as one tile)
   # instead of one per token and head: the GPU tests it and the lighter CI tests touch, then
-  # DeepSeek-V2-Lite (the kernel runs at batch > 1 and in prefill) against the kernel before
+  # DeepSeek-V2-Lite (the kernel runs at batch > 1 and in prefill)
   gpu_tests "fused ops, head GEMV, graphs, dense GEMV, the lighter attention tests" -- tests/test_fused_ops.py \
     tests/test_head_gemv.py tests/test_cuda_graphs.py tests/test_dense_gemv.py tests/test_triton_attention.py \
     -k "not test_triton_attention or transposed or pipeline or chunks or few_partials or longer_than"
-  args=(--models deepseek-v2-lite --batches 1,8,32 --contexts 1K,16K)
-  e2e "deepseek one program per token" -- "${args[@]}"
-  if git show bb1a905^:segkv/kernels/fused_ops.py > /tmp/fused_ops_before.py 2>/dev/null; then
-    cp segkv/kernels/fused_ops.py /tmp/fused_ops_now.py
-    cp /tmp/fused_ops_before.py segkv/kernels/fused_ops.py
-    e2e "deepseek one program per token and head (before)" -- "${args[@]}"
-    cp /tmp/fused_ops_now.py segkv/kernels/fused_ops.py
-    e2e "deepseek one program per token" -- "${args[@]}"
-  fi
+  e2e "deepseek one program per token" -- --models deepseek-v2-lite --batches 1,8,32 --contexts 1K,16K
 elif [ "$part" = wholerows ]; then
   # one-row GEMVs in whole weight rows (now the default up to 4096 inputs; docs/benchmarks.md
   # "One-row GEMVs in whole weight rows") against split-K blocks everywhere: the layer chain's
