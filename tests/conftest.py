@@ -22,6 +22,64 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _patch_language_once_per_launch() -> None:
+    """Triton's interpreter maps ``triton.language`` onto its own ops when a launch starts, and
+    again at every call of a ``@triton.jit`` helper inside it (``_patch_lang``: an
+    ``inspect.getmembers`` walk of the language modules, about 40% of an interpreted model step).
+    Within a launch, a helper whose globals see only language modules the launch has already
+    mapped gets nothing new from it, so that call is skipped; any other call is mapped as before.
+    Only where this Triton has the interpreter internals it relies on."""
+    import inspect
+
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    grid_call = getattr(getattr(interpreter, "GridExecutor", None), "__call__", None)
+    patch = getattr(interpreter, "_patch_lang", None)
+    if grid_call is None or patch is None or not hasattr(interpreter, "InterpretedFunction"):
+        return
+    language = (tl, tl.core)
+    mapped: list = []  # per running launch: ids of the language modules mapped (None: not yet)
+    seen: dict = {}  # id(globals) -> (globals, ids of the language modules it holds)
+
+    class _Nothing:
+        def restore(self) -> None:
+            pass
+
+    def langs(fn) -> frozenset:
+        g = fn.__globals__
+        entry = seen.get(id(g))
+        if entry is None or entry[0] is not g:
+            entry = seen[id(g)] = (g, frozenset(id(v) for v in g.values()
+                                                if inspect.ismodule(v) and any(v is m for m in language)))
+        return entry[1]
+
+    def patch_once(fn):
+        needed = langs(fn)
+        if mapped and mapped[-1] is not None and needed <= mapped[-1]:
+            return _Nothing()
+        scope = patch(fn)
+        if mapped:
+            mapped[-1] = needed | (mapped[-1] or frozenset())
+        return scope
+
+    def launch(self, *args, **kwargs):
+        mapped.append(None)
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            mapped.pop()
+
+    interpreter._patch_lang = patch_once
+    interpreter.GridExecutor.__call__ = launch
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_language_once_per_launch()
+
+
 def _session_seed(config) -> int:
     worker = getattr(config, "workerinput", None)
     if worker is not None:

@@ -502,9 +502,10 @@ def test_rows_of_many_partials_merge_inside_stage1_by_chunks(ratio, gen, monkeyp
     try:
         merges = count_merge_launches(monkeypatch)
         # 34 and 3 pages (33-way splits need 33 pages; the 20-way one at 32 heads per KV head 21)
-        # (32 heads per KV head: one KV head, whose two programs per row share the ticket)
+        # one KV head (two per row: test_decode_rows_of_few_partials_merge_inside_stage1); at 32
+        # heads per KV head its two programs per row share the ticket
         batch = decode_rows_batch(gen, dtype=torch.bfloat16, long_rows=540 if ratio == 4 else 330, ratio=ratio,
-                                  num_pages=128, kv_heads=2 if ratio == 4 else 1)
+                                  num_pages=128, kv_heads=1)
         capacity = PlanCapacity(max_pages=256, max_work=128, max_partials=256, max_rows=8, max_work_rows=1,
                                 max_row_partials=32)
         # above the bound (the merge kernel) once is enough: at 4 heads per KV head
