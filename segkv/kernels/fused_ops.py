@@ -152,11 +152,17 @@ def cos_sin_at(POS, COS_SIN, t, d, max_position, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rotate(src, i1, i2, cos, sin, KIND: tl.constexpr):
-    """RoPE of one head at ``src``, pairs ``(x[i1], x[i2])`` (half-split: ``d, HALF + d``;
+def _rotate(src, i1, i2, cos, sin, KIND: tl.constexpr, mask=None):
+    """RoPE of the head(s) at ``src``, pairs ``(x[i1], x[i2])`` (half-split: ``d, HALF + d``;
     interleaved: ``2d, 2d + 1``): ``(x1 cos - x2 sin, x2 cos + x1 sin)``, each product and sum
-    rounded as the torch ops round."""
-    return rotate_pair(tl.load(src + i1).to(tl.float32), tl.load(src + i2).to(tl.float32), cos, sin, KIND)
+    rounded as the torch ops round. ``mask``: the elements that exist (others read as 0)."""
+    if mask is None:
+        x1 = tl.load(src + i1)
+        x2 = tl.load(src + i2)
+    else:
+        x1 = tl.load(src + i1, mask=mask, other=0.0)
+        x2 = tl.load(src + i2, mask=mask, other=0.0)
+    return rotate_pair(x1.to(tl.float32), x2.to(tl.float32), cos, sin, KIND)
 
 
 @triton.jit
@@ -327,10 +333,8 @@ def _mla_rope_latent_kernel(
     i1, i2 = rope_pairs(d, HALF, INTERLEAVED)
     heads = tl.arange(0, H_P2)
     h_ok = (heads < H)[:, None]
-    src = Q_PE + t * stride_qt + heads[:, None] * stride_qh
-    lo, hi = rotate_pair(tl.load(src + i1[None, :], mask=h_ok, other=0.0).to(tl.float32),
-                         tl.load(src + i2[None, :], mask=h_ok, other=0.0).to(tl.float32), cos[None, :], sin[None, :],
-                         KIND)
+    lo, hi = _rotate(Q_PE + t * stride_qt + heads[:, None] * stride_qh, i1[None, :], i2[None, :], cos[None, :],
+                     sin[None, :], KIND, h_ok)
     dst = Q_OUT + t * stride_ot + heads[:, None] * stride_oh
     tl.store(dst + i1[None, :], lo, mask=h_ok)
     tl.store(dst + i2[None, :], hi, mask=h_ok)
@@ -395,7 +399,8 @@ def mla_rope_and_write_latent(q_pe: torch.Tensor, k_pe: torch.Tensor, c_kv: torc
             q_pe, k_pe, c_kv, positions, cos_sin, slots, q_out, latent_rows, weight,
             q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), c_kv.stride(0), q_out.stride(0), q_out.stride(1),
             latent_rows.stride(0), cos_sin.shape[0], rank, float(eps),
-            H=heads, H_P2=triton.next_power_of_2(max(heads, 1)), HALF=half, INTERLEAVED=interleaved, BLOCK_R=whole_row if norm is not None else min(512, whole_row),
+            H=heads, H_P2=triton.next_power_of_2(max(heads, 1)), HALF=half, INTERLEAVED=interleaved,
+            BLOCK_R=whole_row if norm is not None else min(512, whole_row),
             KIND=kind_of(q_pe.dtype), CACHE_KIND=kind_of(latent_rows.dtype), NORM=norm is not None,
             C_KIND=kind_of(c_kv.dtype),
             NORM_KIND=kind_of(torch.result_type(weight, c_kv)) if norm is not None else kind_of(c_kv.dtype),
