@@ -154,20 +154,7 @@ deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it
   e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 }
 for part in "${@:-latent}"; do
-if [ "$part" = ksplit ]; then
-  # the latent value halves with the products batched over warps (SEGKV_MLA_KSPLIT=1: each warp a
-  # quarter of the scores' columns and of the half's values, the scores summed across warps; no
-  # per-warp copy of the whole query, no exchange for the softmax): GPU tests, kernels, DeepSeek
-  gpu_tests "latent value shares, K split" SEGKV_MLA_KSPLIT=1 -- tests/test_triton_mla.py -k "adaptive or value_split"
-  for round in 1 2; do
-    for ks in 0 1; do
-      echo "-- latent stage 1, SEGKV_MLA_KSPLIT=$ks, round $round (ms)" | tee -a "$log"
-      SEGKV_MLA_KSPLIT=$ks timeout 100 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 \
-        --page-size 32 --contexts 1024,16384,32768,131072 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
-    done
-  done
-  deepseek_ab SEGKV_MLA_KSPLIT
-elif [ "$part" = slow16k ]; then
+if [ "$part" = slow16k ]; then
   # DeepSeek-V2-Lite's 16K runs fall into two groups (447-459 and 400-424 tok/s, whatever the
   # setting; docs/benchmarks.md "Later weights asked into L2"): six processes in a row, each the
   # model's rate and then its graph step by kernel and grid, so a slow process's kernels can be

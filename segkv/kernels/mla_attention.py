@@ -15,8 +15,6 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.attention_tiles import (
-    LOG2E,
-    exp2_ftz,
     next_tile_pages,
     online_softmax_step,
     page_index,
@@ -141,89 +139,6 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
 
 
 @triton.jit
-def _latent_pairs_ksplit(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
-                         stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
-                         stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1, page_next,
-                         rows_next, start_next, vb,
-                         RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_ROPE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         EXACT_FP32: tl.constexpr, WIDE: tl.constexpr, KS: tl.constexpr):
-    """:func:`_latent_pairs` for a program's half of the values (``BLOCK_V`` columns from
-    ``vb * BLOCK_V``) with the products batched over ``KS`` blocks, one per warp: the scores'
-    latent columns in ``KS`` blocks (each warp a block's product, summed across the warps), the
-    values' half in ``KS`` blocks of ``BLOCK_V / KS`` columns (each warp a block's output). Every
-    warp then holds the whole scores (its softmax needs no exchange) and only its own block of the
-    query (no copy of the whole query per warp and tile)."""
-    PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)
-    SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N
-    KB: tl.constexpr = RANK // KS  # latent columns of a score block
-    VB: tl.constexpr = BLOCK_V // KS  # value columns of an output block
-    offs_n = tl.arange(0, BLOCK_N)
-    slot = offs_n // PAGE_SIZE
-    row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
-    blk = tl.arange(0, KS)
-    cols_s = blk[:, None] * KB + tl.arange(0, KB)[None, :]  # (KS, KB) the scores' latent columns
-    cols_v = vb * BLOCK_V + blk[:, None] * VB + tl.arange(0, VB)[None, :]  # (KS, VB) this half's values
-    EB: tl.constexpr = BLOCK_ROPE // KS  # RoPE columns of a score block
-    cols_e = RANK + blk[:, None] * EB + tl.arange(0, EB)[None, :]  # (KS, EB)
-    e_ok = cols_e < RANK + ROPE
-    q_base = Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh
-    q3 = tl.load(q_base[None, :, :] + cols_s[:, None, :], mask=valid[None, :, None], other=0.0)  # (KS, M, KB)
-    q3e = tl.load(q_base[None, :, :] + cols_e[:, None, :], mask=valid[None, :, None] & e_ok[:, None, :],
-                  other=0.0)  # (KS, M, EB)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc3 = tl.zeros([KS, BLOCK_M, VB], tl.float32)
-    row_off = row_in_page * stride_ln
-    t0, t1 = tile_range(pg0, pg1, SUB)
-    for t in range(t0, t1, PAGES):
-        page, rows, key_start = page_next, rows_next, start_next
-        page_next, rows_next, start_next = page_index(page_table, page_rows, page_key_start,
-                                                      next_tile_pages(t, slot, PAGES, SUB), pg1, WIDE)
-        if SUB > 1:
-            sub_rows = (t % SUB) * BLOCK_N
-            row_cur = row_in_page + sub_rows
-            tile_off = row_off + page * stride_lp + sub_rows * stride_ln
-        else:
-            row_cur = row_in_page
-            tile_off = row_off + page * stride_lp
-        in_page = row_cur < rows
-        tile = LAT + tile_off  # (N,) each tile row's first column
-        c3 = tl.load(tile[None, None, :] + cols_s[:, :, None], mask=in_page[None, None, :], other=0.0)  # (KS, KB, N)
-        v3 = tl.load(tile[None, :, None] + cols_v[:, None, :], mask=in_page[None, :, None], other=0.0)  # (KS, N, VB)
-        e3 = tl.load(tile[None, None, :] + cols_e[:, :, None], mask=in_page[None, None, :] & e_ok[:, :, None],
-                     other=0.0)  # (KS, EB, N)
-        if EXACT_FP32:
-            s3 = tl.dot(q3e.to(tl.float32), e3.to(tl.float32),
-                        tl.dot(q3.to(tl.float32), c3.to(tl.float32), input_precision="ieee"), input_precision="ieee")
-        else:
-            s3 = tl.dot(q3e, e3, tl.dot(q3, c3))
-        s = tl.sum(s3, 0)
-        scale2 = scale * LOG2E
-        s = tl.where(tl.where(in_page, key_start + row_cur, 2147483647)[None, :] <= offset[:, None], s,
-                     float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = exp2_ftz(s * scale2 - m_safe[:, None])
-        alpha = exp2_ftz(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-        acc3 = acc3 * alpha[None, :, None]
-        p3 = tl.broadcast_to(p[None, :, :], [KS, BLOCK_M, BLOCK_N])
-        if EXACT_FP32:
-            acc3 = tl.dot(p3, v3.to(tl.float32), acc3, input_precision="ieee")
-        else:
-            p_hi = p3.to(v3.dtype)
-            p_lo = (p3 - p_hi.to(tl.float32)).to(v3.dtype)
-            acc3 = tl.dot(p_lo, v3, tl.dot(p_hi, v3, acc3))
-    acc = tl.reshape(tl.permute(acc3, (1, 0, 2)), [BLOCK_M, BLOCK_V])
-    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    store_partials(acc, m_i, l_i, partial, head, valid, offs_v, offs_v < RANK, partial_direct, OUT, LSE, FINAL,
-                   FINAL_LSE, stride_op, stride_oh, stride_lsp, stride_fr, stride_fh, stride_flr,
-                   valid & (head * 0 + vb == 0))
-
-
-@triton.jit
 def _mla_stage1_kernel(
     Q, LAT, OUT, LSE, FINAL, FINAL_LSE,
     page_table, page_rows, page_key_start, work_pages, work_partial_start, partial_row,
@@ -235,7 +150,6 @@ def _mla_stage1_kernel(
     BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr = False, VALUE_SPLIT: tl.constexpr = 1, ADAPTIVE: tl.constexpr = False,
     SHARES_LAST: tl.constexpr = False, CHAINS_APART: tl.constexpr = False, WIDE_OFFSETS: tl.constexpr = True,
-    KSPLIT: tl.constexpr = False,
 ):
     """One program: ``BLOCK_M`` (query row, head) pairs of one work item, scanning its piece
     ``BLOCK_N`` latent rows at a time with an online softmax in float32 (:func:`_latent_pairs`).
@@ -292,12 +206,6 @@ def _mla_stage1_kernel(
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 4, BLOCK_ROPE, BLOCK_M,
                       PAGE_SIZE, BLOCK_N, EXACT_FP32, 4, CHAINS_APART, WIDE_OFFSETS)
-    elif halves and KSPLIT:
-        _latent_pairs_ksplit(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
-                             stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
-                             stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
-                             page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 2, BLOCK_ROPE, BLOCK_M,
-                             PAGE_SIZE, BLOCK_N, EXACT_FP32, WIDE_OFFSETS, 4)
     elif halves:
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
@@ -321,9 +229,6 @@ MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulat
 # chain is the own share's 16. H200, DeepSeek-V2-Lite batch 1: 521-522 / 453 tok/s at 1K / 16K
 # against 518-519 / 445-449 with one chain.
 SCORE_CHAINS_APART = env_int("SEGKV_MLA_SCORE_CHAINS", 1) == 1
-
-
-LATENT_KSPLIT = env_int("SEGKV_MLA_KSPLIT", 0) == 1
 
 
 def default_mla_launch_config() -> LaunchConfig:
@@ -403,8 +308,6 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
         # forced 2 and the automatic split follow the plan; forced 4 quarters whatever the plan
         ADAPTIVE=value_split > 1 and (launch.value_split == 2 or launch.value_split == 0),
         SHARES_LAST=launch.shares_last, CHAINS_APART=SCORE_CHAINS_APART,
-        KSPLIT=(LATENT_KSPLIT and rank == block_r and rank % 64 == 0 and max(16, triton.next_power_of_2(rope)) % 64 == 0
-                and launch.num_warps == 4),
         WIDE_OFFSETS=page_offsets_wide(cache_needs_int64, row_major_decode=False, page_size=page_size),
         **maxnreg_option(launch),
         num_stages=stages_that_fit(launch.num_stages, block_n * (rank + rope) * element_size),
