@@ -102,6 +102,10 @@ def test_pipeline_segkv_alone(tmp_path, monkeypatch):
         # every step but the first of each trial came from a step launched ahead (GQA and MLA/MoE)
         assert s["lookahead"] and s["steps_ahead_used"] == 3 * (report["steps"] - 1), key
         assert len(s["step_by_step"]["trials"]) == 3
+        # the whole runs' rates (set-up and first steps included) beside the rate past the first steps
+        for part in (s, s["step_by_step"]):
+            whole = part["whole_run"]
+            assert len(whole["trials"]) == 3 and all(math.isfinite(r) and r > 0 for r in whole["trials"]), key
         assert case["ratio"] == pytest.approx(s["tokens_per_s"] / case["limit"]["tokens_per_s"])
         assert case["hf"] == {} and case["speedup"] == {}
     bw = report["bandwidth_bytes_per_s"]
@@ -191,3 +195,28 @@ def test_failed_hugging_face_build_still_measures_segkv(tmp_path, monkeypatch):
     case = report["cases"][0]
     assert case["segkv"]["tokens_per_s"] > 0
     assert case["hf"]["eager"]["error"].startswith("model build: RuntimeError")
+
+
+def test_step_marks_time_the_steps_after_the_first(monkeypatch):
+    """``StepMarks`` marks every decode step the runner launches while it is on (both entry points),
+    times the span from a mark to the last, and leaves the runner's own methods after."""
+    from segkv.bench.decode_e2e import StepMarks
+
+    class Runner:
+        def forward(self, inputs):
+            return ("forward", inputs)
+
+        def decode_from_device(self, chains, ids):
+            return ("ahead", chains, ids)
+
+    clock = iter([10.0, 10.5, 11.0, 12.0])
+    monkeypatch.setattr("segkv.bench.decode_e2e.time.perf_counter", lambda: next(clock))
+    runner = Runner()
+    with StepMarks(runner, torch.device("cpu")) as marks:
+        assert runner.forward([1]) == ("forward", [1])
+        assert runner.decode_from_device(["c"], 7) == ("ahead", ["c"], 7)
+        runner.decode_from_device(["c"], 8)
+        runner.forward([2])
+    assert marks.marks == [10.0, 10.5, 11.0, 12.0]
+    assert marks.seconds(1) == pytest.approx(1.5) and marks.seconds(0) == pytest.approx(2.0)
+    assert "forward" not in vars(runner) and runner.forward([3]) == ("forward", [3])

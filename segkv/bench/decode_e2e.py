@@ -15,7 +15,10 @@ values, only on their number). After ``--warmup`` untimed steps (Triton compilat
 graph capture), ``--trials`` runs of ``--steps`` greedy steps: ``ModelRunner.forward`` on one
 new token per sequence, argmax of the logits, the ids back to the host for the next step (as
 the engine does); the chains are trimmed back after each run so every run sees the same
-context. tokens/s = batch x steps / wall time. The runner is made with ``cuda_graphs="auto"``
+context. tokens/s = batch x (steps - 4) / (time from the third decode step's mark to the last),
+measured as Hugging Face's below (``StepMarks``: a CUDA event queued after each step, so idle time
+between steps counts); the whole run's rate (batch x steps / wall time, the generator's set-up
+and first steps included) is reported beside it. The runner is made with ``cuda_graphs="auto"``
 when its constructor has that argument (graphs where the runner supports them: CUDA, models
 without MoE); the report says whether they were on, why not, and how many steps replayed. An
 eager runner first decodes the same steps once, untimed, to check the greedy tokens agree and,
@@ -305,6 +308,47 @@ def _decode(runner: ModelRunner, chains, first: list[int], steps: int) -> list[l
     return out
 
 
+class StepMarks:
+    """Marks each decode step the runner launches (inside ``with``): a CUDA event queued after the
+    step's kernels on a GPU (no sync; any idle time before the next step falls between two marks),
+    the clock on the CPU. A run's decode rate then leaves out its first steps, as Hugging Face's
+    is measured (:data:`HF_SKIPPED_FORWARDS`): the generator's set-up and the steps before the
+    loop runs ahead are reported apart (the whole-run rate)."""
+
+    _METHODS = ("forward", "decode_from_device")
+
+    def __init__(self, runner: ModelRunner, device: torch.device) -> None:
+        self.runner, self.cuda, self.marks = runner, device.type == "cuda", []
+
+    def __enter__(self) -> StepMarks:
+        for name in self._METHODS:
+            setattr(self.runner, name, self._marked(getattr(self.runner, name)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in self._METHODS:
+            delattr(self.runner, name)  # the class's methods again
+
+    def _marked(self, method):
+        def call(*args, **kwargs):
+            out = method(*args, **kwargs)
+            if self.cuda:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                self.marks.append(event)
+            else:
+                self.marks.append(time.perf_counter())
+            return out
+        return call
+
+    def seconds(self, first: int) -> float:
+        """Time from mark ``first`` to the last mark."""
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return self.marks[first].elapsed_time(self.marks[-1]) / 1e3
+        return self.marks[-1] - self.marks[first]
+
+
 def _generate(runner: ModelRunner, chains, first: list[int], steps: int, *, lookahead: bool,
               max_model_len: int) -> tuple[list[list[int]], int]:
     """Greedy decode of ``steps`` tokens per chain as the engine runs it (``Generator``: samples
@@ -398,25 +442,31 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
         # on, the same loop step by step (the host reads each token before the next step starts),
         # alternating in the same trials
         lookahead = default_lookahead(device)
-        rates, equal, ahead_used = {True: [], False: []}, True, 0
+        # rates: decode steps after the first HF_SKIPPED_FORWARDS (StepMarks), as Hugging Face's;
+        # whole: the run's wall time, the generator's set-up and first steps included
+        rates, whole, equal, ahead_used = {True: [], False: []}, {True: [], False: []}, True, 0
         g = getattr(runner, "graphs", None)
         before = (getattr(g, "replays", 0), getattr(g, "fallbacks", 0))
         for _ in range(trials):
             for ahead in ((True, False) if lookahead else (False,)):
                 sync(device)
                 start = time.perf_counter()
-                # the length limit only so the Generator never stops a case early
-                tokens, used = _generate(runner, chains, first, steps, lookahead=ahead,
-                                         max_model_len=context + steps + 8)
+                with StepMarks(runner, device) as marks:
+                    # the length limit only so the Generator never stops a case early
+                    tokens, used = _generate(runner, chains, first, steps, lookahead=ahead,
+                                             max_model_len=context + steps + 8)
                 sync(device)
-                rates[ahead].append(batch * steps / (time.perf_counter() - start))
+                whole[ahead].append(batch * steps / (time.perf_counter() - start))
+                if len(marks.marks) != steps:
+                    raise RuntimeError(f"the generator launched {len(marks.marks)} decode steps, expected {steps}")
+                rates[ahead].append(batch * (steps - 1 - HF_SKIPPED_FORWARDS) / marks.seconds(HF_SKIPPED_FORWARDS))
                 equal &= tokens == reference
                 ahead_used += used
                 _trim_to(chains, context)
         out.update(summary(rates[lookahead]), tokens_equal_eager=equal, lookahead=lookahead,
-                   steps_ahead_used=ahead_used)
+                   steps_ahead_used=ahead_used, whole_run=summary(whole[lookahead]))
         if lookahead:
-            out["step_by_step"] = summary(rates[False])
+            out["step_by_step"] = {**summary(rates[False]), "whole_run": summary(whole[False])}
         if g is not None:
             out["graph_replays"] = getattr(g, "replays", 0) - before[0]
             out["graph_fallbacks"] = getattr(g, "fallbacks", 0) - before[1]
@@ -429,18 +479,6 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
         for chain in chains:
             chain.release()
     return out
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -474,6 +512,8 @@ def case_line(device_name: str, case: dict, elapsed: float) -> str:
     if plain:  # the same loop without steps launched ahead, in the same trials
         seg += (f" (step by step {_fmt_rate(plain['tokens_per_s'])} "
                 f"[{_fmt_rate(plain['min'])}-{_fmt_rate(plain['max'])}])")
+    if _rate(s.get("whole_run")):  # the runs' wall time, set-up and first steps included
+        seg += f" (whole runs {_fmt_rate(_rate(s['whole_run']))})"
     return (f"[{elapsed:5.0f}s] {device_name} {case['model']} B={case['batch']} ctx={case['context']} "
             f"graphs={graphs} {seg}" + (" | hf " + "; ".join(hf) if hf else ""))
 
