@@ -68,13 +68,15 @@ class _TimedGraph:
     """A captured graph whose every replay is preceded by a CUDA event on the stream."""
 
     def __init__(self, graph) -> None:
-        self.graph, self.events = graph, []
+        self.graph, self.events, self.ends = graph, [], []
 
     def replay(self) -> None:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         self.events.append(event)
         self.graph.replay()
+        self.ends.append(torch.cuda.Event(enable_timing=True))
+        self.ends[-1].record()
 
 
 def timeline(runner, chains, first: list[int], steps: int) -> None:
@@ -110,6 +112,37 @@ def timeline(runner, chains, first: list[int], steps: int) -> None:
         bucket.graph = t.graph
 
 
+def generator_timeline(runner, chains, first: list[int], steps: int, context: int, runs: int = 3) -> None:
+    """The engine's loop (``Generator``, steps launched ahead) on the GPU's clock: per step, the
+    graph replay (an event before and after it) and the time from one replay's end to the next
+    one's start (sampling, copies, and any wait for the host), median / 90th percentile / largest
+    over ``runs`` runs of ``steps`` steps, the first 3 steps of each run left out."""
+    from segkv.bench.decode_e2e import _generate
+
+    timed = {}
+    for key, bucket in runner.graphs._buckets.items():
+        timed[key] = bucket.graph = _TimedGraph(bucket.graph)
+    replays, gaps = [], []
+    for _ in range(runs):
+        for t in timed.values():
+            t.events.clear()
+            t.ends.clear()
+        _generate(runner, chains, first, steps, lookahead=True, max_model_len=context + steps + 8)
+        torch.cuda.synchronize()
+        _trim_to(chains, context)
+        pairs = [(b, e) for t in timed.values() for b, e in zip(t.events, t.ends)]
+        ref = pairs[0][0]
+        pairs = sorted(pairs, key=lambda be: ref.elapsed_time(be[0]))[3:]  # launch order, buckets merged
+        replays += [b.elapsed_time(e) for b, e in pairs]
+        gaps += [e.elapsed_time(b2) for (_, e), (b2, _) in zip(pairs, pairs[1:])]
+    for name, xs in (("graph replay", replays), ("replay end to next replay", gaps)):
+        xs = sorted(xs)
+        print(f"  generator loop, {name}: median {statistics.median(xs):.3f} ms, 90th {xs[int(0.9 * len(xs))]:.3f}, "
+              f"max {xs[-1]:.3f}, mean {statistics.fmean(xs):.3f} ({len(xs)} steps)")
+    for bucket, t in zip(runner.graphs._buckets.values(), timed.values()):
+        bucket.graph = t.graph
+
+
 @torch.inference_mode()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
@@ -119,6 +152,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--rows", type=int, default=30, help="rows of each profiler table")
     p.add_argument("--timeline", action="store_true", help="only the GPU-clock split of plain graph steps")
+    p.add_argument("--generator", action="store_true",
+                   help="only the engine loop's (steps ahead) graph replays and the gaps between them, GPU clock")
     p.add_argument("--trace", default=None, help="write the graph steps' timeline here (Chrome trace JSON): "
                    "what the host does between two replays")
     args = p.parse_args()
@@ -147,10 +182,12 @@ def main() -> None:
             _decode(runner, chains, first, args.steps)
             _trim_to(chains, args.context)
 
-        if args.timeline:
-            if on:
+        if args.timeline or args.generator:
+            if on and args.timeline:
                 timeline(runner, chains, first, args.steps)
                 _trim_to(chains, args.context)
+            if on and args.generator:
+                generator_timeline(runner, chains, first, args.steps, args.context)
             continue
         med = median_ms(steps, 3)
         per = [m / args.steps for m in med]
