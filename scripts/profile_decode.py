@@ -21,6 +21,7 @@ Usage (GPU machine): ``python3 scripts/profile_decode.py --model llama-3.1-8b --
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -122,7 +123,16 @@ def generator_timeline(runner, chains, first: list[int], steps: int, context: in
     timed = {}
     for key, bucket in runner.graphs._buckets.items():
         timed[key] = bucket.graph = _TimedGraph(bucket.graph)
-    replays, gaps = [], []
+    replays, gaps, collections = [], [], []
+    started = {}
+
+    def on_gc(phase, info) -> None:  # the cyclic collector's runs during the loop, with their time
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        else:
+            collections.append((info["generation"], (time.perf_counter() - started["t"]) * 1e3))
+
+    gc.callbacks.append(on_gc)
     for _ in range(runs):
         for t in timed.values():
             t.events.clear()
@@ -135,6 +145,8 @@ def generator_timeline(runner, chains, first: list[int], steps: int, context: in
         pairs = sorted(pairs, key=lambda be: ref.elapsed_time(be[0]))[3:]  # launch order, buckets merged
         replays += [b.elapsed_time(e) for b, e in pairs]
         gaps += [e.elapsed_time(b2) for (_, e), (b2, _) in zip(pairs, pairs[1:])]
+    gc.callbacks.remove(on_gc)
+    print(f"  generator loop, cyclic collections (generation, ms): {[(g, round(ms, 2)) for g, ms in collections]}")
     for name, xs in (("graph replay", replays), ("replay end to next replay", gaps)):
         xs = sorted(xs)
         print(f"  generator loop, {name}: median {statistics.median(xs):.3f} ms, 90th {xs[int(0.9 * len(xs))]:.3f}, "
@@ -154,6 +166,7 @@ def main() -> None:
     p.add_argument("--timeline", action="store_true", help="only the GPU-clock split of plain graph steps")
     p.add_argument("--generator", action="store_true",
                    help="only the engine loop's (steps ahead) graph replays and the gaps between them, GPU clock")
+    p.add_argument("--gc-freeze", action="store_true", help="with --generator: gc.freeze() first, as the engine")
     p.add_argument("--trace", default=None, help="write the graph steps' timeline here (Chrome trace JSON): "
                    "what the host does between two replays")
     args = p.parse_args()
@@ -187,7 +200,11 @@ def main() -> None:
                 timeline(runner, chains, first, args.steps)
                 _trim_to(chains, args.context)
             if on and args.generator:
+                if args.gc_freeze:  # as the engine does once set up
+                    gc.collect()
+                    gc.freeze()
                 generator_timeline(runner, chains, first, args.steps, args.context)
+                gc.unfreeze()
             continue
         med = median_ms(steps, 3)
         per = [m / args.steps for m in med]

@@ -53,6 +53,7 @@ case (segkv from one run, a Hugging Face variant from another), without a GPU.
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import math
@@ -440,7 +441,10 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
         _trim_to(chains, context)
         # the engine's loop (Generator, steps launched ahead by default on CUDA) and, when that is
         # on, the same loop step by step (the host reads each token before the next step starts),
-        # alternating in the same trials
+        # alternating in the same trials. What exists now lives through the trials: kept out of the
+        # cyclic collector's scans, as the engine does (LLM: gc.freeze() once set up)
+        gc.collect()
+        gc.freeze()
         lookahead = default_lookahead(device)
         # rates: decode steps after the first HF_SKIPPED_FORWARDS (StepMarks), as Hugging Face's;
         # whole: the run's wall time, the generator's set-up and first steps included
@@ -473,6 +477,7 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
         if runner.last_plan is not None:
             out["plan"] = runner.last_plan.describe()
     finally:
+        gc.unfreeze()
         for r in runners:
             if getattr(r, "graphs", None) is not None and hasattr(r.graphs, "release"):
                 r.graphs.release()
