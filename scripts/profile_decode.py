@@ -113,7 +113,8 @@ def timeline(runner, chains, first: list[int], steps: int) -> None:
         bucket.graph = t.graph
 
 
-def generator_timeline(runner, chains, first: list[int], steps: int, context: int, runs: int = 3) -> None:
+def generator_timeline(runner, chains, first: list[int], steps: int, context: int, runs: int = 3,
+                       trace: str | None = None) -> None:
     """The engine's loop (``Generator``, steps launched ahead) on the GPU's clock: per step, the
     graph replay (an event before and after it) and the time from one replay's end to the next
     one's start (sampling, copies, and any wait for the host), median / 90th percentile / largest
@@ -145,6 +146,14 @@ def generator_timeline(runner, chains, first: list[int], steps: int, context: in
         pairs = sorted(pairs, key=lambda be: ref.elapsed_time(be[0]))[3:]  # launch order, buckets merged
         replays += [b.elapsed_time(e) for b, e in pairs]
         gaps += [e.elapsed_time(b2) for (_, e), (b2, _) in zip(pairs, pairs[1:])]
+    if trace:  # one more run under the profiler: what runs on the GPU between two replays
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            _generate(runner, chains, first, steps, lookahead=True, max_model_len=context + steps + 8)
+            torch.cuda.synchronize()
+        _trim_to(chains, context)
+        prof.export_chrome_trace(trace)
     gc.callbacks.remove(on_gc)
     print(f"  generator loop, cyclic collections (generation, ms): {[(g, round(ms, 2)) for g, ms in collections]}")
     for name, xs in (("graph replay", replays), ("replay end to next replay", gaps)):
@@ -203,7 +212,7 @@ def main() -> None:
                 if args.gc_freeze:  # as the engine does once set up
                     gc.collect()
                     gc.freeze()
-                generator_timeline(runner, chains, first, args.steps, args.context)
+                generator_timeline(runner, chains, first, args.steps, args.context, trace=args.trace)
                 gc.unfreeze()
             continue
         med = median_ms(steps, 3)

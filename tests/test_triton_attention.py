@@ -274,6 +274,38 @@ def test_fixed_size_plan_buffers_serve_any_plan_that_fits(gen):
                                      route="split", num_partitions=2))
 
 
+@pytest.mark.parametrize("one_copy", [True, False])
+def test_fixed_plan_buffers_hold_each_plan_after_one_or_four_transfers(one_copy, gen, monkeypatch):
+    """A small fixed plan buffer goes to the device in one transfer, a large one in four (each page
+    field's used entries, then the small fields): either way, after a larger plan and then a
+    smaller one, every field's used entries are the smaller plan's arrays (padded fields: padded
+    with their last value to the capacity) at the same addresses."""
+    from segkv.attention import triton_backend
+    from segkv.attention.triton_backend import PlanCapacity, flatten_plan
+
+    capacity = PlanCapacity(max_pages=256, max_work=64, max_partials=256, max_rows=16, max_work_rows=64)
+    tb = TritonBackend(page_size=16, device=DEVICE, capacity=capacity)
+    monkeypatch.setattr(triton_backend, "PLAN_ONE_COPY_BYTES", tb._staging.numel() * 4 if one_copy else 0)
+    plans = [plan_attention(gqa_batch(gen, dtype=torch.bfloat16, page_size=16, ratio=4, head_dim=64,
+                                      rows=rows).queries, AttentionShape(8, 2, 64, 64), DeviceSpec.cpu(),
+                            page_size=16, route="split", num_partitions=parts) for rows, parts in ((3, 4), (1, 2))]
+    addresses = set()
+    for plan in plans:
+        prepared = tb.prepare(plan)
+        if GPU:
+            torch.cuda.synchronize()
+        sizes = capacity.sizes()
+        for name, values in flatten_plan(plan).items():
+            if name not in sizes:
+                continue
+            got = getattr(prepared, name).cpu()
+            assert torch.equal(got[:len(values)], torch.from_numpy(values)), name
+            if name in triton_backend._PADDED:
+                assert (got[len(values):] == int(values[-1])).all(), name
+        addresses.add(prepared.page_table.data_ptr())
+    assert len(addresses) == 1
+
+
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need the GPU")
 def test_cuda_graph_replays_a_new_plan(gen):
     from segkv.attention.triton_backend import PlanCapacity

@@ -18,12 +18,19 @@ import torch
 
 from segkv.attention.device import PARTIAL_WORKSPACE_BYTES
 from segkv.attention.plan import AttentionPlan
+from segkv.kernels.settings import env_int
 
 LSE_API_TRITON = "triton-merge"
 
 # Arrays the fixed-grid kernels read past a plan's entries: padded with their last value
 # (padding work items and query rows then have no partials).
 _PADDED = ("work_partial_start", "reduce_ptr")
+# A fixed plan buffer up to this size goes to the device in one transfer, not four (its page
+# fields' used entries and the small fields): on the H200 each host-to-device copy between two
+# decode steps took 2.3-2.7 us plus 1.3 us to the next, and 128 KB more cost about 3-5 us at the
+# link's rate. A batch-1 graph bucket's buffer is about 62 KB for DeepSeek-V2-Lite's 160K-token
+# limit at pages of 32. SEGKV_PLAN_ONE_COPY_BYTES (0: always four).
+PLAN_ONE_COPY_BYTES = env_int("SEGKV_PLAN_ONE_COPY_BYTES", 128 << 10)
 # The plan arrays, in their order inside the packed buffer.
 _FIELDS = ("page_table", "page_rows", "page_key_start", "work_pages", "work_partial_start",
            "partial_row", "partial_offset", "partial_direct", "reduce_ptr", "reduce_partials")
@@ -223,10 +230,14 @@ class TritonBackend:
         for name in _FIELDS:
             start = self._offsets[name]
             self._staging_np[start:start + len(arrays[name])] = arrays[name]
-        # four transfers: the used entries of each page field (up to the capacity's pages each),
-        # then the small fields' whole region; entries past a plan's are never read
-        spans = [(self._offsets[name], len(arrays[name])) for name in ("page_table", "page_rows", "page_key_start")]
-        spans.append((self._small_start, len(self._staging_np) - self._small_start))
+        # one transfer of the whole buffer when it is small, else four: the used entries of each
+        # page field (up to the capacity's pages each), then the small fields' whole region;
+        # entries past a plan's are never read
+        if self._staging_np.nbytes <= PLAN_ONE_COPY_BYTES:
+            spans = [(0, len(self._staging_np))]
+        else:
+            spans = [(self._offsets[name], len(arrays[name])) for name in ("page_table", "page_rows", "page_key_start")]
+            spans.append((self._small_start, len(self._staging_np) - self._small_start))
         for start, length in spans:
             if length:
                 self._fixed_buffer[start:start + length].copy_(self._staging[start:start + length], non_blocking=True)
