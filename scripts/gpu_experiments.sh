@@ -20,6 +20,9 @@
 # latent x product apart, slower); the parts are in git history.
 # Measured (docs/benchmarks.md, "Later weights asked into L2 during the latent attention: level"):
 # l2ahead (removed with its switch and kernels.l2_ahead; git history).
+# Measured (docs/benchmarks.md, "The decode rate past the first steps; the 16K slow group is between
+# the steps"): slow16k (every process's graph step the same) and ksplit (slower: removed with
+# SEGKV_MLA_KSPLIT); both parts are in git history.
 # Measured (docs/benchmarks.md, "The stage-1 instruction diet" and "Tall decode programs at the
 # defaults; 32-row decode tiles and P split by mask measured"): lean, leane2e, tall, decode32,
 # psplit and cascadewave (the last three slower or level: removed, the P split with its switch; git history).
@@ -154,18 +157,7 @@ deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it
   e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 }
 for part in "${@:-latent}"; do
-if [ "$part" = slow16k ]; then
-  # DeepSeek-V2-Lite's 16K runs fall into two groups (447-459 and 400-424 tok/s, whatever the
-  # setting; docs/benchmarks.md "Later weights asked into L2"): six processes in a row, each the
-  # model's rate and then its graph step by kernel and grid, so a slow process's kernels can be
-  # set against a fast one's (about 40 s a process)
-  for run in 1 2 3 4 5 6; do
-    e2e "deepseek 16K, process $run" -- --models deepseek-v2-lite --batches 1 --contexts 16K
-    timeout 120 python3 scripts/profile_decode.py --model deepseek-v2-lite --batch 1 --context 16384 --rows 5 \
-      --trace /tmp/step$run.json > /dev/null 2>&1
-    python3 scripts/trace_gaps.py /tmp/step$run.json --kernels --by-grid --min-us 3 --rows 10 2>&1 | tee -a "$log"
-  done
-elif [ "$part" = ropeheads ]; then
+if [ "$part" = ropeheads ]; then
   # the latent RoPE-and-write kernel with one program per token (all query heads as one tile)
   # instead of one per token and head: the GPU tests it and the lighter CI tests touch, then
   # DeepSeek-V2-Lite (the kernel runs at batch > 1 and in prefill)
