@@ -157,7 +157,15 @@ deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it
   e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 }
 for part in "${@:-latent}"; do
-if [ "$part" = ropeheads ]; then
+if [ "$part" = headfp32 ]; then
+  # the output head writing float32 logits itself (SEGKV_HEAD_FLOAT32_OUT=1) instead of bf16 logits
+  # and a conversion launch (4.1 us a step): its GPU test and the graph tests, then the batch-1
+  # models alternating (DeepSeek-V2-Lite is 59.7-59.8% of its limit at 16K)
+  gpu_tests "float32 logits, graphs" SEGKV_HEAD_FLOAT32_OUT=1 -- tests/test_dense_gemv.py tests/test_cuda_graphs.py \
+    -k "float32_logits or graph"
+  deepseek_ab SEGKV_HEAD_FLOAT32_OUT
+  e2e_alternate SEGKV_HEAD_FLOAT32_OUT "0 1" --models llama-3.1-8b --batches 1 --contexts 1K,16K
+elif [ "$part" = ropeheads ]; then
   # the latent RoPE-and-write kernel with one program per token (all query heads as one tile)
   # instead of one per token and head: the GPU tests it and the lighter CI tests touch, then
   # DeepSeek-V2-Lite (the kernel runs at batch > 1 and in prefill)

@@ -284,3 +284,29 @@ def test_one_row_launches_take_whole_rows_up_to_4096_inputs():
     assert (per_head["block_n"], per_head["block_k"]) == (16, 512)
     down = rows._launch(torch.zeros(4096, 14336))
     assert (down["block_n"], down["block_k"]) == (16, 512)
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_float32_logits_match_the_head_product(on, monkeypatch):
+    """The output head's float32 logits: ``F.linear`` then ``.float()`` by default and wherever the
+    switch cannot apply (the CPU, float32 weights, rows of more than two dimensions); with
+    ``SEGKV_HEAD_FLOAT32_OUT`` on a GPU, a product with a float32 result (float32 sums, one rounding
+    less), close to the half-precision logits."""
+    from segkv.layers import linear
+
+    monkeypatch.setattr(linear, "HEAD_FLOAT32_OUT", on)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(3, 256, generator=gen).to(device, torch.bfloat16)
+    weight = (0.05 * torch.randn(1000, 256, generator=gen)).to(device, torch.bfloat16)
+    logits = linear.float32_logits(hidden, weight)
+    assert logits.dtype == torch.float32 and logits.shape == (3, 1000) and torch.isfinite(logits).all()
+    rounded = torch.nn.functional.linear(hidden, weight).float()
+    exact = hidden.double() @ weight.double().t()
+    if on and device == "cuda":  # unrounded: nearer the float64 product than the bf16 logits are
+        assert (logits.double() - exact).abs().max() <= (rounded.double() - exact).abs().max()
+        torch.testing.assert_close(logits, rounded, rtol=1e-2, atol=1e-2)
+    else:
+        assert torch.equal(logits, rounded)
+    three_d = linear.float32_logits(hidden[None], weight)  # F.linear's path whatever the switch
+    assert torch.equal(three_d[0], torch.nn.functional.linear(hidden[None], weight).float()[0])

@@ -31,6 +31,11 @@ BATCH1_QKV_ROPE = env_int("SEGKV_BATCH1_QKV_ROPE", 0) == 1
 # (``SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS``, 0: split-K blocks everywhere; ``SEGKV_GEMV_WHOLE_ROWS``)
 WHOLE_ROW_MAX_INPUTS = env_int("SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS", 4096)
 WHOLE_ROWS = env_int("SEGKV_GEMV_WHOLE_ROWS", 4)
+# The output head's product writes float32 logits itself (cuBLAS with a float32 result,
+# ``torch.mm(..., out_dtype=torch.float32)``) instead of half-precision logits and a conversion
+# launch (4.1 us a decode step on the H200 for DeepSeek-V2-Lite's 102400 entries); the logits
+# then skip one rounding. ``SEGKV_HEAD_FLOAT32_OUT=1``; off until measured.
+HEAD_FLOAT32_OUT = env_int("SEGKV_HEAD_FLOAT32_OUT", 0) == 1
 
 
 def launch_for(in_dim: int, *, whole_rows: bool = False) -> tuple[int, int]:
@@ -157,3 +162,13 @@ class RowProduct:
                                     torch.zeros(tickets, dtype=torch.int32, device=weight.device))
         return {"block_n": block_n, "block_k": block_k, "workspace": self._workspace[key],
                 "evict_first": WEIGHTS_EVICT_FIRST}
+
+
+def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden (N, H) @ weight (V, H)^T`` as float32 logits ``(N, V)``. With
+    :data:`HEAD_FLOAT32_OUT`, on CUDA and a half-precision pair, the product writes float32 itself
+    (float32 sums, no half-precision rounding of the logits); else ``F.linear`` then ``.float()``."""
+    if (HEAD_FLOAT32_OUT and hidden.is_cuda and hidden.dim() == 2 and hidden.dtype == weight.dtype
+            and hidden.dtype in (torch.bfloat16, torch.float16)):
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    return F.linear(hidden, weight).float()

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from segkv.attention.metadata import AttentionMetadata
+from segkv.layers.linear import float32_logits
 from segkv.layers.norm import PendingCombine
 
 
@@ -85,4 +86,4 @@ class CausalLM(nn.Module):
         return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return float32_logits(hidden, self.lm_head.weight)

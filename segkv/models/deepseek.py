@@ -14,6 +14,7 @@ from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionShape
 from segkv.config import KVLayout
 from segkv.layers.activation import GatedMLP
+from segkv.layers.linear import float32_logits
 from segkv.layers.mla import MLADims, MultiHeadLatentAttention
 from segkv.layers.moe import MixtureOfExperts, RouterSpec
 from segkv.layers.norm import RMSNorm
@@ -221,7 +222,7 @@ class DeepseekForCausalLM(CausalLM):
 
     def compute_mtp_logits(self, mtp_hidden: torch.Tensor, *, depth: int = 0) -> torch.Tensor:
         """``(N, hidden)`` output of MTP layer ``depth`` -> float32 ``(N, vocab)``."""
-        return self.lm_head(self.mtp[depth].shared_head.norm(mtp_hidden)).float()
+        return float32_logits(self.mtp[depth].shared_head.norm(mtp_hidden), self.lm_head.weight)
 
     # -- checkpoint names --------------------------------------------------------------
     def _mtp_index(self, name: str) -> tuple[int, str] | None:
