@@ -16,6 +16,13 @@ import triton.language as tl
 # which is 1. The interpreter runs Triton's ``exp2``.
 FAST_EXP2: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1"
                                        and os.environ.get("SEGKV_ATTENTION_FTZ_EXP2", "1") == "1")
+# A program's results normalised by one reciprocal per row and a product per value instead of a
+# division per value (``SEGKV_ATTENTION_RECIPROCAL_NORM=1``; off until measured on the GPU). Offline
+# (Triton 3.9, sm_90a) each float32 division is about 3 instructions: the latent batch-1 program
+# (value halves) 1800 -> 1744 SASS instructions, its adaptive launch 4072 -> 3848 (249 -> 255
+# registers, no spill), the tall GQA program 2152 -> 1960 (spills 56 -> 24 bytes). Both are float32
+# normalisations within 2 ulp; the result is rounded once as before.
+RECIPROCAL_NORM: tl.constexpr = tl.constexpr(os.environ.get("SEGKV_ATTENTION_RECIPROCAL_NORM", "0") == "1")
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -157,7 +164,10 @@ def store_partials(acc, m_i, l_i, partial, head, valid, offs_d, d_ok, partial_di
     in base-2 units (:func:`online_softmax_step`); the stored LSE is natural. The LSEs of the pairs
     in ``lse_valid`` only (``valid``, or none where another program of the same pairs stores them)."""
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if RECIPROCAL_NORM:
+        out = acc * (1.0 / tl.where(empty, 1.0, l_i))[:, None]
+    else:
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
     direct = tl.load(partial_direct + partial, mask=valid, other=-1)
     to_merge = valid & (direct < 0)
