@@ -181,7 +181,7 @@ def test_markdown_merges_reports(tmp_path, capsys):
         paths[-1].write_text(json.dumps(report))
     assert e2e.main(["--markdown", *map(str, paths)]) == 0
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| qwen3-8b")]
-    assert row == ["| qwen3-8b | 1 | 1K | on | 180 [170-185] | 200 | 90% | 30.0 | - | 120 | 6.00× | 1.50× |"]
+    assert row == ["| qwen3-8b | 1 | 1K | on | 180 [170-185] | 200 | 90.0% | 30.0 | - | 120 | 6.00× | 1.50× |"]
 
 
 def test_failed_hugging_face_build_still_measures_segkv(tmp_path, monkeypatch):

@@ -503,7 +503,7 @@ def speedups(case: dict) -> dict:
 def case_line(device_name: str, case: dict, elapsed: float) -> str:
     s, lim = case.get("segkv", {}), case["limit"]
     seg = (f"segkv {_fmt_rate(_rate(s))} tok/s [{_fmt_rate(s['min'])}-{_fmt_rate(s['max'])}] "
-           f"limit {_fmt_rate(lim['tokens_per_s'])} ratio {s['tokens_per_s'] / lim['tokens_per_s']:.2f}"
+           f"limit {_fmt_rate(lim['tokens_per_s'])} ratio {s['tokens_per_s'] / lim['tokens_per_s']:.3f}"
            if _rate(s) else f"segkv {s.get('skipped') or s.get('error') or 'not run'}")
     hf = []
     for variant, r in case.get("hf", {}).items():
@@ -785,7 +785,7 @@ def markdown_table(reports: list[dict]) -> str:
                  "on" if s.get("cuda_graphs") else "off",
                  f"{_fmt_rate(ours)} [{_fmt_rate(s['min'])}-{_fmt_rate(s['max'])}]" if ours
                  else f"skipped: {s.get('skipped') or s.get('error') or '-'}",
-                 _fmt_rate(lim["tokens_per_s"]), f"{ours / lim['tokens_per_s']:.0%}" if ours else "-"]
+                 _fmt_rate(lim["tokens_per_s"]), f"{ours / lim['tokens_per_s']:.1%}" if ours else "-"]
         for variant in HF_VARIANTS:
             r = case["hf"].get(variant)
             cells.append(_fmt_rate(_rate(r)) if _rate(r) else
