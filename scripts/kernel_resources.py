@@ -11,6 +11,7 @@ with ``ncu --section LaunchStats --section Occupancy`` when a decision depends o
 
     python3 scripts/kernel_resources.py --kernel mla --block-n 16,32 --warps 4,8
     python3 scripts/kernel_resources.py --kernel gqa --block-m 16,64 --maxnreg 0,128 --stages 2,3
+    python3 scripts/kernel_resources.py --kernel mla --sass   # machine instructions per program and tile
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import itertools
 
 import triton
 
-from segkv.kernels.offline_compile import stage1_report
+from segkv.kernels.offline_compile import compile_stage1, sass_counts, stage1_report
 from segkv.kernels.paged_attention import LaunchConfig
 
 H200_REGISTERS = 65536  # per multiprocessor
@@ -37,6 +38,7 @@ def main() -> None:
     p.add_argument("--maxnreg", default="0", help="register caps, 0 for none (comma list)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--sass", action="store_true", help="also the machine instructions: per program and per tile loop")
     args = p.parse_args()
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     print(f"triton {triton.__version__}, target sm_90a, {args.dtype}; resident programs per SM from registers "
@@ -58,6 +60,12 @@ def main() -> None:
         print(f"{label}: {r['registers']} registers, {r['spill_bytes']} bytes spilled, {r['shared']} B shared, "
               f"{resident} per SM, {r['mma']}, {r['num_stages']} stages launched, {r['buffers']} tile buffers, "
               f"waits {r['waits']}")
+        if args.sass:
+            kernel, _ = compile_stage1(case, launch)
+            counts = sass_counts(kernel.ptx)
+            print(f"    SASS: {counts['total']} instructions; loops " + "; ".join(
+                f"{lp['instructions']} ({lp['mma']} MMA, {lp['ldmatrix']} ldmatrix, {lp['barriers']} barriers)"
+                for lp in counts["loops"] if lp["instructions"] > 1))
 
 
 if __name__ == "__main__":

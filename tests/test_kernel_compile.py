@@ -41,9 +41,10 @@ LARGEST = [
 #    test_pipeline_stages_shrink_to_fit_shared_memory)
 
 
-def compile_cases(cases: list[dict]) -> list[dict]:
-    """The offline compiler's report of each case, in a subprocess without the interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def compile_cases(cases: list[dict], **env_vars: str) -> list[dict]:
+    """The offline compiler's report of each case, in a subprocess without the interpreter (and
+    with ``env_vars`` set)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env_vars
     out = subprocess.run([sys.executable, "-m", "segkv.kernels.offline_compile"], input=json.dumps(cases),
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -159,3 +160,20 @@ def test_decode_programs_take_exp2_without_subnormals_and_32_bit_page_offsets():
         assert report["ex2"] == ["ex2.approx.ftz.f32"]
     assert narrow["mul64"] < wide["mul64"]
     assert latent_narrow["mul64"] < latent_wide["mul64"]
+
+
+def test_reciprocal_normalisation_issues_fewer_instructions():
+    """``SEGKV_ATTENTION_RECIPROCAL_NORM=1``: the batch-1 latent program (value halves, as a
+    DeepSeek-V2-Lite decode step launches it) normalises its results by one reciprocal per row,
+    so it assembles to fewer machine instructions than with a division per value, its tile loop
+    unchanged; both without spills."""
+    case = {"kernel": "latent", "dtype": "bfloat16", "page_size": 32, "rows": 1, "one_query": True,
+            "value_split": 2, "assemble": True, "sass": True}
+    (division,) = compile_cases([case], SEGKV_ATTENTION_RECIPROCAL_NORM="0")
+    (reciprocal,) = compile_cases([case], SEGKV_ATTENTION_RECIPROCAL_NORM="1")
+    d, r = division["sass"], reciprocal["sass"]
+    assert d["loops"] and d["loops"][0]["mma"] > 0 and d["total"] > sum(lp["instructions"] for lp in d["loops"])
+    assert r["total"] < d["total"] - 100
+    assert len(r["loops"]) == len(d["loops"])
+    assert all(a["instructions"] <= b["instructions"] for a, b in zip(r["loops"], d["loops"]))
+    assert division["spill_bytes"] == 0 and reciprocal["spill_bytes"] == 0

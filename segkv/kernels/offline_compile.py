@@ -140,11 +140,48 @@ def compile_offline(fn, constants: dict, *, pointers: dict[str, str], arch: int 
     return OfflineKernel(compiled.asm["ttgir"], ptx, compiled.metadata.shared, registers, spills)
 
 
+def _bundled_tool(*names: str) -> str:
+    """The first of ``names`` that Triton bundles (``backends/nvidia/bin``), else the bare name."""
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return next((os.path.join(bin_dir, n) for n in names if os.path.exists(os.path.join(bin_dir, n))), names[-1])
+
+
+def sass_counts(ptx: str, arch: int = 90) -> dict:
+    """Machine instructions of a kernel's PTX once assembled (bundled ``ptxas`` and ``nvdisasm``):
+    ``{"total": n, "loops": [{"instructions", "mma", "ldmatrix", "barriers", "local"}, ...]}``,
+    a loop being the span from a backward branch's target to the branch. What the GPU issues per
+    program and per tile: a latency-bound program with few warps per scheduler pays for each."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        suffix = "a" if arch >= 90 else ""
+        subprocess.run([_bundled_tool("ptxas-blackwell", "ptxas"), f"--gpu-name=sm_{arch}{suffix}", path,
+                        "-o", path + ".o"], check=True, capture_output=True)
+        text = subprocess.run([_bundled_tool("nvdisasm"), "-c", path + ".o"], check=True, capture_output=True,
+                              text=True).stdout
+    code, labels = [], {}
+    for line in text.splitlines():
+        label = re.match(r"^\s*\.(L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(code)
+        ins = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if ins:
+            code.append(ins.group(1))
+    loops = []
+    for i, ins in enumerate(code):
+        target = re.search(r"BRA[^`]*`\(\.(L_x_\d+)\)", ins)
+        if target and labels.get(target.group(1), i + 1) <= i:
+            body = code[labels[target.group(1)]:i + 1]
+            count = lambda *ops: sum(any(op in x for op in ops) for x in body)  # noqa: E731
+            loops.append({"instructions": len(body), "mma": count("HMMA", "HGMMA"), "ldmatrix": count("LDSM"),
+                          "barriers": count("BAR"), "local": count("LDL", "STL")})
+    return {"total": len(code), "loops": loops}
+
+
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     """Registers per thread and spilled bytes (stores + loads) from Triton's bundled ``ptxas -v``."""
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptxas = next((os.path.join(bin_dir, n) for n in ("ptxas-blackwell", "ptxas")
-                  if os.path.exists(os.path.join(bin_dir, n))), "ptxas")
+    ptxas = _bundled_tool("ptxas-blackwell", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.ptx")
         with open(path, "w") as f:
@@ -207,8 +244,10 @@ def stage1_report(case: dict, launch=None) -> dict:
     ``case["assemble"]``), the launch's warps and pipeline stages, the K/V (latent) tile buffers,
     the in-loop waits, the MMA kind, chains (:meth:`OfflineKernel.mma_chains`) and warps, the
     reductions and shared-memory writes in its loops, the PTX's ``ex2`` spellings and its 64-bit
-    multiplies (``mul.lo.s64``: page offsets, and more of them with int64 ones)."""
+    multiplies (``mul.lo.s64``: page offsets, and more of them with int64 ones); with ``case["sass"]``
+    the machine instruction counts (:func:`sass_counts`), else None."""
     kernel, meta = compile_stage1(case, launch)
+    sass = sass_counts(kernel.ptx) if case.get("sass") else None
     cols = (case.get("rank", 512) if case["kernel"] == "latent"
             else max(16, triton.next_power_of_2(case["head_dim"])))
     mma = "wgmma" if "wgmma" in kernel.ptx else "mma.sync" if "mma.sync" in kernel.ptx else "none"
@@ -217,7 +256,8 @@ def stage1_report(case: dict, launch=None) -> dict:
             "buffers": kernel.pipeline_buffers(meta["BLOCK_N"], cols), "waits": kernel.loop_waits(), "mma": mma,
             "chains": kernel.mma_chains(), "loop_reductions": kernel.loop_reductions(),
             "loop_shared_stores": kernel.loop_shared_stores(), "mma_warps": kernel.mma_warps(),
-            "ex2": sorted(set(re.findall(r"ex2\.[\w.]+", kernel.ptx))), "mul64": kernel.ptx.count("mul.lo.s64")}
+            "ex2": sorted(set(re.findall(r"ex2\.[\w.]+", kernel.ptx))), "mul64": kernel.ptx.count("mul.lo.s64"),
+            "sass": sass}
 
 
 def merge_report(case: dict) -> dict:
