@@ -165,22 +165,35 @@ if [ "$part" = headfp32 ]; then
     -k "float32_logits or graph"
   deepseek_ab SEGKV_HEAD_FLOAT32_OUT
   e2e_alternate SEGKV_HEAD_FLOAT32_OUT "0 1" --models llama-3.1-8b --batches 1 --contexts 1K,16K
-elif [ "$part" = rcpnorm ]; then
-  # stage 1's results normalised by one reciprocal per row (SEGKV_ATTENTION_RECIPROCAL_NORM=1;
-  # offline: 56 of a latent batch-1 program's 1800 instructions, 192 of a tall GQA program's 2152):
-  # the attention and latent GPU tests with it, then the kernels and DeepSeek-V2-Lite alternating
-  gpu_tests "attention and latent, reciprocal normalisation" SEGKV_ATTENTION_RECIPROCAL_NORM=1 -- \
-    tests/test_triton_mla.py tests/test_triton_attention.py -k "not test_triton_attention or transposed or pipeline"
+elif [ "$part" = diet2 ]; then
+  # fewer instructions per stage-1 program, prepared offline (Triton 3.9, sm_90a): the page indices
+  # of a one- or two-page tile loaded once (SEGKV_ATTENTION_PAGE_SCALARS=1; tile loops 4-14% shorter)
+  # and the results normalised by one reciprocal per row (SEGKV_ATTENTION_RECIPROCAL_NORM=1): the
+  # attention and latent GPU tests with both, then the kernels (GQA batch 1 / 16 at 32K, the cascade,
+  # the latent batch-1 stage 1) and the batch-1 models, alternating
+  gpu_tests "attention and latent, page scalars and reciprocal normalisation" SEGKV_ATTENTION_PAGE_SCALARS=1 \
+    SEGKV_ATTENTION_RECIPROCAL_NORM=1 -- tests/test_triton_mla.py tests/test_triton_attention.py \
+    -k "not test_triton_attention or transposed or pipeline or chunks or few_partials or longer_than"
+  CFGS=("" "SEGKV_ATTENTION_PAGE_SCALARS=1" "SEGKV_ATTENTION_RECIPROCAL_NORM=1"
+        "SEGKV_ATTENTION_PAGE_SCALARS=1 SEGKV_ATTENTION_RECIPROCAL_NORM=1")
+  kernels_alternate --shapes llama3-8b --batches 1,16 --contexts 32768 --page-sizes 32 --trials 5
+elif [ "$part" = diet2e2e ]; then
+  # the second half of diet2 (a device call each): the latent stage 1 and the models
+  CFGS=("" "SEGKV_ATTENTION_PAGE_SCALARS=1" "SEGKV_ATTENTION_RECIPROCAL_NORM=1"
+        "SEGKV_ATTENTION_PAGE_SCALARS=1 SEGKV_ATTENTION_RECIPROCAL_NORM=1")
+  for cfg in "${CFGS[@]}"; do
+    echo "-- latent stage 1, ${cfg:-defaults} (ms)" | tee -a "$log"
+    # shellcheck disable=SC2086
+    env $cfg timeout 100 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 --page-size 32 \
+      --contexts 1024,16384,131072 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
+  done
   for round in 1 2; do
-    for v in 0 1; do
-      echo "-- latent stage 1 and GQA kernels, SEGKV_ATTENTION_RECIPROCAL_NORM=$v, round $round (ms)" | tee -a "$log"
-      SEGKV_ATTENTION_RECIPROCAL_NORM=$v timeout 100 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 \
-        --batches 1 --page-size 32 --contexts 1024,16384,131072 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
-      SEGKV_ATTENTION_RECIPROCAL_NORM=$v timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-8b \
-        --batches 1,16 --contexts 32768 --page-sizes 32 --trials 5 2>&1 | attention_rows
+    for model in deepseek-v2-lite llama-3.1-8b; do
+      e2e "$model defaults" -- --models $model --batches 1 --contexts 1K,16K
+      e2e "$model page scalars, reciprocal" SEGKV_ATTENTION_PAGE_SCALARS=1 SEGKV_ATTENTION_RECIPROCAL_NORM=1 \
+        -- --models $model --batches 1 --contexts 1K,16K
     done
   done
-  deepseek_ab SEGKV_ATTENTION_RECIPROCAL_NORM
 elif [ "$part" = ropeheads ]; then
   # the latent RoPE-and-write kernel with one program per token (all query heads as one tile)
   # instead of one per token and head: the GPU tests it and the lighter CI tests touch, then

@@ -177,3 +177,22 @@ def test_reciprocal_normalisation_issues_fewer_instructions():
     assert len(r["loops"]) == len(d["loops"])
     assert all(a["instructions"] <= b["instructions"] for a, b in zip(r["loops"], d["loops"]))
     assert division["spill_bytes"] == 0 and reciprocal["spill_bytes"] == 0
+
+
+@pytest.mark.parametrize("case", [
+    {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 32, "rows": 1, "assemble": True, "sass": True},
+    {"kernel": "latent", "dtype": "bfloat16", "page_size": 32, "rows": 1, "one_query": True, "value_split": 2,
+     "assemble": True, "sass": True},
+], ids=["gqa-two-pages", "latent-one-page"])
+def test_page_scalars_shorten_the_tile_loop(case):
+    """``SEGKV_ATTENTION_PAGE_SCALARS=1``: a tile of one page (latent, 32 rows at pages of 32) or two
+    (GQA, 64 rows) loads each page's entry once instead of per row, so its tile loops (the latent
+    launch has one per value share) assemble to fewer machine instructions; the same MMA counts,
+    no spills."""
+    (per_row,) = compile_cases([case], SEGKV_ATTENTION_PAGE_SCALARS="0")
+    (scalars,) = compile_cases([case], SEGKV_ATTENTION_PAGE_SCALARS="1")
+    before, after = per_row["sass"]["loops"], scalars["sass"]["loops"]
+    assert [lp["mma"] for lp in after] == [lp["mma"] for lp in before] and before[0]["mma"] > 0
+    assert all(a["instructions"] < b["instructions"] for a, b in zip(after, before) if b["mma"])
+    assert sum(lp["instructions"] for lp in after) < sum(lp["instructions"] for lp in before) - 30
+    assert per_row["spill_bytes"] == 0 and scalars["spill_bytes"] == 0

@@ -51,6 +51,35 @@ def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.conste
     return page, rows, key_start
 
 
+# A tile of one or two whole pages reads each page's index once and gives it to the tile's rows
+# (``SEGKV_ATTENTION_PAGE_SCALARS=1``; off until measured on the GPU), instead of one load per
+# row and field that every thread repeats for the rows it holds. Offline (Triton 3.9, sm_90a,
+# SASS instructions of the tile loop): the batch-1 latent program (value halves) at pages of 32
+# 499 -> 456; the batch-1 GQA program at pages of 64 456 -> 393.
+PAGE_SCALARS: tl.constexpr = tl.constexpr(os.environ.get("SEGKV_ATTENTION_PAGE_SCALARS", "0") == "1")
+
+
+@triton.jit
+def tile_pages(page_table, page_rows, page_key_start, first, slot, pg1, WIDE: tl.constexpr, PAGES: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """:func:`page_index` of a tile's ``BLOCK_N`` rows: ``first`` the tile's first page entry,
+    ``slot (BLOCK_N,)`` each row's page within the tile. With :data:`PAGE_SCALARS` and a tile of
+    one or two pages, each page's entry is loaded once (a scalar) and given to its rows."""
+    ONE: tl.constexpr = PAGE_SCALARS and PAGES == 1
+    TWO: tl.constexpr = PAGE_SCALARS and PAGES == 2
+    if ONE:
+        page, rows, key_start = page_index(page_table, page_rows, page_key_start, first, pg1, WIDE)
+        zero = tl.zeros([BLOCK_N], tl.int32)
+        return page + zero.to(page.dtype), rows + zero, key_start + zero
+    elif TWO:
+        page0, rows0, start0 = page_index(page_table, page_rows, page_key_start, first, pg1, WIDE)
+        page1, rows1, start1 = page_index(page_table, page_rows, page_key_start, first + 1, pg1, WIDE)
+        second = slot > 0
+        return tl.where(second, page1, page0), tl.where(second, rows1, rows0), tl.where(second, start1, start0)
+    else:
+        return page_index(page_table, page_rows, page_key_start, first + slot, pg1, WIDE)
+
+
 @triton.jit
 def tile_rows_in_page(offs_n, PAGE_SIZE: tl.constexpr, PAGES: tl.constexpr, BLOCK_N: tl.constexpr):
     """Each tile row's row within its page. A tile covers ``PAGES`` whole pages; when the page
@@ -73,12 +102,12 @@ def tile_range(pg0, pg1, SUB: tl.constexpr):
 
 
 @triton.jit
-def next_tile_pages(t, slot, PAGES: tl.constexpr, SUB: tl.constexpr):
-    """The page entries of the tile after tile ``t``, one per tile row (``slot``: the row's page
-    within a tile of whole pages; 0 when a page spans tiles)."""
+def next_tile_first(t, PAGES: tl.constexpr, SUB: tl.constexpr):
+    """The first page entry of the tile after tile ``t`` (its rows add their ``slot``, the row's page
+    within a tile of whole pages; 0 when a page spans tiles: :func:`tile_pages`)."""
     if SUB > 1:
-        return (t + 1) // SUB + slot
-    return t + PAGES + slot
+        return (t + 1) // SUB
+    return t + PAGES
 
 
 @triton.jit
@@ -208,5 +237,6 @@ def plan_reads(p0, n_rows, mb, w, first_head, group, partial_row, partial_offset
     pg0 = tl.load(work_pages + 2 * w)  # the work item's pages: no piece table in between
     pg1 = tl.load(work_pages + 2 * w + 1)
     slot = tl.arange(0, BLOCK_N) // PAGE_SIZE
-    page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1, WIDE)
+    page, rows, kst = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE,
+                                 max(BLOCK_N // PAGE_SIZE, 1), BLOCK_N)
     return valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst

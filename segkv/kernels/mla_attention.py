@@ -15,11 +15,11 @@ import triton
 import triton.language as tl
 
 from segkv.kernels.attention_tiles import (
-    next_tile_pages,
+    next_tile_first,
     online_softmax_step,
-    page_index,
     plan_reads,
     store_partials,
+    tile_pages,
     tile_range,
     tile_rows_in_page,
 )
@@ -106,8 +106,9 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
     t0, t1 = tile_range(pg0, pg1, SUB)
     for t in range(t0, t1, PAGES):
         page, rows, key_start = page_next, rows_next, start_next
-        page_next, rows_next, start_next = page_index(page_table, page_rows, page_key_start,
-                                                      next_tile_pages(t, slot, PAGES, SUB), pg1, WIDE)
+        page_next, rows_next, start_next = tile_pages(page_table, page_rows, page_key_start,
+                                                      next_tile_first(t, PAGES, SUB), slot, pg1, WIDE, PAGES,
+                                                      BLOCK_N)
         if SUB > 1:  # this tile's rows of a longer page
             sub_rows = (t % SUB) * BLOCK_N
             row_cur = row_in_page + sub_rows

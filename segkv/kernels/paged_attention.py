@@ -18,13 +18,13 @@ import triton.language as tl
 
 from segkv.kernels.attention_tiles import (
     load_kv,
-    next_tile_pages,
+    next_tile_first,
     online_softmax_step,
     online_softmax_step_transposed,
-    page_index,
     pair_reads,
     plan_reads,
     store_partials,
+    tile_pages,
     tile_range,
     tile_rows_in_page,
 )
@@ -114,12 +114,13 @@ def _stage1_kernel(
     k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
     v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
     if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
-        page, rows, kst = page_index(page_table, page_rows, page_key_start, pg0 + slot, pg1, WIDE_OFFSETS)
+        page, rows, kst = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE_OFFSETS, PAGES,
+                                     BLOCK_N)
     t0, t1 = tile_range(pg0, pg1, SUB)
     for t in range(t0, t1, PAGES):
         page_cur, rows_cur, kst_cur = page, rows, kst
-        page, rows, kst = page_index(page_table, page_rows, page_key_start, next_tile_pages(t, slot, PAGES, SUB), pg1,
-                                     WIDE_OFFSETS)
+        page, rows, kst = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB), slot, pg1,
+                                     WIDE_OFFSETS, PAGES, BLOCK_N)
         if SUB > 1:  # this tile's rows of a longer page
             sub_rows = (t % SUB) * BLOCK_N
             row_cur = row_in_page + sub_rows
