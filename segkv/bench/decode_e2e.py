@@ -79,7 +79,7 @@ from segkv.bench.hf_baseline import (
     hf_case_bytes,
     hf_tensor,
 )
-from segkv.bench.runs import release, summary, sync
+from segkv.bench.runs import StepTimes, release, summary, sync
 from segkv.bench.turns import TokenIdsOnly
 from segkv.engine.generation import Generator, default_lookahead
 from segkv.layers.sampler import argmax_rows
@@ -309,7 +309,7 @@ def _decode(runner: ModelRunner, chains, first: list[int], steps: int) -> list[l
     return out
 
 
-class StepMarks:
+class StepMarks(StepTimes):
     """Marks each decode step the runner launches (inside ``with``): a CUDA event queued after the
     step's kernels on a GPU (no sync; any idle time before the next step falls between two marks),
     the clock on the CPU. A run's decode rate then leaves out its first steps, as Hugging Face's
@@ -319,7 +319,8 @@ class StepMarks:
     _METHODS = ("forward", "decode_from_device")
 
     def __init__(self, runner: ModelRunner, device: torch.device) -> None:
-        self.runner, self.cuda, self.marks = runner, device.type == "cuda", []
+        super().__init__(device)
+        self.runner = runner
 
     def __enter__(self) -> StepMarks:
         for name in self._METHODS:
@@ -333,21 +334,9 @@ class StepMarks:
     def _marked(self, method):
         def call(*args, **kwargs):
             out = method(*args, **kwargs)
-            if self.cuda:
-                event = torch.cuda.Event(enable_timing=True)
-                event.record()
-                self.marks.append(event)
-            else:
-                self.marks.append(time.perf_counter())
+            self.mark()
             return out
         return call
-
-    def seconds(self, first: int) -> float:
-        """Time from mark ``first`` to the last mark."""
-        if self.cuda:
-            self.marks[-1].synchronize()
-            return self.marks[first].elapsed_time(self.marks[-1]) / 1e3
-        return self.marks[-1] - self.marks[first]
 
 
 def _generate(runner: ModelRunner, chains, first: list[int], steps: int, *, lookahead: bool,

@@ -8,11 +8,10 @@ docstring."""
 from __future__ import annotations
 
 import re
-import time
 
 import torch
 
-from segkv.bench.runs import release, summary
+from segkv.bench.runs import StepTimes, release, summary
 
 HF_VARIANTS = ("eager", "static", "compiled")
 HF_SKIPPED_FORWARDS = 3  # first decode forwards of a generate call left out of its timing
@@ -62,26 +61,12 @@ def step_clock(device: torch.device):
     """A logits processor marking each time ``generate`` has new logits (CUDA events, no sync)."""
     from transformers import LogitsProcessor
 
-    class StepClock(LogitsProcessor):
-        def __init__(self) -> None:
-            self.marks: list = []
-
+    class StepClock(StepTimes, LogitsProcessor):
         def __call__(self, input_ids, scores):
-            if device.type == "cuda":
-                event = torch.cuda.Event(enable_timing=True)
-                event.record()
-                self.marks.append(event)
-            else:
-                self.marks.append(time.perf_counter())
+            self.mark()
             return scores
 
-        def seconds(self, first: int) -> float:
-            if device.type == "cuda":
-                self.marks[-1].synchronize()
-                return self.marks[first].elapsed_time(self.marks[-1]) / 1e3
-            return self.marks[-1] - self.marks[first]
-
-    return StepClock()
+    return StepClock(device)
 
 
 def hf_kv_row_bytes(hf, cfg: dict, element_size: int) -> int:

@@ -1,10 +1,11 @@
 """Small helpers the model benchmarks share: waiting for and freeing the device between cases,
-and the median / min / max summary of repeated rate measurements."""
+marks of a run's steps, and the median / min / max summary of repeated rate measurements."""
 
 from __future__ import annotations
 
 import gc
 import statistics
+import time
 
 import torch
 
@@ -25,3 +26,26 @@ def release(device: torch.device) -> None:
 def summary(rates: list[float]) -> dict:
     """``{"tokens_per_s": median, "min", "max", "trials"}`` of repeated rates."""
     return {"tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates), "trials": rates}
+
+
+class StepTimes:
+    """Marks of a run's steps: a CUDA event queued on the stream (no sync) on a GPU, the clock on
+    the CPU; :meth:`seconds` times the span from one mark to the last."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda, self.marks = device.type == "cuda", []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self, first: int) -> float:
+        """Time from mark ``first`` to the last mark."""
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return self.marks[first].elapsed_time(self.marks[-1]) / 1e3
+        return self.marks[-1] - self.marks[first]
