@@ -100,6 +100,10 @@
 #   transposed  GQA decode programs of 8-16 pairs with the K/V tile as the tall operand (the default
 #             since it measured faster on the 70B shape): GPU tests, the 70B kernels at batch 1 / 4 /
 #             16 and 16K-64K against SDPA, Qwen3-32B batch 1 and 8 alternating with it off.
+#   diet2 / diet2latent / diet2models  page scalars and reciprocal normalisation: GPU tests and
+#             GQA kernels / the latent stage 1 / the batch-1 models (a device call each); dietmodels: the
+#             models with the float32 logits (SEGKV_HEAD_FLOAT32_OUT) as a third setting; dietbatches:
+#             batch 8 and 16 with both off against the defaults.
 #   profile   batch-1 graph steps of DeepSeek-V2-Lite and Llama-3.1-8B at 1K and 16K by kernel and
 #             launch grid (scripts/trace_gaps.py --kernels --by-grid).
 # (The headline table at batches 8 and 32: gpu_check.sh with SEGKV_GPU_E2E.) Results of earlier
@@ -177,8 +181,8 @@ elif [ "$part" = diet2 ]; then
   CFGS=("" "SEGKV_ATTENTION_PAGE_SCALARS=1" "SEGKV_ATTENTION_RECIPROCAL_NORM=1"
         "SEGKV_ATTENTION_PAGE_SCALARS=1 SEGKV_ATTENTION_RECIPROCAL_NORM=1")
   kernels_alternate --shapes llama3-8b --batches 1,16 --contexts 32768 --page-sizes 32 --trials 5
-elif [ "$part" = diet2e2e ]; then
-  # the second half of diet2 (a device call each): the latent stage 1 and the models
+elif [ "$part" = diet2latent ]; then
+  # the latent stage 1 of diet2 at batch 1 with each setting
   CFGS=("" "SEGKV_ATTENTION_PAGE_SCALARS=1" "SEGKV_ATTENTION_RECIPROCAL_NORM=1"
         "SEGKV_ATTENTION_PAGE_SCALARS=1 SEGKV_ATTENTION_RECIPROCAL_NORM=1")
   for cfg in "${CFGS[@]}"; do
@@ -187,11 +191,40 @@ elif [ "$part" = diet2e2e ]; then
     env $cfg timeout 100 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 --page-size 32 \
       --contexts 1024,16384,131072 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
   done
+elif [ "$part" = diet2models ]; then
+  # the batch-1 models of diet2, defaults against both settings on
   for round in 1 2; do
     for model in deepseek-v2-lite llama-3.1-8b; do
       e2e "$model defaults" -- --models $model --batches 1 --contexts 1K,16K
       e2e "$model page scalars, reciprocal" SEGKV_ATTENTION_PAGE_SCALARS=1 SEGKV_ATTENTION_RECIPROCAL_NORM=1 \
         -- --models $model --batches 1 --contexts 1K,16K
+    done
+  done
+elif [ "$part" = dietmodels ]; then
+  # diet2models with the float32 logits as a third setting: DeepSeek-V2-Lite defaults / both cuts /
+  # both cuts and float32 logits, Llama-3.1-8B defaults / all three, batch 1, two rounds
+  diet="SEGKV_ATTENTION_PAGE_SCALARS=1 SEGKV_ATTENTION_RECIPROCAL_NORM=1"
+  for round in 1 2; do
+    e2e "deepseek-v2-lite defaults" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
+    # shellcheck disable=SC2086
+    e2e "deepseek-v2-lite page scalars, reciprocal" $diet -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
+    # shellcheck disable=SC2086
+    e2e "deepseek-v2-lite page scalars, reciprocal, float32 logits" $diet SEGKV_HEAD_FLOAT32_OUT=1 \
+      -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
+    e2e "llama-3.1-8b defaults" -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
+    # shellcheck disable=SC2086
+    e2e "llama-3.1-8b page scalars, reciprocal, float32 logits" $diet SEGKV_HEAD_FLOAT32_OUT=1 \
+      -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
+  done
+elif [ "$part" = dietbatches ]; then
+  # page scalars and reciprocal normalisation (the defaults since dietmodels) at batch 8 and 16:
+  # both off against the defaults, two rounds, after the graph tests with the defaults
+  gpu_tests "graphs" -- tests/test_cuda_graphs.py
+  for round in 1 2; do
+    for model in deepseek-v2-lite llama-3.1-8b; do
+      e2e "$model both off" SEGKV_ATTENTION_PAGE_SCALARS=0 SEGKV_ATTENTION_RECIPROCAL_NORM=0 \
+        -- --models $model --batches 8,16 --contexts 1K,16K
+      e2e "$model defaults" -- --models $model --batches 8,16 --contexts 1K,16K
     done
   done
 elif [ "$part" = ropeheads ]; then

@@ -17,12 +17,13 @@ import triton.language as tl
 FAST_EXP2: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1"
                                        and os.environ.get("SEGKV_ATTENTION_FTZ_EXP2", "1") == "1")
 # A program's results normalised by one reciprocal per row and a product per value instead of a
-# division per value (``SEGKV_ATTENTION_RECIPROCAL_NORM=1``; off until measured on the GPU). Offline
+# division per value (``SEGKV_ATTENTION_RECIPROCAL_NORM``, on by default; 0 divides). Offline
 # (Triton 3.9, sm_90a) each float32 division is about 3 instructions: the latent batch-1 program
 # (value halves) 1800 -> 1744 SASS instructions, its adaptive launch 4072 -> 3848 (249 -> 255
 # registers, no spill), the tall GQA program 2152 -> 1960 (spills 56 -> 24 bytes). Both are float32
-# normalisations within 2 ulp; the result is rounded once as before.
-RECIPROCAL_NORM: tl.constexpr = tl.constexpr(os.environ.get("SEGKV_ATTENTION_RECIPROCAL_NORM", "0") == "1")
+# normalisations within 2 ulp; the result is rounded once as before. H200, with PAGE_SCALARS:
+# DeepSeek-V2-Lite batch 1 / 16K 464-465 -> 474 tok/s, the 16-fork cascade 0.0650 -> 0.0616-0.0623 ms.
+RECIPROCAL_NORM: tl.constexpr = tl.constexpr(os.environ.get("SEGKV_ATTENTION_RECIPROCAL_NORM", "1") == "1")
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -52,11 +53,12 @@ def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.conste
 
 
 # A tile of one or two whole pages reads each page's index once and gives it to the tile's rows
-# (``SEGKV_ATTENTION_PAGE_SCALARS=1``; off until measured on the GPU), instead of one load per
+# (``SEGKV_ATTENTION_PAGE_SCALARS``, on by default; 0 loads per row), instead of one load per
 # row and field that every thread repeats for the rows it holds. Offline (Triton 3.9, sm_90a,
 # SASS instructions of the tile loop): the batch-1 latent program (value halves) at pages of 32
-# 499 -> 456; the batch-1 GQA program at pages of 64 456 -> 393.
-PAGE_SCALARS: tl.constexpr = tl.constexpr(os.environ.get("SEGKV_ATTENTION_PAGE_SCALARS", "0") == "1")
+# 499 -> 456; the batch-1 GQA program at pages of 64 456 -> 393. H200: the latent batch-1 stage 1
+# at 128K 0.0593 -> 0.0570 ms, the cascade's prefix programs 0.0650 -> 0.0625 ms.
+PAGE_SCALARS: tl.constexpr = tl.constexpr(os.environ.get("SEGKV_ATTENTION_PAGE_SCALARS", "1") == "1")
 
 
 @triton.jit
