@@ -104,6 +104,8 @@
 #             GQA kernels / the latent stage 1 / the batch-1 models (a device call each); dietmodels: the
 #             models with the float32 logits (SEGKV_HEAD_FLOAT32_OUT) as a third setting; dietbatches:
 #             batch 8 and 16 with both off against the defaults.
+#   retune    the 8B shape's partition counts at batch 1 and the cascade's partitions, page size and
+#             tall programs per SM, re-measured with those two on.
 #   profile   batch-1 graph steps of DeepSeek-V2-Lite and Llama-3.1-8B at 1K and 16K by kernel and
 #             launch grid (scripts/trace_gaps.py --kernels --by-grid).
 # (The headline table at batches 8 and 32: gpu_check.sh with SEGKV_GPU_E2E.) Results of earlier
@@ -225,6 +227,25 @@ elif [ "$part" = dietbatches ]; then
       e2e "$model both off" SEGKV_ATTENTION_PAGE_SCALARS=0 SEGKV_ATTENTION_RECIPROCAL_NORM=0 \
         -- --models $model --batches 8,16 --contexts 1K,16K
       e2e "$model defaults" -- --models $model --batches 8,16 --contexts 1K,16K
+    done
+  done
+elif [ "$part" = retune ]; then
+  # the planner's choices re-measured with page scalars and reciprocal normalisation on (stage-1
+  # tile loops 4-14% shorter): the 8B shape's partition counts at batch 1 / 32K and 64K (pages of
+  # 32), then the cascade with at most 17 / 25 / 33 / 49 partitions, at pages of 16 and 32, and with
+  # 2 / 3 / 4 tall programs per SM assumed, two rounds
+  echo "-- partition sweep, 8B shape, batch 1" | tee -a "$log"
+  timeout 150 python3 -m segkv.bench.decode_attention --tune 1x32768,1x65536 --shapes llama3-8b --page-sizes 32 \
+    --trials 5 2>&1 | grep -E "^tune|rror" | tee -a "$log"
+  CFGS=("" "SEGKV_CUDA_TALL_BLOCKS_PER_SM=2" "SEGKV_CUDA_TALL_BLOCKS_PER_SM=4")
+  for page in 16 32; do
+    for round in 1 2; do
+      for cfg in "${CFGS[@]}"; do
+        echo "-- cascade, pages of $page, ${cfg:-defaults}, round $round" | tee -a "$log"
+        # shellcheck disable=SC2086
+        env $cfg timeout 100 python3 -m segkv.bench.decode_attention --cascade-only --cascade-page-size $page \
+          --cascade-caps 17,25,33,49 --trials 5 2>&1 | attention_rows
+      done
     done
   done
 elif [ "$part" = ropeheads ]; then
@@ -631,7 +652,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (scorechains, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (retune, diet2, diet2latent, diet2models, dietmodels, dietbatches, headfp32, scorechains, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done
