@@ -233,11 +233,12 @@ elif [ "$part" = retune ]; then
   # the planner's choices re-measured with page scalars and reciprocal normalisation on (stage-1
   # tile loops 4-14% shorter): the 8B shape's partition counts at batch 1 / 32K and 64K (pages of
   # 32), then the cascade with at most 17 / 25 / 33 / 49 partitions, at pages of 16 and 32, and with
-  # 2 / 3 / 4 tall programs per SM assumed, two rounds
+  # 2 / 3 / 4 tall programs per SM assumed (2 also without the register cap), two rounds
   echo "-- partition sweep, 8B shape, batch 1" | tee -a "$log"
   timeout 150 python3 -m segkv.bench.decode_attention --tune 1x32768,1x65536 --shapes llama3-8b --page-sizes 32 \
     --trials 5 2>&1 | grep -E "^tune|rror" | tee -a "$log"
-  CFGS=("" "SEGKV_CUDA_TALL_BLOCKS_PER_SM=2" "SEGKV_CUDA_TALL_BLOCKS_PER_SM=4")
+  CFGS=("" "SEGKV_CUDA_TALL_BLOCKS_PER_SM=2" "SEGKV_CUDA_TALL_BLOCKS_PER_SM=4"
+        "SEGKV_CUDA_TALL_BLOCKS_PER_SM=2 SEGKV_TRITON_TALL_MAXNREG=0")
   for page in 16 32; do
     for round in 1 2; do
       for cfg in "${CFGS[@]}"; do
