@@ -57,7 +57,8 @@ def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.conste
 # row and field that every thread repeats for the rows it holds. Offline (Triton 3.9, sm_90a,
 # SASS instructions of the tile loop): the batch-1 latent program (value halves) at pages of 32
 # 499 -> 456; the batch-1 GQA program at pages of 64 456 -> 393. H200: the latent batch-1 stage 1
-# at 128K 0.0593 -> 0.0570 ms, the cascade's prefix programs 0.0650 -> 0.0625 ms.
+# at 128K 0.0593 -> 0.0570 ms, the 16-fork cascade 0.0650 -> 0.0625 ms, the 8B shape's batch-16
+# kernel at 32K 0.6% slower.
 PAGE_SCALARS: tl.constexpr = tl.constexpr(os.environ.get("SEGKV_ATTENTION_PAGE_SCALARS", "1") == "1")
 
 
