@@ -21,6 +21,7 @@ Usage (GPU machine): ``python3 scripts/profile_decode.py --model llama-3.1-8b --
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import time
@@ -80,37 +81,47 @@ class _TimedGraph:
         self.ends[-1].record()
 
 
+@contextlib.contextmanager
+def timed_graphs(runner):
+    """Each captured bucket's graph wrapped in a :class:`_TimedGraph` while inside; yields them by
+    bucket key, and gives every bucket its own graph back on leaving, however the block ends."""
+    timed = {}
+    for key, bucket in runner.graphs._buckets.items():
+        timed[key] = bucket.graph = _TimedGraph(bucket.graph)
+    try:
+        yield timed
+    finally:
+        for key, t in timed.items():
+            runner.graphs._buckets[key].graph = t.graph
+
+
 def timeline(runner, chains, first: list[int], steps: int) -> None:
     """Median GPU-clock intervals of ``steps`` plain decode steps (see the module docstring)."""
     from segkv.runner.model_runner import StepInput
 
-    timed = {}
-    for key, bucket in runner.graphs._buckets.items():
-        timed[key] = bucket.graph = _TimedGraph(bucket.graph)
-    after_forward, after_argmax, tokens = [], [], first
-    for _ in range(steps):
-        logits = runner.forward([StepInput(c, [t]) for c, t in zip(chains, tokens)])
-        after_forward.append(torch.cuda.Event(enable_timing=True))
-        after_forward[-1].record()
-        ids = argmax_rows(logits)  # the engine's greedy argmax (sampler), not torch's one-block reduction
-        after_argmax.append(torch.cuda.Event(enable_timing=True))
-        after_argmax[-1].record()
-        tokens = ids.tolist()
-    torch.cuda.synchronize()
-    before = [e for t in timed.values() for e in t.events][-steps:]
-    if len(before) != steps:
-        print(f"  timeline: {len(before)} replays for {steps} steps (some ran eagerly)")
-        return
-    med = lambda xs: statistics.median(xs)  # noqa: E731
-    period = med([a.elapsed_time(b) for a, b in zip(after_forward, after_forward[1:])])
-    replay = med([b.elapsed_time(a) for b, a in zip(before, after_forward)])
-    argmax = med([f.elapsed_time(a) for f, a in zip(after_forward, after_argmax)])
-    between = med([a.elapsed_time(b) for a, b in zip(after_argmax, before[1:])])
-    print(f"  GPU clock per step: {period:.3f} ms = replay to runner's return {replay:.3f} (graph, logits copy, "
-          f"next step's index copies) + argmax {argmax:.3f} + argmax to next replay {between:.3f} (host's turn, "
-          f"input copies)")
-    for bucket, t in zip(runner.graphs._buckets.values(), timed.values()):
-        bucket.graph = t.graph
+    with timed_graphs(runner) as timed:
+        after_forward, after_argmax, tokens = [], [], first
+        for _ in range(steps):
+            logits = runner.forward([StepInput(c, [t]) for c, t in zip(chains, tokens)])
+            after_forward.append(torch.cuda.Event(enable_timing=True))
+            after_forward[-1].record()
+            ids = argmax_rows(logits)  # the engine's greedy argmax (sampler), not torch's one-block reduction
+            after_argmax.append(torch.cuda.Event(enable_timing=True))
+            after_argmax[-1].record()
+            tokens = ids.tolist()
+        torch.cuda.synchronize()
+        before = [e for t in timed.values() for e in t.events][-steps:]
+        if len(before) != steps:
+            print(f"  timeline: {len(before)} replays for {steps} steps (some ran eagerly)")
+            return
+        med = lambda xs: statistics.median(xs)  # noqa: E731
+        period = med([a.elapsed_time(b) for a, b in zip(after_forward, after_forward[1:])])
+        replay = med([b.elapsed_time(a) for b, a in zip(before, after_forward)])
+        argmax = med([f.elapsed_time(a) for f, a in zip(after_forward, after_argmax)])
+        between = med([a.elapsed_time(b) for a, b in zip(after_argmax, before[1:])])
+        print(f"  GPU clock per step: {period:.3f} ms = replay to runner's return {replay:.3f} (graph, "
+              f"logits copy, next step's index copies) + argmax {argmax:.3f} + argmax to next replay "
+              f"{between:.3f} (host's turn, input copies)")
 
 
 def generator_timeline(runner, chains, first: list[int], steps: int, context: int, runs: int = 3,
@@ -121,9 +132,6 @@ def generator_timeline(runner, chains, first: list[int], steps: int, context: in
     over ``runs`` runs of ``steps`` steps, the first 3 steps of each run left out."""
     from segkv.bench.decode_e2e import _generate
 
-    timed = {}
-    for key, bucket in runner.graphs._buckets.items():
-        timed[key] = bucket.graph = _TimedGraph(bucket.graph)
     replays, gaps, collections = [], [], []
     started = {}
 
@@ -133,35 +141,37 @@ def generator_timeline(runner, chains, first: list[int], steps: int, context: in
         else:
             collections.append((info["generation"], (time.perf_counter() - started["t"]) * 1e3))
 
-    gc.callbacks.append(on_gc)
-    for _ in range(runs):
-        for t in timed.values():
-            t.events.clear()
-            t.ends.clear()
+    def run() -> None:
         _generate(runner, chains, first, steps, lookahead=True, max_model_len=context + steps + 8)
         torch.cuda.synchronize()
         _trim_to(chains, context)
-        pairs = [(b, e) for t in timed.values() for b, e in zip(t.events, t.ends)]
-        ref = pairs[0][0]
-        pairs = sorted(pairs, key=lambda be: ref.elapsed_time(be[0]))[3:]  # launch order, buckets merged
-        replays += [b.elapsed_time(e) for b, e in pairs]
-        gaps += [e.elapsed_time(b2) for (_, e), (b2, _) in zip(pairs, pairs[1:])]
-    if trace:  # one more run under the profiler: what runs on the GPU between two replays
-        from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            _generate(runner, chains, first, steps, lookahead=True, max_model_len=context + steps + 8)
-            torch.cuda.synchronize()
-        _trim_to(chains, context)
-        prof.export_chrome_trace(trace)
-    gc.callbacks.remove(on_gc)
+    gc.callbacks.append(on_gc)
+    try:
+        with timed_graphs(runner) as timed:
+            for _ in range(runs):
+                for t in timed.values():
+                    t.events.clear()
+                    t.ends.clear()
+                run()
+                pairs = [(b, e) for t in timed.values() for b, e in zip(t.events, t.ends)]
+                ref = pairs[0][0]
+                pairs = sorted(pairs, key=lambda be: ref.elapsed_time(be[0]))[3:]  # launch order, buckets merged
+                replays += [b.elapsed_time(e) for b, e in pairs]
+                gaps += [e.elapsed_time(b2) for (_, e), (b2, _) in zip(pairs, pairs[1:])]
+        if trace:  # one more run under the profiler: what runs on the GPU between two replays
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run()
+            prof.export_chrome_trace(trace)
+    finally:
+        gc.callbacks.remove(on_gc)
     print(f"  generator loop, cyclic collections (generation, ms): {[(g, round(ms, 2)) for g, ms in collections]}")
     for name, xs in (("graph replay", replays), ("replay end to next replay", gaps)):
         xs = sorted(xs)
         print(f"  generator loop, {name}: median {statistics.median(xs):.3f} ms, 90th {xs[int(0.9 * len(xs))]:.3f}, "
               f"max {xs[-1]:.3f}, mean {statistics.fmean(xs):.3f} ({len(xs)} steps)")
-    for bucket, t in zip(runner.graphs._buckets.values(), timed.values()):
-        bucket.graph = t.graph
 
 
 @torch.inference_mode()
