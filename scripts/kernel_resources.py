@@ -21,7 +21,7 @@ import itertools
 
 import triton
 
-from segkv.kernels.offline_compile import compile_stage1, sass_counts, stage1_report
+from segkv.kernels.offline_compile import stage1_report
 from segkv.kernels.paged_attention import LaunchConfig
 
 H200_REGISTERS = 65536  # per multiprocessor
@@ -50,7 +50,7 @@ def main() -> None:
         launch = LaunchConfig(max(block_n, args.page_size), warps, stages, block_m=block_m, tall_warps=warps,
                               heads_fastest=True, maxnreg=cap or None)
         case = {"kernel": "gqa" if args.kernel == "gqa" else "latent", "dtype": args.dtype, "head_dim": 128,
-                "page_size": args.page_size, "rows": max(1, block_m // group), "assemble": True}
+                "page_size": args.page_size, "rows": max(1, block_m // group), "assemble": True, "sass": args.sass}
         try:
             r = stage1_report(case, launch)
         except Exception as e:  # noqa: BLE001 - report the configuration that failed and go on
@@ -60,9 +60,8 @@ def main() -> None:
         print(f"{label}: {r['registers']} registers, {r['spill_bytes']} bytes spilled, {r['shared']} B shared, "
               f"{resident} per SM, {r['mma']}, {r['num_stages']} stages launched, {r['buffers']} tile buffers, "
               f"waits {r['waits']}")
-        if args.sass:
-            kernel, _ = compile_stage1(case, launch)
-            counts = sass_counts(kernel.ptx)
+        counts = r["sass"]
+        if counts:
             print(f"    SASS: {counts['total']} instructions; loops " + "; ".join(
                 f"{lp['instructions']} ({lp['mma']} MMA, {lp['ldmatrix']} ldmatrix, {lp['barriers']} barriers)"
                 for lp in counts["loops"] if lp["instructions"] > 1))

@@ -152,14 +152,11 @@ def sass_counts(ptx: str, arch: int = 90) -> dict:
     a loop being the span from a backward branch's target to the branch. What the GPU issues per
     program and per tile: a latency-bound program with few warps per scheduler pays for each."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        suffix = "a" if arch >= 90 else ""
-        subprocess.run([_bundled_tool("ptxas-blackwell", "ptxas"), f"--gpu-name=sm_{arch}{suffix}", path,
-                        "-o", path + ".o"], check=True, capture_output=True)
-        text = subprocess.run([_bundled_tool("nvdisasm"), "-c", path + ".o"], check=True, capture_output=True,
-                              text=True).stdout
+        out = _assemble(ptx, arch, tmp)
+        if out.returncode:
+            raise RuntimeError(out.stderr.strip()[-400:])
+        text = subprocess.run([_bundled_tool("nvdisasm"), "-c", os.path.join(tmp, "kernel.o")], check=True,
+                              capture_output=True, text=True).stdout
     code, labels = [], {}
     for line in text.splitlines():
         label = re.match(r"^\s*\.(L_x_\d+):", line)
@@ -179,16 +176,21 @@ def sass_counts(ptx: str, arch: int = 90) -> dict:
     return {"total": len(code), "loops": loops}
 
 
+def _assemble(ptx: str, arch: int, tmp: str) -> subprocess.CompletedProcess:
+    """``ptx`` assembled by Triton's bundled ``ptxas -v`` into ``tmp/kernel.o`` (``sm_<arch>a`` from
+    Hopper on); the finished process, its report in ``stderr``."""
+    path = os.path.join(tmp, "kernel.ptx")
+    with open(path, "w") as f:
+        f.write(ptx)
+    suffix = "a" if arch >= 90 else ""
+    return subprocess.run([_bundled_tool("ptxas-blackwell", "ptxas"), "-v", f"--gpu-name=sm_{arch}{suffix}", path,
+                           "-o", os.path.join(tmp, "kernel.o")], capture_output=True, text=True)
+
+
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     """Registers per thread and spilled bytes (stores + loads) from Triton's bundled ``ptxas -v``."""
-    ptxas = _bundled_tool("ptxas-blackwell", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        suffix = "a" if arch >= 90 else ""
-        out = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{suffix}", path, "-o", path + ".o"],
-                             capture_output=True, text=True)
+        out = _assemble(ptx, arch, tmp)
     if out.returncode:
         raise RuntimeError(out.stderr.strip()[-400:])
     registers = int(re.search(r"Used (\d+) registers", out.stderr).group(1))
