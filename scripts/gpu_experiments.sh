@@ -100,10 +100,10 @@
 #   transposed  GQA decode programs of 8-16 pairs with the K/V tile as the tall operand (the default
 #             since it measured faster on the 70B shape): GPU tests, the 70B kernels at batch 1 / 4 /
 #             16 and 16K-64K against SDPA, Qwen3-32B batch 1 and 8 alternating with it off.
-#   diet2 / diet2latent / diet2models  page scalars and reciprocal normalisation: GPU tests and
-#             GQA kernels / the latent stage 1 / the batch-1 models (a device call each); dietmodels: the
-#             models with the float32 logits (SEGKV_HEAD_FLOAT32_OUT) as a third setting; dietbatches:
-#             batch 8 and 16 with both off against the defaults.
+#   diet2 / diet2latent / dietmodels / dietbatches  page scalars and reciprocal normalisation (now
+#             the defaults) off, alone and both: GPU tests and GQA kernels / the latent stage 1 / the
+#             batch-1 models, with the float32 logits (SEGKV_HEAD_FLOAT32_OUT) as a third setting /
+#             batch 8 and 16 (a device call each).
 #   retune    the 8B shape's partition counts at batch 1 and the cascade's partitions, page size and
 #             tall programs per SM, re-measured with those two on.
 #   profile   batch-1 graph steps of DeepSeek-V2-Lite and Llama-3.1-8B at 1K and 16K by kernel and
@@ -162,61 +162,38 @@ kernels_alternate() {  # decode_attention arguments...: two rounds, each setting
 deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it off and on, two rounds
   e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 }
+# page scalars and reciprocal normalisation (on by default): both off, each alone, the defaults
+DIET_OFF="SEGKV_ATTENTION_PAGE_SCALARS=0 SEGKV_ATTENTION_RECIPROCAL_NORM=0"
+DIET_CFGS=("$DIET_OFF" "SEGKV_ATTENTION_RECIPROCAL_NORM=0" "SEGKV_ATTENTION_PAGE_SCALARS=0" "")
 for part in "${@:-latent}"; do
-if [ "$part" = headfp32 ]; then
-  # the output head writing float32 logits itself (SEGKV_HEAD_FLOAT32_OUT=1) instead of bf16 logits
-  # and a conversion launch (4.1 us a step): its GPU test and the graph tests, then the batch-1
-  # models alternating (DeepSeek-V2-Lite is 59.7-59.8% of its limit at 16K)
-  gpu_tests "float32 logits, graphs" SEGKV_HEAD_FLOAT32_OUT=1 -- tests/test_dense_gemv.py tests/test_cuda_graphs.py \
-    -k "float32_logits or graph"
-  deepseek_ab SEGKV_HEAD_FLOAT32_OUT
-  e2e_alternate SEGKV_HEAD_FLOAT32_OUT "0 1" --models llama-3.1-8b --batches 1 --contexts 1K,16K
-elif [ "$part" = diet2 ]; then
-  # fewer instructions per stage-1 program, prepared offline (Triton 3.9, sm_90a): the page indices
-  # of a one- or two-page tile loaded once (SEGKV_ATTENTION_PAGE_SCALARS=1; tile loops 4-14% shorter)
-  # and the results normalised by one reciprocal per row (SEGKV_ATTENTION_RECIPROCAL_NORM=1): the
-  # attention and latent GPU tests with both, then the kernels (GQA batch 1 / 16 at 32K, the cascade,
-  # the latent batch-1 stage 1) and the batch-1 models, alternating
-  gpu_tests "attention and latent, page scalars and reciprocal normalisation" SEGKV_ATTENTION_PAGE_SCALARS=1 \
-    SEGKV_ATTENTION_RECIPROCAL_NORM=1 -- tests/test_triton_mla.py tests/test_triton_attention.py \
+if [ "$part" = diet2 ]; then
+  # fewer instructions per stage-1 program: the page indices of a one- or two-page tile loaded once
+  # (SEGKV_ATTENTION_PAGE_SCALARS; tile loops 4-14% shorter) and the results normalised by one
+  # reciprocal per row (SEGKV_ATTENTION_RECIPROCAL_NORM), both now on by default: the attention and
+  # latent GPU tests, then the kernels (GQA batch 1 / 16 at 32K, the cascade) with each setting
+  gpu_tests "attention and latent, page scalars and reciprocal normalisation" \
+    -- tests/test_triton_mla.py tests/test_triton_attention.py \
     -k "not test_triton_attention or transposed or pipeline or chunks or few_partials or longer_than"
-  CFGS=("" "SEGKV_ATTENTION_PAGE_SCALARS=1" "SEGKV_ATTENTION_RECIPROCAL_NORM=1"
-        "SEGKV_ATTENTION_PAGE_SCALARS=1 SEGKV_ATTENTION_RECIPROCAL_NORM=1")
+  CFGS=("${DIET_CFGS[@]}")
   kernels_alternate --shapes llama3-8b --batches 1,16 --contexts 32768 --page-sizes 32 --trials 5
 elif [ "$part" = diet2latent ]; then
   # the latent stage 1 of diet2 at batch 1 with each setting
-  CFGS=("" "SEGKV_ATTENTION_PAGE_SCALARS=1" "SEGKV_ATTENTION_RECIPROCAL_NORM=1"
-        "SEGKV_ATTENTION_PAGE_SCALARS=1 SEGKV_ATTENTION_RECIPROCAL_NORM=1")
-  for cfg in "${CFGS[@]}"; do
+  for cfg in "${DIET_CFGS[@]}"; do
     echo "-- latent stage 1, ${cfg:-defaults} (ms)" | tee -a "$log"
     # shellcheck disable=SC2086
     env $cfg timeout 100 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 --page-size 32 \
       --contexts 1024,16384,131072 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
   done
-elif [ "$part" = diet2models ]; then
-  # the batch-1 models of diet2, defaults against both settings on
+elif [ "$part" = dietmodels ]; then
+  # the batch-1 models with page scalars and reciprocal normalisation both off / both on (the
+  # defaults) / both on and the output head's float32 logits (SEGKV_HEAD_FLOAT32_OUT=1), two rounds
   for round in 1 2; do
     for model in deepseek-v2-lite llama-3.1-8b; do
+      # shellcheck disable=SC2086
+      e2e "$model both off" $DIET_OFF -- --models $model --batches 1 --contexts 1K,16K
       e2e "$model defaults" -- --models $model --batches 1 --contexts 1K,16K
-      e2e "$model page scalars, reciprocal" SEGKV_ATTENTION_PAGE_SCALARS=1 SEGKV_ATTENTION_RECIPROCAL_NORM=1 \
-        -- --models $model --batches 1 --contexts 1K,16K
+      e2e "$model defaults, float32 logits" SEGKV_HEAD_FLOAT32_OUT=1 -- --models $model --batches 1 --contexts 1K,16K
     done
-  done
-elif [ "$part" = dietmodels ]; then
-  # diet2models with the float32 logits as a third setting: DeepSeek-V2-Lite defaults / both cuts /
-  # both cuts and float32 logits, Llama-3.1-8B defaults / all three, batch 1, two rounds
-  diet="SEGKV_ATTENTION_PAGE_SCALARS=1 SEGKV_ATTENTION_RECIPROCAL_NORM=1"
-  for round in 1 2; do
-    e2e "deepseek-v2-lite defaults" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
-    # shellcheck disable=SC2086
-    e2e "deepseek-v2-lite page scalars, reciprocal" $diet -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
-    # shellcheck disable=SC2086
-    e2e "deepseek-v2-lite page scalars, reciprocal, float32 logits" $diet SEGKV_HEAD_FLOAT32_OUT=1 \
-      -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
-    e2e "llama-3.1-8b defaults" -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
-    # shellcheck disable=SC2086
-    e2e "llama-3.1-8b page scalars, reciprocal, float32 logits" $diet SEGKV_HEAD_FLOAT32_OUT=1 \
-      -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
   done
 elif [ "$part" = dietbatches ]; then
   # page scalars and reciprocal normalisation (the defaults since dietmodels) at batch 8 and 16:
@@ -224,8 +201,8 @@ elif [ "$part" = dietbatches ]; then
   gpu_tests "graphs" -- tests/test_cuda_graphs.py
   for round in 1 2; do
     for model in deepseek-v2-lite llama-3.1-8b; do
-      e2e "$model both off" SEGKV_ATTENTION_PAGE_SCALARS=0 SEGKV_ATTENTION_RECIPROCAL_NORM=0 \
-        -- --models $model --batches 8,16 --contexts 1K,16K
+      # shellcheck disable=SC2086
+      e2e "$model both off" $DIET_OFF -- --models $model --batches 8,16 --contexts 1K,16K
       e2e "$model defaults" -- --models $model --batches 8,16 --contexts 1K,16K
     done
   done
@@ -653,7 +630,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (retune, diet2, diet2latent, diet2models, dietmodels, dietbatches, headfp32, scorechains, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (retune, diet2, diet2latent, dietmodels, dietbatches, scorechains, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done
