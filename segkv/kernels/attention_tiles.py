@@ -9,6 +9,8 @@ import os
 import triton
 import triton.language as tl
 
+from segkv.kernels.settings import env_int
+
 # ``ex2.approx.ftz.f32`` on the GPU: Triton's ``exp2`` emits ``ex2.approx.f32``, which ptxas wraps
 # in a subnormal fix-up (a compare and two predicated multiplies per element; about 100 of the
 # 1082 instructions of a 64-pair program's tile loop on sm_90a). Flushing results below 2^-126 to 0
@@ -23,7 +25,7 @@ FAST_EXP2: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1"
 # registers, no spill), the tall GQA program 2152 -> 1960 (spills 56 -> 24 bytes). Both are float32
 # normalisations within 2 ulp; the result is rounded once as before. H200, with PAGE_SCALARS:
 # DeepSeek-V2-Lite batch 1 / 16K 464-465 -> 474 tok/s, the 16-fork cascade 0.0650 -> 0.0616-0.0623 ms.
-RECIPROCAL_NORM: tl.constexpr = tl.constexpr(os.environ.get("SEGKV_ATTENTION_RECIPROCAL_NORM", "1") == "1")
+RECIPROCAL_NORM: tl.constexpr = tl.constexpr(env_int("SEGKV_ATTENTION_RECIPROCAL_NORM", 1) == 1)
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -59,7 +61,7 @@ def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.conste
 # 499 -> 456; the batch-1 GQA program at pages of 64 456 -> 393. H200: the latent batch-1 stage 1
 # at 128K 0.0593 -> 0.0570 ms, the 16-fork cascade 0.0650 -> 0.0625 ms, the 8B shape's batch-16
 # kernel at 32K 0.6% slower.
-PAGE_SCALARS: tl.constexpr = tl.constexpr(os.environ.get("SEGKV_ATTENTION_PAGE_SCALARS", "1") == "1")
+PAGE_SCALARS: tl.constexpr = tl.constexpr(env_int("SEGKV_ATTENTION_PAGE_SCALARS", 1) == 1)
 
 
 @triton.jit
