@@ -100,6 +100,11 @@
 #   transposed  GQA decode programs of 8-16 pairs with the K/V tile as the tall operand (the default
 #             since it measured faster on the 70B shape): GPU tests, the 70B kernels at batch 1 / 4 /
 #             16 and 16K-64K against SDPA, Qwen3-32B batch 1 and 8 alternating with it off.
+#   graphcalls  the kernel benchmark's timing graphs: one pass over the data copies with attention
+#             PDL (the default), at least 16 calls without it and with it; then the acceptance grid
+#             with 16 calls and PDL off (a device call).
+#   p16wide   the 8B shape at pages of 16, batch 4 / 16, with int64 page offsets
+#             (SEGKV_ATTENTION_WIDE_OFFSETS=1: more registers, 2 programs per SM) against int32.
 #   diet2 / diet2latent / dietmodels / dietbatches  page scalars and reciprocal normalisation (now
 #             the defaults) off, alone and both: GPU tests and GQA kernels / the latent stage 1 / the
 #             batch-1 models, with the float32 logits (SEGKV_HEAD_FLOAT32_OUT) as a third setting /
@@ -206,6 +211,31 @@ elif [ "$part" = dietbatches ]; then
       e2e "$model defaults" -- --models $model --batches 8,16 --contexts 1K,16K
     done
   done
+elif [ "$part" = graphcalls ]; then
+  # the kernel benchmark's timing graphs: one pass over the data copies with attention PDL between
+  # calls (the default), at least 16 calls with PDL off and 16 calls with PDL on: batch 1 / 16 at
+  # 16K and 32K, both page sizes, and the cascade, two rounds; then the acceptance grid with 16
+  # calls and PDL off (both shapes, batch 1 / 4 / 16, 16K-128K, pages of 16 and 32), whole rows in
+  # $OUT/grid.txt and $OUT/grid.json
+  for round in 1 2; do
+    for cfg in "" "--calls-per-graph 16 --pdl 0" "--calls-per-graph 16 --pdl 1"; do
+      echo "-- kernels: ${cfg:-defaults}, round $round" | tee -a "$log"
+      # shellcheck disable=SC2086
+      timeout 100 python3 -m segkv.bench.decode_attention $cfg --shapes llama3-8b --batches 1,16 \
+        --contexts 16384,32768 --page-sizes 16,32 --trials 5 2>&1 | attention_rows
+    done
+  done
+  echo "-- acceptance grid, 16 calls per graph, PDL off: $OUT/grid.txt" | tee -a "$log"
+  timeout 300 python3 -m segkv.bench.decode_attention --calls-per-graph 16 --pdl 0 --shapes llama3-8b,llama3-70b --batches 1,4,16 \
+    --contexts 16384,32768,65536,131072 --page-sizes 16,32 --trials 5 --json "$OUT/grid.json" > "$OUT/grid.txt" 2>&1
+  grep -E "^\[|rror|cascade" "$OUT/grid.txt" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' \
+    | tee -a "$log"
+elif [ "$part" = p16wide ]; then
+  # the 8B shape's decode programs at pages of 16 take int32 page offsets and fit 3 to an SM by
+  # registers where the planner counts 2: batch 4 / 16 with int64 offsets (more registers) against
+  # them, two rounds, 16K and 32K
+  CFGS=("" "SEGKV_ATTENTION_WIDE_OFFSETS=1")
+  kernels_alternate --no-cascade --shapes llama3-8b --batches 1,4,16 --contexts 16384,32768 --page-sizes 16 --trials 5
 elif [ "$part" = retune ]; then
   # the planner's choices re-measured with page scalars and reciprocal normalisation on (stage-1
   # tile loops 4-14% shorter): the 8B shape's partition counts at batch 1 / 32K and 64K (pages of

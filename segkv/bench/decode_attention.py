@@ -63,6 +63,16 @@ def measured_read_bandwidth(device: str = "cuda") -> float:
     return statistics.median(rates)
 
 
+# Calls per timing graph at least (``--calls-per-graph``): the variant's calls (one per data copy,
+# cycled) repeated until the graph holds this many. 0 (the default): one pass over the data copies.
+# Each graph replay starts with a launch gap that a longer graph spreads over more calls (batch 1 /
+# 32K, two data copies: 0.0376 -> 0.0363 ms at 16 calls), but with attention PDL on the calls then
+# chain, each call's programs launching into the slots the one before frees (8B shape, pages of
+# 16, batch 16: 0.25 -> 0.33 ms, likely some SMs crowded). docs/benchmarks.md,
+# "The timing harness: calls per graph and PDL between calls".
+CALLS_PER_GRAPH = 0
+
+
 @dataclass
 class Timer:
     """Times a variant's calls (one per data copy); ``ms()`` is the time per call.
@@ -77,7 +87,10 @@ class Timer:
     keep: tuple = ()  # the graph and the captured calls, and through them every tensor it reads
 
     @classmethod
-    def capture(cls, fns: list) -> Timer:
+    def capture(cls, fns: list, min_calls: int | None = None) -> Timer:
+        """``fns`` recorded in one graph, cycled until it holds at least ``min_calls`` calls
+        (default :data:`CALLS_PER_GRAPH`; 0: each once)."""
+        calls = [fns[i % len(fns)] for i in range(max(len(fns), CALLS_PER_GRAPH if min_calls is None else min_calls))]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -87,10 +100,10 @@ class Timer:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for fn in fns:
+            for fn in calls:
                 fn()
         torch.cuda.synchronize()
-        return cls(graph.replay, len(fns), keep=(graph, *fns))._sized()
+        return cls(graph.replay, len(calls), keep=(graph, *fns))._sized()
 
     @classmethod
     def eager(cls, fns: list) -> Timer:
@@ -389,7 +402,9 @@ def markdown_tables(report: dict) -> str:
     """The report as markdown: one row per case (planner's plan, segkv and best stock SDPA times,
     their ratio, fraction of bandwidth, segments variants), then the cascade comparison."""
     lines = [f"Device: {report['device']}; copy bandwidth {report['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; "
-             f"{report['dtype']}; {report['trials']} trials; times are medians in ms [min-max].", "",
+             f"{report['dtype']}; {report['trials']} trials; at least {report.get('calls_per_graph', 0)} calls per "
+             f"timing graph, attention PDL {'on' if report.get('attention_pdl', True) else 'off'}; times are "
+             "medians in ms [min-max].", "",
              "| shape | page | batch | context | plan | segkv auto | % bw | best SDPA | SDPA/segkv | "
              "segments 2 / 8 / 30 ÷ auto | auto over 8 segments ÷ auto | single |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -426,6 +441,7 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global CALLS_PER_GRAPH  # --calls-per-graph sets the timers' default
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="llama3-8b,llama3-70b")
     parser.add_argument("--batches", default="1,4,16,64")
@@ -446,6 +462,12 @@ def main(argv: list[str] | None = None) -> int:
                         "(the first of --shapes)")
     parser.add_argument("--launch", default="", help="with --tune: BLOCK_N,WARPS,STAGES (default: the kernels' "
                         "defaults); the page size is the first of --page-sizes")
+    parser.add_argument("--calls-per-graph", type=int, default=CALLS_PER_GRAPH,
+                        help="each timing graph holds at least this many calls (default %(default)s: one pass "
+                        "over the data copies)")
+    parser.add_argument("--pdl", type=int, choices=(0, 1), default=None,
+                        help="attention PDL on or off for the timed calls (default: SEGKV_ATTENTION_PDL's, on); "
+                        "in a graph of several calls PDL chains them")
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None, metavar="REPORT_JSON",
                         help="print the tables of an earlier --json report and exit (no GPU needed)")
@@ -454,14 +476,23 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.markdown) as f:
             print(markdown_tables(json.load(f)))
         return 0
+    if args.calls_per_graph < 0:
+        parser.error("--calls-per-graph must be 0 or more")
+    CALLS_PER_GRAPH = args.calls_per_graph
+    from segkv.kernels import paged_attention
+
+    if args.pdl is not None:
+        paged_attention.ATTENTION_PDL = bool(args.pdl)  # read at each launch (attention_pdl_options)
     dtype = getattr(torch, args.dtype)
     random.seed(0)
     bandwidth = measured_read_bandwidth()
     device_name = torch.cuda.get_device_name()
     print(f"device {device_name}; measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (bytes read + written); "
-          f"fractions below are of this rate", flush=True)
+          f"fractions below are of this rate; at least {CALLS_PER_GRAPH} calls per timing graph, attention PDL "
+          f"{'on' if paged_attention.ATTENTION_PDL else 'off'}", flush=True)
     report = {"device": device_name, "bandwidth_bytes_per_s": bandwidth, "torch": torch.__version__,
-              "dtype": args.dtype, "trials": args.trials}
+              "dtype": args.dtype, "trials": args.trials, "calls_per_graph": CALLS_PER_GRAPH,
+              "attention_pdl": paged_attention.ATTENTION_PDL}
     if args.tune:
         cases = [tuple(int(x) for x in c.split("x")) for c in args.tune.split(",")]
         from segkv.kernels.paged_attention import LaunchConfig
