@@ -104,7 +104,9 @@
 #             PDL (the default), at least 16 calls without it and with it; then the acceptance grid
 #             with 16 calls and PDL off (a device call).
 #   p16wide   the 8B shape at pages of 16, batch 4 / 16, with int64 page offsets
-#             (SEGKV_ATTENTION_WIDE_OFFSETS=1: more registers, 2 programs per SM) against int32.
+#             (SEGKV_ATTENTION_WIDE_OFFSETS=1: more registers) against int32 (measured: slower).
+#   p16wave   the decode programs' registers at pages of 16 and 32 as the GPU's Triton compiles
+#             them, and batch 4 / 16 with the planner counting 3 programs per SM (not yet run).
 #   diet2 / diet2latent / dietmodels / dietbatches  page scalars and reciprocal normalisation (now
 #             the defaults) off, alone and both: GPU tests and GQA kernels / the latent stage 1 / the
 #             batch-1 models, with the float32 logits (SEGKV_HEAD_FLOAT32_OUT) as a third setting /
@@ -236,6 +238,16 @@ elif [ "$part" = p16wide ]; then
   # them, two rounds, 16K and 32K
   CFGS=("" "SEGKV_ATTENTION_WIDE_OFFSETS=1")
   kernels_alternate --no-cascade --shapes llama3-8b --batches 1,4,16 --contexts 16384,32768 --page-sizes 16 --trials 5
+elif [ "$part" = p16wave ]; then
+  # batch 4 / 16 at pages of 16 run 0.96-0.97x SDPA (8B shape) where pages of 32 reach 0.98-1.00x:
+  # the decode programs' registers and shared memory as Triton compiles them here (programs per
+  # SM), then the kernels with the planner counting 3 programs per SM instead of 2, two rounds
+  for page in 16 32; do
+    python3 scripts/kernel_resources.py --kernel gqa --block-m 16 --block-n 64 --page-size $page 2>&1 \
+      | grep -E "^gqa" | tee -a "$log"
+  done
+  CFGS=("" "SEGKV_CUDA_BLOCKS_PER_SM=3")
+  kernels_alternate --no-cascade --shapes llama3-8b --batches 4,16 --contexts 16384,32768 --page-sizes 16,32 --trials 5
 elif [ "$part" = retune ]; then
   # the planner's choices re-measured with page scalars and reciprocal normalisation on (stage-1
   # tile loops 4-14% shorter): the 8B shape's partition counts at batch 1 / 32K and 64K (pages of
