@@ -189,10 +189,29 @@ def test_page_scalars_shorten_the_tile_loop(case):
     (GQA, 64 rows) loads each page's entry once instead of per row, so its tile loops (the latent
     launch has one per value share) assemble to fewer machine instructions; the same MMA counts,
     no spills."""
-    (per_row,) = compile_cases([case], SEGKV_ATTENTION_PAGE_SCALARS="0")
-    (scalars,) = compile_cases([case], SEGKV_ATTENTION_PAGE_SCALARS="1")
+    # the skipped masks need page scalars: held off, so both compile the same tile step
+    (per_row,) = compile_cases([case], SEGKV_ATTENTION_PAGE_SCALARS="0", SEGKV_ATTENTION_SKIP_MASKS="0")
+    (scalars,) = compile_cases([case], SEGKV_ATTENTION_PAGE_SCALARS="1", SEGKV_ATTENTION_SKIP_MASKS="0")
     before, after = per_row["sass"]["loops"], scalars["sass"]["loops"]
     assert [lp["mma"] for lp in after] == [lp["mma"] for lp in before] and before[0]["mma"] > 0
     assert all(a["instructions"] < b["instructions"] for a, b in zip(after, before) if b["mma"])
     assert sum(lp["instructions"] for lp in after) < sum(lp["instructions"] for lp in before) - 30
     assert per_row["spill_bytes"] == 0 and scalars["spill_bytes"] == 0
+
+
+@pytest.mark.parametrize("case", [
+    {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 16, "rows": 16, "assemble": True, "sass": True},
+    {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 32, "rows": 1, "assemble": True, "sass": True},
+], ids=["tall-two-pages", "decode-two-pages"])
+def test_skipped_masks_shorten_the_common_tile(case):
+    """``SEGKV_ATTENTION_SKIP_MASKS=1``: a full, wholly visible tile branches past the score mask
+    (the key positions, a compare and a select per score), so the shortest path through the tile
+    loop is shorter than the loop without the setting, which has no such branch; the same MMA
+    counts, no spills."""
+    (masked,) = compile_cases([case], SEGKV_ATTENTION_SKIP_MASKS="0")
+    (skipping,) = compile_cases([case], SEGKV_ATTENTION_SKIP_MASKS="1")
+    before, after = masked["sass"]["loops"][0], skipping["sass"]["loops"][0]
+    assert before["mma"] == after["mma"] > 0 and before["skippable"] == 0
+    assert after["skippable"] >= 20
+    assert after["instructions"] - after["skippable"] < before["instructions"] - 10
+    assert masked["spill_bytes"] == 0 and skipping["spill_bytes"] == 0

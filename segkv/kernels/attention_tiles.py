@@ -64,18 +64,52 @@ def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.conste
 PAGE_SCALARS: tl.constexpr = tl.constexpr(env_int("SEGKV_ATTENTION_PAGE_SCALARS", 1) == 1)
 
 
+# A tile whose rows all hold keys that every pair of the program sees skips the score mask
+# (``SEGKV_ATTENTION_SKIP_MASKS=1``; off until measured on the GPU): a branch on scalars every
+# thread already holds (the tile's page scalars and, once per program, its work item's last key
+# against its pairs' smallest causal offset), no vote between warps in the loop (lazy rescaling's
+# per-tile vote cost more than it saved). Decode rows see all their keys, and a prefill chunk's
+# history tiles too, so the common tile spends no key positions, compare and select per score.
+# Offline (Triton 3.9, sm_90a), the common tile: tall programs 459 -> 391 instructions at pages of
+# 16, 434 -> 378 at 32; batch-1 decode at pages of 32 415 -> 398. With 0 the code is as before.
+SKIP_MASKS = env_int("SEGKV_ATTENTION_SKIP_MASKS", 0)
+if SKIP_MASKS not in (0, 1):
+    raise ValueError(f"SEGKV_ATTENTION_SKIP_MASKS must be 0 or 1, got {SKIP_MASKS}")
+
+
+def full_tiles_known(page_size: int, block_n: int, pages: int) -> bool:
+    """Whether :func:`tile_pages` can tell a full tile (``FULL``): tiles of one page that the tiles
+    divide (a 100-row page in 64-row tiles leaves the second tile's last rows empty however full
+    the page), or of exactly two pages, with :data:`PAGE_SCALARS`."""
+    return bool(PAGE_SCALARS) and ((pages == 1 and page_size % block_n == 0) or (pages == 2 and 2 * page_size == block_n))
+
+
 @triton.jit
 def tile_pages(page_table, page_rows, page_key_start, first, slot, pg1, WIDE: tl.constexpr, PAGES: tl.constexpr,
-               BLOCK_N: tl.constexpr):
+               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr = 0, FULL: tl.constexpr = False):
     """:func:`page_index` of a tile's ``BLOCK_N`` rows: ``first`` the tile's first page entry,
     ``slot (BLOCK_N,)`` each row's page within the tile. With :data:`PAGE_SCALARS` and a tile of
-    one or two pages, each page's entry is loaded once (a scalar) and given to its rows."""
+    one or two pages, each page's entry is loaded once (a scalar) and given to its rows. ``FULL``
+    (only where :func:`full_tiles_known`): also whether every row of the tile holds a key, a scalar
+    (the tile's pages all hold ``PAGE_SIZE`` rows)."""
     ONE: tl.constexpr = PAGE_SCALARS and PAGES == 1
     TWO: tl.constexpr = PAGE_SCALARS and PAGES == 2
-    if ONE:
+    # one level of constexpr branches, each returning (a return nested in a second constexpr
+    # branch compiles past it)
+    if ONE and FULL:
+        page, rows, key_start = page_index(page_table, page_rows, page_key_start, first, pg1, WIDE)
+        zero = tl.zeros([BLOCK_N], tl.int32)
+        return page + zero.to(page.dtype), rows + zero, key_start + zero, rows == PAGE_SIZE
+    elif ONE:
         page, rows, key_start = page_index(page_table, page_rows, page_key_start, first, pg1, WIDE)
         zero = tl.zeros([BLOCK_N], tl.int32)
         return page + zero.to(page.dtype), rows + zero, key_start + zero
+    elif TWO and FULL:
+        page0, rows0, start0 = page_index(page_table, page_rows, page_key_start, first, pg1, WIDE)
+        page1, rows1, start1 = page_index(page_table, page_rows, page_key_start, first + 1, pg1, WIDE)
+        second = slot > 0
+        return (tl.where(second, page1, page0), tl.where(second, rows1, rows0), tl.where(second, start1, start0),
+                (rows0 == PAGE_SIZE) & (rows1 == PAGE_SIZE))
     elif TWO:
         page0, rows0, start0 = page_index(page_table, page_rows, page_key_start, first, pg1, WIDE)
         page1, rows1, start1 = page_index(page_table, page_rows, page_key_start, first + 1, pg1, WIDE)
@@ -140,15 +174,21 @@ def _key_positions(kpos, in_page):
 
 
 @triton.jit
-def online_softmax_step(s, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT_FP32: tl.constexpr):
+def online_softmax_step(s, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT_FP32: tl.constexpr,
+                        SKIP: tl.constexpr = False, needs_mask=True):
     """One block of the online softmax: raw scores ``s (M, N)`` float32 of the keys at positions
     ``kpos (N,)``, masked causally against ``offset (M,)`` (a program's padding rows have offset
     -1, :func:`pair_reads`) and to the keys ``in_page``; ``v (N, D)`` the block's values. Returns
     the updated running max, sum and float32 accumulator ``(M, D)``. The running max ``m_i`` is in base-2 units (``max(s) * scale * log2(e)``): each weight is then
     one fused multiply-add and one ``exp2`` (:func:`store_partials` turns it back into a natural
-    LSE). A fully masked row keeps max -inf and adds nothing (no NaN)."""
+    LSE). A fully masked row keeps max -inf and adds nothing (no NaN). With ``SKIP`` the mask is
+    applied only when the scalar ``needs_mask`` says so (:data:`SKIP_MASKS`)."""
     scale2 = scale * LOG2E
-    s = tl.where(_key_positions(kpos, in_page)[None, :] <= offset[:, None], s, float("-inf"))
+    if SKIP:
+        if needs_mask:
+            s = tl.where(_key_positions(kpos, in_page)[None, :] <= offset[:, None], s, float("-inf"))
+    else:
+        s = tl.where(_key_positions(kpos, in_page)[None, :] <= offset[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)  # scale2 > 0: the max of the scaled scores
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = exp2_ftz(s * scale2 - m_safe[:, None])
@@ -167,14 +207,19 @@ def online_softmax_step(s, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT
 
 @triton.jit
 def online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v, m_i, l_i, acc_t,
-                                   EXACT_FP32: tl.constexpr):
+                                   EXACT_FP32: tl.constexpr, SKIP: tl.constexpr = False, needs_mask=True):
     """:func:`online_softmax_step` with the KV tile as the tall operand: scores ``s_t (N, M)``,
     values ``v (N, D)``, accumulator ``acc_t (D, M) += v^T p_t``. With a few (row, head) pairs
     per program (M = 16) the tile's rows fill a Hopper warpgroup MMA's M and both operands stay in
     shared memory; the query is not copied into every warp's registers each tile. The same float32
     arithmetic (P split into two half-precision parts), the running max in base-2 units."""
     scale2 = scale * LOG2E
-    s = tl.where(_key_positions(kpos, in_page)[:, None] <= offset[None, :], s_t, float("-inf"))
+    s = s_t
+    if SKIP:
+        if needs_mask:
+            s = tl.where(_key_positions(kpos, in_page)[:, None] <= offset[None, :], s, float("-inf"))
+    else:
+        s = tl.where(_key_positions(kpos, in_page)[:, None] <= offset[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 0) * scale2)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = exp2_ftz(s * scale2 - m_safe[None, :])
@@ -232,16 +277,32 @@ def pair_reads(p0, n_rows, mb, first_head, group, partial_row, partial_offset, B
 @triton.jit
 def plan_reads(p0, n_rows, mb, w, first_head, group, partial_row, partial_offset, work_pages, page_table,
                page_rows, page_key_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-               WIDE: tl.constexpr):
+               WIDE: tl.constexpr, FULL: tl.constexpr = False):
     """A stage-1 program's whole share of the plan: :func:`pair_reads`, its work item's page range,
     and the first block's page indices (one block ahead, loop-carried: the K/V loads then depend
     on no load of their own iteration, so with 3 pipeline stages the next tile stays in flight
-    during this one's products)."""
+    during this one's products). ``FULL``: also the first tile's :func:`tile_pages` fullness, last."""
     valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, first_head, group, partial_row, partial_offset,
                                                     BLOCK_M)
     pg0 = tl.load(work_pages + 2 * w)  # the work item's pages: no piece table in between
     pg1 = tl.load(work_pages + 2 * w + 1)
     slot = tl.arange(0, BLOCK_N) // PAGE_SIZE
-    page, rows, kst = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE,
-                                 max(BLOCK_N // PAGE_SIZE, 1), BLOCK_N)
-    return valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst
+    if FULL:
+        page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE,
+                                           max(BLOCK_N // PAGE_SIZE, 1), BLOCK_N, PAGE_SIZE, True)
+        return valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full
+    else:
+        page, rows, kst = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE,
+                                     max(BLOCK_N // PAGE_SIZE, 1), BLOCK_N)
+        return valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst
+
+
+@triton.jit
+def work_item_visible(page_rows, page_key_start, pg0, pg1, offset, valid):
+    """Whether every valid pair (causal ``offset``) sees every key of its work item's pages
+    ``[pg0, pg1)``: the item's last key position against the pairs' smallest offset (a scalar)."""
+    has = pg1 > pg0
+    last = tl.where(has, pg1 - 1, pg0)
+    last_key = (tl.load(page_key_start + last, mask=has, other=0)
+                + tl.load(page_rows + last, mask=has, other=0) - 1)
+    return last_key <= tl.min(tl.where(valid, offset, 2147483647), 0)

@@ -148,9 +148,11 @@ def _bundled_tool(*names: str) -> str:
 
 def sass_counts(ptx: str, arch: int = 90) -> dict:
     """Machine instructions of a kernel's PTX once assembled (bundled ``ptxas`` and ``nvdisasm``):
-    ``{"total": n, "loops": [{"instructions", "mma", "ldmatrix", "barriers", "local"}, ...]}``,
-    a loop being the span from a backward branch's target to the branch. What the GPU issues per
-    program and per tile: a latency-bound program with few warps per scheduler pays for each."""
+    ``{"total": n, "loops": [{"instructions", "mma", "ldmatrix", "barriers", "local", "skippable"}, ...]}``,
+    a loop being the span from a backward branch's target to the branch, ``skippable`` the
+    instructions its forward branches can jump over (``instructions - skippable``: the shortest
+    path through an iteration). What the GPU issues per program and per tile: a latency-bound
+    program with few warps per scheduler pays for each."""
     with tempfile.TemporaryDirectory() as tmp:
         out = _assemble(ptx, arch, tmp)
         if out.returncode:
@@ -169,10 +171,14 @@ def sass_counts(ptx: str, arch: int = 90) -> dict:
     for i, ins in enumerate(code):
         target = re.search(r"BRA[^`]*`\(\.(L_x_\d+)\)", ins)
         if target and labels.get(target.group(1), i + 1) <= i:
-            body = code[labels[target.group(1)]:i + 1]
+            start = labels[target.group(1)]
+            body = code[start:i + 1]
             count = lambda *ops: sum(any(op in x for op in ops) for x in body)  # noqa: E731
+            jumps = [(start + j, labels[m.group(1)]) for j, x in enumerate(body)
+                     if (m := re.search(r"BRA[^`]*`\(\.(L_x_\d+)\)", x)) and start + j < labels.get(m.group(1), -1) <= i]
             loops.append({"instructions": len(body), "mma": count("HMMA", "HGMMA"), "ldmatrix": count("LDSM"),
-                          "barriers": count("BAR"), "local": count("LDL", "STL")})
+                          "barriers": count("BAR"), "local": count("LDL", "STL"),
+                          "skippable": sum(to - at - 1 for at, to in jumps)})
     return {"total": len(code), "loops": loops}
 
 

@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from segkv.kernels import attention_tiles
 from segkv.kernels.attention_tiles import (
+    full_tiles_known,
     load_kv,
     next_tile_first,
     online_softmax_step,
@@ -27,6 +29,7 @@ from segkv.kernels.attention_tiles import (
     tile_pages,
     tile_range,
     tile_rows_in_page,
+    work_item_visible,
 )
 from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
@@ -48,6 +51,7 @@ def _stage1_kernel(
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
     MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False, WIDE_OFFSETS: tl.constexpr = True,
+    SKIP: tl.constexpr = False,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -62,7 +66,8 @@ def _stage1_kernel(
     between launches) and the first work item's programs zero the rows without partials: no
     merge launch. ``TRANSPOSED``: the K/V tile as the tall operand (scores ``(BLOCK_N, BLOCK_M)``,
     accumulator ``(BLOCK_DV, BLOCK_M)``, :func:`online_softmax_step_transposed`). ``PLAN_EARLY``
-    (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait."""
+    (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait. ``SKIP``
+    (:func:`skip_masks`): a tile whose rows all hold keys every valid pair sees skips the score mask."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
@@ -74,7 +79,11 @@ def _stage1_kernel(
     mb = tl.program_id(2)
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
-    if PLAN_EARLY:  # the rest of the host's plan too, before the wait
+    if PLAN_EARLY and SKIP:  # the rest of the host's plan too, before the wait
+        valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full = plan_reads(
+            p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages, page_table, page_rows,
+            page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS, True)
+    elif PLAN_EARLY:
         valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst = plan_reads(
             p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages, page_table, page_rows,
             page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS)
@@ -114,13 +123,25 @@ def _stage1_kernel(
     k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
     v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
     if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
-        page, rows, kst = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE_OFFSETS, PAGES,
-                                     BLOCK_N)
+        if SKIP:
+            page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE_OFFSETS,
+                                               PAGES, BLOCK_N, PAGE_SIZE, True)
+        else:
+            page, rows, kst = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE_OFFSETS, PAGES,
+                                         BLOCK_N)
+    if SKIP:  # every valid pair sees every key of the work item: full tiles need no mask
+        visible = work_item_visible(page_rows, page_key_start, pg0, pg1, offset, valid)
     t0, t1 = tile_range(pg0, pg1, SUB)
     for t in range(t0, t1, PAGES):
         page_cur, rows_cur, kst_cur = page, rows, kst
-        page, rows, kst = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB), slot, pg1,
-                                     WIDE_OFFSETS, PAGES, BLOCK_N)
+        if SKIP:
+            needs_mask = (visible & full) == 0
+            page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB),
+                                               slot, pg1, WIDE_OFFSETS, PAGES, BLOCK_N, PAGE_SIZE, True)
+        else:
+            needs_mask = True
+            page, rows, kst = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB), slot,
+                                         pg1, WIDE_OFFSETS, PAGES, BLOCK_N)
         if SUB > 1:  # this tile's rows of a longer page
             sub_rows = (t % SUB) * BLOCK_N
             row_cur = row_in_page + sub_rows
@@ -137,14 +158,14 @@ def _stage1_kernel(
             else:
                 s_t = tl.dot(k_cur, tl.trans(q))
             m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v_cur, m_i, l_i,
-                                                           acc, EXACT_FP32)
+                                                           acc, EXACT_FP32, SKIP, needs_mask)
         else:
             if EXACT_FP32:
                 s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
             m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, v_cur, m_i, l_i, acc,
-                                                EXACT_FP32)
+                                                EXACT_FP32, SKIP, needs_mask)
     if TRANSPOSED:
         acc = tl.trans(acc)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
@@ -443,6 +464,7 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED,
         WIDE_OFFSETS=page_offsets_wide(cache_needs_int64, row_major_decode=block_m <= 16 and not transposed,
                                        page_size=page_size),
+        SKIP=skip_masks(page_size, block_n),
         num_warps=launch.tall_warps if tall else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size),
         **maxnreg_option(dataclasses.replace(launch, maxnreg=launch.tall_maxnreg)
@@ -453,6 +475,12 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
 # Shared memory the pipelined K/V (latent) buffers may take: Hopper gives a program up to 227 KB,
 # and the kernels keep some for the queries and layout conversions.
 PIPELINE_SHARED_BYTES = 192 * 1024
+
+
+def skip_masks(page_size: int, block_n: int) -> bool:
+    """Whether a stage-1 launch skips the score mask of full, wholly visible tiles
+    (``attention_tiles.SKIP_MASKS``, where the tile's pages tell fullness: ``full_tiles_known``)."""
+    return bool(attention_tiles.SKIP_MASKS) and full_tiles_known(page_size, block_n, max(block_n // page_size, 1))
 
 
 def stages_that_fit(num_stages: int, tile_bytes: int) -> int:
