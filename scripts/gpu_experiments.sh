@@ -108,7 +108,8 @@
 #   skipmasks  full, wholly visible tiles without the score mask (SEGKV_ATTENTION_SKIP_MASKS=1):
 #             GPU tests, kernels and the cascade, Llama-3.1-8B batch 1 / 8, off / on (not yet run).
 #   p16wave   the decode programs' registers at pages of 16 and 32 as the GPU's Triton compiles
-#             them, and batch 4 / 16 with the planner counting 3 programs per SM (not yet run).
+#             them, and batch 4 / 16 with the planner counting 3 programs per SM or with 32-row tiles
+#             (not yet run).
 #   diet2 / diet2latent / dietmodels / dietbatches  page scalars and reciprocal normalisation (now
 #             the defaults) off, alone and both: GPU tests and GQA kernels / the latent stage 1 / the
 #             batch-1 models, with the float32 logits (SEGKV_HEAD_FLOAT32_OUT) as a third setting /
@@ -243,12 +244,14 @@ elif [ "$part" = p16wide ]; then
 elif [ "$part" = p16wave ]; then
   # batch 4 / 16 at pages of 16 run 0.96-0.97x SDPA (8B shape) where pages of 32 reach 0.98-1.00x:
   # the decode programs' registers and shared memory as Triton compiles them here (programs per
-  # SM), then the kernels with the planner counting 3 programs per SM instead of 2, two rounds
+  # SM), then the kernels with the planner counting 3 programs per SM instead of 2, and with tiles
+  # of two pages (32 rows: page scalars, and skipped masks where the setting is on), two rounds
   for page in 16 32; do
     python3 scripts/kernel_resources.py --kernel gqa --block-m 16 --block-n 64 --page-size $page 2>&1 \
       | grep -E "^gqa" | tee -a "$log"
   done
-  CFGS=("" "SEGKV_CUDA_BLOCKS_PER_SM=3")
+  CFGS=("" "SEGKV_CUDA_BLOCKS_PER_SM=3" "SEGKV_TRITON_BLOCK_N=32"
+        "SEGKV_TRITON_BLOCK_N=32 SEGKV_ATTENTION_SKIP_MASKS=1")
   kernels_alternate --no-cascade --shapes llama3-8b --batches 4,16 --contexts 16384,32768 --page-sizes 16,32 --trials 5
 elif [ "$part" = skipmasks ]; then
   # full, wholly visible tiles without the score mask (SEGKV_ATTENTION_SKIP_MASKS=1; offline the
