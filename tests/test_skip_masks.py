@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton.language as tl
 
 from segkv.kernels import attention_tiles, paged_attention
 from segkv.kernels.paged_attention import LaunchConfig
@@ -24,7 +25,7 @@ def test_which_launches_skip_masks(monkeypatch):
     table = {(16, 32): True, (32, 32): True, (64, 32): True, (32, 64): True, (16, 64): False, (20, 32): False,
              (48, 64): False, (128, 64): True, (100, 64): False, (96, 32): True}
     assert {k: paged_attention.skip_masks(*k) for k in table} == table
-    monkeypatch.setattr(attention_tiles, "PAGE_SCALARS", attention_tiles.tl.constexpr(False))
+    monkeypatch.setattr(attention_tiles, "PAGE_SCALARS", tl.constexpr(False))
     assert not paged_attention.skip_masks(16, 32)
 
 

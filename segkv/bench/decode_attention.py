@@ -87,10 +87,10 @@ class Timer:
     keep: tuple = ()  # the graph and the captured calls, and through them every tensor it reads
 
     @classmethod
-    def capture(cls, fns: list, min_calls: int | None = None) -> Timer:
-        """``fns`` recorded in one graph, cycled until it holds at least ``min_calls`` calls
-        (default :data:`CALLS_PER_GRAPH`; 0: each once)."""
-        calls = [fns[i % len(fns)] for i in range(max(len(fns), CALLS_PER_GRAPH if min_calls is None else min_calls))]
+    def capture(cls, fns: list) -> Timer:
+        """``fns`` recorded in one graph, cycled until it holds at least :data:`CALLS_PER_GRAPH`
+        calls (0: each once)."""
+        calls = [fns[i % len(fns)] for i in range(max(len(fns), CALLS_PER_GRAPH))]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

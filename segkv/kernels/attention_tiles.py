@@ -77,46 +77,36 @@ if SKIP_MASKS not in (0, 1):
     raise ValueError(f"SEGKV_ATTENTION_SKIP_MASKS must be 0 or 1, got {SKIP_MASKS}")
 
 
-def full_tiles_known(page_size: int, block_n: int, pages: int) -> bool:
-    """Whether :func:`tile_pages` can tell a full tile (``FULL``): tiles of one page that the tiles
+def full_tiles_known(page_size: int, block_n: int) -> bool:
+    """Whether :func:`tile_pages`'s ``full`` tells a full tile: tiles of one page that the tiles
     divide (a 100-row page in 64-row tiles leaves the second tile's last rows empty however full
     the page), or of exactly two pages, with :data:`PAGE_SCALARS`."""
-    return bool(PAGE_SCALARS) and ((pages == 1 and page_size % block_n == 0) or (pages == 2 and 2 * page_size == block_n))
+    return bool(PAGE_SCALARS) and (page_size % block_n == 0 or 2 * page_size == block_n)
 
 
 @triton.jit
 def tile_pages(page_table, page_rows, page_key_start, first, slot, pg1, WIDE: tl.constexpr, PAGES: tl.constexpr,
-               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr = 0, FULL: tl.constexpr = False):
+               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """:func:`page_index` of a tile's ``BLOCK_N`` rows: ``first`` the tile's first page entry,
     ``slot (BLOCK_N,)`` each row's page within the tile. With :data:`PAGE_SCALARS` and a tile of
-    one or two pages, each page's entry is loaded once (a scalar) and given to its rows. ``FULL``
-    (only where :func:`full_tiles_known`): also whether every row of the tile holds a key, a scalar
-    (the tile's pages all hold ``PAGE_SIZE`` rows)."""
+    one or two pages, each page's entry is loaded once (a scalar) and given to its rows. Also
+    ``full``, a scalar: whether the tile's pages all hold ``PAGE_SIZE`` rows (meaningful only where
+    :func:`full_tiles_known`; unused, it compiles to nothing)."""
     ONE: tl.constexpr = PAGE_SCALARS and PAGES == 1
     TWO: tl.constexpr = PAGE_SCALARS and PAGES == 2
-    # one level of constexpr branches, each returning (a return nested in a second constexpr
-    # branch compiles past it)
-    if ONE and FULL:
+    if ONE:
         page, rows, key_start = page_index(page_table, page_rows, page_key_start, first, pg1, WIDE)
         zero = tl.zeros([BLOCK_N], tl.int32)
         return page + zero.to(page.dtype), rows + zero, key_start + zero, rows == PAGE_SIZE
-    elif ONE:
-        page, rows, key_start = page_index(page_table, page_rows, page_key_start, first, pg1, WIDE)
-        zero = tl.zeros([BLOCK_N], tl.int32)
-        return page + zero.to(page.dtype), rows + zero, key_start + zero
-    elif TWO and FULL:
+    elif TWO:
         page0, rows0, start0 = page_index(page_table, page_rows, page_key_start, first, pg1, WIDE)
         page1, rows1, start1 = page_index(page_table, page_rows, page_key_start, first + 1, pg1, WIDE)
         second = slot > 0
         return (tl.where(second, page1, page0), tl.where(second, rows1, rows0), tl.where(second, start1, start0),
                 (rows0 == PAGE_SIZE) & (rows1 == PAGE_SIZE))
-    elif TWO:
-        page0, rows0, start0 = page_index(page_table, page_rows, page_key_start, first, pg1, WIDE)
-        page1, rows1, start1 = page_index(page_table, page_rows, page_key_start, first + 1, pg1, WIDE)
-        second = slot > 0
-        return tl.where(second, page1, page0), tl.where(second, rows1, rows0), tl.where(second, start1, start0)
     else:
-        return page_index(page_table, page_rows, page_key_start, first + slot, pg1, WIDE)
+        page, rows, key_start = page_index(page_table, page_rows, page_key_start, first + slot, pg1, WIDE)
+        return page, rows, key_start, pg1 < 0
 
 
 @triton.jit
@@ -175,19 +165,16 @@ def _key_positions(kpos, in_page):
 
 @triton.jit
 def online_softmax_step(s, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT_FP32: tl.constexpr,
-                        SKIP: tl.constexpr = False, needs_mask=True):
+                        needs_mask=True):
     """One block of the online softmax: raw scores ``s (M, N)`` float32 of the keys at positions
     ``kpos (N,)``, masked causally against ``offset (M,)`` (a program's padding rows have offset
     -1, :func:`pair_reads`) and to the keys ``in_page``; ``v (N, D)`` the block's values. Returns
     the updated running max, sum and float32 accumulator ``(M, D)``. The running max ``m_i`` is in base-2 units (``max(s) * scale * log2(e)``): each weight is then
     one fused multiply-add and one ``exp2`` (:func:`store_partials` turns it back into a natural
-    LSE). A fully masked row keeps max -inf and adds nothing (no NaN). With ``SKIP`` the mask is
-    applied only when the scalar ``needs_mask`` says so (:data:`SKIP_MASKS`)."""
+    LSE). A fully masked row keeps max -inf and adds nothing (no NaN). ``needs_mask`` False (a
+    scalar, :data:`SKIP_MASKS`): every pair sees every key of the tile, no mask."""
     scale2 = scale * LOG2E
-    if SKIP:
-        if needs_mask:
-            s = tl.where(_key_positions(kpos, in_page)[None, :] <= offset[:, None], s, float("-inf"))
-    else:
+    if needs_mask:
         s = tl.where(_key_positions(kpos, in_page)[None, :] <= offset[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)  # scale2 > 0: the max of the scaled scores
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -207,7 +194,7 @@ def online_softmax_step(s, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT
 
 @triton.jit
 def online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v, m_i, l_i, acc_t,
-                                   EXACT_FP32: tl.constexpr, SKIP: tl.constexpr = False, needs_mask=True):
+                                   EXACT_FP32: tl.constexpr, needs_mask=True):
     """:func:`online_softmax_step` with the KV tile as the tall operand: scores ``s_t (N, M)``,
     values ``v (N, D)``, accumulator ``acc_t (D, M) += v^T p_t``. With a few (row, head) pairs
     per program (M = 16) the tile's rows fill a Hopper warpgroup MMA's M and both operands stay in
@@ -215,10 +202,7 @@ def online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v, m_i, l_
     arithmetic (P split into two half-precision parts), the running max in base-2 units."""
     scale2 = scale * LOG2E
     s = s_t
-    if SKIP:
-        if needs_mask:
-            s = tl.where(_key_positions(kpos, in_page)[:, None] <= offset[None, :], s, float("-inf"))
-    else:
+    if needs_mask:
         s = tl.where(_key_positions(kpos, in_page)[:, None] <= offset[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 0) * scale2)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -277,24 +261,19 @@ def pair_reads(p0, n_rows, mb, first_head, group, partial_row, partial_offset, B
 @triton.jit
 def plan_reads(p0, n_rows, mb, w, first_head, group, partial_row, partial_offset, work_pages, page_table,
                page_rows, page_key_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-               WIDE: tl.constexpr, FULL: tl.constexpr = False):
+               WIDE: tl.constexpr):
     """A stage-1 program's whole share of the plan: :func:`pair_reads`, its work item's page range,
-    and the first block's page indices (one block ahead, loop-carried: the K/V loads then depend
-    on no load of their own iteration, so with 3 pipeline stages the next tile stays in flight
-    during this one's products). ``FULL``: also the first tile's :func:`tile_pages` fullness, last."""
+    and the first block's page indices and fullness (:func:`tile_pages`; one block ahead,
+    loop-carried: the K/V loads then depend on no load of their own iteration, so with 3 pipeline
+    stages the next tile stays in flight during this one's products)."""
     valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, first_head, group, partial_row, partial_offset,
                                                     BLOCK_M)
     pg0 = tl.load(work_pages + 2 * w)  # the work item's pages: no piece table in between
     pg1 = tl.load(work_pages + 2 * w + 1)
     slot = tl.arange(0, BLOCK_N) // PAGE_SIZE
-    if FULL:
-        page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE,
-                                           max(BLOCK_N // PAGE_SIZE, 1), BLOCK_N, PAGE_SIZE, True)
-        return valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full
-    else:
-        page, rows, kst = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE,
-                                     max(BLOCK_N // PAGE_SIZE, 1), BLOCK_N)
-        return valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst
+    page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE,
+                                       max(BLOCK_N // PAGE_SIZE, 1), BLOCK_N, PAGE_SIZE)
+    return valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full
 
 
 @triton.jit

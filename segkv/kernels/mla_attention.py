@@ -106,9 +106,9 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
     t0, t1 = tile_range(pg0, pg1, SUB)
     for t in range(t0, t1, PAGES):
         page, rows, key_start = page_next, rows_next, start_next
-        page_next, rows_next, start_next = tile_pages(page_table, page_rows, page_key_start,
-                                                      next_tile_first(t, PAGES, SUB), slot, pg1, WIDE, PAGES,
-                                                      BLOCK_N)
+        page_next, rows_next, start_next, _ = tile_pages(page_table, page_rows, page_key_start,
+                                                         next_tile_first(t, PAGES, SUB), slot, pg1, WIDE, PAGES,
+                                                         BLOCK_N, PAGE_SIZE)
         if SUB > 1:  # this tile's rows of a longer page
             sub_rows = (t % SUB) * BLOCK_N
             row_cur = row_in_page + sub_rows
@@ -186,7 +186,7 @@ def _mla_stage1_kernel(
             shares = tl.where(partials <= split_max_partials, 2, 1)
         if vb >= shares:  # nothing to do: leave before the wait, freeing the slot
             return
-    valid, head, partial, qrow, offset, pg0, pg1, page_next, rows_next, start_next = plan_reads(
+    valid, head, partial, qrow, offset, pg0, pg1, page_next, rows_next, start_next, _ = plan_reads(
         p0, n_rows, mb, w, 0, num_heads, partial_row, partial_offset, work_pages, page_table, page_rows,
         page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS)
     if USE_PDL:  # queries, latent rows and outputs wait for the kernel before

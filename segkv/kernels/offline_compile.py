@@ -146,6 +146,9 @@ def _bundled_tool(*names: str) -> str:
     return next((os.path.join(bin_dir, n) for n in names if os.path.exists(os.path.join(bin_dir, n))), names[-1])
 
 
+_BRANCH = re.compile(r"BRA[^`]*`\(\.(L_x_\d+)\)")  # a SASS branch and its target label
+
+
 def sass_counts(ptx: str, arch: int = 90) -> dict:
     """Machine instructions of a kernel's PTX once assembled (bundled ``ptxas`` and ``nvdisasm``):
     ``{"total": n, "loops": [{"instructions", "mma", "ldmatrix", "barriers", "local", "skippable"}, ...]}``,
@@ -169,13 +172,13 @@ def sass_counts(ptx: str, arch: int = 90) -> dict:
             code.append(ins.group(1))
     loops = []
     for i, ins in enumerate(code):
-        target = re.search(r"BRA[^`]*`\(\.(L_x_\d+)\)", ins)
+        target = _BRANCH.search(ins)
         if target and labels.get(target.group(1), i + 1) <= i:
             start = labels[target.group(1)]
             body = code[start:i + 1]
             count = lambda *ops: sum(any(op in x for op in ops) for x in body)  # noqa: E731
             jumps = [(start + j, labels[m.group(1)]) for j, x in enumerate(body)
-                     if (m := re.search(r"BRA[^`]*`\(\.(L_x_\d+)\)", x)) and start + j < labels.get(m.group(1), -1) <= i]
+                     if (m := _BRANCH.search(x)) and start + j < labels.get(m.group(1), -1) <= i]
             loops.append({"instructions": len(body), "mma": count("HMMA", "HGMMA"), "ldmatrix": count("LDSM"),
                           "barriers": count("BAR"), "local": count("LDL", "STL"),
                           "skippable": sum(to - at - 1 for at, to in jumps)})

@@ -79,12 +79,8 @@ def _stage1_kernel(
     mb = tl.program_id(2)
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
-    if PLAN_EARLY and SKIP:  # the rest of the host's plan too, before the wait
+    if PLAN_EARLY:  # the rest of the host's plan too, before the wait
         valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full = plan_reads(
-            p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages, page_table, page_rows,
-            page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS, True)
-    elif PLAN_EARLY:
-        valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst = plan_reads(
             p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages, page_table, page_rows,
             page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS)
     if USE_PDL:  # the plan is the host's; everything else read or written below waits for the kernel before
@@ -123,25 +119,16 @@ def _stage1_kernel(
     k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
     v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
     if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
-        if SKIP:
-            page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE_OFFSETS,
-                                               PAGES, BLOCK_N, PAGE_SIZE, True)
-        else:
-            page, rows, kst = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE_OFFSETS, PAGES,
-                                         BLOCK_N)
+        page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE_OFFSETS, PAGES,
+                                           BLOCK_N, PAGE_SIZE)
     if SKIP:  # every valid pair sees every key of the work item: full tiles need no mask
         visible = work_item_visible(page_rows, page_key_start, pg0, pg1, offset, valid)
     t0, t1 = tile_range(pg0, pg1, SUB)
     for t in range(t0, t1, PAGES):
+        needs_mask = (visible & full) == 0 if SKIP else True
         page_cur, rows_cur, kst_cur = page, rows, kst
-        if SKIP:
-            needs_mask = (visible & full) == 0
-            page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB),
-                                               slot, pg1, WIDE_OFFSETS, PAGES, BLOCK_N, PAGE_SIZE, True)
-        else:
-            needs_mask = True
-            page, rows, kst = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB), slot,
-                                         pg1, WIDE_OFFSETS, PAGES, BLOCK_N)
+        page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB), slot,
+                                           pg1, WIDE_OFFSETS, PAGES, BLOCK_N, PAGE_SIZE)
         if SUB > 1:  # this tile's rows of a longer page
             sub_rows = (t % SUB) * BLOCK_N
             row_cur = row_in_page + sub_rows
@@ -158,14 +145,14 @@ def _stage1_kernel(
             else:
                 s_t = tl.dot(k_cur, tl.trans(q))
             m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v_cur, m_i, l_i,
-                                                           acc, EXACT_FP32, SKIP, needs_mask)
+                                                           acc, EXACT_FP32, needs_mask)
         else:
             if EXACT_FP32:
                 s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
             m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, v_cur, m_i, l_i, acc,
-                                                EXACT_FP32, SKIP, needs_mask)
+                                                EXACT_FP32, needs_mask)
     if TRANSPOSED:
         acc = tl.trans(acc)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
@@ -480,7 +467,7 @@ PIPELINE_SHARED_BYTES = 192 * 1024
 def skip_masks(page_size: int, block_n: int) -> bool:
     """Whether a stage-1 launch skips the score mask of full, wholly visible tiles
     (``attention_tiles.SKIP_MASKS``, where the tile's pages tell fullness: ``full_tiles_known``)."""
-    return bool(attention_tiles.SKIP_MASKS) and full_tiles_known(page_size, block_n, max(block_n // page_size, 1))
+    return bool(attention_tiles.SKIP_MASKS) and full_tiles_known(page_size, block_n)
 
 
 def stages_that_fit(num_stages: int, tile_bytes: int) -> int:
