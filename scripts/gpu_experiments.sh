@@ -106,7 +106,10 @@
 #   p16wide   the 8B shape at pages of 16, batch 4 / 16, with int64 page offsets
 #             (SEGKV_ATTENTION_WIDE_OFFSETS=1: more registers) against int32 (measured: slower).
 #   skipmasks  full, wholly visible tiles without the score mask (SEGKV_ATTENTION_SKIP_MASKS=1):
-#             GPU tests, kernels and the cascade, Llama-3.1-8B batch 1 / 8, off / on (not yet run).
+#             GPU tests, kernels and the cascade, Llama-3.1-8B batch 1 / 8, off / on (measured: now
+#             the default, "Skipped masks on; four page scalars").
+#   fourpages  four page scalars for 64-row tiles of 16-row pages (SEGKV_ATTENTION_SCALAR_PAGES=4):
+#             GPU tests, the 8B shape's kernels at pages of 16, Llama-3.1-8B batch 1 / 8.
 #   p16wave   the decode programs' registers at pages of 16 and 32 as the GPU's Triton compiles
 #             them, and batch 4 / 16 with the planner counting 3 programs per SM or with 32-row tiles
 #             (not yet run).
@@ -253,6 +256,17 @@ elif [ "$part" = p16wave ]; then
   CFGS=("" "SEGKV_CUDA_BLOCKS_PER_SM=3" "SEGKV_TRITON_BLOCK_N=32"
         "SEGKV_TRITON_BLOCK_N=32 SEGKV_ATTENTION_SKIP_MASKS=1")
   kernels_alternate --no-cascade --shapes llama3-8b --batches 4,16 --contexts 16384,32768 --page-sizes 16,32 --trials 5
+elif [ "$part" = fourpages ]; then
+  # 64-row decode tiles of 16-row pages with their four page entries as scalars, so full tiles skip
+  # the mask too (SEGKV_ATTENTION_SCALAR_PAGES=4; offline the batch-1 common path 417 -> 398
+  # instructions, 168 -> 148 registers): the GPU tests with it, then the 8B shape's kernels at
+  # pages of 16 (batch 1 / 4 / 16, 16K-64K) against the defaults and against 32-row tiles, and
+  # Llama-3.1-8B batch 1 and 8, two rounds
+  GPU_TESTS_TIMEOUT=200 gpu_tests "four page scalars" SEGKV_ATTENTION_SCALAR_PAGES=4 -- tests/test_skip_masks.py \
+    tests/test_masked_rows.py
+  CFGS=("" "SEGKV_ATTENTION_SCALAR_PAGES=4" "SEGKV_TRITON_BLOCK_N=32")
+  kernels_alternate --no-cascade --shapes llama3-8b --batches 1,4,16 --contexts 16384,32768,65536 --page-sizes 16 --trials 5
+  e2e_alternate SEGKV_ATTENTION_SCALAR_PAGES "2 4" --models llama-3.1-8b --batches 1,8 --contexts 1K,16K
 elif [ "$part" = skipmasks ]; then
   # full, wholly visible tiles without the score mask (SEGKV_ATTENTION_SKIP_MASKS=1; offline the
   # tall tile loop's common path 13-15% shorter, batch-1 decode 4%): the GPU tests with it on, then

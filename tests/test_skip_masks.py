@@ -13,20 +13,31 @@ import triton.language as tl
 
 from segkv.kernels import attention_tiles, paged_attention
 from segkv.kernels.paged_attention import LaunchConfig
-from test_triton_attention import DTYPES, check_with_the_second_sequence_masked
+from attention_helpers import triton_and_reference, write_rows
+from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
+from segkv.cache import PagedKVCache
+from segkv.config import CacheConfig, CompactionPolicy, KVLayout
+from test_triton_attention import DEVICE, DTYPES, check, check_with_the_second_sequence_masked
 
 
 def test_which_launches_skip_masks(monkeypatch):
     """Only with the setting on, and only where a tile's pages tell whether it is full: one page
-    that the tiles divide, or exactly two."""
+    that the tiles divide, or exactly two (four with ``SEGKV_ATTENTION_SCALAR_PAGES=4``)."""
     monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 0)
     assert not paged_attention.skip_masks(16, 32)
     monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 1)
     table = {(16, 32): True, (32, 32): True, (64, 32): True, (32, 64): True, (16, 64): False, (20, 32): False,
              (48, 64): False, (128, 64): True, (100, 64): False, (96, 32): True}
     assert {k: paged_attention.skip_masks(*k) for k in table} == table
+    assert not attention_tiles.four_page_scalars(transposed=False)  # off by default
+    monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 4)  # four pages where the programs are not transposed
+    assert attention_tiles.four_page_scalars(False) and not attention_tiles.four_page_scalars(True)
+    assert paged_attention.skip_masks(16, 64, four=True) and paged_attention.skip_masks(8, 32, four=True)
+    assert not paged_attention.skip_masks(16, 64) and paged_attention.skip_masks(32, 64)
+    assert not paged_attention.skip_masks(8, 64, four=True) and not paged_attention.skip_masks(20, 64, four=True)
     monkeypatch.setattr(attention_tiles, "PAGE_SCALARS", tl.constexpr(False))
-    assert not paged_attention.skip_masks(16, 32)
+    assert not paged_attention.skip_masks(16, 32) and not paged_attention.skip_masks(16, 64, four=True)
+    assert not attention_tiles.four_page_scalars(False)
 
 
 def test_launch_constants_follow_the_setting(monkeypatch):
@@ -39,6 +50,23 @@ def test_launch_constants_follow_the_setting(monkeypatch):
     assert not skip(16, 1) and not skip(16, 16)
     monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 1)
     assert skip(16, 1) and skip(16, 16) and skip(32, 1) and not skip(20, 1)
+
+
+def test_four_page_scalars_follow_the_setting(monkeypatch):
+    """64-row decode tiles of 16-row pages: four page scalars (and fullness, so skipped masks) with
+    ``SEGKV_ATTENTION_SCALAR_PAGES=4``, except in transposed programs."""
+    def launch(transposed_min_pairs: int) -> dict:
+        return paged_attention.stage1_launch(dtype=torch.bfloat16, dk=128, dv=128, group=4, page_size=16,
+                                             max_work_rows=1, element_size=2,
+                                             launch=LaunchConfig(64, 4, 3, transposed_min_pairs=transposed_min_pairs))
+
+    monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 1)
+    plain = launch(0)
+    assert plain["BLOCK_N"] == 64 and not plain["FOUR"] and not plain["SKIP"]
+    monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 4)
+    four, transposed = launch(0), launch(1)
+    assert four["FOUR"] and four["SKIP"] and not four["TRANSPOSED"]
+    assert transposed["TRANSPOSED"] and not transposed["FOUR"] and not transposed["SKIP"]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -64,3 +92,41 @@ def test_transposed_programs_skip_masks_too(route, gen, monkeypatch):
     monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 1)
     check_with_the_second_sequence_masked(gen, torch.bfloat16, route, rows=1, ratio=8, page_size=16, partitions=3,
                                           launch=LaunchConfig(32, 4, 3, transposed_min_pairs=1))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_four_page_tiles_give_the_reference(rows, dtype, gen, monkeypatch):
+    """``SEGKV_ATTENTION_SCALAR_PAGES=4``: 64-row tiles of 16-row pages take their four page entries
+    as scalars. The history's segments are 7 and 9 whole pages, then one ending mid-page, so tiles
+    hold four full pages (masks skipped for decode rows), fewer pages, and part-full pages; a fork
+    trimmed to end mid-page; windows of 3 rows keep the causal mask in their own piece."""
+    monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 1)
+    monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 4)
+    page_size, head_dim = 16, 64
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=head_dim, dtype=DTYPES[dtype])
+    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=128), device=DEVICE,
+                         compaction=CompactionPolicy(enabled=False))
+    history = cache.new_chain()
+    for n in (7 * page_size, 9 * page_size, 37):
+        write_rows(cache, history, n, gen)
+        history.seal()
+    fork = history.fork()
+    fork.trim(21)
+    chains = [history, fork]
+    for chain in chains:
+        write_rows(cache, chain, rows + 50, gen)
+    shape = AttentionShape(4, 1, head_dim, head_dim)
+    queries = [SequenceQuery.from_chain(c, rows) for c in chains]
+    query = torch.randn(2 * rows, 4, head_dim, generator=gen).to(DTYPES[dtype]).to(DEVICE)
+    plan = plan_attention(queries, shape, DeviceSpec.cpu(), page_size=page_size, route="split", num_partitions=2)
+    assert plan.num_partitions == 2
+    launch = LaunchConfig(64, 4, 3, transposed_min_pairs=0)
+    meta = paged_attention.stage1_launch(dtype=DTYPES[dtype], dk=head_dim, dv=head_dim, group=4, page_size=page_size,
+                                         max_work_rows=rows, element_size=2, launch=launch)
+    assert meta["BLOCK_N"] == 64 and meta["FOUR"] and meta["SKIP"]
+    storage = cache.storage
+    out, lse, ref, ref_lse = triton_and_reference(plan, query, storage.key_cache(0), storage.value_cache(0),
+                                                  page_size=page_size, scale=head_dim**-0.5, device=DEVICE,
+                                                  launch=launch)
+    check(out, lse, ref, ref_lse)

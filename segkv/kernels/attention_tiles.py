@@ -62,48 +62,82 @@ def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.conste
 # at 128K 0.0593 -> 0.0570 ms, the 16-fork cascade 0.0650 -> 0.0625 ms, the 8B shape's batch-16
 # kernel at 32K 0.6% slower.
 PAGE_SCALARS: tl.constexpr = tl.constexpr(env_int("SEGKV_ATTENTION_PAGE_SCALARS", 1) == 1)
+# The most pages a tile gives its rows as scalars (``SEGKV_ATTENTION_SCALAR_PAGES``, 2 or 4; 2 by
+# default until measured on the GPU): 4 lets a 64-row tile of 16-row pages (batch-1 and batch-16
+# decode at pages of 16) load its four page entries once and select per row, and tell whether it is
+# full (:data:`SKIP_MASKS`). A launch constant (the GQA stage 1's ``FOUR``), not read in the kernels.
+SCALAR_PAGES = env_int("SEGKV_ATTENTION_SCALAR_PAGES", 2)
+if SCALAR_PAGES not in (2, 4):
+    raise ValueError(f"SEGKV_ATTENTION_SCALAR_PAGES must be 2 or 4, got {SCALAR_PAGES}")
 
 
 # A tile whose rows all hold keys that every pair of the program sees skips the score mask
-# (``SEGKV_ATTENTION_SKIP_MASKS=1``; off until measured on the GPU): a branch on scalars every
+# (``SEGKV_ATTENTION_SKIP_MASKS``, on by default; 0 masks every tile): a branch on scalars every
 # thread already holds (the tile's page scalars and, once per program, its work item's last key
 # against its pairs' smallest causal offset), no vote between warps in the loop (lazy rescaling's
 # per-tile vote cost more than it saved). Decode rows see all their keys, and a prefill chunk's
 # history tiles too, so the common tile spends no key positions, compare and select per score.
 # Offline (Triton 3.9, sm_90a), the common tile: tall programs 459 -> 391 instructions at pages of
 # 16, 434 -> 378 at 32; batch-1 decode at pages of 32 415 -> 398. With 0 the code is as before.
-SKIP_MASKS = env_int("SEGKV_ATTENTION_SKIP_MASKS", 0)
+# H200 (two rounds each): the 16-fork cascade 0.0618-0.0622 -> 0.0595-0.0602 ms at pages of 16,
+# 0.0609-0.0612 -> 0.0601-0.0607 at 32; the kernels at batch 1 / 16 and Llama-3.1-8B level or faster.
+SKIP_MASKS = env_int("SEGKV_ATTENTION_SKIP_MASKS", 1)
 if SKIP_MASKS not in (0, 1):
     raise ValueError(f"SEGKV_ATTENTION_SKIP_MASKS must be 0 or 1, got {SKIP_MASKS}")
 
 
-def full_tiles_known(page_size: int, block_n: int) -> bool:
+def four_page_scalars(transposed: bool) -> bool:
+    """Whether a GQA stage-1 launch gives a four-page tile's rows their page entries as scalars
+    (:data:`SCALAR_PAGES`, :data:`PAGE_SCALARS`): not in ``transposed`` programs, whose per-row
+    selects cost more than the row loads they replace (sm_90a, the 70B shape's decode at pages of
+    16: 506 -> 566 loop instructions; the 8B shape's 417 -> 412, 168 -> 139 registers)."""
+    return bool(PAGE_SCALARS) and SCALAR_PAGES == 4 and not transposed
+
+
+def full_tiles_known(page_size: int, block_n: int, four: bool = False) -> bool:
     """Whether :func:`tile_pages`'s ``full`` tells a full tile: tiles of one page that the tiles
     divide (a 100-row page in 64-row tiles leaves the second tile's last rows empty however full
-    the page), or of exactly two pages, with :data:`PAGE_SCALARS`."""
-    return bool(PAGE_SCALARS) and (page_size % block_n == 0 or 2 * page_size == block_n)
+    the page), or of exactly two pages (or four, with ``four``: :func:`four_page_scalars`), with
+    :data:`PAGE_SCALARS`."""
+    return bool(PAGE_SCALARS) and (page_size % block_n == 0 or block_n == 2 * page_size
+                                   or (four and block_n == 4 * page_size))
+
+
+@triton.jit
+def _by_slot(slot, a, b, c, d, PAGES: tl.constexpr):
+    """Per tile row, the value of its page ``slot``: ``a``/``b`` for two pages, ``a``-``d`` for four."""
+    if PAGES == 2:
+        return tl.where(slot > 0, b, a)
+    return tl.where(slot < 2, tl.where(slot == 0, a, b), tl.where(slot == 2, c, d))
 
 
 @triton.jit
 def tile_pages(page_table, page_rows, page_key_start, first, slot, pg1, WIDE: tl.constexpr, PAGES: tl.constexpr,
-               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, FOUR: tl.constexpr = False):
     """:func:`page_index` of a tile's ``BLOCK_N`` rows: ``first`` the tile's first page entry,
     ``slot (BLOCK_N,)`` each row's page within the tile. With :data:`PAGE_SCALARS` and a tile of
-    one or two pages, each page's entry is loaded once (a scalar) and given to its rows. Also
+    one or two pages (or four, with ``FOUR``: :func:`four_page_scalars`), each page's entry is loaded
+    once (a scalar) and given to its rows. Also
     ``full``, a scalar: whether the tile's pages all hold ``PAGE_SIZE`` rows (meaningful only where
     :func:`full_tiles_known`; unused, it compiles to nothing)."""
     ONE: tl.constexpr = PAGE_SCALARS and PAGES == 1
-    TWO: tl.constexpr = PAGE_SCALARS and PAGES == 2
+    SEVERAL: tl.constexpr = PAGE_SCALARS and (PAGES == 2 or (PAGES == 4 and FOUR))
     if ONE:
         page, rows, key_start = page_index(page_table, page_rows, page_key_start, first, pg1, WIDE)
         zero = tl.zeros([BLOCK_N], tl.int32)
         return page + zero.to(page.dtype), rows + zero, key_start + zero, rows == PAGE_SIZE
-    elif TWO:
+    elif SEVERAL:
         page0, rows0, start0 = page_index(page_table, page_rows, page_key_start, first, pg1, WIDE)
         page1, rows1, start1 = page_index(page_table, page_rows, page_key_start, first + 1, pg1, WIDE)
-        second = slot > 0
-        return (tl.where(second, page1, page0), tl.where(second, rows1, rows0), tl.where(second, start1, start0),
-                (rows0 == PAGE_SIZE) & (rows1 == PAGE_SIZE))
+        full = (rows0 == PAGE_SIZE) & (rows1 == PAGE_SIZE)
+        page2, rows2, start2 = page0, rows0, start0
+        page3, rows3, start3 = page1, rows1, start1
+        if PAGES == 4:
+            page2, rows2, start2 = page_index(page_table, page_rows, page_key_start, first + 2, pg1, WIDE)
+            page3, rows3, start3 = page_index(page_table, page_rows, page_key_start, first + 3, pg1, WIDE)
+            full = full & (rows2 == PAGE_SIZE) & (rows3 == PAGE_SIZE)
+        return (_by_slot(slot, page0, page1, page2, page3, PAGES), _by_slot(slot, rows0, rows1, rows2, rows3, PAGES),
+                _by_slot(slot, start0, start1, start2, start3, PAGES), full)
     else:
         page, rows, key_start = page_index(page_table, page_rows, page_key_start, first + slot, pg1, WIDE)
         return page, rows, key_start, pg1 < 0
@@ -261,7 +295,7 @@ def pair_reads(p0, n_rows, mb, first_head, group, partial_row, partial_offset, B
 @triton.jit
 def plan_reads(p0, n_rows, mb, w, first_head, group, partial_row, partial_offset, work_pages, page_table,
                page_rows, page_key_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-               WIDE: tl.constexpr):
+               WIDE: tl.constexpr, FOUR: tl.constexpr = False):
     """A stage-1 program's whole share of the plan: :func:`pair_reads`, its work item's page range,
     and the first block's page indices and fullness (:func:`tile_pages`; one block ahead,
     loop-carried: the K/V loads then depend on no load of their own iteration, so with 3 pipeline
@@ -272,7 +306,7 @@ def plan_reads(p0, n_rows, mb, w, first_head, group, partial_row, partial_offset
     pg1 = tl.load(work_pages + 2 * w + 1)
     slot = tl.arange(0, BLOCK_N) // PAGE_SIZE
     page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE,
-                                       max(BLOCK_N // PAGE_SIZE, 1), BLOCK_N, PAGE_SIZE)
+                                       max(BLOCK_N // PAGE_SIZE, 1), BLOCK_N, PAGE_SIZE, FOUR)
     return valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full
 
 

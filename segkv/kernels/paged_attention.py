@@ -18,6 +18,7 @@ import triton.language as tl
 
 from segkv.kernels import attention_tiles
 from segkv.kernels.attention_tiles import (
+    four_page_scalars,
     full_tiles_known,
     load_kv,
     next_tile_first,
@@ -51,7 +52,7 @@ def _stage1_kernel(
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
     MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False, WIDE_OFFSETS: tl.constexpr = True,
-    SKIP: tl.constexpr = False,
+    SKIP: tl.constexpr = False, FOUR: tl.constexpr = False,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -67,7 +68,8 @@ def _stage1_kernel(
     merge launch. ``TRANSPOSED``: the K/V tile as the tall operand (scores ``(BLOCK_N, BLOCK_M)``,
     accumulator ``(BLOCK_DV, BLOCK_M)``, :func:`online_softmax_step_transposed`). ``PLAN_EARLY``
     (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait. ``SKIP``
-    (:func:`skip_masks`): a tile whose rows all hold keys every valid pair sees skips the score mask."""
+    (:func:`skip_masks`): a tile whose rows all hold keys every valid pair sees skips the score mask.
+    ``FOUR`` (:func:`attention_tiles.four_page_scalars`): a tile of four pages loads their entries as scalars."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
@@ -82,7 +84,7 @@ def _stage1_kernel(
     if PLAN_EARLY:  # the rest of the host's plan too, before the wait
         valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full = plan_reads(
             p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages, page_table, page_rows,
-            page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS)
+            page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS, FOUR)
     if USE_PDL:  # the plan is the host's; everything else read or written below waits for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -120,7 +122,7 @@ def _stage1_kernel(
     v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
     if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
         page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE_OFFSETS, PAGES,
-                                           BLOCK_N, PAGE_SIZE)
+                                           BLOCK_N, PAGE_SIZE, FOUR)
     if SKIP:  # every valid pair sees every key of the work item: full tiles need no mask
         visible = work_item_visible(page_rows, page_key_start, pg0, pg1, offset, valid)
     t0, t1 = tile_range(pg0, pg1, SUB)
@@ -128,7 +130,7 @@ def _stage1_kernel(
         needs_mask = (visible & full) == 0 if SKIP else True
         page_cur, rows_cur, kst_cur = page, rows, kst
         page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB), slot,
-                                           pg1, WIDE_OFFSETS, PAGES, BLOCK_N, PAGE_SIZE)
+                                           pg1, WIDE_OFFSETS, PAGES, BLOCK_N, PAGE_SIZE, FOUR)
         if SUB > 1:  # this tile's rows of a longer page
             sub_rows = (t % SUB) * BLOCK_N
             row_cur = row_in_page + sub_rows
@@ -451,7 +453,8 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED,
         WIDE_OFFSETS=page_offsets_wide(cache_needs_int64, row_major_decode=block_m <= 16 and not transposed,
                                        page_size=page_size),
-        SKIP=skip_masks(page_size, block_n),
+        SKIP=skip_masks(page_size, block_n, four_page_scalars(transposed)),
+        FOUR=four_page_scalars(transposed),
         num_warps=launch.tall_warps if tall else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size),
         **maxnreg_option(dataclasses.replace(launch, maxnreg=launch.tall_maxnreg)
@@ -464,10 +467,11 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
 PIPELINE_SHARED_BYTES = 192 * 1024
 
 
-def skip_masks(page_size: int, block_n: int) -> bool:
+def skip_masks(page_size: int, block_n: int, four: bool = False) -> bool:
     """Whether a stage-1 launch skips the score mask of full, wholly visible tiles
-    (``attention_tiles.SKIP_MASKS``, where the tile's pages tell fullness: ``full_tiles_known``)."""
-    return bool(attention_tiles.SKIP_MASKS) and full_tiles_known(page_size, block_n)
+    (``attention_tiles.SKIP_MASKS``, where the tile's pages tell fullness: ``full_tiles_known``;
+    tiles of four pages where ``four``, the launch's :func:`four_page_scalars`)."""
+    return bool(attention_tiles.SKIP_MASKS) and full_tiles_known(page_size, block_n, four)
 
 
 def stages_that_fit(num_stages: int, tile_bytes: int) -> int:
