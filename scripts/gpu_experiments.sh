@@ -109,7 +109,9 @@
 #             GPU tests, kernels and the cascade, Llama-3.1-8B batch 1 / 8, off / on (measured: now
 #             the default, "Skipped masks on; four page scalars").
 #   fourpages  four page scalars for 64-row tiles of 16-row pages (SEGKV_ATTENTION_SCALAR_PAGES=4):
-#             GPU tests, the 8B shape's kernels at pages of 16, Llama-3.1-8B batch 1 / 8.
+#             GPU tests, the 8B shape's kernels at pages of 16, Llama-3.1-8B batch 1 / 8 (measured:
+#             now the default, "Skipped masks on; four page scalars").
+#   grid      the acceptance in one run at the defaults: attention GPU tests, the benchmark's grid.
 #   p16wave   the decode programs' registers at pages of 16 and 32 as the GPU's Triton compiles
 #             them, and batch 4 / 16 with the planner counting 3 programs per SM or with 32-row tiles
 #             (not yet run).
@@ -256,6 +258,20 @@ elif [ "$part" = p16wave ]; then
   CFGS=("" "SEGKV_CUDA_BLOCKS_PER_SM=3" "SEGKV_TRITON_BLOCK_N=32"
         "SEGKV_TRITON_BLOCK_N=32 SEGKV_ATTENTION_SKIP_MASKS=1")
   kernels_alternate --no-cascade --shapes llama3-8b --batches 4,16 --contexts 16384,32768 --page-sizes 16,32 --trials 5
+elif [ "$part" = grid ]; then
+  # the acceptance in one run at the defaults: the attention GPU tests (bf16 / head_dim 128 / page 16
+  # grid cases, every other attention test), then the kernel benchmark's grid (both shapes, batch
+  # 1 / 4 / 16, 16K-128K, pages of 16 and 32, segments, the cascade at pages of 16 and 32), whole
+  # rows in $OUT/grid.txt and $OUT/grid.json
+  GPU_TESTS_TIMEOUT=200 gpu_tests "attention kernels" -- tests/test_triton_attention.py tests/test_skip_masks.py \
+    tests/test_masked_rows.py -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
+  echo "-- acceptance grid at the defaults: $OUT/grid.txt" | tee -a "$log"
+  timeout 270 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b --batches 1,4,16 \
+    --contexts 16384,32768,65536,131072 --page-sizes 16,32 --trials 5 --json "$OUT/grid.json" > "$OUT/grid.txt" 2>&1
+  grep -E "^\[|rror|cascade" "$OUT/grid.txt" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' \
+    | tee -a "$log"
+  echo "-- cascade, pages of 32" | tee -a "$log"
+  timeout 60 python3 -m segkv.bench.decode_attention --cascade-only --cascade-page-size 32 --trials 5 2>&1 | attention_rows
 elif [ "$part" = fourpages ]; then
   # 64-row decode tiles of 16-row pages with their four page entries as scalars, so full tiles skip
   # the mask too (SEGKV_ATTENTION_SCALAR_PAGES=4; offline the batch-1 common path 417 -> 398

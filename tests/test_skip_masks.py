@@ -29,7 +29,8 @@ def test_which_launches_skip_masks(monkeypatch):
     table = {(16, 32): True, (32, 32): True, (64, 32): True, (32, 64): True, (16, 64): False, (20, 32): False,
              (48, 64): False, (128, 64): True, (100, 64): False, (96, 32): True}
     assert {k: paged_attention.skip_masks(*k) for k in table} == table
-    assert not attention_tiles.four_page_scalars(transposed=False)  # off by default
+    monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 2)
+    assert not attention_tiles.four_page_scalars(transposed=False)
     monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 4)  # four pages where the programs are not transposed
     assert attention_tiles.four_page_scalars(False) and not attention_tiles.four_page_scalars(True)
     assert paged_attention.skip_masks(16, 64, four=True) and paged_attention.skip_masks(8, 32, four=True)
@@ -61,6 +62,7 @@ def test_four_page_scalars_follow_the_setting(monkeypatch):
                                              launch=LaunchConfig(64, 4, 3, transposed_min_pairs=transposed_min_pairs))
 
     monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 1)
+    monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 2)
     plain = launch(0)
     assert plain["BLOCK_N"] == 64 and not plain["FOUR"] and not plain["SKIP"]
     monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 4)

@@ -62,11 +62,14 @@ def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.conste
 # at 128K 0.0593 -> 0.0570 ms, the 16-fork cascade 0.0650 -> 0.0625 ms, the 8B shape's batch-16
 # kernel at 32K 0.6% slower.
 PAGE_SCALARS: tl.constexpr = tl.constexpr(env_int("SEGKV_ATTENTION_PAGE_SCALARS", 1) == 1)
-# The most pages a tile gives its rows as scalars (``SEGKV_ATTENTION_SCALAR_PAGES``, 2 or 4; 2 by
-# default until measured on the GPU): 4 lets a 64-row tile of 16-row pages (batch-1 and batch-16
-# decode at pages of 16) load its four page entries once and select per row, and tell whether it is
-# full (:data:`SKIP_MASKS`). A launch constant (the GQA stage 1's ``FOUR``), not read in the kernels.
-SCALAR_PAGES = env_int("SEGKV_ATTENTION_SCALAR_PAGES", 2)
+# The most pages a tile gives its rows as scalars (``SEGKV_ATTENTION_SCALAR_PAGES``, 2 or 4; 4 by
+# default): 4 lets a 64-row tile of 16-row pages (decode at pages of 16) load its four page entries
+# once and select per row, and tell whether it is full (:data:`SKIP_MASKS`). A launch constant (the
+# GQA stage 1's ``FOUR``), not read in the kernels. H200, the 8B shape at pages of 16 (two rounds):
+# batch 1 at 32K / 64K 0.0408 -> 0.0391-0.0394 / 0.0739-0.0742 -> 0.0702-0.0712 ms, batch 4 4-5%
+# faster, batch 16 at 16K / 32K 0.2566-0.2593 -> 0.2469-0.2489 / 0.5035-0.5085 -> 0.4816-0.4849 ms;
+# Llama-3.1-8B batch 1 / 8 level.
+SCALAR_PAGES = env_int("SEGKV_ATTENTION_SCALAR_PAGES", 4)
 if SCALAR_PAGES not in (2, 4):
     raise ValueError(f"SEGKV_ATTENTION_SCALAR_PAGES must be 2 or 4, got {SCALAR_PAGES}")
 
