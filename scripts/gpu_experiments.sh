@@ -113,8 +113,8 @@
 #             now the default, "Skipped masks on; four page scalars").
 #   grid      the acceptance in one run at the defaults: attention GPU tests, the benchmark's grid.
 #   p16wave   the decode programs' registers at pages of 16 and 32 as the GPU's Triton compiles
-#             them, and batch 4 / 16 with the planner counting 3 programs per SM or with 32-row tiles
-#             (not yet run).
+#             them, the batch-1 partition sweep, and both shapes with the planner counting 3 decode
+#             programs per SM (32-row tiles at pages of 16 measured slower in fourpages).
 #   diet2 / diet2latent / dietmodels / dietbatches  page scalars and reciprocal normalisation (now
 #             the defaults) off, alone and both: GPU tests and GQA kernels / the latent stage 1 / the
 #             batch-1 models, with the float32 logits (SEGKV_HEAD_FLOAT32_OUT) as a third setting /
@@ -247,17 +247,21 @@ elif [ "$part" = p16wide ]; then
   CFGS=("" "SEGKV_ATTENTION_WIDE_OFFSETS=1")
   kernels_alternate --no-cascade --shapes llama3-8b --batches 1,4,16 --contexts 16384,32768 --page-sizes 16 --trials 5
 elif [ "$part" = p16wave ]; then
-  # batch 4 / 16 at pages of 16 run 0.96-0.97x SDPA (8B shape) where pages of 32 reach 0.98-1.00x:
-  # the decode programs' registers and shared memory as Triton compiles them here (programs per
-  # SM), then the kernels with the planner counting 3 programs per SM instead of 2, and with tiles
-  # of two pages (32 rows: page scalars, and skipped masks where the setting is on), two rounds
+  # with four page scalars the 8B shape's decode programs take fewer registers (sm_90a: 168 -> 148
+  # at pages of 16): their registers and shared memory as Triton 3.6 compiles them (programs per SM),
+  # the batch-1 partition sweep at 32K / 64K, then both shapes' kernels with the planner counting 3
+  # decode programs per SM instead of 2, two rounds
   for page in 16 32; do
     python3 scripts/kernel_resources.py --kernel gqa --block-m 16 --block-n 64 --page-size $page 2>&1 \
       | grep -E "^gqa" | tee -a "$log"
   done
-  CFGS=("" "SEGKV_CUDA_BLOCKS_PER_SM=3" "SEGKV_TRITON_BLOCK_N=32"
-        "SEGKV_TRITON_BLOCK_N=32 SEGKV_ATTENTION_SKIP_MASKS=1")
-  kernels_alternate --no-cascade --shapes llama3-8b --batches 4,16 --contexts 16384,32768 --page-sizes 16,32 --trials 5
+  for page in 16 32; do
+    timeout 60 python3 -m segkv.bench.decode_attention --tune 1x32768,1x65536 --shapes llama3-8b --page-sizes $page \
+      --trials 5 2>&1 | grep -E "^tune|rror" | sed -E 's/ p[0-9]+_head=[^ ]*//g' | tee -a "$log"
+  done
+  CFGS=("" "SEGKV_CUDA_BLOCKS_PER_SM=3")
+  kernels_alternate --no-cascade --shapes llama3-8b,llama3-70b --batches 1,4,16 --contexts 16384,32768 --page-sizes 16,32 \
+    --trials 5
 elif [ "$part" = grid ]; then
   # the acceptance in one run at the defaults: the attention GPU tests (bf16 / head_dim 128 / page 16
   # grid cases, every other attention test), then the kernel benchmark's grid (both shapes, batch
