@@ -398,12 +398,19 @@ def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], 
     return rows
 
 
+def graph_calls_text(calls_per_graph: int) -> str:
+    """How a timing graph is filled, in words (0: one pass over the data copies)."""
+    if calls_per_graph:
+        return f"at least {calls_per_graph} calls per timing graph"
+    return "one pass over the data copies per timing graph"
+
+
 def markdown_tables(report: dict) -> str:
     """The report as markdown: one row per case (planner's plan, segkv and best stock SDPA times,
     their ratio, fraction of bandwidth, segments variants), then the cascade comparison."""
     lines = [f"Device: {report['device']}; copy bandwidth {report['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; "
-             f"{report['dtype']}; {report['trials']} trials; at least {report.get('calls_per_graph', 0)} calls per "
-             f"timing graph, attention PDL {'on' if report.get('attention_pdl', True) else 'off'}; times are "
+             f"{report['dtype']}; {report['trials']} trials; {graph_calls_text(report.get('calls_per_graph', 0))}, "
+             f"attention PDL {'on' if report.get('attention_pdl', True) else 'off'}; times are "
              "medians in ms [min-max].", "",
              "| shape | page | batch | context | plan | segkv auto | % bw | best SDPA | SDPA/segkv | "
              "segments 2 / 8 / 30 ÷ auto | auto over 8 segments ÷ auto | single |",
@@ -488,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = measured_read_bandwidth()
     device_name = torch.cuda.get_device_name()
     print(f"device {device_name}; measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (bytes read + written); "
-          f"fractions below are of this rate; at least {CALLS_PER_GRAPH} calls per timing graph, attention PDL "
+          f"fractions below are of this rate; {graph_calls_text(CALLS_PER_GRAPH)}, attention PDL "
           f"{'on' if paged_attention.ATTENTION_PDL else 'off'}", flush=True)
     report = {"device": device_name, "bandwidth_bytes_per_s": bandwidth, "torch": torch.__version__,
               "dtype": args.dtype, "trials": args.trials, "calls_per_graph": CALLS_PER_GRAPH,
