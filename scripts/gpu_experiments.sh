@@ -112,6 +112,8 @@
 #             GPU tests, the 8B shape's kernels at pages of 16, Llama-3.1-8B batch 1 / 8 (measured:
 #             now the default, "Skipped masks on; four page scalars").
 #   grid      the acceptance in one run at the defaults: attention GPU tests, the benchmark's grid.
+#   rowmajor70b  the 70B shape's decode programs row-major (SEGKV_TRITON_TRANSPOSED=0) against
+#             transposed, now that the row-major loop has four page scalars and skipped masks.
 #   p16wave   the decode programs' registers at pages of 16 and 32 as the GPU's Triton compiles
 #             them, the batch-1 partition sweep, and both shapes with the planner counting 3 decode
 #             programs per SM (32-row tiles at pages of 16 measured slower in fourpages).
@@ -261,6 +263,14 @@ elif [ "$part" = p16wave ]; then
   done
   CFGS=("" "SEGKV_CUDA_BLOCKS_PER_SM=3")
   kernels_alternate --no-cascade --shapes llama3-8b,llama3-70b --batches 1,4,16 --contexts 16384,32768 --page-sizes 16,32 \
+    --trials 5
+elif [ "$part" = rowmajor70b ]; then
+  # the 70B shape's decode programs (8 pairs) row-major instead of transposed: with four page
+  # scalars and skipped masks the row-major loop is the shorter one offline (sm_90a, common path:
+  # 405 against 506 instructions at pages of 16, 399 against 495 at 32); batch 1 / 4 / 16, 16K-64K,
+  # two rounds
+  CFGS=("" "SEGKV_TRITON_TRANSPOSED=0")
+  kernels_alternate --no-cascade --shapes llama3-70b --batches 1,4,16 --contexts 16384,32768,65536 --page-sizes 16,32 \
     --trials 5
 elif [ "$part" = grid ]; then
   # the acceptance in one run at the defaults: the attention GPU tests (bf16 / head_dim 128 / page 16
