@@ -112,6 +112,7 @@
 #             GPU tests, the 8B shape's kernels at pages of 16, Llama-3.1-8B batch 1 / 8 (measured:
 #             now the default, "Skipped masks on; four page scalars").
 #   grid      the acceptance in one run at the defaults: attention GPU tests, the benchmark's grid.
+#   attentiontests  the attention kernels' GPU tests at the defaults.
 #   rowmajor70b  the 70B shape's decode programs row-major (SEGKV_TRITON_TRANSPOSED=0) against
 #             transposed, now that the row-major loop has four page scalars and skipped masks.
 #   p16wave   the decode programs' registers at pages of 16 and 32 as the GPU's Triton compiles
@@ -272,6 +273,11 @@ elif [ "$part" = rowmajor70b ]; then
   CFGS=("" "SEGKV_TRITON_TRANSPOSED=0")
   kernels_alternate --no-cascade --shapes llama3-70b --batches 1,4,16 --contexts 16384,32768,65536 --page-sizes 16,32 \
     --trials 5
+elif [ "$part" = attentiontests ]; then
+  # the attention kernels' GPU tests at the defaults (bf16 / head_dim 128 / page 16 grid cases and
+  # every other attention test), e.g. after a change of the decode programs' defaults
+  GPU_TESTS_TIMEOUT=200 gpu_tests "attention kernels" -- tests/test_triton_attention.py tests/test_skip_masks.py \
+    tests/test_masked_rows.py -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
 elif [ "$part" = grid ]; then
   # the acceptance in one run at the defaults: the attention GPU tests (bf16 / head_dim 128 / page 16
   # grid cases, every other attention test), then the kernel benchmark's grid (both shapes, batch

@@ -28,8 +28,11 @@ from segkv.kernels.offline_compile import MAX_SHARED_PER_PROGRAM  # noqa: E402
 
 DECODE = [
     {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 16, "rows": 1},
-    # 8 heads per KV head (the 70B shape): the transposed products, a path of its own
+    # 8 heads per KV head (the 70B shape): row-major by default, and the transposed products
+    # (SEGKV_TRITON_TRANSPOSED=8), a path of its own
     {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 16, "rows": 1, "group": 8},
+    {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 16, "rows": 1, "group": 8,
+     "transposed_min_pairs": 8},
     {"kernel": "latent", "dtype": "bfloat16", "page_size": 16, "rows": 1},
 ]
 LARGEST = [

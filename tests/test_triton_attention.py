@@ -381,8 +381,8 @@ def check_with_the_second_sequence_masked(gen, dtype, route: str, *, rows: int, 
 def test_transposed_products_match_the_reference(route, dtype, gen, monkeypatch):
     """Programs of ``transposed_min_pairs`` to 16 (row, head) pairs take the K/V tile as the tall
     operand (scores ``(BLOCK_N, pairs)``, accumulator ``(head_dim, pairs)``); others keep the
-    row-major products. By default from 8 pairs (``SEGKV_TRITON_TRANSPOSED`` sets the least, 0:
-    none). Both give the reference's results, over pieces that end inside a tile, with fully masked
+    row-major products. By default none (``SEGKV_TRITON_TRANSPOSED`` sets the least, 0: none;
+    8 was the default before). Both give the reference's results, over pieces that end inside a tile, with fully masked
     rows and with the merge inside stage 1."""
     from segkv.kernels import paged_attention
     from segkv.kernels.paged_attention import LaunchConfig
@@ -393,9 +393,12 @@ def test_transposed_products_match_the_reference(route, dtype, gen, monkeypatch)
 
     monkeypatch.delenv("SEGKV_TRITON_TRANSPOSED", raising=False)
     default = paged_attention.default_launch_config(head_dim=64)
-    assert default.transposed_min_pairs == 8
-    assert [meta(1, g, default) for g in (1, 4, 8, 16)] == [False, False, True, True]
-    assert meta(2, 4, default) and not meta(3, 8, default) and not meta(17, 4, default)
+    assert default.transposed_min_pairs == 0
+    assert not any(meta(rows, g, default) for rows in (1, 2, 4) for g in (1, 4, 8, 16))
+    monkeypatch.setenv("SEGKV_TRITON_TRANSPOSED", "8")
+    eight = paged_attention.default_launch_config(head_dim=64)
+    assert [meta(1, g, eight) for g in (1, 4, 8, 16)] == [False, False, True, True]
+    assert meta(2, 4, eight) and not meta(3, 8, eight) and not meta(17, 4, eight)
     monkeypatch.setenv("SEGKV_TRITON_TRANSPOSED", "1")
     every = paged_attention.default_launch_config(head_dim=64)
     assert meta(1, 1, every) and meta(4, 4, every) and not meta(17, 4, every)

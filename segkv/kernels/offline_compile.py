@@ -229,6 +229,9 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     common = {"OUT": "*fp32", "LSE": "*fp32", "FINAL": f"*{t}", "FINAL_LSE": "*fp32"}
     if case["kernel"] == "gqa":
         d = case["head_dim"]
+        if "transposed_min_pairs" in case:
+            launch = dataclasses.replace(launch or paged_attention.default_launch_config(head_dim=d),
+                                         transposed_min_pairs=case["transposed_min_pairs"])
         meta = paged_attention.stage1_launch(dtype=dtype, dk=d, dv=d, group=case.get("group", 4),
                                              page_size=case["page_size"], max_work_rows=case["rows"],
                                              element_size=element, launch=launch,
