@@ -7,6 +7,7 @@ the plan that ran.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -774,7 +775,8 @@ def test_wide_offsets_follow_the_caches_extent():
 def test_which_launches_take_int64_page_offsets():
     """Those whose cache needs them, and by default the row-major decode programs at pages of 32
     rows or more (measured faster there); no others."""
-    from segkv.kernels.paged_attention import WIDE_OFFSETS_SETTING, page_offsets_wide, stage1_launch
+    from segkv.kernels.paged_attention import (WIDE_OFFSETS_SETTING, default_launch_config, page_offsets_wide,
+                                               stage1_launch)
 
     assert WIDE_OFFSETS_SETTING is None  # the default rule (SEGKV_ATTENTION_WIDE_OFFSETS unset)
     assert page_offsets_wide(True, row_major_decode=False, page_size=16)
@@ -783,7 +785,9 @@ def test_which_launches_take_int64_page_offsets():
     assert not page_offsets_wide(False, row_major_decode=False, page_size=64)
     launch = dict(dtype=torch.bfloat16, dk=128, dv=128, element_size=2)
     assert stage1_launch(group=4, page_size=32, max_work_rows=1, **launch)["WIDE_OFFSETS"]  # 8B decode
-    assert not stage1_launch(group=8, page_size=32, max_work_rows=1, **launch)["WIDE_OFFSETS"]  # transposed
+    assert stage1_launch(group=8, page_size=32, max_work_rows=1, **launch)["WIDE_OFFSETS"]  # 70B decode, row-major
+    transposed = dataclasses.replace(default_launch_config(head_dim=128), transposed_min_pairs=8)
+    assert not stage1_launch(group=8, page_size=32, max_work_rows=1, launch=transposed, **launch)["WIDE_OFFSETS"]
     assert not stage1_launch(group=4, page_size=32, max_work_rows=16, **launch)["WIDE_OFFSETS"]  # 64 pairs
     assert stage1_launch(group=4, page_size=16, max_work_rows=16, cache_needs_int64=True, **launch)["WIDE_OFFSETS"]
 
