@@ -332,8 +332,8 @@ def default_launch_config(*, head_dim: int) -> LaunchConfig:
         # a piece's KV heads side by side: 0-3% faster at batch 1-16 over 32K-128K (H200)
         heads_fastest=env_int("SEGKV_TRITON_HEADS_FASTEST", 1) == 1,
         maxnreg=env_int("SEGKV_TRITON_MAXNREG", None),
-        # transposed products from 8 pairs: on the H200 the 70B shape (8 heads per KV head) gained
-        # 2-5% at batch 1-16 over 32K-64K, the 8B shape (4) lost 1-3%
+        # transposed products: none by default (TRANSPOSED_MIN_PAIRS: the row-major loop with page
+        # scalars, four-page tiles and skipped masks is level or faster on the 70B shape)
         transposed_min_pairs=env_int("SEGKV_TRITON_TRANSPOSED", TRANSPOSED_MIN_PAIRS),
     )
 
