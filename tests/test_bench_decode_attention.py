@@ -19,7 +19,8 @@ def _row(auto_ms: float, sdpa_ms: float) -> dict:
 
 
 @pytest.mark.parametrize("calls,pdl,words", [(16, False, "at least 16 calls per timing graph, attention PDL off"),
-                                             (0, True, "one pass over the data copies per timing graph, attention PDL on")])
+                                             (0, True, "one pass over the data copies per timing graph, "
+                                                       "attention PDL on")])
 def test_tables_name_the_timing_harness(calls, pdl, words):
     report = {"device": "H200", "bandwidth_bytes_per_s": 4.2e12, "dtype": "bfloat16", "trials": 5,
               "calls_per_graph": calls, "attention_pdl": pdl, "rows": [_row(0.0380, 0.0475)]}

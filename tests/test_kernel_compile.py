@@ -224,8 +224,8 @@ def test_four_page_scalars_shorten_the_common_tile():
     """``SEGKV_ATTENTION_SCALAR_PAGES=4``: a 64-row decode tile of 16-row pages loads its four page
     entries once instead of per row, and knows whether it is full, so its common path (masks
     skipped) is shorter than the per-row loop; the same MMA counts, no more registers, no spills."""
-    case = {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 16, "rows": 1, "assemble": True,
-            "sass": True}
+    case = {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 16, "rows": 1,
+            "assemble": True, "sass": True}
     (per_row,) = compile_cases([case], SEGKV_ATTENTION_SCALAR_PAGES="2")
     (scalars,) = compile_cases([case], SEGKV_ATTENTION_SCALAR_PAGES="4")
     before, after = per_row["sass"]["loops"][0], scalars["sass"]["loops"][0]

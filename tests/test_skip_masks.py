@@ -31,11 +31,13 @@ def test_which_launches_skip_masks(monkeypatch):
     assert {k: paged_attention.skip_masks(*k) for k in table} == table
     monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 2)
     assert not attention_tiles.four_page_scalars(transposed=False)
-    monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 4)  # four pages where the programs are not transposed
+    # four pages where the programs are not transposed
+    monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 4)
     assert attention_tiles.four_page_scalars(False) and not attention_tiles.four_page_scalars(True)
     assert paged_attention.skip_masks(16, 64, four=True) and paged_attention.skip_masks(8, 32, four=True)
     assert not paged_attention.skip_masks(16, 64) and paged_attention.skip_masks(32, 64)
-    assert not paged_attention.skip_masks(8, 64, four=True) and not paged_attention.skip_masks(20, 64, four=True)
+    assert not paged_attention.skip_masks(8, 64, four=True)
+    assert not paged_attention.skip_masks(20, 64, four=True)
     monkeypatch.setattr(attention_tiles, "PAGE_SCALARS", tl.constexpr(False))
     assert not paged_attention.skip_masks(16, 32) and not paged_attention.skip_masks(16, 64, four=True)
     assert not attention_tiles.four_page_scalars(False)
@@ -59,7 +61,8 @@ def test_four_page_scalars_follow_the_setting(monkeypatch):
     def launch(transposed_min_pairs: int) -> dict:
         return paged_attention.stage1_launch(dtype=torch.bfloat16, dk=128, dv=128, group=4, page_size=16,
                                              max_work_rows=1, element_size=2,
-                                             launch=LaunchConfig(64, 4, 3, transposed_min_pairs=transposed_min_pairs))
+                                             launch=LaunchConfig(64, 4, 3,
+                                                                 transposed_min_pairs=transposed_min_pairs))
 
     monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 1)
     monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 2)
@@ -121,11 +124,13 @@ def test_four_page_tiles_give_the_reference(rows, dtype, gen, monkeypatch):
     shape = AttentionShape(4, 1, head_dim, head_dim)
     queries = [SequenceQuery.from_chain(c, rows) for c in chains]
     query = torch.randn(2 * rows, 4, head_dim, generator=gen).to(DTYPES[dtype]).to(DEVICE)
-    plan = plan_attention(queries, shape, DeviceSpec.cpu(), page_size=page_size, route="split", num_partitions=2)
+    plan = plan_attention(queries, shape, DeviceSpec.cpu(), page_size=page_size, route="split",
+                          num_partitions=2)
     assert plan.num_partitions == 2
     launch = LaunchConfig(64, 4, 3, transposed_min_pairs=0)
-    meta = paged_attention.stage1_launch(dtype=DTYPES[dtype], dk=head_dim, dv=head_dim, group=4, page_size=page_size,
-                                         max_work_rows=rows, element_size=2, launch=launch)
+    meta = paged_attention.stage1_launch(dtype=DTYPES[dtype], dk=head_dim, dv=head_dim, group=4,
+                                         page_size=page_size, max_work_rows=rows, element_size=2,
+                                         launch=launch)
     assert meta["BLOCK_N"] == 64 and meta["FOUR"] and meta["SKIP"]
     storage = cache.storage
     out, lse, ref, ref_lse = triton_and_reference(plan, query, storage.key_cache(0), storage.value_cache(0),

@@ -383,8 +383,8 @@ def test_transposed_products_match_the_reference(route, dtype, gen, monkeypatch)
     """Programs of ``transposed_min_pairs`` to 16 (row, head) pairs take the K/V tile as the tall
     operand (scores ``(BLOCK_N, pairs)``, accumulator ``(head_dim, pairs)``); others keep the
     row-major products. By default none (``SEGKV_TRITON_TRANSPOSED`` sets the least, 0: none;
-    8 was the default before). Both give the reference's results, over pieces that end inside a tile, with fully masked
-    rows and with the merge inside stage 1."""
+    8 was the default before). Both give the reference's results, over pieces that end inside a
+    tile, with fully masked rows and with the merge inside stage 1."""
     from segkv.kernels import paged_attention
     from segkv.kernels.paged_attention import LaunchConfig
 
@@ -785,9 +785,10 @@ def test_which_launches_take_int64_page_offsets():
     assert not page_offsets_wide(False, row_major_decode=False, page_size=64)
     launch = dict(dtype=torch.bfloat16, dk=128, dv=128, element_size=2)
     assert stage1_launch(group=4, page_size=32, max_work_rows=1, **launch)["WIDE_OFFSETS"]  # 8B decode
-    assert stage1_launch(group=8, page_size=32, max_work_rows=1, **launch)["WIDE_OFFSETS"]  # 70B decode, row-major
+    assert stage1_launch(group=8, page_size=32, max_work_rows=1, **launch)["WIDE_OFFSETS"]  # 70B decode
     transposed = dataclasses.replace(default_launch_config(head_dim=128), transposed_min_pairs=8)
-    assert not stage1_launch(group=8, page_size=32, max_work_rows=1, launch=transposed, **launch)["WIDE_OFFSETS"]
+    assert not stage1_launch(group=8, page_size=32, max_work_rows=1, launch=transposed,
+                             **launch)["WIDE_OFFSETS"]
     assert not stage1_launch(group=4, page_size=32, max_work_rows=16, **launch)["WIDE_OFFSETS"]  # 64 pairs
     assert stage1_launch(group=4, page_size=16, max_work_rows=16, cache_needs_int64=True, **launch)["WIDE_OFFSETS"]
 

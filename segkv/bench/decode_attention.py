@@ -409,7 +409,8 @@ def markdown_tables(report: dict) -> str:
     """The report as markdown: one row per case (planner's plan, segkv and best stock SDPA times,
     their ratio, fraction of bandwidth, segments variants), then the cascade comparison."""
     lines = [f"Device: {report['device']}; copy bandwidth {report['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; "
-             f"{report['dtype']}; {report['trials']} trials; {graph_calls_text(report.get('calls_per_graph', 0))}, "
+             f"{report['dtype']}; {report['trials']} trials; "
+             f"{graph_calls_text(report.get('calls_per_graph', 0))}, "
              f"attention PDL {'on' if report.get('attention_pdl', True) else 'off'}; times are "
              "medians in ms [min-max].", "",
              "| shape | page | batch | context | plan | segkv auto | % bw | best SDPA | SDPA/segkv | "

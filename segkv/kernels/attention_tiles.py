@@ -93,7 +93,7 @@ def four_page_scalars(transposed: bool) -> bool:
     """Whether a GQA stage-1 launch gives a four-page tile's rows their page entries as scalars
     (:data:`SCALAR_PAGES`, :data:`PAGE_SCALARS`): not in ``transposed`` programs, whose per-row
     selects cost more than the row loads they replace (sm_90a, the 70B shape's decode at pages of
-    16: 506 -> 566 loop instructions; the 8B shape's 417 -> 412, 168 -> 139 registers)."""
+    16: 506 -> 566 loop instructions; the 8B shape's 417 -> 398 on the common path, 168 -> 148 registers)."""
     return bool(PAGE_SCALARS) and SCALAR_PAGES == 4 and not transposed
 
 
@@ -139,7 +139,8 @@ def tile_pages(page_table, page_rows, page_key_start, first, slot, pg1, WIDE: tl
             page2, rows2, start2 = page_index(page_table, page_rows, page_key_start, first + 2, pg1, WIDE)
             page3, rows3, start3 = page_index(page_table, page_rows, page_key_start, first + 3, pg1, WIDE)
             full = full & (rows2 == PAGE_SIZE) & (rows3 == PAGE_SIZE)
-        return (_by_slot(slot, page0, page1, page2, page3, PAGES), _by_slot(slot, rows0, rows1, rows2, rows3, PAGES),
+        return (_by_slot(slot, page0, page1, page2, page3, PAGES),
+                _by_slot(slot, rows0, rows1, rows2, rows3, PAGES),
                 _by_slot(slot, start0, start1, start2, start3, PAGES), full)
     else:
         page, rows, key_start = page_index(page_table, page_rows, page_key_start, first + slot, pg1, WIDE)

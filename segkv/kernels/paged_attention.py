@@ -69,7 +69,8 @@ def _stage1_kernel(
     accumulator ``(BLOCK_DV, BLOCK_M)``, :func:`online_softmax_step_transposed`). ``PLAN_EARLY``
     (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait. ``SKIP``
     (:func:`skip_masks`): a tile whose rows all hold keys every valid pair sees skips the score mask.
-    ``FOUR`` (:func:`attention_tiles.four_page_scalars`): a tile of four pages loads their entries as scalars."""
+    ``FOUR`` (:func:`attention_tiles.four_page_scalars`): a tile of four pages loads their entries
+    as scalars."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
