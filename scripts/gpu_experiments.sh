@@ -113,6 +113,8 @@
 #             now the default, "Skipped masks on; four page scalars").
 #   grid      the acceptance in one run at the defaults: attention GPU tests, the benchmark's grid.
 #   attentiontests  the attention kernels' GPU tests at the defaults.
+#   p32offsets  int32 page offsets for the row-major decode programs at pages of 32 too (the rule
+#             keeps int64 there), both shapes (not yet run).
 #   rowmajor70b  the 70B shape's decode programs row-major (SEGKV_TRITON_TRANSPOSED=0) against
 #             transposed, now that the row-major loop has four page scalars and skipped masks.
 #   p16wave   the decode programs' registers at pages of 16 and 32 as the GPU's Triton compiles
@@ -273,6 +275,14 @@ elif [ "$part" = rowmajor70b ]; then
   CFGS=("" "SEGKV_TRITON_TRANSPOSED=0")
   kernels_alternate --no-cascade --shapes llama3-70b --batches 1,4,16 --contexts 16384,32768,65536 --page-sizes 16,32 \
     --trials 5
+elif [ "$part" = p32offsets ]; then
+  # the row-major decode programs keep int64 page offsets at pages of 32 (int32 was 4% slower at
+  # batch 1 / 32K before page scalars and skipped masks); batch 16 at pages of 32 is 0.98-0.99x
+  # SDPA: int32 everywhere (SEGKV_ATTENTION_WIDE_OFFSETS=0) against the rule, both shapes, batch
+  # 1 / 4 / 16, 16K-64K, two rounds (not yet run)
+  CFGS=("" "SEGKV_ATTENTION_WIDE_OFFSETS=0")
+  kernels_alternate --no-cascade --shapes llama3-8b,llama3-70b --batches 1,4,16 --contexts 16384,32768,65536 \
+    --page-sizes 32 --trials 5
 elif [ "$part" = attentiontests ]; then
   # the attention kernels' GPU tests at the defaults (bf16 / head_dim 128 / page 16 grid cases and
   # every other attention test), e.g. after a change of the decode programs' defaults
