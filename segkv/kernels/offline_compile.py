@@ -157,9 +157,7 @@ def sass_counts(ptx: str, arch: int = 90) -> dict:
     path through an iteration). What the GPU issues per program and per tile: a latency-bound
     program with few warps per scheduler pays for each."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = _assemble(ptx, arch, tmp)
-        if out.returncode:
-            raise RuntimeError(out.stderr.strip()[-400:])
+        _assemble(ptx, arch, tmp)
         text = subprocess.run([_bundled_tool("nvdisasm"), "-c", os.path.join(tmp, "kernel.o")], check=True,
                               capture_output=True, text=True).stdout
     code, labels = [], {}
@@ -187,21 +185,23 @@ def sass_counts(ptx: str, arch: int = 90) -> dict:
 
 def _assemble(ptx: str, arch: int, tmp: str) -> subprocess.CompletedProcess:
     """``ptx`` assembled by Triton's bundled ``ptxas -v`` into ``tmp/kernel.o`` (``sm_<arch>a`` from
-    Hopper on); the finished process, its report in ``stderr``."""
+    Hopper on); the finished process, its report in ``stderr``. A failure raises with ptxas's
+    message."""
     path = os.path.join(tmp, "kernel.ptx")
     with open(path, "w") as f:
         f.write(ptx)
     suffix = "a" if arch >= 90 else ""
-    return subprocess.run([_bundled_tool("ptxas-blackwell", "ptxas"), "-v", f"--gpu-name=sm_{arch}{suffix}", path,
-                           "-o", os.path.join(tmp, "kernel.o")], capture_output=True, text=True)
+    out = subprocess.run([_bundled_tool("ptxas-blackwell", "ptxas"), "-v", f"--gpu-name=sm_{arch}{suffix}", path,
+                          "-o", os.path.join(tmp, "kernel.o")], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(out.stderr.strip()[-400:])
+    return out
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     """Registers per thread and spilled bytes (stores + loads) from Triton's bundled ``ptxas -v``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = _assemble(ptx, arch, tmp)
-    if out.returncode:
-        raise RuntimeError(out.stderr.strip()[-400:])
     registers = int(re.search(r"Used (\d+) registers", out.stderr).group(1))
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill", out.stderr))
     return registers, spills

@@ -447,6 +447,7 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     block_n = tile_rows(dataclasses.replace(launch, block_n=launch.tall_block_n) if tall_decode else launch,
                         page_size)
     transposed = block_m <= 16 and 0 < launch.transposed_min_pairs <= max_work_rows * group
+    four = four_page_scalars(transposed)
     return dict(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
@@ -457,8 +458,8 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED,
         WIDE_OFFSETS=page_offsets_wide(cache_needs_int64, row_major_decode=block_m <= 16 and not transposed,
                                        page_size=page_size),
-        SKIP=skip_masks(page_size, block_n, four_page_scalars(transposed)),
-        FOUR=four_page_scalars(transposed),
+        SKIP=skip_masks(page_size, block_n, four),
+        FOUR=four,
         num_warps=launch.tall_warps if tall else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size),
         **maxnreg_option(dataclasses.replace(launch, maxnreg=launch.tall_maxnreg)
