@@ -283,6 +283,16 @@ elif [ "$part" = p32offsets ]; then
   CFGS=("" "SEGKV_ATTENTION_WIDE_OFFSETS=0")
   kernels_alternate --no-cascade --shapes llama3-8b,llama3-70b --batches 1,4,16 --contexts 16384,32768,65536 \
     --page-sizes 32 --trials 5
+elif [ "$part" = p16parts ]; then
+  # batch 1 at pages of 16 runs 33 partitions (992-1008 rows: 16 tiles of 64 rows, the last one
+  # partial) where pages of 32 run 32 (1024 rows: 16 full tiles) and are 1.5-2 us faster: the
+  # partition sweep with 32 and 33 side by side, both shapes, both page sizes, 32K and 64K
+  for shape in llama3-8b llama3-70b; do
+    for page in 16 32; do
+      timeout 90 python3 -m segkv.bench.decode_attention --tune 1x32768,1x65536 --shapes $shape --page-sizes $page \
+        --trials 5 2>&1 | grep -E "^tune|rror" | sed -E 's/ p[0-9]+_head=[^ ]*//g' | tee -a "$log"
+    done
+  done
 elif [ "$part" = attentiontests ]; then
   # the attention kernels' GPU tests at the defaults (bf16 / head_dim 128 / page 16 grid cases and
   # every other attention test), e.g. after a change of the decode programs' defaults

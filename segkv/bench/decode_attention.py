@@ -374,7 +374,7 @@ def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], 
         auto = plan_attention(queries, shape, spec, page_size=page_size)
         backend = TritonBackend(page_size=page_size, device=device, launch=launch)
         timers = {}
-        for parts in sorted({1, 2, 4, 8, 12, 16, 24, 33, 48, 66, 132, 264, 528, 1056, auto.num_partitions}):
+        for parts in sorted({1, 2, 4, 8, 12, 16, 24, 32, 33, 48, 66, 132, 264, 528, 1056, auto.num_partitions}):
             if parts * page_size * 4 > context:
                 continue
             plan = plan_attention(queries, shape, spec, page_size=page_size, route="split", num_partitions=parts)
