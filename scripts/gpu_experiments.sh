@@ -276,11 +276,10 @@ elif [ "$part" = rowmajor70b ]; then
   kernels_alternate --no-cascade --shapes llama3-70b --batches 1,4,16 --contexts 16384,32768,65536 --page-sizes 16,32 \
     --trials 5
 elif [ "$part" = p32offsets ]; then
-  # the row-major decode programs keep int64 page offsets at pages of 32 (int32 was 4% slower at
-  # batch 1 / 32K before page scalars and skipped masks); batch 16 at pages of 32 is 0.98-0.99x
-  # SDPA: int32 everywhere (SEGKV_ATTENTION_WIDE_OFFSETS=0) against the rule, both shapes, batch
-  # 1 / 4 / 16, 16K-64K, two rounds (not yet run)
-  CFGS=("" "SEGKV_ATTENTION_WIDE_OFFSETS=0")
+  # the row-major decode programs at pages of 32 with int64 page offsets (the rule before this part
+  # was measured; int32 was 4% slower at batch 1 / 32K before page scalars and skipped masks)
+  # against int32, now the default: both shapes, batch 1 / 4 / 16, 16K-64K, two rounds
+  CFGS=("" "SEGKV_ATTENTION_WIDE_OFFSETS=1")
   kernels_alternate --no-cascade --shapes llama3-8b,llama3-70b --batches 1,4,16 --contexts 16384,32768,65536 \
     --page-sizes 32 --trials 5
 elif [ "$part" = p16parts ]; then
@@ -291,6 +290,31 @@ elif [ "$part" = p16parts ]; then
     for page in 16 32; do
       timeout 90 python3 -m segkv.bench.decode_attention --tune 1x32768,1x65536 --shapes $shape --page-sizes $page \
         --trials 5 2>&1 | grep -E "^tune|rror" | sed -E 's/ p[0-9]+_head=[^ ]*//g' | tee -a "$log"
+    done
+  done
+elif [ "$part" = headmajor ]; then
+  # at batch 16 the stock SDPA streams 2-4% above segkv from contiguous K/V; segkv's decode programs
+  # read 256-byte rows 2 KB apart ((page, row, head, dim) pages): the planner's plan over a
+  # head-major copy of the same pages ((page, head, row, dim): one 4-8 KB block per page and KV head)
+  # beside it, both shapes, batch 1 / 4 / 16, 16K-64K, both page sizes, two rounds
+  for round in 1 2; do
+    echo "-- kernels, head-major copy beside, round $round" | tee -a "$log"
+    timeout 150 python3 -m segkv.bench.decode_attention --head-major --no-cascade --shapes llama3-8b,llama3-70b \
+      --batches 1,4,16 --contexts 16384,32768,65536 --page-sizes 16,32 --trials 5 2>&1 | attention_rows
+  done
+elif [ "$part" = wholetiles ]; then
+  # batch 1 at pages of 16: the planner's 33 partitions (992-1008 rows at 32K: 16 tiles of 64 rows,
+  # the last one partial) against 32 of whole tiles (SEGKV_CUDA_MIN_PARTITION_ROWS=1024 at 32K,
+  # 2048 at 64K), both shapes, two rounds; pages of 32 (32 partitions at 32K already) for scale
+  for round in 1 2; do
+    for ctx_rows in 32768:1024 65536:2048; do
+      ctx=${ctx_rows%%:*}
+      for cfg in "" "SEGKV_CUDA_MIN_PARTITION_ROWS=${ctx_rows##*:}"; do
+        echo "-- kernels: ${cfg:-defaults}, round $round" | tee -a "$log"
+        # shellcheck disable=SC2086
+        env $cfg timeout 100 python3 -m segkv.bench.decode_attention --no-cascade --shapes llama3-8b,llama3-70b \
+          --batches 1 --contexts $ctx --page-sizes 16,32 --trials 5 2>&1 | attention_rows
+      done
     done
   done
 elif [ "$part" = attentiontests ]; then

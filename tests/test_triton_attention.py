@@ -773,24 +773,20 @@ def test_wide_offsets_follow_the_caches_extent():
 
 
 def test_which_launches_take_int64_page_offsets():
-    """Those whose cache needs them, and by default the row-major decode programs at pages of 32
-    rows or more (measured faster there); no others."""
+    """Only those whose cache needs them (by default): every program shape, page size and
+    transposed or row-major product takes int32 offsets otherwise."""
     from segkv.kernels.paged_attention import (WIDE_OFFSETS_SETTING, default_launch_config, page_offsets_wide,
                                                stage1_launch)
 
-    assert WIDE_OFFSETS_SETTING is None  # the default rule (SEGKV_ATTENTION_WIDE_OFFSETS unset)
-    assert page_offsets_wide(True, row_major_decode=False, page_size=16)
-    assert page_offsets_wide(False, row_major_decode=True, page_size=32)
-    assert not page_offsets_wide(False, row_major_decode=True, page_size=16)
-    assert not page_offsets_wide(False, row_major_decode=False, page_size=64)
+    assert WIDE_OFFSETS_SETTING == 0  # the default (SEGKV_ATTENTION_WIDE_OFFSETS unset)
+    assert page_offsets_wide(True) and not page_offsets_wide(False)
     launch = dict(dtype=torch.bfloat16, dk=128, dv=128, element_size=2)
-    assert stage1_launch(group=4, page_size=32, max_work_rows=1, **launch)["WIDE_OFFSETS"]  # 8B decode
-    assert stage1_launch(group=8, page_size=32, max_work_rows=1, **launch)["WIDE_OFFSETS"]  # 70B decode
     transposed = dataclasses.replace(default_launch_config(head_dim=128), transposed_min_pairs=8)
-    assert not stage1_launch(group=8, page_size=32, max_work_rows=1, launch=transposed,
-                             **launch)["WIDE_OFFSETS"]
-    assert not stage1_launch(group=4, page_size=32, max_work_rows=16, **launch)["WIDE_OFFSETS"]  # 64 pairs
-    assert stage1_launch(group=4, page_size=16, max_work_rows=16, cache_needs_int64=True, **launch)["WIDE_OFFSETS"]
+    for page_size in (16, 32, 64):
+        for group, rows, config in ((4, 1, None), (8, 1, None), (8, 1, transposed), (4, 16, None)):
+            args = dict(group=group, page_size=page_size, max_work_rows=rows, launch=config, **launch)
+            assert not stage1_launch(**args)["WIDE_OFFSETS"], (page_size, group, rows, config)
+            assert stage1_launch(cache_needs_int64=True, **args)["WIDE_OFFSETS"], (page_size, group, rows, config)
 
 
 @pytest.mark.parametrize("wide", [False, True])

@@ -398,27 +398,22 @@ def paged_attention(
     return out.to(out_dtype), lse
 
 
-# Page offsets of the stage-1 programs (SEGKV_ATTENTION_WIDE_OFFSETS): unset, int32 wherever the
-# cache allows (wide_offsets) except in row-major decode programs at pages of 32 rows or more,
-# which keep int64 ones; 1: int64 everywhere; 0: int32 wherever the cache allows. int32 offsets
-# take a tile loop's sign extensions and 64-bit products away (sm_90a: 64-pair programs 857 -> 760
-# instructions) and on the H200 made the cascade's prefix programs 3% faster, the transposed
-# 70B-shape programs 2.5-5% at batch 1 and the latent kernel up to 6% (batch 8, 64K); but the
-# row-major 8B-shape programs at pages of 32 lost 4% at batch 1 / 32K with them (ptxas then issues
-# the next tile's page loads at the end of the iteration, after its copies), and at pages of 16
-# they lost 3% at batch 1 and gained 2-3.5% at batch 4-16 (docs/benchmarks.md).
-WIDE_OFFSETS_SETTING = env_int("SEGKV_ATTENTION_WIDE_OFFSETS", None)
+# Page offsets of the stage-1 programs (SEGKV_ATTENTION_WIDE_OFFSETS): unset or 0, int32 wherever
+# the cache allows (wide_offsets); 1: int64 everywhere. int32 offsets take a tile loop's sign
+# extensions and 64-bit products away (sm_90a: 64-pair programs 857 -> 760 instructions) and on the
+# H200 made the cascade's prefix programs 3% faster, the transposed 70B-shape programs 2.5-5% at
+# batch 1 and the latent kernel up to 6% (batch 8, 64K). The row-major decode programs at pages of
+# 32 kept int64 ones until skipped masks and page scalars: then int32 measured 0.4-0.9% faster at
+# batch 16 and level at batch 1 and 4 (docs/benchmarks.md).
+WIDE_OFFSETS_SETTING = env_int("SEGKV_ATTENTION_WIDE_OFFSETS", 0)
+if WIDE_OFFSETS_SETTING not in (0, 1):
+    raise ValueError(f"SEGKV_ATTENTION_WIDE_OFFSETS must be 0 or 1, got {WIDE_OFFSETS_SETTING}")
 
 
-def page_offsets_wide(needed: bool, *, row_major_decode: bool, page_size: int) -> bool:
+def page_offsets_wide(needed: bool) -> bool:
     """Whether a stage-1 launch takes int64 page offsets: where the cache ``needed`` them
-    (:func:`wide_offsets`), else as :data:`WIDE_OFFSETS_SETTING` says (by default the GQA
-    ``row_major_decode`` programs, of at most 16 pairs, at pages of 32 rows or more)."""
-    if needed or WIDE_OFFSETS_SETTING == 1:
-        return True
-    if WIDE_OFFSETS_SETTING == 0:
-        return False
-    return row_major_decode and page_size >= 32
+    (:func:`wide_offsets`) or :data:`WIDE_OFFSETS_SETTING` asks for them everywhere."""
+    return needed or WIDE_OFFSETS_SETTING == 1
 
 
 def wide_offsets(*caches: torch.Tensor) -> bool:
@@ -456,8 +451,7 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         MERGE=0, TRANSPOSED=transposed, PLAN_EARLY=PLAN_EARLY == 2 or (PLAN_EARLY == 1 and block_m <= 16 and not transposed),
         MERGE_LANES=min(triton.next_power_of_2(group), block_m),
         MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED,
-        WIDE_OFFSETS=page_offsets_wide(cache_needs_int64, row_major_decode=block_m <= 16 and not transposed,
-                                       page_size=page_size),
+        WIDE_OFFSETS=page_offsets_wide(cache_needs_int64),
         SKIP=skip_masks(page_size, block_n, four),
         FOUR=four,
         num_warps=launch.tall_warps if tall else launch.num_warps,
