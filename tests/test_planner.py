@@ -198,14 +198,14 @@ def test_plan_validates_its_reduce_map():
 
 
 H200 = DeviceSpec(kind="cuda", name="h200", num_multiprocessors=132, blocks_per_multiprocessor=2,
-                  max_partitions=256, partition_overhead_rows=256)
+                  max_partitions=256, partition_overhead_rows=256, key_tile_rows=64)
 
 
-@pytest.mark.parametrize("batch,context,parts", [(1, 131072, 33), (1, 32768, 33), (4, 16384, 8), (4, 131072, 8),
+@pytest.mark.parametrize("batch,context,parts", [(1, 131072, 33), (1, 32768, 32), (4, 16384, 8), (4, 131072, 8),
                                                  (16, 16384, 2), (16, 131072, 2)])
 def test_cost_model_fills_whole_waves(batch, context, parts):
     """The H200 partition sweep of the pipelined kernel (docs/benchmarks.md): programs fill one wave
-    of 2 x 132 slots. Measured best there: 33, 33, 8, 8, 2, and 4 for batch 16 / 128K (2 partitions
+    of 2 x 132 slots. Measured best there: 33, 32-33, 8, 8, 2, and 4 for batch 16 / 128K (2 partitions
     1% slower; the 16 that taking the most partitions within 3% gave ran 3% slower)."""
     plan = plan_attention([seq(context) for _ in range(batch)], GQA, H200, page_size=PS)
     assert plan.route == Route.SPLIT and plan.num_partitions == parts
@@ -214,6 +214,22 @@ def test_cost_model_fills_whole_waves(batch, context, parts):
     assert programs > (waves - 1) * H200.wave_size + 0.9 * H200.wave_size or waves >= 3  # no sliver of a wave
     for row in range(batch):
         assert covered_rows(plan, row) == context
+
+
+@pytest.mark.parametrize("context,parts", [(32768, 32), (65536, 32), (131072, 33)])
+def test_partitions_cost_whole_tiles(context, parts):
+    """A partition costs its whole 64-row tiles: where 33 partitions of 992-1008 rows take as many
+    tiles as 32 of 1024 (16 each, the last one partial), the 32 of whole tiles win (0.3-1% faster
+    at batch 1 on the H200, pages of 16); at 128K 33 partitions take 63 tiles against 64 and stay.
+    Costed in rows (``key_tile_rows=1``) the 33 shorter partitions look cheaper."""
+    plan = plan_attention([seq(context)], GQA, H200, page_size=PS)
+    assert plan.route == Route.SPLIT and plan.num_partitions == parts
+    lengths = [sum(piece.page_rows) for piece in plan.pieces]
+    assert sum(lengths) == context
+    if parts == 32:
+        assert set(lengths) == {context // 32} and lengths[0] % 64 == 0
+    in_rows = plan_attention([seq(context)], GQA, dataclasses.replace(H200, key_tile_rows=1), page_size=PS)
+    assert in_rows.num_partitions == 33
 
 
 def test_cost_model_splits_a_batch_just_over_one_wave():

@@ -252,7 +252,8 @@ def _auto_chunk(
     units = [_work_units(rows, shape) for rows in query_rows]
     run_rows = [run.num_rows for run in runs]  # a sum over pages: computed once
     base = sum(units)
-    wave = _wave(device, shape, min(max(query_rows), device.max_query_rows_per_work))
+    work_rows = min(max(query_rows), device.max_query_rows_per_work)
+    wave = _wave(device, shape, work_rows)
     longest = max(run_rows)
     min_rows = device.min_rows_per_latent_partition if shape.is_latent else device.min_rows_per_partition
     min_chunk = max(page_size, math.ceil(min_rows / page_size) * page_size)
@@ -266,7 +267,11 @@ def _auto_chunk(
     rows_arr = np.asarray(run_rows, dtype=np.int64)
     per_run = np.minimum(device.max_partitions, -(-rows_arr[None, :] // chunk_all[:, None]))
     items_all = per_run @ np.asarray(units, dtype=np.int64)
-    cost_all = -(-items_all // wave) * (chunk_all + device.partition_overhead_rows)
+    # a GQA program's partition costs its whole KV tiles (tall decode and latent programs: rows)
+    tall = tall_decode_programs(work_rows, shape.group_size, max(shape.key_dim, shape.value_dim))
+    key_tile = 1 if shape.is_latent or tall else device.key_tile_rows
+    tiled_all = -(-chunk_all // key_tile) * key_tile
+    cost_all = -(-items_all // wave) * (tiled_all + device.partition_overhead_rows)
     if shape.is_latent:  # the merge reads each row's wide latent partials one after another
         cost_all = cost_all + parts_all * device.latent_merge_rows_per_partition
     elif device.merge_launch_rows and all(rows == 1 for rows in query_rows):
@@ -281,7 +286,9 @@ def _auto_chunk(
     # the cheapest estimate; among equal ones an idle device takes the most partitions, a full one
     # the fewest. (Taking the most within 3% of the best, as before the pipelined kernel, cost 2-5%
     # at batch 4-16 from 32K on the H200: batch 4 / 128K ran 33 partitions in 0.517 ms, 8 in 0.494.)
+    # Partitions of whole tiles first: at equal cost a partial last tile only adds work.
     near = np.flatnonzero(cost_all <= best)
+    near = near[tiled_all[near] - chunk_all[near] == (tiled_all[near] - chunk_all[near]).min()]
     pick = int(near.max() if base < wave else near.min())
     parts, chunk, items = int(parts_all[pick]), int(chunk_all[pick]), int(items_all[pick])
     if parts == 1:
