@@ -317,6 +317,16 @@ elif [ "$part" = wholetiles ]; then
       done
     done
   done
+elif [ "$part" = b16parts ]; then
+  # batch 16 is 0.99x SDPA at 128K (2 partitions; 4 measured 1% faster there once) and 0.98-0.99x at
+  # 16K with pages of 32: the partition sweep at both, both page sizes, the 8B shape; the 70B shape
+  # at 16K, pages of 32
+  for page in 16 32; do
+    timeout 120 python3 -m segkv.bench.decode_attention --tune 16x16384,16x131072 --shapes llama3-8b --page-sizes $page \
+      --trials 5 2>&1 | grep -E "^tune|rror" | sed -E 's/ p[0-9]+_head=[^ ]*//g' | tee -a "$log"
+  done
+  timeout 60 python3 -m segkv.bench.decode_attention --tune 16x16384 --shapes llama3-70b --page-sizes 32 \
+    --trials 5 2>&1 | grep -E "^tune|rror" | sed -E 's/ p[0-9]+_head=[^ ]*//g' | tee -a "$log"
 elif [ "$part" = attentiontests ]; then
   # the attention kernels' GPU tests at the defaults (bf16 / head_dim 128 / page 16 grid cases and
   # every other attention test), e.g. after a change of the decode programs' defaults
@@ -334,8 +344,11 @@ elif [ "$part" = grid ]; then
     --contexts 16384,32768,65536,131072 --page-sizes 16,32 --trials 5 --json "$OUT/grid.json" > "$OUT/grid.txt" 2>&1
   grep -E "^\[|rror|cascade" "$OUT/grid.txt" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' \
     | tee -a "$log"
-  echo "-- cascade, pages of 32" | tee -a "$log"
-  timeout 60 python3 -m segkv.bench.decode_attention --cascade-only --cascade-page-size 32 --trials 5 2>&1 | attention_rows
+  for page in 16 32; do
+    echo "-- cascade, pages of $page, and with at most 32 prefix partitions (whole tiles)" | tee -a "$log"
+    timeout 60 python3 -m segkv.bench.decode_attention --cascade-only --cascade-page-size $page --cascade-caps 32 \
+      --trials 5 2>&1 | attention_rows
+  done
 elif [ "$part" = fourpages ]; then
   # 64-row decode tiles of 16-row pages with their four page entries as scalars, so full tiles skip
   # the mask too (SEGKV_ATTENTION_SCALAR_PAGES=4; offline the batch-1 common path 417 -> 398
