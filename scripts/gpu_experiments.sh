@@ -327,6 +327,10 @@ elif [ "$part" = b16parts ]; then
   done
   timeout 60 python3 -m segkv.bench.decode_attention --tune 16x16384 --shapes llama3-70b --page-sizes 32 \
     --trials 5 2>&1 | grep -E "^tune|rror" | sed -E 's/ p[0-9]+_head=[^ ]*//g' | tee -a "$log"
+elif [ "$part" = offsetse2e ]; then
+  # Llama-3.1-8B (pages of 32 on CUDA) with the decode programs' int64 page offsets (the rule
+  # before) against int32 (the default now), batch 1 and 8, 1K and 16K, two rounds
+  e2e_alternate SEGKV_ATTENTION_WIDE_OFFSETS "1 0" --models llama-3.1-8b --batches 1,8 --contexts 1K,16K
 elif [ "$part" = attentiontests ]; then
   # the attention kernels' GPU tests at the defaults (bf16 / head_dim 128 / page 16 grid cases and
   # every other attention test), e.g. after a change of the decode programs' defaults
