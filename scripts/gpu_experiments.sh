@@ -26,6 +26,9 @@
 # Measured (docs/benchmarks.md, "The stage-1 instruction diet" and "Tall decode programs at the
 # defaults; 32-row decode tiles and P split by mask measured"): lean, leane2e, tall, decode32,
 # psplit and cascadewave (the last three slower or level: removed, the P split with its switch; git history).
+# Measured (docs/benchmarks.md, "int32 page offsets at pages of 32; head-major pages; partitions of
+# whole tiles; the acceptance grid"): p16parts, p32offsets and offsetse2e (int32 now the default),
+# headmajor (level), wholetiles (now the planner's rule), b16parts (the planner's 2 stay).
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
 #             against 0.0067 with halves) and the shares as the grid's last dimension
