@@ -24,7 +24,8 @@ TALL_DECODE_MAX_ROWS = 16
 # Fewest KV rows per partition on CUDA: one BLOCK_N tile. Short contexts at small batches then
 # still fill the device (4 programs of 272 rows left a 1K-context decode step latency-bound).
 CUDA_MIN_PARTITION_ROWS = 64
-# KV rows per tile of the GQA decode programs (BLOCK_N): a partition costs its whole tiles, so the
+# KV rows per tile of the GQA programs (BLOCK_N; the tall decode programs' 32-row tiles and the
+# latent programs are costed in rows): a partition costs its whole tiles, so the
 # planner counts a 992-row partition (15.5 tiles) as 16 and, at equal cost, takes partitions of
 # whole tiles (batch 1 / 32K at pages of 16: 32 partitions of 1024 rows, not 33 of 992-1008;
 # 0.3-1% faster on the H200).
@@ -69,8 +70,8 @@ class DeviceSpec:
     ``merge_launch_rows`` is what a merge launch costs (GQA), in KV rows, for a decode plan (one
     query row per sequence, no shared pieces) with more partials per row than
     ``stage1_merge_max_partials``, the most the stage-1 kernel merges itself (0: none).
-    ``key_tile_rows``: KV rows per tile of the GQA decode programs; the planner costs a partition
-    in whole tiles (1: in rows).
+    ``key_tile_rows``: KV rows per tile of the GQA programs (not tall decode ones); the planner
+    costs their partitions in whole tiles (1: in rows).
     """
 
     kind: str

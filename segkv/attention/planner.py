@@ -237,12 +237,13 @@ def _auto_chunk(
     (partitions of at least ``device.min_rows_per_partition`` rows, ``min_rows_per_latent_partition``
     for latent attention, at most
     ``device.max_partitions`` per run) is costed as ``waves x (rows per partition +
-    partition_overhead_rows)``: a partial wave costs a whole one, and every partition pays a
+    partition_overhead_rows)``, the rows in whole ``device.key_tile_rows`` tiles for GQA programs
+    (not tall decode ones): a partial wave costs a whole one, and every partition pays a
     fixed prologue, epilogue and merge share (latent attention adds
     ``latent_merge_rows_per_partition`` per partition: its merge reads 512-wide partials; a GQA
     decode batch adds ``merge_launch_rows`` when a row gets more partials than stage 1 merges).
-    When the unsplit batch leaves slots idle, the
-    most partitions among the cheapest estimates win; otherwise the fewest. A split is therefore
+    When the unsplit batch leaves slots idle, among the cheapest estimates partitions of whole
+    tiles first, then the most partitions win; otherwise the fewest. A split is therefore
     never chosen over an equally cheap or cheaper single pass when the device is full.
     Candidates whose float32 partials exceed ``device.max_partial_bytes`` are out.
     """
@@ -286,9 +287,10 @@ def _auto_chunk(
     # the cheapest estimate; among equal ones an idle device takes the most partitions, a full one
     # the fewest. (Taking the most within 3% of the best, as before the pipelined kernel, cost 2-5%
     # at batch 4-16 from 32K on the H200: batch 4 / 128K ran 33 partitions in 0.517 ms, 8 in 0.494.)
-    # Partitions of whole tiles first: at equal cost a partial last tile only adds work.
     near = np.flatnonzero(cost_all <= best)
-    near = near[tiled_all[near] - chunk_all[near] == (tiled_all[near] - chunk_all[near]).min()]
+    if base < wave:  # an idle device: partitions of whole tiles first (a partial last tile only adds work)
+        waste = tiled_all[near] - chunk_all[near]
+        near = near[waste == waste.min()]
     pick = int(near.max() if base < wave else near.min())
     parts, chunk, items = int(parts_all[pick]), int(chunk_all[pick]), int(items_all[pick])
     if parts == 1:
