@@ -474,6 +474,16 @@ elif [ "$part" = tests ] || [ "$part" = enginetests ]; then
     -k "not (test_kernels_match_the_reference or test_latent_kernel_matches_the_reference) or (bf16 and 128 and 16-16)" \
     > "$OUT/tests-$part.txt" 2>&1
   grep -E " passed| failed|^E  |^FAILED" "$OUT/tests-$part.txt" | tail -15 | tee -a "$log"
+elif [ "$part" = fullgrid ]; then
+  # the kernels' whole GPU grids (GQA: route x dtype x pages 16 / 32 / 64 x ratio 1 / 4 / 8 x head_dim
+  # 64 / 128 / 256, each at 1, 4 and 17 rows; latent: route x dtype x pages x heads, and the value
+  # split's), filtered by GRID_K (a pytest -k expression, e.g. "bf16", "fp16", "fp32": one call each;
+  # unset: all), each test's line kept in $OUT/tests-fullgrid.txt as it runs
+  echo "== GPU grids: ${GRID_K:-all}" | tee -a "$log"
+  timeout 540 python3 -m pytest -v -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_mla.py \
+    --durations=5 -k "(test_kernels_match_the_reference or test_latent_kernel_matches_the_reference or \
+test_value_split_matches_the_reference)${GRID_K:+ and ($GRID_K)}" > "$OUT/tests-fullgrid.txt" 2>&1
+  grep -E " passed| failed|^E  |^FAILED" "$OUT/tests-fullgrid.txt" | tail -15 | tee -a "$log"
 elif [ "$part" = valuesplit ]; then
   # the latent value split at batch 1, now halving the values only for plans of at most one
   # partial per SM (read from the plan): its GPU tests, the kernels at 1K-128K against one program
