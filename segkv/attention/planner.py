@@ -214,13 +214,17 @@ def _work_units(rows: int, shape: AttentionShape) -> int:
     return shape.num_kv_heads * max(1, math.ceil(rows * shape.group_size / tile))
 
 
-def _wave(device: DeviceSpec, shape: AttentionShape, max_work_rows: int) -> int:
+def _tall(shape: AttentionShape, max_work_rows: int) -> bool:
+    """Whether the plan's GQA stage-1 programs are tall decode programs (:func:`device.tall_decode_programs`)."""
+    return not shape.is_latent and tall_decode_programs(max_work_rows, shape.group_size,
+                                                        max(shape.key_dim, shape.value_dim))
+
+
+def _wave(device: DeviceSpec, shape: AttentionShape, tall: bool) -> int:
     """Stage-1 programs of ``shape`` the device runs at once (latent programs: at most 2 per unit;
-    tall GQA decode programs, :func:`device.tall_decode_programs`: the device's tall wave)."""
+    ``tall`` GQA decode programs, :func:`_tall`: the device's tall wave)."""
     if not shape.is_latent:
-        if tall_decode_programs(max_work_rows, shape.group_size, max(shape.key_dim, shape.value_dim)):
-            return device.tall_wave_size
-        return device.wave_size
+        return device.tall_wave_size if tall else device.wave_size
     return device.num_multiprocessors * min(device.blocks_per_multiprocessor, _LATENT_RESIDENT_PER_MULTIPROCESSOR)
 
 
@@ -253,8 +257,8 @@ def _auto_chunk(
     units = [_work_units(rows, shape) for rows in query_rows]
     run_rows = [run.num_rows for run in runs]  # a sum over pages: computed once
     base = sum(units)
-    work_rows = min(max(query_rows), device.max_query_rows_per_work)
-    wave = _wave(device, shape, work_rows)
+    tall = _tall(shape, min(max(query_rows), device.max_query_rows_per_work))
+    wave = _wave(device, shape, tall)
     longest = max(run_rows)
     min_rows = device.min_rows_per_latent_partition if shape.is_latent else device.min_rows_per_partition
     min_chunk = max(page_size, math.ceil(min_rows / page_size) * page_size)
@@ -269,7 +273,6 @@ def _auto_chunk(
     per_run = np.minimum(device.max_partitions, -(-rows_arr[None, :] // chunk_all[:, None]))
     items_all = per_run @ np.asarray(units, dtype=np.int64)
     # a GQA program's partition costs its whole KV tiles (tall decode and latent programs: rows)
-    tall = tall_decode_programs(work_rows, shape.group_size, max(shape.key_dim, shape.value_dim))
     key_tile = 1 if shape.is_latent or tall else device.key_tile_rows
     tiled_all = -(-chunk_all // key_tile) * key_tile
     cost_all = -(-items_all // wave) * (tiled_all + device.partition_overhead_rows)
