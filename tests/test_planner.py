@@ -230,6 +230,8 @@ def test_partitions_cost_whole_tiles(context, parts):
         assert set(lengths) == {context // 32} and lengths[0] % 64 == 0
     in_rows = plan_attention([seq(context)], GQA, dataclasses.replace(H200, key_tile_rows=1), page_size=PS)
     assert in_rows.num_partitions == 33
+    with pytest.raises(ValueError, match="key_tile_rows"):
+        dataclasses.replace(H200, key_tile_rows=0)
 
 
 def test_cost_model_splits_a_batch_just_over_one_wave():
