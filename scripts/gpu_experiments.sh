@@ -474,6 +474,49 @@ elif [ "$part" = tests ] || [ "$part" = enginetests ]; then
     -k "not (test_kernels_match_the_reference or test_latent_kernel_matches_the_reference) or (bf16 and 128 and 16-16)" \
     > "$OUT/tests-$part.txt" 2>&1
   grep -E " passed| failed|^E  |^FAILED" "$OUT/tests-$part.txt" | tail -15 | tee -a "$log"
+elif [ "$part" = b64 ]; then
+  # batch 64, one piece per sequence: the 70B shape at pages of 16 ran 0.82-0.87x the best SDPA
+  # (4K-128K) where pages of 32, the 8B shape and 2 segments ran 1.02-1.06x. Registers and shared
+  # memory of the four decode programs on this Triton (offline, sm_90a), then the kernels with each setting
+  echo "-- decode programs on this Triton: group, page, shared, registers, spills" | tee -a "$log"
+  echo '[{"kernel":"gqa","dtype":"bfloat16","head_dim":128,"page_size":16,"rows":1,"group":8,"assemble":true,"pdl":true},
+{"kernel":"gqa","dtype":"bfloat16","head_dim":128,"page_size":16,"rows":1,"group":4,"assemble":true,"pdl":true},
+{"kernel":"gqa","dtype":"bfloat16","head_dim":128,"page_size":32,"rows":1,"group":8,"assemble":true,"pdl":true},
+{"kernel":"gqa","dtype":"bfloat16","head_dim":128,"page_size":32,"rows":1,"group":4,"assemble":true,"pdl":true}]' \
+    | timeout 120 python3 -m segkv.kernels.offline_compile 2>&1 | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    c = r["case"]
+    print(c["group"], c["page_size"], r["shared"], r["registers"], r["spill_bytes"])' | tee -a "$log"
+  CFGS=("" "SEGKV_ATTENTION_SCALAR_PAGES=2" "SEGKV_TRITON_TRANSPOSED=8" "SEGKV_TRITON_HEADS_FASTEST=0"
+        "SEGKV_CUDA_BLOCKS_PER_SM=3")
+  kernels_alternate --no-cascade --shapes llama3-70b,llama3-8b --batches 64 --contexts 16384 --page-sizes 16,32 --trials 3
+elif [ "$part" = b64two ]; then
+  # after b64 (70B shape, pages of 16: 150 registers, so 3 programs per SM, where the others hold
+  # 168-180; two page scalars or the transposed products made batch 64 1.16 -> 0.95-0.97 ms): their
+  # registers, then the 70B shape at pages of 16 over batch 1-64 with each, two rounds
+  echo "-- 70B decode program at pages of 16 (shared, registers, spills): defaults, two page scalars, transposed" | tee -a "$log"
+  for cfg in "" "SEGKV_ATTENTION_SCALAR_PAGES=2" "SEGKV_TRITON_TRANSPOSED=8"; do
+    echo '[{"kernel":"gqa","dtype":"bfloat16","head_dim":128,"page_size":16,"rows":1,"group":8,"assemble":true,"pdl":true}]' \
+      | env $cfg timeout 60 python3 -m segkv.kernels.offline_compile 2>&1 | grep -o '"shared.*spill_bytes": [0-9]*' | tee -a "$log"
+  done
+  CFGS=("" "SEGKV_ATTENTION_SCALAR_PAGES=2" "SEGKV_TRITON_TRANSPOSED=8")
+  kernels_alternate --no-cascade --shapes llama3-70b --batches 1,4,16,32,64 --contexts 16384,32768 --page-sizes 16 --trials 3
+elif [ "$part" = lean ]; then
+  # the 70B shape's decode at pages of 16 fits 3 programs per SM (150 registers; b64, b64two):
+  # batch 64 in one piece ran 0.81x SDPA. Batch 33-128 with the planner costing a full device's
+  # waves at 3 (SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3: 3 partitions at 33 and 64, one piece at 48), with
+  # one more pipeline stage (104 KB, so 2 per SM; level at batch 1, 3% slower at 16) and the
+  # defaults; the 8B shape at batch 64 / 128 for the programs that fit 2
+  CFGS=("" "SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3" "SEGKV_TRITON_STAGES=4")
+  kernels_alternate --no-cascade --shapes llama3-70b --batches 33,40,48,56,64,80,96,128 --contexts 16384,32768 \
+    --page-sizes 16 --trials 3
+  CFGS=("" "SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3")
+  kernels_alternate --no-cascade --shapes llama3-8b --batches 64,128 --contexts 16384 --page-sizes 16,32 --trials 3
 elif [ "$part" = fullgrid ]; then
   # the kernels' whole GPU grids (GQA: route x dtype x pages 16 / 32 / 64 x ratio 1 / 4 / 8 x head_dim
   # 64 / 128 / 256, each at 1, 4 and 17 rows; latent: route x dtype x pages x heads, and the value

@@ -420,14 +420,17 @@ def test_cuda_device_spec_from_properties_and_environment(monkeypatch):
         spec = DeviceSpec.cuda()
         assert (spec.kind, spec.num_multiprocessors, spec.blocks_per_multiprocessor, spec.min_rows_per_partition,
                 spec.min_rows_per_latent_partition, spec.latent_merge_rows_per_partition, spec.merge_launch_rows,
-                spec.stage1_merge_max_partials) == ("cuda", 132, 2, 64, 32, 1, 0, 8)
+                spec.stage1_merge_max_partials, spec.lean_blocks_per_multiprocessor) == (
+                    "cuda", 132, 2, 64, 32, 1, 0, 8, 0)
         for name, value in (("SEGKV_CUDA_BLOCKS_PER_SM", "3"), ("SEGKV_CUDA_MIN_PARTITION_ROWS", "128"),
+                            ("SEGKV_CUDA_LEAN_BLOCKS_PER_SM", "3"),
                             ("SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS", "64"), ("SEGKV_CUDA_LATENT_MERGE_ROWS", "0"),
                             ("SEGKV_CUDA_MERGE_LAUNCH_ROWS", "256")):
             monkeypatch.setenv(name, value)
         spec = DeviceSpec.cuda()
         assert (spec.blocks_per_multiprocessor, spec.min_rows_per_partition, spec.min_rows_per_latent_partition,
-                spec.latent_merge_rows_per_partition, spec.merge_launch_rows) == (3, 128, 64, 0, 256)
+                spec.latent_merge_rows_per_partition, spec.merge_launch_rows,
+                spec.lean_wave_size) == (3, 128, 64, 0, 256, 396)
         monkeypatch.setenv("SEGKV_CUDA_MERGE_LAUNCH_ROWS", "-1")
         with pytest.raises(ValueError, match="merge_launch_rows"):
             DeviceSpec.cuda()
@@ -472,3 +475,56 @@ def test_the_planners_tall_decode_programs_are_the_launchers(rows, group, head_d
         assert meta["BLOCK_N"] == 32 and meta["maxnreg"] == 168
     else:
         assert "maxnreg" not in meta and meta["BLOCK_N"] == (32 if head_dim > 128 else 64)
+
+
+GQA70 = AttentionShape(num_q_heads=64, num_kv_heads=8, key_dim=128, value_dim=128)
+
+
+def test_a_full_device_of_lean_programs_is_costed_in_the_waves_it_holds(monkeypatch):
+    """``lean_blocks_per_multiprocessor``: the 70B shape's decode programs at pages of 16 (8 pairs,
+    four page scalars) fit 3 to an SM, so batch 64 in one piece is 512 programs in 1.29 waves of
+    396 (0.81x SDPA on the H200), and the planner cuts 3 partitions (4 even waves; 0.961-0.965
+    against 1.148-1.157 ms at 16K). Off (0, the default), pages of 32, the 8B shape (4 pairs) and
+    an idle device (batch 16: 2 partitions, a wave of 264) plan as before; with the transposed
+    products (no four page scalars) the programs are not lean."""
+    from segkv.attention.device import lean_decode_programs
+
+    lean = dataclasses.replace(H200, min_rows_per_partition=64, lean_blocks_per_multiprocessor=3)
+    assert lean.lean_wave_size == 396 and H200.lean_wave_size == H200.wave_size == 264
+    batch64 = [seq(16384) for _ in range(64)]
+    plan = plan_attention(batch64, GQA70, lean, page_size=PS)
+    assert plan.route == Route.SPLIT and plan.num_partitions == 3 and "waves of 396 held" in plan.reason
+    assert len(plan.work) * GQA70.num_kv_heads == 1536
+    for row in range(64):
+        assert covered_rows(plan, row) == 16384
+    off = plan_attention(batch64, GQA70, dataclasses.replace(lean, lean_blocks_per_multiprocessor=0), page_size=PS)
+    assert off.route == Route.SINGLE and "waves of" not in off.reason
+    assert plan_attention(batch64, GQA, lean, page_size=PS).route == Route.SINGLE  # 4 pairs: not lean
+    idle = plan_attention([seq(16384) for _ in range(16)], GQA70, lean, page_size=PS)
+    assert idle.num_partitions == 2 and "wave 264" in idle.reason and "held" not in idle.reason
+
+    assert lean_decode_programs(1, 8, 128, 16, 64) and lean_decode_programs(2, 8, 128, 16, 64)
+    assert not lean_decode_programs(1, 8, 128, 32, 64)  # two-page tiles
+    assert not lean_decode_programs(1, 4, 128, 16, 64)  # 4 pairs
+    assert not lean_decode_programs(3, 8, 128, 16, 64)  # 24 pairs: a 32-row M tile
+    assert not lean_decode_programs(1, 8, 256, 16, 64)  # wide heads
+    monkeypatch.setenv("SEGKV_TRITON_TRANSPOSED", "8")
+    assert not lean_decode_programs(1, 8, 128, 16, 64)
+    with pytest.raises(ValueError, match="lean_blocks_per_multiprocessor"):
+        dataclasses.replace(H200, lean_blocks_per_multiprocessor=-1)
+
+
+@pytest.mark.parametrize("rows,group,page_size", [(1, 8, 16), (2, 4, 16), (1, 16, 16), (1, 4, 16), (1, 8, 32),
+                                                  (3, 8, 16), (1, 8, 64)])
+def test_the_planners_lean_decode_programs_are_the_launchers(rows, group, page_size):
+    """``lean_decode_programs`` agrees with the launcher: one 16-row M tile of 8-16 pairs taking a
+    64-row tile's four page entries as scalars (``FOUR``)."""
+    import torch
+
+    from segkv.attention.device import CUDA_KEY_TILE_ROWS, lean_decode_programs
+    from segkv.kernels import paged_attention
+
+    meta = paged_attention.stage1_launch(dtype=torch.bfloat16, dk=128, dv=128, group=group, page_size=page_size,
+                                         max_work_rows=rows, element_size=2)
+    launched = meta["BLOCK_M"] == 16 and meta["FOUR"] and meta["BLOCK_N"] == 4 * page_size and rows * group >= 8
+    assert lean_decode_programs(rows, group, 128, page_size, CUDA_KEY_TILE_ROWS) == launched

@@ -18,6 +18,15 @@ CUDA_BLOCKS_PER_SM = 2  # stage 1 at (BLOCK_N 64, 4 warps, 3 stages): about 204 
 # cascade (16 forks of a 32K prefix) ran 0.0645 ms at 3 against 0.0762 with 64-row tiles at 2
 # (H200, docs/benchmarks.md). Prefill chunks (work items of up to 64 rows) keep 64-row tiles, 2 per SM.
 CUDA_TALL_BLOCKS_PER_SM = 3
+# The same for a full device's waves of lean decode programs (lean_decode_programs: 8-16 pairs over
+# 64-row tiles of four 16-row pages, the 70B shape's decode at pages of 16), which hold 150 registers
+# and 72 KB as the H200's Triton 3.6 compiles them, so 3 fit an SM where the other decode programs
+# (168-186 registers) fit 2. With SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3 the planner still aims an idle
+# device at CUDA_BLOCKS_PER_SM but costs a full one's waves at 3: batch 64 in one piece per sequence
+# is 512 programs, 1.29 waves of 396 (not 1.94 of 264), and ran at 0.81x cuDNN SDPA (16K:
+# 1.148-1.157 ms), where 3 partitions (4 even waves) ran 0.961-0.965 ms (H200, docs/benchmarks.md).
+# 0 (off) until measured at the other batches it changes (33-128: gpu_experiments.sh lean).
+CUDA_LEAN_BLOCKS_PER_SM = 0
 # The most query rows per work item of a tall decode program (more: a prefill chunk's); the
 # launcher's kernels.paged_attention.TALL_DECODE_MAX_ROWS
 TALL_DECODE_MAX_ROWS = 16
@@ -57,7 +66,9 @@ class DeviceSpec:
 
     ``num_multiprocessors * blocks_per_multiprocessor`` work items run at once (a "wave");
     ``tall_blocks_per_multiprocessor`` (0: the same) for plans of tall decode programs
-    (:func:`tall_decode_programs`).
+    (:func:`tall_decode_programs`). ``lean_blocks_per_multiprocessor`` (0: the same) is how many
+    lean decode programs (:func:`lean_decode_programs`) the device holds: the planner costs a
+    full device's waves of them with it (an idle one still aims at ``blocks_per_multiprocessor``).
     ``min_rows_per_partition`` is the fewest KV rows worth giving one partition: below it
     the merge costs more than the parallelism gains (``min_rows_per_latent_partition``: the same
     for latent attention, whose tiles are shorter). ``max_query_rows_per_work`` bounds the
@@ -79,6 +90,7 @@ class DeviceSpec:
     num_multiprocessors: int
     blocks_per_multiprocessor: int = 1
     tall_blocks_per_multiprocessor: int = 0
+    lean_blocks_per_multiprocessor: int = 0
     min_rows_per_partition: int = 256
     min_rows_per_latent_partition: int = 256
     max_partitions: int = 64
@@ -99,7 +111,7 @@ class DeviceSpec:
             if getattr(self, name) < 1:
                 raise ValueError(f"DeviceSpec.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("latent_merge_rows_per_partition", "merge_launch_rows", "stage1_merge_max_partials",
-                     "tall_blocks_per_multiprocessor"):
+                     "tall_blocks_per_multiprocessor", "lean_blocks_per_multiprocessor"):
             if getattr(self, name) < 0:  # 0: not costed / no merge inside stage 1
                 raise ValueError(f"DeviceSpec.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -112,6 +124,11 @@ class DeviceSpec:
     def tall_wave_size(self) -> int:
         """Work items of tall decode programs (:func:`tall_decode_programs`) the device runs concurrently."""
         return self.num_multiprocessors * (self.tall_blocks_per_multiprocessor or self.blocks_per_multiprocessor)
+
+    @property
+    def lean_wave_size(self) -> int:
+        """Lean decode programs (:func:`lean_decode_programs`) the device holds at once."""
+        return self.num_multiprocessors * (self.lean_blocks_per_multiprocessor or self.blocks_per_multiprocessor)
 
     @classmethod
     def cpu(cls, *, num_threads: int | None = None) -> DeviceSpec:
@@ -150,6 +167,7 @@ class DeviceSpec:
             num_multiprocessors=props.multi_processor_count,
             blocks_per_multiprocessor=blocks_per_multiprocessor,
             tall_blocks_per_multiprocessor=env_int("SEGKV_CUDA_TALL_BLOCKS_PER_SM", CUDA_TALL_BLOCKS_PER_SM),
+            lean_blocks_per_multiprocessor=env_int("SEGKV_CUDA_LEAN_BLOCKS_PER_SM", CUDA_LEAN_BLOCKS_PER_SM),
             min_rows_per_partition=min_rows_per_partition,
             min_rows_per_latent_partition=env_int("SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS", CUDA_MIN_LATENT_PARTITION_ROWS),
             max_partitions=256,
@@ -178,3 +196,17 @@ def tall_decode_programs(max_work_rows: int, group_size: int, head_dim: int) -> 
     32 pairs with heads of at most 128, ``paged_attention.stage1_launch``) from at most
     :data:`TALL_DECODE_MAX_ROWS` rows, the decode rows of forks that share a prefix."""
     return head_dim <= 128 and max_work_rows * group_size > 32 and max_work_rows <= TALL_DECODE_MAX_ROWS
+
+
+def lean_decode_programs(max_work_rows: int, group_size: int, head_dim: int, page_size: int,
+                         key_tile_rows: int) -> bool:
+    """Whether the GQA stage-1 launch of a plan whose work items hold up to ``max_work_rows`` query
+    rows takes lean decode programs: 8-16 (row, head) pairs (one 16-row M tile) over
+    ``key_tile_rows``-row tiles of four pages with their page entries as scalars
+    (``paged_attention.four_page_decode``: row-major programs, the launcher's default)."""
+    pairs = max_work_rows * group_size
+    if head_dim > 128 or not 8 <= pairs <= 16 or key_tile_rows != 4 * page_size:
+        return False
+    from segkv.kernels.paged_attention import four_page_decode  # the launcher's settings
+
+    return four_page_decode(pairs)

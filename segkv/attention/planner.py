@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from segkv.attention.device import DeviceSpec, tall_decode_programs
+from segkv.attention.device import DeviceSpec, lean_decode_programs, tall_decode_programs
 from segkv.attention.plan import (
     AttentionPlan,
     AttentionShape,
@@ -242,7 +242,8 @@ def _auto_chunk(
     for latent attention, at most
     ``device.max_partitions`` per run) is costed as ``waves x (rows per partition +
     partition_overhead_rows)``, the rows in whole ``device.key_tile_rows`` tiles for GQA programs
-    (not tall decode ones): a partial wave costs a whole one, and every partition pays a
+    (not tall decode ones): a partial wave costs a whole one (on a full device, a wave is what
+    it holds: ``device.lean_wave_size`` for lean decode programs), and every partition pays a
     fixed prologue, epilogue and merge share (latent attention adds
     ``latent_merge_rows_per_partition`` per partition: its merge reads 512-wide partials; a GQA
     decode batch adds ``merge_launch_rows`` when a row gets more partials than stage 1 merges).
@@ -257,8 +258,15 @@ def _auto_chunk(
     units = [_work_units(rows, shape) for rows in query_rows]
     run_rows = [run.num_rows for run in runs]  # a sum over pages: computed once
     base = sum(units)
-    tall = _tall(shape, min(max(query_rows), device.max_query_rows_per_work))
+    work_rows = min(max(query_rows), device.max_query_rows_per_work)
+    tall = _tall(shape, work_rows)
     wave = _wave(device, shape, tall)
+    # a full device's waves: as many programs as it holds (lean decode programs: more than it aims at)
+    full_wave = wave
+    if base >= wave and device.lean_blocks_per_multiprocessor and not shape.is_latent and not tall and \
+            lean_decode_programs(work_rows, shape.group_size, max(shape.key_dim, shape.value_dim), page_size,
+                                 device.key_tile_rows):
+        full_wave = device.lean_wave_size
     longest = max(run_rows)
     min_rows = device.min_rows_per_latent_partition if shape.is_latent else device.min_rows_per_partition
     min_chunk = max(page_size, math.ceil(min_rows / page_size) * page_size)
@@ -275,7 +283,7 @@ def _auto_chunk(
     # a GQA program's partition costs its whole KV tiles (tall decode and latent programs: rows)
     key_tile = 1 if shape.is_latent or tall else device.key_tile_rows
     tiled_all = -(-chunk_all // key_tile) * key_tile
-    cost_all = -(-items_all // wave) * (tiled_all + device.partition_overhead_rows)
+    cost_all = -(-items_all // full_wave) * (tiled_all + device.partition_overhead_rows)
     if shape.is_latent:  # the merge reads each row's wide latent partials one after another
         cost_all = cost_all + parts_all * device.latent_merge_rows_per_partition
     elif device.merge_launch_rows and all(rows == 1 for rows in query_rows):
@@ -301,8 +309,9 @@ def _auto_chunk(
         return None, f"{base} work items {fill}; splitting does not pay"
     chunks = {i: max(chunk, -(-rows // device.max_partitions)) for i, rows in enumerate(run_rows)}
     fill = "fill a wave of" if base >= wave else "< wave"
-    return chunks, (f"{base} work items {fill} {wave}: {parts} partitions of {chunk} rows ({items} items, "
-                    f"{math.ceil(items / wave)} waves)")
+    held = f", waves of {full_wave} held" if full_wave != wave else ""
+    return chunks, (f"{base} work items {fill} {wave}{held}: {parts} partitions of {chunk} rows ({items} items, "
+                    f"{math.ceil(items / full_wave)} waves)")
 
 
 # -- pieces and work -----------------------------------------------------------------------

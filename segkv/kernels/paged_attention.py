@@ -280,6 +280,15 @@ TALL_DECODE_MAX_ROWS = 16
 TRANSPOSED_MIN_PAIRS = 0
 
 
+def four_page_decode(pairs: int, launch: LaunchConfig | None = None) -> bool:
+    """Whether row-major decode programs of ``pairs`` (query row, head) pairs (at most 16: one
+    16-row M tile) take a 64-row tile's four page entries as scalars (:func:`stage1_launch`'s
+    ``FOUR`` at pages of 16): not where ``launch`` (default: :func:`default_launch_config`) gives
+    them the transposed products."""
+    launch = launch or default_launch_config(head_dim=128)
+    return four_page_scalars(0 < launch.transposed_min_pairs <= pairs)
+
+
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
     """Stage-1 tile and launch parameters: KV rows per iteration, warps, pipeline stages."""
