@@ -511,7 +511,12 @@ elif [ "$part" = lean ]; then
   # batch 64 in one piece ran 0.81x SDPA. Batch 33-128 with the planner costing a full device's
   # waves at 3 (SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3: 3 partitions at 33 and 64, one piece at 48), with
   # one more pipeline stage (104 KB, so 2 per SM; level at batch 1, 3% slower at 16) and the
-  # defaults; the 8B shape at batch 64 / 128 for the programs that fit 2
+  # defaults; the 8B shape at batch 64 / 128 for the programs that fit 2. First the driver's count of
+  # resident programs per SM (scripts/stage1_occupancy.py): the 8B program at pages of 32 holds 168
+  # registers (3 should fit) and is not slow at batch 64
+  echo "-- stage-1 programs per SM as the driver places them (batch 64 decode)" | tee -a "$log"
+  timeout 120 python3 scripts/stage1_occupancy.py --shapes llama3-8b,llama3-70b --page-sizes 16,32 2>&1 \
+    | grep -E "registers|rror" | tee -a "$log"
   CFGS=("" "SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3" "SEGKV_TRITON_STAGES=4")
   kernels_alternate --no-cascade --shapes llama3-70b --batches 33,40,48,56,64,80,96,128 --contexts 16384,32768 \
     --page-sizes 16 --trials 3
