@@ -280,13 +280,20 @@ TALL_DECODE_MAX_ROWS = 16
 TRANSPOSED_MIN_PAIRS = 0
 
 
+def transposed_products(pairs: int, block_m: int, launch: LaunchConfig) -> bool:
+    """Whether stage-1 programs of ``pairs`` (query row, head) pairs in ``block_m``-row M tiles take
+    the K/V tile as the tall operand (``launch.transposed_min_pairs`` to 16 pairs; taller programs
+    already fill a warpgroup MMA with their pairs)."""
+    return block_m <= 16 and 0 < launch.transposed_min_pairs <= pairs
+
+
 def four_page_decode(pairs: int, launch: LaunchConfig | None = None) -> bool:
     """Whether row-major decode programs of ``pairs`` (query row, head) pairs (at most 16: one
     16-row M tile) take a 64-row tile's four page entries as scalars (:func:`stage1_launch`'s
     ``FOUR`` at pages of 16): not where ``launch`` (default: :func:`default_launch_config`) gives
     them the transposed products."""
     launch = launch or default_launch_config(head_dim=128)
-    return four_page_scalars(0 < launch.transposed_min_pairs <= pairs)
+    return four_page_scalars(transposed_products(pairs, 16, launch))
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,7 +457,7 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     tall_decode = tall and max_work_rows <= TALL_DECODE_MAX_ROWS  # device.tall_decode_programs
     block_n = tile_rows(dataclasses.replace(launch, block_n=launch.tall_block_n) if tall_decode else launch,
                         page_size)
-    transposed = block_m <= 16 and 0 < launch.transposed_min_pairs <= max_work_rows * group
+    transposed = transposed_products(max_work_rows * group, block_m, launch)
     four = four_page_scalars(transposed)
     return dict(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
