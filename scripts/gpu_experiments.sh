@@ -524,18 +524,50 @@ elif [ "$part" = lean ]; then
   CFGS=("" "SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3" "SEGKV_TRITON_STAGES=4")
   kernels_alternate --no-cascade --shapes llama3-70b --batches 33,48,64,96,128 --contexts 16384,32768 \
     --page-sizes 16 --trials 3
-elif [ "$part" = lean8b ]; then
-  # is 3 programs per SM what slows batch 64, whatever the program? The 8B shape's programs capped
-  # at 152 registers (offline, Triton 3.9: no spills; 3 fit an SM) against the defaults (2 per SM
-  # on the GPU's Triton), batch 16-128: if only batch 64 and 128 slow down with the cap, the lean
-  # rule should key on the driver's count (scripts/stage1_occupancy.py), not on the 70B program
-  for cfg in "" "SEGKV_TRITON_MAXNREG=152"; do
-    echo "-- stage-1 programs per SM, ${cfg:-defaults}" | tee -a "$log"
-    env $cfg timeout 120 python3 scripts/stage1_occupancy.py --shapes llama3-8b --page-sizes 16,32 2>&1 \
-      | grep -E "registers|rror" | tee -a "$log"
+elif [ "$part" = lean2 ]; then
+  # after lean (the driver holds 3 of the 70B shape's decode programs at pages of 16 per SM, 2 of
+  # the others; the rule as first written lost 2% at batch 33 and 48, so the planner now costs lean
+  # waves only once one-piece programs fill a lean wave, batch 50 on): the rule off and on where it
+  # changes plans, 4K-16K at batch 50-256 and 128K at batch 48-64
+  CFGS=("SEGKV_CUDA_LEAN_BLOCKS_PER_SM=0" "SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3")
+  for round in 1 2; do
+    for cfg in "${CFGS[@]}"; do
+      echo "-- kernels: $cfg, round $round" | tee -a "$log"
+      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --no-cascade --shapes llama3-70b \
+        --batches 50,56,64,80,112,128,256 --contexts 4096,16384 --page-sizes 16 --trials 3 2>&1 | attention_rows
+      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --no-cascade --shapes llama3-70b \
+        --batches 48,56,64 --contexts 131072 --page-sizes 16 --trials 3 2>&1 | attention_rows
+    done
   done
-  CFGS=("" "SEGKV_TRITON_MAXNREG=152")
-  kernels_alternate --no-cascade --shapes llama3-8b --batches 16,32,64,128 --contexts 16384 --page-sizes 16,32 --trials 3
+elif [ "$part" = lean3 ]; then
+  # after lean2 (re-costing split plans or more than 3 waves lost 2-7%): the planner re-costs only
+  # one-pass plans of 1-3 lean waves, and only heads of 128. The driver's count for the 405B shape's
+  # 16-pair programs, then the rule off and on at the unmeasured batches it changes: the 70B shape
+  # at 1K-8K (batch 60-72) and 4K-16K (batch 120-130), and the 405B shape (batch 56-128)
+  echo "-- stage-1 programs per SM as the driver places them (batch 64 decode)" | tee -a "$log"
+  timeout 120 python3 scripts/stage1_occupancy.py --shapes llama3-405b --page-sizes 16,32 2>&1 \
+    | grep -E "registers|rror" | tee -a "$log"
+  CFGS=("SEGKV_CUDA_LEAN_BLOCKS_PER_SM=0" "SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3")
+  for round in 1 2; do
+    for cfg in "${CFGS[@]}"; do
+      echo "-- kernels: $cfg, round $round" | tee -a "$log"
+      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --no-cascade --shapes llama3-70b \
+        --batches 60,66,72 --contexts 1024,4096,8192 --page-sizes 16 --trials 3 2>&1 | attention_rows
+      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --no-cascade --shapes llama3-70b \
+        --batches 120,124,130 --contexts 4096,8192,16384 --page-sizes 16 --trials 3 2>&1 | attention_rows
+      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --no-cascade --shapes llama3-405b \
+        --batches 56,64,128 --contexts 4096,16384 --page-sizes 16 --trials 3 2>&1 | attention_rows
+    done
+  done
+elif [ "$part" = leanverify ]; then
+  # SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3 the default (after lean3): the planner, CUDA-graph and engine GPU
+  # tests, then the kernels at the defaults and with the rule off, the 70B and 405B shapes at batch
+  # 1-128 / 16K and the 8B shape (never lean) at batch 64
+  GPU_TESTS_TIMEOUT=400 gpu_tests "planner, graphs, engine" -- tests/test_planner.py tests/test_cuda_graphs.py \
+    tests/test_gpu_engine.py
+  CFGS=("" "SEGKV_CUDA_LEAN_BLOCKS_PER_SM=0")
+  kernels_alternate --no-cascade --shapes llama3-70b,llama3-405b,llama3-8b --batches 1,16,64,128 --contexts 16384 \
+    --page-sizes 16 --trials 3
 elif [ "$part" = fullgrid ]; then
   # the kernels' whole GPU grids (GQA: route x dtype x pages 16 / 32 / 64 x ratio 1 / 4 / 8 x head_dim
   # 64 / 128 / 256, each at 1, 4 and 17 rows; latent: route x dtype x pages x heads, and the value

@@ -421,16 +421,16 @@ def test_cuda_device_spec_from_properties_and_environment(monkeypatch):
         assert (spec.kind, spec.num_multiprocessors, spec.blocks_per_multiprocessor, spec.min_rows_per_partition,
                 spec.min_rows_per_latent_partition, spec.latent_merge_rows_per_partition, spec.merge_launch_rows,
                 spec.stage1_merge_max_partials, spec.lean_blocks_per_multiprocessor) == (
-                    "cuda", 132, 2, 64, 32, 1, 0, 8, 0)
+                    "cuda", 132, 2, 64, 32, 1, 0, 8, 3)
         for name, value in (("SEGKV_CUDA_BLOCKS_PER_SM", "3"), ("SEGKV_CUDA_MIN_PARTITION_ROWS", "128"),
-                            ("SEGKV_CUDA_LEAN_BLOCKS_PER_SM", "3"),
+                            ("SEGKV_CUDA_LEAN_BLOCKS_PER_SM", "4"),
                             ("SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS", "64"), ("SEGKV_CUDA_LATENT_MERGE_ROWS", "0"),
                             ("SEGKV_CUDA_MERGE_LAUNCH_ROWS", "256")):
             monkeypatch.setenv(name, value)
         spec = DeviceSpec.cuda()
         assert (spec.blocks_per_multiprocessor, spec.min_rows_per_partition, spec.min_rows_per_latent_partition,
                 spec.latent_merge_rows_per_partition, spec.merge_launch_rows,
-                spec.lean_wave_size) == (3, 128, 64, 0, 256, 396)
+                spec.lean_wave_size) == (3, 128, 64, 0, 256, 528)
         monkeypatch.setenv("SEGKV_CUDA_MERGE_LAUNCH_ROWS", "-1")
         with pytest.raises(ValueError, match="merge_launch_rows"):
             DeviceSpec.cuda()
@@ -484,9 +484,9 @@ def test_a_full_device_of_lean_programs_is_costed_in_the_waves_it_holds(monkeypa
     """``lean_blocks_per_multiprocessor``: the 70B shape's decode programs at pages of 16 (8 pairs,
     four page scalars) fit 3 to an SM, so batch 64 in one piece is 512 programs in 1.29 waves of
     396 (0.81x SDPA on the H200), and the planner cuts 3 partitions (4 even waves; 0.961-0.965
-    against 1.148-1.157 ms at 16K). Off (0, the default), pages of 32, the 8B shape (4 pairs) and
-    an idle device (batch 16: 2 partitions, a wave of 264) plan as before; with the transposed
-    products (no four page scalars) the programs are not lean."""
+    against 1.148-1.157 ms at 16K). Off, pages of 32, the 8B shape (4 pairs) and an idle device
+    (batch 16: 2 partitions, a wave of 264) plan as before; with the transposed products (no
+    four page scalars) the programs are not lean."""
     from segkv.attention.device import lean_decode_programs
 
     lean = dataclasses.replace(H200, min_rows_per_partition=64, lean_blocks_per_multiprocessor=3)
@@ -504,14 +504,39 @@ def test_a_full_device_of_lean_programs_is_costed_in_the_waves_it_holds(monkeypa
     assert idle.num_partitions == 2 and "wave 264" in idle.reason and "held" not in idle.reason
 
     assert lean_decode_programs(1, 8, 128, 16, 64) and lean_decode_programs(2, 8, 128, 16, 64)
+    assert lean_decode_programs(1, 16, 128, 16, 64)  # the 405B shape: 3 per SM too (the driver)
     assert not lean_decode_programs(1, 8, 128, 32, 64)  # two-page tiles
     assert not lean_decode_programs(1, 4, 128, 16, 64)  # 4 pairs
     assert not lean_decode_programs(3, 8, 128, 16, 64)  # 24 pairs: a 32-row M tile
     assert not lean_decode_programs(1, 8, 256, 16, 64)  # wide heads
+    assert not lean_decode_programs(1, 8, 64, 16, 64)  # narrow heads: other programs, not asked
     monkeypatch.setenv("SEGKV_TRITON_TRANSPOSED", "8")
     assert not lean_decode_programs(1, 8, 128, 16, 64)
     with pytest.raises(ValueError, match="lean_blocks_per_multiprocessor"):
         dataclasses.replace(H200, lean_blocks_per_multiprocessor=-1)
+
+
+@pytest.mark.parametrize("batch,context,lean_parts,parts", [
+    (64, 4096, 3, 1), (64, 131072, 10, 1), (60, 8192, 4, 1), (128, 16384, 3, 1),  # one pass, 1-3 lean waves
+    (50, 16384, 5, 5), (80, 16384, 2, 2), (112, 16384, 2, 2),  # already split for the aimed-at wave
+    (256, 16384, 1, 1),  # 5.2 lean waves
+    (66, 1024, 1, 1), (72, 1024, 1, 1),  # runs under LEAN_SINGLE_PASS_MIN_ROWS
+    (33, 16384, 1, 1), (48, 16384, 2, 2),  # fewer programs than a lean wave
+])
+def test_only_a_single_pass_of_few_lean_waves_is_recosted(batch, context, lean_parts, parts):
+    """Where the lean wave changes the plan, measured on the H200 (docs/benchmarks.md): the one
+    passes of 1-3 lean waves it splits ran 4-25% faster; re-costing the others lost 2-12%."""
+    from segkv.attention.planner import LEAN_SINGLE_PASS_MAX_WAVES, LEAN_SINGLE_PASS_MIN_ROWS
+
+    assert (LEAN_SINGLE_PASS_MAX_WAVES, LEAN_SINGLE_PASS_MIN_ROWS) == (3, 4096)
+    lean = dataclasses.replace(H200, min_rows_per_partition=64, lean_blocks_per_multiprocessor=3)
+    queries = [seq(context) for _ in range(batch)]
+    plan = plan_attention(queries, GQA70, lean, page_size=PS)
+    off = plan_attention(queries, GQA70, dataclasses.replace(lean, lean_blocks_per_multiprocessor=0), page_size=PS)
+    assert (plan.num_partitions, off.num_partitions) == (lean_parts, parts)
+    assert ("waves of 396 held" in plan.reason) == (lean_parts != parts)
+    for row in (0, batch - 1):
+        assert covered_rows(plan, row) == context
 
 
 @pytest.mark.parametrize("rows,group,page_size", [(1, 8, 16), (2, 4, 16), (1, 16, 16), (1, 4, 16), (1, 8, 32),

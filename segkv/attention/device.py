@@ -19,14 +19,15 @@ CUDA_BLOCKS_PER_SM = 2  # stage 1 at (BLOCK_N 64, 4 warps, 3 stages): about 204 
 # (H200, docs/benchmarks.md). Prefill chunks (work items of up to 64 rows) keep 64-row tiles, 2 per SM.
 CUDA_TALL_BLOCKS_PER_SM = 3
 # The same for a full device's waves of lean decode programs (lean_decode_programs: 8-16 pairs over
-# 64-row tiles of four 16-row pages, the 70B shape's decode at pages of 16), which hold 150 registers
-# and 72 KB as the H200's Triton 3.6 compiles them, so 3 fit an SM where the other decode programs
-# (168-186 registers) fit 2. With SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3 the planner still aims an idle
-# device at CUDA_BLOCKS_PER_SM but costs a full one's waves at 3: batch 64 in one piece per sequence
-# is 512 programs, 1.29 waves of 396 (not 1.94 of 264), and ran at 0.81x cuDNN SDPA (16K:
-# 1.148-1.157 ms), where 3 partitions (4 even waves) ran 0.961-0.965 ms (H200, docs/benchmarks.md).
-# 0 (off) until measured at the other batches it changes (33-128: gpu_experiments.sh lean).
-CUDA_LEAN_BLOCKS_PER_SM = 0
+# 64-row tiles of four 16-row pages, the 70B and 405B shapes' decode at pages of 16), which hold
+# 146-150 registers and 72 KB as the H200's Triton 3.6 compiles them: the driver places 3 per SM
+# (cuOccupancyMaxActiveBlocksPerMultiprocessor, scripts/stage1_occupancy.py) where it places 2 of
+# the other decode programs (178-188 registers). The planner still aims an idle device at
+# CUDA_BLOCKS_PER_SM, and re-costs a full one's single pass of 1-3 lean waves at 3
+# (planner._lean_single_pass): batch 64 in one piece per sequence is 512 programs, 1.29 waves of
+# 396 (not 1.94 of 264), and ran at 0.81-0.84x cuDNN SDPA, where 3 partitions ran 0.99-1.00x
+# (H200, docs/benchmarks.md). 0: off.
+CUDA_LEAN_BLOCKS_PER_SM = 3
 # The most query rows per work item of a tall decode program (more: a prefill chunk's); the
 # launcher's kernels.paged_attention.TALL_DECODE_MAX_ROWS
 TALL_DECODE_MAX_ROWS = 16
@@ -67,8 +68,9 @@ class DeviceSpec:
     ``num_multiprocessors * blocks_per_multiprocessor`` work items run at once (a "wave");
     ``tall_blocks_per_multiprocessor`` (0: the same) for plans of tall decode programs
     (:func:`tall_decode_programs`). ``lean_blocks_per_multiprocessor`` (0: the same) is how many
-    lean decode programs (:func:`lean_decode_programs`) the device holds: the planner costs a
-    full device's waves of them with it (an idle one still aims at ``blocks_per_multiprocessor``).
+    lean decode programs (:func:`lean_decode_programs`) the device holds: the planner re-costs a
+    full device's single pass of a few waves of them with it (an idle one still aims at
+    ``blocks_per_multiprocessor``).
     ``min_rows_per_partition`` is the fewest KV rows worth giving one partition: below it
     the merge costs more than the parallelism gains (``min_rows_per_latent_partition``: the same
     for latent attention, whose tiles are shorter). ``max_query_rows_per_work`` bounds the
@@ -205,7 +207,8 @@ def lean_decode_programs(max_work_rows: int, group_size: int, head_dim: int, pag
     ``key_tile_rows``-row tiles of four pages with their page entries as scalars
     (``paged_attention.four_page_decode``: row-major programs, the launcher's default)."""
     pairs = max_work_rows * group_size
-    if head_dim > 128 or not 8 <= pairs <= 16 or key_tile_rows != 4 * page_size:
+    # heads of 128 only: the programs the driver was asked about (scripts/stage1_occupancy.py)
+    if head_dim != 128 or not 8 <= pairs <= 16 or key_tile_rows != 4 * page_size:
         return False
     from segkv.kernels.paged_attention import four_page_decode  # the launcher's settings
 

@@ -40,6 +40,10 @@ _LATENT_TILE_ROWS = 16
 # says: a split that overfills that wave (128 heads x batch 32 at 2K: 3 partitions, 1.35x slower
 # than one) must not look free.
 _LATENT_RESIDENT_PER_MULTIPROCESSOR = 2
+# A single pass of lean decode programs is re-costed in the waves the device holds of them while it
+# makes fewer than this many, over runs of at least this many rows (_lean_single_pass)
+LEAN_SINGLE_PASS_MAX_WAVES = 3
+LEAN_SINGLE_PASS_MIN_ROWS = 4096
 
 
 _Part = tuple  # (page_ids, page_rows, key_start) of one partition
@@ -228,6 +232,24 @@ def _wave(device: DeviceSpec, shape: AttentionShape, tall: bool) -> int:
     return device.num_multiprocessors * min(device.blocks_per_multiprocessor, _LATENT_RESIDENT_PER_MULTIPROCESSOR)
 
 
+def _lean_single_pass(base: int, longest: int, work_rows: int, shape: AttentionShape, device: DeviceSpec,
+                      page_size: int, tall: bool) -> bool:
+    """Whether a single pass of ``base`` stage-1 programs over runs of up to ``longest`` rows is
+    re-costed in the waves the device holds of lean decode programs (``device.lean_wave_size``,
+    :func:`lean_decode_programs`: 3 per SM where the planner aims at 2). One pass over 1-3 such
+    waves ends in a partial one whose programs run alone on their SMs: the 70B shape's batch 64
+    (512 programs, 1.29 waves of 396) ran 0.81-0.84x cuDNN SDPA at 4K-128K in one pass and
+    0.99-1.00x in 3 or 10 partitions; batch 56-66 at 4K-8K and batch 124-130 at 16K gained
+    4-25% (H200). Re-costing plans the aimed-at wave already splits (batch 50, 80, 112), more
+    waves (batch 256) or runs under :data:`LEAN_SINGLE_PASS_MIN_ROWS` (batch 66 and 72 at 1K,
+    where a partition's fixed cost weighs most) lost 2-12% there, so none of them is."""
+    lean_wave = device.lean_wave_size
+    return (bool(device.lean_blocks_per_multiprocessor) and not shape.is_latent and not tall
+            and lean_wave <= base < LEAN_SINGLE_PASS_MAX_WAVES * lean_wave and longest >= LEAN_SINGLE_PASS_MIN_ROWS
+            and lean_decode_programs(work_rows, shape.group_size, max(shape.key_dim, shape.value_dim), page_size,
+                                     device.key_tile_rows))
+
+
 def _auto_chunk(
     runs: list[_Run],
     queries: Sequence[SequenceQuery],
@@ -242,8 +264,9 @@ def _auto_chunk(
     for latent attention, at most
     ``device.max_partitions`` per run) is costed as ``waves x (rows per partition +
     partition_overhead_rows)``, the rows in whole ``device.key_tile_rows`` tiles for GQA programs
-    (not tall decode ones): a partial wave costs a whole one (on a full device, a wave is what
-    it holds: ``device.lean_wave_size`` for lean decode programs), and every partition pays a
+    (not tall decode ones): a partial wave costs a whole one (a single pass of 1-3 waves of lean
+    decode programs is re-costed with the wave the device holds of them, :func:`_lean_single_pass`),
+    and every partition pays a
     fixed prologue, epilogue and merge share (latent attention adds
     ``latent_merge_rows_per_partition`` per partition: its merge reads 512-wide partials; a GQA
     decode batch adds ``merge_launch_rows`` when a row gets more partials than stage 1 merges).
@@ -261,12 +284,6 @@ def _auto_chunk(
     work_rows = min(max(query_rows), device.max_query_rows_per_work)
     tall = _tall(shape, work_rows)
     wave = _wave(device, shape, tall)
-    # a full device's waves: as many programs as it holds (lean decode programs: more than it aims at)
-    full_wave = wave
-    if base >= wave and device.lean_blocks_per_multiprocessor and not shape.is_latent and not tall and \
-            lean_decode_programs(work_rows, shape.group_size, max(shape.key_dim, shape.value_dim), page_size,
-                                 device.key_tile_rows):
-        full_wave = device.lean_wave_size
     longest = max(run_rows)
     min_rows = device.min_rows_per_latent_partition if shape.is_latent else device.min_rows_per_partition
     min_chunk = max(page_size, math.ceil(min_rows / page_size) * page_size)
@@ -283,26 +300,36 @@ def _auto_chunk(
     # a GQA program's partition costs its whole KV tiles (tall decode and latent programs: rows)
     key_tile = 1 if shape.is_latent or tall else device.key_tile_rows
     tiled_all = -(-chunk_all // key_tile) * key_tile
-    cost_all = -(-items_all // full_wave) * (tiled_all + device.partition_overhead_rows)
-    if shape.is_latent:  # the merge reads each row's wide latent partials one after another
-        cost_all = cost_all + parts_all * device.latent_merge_rows_per_partition
-    elif device.merge_launch_rows and all(rows == 1 for rows in query_rows):
-        # decode rows: stage 1 merges rows of few partials itself, more need the merge launch
-        launches = per_run.max(axis=1) > device.stage1_merge_max_partials
-        cost_all = cost_all + launches * device.merge_launch_rows
     # partials a candidate adds (one per partition and query row): over the workspace, it is out
     partial_bytes = (per_run @ np.asarray(query_rows, dtype=np.int64)) * shape.num_q_heads * (shape.value_dim + 1) * 4
     too_big = (partial_bytes > device.max_partial_bytes) & (parts_all > 1)
-    cost_all = np.where(too_big, np.iinfo(np.int64).max, cost_all)
-    best = cost_all.min()
-    # the cheapest estimate; among equal ones an idle device takes the most partitions, a full one
-    # the fewest. (Taking the most within 3% of the best, as before the pipelined kernel, cost 2-5%
-    # at batch 4-16 from 32K on the H200: batch 4 / 128K ran 33 partitions in 0.517 ms, 8 in 0.494.)
-    near = np.flatnonzero(cost_all <= best)
-    if base < wave:  # an idle device: partitions of whole tiles first (a partial last tile only adds work)
-        waste = tiled_all[near] - chunk_all[near]
-        near = near[waste == waste.min()]
-    pick = int(near.max() if base < wave else near.min())
+
+    def estimates(full_wave: int) -> np.ndarray:
+        """Each candidate's cost, ``full_wave`` programs to a wave on a full device."""
+        cost_all = -(-items_all // full_wave) * (tiled_all + device.partition_overhead_rows)
+        if shape.is_latent:  # the merge reads each row's wide latent partials one after another
+            cost_all = cost_all + parts_all * device.latent_merge_rows_per_partition
+        elif device.merge_launch_rows and all(rows == 1 for rows in query_rows):
+            # decode rows: stage 1 merges rows of few partials itself, more need the merge launch
+            launches = per_run.max(axis=1) > device.stage1_merge_max_partials
+            cost_all = cost_all + launches * device.merge_launch_rows
+        return np.where(too_big, np.iinfo(np.int64).max, cost_all)
+
+    def cheapest(cost_all: np.ndarray) -> int:
+        """The cheapest estimate; among equal ones an idle device takes the most partitions, a full
+        one the fewest. (Taking the most within 3% of the best, as before the pipelined kernel, cost
+        2-5% at batch 4-16 from 32K on the H200: batch 4 / 128K ran 33 partitions in 0.517 ms, 8 in 0.494.)"""
+        near = np.flatnonzero(cost_all <= cost_all.min())
+        if base < wave:  # an idle device: partitions of whole tiles first (a partial last tile only adds work)
+            waste = tiled_all[near] - chunk_all[near]
+            near = near[waste == waste.min()]
+        return int(near.max() if base < wave else near.min())
+
+    full_wave = wave
+    pick = cheapest(estimates(wave))
+    if parts_all[pick] == 1 and _lean_single_pass(base, longest, work_rows, shape, device, page_size, tall):
+        full_wave = device.lean_wave_size  # one pass would end in a wave of programs alone on their SMs
+        pick = cheapest(estimates(full_wave))
     parts, chunk, items = int(parts_all[pick]), int(chunk_all[pick]), int(items_all[pick])
     if parts == 1:
         fill = f"fill a wave of {wave}" if base >= wave else f"< wave {wave}"

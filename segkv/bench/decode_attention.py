@@ -39,7 +39,7 @@ from segkv.cache import PagedKVCache
 from segkv.cache.segment import ChainSpan
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 
-SHAPES = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128)}
+SHAPES = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "llama3-405b": (128, 8, 128)}
 SDPA_BACKENDS = ("flash", "cudnn", "efficient")
 
 
