@@ -31,8 +31,9 @@
 # headmajor (level), wholetiles (now the planner's rule), b16parts (the planner's 2 stay).
 # Measured (docs/benchmarks.md, "The full GPU grids at the defaults; batch 64 and 4K; the 70B shape's
 # decode at pages of 16 and batch 64"): fullgrid (all pass), b64 and b64two (the 70B shape at pages of
-# 16 fits 3 programs per SM: batch 64 0.81x SDPA). Next: lean and lean8b, before turning on
-# SEGKV_CUDA_LEAN_BLOCKS_PER_SM.
+# 16 fits 3 programs per SM: batch 64 0.81x SDPA).
+# Measured (docs/benchmarks.md, "Lean decode programs: the planner's single passes of 1-3 lean waves
+# re-costed"): lean, lean2, lean3 and leanverify (SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3 now the default).
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
 #             against 0.0067 with halves) and the shares as the grid's last dimension
