@@ -233,7 +233,7 @@ def _wave(device: DeviceSpec, shape: AttentionShape, tall: bool) -> int:
 
 
 def _lean_single_pass(base: int, longest: int, work_rows: int, shape: AttentionShape, device: DeviceSpec,
-                      page_size: int, tall: bool) -> bool:
+                      page_size: int) -> bool:
     """Whether a single pass of ``base`` stage-1 programs over runs of up to ``longest`` rows is
     re-costed in the waves the device holds of lean decode programs (``device.lean_wave_size``,
     :func:`lean_decode_programs`: 3 per SM where the planner aims at 2). One pass over 1-3 such
@@ -244,7 +244,8 @@ def _lean_single_pass(base: int, longest: int, work_rows: int, shape: AttentionS
     waves (batch 256) or runs under :data:`LEAN_SINGLE_PASS_MIN_ROWS` (batch 66 and 72 at 1K,
     where a partition's fixed cost weighs most) lost 2-12% there, so none of them is."""
     lean_wave = device.lean_wave_size
-    return (bool(device.lean_blocks_per_multiprocessor) and not shape.is_latent and not tall
+    # (tall decode programs hold more than 32 pairs, so they are never lean)
+    return (bool(device.lean_blocks_per_multiprocessor) and not shape.is_latent
             and lean_wave <= base < LEAN_SINGLE_PASS_MAX_WAVES * lean_wave and longest >= LEAN_SINGLE_PASS_MIN_ROWS
             and lean_decode_programs(work_rows, shape.group_size, max(shape.key_dim, shape.value_dim), page_size,
                                      device.key_tile_rows))
@@ -327,7 +328,7 @@ def _auto_chunk(
 
     full_wave = wave
     pick = cheapest(estimates(wave))
-    if parts_all[pick] == 1 and _lean_single_pass(base, longest, work_rows, shape, device, page_size, tall):
+    if parts_all[pick] == 1 and _lean_single_pass(base, longest, work_rows, shape, device, page_size):
         full_wave = device.lean_wave_size  # one pass would end in a wave of programs alone on their SMs
         pick = cheapest(estimates(full_wave))
     parts, chunk, items = int(parts_all[pick]), int(chunk_all[pick]), int(items_all[pick])
