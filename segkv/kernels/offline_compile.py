@@ -127,7 +127,11 @@ def compile_offline(fn, constants: dict, *, pointers: dict[str, str], arch: int 
     Triton's ``ptxas -v`` for registers and spills."""
     options = {k: constants[k] for k in LAUNCH_OPTIONS if k in constants}
     constexprs = {k: v for k, v in constants.items() if k not in LAUNCH_OPTIONS}
-    names = list(inspect.signature(fn.fn).parameters)
+    params = inspect.signature(fn.fn).parameters
+    # optional arguments left out (a default of None, e.g. timeline stamps) compile away, as at a launch
+    constexprs.update({n: None for n, p in params.items()
+                       if p.default is None and n not in constexprs and n not in pointers})
+    names = list(params)
     signature = {n: "constexpr" if n in constexprs else _arg_type(n, pointers) for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if signature[n].startswith("*") or n.startswith("stride") or n == "num_heads"}

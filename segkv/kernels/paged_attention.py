@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from segkv.kernels import attention_tiles
+from segkv.kernels import attention_tiles, timeline
 from segkv.kernels.attention_tiles import (
     four_page_scalars,
     full_tiles_known,
@@ -52,7 +52,8 @@ def _stage1_kernel(
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
     MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False, WIDE_OFFSETS: tl.constexpr = True,
-    SKIP: tl.constexpr = False, FOUR: tl.constexpr = False,
+    SKIP: tl.constexpr = False, FOUR: tl.constexpr = False, STAMPS=None,
+    STEAL=None, steal_items=0, static_work=0,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -70,32 +71,105 @@ def _stage1_kernel(
     (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait. ``SKIP``
     (:func:`skip_masks`): a tile whose rows all hold keys every valid pair sees skips the score mask.
     ``FOUR`` (:func:`attention_tiles.four_page_scalars`): a tile of four pages loads their entries
-    as scalars."""
-    PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
-    SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
+    as scalars. ``STEAL`` (int32 ``(2,)``, 0 between launches): the grid covers the first
+    ``static_work`` work items; each program then takes further (work item, KV head, pair block)
+    triples, ``steal_items`` of them in work order from ``static_work`` on, by an atomic ticket,
+    until none are left (the work items' partials are fixed, so results do not depend on which
+    program took which); the last program to find none resets the tickets."""
+    if STAMPS is not None:
+        st0 = timeline.global_ns()
+        sc0 = timeline.sm_cycles()
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
         kvh = tl.program_id(0)
         w = tl.program_id(1)
+        num_kv = tl.num_programs(0)
     else:
         w = tl.program_id(0)
         kvh = tl.program_id(1)
+        num_kv = tl.num_programs(1)
     mb = tl.program_id(2)
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
-    if PLAN_EARLY:  # the rest of the host's plan too, before the wait
-        valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full = plan_reads(
-            p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages, page_table, page_rows,
-            page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS, FOUR)
+    # the rest of the host's plan too, before the wait (work-taking programs carry it from item to item)
+    if PLAN_EARLY or STEAL is not None:
+        early = plan_reads(p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages,
+                           page_table, page_rows, page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS, FOUR)
+    else:
+        early = None
     if USE_PDL:  # the plan is the host's; everything else read or written below waits for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if STAMPS is not None:
+        st1 = timeline.global_ns()
+        sc1 = timeline.sm_cycles()
     if MERGE > 0:
         if (w == 0) & (mb == 0):
             zero_empty_rows(reduce_ptr, num_rows, kvh, FINAL, FINAL_LSE, stride_fr, stride_fh, stride_flr,
                             GROUP, DV, BLOCK_DV)
+    if STEAL is None:
+        _stage1_item(
+            w, kvh, mb, p0, n_rows, early, Q, K, V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows,
+            page_key_start, work_pages, work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr,
+            reduce_partials, COUNTERS, stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn,
+            stride_vh, stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, stride_c, scale, GROUP, DK,
+            DV, BLOCK_M, BLOCK_DK, BLOCK_DV, PAGE_SIZE, BLOCK_N, EXACT_FP32, MERGE, TRANSPOSED, MERGE_LANES,
+            MERGE_CHUNKED, WIDE_OFFSETS, SKIP, FOUR)
+    else:  # the grid's item, then the dynamic ones in work order to whichever program is free: one copy
+        # of the tile loop (two held 240-248 registers offline, sm_90a, against 168-188)
+        blocks = tl.num_programs(2)
+        valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full = early
+        more = True
+        while more:
+            _stage1_item(
+                w, kvh, mb, p0, n_rows, (valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full), Q, K,
+                V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, work_pages, work_partial_start,
+                partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_qr,
+                stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh, stride_op, stride_oh,
+                stride_lp, stride_fr, stride_fh, stride_flr, stride_c, scale, GROUP, DK, DV, BLOCK_M, BLOCK_DK,
+                BLOCK_DV, PAGE_SIZE, BLOCK_N, EXACT_FP32, MERGE, TRANSPOSED, MERGE_LANES, MERGE_CHUNKED,
+                WIDE_OFFSETS, SKIP, FOUR)
+            ticket = tl.atomic_add(STEAL, 1)
+            more = ticket < steal_items
+            ticket = tl.minimum(ticket, steal_items - 1)  # past the last: its plan is read and dropped
+            rest = ticket // num_kv
+            w = static_work + rest // blocks
+            kvh = ticket % num_kv
+            mb = rest % blocks
+            p0 = tl.load(work_partial_start + w)
+            n_rows = tl.load(work_partial_start + w + 1) - p0
+            valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full = plan_reads(
+                p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages, page_table, page_rows,
+                page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS, FOUR)
+        done = tl.atomic_add(STEAL + 1, 1)
+        if done == tl.num_programs(0) * tl.num_programs(1) * blocks - 1:  # every program has found none
+            tl.store(STEAL, 0)
+            tl.store(STEAL + 1, 0)
+    if STAMPS is not None:
+        timeline.record(STAMPS, st0, sc0, st1, sc1)
+
+
+@triton.jit
+def _stage1_item(
+    w, kvh, mb, p0, n_rows, early, Q, K, V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, work_pages,
+    work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
+    stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh, stride_op, stride_oh,
+    stride_lp, stride_fr, stride_fh, stride_flr, stride_c, scale,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
+    MERGE: tl.constexpr, TRANSPOSED: tl.constexpr, MERGE_LANES: tl.constexpr, MERGE_CHUNKED: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr, SKIP: tl.constexpr, FOUR: tl.constexpr,
+):
+    """Stage 1 of one (work item ``w``, KV head ``kvh``, pair block ``mb``): see
+    :func:`_stage1_kernel`. ``p0``, ``n_rows``: the work item's first partial and query rows;
+    ``early``: :func:`plan_reads`' values when the program read them before its PDL wait, else
+    None (read here)."""
+    PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
+    SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if mb * BLOCK_M >= n_rows * GROUP:  # also the padding work items of fixed-size plan buffers
         return
-    if not PLAN_EARLY:
+    if early is not None:
+        valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full = early
+    else:
         valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, kvh * GROUP, GROUP, partial_row,
                                                         partial_offset, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
@@ -104,7 +178,7 @@ def _stage1_kernel(
     dv_ok = offs_dv < DV
     q = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + offs_dk[None, :],
                 mask=valid[:, None] & dk_ok[None, :], other=0.0)
-    if not PLAN_EARLY:  # the page range after the query: with every page read first (plan_reads) the 70B
+    if early is None:  # the page range after the query: with every page read first (plan_reads) the 70B
         # shape's transposed programs were 3.5% slower at batch 4 and 16 (H200)
         pg0 = tl.load(work_pages + 2 * w)
         pg1 = tl.load(work_pages + 2 * w + 1)
@@ -121,7 +195,7 @@ def _stage1_kernel(
     # loop-invariant parts of the K/V addresses: this KV head, the row within its page
     k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
     v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
-    if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
+    if early is None:  # the first block's page indices (plan_reads), after the query and the K/V bases
         page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE_OFFSETS, PAGES,
                                            BLOCK_N, PAGE_SIZE, FOUR)
     if SKIP:  # every valid pair sees every key of the work item: full tiles need no mask
@@ -175,7 +249,7 @@ def _merge_kernel(
     PART_OUT, PART_LSE, OUT, OUT_LSE, reduce_ptr, reduce_partials,
     stride_pp, stride_ph, stride_lp, stride_or, stride_oh, stride_lr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr = False,
-    PLAN_EARLY: tl.constexpr = False, TRIGGER: tl.constexpr = 1,
+    PLAN_EARLY: tl.constexpr = False, TRIGGER: tl.constexpr = 1, STAMPS=None,
 ):
     """One program per (query row, head, ``BLOCK_DV`` value columns): the exact merge of its
     partials, rounded once. Rows without partials get 0 and LSE -inf; rows with exactly one were
@@ -188,6 +262,9 @@ def _merge_kernel(
     host's plan) before waiting for stage 1; ``TRIGGER`` is when the next kernel may launch: 0 at
     once (its programs load their weights while stage 1 and the merge run), 1 right after the
     wait, 2 when the merge ends (its weight loads do not compete with the merge's)."""
+    if STAMPS is not None:
+        st0 = timeline.global_ns()
+        sc0 = timeline.sm_cycles()
     if USE_PDL and TRIGGER == 0:  # the next kernel reads the merge's output only after its own wait
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
@@ -214,6 +291,9 @@ def _merge_kernel(
             tl.extra.cuda.gdc_launch_dependents()
         if end - start == 1:  # program (0, 0, 0) with nothing to merge, after its wait
             return
+    if STAMPS is not None:
+        st1 = timeline.global_ns()
+        sc1 = timeline.sm_cycles()
     if not PLAN_EARLY:
         p_next = tl.load(reduce_partials + start + offs_p, mask=start + offs_p < end, other=0)
     offs = cb * BLOCK_DV + tl.arange(0, BLOCK_DV)
@@ -246,6 +326,8 @@ def _merge_kernel(
     if cb == 0:
         tl.store(OUT_LSE + row * stride_lr + head,
                  tl.where(empty, float("-inf"), m_max + tl.log(tl.where(empty, 1.0, weight))))
+    if STAMPS is not None:
+        timeline.record(STAMPS, st0, sc0, st1, sc1)
 
 
 @triton.jit
@@ -359,7 +441,7 @@ def paged_attention(
     *, query, key_cache, value_cache, page_table, page_rows, page_key_start, work_pages, work_partial_start,
     partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
-    poison=False, workspace=None, counters=None, merge_in_stage1=False,
+    poison=False, workspace=None, counters=None, merge_in_stage1=False, dynamic_work=0, tickets=None,
 ):
     """Attention of a plan: stage-1 partials, then the exact merge, rounded once.
 
@@ -376,8 +458,11 @@ def paged_attention(
     ``merge_in_stage1``: every work item holds one query row and no row has more than
     :data:`MERGE_IN_STAGE1_MAX_PARTIALS` partials (the caller's promise): stage 1 merges the rows
     itself, with ``counters``, int32 zeros of at least ``R * Hq`` entries that every launch leaves
-    zero, and no merge kernel runs. Returns ``(out (R, Hq, Dv) out_dtype, lse (R, Hq)
-    float32)``; rows without partials are 0 with LSE -inf.
+    zero, and no merge kernel runs. ``dynamic_work``: the plan's last this many work items are its
+    dynamic tail (``AttentionPlan.dynamic_work``): with ``tickets`` (int32 ``(2,)`` zeros that every
+    launch leaves zero) the grid covers the others and its programs take those in order as they
+    finish; without, they are launched like the rest. Returns ``(out (R, Hq, Dv) out_dtype, lse
+    (R, Hq) float32)``; rows without partials are 0 with LSE -inf.
     """
     num_rows, num_heads, dk = query.shape
     page_size, num_kv = key_cache.shape[1], key_cache.shape[2]
@@ -397,7 +482,13 @@ def paged_attention(
                              cache_needs_int64=wide_offsets(key_cache, value_cache))
         meta["MERGE"] = MERGE_IN_STAGE1_MAX_PARTIALS if merged else 0
         blocks = triton.cdiv(max_work_rows * group, meta["BLOCK_M"])
-        grid = (num_kv, num_work, blocks) if meta["HEADS_FASTEST"] else (num_work, num_kv, blocks)
+        if not 0 <= dynamic_work < num_work:
+            raise ValueError(f"dynamic_work must be 0 to {num_work - 1} (the plan's work items), got {dynamic_work}")
+        steal = {}
+        if dynamic_work and tickets is not None:
+            steal = dict(STEAL=tickets, steal_items=dynamic_work * num_kv * blocks, static_work=num_work - dynamic_work)
+        grid_work = num_work - dynamic_work if steal else num_work
+        grid = (num_kv, grid_work, blocks) if meta["HEADS_FASTEST"] else (grid_work, num_kv, blocks)
         _stage1_kernel[grid](
             query, key_cache, value_cache, part_out, part_lse, out, lse,
             page_table, page_rows, page_key_start, work_pages, work_partial_start,
@@ -407,7 +498,7 @@ def paged_attention(
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
             lse.stride(0), num_heads,
-            scale, num_rows, **meta, **attention_pdl_options(query),
+            scale, num_rows, **meta, **attention_pdl_options(query), **timeline_stamps("stage1"), **steal,
         )
     if num_rows and not merged and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
@@ -523,6 +614,17 @@ if MERGE_TRIGGER not in (0, 1, 2):
     raise ValueError(f"SEGKV_MERGE_TRIGGER must be 0, 1 or 2, got {MERGE_TRIGGER}")
 
 
+# Launch name -> an int64 tensor of timeline.FIELDS values per program: the GQA stage 1 and the
+# merge write their programs' timelines there (scripts/stage1_timeline.py); empty: none
+TIMELINE_STAMPS: dict = {}
+
+
+def timeline_stamps(launch: str) -> dict:
+    """The ``STAMPS`` argument of ``launch`` (\"stage1\" or \"merge\") when a timeline is asked."""
+    stamps = TIMELINE_STAMPS.get(launch)
+    return {} if stamps is None else {"STAMPS": stamps}
+
+
 def attention_pdl_options(tensor: torch.Tensor) -> dict:
     """``launch_pdl`` and ``USE_PDL`` for an attention launch on ``tensor``'s device."""
     return pdl_options(tensor) if ATTENTION_PDL else {"USE_PDL": False}
@@ -601,7 +703,7 @@ def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> Non
         # 64 partials per step: a GQA decode row's partials (33 on the H200) in one step, a
         # 256-way latent split in four
         DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, PLAN_EARLY=PLAN_EARLY > 0,
-        TRIGGER=MERGE_TRIGGER, **attention_pdl_options(out),
+        TRIGGER=MERGE_TRIGGER, **attention_pdl_options(out), **timeline_stamps("merge"),
     )
 
 

@@ -1,0 +1,147 @@
+"""Where a batch-1 decode call's time goes: each stage-1 and merge program's timeline (CUDA only).
+
+The planner's plan for ``--cases`` (batch x context) (``--shape``, ``--page-sizes``) runs
+in a CUDA graph over two copies of the data (cold L2, as ``segkv.bench.decode_attention``
+times it), with the programs writing their stamps (``kernels.timeline``). For each call it
+prints, in us from the first stage-1 program's start: when programs start, wait and end
+(percentiles), the merge's wait and end after the last stage-1 program, and the span against
+the bytes at the copy rate. ``python3 scripts/stage1_timeline.py --trials 5``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+import torch
+
+from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
+from segkv.attention.triton_backend import TritonBackend
+from segkv.bench.decode_attention import SHAPES, Timer, _fill_random, measured_read_bandwidth
+from segkv.cache import PagedKVCache
+from segkv.config import CacheConfig, CompactionPolicy, KVLayout
+from segkv.kernels import paged_attention as pa
+from segkv.kernels.timeline import FIELDS
+
+STAMP_ROWS = 1 << 16  # programs a stamp buffer holds (more than any launch here)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summarise(s1: torch.Tensor, merge: torch.Tensor) -> dict:
+    """Stage-1 and merge stamps (rows of programs that recorded) -> times in us."""
+    t0 = s1[:, 0].min().item()
+    us = lambda t: (t - t0) / 1e3  # noqa: E731
+    starts = [us(t) for t in s1[:, 0].tolist()]
+    waits = [us(t) for t in s1[:, 1].tolist()]
+    ends = [us(t) for t in s1[:, 2].tolist()]
+    ghz = statistics.median(((s1[:, 5] - s1[:, 3]).double() / (s1[:, 2] - s1[:, 0]).clamp(min=1).double()).tolist())
+    cycles_us = [(c2 - c0) / ghz / 1e3 for c0, c2 in zip(s1[:, 3].tolist(), s1[:, 5].tolist())]
+    per_sm: dict[int, int] = {}
+    for sm in s1[:, 6].tolist():
+        per_sm[sm] = per_sm.get(sm, 0) + 1
+    last_end = max(ends)
+    out = {
+        "programs": len(ends), "sms": len(per_sm), "max_per_sm": max(per_sm.values()),
+        "start_p50": pct(starts, 0.5), "start_max": max(starts), "wait_max": max(w - s for w, s in zip(waits, starts)),
+        "end_p01": pct(ends, 0.01), "end_p10": pct(ends, 0.1), "end_p50": pct(ends, 0.5), "end_p90": pct(ends, 0.9),
+        "end_max": last_end, "dur_min": min(cycles_us), "dur_p50": pct(cycles_us, 0.5), "dur_max": max(cycles_us),
+        "ghz": ghz,
+    }
+    # programs sharing an SM with another against alone: their durations
+    alone = [d for d, sm in zip(cycles_us, s1[:, 6].tolist()) if per_sm[sm] == 1]
+    out["dur_alone_p50"] = pct(alone, 0.5) if alone else float("nan")
+    if len(merge):
+        out["merge_start_min"] = us(merge[:, 0].min().item())
+        out["merge_wait_after_s1"] = us(merge[:, 1].min().item()) - last_end
+        out["merge_wait_max_after_s1"] = us(merge[:, 1].max().item()) - last_end
+        out["merge_end_after_s1"] = us(merge[:, 2].max().item()) - last_end
+        out["span"] = us(merge[:, 2].max().item())
+    else:
+        out["span"] = last_end
+    return out
+
+
+def run_case(shape_name: str, batch: int, context: int, page_size: int, trials: int, bandwidth: float) -> None:
+    q_heads, kv_heads, head_dim = SHAPES[shape_name]
+    dtype = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    copies = max(1, min(16, math.ceil(4 * l2 / kv_bytes)))  # as decode_attention: L2 cold for each call
+    pages = batch * -(-context // page_size)
+    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=copies * pages + 1), device="cuda",
+                         compaction=CompactionPolicy(enabled=False))
+    _fill_random(cache, gen)
+    kc, vc = cache.storage.key_cache(0), cache.storage.value_cache(0)
+    shape = AttentionShape(q_heads, kv_heads, head_dim, head_dim)
+    backend = TritonBackend(page_size=page_size, device="cuda")
+    calls, describe = [], None
+    for _ in range(copies):
+        queries = []
+        for _ in range(batch):
+            chain = cache.new_chain()
+            chain.append(context)
+            queries.append(SequenceQuery.from_chain(chain, 1))
+        plan = plan_attention(queries, shape, DeviceSpec.cuda(), page_size=page_size)
+        describe = plan.describe()
+        prepared = backend.prepare(plan)
+        q = torch.randn(batch, q_heads, head_dim, device="cuda", dtype=dtype, generator=gen)
+        calls.append(lambda p=prepared, q=q: backend.run(p, q, kc, vc, scale=head_dim**-0.5))
+    plain = Timer.capture(calls)
+    stamps = [{name: torch.zeros(STAMP_ROWS, FIELDS, dtype=torch.int64, device="cuda") for name in ("stage1", "merge")}
+              for _ in calls]
+    # the stamped graph: each call writes its own buffers
+    stamped_calls = []
+    for call, buffers in zip(calls, stamps):
+        def stamped(call=call, buffers=buffers):
+            pa.TIMELINE_STAMPS.update(buffers)
+            try:
+                return call()
+            finally:
+                pa.TIMELINE_STAMPS.clear()
+        stamped_calls.append(stamped)
+    timed = Timer.capture(stamped_calls)
+    print(f"\n{shape_name} batch {batch} / {context // 1024}K, pages of {page_size}: plan {describe}")
+    print(f"  graph ms per call: plain {plain.ms():.4f}, stamped {timed.ms():.4f}; bytes at the copy rate "
+          f"{kv_bytes / bandwidth * 1e6:.1f} us")
+    rows = []
+    for _ in range(trials):
+        for buffers in stamps:
+            for t in buffers.values():
+                t.zero_()
+        timed.replay()
+        torch.cuda.synchronize()
+        for buffers in stamps:
+            s1 = buffers["stage1"][buffers["stage1"][:, 2] != 0].cpu()
+            merge = buffers["merge"][buffers["merge"][:, 2] != 0].cpu()
+            rows.append(summarise(s1, merge))
+    keys = list(rows[0])
+    for key in keys:
+        vals = [r.get(key, float("nan")) for r in rows]
+        print(f"  {key:>24}: median {statistics.median(vals):9.2f}  [{min(vals):9.2f} .. {max(vals):9.2f}]")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--cases", default="1x32768,1x131072", help="batch x context, comma list")
+    parser.add_argument("--page-sizes", default="32,16")
+    parser.add_argument("--trials", type=int, default=5)
+    args = parser.parse_args()
+    bandwidth = measured_read_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy rate {bandwidth / 1e12:.2f} TB/s")
+    for page_size in (int(p) for p in args.page_sizes.split(",")):
+        for case in args.cases.split(","):
+            batch, context = (int(x) for x in case.split("x"))
+            run_case(args.shape, batch, context, page_size, args.trials, bandwidth)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
