@@ -578,8 +578,14 @@ elif [ "$part" = tail ]; then
   GPU_TESTS_TIMEOUT=200 gpu_tests "dynamic tail" -- tests/test_triton_attention.py -k dynamic_tail
   CFGS=("" "SEGKV_CUDA_DYNAMIC_TAIL=8 SEGKV_CUDA_DYNAMIC_TAIL_ROWS=128"
         "SEGKV_CUDA_DYNAMIC_TAIL=8 SEGKV_CUDA_DYNAMIC_TAIL_ROWS=256" "SEGKV_CUDA_DYNAMIC_TAIL=15 SEGKV_CUDA_DYNAMIC_TAIL_ROWS=256")
-  kernels_alternate --no-cascade --shapes llama3-8b --batches 1,16 --contexts 16384,32768,131072 --page-sizes 32 \
-    --trials 3
+  kernels_alternate --no-cascade --shapes llama3-8b,llama3-70b --batches 1,16 --contexts 16384,32768,131072 \
+    --page-sizes 32 --trials 3
+  for cfg in "SEGKV_CUDA_DYNAMIC_TAIL=8 SEGKV_CUDA_DYNAMIC_TAIL_ROWS=128" "SEGKV_CUDA_DYNAMIC_TAIL=8 SEGKV_CUDA_DYNAMIC_TAIL_ROWS=256"; do
+    echo "-- program timelines, $cfg" | tee -a "$log"
+    # shellcheck disable=SC2086
+    env $cfg timeout 100 python3 scripts/stage1_timeline.py --page-sizes 32 --cases 1x32768,16x16384 --trials 3 \
+      2>&1 | grep -v -i warn | tee -a "$log"
+  done
 elif [ "$part" = leanverify ]; then
   # SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3 the default (after lean3): the planner, CUDA-graph and engine GPU
   # tests, then the kernels at the defaults and with the rule off, the 70B and 405B shapes at batch

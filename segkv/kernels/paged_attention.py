@@ -165,83 +165,83 @@ def _stage1_item(
     None (read here)."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
-    if mb * BLOCK_M >= n_rows * GROUP:  # also the padding work items of fixed-size plan buffers
-        return
-    if early is not None:
-        valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full = early
-    else:
-        valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, kvh * GROUP, GROUP, partial_row,
-                                                        partial_offset, BLOCK_M)
-    offs_dk = tl.arange(0, BLOCK_DK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    dk_ok = offs_dk < DK
-    dv_ok = offs_dv < DV
-    q = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + offs_dk[None, :],
-                mask=valid[:, None] & dk_ok[None, :], other=0.0)
-    if early is None:  # the page range after the query: with every page read first (plan_reads) the 70B
-        # shape's transposed programs were 3.5% slower at batch 4 and 16 (H200)
-        pg0 = tl.load(work_pages + 2 * w)
-        pg1 = tl.load(work_pages + 2 * w + 1)
+    # not `return`: Triton 3.6 fails to compile an early return here once the call sits in a loop
+    if mb * BLOCK_M < n_rows * GROUP:  # else a padding work item (fixed-size plan buffers) or pair block
+        if early is not None:
+            valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full = early
+        else:
+            valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, kvh * GROUP, GROUP, partial_row,
+                                                            partial_offset, BLOCK_M)
+        offs_dk = tl.arange(0, BLOCK_DK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        dk_ok = offs_dk < DK
+        dv_ok = offs_dv < DV
+        q = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + offs_dk[None, :],
+                    mask=valid[:, None] & dk_ok[None, :], other=0.0)
+        if early is None:  # the page range after the query: with every page read first (plan_reads) the 70B
+            # shape's transposed programs were 3.5% slower at batch 4 and 16 (H200)
+            pg0 = tl.load(work_pages + 2 * w)
+            pg1 = tl.load(work_pages + 2 * w + 1)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    if TRANSPOSED:
-        acc = tl.zeros([BLOCK_DV, BLOCK_M], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    slot = offs_n // PAGE_SIZE
-    row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
-    # loop-invariant parts of the K/V addresses: this KV head, the row within its page
-    k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
-    v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
-    if early is None:  # the first block's page indices (plan_reads), after the query and the K/V bases
-        page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE_OFFSETS, PAGES,
-                                           BLOCK_N, PAGE_SIZE, FOUR)
-    if SKIP:  # every valid pair sees every key of the work item: full tiles need no mask
-        visible = work_item_visible(page_rows, page_key_start, pg0, pg1, offset, valid)
-    t0, t1 = tile_range(pg0, pg1, SUB)
-    for t in range(t0, t1, PAGES):
-        needs_mask = (visible & full) == 0 if SKIP else True
-        page_cur, rows_cur, kst_cur = page, rows, kst
-        page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB), slot,
-                                           pg1, WIDE_OFFSETS, PAGES, BLOCK_N, PAGE_SIZE, FOUR)
-        if SUB > 1:  # this tile's rows of a longer page
-            sub_rows = (t % SUB) * BLOCK_N
-            row_cur = row_in_page + sub_rows
-            k_cur, v_cur = load_kv(k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn, page_cur,
-                                    stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
-        else:
-            row_cur = row_in_page
-            k_cur, v_cur = load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
-        in_page = row_cur < rows_cur
-        kpos = kst_cur + row_cur
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
         if TRANSPOSED:
-            if EXACT_FP32:
-                s_t = tl.dot(k_cur.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
-            else:
-                s_t = tl.dot(k_cur, tl.trans(q))
-            m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v_cur, m_i, l_i,
-                                                           acc, EXACT_FP32, needs_mask)
+            acc = tl.zeros([BLOCK_DV, BLOCK_M], tl.float32)
         else:
-            if EXACT_FP32:
-                s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        slot = offs_n // PAGE_SIZE
+        row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
+        # loop-invariant parts of the K/V addresses: this KV head, the row within its page
+        k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
+        v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
+        if early is None:  # the first block's page indices (plan_reads), after the query and the K/V bases
+            page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE_OFFSETS, PAGES,
+                                               BLOCK_N, PAGE_SIZE, FOUR)
+        if SKIP:  # every valid pair sees every key of the work item: full tiles need no mask
+            visible = work_item_visible(page_rows, page_key_start, pg0, pg1, offset, valid)
+        t0, t1 = tile_range(pg0, pg1, SUB)
+        for t in range(t0, t1, PAGES):
+            needs_mask = (visible & full) == 0 if SKIP else True
+            page_cur, rows_cur, kst_cur = page, rows, kst
+            page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB), slot,
+                                               pg1, WIDE_OFFSETS, PAGES, BLOCK_N, PAGE_SIZE, FOUR)
+            if SUB > 1:  # this tile's rows of a longer page
+                sub_rows = (t % SUB) * BLOCK_N
+                row_cur = row_in_page + sub_rows
+                k_cur, v_cur = load_kv(k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn, page_cur,
+                                        stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
             else:
-                s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
-            m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, v_cur, m_i, l_i, acc,
-                                                EXACT_FP32, needs_mask)
-    if TRANSPOSED:
-        acc = tl.trans(acc)
-    store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
-                   stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, valid)
-    if MERGE > 8 or (MERGE > 0 and MERGE_CHUNKED):
-        merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
-                            stride_c, OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp,
-                            stride_fr, stride_fh, stride_flr, kvh, mb, MERGE, GROUP, MERGE_LANES, BLOCK_M, BLOCK_DV)
-    elif MERGE > 0:
-        merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
-                      OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp, stride_fr,
-                      stride_fh, stride_flr, MERGE)
+                row_cur = row_in_page
+                k_cur, v_cur = load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
+            in_page = row_cur < rows_cur
+            kpos = kst_cur + row_cur
+            if TRANSPOSED:
+                if EXACT_FP32:
+                    s_t = tl.dot(k_cur.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+                else:
+                    s_t = tl.dot(k_cur, tl.trans(q))
+                m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v_cur, m_i, l_i,
+                                                               acc, EXACT_FP32, needs_mask)
+            else:
+                if EXACT_FP32:
+                    s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
+                m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, v_cur, m_i, l_i, acc,
+                                                    EXACT_FP32, needs_mask)
+        if TRANSPOSED:
+            acc = tl.trans(acc)
+        store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
+                       stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, valid)
+        if MERGE > 8 or (MERGE > 0 and MERGE_CHUNKED):
+            merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
+                                stride_c, OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp,
+                                stride_fr, stride_fh, stride_flr, kvh, mb, MERGE, GROUP, MERGE_LANES, BLOCK_M, BLOCK_DV)
+        elif MERGE > 0:
+            merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
+                          OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp, stride_fr,
+                          stride_fh, stride_flr, MERGE)
 
 
 @triton.jit
