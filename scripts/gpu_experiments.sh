@@ -563,7 +563,7 @@ elif [ "$part" = lean3 ]; then
 elif [ "$part" = timeline ]; then
   # where a call's time goes (scripts/stage1_timeline.py: each program's start, wait and end from
   # %globaltimer, durations from %clock64): batch 1 at 32K (84% of the copy rate, the issue asks
-  # 85%) and 128K, batch 16 at 16K (0.98-1.01x cuDNN SDPA), both page sizes
+  # 85%) and 128K, batch 16 at 16K (0.98-1.01x cuDNN SDPA), both page sizes; the 70B shape at 32K
   for page in 32 16; do
     echo "-- program timelines, pages of $page" | tee -a "$log"
     timeout 150 python3 scripts/stage1_timeline.py --page-sizes $page --cases 1x32768,1x131072,16x16384 --trials 5 \
@@ -571,21 +571,11 @@ elif [ "$part" = timeline ]; then
   done
   timeout 100 python3 scripts/stage1_timeline.py --shape llama3-70b --page-sizes 32 --cases 1x32768 --trials 5 \
     2>&1 | grep -v -i warn | tee -a "$log"
-elif [ "$part" = tail ]; then
-  # the dynamic tail of split runs (SEGKV_CUDA_DYNAMIC_TAIL percent of a run's rows in pieces of
-  # SEGKV_CUDA_DYNAMIC_TAIL_ROWS at its end, taken by whichever stage-1 program is free first):
-  # its GPU tests, then the 8B shape's kernels at batch 1 and 16 against the defaults (off)
-  GPU_TESTS_TIMEOUT=200 gpu_tests "dynamic tail" -- tests/test_triton_attention.py -k dynamic_tail
-  CFGS=("" "SEGKV_CUDA_DYNAMIC_TAIL=8 SEGKV_CUDA_DYNAMIC_TAIL_ROWS=128"
-        "SEGKV_CUDA_DYNAMIC_TAIL=8 SEGKV_CUDA_DYNAMIC_TAIL_ROWS=256" "SEGKV_CUDA_DYNAMIC_TAIL=15 SEGKV_CUDA_DYNAMIC_TAIL_ROWS=256")
-  kernels_alternate --no-cascade --shapes llama3-8b,llama3-70b --batches 1,16 --contexts 16384,32768,131072 \
-    --page-sizes 32 --trials 3
-  for cfg in "SEGKV_CUDA_DYNAMIC_TAIL=8 SEGKV_CUDA_DYNAMIC_TAIL_ROWS=128" "SEGKV_CUDA_DYNAMIC_TAIL=8 SEGKV_CUDA_DYNAMIC_TAIL_ROWS=256"; do
-    echo "-- program timelines, $cfg" | tee -a "$log"
-    # shellcheck disable=SC2086
-    env $cfg timeout 100 python3 scripts/stage1_timeline.py --page-sizes 32 --cases 1x32768,16x16384 --trials 3 \
-      2>&1 | grep -v -i warn | tee -a "$log"
-  done
+elif [ "$part" = cascadetimeline ]; then
+  # the cascade's timeline (16 forks of a 32K prefix + 512 rows each, 6.2x the unshared batch, the
+  # issue asks 8x): its prefix (tall) and suffix programs apart, pages of 16 and 32
+  timeout 150 python3 scripts/stage1_timeline.py --page-sizes 16,32 --cases "" --cascade --trials 5 \
+    2>&1 | grep -v -i warn | tee -a "$log"
 elif [ "$part" = leanverify ]; then
   # SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3 the default (after lean3): the planner, CUDA-graph and engine GPU
   # tests, then the kernels at the defaults and with the rule off, the 70B and 405B shapes at batch

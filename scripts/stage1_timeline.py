@@ -1,10 +1,13 @@
-"""Where a batch-1 decode call's time goes: each stage-1 and merge program's timeline (CUDA only).
+"""Where a decode attention call's time goes: each stage-1 and merge program's timeline (CUDA only).
 
-The planner's plan for ``--cases`` (batch x context) (``--shape``, ``--page-sizes``) runs
-in a CUDA graph over two copies of the data (cold L2, as ``segkv.bench.decode_attention``
-times it), with the programs writing their stamps (``kernels.timeline``). For each call it
+The planner's plan for ``--cases`` (batch x context; ``--shape``, ``--page-sizes``) runs in a
+CUDA graph over enough copies of the data that L2 is cold for each call (as
+``segkv.bench.decode_attention`` times it), with the programs writing their stamps
+(``kernels.timeline``: ``%globaltimer`` at each program's start, after its PDL wait and at its
+end; ``%clock64`` for durations). ``--cascade``: also 16 forks of a 32K prefix with 512 rows
+each, the planner's cascade plan, its prefix (tall) and suffix programs apart. For each call it
 prints, in us from the first stage-1 program's start: when programs start, wait and end
-(percentiles), the merge's wait and end after the last stage-1 program, and the span against
+(percentiles), their durations, the merge's wait and end after the last stage-1 program, and
 the bytes at the copy rate. ``python3 scripts/stage1_timeline.py --trials 5``.
 """
 
@@ -18,7 +21,7 @@ import torch
 
 from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
 from segkv.attention.triton_backend import TritonBackend
-from segkv.bench.decode_attention import SHAPES, Timer, _fill_random, measured_read_bandwidth
+from segkv.bench.decode_attention import SHAPES, Timer, _fill_random, forked_prefix, measured_read_bandwidth
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 from segkv.kernels import paged_attention as pa
@@ -32,9 +35,9 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def summarise(s1: torch.Tensor, merge: torch.Tensor) -> dict:
-    """Stage-1 and merge stamps (rows of programs that recorded) -> times in us."""
-    t0 = s1[:, 0].min().item()
+def summarise(s1: torch.Tensor, merge: torch.Tensor, t0: int, last_end: int) -> dict:
+    """Stage-1 stamps of some programs and the merge's (rows of programs that recorded), times in
+    us from ``t0`` (ns); ``last_end``: the last stage-1 program's end (ns)."""
     us = lambda t: (t - t0) / 1e3  # noqa: E731
     starts = [us(t) for t in s1[:, 0].tolist()]
     waits = [us(t) for t in s1[:, 1].tolist()]
@@ -44,26 +47,72 @@ def summarise(s1: torch.Tensor, merge: torch.Tensor) -> dict:
     per_sm: dict[int, int] = {}
     for sm in s1[:, 6].tolist():
         per_sm[sm] = per_sm.get(sm, 0) + 1
-    last_end = max(ends)
     out = {
         "programs": len(ends), "sms": len(per_sm), "max_per_sm": max(per_sm.values()),
         "start_p50": pct(starts, 0.5), "start_max": max(starts), "wait_max": max(w - s for w, s in zip(waits, starts)),
         "end_p01": pct(ends, 0.01), "end_p10": pct(ends, 0.1), "end_p50": pct(ends, 0.5), "end_p90": pct(ends, 0.9),
-        "end_max": last_end, "dur_min": min(cycles_us), "dur_p50": pct(cycles_us, 0.5), "dur_max": max(cycles_us),
+        "end_max": max(ends), "dur_min": min(cycles_us), "dur_p50": pct(cycles_us, 0.5), "dur_max": max(cycles_us),
         "ghz": ghz,
     }
-    # programs sharing an SM with another against alone: their durations
-    alone = [d for d, sm in zip(cycles_us, s1[:, 6].tolist()) if per_sm[sm] == 1]
-    out["dur_alone_p50"] = pct(alone, 0.5) if alone else float("nan")
     if len(merge):
         out["merge_start_min"] = us(merge[:, 0].min().item())
-        out["merge_wait_after_s1"] = us(merge[:, 1].min().item()) - last_end
-        out["merge_wait_max_after_s1"] = us(merge[:, 1].max().item()) - last_end
-        out["merge_end_after_s1"] = us(merge[:, 2].max().item()) - last_end
+        out["merge_wait_after_s1"] = us(merge[:, 1].min().item()) - us(last_end)
+        out["merge_end_after_s1"] = us(merge[:, 2].max().item()) - us(last_end)
         out["span"] = us(merge[:, 2].max().item())
-    else:
-        out["span"] = last_end
     return out
+
+
+def program_classes(plan, programs: torch.Tensor, num_kv: int) -> list[str]:
+    """Each stage-1 program's class by its work item (the launch puts KV heads fastest): "tall"
+    (several query rows: a shared piece's) or "one row"."""
+    num_work = len(plan.work)
+    return ["tall" if len(plan.work[(i // num_kv) % num_work].query_rows) > 1 else "one row"
+            for i in programs.tolist()]
+
+
+def timelines(label: str, calls: list, plans: list, num_kv: int, kv_bytes: int, bandwidth: float,
+              trials: int) -> None:
+    """Time ``calls`` (one per data copy) plain and stamped in graphs; print their timelines."""
+    plain = Timer.capture(calls)
+    stamps = [{name: torch.zeros(STAMP_ROWS, FIELDS, dtype=torch.int64, device="cuda") for name in ("stage1", "merge")}
+              for _ in calls]
+    stamped_calls = []
+    for call, buffers in zip(calls, stamps):
+        def stamped(call=call, buffers=buffers):
+            pa.TIMELINE_STAMPS.update(buffers)
+            try:
+                return call()
+            finally:
+                pa.TIMELINE_STAMPS.clear()
+        stamped_calls.append(stamped)
+    timed = Timer.capture(stamped_calls)
+    print(f"\n{label}: plan {plans[0].describe()}")
+    print(f"  graph ms per call: plain {plain.ms():.4f}, stamped {timed.ms():.4f}; bytes at the copy rate "
+          f"{kv_bytes / bandwidth * 1e6:.1f} us")
+    rows: dict[str, list[dict]] = {}
+    for _ in range(trials):
+        for buffers in stamps:
+            for t in buffers.values():
+                t.zero_()
+        timed.replay()
+        torch.cuda.synchronize()
+        for buffers, plan in zip(stamps, plans):
+            stage1 = buffers["stage1"].cpu()
+            recorded = torch.nonzero(stage1[:, 2]).flatten()
+            s1 = stage1[recorded]
+            merge = buffers["merge"][buffers["merge"][:, 2] != 0].cpu()
+            t0, last_end = s1[:, 0].min().item(), s1[:, 2].max().item()
+            rows.setdefault("all", []).append(summarise(s1, merge, t0, last_end))
+            classes = program_classes(plan, recorded, num_kv)
+            if len(set(classes)) > 1:
+                for name in sorted(set(classes)):
+                    keep = torch.tensor([c == name for c in classes])
+                    rows.setdefault(name, []).append(summarise(s1[keep], merge[:0], t0, last_end))
+    for name, found in rows.items():
+        print(f"  -- {name} programs")
+        for key in found[0]:
+            vals = [r[key] for r in found]
+            print(f"  {key:>24}: median {statistics.median(vals):9.2f}  [{min(vals):9.2f} .. {max(vals):9.2f}]")
 
 
 def run_case(shape_name: str, batch: int, context: int, page_size: int, trials: int, bandwidth: float) -> None:
@@ -81,7 +130,7 @@ def run_case(shape_name: str, batch: int, context: int, page_size: int, trials: 
     kc, vc = cache.storage.key_cache(0), cache.storage.value_cache(0)
     shape = AttentionShape(q_heads, kv_heads, head_dim, head_dim)
     backend = TritonBackend(page_size=page_size, device="cuda")
-    calls, describe = [], None
+    calls, plans = [], []
     for _ in range(copies):
         queries = []
         for _ in range(batch):
@@ -89,57 +138,51 @@ def run_case(shape_name: str, batch: int, context: int, page_size: int, trials: 
             chain.append(context)
             queries.append(SequenceQuery.from_chain(chain, 1))
         plan = plan_attention(queries, shape, DeviceSpec.cuda(), page_size=page_size)
-        describe = plan.describe()
         prepared = backend.prepare(plan)
         q = torch.randn(batch, q_heads, head_dim, device="cuda", dtype=dtype, generator=gen)
         calls.append(lambda p=prepared, q=q: backend.run(p, q, kc, vc, scale=head_dim**-0.5))
-    plain = Timer.capture(calls)
-    stamps = [{name: torch.zeros(STAMP_ROWS, FIELDS, dtype=torch.int64, device="cuda") for name in ("stage1", "merge")}
-              for _ in calls]
-    # the stamped graph: each call writes its own buffers
-    stamped_calls = []
-    for call, buffers in zip(calls, stamps):
-        def stamped(call=call, buffers=buffers):
-            pa.TIMELINE_STAMPS.update(buffers)
-            try:
-                return call()
-            finally:
-                pa.TIMELINE_STAMPS.clear()
-        stamped_calls.append(stamped)
-    timed = Timer.capture(stamped_calls)
-    print(f"\n{shape_name} batch {batch} / {context // 1024}K, pages of {page_size}: plan {describe}")
-    print(f"  graph ms per call: plain {plain.ms():.4f}, stamped {timed.ms():.4f}; bytes at the copy rate "
-          f"{kv_bytes / bandwidth * 1e6:.1f} us")
-    rows = []
-    for _ in range(trials):
-        for buffers in stamps:
-            for t in buffers.values():
-                t.zero_()
-        timed.replay()
-        torch.cuda.synchronize()
-        for buffers in stamps:
-            s1 = buffers["stage1"][buffers["stage1"][:, 2] != 0].cpu()
-            merge = buffers["merge"][buffers["merge"][:, 2] != 0].cpu()
-            rows.append(summarise(s1, merge))
-    keys = list(rows[0])
-    for key in keys:
-        vals = [r.get(key, float("nan")) for r in rows]
-        print(f"  {key:>24}: median {statistics.median(vals):9.2f}  [{min(vals):9.2f} .. {max(vals):9.2f}]")
+        plans.append(plan)
+    timelines(f"{shape_name} batch {batch} / {context // 1024}K, pages of {page_size}", calls, plans, kv_heads,
+              kv_bytes, bandwidth, trials)
+
+
+def run_cascade(shape_name: str, page_size: int, trials: int, bandwidth: float, forks: int = 16,
+                prefix: int = 32768, suffix: int = 512) -> None:
+    q_heads, kv_heads, head_dim = SHAPES[shape_name]
+    dtype = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cache, root, chains = forked_prefix(kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, forks=forks, prefix=prefix,
+                                        suffix=suffix, page_size=page_size, generator=gen)
+    plan = plan_attention([SequenceQuery.from_chain(c, 1) for c in chains], AttentionShape(q_heads, kv_heads, head_dim,
+                                                                                          head_dim),
+                          DeviceSpec.cuda(), page_size=page_size)
+    backend = TritonBackend(page_size=page_size, device="cuda")
+    prepared = backend.prepare(plan)
+    q = torch.randn(forks, q_heads, head_dim, device="cuda", dtype=dtype, generator=gen)
+    kc, vc = cache.storage.key_cache(0), cache.storage.value_cache(0)
+    kv_bytes = 2 * (prefix + forks * suffix) * kv_heads * head_dim * 2
+    timelines(f"{shape_name} cascade, {forks} forks of {prefix // 1024}K + {suffix}, pages of {page_size}",
+              [lambda: backend.run(prepared, q, kc, vc, scale=head_dim**-0.5)], [plan], kv_heads, kv_bytes, bandwidth,
+              trials)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
-    parser.add_argument("--cases", default="1x32768,1x131072", help="batch x context, comma list")
+    parser.add_argument("--cases", default="1x32768,1x131072", help="batch x context, comma list ('' for none)")
     parser.add_argument("--page-sizes", default="32,16")
+    parser.add_argument("--cascade", action="store_true", help="also the cascade, at each page size")
     parser.add_argument("--trials", type=int, default=5)
     args = parser.parse_args()
     bandwidth = measured_read_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy rate {bandwidth / 1e12:.2f} TB/s")
     for page_size in (int(p) for p in args.page_sizes.split(",")):
-        for case in args.cases.split(","):
+        for case in filter(None, args.cases.split(",")):
             batch, context = (int(x) for x in case.split("x"))
             run_case(args.shape, batch, context, page_size, args.trials, bandwidth)
+            torch.cuda.empty_cache()
+        if args.cascade:
+            run_cascade(args.shape, page_size, args.trials, bandwidth)
             torch.cuda.empty_cache()
 
 

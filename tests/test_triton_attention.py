@@ -828,31 +828,3 @@ def test_pages_past_two_to_the_31_elements(gen):
         plan = plan_attention(queries, shape, DeviceSpec.cuda(), page_size=16, route=route)
         q = torch.randn(1, 32, 128, device=DEVICE, dtype=torch.bfloat16)
         check(*triton_and_reference(plan, q, k, v, page_size=16, scale=128**-0.5, device=DEVICE))
-
-
-@pytest.mark.parametrize("dtype,page_size,ratio", [("bf16", 16, 4), ("fp32", 32, 8)])
-def test_a_dynamic_tail_matches_the_reference_whoever_takes_it(dtype, page_size, ratio, gen):
-    """A split plan with a dynamic tail (its last work items handed out by tickets as programs
-    finish): equal to the reference, bit for bit equal to the same plan launched all at once, the
-    tickets back at zero, and the fixed-size (graph) preparation of it equal too."""
-    batch = gqa_batch(gen, dtype=DTYPES[dtype], page_size=page_size, ratio=ratio, head_dim=64, rows=1)
-    spec = dataclasses.replace(DeviceSpec.cuda() if GPU else DeviceSpec.cpu(), kind="cuda", num_multiprocessors=2,
-                               blocks_per_multiprocessor=2, min_rows_per_partition=page_size, key_tile_rows=1,
-                               max_partitions=64, dynamic_tail_percent=30, dynamic_tail_rows=page_size)
-    plan = plan_attention(batch.queries, batch.shape, spec, page_size=page_size, route="split")
-    assert plan.dynamic_work >= 3 and plan.num_partitions >= 3, plan.describe()
-    tail = plan.work[-plan.dynamic_work:]
-    assert all(plan.pieces[item.piece].num_rows <= page_size for item in tail)
-    storage = batch.cache.storage
-    kc, vc = storage.key_cache(0), storage.value_cache(0)
-    tb = TritonBackend(page_size=page_size, device=DEVICE, poison=True)
-    out, lse = tb.run(tb.prepare(plan), batch.query, kc, vc, scale=batch.scale)
-    assert tb._tickets is not None and torch.equal(tb._tickets.cpu(), torch.zeros(2, dtype=torch.int32))
-    rb = TorchReferenceBackend(page_size=page_size, device=DEVICE)
-    ref, ref_lse = rb.run(rb.prepare(plan), batch.query, kc, vc, scale=batch.scale)
-    check(out, lse, ref, ref_lse)
-    static = dataclasses.replace(plan, dynamic_work=0)
-    out_static, lse_static = tb.run(tb.prepare(static), batch.query, kc, vc, scale=batch.scale)
-    assert torch.equal(out, out_static) and torch.equal(lse, lse_static)
-    again, again_lse = tb.run(tb.prepare(plan), batch.query, kc, vc, scale=batch.scale)  # the tickets reset
-    assert torch.equal(out, again) and torch.equal(lse, again_lse)

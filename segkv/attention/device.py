@@ -56,12 +56,6 @@ CUDA_LATENT_MERGE_ROWS_PER_PARTITION = 1
 # merge inside stage 1. SEGKV_CUDA_MERGE_LAUNCH_ROWS; 0: costing it at 256 or 512 rows measured
 # slower on the H200 (Llama-3.1-8B batch 1 at 1K 217 against 226 tok/s; docs/benchmarks.md).
 CUDA_MERGE_LAUNCH_ROWS = 0
-# The dynamic tail of split runs (DeviceSpec.dynamic_tail_percent / _rows; SEGKV_CUDA_DYNAMIC_TAIL,
-# SEGKV_CUDA_DYNAMIC_TAIL_ROWS). On the H200 a batch-1 / 32K launch's programs end over 3-4 us
-# (their durations 32-38 us; batch 16 / 16K: 221-251 us), set by how fast each one streams, not by
-# its rows (scripts/stage1_timeline.py)
-CUDA_DYNAMIC_TAIL_PERCENT = 0
-CUDA_DYNAMIC_TAIL_ROWS = 256
 # Float32 split partials (output + LSE) a plan may need; the Triton backend keeps one buffer of
 # this size, so a long history adds no per-step workspace (see DeviceSpec.max_partial_bytes).
 PARTIAL_WORKSPACE_BYTES = 64 << 20
@@ -91,10 +85,6 @@ class DeviceSpec:
     ``stage1_merge_max_partials``, the most the stage-1 kernel merges itself (0: none).
     ``key_tile_rows``: KV rows per tile of the GQA programs (not tall decode ones); the planner
     costs their partitions in whole tiles (1: in rows).
-    ``dynamic_tail_percent`` (0: none): of a run the planner cut into partitions, about this share
-    of its rows goes to pieces of ``dynamic_tail_rows`` rows at its end, work items the kernels
-    hand to whichever program is free first (``AttentionPlan.dynamic_work``), so programs that
-    stream faster take more and the launch ends together.
     """
 
     kind: str
@@ -113,19 +103,17 @@ class DeviceSpec:
     merge_launch_rows: int = 0
     stage1_merge_max_partials: int = 0
     key_tile_rows: int = 1
-    dynamic_tail_percent: int = 0
-    dynamic_tail_rows: int = 256
 
     def __post_init__(self) -> None:
         if self.kind not in ("cpu", "cuda"):
             raise ValueError(f"DeviceSpec.kind must be 'cpu' or 'cuda', got {self.kind!r}")
         for name in ("num_multiprocessors", "blocks_per_multiprocessor", "min_rows_per_partition",
                      "min_rows_per_latent_partition", "max_partitions", "max_query_rows_per_work", "partition_overhead_rows", "max_partial_bytes",
-                     "key_tile_rows", "dynamic_tail_rows"):
+                     "key_tile_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DeviceSpec.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("latent_merge_rows_per_partition", "merge_launch_rows", "stage1_merge_max_partials",
-                     "tall_blocks_per_multiprocessor", "lean_blocks_per_multiprocessor", "dynamic_tail_percent"):
+                     "tall_blocks_per_multiprocessor", "lean_blocks_per_multiprocessor"):
             if getattr(self, name) < 0:  # 0: not costed / no merge inside stage 1
                 raise ValueError(f"DeviceSpec.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -192,8 +180,6 @@ class DeviceSpec:
             merge_launch_rows=env_int("SEGKV_CUDA_MERGE_LAUNCH_ROWS", CUDA_MERGE_LAUNCH_ROWS),
             stage1_merge_max_partials=stage1_merge_bound(),
             key_tile_rows=CUDA_KEY_TILE_ROWS,
-            dynamic_tail_percent=env_int("SEGKV_CUDA_DYNAMIC_TAIL", CUDA_DYNAMIC_TAIL_PERCENT),
-            dynamic_tail_rows=env_int("SEGKV_CUDA_DYNAMIC_TAIL_ROWS", CUDA_DYNAMIC_TAIL_ROWS),
         )
 
     @classmethod

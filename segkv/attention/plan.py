@@ -145,10 +145,6 @@ class AttentionPlan:
     most partitions any single run was cut into (1 unless the route split).
     ``max_work_rows``: the most query rows of one work item (1 for a plain decode step);
     ``max_row_partials``: the most partials merged into one query row.
-    ``dynamic_work``: the last this many work items are a dynamic tail (``DeviceSpec.dynamic_tail_percent``):
-    a kernel may hand them, in order, to whichever of its programs is free first. Each still
-    makes its own partials, so the results do not depend on who took them; a backend may
-    equally run them like the others.
     """
 
     route: Route
@@ -158,7 +154,6 @@ class AttentionPlan:
     num_query_rows: int
     num_partitions: int = 1
     reason: str = ""
-    dynamic_work: int = 0
     partial_rows: tuple[int, ...] = field(init=False)
     max_work_rows: int = field(init=False)
     max_row_partials: int = field(init=False)
@@ -179,8 +174,6 @@ class AttentionPlan:
                 seen.add(p)
         if len(seen) != len(partial_rows):
             raise ValueError("some partial results are not reduced into any row")
-        if not 0 <= self.dynamic_work <= len(self.work):
-            raise ValueError(f"dynamic_work {self.dynamic_work} of {len(self.work)} work items")
         for item in self.work:
             if not 0 <= item.piece < len(self.pieces):
                 raise ValueError(f"work item names piece {item.piece} of {len(self.pieces)}")
@@ -198,7 +191,6 @@ class AttentionPlan:
             "partials": self.num_partials,
             "query_rows": self.num_query_rows,
             "max_partitions": self.num_partitions,
-            **({"dynamic_work": self.dynamic_work} if self.dynamic_work else {}),
             "reason": self.reason,
         }
 

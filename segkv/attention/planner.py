@@ -103,7 +103,6 @@ def plan_attention(
         layout = forced if forced != Route.SPLIT else Route.SINGLE
     runs = _build_runs(queries, layout, shared, page_size)
 
-    auto_cuts = num_partitions is None and forced != Route.SINGLE
     if num_partitions is not None and forced != Route.SINGLE:
         cuts = _forced_cuts(runs, num_partitions)
         reason = f"{forced.value if forced else 'auto'} route, {num_partitions} partitions"
@@ -120,17 +119,7 @@ def plan_attention(
             reason = f"forced {forced.value}; {reason}"
     else:
         cuts, reason = [_cut_rows(run, None) for run in runs], f"forced {forced.value}"
-    # the automatic cuts only (not forced partition counts, nor the single route)
-    cuts, tails = _dynamic_tails(runs, cuts, device, page_size) if auto_cuts else (cuts, None)
     pieces, work, max_parts = _partition(runs, cuts, queries, device.max_query_rows_per_work)
-    dynamic = 0
-    if tails:  # after every other work item: the kernels hand them out in this order
-        tail_pieces, tail_work, _ = _partition(runs, tails, queries, device.max_query_rows_per_work)
-        work += [WorkItem(item.piece + len(pieces), item.query_rows, item.causal_offsets) for item in tail_work]
-        pieces += tail_pieces
-        dynamic = len(tail_work)
-        max_parts = max(len(main) + len(tail) for main, tail in zip(cuts, tails))
-        reason = f"{reason}; a dynamic tail of {dynamic} work items"
 
     if forced is not None:
         final = forced
@@ -147,7 +136,6 @@ def plan_attention(
         num_query_rows=num_rows,
         num_partitions=max_parts,
         reason=reason,
-        dynamic_work=dynamic,
     )
 
 
@@ -383,33 +371,6 @@ def _partition(
                 work.append(WorkItem(len(pieces) - 1, tuple(rows[start:stop]), tuple(offsets[start:stop])))
     max_parts = max((len(parts) for parts in cuts), default=1)
     return pieces, work, max_parts
-
-
-def _dynamic_tails(runs: list[_Run], cuts: list[list[_Part]], device: DeviceSpec, page_size: int
-                   ) -> tuple[list[list[_Part]], list[list[_Part]] | None]:
-    """The runs' partitions without their dynamic tails, and the tails (``DeviceSpec.dynamic_tail_percent``):
-    a run cut into 2 or more partitions gives about that share of its rows, in whole pieces of
-    ``dynamic_tail_rows`` rows (whole pages) from its end, to pieces of its own; the rest is cut
-    into as many partitions as before. None when no run has one."""
-    if not device.dynamic_tail_percent:
-        return cuts, None
-    chunk_pages = max(1, device.dynamic_tail_rows // page_size)
-    mains, tails, any_tail = [], [], False
-    for run, parts in zip(runs, cuts):
-        pages = len(run.page_ids)
-        chunks = round(run.num_rows * device.dynamic_tail_percent / 100 / (chunk_pages * page_size))
-        main_pages = pages - chunks * chunk_pages
-        if len(parts) < 2 or chunks < 1 or main_pages < len(parts):
-            mains.append(parts)
-            tails.append([])
-            continue
-        bounds = [i * main_pages // len(parts) for i in range(len(parts))]
-        bounds += [main_pages + j * chunk_pages for j in range(chunks)]
-        cut = _parts_at(run, bounds)
-        mains.append(cut[:len(parts)])
-        tails.append(cut[len(parts):])
-        any_tail = True
-    return (mains, tails) if any_tail else (cuts, None)
 
 
 def _cut_rows(run: _Run, limit: int | None) -> list[_Part]:

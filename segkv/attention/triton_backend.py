@@ -169,7 +169,6 @@ class TritonBackend:
         # merge tickets of the GQA kernels (paged_attention's ``counters``): zeros, and every
         # launch leaves them zero; grown, never shrunk (graph captures keep their address)
         self._counters: torch.Tensor | None = None
-        self._tickets: torch.Tensor | None = None  # a dynamic tail's (_work_tickets)
         if capacity is not None:
             sizes = capacity.sizes()
             total = sum(sizes.values())
@@ -297,17 +296,7 @@ class TritonBackend:
             out_dtype=out_dtype or query.dtype, needs_merge=prepared.needs_merge, launch=self.launch,
             poison=self.poison, workspace=workspace, merge_in_stage1=prepared.merge_in_stage1,
             counters=self._merge_counters(rows * query.shape[1]) if prepared.merge_in_stage1 else None,
-            # fixed-size plans (graph replays) launch their dynamic tail like the other work items
-            **({} if prepared.fixed or not plan.dynamic_work else
-               {"dynamic_work": plan.dynamic_work, "tickets": self._work_tickets()}),
         )
-
-    def _work_tickets(self) -> torch.Tensor:
-        """The two int32 tickets of a dynamic tail (``paged_attention``'s ``tickets``), zero
-        between launches."""
-        if self._tickets is None:
-            self._tickets = torch.zeros(2, dtype=torch.int32, device=self.device)
-        return self._tickets
 
     def _merge_counters(self, entries: int) -> torch.Tensor:
         """At least ``entries`` int32 merge tickets, all zero (the kernels leave them so). A graph

@@ -53,7 +53,6 @@ def _stage1_kernel(
     USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
     MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False, WIDE_OFFSETS: tl.constexpr = True,
     SKIP: tl.constexpr = False, FOUR: tl.constexpr = False, STAMPS=None,
-    STEAL=None, steal_items=0, static_work=0,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -71,31 +70,26 @@ def _stage1_kernel(
     (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait. ``SKIP``
     (:func:`skip_masks`): a tile whose rows all hold keys every valid pair sees skips the score mask.
     ``FOUR`` (:func:`attention_tiles.four_page_scalars`): a tile of four pages loads their entries
-    as scalars. ``STEAL`` (int32 ``(2,)``, 0 between launches): the grid covers the first
-    ``static_work`` work items; each program then takes further (work item, KV head, pair block)
-    triples, ``steal_items`` of them in work order from ``static_work`` on, by an atomic ticket,
-    until none are left (the work items' partials are fixed, so results do not depend on which
-    program took which); the last program to find none resets the tickets."""
+    as scalars. ``STAMPS``: an int64 tensor of ``timeline.FIELDS`` values per program, where each
+    program writes its timeline (diagnostics: ``scripts/stage1_timeline.py``); None compiles it away."""
+    PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
+    SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if STAMPS is not None:
         st0 = timeline.global_ns()
         sc0 = timeline.sm_cycles()
     if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
         kvh = tl.program_id(0)
         w = tl.program_id(1)
-        num_kv = tl.num_programs(0)
     else:
         w = tl.program_id(0)
         kvh = tl.program_id(1)
-        num_kv = tl.num_programs(1)
     mb = tl.program_id(2)
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
-    # the rest of the host's plan too, before the wait (work-taking programs carry it from item to item)
-    if PLAN_EARLY or STEAL is not None:
-        early = plan_reads(p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages,
-                           page_table, page_rows, page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS, FOUR)
-    else:
-        early = None
+    if PLAN_EARLY:  # the rest of the host's plan too, before the wait
+        valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full = plan_reads(
+            p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages, page_table, page_rows,
+            page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS, FOUR)
     if USE_PDL:  # the plan is the host's; everything else read or written below waits for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -106,142 +100,83 @@ def _stage1_kernel(
         if (w == 0) & (mb == 0):
             zero_empty_rows(reduce_ptr, num_rows, kvh, FINAL, FINAL_LSE, stride_fr, stride_fh, stride_flr,
                             GROUP, DV, BLOCK_DV)
-    if STEAL is None:
-        _stage1_item(
-            w, kvh, mb, p0, n_rows, early, Q, K, V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows,
-            page_key_start, work_pages, work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr,
-            reduce_partials, COUNTERS, stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn,
-            stride_vh, stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, stride_c, scale, GROUP, DK,
-            DV, BLOCK_M, BLOCK_DK, BLOCK_DV, PAGE_SIZE, BLOCK_N, EXACT_FP32, MERGE, TRANSPOSED, MERGE_LANES,
-            MERGE_CHUNKED, WIDE_OFFSETS, SKIP, FOUR)
-    else:  # the grid's item, then the dynamic ones in work order to whichever program is free: one copy
-        # of the tile loop (two held 240-248 registers offline, sm_90a, against 168-188)
-        blocks = tl.num_programs(2)
-        valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full = early
-        more = True
-        while more:
-            _stage1_item(
-                w, kvh, mb, p0, n_rows, (valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full), Q, K,
-                V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, work_pages, work_partial_start,
-                partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_qr,
-                stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh, stride_op, stride_oh,
-                stride_lp, stride_fr, stride_fh, stride_flr, stride_c, scale, GROUP, DK, DV, BLOCK_M, BLOCK_DK,
-                BLOCK_DV, PAGE_SIZE, BLOCK_N, EXACT_FP32, MERGE, TRANSPOSED, MERGE_LANES, MERGE_CHUNKED,
-                WIDE_OFFSETS, SKIP, FOUR)
-            ticket = tl.atomic_add(STEAL, 1)
-            more = ticket < steal_items
-            ticket = tl.minimum(ticket, steal_items - 1)  # past the last: its plan is read and dropped
-            rest = ticket // num_kv
-            w = static_work + rest // blocks
-            kvh = ticket % num_kv
-            mb = rest % blocks
-            p0 = tl.load(work_partial_start + w)
-            n_rows = tl.load(work_partial_start + w + 1) - p0
-            valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full = plan_reads(
-                p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages, page_table, page_rows,
-                page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS, FOUR)
-        done = tl.atomic_add(STEAL + 1, 1)
-        if done == tl.num_programs(0) * tl.num_programs(1) * blocks - 1:  # every program has found none
-            tl.store(STEAL, 0)
-            tl.store(STEAL + 1, 0)
+    if mb * BLOCK_M >= n_rows * GROUP:  # also the padding work items of fixed-size plan buffers
+        return
+    if not PLAN_EARLY:
+        valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, kvh * GROUP, GROUP, partial_row,
+                                                        partial_offset, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dk_ok = offs_dk < DK
+    dv_ok = offs_dv < DV
+    q = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + offs_dk[None, :],
+                mask=valid[:, None] & dk_ok[None, :], other=0.0)
+    if not PLAN_EARLY:  # the page range after the query: with every page read first (plan_reads) the 70B
+        # shape's transposed programs were 3.5% slower at batch 4 and 16 (H200)
+        pg0 = tl.load(work_pages + 2 * w)
+        pg1 = tl.load(work_pages + 2 * w + 1)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if TRANSPOSED:
+        acc = tl.zeros([BLOCK_DV, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    slot = offs_n // PAGE_SIZE
+    row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
+    # loop-invariant parts of the K/V addresses: this KV head, the row within its page
+    k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
+    v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
+    if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
+        page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE_OFFSETS, PAGES,
+                                           BLOCK_N, PAGE_SIZE, FOUR)
+    if SKIP:  # every valid pair sees every key of the work item: full tiles need no mask
+        visible = work_item_visible(page_rows, page_key_start, pg0, pg1, offset, valid)
+    t0, t1 = tile_range(pg0, pg1, SUB)
+    for t in range(t0, t1, PAGES):
+        needs_mask = (visible & full) == 0 if SKIP else True
+        page_cur, rows_cur, kst_cur = page, rows, kst
+        page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB), slot,
+                                           pg1, WIDE_OFFSETS, PAGES, BLOCK_N, PAGE_SIZE, FOUR)
+        if SUB > 1:  # this tile's rows of a longer page
+            sub_rows = (t % SUB) * BLOCK_N
+            row_cur = row_in_page + sub_rows
+            k_cur, v_cur = load_kv(k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn, page_cur,
+                                    stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
+        else:
+            row_cur = row_in_page
+            k_cur, v_cur = load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
+        in_page = row_cur < rows_cur
+        kpos = kst_cur + row_cur
+        if TRANSPOSED:
+            if EXACT_FP32:
+                s_t = tl.dot(k_cur.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+            else:
+                s_t = tl.dot(k_cur, tl.trans(q))
+            m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v_cur, m_i, l_i,
+                                                           acc, EXACT_FP32, needs_mask)
+        else:
+            if EXACT_FP32:
+                s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
+            m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, v_cur, m_i, l_i, acc,
+                                                EXACT_FP32, needs_mask)
+    if TRANSPOSED:
+        acc = tl.trans(acc)
+    store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
+                   stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, valid)
     if STAMPS is not None:
         timeline.record(STAMPS, st0, sc0, st1, sc1)
-
-
-@triton.jit
-def _stage1_item(
-    w, kvh, mb, p0, n_rows, early, Q, K, V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, work_pages,
-    work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
-    stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh, stride_op, stride_oh,
-    stride_lp, stride_fr, stride_fh, stride_flr, stride_c, scale,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
-    MERGE: tl.constexpr, TRANSPOSED: tl.constexpr, MERGE_LANES: tl.constexpr, MERGE_CHUNKED: tl.constexpr,
-    WIDE_OFFSETS: tl.constexpr, SKIP: tl.constexpr, FOUR: tl.constexpr,
-):
-    """Stage 1 of one (work item ``w``, KV head ``kvh``, pair block ``mb``): see
-    :func:`_stage1_kernel`. ``p0``, ``n_rows``: the work item's first partial and query rows;
-    ``early``: :func:`plan_reads`' values when the program read them before its PDL wait, else
-    None (read here)."""
-    PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
-    SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
-    # not `return`: Triton 3.6 fails to compile an early return here once the call sits in a loop
-    if mb * BLOCK_M < n_rows * GROUP:  # else a padding work item (fixed-size plan buffers) or pair block
-        if early is not None:
-            valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full = early
-        else:
-            valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, kvh * GROUP, GROUP, partial_row,
-                                                            partial_offset, BLOCK_M)
-        offs_dk = tl.arange(0, BLOCK_DK)
-        offs_dv = tl.arange(0, BLOCK_DV)
-        dk_ok = offs_dk < DK
-        dv_ok = offs_dv < DV
-        q = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + offs_dk[None, :],
-                    mask=valid[:, None] & dk_ok[None, :], other=0.0)
-        if early is None:  # the page range after the query: with every page read first (plan_reads) the 70B
-            # shape's transposed programs were 3.5% slower at batch 4 and 16 (H200)
-            pg0 = tl.load(work_pages + 2 * w)
-            pg1 = tl.load(work_pages + 2 * w + 1)
-
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        if TRANSPOSED:
-            acc = tl.zeros([BLOCK_DV, BLOCK_M], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        offs_n = tl.arange(0, BLOCK_N)
-        slot = offs_n // PAGE_SIZE
-        row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
-        # loop-invariant parts of the K/V addresses: this KV head, the row within its page
-        k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
-        v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
-        if early is None:  # the first block's page indices (plan_reads), after the query and the K/V bases
-            page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE_OFFSETS, PAGES,
-                                               BLOCK_N, PAGE_SIZE, FOUR)
-        if SKIP:  # every valid pair sees every key of the work item: full tiles need no mask
-            visible = work_item_visible(page_rows, page_key_start, pg0, pg1, offset, valid)
-        t0, t1 = tile_range(pg0, pg1, SUB)
-        for t in range(t0, t1, PAGES):
-            needs_mask = (visible & full) == 0 if SKIP else True
-            page_cur, rows_cur, kst_cur = page, rows, kst
-            page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB), slot,
-                                               pg1, WIDE_OFFSETS, PAGES, BLOCK_N, PAGE_SIZE, FOUR)
-            if SUB > 1:  # this tile's rows of a longer page
-                sub_rows = (t % SUB) * BLOCK_N
-                row_cur = row_in_page + sub_rows
-                k_cur, v_cur = load_kv(k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn, page_cur,
-                                        stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
-            else:
-                row_cur = row_in_page
-                k_cur, v_cur = load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
-            in_page = row_cur < rows_cur
-            kpos = kst_cur + row_cur
-            if TRANSPOSED:
-                if EXACT_FP32:
-                    s_t = tl.dot(k_cur.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
-                else:
-                    s_t = tl.dot(k_cur, tl.trans(q))
-                m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v_cur, m_i, l_i,
-                                                               acc, EXACT_FP32, needs_mask)
-            else:
-                if EXACT_FP32:
-                    s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
-                m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, v_cur, m_i, l_i, acc,
-                                                    EXACT_FP32, needs_mask)
-        if TRANSPOSED:
-            acc = tl.trans(acc)
-        store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
-                       stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, valid)
-        if MERGE > 8 or (MERGE > 0 and MERGE_CHUNKED):
-            merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
-                                stride_c, OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp,
-                                stride_fr, stride_fh, stride_flr, kvh, mb, MERGE, GROUP, MERGE_LANES, BLOCK_M, BLOCK_DV)
-        elif MERGE > 0:
-            merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
-                          OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp, stride_fr,
-                          stride_fh, stride_flr, MERGE)
+    if MERGE > 8 or (MERGE > 0 and MERGE_CHUNKED):
+        merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
+                            stride_c, OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp,
+                            stride_fr, stride_fh, stride_flr, kvh, mb, MERGE, GROUP, MERGE_LANES, BLOCK_M, BLOCK_DV)
+    elif MERGE > 0:
+        merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
+                      OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp, stride_fr,
+                      stride_fh, stride_flr, MERGE)
 
 
 @triton.jit
@@ -261,7 +196,8 @@ def _merge_kernel(
     every partial. With ``USE_PDL``: ``PLAN_EARLY`` reads the first block's partial ids (the
     host's plan) before waiting for stage 1; ``TRIGGER`` is when the next kernel may launch: 0 at
     once (its programs load their weights while stage 1 and the merge run), 1 right after the
-    wait, 2 when the merge ends (its weight loads do not compete with the merge's)."""
+    wait, 2 when the merge ends (its weight loads do not compete with the merge's). ``STAMPS``: as
+    :func:`_stage1_kernel`'s (programs with nothing to merge write none)."""
     if STAMPS is not None:
         st0 = timeline.global_ns()
         sc0 = timeline.sm_cycles()
@@ -441,7 +377,7 @@ def paged_attention(
     *, query, key_cache, value_cache, page_table, page_rows, page_key_start, work_pages, work_partial_start,
     partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
-    poison=False, workspace=None, counters=None, merge_in_stage1=False, dynamic_work=0, tickets=None,
+    poison=False, workspace=None, counters=None, merge_in_stage1=False,
 ):
     """Attention of a plan: stage-1 partials, then the exact merge, rounded once.
 
@@ -458,11 +394,8 @@ def paged_attention(
     ``merge_in_stage1``: every work item holds one query row and no row has more than
     :data:`MERGE_IN_STAGE1_MAX_PARTIALS` partials (the caller's promise): stage 1 merges the rows
     itself, with ``counters``, int32 zeros of at least ``R * Hq`` entries that every launch leaves
-    zero, and no merge kernel runs. ``dynamic_work``: the plan's last this many work items are its
-    dynamic tail (``AttentionPlan.dynamic_work``): with ``tickets`` (int32 ``(2,)`` zeros that every
-    launch leaves zero) the grid covers the others and its programs take those in order as they
-    finish; without, they are launched like the rest. Returns ``(out (R, Hq, Dv) out_dtype, lse
-    (R, Hq) float32)``; rows without partials are 0 with LSE -inf.
+    zero, and no merge kernel runs. Returns ``(out (R, Hq, Dv) out_dtype, lse (R, Hq)
+    float32)``; rows without partials are 0 with LSE -inf.
     """
     num_rows, num_heads, dk = query.shape
     page_size, num_kv = key_cache.shape[1], key_cache.shape[2]
@@ -482,13 +415,7 @@ def paged_attention(
                              cache_needs_int64=wide_offsets(key_cache, value_cache))
         meta["MERGE"] = MERGE_IN_STAGE1_MAX_PARTIALS if merged else 0
         blocks = triton.cdiv(max_work_rows * group, meta["BLOCK_M"])
-        if not 0 <= dynamic_work < num_work:
-            raise ValueError(f"dynamic_work must be 0 to {num_work - 1} (the plan's work items), got {dynamic_work}")
-        steal = {}
-        if dynamic_work and tickets is not None:
-            steal = dict(STEAL=tickets, steal_items=dynamic_work * num_kv * blocks, static_work=num_work - dynamic_work)
-        grid_work = num_work - dynamic_work if steal else num_work
-        grid = (num_kv, grid_work, blocks) if meta["HEADS_FASTEST"] else (grid_work, num_kv, blocks)
+        grid = (num_kv, num_work, blocks) if meta["HEADS_FASTEST"] else (num_work, num_kv, blocks)
         _stage1_kernel[grid](
             query, key_cache, value_cache, part_out, part_lse, out, lse,
             page_table, page_rows, page_key_start, work_pages, work_partial_start,
@@ -498,7 +425,7 @@ def paged_attention(
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
             lse.stride(0), num_heads,
-            scale, num_rows, **meta, **attention_pdl_options(query), **timeline_stamps("stage1"), **steal,
+            scale, num_rows, **meta, **attention_pdl_options(query), **timeline_stamps("stage1"),
         )
     if num_rows and not merged and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
@@ -614,13 +541,14 @@ if MERGE_TRIGGER not in (0, 1, 2):
     raise ValueError(f"SEGKV_MERGE_TRIGGER must be 0, 1 or 2, got {MERGE_TRIGGER}")
 
 
-# Launch name -> an int64 tensor of timeline.FIELDS values per program: the GQA stage 1 and the
-# merge write their programs' timelines there (scripts/stage1_timeline.py); empty: none
-TIMELINE_STAMPS: dict = {}
+# Launch name ("stage1", "merge") -> an int64 tensor of timeline.FIELDS values per program: those
+# launches of the GQA kernels write their programs' timelines there (scripts/stage1_timeline.py sets
+# it around the calls it times); empty, as always elsewhere: none
+TIMELINE_STAMPS: dict[str, torch.Tensor] = {}
 
 
 def timeline_stamps(launch: str) -> dict:
-    """The ``STAMPS`` argument of ``launch`` (\"stage1\" or \"merge\") when a timeline is asked."""
+    """The ``STAMPS`` argument of ``launch`` when :data:`TIMELINE_STAMPS` asks for a timeline."""
     stamps = TIMELINE_STAMPS.get(launch)
     return {} if stamps is None else {"STAMPS": stamps}
 
