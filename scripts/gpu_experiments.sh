@@ -573,9 +573,15 @@ elif [ "$part" = timeline ]; then
     2>&1 | grep -v -i warn | tee -a "$log"
 elif [ "$part" = cascadetimeline ]; then
   # the cascade's timeline (16 forks of a 32K prefix + 512 rows each, 6.2x the unshared batch, the
-  # issue asks 8x): its prefix (tall) and suffix programs apart, pages of 16 and 32
-  timeout 150 python3 scripts/stage1_timeline.py --page-sizes 16,32 --cases "" --cascade --trials 5 \
+  # issue asks 8x): its prefix (tall) and suffix programs apart, and the merge's programs (pages of
+  # 16: its merge ends 6.9 us after stage 1); batch 1 / 32K's merge (pages of 32: 3.3 us after);
+  # then the cascade with 128 / 32 value columns per merge program against the default 64
+  timeout 100 python3 scripts/stage1_timeline.py --page-sizes 16 --cases "" --cascade --trials 3 \
     2>&1 | grep -v -i warn | tee -a "$log"
+  timeout 100 python3 scripts/stage1_timeline.py --page-sizes 32 --cases 1x32768 --trials 3 \
+    2>&1 | grep -v -i warn | tee -a "$log"
+  CFGS=("" "SEGKV_MERGE_BLOCK_DV=128" "SEGKV_MERGE_BLOCK_DV=32")
+  kernels_alternate --cascade-only --trials 5
 elif [ "$part" = leanverify ]; then
   # SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3 the default (after lean3): the planner, CUDA-graph and engine GPU
   # tests, then the kernels at the defaults and with the rule off, the 70B and 405B shapes at batch

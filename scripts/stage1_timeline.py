@@ -54,11 +54,18 @@ def summarise(s1: torch.Tensor, merge: torch.Tensor, t0: int, last_end: int) -> 
         "end_max": max(ends), "dur_min": min(cycles_us), "dur_p50": pct(cycles_us, 0.5), "dur_max": max(cycles_us),
         "ghz": ghz,
     }
-    if len(merge):
-        out["merge_start_min"] = us(merge[:, 0].min().item())
-        out["merge_wait_after_s1"] = us(merge[:, 1].min().item()) - us(last_end)
-        out["merge_end_after_s1"] = us(merge[:, 2].max().item()) - us(last_end)
-        out["span"] = us(merge[:, 2].max().item())
+    if len(merge):  # the merge's programs, from the last stage-1 program's end
+        after = lambda col: [us(t) - us(last_end) for t in merge[:, col].tolist()]  # noqa: E731
+        m_start, m_wait, m_end = after(0), after(1), after(2)
+        out.update({
+            "merge_programs": len(m_end), "merge_start_p10": pct(m_start, 0.1), "merge_start_p50": pct(m_start, 0.5),
+            "merge_start_p90": pct(m_start, 0.9), "merge_start_max": max(m_start), "merge_wait_min": min(m_wait),
+            "merge_wait_p50": pct(m_wait, 0.5), "merge_wait_max": max(m_wait), "merge_end_p10": pct(m_end, 0.1),
+            "merge_end_p50": pct(m_end, 0.5), "merge_end_max": max(m_end),
+            "merge_after_wait_p50": pct([e - w for e, w in zip(m_end, m_wait)], 0.5),
+            "merge_after_wait_max": max(e - w for e, w in zip(m_end, m_wait)),
+            "span": us(merge[:, 2].max().item()),
+        })
     return out
 
 
