@@ -113,6 +113,18 @@ def test_the_merge_lets_the_next_kernel_launch_when_told():
     assert orders == expected * 2
 
 
+def test_timeline_stamps_compile_away_unless_asked():
+    """``STAMPS`` (``kernels.timeline``, scripts/stage1_timeline.py): stage 1 and the merge read the
+    global timer and the SM's clock at a program's start, after its PDL wait and at its end only
+    when given a stamp buffer; the launches' default (None) reads no timer at all."""
+    stage1 = {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 32, "rows": 1, "pdl": True}
+    merge = {"kernel": "merge", "dv": 128, "trigger": 1, "plan_early": True}
+    reports = compile_cases([stage1, {**stage1, "stamps": True}, merge, {**merge, "stamps": True}])
+    plain, stamped = {"globaltimer": 0, "clock64": 0}, {"globaltimer": 3, "clock64": 3}
+    assert [r["timers"] for r in reports] == [plain, stamped, plain, stamped]
+    assert reports[2]["pdl"] == reports[3]["pdl"] == ["wait", "launch_dependents"]
+
+
 def test_latent_score_pieces_are_separate_mma_chains_when_told():
     """``SEGKV_MLA_SCORE_CHAINS``: by default Triton folds the sum of the scores' pieces into one
     accumulator, so a batch-1 latent program's scores are one chain of 36 MMA steps (its half of

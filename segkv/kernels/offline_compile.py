@@ -106,6 +106,11 @@ def pdl_order(ptx: str) -> list[str]:
     return re.findall(r"griddepcontrol\.(\w+)", ptx)
 
 
+def timer_reads(ptx: str) -> dict[str, int]:
+    """How often a kernel reads the GPU's timers (``kernels.timeline``): ``globaltimer`` and ``clock64``."""
+    return {"globaltimer": ptx.count("%globaltimer"), "clock64": ptx.count("%clock64")}
+
+
 def _arg_type(name: str, pointers: dict[str, str]) -> str:
     if name in pointers:
         return pointers[name]
@@ -221,7 +226,8 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     ``SEGKV_MLA_SCORE_CHAINS``), "value_split": int (latent,
     default: the launcher's), "assemble": bool (default False), "pdl": bool (default False: the
     programmatic-dependent-launch variant), "wide": bool (default False: int32 page offsets, as for
-    caches of under 2^31 elements)}``. ``launch``: a ``paged_attention.LaunchConfig``
+    caches of under 2^31 elements), "stamps": bool (gqa, default False: the variant that writes its
+    programs' timelines, ``kernels.timeline``)}``. ``launch``: a ``paged_attention.LaunchConfig``
     (default: the launcher's). Returns the compiled kernel and the launch constants used."""
     import torch
 
@@ -241,6 +247,8 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
                                              element_size=element, launch=launch,
                                              cache_needs_int64=case.get("wide", False))
         fn, pointers = paged_attention._stage1_kernel, {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", **common}
+        if case.get("stamps"):
+            pointers["STAMPS"] = "*i64"
     else:
         if "value_split" in case:
             launch = dataclasses.replace(launch or mla_attention.default_mla_launch_config(),
@@ -275,23 +283,25 @@ def stage1_report(case: dict, launch=None) -> dict:
             "chains": kernel.mma_chains(), "loop_reductions": kernel.loop_reductions(),
             "loop_shared_stores": kernel.loop_shared_stores(), "mma_warps": kernel.mma_warps(),
             "ex2": sorted(set(re.findall(r"ex2\.[\w.]+", kernel.ptx))), "mul64": kernel.ptx.count("mul.lo.s64"),
-            "sass": sass}
+            "timers": timer_reads(kernel.ptx), "sass": sass}
 
 
 def merge_report(case: dict) -> dict:
     """The merge kernel with programmatic dependent launch for ``{"kernel": "merge", "dv": int,
-    "trigger": 0 | 1 | 2, "plan_early": bool}`` (bf16 output, the launcher's column and partial
-    blocks): its PDL instructions in program order (``griddepcontrol.wait`` and
-    ``.launch_dependents``)."""
+    "trigger": 0 | 1 | 2, "plan_early": bool, "stamps": bool}`` (bf16 output, the launcher's column
+    and partial blocks): its PDL instructions in program order (``griddepcontrol.wait`` and
+    ``.launch_dependents``) and timer reads (:func:`timer_reads`)."""
     from segkv.kernels import paged_attention
 
     dv = case["dv"]
     block_dv = paged_attention.merge_block_dv(dv)
     meta = {"DV": dv, "BLOCK_DV": block_dv, "BLOCK_P": 16 if block_dv > 256 else 64, "USE_PDL": True,
             "PLAN_EARLY": bool(case.get("plan_early", False)), "TRIGGER": case["trigger"], "num_warps": 4}
-    kernel = compile_offline(paged_attention._merge_kernel, meta, assemble=False,
-                             pointers={"PART_OUT": "*fp32", "PART_LSE": "*fp32", "OUT": "*bf16", "OUT_LSE": "*fp32"})
-    return {"case": case, "pdl": pdl_order(kernel.ptx)}
+    pointers = {"PART_OUT": "*fp32", "PART_LSE": "*fp32", "OUT": "*bf16", "OUT_LSE": "*fp32"}
+    if case.get("stamps"):
+        pointers["STAMPS"] = "*i64"
+    kernel = compile_offline(paged_attention._merge_kernel, meta, assemble=False, pointers=pointers)
+    return {"case": case, "pdl": pdl_order(kernel.ptx), "timers": timer_reads(kernel.ptx)}
 
 
 def _main() -> None:
