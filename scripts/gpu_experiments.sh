@@ -582,19 +582,6 @@ elif [ "$part" = cascadetimeline ]; then
     2>&1 | grep -v -i warn | tee -a "$log"
   CFGS=("" "SEGKV_MERGE_BLOCK_DV=128" "SEGKV_MERGE_BLOCK_DV=32")
   kernels_alternate --cascade-only --trials 5
-elif [ "$part" = mergewarps ]; then
-  # the merge programs at 2 and 1 warps (SEGKV_MERGE_WARPS) against 4: batch 1 / 32K's merge ends
-  # 2.4-3.3 us after stage 1, 2.0 us of it after its wait (scripts/stage1_timeline.py); the
-  # cascade's 7 us. Kernels at batch 1 and 4 (8B and 70B shapes), the cascade, then timelines
-  CFGS=("" "SEGKV_MERGE_WARPS=2" "SEGKV_MERGE_WARPS=1")
-  kernels_alternate --shapes llama3-8b,llama3-70b --batches 1,4 --contexts 16384,32768,131072 --page-sizes 32,16 \
-    --trials 3
-  for cfg in "SEGKV_MERGE_WARPS=2" "SEGKV_MERGE_WARPS=1"; do
-    echo "-- program timelines, $cfg" | tee -a "$log"
-    # shellcheck disable=SC2086
-    env $cfg timeout 100 python3 scripts/stage1_timeline.py --page-sizes 32 --cases 1x32768 --trials 3 \
-      2>&1 | grep -E "^-- |graph ms|merge_" | tee -a "$log"
-  done
 elif [ "$part" = leanverify ]; then
   # SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3 the default (after lean3): the planner, CUDA-graph and engine GPU
   # tests, then the kernels at the defaults and with the rule off, the 70B and 405B shapes at batch

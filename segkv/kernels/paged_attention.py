@@ -609,9 +609,6 @@ if MERGE_IN_STAGE1_MAX_PARTIALS not in (0, 2, 4, 8, 16, 32, 64):
 # 16 (twice the programs again) measured 506-508 / 439-440 against 32's 514-518 / 447.
 MERGE_BLOCK_DV = env_int("SEGKV_MERGE_BLOCK_DV", None)
 GQA_MERGE_BLOCK_DV, LATENT_MERGE_BLOCK_DV = 64, 32
-# warps per merge program (SEGKV_MERGE_WARPS): fewer hold a program's partials in fewer warps, so
-# its reductions over the partials cross fewer warps
-MERGE_WARPS = env_int("SEGKV_MERGE_WARPS", 4)
 
 
 def merge_block_dv(dv: int) -> int:
@@ -634,7 +631,7 @@ def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> Non
         # 64 partials per step: a GQA decode row's partials (33 on the H200) in one step, a
         # 256-way latent split in four
         DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, PLAN_EARLY=PLAN_EARLY > 0,
-        TRIGGER=MERGE_TRIGGER, num_warps=MERGE_WARPS, **attention_pdl_options(out), **timeline_stamps("merge"),
+        TRIGGER=MERGE_TRIGGER, **attention_pdl_options(out), **timeline_stamps("merge"),
     )
 
 
