@@ -828,3 +828,51 @@ def test_pages_past_two_to_the_31_elements(gen):
         plan = plan_attention(queries, shape, DeviceSpec.cuda(), page_size=16, route=route)
         q = torch.randn(1, 32, 128, device=DEVICE, dtype=torch.bfloat16)
         check(*triton_and_reference(plan, q, k, v, page_size=16, scale=128**-0.5, device=DEVICE))
+
+
+@pytest.mark.parametrize("narrow", [False, True])
+def test_late_shared_partitions_and_narrow_one_row_items_match_the_reference(narrow, gen, monkeypatch):
+    """A cascade of 9 forks (36 pairs per KV head: a tall launch) with part of the shared prefix in
+    partitions placed after the forks' own rows (``DeviceSpec.cascade_late_percent``), and, with
+    ``narrow``, the forks' one-row work items in 16-pair tiles inside the tall launch: equal to the
+    reference and to the plan without late partitions, rounded once."""
+    from segkv.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "NARROW_ONE_ROW", narrow)
+    page_size, forks = 16, 9
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=128), device=DEVICE,
+                         compaction=CompactionPolicy(enabled=False))
+    history = cache.new_chain()
+    write = __import__("attention_helpers").write_rows
+    write(cache, history, 10 * page_size + 5, gen)
+    history.seal()
+    chains = [history.fork() for _ in range(forks)]
+    for i, chain in enumerate(chains):
+        write(cache, chain, 3 + 7 * i, gen)
+    queries = [SequenceQuery.from_chain(c, 1) for c in chains]
+    shape = AttentionShape(8, 2, 64, 64)
+    base = dataclasses.replace(DeviceSpec.cuda() if GPU else DeviceSpec.cpu(), kind="cuda", num_multiprocessors=16,
+                               blocks_per_multiprocessor=2, min_rows_per_partition=page_size, key_tile_rows=1,
+                               max_partitions=64, partition_overhead_rows=1)
+    plain = plan_attention(queries, shape, base, page_size=page_size)
+    late = plan_attention(queries, shape, dataclasses.replace(base, cascade_late_percent=30, cascade_late_parts=2),
+                          page_size=page_size)
+    assert plain.route == late.route == Route.CASCADE and plain.num_partitions >= 2
+    shared = [w for w in late.work if len(w.query_rows) > 1]
+    assert len(shared) == len([w for w in plain.work if len(w.query_rows) > 1]) + 2
+    assert all(len(w.query_rows) > 1 for w in late.work[-2:]), "the late partitions come last"
+    assert any(len(w.query_rows) == 1 for w in late.work[:-2])
+    query = torch.randn(forks, 8, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    kc, vc = cache.storage.key_cache(0), cache.storage.value_cache(0)
+    meta = pa.stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=4, page_size=page_size,
+                            max_work_rows=late.max_work_rows, element_size=2)
+    assert meta["BLOCK_M"] == 64 and meta["NARROW"] == narrow  # a tall launch
+    outs = []
+    for plan in (plain, late):
+        out, lse, ref, ref_lse = triton_and_reference(plan, query, kc, vc, page_size=page_size, scale=0.125,
+                                                      device=DEVICE)
+        check(out, lse, ref, ref_lse)
+        outs.append(out)
+    diff = (outs[0].double() - outs[1].double()).abs()
+    assert (diff <= ulp(outs[0]) + 1e-5).all()
