@@ -589,7 +589,7 @@ elif [ "$part" = cascadelate ]; then
   # in 16 partitions placed after the suffixes (SEGKV_CUDA_CASCADE_LATE percent of its rows), whose
   # programs start in the slots the suffix programs free. GPU tests, the cascade, a timeline
   GPU_TESTS_TIMEOUT=200 gpu_tests "late shared partitions, narrow items" -- tests/test_triton_attention.py \
-    -k "late_shared or cascade or tall"
+    -k late_shared
   N="SEGKV_ATTENTION_NARROW_ONE_ROW=1"
   CFGS=("" "$N" "SEGKV_CUDA_CASCADE_LATE=12 SEGKV_CUDA_CASCADE_LATE_PARTS=16"
         "$N SEGKV_CUDA_CASCADE_LATE=15 SEGKV_CUDA_CASCADE_LATE_PARTS=16"
