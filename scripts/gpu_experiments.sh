@@ -582,26 +582,15 @@ elif [ "$part" = cascadetimeline ]; then
     2>&1 | grep -v -i warn | tee -a "$log"
   CFGS=("" "SEGKV_MERGE_BLOCK_DV=128" "SEGKV_MERGE_BLOCK_DV=32")
   kernels_alternate --cascade-only --trials 5
-elif [ "$part" = cascadelate ]; then
-  # the cascade (6.2-6.3x; its tall prefix programs end at 48-53 us, 2 per SM beside one suffix
-  # program each, which ends at 30-36 us, scripts/stage1_timeline.py): the suffix work items in
-  # 16-pair tiles inside the tall launch (SEGKV_ATTENTION_NARROW_ONE_ROW=1), and part of the prefix
-  # in 16 partitions placed after the suffixes (SEGKV_CUDA_CASCADE_LATE percent of its rows), whose
-  # programs start in the slots the suffix programs free. GPU tests, the cascade, a timeline
-  GPU_TESTS_TIMEOUT=200 gpu_tests "late shared partitions, narrow items" -- tests/test_triton_attention.py \
-    -k late_shared
-  N="SEGKV_ATTENTION_NARROW_ONE_ROW=1"
-  CFGS=("" "$N" "SEGKV_CUDA_CASCADE_LATE=12 SEGKV_CUDA_CASCADE_LATE_PARTS=16"
-        "$N SEGKV_CUDA_CASCADE_LATE=15 SEGKV_CUDA_CASCADE_LATE_PARTS=16"
-        "$N SEGKV_CUDA_CASCADE_LATE=22 SEGKV_CUDA_CASCADE_LATE_PARTS=16"
-        "$N SEGKV_CUDA_CASCADE_LATE=30 SEGKV_CUDA_CASCADE_LATE_PARTS=16")
-  kernels_alternate --cascade-only --trials 5
-  for cfg in "$N" "$N SEGKV_CUDA_CASCADE_LATE=22 SEGKV_CUDA_CASCADE_LATE_PARTS=16"; do
-    echo "-- program timelines, $cfg" | tee -a "$log"
-    # shellcheck disable=SC2086
-    env $cfg timeout 100 python3 scripts/stage1_timeline.py --page-sizes 16 --cases "" --cascade --trials 3 \
-      2>&1 | grep -E "^-- |graph ms|end_p10|end_p50|end_max|dur_p50|merge_end|span|plan " | tee -a "$log"
-  done
+elif [ "$part" = narrow ]; then
+  # one-row work items in 16-pair tiles inside tall launches (SEGKV_ATTENTION_NARROW_ONE_ROW=1: the
+  # cascade at pages of 16 0.0590 -> 0.0581 ms): GPU tests with it on (the cascade route's grid at
+  # bf16 / head_dim 128), then the cascade at pages of 32 and the 70B shape's, off / on
+  GPU_TESTS_TIMEOUT=150 gpu_tests "narrow items" SEGKV_ATTENTION_NARROW_ONE_ROW=1 -- tests/test_triton_attention.py \
+    -k "narrow_one_row or (test_kernels_match_the_reference and cascade and bf16 and 128)"
+  CFGS=("" "SEGKV_ATTENTION_NARROW_ONE_ROW=1")
+  kernels_alternate --cascade-only --cascade-page-size 32 --trials 5
+  kernels_alternate --cascade-only --cascade-shape llama3-70b --trials 5
 elif [ "$part" = leanverify ]; then
   # SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3 the default (after lean3): the planner, CUDA-graph and engine GPU
   # tests, then the kernels at the defaults and with the rule off, the 70B and 405B shapes at batch

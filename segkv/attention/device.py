@@ -85,10 +85,6 @@ class DeviceSpec:
     ``stage1_merge_max_partials``, the most the stage-1 kernel merges itself (0: none).
     ``key_tile_rows``: KV rows per tile of the GQA programs (not tall decode ones); the planner
     costs their partitions in whole tiles (1: in rows).
-    ``cascade_late_percent`` / ``cascade_late_parts`` (0: none): in a plan where a run shared by
-    several sequences is cut into partitions beside runs of one sequence, about that share of the
-    shared run's rows goes to that many partitions of their own, placed after every other work
-    item, so their programs start in the slots the one-sequence programs free.
     """
 
     kind: str
@@ -107,8 +103,6 @@ class DeviceSpec:
     merge_launch_rows: int = 0
     stage1_merge_max_partials: int = 0
     key_tile_rows: int = 1
-    cascade_late_percent: int = 0
-    cascade_late_parts: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("cpu", "cuda"):
@@ -119,8 +113,7 @@ class DeviceSpec:
             if getattr(self, name) < 1:
                 raise ValueError(f"DeviceSpec.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("latent_merge_rows_per_partition", "merge_launch_rows", "stage1_merge_max_partials",
-                     "tall_blocks_per_multiprocessor", "lean_blocks_per_multiprocessor", "cascade_late_percent",
-                     "cascade_late_parts"):
+                     "tall_blocks_per_multiprocessor", "lean_blocks_per_multiprocessor"):
             if getattr(self, name) < 0:  # 0: not costed / no merge inside stage 1
                 raise ValueError(f"DeviceSpec.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -187,8 +180,6 @@ class DeviceSpec:
             merge_launch_rows=env_int("SEGKV_CUDA_MERGE_LAUNCH_ROWS", CUDA_MERGE_LAUNCH_ROWS),
             stage1_merge_max_partials=stage1_merge_bound(),
             key_tile_rows=CUDA_KEY_TILE_ROWS,
-            cascade_late_percent=env_int("SEGKV_CUDA_CASCADE_LATE", 0),
-            cascade_late_parts=env_int("SEGKV_CUDA_CASCADE_LATE_PARTS", 0),
         )
 
     @classmethod

@@ -119,17 +119,7 @@ def plan_attention(
             reason = f"forced {forced.value}; {reason}"
     else:
         cuts, reason = [_cut_rows(run, None) for run in runs], f"forced {forced.value}"
-    # the automatic cuts only (not forced partition counts, nor the single route)
-    late = _late_shared_parts(runs, cuts, device) if num_partitions is None and forced != Route.SINGLE else None
-    if late:
-        cuts = [parts[:len(parts) - len(extra)] for parts, extra in zip(cuts, late)]
     pieces, work, max_parts = _partition(runs, cuts, queries, device.max_query_rows_per_work)
-    if late:  # after every other work item: their programs start as the first ones finish
-        late_pieces, late_work, _ = _partition(runs, late, queries, device.max_query_rows_per_work)
-        work += [WorkItem(item.piece + len(pieces), item.query_rows, item.causal_offsets) for item in late_work]
-        pieces += late_pieces
-        max_parts = max(len(main) + len(extra) for main, extra in zip(cuts, late))
-        reason = f"{reason}; {len(late_work)} late shared partitions"
 
     if forced is not None:
         final = forced
@@ -381,32 +371,6 @@ def _partition(
                 work.append(WorkItem(len(pieces) - 1, tuple(rows[start:stop]), tuple(offsets[start:stop])))
     max_parts = max((len(parts) for parts in cuts), default=1)
     return pieces, work, max_parts
-
-
-def _late_shared_parts(runs: list[_Run], cuts: list[list[_Part]], device: DeviceSpec) -> list[list[_Part]] | None:
-    """``DeviceSpec.cascade_late_percent`` of each shared run's rows (one cut into 2 or more
-    partitions) as ``cascade_late_parts`` partitions of its own, where the plan also holds runs of
-    one sequence: each run's cut with those partitions appended last is written back into ``cuts``;
-    returns the appended partitions per run (None when no run has them)."""
-    if not (device.cascade_late_percent and device.cascade_late_parts):
-        return None
-    if not any(len(run.members) == 1 for run in runs):
-        return None
-    late, any_late = [], False
-    for i, (run, parts) in enumerate(zip(runs, cuts)):
-        pages = len(run.page_ids)
-        late_pages = round(pages * device.cascade_late_percent / 100)
-        main_pages = pages - late_pages
-        if len(run.members) < 2 or len(parts) < 2 or late_pages < device.cascade_late_parts or main_pages < len(parts):
-            late.append([])
-            continue
-        bounds = [j * main_pages // len(parts) for j in range(len(parts))]
-        bounds += [main_pages + j * late_pages // device.cascade_late_parts for j in range(device.cascade_late_parts)]
-        cut = _parts_at(run, bounds)
-        cuts[i] = cut
-        late.append(cut[len(parts):])
-        any_late = True
-    return late if any_late else None
 
 
 def _cut_rows(run: _Run, limit: int | None) -> list[_Part]:
