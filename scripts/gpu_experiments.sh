@@ -34,6 +34,9 @@
 # 16 fits 3 programs per SM: batch 64 0.81x SDPA).
 # Measured (docs/benchmarks.md, "Lean decode programs: the planner's single passes of 1-3 lean waves
 # re-costed"): lean, lean2, lean3 and leanverify (SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3 now the default).
+# Measured (docs/benchmarks.md, "Program timelines: where a decode call's time goes; ..."): timeline and
+# cascadetimeline (kept: the programs' timelines); tail, mergewarps, cascadelate and narrow (slower or
+# mixed: removed with their switches, git history).
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
 #             against 0.0067 with halves) and the shares as the grid's last dimension
@@ -582,15 +585,6 @@ elif [ "$part" = cascadetimeline ]; then
     2>&1 | grep -v -i warn | tee -a "$log"
   CFGS=("" "SEGKV_MERGE_BLOCK_DV=128" "SEGKV_MERGE_BLOCK_DV=32")
   kernels_alternate --cascade-only --trials 5
-elif [ "$part" = narrow ]; then
-  # one-row work items in 16-pair tiles inside tall launches (SEGKV_ATTENTION_NARROW_ONE_ROW=1: the
-  # cascade at pages of 16 0.0590 -> 0.0581 ms): GPU tests with it on (the cascade route's grid at
-  # bf16 / head_dim 128), then the cascade at pages of 32 and the 70B shape's, off / on
-  GPU_TESTS_TIMEOUT=150 gpu_tests "narrow items" SEGKV_ATTENTION_NARROW_ONE_ROW=1 -- tests/test_triton_attention.py \
-    -k "narrow_one_row or (test_kernels_match_the_reference and cascade and bf16 and 128)"
-  CFGS=("" "SEGKV_ATTENTION_NARROW_ONE_ROW=1")
-  kernels_alternate --cascade-only --cascade-page-size 32 --trials 5
-  kernels_alternate --cascade-only --cascade-shape llama3-70b --trials 5
 elif [ "$part" = leanverify ]; then
   # SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3 the default (after lean3): the planner, CUDA-graph and engine GPU
   # tests, then the kernels at the defaults and with the rule off, the 70B and 405B shapes at batch

@@ -828,38 +828,3 @@ def test_pages_past_two_to_the_31_elements(gen):
         plan = plan_attention(queries, shape, DeviceSpec.cuda(), page_size=16, route=route)
         q = torch.randn(1, 32, 128, device=DEVICE, dtype=torch.bfloat16)
         check(*triton_and_reference(plan, q, k, v, page_size=16, scale=128**-0.5, device=DEVICE))
-
-
-@pytest.mark.parametrize("narrow", [False, True])
-def test_narrow_one_row_items_in_a_tall_launch_match_the_reference(narrow, gen, monkeypatch):
-    """A cascade of 9 forks (36 pairs per KV head: a tall launch) whose prefix is cut into
-    partitions; with ``narrow`` (``SEGKV_ATTENTION_NARROW_ONE_ROW``) the forks' one-row work items
-    take 16-pair tiles inside the tall launch: equal to the reference, rounded once."""
-    from attention_helpers import write_rows
-    from segkv.kernels import paged_attention as pa
-
-    monkeypatch.setattr(pa, "NARROW_ONE_ROW", narrow)
-    page_size, forks = 16, 9
-    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
-    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=128), device=DEVICE,
-                         compaction=CompactionPolicy(enabled=False))
-    history = cache.new_chain()
-    write_rows(cache, history, 10 * page_size + 5, gen)
-    history.seal()
-    chains = [history.fork() for _ in range(forks)]
-    for i, chain in enumerate(chains):
-        write_rows(cache, chain, 3 + 7 * i, gen)
-    queries = [SequenceQuery.from_chain(c, 1) for c in chains]
-    spec = dataclasses.replace(DeviceSpec.cuda() if GPU else DeviceSpec.cpu(), kind="cuda", num_multiprocessors=16,
-                               blocks_per_multiprocessor=2, min_rows_per_partition=page_size, key_tile_rows=1,
-                               max_partitions=64, partition_overhead_rows=1)
-    plan = plan_attention(queries, AttentionShape(8, 2, 64, 64), spec, page_size=page_size)
-    assert plan.route == Route.CASCADE and plan.num_partitions >= 2
-    assert {len(w.query_rows) for w in plan.work} == {1, forks}
-    meta = pa.stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=4, page_size=page_size,
-                            max_work_rows=plan.max_work_rows, element_size=2)
-    assert meta["BLOCK_M"] == 64 and meta["NARROW"] == narrow  # a tall launch
-    query = torch.randn(forks, 8, 64, generator=gen).to(DEVICE, torch.bfloat16)
-    out, lse, ref, ref_lse = triton_and_reference(plan, query, cache.storage.key_cache(0), cache.storage.value_cache(0),
-                                                  page_size=page_size, scale=0.125, device=DEVICE)
-    check(out, lse, ref, ref_lse)

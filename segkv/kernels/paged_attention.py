@@ -52,7 +52,7 @@ def _stage1_kernel(
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
     MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False, WIDE_OFFSETS: tl.constexpr = True,
-    SKIP: tl.constexpr = False, FOUR: tl.constexpr = False, STAMPS=None, NARROW: tl.constexpr = False,
+    SKIP: tl.constexpr = False, FOUR: tl.constexpr = False, STAMPS=None,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -71,10 +71,9 @@ def _stage1_kernel(
     (:func:`skip_masks`): a tile whose rows all hold keys every valid pair sees skips the score mask.
     ``FOUR`` (:func:`attention_tiles.four_page_scalars`): a tile of four pages loads their entries
     as scalars. ``STAMPS``: an int64 tensor of ``timeline.FIELDS`` values per program, where each
-    program writes its timeline (diagnostics: ``scripts/stage1_timeline.py``); None compiles it away.
-    ``NARROW`` (tall launches): a work item of at most 16 pairs (a decode row of its own beside
-    the rows of forks that share a piece) takes 16-pair tiles, not the launch's ``BLOCK_M``.
-    """
+    program writes its timeline (diagnostics: ``scripts/stage1_timeline.py``); None compiles it away."""
+    PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
+    SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if STAMPS is not None:
         st0 = timeline.global_ns()
         sc0 = timeline.sm_cycles()
@@ -88,10 +87,9 @@ def _stage1_kernel(
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
     if PLAN_EARLY:  # the rest of the host's plan too, before the wait
-        early = plan_reads(p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages,
-                           page_table, page_rows, page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS, FOUR)
-    else:
-        early = None
+        valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full = plan_reads(
+            p0, n_rows, mb, w, kvh * GROUP, GROUP, partial_row, partial_offset, work_pages, page_table, page_rows,
+            page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS, FOUR)
     if USE_PDL:  # the plan is the host's; everything else read or written below waits for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -102,121 +100,83 @@ def _stage1_kernel(
         if (w == 0) & (mb == 0):
             zero_empty_rows(reduce_ptr, num_rows, kvh, FINAL, FINAL_LSE, stride_fr, stride_fh, stride_flr,
                             GROUP, DV, BLOCK_DV)
-    if NARROW and n_rows * GROUP <= 16:
-        NARROW_M: tl.constexpr = 16
-        _stage1_item(
-            w, kvh, mb, p0, n_rows, None, Q, K, V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows,
-            page_key_start, work_pages, work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr,
-            reduce_partials, COUNTERS, stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn,
-            stride_vh, stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, stride_c, scale, GROUP, DK,
-            DV, NARROW_M, BLOCK_DK, BLOCK_DV, PAGE_SIZE, BLOCK_N, EXACT_FP32, MERGE, TRANSPOSED, MERGE_LANES,
-            MERGE_CHUNKED, WIDE_OFFSETS, SKIP, FOUR)
+    if mb * BLOCK_M >= n_rows * GROUP:  # also the padding work items of fixed-size plan buffers
+        return
+    if not PLAN_EARLY:
+        valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, kvh * GROUP, GROUP, partial_row,
+                                                        partial_offset, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dk_ok = offs_dk < DK
+    dv_ok = offs_dv < DV
+    q = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + offs_dk[None, :],
+                mask=valid[:, None] & dk_ok[None, :], other=0.0)
+    if not PLAN_EARLY:  # the page range after the query: with every page read first (plan_reads) the 70B
+        # shape's transposed programs were 3.5% slower at batch 4 and 16 (H200)
+        pg0 = tl.load(work_pages + 2 * w)
+        pg1 = tl.load(work_pages + 2 * w + 1)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if TRANSPOSED:
+        acc = tl.zeros([BLOCK_DV, BLOCK_M], tl.float32)
     else:
-        _stage1_item(
-            w, kvh, mb, p0, n_rows, early, Q, K, V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows,
-            page_key_start, work_pages, work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr,
-            reduce_partials, COUNTERS, stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn,
-            stride_vh, stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, stride_c, scale, GROUP, DK,
-            DV, BLOCK_M, BLOCK_DK, BLOCK_DV, PAGE_SIZE, BLOCK_N, EXACT_FP32, MERGE, TRANSPOSED, MERGE_LANES,
-            MERGE_CHUNKED, WIDE_OFFSETS, SKIP, FOUR)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    slot = offs_n // PAGE_SIZE
+    row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
+    # loop-invariant parts of the K/V addresses: this KV head, the row within its page
+    k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
+    v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
+    if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
+        page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE_OFFSETS, PAGES,
+                                           BLOCK_N, PAGE_SIZE, FOUR)
+    if SKIP:  # every valid pair sees every key of the work item: full tiles need no mask
+        visible = work_item_visible(page_rows, page_key_start, pg0, pg1, offset, valid)
+    t0, t1 = tile_range(pg0, pg1, SUB)
+    for t in range(t0, t1, PAGES):
+        needs_mask = (visible & full) == 0 if SKIP else True
+        page_cur, rows_cur, kst_cur = page, rows, kst
+        page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB), slot,
+                                           pg1, WIDE_OFFSETS, PAGES, BLOCK_N, PAGE_SIZE, FOUR)
+        if SUB > 1:  # this tile's rows of a longer page
+            sub_rows = (t % SUB) * BLOCK_N
+            row_cur = row_in_page + sub_rows
+            k_cur, v_cur = load_kv(k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn, page_cur,
+                                    stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
+        else:
+            row_cur = row_in_page
+            k_cur, v_cur = load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
+        in_page = row_cur < rows_cur
+        kpos = kst_cur + row_cur
+        if TRANSPOSED:
+            if EXACT_FP32:
+                s_t = tl.dot(k_cur.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+            else:
+                s_t = tl.dot(k_cur, tl.trans(q))
+            m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v_cur, m_i, l_i,
+                                                           acc, EXACT_FP32, needs_mask)
+        else:
+            if EXACT_FP32:
+                s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
+            m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, v_cur, m_i, l_i, acc,
+                                                EXACT_FP32, needs_mask)
+    if TRANSPOSED:
+        acc = tl.trans(acc)
+    store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
+                   stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, valid)
     if STAMPS is not None:
         timeline.record(STAMPS, st0, sc0, st1, sc1)
-
-
-@triton.jit
-def _stage1_item(
-    w, kvh, mb, p0, n_rows, early, Q, K, V, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, work_pages,
-    work_partial_start, partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
-    stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh, stride_op, stride_oh,
-    stride_lp, stride_fr, stride_fh, stride_flr, stride_c, scale,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
-    MERGE: tl.constexpr, TRANSPOSED: tl.constexpr, MERGE_LANES: tl.constexpr, MERGE_CHUNKED: tl.constexpr,
-    WIDE_OFFSETS: tl.constexpr, SKIP: tl.constexpr, FOUR: tl.constexpr,
-):
-    """Stage 1 of one (work item ``w``, KV head ``kvh``, pair block ``mb``): see
-    :func:`_stage1_kernel`. ``p0``, ``n_rows``: the work item's first partial and query rows;
-    ``early``: :func:`plan_reads`' values when the program read them before its PDL wait, else
-    None (read here)."""
-    PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
-    SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
-    # not `return`: Triton 3.6 fails to compile an early return here once the call sits in a loop
-    if mb * BLOCK_M < n_rows * GROUP:  # else a padding work item (fixed-size plan buffers) or pair block
-        if early is not None:
-            valid, head, partial, qrow, offset, pg0, pg1, page, rows, kst, full = early
-        else:
-            valid, head, partial, qrow, offset = pair_reads(p0, n_rows, mb, kvh * GROUP, GROUP, partial_row,
-                                                            partial_offset, BLOCK_M)
-        offs_dk = tl.arange(0, BLOCK_DK)
-        offs_dv = tl.arange(0, BLOCK_DV)
-        dk_ok = offs_dk < DK
-        dv_ok = offs_dv < DV
-        q = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + offs_dk[None, :],
-                    mask=valid[:, None] & dk_ok[None, :], other=0.0)
-        if early is None:  # the page range after the query: with every page read first (plan_reads) the 70B
-            # shape's transposed programs were 3.5% slower at batch 4 and 16 (H200)
-            pg0 = tl.load(work_pages + 2 * w)
-            pg1 = tl.load(work_pages + 2 * w + 1)
-
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        if TRANSPOSED:
-            acc = tl.zeros([BLOCK_DV, BLOCK_M], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        offs_n = tl.arange(0, BLOCK_N)
-        slot = offs_n // PAGE_SIZE
-        row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
-        # loop-invariant parts of the K/V addresses: this KV head, the row within its page
-        k_base = K + kvh * stride_kh + (row_in_page * stride_kn)[:, None] + offs_dk[None, :]
-        v_base = V + kvh * stride_vh + (row_in_page * stride_vn)[:, None] + offs_dv[None, :]
-        if early is None:  # the first block's page indices (plan_reads), after the query and the K/V bases
-            page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE_OFFSETS, PAGES,
-                                               BLOCK_N, PAGE_SIZE, FOUR)
-        if SKIP:  # every valid pair sees every key of the work item: full tiles need no mask
-            visible = work_item_visible(page_rows, page_key_start, pg0, pg1, offset, valid)
-        t0, t1 = tile_range(pg0, pg1, SUB)
-        for t in range(t0, t1, PAGES):
-            needs_mask = (visible & full) == 0 if SKIP else True
-            page_cur, rows_cur, kst_cur = page, rows, kst
-            page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB), slot,
-                                               pg1, WIDE_OFFSETS, PAGES, BLOCK_N, PAGE_SIZE, FOUR)
-            if SUB > 1:  # this tile's rows of a longer page
-                sub_rows = (t % SUB) * BLOCK_N
-                row_cur = row_in_page + sub_rows
-                k_cur, v_cur = load_kv(k_base + sub_rows * stride_kn, v_base + sub_rows * stride_vn, page_cur,
-                                        stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
-            else:
-                row_cur = row_in_page
-                k_cur, v_cur = load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
-            in_page = row_cur < rows_cur
-            kpos = kst_cur + row_cur
-            if TRANSPOSED:
-                if EXACT_FP32:
-                    s_t = tl.dot(k_cur.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
-                else:
-                    s_t = tl.dot(k_cur, tl.trans(q))
-                m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v_cur, m_i, l_i,
-                                                               acc, EXACT_FP32, needs_mask)
-            else:
-                if EXACT_FP32:
-                    s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
-                m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, v_cur, m_i, l_i, acc,
-                                                    EXACT_FP32, needs_mask)
-        if TRANSPOSED:
-            acc = tl.trans(acc)
-        store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
-                       stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, valid)
-        if MERGE > 8 or (MERGE > 0 and MERGE_CHUNKED):
-            merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
-                                stride_c, OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp,
-                                stride_fr, stride_fh, stride_flr, kvh, mb, MERGE, GROUP, MERGE_LANES, BLOCK_M, BLOCK_DV)
-        elif MERGE > 0:
-            merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
-                          OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp, stride_fr,
-                          stride_fh, stride_flr, MERGE)
+    if MERGE > 8 or (MERGE > 0 and MERGE_CHUNKED):
+        merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
+                            stride_c, OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp,
+                            stride_fr, stride_fh, stride_flr, kvh, mb, MERGE, GROUP, MERGE_LANES, BLOCK_M, BLOCK_DV)
+    elif MERGE > 0:
+        merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
+                      OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp, stride_fr,
+                      stride_fh, stride_flr, MERGE)
 
 
 @triton.jit
@@ -497,12 +457,6 @@ def wide_offsets(*caches: torch.Tensor) -> bool:
                for t in caches)
 
 
-# Tall decode launches give work items of at most 16 pairs (a decode row's own rows beside forks'
-# shared ones: a cascade's suffixes) 16-pair tiles (SEGKV_ATTENTION_NARROW_ONE_ROW=1) instead of the
-# launch's 64-pair ones
-NARROW_ONE_ROW = env_int("SEGKV_ATTENTION_NARROW_ONE_ROW", 0) == 1
-
-
 def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_work_rows: int, element_size: int,
                   launch: LaunchConfig | None = None, cache_needs_int64: bool = False) -> dict:
     """The stage-1 kernel's constexprs and launch options (``num_warps``, ``num_stages``, the
@@ -534,7 +488,6 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         WIDE_OFFSETS=page_offsets_wide(cache_needs_int64),
         SKIP=skip_masks(page_size, block_n, four),
         FOUR=four,
-        NARROW=tall_decode and NARROW_ONE_ROW,
         num_warps=launch.tall_warps if tall else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size),
         **maxnreg_option(dataclasses.replace(launch, maxnreg=launch.tall_maxnreg)
