@@ -40,8 +40,9 @@ def program_index():
 
 @triton.jit
 def record(STAMPS, t0, c0, t1, c1):
-    """Store a program's stamps: start (``t0``, ``c0``), after its wait (``t1``, ``c1``), now."""
-    base = STAMPS + program_index().to(tl.int64) * 7
+    """Store a program's stamps in its row of ``STAMPS`` (:data:`FIELDS` int64 values a program):
+    start (``t0``, ``c0``), after its wait (``t1``, ``c1``), now, and its SM."""
+    base = STAMPS + program_index().to(tl.int64) * 7  # FIELDS
     t2 = global_ns()
     c2 = sm_cycles()
     tl.store(base, t0)
