@@ -14,17 +14,24 @@ the bytes at the copy rate. ``python3 scripts/stage1_timeline.py --trials 5``.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 
 import torch
 
 from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
 from segkv.attention.triton_backend import TritonBackend
-from segkv.bench.decode_attention import SHAPES, Timer, _fill_random, forked_prefix, measured_read_bandwidth
+from segkv.bench.decode_attention import (
+    SHAPES,
+    Timer,
+    _fill_random,
+    forked_prefix,
+    l2_copies,
+    measured_read_bandwidth,
+)
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 from segkv.kernels import paged_attention as pa
+from segkv.kernels.paged_attention import default_launch_config
 from segkv.kernels.timeline import FIELDS
 
 STAMP_ROWS = 1 << 16  # programs a stamp buffer holds (more than any launch here)
@@ -70,11 +77,12 @@ def summarise(s1: torch.Tensor, merge: torch.Tensor, t0: int, last_end: int) -> 
 
 
 def program_classes(plan, programs: torch.Tensor, num_kv: int) -> list[str]:
-    """Each stage-1 program's class by its work item (the launch puts KV heads fastest): "tall"
-    (several query rows: a shared piece's) or "one row"."""
+    """Each stage-1 program's class by its work item: "tall" (several query rows: a shared
+    piece's) or "one row". ``programs``: grid indices, x fastest, in the launch's order."""
     num_work = len(plan.work)
-    return ["tall" if len(plan.work[(i // num_kv) % num_work].query_rows) > 1 else "one row"
-            for i in programs.tolist()]
+    heads_fastest = default_launch_config(head_dim=128).heads_fastest
+    work = [(i // num_kv) % num_work if heads_fastest else i % num_work for i in programs.tolist()]
+    return ["tall" if len(plan.work[w].query_rows) > 1 else "one row" for w in work]
 
 
 def timelines(label: str, calls: list, plans: list, num_kv: int, kv_bytes: int, bandwidth: float,
@@ -127,8 +135,7 @@ def run_case(shape_name: str, batch: int, context: int, page_size: int, trials: 
     dtype = torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(0)
     kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    copies = max(1, min(16, math.ceil(4 * l2 / kv_bytes)))  # as decode_attention: L2 cold for each call
+    copies = l2_copies(kv_bytes, torch.cuda.get_device_properties(0).L2_cache_size)  # L2 cold for each call
     pages = batch * -(-context // page_size)
     layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
     cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=copies * pages + 1), device="cuda",

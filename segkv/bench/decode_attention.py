@@ -41,6 +41,12 @@ from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 
 SHAPES = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "llama3-405b": (128, 8, 128)}
 SDPA_BACKENDS = ("flash", "cudnn", "efficient")
+MAX_L2_COPIES = 16
+
+
+def l2_copies(nbytes: int, l2_bytes: int, cap: int = MAX_L2_COPIES) -> int:
+    """Copies of ``nbytes`` of data a graph walks through so that each call finds L2 cold."""
+    return max(1, min(cap, math.ceil(4 * l2_bytes / max(nbytes, 1))))
 
 
 def measured_read_bandwidth(device: str = "cuda") -> float:
@@ -200,8 +206,7 @@ def bench_case(*, shape_name: str, batch: int, context: int, page_size: int, dty
     q_heads, kv_heads, head_dim = SHAPES[shape_name]
     gen = torch.Generator(device=device).manual_seed(seed)
     kv_bytes = 2 * batch * context * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    copies = max(1, min(16, math.ceil(4 * l2 / kv_bytes)))
+    copies = l2_copies(kv_bytes, torch.cuda.get_device_properties(0).L2_cache_size)
     pages_per_seq = -(-context // page_size)
     layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
     cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=copies * batch * pages_per_seq + 1),

@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -67,7 +66,15 @@ import torch
 from segkv.attention import AttentionShape, DeviceSpec, Route, SequenceQuery, TorchReferenceBackend, plan_attention
 from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.triton_backend import TritonBackend
-from segkv.bench.decode_attention import Timer, _fill_random, _run_trials, _summarise, measured_read_bandwidth
+from segkv.bench.decode_attention import (  # noqa: F401  (MAX_L2_COPIES: re-exported, the cap of l2_copies)
+    MAX_L2_COPIES,
+    Timer,
+    _fill_random,
+    _run_trials,
+    _summarise,
+    l2_copies,
+    measured_read_bandwidth,
+)
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 from segkv.layers.mla import MLADims, MultiHeadLatentAttention
@@ -88,7 +95,6 @@ DEFAULT_CONTEXTS = "2048,8192,32768,65536,131072"
 DEFAULT_DTYPES = "bfloat16,float16"
 ELEMENT_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
 LONG_CONTEXT = 32768  # the acceptance's "context >= 32K"
-MAX_L2_COPIES = 16
 
 KERNEL_VARIANTS = ("torch_default", "segkv_single", "segkv_split")
 LAYER_VARIANTS = ("torch_reference", "segkv_single", "segkv_split")
@@ -151,11 +157,6 @@ def grid(batches: list[int], contexts: list[int], dtypes: list[str], *,
                 else:
                     run.append(case)
     return run, skipped
-
-
-def l2_copies(nbytes: int, l2_bytes: int, cap: int = MAX_L2_COPIES) -> int:
-    """Copies of ``nbytes`` of data a graph walks through so that each call finds L2 cold."""
-    return max(1, min(cap, math.ceil(4 * l2_bytes / max(nbytes, 1))))
 
 
 def layer_dims(heads: int) -> MLADims:
