@@ -53,14 +53,22 @@ def _exp2(x):
 
 
 @gluon.jit
-def _issue_tile(k_smem, v_smem, buf, t, n_tiles, K, V, page_table, pg0, pg1, kvh, stride_kp, stride_kn, stride_kh,
-                krows, cols, PAGE: gl.constexpr, PAGES_PER_TILE: gl.constexpr):
-    """cp.async of tile ``t``'s K and V rows ``(BLOCK_N, D)`` into buffer ``buf`` (zeros past the
-    partition or past the last tile), one commit group."""
+def _tile_offsets(t, n_tiles, page_table, pg0, pg1, kvh, stride_kp, stride_kn, stride_kh, krows, PAGE: gl.constexpr,
+                  PAGES_PER_TILE: gl.constexpr, MATH_ONLY: gl.constexpr = False):
+    """Tile ``t``'s K/V row offsets ``(BLOCK_N,)`` through the page table, and which rows exist
+    (none past the partition or the last tile; with ``MATH_ONLY`` none after the first three
+    tiles, so later copies issue the same instructions masked off: zero fill, no DRAM traffic)."""
     entry = pg0 + t * PAGES_PER_TILE + krows // PAGE
     ok = (entry < pg1) & (t < n_tiles)
+    if MATH_ONLY:
+        ok = ok & (t < 3)
     page = gl.load(page_table + entry, mask=ok, other=0)
-    offset = page * stride_kp + (krows % PAGE) * stride_kn + kvh * stride_kh
+    return page * stride_kp + (krows % PAGE) * stride_kn + kvh * stride_kh, ok
+
+
+@gluon.jit
+def _copy_tile(k_smem, v_smem, buf, offset, ok, K, V, cols):
+    """cp.async of the K and V rows at ``offset`` into buffer ``buf`` (zeros where not ``ok``), one commit group."""
     mask = ok[:, None] & (cols >= 0)[None, :]  # broadcast to the tile
     async_copy.async_copy_global_to_shared(k_smem.index(buf), K + offset[:, None] + cols[None, :], mask=mask)
     async_copy.async_copy_global_to_shared(v_smem.index(buf), V + offset[:, None] + cols[None, :], mask=mask)
@@ -68,17 +76,31 @@ def _issue_tile(k_smem, v_smem, buf, t, n_tiles, K, V, page_table, pg0, pg1, kvh
 
 
 @gluon.jit
+def _issue_tile(k_smem, v_smem, buf, t, n_tiles, K, V, page_table, pg0, pg1, kvh, stride_kp, stride_kn, stride_kh,
+                krows, cols, PAGE: gl.constexpr, PAGES_PER_TILE: gl.constexpr, MATH_ONLY: gl.constexpr = False):
+    """Tile ``t``'s page indices, then its copy into buffer ``buf``: the copy waits for those loads."""
+    offset, ok = _tile_offsets(t, n_tiles, page_table, pg0, pg1, kvh, stride_kp, stride_kn, stride_kh, krows, PAGE,
+                               PAGES_PER_TILE, MATH_ONLY)
+    _copy_tile(k_smem, v_smem, buf, offset, ok, K, V, cols)
+
+
+@gluon.jit
 def _softmax(s, m_i, l_i, t, pg0, pg1, scale2, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
-             PAGES_PER_TILE: gl.constexpr, s_layout: gl.constexpr):
+             PAGES_PER_TILE: gl.constexpr, s_layout: gl.constexpr, NO_EXP: gl.constexpr = False):
     """Tile ``t``'s scores ``(BLOCK_M, BLOCK_N)`` masked to the partition's keys, folded into the
-    running max (base-2 units) and sum: the weights, the rescale factor, the new max and sum."""
+    running max (base-2 units) and sum: the weights, the rescale factor, the new max and sum.
+    ``NO_EXP`` (a timing probe, wrong results): the exponent itself as the weight, no ``ex2``."""
     scol = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     live = (pg0 + t * PAGES_PER_TILE + scol // PAGE) < pg1
     s = gl.where(live[None, :], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * scale2)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = _exp2(s * scale2 - m_safe[:, None])
-    alpha = _exp2(m_i - m_safe)
+    if NO_EXP:
+        p = s * scale2 - m_safe[:, None]
+        alpha = m_i - m_safe
+    else:
+        p = _exp2(s * scale2 - m_safe[:, None])
+        alpha = _exp2(m_i - m_safe)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
@@ -86,10 +108,19 @@ def _softmax(s, m_i, l_i, t, pg0, pg1, scale2, BLOCK_N: gl.constexpr, PAGE: gl.c
 def tall_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
                        stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_op, stride_oh, stride_lp,
                        scale2, GROUP: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
-                       BLOCK_N: gl.constexpr, OVERLAP: gl.constexpr):
+                       BLOCK_N: gl.constexpr, OVERLAP: gl.constexpr, MATH_ONLY: gl.constexpr = False,
+                       SINGLE_P: gl.constexpr = False, NO_EXP: gl.constexpr = False, CARRY: gl.constexpr = False,
+                       NBUF: gl.constexpr = 3):
     """One program: the ``ROWS x GROUP`` (row, head) pairs of KV head ``program_id(0)`` over
     partition ``program_id(1)`` of the prefix's pages, every key visible. Writes float32 partial
-    outputs ``OUT[part * ROWS + row, head, :]`` and natural LSEs ``LSE[part * ROWS + row, head]``."""
+    outputs ``OUT[part * ROWS + row, head, :]`` and natural LSEs ``LSE[part * ROWS + row, head]``.
+    ``MATH_ONLY``: the same instructions with the memory reads cut after three tiles (a timing
+    probe: how long the products and the softmax take without waiting for DRAM). With ``OVERLAP``
+    0 or 1, ``SINGLE_P``: P.V from P rounded to bf16 once (stock attention's precision, outside the
+    numerical contract), and ``NO_EXP``: no ``ex2`` (wrong results): what each costs. ``CARRY``: each
+    tile's page indices loaded one iteration before its copy is issued, so the copy (and the
+    products after it) do not wait for the page table. ``NBUF``: K/V buffers, ``NBUF - 1`` tiles
+    in flight."""
     BLOCK_M: gl.constexpr = ROWS * GROUP
     PAGES_PER_TILE: gl.constexpr = BLOCK_N // PAGE
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -107,14 +138,13 @@ def tall_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
     q = gl.load(Q + ((pairs // GROUP) * stride_qr + (kvh * GROUP + pairs % GROUP) * stride_qh)[:, None] + cols[None, :])
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D], sh, q)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_N, D], sh)
-    v_smem = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_N, D], sh)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, D], sh)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, D], sh)
     krows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
-    _issue_tile(k_smem, v_smem, 0, 0, n_tiles, K, V, page_table, pg0, pg1, kvh, stride_kp, stride_kn, stride_kh,
-                krows, cols, PAGE, PAGES_PER_TILE)
-    _issue_tile(k_smem, v_smem, 1, 1, n_tiles, K, V, page_table, pg0, pg1, kvh, stride_kp, stride_kn, stride_kh,
-                krows, cols, PAGE, PAGES_PER_TILE)
-    async_copy.wait_group(1)
+    for i in gl.static_range(NBUF - 1):
+        _issue_tile(k_smem, v_smem, i, i, n_tiles, K, V, page_table, pg0, pg1, kvh, stride_kp, stride_kn,
+                    stride_kh, krows, cols, PAGE, PAGES_PER_TILE, MATH_ONLY)
+    async_copy.wait_group(NBUF - 2)
     fence_async_shared()
     gl.thread_barrier()
     s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_l),
@@ -122,28 +152,38 @@ def tall_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     p, alpha, m_i, l_i = _softmax(s, gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_l)),
                                   gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_l)), 0, pg0, pg1, scale2,
-                                  BLOCK_N, PAGE, PAGES_PER_TILE, s_l)
+                                  BLOCK_N, PAGE, PAGES_PER_TILE, s_l, NO_EXP)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_l)
     if OVERLAP == 3:
         acc = warpgroup_mma_init(acc)
         a_hi_prev = gl.zeros([BLOCK_M, BLOCK_N], gl.bfloat16, p_l)
         a_lo_prev = gl.zeros([BLOCK_M, BLOCK_N], gl.bfloat16, p_l)
+    off_next, ok_next = _tile_offsets(NBUF - 1, n_tiles, page_table, pg0, pg1, kvh, stride_kp, stride_kn, stride_kh, krows,
+                                      PAGE, PAGES_PER_TILE, MATH_ONLY)
     for t in range(0, n_tiles - 1):
-        gl.thread_barrier()  # every warp is done with the buffer tile t + 2 overwrites (tile t - 1's)
-        _issue_tile(k_smem, v_smem, (t + 2) % 3, t + 2, n_tiles, K, V, page_table, pg0, pg1, kvh, stride_kp,
-                    stride_kn, stride_kh, krows, cols, PAGE, PAGES_PER_TILE)
-        async_copy.wait_group(1)  # tile t + 1 has landed
+        gl.thread_barrier()  # every warp is done with the buffer the next copy overwrites (tile t - 1's)
+        if CARRY:
+            _copy_tile(k_smem, v_smem, (t + NBUF - 1) % NBUF, off_next, ok_next, K, V, cols)
+            off_next, ok_next = _tile_offsets(t + NBUF, n_tiles, page_table, pg0, pg1, kvh, stride_kp, stride_kn,
+                                              stride_kh, krows, PAGE, PAGES_PER_TILE, MATH_ONLY)
+        else:
+            _issue_tile(k_smem, v_smem, (t + NBUF - 1) % NBUF, t + NBUF - 1, n_tiles, K, V, page_table, pg0, pg1, kvh, stride_kp,
+                        stride_kn, stride_kh, krows, cols, PAGE, PAGES_PER_TILE, MATH_ONLY)
+        async_copy.wait_group(NBUF - 2)  # tile t + 1 has landed
         fence_async_shared()
         gl.thread_barrier()
         # P's two bf16 parts as the register operand of the P.V products, kept alive until they end
         p_hi = p.to(gl.bfloat16)
         a_hi = gl.convert_layout(p_hi, p_l)
-        a_lo = gl.convert_layout((p - p_hi.to(gl.float32)).to(gl.bfloat16), p_l)
-        v_cur = v_smem.index(t % 3)
+        if SINGLE_P:
+            a_lo = a_hi
+        else:
+            a_lo = gl.convert_layout((p - p_hi.to(gl.float32)).to(gl.bfloat16), p_l)
+        v_cur = v_smem.index(t % NBUF)
         if OVERLAP == 3:
             # lazy rescaling: the weights keep the row's reference max until a tile's max passes it by
             # TAU (base 2), so the accumulator is touched, and the P.V products waited for, only then
-            s = warpgroup_mma(q_smem, k_smem.index((t + 1) % 3).permute((1, 0)), s, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_smem, k_smem.index((t + 1) % NBUF).permute((1, 0)), s, use_acc=False, is_async=True)
             acc = warpgroup_mma(a_hi, v_cur, acc, is_async=True)
             acc = warpgroup_mma(a_lo, v_cur, acc, is_async=True)
             # the scores and the previous tile's P.V products done; this tile's still in flight
@@ -164,18 +204,23 @@ def tall_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
             a_hi_prev = a_hi
             a_lo_prev = a_lo
         elif OVERLAP:
-            s = warpgroup_mma(q_smem, k_smem.index((t + 1) % 3).permute((1, 0)), s, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_smem, k_smem.index((t + 1) % NBUF).permute((1, 0)), s, use_acc=False, is_async=True)
             acc = warpgroup_mma(a_hi, v_cur, acc, is_async=True)
-            acc = warpgroup_mma(a_lo, v_cur, acc, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))  # the P.V products stay in flight
+            if SINGLE_P:
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            else:
+                acc = warpgroup_mma(a_lo, v_cur, acc, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))  # the P.V products stay in flight
         else:
             acc = warpgroup_mma(a_hi, v_cur, acc, is_async=True)
-            acc = warpgroup_mma(a_lo, v_cur, acc, is_async=True)
+            if not SINGLE_P:
+                acc = warpgroup_mma(a_lo, v_cur, acc, is_async=True)
             acc, a_hi, a_lo = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_hi, a_lo))
-            s = warpgroup_mma(q_smem, k_smem.index((t + 1) % 3).permute((1, 0)), s, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_smem, k_smem.index((t + 1) % NBUF).permute((1, 0)), s, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         if OVERLAP != 3:
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, t + 1, pg0, pg1, scale2, BLOCK_N, PAGE, PAGES_PER_TILE, s_l)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, t + 1, pg0, pg1, scale2, BLOCK_N, PAGE, PAGES_PER_TILE, s_l,
+                                          NO_EXP)
             if OVERLAP == 1:
                 acc, a_hi, a_lo = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_hi, a_lo))
             elif OVERLAP == 2:  # the softmax's results named too, so they are computed before the wait
@@ -183,10 +228,14 @@ def tall_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
     p_hi = p.to(gl.bfloat16)
     a_hi = gl.convert_layout(p_hi, p_l)
-    a_lo = gl.convert_layout((p - p_hi.to(gl.float32)).to(gl.bfloat16), p_l)
-    v_cur = v_smem.index((n_tiles - 1) % 3)
+    if SINGLE_P:
+        a_lo = a_hi
+    else:
+        a_lo = gl.convert_layout((p - p_hi.to(gl.float32)).to(gl.bfloat16), p_l)
+    v_cur = v_smem.index((n_tiles - 1) % NBUF)
     acc = warpgroup_mma(a_hi, v_cur, acc, is_async=True)
-    acc = warpgroup_mma(a_lo, v_cur, acc, is_async=True)
+    if not SINGLE_P:
+        acc = warpgroup_mma(a_lo, v_cur, acc, is_async=True)
     if OVERLAP == 3:
         acc, a_hi, a_lo, a_hi_prev, a_lo_prev = warpgroup_mma_wait(num_outstanding=0,
                                                                    deps=(acc, a_hi, a_lo, a_hi_prev, a_lo_prev))
@@ -205,6 +254,37 @@ def tall_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
     gl.store(LSE + partial * stride_lp + head, (m_o + gl.log2(l_o)) * LN2)
 
 
+@gluon.jit
+def stream_prefix_kernel(K, V, page_table, pages_per_part, num_pages, stride_kp, stride_kn, stride_kh,
+                         D: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, BUFFERS: gl.constexpr = 3):
+    """The tall programs' reads alone (a timing probe): the same grid, page gather and cp.async
+    buffers (``BUFFERS``, so ``BUFFERS - 1`` tiles in flight) as :func:`tall_prefix_kernel`, no
+    products and no softmax."""
+    PAGES_PER_TILE: gl.constexpr = BLOCK_N // PAGE
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    kvh = gl.program_id(0)
+    part = gl.program_id(1)
+    pg0 = part * pages_per_part
+    pg1 = gl.minimum(pg0 + pages_per_part, num_pages)
+    n_tiles = (pg1 - pg0 + PAGES_PER_TILE - 1) // PAGES_PER_TILE
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+    krows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [BUFFERS, BLOCK_N, D], sh)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [BUFFERS, BLOCK_N, D], sh)
+    for i in gl.static_range(BUFFERS - 1):
+        _issue_tile(k_smem, v_smem, i, i, n_tiles, K, V, page_table, pg0, pg1, kvh, stride_kp, stride_kn,
+                    stride_kh, krows, cols, PAGE, PAGES_PER_TILE)
+    for t in range(0, n_tiles - 1):
+        gl.thread_barrier()
+        _issue_tile(k_smem, v_smem, (t + BUFFERS - 1) % BUFFERS, t + BUFFERS - 1, n_tiles, K, V, page_table, pg0,
+                    pg1, kvh, stride_kp, stride_kn, stride_kh, krows, cols, PAGE, PAGES_PER_TILE)
+        async_copy.wait_group(BUFFERS - 2)  # tile t + 1 has landed
+        fence_async_shared()
+        gl.thread_barrier()
+    async_copy.wait_group(0)
+
+
 def compile_only() -> None:
     """Offline (no GPU): registers, shared memory and the loop's MMA / wait / ex2 order on sm_90a."""
     from triton.backends.compiler import GPUTarget
@@ -215,12 +295,30 @@ def compile_only() -> None:
              "stride_kp", "stride_kn", "stride_kh", "stride_op", "stride_oh", "stride_lp", "scale2"]
     types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*fp32", "LSE": "*fp32", "page_table": "*i32",
              "scale2": "fp32"}
-    for block_n, overlap in ((32, 0), (32, 1), (32, 2), (32, 3), (16, 1), (64, 1)):
-        consts = {"GROUP": 4, "ROWS": 16, "D": 128, "PAGE": 16, "BLOCK_N": block_n, "OVERLAP": overlap}
-        sig = {n: types.get(n, "i32") for n in names} | {n: "constexpr" for n in consts}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.startswith(("stride", "Q", "K", "V",
-                                                                                                "OUT", "LSE", "page"))}
-        kernel = triton.compile(GluonASTSource(tall_prefix_kernel, sig, consts, attrs),
+    stream_names = ["K", "V", "page_table", "pages_per_part", "num_pages", "stride_kp", "stride_kn", "stride_kh"]
+    cases = [(tall_prefix_kernel, names, {"BLOCK_N": block_n, "OVERLAP": overlap, "MATH_ONLY": math_only,
+                                          "GROUP": 4, "ROWS": 16})
+             for block_n, overlap, math_only in ((32, 0, False), (32, 1, False), (32, 2, False), (32, 3, False),
+                                                 (16, 1, False), (64, 1, False), (64, 1, True))]
+    cases += [(tall_prefix_kernel, names, {"BLOCK_N": 64, "OVERLAP": 1, "MATH_ONLY": False, "GROUP": 4, "ROWS": 16,
+                                           "SINGLE_P": single_p, "NO_EXP": no_exp, "CARRY": carry, "NBUF": 3})
+              for single_p, no_exp, carry in ((True, False, False), (False, True, False), (True, True, False),
+                                              (False, False, True), (True, False, True))]
+    cases += [(tall_prefix_kernel, names, {"BLOCK_N": block_n, "OVERLAP": 1, "MATH_ONLY": False, "GROUP": 4,
+                                           "ROWS": 16, "SINGLE_P": False, "NO_EXP": False, "CARRY": False,
+                                           "NBUF": nbuf})
+              for block_n, nbuf in ((32, 4), (32, 6), (16, 8))]
+    cases += [(stream_prefix_kernel, stream_names, {"BLOCK_N": 64, "BUFFERS": b}) for b in (2, 3, 4)]
+    for fn, arg_names, case in cases:
+        # every constexpr named, in the kernel's order (the offline source binds them by position)
+        defaults = {"GROUP": 4, "ROWS": 16, "D": 128, "PAGE": 16, "OVERLAP": 1, "MATH_ONLY": False, "SINGLE_P": False,
+                    "NO_EXP": False, "CARRY": False, "NBUF": 3, "BUFFERS": 3}
+        params = [name for name in fn.arg_names if name not in arg_names]
+        consts = {name: case.get(name, defaults.get(name)) for name in params}
+        sig = {n: types.get(n, "i32") for n in arg_names} | {n: "constexpr" for n in consts}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(arg_names)
+                 if n.startswith(("stride", "Q", "K", "V", "OUT", "LSE", "page"))}
+        kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs),
                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         with tempfile.TemporaryDirectory() as tmp:
             with open(f"{tmp}/k.ptx", "w") as f:
@@ -240,14 +338,15 @@ def compile_only() -> None:
             print("  ptxas:", warning)
         regs = re.search(r"Used (\d+) registers", usage).group(1)
         spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill", usage))
-        print(f"BLOCK_N={block_n} OVERLAP={overlap}: {regs} registers, {spills} bytes spilled, {kernel.metadata.shared} B shared; "
-              + " ".join(f"{tag}x{n}" for tag, n in order))
+        copies = sum("LDGSTS" in line for line in sass.splitlines())
+        print(f"{fn.fn.__name__} {case}: {regs} registers, {spills} bytes spilled, {kernel.metadata.shared} B shared, "
+              f"{copies} LDGSTS; " + " ".join(f"{tag}x{n}" for tag, n in order))
 
 
 def run(trials: int) -> None:
     from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
     from segkv.attention.triton_backend import TritonBackend
-    from segkv.bench.decode_attention import Timer, _run_trials, forked_prefix
+    from segkv.bench.decode_attention import Timer, _run_trials, forked_prefix, measured_read_bandwidth
     from segkv.kernels.paged_attention import merge_into
 
     device, forks, prefix, page, q_heads, kv_heads, dim = "cuda", 16, 32768, 16, 32, 8, 128
@@ -269,8 +368,10 @@ def run(trials: int) -> None:
     num_pages = len(page_ids)
     outs = {}
 
-    def gluon_call(block_n: int, overlap: int, parts: int):
-        """The Gluon stage 1 over ``parts`` partitions of the prefix, then the engine's merge."""
+    def gluon_call(block_n: int, overlap: int, parts: int, math_only: bool = False, single_p: bool = False,
+                   no_exp: bool = False, carry: bool = False, nbuf: int = 3):
+        """The Gluon stage 1 over ``parts`` partitions of the prefix, then the engine's merge
+        (``math_only``: the reads cut after three tiles, a timing probe whose output is not checked)."""
         pages_per_part = -(-num_pages // parts)
         parts = -(-num_pages // pages_per_part)
         part_out = torch.empty(parts * forks, q_heads, dim, device=device, dtype=torch.float32)
@@ -287,10 +388,34 @@ def run(trials: int) -> None:
                 q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), part_out.stride(0),
                 part_out.stride(1), part_lse.stride(0), scale * LOG2E,
                 GROUP=q_heads // kv_heads, ROWS=forks, D=dim, PAGE=page, BLOCK_N=block_n, OVERLAP=overlap,
-                num_warps=4)
+                MATH_ONLY=math_only, SINGLE_P=single_p, NO_EXP=no_exp, CARRY=carry, NBUF=nbuf, num_warps=4)
             merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
-        outs[f"gluon_n{block_n}_o{overlap}_p{parts}"] = out
-        return f"gluon_n{block_n}_o{overlap}_p{parts}", call
+        name = (f"gluon_n{block_n}_o{overlap}_p{parts}" + ("_math" if math_only else "") + ("_1p" if single_p else "")
+                + ("_noexp" if no_exp else "") + ("_carry" if carry else "") + (f"_b{nbuf}" if nbuf != 3 else ""))
+        if not (math_only or no_exp):
+            outs[name] = out
+        return name, call
+
+    def stream_call(block_n: int, parts: int, buffers: int = 3):
+        """The same programs' reads alone (no products, softmax, partials or merge)."""
+        pages_per_part = -(-num_pages // parts)
+        parts = -(-num_pages // pages_per_part)
+
+        def call():
+            stream_prefix_kernel[(kv_heads, parts)](kc, vc, page_table, pages_per_part, num_pages, kc.stride(0),
+                                                    kc.stride(1), kc.stride(2), D=dim, PAGE=page, BLOCK_N=block_n,
+                                                    BUFFERS=buffers, num_warps=4)
+        return f"stream_n{block_n}_p{parts}_b{buffers}", call
+
+    # batch-1 decode over the prefix alone (the planner's split): the same bytes with 1/16 of the math
+    solo_query = [SequenceQuery.from_chain(root, 1)]
+    solo_plan = plan_attention(solo_query, shape, DeviceSpec.cuda(), page_size=page)
+    print("batch 1:", solo_plan.describe())
+    solo_prepared = backend.prepare(solo_plan)
+    q_solo = q[:1].clone()
+
+    def triton_batch1():
+        backend.run(solo_prepared, q_solo, kc, vc, scale=scale)
 
     def triton_call():
         outs["triton_cascade"] = backend.run(prepared, q, kc, vc, scale=scale)[0]
@@ -299,6 +424,17 @@ def run(trials: int) -> None:
     for block_n, overlap, parts in ((32, 0, 49), (32, 1, 49), (32, 3, 49), (32, 1, 33), (32, 1, 66), (16, 1, 49),
                                     (16, 1, 66), (16, 1, 99), (64, 1, 33)):
         name, call = gluon_call(block_n, overlap, parts)
+        calls[name] = call
+    # where the tall programs' time goes: their math with the reads cut, and their reads alone
+    for name, call in (gluon_call(64, 1, 33, math_only=True), gluon_call(32, 1, 49, math_only=True),
+                       stream_call(64, 33), stream_call(32, 49), stream_call(64, 66), stream_call(64, 32, 2),
+                       stream_call(64, 32, 3), stream_call(64, 32, 4), ("triton_batch1", triton_batch1),
+                       *(gluon_call(64, 1, 33, math_only=m, single_p=sp, no_exp=ne)
+                         for m in (False, True) for sp, ne in ((True, False), (False, True), (True, True))),
+                       gluon_call(64, 1, 33, carry=True), gluon_call(32, 1, 49, nbuf=4), gluon_call(32, 1, 49, nbuf=5),
+                       gluon_call(32, 1, 49, nbuf=6), gluon_call(32, 1, 33, nbuf=6), gluon_call(32, 1, 66, nbuf=6),
+                       gluon_call(32, 1, 49, nbuf=6, carry=True), gluon_call(16, 1, 49, nbuf=8),
+                       gluon_call(16, 1, 66, nbuf=8), gluon_call(32, 1, 49, nbuf=6, single_p=True)):
         calls[name] = call
     timers = {name: Timer.capture([fn]) for name, fn in calls.items()}
 
@@ -316,9 +452,14 @@ def run(trials: int) -> None:
     base = statistics.median(samples["triton_cascade"])
     print(f"{torch.cuda.get_device_name()}: {forks} forks x {prefix // 1024}K prefix (8B shape, pages of {page}), "
           f"{trials} trials, ms (gluon_n<tile rows>_o<OVERLAP>_p<partitions>)")
+    prefix_bytes = 2 * prefix * kv_heads * dim * kc.element_size()
+    copy_rate = measured_read_bandwidth()
+    print(f"  the prefix's K/V: {prefix_bytes / 1e6:.1f} MB; copy rate {copy_rate / 1e12:.2f} TB/s "
+          f"({prefix_bytes / copy_rate * 1e6:.1f} us for the prefix)")
     for name, times in samples.items():
         med = statistics.median(times)
-        print(f"  {name:16s} {med:.4f} [{min(times):.4f}-{max(times):.4f}]  {base / med:.2f}x the Triton cascade")
+        print(f"  {name:20s} {med:.4f} [{min(times):.4f}-{max(times):.4f}]  {base / med:.2f}x the Triton cascade, "
+              f"{prefix_bytes / (med * 1e-3) / 1e12:.2f} TB/s of prefix")
 
 
 def main() -> None:
