@@ -13,14 +13,24 @@ product, as Triton does).
 
 The probe: 16 forks of one 32K prefix (the Llama-3-8B shape: 32 query heads, 8 KV heads,
 head_dim 128, pages of 16), each with one decode row at the prefix's end. The Gluon programs
-(one per KV head and partition, 64 (row, head) pairs, 32-row tiles in three cp.async buffers)
+(one per KV head and partition, 64 (row, head) pairs, 32- or 64-row tiles in cp.async buffers)
 write float32 partials that the engine's merge kernel combines; segkv's Triton path runs the
 planner's cascade plan of the same batch. Both are checked against float32 attention in torch and
 timed in CUDA graphs (median, min and max of shuffled trials).
 
-Usage: ``python3 scripts/gluon_tall_probe.py [--compile-only] [--trials 7]`` (Triton 3.6's Gluon API:
+Where the programs' time goes, as timing variants of the same kernel: their math with the reads cut
+after three tiles (``MATH_ONLY``), their reads alone (:func:`stream_prefix_kernel`, also with the
+batch-1 decode's grid beside the engine's batch-1 call), P in one bf16 part (``SINGLE_P``, outside
+the numerical contract), no exponentials (``NO_EXP``, wrong results), page indices carried a tile
+ahead (``CARRY``), more buffers (``NBUF``), rows asked into L2 tiles ahead (``PREFETCH``), a
+head-major copy of the pages, and a warp-specialised kernel (:func:`ws_prefix_kernel`: one
+producer warp issues the copies into a ring of buffers handed over by mbarriers). ``--clocks``
+samples the SM clock and board power (nvidia-smi) while chosen variants replay.
+
+Usage: ``python3 scripts/gluon_tall_probe.py [--compile-only] [--trials 7] [--only-ws] [--clocks a,b]``
+(Triton 3.6's Gluon API:
 Triton 3.9 renamed ``async_copy_global_to_shared`` to ``async_load``). Results: docs/benchmarks.md,
-"The tall programs in Gluon, a probe".
+"The tall programs in Gluon, a probe" and "The cascade's prefix programs taken apart".
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
@@ -85,6 +95,29 @@ def _issue_tile(k_smem, v_smem, buf, t, n_tiles, K, V, page_table, pg0, pg1, kvh
 
 
 @gluon.jit
+def _l2_rows(K, V, page_table, pg0, pg1, tile, kvh, stride_kp, stride_kn, stride_kh, PAGE: gl.constexpr,
+             PAGES_PER_TILE: gl.constexpr):
+    """Tile ``tile``'s K and V rows of this KV head, one 256-byte row a thread: the pointers
+    ``(PAGES_PER_TILE * PAGE * 2,)`` and which exist (the page index loads are the only wait)."""
+    N: gl.constexpr = PAGES_PER_TILE * PAGE * 2
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    i = gl.arange(0, N, layout=lay)
+    entry = pg0 + tile * PAGES_PER_TILE + i // (2 * PAGE)
+    live = entry < pg1
+    page = gl.load(page_table + entry, mask=live, other=0)
+    off = page * stride_kp + ((i // 2) % PAGE) * stride_kn + kvh * stride_kh
+    return gl.where(i % 2 == 0, K + off, V + off), live
+
+
+@gluon.jit
+def _l2_prefetch(ptrs, live):
+    """Asks L2 for 256 bytes at each live pointer (``cp.async.bulk.prefetch.L2``; nothing waits on it)."""
+    gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 256; "
+                              "mov.u32 $0, 0; }", "=r,l,r", [ptrs, live.to(gl.int32)], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
 def _softmax(s, m_i, l_i, t, pg0, pg1, scale2, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
              PAGES_PER_TILE: gl.constexpr, s_layout: gl.constexpr, NO_EXP: gl.constexpr = False):
     """Tile ``t``'s scores ``(BLOCK_M, BLOCK_N)`` masked to the partition's keys, folded into the
@@ -110,7 +143,7 @@ def tall_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
                        scale2, GROUP: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
                        BLOCK_N: gl.constexpr, OVERLAP: gl.constexpr, MATH_ONLY: gl.constexpr = False,
                        SINGLE_P: gl.constexpr = False, NO_EXP: gl.constexpr = False, CARRY: gl.constexpr = False,
-                       NBUF: gl.constexpr = 3):
+                       NBUF: gl.constexpr = 3, PREFETCH: gl.constexpr = 0):
     """One program: the ``ROWS x GROUP`` (row, head) pairs of KV head ``program_id(0)`` over
     partition ``program_id(1)`` of the prefix's pages, every key visible. Writes float32 partial
     outputs ``OUT[part * ROWS + row, head, :]`` and natural LSEs ``LSE[part * ROWS + row, head]``.
@@ -120,7 +153,8 @@ def tall_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
     numerical contract), and ``NO_EXP``: no ``ex2`` (wrong results): what each costs. ``CARRY``: each
     tile's page indices loaded one iteration before its copy is issued, so the copy (and the
     products after it) do not wait for the page table. ``NBUF``: K/V buffers, ``NBUF - 1`` tiles
-    in flight."""
+    in flight. ``PREFETCH``: tile ``t + PREFETCH``'s rows asked into L2 (256 bytes a thread) while
+    tile ``t`` is multiplied, so more of the reads are under way than the buffers hold."""
     BLOCK_M: gl.constexpr = ROWS * GROUP
     PAGES_PER_TILE: gl.constexpr = BLOCK_N // PAGE
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -158,6 +192,13 @@ def tall_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
         acc = warpgroup_mma_init(acc)
         a_hi_prev = gl.zeros([BLOCK_M, BLOCK_N], gl.bfloat16, p_l)
         a_lo_prev = gl.zeros([BLOCK_M, BLOCK_N], gl.bfloat16, p_l)
+    if PREFETCH > 0:
+        for f in gl.static_range(NBUF - 1, PREFETCH):
+            pf_ptrs, pf_live = _l2_rows(K, V, page_table, pg0, pg1, f, kvh, stride_kp, stride_kn, stride_kh, PAGE,
+                                        PAGES_PER_TILE)
+            _l2_prefetch(pf_ptrs, pf_live)
+        pf_ptrs, pf_live = _l2_rows(K, V, page_table, pg0, pg1, PREFETCH, kvh, stride_kp, stride_kn, stride_kh, PAGE,
+                                    PAGES_PER_TILE)
     off_next, ok_next = _tile_offsets(NBUF - 1, n_tiles, page_table, pg0, pg1, kvh, stride_kp, stride_kn, stride_kh, krows,
                                       PAGE, PAGES_PER_TILE, MATH_ONLY)
     for t in range(0, n_tiles - 1):
@@ -169,6 +210,10 @@ def tall_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
         else:
             _issue_tile(k_smem, v_smem, (t + NBUF - 1) % NBUF, t + NBUF - 1, n_tiles, K, V, page_table, pg0, pg1, kvh, stride_kp,
                         stride_kn, stride_kh, krows, cols, PAGE, PAGES_PER_TILE, MATH_ONLY)
+        if PREFETCH > 0:  # this iteration's prefetch, and the next one's page indices
+            _l2_prefetch(pf_ptrs, pf_live)
+            pf_ptrs, pf_live = _l2_rows(K, V, page_table, pg0, pg1, t + 1 + PREFETCH, kvh, stride_kp, stride_kn,
+                                        stride_kh, PAGE, PAGES_PER_TILE)
         async_copy.wait_group(NBUF - 2)  # tile t + 1 has landed
         fence_async_shared()
         gl.thread_barrier()
@@ -285,6 +330,113 @@ def stream_prefix_kernel(K, V, page_table, pages_per_part, num_pages, stride_kp,
     async_copy.wait_group(0)
 
 
+@gluon.jit
+def _ws_producer(k_smem, v_smem, ready, empty, K, V, page_table, pg0, pg1, n_tiles, kvh, stride_kp, stride_kn,
+                 stride_kh, D: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
+    """One warp: every tile's K and V copied page by page (one page index a page) into the ring of
+    ``NBUF`` buffers, as far ahead as the consumer frees them; ``ready[buf]`` completes when a
+    tile's copies have landed (each of the 32 threads arrives once its own copies are done)."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])
+    prow = gl.arange(0, PAGE, layout=gl.SliceLayout(1, ld))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+    within = prow[:, None] * stride_kn + cols[None, :]
+    PAGES_PER_TILE: gl.constexpr = BLOCK_N // PAGE
+    for t in range(0, n_tiles):
+        buf = t % NBUF
+        # the consumer is done with this buffer's last tile (t - NBUF); the first round finds it free
+        mbarrier.wait(empty.index(buf), ((t // NBUF) + 1) & 1, pred=t >= NBUF)
+        for c in gl.static_range(PAGES_PER_TILE):
+            entry = pg0 + t * PAGES_PER_TILE + c
+            live = entry < pg1
+            page = gl.load(page_table + entry, mask=live, other=0)
+            base = page * stride_kp + kvh * stride_kh
+            mask = (prow < gl.where(live, PAGE, 0))[:, None] & (cols >= 0)[None, :]
+            async_copy.async_copy_global_to_shared(k_smem.index(buf).slice(c * PAGE, PAGE), K + base + within,
+                                                   mask=mask)
+            async_copy.async_copy_global_to_shared(v_smem.index(buf).slice(c * PAGE, PAGE), V + base + within,
+                                                   mask=mask)
+        async_copy.mbarrier_arrive(ready.index(buf), increment_count=False)
+
+
+@gluon.jit
+def _ws_consumer(q_smem, k_smem, v_smem, ready, empty, n_tiles, pg0, pg1, scale2, BLOCK_M: gl.constexpr,
+                 D: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
+    """The default partition (one warpgroup): each tile's scores, softmax and two-part P.V products
+    once the producer's copies landed; the buffer is handed back when its products are done.
+    Returns the float32 accumulator ``(BLOCK_M, D)``, the running max (base 2) and sum."""
+    PAGES_PER_TILE: gl.constexpr = BLOCK_N // PAGE
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_l))
+    acc = gl.zeros([BLOCK_M, D], gl.float32, o_l)
+    for t in range(0, n_tiles):
+        buf = t % NBUF
+        mbarrier.wait(ready.index(buf), (t // NBUF) & 1)
+        fence_async_shared()  # the copies' writes before the products read them
+        s = warpgroup_mma(q_smem, k_smem.index(buf).permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_l),
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, t, pg0, pg1, scale2, BLOCK_N, PAGE, PAGES_PER_TILE, s_l)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        p_hi = p.to(gl.bfloat16)
+        a_hi = gl.convert_layout(p_hi, p_l)
+        a_lo = gl.convert_layout((p - p_hi.to(gl.float32)).to(gl.bfloat16), p_l)
+        acc = warpgroup_mma(a_hi, v_smem.index(buf), acc, is_async=True)
+        acc = warpgroup_mma(a_lo, v_smem.index(buf), acc, is_async=True)
+        acc, a_hi, a_lo = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_hi, a_lo))
+        mbarrier.arrive(empty.index(buf))
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def ws_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
+                     stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_op, stride_oh, stride_lp,
+                     scale2, GROUP: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+                     BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """:func:`tall_prefix_kernel`'s work, warp-specialised: one producer warp issues the copies
+    into a ring of ``NBUF`` buffers, the warpgroup runs only the products and the softmax, so the
+    reads run ahead of the math instead of between its tiles (mbarriers hand the buffers over)."""
+    BLOCK_M: gl.constexpr = ROWS * GROUP
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    kvh = gl.program_id(0)
+    part = gl.program_id(1)
+    pg0 = part * pages_per_part
+    pg1 = gl.minimum(pg0 + pages_per_part, num_pages)
+    n_tiles = (pg1 - pg0 + BLOCK_N // PAGE - 1) // (BLOCK_N // PAGE)
+    pairs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+    q = gl.load(Q + ((pairs // GROUP) * stride_qr + (kvh * GROUP + pairs % GROUP) * stride_qh)[:, None] + cols[None, :])
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D], sh, q)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, D], sh)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, D], sh)
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NBUF):
+        mbarrier.init(ready.index(i), count=32)  # the producer warp's threads
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    acc, m_i, l_i = gl.warp_specialize(
+        [(_ws_consumer, (q_smem, k_smem, v_smem, ready, empty, n_tiles, pg0, pg1, scale2, BLOCK_M, D, PAGE, BLOCK_N,
+                         NBUF)),
+         (_ws_producer, (k_smem, v_smem, ready, empty, K, V, page_table, pg0, pg1, n_tiles, kvh, stride_kp, stride_kn,
+                         stride_kh, D, PAGE, BLOCK_N, NBUF))],
+        [1], [PRODUCER_REGS])
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_l))
+    out = acc / l_o[:, None]
+    pairs_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_l))
+    cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+    partial = part * ROWS + pairs_o // GROUP
+    head = kvh * GROUP + pairs_o % GROUP
+    gl.store(OUT + (partial * stride_op + head * stride_oh)[:, None] + cols_o[None, :], out)
+    gl.store(LSE + partial * stride_lp + head, (m_o + gl.log2(l_o)) * LN2)
+
+
 def compile_only() -> None:
     """Offline (no GPU): registers, shared memory and the loop's MMA / wait / ex2 order on sm_90a."""
     from triton.backends.compiler import GPUTarget
@@ -308,18 +460,22 @@ def compile_only() -> None:
                                            "ROWS": 16, "SINGLE_P": False, "NO_EXP": False, "CARRY": False,
                                            "NBUF": nbuf})
               for block_n, nbuf in ((32, 4), (32, 6), (16, 8))]
+    cases += [(tall_prefix_kernel, names, {"BLOCK_N": block_n, "PREFETCH": prefetch}) for block_n, prefetch in
+              ((64, 4), (32, 8))]
     cases += [(stream_prefix_kernel, stream_names, {"BLOCK_N": 64, "BUFFERS": b}) for b in (2, 3, 4)]
+    cases += [(ws_prefix_kernel, names, {"BLOCK_N": block_n, "NBUF": nbuf, "PRODUCER_REGS": 40, "MAXNREG": 128})
+              for block_n, nbuf in ((64, 3), (32, 6))]
     for fn, arg_names, case in cases:
         # every constexpr named, in the kernel's order (the offline source binds them by position)
         defaults = {"GROUP": 4, "ROWS": 16, "D": 128, "PAGE": 16, "OVERLAP": 1, "MATH_ONLY": False, "SINGLE_P": False,
-                    "NO_EXP": False, "CARRY": False, "NBUF": 3, "BUFFERS": 3}
-        params = [name for name in fn.arg_names if name not in arg_names]
+                    "NO_EXP": False, "CARRY": False, "NBUF": 3, "BUFFERS": 3, "PRODUCER_REGS": 40, "PREFETCH": 0}
+        params = [name for name in fn.arg_names if name not in arg_names]  # MAXNREG: a launch option
         consts = {name: case.get(name, defaults.get(name)) for name in params}
         sig = {n: types.get(n, "i32") for n in arg_names} | {n: "constexpr" for n in consts}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(arg_names)
                  if n.startswith(("stride", "Q", "K", "V", "OUT", "LSE", "page"))}
-        kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs),
-                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        options = {"num_warps": 4} | ({"maxnreg": case["MAXNREG"]} if "MAXNREG" in case else {})
+        kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
         with tempfile.TemporaryDirectory() as tmp:
             with open(f"{tmp}/k.ptx", "w") as f:
                 f.write(kernel.asm["ptx"])
@@ -343,7 +499,7 @@ def compile_only() -> None:
               f"{copies} LDGSTS; " + " ".join(f"{tag}x{n}" for tag, n in order))
 
 
-def run(trials: int) -> None:
+def run(trials: int, only_ws: bool, clocks: tuple[str, ...] = ()) -> None:
     from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
     from segkv.attention.triton_backend import TritonBackend
     from segkv.bench.decode_attention import Timer, _run_trials, forked_prefix, measured_read_bandwidth
@@ -367,11 +523,21 @@ def run(trials: int) -> None:
     page_table = torch.tensor(page_ids, dtype=torch.int32, device=device)
     num_pages = len(page_ids)
     outs = {}
+    kc_rm, vc_rm = kc, vc
+    # the same pages, each head's rows of a page contiguous: (page, head, row, dim) seen through
+    # (page, row, head, dim) strides, so the kernels take either
+    kc_hm = kc.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    vc_hm = vc.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
 
     def gluon_call(block_n: int, overlap: int, parts: int, math_only: bool = False, single_p: bool = False,
-                   no_exp: bool = False, carry: bool = False, nbuf: int = 3):
+                   no_exp: bool = False, carry: bool = False, nbuf: int = 3, ws_regs: tuple[int, int] | None = None,
+                   prefetch: int = 0, head_major: bool = False):
         """The Gluon stage 1 over ``parts`` partitions of the prefix, then the engine's merge
-        (``math_only``: the reads cut after three tiles, a timing probe whose output is not checked)."""
+        (``math_only``: the reads cut after three tiles, a timing probe whose output is not checked;
+        ``ws_regs``: the warp-specialised kernel, launched with (registers a thread, the producer's);
+        ``head_major``: over a copy of the pages laid out (page, head, row, dim), each head's rows of a
+        page contiguous)."""
+        kc, vc = (kc_hm, vc_hm) if head_major else (kc_rm, vc_rm)
         pages_per_part = -(-num_pages // parts)
         parts = -(-num_pages // pages_per_part)
         part_out = torch.empty(parts * forks, q_heads, dim, device=device, dtype=torch.float32)
@@ -382,22 +548,35 @@ def run(trials: int) -> None:
         out = torch.empty(forks, q_heads, dim, device=device, dtype=torch.bfloat16)
         lse = torch.empty(forks, q_heads, device=device, dtype=torch.float32)
 
+        def call_ws():
+            ws_prefix_kernel[(kv_heads, parts)](
+                q, kc, vc, part_out, part_lse, page_table, pages_per_part, num_pages,
+                q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), part_out.stride(0),
+                part_out.stride(1), part_lse.stride(0), scale * LOG2E,
+                GROUP=q_heads // kv_heads, ROWS=forks, D=dim, PAGE=page, BLOCK_N=block_n, NBUF=nbuf,
+                PRODUCER_REGS=ws_regs[1], num_warps=4, maxnreg=ws_regs[0])
+            merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
+
         def call():
             tall_prefix_kernel[(kv_heads, parts)](
                 q, kc, vc, part_out, part_lse, page_table, pages_per_part, num_pages,
                 q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), part_out.stride(0),
                 part_out.stride(1), part_lse.stride(0), scale * LOG2E,
                 GROUP=q_heads // kv_heads, ROWS=forks, D=dim, PAGE=page, BLOCK_N=block_n, OVERLAP=overlap,
-                MATH_ONLY=math_only, SINGLE_P=single_p, NO_EXP=no_exp, CARRY=carry, NBUF=nbuf, num_warps=4)
+                MATH_ONLY=math_only, SINGLE_P=single_p, NO_EXP=no_exp, CARRY=carry, NBUF=nbuf, PREFETCH=prefetch, num_warps=4)
             merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
         name = (f"gluon_n{block_n}_o{overlap}_p{parts}" + ("_math" if math_only else "") + ("_1p" if single_p else "")
-                + ("_noexp" if no_exp else "") + ("_carry" if carry else "") + (f"_b{nbuf}" if nbuf != 3 else ""))
+                + ("_noexp" if no_exp else "") + ("_carry" if carry else "") + (f"_b{nbuf}" if nbuf != 3 else "")
+                + (f"_l2ahead{prefetch}" if prefetch else "") + ("_headmajor" if head_major else ""))
+        if ws_regs:
+            name = f"ws_n{block_n}_b{nbuf}_p{parts}_r{ws_regs[0]}_{ws_regs[1]}"
         if not (math_only or no_exp):
             outs[name] = out
-        return name, call
+        return name, (call_ws if ws_regs else call)
 
-    def stream_call(block_n: int, parts: int, buffers: int = 3):
+    def stream_call(block_n: int, parts: int, buffers: int = 3, head_major: bool = False):
         """The same programs' reads alone (no products, softmax, partials or merge)."""
+        kc, vc = (kc_hm, vc_hm) if head_major else (kc_rm, vc_rm)
         pages_per_part = -(-num_pages // parts)
         parts = -(-num_pages // pages_per_part)
 
@@ -405,7 +584,7 @@ def run(trials: int) -> None:
             stream_prefix_kernel[(kv_heads, parts)](kc, vc, page_table, pages_per_part, num_pages, kc.stride(0),
                                                     kc.stride(1), kc.stride(2), D=dim, PAGE=page, BLOCK_N=block_n,
                                                     BUFFERS=buffers, num_warps=4)
-        return f"stream_n{block_n}_p{parts}_b{buffers}", call
+        return f"stream_n{block_n}_p{parts}_b{buffers}" + ("_headmajor" if head_major else ""), call
 
     # batch-1 decode over the prefix alone (the planner's split): the same bytes with 1/16 of the math
     solo_query = [SequenceQuery.from_chain(root, 1)]
@@ -421,14 +600,22 @@ def run(trials: int) -> None:
         outs["triton_cascade"] = backend.run(prepared, q, kc, vc, scale=scale)[0]
 
     calls = {"triton_cascade": triton_call}
-    for block_n, overlap, parts in ((32, 0, 49), (32, 1, 49), (32, 3, 49), (32, 1, 33), (32, 1, 66), (16, 1, 49),
-                                    (16, 1, 66), (16, 1, 99), (64, 1, 33)):
+    # warp-specialised: the copies in their own warp, ahead of the products
+    ws = [gluon_call(64, 1, 33), gluon_call(64, 1, 33, math_only=True), stream_call(64, 33),
+          gluon_call(64, 1, 33, ws_regs=(128, 40)), gluon_call(32, 1, 33, nbuf=6, ws_regs=(128, 40)),
+          ("triton_batch1", triton_batch1), gluon_call(64, 1, 33, single_p=True),
+          gluon_call(64, 1, 33, math_only=True, single_p=True), gluon_call(64, 1, 33, math_only=True, no_exp=True),
+          gluon_call(64, 1, 33, head_major=True), gluon_call(64, 1, 33, math_only=True, head_major=True),
+          stream_call(64, 33, head_major=True), gluon_call(64, 1, 33, single_p=True, head_major=True),
+          gluon_call(32, 1, 49, head_major=True), gluon_call(64, 1, 33, ws_regs=(128, 40), head_major=True)]
+    calls.update(ws)
+    for block_n, overlap, parts in (() if only_ws else ((32, 0, 49), (32, 1, 49), (32, 3, 49), (32, 1, 33), (32, 1, 66), (16, 1, 49),
+                                    (16, 1, 66), (16, 1, 99))):
         name, call = gluon_call(block_n, overlap, parts)
         calls[name] = call
     # where the tall programs' time goes: their math with the reads cut, and their reads alone
-    for name, call in (gluon_call(64, 1, 33, math_only=True), gluon_call(32, 1, 49, math_only=True),
-                       stream_call(64, 33), stream_call(32, 49), stream_call(64, 66), stream_call(64, 32, 2),
-                       stream_call(64, 32, 3), stream_call(64, 32, 4), ("triton_batch1", triton_batch1),
+    for name, call in () if only_ws else (gluon_call(32, 1, 49, math_only=True), stream_call(32, 49), stream_call(64, 66), stream_call(64, 32, 2),
+                       stream_call(64, 32, 3), stream_call(64, 32, 4),
                        *(gluon_call(64, 1, 33, math_only=m, single_p=sp, no_exp=ne)
                          for m in (False, True) for sp, ne in ((True, False), (False, True), (True, True))),
                        gluon_call(64, 1, 33, carry=True), gluon_call(32, 1, 49, nbuf=4), gluon_call(32, 1, 49, nbuf=5),
@@ -460,12 +647,40 @@ def run(trials: int) -> None:
         med = statistics.median(times)
         print(f"  {name:20s} {med:.4f} [{min(times):.4f}-{max(times):.4f}]  {base / med:.2f}x the Triton cascade, "
               f"{prefix_bytes / (med * 1e-3) / 1e12:.2f} TB/s of prefix")
+    if clocks:
+        print("  SM clock and board power while each variant replays for 2 s (nvidia-smi every 50 ms, median):")
+        print(f"  {'idle':20s} {_clocks_during(None)}")
+        for name in clocks:
+            if name in timers:
+                print(f"  {name:20s} {_clocks_during(timers[name])}")
+
+
+def _clocks_during(timer, seconds: float = 2.0) -> str:
+    """The SM clock (MHz) and board power (W) that nvidia-smi reports while ``timer`` replays for ``seconds``."""
+    import time
+    sampler = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                "-lms", "50"], stdout=subprocess.PIPE, text=True)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if timer is None:
+            time.sleep(0.05)
+        else:
+            timer.ms()
+    torch.cuda.synchronize()
+    sampler.terminate()
+    rows = [line.split(",") for line in sampler.communicate()[0].splitlines() if "," in line]
+    rows = rows[len(rows) // 4: -max(1, len(rows) // 4)] or rows  # the steady middle
+    mhz = statistics.median(float(r[0]) for r in rows)
+    watts = statistics.median(float(r[1]) for r in rows)
+    return f"{mhz:.0f} MHz, {watts:.0f} W ({len(rows)} samples)"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--trials", type=int, default=7)
+    parser.add_argument("--only-ws", action="store_true", help="the warp-specialised kernel and its baselines only")
+    parser.add_argument("--clocks", default="", help="variants (comma-separated names) to replay under nvidia-smi")
     args = parser.parse_args()
     if args.compile_only:
         compile_only()
@@ -474,7 +689,7 @@ def main() -> None:
             compile_only()
         except (OSError, RuntimeError, AttributeError) as exc:  # no ptxas / nvdisasm beside this Triton
             print(f"offline report skipped: {exc}")
-        run(args.trials)
+        run(args.trials, args.only_ws, tuple(args.clocks.split(",")) if args.clocks else ())
 
 
 if __name__ == "__main__":
