@@ -27,7 +27,8 @@ head-major copy of the pages, and a warp-specialised kernel (:func:`ws_prefix_ke
 producer warp issues the copies into a ring of buffers handed over by mbarriers). ``--clocks``
 samples the SM clock and board power (nvidia-smi) while chosen variants replay.
 
-Usage: ``python3 scripts/gluon_tall_probe.py [--compile-only] [--trials 7] [--only-ws] [--clocks a,b]``
+Usage: ``python3 scripts/gluon_tall_probe.py [--compile-only] [--trials 7] [--groups tiles,math,ahead,layout]
+[--clocks a,b]``
 (Triton 3.6's Gluon API:
 Triton 3.9 renamed ``async_copy_global_to_shared`` to ``async_load``). Results: docs/benchmarks.md,
 "The tall programs in Gluon, a probe" and "The cascade's prefix programs taken apart".
@@ -199,8 +200,8 @@ def tall_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
             _l2_prefetch(pf_ptrs, pf_live)
         pf_ptrs, pf_live = _l2_rows(K, V, page_table, pg0, pg1, PREFETCH, kvh, stride_kp, stride_kn, stride_kh, PAGE,
                                     PAGES_PER_TILE)
-    off_next, ok_next = _tile_offsets(NBUF - 1, n_tiles, page_table, pg0, pg1, kvh, stride_kp, stride_kn, stride_kh, krows,
-                                      PAGE, PAGES_PER_TILE, MATH_ONLY)
+    off_next, ok_next = _tile_offsets(NBUF - 1, n_tiles, page_table, pg0, pg1, kvh, stride_kp, stride_kn, stride_kh,
+                                      krows, PAGE, PAGES_PER_TILE, MATH_ONLY)
     for t in range(0, n_tiles - 1):
         gl.thread_barrier()  # every warp is done with the buffer the next copy overwrites (tile t - 1's)
         if CARRY:
@@ -208,8 +209,8 @@ def tall_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
             off_next, ok_next = _tile_offsets(t + NBUF, n_tiles, page_table, pg0, pg1, kvh, stride_kp, stride_kn,
                                               stride_kh, krows, PAGE, PAGES_PER_TILE, MATH_ONLY)
         else:
-            _issue_tile(k_smem, v_smem, (t + NBUF - 1) % NBUF, t + NBUF - 1, n_tiles, K, V, page_table, pg0, pg1, kvh, stride_kp,
-                        stride_kn, stride_kh, krows, cols, PAGE, PAGES_PER_TILE, MATH_ONLY)
+            _issue_tile(k_smem, v_smem, (t + NBUF - 1) % NBUF, t + NBUF - 1, n_tiles, K, V, page_table, pg0, pg1, kvh,
+                        stride_kp, stride_kn, stride_kh, krows, cols, PAGE, PAGES_PER_TILE, MATH_ONLY)
         if PREFETCH > 0:  # this iteration's prefetch, and the next one's page indices
             _l2_prefetch(pf_ptrs, pf_live)
             pf_ptrs, pf_live = _l2_rows(K, V, page_table, pg0, pg1, t + 1 + PREFETCH, kvh, stride_kp, stride_kn,
@@ -475,7 +476,8 @@ def compile_only() -> None:
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(arg_names)
                  if n.startswith(("stride", "Q", "K", "V", "OUT", "LSE", "page"))}
         options = {"num_warps": 4} | ({"maxnreg": case["MAXNREG"]} if "MAXNREG" in case else {})
-        kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+        kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                                options=options)
         with tempfile.TemporaryDirectory() as tmp:
             with open(f"{tmp}/k.ptx", "w") as f:
                 f.write(kernel.asm["ptx"])
@@ -499,7 +501,7 @@ def compile_only() -> None:
               f"{copies} LDGSTS; " + " ".join(f"{tag}x{n}" for tag, n in order))
 
 
-def run(trials: int, only_ws: bool, clocks: tuple[str, ...] = ()) -> None:
+def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = ()) -> None:
     from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
     from segkv.attention.triton_backend import TritonBackend
     from segkv.bench.decode_attention import Timer, _run_trials, forked_prefix, measured_read_bandwidth
@@ -563,7 +565,8 @@ def run(trials: int, only_ws: bool, clocks: tuple[str, ...] = ()) -> None:
                 q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), part_out.stride(0),
                 part_out.stride(1), part_lse.stride(0), scale * LOG2E,
                 GROUP=q_heads // kv_heads, ROWS=forks, D=dim, PAGE=page, BLOCK_N=block_n, OVERLAP=overlap,
-                MATH_ONLY=math_only, SINGLE_P=single_p, NO_EXP=no_exp, CARRY=carry, NBUF=nbuf, PREFETCH=prefetch, num_warps=4)
+                MATH_ONLY=math_only, SINGLE_P=single_p, NO_EXP=no_exp, CARRY=carry, NBUF=nbuf, PREFETCH=prefetch,
+                num_warps=4)
             merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
         name = (f"gluon_n{block_n}_o{overlap}_p{parts}" + ("_math" if math_only else "") + ("_1p" if single_p else "")
                 + ("_noexp" if no_exp else "") + ("_carry" if carry else "") + (f"_b{nbuf}" if nbuf != 3 else "")
@@ -600,29 +603,32 @@ def run(trials: int, only_ws: bool, clocks: tuple[str, ...] = ()) -> None:
         outs["triton_cascade"] = backend.run(prepared, q, kc, vc, scale=scale)[0]
 
     calls = {"triton_cascade": triton_call}
-    # warp-specialised: the copies in their own warp, ahead of the products
-    ws = [gluon_call(64, 1, 33), gluon_call(64, 1, 33, math_only=True), stream_call(64, 33),
-          gluon_call(64, 1, 33, ws_regs=(128, 40)), gluon_call(32, 1, 33, nbuf=6, ws_regs=(128, 40)),
-          ("triton_batch1", triton_batch1), gluon_call(64, 1, 33, single_p=True),
-          gluon_call(64, 1, 33, math_only=True, single_p=True), gluon_call(64, 1, 33, math_only=True, no_exp=True),
-          gluon_call(64, 1, 33, head_major=True), gluon_call(64, 1, 33, math_only=True, head_major=True),
-          stream_call(64, 33, head_major=True), gluon_call(64, 1, 33, single_p=True, head_major=True),
-          gluon_call(32, 1, 49, head_major=True), gluon_call(64, 1, 33, ws_regs=(128, 40), head_major=True)]
-    calls.update(ws)
-    for block_n, overlap, parts in (() if only_ws else ((32, 0, 49), (32, 1, 49), (32, 3, 49), (32, 1, 33), (32, 1, 66), (16, 1, 49),
-                                    (16, 1, 66), (16, 1, 99))):
-        name, call = gluon_call(block_n, overlap, parts)
-        calls[name] = call
-    # where the tall programs' time goes: their math with the reads cut, and their reads alone
-    for name, call in () if only_ws else (gluon_call(32, 1, 49, math_only=True), stream_call(32, 49), stream_call(64, 66), stream_call(64, 32, 2),
-                       stream_call(64, 32, 3), stream_call(64, 32, 4),
-                       *(gluon_call(64, 1, 33, math_only=m, single_p=sp, no_exp=ne)
-                         for m in (False, True) for sp, ne in ((True, False), (False, True), (True, True))),
-                       gluon_call(64, 1, 33, carry=True), gluon_call(32, 1, 49, nbuf=4), gluon_call(32, 1, 49, nbuf=5),
-                       gluon_call(32, 1, 49, nbuf=6), gluon_call(32, 1, 33, nbuf=6), gluon_call(32, 1, 66, nbuf=6),
-                       gluon_call(32, 1, 49, nbuf=6, carry=True), gluon_call(16, 1, 49, nbuf=8),
-                       gluon_call(16, 1, 66, nbuf=8), gluon_call(32, 1, 49, nbuf=6, single_p=True)):
-        calls[name] = call
+    # the variants by question; the first group is the reference every question compares with
+    groups = {
+        "reference": lambda: [gluon_call(64, 1, 33), gluon_call(64, 1, 33, math_only=True), stream_call(64, 33),
+                              ("triton_batch1", triton_batch1)],
+        # tile rows, overlap modes and partitions (the first probe)
+        "tiles": lambda: [gluon_call(block_n, overlap, parts) for block_n, overlap, parts in (
+            (32, 0, 49), (32, 1, 49), (32, 3, 49), (32, 1, 33), (32, 1, 66), (16, 1, 49), (16, 1, 66), (16, 1, 99))],
+        # where the time goes: the math without parts of it, alone and whole; batch 1's grid streamed
+        "math": lambda: [gluon_call(32, 1, 49, math_only=True), stream_call(32, 49), stream_call(64, 66),
+                         *(stream_call(64, 32, buffers) for buffers in (2, 3, 4)),
+                         *(gluon_call(64, 1, 33, math_only=m, single_p=sp, no_exp=ne) for m in (False, True)
+                           for sp, ne in ((True, False), (False, True), (True, True))),
+                         gluon_call(64, 1, 33, carry=True), gluon_call(64, 1, 33, math_only=True, carry=True)],
+        # reads further ahead of the math: a producer warp, more buffers, L2 prefetch
+        "ahead": lambda: [gluon_call(64, 1, 33, ws_regs=(128, 40)), gluon_call(32, 1, 33, nbuf=6, ws_regs=(128, 40)),
+                          *(gluon_call(32, 1, 49, nbuf=nbuf) for nbuf in (4, 5, 6)),
+                          gluon_call(32, 1, 33, nbuf=6), gluon_call(16, 1, 64, nbuf=8),
+                          *(gluon_call(64, 1, 33, prefetch=d) for d in (3, 4, 6)),
+                          *(gluon_call(32, 1, 49, prefetch=d) for d in (4, 8))],
+        # each head's rows of a page contiguous
+        "layout": lambda: [gluon_call(64, 1, 33, head_major=True),
+                           gluon_call(64, 1, 33, math_only=True, head_major=True),
+                           stream_call(64, 33, head_major=True), gluon_call(64, 1, 33, single_p=True, head_major=True)],
+    }
+    for group in ("reference", *(g for g in groups if g != "reference" and g in selected)):
+        calls.update(groups[group]())
     timers = {name: Timer.capture([fn]) for name, fn in calls.items()}
 
     # float32 attention over the whole prefix: every fork's row sees every key
@@ -679,7 +685,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--trials", type=int, default=7)
-    parser.add_argument("--only-ws", action="store_true", help="the warp-specialised kernel and its baselines only")
+    parser.add_argument("--groups", default="tiles,math,ahead,layout",
+                        help="variant groups to time beside the reference: tiles, math, ahead, layout")
     parser.add_argument("--clocks", default="", help="variants (comma-separated names) to replay under nvidia-smi")
     args = parser.parse_args()
     if args.compile_only:
@@ -689,7 +696,7 @@ def main() -> None:
             compile_only()
         except (OSError, RuntimeError, AttributeError) as exc:  # no ptxas / nvdisasm beside this Triton
             print(f"offline report skipped: {exc}")
-        run(args.trials, args.only_ws, tuple(args.clocks.split(",")) if args.clocks else ())
+        run(args.trials, tuple(args.groups.split(",")), tuple(args.clocks.split(",")) if args.clocks else ())
 
 
 if __name__ == "__main__":
