@@ -27,7 +27,8 @@ head-major copy of the pages, and a warp-specialised kernel (:func:`ws_prefix_ke
 producer warp issues the copies into a ring of buffers handed over by mbarriers). ``--clocks``
 samples the SM clock and board power (nvidia-smi) while chosen variants replay.
 
-Usage: ``python3 scripts/gluon_tall_probe.py [--compile-only] [--trials 7] [--groups tiles,math,ahead,layout]
+Usage: ``python3 scripts/gluon_tall_probe.py [--compile-only] [--trials 7]
+[--groups tiles,math,ahead,residency,layout]
 [--clocks a,b]``
 (Triton 3.6's Gluon API:
 Triton 3.9 renamed ``async_copy_global_to_shared`` to ``async_load``). Results: docs/benchmarks.md,
@@ -622,6 +623,10 @@ def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = ()) ->
                           gluon_call(32, 1, 33, nbuf=6), gluon_call(16, 1, 64, nbuf=8),
                           *(gluon_call(64, 1, 33, prefetch=d) for d in (3, 4, 6)),
                           *(gluon_call(32, 1, 49, prefetch=d) for d in (4, 8))],
+        # one program an SM (17 partitions), whole, math alone and reads alone: do two programs interfere
+        "residency": lambda: [gluon_call(64, 1, 17), gluon_call(64, 1, 17, math_only=True), stream_call(64, 17),
+                              *(gluon_call(64, 1, parts, math_only=m, single_p=True) for parts in (17, 33)
+                                for m in (False, True))],
         # each head's rows of a page contiguous
         "layout": lambda: [gluon_call(64, 1, 33, head_major=True),
                            gluon_call(64, 1, 33, math_only=True, head_major=True),
@@ -662,9 +667,13 @@ def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = ()) ->
 
 
 def _clocks_during(timer, seconds: float = 2.0) -> str:
-    """The SM clock (MHz) and board power (W) that nvidia-smi reports while ``timer`` replays for ``seconds``."""
+    """The SM and memory clocks (MHz), board power (W), temperature and clock-event reasons that
+    nvidia-smi reports while ``timer`` replays for ``seconds`` (None: idle)."""
     import time
-    sampler = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+    fields = ["clocks.sm", "clocks.mem", "power.draw", "temperature.gpu"]
+    known = subprocess.run(["nvidia-smi", "--help-query-gpu"], capture_output=True, text=True).stdout
+    fields += [f for f in ("clocks_event_reasons.active", "clocks_throttle_reasons.active") if f in known][:1]
+    sampler = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
                                 "-lms", "50"], stdout=subprocess.PIPE, text=True)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -674,19 +683,20 @@ def _clocks_during(timer, seconds: float = 2.0) -> str:
             timer.ms()
     torch.cuda.synchronize()
     sampler.terminate()
-    rows = [line.split(",") for line in sampler.communicate()[0].splitlines() if "," in line]
+    rows = [[v.strip() for v in line.split(",")] for line in sampler.communicate()[0].splitlines() if "," in line]
     rows = rows[len(rows) // 4: -max(1, len(rows) // 4)] or rows  # the steady middle
-    mhz = statistics.median(float(r[0]) for r in rows)
-    watts = statistics.median(float(r[1]) for r in rows)
-    return f"{mhz:.0f} MHz, {watts:.0f} W ({len(rows)} samples)"
+    med = [statistics.median(float(r[i]) for r in rows) for i in range(4)]
+    reasons = sorted({r[4] for r in rows}) if len(fields) > 4 else ["n/a"]
+    return (f"SM {med[0]:.0f} MHz, memory {med[1]:.0f} MHz, {med[2]:.0f} W, {med[3]:.0f} C, "
+            f"clock-event reasons {'/'.join(reasons)} ({len(rows)} samples)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--trials", type=int, default=7)
-    parser.add_argument("--groups", default="tiles,math,ahead,layout",
-                        help="variant groups to time beside the reference: tiles, math, ahead, layout")
+    parser.add_argument("--groups", default="tiles,math,ahead,residency,layout",
+                        help="variant groups to time beside the reference: tiles, math, ahead, residency, layout")
     parser.add_argument("--clocks", default="", help="variants (comma-separated names) to replay under nvidia-smi")
     args = parser.parse_args()
     if args.compile_only:
