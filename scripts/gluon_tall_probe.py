@@ -24,11 +24,13 @@ batch-1 decode's grid beside the engine's batch-1 call), P in one bf16 part (``S
 the numerical contract), no exponentials (``NO_EXP``, wrong results), page indices carried a tile
 ahead (``CARRY``), more buffers (``NBUF``), rows asked into L2 tiles ahead (``PREFETCH``), a
 head-major copy of the pages, and a warp-specialised kernel (:func:`ws_prefix_kernel`: one
-producer warp issues the copies into a ring of buffers handed over by mbarriers). ``--clocks``
+producer warp issues the copies into a ring of buffers handed over by mbarriers), and two independent
+softmax chains a warp (:func:`dual_prefix_kernel`, even and odd tiles: compiled offline, not yet run
+on the GPU). ``--clocks``
 samples the SM clock and board power (nvidia-smi) while chosen variants replay.
 
 Usage: ``python3 scripts/gluon_tall_probe.py [--compile-only] [--trials 7]
-[--groups tiles,math,ahead,residency,layout]
+[--groups tiles,math,ahead,residency,dual,layout]
 [--clocks a,b]``
 (Triton 3.6's Gluon API:
 Triton 3.9 renamed ``async_copy_global_to_shared`` to ``async_load``). Results: docs/benchmarks.md,
@@ -302,6 +304,97 @@ def tall_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
 
 
 @gluon.jit
+def dual_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
+                       stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_op, stride_oh, stride_lp,
+                       scale2, GROUP: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+                       BLOCK_N: gl.constexpr, MATH_ONLY: gl.constexpr = False):
+    """:func:`tall_prefix_kernel`'s work as two independent chains a warp: even tiles fold into
+    one online softmax and accumulator, odd tiles into another, merged exactly at the end, so
+    each step of one chain (products, row reductions, exponentials) can issue while the other's
+    waits. Four buffers: a pair of tiles in use, the next pair in flight."""
+    BLOCK_M: gl.constexpr = ROWS * GROUP
+    PAGES_PER_TILE: gl.constexpr = BLOCK_N // PAGE
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    kvh = gl.program_id(0)
+    part = gl.program_id(1)
+    pg0 = part * pages_per_part
+    pg1 = gl.minimum(pg0 + pages_per_part, num_pages)
+    n_tiles = (pg1 - pg0 + PAGES_PER_TILE - 1) // PAGES_PER_TILE
+    n_pairs = (n_tiles + 1) // 2
+    pairs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+    q = gl.load(Q + ((pairs // GROUP) * stride_qr + (kvh * GROUP + pairs % GROUP) * stride_qh)[:, None] + cols[None, :])
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D], sh, q)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_N, D], sh)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_N, D], sh)
+    krows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+    for i in gl.static_range(4):
+        _issue_tile(k_smem, v_smem, i, i, n_tiles, K, V, page_table, pg0, pg1, kvh, stride_kp, stride_kn, stride_kh,
+                    krows, cols, PAGE, PAGES_PER_TILE, MATH_ONLY)
+    m_a = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+    l_a = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_l))
+    m_b = m_a
+    l_b = l_a
+    acc_a = gl.zeros([BLOCK_M, D], gl.float32, o_l)
+    acc_b = gl.zeros([BLOCK_M, D], gl.float32, o_l)
+    for j in range(0, n_pairs):
+        ta = 2 * j
+        ba = ta % 4
+        bb = (ta + 1) % 4
+        async_copy.wait_group(2)  # the pair's two tiles have landed; the next pair may still be in flight
+        fence_async_shared()
+        gl.thread_barrier()
+        s_a = warpgroup_mma(q_smem, k_smem.index(ba).permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_l),
+                            use_acc=False, is_async=True)
+        s_b = warpgroup_mma(q_smem, k_smem.index(bb).permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_l),
+                            use_acc=False, is_async=True)
+        s_a, s_b = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
+        p_a, alpha_a, m_a, l_a = _softmax(s_a, m_a, l_a, ta, pg0, pg1, scale2, BLOCK_N, PAGE, PAGES_PER_TILE, s_l)
+        p_b, alpha_b, m_b, l_b = _softmax(s_b, m_b, l_b, ta + 1, pg0, pg1, scale2, BLOCK_N, PAGE, PAGES_PER_TILE, s_l)
+        acc_a = acc_a * gl.convert_layout(alpha_a, gl.SliceLayout(1, o_l))[:, None]
+        acc_b = acc_b * gl.convert_layout(alpha_b, gl.SliceLayout(1, o_l))[:, None]
+        hi_a = p_a.to(gl.bfloat16)
+        hi_b = p_b.to(gl.bfloat16)
+        a_hi_a = gl.convert_layout(hi_a, p_l)
+        a_lo_a = gl.convert_layout((p_a - hi_a.to(gl.float32)).to(gl.bfloat16), p_l)
+        a_hi_b = gl.convert_layout(hi_b, p_l)
+        a_lo_b = gl.convert_layout((p_b - hi_b.to(gl.float32)).to(gl.bfloat16), p_l)
+        acc_a = warpgroup_mma(a_hi_a, v_smem.index(ba), acc_a, is_async=True)
+        acc_b = warpgroup_mma(a_hi_b, v_smem.index(bb), acc_b, is_async=True)
+        acc_a = warpgroup_mma(a_lo_a, v_smem.index(ba), acc_a, is_async=True)
+        acc_b = warpgroup_mma(a_lo_b, v_smem.index(bb), acc_b, is_async=True)
+        acc_a, acc_b, a_hi_a, a_lo_a, a_hi_b, a_lo_b = warpgroup_mma_wait(
+            num_outstanding=0, deps=(acc_a, acc_b, a_hi_a, a_lo_a, a_hi_b, a_lo_b))
+        gl.thread_barrier()  # every warp is done with the pair's buffers before they refill
+        _issue_tile(k_smem, v_smem, ba, ta + 4, n_tiles, K, V, page_table, pg0, pg1, kvh, stride_kp, stride_kn,
+                    stride_kh, krows, cols, PAGE, PAGES_PER_TILE, MATH_ONLY)
+        _issue_tile(k_smem, v_smem, bb, ta + 5, n_tiles, K, V, page_table, pg0, pg1, kvh, stride_kp, stride_kn,
+                    stride_kh, krows, cols, PAGE, PAGES_PER_TILE, MATH_ONLY)
+    async_copy.wait_group(0)
+    # the two chains merged exactly (base 2): a chain that saw no key has m = -inf and weight 0
+    m = gl.maximum(m_a, m_b)
+    m_safe = gl.where(m == float("-inf"), 0.0, m)
+    w_a = _exp2(m_a - m_safe)
+    w_b = _exp2(m_b - m_safe)
+    l_i = l_a * w_a + l_b * w_b
+    w_a_o = gl.convert_layout(w_a, gl.SliceLayout(1, o_l))
+    w_b_o = gl.convert_layout(w_b, gl.SliceLayout(1, o_l))
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
+    m_o = gl.convert_layout(m, gl.SliceLayout(1, o_l))
+    out = (acc_a * w_a_o[:, None] + acc_b * w_b_o[:, None]) / l_o[:, None]
+    pairs_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_l))
+    cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+    partial = part * ROWS + pairs_o // GROUP
+    head = kvh * GROUP + pairs_o % GROUP
+    gl.store(OUT + (partial * stride_op + head * stride_oh)[:, None] + cols_o[None, :], out)
+    gl.store(LSE + partial * stride_lp + head, (m_o + gl.log2(l_o)) * LN2)
+
+
+@gluon.jit
 def stream_prefix_kernel(K, V, page_table, pages_per_part, num_pages, stride_kp, stride_kn, stride_kh,
                          D: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, BUFFERS: gl.constexpr = 3):
     """The tall programs' reads alone (a timing probe): the same grid, page gather and cp.async
@@ -465,6 +558,7 @@ def compile_only() -> None:
     cases += [(tall_prefix_kernel, names, {"BLOCK_N": block_n, "PREFETCH": prefetch}) for block_n, prefetch in
               ((64, 4), (32, 8))]
     cases += [(stream_prefix_kernel, stream_names, {"BLOCK_N": 64, "BUFFERS": b}) for b in (2, 3, 4)]
+    cases += [(dual_prefix_kernel, names, {"BLOCK_N": block_n}) for block_n in (32, 16)]
     cases += [(ws_prefix_kernel, names, {"BLOCK_N": block_n, "NBUF": nbuf, "PRODUCER_REGS": 40, "MAXNREG": 128})
               for block_n, nbuf in ((64, 3), (32, 6))]
     for fn, arg_names, case in cases:
@@ -534,7 +628,7 @@ def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = ()) ->
 
     def gluon_call(block_n: int, overlap: int, parts: int, math_only: bool = False, single_p: bool = False,
                    no_exp: bool = False, carry: bool = False, nbuf: int = 3, ws_regs: tuple[int, int] | None = None,
-                   prefetch: int = 0, head_major: bool = False):
+                   prefetch: int = 0, head_major: bool = False, dual: bool = False):
         """The Gluon stage 1 over ``parts`` partitions of the prefix, then the engine's merge
         (``math_only``: the reads cut after three tiles, a timing probe whose output is not checked;
         ``ws_regs``: the warp-specialised kernel, launched with (registers a thread, the producer's);
@@ -560,6 +654,15 @@ def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = ()) ->
                 PRODUCER_REGS=ws_regs[1], num_warps=4, maxnreg=ws_regs[0])
             merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
 
+        def call_dual():
+            dual_prefix_kernel[(kv_heads, parts)](
+                q, kc, vc, part_out, part_lse, page_table, pages_per_part, num_pages,
+                q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), part_out.stride(0),
+                part_out.stride(1), part_lse.stride(0), scale * LOG2E,
+                GROUP=q_heads // kv_heads, ROWS=forks, D=dim, PAGE=page, BLOCK_N=block_n, MATH_ONLY=math_only,
+                num_warps=4)
+            merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
+
         def call():
             tall_prefix_kernel[(kv_heads, parts)](
                 q, kc, vc, part_out, part_lse, page_table, pages_per_part, num_pages,
@@ -574,9 +677,11 @@ def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = ()) ->
                 + (f"_l2ahead{prefetch}" if prefetch else "") + ("_headmajor" if head_major else ""))
         if ws_regs:
             name = f"ws_n{block_n}_b{nbuf}_p{parts}_r{ws_regs[0]}_{ws_regs[1]}"
+        if dual:
+            name = f"dual_n{block_n}_p{parts}" + ("_math" if math_only else "")
         if not (math_only or no_exp):
             outs[name] = out
-        return name, (call_ws if ws_regs else call)
+        return name, (call_ws if ws_regs else call_dual if dual else call)
 
     def stream_call(block_n: int, parts: int, buffers: int = 3, head_major: bool = False):
         """The same programs' reads alone (no products, softmax, partials or merge)."""
@@ -627,6 +732,9 @@ def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = ()) ->
         "residency": lambda: [gluon_call(64, 1, 17), gluon_call(64, 1, 17, math_only=True), stream_call(64, 17),
                               *(gluon_call(64, 1, parts, math_only=m, single_p=True) for parts in (17, 33)
                                 for m in (False, True))],
+        # two independent chains a warp (even and odd tiles), merged at the end
+        "dual": lambda: [gluon_call(block_n, 1, parts, math_only=m, dual=True) for block_n, parts in
+                         ((32, 33), (16, 33), (32, 49)) for m in (False, True)],
         # each head's rows of a page contiguous
         "layout": lambda: [gluon_call(64, 1, 33, head_major=True),
                            gluon_call(64, 1, 33, math_only=True, head_major=True),
@@ -695,8 +803,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--trials", type=int, default=7)
-    parser.add_argument("--groups", default="tiles,math,ahead,residency,layout",
-                        help="variant groups to time beside the reference: tiles, math, ahead, residency, layout")
+    parser.add_argument("--groups", default="tiles,math,ahead,residency,dual,layout",
+                        help="variant groups to time beside the reference: tiles, math, ahead, residency, dual, layout")
     parser.add_argument("--clocks", default="", help="variants (comma-separated names) to replay under nvidia-smi")
     args = parser.parse_args()
     if args.compile_only:
