@@ -142,6 +142,45 @@ def _softmax(s, m_i, l_i, t, pg0, pg1, scale2, BLOCK_N: gl.constexpr, PAGE: gl.c
 
 
 @gluon.jit
+def _partition(pages_per_part, num_pages, PAGES_PER_TILE: gl.constexpr):
+    """This program's KV head, partition, page range ``[pg0, pg1)`` of the prefix and tile count."""
+    kvh = gl.program_id(0)
+    part = gl.program_id(1)
+    pg0 = part * pages_per_part
+    pg1 = gl.minimum(pg0 + pages_per_part, num_pages)
+    return kvh, part, pg0, pg1, (pg1 - pg0 + PAGES_PER_TILE - 1) // PAGES_PER_TILE
+
+
+@gluon.jit
+def _query_in_shared(Q, kvh, stride_qr, stride_qh, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):
+    """The ``BLOCK_M`` (row, head) query pairs of KV head ``kvh``, bf16 ``(BLOCK_M, D)``, in shared
+    memory for the score products."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    pairs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+    q = gl.load(Q + ((pairs // GROUP) * stride_qr + (kvh * GROUP + pairs % GROUP) * stride_qh)[:, None] + cols[None, :])
+    return gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D], sh, q)
+
+
+@gluon.jit
+def _store_partials(OUT, LSE, acc, m_i, l_i, part, kvh, stride_op, stride_oh, stride_lp, GROUP: gl.constexpr,
+                    ROWS: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):
+    """A program's float32 partials: ``acc / l`` at ``OUT[part * ROWS + row, head, :]`` and the
+    natural LSE (``m`` and ``l`` in base 2) at ``LSE[part * ROWS + row, head]``."""
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_l))
+    out = acc / l_o[:, None]
+    pairs_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_l))
+    cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+    partial = part * ROWS + pairs_o // GROUP
+    head = kvh * GROUP + pairs_o % GROUP
+    gl.store(OUT + (partial * stride_op + head * stride_oh)[:, None] + cols_o[None, :], out)
+    gl.store(LSE + partial * stride_lp + head, (m_o + gl.log2(l_o)) * LN2)
+
+
+@gluon.jit
 def tall_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
                        stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_op, stride_oh, stride_lp,
                        scale2, GROUP: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
@@ -166,16 +205,10 @@ def tall_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
     sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    kvh = gl.program_id(0)
-    part = gl.program_id(1)
-    pg0 = part * pages_per_part
-    pg1 = gl.minimum(pg0 + pages_per_part, num_pages)
-    n_tiles = (pg1 - pg0 + PAGES_PER_TILE - 1) // PAGES_PER_TILE
+    kvh, part, pg0, pg1, n_tiles = _partition(pages_per_part, num_pages, PAGES_PER_TILE)
 
-    pairs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-    q = gl.load(Q + ((pairs // GROUP) * stride_qr + (kvh * GROUP + pairs % GROUP) * stride_qh)[:, None] + cols[None, :])
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D], sh, q)
+    q_smem = _query_in_shared(Q, kvh, stride_qr, stride_qh, GROUP, BLOCK_M, D)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, D], sh)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, D], sh)
     krows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
@@ -292,15 +325,7 @@ def tall_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
         acc, a_hi, a_lo = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_hi, a_lo))
     async_copy.wait_group(0)
 
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
-    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_l))
-    out = acc / l_o[:, None]
-    pairs_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_l))
-    cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
-    partial = part * ROWS + pairs_o // GROUP
-    head = kvh * GROUP + pairs_o % GROUP
-    gl.store(OUT + (partial * stride_op + head * stride_oh)[:, None] + cols_o[None, :], out)
-    gl.store(LSE + partial * stride_lp + head, (m_o + gl.log2(l_o)) * LN2)
+    _store_partials(OUT, LSE, acc, m_i, l_i, part, kvh, stride_op, stride_oh, stride_lp, GROUP, ROWS, BLOCK_M, D)
 
 
 @gluon.jit
@@ -319,16 +344,10 @@ def dual_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
     sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    kvh = gl.program_id(0)
-    part = gl.program_id(1)
-    pg0 = part * pages_per_part
-    pg1 = gl.minimum(pg0 + pages_per_part, num_pages)
-    n_tiles = (pg1 - pg0 + PAGES_PER_TILE - 1) // PAGES_PER_TILE
+    kvh, part, pg0, pg1, n_tiles = _partition(pages_per_part, num_pages, PAGES_PER_TILE)
     n_pairs = (n_tiles + 1) // 2
-    pairs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-    q = gl.load(Q + ((pairs // GROUP) * stride_qr + (kvh * GROUP + pairs % GROUP) * stride_qh)[:, None] + cols[None, :])
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D], sh, q)
+    q_smem = _query_in_shared(Q, kvh, stride_qr, stride_qh, GROUP, BLOCK_M, D)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_N, D], sh)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_N, D], sh)
     krows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
@@ -381,17 +400,9 @@ def dual_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
     w_a = _exp2(m_a - m_safe)
     w_b = _exp2(m_b - m_safe)
     l_i = l_a * w_a + l_b * w_b
-    w_a_o = gl.convert_layout(w_a, gl.SliceLayout(1, o_l))
-    w_b_o = gl.convert_layout(w_b, gl.SliceLayout(1, o_l))
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
-    m_o = gl.convert_layout(m, gl.SliceLayout(1, o_l))
-    out = (acc_a * w_a_o[:, None] + acc_b * w_b_o[:, None]) / l_o[:, None]
-    pairs_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_l))
-    cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
-    partial = part * ROWS + pairs_o // GROUP
-    head = kvh * GROUP + pairs_o % GROUP
-    gl.store(OUT + (partial * stride_op + head * stride_oh)[:, None] + cols_o[None, :], out)
-    gl.store(LSE + partial * stride_lp + head, (m_o + gl.log2(l_o)) * LN2)
+    acc = (acc_a * gl.convert_layout(w_a, gl.SliceLayout(1, o_l))[:, None]
+           + acc_b * gl.convert_layout(w_b, gl.SliceLayout(1, o_l))[:, None])
+    _store_partials(OUT, LSE, acc, m, l_i, part, kvh, stride_op, stride_oh, stride_lp, GROUP, ROWS, BLOCK_M, D)
 
 
 @gluon.jit
@@ -403,11 +414,7 @@ def stream_prefix_kernel(K, V, page_table, pages_per_part, num_pages, stride_kp,
     PAGES_PER_TILE: gl.constexpr = BLOCK_N // PAGE
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    kvh = gl.program_id(0)
-    part = gl.program_id(1)
-    pg0 = part * pages_per_part
-    pg1 = gl.minimum(pg0 + pages_per_part, num_pages)
-    n_tiles = (pg1 - pg0 + PAGES_PER_TILE - 1) // PAGES_PER_TILE
+    kvh, part, pg0, pg1, n_tiles = _partition(pages_per_part, num_pages, PAGES_PER_TILE)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
     krows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [BUFFERS, BLOCK_N, D], sh)
@@ -494,18 +501,9 @@ def ws_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
     into a ring of ``NBUF`` buffers, the warpgroup runs only the products and the softmax, so the
     reads run ahead of the math instead of between its tiles (mbarriers hand the buffers over)."""
     BLOCK_M: gl.constexpr = ROWS * GROUP
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    kvh = gl.program_id(0)
-    part = gl.program_id(1)
-    pg0 = part * pages_per_part
-    pg1 = gl.minimum(pg0 + pages_per_part, num_pages)
-    n_tiles = (pg1 - pg0 + BLOCK_N // PAGE - 1) // (BLOCK_N // PAGE)
-    pairs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-    q = gl.load(Q + ((pairs // GROUP) * stride_qr + (kvh * GROUP + pairs % GROUP) * stride_qh)[:, None] + cols[None, :])
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D], sh, q)
+    kvh, part, pg0, pg1, n_tiles = _partition(pages_per_part, num_pages, BLOCK_N // PAGE)
+    q_smem = _query_in_shared(Q, kvh, stride_qr, stride_qh, GROUP, BLOCK_M, D)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, D], sh)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, D], sh)
     ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
@@ -521,15 +519,7 @@ def ws_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
          (_ws_producer, (k_smem, v_smem, ready, empty, K, V, page_table, pg0, pg1, n_tiles, kvh, stride_kp, stride_kn,
                          stride_kh, D, PAGE, BLOCK_N, NBUF))],
         [1], [PRODUCER_REGS])
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
-    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_l))
-    out = acc / l_o[:, None]
-    pairs_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_l))
-    cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
-    partial = part * ROWS + pairs_o // GROUP
-    head = kvh * GROUP + pairs_o % GROUP
-    gl.store(OUT + (partial * stride_op + head * stride_oh)[:, None] + cols_o[None, :], out)
-    gl.store(LSE + partial * stride_lp + head, (m_o + gl.log2(l_o)) * LN2)
+    _store_partials(OUT, LSE, acc, m_i, l_i, part, kvh, stride_op, stride_oh, stride_lp, GROUP, ROWS, BLOCK_M, D)
 
 
 def compile_only() -> None:
@@ -645,32 +635,21 @@ def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = ()) ->
         out = torch.empty(forks, q_heads, dim, device=device, dtype=torch.bfloat16)
         lse = torch.empty(forks, q_heads, device=device, dtype=torch.float32)
 
-        def call_ws():
-            ws_prefix_kernel[(kv_heads, parts)](
-                q, kc, vc, part_out, part_lse, page_table, pages_per_part, num_pages,
-                q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), part_out.stride(0),
-                part_out.stride(1), part_lse.stride(0), scale * LOG2E,
-                GROUP=q_heads // kv_heads, ROWS=forks, D=dim, PAGE=page, BLOCK_N=block_n, NBUF=nbuf,
-                PRODUCER_REGS=ws_regs[1], num_warps=4, maxnreg=ws_regs[0])
-            merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
-
-        def call_dual():
-            dual_prefix_kernel[(kv_heads, parts)](
-                q, kc, vc, part_out, part_lse, page_table, pages_per_part, num_pages,
-                q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), part_out.stride(0),
-                part_out.stride(1), part_lse.stride(0), scale * LOG2E,
-                GROUP=q_heads // kv_heads, ROWS=forks, D=dim, PAGE=page, BLOCK_N=block_n, MATH_ONLY=math_only,
-                num_warps=4)
-            merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
+        # the three stage-1 kernels share their arguments; each then takes its own constexprs
+        args = (q, kc, vc, part_out, part_lse, page_table, pages_per_part, num_pages, q.stride(0), q.stride(1),
+                kc.stride(0), kc.stride(1), kc.stride(2), part_out.stride(0), part_out.stride(1), part_lse.stride(0),
+                scale * LOG2E)
+        sizes = dict(GROUP=q_heads // kv_heads, ROWS=forks, D=dim, PAGE=page, BLOCK_N=block_n, num_warps=4)
+        if ws_regs:
+            kernel, options = ws_prefix_kernel, dict(NBUF=nbuf, PRODUCER_REGS=ws_regs[1], maxnreg=ws_regs[0])
+        elif dual:
+            kernel, options = dual_prefix_kernel, dict(MATH_ONLY=math_only)
+        else:
+            kernel, options = tall_prefix_kernel, dict(OVERLAP=overlap, MATH_ONLY=math_only, SINGLE_P=single_p,
+                                                       NO_EXP=no_exp, CARRY=carry, NBUF=nbuf, PREFETCH=prefetch)
 
         def call():
-            tall_prefix_kernel[(kv_heads, parts)](
-                q, kc, vc, part_out, part_lse, page_table, pages_per_part, num_pages,
-                q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), part_out.stride(0),
-                part_out.stride(1), part_lse.stride(0), scale * LOG2E,
-                GROUP=q_heads // kv_heads, ROWS=forks, D=dim, PAGE=page, BLOCK_N=block_n, OVERLAP=overlap,
-                MATH_ONLY=math_only, SINGLE_P=single_p, NO_EXP=no_exp, CARRY=carry, NBUF=nbuf, PREFETCH=prefetch,
-                num_warps=4)
+            kernel[(kv_heads, parts)](*args, **sizes, **options)
             merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
         name = (f"gluon_n{block_n}_o{overlap}_p{parts}" + ("_math" if math_only else "") + ("_1p" if single_p else "")
                 + ("_noexp" if no_exp else "") + ("_carry" if carry else "") + (f"_b{nbuf}" if nbuf != 3 else "")
@@ -681,7 +660,7 @@ def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = ()) ->
             name = f"dual_n{block_n}_p{parts}" + ("_math" if math_only else "")
         if not (math_only or no_exp):
             outs[name] = out
-        return name, (call_ws if ws_regs else call_dual if dual else call)
+        return name, call
 
     def stream_call(block_n: int, parts: int, buffers: int = 3, head_major: bool = False):
         """The same programs' reads alone (no products, softmax, partials or merge)."""
