@@ -25,16 +25,17 @@ the numerical contract), no exponentials (``NO_EXP``, wrong results), page indic
 ahead (``CARRY``), more buffers (``NBUF``), rows asked into L2 tiles ahead (``PREFETCH``), a
 head-major copy of the pages, and a warp-specialised kernel (:func:`ws_prefix_kernel`: one
 producer warp issues the copies into a ring of buffers handed over by mbarriers), and two independent
-softmax chains a warp (:func:`dual_prefix_kernel`, even and odd tiles: compiled offline, not yet run
-on the GPU). ``--clocks``
-samples the SM clock and board power (nvidia-smi) while chosen variants replay.
+softmax chains a warp (:func:`dual_prefix_kernel`, even and odd tiles). ``--clocks`` samples the SM
+clock and board power (nvidia-smi) while chosen variants replay; ``--once`` launches chosen variants
+twice each and times nothing, for Nsight Compute (``scripts/ncu_prefix.sh``).
 
 Usage: ``python3 scripts/gluon_tall_probe.py [--compile-only] [--trials 7]
 [--groups tiles,math,ahead,residency,dual,layout]
-[--clocks a,b]``
+[--clocks a,b] [--once a,b]``
 (Triton 3.6's Gluon API:
 Triton 3.9 renamed ``async_copy_global_to_shared`` to ``async_load``). Results: docs/benchmarks.md,
-"The tall programs in Gluon, a probe" and "The cascade's prefix programs taken apart".
+"The tall programs in Gluon, a probe", "The cascade's prefix programs taken apart" and "The prefix
+programs' counters, two softmax chains, and the acceptance grid on an H100".
 """
 
 from __future__ import annotations
@@ -586,7 +587,7 @@ def compile_only() -> None:
               f"{copies} LDGSTS; " + " ".join(f"{tag}x{n}" for tag, n in order))
 
 
-def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = ()) -> None:
+def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = (), once: tuple[str, ...] = ()) -> None:
     from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
     from segkv.attention.triton_backend import TritonBackend
     from segkv.bench.decode_attention import Timer, _run_trials, forked_prefix, measured_read_bandwidth
@@ -721,6 +722,12 @@ def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = ()) ->
     }
     for group in ("reference", *(g for g in groups if g != "reference" and g in selected)):
         calls.update(groups[group]())
+    if once:  # for a profiler: the named variants launched twice each (the first compiles), nothing timed
+        for name in once:
+            for _ in range(2):
+                calls[name]()
+        torch.cuda.synchronize()
+        return
     timers = {name: Timer.capture([fn]) for name, fn in calls.items()}
 
     # float32 attention over the whole prefix: every fork's row sees every key
@@ -785,8 +792,12 @@ def main() -> None:
     parser.add_argument("--groups", default="tiles,math,ahead,residency,dual,layout",
                         help="variant groups to time beside the reference: tiles, math, ahead, residency, dual, layout")
     parser.add_argument("--clocks", default="", help="variants (comma-separated names) to replay under nvidia-smi")
+    parser.add_argument("--once", default="", help="variants (comma-separated names) to launch twice each and "
+                        "nothing else, for Nsight Compute (scripts/ncu_prefix.sh)")
     args = parser.parse_args()
-    if args.compile_only:
+    if args.once:
+        run(0, tuple(args.groups.split(",")), once=tuple(args.once.split(",")))
+    elif args.compile_only:
         compile_only()
     else:
         try:
