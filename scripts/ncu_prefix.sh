@@ -4,10 +4,26 @@
 # instruction, for the whole kernel, its math alone (reads cut after three tiles) and its reads alone,
 # each with P in two bf16 parts (the numerical contract) and in one. Results under $OUT/ncu_prefix.txt.
 #   usage: bash scripts/ncu_prefix.sh [variants]   (variant names of scripts/gluon_tall_probe.py)
+#          bash scripts/ncu_prefix.sh --source [variants]: instead, the warp-state samples of each
+#          variant's second launch per SASS instruction, in $OUT/source_<variant>.csv (summarise them
+#          with scripts/ncu_source_summary.py), beside the report $OUT/source_<variant>.ncu-rep
 # Metrics this ncu does not know are left out (their names vary between versions).
 set -uo pipefail
 # shellcheck source=scripts/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh"
+if [ "${1:-}" = --source ]; then
+  for variant in ${2//,/ }; do
+    ncu --clock-control none --kernel-name regex:"tall_prefix|stream_prefix|dual_prefix" --launch-skip 1 \
+      --launch-count 1 --section SourceCounters --section WarpStateStats --import-source no -f \
+      -o "$OUT/source_$variant" python3 scripts/gluon_tall_probe.py --groups math,residency,dual --once "$variant" \
+      2>&1 | grep -E "^==ERROR|rror" | head -5
+    ncu --import "$OUT/source_$variant.ncu-rep" --page source --print-source sass --csv > "$OUT/source_$variant.csv" \
+      2> "$OUT/source_$variant.err" || ncu --import "$OUT/source_$variant.ncu-rep" --page details --print-details all \
+      > "$OUT/source_$variant.txt" 2>&1
+    echo "$variant: $(wc -l < "$OUT/source_$variant.csv") source lines"
+  done
+  exit 0
+fi
 default=gluon_n64_o1_p33,gluon_n64_o1_p33_math,gluon_n64_o1_p33_1p,gluon_n64_o1_p33_math_1p,stream_n64_p33_b3
 default=$default,gluon_n64_o1_p17_math,dual_n32_p33_math
 variants=${1:-$default}
