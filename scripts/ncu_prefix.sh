@@ -1,26 +1,39 @@
 #!/usr/bin/env bash
 # Nsight Compute counters of the cascade prefix probe's Gluon programs (GPU machine): how busy the
-# tensor, FMA, ALU and XU (ex2) pipes are, the issue rate and the stall reasons per issued
+# tensor, FMA and ALU pipes are (and XU, ex2, where ncu names it), the issue rate and the stall reasons per issued
 # instruction, for the whole kernel, its math alone (reads cut after three tiles) and its reads alone,
 # each with P in two bf16 parts (the numerical contract) and in one. Results under $OUT/ncu_prefix.txt.
 #   usage: bash scripts/ncu_prefix.sh [variants]   (variant names of scripts/gluon_tall_probe.py)
 #          bash scripts/ncu_prefix.sh --source [variants]: instead, the warp-state samples of each
 #          variant's second launch per SASS instruction, in $OUT/source_<variant>.csv (summarise them
 #          with scripts/ncu_source_summary.py), beside the report $OUT/source_<variant>.ncu-rep
+#          bash scripts/ncu_prefix.sh --source-engine: the same for the engine's cascade stage 1 (the
+#          first _stage1_kernel launch of decode_attention --cascade-only: prefix and suffix items),
+#          in $OUT/source_engine_cascade.csv
 # Metrics this ncu does not know are left out (their names vary between versions).
 set -uo pipefail
 # shellcheck source=scripts/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh"
+source_page() {  # report name: the per-instruction samples as CSV, or the details page where that fails
+  ncu --import "$OUT/$1.ncu-rep" --page source --print-source sass --csv > "$OUT/$1.csv" 2> "$OUT/$1.err" \
+    || ncu --import "$OUT/$1.ncu-rep" --page details --print-details all > "$OUT/$1.txt" 2>&1
+  echo "$1: $(wc -l < "$OUT/$1.csv") source lines"
+}
+if [ "${1:-}" = --source-engine ]; then
+  ncu --clock-control none --kernel-name regex:_stage1_kernel --launch-skip 0 --launch-count 1 \
+    --section SourceCounters --section WarpStateStats --import-source no -f -o "$OUT/source_engine_cascade" \
+    python3 -m segkv.bench.decode_attention --trials 1 --cascade-only 2>&1 | grep -E "^==ERROR|rror" | head -5
+  source_page source_engine_cascade
+  exit 0
+fi
 if [ "${1:-}" = --source ]; then
-  for variant in ${2//,/ }; do
+  variants=${2:-gluon_n64_o1_p33,gluon_n64_o1_p33_math}
+  for variant in ${variants//,/ }; do
     ncu --clock-control none --kernel-name regex:"tall_prefix|stream_prefix|dual_prefix" --launch-skip 1 \
       --launch-count 1 --section SourceCounters --section WarpStateStats --import-source no -f \
       -o "$OUT/source_$variant" python3 scripts/gluon_tall_probe.py --groups math,residency,dual --once "$variant" \
       2>&1 | grep -E "^==ERROR|rror" | head -5
-    ncu --import "$OUT/source_$variant.ncu-rep" --page source --print-source sass --csv > "$OUT/source_$variant.csv" \
-      2> "$OUT/source_$variant.err" || ncu --import "$OUT/source_$variant.ncu-rep" --page details --print-details all \
-      > "$OUT/source_$variant.txt" 2>&1
-    echo "$variant: $(wc -l < "$OUT/source_$variant.csv") source lines"
+    source_page "source_$variant"
   done
   exit 0
 fi
