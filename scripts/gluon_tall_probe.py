@@ -723,6 +723,10 @@ def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = (), on
     for group in ("reference", *(g for g in groups if g != "reference" and g in selected)):
         calls.update(groups[group]())
     if once:  # for a profiler: the named variants launched twice each (the first compiles), nothing timed
+        unknown = [name for name in once if name not in calls]
+        if unknown:
+            raise SystemExit(f"--once: no variant {', '.join(unknown)} in groups {','.join(selected)}; "
+                             f"these are: {', '.join(calls)}")
         for name in once:
             for _ in range(2):
                 calls[name]()
