@@ -12,12 +12,12 @@ DEVICE = "cuda" if GPU else "cpu"
 
 
 def torch_route(logits: torch.Tensor, k: int, scoring: str, norm: bool, scaling: float):
-    """The unfused router's arithmetic (layers/moe.py, ungrouped), equal scores in the order of
-    their experts as the kernel takes them: distinct logits can still tie once scored (sigmoid
-    saturates, so logits 6.279085 and 6.279076 both score 0.99812835 in float32), and
-    ``topk``'s order among ties is unspecified."""
+    """The unfused router's arithmetic (layers/moe.py, ungrouped), with ``topk``'s unspecified order
+    among equal scores made the kernel's: by logit, then by expert. Distinct logits can tie once
+    scored (sigmoid saturates, so logits 6.279085 and 6.279076 both score 0.99812835 in float32);
+    both scorings rise with the logit, so ordering by logit is an order by score."""
     scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
-    ids = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
     weights = scores.gather(1, ids)
     if norm:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -32,6 +32,12 @@ def test_route_topk_matches_the_torch_router(experts, k, scoring, norm, scaling,
     weights, ids = route_topk(logits, k, scoring=scoring, norm_topk_prob=norm, scaling=scaling)
     ref_w, ref_ids = torch_route(logits, k, scoring, norm, scaling)
     assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids)
+    # whatever the tie rule: the chosen scores do not rise, and none left out scores above the last
+    scores = (logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()).cpu()
+    chosen = scores.gather(1, ids.cpu())
+    assert (chosen[:, 1:] <= chosen[:, :-1]).all()
+    left_out = scores.scatter(1, ids.cpu(), float("-inf"))
+    assert (left_out.max(dim=-1).values <= chosen[:, -1]).all()
     assert torch.isfinite(weights).all()
     torch.testing.assert_close(weights, ref_w, rtol=2e-6, atol=1e-7)
 
