@@ -11,16 +11,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/segkv-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-metrics=launch__grid_size,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
-metrics=$metrics,launch__registers_per_thread,sm__warps_active.avg.per_cycle_active
-metrics=$metrics,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum
-metrics=$metrics,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active
-for stall in long_scoreboard short_scoreboard wait barrier math_pipe_throttle mio_throttle not_selected \
-             dispatch_stall lg_throttle no_instruction branch_resolving; do
-  metrics="$metrics,smsp__average_warps_issue_stalled_${stall}_per_issue_active.ratio"
-done
+# shellcheck source=scripts/ncu_metrics.sh
+source scripts/ncu_metrics.sh  # from the repository root (cd above)
 show() { grep -E "_kernel \(|grid_size|duration|dram__|registers|warps_active|issue_active|inst_exec|tensor|stalled" \
-  | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//; s/ +/ /g'; }
+  | short_stall_names; }
 if [ "${1:-all}" = latent16k ]; then
   echo "== latent stage 1: 16 heads, batch 1, 16K, pages of 32"
   timeout 200 ncu --clock-control none --kernel-name regex:_mla_stage1 --launch-skip 1 --launch-count 1 \

@@ -41,15 +41,9 @@ default=gluon_n64_o1_p33,gluon_n64_o1_p33_math,gluon_n64_o1_p33_1p,gluon_n64_o1_
 default=$default,gluon_n64_o1_p17_math,dual_n32_p33_math
 variants=${1:-$default}
 known=$(ncu --query-metrics 2>/dev/null | awk '{print $1}')
-# these scripts/ncu_kernels.sh has used on this machine; the rest only where ncu lists them
-metrics=gpu__time_duration.sum,launch__grid_size,launch__registers_per_thread,sm__warps_active.avg.per_cycle_active
-metrics=$metrics,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum
-metrics=$metrics,dram__throughput.avg.pct_of_peak_sustained_elapsed
-metrics=$metrics,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active
-for stall in long_scoreboard short_scoreboard wait barrier math_pipe_throttle mio_throttle not_selected \
-             dispatch_stall lg_throttle no_instruction branch_resolving; do
-  metrics="$metrics,smsp__average_warps_issue_stalled_${stall}_per_issue_active.ratio"
-done
+# the metrics scripts/ncu_kernels.sh collects, then the rest only where ncu lists them
+# shellcheck source=scripts/ncu_metrics.sh
+source scripts/ncu_metrics.sh  # from the repository root (cd above)
 for m in sm__cycles_elapsed.avg sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \
          sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_active \
          sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active \
@@ -67,5 +61,5 @@ echo "metrics: $metrics" > "$OUT/ncu_prefix.txt"
 timeout 400 ncu --clock-control none --kernel-name regex:"tall_prefix|stream_prefix|dual_prefix" --metrics "$metrics" \
   python3 scripts/gluon_tall_probe.py --groups math,residency,dual --once "$variants" 2>&1 \
   | grep -vE "^==PROF==|^\s*$|-{5}" \
-  | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//; s/ +/ /g' \
+  | short_stall_names \
   | tee -a "$OUT/ncu_prefix.txt"
