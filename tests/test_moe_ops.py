@@ -11,12 +11,17 @@ GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 
 
+def torch_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """The router's scores of ``logits (T, E)``: softmax over the experts, or each one's sigmoid."""
+    return logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
+
+
 def torch_route(logits: torch.Tensor, k: int, scoring: str, norm: bool, scaling: float):
     """The unfused router's arithmetic (layers/moe.py, ungrouped), with ``topk``'s unspecified order
     among equal scores made the kernel's: by logit, then by expert. Distinct logits can tie once
     scored (sigmoid saturates, so logits 6.279085 and 6.279076 both score 0.99812835 in float32);
     both scorings rise with the logit, so ordering by logit is an order by score."""
-    scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
+    scores = torch_scores(logits, scoring)
     ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
     weights = scores.gather(1, ids)
     if norm:
@@ -33,7 +38,7 @@ def test_route_topk_matches_the_torch_router(experts, k, scoring, norm, scaling,
     ref_w, ref_ids = torch_route(logits, k, scoring, norm, scaling)
     assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids)
     # whatever the tie rule: the chosen scores do not rise, and none left out scores above the last
-    scores = (logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()).cpu()
+    scores = torch_scores(logits, scoring).cpu()
     chosen = scores.gather(1, ids.cpu())
     assert (chosen[:, 1:] <= chosen[:, :-1]).all()
     left_out = scores.scatter(1, ids.cpu(), float("-inf"))
