@@ -37,6 +37,8 @@
 # Measured (docs/benchmarks.md, "Program timelines: where a decode call's time goes; ..."): timeline and
 # cascadetimeline (kept: the programs' timelines); tail, mergewarps, cascadelate and narrow (slower or
 # mixed: removed with their switches, git history).
+# Measured (docs/benchmarks.md, "Page entries asked into L1 ahead: level, removed"): entryprefetch
+# (removed with its switch, git history).
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
 #             against 0.0067 with halves) and the shares as the grid's last dimension
@@ -347,6 +349,14 @@ elif [ "$part" = attentiontests ]; then
   # every other attention test), e.g. after a change of the decode programs' defaults
   GPU_TESTS_TIMEOUT=200 gpu_tests "attention kernels" -- tests/test_triton_attention.py tests/test_skip_masks.py \
     tests/test_masked_rows.py -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
+elif [ "$part" = entryprefetch ]; then
+  # the GQA stage 1 with the page entries asked into L1 4 or 8 tiles ahead (SEGKV_ATTENTION_ENTRY_PREFETCH)
+  # against none (the default): batch 1 and 16 at 32K and 128K (8B shape, pages of 16) and the
+  # cascade, two rounds, then the attention GPU tests with 4
+  CFGS=("" "SEGKV_ATTENTION_ENTRY_PREFETCH=4" "SEGKV_ATTENTION_ENTRY_PREFETCH=8")
+  kernels_alternate --shapes llama3-8b --batches 1,16 --contexts 32768,131072 --page-sizes 16 --trials 5
+  gpu_tests "attention kernels, entries 4 tiles ahead" SEGKV_ATTENTION_ENTRY_PREFETCH=4 \
+    -- tests/test_triton_attention.py -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
 elif [ "$part" = grid ]; then
   # the acceptance in one run at the defaults: the attention GPU tests (bf16 / head_dim 128 / page 16
   # grid cases, every other attention test), then the kernel benchmark's grid (both shapes, batch
@@ -939,7 +949,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (retune, diet2, diet2latent, dietmodels, dietbatches, scorechains, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (grid, retune, diet2, diet2latent, dietmodels, dietbatches, scorechains, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
   exit 2
 fi
 done

@@ -7,9 +7,9 @@
 #          bash scripts/ncu_prefix.sh --source [variants]: instead, the warp-state samples of each
 #          variant's second launch per SASS instruction, in $OUT/source_<variant>.csv (summarise them
 #          with scripts/ncu_source_summary.py), beside the report $OUT/source_<variant>.ncu-rep
-#          bash scripts/ncu_prefix.sh --source-engine: the same for the engine's cascade stage 1 (the
-#          first _stage1_kernel launch of decode_attention --cascade-only: prefix and suffix items),
-#          in $OUT/source_engine_cascade.csv
+#          bash scripts/ncu_prefix.sh --source-engine: the same for the engine's Triton stage 1 (its
+#          _stage1_kernel launch) over the probe's data: the cascade's prefix (triton_cascade) and
+#          batch-1 decode over the same pages (triton_batch1), in $OUT/source_triton_*.csv
 # Metrics this ncu does not know are left out (their names vary between versions).
 set -uo pipefail
 # shellcheck source=scripts/gpu_env.sh
@@ -19,17 +19,11 @@ source_page() {  # report name: the per-instruction samples as CSV, or the detai
     || ncu --import "$OUT/$1.ncu-rep" --page details --print-details all > "$OUT/$1.txt" 2>&1
   echo "$1: $(wc -l < "$OUT/$1.csv") source lines"
 }
-if [ "${1:-}" = --source-engine ]; then
-  ncu --clock-control none --kernel-name regex:_stage1_kernel --launch-skip 0 --launch-count 1 \
-    --section SourceCounters --section WarpStateStats --import-source no -f -o "$OUT/source_engine_cascade" \
-    python3 -m segkv.bench.decode_attention --trials 1 --cascade-only 2>&1 | grep -E "^==ERROR|rror" | head -5
-  source_page source_engine_cascade
-  exit 0
-fi
-if [ "${1:-}" = --source ]; then
-  variants=${2:-gluon_n64_o1_p33,gluon_n64_o1_p33_math}
+if [ "${1:-}" = --source ] || [ "${1:-}" = --source-engine ]; then
+  kernels="tall_prefix|stream_prefix|dual_prefix" variants=${2:-gluon_n64_o1_p33,gluon_n64_o1_p33_math}
+  [ "$1" = --source-engine ] && kernels=_stage1_kernel variants=triton_cascade,triton_batch1
   for variant in ${variants//,/ }; do
-    ncu --clock-control none --kernel-name regex:"tall_prefix|stream_prefix|dual_prefix" --launch-skip 1 \
+    ncu --clock-control none --kernel-name regex:"$kernels" --launch-skip 1 \
       --launch-count 1 --section SourceCounters --section WarpStateStats --import-source no -f \
       -o "$OUT/source_$variant" python3 scripts/gluon_tall_probe.py --groups math,residency,dual --once "$variant" \
       2>&1 | grep -E "^==ERROR|rror" | head -5
@@ -58,7 +52,8 @@ for stall in membar selected sleeping misc drain; do
   grep -qx "$m" <<<"$known" && metrics="$metrics,$m.ratio"
 done
 echo "metrics: $metrics" > "$OUT/ncu_prefix.txt"
-timeout 400 ncu --clock-control none --kernel-name regex:"tall_prefix|stream_prefix|dual_prefix" --metrics "$metrics" \
+timeout 400 ncu --clock-control none --kernel-name regex:"tall_prefix|stream_prefix|dual_prefix|_stage1_kernel" \
+  --metrics "$metrics" \
   python3 scripts/gluon_tall_probe.py --groups math,residency,dual --once "$variants" 2>&1 \
   | grep -vE "^==PROF==|^\s*$|-{5}" \
   | short_stall_names \

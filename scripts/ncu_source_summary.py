@@ -35,7 +35,8 @@ def summarise(path: str, top: int) -> str:
              "  by reason: " + ", ".join(f"{r[6:]} {v / total:.1%}" for v, r in by_reason if v / total >= 0.005)]
     for row in sorted(data, key=lambda row: -value(row, SAMPLES))[:top]:
         leading = sorted(((value(row, r), r[6:]) for r in reasons), reverse=True)[:3]
-        lines.append(f"  {value(row, SAMPLES) / total:6.1%}  {row[col['Source']].strip()[:64]:64s}  "
+        where = row[col["Address"]].strip() + " " if "Address" in col else ""
+        lines.append(f"  {value(row, SAMPLES) / total:6.1%}  {where}{row[col['Source']].strip()[:64]:64s}  "
                      + " ".join(f"{name} {v / total:.1%}" for v, name in leading if v))
     return "\n".join(lines)
 

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from segkv.kernels import attention_tiles, timeline
 from segkv.kernels.attention_tiles import (
+    ENTRY_PREFETCH,
     four_page_scalars,
     full_tiles_known,
     load_kv,
@@ -26,6 +27,7 @@ from segkv.kernels.attention_tiles import (
     online_softmax_step_transposed,
     pair_reads,
     plan_reads,
+    prefetch_entries,
     store_partials,
     tile_pages,
     tile_range,
@@ -137,6 +139,9 @@ def _stage1_kernel(
     for t in range(t0, t1, PAGES):
         needs_mask = (visible & full) == 0 if SKIP else True
         page_cur, rows_cur, kst_cur = page, rows, kst
+        if ENTRY_PREFETCH > 0:
+            prefetch_entries(page_table, page_rows, page_key_start,
+                             next_tile_first(t + (ENTRY_PREFETCH - 1) * PAGES, PAGES, SUB), pg1)
         page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB), slot,
                                            pg1, WIDE_OFFSETS, PAGES, BLOCK_N, PAGE_SIZE, FOUR)
         if SUB > 1:  # this tile's rows of a longer page
