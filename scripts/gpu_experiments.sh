@@ -349,13 +349,21 @@ elif [ "$part" = attentiontests ]; then
   # every other attention test), e.g. after a change of the decode programs' defaults
   GPU_TESTS_TIMEOUT=200 gpu_tests "attention kernels" -- tests/test_triton_attention.py tests/test_skip_masks.py \
     tests/test_masked_rows.py -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
-elif [ "$part" = entryprefetch ]; then
-  # the GQA stage 1 with the page entries asked into L1 4 or 8 tiles ahead (SEGKV_ATTENTION_ENTRY_PREFETCH)
-  # against none (the default): batch 1 and 16 at 32K and 128K (8B shape, pages of 16) and the
-  # cascade, two rounds, then the attention GPU tests with 4
-  CFGS=("" "SEGKV_ATTENTION_ENTRY_PREFETCH=4" "SEGKV_ATTENTION_ENTRY_PREFETCH=8")
+elif [ "$part" = mergestep ]; then
+  # the merge's partials per step (SEGKV_MERGE_BLOCK_P): 64 (the default, 128 registers at 64 columns,
+  # so about 4 merge programs an SM and the cascade's 1024 in two waves: its merge ends 7 us after
+  # stage 1 on the H100), 32 (56 registers), 16 (40), and 16 with 128 columns (56): batch 1 and 16 at
+  # 32K and 128K (8B shape, pages of 16) and the cascade, two rounds; the cascade's timeline with 16;
+  # then the attention GPU tests with 16 (rows of 17-33 partials merged in several steps)
+  CFGS=("" "SEGKV_MERGE_BLOCK_P=32" "SEGKV_MERGE_BLOCK_P=16" "SEGKV_MERGE_BLOCK_DV=128 SEGKV_MERGE_BLOCK_P=16")
   kernels_alternate --shapes llama3-8b --batches 1,16 --contexts 32768,131072 --page-sizes 16 --trials 5
-  gpu_tests "attention kernels, entries 4 tiles ahead" SEGKV_ATTENTION_ENTRY_PREFETCH=4 \
+  for cfg in "" "SEGKV_MERGE_BLOCK_P=16"; do
+    echo "-- cascade timeline: ${cfg:-defaults}" | tee -a "$log"
+    # shellcheck disable=SC2086
+    env $cfg timeout 100 python3 scripts/stage1_timeline.py --page-sizes 16 --cases "" --cascade --trials 3 2>&1 \
+      | grep -E "graph ms|merge_(start|wait|end|after)|span" | tee -a "$log"
+  done
+  gpu_tests "attention kernels, 16 partials a merge step" SEGKV_MERGE_BLOCK_P=16 \
     -- tests/test_triton_attention.py -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
 elif [ "$part" = grid ]; then
   # the acceptance in one run at the defaults: the attention GPU tests (bf16 / head_dim 128 / page 16

@@ -54,24 +54,6 @@ def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.conste
     return page, rows, key_start
 
 
-# Page entries asked into L1 this many tiles ahead of their use (``SEGKV_ATTENTION_ENTRY_PREFETCH``,
-# 0 off): Nsight Compute's per-instruction samples of the GQA stage 1 (H100) put 17% (cascade prefix)
-# and 33% (batch 1) of the warps' samples on waits for the page entries that the next tile's copy
-# addresses need, loaded from L2 in the same iteration as those copies.
-ENTRY_PREFETCH: tl.constexpr = tl.constexpr(env_int("SEGKV_ATTENTION_ENTRY_PREFETCH", 0))
-
-
-@triton.jit
-def prefetch_entries(page_table, page_rows, page_key_start, pidx, pg1):
-    """Ask L1 for the 128-byte lines that hold page entry ``pidx`` of the three page tables (clamped
-    to the work item's last entry ``pg1 - 1``). A hint: nothing waits for it."""
-    at = tl.minimum(pidx, pg1 - 1)
-    for table in tl.static_range(3):
-        base = page_table if table == 0 else (page_rows if table == 1 else page_key_start)
-        tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n mov.u32 $0, 0;", "=r,l", [base + at],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
 # A tile of one or two whole pages reads each page's index once and gives it to the tile's rows
 # (``SEGKV_ATTENTION_PAGE_SCALARS``, on by default; 0 loads per row), instead of one load per
 # row and field that every thread repeats for the rows it holds. Offline (Triton 3.9, sm_90a,

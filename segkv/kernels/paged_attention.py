@@ -18,7 +18,6 @@ import triton.language as tl
 
 from segkv.kernels import attention_tiles, timeline
 from segkv.kernels.attention_tiles import (
-    ENTRY_PREFETCH,
     four_page_scalars,
     full_tiles_known,
     load_kv,
@@ -27,7 +26,6 @@ from segkv.kernels.attention_tiles import (
     online_softmax_step_transposed,
     pair_reads,
     plan_reads,
-    prefetch_entries,
     store_partials,
     tile_pages,
     tile_range,
@@ -139,9 +137,6 @@ def _stage1_kernel(
     for t in range(t0, t1, PAGES):
         needs_mask = (visible & full) == 0 if SKIP else True
         page_cur, rows_cur, kst_cur = page, rows, kst
-        if ENTRY_PREFETCH > 0:
-            prefetch_entries(page_table, page_rows, page_key_start,
-                             next_tile_first(t + (ENTRY_PREFETCH - 1) * PAGES, PAGES, SUB), pg1)
         page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB), slot,
                                            pg1, WIDE_OFFSETS, PAGES, BLOCK_N, PAGE_SIZE, FOUR)
         if SUB > 1:  # this tile's rows of a longer page
@@ -614,6 +609,10 @@ if MERGE_IN_STAGE1_MAX_PARTIALS not in (0, 2, 4, 8, 16, 32, 64):
 # 16 (twice the programs again) measured 506-508 / 439-440 against 32's 514-518 / 447.
 MERGE_BLOCK_DV = env_int("SEGKV_MERGE_BLOCK_DV", None)
 GQA_MERGE_BLOCK_DV, LATENT_MERGE_BLOCK_DV = 64, 32
+# Partials per merge step (``SEGKV_MERGE_BLOCK_P``; default 64, 16 for columns over 256): the step's
+# (partials x columns) tile sits in registers, so it sets how many merge programs an SM holds (Triton
+# 3.6, sm_90a, 64 columns: 128 registers at 64 partials, 56 at 32, 40 at 16).
+MERGE_BLOCK_P = env_int("SEGKV_MERGE_BLOCK_P", None)
 
 
 def merge_block_dv(dv: int) -> int:
@@ -623,6 +622,13 @@ def merge_block_dv(dv: int) -> int:
     else:
         width = LATENT_MERGE_BLOCK_DV if dv >= 512 else GQA_MERGE_BLOCK_DV
     return min(max(16, triton.next_power_of_2(dv)), width)
+
+
+def merge_block_p(block_dv: int) -> int:
+    """Partials per merge step for programs of ``block_dv`` value columns."""
+    if MERGE_BLOCK_P is not None:
+        return MERGE_BLOCK_P
+    return 16 if block_dv > 256 else 64
 
 
 def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> None:
@@ -635,7 +641,7 @@ def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> Non
         out.stride(0), out.stride(1), lse.stride(0),
         # 64 partials per step: a GQA decode row's partials (33 on the H200) in one step, a
         # 256-way latent split in four
-        DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, PLAN_EARLY=PLAN_EARLY > 0,
+        DV=dv, BLOCK_DV=block_dv, BLOCK_P=merge_block_p(block_dv), PLAN_EARLY=PLAN_EARLY > 0,
         TRIGGER=MERGE_TRIGGER, **attention_pdl_options(out), **timeline_stamps("merge"),
     )
 
