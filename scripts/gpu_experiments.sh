@@ -37,8 +37,9 @@
 # Measured (docs/benchmarks.md, "Program timelines: where a decode call's time goes; ..."): timeline and
 # cascadetimeline (kept: the programs' timelines); tail, mergewarps, cascadelate and narrow (slower or
 # mixed: removed with their switches, git history).
-# Measured (docs/benchmarks.md, "Page entries asked into L1 ahead: level, removed"): entryprefetch
-# (removed with its switch, git history).
+# Measured (docs/benchmarks.md, "The engine's stage 1 sampled per instruction; page entries asked
+# into L1 ahead and fewer partials a merge step: level, removed"): entryprefetch and mergestep (both
+# removed with their switches, git history).
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
 #             against 0.0067 with halves) and the shares as the grid's last dimension
@@ -349,22 +350,6 @@ elif [ "$part" = attentiontests ]; then
   # every other attention test), e.g. after a change of the decode programs' defaults
   GPU_TESTS_TIMEOUT=200 gpu_tests "attention kernels" -- tests/test_triton_attention.py tests/test_skip_masks.py \
     tests/test_masked_rows.py -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
-elif [ "$part" = mergestep ]; then
-  # the merge's partials per step (SEGKV_MERGE_BLOCK_P): 64 (the default, 128 registers at 64 columns,
-  # so about 4 merge programs an SM and the cascade's 1024 in two waves: its merge ends 7 us after
-  # stage 1 on the H100), 32 (56 registers), 16 (40), and 16 with 128 columns (56): batch 1 and 16 at
-  # 32K and 128K (8B shape, pages of 16) and the cascade, two rounds; the cascade's timeline with 16;
-  # then the attention GPU tests with 16 (rows of 17-33 partials merged in several steps)
-  CFGS=("" "SEGKV_MERGE_BLOCK_P=32" "SEGKV_MERGE_BLOCK_P=16" "SEGKV_MERGE_BLOCK_DV=128 SEGKV_MERGE_BLOCK_P=16")
-  kernels_alternate --shapes llama3-8b --batches 1,16 --contexts 32768,131072 --page-sizes 16 --trials 5
-  for cfg in "" "SEGKV_MERGE_BLOCK_P=16"; do
-    echo "-- cascade timeline: ${cfg:-defaults}" | tee -a "$log"
-    # shellcheck disable=SC2086
-    env $cfg timeout 100 python3 scripts/stage1_timeline.py --page-sizes 16 --cases "" --cascade --trials 3 2>&1 \
-      | grep -E "graph ms|merge_(start|wait|end|after)|span" | tee -a "$log"
-  done
-  gpu_tests "attention kernels, 16 partials a merge step" SEGKV_MERGE_BLOCK_P=16 \
-    -- tests/test_triton_attention.py -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
 elif [ "$part" = grid ]; then
   # the acceptance in one run at the defaults: the attention GPU tests (bf16 / head_dim 128 / page 16
   # grid cases, every other attention test), then the kernel benchmark's grid (both shapes, batch

@@ -295,7 +295,7 @@ def merge_report(case: dict) -> dict:
 
     dv = case["dv"]
     block_dv = paged_attention.merge_block_dv(dv)
-    meta = {"DV": dv, "BLOCK_DV": block_dv, "BLOCK_P": paged_attention.merge_block_p(block_dv), "USE_PDL": True,
+    meta = {"DV": dv, "BLOCK_DV": block_dv, "BLOCK_P": 16 if block_dv > 256 else 64, "USE_PDL": True,
             "PLAN_EARLY": bool(case.get("plan_early", False)), "TRIGGER": case["trigger"], "num_warps": 4}
     pointers = {"PART_OUT": "*fp32", "PART_LSE": "*fp32", "OUT": "*bf16", "OUT_LSE": "*fp32"}
     if case.get("stamps"):

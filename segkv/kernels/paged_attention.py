@@ -609,10 +609,6 @@ if MERGE_IN_STAGE1_MAX_PARTIALS not in (0, 2, 4, 8, 16, 32, 64):
 # 16 (twice the programs again) measured 506-508 / 439-440 against 32's 514-518 / 447.
 MERGE_BLOCK_DV = env_int("SEGKV_MERGE_BLOCK_DV", None)
 GQA_MERGE_BLOCK_DV, LATENT_MERGE_BLOCK_DV = 64, 32
-# Partials per merge step (``SEGKV_MERGE_BLOCK_P``; default 64, 16 for columns over 256): the step's
-# (partials x columns) tile sits in registers, so it sets how many merge programs an SM holds (Triton
-# 3.6, sm_90a, 64 columns: 128 registers at 64 partials, 56 at 32, 40 at 16).
-MERGE_BLOCK_P = env_int("SEGKV_MERGE_BLOCK_P", None)
 
 
 def merge_block_dv(dv: int) -> int:
@@ -622,13 +618,6 @@ def merge_block_dv(dv: int) -> int:
     else:
         width = LATENT_MERGE_BLOCK_DV if dv >= 512 else GQA_MERGE_BLOCK_DV
     return min(max(16, triton.next_power_of_2(dv)), width)
-
-
-def merge_block_p(block_dv: int) -> int:
-    """Partials per merge step for programs of ``block_dv`` value columns."""
-    if MERGE_BLOCK_P is not None:
-        return MERGE_BLOCK_P
-    return 16 if block_dv > 256 else 64
 
 
 def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> None:
@@ -641,7 +630,7 @@ def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> Non
         out.stride(0), out.stride(1), lse.stride(0),
         # 64 partials per step: a GQA decode row's partials (33 on the H200) in one step, a
         # 256-way latent split in four
-        DV=dv, BLOCK_DV=block_dv, BLOCK_P=merge_block_p(block_dv), PLAN_EARLY=PLAN_EARLY > 0,
+        DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, PLAN_EARLY=PLAN_EARLY > 0,
         TRIGGER=MERGE_TRIGGER, **attention_pdl_options(out), **timeline_stamps("merge"),
     )
 
