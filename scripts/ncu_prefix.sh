@@ -3,7 +3,8 @@
 # tensor, FMA and ALU pipes are (and XU, ex2, where ncu names it), the issue rate and the stall reasons per issued
 # instruction, for the whole kernel, its math alone (reads cut after three tiles) and its reads alone,
 # each with P in two bf16 parts (the numerical contract) and in one. Results under $OUT/ncu_prefix.txt.
-#   usage: bash scripts/ncu_prefix.sh [variants]   (variant names of scripts/gluon_tall_probe.py)
+#   usage: bash scripts/ncu_prefix.sh [variants]   (variant names of scripts/gluon_tall_probe.py, the
+#          engine's Triton calls triton_cascade and triton_batch1 among them)
 #          bash scripts/ncu_prefix.sh --source [variants]: instead, the warp-state samples of each
 #          variant's second launch per SASS instruction, in $OUT/source_<variant>.csv (summarise them
 #          with scripts/ncu_source_summary.py), beside the report $OUT/source_<variant>.ncu-rep
