@@ -39,7 +39,7 @@
 # mixed: removed with their switches, git history).
 # Measured (docs/benchmarks.md, "The engine's stage 1 sampled per instruction; page entries asked
 # into L1 ahead and fewer partials a merge step: level, removed"): entryprefetch and mergestep (both
-# removed with their switches, git history).
+# removed with their switches), affinepages (a timing probe with its check script; git history).
 #   shares    the latent value split with quarters for plans of at most a quarter of the SM count
 #             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
 #             against 0.0067 with halves) and the shares as the grid's last dimension
@@ -350,18 +350,6 @@ elif [ "$part" = attentiontests ]; then
   # every other attention test), e.g. after a change of the decode programs' defaults
   GPU_TESTS_TIMEOUT=200 gpu_tests "attention kernels" -- tests/test_triton_attention.py tests/test_skip_masks.py \
     tests/test_masked_rows.py -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
-elif [ "$part" = affinepages ]; then
-  # what the page-entry loads cost the GQA stage 1: its entries computed from each work item's first
-  # (SEGKV_ATTENTION_PROBE_AFFINE_PAGES=1, a timing probe right only for consecutive full pages, as the
-  # benchmark's fresh caches hold; scripts/affine_pages_check.py checks that) against loaded (the
-  # default): batch 1 and 16 at 32K and 128K (8B shape, pages of 16) and the cascade, two rounds
-  for cfg in "" "SEGKV_ATTENTION_PROBE_AFFINE_PAGES=1"; do
-    echo "-- affine_pages_check: ${cfg:-defaults}" | tee -a "$log"
-    # shellcheck disable=SC2086
-    env $cfg timeout 100 python3 scripts/affine_pages_check.py 2>&1 | tail -2 | tee -a "$log"
-  done
-  CFGS=("" "SEGKV_ATTENTION_PROBE_AFFINE_PAGES=1")
-  kernels_alternate --shapes llama3-8b --batches 1,16 --contexts 32768,131072 --page-sizes 16 --trials 5
 elif [ "$part" = grid ]; then
   # the acceptance in one run at the defaults: the attention GPU tests (bf16 / head_dim 128 / page 16
   # grid cases, every other attention test), then the kernel benchmark's grid (both shapes, batch

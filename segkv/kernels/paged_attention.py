@@ -36,11 +36,6 @@ from segkv.kernels.pdl import pdl_options
 from segkv.kernels.settings import env_int
 from segkv.kernels.stage1_merge import merge_group_if_last, merge_if_last, zero_empty_rows
 
-# A timing probe, wrong for any other cache (``SEGKV_ATTENTION_PROBE_AFFINE_PAGES=1``): the stage-1
-# loop computes its page entries from the work item's first, as if its pages were consecutive and full
-# (a fresh pool's long history), instead of loading them: what the page-entry loads cost.
-AFFINE_PAGES: tl.constexpr = tl.constexpr(env_int("SEGKV_ATTENTION_PROBE_AFFINE_PAGES", 0) == 1)
-
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -139,24 +134,11 @@ def _stage1_kernel(
     if SKIP:  # every valid pair sees every key of the work item: full tiles need no mask
         visible = work_item_visible(page_rows, page_key_start, pg0, pg1, offset, valid)
     t0, t1 = tile_range(pg0, pg1, SUB)
-    if AFFINE_PAGES:
-        page_first = tl.load(page_table + pg0)
-        key_first = tl.load(page_key_start + pg0)
     for t in range(t0, t1, PAGES):
         needs_mask = (visible & full) == 0 if SKIP else True
         page_cur, rows_cur, kst_cur = page, rows, kst
-        if AFFINE_PAGES and SUB == 1:  # timing probe: consecutive full pages, entries computed
-            idx = next_tile_first(t, PAGES, SUB) + slot
-            live = idx < pg1
-            page = tl.where(live, page_first + (idx - pg0), 0)
-            if WIDE_OFFSETS:
-                page = page.to(tl.int64)
-            rows = tl.where(live, PAGE_SIZE, 0)
-            kst = key_first + (idx - pg0) * PAGE_SIZE
-            full = next_tile_first(t, PAGES, SUB) + PAGES <= pg1
-        else:
-            page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB),
-                                               slot, pg1, WIDE_OFFSETS, PAGES, BLOCK_N, PAGE_SIZE, FOUR)
+        page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB), slot,
+                                           pg1, WIDE_OFFSETS, PAGES, BLOCK_N, PAGE_SIZE, FOUR)
         if SUB > 1:  # this tile's rows of a longer page
             sub_rows = (t % SUB) * BLOCK_N
             row_cur = row_in_page + sub_rows
