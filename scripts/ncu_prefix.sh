@@ -20,8 +20,9 @@ source_page() {  # report name: the per-instruction samples as CSV, or the detai
     || ncu --import "$OUT/$1.ncu-rep" --page details --print-details all > "$OUT/$1.txt" 2>&1
   echo "$1: $(wc -l < "$OUT/$1.csv") source lines"
 }
+probe_kernels="tall_prefix|stream_prefix|dual_prefix"  # the probe's Gluon kernels; the engine's is _stage1_kernel
 if [ "${1:-}" = --source ] || [ "${1:-}" = --source-engine ]; then
-  kernels="tall_prefix|stream_prefix|dual_prefix" variants=${2:-gluon_n64_o1_p33,gluon_n64_o1_p33_math}
+  kernels=$probe_kernels variants=${2:-gluon_n64_o1_p33,gluon_n64_o1_p33_math}
   [ "$1" = --source-engine ] && kernels=_stage1_kernel variants=triton_cascade,triton_batch1
   for variant in ${variants//,/ }; do
     ncu --clock-control none --kernel-name regex:"$kernels" --launch-skip 1 \
@@ -53,7 +54,7 @@ for stall in membar selected sleeping misc drain; do
   grep -qx "$m" <<<"$known" && metrics="$metrics,$m.ratio"
 done
 echo "metrics: $metrics" > "$OUT/ncu_prefix.txt"
-timeout 400 ncu --clock-control none --kernel-name regex:"tall_prefix|stream_prefix|dual_prefix|_stage1_kernel" \
+timeout 400 ncu --clock-control none --kernel-name regex:"$probe_kernels|_stage1_kernel" \
   --metrics "$metrics" \
   python3 scripts/gluon_tall_probe.py --groups math,residency,dual --once "$variants" 2>&1 \
   | grep -vE "^==PROF==|^\s*$|-{5}" \

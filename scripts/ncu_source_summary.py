@@ -1,5 +1,5 @@
 """Summarise Nsight Compute's per-instruction warp-state samples (``ncu --import R --page source
---print-source sass --csv``, as written by ``scripts/ncu_prefix.sh --source``): the share of all
+--print-source sass --csv``, as written by ``scripts/ncu_prefix.sh --source`` and ``--source-engine``): the share of all
 samples each stall reason takes, then the instructions that hold the most samples, each with its
 leading reasons.
 
