@@ -435,10 +435,12 @@ def stream_prefix_kernel(K, V, page_table, pages_per_part, num_pages, stride_kp,
 
 @gluon.jit
 def _ws_producer(k_smem, v_smem, ready, empty, K, V, page_table, pg0, pg1, n_tiles, kvh, stride_kp, stride_kn,
-                 stride_kh, D: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
+                 stride_kh, D: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
+                 MATH_ONLY: gl.constexpr = False):
     """One warp: every tile's K and V copied page by page (one page index a page) into the ring of
     ``NBUF`` buffers, as far ahead as the consumer frees them; ``ready[buf]`` completes when a
-    tile's copies have landed (each of the 32 threads arrives once its own copies are done)."""
+    tile's copies have landed (each of the 32 threads arrives once its own copies are done).
+    ``MATH_ONLY``: copies after the third tile masked off (zero fill, no DRAM traffic)."""
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])
     prow = gl.arange(0, PAGE, layout=gl.SliceLayout(1, ld))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
@@ -451,6 +453,8 @@ def _ws_producer(k_smem, v_smem, ready, empty, K, V, page_table, pg0, pg1, n_til
         for c in gl.static_range(PAGES_PER_TILE):
             entry = pg0 + t * PAGES_PER_TILE + c
             live = entry < pg1
+            if MATH_ONLY:
+                live = live & (t < 3)
             page = gl.load(page_table + entry, mask=live, other=0)
             base = page * stride_kp + kvh * stride_kh
             mask = (prow < gl.where(live, PAGE, 0))[:, None] & (cols >= 0)[None, :]
@@ -523,6 +527,137 @@ def ws_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
     _store_partials(OUT, LSE, acc, m_i, l_i, part, kvh, stride_op, stride_oh, stride_lp, GROUP, ROWS, BLOCK_M, D)
 
 
+@gluon.jit
+def _pp_consumer(q_smem, k_smem, v_smem, ready, empty, turn, OUT, LSE, n_tiles, pg0, pg1, part, kvh, stride_op,
+                 stride_oh, stride_lp, scale2, C: gl.constexpr, NCONS: gl.constexpr, GROUP: gl.constexpr,
+                 ROWS: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
+                 ORDERED: gl.constexpr):
+    """Consumer warpgroup ``C`` of ``NCONS``: tiles ``C, C + NCONS, ...`` of the partition, with its
+    own online softmax, each tile's scores issued together with the previous tile's two-part P.V
+    products (as :func:`tall_prefix_kernel`'s ``OVERLAP`` 1). ``ORDERED``: the consumers take turns
+    issuing their products (``turn[C]`` waited for, ``turn[C + 1]`` arrived at after the issue), so
+    one warpgroup's softmax runs while another's products do. Writes its own float32 partials at
+    partial ``part * NCONS + C``."""
+    BLOCK_M: gl.constexpr = ROWS * GROUP
+    PAGES_PER_TILE: gl.constexpr = BLOCK_N // PAGE
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    n_mine = (n_tiles - C + NCONS - 1) // NCONS  # at least 1: partitions hold NCONS tiles or more
+    nxt: gl.constexpr = (C + 1) % NCONS
+    # window 0: the first tile's scores
+    buf = C % NBUF
+    mbarrier.wait(ready.index(buf), (C // NBUF) & 1)
+    fence_async_shared()  # the copies' writes before the products read them
+    if ORDERED:
+        if C > 0:
+            mbarrier.wait(turn.index(C), 0)
+    s = warpgroup_mma(q_smem, k_smem.index(buf).permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_l),
+                      use_acc=False, is_async=True)
+    if ORDERED:
+        mbarrier.arrive(turn.index(nxt))
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    p, alpha, m_i, l_i = _softmax(s, gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_l)),
+                                  gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_l)), C, pg0, pg1, scale2,
+                                  BLOCK_N, PAGE, PAGES_PER_TILE, s_l)
+    acc = gl.zeros([BLOCK_M, D], gl.float32, o_l)
+    for k in range(1, n_mine):
+        t = C + k * NCONS
+        prev = (t - NCONS) % NBUF
+        buf = t % NBUF
+        p_hi = p.to(gl.bfloat16)
+        a_hi = gl.convert_layout(p_hi, p_l)
+        a_lo = gl.convert_layout((p - p_hi.to(gl.float32)).to(gl.bfloat16), p_l)
+        mbarrier.wait(ready.index(buf), (t // NBUF) & 1)
+        fence_async_shared()
+        if ORDERED:
+            if C == 0:
+                mbarrier.wait(turn.index(0), (k - 1) & 1)
+            else:
+                mbarrier.wait(turn.index(C), k & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(buf).permute((1, 0)), s, use_acc=False, is_async=True)
+        acc = warpgroup_mma(a_hi, v_smem.index(prev), acc, is_async=True)
+        acc = warpgroup_mma(a_lo, v_smem.index(prev), acc, is_async=True)
+        if ORDERED:
+            mbarrier.arrive(turn.index(nxt))
+        s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))  # the P.V products stay in flight
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, t, pg0, pg1, scale2, BLOCK_N, PAGE, PAGES_PER_TILE, s_l)
+        acc, a_hi, a_lo = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_hi, a_lo))
+        mbarrier.arrive(empty.index(prev))  # tile t - NCONS's buffer is free
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+    last = (C + (n_mine - 1) * NCONS) % NBUF
+    p_hi = p.to(gl.bfloat16)
+    a_hi = gl.convert_layout(p_hi, p_l)
+    a_lo = gl.convert_layout((p - p_hi.to(gl.float32)).to(gl.bfloat16), p_l)
+    acc = warpgroup_mma(a_hi, v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma(a_lo, v_smem.index(last), acc, is_async=True)
+    acc, a_hi, a_lo = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_hi, a_lo))
+    _store_partials(OUT, LSE, acc, m_i, l_i, part * NCONS + C, kvh, stride_op, stride_oh, stride_lp, GROUP, ROWS,
+                    BLOCK_M, D)
+
+
+@gluon.jit
+def pingpong_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
+                           stride_qr, stride_qh, stride_kp, stride_kn, stride_kh, stride_op, stride_oh, stride_lp,
+                           scale2, GROUP: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+                           BLOCK_N: gl.constexpr, NBUF: gl.constexpr, NCONS: gl.constexpr, ORDERED: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, MATH_ONLY: gl.constexpr = False):
+    """:func:`ws_prefix_kernel`'s work with ``NCONS`` (2 or 3) consumer warpgroups in one program:
+    more independent warps a scheduler than two programs of one warpgroup give, the reads issued by
+    one producer warp into a ring of ``NBUF`` buffers (a multiple of ``NCONS``, so each buffer
+    serves one consumer), and with ``ORDERED`` the consumers' products issued in turn. Each
+    consumer writes its own partials: ``NCONS`` a partition. ``MATH_ONLY``: the producer's copies cut
+    after three tiles."""
+    BLOCK_M: gl.constexpr = ROWS * GROUP
+    sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    kvh, part, pg0, pg1, n_tiles = _partition(pages_per_part, num_pages, BLOCK_N // PAGE)
+    q_smem = _query_in_shared(Q, kvh, stride_qr, stride_qh, GROUP, BLOCK_M, D)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, D], sh)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, D], sh)
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NCONS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NBUF):
+        mbarrier.init(ready.index(i), count=32)  # the producer warp's threads
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(NCONS):
+        mbarrier.init(turn.index(i), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    # (the argument tuples written out: a tuple built with + inside the kernel loses its constexprs)
+    if NCONS == 2:
+        gl.warp_specialize(
+            [(_pp_consumer, (q_smem, k_smem, v_smem, ready, empty, turn, OUT, LSE, n_tiles, pg0, pg1, part, kvh,
+                             stride_op, stride_oh, stride_lp, scale2, 0, NCONS, GROUP, ROWS, D, PAGE, BLOCK_N, NBUF,
+                             ORDERED)),
+             (_pp_consumer, (q_smem, k_smem, v_smem, ready, empty, turn, OUT, LSE, n_tiles, pg0, pg1, part, kvh,
+                             stride_op, stride_oh, stride_lp, scale2, 1, NCONS, GROUP, ROWS, D, PAGE, BLOCK_N, NBUF,
+                             ORDERED)),
+             (_ws_producer, (k_smem, v_smem, ready, empty, K, V, page_table, pg0, pg1, n_tiles, kvh, stride_kp,
+                             stride_kn, stride_kh, D, PAGE, BLOCK_N, NBUF, MATH_ONLY))],
+            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize(
+            [(_pp_consumer, (q_smem, k_smem, v_smem, ready, empty, turn, OUT, LSE, n_tiles, pg0, pg1, part, kvh,
+                             stride_op, stride_oh, stride_lp, scale2, 0, NCONS, GROUP, ROWS, D, PAGE, BLOCK_N, NBUF,
+                             ORDERED)),
+             (_pp_consumer, (q_smem, k_smem, v_smem, ready, empty, turn, OUT, LSE, n_tiles, pg0, pg1, part, kvh,
+                             stride_op, stride_oh, stride_lp, scale2, 1, NCONS, GROUP, ROWS, D, PAGE, BLOCK_N, NBUF,
+                             ORDERED)),
+             (_pp_consumer, (q_smem, k_smem, v_smem, ready, empty, turn, OUT, LSE, n_tiles, pg0, pg1, part, kvh,
+                             stride_op, stride_oh, stride_lp, scale2, 2, NCONS, GROUP, ROWS, D, PAGE, BLOCK_N, NBUF,
+                             ORDERED)),
+             (_ws_producer, (k_smem, v_smem, ready, empty, K, V, page_table, pg0, pg1, n_tiles, kvh, stride_kp,
+                             stride_kn, stride_kh, D, PAGE, BLOCK_N, NBUF, MATH_ONLY))],
+            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+
+
+# (tile rows, buffers, consumers, ordered, consumer registers, the program's register cap): two consumer
+# warpgroups and a producer warp (9 warps) fit one program an SM at 224 registers; three (13 warps) at 152
+PINGPONG_CASES = ((64, 4, 2, True, 232, 224), (64, 4, 2, False, 232, 224), (32, 6, 3, True, 152, 152),
+                  (32, 6, 3, False, 152, 152))
+
+
 def compile_only() -> None:
     """Offline (no GPU): registers, shared memory and the loop's MMA / wait / ex2 order on sm_90a."""
     from triton.backends.compiler import GPUTarget
@@ -552,10 +687,14 @@ def compile_only() -> None:
     cases += [(dual_prefix_kernel, names, {"BLOCK_N": block_n}) for block_n in (32, 16)]
     cases += [(ws_prefix_kernel, names, {"BLOCK_N": block_n, "NBUF": nbuf, "PRODUCER_REGS": 40, "MAXNREG": 128})
               for block_n, nbuf in ((64, 3), (32, 6))]
+    cases += [(pingpong_prefix_kernel, names, {"BLOCK_N": block_n, "NBUF": nbuf, "NCONS": ncons, "ORDERED": ordered,
+                                               "CONSUMER_REGS": cregs, "PRODUCER_REGS": 40, "MAXNREG": maxnreg})
+              for block_n, nbuf, ncons, ordered, cregs, maxnreg in PINGPONG_CASES]
     for fn, arg_names, case in cases:
         # every constexpr named, in the kernel's order (the offline source binds them by position)
         defaults = {"GROUP": 4, "ROWS": 16, "D": 128, "PAGE": 16, "OVERLAP": 1, "MATH_ONLY": False, "SINGLE_P": False,
-                    "NO_EXP": False, "CARRY": False, "NBUF": 3, "BUFFERS": 3, "PRODUCER_REGS": 40, "PREFETCH": 0}
+                    "NO_EXP": False, "CARRY": False, "NBUF": 3, "BUFFERS": 3, "PRODUCER_REGS": 40, "PREFETCH": 0,
+                    "NCONS": 2, "ORDERED": True, "CONSUMER_REGS": 232}
         params = [name for name in fn.arg_names if name not in arg_names]  # MAXNREG: a launch option
         consts = {name: case.get(name, defaults.get(name)) for name in params}
         sig = {n: types.get(n, "i32") for n in arg_names} | {n: "constexpr" for n in consts}
@@ -619,19 +758,22 @@ def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = (), on
 
     def gluon_call(block_n: int, overlap: int, parts: int, math_only: bool = False, single_p: bool = False,
                    no_exp: bool = False, carry: bool = False, nbuf: int = 3, ws_regs: tuple[int, int] | None = None,
-                   prefetch: int = 0, head_major: bool = False, dual: bool = False):
+                   prefetch: int = 0, head_major: bool = False, dual: bool = False,
+                   pingpong: tuple[int, bool, int, int] | None = None):
         """The Gluon stage 1 over ``parts`` partitions of the prefix, then the engine's merge
         (``math_only``: the reads cut after three tiles, a timing probe whose output is not checked;
         ``ws_regs``: the warp-specialised kernel, launched with (registers a thread, the producer's);
         ``head_major``: over a copy of the pages laid out (page, head, row, dim), each head's rows of a
-        page contiguous)."""
+        page contiguous; ``pingpong``: :func:`pingpong_prefix_kernel` with (consumers, ordered, consumer
+        registers, the program's register cap), ``nbuf`` buffers, one partial a consumer)."""
         kc, vc = (kc_hm, vc_hm) if head_major else (kc_rm, vc_rm)
         pages_per_part = -(-num_pages // parts)
         parts = -(-num_pages // pages_per_part)
-        part_out = torch.empty(parts * forks, q_heads, dim, device=device, dtype=torch.float32)
-        part_lse = torch.empty(parts * forks, q_heads, device=device, dtype=torch.float32)
-        reduce_ptr = torch.arange(0, forks * parts + 1, parts, dtype=torch.int32, device=device)
-        reduce_partials = torch.tensor([p * forks + r for r in range(forks) for p in range(parts)],
+        partials = parts * (pingpong[0] if pingpong else 1)
+        part_out = torch.empty(partials * forks, q_heads, dim, device=device, dtype=torch.float32)
+        part_lse = torch.empty(partials * forks, q_heads, device=device, dtype=torch.float32)
+        reduce_ptr = torch.arange(0, forks * partials + 1, partials, dtype=torch.int32, device=device)
+        reduce_partials = torch.tensor([p * forks + r for r in range(forks) for p in range(partials)],
                                        dtype=torch.int32, device=device)
         out = torch.empty(forks, q_heads, dim, device=device, dtype=torch.bfloat16)
         lse = torch.empty(forks, q_heads, device=device, dtype=torch.float32)
@@ -641,7 +783,11 @@ def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = (), on
                 kc.stride(0), kc.stride(1), kc.stride(2), part_out.stride(0), part_out.stride(1), part_lse.stride(0),
                 scale * LOG2E)
         sizes = dict(GROUP=q_heads // kv_heads, ROWS=forks, D=dim, PAGE=page, BLOCK_N=block_n, num_warps=4)
-        if ws_regs:
+        if pingpong:
+            kernel, options = pingpong_prefix_kernel, dict(NBUF=nbuf, NCONS=pingpong[0], ORDERED=pingpong[1],
+                                                           CONSUMER_REGS=pingpong[2], PRODUCER_REGS=40,
+                                                           maxnreg=pingpong[3], MATH_ONLY=math_only)
+        elif ws_regs:
             kernel, options = ws_prefix_kernel, dict(NBUF=nbuf, PRODUCER_REGS=ws_regs[1], maxnreg=ws_regs[0])
         elif dual:
             kernel, options = dual_prefix_kernel, dict(MATH_ONLY=math_only)
@@ -659,6 +805,9 @@ def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = (), on
             name = f"ws_n{block_n}_b{nbuf}_p{parts}_r{ws_regs[0]}_{ws_regs[1]}"
         if dual:
             name = f"dual_n{block_n}_p{parts}" + ("_math" if math_only else "")
+        if pingpong:
+            name = (f"pp{pingpong[0]}{'' if pingpong[1] else 'free'}_n{block_n}_b{nbuf}_p{parts}"
+                    + ("_math" if math_only else ""))
         if not (math_only or no_exp):
             outs[name] = out
         return name, call
@@ -715,6 +864,10 @@ def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = (), on
         # two independent chains a warp (even and odd tiles), merged at the end
         "dual": lambda: [gluon_call(block_n, 1, parts, math_only=m, dual=True) for block_n, parts in
                          ((32, 33), (16, 33), (32, 49)) for m in (False, True)],
+        # two or three consumer warpgroups and a producer warp in one program an SM (16 partitions),
+        # their products issued in turn or free; whole and math alone
+        "pingpong": lambda: [gluon_call(block_n, 1, 16, math_only=m, nbuf=nbuf, pingpong=(ncons, ordered, cregs, cap))
+                             for block_n, nbuf, ncons, ordered, cregs, cap in PINGPONG_CASES for m in (False, True)],
         # each head's rows of a page contiguous
         "layout": lambda: [gluon_call(64, 1, 33, head_major=True),
                            gluon_call(64, 1, 33, math_only=True, head_major=True),
@@ -792,9 +945,11 @@ def _clocks_during(timer, seconds: float = 2.0) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--skip-offline", action="store_true", help="time without the offline report first")
     parser.add_argument("--trials", type=int, default=7)
     parser.add_argument("--groups", default="tiles,math,ahead,residency,dual,layout",
-                        help="variant groups to time beside the reference: tiles, math, ahead, residency, dual, layout")
+                        help="variant groups to time beside the reference: tiles, math, ahead, residency, dual, "
+                        "layout, pingpong")
     parser.add_argument("--clocks", default="", help="variants (comma-separated names) to replay under nvidia-smi")
     parser.add_argument("--once", default="", help="variants (comma-separated names) to launch twice each and "
                         "nothing else, for Nsight Compute (scripts/ncu_prefix.sh)")
@@ -805,7 +960,8 @@ def main() -> None:
         compile_only()
     else:
         try:
-            compile_only()
+            if not args.skip_offline:
+                compile_only()
         except (OSError, RuntimeError, AttributeError) as exc:  # no ptxas / nvdisasm beside this Triton
             print(f"offline report skipped: {exc}")
         run(args.trials, tuple(args.groups.split(",")), tuple(args.clocks.split(",")) if args.clocks else ())
