@@ -25,17 +25,20 @@ the numerical contract), no exponentials (``NO_EXP``, wrong results), page indic
 ahead (``CARRY``), more buffers (``NBUF``), rows asked into L2 tiles ahead (``PREFETCH``), a
 head-major copy of the pages, and a warp-specialised kernel (:func:`ws_prefix_kernel`: one
 producer warp issues the copies into a ring of buffers handed over by mbarriers), and two independent
-softmax chains a warp (:func:`dual_prefix_kernel`, even and odd tiles). ``--clocks`` samples the SM
+softmax chains a warp (:func:`dual_prefix_kernel`, even and odd tiles), and two or three consumer
+warpgroups beside one producer warp in one program, issuing their products in turn or not
+(:func:`pingpong_prefix_kernel`). ``--clocks`` samples the SM
 clock and board power (nvidia-smi) while chosen variants replay; ``--once`` launches chosen variants
 twice each and times nothing, for Nsight Compute (``scripts/ncu_prefix.sh``).
 
 Usage: ``python3 scripts/gluon_tall_probe.py [--compile-only] [--trials 7]
-[--groups tiles,math,ahead,residency,dual,layout]
+[--groups tiles,math,ahead,residency,dual,layout,pingpong] [--skip-offline]
 [--clocks a,b] [--once a,b]``
 (Triton 3.6's Gluon API:
 Triton 3.9 renamed ``async_copy_global_to_shared`` to ``async_load``). Results: docs/benchmarks.md,
-"The tall programs in Gluon, a probe", "The cascade's prefix programs taken apart" and "The prefix
-programs' counters, two softmax chains, and the acceptance grid on an H100".
+"The tall programs in Gluon, a probe", "The cascade's prefix programs taken apart", "The prefix
+programs' counters, two softmax chains, and the acceptance grid on an H100" and "Consumer warpgroups in
+one program, taking turns or not".
 """
 
 from __future__ import annotations
