@@ -490,9 +490,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, ready, empty, n_tiles, pg0, pg1, scale2
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, t, pg0, pg1, scale2, BLOCK_N, PAGE, PAGES_PER_TILE, s_l)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-        p_hi = p.to(gl.bfloat16)
-        a_hi = gl.convert_layout(p_hi, p_l)
-        a_lo = gl.convert_layout((p - p_hi.to(gl.float32)).to(gl.bfloat16), p_l)
+        a_hi, a_lo = _p_parts(p, p_l)
         acc = warpgroup_mma(a_hi, v_smem.index(buf), acc, is_async=True)
         acc = warpgroup_mma(a_lo, v_smem.index(buf), acc, is_async=True)
         acc, a_hi, a_lo = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_hi, a_lo))
@@ -531,16 +529,44 @@ def ws_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pages,
 
 
 @gluon.jit
-def _pp_consumer(q_smem, k_smem, v_smem, ready, empty, turn, OUT, LSE, n_tiles, pg0, pg1, part, kvh, stride_op,
-                 stride_oh, stride_lp, scale2, C: gl.constexpr, NCONS: gl.constexpr, GROUP: gl.constexpr,
-                 ROWS: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
+def _pp_producer(loads, D: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
+                 MATH_ONLY: gl.constexpr):
+    """:func:`_ws_producer` with its runtime arguments in one tuple ``loads``."""
+    k_smem, v_smem, ready, empty, K, V, page_table, pg0, pg1, n_tiles, kvh, stride_kp, stride_kn, stride_kh = loads
+    _ws_producer(k_smem, v_smem, ready, empty, K, V, page_table, pg0, pg1, n_tiles, kvh, stride_kp, stride_kn,
+                 stride_kh, D, PAGE, BLOCK_N, NBUF, MATH_ONLY)
+
+
+@gluon.jit
+def _p_parts(p, p_layout: gl.constexpr):
+    """Float32 weights ``p`` as the two bf16 parts of the P.V products' register operand."""
+    p_hi = p.to(gl.bfloat16)
+    return gl.convert_layout(p_hi, p_layout), gl.convert_layout((p - p_hi.to(gl.float32)).to(gl.bfloat16), p_layout)
+
+
+@gluon.jit
+def _take_turn(turn, C: gl.constexpr, k):
+    """Consumer ``C``'s turn to issue the products of its window ``k``: the previous consumer's
+    window ``k`` issued (consumer 0: the last consumer's window ``k - 1``; its first window waits for none)."""
+    if C == 0:
+        mbarrier.wait(turn.index(0), (k - 1) & 1, pred=k > 0)
+    else:
+        mbarrier.wait(turn.index(C), k & 1)
+
+
+@gluon.jit
+def _pp_consumer(shared, C: gl.constexpr, NCONS: gl.constexpr, GROUP: gl.constexpr, ROWS: gl.constexpr,
+                 D: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
                  ORDERED: gl.constexpr):
     """Consumer warpgroup ``C`` of ``NCONS``: tiles ``C, C + NCONS, ...`` of the partition, with its
     own online softmax, each tile's scores issued together with the previous tile's two-part P.V
     products (as :func:`tall_prefix_kernel`'s ``OVERLAP`` 1). ``ORDERED``: the consumers take turns
     issuing their products (``turn[C]`` waited for, ``turn[C + 1]`` arrived at after the issue), so
     one warpgroup's softmax runs while another's products do. Writes its own float32 partials at
-    partial ``part * NCONS + C``."""
+    partial ``part * NCONS + C``. ``shared``: the program's buffers, barriers and scalars, as
+    :func:`pingpong_prefix_kernel` hands them to every consumer."""
+    q_smem, k_smem, v_smem, ready, empty, turn, OUT, LSE, n_tiles, pg0, pg1, part, kvh, stride_op, stride_oh, \
+        stride_lp, scale2 = shared
     BLOCK_M: gl.constexpr = ROWS * GROUP
     PAGES_PER_TILE: gl.constexpr = BLOCK_N // PAGE
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -553,8 +579,7 @@ def _pp_consumer(q_smem, k_smem, v_smem, ready, empty, turn, OUT, LSE, n_tiles, 
     mbarrier.wait(ready.index(buf), (C // NBUF) & 1)
     fence_async_shared()  # the copies' writes before the products read them
     if ORDERED:
-        if C > 0:
-            mbarrier.wait(turn.index(C), 0)
+        _take_turn(turn, C, 0)
     s = warpgroup_mma(q_smem, k_smem.index(buf).permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_l),
                       use_acc=False, is_async=True)
     if ORDERED:
@@ -568,16 +593,11 @@ def _pp_consumer(q_smem, k_smem, v_smem, ready, empty, turn, OUT, LSE, n_tiles, 
         t = C + k * NCONS
         prev = (t - NCONS) % NBUF
         buf = t % NBUF
-        p_hi = p.to(gl.bfloat16)
-        a_hi = gl.convert_layout(p_hi, p_l)
-        a_lo = gl.convert_layout((p - p_hi.to(gl.float32)).to(gl.bfloat16), p_l)
+        a_hi, a_lo = _p_parts(p, p_l)
         mbarrier.wait(ready.index(buf), (t // NBUF) & 1)
         fence_async_shared()
         if ORDERED:
-            if C == 0:
-                mbarrier.wait(turn.index(0), (k - 1) & 1)
-            else:
-                mbarrier.wait(turn.index(C), k & 1)
+            _take_turn(turn, C, k)
         s = warpgroup_mma(q_smem, k_smem.index(buf).permute((1, 0)), s, use_acc=False, is_async=True)
         acc = warpgroup_mma(a_hi, v_smem.index(prev), acc, is_async=True)
         acc = warpgroup_mma(a_lo, v_smem.index(prev), acc, is_async=True)
@@ -589,9 +609,7 @@ def _pp_consumer(q_smem, k_smem, v_smem, ready, empty, turn, OUT, LSE, n_tiles, 
         mbarrier.arrive(empty.index(prev))  # tile t - NCONS's buffer is free
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
     last = (C + (n_mine - 1) * NCONS) % NBUF
-    p_hi = p.to(gl.bfloat16)
-    a_hi = gl.convert_layout(p_hi, p_l)
-    a_lo = gl.convert_layout((p - p_hi.to(gl.float32)).to(gl.bfloat16), p_l)
+    a_hi, a_lo = _p_parts(p, p_l)
     acc = warpgroup_mma(a_hi, v_smem.index(last), acc, is_async=True)
     acc = warpgroup_mma(a_lo, v_smem.index(last), acc, is_async=True)
     acc, a_hi, a_lo = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_hi, a_lo))
@@ -611,6 +629,9 @@ def pingpong_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pa
     serves one consumer), and with ``ORDERED`` the consumers' products issued in turn. Each
     consumer writes its own partials: ``NCONS`` a partition. ``MATH_ONLY``: the producer's copies cut
     after three tiles."""
+    gl.static_assert((NCONS == 2) | (NCONS == 3), "two or three consumers")
+    # each buffer serves one consumer, and a consumer frees a buffer before it needs the one after
+    gl.static_assert((NBUF % NCONS == 0) & (NBUF >= 2 * NCONS), "NBUF: a multiple of NCONS, at least 2 * NCONS")
     BLOCK_M: gl.constexpr = ROWS * GROUP
     sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     kvh, part, pg0, pg1, n_tiles = _partition(pages_per_part, num_pages, BLOCK_N // PAGE)
@@ -627,32 +648,22 @@ def pingpong_prefix_kernel(Q, K, V, OUT, LSE, page_table, pages_per_part, num_pa
         mbarrier.init(turn.index(i), count=1)
     fence_async_shared()
     gl.thread_barrier()
-    # (the argument tuples written out: a tuple built with + inside the kernel loses its constexprs)
+    # every consumer's runtime arguments in one tuple; constexprs are written out in each call (a tuple
+    # held in a variable or built with + inside the kernel loses them)
+    shared = (q_smem, k_smem, v_smem, ready, empty, turn, OUT, LSE, n_tiles, pg0, pg1, part, kvh, stride_op,
+              stride_oh, stride_lp, scale2)
+    loads = (k_smem, v_smem, ready, empty, K, V, page_table, pg0, pg1, n_tiles, kvh, stride_kp, stride_kn, stride_kh)
     if NCONS == 2:
-        gl.warp_specialize(
-            [(_pp_consumer, (q_smem, k_smem, v_smem, ready, empty, turn, OUT, LSE, n_tiles, pg0, pg1, part, kvh,
-                             stride_op, stride_oh, stride_lp, scale2, 0, NCONS, GROUP, ROWS, D, PAGE, BLOCK_N, NBUF,
-                             ORDERED)),
-             (_pp_consumer, (q_smem, k_smem, v_smem, ready, empty, turn, OUT, LSE, n_tiles, pg0, pg1, part, kvh,
-                             stride_op, stride_oh, stride_lp, scale2, 1, NCONS, GROUP, ROWS, D, PAGE, BLOCK_N, NBUF,
-                             ORDERED)),
-             (_ws_producer, (k_smem, v_smem, ready, empty, K, V, page_table, pg0, pg1, n_tiles, kvh, stride_kp,
-                             stride_kn, stride_kh, D, PAGE, BLOCK_N, NBUF, MATH_ONLY))],
-            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([(_pp_consumer, (shared, 0, NCONS, GROUP, ROWS, D, PAGE, BLOCK_N, NBUF, ORDERED)),
+                            (_pp_consumer, (shared, 1, NCONS, GROUP, ROWS, D, PAGE, BLOCK_N, NBUF, ORDERED)),
+                            (_pp_producer, (loads, D, PAGE, BLOCK_N, NBUF, MATH_ONLY))],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize(
-            [(_pp_consumer, (q_smem, k_smem, v_smem, ready, empty, turn, OUT, LSE, n_tiles, pg0, pg1, part, kvh,
-                             stride_op, stride_oh, stride_lp, scale2, 0, NCONS, GROUP, ROWS, D, PAGE, BLOCK_N, NBUF,
-                             ORDERED)),
-             (_pp_consumer, (q_smem, k_smem, v_smem, ready, empty, turn, OUT, LSE, n_tiles, pg0, pg1, part, kvh,
-                             stride_op, stride_oh, stride_lp, scale2, 1, NCONS, GROUP, ROWS, D, PAGE, BLOCK_N, NBUF,
-                             ORDERED)),
-             (_pp_consumer, (q_smem, k_smem, v_smem, ready, empty, turn, OUT, LSE, n_tiles, pg0, pg1, part, kvh,
-                             stride_op, stride_oh, stride_lp, scale2, 2, NCONS, GROUP, ROWS, D, PAGE, BLOCK_N, NBUF,
-                             ORDERED)),
-             (_ws_producer, (k_smem, v_smem, ready, empty, K, V, page_table, pg0, pg1, n_tiles, kvh, stride_kp,
-                             stride_kn, stride_kh, D, PAGE, BLOCK_N, NBUF, MATH_ONLY))],
-            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([(_pp_consumer, (shared, 0, NCONS, GROUP, ROWS, D, PAGE, BLOCK_N, NBUF, ORDERED)),
+                            (_pp_consumer, (shared, 1, NCONS, GROUP, ROWS, D, PAGE, BLOCK_N, NBUF, ORDERED)),
+                            (_pp_consumer, (shared, 2, NCONS, GROUP, ROWS, D, PAGE, BLOCK_N, NBUF, ORDERED)),
+                            (_pp_producer, (loads, D, PAGE, BLOCK_N, NBUF, MATH_ONLY))],
+                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 # (tile rows, buffers, consumers, ordered, consumer registers, the program's register cap): the producer's
@@ -773,6 +784,9 @@ def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = (), on
         kc, vc = (kc_hm, vc_hm) if head_major else (kc_rm, vc_rm)
         pages_per_part = -(-num_pages // parts)
         parts = -(-num_pages // pages_per_part)
+        if pingpong and pages_per_part * page < pingpong[0] * block_n:
+            raise ValueError(f"{parts} partitions of {pages_per_part} pages leave a consumer of {pingpong[0]} "
+                             f"without a {block_n}-row tile")
         partials = parts * (pingpong[0] if pingpong else 1)
         part_out = torch.empty(partials * forks, q_heads, dim, device=device, dtype=torch.float32)
         part_lse = torch.empty(partials * forks, q_heads, device=device, dtype=torch.float32)
