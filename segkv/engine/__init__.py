@@ -2,7 +2,7 @@
 
 from segkv.engine.async_engine import AsyncEngine, StreamUpdate
 from segkv.engine.conversation import Conversation, ConversationSnapshot, Turn
-from segkv.engine.core import EngineCore, EngineRequest, QueueFullError
+from segkv.engine.core import EngineCore, EngineRequest, EngineStopped, QueueFullError
 from segkv.engine.llm import LLM
 from segkv.engine.sessions import Session, SessionStore
 from segkv.scheduler.scheduler import SchedulerConfig
@@ -14,6 +14,7 @@ __all__ = [
     "ConversationSnapshot",
     "EngineCore",
     "EngineRequest",
+    "EngineStopped",
     "QueueFullError",
     "SchedulerConfig",
     "Session",

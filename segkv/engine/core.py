@@ -21,6 +21,10 @@ class QueueFullError(RuntimeError):
     """The engine's waiting queue is full; the request was not added."""
 
 
+class EngineStopped(RuntimeError):
+    """The engine is shutting down: a new request is refused, a running one is ended."""
+
+
 @dataclass(slots=True)
 class EngineRequest:
     """A request in flight: its samples, timing and how much of its prompt came from cache."""
