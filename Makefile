@@ -8,18 +8,25 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: install test bench-memory run clean chromium
+.PHONY: install install-runtime test bench-memory run clean chromium
 PORT ?= 8000
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+# Serving needs the runtime dependencies only; the test extras (transformers, playwright,
+# triton, hypothesis...) are installed by `make test`. Each stamp records what is installed.
+$(VENV)/.runtime: pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.runtime
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 
+install-runtime: $(VENV)/.runtime
 install: $(VENV)/.installed
 
 # The dashboard is tested in Debian's Chromium (Playwright's own browser download is unreachable).
@@ -33,7 +40,7 @@ bench-memory: install
 	$(BIN)/python -m segkv.bench.cache_memory
 
 # The main job: the OpenAI-compatible server with the built-in default model.
-run: install
+run: install-runtime
 	$(BIN)/segkv serve --model default --port $(PORT)
 
 clean:
