@@ -548,3 +548,107 @@ def test_saving_into_a_missing_directory_names_the_file(tmp_path, gen):
     with pytest.raises(FileNotFoundError, match=f"cannot write '{target}'"):
         save_snapshot(target, snapshot, cache, fingerprint=FINGERPRINT)
     assert list(tmp_path.iterdir()) == []
+
+
+# -- atomic saves and predictable errors ------------------------------------------------------
+def test_a_directory_is_refused_on_load_and_on_save(saved, tmp_path, gen):
+    """A directory is a ValueError both ways (safetensors alone gives an OSError naming no path);
+    the pool, the directory and its contents stay as they were."""
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "inside").write_bytes(b"kept")
+    cache, _ = busy_cache()
+    err = assert_load_fails(folder, cache, ValueError, "is a directory")
+    assert str(folder) in str(err)
+    snapshot, _, _ = build_history(cache, gen)
+    with pytest.raises(ValueError, match="is a directory"):
+        save_snapshot(folder, snapshot, cache, fingerprint=FINGERPRINT)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conv.segkv", "folder"]
+    assert [p.name for p in folder.iterdir()] == ["inside"] and (folder / "inside").read_bytes() == b"kept"
+
+
+def test_a_directory_appearing_during_the_save_is_a_value_error(tmp_path, gen, monkeypatch):
+    cache = make_cache()
+    snapshot, _, _ = build_history(cache, gen)
+    target = tmp_path / "conv.segkv"
+    real_save = snapshot_file.save_file
+
+    def save_then_mkdir(tensors, filename, metadata=None):
+        real_save(tensors, filename, metadata=metadata)
+        target.mkdir()  # another process takes the name between the check and the rename
+
+    monkeypatch.setattr(snapshot_file, "save_file", save_then_mkdir)
+    with pytest.raises(ValueError, match="is a directory"):
+        save_snapshot(target, snapshot, cache, fingerprint=FINGERPRINT)
+    assert [p.name for p in tmp_path.iterdir()] == ["conv.segkv"] and target.is_dir()
+
+
+def test_the_save_writes_a_temporary_file_beside_the_target_then_renames(saved, tmp_path, gen, monkeypatch):
+    """Order: the whole file is written and fsynced under a temporary name in the same
+    directory, then renamed over the target, then the directory is fsynced."""
+    path, _, _ = saved
+    cache = make_cache()
+    snapshot, _, tokens = build_history(cache, gen)
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        src = Path(src)
+        # at the rename the temporary file is complete: it loads, and the target is still the old one
+        assert load_snapshot(src, make_cache(), fingerprint=FINGERPRINT).token_ids == tokens
+        assert load_snapshot(dst, make_cache(), fingerprint=FINGERPRINT).token_ids != tokens
+        events.append(("replace", str(src), str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(snapshot_file.os, "fsync", fsync)
+    monkeypatch.setattr(snapshot_file.os, "replace", replace)
+    save_snapshot(path, snapshot, cache, fingerprint=FINGERPRINT)
+    monkeypatch.undo()
+    assert [e[0] for e in events] == ["fsync", "replace", "fsync"]
+    tmp = events[1][1]
+    assert events[0][1] == os.path.realpath(tmp) and Path(tmp).parent == path.parent and tmp != str(path)
+    assert events[1][2] == str(path) and events[2][1] == os.path.realpath(path.parent)
+    assert load_snapshot(path, make_cache(), fingerprint=FINGERPRINT).token_ids == tokens
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+@pytest.mark.parametrize("failing", ["fsync", "replace"])
+def test_a_failed_fsync_or_rename_leaves_the_old_file_and_no_temporary(saved, tmp_path, gen, monkeypatch, failing):
+    path, _, tokens = saved
+    old = path.read_bytes()
+    cache = make_cache()
+    snapshot, _, _ = build_history(cache, gen)
+
+    def fail(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(snapshot_file.os, failing, fail)
+    with pytest.raises(OSError, match="No space left"):
+        save_snapshot(path, snapshot, cache, fingerprint=FINGERPRINT)
+    monkeypatch.undo()
+    assert path.read_bytes() == old and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    assert load_snapshot(path, make_cache(), fingerprint=FINGERPRINT).token_ids == tokens
+
+
+def test_a_directory_that_cannot_be_fsynced_is_still_closed(tmp_path, gen, monkeypatch):
+    """Where a directory refuses fsync the save still succeeds and leaks no descriptor."""
+    cache = make_cache()
+    snapshot, _, tokens = build_history(cache, gen)
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(22, "Invalid argument")
+        real_fsync(fd)
+
+    monkeypatch.setattr(snapshot_file.os, "fsync", fsync)
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(5):
+        save_snapshot(tmp_path / f"c{i}", snapshot, cache, fingerprint=FINGERPRINT)
+    assert len(os.listdir("/proc/self/fd")) == before
+    monkeypatch.undo()
+    assert load_snapshot(tmp_path / "c4", make_cache(), fingerprint=FINGERPRINT).token_ids == tokens

@@ -52,11 +52,16 @@ def save_snapshot(path: str | os.PathLike, snapshot: ChainSnapshot, cache: Paged
     ``(R, kv_lora_rank + rope_dim)``. The manifest records the format, ``fingerprint``, layout,
     segment row counts, every row's token id, ``metadata`` (loaded back as JSON decodes it) and
     a sha256 per tensor. ValueError for a released snapshot, rows without token ids, metadata
-    that is not a JSON dict or a manifest over safetensors' 100 MB header limit; a failed save
-    leaves no file behind and an existing file under ``path`` as it was.
+    that is not a JSON dict, a manifest over safetensors' 100 MB header limit or a ``path`` that
+    is a directory. The file is written beside ``path`` under a temporary name, fsynced and
+    renamed over ``path``: readers see the old file or the new one, never part of one, and a
+    failed save (an OSError, an interrupt) leaves no temporary file and an existing file
+    under ``path`` as it was. The file is readable by its owner only (it holds conversations).
     """
     path = Path(path)
     _check_fingerprint_arg(fingerprint)
+    if path.is_dir():
+        raise ValueError(f"cannot write snapshot file {path}: it is a directory")
     if not snapshot.live:
         raise ValueError("cannot save a released snapshot")
     refs = [ref for ref in snapshot.refs if ref.num_rows > 0]  # empty refs hold no rows or pages
@@ -108,13 +113,25 @@ def _atomic_save_file(path: Path, tensors: dict[str, torch.Tensor], header: dict
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, IsADirectoryError):  # a directory appeared under the name meanwhile
+            raise ValueError(f"cannot write snapshot file {path}: it is a directory") from None
         raise
-    with contextlib.suppress(OSError):  # make the rename durable where directories can be fsynced
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        os.fsync(dir_fd)
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename inside ``directory`` durable, where the platform can fsync a directory."""
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):  # e.g. Windows, some network file systems
+            os.fsync(dir_fd)
+    finally:
         os.close(dir_fd)
 
 
@@ -122,8 +139,8 @@ def _atomic_save_file(path: Path, tensors: dict[str, torch.Tensor], header: dict
 def load_snapshot(path: str | os.PathLike, cache: PagedKVCache, *, fingerprint: str) -> LoadedSnapshot:
     """Validate the snapshot file at ``path`` completely, then rebuild its chain in ``cache``.
 
-    Raises FileNotFoundError (missing file), ValueError (not a snapshot, truncated or
-    corrupted, unsupported version, other model fingerprint, other KV layout) or
+    Raises FileNotFoundError (missing file), ValueError (a directory, not a snapshot,
+    truncated or corrupted, unsupported version, other model fingerprint, other KV layout) or
     OutOfPagesError (too few free pages) before any page is allocated. The rebuilt segments
     keep the saved boundaries (no compaction); if the rebuild fails the pool gets back every
     page it lent. The returned snapshot holds the only references: release it when done.
@@ -138,6 +155,8 @@ def load_snapshot(path: str | os.PathLike, cache: PagedKVCache, *, fingerprint: 
 
 def _read_validated(path: Path, layout: KVLayout, fingerprint: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """The manifest and every tensor of the file, all checked against each other and the cache."""
+    if path.is_dir():  # safetensors would fail with an OSError naming no path ("No such device")
+        raise ValueError(f"snapshot path {path} is a directory, not a snapshot file")
     try:
         with safe_open(path, framework="pt") as reader:
             manifest = _read_manifest(path, reader.metadata() or {})
@@ -148,6 +167,8 @@ def _read_validated(path: Path, layout: KVLayout, fingerprint: str) -> tuple[dic
             tensors = {name: reader.get_tensor(name) for name in shapes}
     except FileNotFoundError as exc:
         raise FileNotFoundError(errno.ENOENT, "snapshot file does not exist", str(path)) from exc
+    except IsADirectoryError as exc:  # replaced by a directory since the check above
+        raise ValueError(f"snapshot path {path} is a directory, not a snapshot file") from exc
     except SafetensorError as exc:
         raise _corrupt(path, str(exc)) from exc
     for name, tensor in tensors.items():
