@@ -102,3 +102,177 @@ def test_idle_sessions_are_evicted_under_pressure_and_expire(model_dir):
         assert store.expire() == 6 and store.list() == []
     finally:
         engine.shutdown()
+
+
+# -- no pin outlives its session: deletes, expiry, cancels, failures and forks during a turn ----
+def idle_pages(store) -> int:
+    """Pages in use once every evictable cached segment is gone: with no session and no request
+    left this is 0, and the prefix index is empty (nothing else holds a cached segment)."""
+    with store.engine._lock:
+        store.engine.core.prefix.evict(store.engine.core.pool.num_pages)
+        return store.engine.core.pool.pages_in_use
+
+
+def live_pins(session) -> int:
+    return sum(t.pin is not None and t.pin.live for t in session.turns)
+
+
+async def started(store, session_id, text):
+    """A turn's stream after its first update (the turn is not recorded yet)."""
+    stream = store.say(session_id, text, GREEDY)
+    first = await stream.__anext__()
+    assert not first.finished
+    return stream
+
+
+async def drain(stream):
+    last = None
+    async for update in stream:
+        last = update
+    return last
+
+
+def test_a_session_deleted_during_a_turn_releases_every_pin(store):
+    assert idle_pages(store) == 0
+
+    async def run():
+        s = store.create(system="Be brief.")
+        await drain(store.say(s.session_id, "first", GREEDY))
+        stream = await started(store, s.session_id, "second")
+        store.delete(s.session_id)
+        assert live_pins(s) == 0  # the finished turn's pin went with the session
+        last = await drain(stream)  # the client still gets its reply ...
+        assert last.finished and last.output.outputs[0].finish_reason == "length"
+        return s
+
+    s = asyncio.run(run())
+    assert len(s.turns) == 1 and live_pins(s) == 0  # ... but the turn was not recorded or pinned
+    assert store.list() == [] and not s.busy
+    assert store.engine.stats()["prefix"]["num_shared_nodes"] == 0
+    assert idle_pages(store) == 0 and len(store.engine.core.prefix) == 0
+    with pytest.raises(KeyError):
+        say(store, s.session_id, "again")
+
+
+def test_expiry_skips_a_turn_in_flight_and_takes_the_session_after_it(store):
+    async def run():
+        s = store.create()
+        await drain(store.say(s.session_id, "first", GREEDY))
+        stream = await started(store, s.session_id, "second")
+        store.ttl_seconds = 0
+        assert store.expire() == 0 and store.get(s.session_id) is s  # busy: not expired
+        await drain(stream)
+        assert len(s.turns) == 2 and live_pins(s) == 2
+        assert store.expire() == 1 and live_pins(s) == 0
+        return s
+
+    s = asyncio.run(run())
+    assert store.list() == [] and idle_pages(store) == 0
+
+
+def test_a_session_expired_by_another_call_during_a_turn_pins_nothing(store):
+    """Expiry never takes a busy session; were the busy flag lost, the turn ending after the
+    expiry would still pin nothing: the session's closed mark, not the flag, guards the pin."""
+    async def run():
+        s = store.create()
+        stream = await started(store, s.session_id, "hello")
+        s.busy = False
+        store.ttl_seconds = 0
+        assert store.expire() == 1
+        await drain(stream)
+        return s
+
+    s = asyncio.run(run())
+    assert s.turns == [] and idle_pages(store) == 0
+
+
+@pytest.mark.parametrize("how", ["cancel", "aclose"])
+def test_a_cancelled_turn_records_and_pins_nothing(store, how):
+    async def run():
+        s = store.create()
+        await drain(store.say(s.session_id, "first", GREEDY))
+        pins_before = [t.pin for t in s.turns]
+        if how == "aclose":  # the client left between two updates
+            stream = await started(store, s.session_id, "second")
+            await stream.aclose()
+        else:  # the handler's task was cancelled while waiting for the next update
+            stream = await started(store, s.session_id, "second")
+            task = asyncio.ensure_future(drain(stream))
+            await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert [t.pin for t in s.turns] == pins_before and not s.busy
+        assert store.engine.core.requests == {}  # the request was aborted
+        again = await drain(store.say(s.session_id, "third", GREEDY))  # the session goes on
+        assert again.finished and len(s.turns) == 2 and live_pins(s) == 2
+        return s
+
+    s = asyncio.run(run())
+    store.delete(s.session_id)
+    assert idle_pages(store) == 0
+
+
+def test_a_turn_whose_request_fails_records_and_pins_nothing(store, monkeypatch):
+    core = store.engine.core
+    real_step = core.step
+
+    def failing_step():
+        monkeypatch.setattr(core, "step", real_step)
+        raise RuntimeError("device lost")
+
+    s = store.create()
+    say(store, s.session_id, "first")
+    monkeypatch.setattr(core, "step", failing_step)
+    with pytest.raises(RuntimeError, match="device lost"):
+        say(store, s.session_id, "second")
+    assert len(s.turns) == 1 and live_pins(s) == 1 and not s.busy
+    with pytest.raises(ValueError):  # a prompt too long for the model: refused before any work
+        say(store, s.session_id, "x" * 10_000)
+    assert len(s.turns) == 1 and not s.busy
+    store.delete(s.session_id)
+    assert idle_pages(store) == 0
+
+
+def test_fork_restore_and_save_during_a_turn(store, tmp_path):
+    async def run():
+        s = store.create(system="sys")
+        await drain(store.say(s.session_id, "first", GREEDY))
+        stream = await started(store, s.session_id, "second")
+        child = store.fork(s.session_id)  # the turn in flight is not part of the fork
+        with pytest.raises(ValueError, match="generating"):
+            store.restore(s.session_id, 0)
+        store.save(s.session_id, tmp_path / "s.segkv")  # saves the last finished turn
+        store.delete(s.session_id)
+        await drain(stream)
+        return s, child
+
+    s, child = asyncio.run(run())
+    assert len(child.turns) == 1 and live_pins(child) == 1 and len(s.turns) == 1
+    assert child.messages == s.turns[0].messages
+    loaded = store.load(tmp_path / "s.segkv")
+    assert loaded.messages == child.messages and loaded.turns[0].tokens == child.turns[0].tokens
+    assert say(store, child.session_id, "next").outputs[0].token_ids == \
+        say(store, loaded.session_id, "next").outputs[0].token_ids
+    for session in store.list():
+        store.delete(session.session_id)
+    assert idle_pages(store) == 0
+
+
+def test_loads_that_fail_change_nothing(store, tmp_path):
+    s = store.create()
+    say(store, s.session_id, "keep me")
+    store.save(s.session_id, tmp_path / "s.segkv")
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ValueError, match="is a directory"):
+        store.load(tmp_path / "folder")
+    with pytest.raises(FileNotFoundError):
+        store.load(tmp_path / "folder" / "missing.segkv")
+    store.max_sessions = 1  # the file is read, then the store refuses: its rows go back
+    with pytest.raises(ValueError, match="too many sessions"):
+        store.load(tmp_path / "s.segkv")
+    with pytest.raises(ValueError, match="too many sessions"):
+        store.fork(s.session_id)
+    assert store.list() == [s] and live_pins(s) == 1
+    store.delete(s.session_id)
+    assert idle_pages(store) == 0

@@ -146,9 +146,13 @@ class SessionStore:
             ids = self.engine.llm.tokenizer.encode_chat(messages, add_generation_prompt=True)
             before = self.engine.stats()["bytes_in_use"]
             last = None
-            async for update in self.engine.generate(ids, params):
-                last = update
-                yield update
+            stream = self.engine.generate(ids, params)
+            try:
+                async for update in stream:
+                    last = update
+                    yield update
+            finally:  # closed here, not when collected: a client that left aborts the request now
+                await stream.aclose()
             if last is None or not last.finished or last.output.outputs[0].finish_reason == "abort":
                 return
             out = last.output.outputs[0]
