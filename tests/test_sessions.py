@@ -276,3 +276,32 @@ def test_loads_that_fail_change_nothing(store, tmp_path):
     assert store.list() == [s] and live_pins(s) == 1
     store.delete(s.session_id)
     assert idle_pages(store) == 0
+
+
+def test_a_load_evicts_unreferenced_cached_segments_to_make_room(model_dir, tmp_path):
+    engine = AsyncEngine(LLM(model_dir, page_size=4, num_pages=60))
+    store = SessionStore(engine)
+    try:
+        s = store.create()
+        say(store, s.session_id, "a message worth saving " * 2)
+        store.save(s.session_id, tmp_path / "s.segkv")
+        store.delete(s.session_id)
+        need = len(s.turns[0].tokens) // 4 + 1
+        for i in range(20):  # stateless requests: their rows stay cached (evictable) in the index
+            ids = engine.llm.tokenizer.encode_chat([{"role": "user", "content": f"{i} filler text"}],
+                                                   add_generation_prompt=True)
+            asyncio.run(_generate(engine, ids))
+            if engine.core.pool.num_free_pages < need:
+                break
+        assert engine.core.pool.num_free_pages < need and engine.core.prefix.num_evictable_pages() > 0
+        loaded = store.load(tmp_path / "s.segkv")
+        assert loaded.messages == s.turns[0].messages and live_pins(loaded) == 1
+        store.delete(loaded.session_id)
+        assert idle_pages(store) == 0
+    finally:
+        engine.shutdown()
+
+
+async def _generate(engine, ids):
+    async for _ in engine.generate(ids, GREEDY):
+        pass

@@ -652,3 +652,24 @@ def test_a_directory_that_cannot_be_fsynced_is_still_closed(tmp_path, gen, monke
     assert len(os.listdir("/proc/self/fd")) == before
     monkeypatch.undo()
     assert load_snapshot(tmp_path / "c4", make_cache(), fingerprint=FINGERPRINT).token_ids == tokens
+
+
+def test_make_room_is_asked_for_the_pages_missing_before_a_load_is_refused(saved):
+    path, rows, _ = saved
+    cache, other = busy_cache(num_pages=6)  # 5 pages needed, 4 free: 1 missing
+    asked = []
+    with pytest.raises(OutOfPagesError, match="need 5 pages of 16 rows, 4 of 6"):
+        load_snapshot(path, cache, fingerprint=FINGERPRINT, make_room=asked.append)  # frees nothing
+    assert asked == [1] and cache.pool.num_free_pages == 4
+
+    def release_other(short):
+        asked.append(short)
+        other.release()  # like evicting an unreferenced cached segment: its 2 pages come back
+
+    loaded = load_snapshot(path, cache, fingerprint=FINGERPRINT, make_room=release_other)
+    assert asked == [1, 1] and cache.pool.num_free_pages == 1
+    assert_bits_equal(gather(cache, loaded.snapshot), rows)
+    never = []
+    loaded.snapshot.release()
+    load_snapshot(path, cache, fingerprint=FINGERPRINT, make_room=never.append)
+    assert never == []  # enough free pages: nothing is asked of make_room

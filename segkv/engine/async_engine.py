@@ -105,7 +105,9 @@ class AsyncEngine:
     def load_snapshot(self, path) -> tuple[ChainSnapshot, list[int], dict]:
         """Load a snapshot file into the cache and the prefix index; errors change nothing."""
         with self._lock:
-            loaded = load_snapshot(path, self.llm.cache, fingerprint=self.llm.fingerprint)
+            # unreferenced cached segments give way to the file, as they do to new requests
+            loaded = load_snapshot(path, self.llm.cache, fingerprint=self.llm.fingerprint,
+                                   make_room=self.core.prefix.evict)
             self.core.prefix.insert(loaded.snapshot.refs)
             return loaded.snapshot, loaded.token_ids, loaded.metadata
 

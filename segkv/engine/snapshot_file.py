@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,19 +137,22 @@ def _fsync_directory(directory: Path) -> None:
 
 
 # -- loading ----------------------------------------------------------------------------
-def load_snapshot(path: str | os.PathLike, cache: PagedKVCache, *, fingerprint: str) -> LoadedSnapshot:
+def load_snapshot(path: str | os.PathLike, cache: PagedKVCache, *, fingerprint: str,
+                  make_room: Callable[[int], object] | None = None) -> LoadedSnapshot:
     """Validate the snapshot file at ``path`` completely, then rebuild its chain in ``cache``.
 
     Raises FileNotFoundError (missing file), ValueError (a directory, not a snapshot,
     truncated or corrupted, unsupported version, other model fingerprint, other KV layout) or
-    OutOfPagesError (too few free pages) before any page is allocated. The rebuilt segments
-    keep the saved boundaries (no compaction); if the rebuild fails the pool gets back every
-    page it lent. The returned snapshot holds the only references: release it when done.
+    OutOfPagesError (too few free pages, after ``make_room(pages_short)``, if given, had its
+    chance to free some, e.g. by evicting unreferenced cached segments) before any page is
+    allocated. The rebuilt segments keep the saved boundaries (no compaction); if the rebuild
+    fails the pool gets back every page it lent. The returned snapshot holds the only
+    references: release it when done.
     """
     path = Path(path)
     _check_fingerprint_arg(fingerprint)
     manifest, tensors = _read_validated(path, cache.layout, fingerprint)
-    _check_capacity(path, cache.pool, manifest["segment_rows"])
+    _check_capacity(path, cache.pool, manifest["segment_rows"], make_room)
     snapshot = _rebuild(cache, manifest, tensors)
     return LoadedSnapshot(snapshot, list(manifest["token_ids"]), manifest["metadata"], manifest["num_rows"])
 
@@ -221,9 +225,13 @@ def _check_manifest(path: Path, manifest: dict, layout: KVLayout, fingerprint: s
                          + ("; ".join(diffs) or f"fields {sorted(saved)}"))
 
 
-def _check_capacity(path: Path, pool: PagePool, segment_rows: list[int]) -> None:
-    """OutOfPagesError unless the pool has the pages the rebuilt segments will take."""
+def _check_capacity(path: Path, pool: PagePool, segment_rows: list[int],
+                    make_room: Callable[[int], object] | None) -> None:
+    """OutOfPagesError unless the pool has (or ``make_room`` frees) the pages the rebuilt
+    segments will take."""
     need = sum(pool.pages_for_rows(n) for n in segment_rows)
+    if need > pool.num_free_pages and make_room is not None:
+        make_room(need - pool.num_free_pages)
     if need > pool.num_free_pages:
         raise OutOfPagesError(f"cannot load snapshot file {path}: its {sum(segment_rows)} rows in "
                               f"{len(segment_rows)} segments need {need} pages of {pool.page_size} rows, "
