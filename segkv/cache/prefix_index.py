@@ -204,6 +204,10 @@ class PrefixIndex:
             holders.update(node.ref.page_ids)
         return sum(1 for p, n in holders.items() if n == self.pool.ref_count(p))
 
+    def num_pages_held_only(self) -> int:
+        """Pages nobody but the index holds: cached prefixes, freed first when pages run out."""
+        return sum(1 for p, n in self._holds.items() if self.pool.ref_count(p) == n)
+
     def _evictable_subtrees(self) -> list[_Node]:
         """Nodes whose whole subtree is held by the index only (children before parents)."""
         ok: dict[int, bool] = {}

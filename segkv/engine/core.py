@@ -236,8 +236,22 @@ class EngineCore:
                         compaction=self.llm.cache.compaction)
         return chain, match.num_tokens
 
+    def pages_of_requests(self) -> int:
+        """Pages the chains of unfinished requests hold (shared pages counted once)."""
+        pages: set[int] = set()
+        for request in self.requests.values():
+            for seq in request.all_seqs():
+                for ref in seq.chain.refs:
+                    pages.update(ref.page_ids)
+                if seq.chain.tail is not None:
+                    pages.update(seq.chain.tail.page_ids)
+        return len(pages)
+
     def stats(self) -> dict[str, object]:
-        return {**self.pool.stats(), "running": len(self.running), "waiting": len(self.waiting),
+        # pages_in_use = requests + cached only (evictable) + the rest (pinned, e.g. by sessions)
+        return {**self.pool.stats(), "pages_requests": self.pages_of_requests(),
+                "pages_cached_only": self.prefix.num_pages_held_only(),
+                "running": len(self.running), "waiting": len(self.waiting),
                 "preemptions": self.num_preemptions, "prefix": self.prefix.stats(),
                 "steps_ahead": {"used": self.llm.generator.steps_ahead_used,
                                 "cancelled": self.llm.generator.steps_ahead_cancelled},

@@ -103,7 +103,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
     app.state.sessions = sessions
     app.include_router(sessions_router(sessions, snapshot_dir=Path(snapshot_dir) if snapshot_dir else None))
     app.include_router(dashboard_router(
-        lambda: {**engine.live_stats(), "sessions": [s.describe() for s in sessions.list()]}))
+        lambda: {**engine.live_stats(), "sessions": [s.describe() for s in sessions.list()]},
+        model_name=model_name, max_model_len=engine.llm.max_model_len, started=time.time()))
     llm = engine.llm
     tokenizer = llm.tokenizer
     metrics = ServerMetrics(lambda: {**engine.stats(), "sessions": sessions.stats()}, model_name=model_name)
