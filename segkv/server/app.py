@@ -11,29 +11,26 @@ from pathlib import Path
 
 import jinja2
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from segkv.engine import AsyncEngine, QueueFullError, SessionStore, StreamUpdate
+from segkv.engine import AsyncEngine, SessionStore, StreamUpdate
 from segkv.outputs import RequestOutput
 from segkv.sampling_params import SamplingParams
+from segkv.server.auth import ApiKeyAuth
+from segkv.server.context import fit_max_tokens
 from segkv.server.dashboard import dashboard_router
-from segkv.server.disconnect import ClientGone, unless_client_leaves
+from segkv.server.disconnect import unless_client_leaves
+from segkv.server.errors import APIError, echo, engine_error, install_error_handlers, safe_message
+from segkv.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from segkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from segkv.server.sessions_api import sessions_router
 from segkv.server.protocol import (ChatCompletionRequest, CompletionRequest, Usage, chat_logprobs,
-                                   completion_logprobs, error_body, finish_reason)
+                                   completion_logprobs, finish_reason)
+
+__all__ = ["APIError", "DEFAULT_MAX_REQUEST_BYTES", "create_app"]
 
 LSE_API = "torch-reference"
-
-
-class APIError(Exception):
-    """An error answered as an OpenAI error body with ``status``."""
-
-    def __init__(self, status: int, message: str, type_: str, *, param: str | None = None, code=None) -> None:
-        super().__init__(message)
-        self.status, self.body = status, error_body(message, type_, param=param, code=code)
 
 
 class _Streams:
@@ -80,25 +77,25 @@ class _Streams:
             task.cancel()
 
 
-def _engine_error(exc: Exception) -> APIError:
-    if isinstance(exc, QueueFullError):
-        return APIError(503, str(exc), "service_unavailable_error", code="queue_full")
-    if isinstance(exc, (ValueError, TypeError, jinja2.TemplateError)):
-        return APIError(400, str(exc), "invalid_request_error")
-    return APIError(500, f"engine error: {exc}", "server_error")
-
-
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path | None = None,
-               session_ttl: float = 3600.0) -> FastAPI:
+               session_ttl: float = 3600.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               api_key: str | None = None) -> FastAPI:
     """An OpenAI-compatible app serving ``engine`` under the model name ``model_name``.
 
     Sessions live ``session_ttl`` seconds idle; ``snapshot_dir`` enables saving them to files.
+    Request bodies over ``max_request_bytes`` get a 413. With ``api_key``, ``/v1/*`` and the
+    dashboard's data need ``Authorization: Bearer <api_key>`` (see :mod:`segkv.server.auth`);
+    ``/health`` and ``/metrics`` stay open. Every error is an OpenAI error body.
     """
     app = FastAPI(title="segkv", version="0")
+    install_error_handlers(app)
+    app.add_middleware(RequestGuard, max_bytes=max_request_bytes)
+    if api_key is not None:  # added last: the outermost layer, so a request without the key is refused first
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
     sessions = SessionStore(engine, ttl_seconds=session_ttl)
     app.state.sessions = sessions
     app.include_router(sessions_router(sessions, snapshot_dir=Path(snapshot_dir) if snapshot_dir else None))
@@ -114,37 +111,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
     def token_text(token_id: int) -> str:
         return tokenizer.decode([token_id], skip_special_tokens=False)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body, status_code=exc.status)
-
-    @app.exception_handler(ClientGone)
-    async def _client_gone(_: Request, exc: ClientGone) -> JSONResponse:
-        # nobody reads it; 499 ("client closed request") keeps it apart from errors in logs
-        return JSONResponse(error_body(str(exc), "client_closed_request"), status_code=499)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":  # the body is not JSON: say so, and where it broke
-            where = first.get("ctx", {}).get("error", "")
-            body = error_body(f"the request body is not valid JSON{f': {where}' if where else ''} "
-                              f"(at character {first.get('loc', ('body', '?'))[-1]})", "invalid_request_error")
-            return JSONResponse(body, status_code=400)
-        if tuple(first.get("loc", ())) == ("body",):  # not an object at all (or not sent as JSON)
-            body = error_body("the request body must be a JSON object, sent with content-type application/json",
-                              "invalid_request_error")
-            return JSONResponse(body, status_code=400)
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}"
-                            for e in errors)
-        body = error_body(message or "invalid request", "invalid_request_error", param=".".join(loc) or None)
-        return JSONResponse(body, status_code=400)
-
     def check_model(model: str) -> None:
-        if model != model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error",
+        if model != model_name:  # the name is echoed cut short: it may be a megabyte
+            raise APIError(404, f"The model `{echo(model)}` does not exist.", "invalid_request_error",
                            param="model", code="model_not_found")
 
     def check_ids(ids: list[int]) -> list[int]:
@@ -162,7 +131,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
         try:
             await streams.start(engine, prompts, params, rid)
         except Exception as exc:
-            raise _engine_error(exc) from exc
+            raise engine_error(exc) from exc
         return streams
 
     def record(update: StreamUpdate) -> None:
@@ -177,7 +146,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
                     finals[index] = update.output
                     record(update)
         except Exception as exc:
-            raise _engine_error(exc) from exc
+            raise engine_error(exc) from exc
         finally:
             streams.close()
         return finals  # type: ignore[return-value]
@@ -206,7 +175,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
             if usage:
                 yield _sse(chunk(None, None, 0, Usage.of(finals).model_dump(), True))
         except Exception as exc:  # headers are sent: report the error in the stream
-            yield _sse(_engine_error(exc).body)
+            yield _sse(engine_error(exc).body)
         finally:
             streams.close()
         yield "data: [DONE]\n\n"
@@ -224,7 +193,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
         if not prompts:
             raise APIError(400, "prompt must not be empty", "invalid_request_error", param="prompt")
         prompts = [check_ids(p) for p in prompts]
-        params = _params(req, default_max_tokens=16, logprobs=req.logprobs)
+        max_tokens = fit_max_tokens([len(p) for p in prompts], req.requested_max_tokens, default=16,
+                                    max_model_len=llm.max_model_len, where="prompt")
+        params = _params(req, default_max_tokens=max_tokens, logprobs=req.logprobs)
         rid, n = f"cmpl-{uuid.uuid4().hex}", req.n
         streams = await start(prompts, params, rid)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
@@ -252,10 +223,13 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
         try:
             ids = tokenizer.encode_chat([m.plain() for m in req.messages], add_generation_prompt=True)
         except (ValueError, TypeError, jinja2.TemplateError) as exc:
-            raise APIError(400, str(exc), "invalid_request_error", param="messages") from exc
+            raise APIError(400, safe_message(exc), "invalid_request_error", param="messages") from exc
         check_ids(ids)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = _params(req, default_max_tokens=max(llm.max_model_len - len(ids), 1), logprobs=logprobs)
+        # no limit given: the room the context leaves, as vLLM does
+        max_tokens = fit_max_tokens([len(ids)], req.requested_max_tokens, default=llm.max_model_len,
+                                    max_model_len=llm.max_model_len, where="messages")
+        params = _params(req, default_max_tokens=max_tokens, logprobs=logprobs)
         rid, n = f"chatcmpl-{uuid.uuid4().hex}", req.n
         streams = await start([ids], params, rid)
         base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
@@ -315,4 +289,4 @@ def _params(req, *, default_max_tokens: int, logprobs: int | None) -> SamplingPa
     try:
         return req.sampling_params(default_max_tokens=default_max_tokens, logprobs=logprobs)
     except (ValueError, TypeError) as exc:
-        raise APIError(400, str(exc), "invalid_request_error") from exc
+        raise APIError(400, safe_message(exc), "invalid_request_error") from exc

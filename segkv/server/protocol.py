@@ -2,18 +2,75 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from segkv.outputs import CompletionOutput, RequestOutput
-from segkv.sampling_params import SamplingParams
+from segkv.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 MAX_SAMPLES_PER_PROMPT = 128
+# Strict as OpenAI's types are: a bool is not an integer, "yes" is not a bool, "2" is not a
+# number (a float field still takes an integer)
+STRICT = ConfigDict(strict=True)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _list_of(check, what: str):
+    """A validator for a list whose items all pass ``check``: one clear error for the first bad
+    item, where pydantic would build an error per item (millions for a large bad list)."""
+    def validate(value: object) -> object:
+        if value is None:
+            return value
+        if not isinstance(value, list):
+            raise ValueError(f"must be {what}")
+        for i, item in enumerate(value):
+            if not check(item):
+                raise ValueError(f"must be {what} (item {i} is not)")
+        return value
+
+    return BeforeValidator(validate)
+
+
+def _prompt(value: object) -> object:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        if all(_is_int(t) for t in value) or all(isinstance(t, str) for t in value):
+            return value
+        if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in value):
+            return value
+    if isinstance(value, list) and not value:
+        raise ValueError("prompt must not be empty")
+    raise ValueError("must be a string, a list of strings, a list of token ids (integers) or a list of "
+                     "token id lists")
+
+
+def _content(value: object) -> object:
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError("must be a string or a list of content parts")
+    for i, part in enumerate(value):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise ValueError(f"only text content parts are supported (part {i} is not one)")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"part {i}'s `text` must be a string")
+    return value
+
+
+_strings = _list_of(lambda s: isinstance(s, str), "a string or a list of strings").func
+Stop = Annotated[str | list[str] | None, BeforeValidator(lambda v: v if isinstance(v, str) else _strings(v))]
+TokenIds = Annotated[list[int] | None, _list_of(_is_int, "a list of token ids (integers)")]
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
@@ -36,23 +93,24 @@ class _Request(BaseModel):
     """Fields shared by completions and chat. Unknown fields are ignored, as OpenAI does, except
     the OpenAI features this server lacks (:data:`UNSUPPORTED_FIELDS`), which are refused."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    # OpenAI's ranges; the engine's SamplingParams checks the rest (finite values, seed range)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
     seed: int | None = None
     # samples per prompt; bounded as OpenAI bounds it, so one request cannot hold the engine
     n: int = Field(default=1, ge=1, le=MAX_SAMPLES_PER_PROMPT)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    stop: Stop = None
+    stop_token_ids: TokenIds = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -69,7 +127,7 @@ class _Request(BaseModel):
             "seed": self.seed, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
         }
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = self.requested_max_tokens
         return SamplingParams(
             **{k: v for k, v in given.items() if v is not None},
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
@@ -78,35 +136,51 @@ class _Request(BaseModel):
         )
 
     @property
+    def requested_max_tokens(self) -> int | None:
+        """The client's output limit (``max_completion_tokens`` first), None when omitted."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_prompt)]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """One chat message. ``developer`` is OpenAI's newer name for ``system`` and is templated as
+    one; ``tool`` messages (and assistant ``tool_calls``) are refused: tools are not implemented."""
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str | list[dict[str, Any]] | None, BeforeValidator(_content)] = None
+    name: str | None = None
 
     def plain(self) -> dict[str, Any]:
-        """The message for the chat template: text parts joined into one string."""
+        """The message for the chat template: text parts joined into one string (ValueError
+        for a tool message or tool calls)."""
+        extra = self.model_extra or {}
+        if self.role == "tool" or extra.get("tool_calls"):
+            raise ValueError("tool messages and tool calls are not supported by this server (no tools)")
         content = self.content
         if isinstance(content, list):
-            if any(part.get("type") != "text" for part in content):
-                raise ValueError("only text content parts are supported")
-            content = "".join(str(part.get("text", "")) for part in content)
-        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+            content = "".join(part["text"] for part in content)
+        role = "system" if self.role == "developer" else self.role
+        message = {**extra, "role": role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], _list_of(lambda m: isinstance(m, dict), "a list of message objects"),
+                        Field(min_length=1)]
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class Usage(BaseModel):

@@ -1,4 +1,8 @@
-"""The sessions API: create, add a turn (streaming or not), fork or restore at a turn, files, delete."""
+"""The sessions API: create, add a turn (streaming or not), fork or restore at a turn, files, delete.
+
+Errors are OpenAI error bodies; those about files name the file as the client did (``name``),
+never by its path on the server.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +15,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from segkv.engine import QueueFullError, SessionStore
+from segkv.cache import OutOfPagesError
+from segkv.engine import SessionStore
+from segkv.server.context import fit_max_tokens
 from segkv.server.disconnect import unless_client_leaves
-from segkv.server.protocol import _Request, error_body
+from segkv.server.errors import APIError, echo, engine_error, safe_message
+from segkv.server.protocol import _Request
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+DEFAULT_TURN_TOKENS = 128  # a turn's reply when the client gives no limit (less if the context is short)
 
 
 class CreateSession(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     system: str | None = None
 
 
@@ -29,15 +37,17 @@ class TurnRequest(_Request):
 
 
 class AtTurn(BaseModel):
+    model_config = ConfigDict(strict=True)
     turn: int | None = Field(default=None, ge=0)
 
 
 class FileName(BaseModel):
+    model_config = ConfigDict(strict=True)
     name: str
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param=None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param=param), status_code=status)
+    return APIError(status, message, type_, param=param).response()
 
 
 def _describe(store: SessionStore, session) -> dict:
@@ -47,12 +57,23 @@ def _describe(store: SessionStore, session) -> dict:
 def sessions_router(store: SessionStore, *, snapshot_dir: Path | None) -> APIRouter:
     """Routes under ``/v1/sessions``; files are saved and loaded by name inside ``snapshot_dir``."""
     router = APIRouter()
+    llm = store.engine.llm
+
+    def missing(session_id: str) -> JSONResponse:
+        return _error(404, f"no session {echo(session_id)!r}", "not_found_error", "session_id")
 
     def find(session_id: str):
         try:
             return store.get(session_id), None
         except KeyError:
-            return None, _error(404, f"no session {session_id!r}", "not_found_error", "session_id")
+            return None, missing(session_id)
+
+    def turn_max_tokens(session, req: TurnRequest) -> int:
+        """The turn's output limit, checked against the context like a chat request's."""
+        messages = session.messages + [{"role": "user", "content": req.content}]
+        ids = llm.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        return fit_max_tokens([len(ids)], req.requested_max_tokens, default=DEFAULT_TURN_TOKENS,
+                              max_model_len=llm.max_model_len, where="messages")
 
     @router.post("/v1/sessions")
     async def create(req: CreateSession):
@@ -75,7 +96,7 @@ def sessions_router(store: SessionStore, *, snapshot_dir: Path | None) -> APIRou
         try:
             store.delete(session_id)
         except KeyError:
-            return _error(404, f"no session {session_id!r}", "not_found_error", "session_id")
+            return missing(session_id)
         return {"id": session_id, "object": "session.deleted", "deleted": True}
 
     @router.post("/v1/sessions/{session_id}/turns")
@@ -84,15 +105,13 @@ def sessions_router(store: SessionStore, *, snapshot_dir: Path | None) -> APIRou
         if err:
             return err
         try:
-            params = req.sampling_params(default_max_tokens=128, logprobs=None)
+            params = req.sampling_params(default_max_tokens=turn_max_tokens(session, req), logprobs=None)
             if params.n != 1:
                 raise ValueError("a session turn has exactly one reply (n=1)")
             stream = store.say(session_id, req.content, params)
             first = await stream.__anext__()  # validation errors surface before any response
-        except (ValueError, TypeError) as exc:
-            return _error(400, str(exc))
-        except QueueFullError as exc:
-            return _error(503, str(exc), "service_unavailable_error")
+        except Exception as exc:  # noqa: BLE001 - invalid input 400, full or stopping 503, else 500
+            return engine_error(exc).response()
         base = {"id": f"turn-{session_id}-{len(session.turns) + 1}", "object": "session.turn",
                 "created": int(time.time()), "session_id": session_id}
 
@@ -113,6 +132,8 @@ def sessions_router(store: SessionStore, *, snapshot_dir: Path | None) -> APIRou
                         if done:
                             body["usage"] = _usage(update.output)
                         yield f"data: {json.dumps(body)}\n\n"
+                except Exception as exc:  # noqa: BLE001 - headers are sent: report the error in the stream
+                    yield f"data: {json.dumps(engine_error(exc).body)}\n\n"
                 finally:
                     await stream.aclose()
                 yield "data: [DONE]\n\n"
@@ -153,10 +174,26 @@ def sessions_router(store: SessionStore, *, snapshot_dir: Path | None) -> APIRou
 
     def file_path(name: str) -> Path:
         if snapshot_dir is None:
-            raise PermissionError("saving sessions is disabled (the server has no snapshot directory)")
+            raise APIError(403, "saving sessions is disabled (the server has no snapshot directory)",
+                           "invalid_request_error")
         if not _NAME.match(name):
-            raise ValueError("name must be 1-128 letters, digits, '.', '_' or '-'")
+            raise APIError(400, "name must be 1-128 letters, digits, '.', '_' or '-'", "invalid_request_error",
+                           param="name")
         return snapshot_dir / f"{name}.segkv"
+
+    def file_error(exc: Exception, path: Path, name: str, doing: str) -> JSONResponse:
+        """The answer to an error reading or writing ``path``, which names ``name``, not the path."""
+        text = str(exc).replace(repr(str(path)), repr(name)).replace(str(path), repr(name))
+        message = safe_message(text, extra_dirs=(str(snapshot_dir),))
+        if isinstance(exc, FileNotFoundError) and doing == "load":
+            return _error(404, f"no saved session named {name!r}", "not_found_error", "name")
+        if isinstance(exc, OutOfPagesError):
+            return _error(503, f"cannot load saved session {name!r} now: {message}", "service_unavailable_error")
+        if isinstance(exc, ValueError):
+            return _error(400, message, param="name")
+        # an OSError writing or reading the snapshot directory is the server's fault, not the client's
+        return _error(500, f"cannot {doing} saved session {name!r}: the server's snapshot directory is "
+                           "missing or not usable", "server_error")
 
     @router.post("/v1/sessions/{session_id}/save")
     async def save(session_id: str, req: FileName):
@@ -164,23 +201,24 @@ def sessions_router(store: SessionStore, *, snapshot_dir: Path | None) -> APIRou
         if err:
             return err
         try:
-            store.save(session_id, file_path(req.name))
-        except PermissionError as exc:
-            return _error(403, str(exc))
-        except ValueError as exc:
-            return _error(400, str(exc), param="name")
+            path = file_path(req.name)
+            store.save(session_id, path)
+        except APIError as exc:
+            return exc.response()
+        except (ValueError, OSError) as exc:
+            return file_error(exc, path, req.name, "save")
         return {"id": session_id, "object": "session.saved", "name": req.name}
 
     @router.post("/v1/sessions/load")
     async def load(req: FileName):
         try:
-            return _describe(store, store.load(file_path(req.name)))
-        except PermissionError as exc:
-            return _error(403, str(exc))
-        except FileNotFoundError:
-            return _error(404, f"no saved session named {req.name!r}", "not_found_error", "name")
-        except ValueError as exc:
-            return _error(400, str(exc), param="name")
+            path = file_path(req.name)
+            session = store.load(path)
+        except APIError as exc:
+            return exc.response()
+        except (ValueError, OSError, OutOfPagesError) as exc:
+            return file_error(exc, path, req.name, "load")
+        return _describe(store, session)
 
     return router
 
