@@ -81,3 +81,18 @@ def test_bad_config_json(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_model(tmp_path)
+
+
+def test_missing_model_directory_is_named(tmp_path, monkeypatch):
+    from segkv.engine import LLM
+
+    monkeypatch.chdir(tmp_path)
+    hint = "give a Hugging Face model directory or a built-in model: default, default-mla"
+    with pytest.raises(FileNotFoundError, match=f"model directory 'path/to/missing' does not exist; {hint}"):
+        LLM("path/to/missing")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="model path 'weights.bin' is not a directory"):
+        LLM("weights.bin")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=f"model directory 'empty' has no config.json; {hint}"):
+        LLM("empty")

@@ -14,7 +14,7 @@ from segkv.cache.kv_cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype
 from segkv.engine.generation import Generator
 from segkv.engine.tokenizer import Tokenizer
-from segkv.models.default_models import resolve_model_dir
+from segkv.models.default_models import check_model_dir, resolve_model_dir
 from segkv.models.loader import fingerprint, load_model
 from segkv.outputs import RequestOutput
 from segkv.runner.model_runner import ModelRunner
@@ -77,7 +77,8 @@ class LLM:
         fused_ops: bool | None = None,
         progress: bool = False,
     ) -> None:
-        self.model_dir = resolve_model_dir(model_dir)  # "default", "default-mla" or a directory
+        # "default", "default-mla" or a directory (refused clearly if it is not one)
+        self.model_dir = check_model_dir(resolve_model_dir(model_dir))
         self.dtype = parse_dtype(dtype)
         self.device = parse_device(device)
         page_size = default_page_size(self.device.type) if page_size is None else page_size

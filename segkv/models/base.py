@@ -8,6 +8,7 @@ from torch import nn
 from segkv.attention.metadata import AttentionMetadata
 from segkv.layers.linear import float32_logits
 from segkv.layers.norm import PendingCombine
+from segkv.models.config_checks import common_settings
 
 
 class PreNormBlock(nn.Module):
@@ -76,6 +77,20 @@ class CausalLM(nn.Module):
     @property
     def max_model_len(self) -> int:
         return self.cfg.max_position_embeddings
+
+    @classmethod
+    def check_config(cls, cfg: dict) -> None:
+        """Raise a ValueError naming every ``config.json`` setting that changes the computation and
+        that this family does not implement (``models/config_checks.py``)."""
+        problems = cls.unimplemented_settings(cfg)
+        if problems:
+            raise ValueError(f"{cls.__name__}: config.json asks for what segkv does not implement: "
+                             + "; ".join(problems))
+
+    @classmethod
+    def unimplemented_settings(cls, cfg: dict) -> list[str]:
+        """One line per refused setting; families add their own."""
+        return common_settings(cfg)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.model.embed_tokens(input_ids), None

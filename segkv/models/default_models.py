@@ -58,6 +58,21 @@ def resolve_model_dir(name: str | Path) -> Path:
     return ensure_placeholder(name)
 
 
+def check_model_dir(directory: str | Path) -> Path:
+    """``directory`` as a Path if it can be a model directory (a folder with ``config.json``);
+    FileNotFoundError saying what is wrong otherwise (a typo'd path used to surface as a missing
+    ``tokenizer.json``)."""
+    path = Path(directory)
+    hint = f"give a Hugging Face model directory or a built-in model: {', '.join(PACKAGED)}"
+    if not path.exists():
+        raise FileNotFoundError(f"model directory '{directory}' does not exist; {hint}")
+    if not path.is_dir():
+        raise FileNotFoundError(f"model path '{directory}' is not a directory; {hint}")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory '{directory}' has no config.json; {hint}")
+    return path
+
+
 def gqa_config(vocab_size: int, *, hidden_size: int = 256, num_layers: int = 6, num_heads: int = 8,
                num_kv_heads: int = 2, head_dim: int = 32, intermediate_size: int = 768,
                max_position_embeddings: int = 2048) -> dict[str, Any]:

@@ -67,10 +67,11 @@ def load_model(
     """Build the registered model for ``model_dir`` and load its weights.
 
     Raises FileNotFoundError for missing files and ValueError for an unsupported
-    architecture, missing or unexpected tensors, and shape mismatches.
+    architecture or config setting, missing or unexpected tensors, and shape mismatches.
     """
     cfg = read_config(model_dir)
     cls = model_class(cfg)
+    cls.check_config(cfg)  # settings that would load and then compute something else
     torch_dtype = parse_dtype(dtype)
     with torch.device("meta"):
         model = cls.from_hf_config(cfg)
