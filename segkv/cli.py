@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import inspect
+import os
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
+
+# the module docstring is for readers of the code; argparse shows this one (no reST markup)
+DESCRIPTION = "segkv: generate text, chat interactively, or serve a model over an OpenAI-compatible HTTP API."
 
 CHAT_HELP = """commands:
   /fork            continue in a new branch of this conversation (the old one is kept)
@@ -12,7 +18,8 @@ CHAT_HELP = """commands:
   /undo            go back to before the last turn
   /save PATH       save the conversation to a snapshot file
   /load PATH       load a conversation from a snapshot file (becomes a new branch)
-  /stats           pages and bytes in use, last turn's cost, segments, attention route
+  /stats           pages and bytes in use, bytes copied by compaction, the last turn's cost,
+                   segments, attention route
   /help, /quit"""
 
 CUDA_GRAPHS = {"off": False, "auto": "auto", "on": True}
@@ -20,6 +27,23 @@ CUDA_GRAPHS_HELP = ("replay decode steps from CUDA graphs: off, auto (the defaul
                     "Triton backend), on (error if not available)")
 PAGE_SIZE_HELP = "rows per KV cache page (default: 32 on CUDA, 16 elsewhere)"
 MODEL_HELP = "Hugging Face model directory, or a built-in model: 'default' (GQA) or 'default-mla' (MLA)"
+API_KEY_ENV = "SEGKV_API_KEY"  # as vLLM reads VLLM_API_KEY
+MAX_REQUEST_BYTES = 16 << 20  # the default when the app does not name its own
+SHUTTING_DOWN = "the server is shutting down"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +63,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="segkv", description=__doc__)
+    parser = argparse.ArgumentParser(prog="segkv", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     _add_model_args(gen)
@@ -68,54 +92,144 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV cache budget in GiB (pages = budget / page bytes)")
     serve.add_argument("--route", default=None, choices=["single", "split", "segments", "cascade"])
     serve.add_argument("--cuda-graphs", default="auto", choices=list(CUDA_GRAPHS), help=CUDA_GRAPHS_HELP)
-    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
-                       help="on SIGTERM / Ctrl-C, seconds that requests in flight get to finish before "
-                            "they are cancelled (their sequences aborted) and the server exits")
+    serve.add_argument("--shutdown-timeout", type=_non_negative_float, default=10.0,
+                       help="on SIGTERM / Ctrl-C, new requests get 503 and requests in flight get this many "
+                            "seconds to finish; then those left are ended (a stream gets an error event and "
+                            "[DONE]) and the server exits (default: %(default)s)")
+    serve.add_argument("--api-key", default=None,
+                       help=f"require 'Authorization: Bearer KEY' on the API (default: the {API_KEY_ENV} "
+                            "environment variable; unset: no key)")
+    serve.add_argument("--max-request-bytes", type=_positive_int, default=None,
+                       help="largest request body accepted, in bytes (default: 16 MiB)")
     return parser
 
 
 def run_serve(args) -> int:
-    """Listen at once (503 while loading), load the model in the background, then serve."""
+    """Listen at once (503 while loading), load the model in the background, then serve until a
+    signal; 1 if the model fails to load (the server then stops), else 0."""
     import threading
 
     import uvicorn
 
+    from segkv.server.lifecycle import FINAL_GRACE_SECONDS, GracefulServer
     from segkv.server.loading import LoadingGate
 
+    # bad settings stop the command before the (long) load
+    snapshot_dir = prepare_snapshot_dir(args.snapshot_dir)
+    api_key = resolve_api_key(args.api_key)
     gate = LoadingGate()
-    engines = []
+    engines: list = []
+    failures: list[Exception] = []
+
+    def stop_admitting() -> None:
+        gate.drain()
+        for engine in engines:
+            engine.stop_admitting()
+
+    def abort_all() -> int:
+        from segkv.engine import EngineStopped
+
+        return sum(engine.abort_all(EngineStopped(SHUTTING_DOWN)) for engine in engines)
+
+    config = uvicorn.Config(gate, host=args.host, port=args.port, log_level="info", lifespan="off",
+                            timeout_graceful_shutdown=FINAL_GRACE_SECONDS)
+    server = GracefulServer(config, drain_timeout=args.shutdown_timeout, stop_admitting=stop_admitting,
+                            abort_all=abort_all)
 
     def load() -> None:
         try:
-            from segkv.engine import LLM, AsyncEngine, SchedulerConfig
-            from segkv.models.default_models import is_default_name, resolve_model_dir
-            from segkv.server.app import create_app
-
-            llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device,
-                      page_size=args.page_size, max_model_len=args.max_model_len, route=args.route,
-                      kv_cache_bytes=int(args.kv_cache_memory * (1 << 30)),
-                      cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], progress=True)
-            engine = AsyncEngine(llm, SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                                      max_num_batched_tokens=args.max_num_batched_tokens))
-            engines.append(engine)
-            builtin = is_default_name(args.model)
-            name = args.served_model_name or (args.model if builtin else llm.model_dir.name)
-            gate.ready(create_app(engine, model_name=name, snapshot_dir=args.snapshot_dir,
-                                  session_ttl=args.session_ttl))
-            print(f"segkv: serving {name} on http://{args.host}:{args.port}", flush=True)
-        except Exception as exc:  # reported by every request as a 503 with the reason
+            _load_and_serve(args, gate, engines, server, snapshot_dir, api_key)
+        except Exception as exc:  # the server stops; run_serve returns 1
+            failures.append(exc)
             gate.failed(str(exc))
             print(f"segkv: error: the model failed to load: {exc}", file=sys.stderr, flush=True)
+            server.should_exit = True
 
     threading.Thread(target=load, name="segkv-load", daemon=True).start()
     try:
-        # without a bound, a shutdown would wait for every request in flight, however long
-        uvicorn.run(gate, host=args.host, port=args.port, log_level="info", lifespan="off",
-                    timeout_graceful_shutdown=args.shutdown_timeout)
+        server.run()
     finally:
         for engine in engines:
             engine.shutdown()
-    return 0
+    return 1 if failures else 0
+
+
+def _load_and_serve(args, gate, engines: list, server, snapshot_dir: Path | None,
+                    api_key: str | None) -> None:
+    """Load the model, warm it up, and install the app behind ``gate`` (the load thread's work)."""
+    import time
+
+    from segkv.engine import LLM, AsyncEngine, SchedulerConfig
+    from segkv.models.default_models import is_default_name, resolve_model_dir
+    from segkv.server import app as app_module
+
+    llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device,
+              page_size=args.page_size, max_model_len=args.max_model_len, route=args.route,
+              kv_cache_bytes=int(args.kv_cache_memory * (1 << 30)),
+              cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], progress=True)
+    if hasattr(llm, "warm_up"):  # first kernels compiled, graphs captured: the first request is not slow
+        started = time.monotonic()
+        info = llm.warm_up(progress=True)
+        seconds = info.get("seconds", time.monotonic() - started)
+        print(f"segkv: warmed up in {seconds:.1f} s, using {_mib(info.get('bytes', 0))}", flush=True)
+    if server.should_exit:  # a signal came while loading: nothing to serve
+        return
+    engine = AsyncEngine(llm, SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                              max_num_batched_tokens=args.max_num_batched_tokens))
+    engines.append(engine)
+    if gate.draining:  # the drain began between the check above and the append
+        engine.stop_admitting()
+    builtin = is_default_name(args.model)
+    name = args.served_model_name or (args.model if builtin else llm.model_dir.name)
+    options = _app_options(app_module, api_key=api_key, max_request_bytes=args.max_request_bytes)
+    gate.ready(app_module.create_app(engine, model_name=name, snapshot_dir=snapshot_dir,
+                                     session_ttl=args.session_ttl, **options))
+    print(f"segkv: serving {name} on http://{args.host}:{args.port}", flush=True)
+
+
+def resolve_api_key(flag: str | None) -> str | None:
+    """The key the API asks for: ``--api-key``, else ``$SEGKV_API_KEY`` (empty: unset), else none."""
+    if flag is not None:
+        if not flag:
+            raise ValueError("--api-key must not be empty (leave it out to serve without a key)")
+        return flag
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def _app_options(app_module, *, api_key: str | None, max_request_bytes: int | None) -> dict:
+    """``api_key`` and ``max_request_bytes`` for ``create_app``, as far as it takes them."""
+    accepted = inspect.signature(app_module.create_app).parameters
+    options: dict = {}
+    if "api_key" in accepted:
+        options["api_key"] = api_key
+    elif api_key:  # never serve openly when a key was asked for
+        raise ValueError("this server cannot check API keys (create_app takes no api_key)")
+    if "max_request_bytes" in accepted:
+        default = getattr(app_module, "DEFAULT_MAX_REQUEST_BYTES", MAX_REQUEST_BYTES)
+        options["max_request_bytes"] = max_request_bytes or default
+    return options
+
+
+def prepare_snapshot_dir(path: str | None) -> Path | None:
+    """Create ``--snapshot-dir`` (and its parents) now, so a path that cannot hold snapshots
+    stops the server before the model loads (ValueError, exit code 2)."""
+    if path is None:
+        return None
+    directory = Path(path).expanduser()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ValueError(f"--snapshot-dir {path}: a file, not a directory, is in its place") from None
+    except OSError as exc:
+        reason = exc.strerror or exc
+        raise ValueError(f"--snapshot-dir {path}: cannot create the directory: {reason}") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"--snapshot-dir {path}: the directory is not writable")
+    return directory
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):,.1f} MiB"
 
 
 def _load(args):
@@ -229,12 +343,18 @@ class ChatSession:
 
     def _stats(self, _arg: str) -> None:
         s = self.llm.cache.stats()
+        # the pool's copies are all compaction (merging a chain's small trailing segments after a
+        # turn): forks, undo, save and load share references and copy nothing
         self.write(f"pages in use {s['pages_in_use']}/{s['num_pages']}, bytes in use {s['bytes_in_use']:,} "
-                   f"(peak {s['peak_bytes_in_use']:,}), bytes copied {s['bytes_copied']:,}")
-        last = self.conv.last_stats
-        if last is not None:
+                   f"(peak {s['peak_bytes_in_use']:,}), bytes copied by compaction {s['bytes_copied']:,} "
+                   f"(forks, undo and snapshots copy nothing)")
+        last = self.conv.last_stats  # restored by /undo: the turn that is last now
+        if last is None:
+            self.write("last turn: none on this branch")
+        else:
             self.write(f"last turn: {last.new_tokens} new prompt tokens ({last.cached_tokens} cached), "
-                       f"{last.generated_tokens} generated, {last.bytes_added:,} bytes added, routes {last.routes}")
+                       f"{last.generated_tokens} generated, {last.bytes_added:,} bytes added, "
+                       f"{last.bytes_copied:,} bytes copied by compaction, routes {last.routes}")
         plan = self.llm.runner.last_plan
         self.write(f"segments in this conversation {self.conv.chain.num_segments}; "
                    f"last route {plan.route.value if plan else '-'}")

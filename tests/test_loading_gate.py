@@ -24,6 +24,22 @@ async def test_503_while_loading_then_the_app():
         assert (await http.get("/health")).json() == {"status": "ok"}
 
 
+
+@pytest.mark.anyio
+async def test_503_for_new_requests_once_draining():
+    gate = LoadingGate()
+    app = FastAPI()
+    app.get("/health")(lambda: {"status": "ok"})
+    gate.ready(app)
+    gate.drain()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gate), base_url="http://t") as http:
+        for response in (await http.get("/health"), await http.post("/v1/chat/completions", json={})):
+            assert response.status_code == 503
+            assert response.json()["error"] == {"message": "the server is shutting down",
+                                                 "type": "service_unavailable_error", "param": None,
+                                                 "code": "shutting_down"}
+            assert response.headers["connection"] == "close" and "retry-after" not in response.headers
+
 @pytest.fixture
 def anyio_backend():
     return "asyncio"

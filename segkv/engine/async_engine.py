@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 import time
 from collections import deque
@@ -10,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from segkv.cache.chain import ChainSnapshot
-from segkv.engine.core import EngineCore, EngineRequest
+from segkv.engine.core import EngineCore, EngineRequest, EngineStopped
 from segkv.engine.snapshot_file import load_snapshot, save_snapshot
 from segkv.engine.llm import LLM
 from segkv.outputs import RequestOutput
@@ -33,7 +34,8 @@ class AsyncEngine:
 
     ``generate`` yields a :class:`StreamUpdate` after every step that touched the request;
     cancelling the iterator (a client disconnect) aborts the request, and its pages are
-    freed before the next step runs.
+    freed before the next step runs. To shut down, :meth:`stop_admitting` refuses new
+    requests, and :meth:`abort_all` ends those still running with an error.
     """
 
     def __init__(self, llm: LLM, config: SchedulerConfig | None = None) -> None:
@@ -43,6 +45,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = False
+        self._admitting = True
         self.error: BaseException | None = None
         self.steps = 0
         self._token_times: deque[tuple[float, int]] = deque(maxlen=4096)  # (time, tokens sampled)
@@ -54,9 +57,12 @@ class AsyncEngine:
     # -- public API -------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
                        request_id: str | None = None) -> AsyncIterator[StreamUpdate]:
-        """Queue a request and yield its updates until it finishes (ValueError if invalid)."""
+        """Queue a request and yield its updates until it finishes (ValueError if invalid,
+        :class:`EngineStopped` once the engine stops admitting requests)."""
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            if not self._admitting:
+                raise EngineStopped("the server is shutting down")
             request = self.core.add_request(prompt_ids, params, request_id=request_id)
             self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
         self._wake.set()
@@ -80,6 +86,28 @@ class AsyncEngine:
     def stats(self) -> dict[str, object]:
         with self._lock:
             return self.core.stats()
+
+    # -- shutting down ------------------------------------------------------------------
+    def stop_admitting(self) -> None:
+        """Refuse new requests (``generate`` raises :class:`EngineStopped`); running ones go on."""
+        with self._lock:
+            self._admitting = False
+
+    @property
+    def admitting(self) -> bool:
+        return self._admitting
+
+    @property
+    def num_requests(self) -> int:
+        """Requests queued or running."""
+        with self._lock:
+            return len(self.core.requests)
+
+    def abort_all(self, exc: BaseException) -> int:
+        """Abort every request (their pages are freed) and raise ``exc`` in each one's stream;
+        return how many were aborted."""
+        with self._lock:
+            return self._abort_all(exc)
 
     # -- references for sessions (all under the engine lock) ---------------------------
     def pin(self, token_ids: list[int]) -> tuple[ChainSnapshot, int]:
@@ -133,7 +161,7 @@ class AsyncEngine:
                     self.steps += 1
                 except BaseException as exc:  # fail the in-flight requests, keep serving
                     self.error = exc
-                    self._fail_all(exc)
+                    self._abort_all(RuntimeError(f"engine step failed: {exc}"))
                     continue
                 updates = [(r, self._update(r)) for r in touched]
                 self._record(touched)
@@ -179,7 +207,11 @@ class AsyncEngine:
         except RuntimeError:  # the caller's loop is gone
             self.core.abort(request_id)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        for request_id in list(self.core.requests):
+    def _abort_all(self, exc: BaseException) -> int:
+        """Under the lock: abort every request and deliver a copy of ``exc`` to each stream."""
+        request_ids = list(self.core.requests)
+        for request_id in request_ids:
             self.core.abort(request_id)
-            self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
+            # a copy each: one exception object raised in several tasks would pile up tracebacks
+            self._deliver(request_id, copy.copy(exc))
+        return len(request_ids)

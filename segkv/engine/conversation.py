@@ -18,10 +18,12 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class ConversationSnapshot:
-    """A conversation at one moment: its messages and a snapshot of its chain."""
+    """A conversation at one moment: its messages, a snapshot of its chain, and the cost of
+    its last turn then (so a restore reports the turn that is last again)."""
 
     messages: tuple[dict, ...]
     chain: ChainSnapshot
+    last_stats: TurnStats | None = None
 
     def release(self) -> None:
         self.chain.release()
@@ -45,13 +47,15 @@ class Conversation:
     copying). ``fork``, ``snapshot`` and ``restore`` share references and allocate nothing.
     """
 
-    def __init__(self, llm: LLM, *, system: str | None = None, _chain=None, _messages=None) -> None:
+    def __init__(self, llm: LLM, *, system: str | None = None, _chain=None, _messages=None,
+                 _last_stats: TurnStats | None = None) -> None:
         self.llm = llm
         self.chain = _chain if _chain is not None else llm.cache.new_chain()
         self.messages: list[dict] = list(_messages or [])
         if system is not None and not self.messages:
             self.messages.append({"role": "system", "content": system})
-        self.last_stats: TurnStats | None = None
+        # the cost of the turn that ends the conversation now (None: no turn run here)
+        self.last_stats: TurnStats | None = _last_stats
 
     @property
     def num_tokens(self) -> int:
@@ -100,16 +104,19 @@ class Conversation:
 
     def fork(self) -> Conversation:
         """An independent continuation sharing this conversation's history (no copy)."""
-        return Conversation(self.llm, _chain=self.chain.fork(), _messages=copy.deepcopy(self.messages))
+        return Conversation(self.llm, _chain=self.chain.fork(), _messages=copy.deepcopy(self.messages),
+                            _last_stats=self.last_stats)
 
     def snapshot(self) -> ConversationSnapshot:
         """The conversation now, to ``restore`` later (references only)."""
-        return ConversationSnapshot(tuple(copy.deepcopy(self.messages)), self.chain.snapshot())
+        return ConversationSnapshot(tuple(copy.deepcopy(self.messages)), self.chain.snapshot(),
+                                    self.last_stats)
 
     def restore(self, snapshot: ConversationSnapshot) -> None:
         """Go back to ``snapshot`` (e.g. undo turns); allocates and copies nothing."""
         self.chain.restore(snapshot.chain)
         self.messages = [dict(m) for m in copy.deepcopy(snapshot.messages)]
+        self.last_stats = snapshot.last_stats
 
     def save(self, path: str | Path) -> None:
         """Write the conversation (its KV rows, tokens and messages) to a snapshot file."""
