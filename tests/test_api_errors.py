@@ -234,7 +234,7 @@ def test_max_tokens_beyond_the_context_is_a_400_in_vllm_words(env):
 
 
 def test_an_omitted_max_tokens_is_clamped_to_the_context(env):
-    llm, http = env["llm"], env["http"]
+    http = env["http"]
     near = {"model": MODEL, "prompt": [5] * (MAX_LEN - 5), "ignore_eos": True}
     out = http.post("/v1/completions", json=near).json()
     assert out["usage"]["completion_tokens"] == 5 and out["choices"][0]["finish_reason"] == "length"
@@ -248,7 +248,7 @@ def test_an_omitted_max_tokens_is_clamped_to_the_context(env):
 
 
 def test_a_session_turn_is_checked_against_the_context(env):
-    llm, http = env["llm"], env["http"]
+    http = env["http"]
     sid = http.post("/v1/sessions", json={}).json()["id"]
     error = error_of(http.post(f"/v1/sessions/{sid}/turns", json={"content": "x", "max_tokens": 10**9}), 400)
     assert error["message"].startswith(f"This model's maximum context length is {MAX_LEN} tokens.")

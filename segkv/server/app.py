@@ -17,12 +17,12 @@ from starlette.background import BackgroundTask
 from segkv.engine import AsyncEngine, SessionStore, StreamUpdate
 from segkv.outputs import RequestOutput
 from segkv.sampling_params import SamplingParams
-from segkv.server.auth import ApiKeyAuth
+from segkv.server.auth import ApiKeyAuth, check_api_key
 from segkv.server.context import fit_max_tokens
 from segkv.server.dashboard import dashboard_router
 from segkv.server.disconnect import unless_client_leaves
 from segkv.server.errors import APIError, echo, engine_error, install_error_handlers, safe_message
-from segkv.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
+from segkv.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard, check_max_bytes
 from segkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from segkv.server.sessions_api import sessions_router
 from segkv.server.protocol import (ChatCompletionRequest, CompletionRequest, Usage, chat_logprobs,
@@ -91,6 +91,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
     dashboard's data need ``Authorization: Bearer <api_key>`` (see :mod:`segkv.server.auth`);
     ``/health`` and ``/metrics`` stay open. Every error is an OpenAI error body.
     """
+    check_max_bytes(max_request_bytes)  # here, not when the middleware is built at the first request
+    if api_key is not None:
+        check_api_key(api_key)
     app = FastAPI(title="segkv", version="0")
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_bytes=max_request_bytes)

@@ -19,13 +19,18 @@ from segkv.server.errors import APIError
 DASHBOARD_DATA = "/dashboard/stats"
 
 
+def check_api_key(api_key: object) -> str:
+    """``api_key`` if it is a usable key (ValueError otherwise: an empty key would open the API)."""
+    if not isinstance(api_key, str) or not api_key.strip():
+        raise ValueError("api_key must be a non-empty string")
+    return api_key
+
+
 class ApiKeyAuth:
     """Refuses requests to protected paths without the right ``api_key`` (401, OpenAI's body)."""
 
     def __init__(self, app: ASGIApp, *, api_key: str) -> None:
-        if not isinstance(api_key, str) or not api_key:
-            raise ValueError("api_key must be a non-empty string")
-        self.app, self._key = app, api_key.encode("utf-8")
+        self.app, self._key = app, check_api_key(api_key).encode("utf-8")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or not self._protects(scope["path"]):

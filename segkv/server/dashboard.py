@@ -221,8 +221,10 @@ function render(s, now) {
   sessions(Array.isArray(s.sessions) ? s.sessions : null, now);
   sparkline(tps);
 }
+const KEY = new URLSearchParams(location.search).get("key");  // a server with --api-key: open /?key=<key>
 async function fetchStats() {  // the one request the page makes: options such as headers go here
-  const r = await fetch("dashboard/stats", {cache: "no-store"});
+  const headers = KEY ? {Authorization: "Bearer " + KEY} : {};
+  const r = await fetch("dashboard/stats", {cache: "no-store", headers});
   if (!r.ok) throw new Error("HTTP " + r.status);
   return r.json();
 }

@@ -23,13 +23,18 @@ _BODY_METHODS = {"POST", "PUT", "PATCH"}
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # the only way a surrogate gets into UTF-8 JSON
 
 
+def check_max_bytes(max_bytes: object) -> int:
+    """``max_bytes`` if it is a positive integer (ValueError otherwise)."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        raise ValueError(f"max_request_bytes must be a positive integer, got {max_bytes!r}")
+    return max_bytes
+
+
 class RequestGuard:
     """Checks HTTP request bodies of at most ``max_bytes`` bytes (see the module docstring)."""
 
     def __init__(self, app: ASGIApp, *, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise ValueError(f"max_request_bytes must be a positive integer, got {max_bytes!r}")
-        self.app, self.max_bytes = app, max_bytes
+        self.app, self.max_bytes = app, check_max_bytes(max_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
