@@ -178,6 +178,39 @@ def _status_and_body(call):
         return type(exc).__name__, None
 
 
+def test_serve_load_warms_up_before_the_app_is_ready(model_dir, monkeypatch, capsys):
+    """The load thread's work: the model is warmed up (where ``LLM.warm_up`` exists) and its time and
+    memory printed before the gate lets requests in; a server stopped meanwhile gets no engine."""
+    from types import SimpleNamespace
+
+    from segkv.cli import _load_and_serve
+    from segkv.engine import LLM
+    from segkv.server.loading import LoadingGate
+
+    calls = []
+
+    def warm_up(self, progress=False):
+        calls.append((progress, gate.app))
+        return {"seconds": 1.5, "bytes": 3 << 20}
+
+    monkeypatch.setattr(LLM, "warm_up", warm_up, raising=False)
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--port", "9"])
+    gate, engines = LoadingGate(), []
+    _load_and_serve(args, gate, engines, SimpleNamespace(should_exit=False), None, None)
+    try:
+        assert calls == [(True, None)]  # with a progress bar, before the app was installed
+        assert gate.app is not None and len(engines) == 1
+        out = capsys.readouterr().out
+        assert "segkv: warmed up in 1.5 s, using 3.0 MiB\n" in out
+        assert f"segkv: serving {model_dir.name} on http://127.0.0.1:9" in out
+    finally:
+        for engine in engines:
+            engine.shutdown()
+    gate, engines = LoadingGate(), []
+    _load_and_serve(args, gate, engines, SimpleNamespace(should_exit=True), None, None)
+    assert gate.app is None and engines == []
+
+
 def test_help_has_no_markup():
     """Every help text reads as plain text: no reST double backticks from docstrings."""
     from segkv.bench.serve import build_parser as bench_serve_parser

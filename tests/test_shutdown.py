@@ -122,6 +122,25 @@ def test_sigterm_ends_long_streams_with_an_error_event_and_done():
         assert s.events[-1][0] - signalled >= 1.0  # streamed on during the drain
 
 
+def test_a_second_signal_cuts_the_wait_short():
+    with serve("--shutdown-timeout", "120") as (server, base):
+        streams = _start_streams(base, 2)
+        signalled = time.monotonic()
+        server.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        server.send_signal(signal.SIGINT)  # Ctrl-C, impatient
+        assert server.wait(timeout=60) == 0
+        elapsed = time.monotonic() - signalled
+        for s in streams:
+            s.join(timeout=10)
+        log = server.stdout.read()
+    assert elapsed < 30, elapsed  # not the 120 s
+    assert "Ended 2 request(s) still running: a second signal cut the wait short" in log
+    for s in streams:
+        assert s.payloads[-1] == "[DONE]"
+        assert json.loads(s.payloads[-2])["error"]["message"] == SHUTTING_DOWN
+
+
 def test_sigterm_lets_requests_finish_within_the_timeout():
     with serve("--shutdown-timeout", "120") as (server, base):
         streams = _start_streams(base, 2, max_tokens=40)

@@ -66,8 +66,11 @@ class GracefulServer(uvicorn.Server):
         await self._wait_for_tasks(self.drain_timeout, interruptible=True)
         ended = await asyncio.to_thread(self._abort_all)
         if ended:
-            logger.warning("Ended %d request(s) still running after %g s (the shutdown timeout)",
-                           ended, self.drain_timeout)
+            if self.hurry or self.force_exit:
+                logger.warning("Ended %d request(s) still running: a second signal cut the wait short", ended)
+            else:
+                logger.warning("Ended %d request(s) still running after %g s (the shutdown timeout)",
+                               ended, self.drain_timeout)
             # not cut short by a signal: bounded and brief, and it is what delivers their [DONE]
             await self._wait_for_tasks(FLUSH_SECONDS, interruptible=False)
 
