@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import gc
 import itertools
+import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -18,7 +19,9 @@ from segkv.models.default_models import check_model_dir, resolve_model_dir
 from segkv.models.loader import fingerprint, load_model
 from segkv.outputs import RequestOutput
 from segkv.runner.model_runner import ModelRunner
+from segkv.runner.warmup import warm_up, warm_up_shapes
 from segkv.sampling_params import SamplingParams
+from segkv.scheduler.scheduler import SchedulerConfig
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 # Engines gc.freeze() what they hold; unfrozen at exit, the final collection frees it (frozen
@@ -105,6 +108,44 @@ class LLM:
         # what exists now lives as long as the engine: keep it out of the cyclic collector's
         # scans, which otherwise fire inside every step's planning (page lists are large)
         gc.freeze()
+
+    # -- before serving ---------------------------------------------------------------
+    def warm_up(self, *, max_batch: int | None = None, max_num_batched_tokens: int | None = None,
+                progress: bool = False) -> dict:
+        """Compile the kernels and capture the CUDA graphs of the steps a server runs, before it
+        reports ready, so its first requests wait for neither (``runner/warmup.py``).
+
+        ``max_batch``: the most sequences a step runs (the server's ``max_num_seqs``, default
+        64): decode graph buckets up to the one holding it are captured, every variant.
+        ``max_num_batched_tokens`` (default 2048, the scheduler's): the largest forward run.
+        On CUDA every step shape is run; elsewhere (nothing to compile) one-token prompts and
+        a decode step per batch size up to 4, in milliseconds. The cache is left as it was
+        (pages, free-list order, counters), and so are the route counts and the random
+        generators: results do not change. Call it while nothing else runs on this engine.
+
+        Returns ``{"seconds", "bytes"`` (device memory reserved by it: graph pools, grown
+        caches; 0 on the CPU), ``"buckets"`` (decode batch sizes run), ``"graphs"`` (graph
+        variants captured, ``[size, wide, few]``), ``"forwards"``, ``"skipped"`` (shapes the
+        cache had no room for)``}``.
+        """
+        defaults = SchedulerConfig()
+        cuda = self.device.type == "cuda"
+        if max_batch is None:
+            max_batch = defaults.max_num_seqs
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = defaults.max_num_batched_tokens
+        shapes = warm_up_shapes(self.runner, max_batch=max_batch, max_num_batched_tokens=max_num_batched_tokens,
+                                max_model_len=self.max_model_len, thorough=cuda)
+        start = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
+        report = warm_up(self.runner, self.generator.sampler, shapes, vocab_size=self.model.cfg.vocab_size,
+                         progress=progress)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        added = torch.cuda.memory_reserved(self.device) - reserved if cuda else 0
+        gc.collect()  # the graphs and buffers made live as long as the engine: out of the collector's scans
+        gc.freeze()
+        return {"seconds": time.perf_counter() - start, "bytes": added, **report}
 
     # -- stateless generation ---------------------------------------------------------
     def generate(

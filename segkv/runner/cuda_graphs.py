@@ -110,6 +110,36 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.buckets[-1]
 
+    def bucket_for(self, num_rows: int) -> int | None:
+        """The bucket size a decode step of ``num_rows`` rows replays (None: larger than every bucket)."""
+        return next((b for b in self.buckets if b >= num_rows), None)
+
+    def variants(self, size: int) -> list[tuple[int, bool, bool]]:
+        """Every ``(size, wide, few)`` key a step may replay in bucket ``size``: narrow with the merge
+        in stage 1 (GQA, few partials per row) or after it, and wide (prefixes shared by several
+        sequences, so at least 2 rows)."""
+        keys = [(size, False, True)] if self._merge_in_stage1 and stage1_merge_bound() > 0 else []
+        keys.append((size, False, False))
+        if size >= 2:
+            keys.append((size, True, False))
+        return keys
+
+    def warm(self, size: int, mla_mode: str) -> list[tuple[int, bool, bool]]:
+        """Capture every variant of bucket ``size`` not captured yet (``LLM.warm_up``: a capture
+        compiles the step's kernels and blocks the step loop, so none should wait for a request).
+        Returns the keys captured now."""
+        if mla_mode == "naive":  # never replayed (see run)
+            return []
+        made = [key for key in self.variants(size) if key not in self._buckets]
+        for key in made:
+            self._capture(*key, mla_mode)
+        return made
+
+    def forget_staged(self) -> None:
+        """Drop the index arrays staged for a next step (after a warm-up: that step never comes)."""
+        for bucket in self._buckets.values():
+            bucket.staged = None
+
     def release(self) -> None:
         """Give the scratch page back (the graphs stay unusable afterwards)."""
         self._scratch.release()
@@ -177,7 +207,7 @@ class DecodeGraphs:
         """The bucket a step of ``num_rows`` decode rows replays (None: larger than every bucket),
         whether its plan needs a wide one (work items of several query rows), and whether stage 1
         merges its rows (``merges_in_stage1``)."""
-        size = next((b for b in self.buckets if b >= num_rows), None)
+        size = self.bucket_for(num_rows)
         few = self._merge_in_stage1 and merges_in_stage1(plan.max_work_rows, plan.max_row_partials)
         return size, plan.max_work_rows > 1, few
 

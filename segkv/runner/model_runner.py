@@ -175,6 +175,15 @@ class ModelRunner:
         self.route_counts[plan.route.value] += 1
         return logits
 
+    @property
+    def decode_mla_mode(self) -> str:
+        """The MLA mode of a decode step (one row per sequence): the one its CUDA graphs capture."""
+        return self._mla_mode([[PENDING_TOKEN]])
+
+    def forget_plan_ahead(self) -> None:
+        """Drop the next step planned ahead (after a warm-up: that step never comes)."""
+        self._ahead = None
+
     def _plan(self, queries: list[SequenceQuery], mla_mode: str) -> AttentionPlan:
         return plan_attention(queries, self.model.attention_shape(mla_mode), self.device_spec,
                               page_size=self.cache.page_size, route=self.route)
