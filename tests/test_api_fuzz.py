@@ -1,4 +1,8 @@
-"""A schema fuzz of the HTTP API: random (valid, invalid and malformed) bodies never give a 5xx."""
+"""A schema fuzz of the HTTP API: random (valid, invalid and malformed) bodies never give a 5xx.
+
+Every answer that is not a 2xx is a JSON body with an OpenAI ``error`` object; text with a lone
+surrogate anywhere is a 400; no request hangs (the client's timeout fails the test).
+"""
 
 from __future__ import annotations
 
@@ -15,8 +19,12 @@ from segkv.engine import LLM, AsyncEngine
 from segkv.server.app import create_app
 
 MODEL = "fuzz"
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
-                    st.text(max_size=12))
+MAX_REQUEST_BYTES = 16 * 1024  # small, so oversize bodies cost little
+# text, sometimes with a lone surrogate (which json.dumps writes as a \udXXX escape)
+SURROGATE_TEXT = st.builds(lambda a, code, b: a + chr(code) + b, st.text(max_size=4),
+                           st.integers(0xD800, 0xDFFF), st.text(max_size=4))
+TEXT = st.one_of(st.text(max_size=12), SURROGATE_TEXT)
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True), TEXT)
 JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
     st.text(max_size=8), inner, max_size=4), max_leaves=10)
 FIELDS = {
@@ -48,8 +56,12 @@ FIELDS = {
     "turn": st.one_of(st.integers(-2, 4), SCALARS),
     "name": st.one_of(st.text(max_size=10), SCALARS),
     "system": st.one_of(st.text(max_size=10), SCALARS),
+    "user": st.one_of(TEXT, JSON),
 }
 BODY = st.one_of(st.fixed_dictionaries({}, optional=FIELDS), JSON)
+# fields large enough to pass the body limit, or nearly
+BIG = st.one_of(st.integers(1, 40_000).map(lambda n: "x" * n), st.integers(1, 8_000).map(lambda n: [7] * n),
+                st.integers(1, 3_000).map(lambda n: [True] * n), st.integers(1, 3_000).map(lambda n: ["s"] * n))
 ENDPOINTS = ["/v1/completions", "/v1/chat/completions", "/v1/sessions", "/v1/sessions/{sid}/turns",
              "/v1/sessions/{sid}/fork", "/v1/sessions/{sid}/restore", "/v1/sessions/{sid}/save",
              "/v1/sessions/load", "/v1/sessions/nope/turns"]
@@ -60,9 +72,10 @@ def http(tmp_path_factory):
     directory = tmp_path_factory.mktemp("fuzz-model")
     build_model_dir(directory, "qwen3")
     engine = AsyncEngine(LLM(directory, page_size=8, num_pages=400, max_model_len=128))
-    app = create_app(engine, model_name=MODEL, snapshot_dir=tmp_path_factory.mktemp("fuzz-snap"))
+    app = create_app(engine, model_name=MODEL, snapshot_dir=tmp_path_factory.mktemp("fuzz-snap"),
+                     max_request_bytes=MAX_REQUEST_BYTES)
     with live_server(app) as base:
-        client = httpx.Client(base_url=base, timeout=60)
+        client = httpx.Client(base_url=base, timeout=30)  # a hang fails the test
         client.sid = client.post("/v1/sessions", json={}).json()["id"]
         yield client
     engine.shutdown()
@@ -77,8 +90,70 @@ def test_no_request_body_gives_a_server_error(http, endpoint, body, raw):
     # raw: Python's repr (malformed JSON); else JSON, with NaN/Infinity where floats are not finite
     text = repr(body) if raw else json.dumps(body)
     response = http.post(url, content=text.encode(), headers={"Content-Type": "application/json"})
+    check_answer(response, (url, body))
+    if not raw and has_lone_surrogate(body):
+        assert response.status_code == 400 and "lone surrogate" in response.json()["error"]["message"]
+
+
+def has_lone_surrogate(value) -> bool:
+    if isinstance(value, str):
+        return any(0xD800 <= ord(c) <= 0xDFFF for c in value)
+    if isinstance(value, dict):
+        return any(has_lone_surrogate(k) or has_lone_surrogate(v) for k, v in value.items())
+    return isinstance(value, list) and any(has_lone_surrogate(v) for v in value)
+
+
+def check_answer(response: httpx.Response, what) -> None:
+    """Never a 5xx; a finished stream; an OpenAI error object for every answer that is not a 2xx."""
     if response.status_code == 200 and response.headers.get("content-type", "").startswith("text/event-stream"):
         assert response.text.rstrip().endswith("data: [DONE]")
-    assert response.status_code < 500, (url, body, response.status_code, response.text[:300])
-    if response.status_code >= 400:
-        assert "error" in response.json() or "detail" in response.json()
+    assert response.status_code < 500, (what, response.status_code, response.text[:300])
+    if response.status_code >= 300:
+        assert response.headers.get("content-type", "").startswith("application/json"), (what, response.text[:300])
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str)
+
+
+def _encode(body, how: str) -> bytes:
+    """``body`` as bytes, well-formed or not: UTF-8 JSON, surrogates as raw (invalid) UTF-8, Latin-1,
+    UTF-16 or nested in thousands of arrays or objects."""
+    if how == "latin-1":
+        return json.dumps(body, ensure_ascii=False).encode("latin-1", "replace")
+    if how == "surrogatepass":
+        return json.dumps(body, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    if how == "utf-16":
+        return json.dumps(body).encode("utf-16")
+    if how.startswith("nest"):
+        depth = int(how[4:])
+        return (b"[" * depth + json.dumps(body).encode() + b"]" * depth if depth % 2 else
+                b'{"a":' * depth + json.dumps(body).encode() + b"}" * depth)
+    return json.dumps(body).encode()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(endpoint=st.sampled_from(ENDPOINTS), body=BODY, field=st.sampled_from(sorted(FIELDS)), big=BIG,
+       how=st.one_of(st.sampled_from(["utf-8", "latin-1", "surrogatepass", "utf-16", "big"]),
+                     st.integers(1, 6000).map(lambda d: f"nest{d}")),
+       junk=st.binary(max_size=64), chunked=st.booleans())
+def test_malformed_and_oversize_bodies_give_openai_4xx_errors(http, endpoint, body, field, big, how, junk,
+                                                               chunked):
+    """Bytes that are not UTF-8, JSON nested past any limit, bodies over the limit (with a length
+    or chunked) and fields of every size: a 4xx error body (or a 200), never a 5xx or a hang."""
+    url = endpoint.format(sid=http.sid)
+    if how == "big":
+        body = {**(body if isinstance(body, dict) else {}), field: big, "max_tokens": 1}
+    elif isinstance(body, dict):
+        body = {**body, "max_tokens": 1}
+    content = _encode(body, how) if how != "utf-8" or not junk else junk + _encode(body, how)
+    if chunked:  # no content-length: the limit is checked as the body arrives
+        def pieces(data=content):
+            for start in range(0, len(data), 4096):
+                yield data[start:start + 4096]
+        response = http.post(url, content=pieces(), headers={"Content-Type": "application/json"})
+    else:
+        response = http.post(url, content=content, headers={"Content-Type": "application/json"})
+    check_answer(response, (url, how, content[:200]))
+    if len(content) > MAX_REQUEST_BYTES:
+        assert response.status_code == 413
+    elif how.startswith("nest") and int(how[4:]) >= 64:
+        assert response.status_code == 400 and "levels deep" in response.json()["error"]["message"]

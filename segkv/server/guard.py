@@ -152,7 +152,8 @@ def check_json(data: object) -> None:
 
 
 def _name(path: tuple) -> str:
-    return echo(".".join(str(p) for p in path).encode("utf-8", "backslashreplace").decode("ascii"))
+    # a surrogate in a key is written as its escape, so the name itself can be encoded
+    return echo(".".join(str(p) for p in path).encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
 def _check_text(text: str, path: tuple) -> None:
