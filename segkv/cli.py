@@ -169,7 +169,9 @@ def _load_and_serve(args, gate, engines: list, server, snapshot_dir: Path | None
               cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], progress=True)
     if hasattr(llm, "warm_up"):  # first kernels compiled, graphs captured: the first request is not slow
         started = time.monotonic()
-        info = llm.warm_up(progress=True)
+        # the shapes this server's scheduler will run: its batch and its largest forward
+        info = llm.warm_up(max_batch=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                           progress=True)
         seconds = info.get("seconds", time.monotonic() - started)
         print(f"segkv: warmed up in {seconds:.1f} s, using {_mib(info.get('bytes', 0))}", flush=True)
     if server.should_exit:  # a signal came while loading: nothing to serve

@@ -189,16 +189,18 @@ def test_serve_load_warms_up_before_the_app_is_ready(model_dir, monkeypatch, cap
 
     calls = []
 
-    def warm_up(self, progress=False):
-        calls.append((progress, gate.app))
+    def warm_up(self, *, max_batch=None, max_num_batched_tokens=None, progress=False):
+        calls.append((max_batch, max_num_batched_tokens, progress, gate.app))
         return {"seconds": 1.5, "bytes": 3 << 20}
 
     monkeypatch.setattr(LLM, "warm_up", warm_up, raising=False)
-    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--port", "9"])
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--port", "9",
+                                      "--max-num-seqs", "8", "--max-num-batched-tokens", "512"])
     gate, engines = LoadingGate(), []
     _load_and_serve(args, gate, engines, SimpleNamespace(should_exit=False), None, None)
     try:
-        assert calls == [(True, None)]  # with a progress bar, before the app was installed
+        # the scheduler's shapes, with a progress bar, before the app was installed
+        assert calls == [(8, 512, True, None)]
         assert gate.app is not None and len(engines) == 1
         out = capsys.readouterr().out
         assert "segkv: warmed up in 1.5 s, using 3.0 MiB\n" in out
