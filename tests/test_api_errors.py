@@ -13,8 +13,9 @@ from fastapi.testclient import TestClient
 
 from model_helpers import build_model_dir
 from server_helpers import live_server
-from segkv.engine import LLM, AsyncEngine, EngineStopped, SessionStore
+from segkv.engine import LLM, AsyncEngine, EngineStopped, QueueFullError, SessionStore
 from segkv.server.app import DEFAULT_MAX_REQUEST_BYTES, create_app
+from segkv.server.errors import echo, engine_error, safe_message
 
 MODEL = "m"
 MAX_LEN = 128
@@ -52,6 +53,23 @@ def error_of(response: httpx.Response, status: int) -> dict:
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     return error
+
+
+# -- messages ------------------------------------------------------------------------------
+def test_messages_drop_server_paths_and_long_echoes(tmp_path):
+    assert echo("abc") == "abc" and echo("y" * 101) == "y" * 100 + "…" and echo(5) == "5"
+    inside = tmp_path / "model" / "weights.safetensors"
+    text = safe_message(f"cannot open {inside}: denied; see /home/someone/x.log and /usr/lib/x.so")
+    assert text == "cannot open <path>: denied; see <path> and <path>"
+    assert safe_message("/v1/completions and 3/4 stay") == "/v1/completions and 3/4 stay"
+    assert len(safe_message("z" * 5000)) == 1001
+    error = engine_error(RuntimeError(f"engine step failed: cannot read {inside}"))
+    assert error.status == 500 and str(tmp_path) not in error.body["error"]["message"]
+    assert engine_error(QueueFullError("full")).status == 503
+    stopped = engine_error(EngineStopped("the server is shutting down"))
+    assert stopped.status == 503 and stopped.body["error"]["code"] == "engine_stopped"
+    assert engine_error(ValueError("bad")).body["error"] == {
+        "message": "bad", "type": "invalid_request_error", "param": None, "code": None}
 
 
 # -- lone surrogates ---------------------------------------------------------------------

@@ -8,7 +8,6 @@ echoed back whole.
 
 from __future__ import annotations
 
-import logging
 import re
 import sys
 import tempfile
@@ -23,8 +22,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from segkv.engine import EngineStopped, QueueFullError
 from segkv.server.disconnect import ClientGone
 from segkv.server.protocol import error_body
-
-log = logging.getLogger("segkv.server")
 
 ECHO_CHARS = 100  # at most this much of a client's value is echoed in a message
 MESSAGE_CHARS = 1000  # longer messages are cut (an exception may quote a large input)
@@ -101,7 +98,8 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error in OpenAI's format: ours, validation, routing (404, 405) and any
-    unexpected exception (a JSON 500 with a generic message, logged with its traceback)."""
+    unexpected exception (a JSON 500 with a generic message; Starlette raises the exception on
+    after the answer, so the server logs its traceback)."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -142,7 +140,6 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(exc.status_code, message, type_, code=code, headers=exc.headers).response()
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.error("unexpected error answering %s %s", request.method, request.url.path, exc_info=exc)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         return APIError(500, "internal server error: the request failed unexpectedly; see the server log",
                         "server_error").response()
