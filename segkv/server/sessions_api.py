@@ -192,7 +192,7 @@ def sessions_router(store: SessionStore, *, snapshot_dir: Path | None) -> APIRou
         if isinstance(exc, ValueError):
             return _error(400, message, param="name")
         # an OSError writing or reading the snapshot directory is the server's fault, not the client's
-        return _error(500, f"cannot {doing} saved session {name!r}: the server's snapshot directory is "
+        return _error(500, f"cannot {doing} the session file {name!r}: the server's snapshot directory is "
                            "missing or not usable", "server_error")
 
     @router.post("/v1/sessions/{session_id}/save")
