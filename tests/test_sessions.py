@@ -164,9 +164,8 @@ def test_expiry_skips_a_turn_in_flight_and_takes_the_session_after_it(store):
         await drain(stream)
         assert len(s.turns) == 2 and live_pins(s) == 2
         assert store.expire() == 1 and live_pins(s) == 0
-        return s
 
-    s = asyncio.run(run())
+    asyncio.run(run())
     assert store.list() == [] and idle_pages(store) == 0
 
 

@@ -617,7 +617,8 @@ def test_the_save_writes_a_temporary_file_beside_the_target_then_renames(saved, 
 
 
 @pytest.mark.parametrize("failing", ["fsync", "replace"])
-def test_a_failed_fsync_or_rename_leaves_the_old_file_and_no_temporary(saved, tmp_path, gen, monkeypatch, failing):
+def test_a_failed_fsync_or_rename_leaves_the_old_file_and_no_temporary(saved, tmp_path, gen, monkeypatch,
+                                                                        failing):
     path, _, tokens = saved
     old = path.read_bytes()
     cache = make_cache()
