@@ -304,3 +304,33 @@ def test_a_load_evicts_unreferenced_cached_segments_to_make_room(model_dir, tmp_
 async def _generate(engine, ids):
     async for _ in engine.generate(ids, GREEDY):
         pass
+
+
+def test_a_load_takes_the_pins_of_idle_sessions_when_cached_segments_are_not_enough(model_dir, tmp_path):
+    engine = AsyncEngine(LLM(model_dir, page_size=4, num_pages=60))
+    store = SessionStore(engine)
+    try:
+        s = store.create()
+        say(store, s.session_id, "a message worth saving " * 2)
+        store.save(s.session_id, tmp_path / "s.segkv")
+        store.delete(s.session_id)
+        need = len(s.turns[0].tokens) // 4 + 1
+        idle = []
+        for i in range(20):  # idle sessions pin their histories: nothing is evictable by the index
+            idle.append(store.create())
+            say(store, idle[-1].session_id, f"{i} " + "filler text about pages " * 2)
+            with engine._lock:
+                engine.core.prefix.evict(engine.core.pool.num_pages)
+                free = engine.core.pool.num_free_pages
+            if free < need:
+                break
+        assert free < need and engine.core.prefix.num_evictable_pages() == 0
+        evicted = store.num_evicted_pins
+        loaded = store.load(tmp_path / "s.segkv")  # before: OutOfPagesError
+        assert store.num_evicted_pins > evicted and idle[0].turns[0].pin is None  # LRU first
+        assert loaded.messages == s.turns[0].messages and live_pins(loaded) == 1
+        for session in [loaded, *idle]:
+            store.delete(session.session_id)
+        assert idle_pages(store) == 0
+    finally:
+        engine.shutdown()

@@ -133,9 +133,9 @@ class AsyncEngine:
     def load_snapshot(self, path) -> tuple[ChainSnapshot, list[int], dict]:
         """Load a snapshot file into the cache and the prefix index; errors change nothing."""
         with self._lock:
-            # unreferenced cached segments give way to the file, as they do to new requests
+            # cached segments and idle sessions' pins give way to the file, as to new requests
             loaded = load_snapshot(path, self.llm.cache, fingerprint=self.llm.fingerprint,
-                                   make_room=self.core.prefix.evict)
+                                   make_room=self.core.make_room)
             self.core.prefix.insert(loaded.snapshot.refs)
             return loaded.snapshot, loaded.token_ids, loaded.metadata
 

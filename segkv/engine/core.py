@@ -174,9 +174,14 @@ class EngineCore:
     def _fits(self, work) -> bool:
         """Whether the step's new pages are free, evicting unreferenced cached segments if needed."""
         need = sum(self._pages_needed(seq, n) for seq, n in work)
-        short = need - self.pool.num_free_pages
-        if short > 0:
-            self.prefix.evict(short)
+        return self.make_room(need - self.pool.num_free_pages)
+
+    def make_room(self, pages_short: int) -> bool:
+        """Free ``pages_short`` more pages if it can: unreferenced cached segments first, then
+        what the pressure hooks give up (idle sessions' pins). True when they are free."""
+        need = self.pool.num_free_pages + pages_short
+        if pages_short > 0:
+            self.prefix.evict(pages_short)
         for hook in self.pressure_hooks:
             short = need - self.pool.num_free_pages
             if short <= 0:

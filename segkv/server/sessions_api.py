@@ -110,6 +110,8 @@ def sessions_router(store: SessionStore, *, snapshot_dir: Path | None) -> APIRou
                 raise ValueError("a session turn has exactly one reply (n=1)")
             stream = store.say(session_id, req.content, params)
             first = await stream.__anext__()  # validation errors surface before any response
+        except KeyError:  # deleted since it was found
+            return missing(session_id)
         except Exception as exc:  # noqa: BLE001 - invalid input 400, full or stopping 503, else 500
             return engine_error(exc).response()
         base = {"id": f"turn-{session_id}-{len(session.turns) + 1}", "object": "session.turn",
