@@ -130,6 +130,8 @@ def test_models_health_and_metrics(server, client):
     assert health["decode_route"] in {"single", "split", "segments", "cascade"}
     assert sum(health["routes"].values()) > 0 and health["num_pages"] == 600
     assert health["running"] == 0 and health["waiting"] == 0 and health["cached_segments"] > 0
+    # nothing runs and no session pins: every page in use is a cached prefix, and says so
+    assert health["pages_requests"] == 0 and health["pages_cached_only"] == health["pages_in_use"] > 0
     assert health["peak_bytes_in_use"] >= health["bytes_in_use"] > 0
     body = httpx.get(f"{base}/metrics").text
     for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:time_per_output_token_seconds_count",

@@ -277,6 +277,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
                 "decode_route": route, "lse_api": getattr(llm.runner.backend, "lse_api", LSE_API), "routes": stats.get("routes", {}),
                 "pages_in_use": stats["pages_in_use"], "bytes_in_use": stats["bytes_in_use"],
                 "peak_bytes_in_use": stats["peak_bytes_in_use"], "num_pages": stats["num_pages"],
+                # pages in use = running requests' + sessions' pins + cached prefixes (evictable)
+                "pages_requests": stats.get("pages_requests", 0),
+                "pages_cached_only": stats.get("pages_cached_only", 0),
                 "cached_segments": prefix.get("num_nodes", 0),
                 "cached_tokens": prefix.get("num_cached_tokens", 0),
                 "running": stats["running"], "waiting": stats["waiting"], "preemptions": stats["preemptions"]}
