@@ -123,8 +123,9 @@ class LLM:
         (pages, free-list order, counters), and so are the route counts and the random
         generators: results do not change. Call it while nothing else runs on this engine.
 
-        Returns ``{"seconds", "bytes"`` (device memory reserved by it: graph pools, grown
-        caches; 0 on the CPU), ``"buckets"`` (decode batch sizes run), ``"graphs"`` (graph
+        Returns ``{"seconds", "bytes"`` (device memory it left reserved: graph pools, index
+        buffers, the allocator's blocks for the largest step; 0 on the CPU), ``"buckets"``
+        (decode batch sizes run), ``"graphs"`` (graph
         variants captured, ``[size, wide, few]``), ``"forwards"``, ``"skipped"`` (shapes the
         cache had no room for)``}``.
         """
@@ -137,6 +138,9 @@ class LLM:
         shapes = warm_up_shapes(self.runner, max_batch=max_batch, max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=self.max_model_len, thorough=cuda)
         start = time.perf_counter()
+        if cuda:  # blocks cached since loading: a graph capture frees them, which would hide what is added
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
         report = warm_up(self.runner, self.generator.sampler, shapes, vocab_size=self.model.cfg.vocab_size,
                          progress=progress)
