@@ -132,7 +132,9 @@ class DecodeGraphs:
             return []
         made = [key for key in self.variants(size) if key not in self._buckets]
         for key in made:
-            self._capture(*key, mla_mode)
+            bucket = self._capture(*key, mla_mode)
+            if bucket.graph is not None:  # a graph's first launch also uploads it: not at a request's step
+                bucket.graph.replay()  # over the capture's inputs: every row attends the scratch row
         return made
 
     def forget_staged(self) -> None:

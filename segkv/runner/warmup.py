@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from segkv.cache.chain import KVChain
 from segkv.cache.page_pool import OutOfPagesError
+from segkv.layers.transfer import HostCopy
 from segkv.runner.model_runner import ModelRunner, StepInput
 from segkv.sampling_params import SamplingParams
 
@@ -195,6 +196,7 @@ class _Warm:
         rows = logits.shape[0]
         params = [SAMPLING[i % len(SAMPLING)] if thorough and rows > 1 else SAMPLING[0] for i in range(rows)]
         out = self.sampler(logits, params, prompt_token_ids=prompts, output_token_ids=[p[:1] for p in prompts])
+        HostCopy(out.token_ids).tolist()  # as the engine reads them: pinned host blocks of this size
         return out.token_ids
 
 
