@@ -108,3 +108,117 @@ def test_rule_checker_sees_an_upward_import(tmp_path):
     bad.write_text("from segkv.engine import LLM\nimport segkv.server.app\n")
     assert [t for t, _ in _segkv_imports(bad)] == ["segkv.engine", "segkv.server.app"]
     assert RANK[_part("segkv.engine")] > RANK[_part("segkv.layers.norm")]
+
+
+def _import_graph(modules) -> dict[str, set[str]]:
+    """``module -> the segkv modules it imports``, from every import statement in the file (at the
+    top, inside functions, under ``TYPE_CHECKING``). ``from package import name`` counts as an
+    import of the submodule ``package.name`` where there is one, else of the package."""
+    paths = dict((module, path) for path, module in modules)
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        targets = graph.setdefault(module, set())
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names if alias.name in paths}
+            elif isinstance(node, ast.ImportFrom) and node.module in paths:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    targets.add(sub if sub in paths else node.module)
+        targets.discard(module)
+    return graph
+
+
+def _import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (``[a, b, ..., a]``) per strongly connected group of modules that import each
+    other, directly or through others."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's algorithm
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in sorted(graph.get(module, ())):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.add(member)
+                if member == module:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    cycles = []
+    for group in groups:  # a shortest way back to the group's first module, for the message
+        start = min(group)
+        paths = {start: [start]}
+        frontier = [start]
+        cycle = None
+        while frontier and cycle is None:
+            nxt = []
+            for module in frontier:
+                for target in sorted(graph[module] & group):
+                    if target == start:
+                        cycle = paths[module] + [start]
+                        break
+                    if target not in paths:
+                        paths[target] = paths[module] + [target]
+                        nxt.append(target)
+                if cycle:
+                    break
+            frontier = nxt
+        cycles.append(cycle)
+    return sorted(cycles)
+
+
+def test_no_import_cycles():
+    """No two modules import each other, directly or through others, not even inside a package
+    and not through imports inside functions or under ``TYPE_CHECKING``: a shared piece lives in
+    the lower module (or a small module of its own), and an upper one reaches down."""
+    cycles = _import_cycles(_import_graph(_modules()))
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_cycle_checker_sees_a_cycle(tmp_path):
+    """The checker itself works: a two-module cycle hidden by a function-level import and one
+    hidden under ``TYPE_CHECKING`` are both reported; a one-way import is not."""
+    pkg = tmp_path / "segkv" / "demo"
+    pkg.mkdir(parents=True)
+    (tmp_path / "segkv" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low.py").write_text("def f():\n    from segkv.demo.high import g\n    return g\n")
+    (pkg / "high.py").write_text("from segkv.demo.low import f\n\ndef g():\n    return f\n")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from segkv.demo import b\n")
+    (pkg / "b.py").write_text("import segkv.demo.a\n")
+    (pkg / "c.py").write_text("from segkv.demo.low import f\n")
+    modules = [(path, ".".join(path.relative_to(tmp_path).with_suffix("").parts).removesuffix(".__init__"))
+               for path in sorted((tmp_path / "segkv").rglob("*.py"))]
+    graph = _import_graph(modules)
+    assert graph["segkv.demo.low"] == {"segkv.demo.high"} and graph["segkv.demo.a"] == {"segkv.demo.b"}
+    assert _import_cycles(graph) == [["segkv.demo.a", "segkv.demo.b", "segkv.demo.a"],
+                                     ["segkv.demo.high", "segkv.demo.low", "segkv.demo.high"]]
+    assert _import_cycles({"x": {"y"}, "y": set()}) == []
+
+
+def test_rule_checker_sees_function_level_and_type_checking_imports(tmp_path):
+    """An upward import inside a function (a lazy import) or under ``TYPE_CHECKING`` is found
+    like a top-level one: lazy imports of heavy modules are fine, but only downward."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from segkv.engine.llm import LLM\n\n"
+                   "def f():\n    import segkv.server.app\n    from segkv.kernels import pdl\n")
+    assert _segkv_imports(bad) == [("segkv.engine.llm", 3), ("segkv.server.app", 6), ("segkv.kernels", 7)]

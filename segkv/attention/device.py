@@ -61,6 +61,13 @@ CUDA_MERGE_LAUNCH_ROWS = 0
 PARTIAL_WORKSPACE_BYTES = 64 << 20
 
 
+def stage1_merge_bound() -> int:
+    """The most partials per row the GQA stage-1 kernel merges itself (0: it never does)."""
+    from segkv.kernels.paged_attention import MERGE_IN_STAGE1_MAX_PARTIALS  # the CUDA kernels' setting
+
+    return MERGE_IN_STAGE1_MAX_PARTIALS
+
+
 @dataclass(slots=True, frozen=True)
 class DeviceSpec:
     """Parallel capacity of a device, as the attention planner sees it.
@@ -156,8 +163,6 @@ class DeviceSpec:
         (default ``SEGKV_CUDA_BLOCKS_PER_SM``, else the measured default) sets how many stage-1
         programs per multiprocessor the split planner aims for; ``min_rows_per_partition``
         (default ``SEGKV_CUDA_MIN_PARTITION_ROWS``, else one tile) the shortest partition."""
-        from segkv.attention.triton_backend import stage1_merge_bound  # the CUDA kernels' setting
-
         props = torch.cuda.get_device_properties(index)
         if blocks_per_multiprocessor is None:
             blocks_per_multiprocessor = env_int("SEGKV_CUDA_BLOCKS_PER_SM", CUDA_BLOCKS_PER_SM)

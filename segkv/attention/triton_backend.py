@@ -16,7 +16,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from segkv.attention.device import PARTIAL_WORKSPACE_BYTES
+from segkv.attention.device import PARTIAL_WORKSPACE_BYTES, stage1_merge_bound
 from segkv.attention.plan import AttentionPlan
 from segkv.kernels.settings import env_int
 
@@ -331,13 +331,6 @@ class TritonBackend:
 
 
 @functools.cache
-def stage1_merge_bound() -> int:
-    """The most partials per row the GQA stage-1 kernel merges itself (0: it never does)."""
-    from segkv.kernels.paged_attention import MERGE_IN_STAGE1_MAX_PARTIALS
-
-    return MERGE_IN_STAGE1_MAX_PARTIALS
-
-
 def merges_in_stage1(max_work_rows: int, max_row_partials: int | None) -> bool:
     """Whether the GQA kernels merge a plan's rows inside stage 1: work items of one query row
     (decode) and at most :func:`stage1_merge_bound` partials per row. The merge launch and its

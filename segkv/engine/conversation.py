@@ -5,15 +5,25 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from segkv.cache.chain import ChainSnapshot
 from segkv.engine.snapshot_file import load_snapshot, save_snapshot
 from segkv.outputs import CompletionOutput, TurnStats
 from segkv.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from segkv.engine.llm import LLM
+
+class ConversationEngine(Protocol):
+    """What a conversation uses of its engine (``LLM`` is one): the KV cache, the tokenizer, the
+    model runner and generator, the model's fingerprint and the prompt length check."""
+
+    cache: Any
+    tokenizer: Any
+    runner: Any
+    generator: Any
+    fingerprint: str
+
+    def check_prompt_length(self, num_tokens: int) -> None: ...
 
 
 @dataclass(slots=True)
@@ -47,7 +57,7 @@ class Conversation:
     copying). ``fork``, ``snapshot`` and ``restore`` share references and allocate nothing.
     """
 
-    def __init__(self, llm: LLM, *, system: str | None = None, _chain=None, _messages=None,
+    def __init__(self, llm: ConversationEngine, *, system: str | None = None, _chain=None, _messages=None,
                  _last_stats: TurnStats | None = None) -> None:
         self.llm = llm
         self.chain = _chain if _chain is not None else llm.cache.new_chain()
@@ -128,7 +138,7 @@ class Conversation:
             snap.release()
 
     @classmethod
-    def load(cls, llm: LLM, path: str | Path) -> Conversation:
+    def load(cls, llm: ConversationEngine, path: str | Path) -> Conversation:
         """A conversation from a snapshot file; errors (other model, damage) change nothing."""
         loaded = load_snapshot(path, llm.cache, fingerprint=llm.fingerprint)
         try:

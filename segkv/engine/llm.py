@@ -13,6 +13,7 @@ import torch
 
 from segkv.cache.kv_cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype
+from segkv.engine.conversation import Conversation
 from segkv.engine.generation import Generator
 from segkv.engine.tokenizer import Tokenizer
 from segkv.models.default_models import check_model_dir, resolve_model_dir
@@ -203,16 +204,12 @@ class LLM:
             )
 
     # -- conversations ----------------------------------------------------------------
-    def conversation(self, system: str | None = None):
+    def conversation(self, system: str | None = None) -> Conversation:
         """A new conversation (turns, forks, snapshots) on this engine's cache."""
-        from segkv.engine.conversation import Conversation
-
         return Conversation(self, system=system)
 
-    def load_conversation(self, path: str | Path):
+    def load_conversation(self, path: str | Path) -> Conversation:
         """A conversation restored from a snapshot file saved by ``Conversation.save``."""
-        from segkv.engine.conversation import Conversation
-
         return Conversation.load(self, path)
 
     def stats(self) -> dict[str, object]:

@@ -8,15 +8,20 @@ row is given back (trimmed), so a chain never keeps a row of a step nobody used.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from segkv.cache.chain import KVChain
 from segkv.layers.transfer import select_rows
 
-if TYPE_CHECKING:
-    from segkv.engine.generation import Sequence
+
+class Sequence(Protocol):
+    """What a step ahead reads of a sequence (``generation.Sequence`` is one): its chain and the
+    tokens it has yet to feed."""
+
+    chain: KVChain
+    pending: list[int]
 
 
 @dataclass(slots=True, eq=False)

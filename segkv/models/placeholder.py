@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from segkv.models.default_models import GQA_NAME, MLA_NAME, gqa_config, mla_config
+from segkv.models.default_configs import GQA_NAME, MLA_NAME, gqa_config, mla_config
 from segkv.models.registry import model_class
 from segkv.models.stdlib_corpus import read_corpus, save_tokenizer, train_tokenizer
 
