@@ -13,13 +13,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # shared helpers next to the tests
 
+from gpu_helpers import GPU  # noqa: E402
+
 # Test tensors are small; one intra-op thread per process avoids oversubscribing the cores
 # when pytest-xdist runs a worker per core (spinning thread pools slow small ops 100x).
 torch.set_num_threads(1)
 
 # Without a GPU the Triton kernels run in Triton's interpreter (set before triton is imported).
-if not torch.cuda.is_available():
+if not GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` (they need CUDA) are skipped where there is no CUDA device; tests
+    that also run on the CPU pick their device from ``gpu_helpers`` and carry no marker."""
+    if GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 def _patch_language_once_per_launch() -> None:

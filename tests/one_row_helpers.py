@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import torch
 
-GPU = torch.cuda.is_available()
+from gpu_helpers import GPU, GRAPHS  # noqa: F401  (GRAPHS: for the model tests that import it from here)
 # small models' LLM settings for these comparisons; a fused DeepSeek model runs its decode graphs
 # (emulated on the CPU)
 LLM_SETTINGS = {"device": "cuda" if GPU else "cpu", "dtype": "float32", "backend": "triton", "page_size": 16,
                 "num_pages": 64, "prefill_chunk": 8}
-GRAPHS = True if GPU else "emulate"
 
 
 def small_deepseek_dir(tmp_path, num_hidden_layers: int) -> None:

@@ -9,13 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_helpers import DEVICE, GPU
 from model_helpers import build_deepseek_dir, build_model_dir
 from segkv.engine import LLM
 from segkv.runner.model_runner import StepInput
 from segkv.sampling_params import SamplingParams
 
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
 MODE = True if GPU else "emulate"
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
+from gpu_helpers import DEVICE, GPU
 
 
 @pytest.mark.parametrize("out_dim,in_dim,block_n,block_k", [(100, 300, 32, 128), (64, 64, 16, 512), (70, 1030, 32, 256),
@@ -295,7 +294,7 @@ def test_float32_logits_match_the_head_product(on, monkeypatch):
     from segkv.layers import linear
 
     monkeypatch.setattr(linear, "HEAD_FLOAT32_OUT", on)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = DEVICE
     gen = torch.Generator().manual_seed(3)
     hidden = torch.randn(3, 256, generator=gen).to(device, torch.bfloat16)
     weight = (0.05 * torch.randn(1000, 256, generator=gen)).to(device, torch.bfloat16)

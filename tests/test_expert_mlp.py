@@ -5,11 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_helpers import DEVICE, GPU
 from segkv.kernels.expert_gemv import expert_gemv_with_shared
 from segkv.kernels.expert_mlp import counters_size, expert_mlp_one_token
-
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
 
 
 def _weights(num_experts, hidden, inner, s_inner, dtype, gen):

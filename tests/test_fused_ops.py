@@ -8,13 +8,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from gpu_helpers import DEVICE, GPU
 from segkv.kernels.fused_ops import (kind_of, mla_rope_and_write_latent, rms_norm, rope_and_write_kv,
                                      round_to_kind, silu_and_mul)
 from segkv.layers.norm import RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
 
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -289,7 +288,6 @@ def test_fused_model_gives_the_unfused_tokens_and_logits(family, tmp_path):
     keys = [llm.cache.storage.key_cache(0).reshape(-1)[: 20 * 4] for llm in (plain, fused)]
     assert keys[0].abs().sum() > 0
     torch.testing.assert_close(keys[1], keys[0], rtol=1e-5, atol=1e-5)
-
 
 
 def _build(path, family):

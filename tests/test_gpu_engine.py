@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from model_helpers import build_model_dir
 from segkv.engine import LLM
 from segkv.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_helpers import DEVICE, GPU
 from segkv.kernels.grouped_expert_gemm import group_pairs_by_expert, grouped_expert_gemm
 
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7}
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
+from gpu_helpers import DEVICE
 
 
 @pytest.mark.parametrize("heads,out_dim,in_dim", [(4, 64, 32), (3, 40, 24), (2, 16, 100)])

@@ -7,14 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_helpers import GPU
 from model_helpers import build_model_dir
 from segkv.engine import LLM
 from segkv.engine.core import EngineCore
 from segkv.runner.model_runner import PENDING_TOKEN, StepInput
 from segkv.sampling_params import SamplingParams
 from segkv.scheduler import SchedulerConfig
-
-GPU = torch.cuda.is_available()
 
 
 @pytest.fixture(scope="module")

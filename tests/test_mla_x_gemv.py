@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_helpers import rope_table
-
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
+from gpu_helpers import DEVICE
 
 
 @pytest.mark.parametrize("heads,nope,rope,rank,hidden,block_k", [(4, 16, 16, 32, 96, 64), (2, 32, 32, 64, 200, 128)])

@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_helpers import DEVICE, GPU
 from segkv.kernels.moe_ops import combine_experts, route_topk
-
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
 
 
 def torch_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:

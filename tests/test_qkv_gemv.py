@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_helpers import rope_table
-
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
+from gpu_helpers import DEVICE
 
 
 @pytest.mark.parametrize("hq,hkv,dim,hidden,block_n,block_k", [(4, 2, 32, 96, 16, 64), (2, 2, 64, 200, 16, 128),

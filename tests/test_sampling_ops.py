@@ -7,10 +7,8 @@ import math
 import pytest
 import torch
 
+from gpu_helpers import DEVICE, GPU
 from segkv.kernels.sampling_ops import row_argmax
-
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 4096, 5000, 128256 if GPU else 12289])

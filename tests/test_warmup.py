@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_helpers import DEVICE, GPU, GRAPHS
 from model_helpers import build_model_dir
 from segkv.engine import LLM
 from segkv.runner.warmup import warm_up, warm_up_shapes
@@ -89,9 +90,7 @@ def test_warm_up_captures_every_graph_variant(tmp_path):
     """Every variant of the buckets up to the batch is captured (emulated without a GPU, in the
     Triton interpreter), and later steps replay them, giving the eager tokens."""
     build_model_dir(tmp_path, "qwen3")
-    gpu = torch.cuda.is_available()
-    device, mode = ("cuda", True) if gpu else ("cpu", "emulate")
-    llm = _llm(tmp_path, backend="triton", cuda_graphs=mode, device=device)
+    llm = _llm(tmp_path, backend="triton", cuda_graphs=GRAPHS, device=DEVICE)
     graphs = llm.runner.graphs
     report = llm.warm_up(max_batch=2)
     narrow_few, narrow, wide = (1, False, True), (1, False, False), (2, True, False)
@@ -100,9 +99,9 @@ def test_warm_up_captures_every_graph_variant(tmp_path):
     assert sorted(graphs._buckets) == sorted(expected)
     assert graphs.replays == 0 and llm.runner.route_counts == {} and llm.cache.pool.pages_in_use == 1  # scratch
     assert llm.warm_up(max_batch=2)["graphs"] == []  # captured once
-    if gpu:
+    if GPU:
         assert report["bytes"] > 0  # the graphs' memory pools
-    eager = _tokens(_llm(tmp_path, backend="triton", device=device), GREEDY)
+    eager = _tokens(_llm(tmp_path, backend="triton", device=DEVICE), GREEDY)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY)]
     assert got == eager[:2]
     assert graphs.replays >= 4 and sorted(graphs._buckets) == sorted(expected)  # nothing captured late
