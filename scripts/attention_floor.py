@@ -13,8 +13,8 @@ empty Triton launch of the same grid is printed for scale.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
-import os
 import random
 import statistics
 from unittest import mock
@@ -29,6 +29,7 @@ from segkv.bench.decode_attention import Timer, _fill_random
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 from segkv.kernels import paged_attention
+import segkv.settings as settings
 
 
 @triton.jit
@@ -117,8 +118,9 @@ def main() -> None:
                      for b, pp, q in zip(fixed, fixed_prepared, qs)]))
             for launch in filter(None, args.launches.split(";")):
                 block_n, warps, stages = launch.split(",")
-                with mock.patch.dict(os.environ, {"SEGKV_TRITON_BLOCK_N": block_n, "SEGKV_TRITON_WARPS": warps,
-                                                  "SEGKV_TRITON_STAGES": stages}):
+                with mock.patch.object(settings, "SETTINGS", dataclasses.replace(  # SEGKV_TRITON_BLOCK_N/WARPS/STAGES
+                        settings.SETTINGS, triton_block_n=int(block_n), triton_warps=int(warps),
+                        triton_stages=int(stages))):
                     timers[f"p{parts}_n{block_n}w{warps}s{stages}"] = Timer.capture(flushed(calls))
             notes[parts] = ("merge in stage 1" if prepared[0].merge_in_stage1 else
                             "merge kernel" if prepared[0].needs_merge else "no merge")

@@ -9,6 +9,8 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import segkv.settings as settings
+
 # the module docstring is for readers of the code; argparse shows this one (no reST markup)
 DESCRIPTION = "segkv: generate text, chat interactively, or serve a model over an OpenAI-compatible HTTP API."
 
@@ -195,7 +197,7 @@ def resolve_api_key(flag: str | None) -> str | None:
         if not flag:
             raise ValueError("--api-key must not be empty (leave it out to serve without a key)")
         return flag
-    return os.environ.get(API_KEY_ENV) or None
+    return settings.SETTINGS.api_key or None
 
 
 def _app_options(app_module, *, api_key: str | None, max_request_bytes: int | None) -> dict:

@@ -15,6 +15,7 @@ import torch
 from segkv.bench import decode_e2e as e2e
 from segkv.bench.hf_baseline import hf_tensor
 from segkv.models.registry import model_class
+from settings_helpers import setenv
 
 CPU = torch.device("cpu")
 
@@ -90,7 +91,7 @@ def test_fused_expert_views():
 
 
 def test_pipeline_segkv_alone(tmp_path, monkeypatch):
-    monkeypatch.setenv("SEGKV_LOOKAHEAD", "1")  # as on a GPU: the engine's loop both ways, steps ahead first
+    setenv(monkeypatch, "SEGKV_LOOKAHEAD", "1")  # as on a GPU: the engine's loop both ways, steps ahead first
     report = _run(tmp_path, "segkv", "--skip-hf", "--batches", "1,2", "--contexts", "40,100")
     cases = _cases(report)
     assert len(cases) == 16 and not report["not_run"] and not report["stopped_early"]

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from model_helpers import build_model_dir
+from settings_helpers import setenv
 from segkv.cli import ChatSession, build_parser, run_chat
 
 
@@ -232,12 +233,12 @@ def test_serve_options_for_the_app(monkeypatch):
     from segkv.cli import _app_options, resolve_api_key
     from segkv.server import app as app_module
 
-    monkeypatch.delenv("SEGKV_API_KEY", raising=False)
+    setenv(monkeypatch, "SEGKV_API_KEY", None)
     assert resolve_api_key(None) is None
-    monkeypatch.setenv("SEGKV_API_KEY", "from-env")
+    setenv(monkeypatch, "SEGKV_API_KEY", "from-env")
     assert resolve_api_key(None) == "from-env"
     assert resolve_api_key("from-flag") == "from-flag"
-    monkeypatch.setenv("SEGKV_API_KEY", "")
+    setenv(monkeypatch, "SEGKV_API_KEY", "")
     assert resolve_api_key(None) is None  # an empty variable is no key
     with pytest.raises(ValueError, match="--api-key must not be empty"):
         resolve_api_key("")

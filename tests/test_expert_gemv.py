@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from segkv.kernels.expert_gemv import expert_gemv
+from settings_helpers import setenv
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -120,10 +121,10 @@ def test_inputs_per_step_can_be_forced_for_tuning_runs(gen, monkeypatch):
     experts = torch.randint(0, 4, (6,), generator=gen).to(DEVICE)
     ref = torch.einsum("noi,ni->no", weight[experts].double(), x.repeat_interleave(3, 0).double())
     for width in (32, 64):
-        monkeypatch.setenv("SEGKV_EXPERT_BLOCK_I", str(width))
+        setenv(monkeypatch, "SEGKV_EXPERT_BLOCK_I", str(width))
         assert default_block_i(6) == width
         torch.testing.assert_close(expert_gemv(x, 3, experts, weight).double(), ref, rtol=1e-5, atol=1e-4)
-    monkeypatch.setenv("SEGKV_EXPERT_BLOCK_I", "96")
+    setenv(monkeypatch, "SEGKV_EXPERT_BLOCK_I", "96")
     with pytest.raises(ValueError, match="SEGKV_EXPERT_BLOCK_I must be a power of two"):
         expert_gemv(x, 3, experts, weight)
 
@@ -141,16 +142,16 @@ def test_outputs_and_warps_per_program_can_be_forced_for_tuning_runs(gen, monkey
     experts = torch.randint(0, 4, (6,), generator=gen).to(DEVICE)
     expected = expert_gemv_with_shared(x, 3, experts, weight, x, shared, gated=True)
     for block_o, warps in (("8", "2"), ("32", "8")):
-        monkeypatch.setenv("SEGKV_EXPERT_BLOCK_O", block_o)
-        monkeypatch.setenv("SEGKV_EXPERT_WARPS", warps)
+        setenv(monkeypatch, "SEGKV_EXPERT_BLOCK_O", block_o)
+        setenv(monkeypatch, "SEGKV_EXPERT_WARPS", warps)
         assert (default_block_o(), default_num_warps()) == (int(block_o), int(warps))
         for got, want in zip(expert_gemv_with_shared(x, 3, experts, weight, x, shared, gated=True), expected):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    monkeypatch.setenv("SEGKV_EXPERT_BLOCK_O", "12")
+    setenv(monkeypatch, "SEGKV_EXPERT_BLOCK_O", "12")
     with pytest.raises(ValueError, match="SEGKV_EXPERT_BLOCK_O must be a power of two"):
         expert_gemv(x[:, :40], 3, experts, weight)
-    monkeypatch.setenv("SEGKV_EXPERT_BLOCK_O", "16")
-    monkeypatch.setenv("SEGKV_EXPERT_WARPS", "3")
+    setenv(monkeypatch, "SEGKV_EXPERT_BLOCK_O", "16")
+    setenv(monkeypatch, "SEGKV_EXPERT_WARPS", "3")
     with pytest.raises(ValueError, match="SEGKV_EXPERT_WARPS must be 1, 2, 4, 8 or 16"):
         expert_gemv(x[:, :40], 3, experts, weight)
 

@@ -17,6 +17,7 @@ from segkv.attention import (
     plan_attention,
 )
 from segkv.cache.segment import ChainSpan
+from settings_helpers import setenv
 
 H200_LIKE = DeviceSpec(kind="cuda", name="h200-like", num_multiprocessors=132, blocks_per_multiprocessor=2)
 GQA = AttentionShape(num_q_heads=32, num_kv_heads=8, key_dim=128, value_dim=128)
@@ -153,10 +154,10 @@ def test_forced_split_uses_the_partition_count():
 
 
 def test_environment_forces_a_route(monkeypatch):
-    monkeypatch.setenv("SEGKV_ATTENTION_ROUTE", "segments")
+    setenv(monkeypatch, "SEGKV_ATTENTION_ROUTE", "segments")
     plan = plan_attention([seq(100, 37)], GQA, H200_LIKE, page_size=PS)
     assert plan.route == Route.SEGMENTS and len(plan.pieces) == 2
-    monkeypatch.setenv("SEGKV_ATTENTION_ROUTE", "sideways")
+    setenv(monkeypatch, "SEGKV_ATTENTION_ROUTE", "sideways")
     with pytest.raises(ValueError, match="unknown attention route"):
         plan_attention([seq(10)], GQA, H200_LIKE, page_size=PS)
 
@@ -371,17 +372,14 @@ def test_prefill_chunk_over_long_history_keeps_partials_within_the_workspace():
     assert plan_attention([seq(131072)], GQA, spec, page_size=PS).num_partitions > 16
 
 
-def test_cuda_settings_from_the_environment_are_checked(monkeypatch):
+def test_cuda_settings_from_the_environment_are_checked():
     """``SEGKV_CUDA_*`` overrides: an integer is taken, anything else is a clear error."""
-    from segkv.kernels.settings import env_int
+    from segkv.settings import load_settings
 
-    monkeypatch.setenv("SEGKV_CUDA_MIN_PARTITION_ROWS", " 128 ")
-    assert env_int("SEGKV_CUDA_MIN_PARTITION_ROWS", 64) == 128
-    monkeypatch.setenv("SEGKV_CUDA_MIN_PARTITION_ROWS", "")
-    assert env_int("SEGKV_CUDA_MIN_PARTITION_ROWS", 64) == 64
-    monkeypatch.setenv("SEGKV_CUDA_MIN_PARTITION_ROWS", "lots")
+    assert load_settings({"SEGKV_CUDA_MIN_PARTITION_ROWS": " 128 "}).cuda_min_partition_rows == 128
+    assert load_settings({"SEGKV_CUDA_MIN_PARTITION_ROWS": ""}).cuda_min_partition_rows is None  # the default
     with pytest.raises(ValueError, match="SEGKV_CUDA_MIN_PARTITION_ROWS must be an integer"):
-        env_int("SEGKV_CUDA_MIN_PARTITION_ROWS", 64)
+        load_settings({"SEGKV_CUDA_MIN_PARTITION_ROWS": "lots"})
 
 
 @pytest.mark.parametrize("batch,context", [(1, 32768), (4, 16384), (16, 16384), (16, 131072)])
@@ -426,12 +424,12 @@ def test_cuda_device_spec_from_properties_and_environment(monkeypatch):
                             ("SEGKV_CUDA_LEAN_BLOCKS_PER_SM", "4"),
                             ("SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS", "64"), ("SEGKV_CUDA_LATENT_MERGE_ROWS", "0"),
                             ("SEGKV_CUDA_MERGE_LAUNCH_ROWS", "256")):
-            monkeypatch.setenv(name, value)
+            setenv(monkeypatch, name, value)
         spec = DeviceSpec.cuda()
         assert (spec.blocks_per_multiprocessor, spec.min_rows_per_partition, spec.min_rows_per_latent_partition,
                 spec.latent_merge_rows_per_partition, spec.merge_launch_rows,
                 spec.lean_wave_size) == (3, 128, 64, 0, 256, 528)
-        monkeypatch.setenv("SEGKV_CUDA_MERGE_LAUNCH_ROWS", "-1")
+        setenv(monkeypatch, "SEGKV_CUDA_MERGE_LAUNCH_ROWS", "-1")
         with pytest.raises(ValueError, match="merge_launch_rows"):
             DeviceSpec.cuda()
 
@@ -510,7 +508,7 @@ def test_a_full_device_of_lean_programs_is_costed_in_the_waves_it_holds(monkeypa
     assert not lean_decode_programs(3, 8, 128, 16, 64)  # 24 pairs: a 32-row M tile
     assert not lean_decode_programs(1, 8, 256, 16, 64)  # wide heads
     assert not lean_decode_programs(1, 8, 64, 16, 64)  # narrow heads: other programs, not asked
-    monkeypatch.setenv("SEGKV_TRITON_TRANSPOSED", "8")
+    setenv(monkeypatch, "SEGKV_TRITON_TRANSPOSED", "8")
     assert not lean_decode_programs(1, 8, 128, 16, 64)
     with pytest.raises(ValueError, match="lean_blocks_per_multiprocessor"):
         dataclasses.replace(H200, lean_blocks_per_multiprocessor=-1)

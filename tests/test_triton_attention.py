@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from attention_helpers import Batch, dense_attention, forked_history, triton_and_reference, ulp
+from settings_helpers import setenv
 from segkv.attention import AttentionShape, DeviceSpec, Route, SequenceQuery, TorchReferenceBackend, plan_attention
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
@@ -131,7 +132,7 @@ def test_page_sizes_that_do_not_divide_the_tile(page_size, subpage, gen, monkeyp
     the next page twice.)"""
     from segkv.kernels.paged_attention import stage1_launch
 
-    monkeypatch.setenv("SEGKV_SUBPAGE_TILES", str(subpage))
+    setenv(monkeypatch, "SEGKV_SUBPAGE_TILES", str(subpage))
     meta = stage1_launch(dtype=torch.float32, dk=64, dv=64, group=4, page_size=page_size, max_work_rows=1,
                          element_size=4)
     assert meta["BLOCK_N"] == (64 if subpage else 128) and meta["BLOCK_N"] % page_size != 0
@@ -145,9 +146,9 @@ def test_pages_longer_than_the_tile(page_size, transposed, gen, monkeypatch):
     every route, fully masked rows included, against the reference."""
     from segkv.kernels.paged_attention import default_launch_config, stage1_launch
 
-    monkeypatch.setenv("SEGKV_SUBPAGE_TILES", "1")
-    monkeypatch.setenv("SEGKV_TRITON_BLOCK_N", "16")
-    monkeypatch.setenv("SEGKV_TRITON_TRANSPOSED", str(transposed))
+    setenv(monkeypatch, "SEGKV_SUBPAGE_TILES", "1")
+    setenv(monkeypatch, "SEGKV_TRITON_BLOCK_N", "16")
+    setenv(monkeypatch, "SEGKV_TRITON_TRANSPOSED", str(transposed))
     launch = default_launch_config(head_dim=64)
     assert launch.subpage_tiles and stage1_launch(dtype=torch.float32, dk=64, dv=64, group=4, page_size=page_size,
                                                   max_work_rows=1, element_size=4, launch=launch)["BLOCK_N"] == 16
@@ -160,8 +161,8 @@ def test_prefill_chunks_over_pages_longer_than_the_tile(gen, monkeypatch):
     every route against the reference."""
     from segkv.kernels.paged_attention import stage1_launch
 
-    monkeypatch.setenv("SEGKV_TRITON_BLOCK_N", "16")
-    monkeypatch.setenv("SEGKV_TRITON_TALL_BLOCK_N", "16")
+    setenv(monkeypatch, "SEGKV_TRITON_BLOCK_N", "16")
+    setenv(monkeypatch, "SEGKV_TRITON_TALL_BLOCK_N", "16")
     meta = stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=4, page_size=48, max_work_rows=17, element_size=2)
     assert meta["BLOCK_N"] == 16 and meta["BLOCK_M"] == 64
     # one KV head and two sealed segments (boundaries mid-page) are enough for every route's page
@@ -392,18 +393,18 @@ def test_transposed_products_match_the_reference(route, dtype, gen, monkeypatch)
         return paged_attention.stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=group, page_size=16,
                                              max_work_rows=rows, element_size=2, launch=launch)["TRANSPOSED"]
 
-    monkeypatch.delenv("SEGKV_TRITON_TRANSPOSED", raising=False)
+    setenv(monkeypatch, "SEGKV_TRITON_TRANSPOSED", None)
     default = paged_attention.default_launch_config(head_dim=64)
     assert default.transposed_min_pairs == 0
     assert not any(meta(rows, g, default) for rows in (1, 2, 4) for g in (1, 4, 8, 16))
-    monkeypatch.setenv("SEGKV_TRITON_TRANSPOSED", "8")
+    setenv(monkeypatch, "SEGKV_TRITON_TRANSPOSED", "8")
     eight = paged_attention.default_launch_config(head_dim=64)
     assert [meta(1, g, eight) for g in (1, 4, 8, 16)] == [False, False, True, True]
     assert meta(2, 4, eight) and not meta(3, 8, eight) and not meta(17, 4, eight)
-    monkeypatch.setenv("SEGKV_TRITON_TRANSPOSED", "1")
+    setenv(monkeypatch, "SEGKV_TRITON_TRANSPOSED", "1")
     every = paged_attention.default_launch_config(head_dim=64)
     assert meta(1, 1, every) and meta(4, 4, every) and not meta(17, 4, every)
-    monkeypatch.setenv("SEGKV_TRITON_TRANSPOSED", "0")
+    setenv(monkeypatch, "SEGKV_TRITON_TRANSPOSED", "0")
     assert not any(meta(1, g, paged_attention.default_launch_config(head_dim=64)) for g in (1, 8, 16))
     for rows, ratio, page_size, block_n in ((1, 8, 16, 16), (3, 4, 16, 64), (17, 4, 32, 64)):
         check_with_the_second_sequence_masked(gen, DTYPES[dtype], route, rows=rows, ratio=ratio, page_size=page_size,
@@ -674,15 +675,14 @@ def test_launch_overrides_from_the_environment(monkeypatch):
     from segkv.kernels.mla_attention import default_mla_launch_config
     from segkv.kernels.paged_attention import default_launch_config
 
-    monkeypatch.setenv("SEGKV_TRITON_WARPS", "8")
-    monkeypatch.setenv("SEGKV_TRITON_HEADS_FASTEST", "0")
-    monkeypatch.setenv("SEGKV_MLA_MAXNREG", "168")
+    setenv(monkeypatch, "SEGKV_TRITON_WARPS", "8")
+    setenv(monkeypatch, "SEGKV_TRITON_HEADS_FASTEST", "0")
+    setenv(monkeypatch, "SEGKV_MLA_MAXNREG", "168")
     launch = default_launch_config(head_dim=128)
     assert (launch.num_warps, launch.heads_fastest, launch.maxnreg) == (8, False, None)
     assert default_mla_launch_config().maxnreg == 168
-    monkeypatch.setenv("SEGKV_TRITON_STAGES", "two")
-    with pytest.raises(ValueError, match="SEGKV_TRITON_STAGES"):
-        default_launch_config(head_dim=128)
+    with pytest.raises(ValueError, match="SEGKV_TRITON_STAGES"):  # read with the settings
+        setenv(monkeypatch, "SEGKV_TRITON_STAGES", "two")
 
 
 def test_pipeline_stages_shrink_to_fit_shared_memory():

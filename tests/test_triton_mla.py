@@ -20,6 +20,7 @@ from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 from segkv.layers.mla import MLADims, MultiHeadLatentAttention
 from segkv.layers.rotary import RotaryEmbedding
 from attention_helpers import forked_history, triton_and_reference
+from settings_helpers import setenv
 from test_triton_attention import check
 
 GPU = torch.cuda.is_available()
@@ -99,20 +100,20 @@ def test_value_split_matches_the_reference(route, dtype, page_size, heads, gen, 
                                                page_size=16, max_work_rows=1, element_size=2,
                                                num_rows=rows)["VALUE_SPLIT"]
 
-    monkeypatch.delenv("SEGKV_MLA_VALUE_SPLIT", raising=False)
+    setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT", None)
     assert [split(1, 16), split(1, 4), split(4, 4), split(2, 16), split(8, 16), split(1, 128)] == [2, 2, 2, 1, 1, 1]
-    monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT", "1")
+    setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT", "1")
     assert split(1, 16) == 1
-    monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT", "2")
+    setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT", "2")
     assert mla_attention.default_mla_launch_config().value_split == 2
     assert split(8, 128) == 2
     for rows in ([1, 4, 17] if GPU else [1 + heads % 4]):
         cache, _, queries = latent_batch(gen, dtype=DTYPES[dtype], page_size=page_size, rows=rows)
         check(*run_latent(cache, queries, heads, route, gen, dtype=DTYPES[dtype]))
         # a plan of more partials than the limit: the first program takes all the values
-        monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", "1")
+        setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", "1")
         check(*run_latent(cache, queries, heads, route, gen, dtype=DTYPES[dtype]))
-        monkeypatch.delenv("SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS")
+        setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", None)
     rank, rope = (448, 64) if GPU else (48, 8)
     cache, _, (q0, q1, _) = latent_batch(gen, dtype=torch.bfloat16, page_size=16, rows=2, rank=rank, rope=rope)
     out, lse, ref, ref_lse = run_latent(cache, [q0, SequenceQuery(q1.spans, 2, query_start=-2), SequenceQuery((), 2)],
@@ -121,12 +122,12 @@ def test_value_split_matches_the_reference(route, dtype, page_size, heads, gen, 
     dead = [2, 3, 4, 5]
     assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
     # four programs per pair block, a quarter of the values each (forced, for tuning)
-    monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT", "4")
+    setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT", "4")
     out, lse, ref, ref_lse = run_latent(cache, [q0, SequenceQuery(q1.spans, 2, query_start=-2), SequenceQuery((), 2)],
                                         heads, route, gen, dtype=torch.bfloat16, rank=rank, rope=rope)
     check(out, lse, ref, ref_lse)
     assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
-    monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT", "3")  # 0, 1, 2 or 4
+    setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT", "3")  # 0, 1, 2 or 4
     with pytest.raises(ValueError, match="value split"):
         mla_attention.mla_stage1_launch(dtype=torch.bfloat16, rank=RANK, rope=ROPE, num_heads=heads,
                                         page_size=page_size, max_work_rows=1, element_size=2)
@@ -146,9 +147,9 @@ def test_adaptive_value_shares_match_the_reference(route, shares_last, chains_ap
     scores' pieces summed apart (``SEGKV_MLA_SCORE_CHAINS``)."""
     from segkv.kernels import mla_attention
 
-    monkeypatch.delenv("SEGKV_MLA_VALUE_SPLIT", raising=False)
-    monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT_AUTO", "4")
-    monkeypatch.setenv("SEGKV_MLA_SHARES_LAST", "1" if shares_last else "0")
+    setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT", None)
+    setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT_AUTO", "4")
+    setenv(monkeypatch, "SEGKV_MLA_SHARES_LAST", "1" if shares_last else "0")
     monkeypatch.setattr(mla_attention, "SCORE_CHAINS_APART", chains_apart)
     meta = mla_attention.mla_stage1_launch(dtype=torch.bfloat16, rank=RANK, rope=ROPE, num_heads=4, page_size=16,
                                            max_work_rows=1, element_size=2, num_rows=1)
@@ -163,11 +164,11 @@ def test_adaptive_value_shares_match_the_reference(route, shares_last, chains_ap
                               num_partitions=3 if route == "split" else None).num_partials
     assert partials > 1
     for limit in (4 * partials, partials, partials - 1):  # quarters, halves, one program
-        monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", str(limit))
+        setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", str(limit))
         out, lse, ref, ref_lse = run_latent(cache, queries, heads, route, gen, dtype=torch.bfloat16)
         check(out, lse, ref, ref_lse)
         assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
-    monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT_AUTO", "3")
+    setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT_AUTO", "3")
     with pytest.raises(ValueError, match="2 or 4 programs"):
         mla_attention.mla_stage1_launch(dtype=torch.bfloat16, rank=RANK, rope=ROPE, num_heads=heads, page_size=16,
                                         max_work_rows=1, element_size=2)
@@ -180,7 +181,7 @@ def test_latent_page_sizes_that_do_not_divide_the_tile(page_size, subpage, gen, 
     gives the reference's results."""
     from segkv.kernels import mla_attention
 
-    monkeypatch.setenv("SEGKV_SUBPAGE_TILES", str(subpage))
+    setenv(monkeypatch, "SEGKV_SUBPAGE_TILES", str(subpage))
     tile = mla_attention.mla_stage1_launch(dtype=torch.float32, rank=RANK, rope=ROPE, num_heads=4,
                                            page_size=page_size, max_work_rows=1, element_size=4)["BLOCK_N"]
     assert tile == (32 if subpage else 64) and tile % page_size != 0
@@ -195,12 +196,12 @@ def test_latent_pages_longer_than_the_tile(page_size, gen, monkeypatch):
     every route, with one program and with the value halves, gives the reference's results."""
     from segkv.kernels import mla_attention
 
-    monkeypatch.setenv("SEGKV_SUBPAGE_TILES", "1")
-    monkeypatch.setenv("SEGKV_MLA_BLOCK_N", "16")
+    setenv(monkeypatch, "SEGKV_SUBPAGE_TILES", "1")
+    setenv(monkeypatch, "SEGKV_MLA_BLOCK_N", "16")
     assert mla_attention.mla_stage1_launch(dtype=torch.float32, rank=RANK, rope=ROPE, num_heads=4,
                                            page_size=page_size, max_work_rows=1, element_size=4)["BLOCK_N"] == 16
     for split in ("1", "0"):
-        monkeypatch.setenv("SEGKV_MLA_VALUE_SPLIT", split)
+        setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT", split)
         for route in [r.value for r in Route]:
             cache, _, queries = latent_batch(gen, dtype=torch.float32, page_size=page_size, rows=1)
             check(*run_latent(cache, queries, 4, route, gen, dtype=torch.float32))

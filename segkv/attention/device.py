@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from segkv.kernels.settings import env_int
+from segkv.settings import or_default
+import segkv.settings as settings
 
 
 # Stage-1 programs per multiprocessor the split planner aims for on CUDA devices (docs/benchmarks.md).
@@ -165,24 +166,25 @@ class DeviceSpec:
         (default ``SEGKV_CUDA_MIN_PARTITION_ROWS``, else one tile) the shortest partition."""
         props = torch.cuda.get_device_properties(index)
         if blocks_per_multiprocessor is None:
-            blocks_per_multiprocessor = env_int("SEGKV_CUDA_BLOCKS_PER_SM", CUDA_BLOCKS_PER_SM)
+            blocks_per_multiprocessor = or_default(settings.SETTINGS.cuda_blocks_per_sm, CUDA_BLOCKS_PER_SM)
         if min_rows_per_partition is None:
-            min_rows_per_partition = env_int("SEGKV_CUDA_MIN_PARTITION_ROWS", CUDA_MIN_PARTITION_ROWS)
+            min_rows_per_partition = or_default(settings.SETTINGS.cuda_min_partition_rows, CUDA_MIN_PARTITION_ROWS)
         return cls(
             kind="cuda",
             name=props.name,
             num_multiprocessors=props.multi_processor_count,
             blocks_per_multiprocessor=blocks_per_multiprocessor,
-            tall_blocks_per_multiprocessor=env_int("SEGKV_CUDA_TALL_BLOCKS_PER_SM", CUDA_TALL_BLOCKS_PER_SM),
-            lean_blocks_per_multiprocessor=env_int("SEGKV_CUDA_LEAN_BLOCKS_PER_SM", CUDA_LEAN_BLOCKS_PER_SM),
+            tall_blocks_per_multiprocessor=or_default(settings.SETTINGS.cuda_tall_blocks_per_sm, CUDA_TALL_BLOCKS_PER_SM),
+            lean_blocks_per_multiprocessor=or_default(settings.SETTINGS.cuda_lean_blocks_per_sm, CUDA_LEAN_BLOCKS_PER_SM),
             min_rows_per_partition=min_rows_per_partition,
-            min_rows_per_latent_partition=env_int("SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS", CUDA_MIN_LATENT_PARTITION_ROWS),
+            min_rows_per_latent_partition=or_default(settings.SETTINGS.cuda_min_latent_partition_rows,
+                                                     CUDA_MIN_LATENT_PARTITION_ROWS),
             max_partitions=256,
             max_query_rows_per_work=64,
             partition_overhead_rows=256,
-            latent_merge_rows_per_partition=env_int("SEGKV_CUDA_LATENT_MERGE_ROWS",
-                                                    CUDA_LATENT_MERGE_ROWS_PER_PARTITION),
-            merge_launch_rows=env_int("SEGKV_CUDA_MERGE_LAUNCH_ROWS", CUDA_MERGE_LAUNCH_ROWS),
+            latent_merge_rows_per_partition=or_default(settings.SETTINGS.cuda_latent_merge_rows,
+                                                       CUDA_LATENT_MERGE_ROWS_PER_PARTITION),
+            merge_launch_rows=or_default(settings.SETTINGS.cuda_merge_launch_rows, CUDA_MERGE_LAUNCH_ROWS),
             stage1_merge_max_partials=stage1_merge_bound(),
             key_tile_rows=CUDA_KEY_TILE_ROWS,
         )

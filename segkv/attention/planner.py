@@ -11,7 +11,6 @@ threshold. ``SEGKV_ATTENTION_ROUTE`` forces a route (testing and benchmarks).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ from segkv.attention.plan import (
     reduce_map_from_work,
 )
 from segkv.cache.segment import ChainSpan
+import segkv.settings as settings
 
 ROUTE_ENV = "SEGKV_ATTENTION_ROUTE"
 # Tile height of a stage-1 program in (query row x query head) units, for the occupancy
@@ -64,7 +64,7 @@ class _Run:
 
 
 def forced_route_from_env() -> Route | None:
-    value = os.environ.get(ROUTE_ENV, "").strip()
+    value = (settings.SETTINGS.attention_route or "").strip()
     return Route.parse(value) if value and value != "auto" else None
 
 

@@ -11,12 +11,12 @@ from segkv.cache.page_pool import OutOfPagesError
 from segkv.engine.detokenizer import IncrementalDetokenizer
 from segkv.engine.step_ahead import StepAhead
 from segkv.engine.tokenizer import Tokenizer
-from segkv.kernels.settings import env_int
 from segkv.layers.sampler import Sampler, make_generator
 from segkv.layers.transfer import HostCopy, select_rows
 from segkv.outputs import CompletionOutput, TokenLogprob
 from segkv.runner.model_runner import ModelRunner, StepInput
 from segkv.sampling_params import SamplingParams
+import segkv.settings as settings
 
 
 @dataclass(slots=True, eq=False)  # identity semantics: sequences are tracked in lists
@@ -63,7 +63,7 @@ class Sequence:
 def default_lookahead(device: torch.device) -> bool:
     """Whether decode steps are launched ahead by default on ``device``: on CUDA (on the CPU a
     step launched is a step computed, so nothing overlaps); ``SEGKV_LOOKAHEAD=0/1`` overrides it."""
-    return bool(env_int("SEGKV_LOOKAHEAD", int(torch.device(device).type == "cuda")))
+    return bool(settings.or_default(settings.SETTINGS.lookahead, int(torch.device(device).type == "cuda")))
 
 
 class Generator:

@@ -4,20 +4,17 @@ program's partials. Inlined by the kernels of ``paged_attention`` and ``mla_atte
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-from segkv.kernels.settings import env_int
+from segkv.settings import SETTINGS
 
 # ``ex2.approx.ftz.f32`` on the GPU: Triton's ``exp2`` emits ``ex2.approx.f32``, which ptxas wraps
 # in a subnormal fix-up (a compare and two predicated multiplies per element; about 100 of the
 # 1082 instructions of a 64-pair program's tile loop on sm_90a). Flushing results below 2^-126 to 0
 # changes nothing a float32 softmax can see: such a weight is under 2^-126 of the row's largest,
 # which is 1. The interpreter runs Triton's ``exp2``.
-FAST_EXP2: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1"
-                                       and os.environ.get("SEGKV_ATTENTION_FTZ_EXP2", "1") == "1")
+FAST_EXP2: tl.constexpr = tl.constexpr(not SETTINGS.triton_interpret and SETTINGS.attention_ftz_exp2)
 # A program's results normalised by one reciprocal per row and a product per value instead of a
 # division per value (``SEGKV_ATTENTION_RECIPROCAL_NORM``, on by default; 0 divides). Offline
 # (Triton 3.9, sm_90a) each float32 division is about 3 instructions: the latent batch-1 program
@@ -25,7 +22,7 @@ FAST_EXP2: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1"
 # registers, no spill), the tall GQA program 2152 -> 1960 (spills 56 -> 24 bytes). Both are float32
 # normalisations within 2 ulp; the result is rounded once as before. H200, with PAGE_SCALARS:
 # DeepSeek-V2-Lite batch 1 / 16K 464-465 -> 474 tok/s, the 16-fork cascade 0.0650 -> 0.0616-0.0623 ms.
-RECIPROCAL_NORM: tl.constexpr = tl.constexpr(env_int("SEGKV_ATTENTION_RECIPROCAL_NORM", 1) == 1)
+RECIPROCAL_NORM: tl.constexpr = tl.constexpr(SETTINGS.attention_reciprocal_norm)
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -61,7 +58,7 @@ def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.conste
 # 499 -> 456; the batch-1 GQA program at pages of 64 456 -> 393. H200: the latent batch-1 stage 1
 # at 128K 0.0593 -> 0.0570 ms, the 16-fork cascade 0.0650 -> 0.0625 ms, the 8B shape's batch-16
 # kernel at 32K 0.6% slower.
-PAGE_SCALARS: tl.constexpr = tl.constexpr(env_int("SEGKV_ATTENTION_PAGE_SCALARS", 1) == 1)
+PAGE_SCALARS: tl.constexpr = tl.constexpr(SETTINGS.attention_page_scalars)
 # The most pages a tile gives its rows as scalars (``SEGKV_ATTENTION_SCALAR_PAGES``, 2 or 4; 4 by
 # default): 4 lets a 64-row tile of 16-row pages (decode at pages of 16) load its four page entries
 # once and select per row, and tell whether it is full (:data:`SKIP_MASKS`). A launch constant (the
@@ -69,7 +66,7 @@ PAGE_SCALARS: tl.constexpr = tl.constexpr(env_int("SEGKV_ATTENTION_PAGE_SCALARS"
 # batch 1 at 32K / 64K 0.0408 -> 0.0391-0.0394 / 0.0739-0.0742 -> 0.0702-0.0712 ms, batch 4 4-5%
 # faster, batch 16 at 16K / 32K 0.2566-0.2593 -> 0.2469-0.2489 / 0.5035-0.5085 -> 0.4816-0.4849 ms;
 # Llama-3.1-8B batch 1 / 8 level.
-SCALAR_PAGES = env_int("SEGKV_ATTENTION_SCALAR_PAGES", 4)
+SCALAR_PAGES = SETTINGS.attention_scalar_pages
 if SCALAR_PAGES not in (2, 4):
     raise ValueError(f"SEGKV_ATTENTION_SCALAR_PAGES must be 2 or 4, got {SCALAR_PAGES}")
 
@@ -84,7 +81,7 @@ if SCALAR_PAGES not in (2, 4):
 # 16, 434 -> 378 at 32; batch-1 decode at pages of 32 415 -> 398. With 0 the code is as before.
 # H200 (two rounds each): the 16-fork cascade 0.0618-0.0622 -> 0.0595-0.0602 ms at pages of 16,
 # 0.0609-0.0612 -> 0.0601-0.0607 at 32; the kernels at batch 1 / 16 and Llama-3.1-8B level or faster.
-SKIP_MASKS = env_int("SEGKV_ATTENTION_SKIP_MASKS", 1)
+SKIP_MASKS = SETTINGS.attention_skip_masks
 if SKIP_MASKS not in (0, 1):
     raise ValueError(f"SEGKV_ATTENTION_SKIP_MASKS must be 0 or 1, got {SKIP_MASKS}")
 

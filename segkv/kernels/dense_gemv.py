@@ -36,13 +36,13 @@ import triton.language as tl
 from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
 from segkv.kernels.moe_ops import check_combine, combine_row
 from segkv.kernels.pdl import _INTERPRET, capability_major, pdl_options
-from segkv.kernels.settings import env_int
+from segkv.settings import SETTINGS
 
 INPUT_PLAIN, INPUT_GATED, INPUT_NORM, INPUT_COMBINE = 0, 1, 2, 3
 # Weights stream through once a decode step: their lines may leave L2 first, so that activations,
 # partial sums and KV pages stay (``SEGKV_GEMV_EVICT_FIRST=0``: the default policy). Llama-3.1-8B
 # batch 1 on the H200: 214-215 -> 219 tok/s at 1K.
-WEIGHTS_EVICT_FIRST = env_int("SEGKV_GEMV_EVICT_FIRST", 1) == 1
+WEIGHTS_EVICT_FIRST = SETTINGS.gemv_evict_first
 # Registers per thread (ptxas ``maxnreg``; 0: the compiler's choice) of the one-row GEMVs whose
 # input is the row itself or a gated pair, and of those that norm it (norm, combine, q/k/v and
 # MLA x launches), on Hopper (where they were measured). A program holds its 16 x 512 weight
@@ -52,8 +52,8 @@ WEIGHTS_EVICT_FIRST = env_int("SEGKV_GEMV_EVICT_FIRST", 1) == 1
 # capped at 72 (7 programs) Llama-3.1-8B batch 1 on the H200 went 219-220 -> 222-223 tok/s at 1K.
 # The store is now predicated instead, and they take 64 uncapped (8 programs; a cap of 72 lets
 # ptxas give the q/k/v and MLA x launches 70-72). Caps that spill (64 / 40) lost 6-15%.
-PLAIN_REGISTER_CAP = env_int("SEGKV_GEMV_MAXNREG", 0)
-NORM_REGISTER_CAP = env_int("SEGKV_GEMV_MAXNREG_NORM", 0)
+PLAIN_REGISTER_CAP = SETTINGS.gemv_maxnreg
+NORM_REGISTER_CAP = SETTINGS.gemv_maxnreg_norm
 
 
 def register_cap(x: torch.Tensor, input_kind: int) -> int:

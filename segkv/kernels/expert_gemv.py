@@ -12,8 +12,6 @@ The same launch can also take a dense weight applied to every row (a MoE layer's
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -21,10 +19,10 @@ import triton.language as tl
 from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST
 from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
 from segkv.kernels.pdl import pdl_options
-from segkv.kernels.settings import env_int
 from segkv.kernels.work_items import wait_full
+import segkv.settings as settings
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = settings.SETTINGS.triton_interpret
 
 
 @triton.jit
@@ -192,7 +190,7 @@ WIDE_BLOCK_I = 256
 # with programmatic dependent launch, the weights' first block requested before the wait: the shared
 # experts' always, the routed experts' where the ids are older than the previous launch (the down
 # product). SEGKV_EXPERT_PRELOAD=1; off: it measured level on the H200 (docs/configuration.md).
-PRELOAD = env_int("SEGKV_EXPERT_PRELOAD", 0) == 1
+PRELOAD = settings.SETTINGS.expert_preload
 
 # The gate/up product writing silu(gate) * up itself (for the MoE layer's packed experts; 0 turns it
 # off): each program pairs 8 gate rows with their 8 up rows. The down product then reads half the
@@ -201,7 +199,7 @@ PRELOAD = env_int("SEGKV_EXPERT_PRELOAD", 0) == 1
 # 36). Measured on the H200 (DeepSeek-V2-Lite, one token): the down launch 14.6-14.7 us against
 # 15.1-15.2, gate/up level; batch 8 1316 / 1105 tok/s against 1298 / 1097 at 1K / 16K (it also
 # replaces the separate SiLU-and-mul launch there); batch 1 level (500 / 430 against 500 / 431-433).
-ACT_IN_GATE_UP = env_int("SEGKV_EXPERT_ACT_IN_GATE_UP", 1) == 1
+ACT_IN_GATE_UP = settings.SETTINGS.expert_act_in_gate_up
 
 # pairs up to which a launch reads 256 inputs per step with the loop unrolled: one token's experts
 # (6 pairs: gate/up 20.3 -> 19.6 us, down 12.5 -> 11.6 us); at 48 pairs unrolling gained nothing
@@ -211,14 +209,13 @@ FEW_PAIRS = 8
 def default_unroll(pairs: int) -> bool:
     """Whether the input loop is unrolled for ``pairs`` pairs (``SEGKV_GEMV_UNROLL=0/1``
     overrides, for tuning runs)."""
-    forced = env_int("SEGKV_GEMV_UNROLL", None)
+    forced = settings.SETTINGS.gemv_unroll
     return pairs <= FEW_PAIRS if forced is None else bool(forced)
 
 
-def _forced(name: str, allowed, what: str) -> int | None:
-    """The launch setting forced by environment variable ``name`` (tuning runs), None when unset;
+def _forced(forced: int | None, name: str, allowed, what: str) -> int | None:
+    """The launch setting ``forced`` by environment variable ``name`` (tuning runs), None when unset;
     a value ``allowed`` refuses is a clear error naming the variable and ``what`` it takes."""
-    forced = env_int(name, None)
     if forced is not None and not allowed(forced):
         raise ValueError(f"{name} must be {what}, got {forced}")
     return forced
@@ -230,20 +227,22 @@ def _power_of_two(n: int) -> bool:
 
 def default_block_o() -> int:
     """Outputs per program (``SEGKV_EXPERT_BLOCK_O`` overrides, for tuning runs)."""
-    forced = _forced("SEGKV_EXPERT_BLOCK_O", _power_of_two, "a power of two")
+    forced = _forced(settings.SETTINGS.expert_block_o, "SEGKV_EXPERT_BLOCK_O", _power_of_two, "a power of two")
     return BLOCK_O if forced is None else forced
 
 
 def default_num_warps() -> int:
     """Warps per program (``SEGKV_EXPERT_WARPS`` overrides, for tuning runs)."""
-    forced = _forced("SEGKV_EXPERT_WARPS", lambda n: n in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16")
+    forced = _forced(settings.SETTINGS.expert_warps, "SEGKV_EXPERT_WARPS", lambda n: n in (1, 2, 4, 8, 16),
+                     "1, 2, 4, 8 or 16")
     return NUM_WARPS if forced is None else forced
 
 
 def default_block_i(pairs: int) -> int:
     """Inputs per step for ``pairs`` pairs: 256 for one token's few pairs, else 128
     (``SEGKV_EXPERT_BLOCK_I`` overrides, for tuning runs)."""
-    forced = _forced("SEGKV_EXPERT_BLOCK_I", lambda n: n >= 16 and _power_of_two(n), "a power of two >= 16")
+    forced = _forced(settings.SETTINGS.expert_block_i, "SEGKV_EXPERT_BLOCK_I",
+                     lambda n: n >= 16 and _power_of_two(n), "a power of two >= 16")
     if forced is not None:
         return forced
     return WIDE_BLOCK_I if pairs <= FEW_PAIRS else BLOCK_I

@@ -24,7 +24,6 @@ experts' gate/up items wait for the normed row, the routed ones for the ids too.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +35,10 @@ from segkv.kernels.expert_gemv import _gemv_tile, _weight_rows
 from segkv.kernels.fused_ops import kind_of
 from segkv.kernels.moe_ops import norm_route_program, prepare_norm_route
 from segkv.kernels.pdl import pdl_options
-from segkv.kernels.settings import env_int
 from segkv.kernels.work_items import claim_item, count_done, leave_zero_if_last, wait_full
+import segkv.settings as settings
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = settings.SETTINGS.triton_interpret
 
 # counters: [0] the work dispenser, [1] down items past their wait, [2 + n] pair n's gate/up
 # items done, [2 + pairs] the shared experts', [3 + pairs] the normed row stored (the router's
@@ -211,7 +210,8 @@ def _prepare_experts(name: str, x: torch.Tensor, pairs: int, gate_up: torch.Tens
                          f"{counters.numel()} {counters.dtype} on {counters.device}")
     # the interpreter truncates float32 -> bf16/fp16 stores: there it writes float32, torch rounds
     kernel_dtype = torch.float32 if _INTERPRET else x.dtype
-    block_i = env_int("SEGKV_EXPERT_MLP_BLOCK_I", BLOCK_I)  # the SEGKV_EXPERT_MLP_* settings: tuning runs
+    env = settings.SETTINGS  # the SEGKV_EXPERT_MLP_* settings: tuning runs
+    block_i = settings.or_default(env.expert_mlp_block_i, BLOCK_I)
     items = (triton.cdiv(s_inner, BLOCK_O // 2) + pairs * triton.cdiv(inner, BLOCK_O // 2)
              + (pairs + 1) * triton.cdiv(hidden, BLOCK_O))
     meta = dict(HIDDEN=hidden, INNER=inner, S_INNER=s_inner, BLOCK_O=BLOCK_O,
@@ -219,8 +219,8 @@ def _prepare_experts(name: str, x: torch.Tensor, pairs: int, gate_up: torch.Tens
                 BLOCK_I_DOWN=min(block_i, triton.next_power_of_2(max(inner, s_inner))),
                 EXACT_FP32=kernel_dtype == torch.float32, KIND=kind_of(x.dtype), EVICT_FIRST=WEIGHTS_EVICT_FIRST,
                 COUNTERS_P2=triton.next_power_of_2(counters_size(pairs)),
-                UNROLL=env_int("SEGKV_EXPERT_MLP_UNROLL", 1) == 1,
-                num_warps=env_int("SEGKV_EXPERT_MLP_WARPS", NUM_WARPS), num_stages=env_int("SEGKV_EXPERT_MLP_STAGES", 3))
+                UNROLL=env.expert_mlp_unroll,
+                num_warps=settings.or_default(env.expert_mlp_warps, NUM_WARPS), num_stages=env.expert_mlp_stages)
     return _ExpertLaunch(
         _activation_buffer((pairs, inner), kernel_dtype, x.device, poison),
         _activation_buffer((s_inner,), kernel_dtype, x.device, poison),

@@ -14,14 +14,15 @@ at once. Float32 accumulation; the result is rounded once to the output dtype.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from segkv.settings import SETTINGS
+
+_INTERPRET = SETTINGS.triton_interpret
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

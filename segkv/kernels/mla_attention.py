@@ -37,7 +37,7 @@ from segkv.kernels.paged_attention import (
     wide_offsets,
 )
 from segkv.kernels.pdl import multiprocessors
-from segkv.kernels.settings import env_int
+import segkv.settings as settings
 
 
 @triton.jit
@@ -229,7 +229,7 @@ MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulat
 # warps per scheduler cannot hide (Nsight Compute: "wait" the first stall). Apart, the longest
 # chain is the own share's 16. H200, DeepSeek-V2-Lite batch 1: 521-522 / 453 tok/s at 1K / 16K
 # against 518-519 / 445-449 with one chain.
-SCORE_CHAINS_APART = env_int("SEGKV_MLA_SCORE_CHAINS", 1) == 1
+SCORE_CHAINS_APART = settings.SETTINGS.mla_score_chains
 
 
 def default_mla_launch_config() -> LaunchConfig:
@@ -243,17 +243,18 @@ def default_mla_launch_config() -> LaunchConfig:
     (Products with the latent tile as the tall operand measured 5-20% slower on the H200, and
     16-row tiles, three programs per SM at 168 registers, 11% slower for DeepSeek-V2-Lite at 16K:
     docs/benchmarks.md.)"""
+    env = settings.SETTINGS
     return LaunchConfig(
-        block_n=env_int("SEGKV_MLA_BLOCK_N", 32),  # a longer page spans tiles (tile_rows)
+        block_n=env.mla_block_n,  # a longer page spans tiles (tile_rows)
         subpage_tiles=subpage_tiles(),
-        num_warps=env_int("SEGKV_MLA_WARPS", 4),
-        num_stages=env_int("SEGKV_MLA_STAGES", 3),
-        block_m=env_int("SEGKV_MLA_BLOCK_M", MLA_BLOCK_M),
-        maxnreg=env_int("SEGKV_MLA_MAXNREG", None),
-        value_split=env_int("SEGKV_MLA_VALUE_SPLIT", 0),
-        value_split_max_partials=env_int("SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", None),
-        value_split_auto=env_int("SEGKV_MLA_VALUE_SPLIT_AUTO", 2),
-        shares_last=env_int("SEGKV_MLA_SHARES_LAST", 0) == 1,
+        num_warps=env.mla_warps,
+        num_stages=env.mla_stages,
+        block_m=settings.or_default(env.mla_block_m, MLA_BLOCK_M),
+        maxnreg=env.mla_maxnreg,
+        value_split=env.mla_value_split,
+        value_split_max_partials=env.mla_value_split_max_partials,
+        value_split_auto=env.mla_value_split_auto,
+        shares_last=env.mla_shares_last,
     )
 
 

@@ -9,7 +9,6 @@ merge kernel, so results equal float32 attention over the whole history rounded 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
@@ -33,10 +32,10 @@ from segkv.kernels.attention_tiles import (
     work_item_visible,
 )
 from segkv.kernels.pdl import pdl_options
-from segkv.kernels.settings import env_int
 from segkv.kernels.stage1_merge import merge_group_if_last, merge_if_last, zero_empty_rows
+import segkv.settings as settings
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = settings.SETTINGS.triton_interpret
 
 
 @triton.jit
@@ -282,7 +281,7 @@ def subpage_tiles() -> bool:
     page keeps the latent kernel's 32-row tile (a 64-row one holds 255 registers and spills 1 KB,
     offline, sm_90a); on the H200 the latent kernel at pages of 64 ran 2-2.9x faster at 32K and
     GQA at pages of 128 1.4x (docs/benchmarks.md). Pages no longer than the tile compile as before."""
-    return env_int("SEGKV_SUBPAGE_TILES", 1) == 1
+    return settings.SETTINGS.subpage_tiles
 
 
 # The most query rows per work item of a tall (64-pair) decode program, launched with the
@@ -347,29 +346,30 @@ def default_launch_config(*, head_dim: int) -> LaunchConfig:
     """Measured defaults (``docs/benchmarks.md``), overridable by the ``SEGKV_TRITON_*`` variables
     of ``docs/configuration.md`` (tile, warps, stages, pairs, launch order, register cap)."""
     wide = head_dim > 128
-    block_n = env_int("SEGKV_TRITON_BLOCK_N", 32 if wide else 64)
+    env = settings.SETTINGS
+    block_n = settings.or_default(env.triton_block_n, 32 if wide else 64)
     return LaunchConfig(
         block_n=block_n,  # a longer page spans tiles; grown to the page without subpage_tiles (tile_rows)
         subpage_tiles=subpage_tiles(),
-        num_warps=env_int("SEGKV_TRITON_WARPS", 4),
+        num_warps=env.triton_warps,
         # 3 stages: two K/V buffers, the next tile loading during this one (2 stages: one buffer);
         # batch 1 / 32K 0.0456 -> 0.0422 ms, batch 16 0.531 -> 0.500 (H200, with 2 programs per SM)
-        num_stages=env_int("SEGKV_TRITON_STAGES", 3),
-        block_m=env_int("SEGKV_TRITON_BLOCK_M", 64),
-        tall_warps=env_int("SEGKV_TRITON_TALL_WARPS", 4),
+        num_stages=env.triton_stages,
+        block_m=env.triton_block_m,
+        tall_warps=env.triton_tall_warps,
         # tall decode programs (64 pairs from at most 16 query rows: forks sharing a prefix): 32-row
         # tiles under 168 registers (40 bytes spilled) and 64 KB of shared memory, 3 per SM where
         # 64-row tiles (243 registers, 112 KB) fit 2. The cascade (16 forks of a 32K prefix) 0.0762
         # -> 0.0645 ms with the planner's tall wave of 3 per SM (H200). Prefill chunks keep block_n
         # and no cap
-        tall_block_n=env_int("SEGKV_TRITON_TALL_BLOCK_N", 32),
-        tall_maxnreg=env_int("SEGKV_TRITON_TALL_MAXNREG", 168) or None,
+        tall_block_n=env.triton_tall_block_n,
+        tall_maxnreg=env.triton_tall_maxnreg or None,
         # a piece's KV heads side by side: 0-3% faster at batch 1-16 over 32K-128K (H200)
-        heads_fastest=env_int("SEGKV_TRITON_HEADS_FASTEST", 1) == 1,
-        maxnreg=env_int("SEGKV_TRITON_MAXNREG", None),
+        heads_fastest=env.triton_heads_fastest,
+        maxnreg=env.triton_maxnreg,
         # transposed products: none by default (TRANSPOSED_MIN_PAIRS: the row-major loop with page
         # scalars, four-page tiles and skipped masks is level or faster on the 70B shape)
-        transposed_min_pairs=env_int("SEGKV_TRITON_TRANSPOSED", TRANSPOSED_MIN_PAIRS),
+        transposed_min_pairs=settings.or_default(env.triton_transposed, TRANSPOSED_MIN_PAIRS),
     )
 
 
@@ -439,7 +439,7 @@ def paged_attention(
 # batch 1 and the latent kernel up to 6% (batch 8, 64K). The row-major decode programs at pages of
 # 32 kept int64 ones until skipped masks and page scalars: then int32 measured 0.4-0.9% faster at
 # batch 16 and level at batch 1 and 4 (docs/benchmarks.md).
-WIDE_OFFSETS_SETTING = env_int("SEGKV_ATTENTION_WIDE_OFFSETS", 0)
+WIDE_OFFSETS_SETTING = settings.SETTINGS.attention_wide_offsets
 if WIDE_OFFSETS_SETTING not in (0, 1):
     raise ValueError(f"SEGKV_ATTENTION_WIDE_OFFSETS must be 0 or 1, got {WIDE_OFFSETS_SETTING}")
 
@@ -520,7 +520,7 @@ def stages_that_fit(num_stages: int, tile_bytes: int) -> int:
 # o GEMV, which loads its weights meanwhile) right after the wait. On by default: with the PDL
 # GEMVs around it, batch 1 on the H200 gained 1-1.5% (Llama-3.1-8B 224 -> 226-227 tok/s at 1K,
 # Qwen3-8B 217 -> 220), batch 8 level (docs/benchmarks.md). SEGKV_ATTENTION_PDL=0 turns it off.
-ATTENTION_PDL = env_int("SEGKV_ATTENTION_PDL", 1) == 1
+ATTENTION_PDL = settings.SETTINGS.attention_pdl
 # With PDL: the GQA stage 1 and the merge read the host's plan (partial rows, pages, partial ids)
 # before waiting for the kernel before them, so fewer dependent loads follow the wait (the latent
 # stage 1 always does). SEGKV_ATTENTION_PLAN_EARLY: 1 (default) in the merge and the row-major
@@ -528,7 +528,7 @@ ATTENTION_PDL = env_int("SEGKV_ATTENTION_PDL", 1) == 1
 # H200: the 8B shape's batch-1 kernels 3% faster at 16K, Llama-3.1-8B 203 -> 205 tok/s at 16K; the
 # 70B shape's transposed programs 2-4% slower with it, hence not there; taller programs (cascade,
 # prefill) not measured with it.
-PLAN_EARLY = env_int("SEGKV_ATTENTION_PLAN_EARLY", 1)
+PLAN_EARLY = settings.SETTINGS.attention_plan_early
 if PLAN_EARLY not in (0, 1, 2):
     raise ValueError(f"SEGKV_ATTENTION_PLAN_EARLY must be 0, 1 or 2, got {PLAN_EARLY}")
 # When the merge lets the next kernel (the o GEMV) launch (SEGKV_MERGE_TRIGGER): 1, right after its
@@ -536,7 +536,7 @@ if PLAN_EARLY not in (0, 1, 2):
 # / 203-204 tok/s against 226-227 / 203); 0, at once, so the o GEMV's programs load their weights
 # while stage 1 runs (as after a merge inside stage 1): 3% slower at 1K, level at 16K (their weight
 # loads compete with stage 1's K/V reads, and they hold slots the merge's programs wait for).
-MERGE_TRIGGER = env_int("SEGKV_MERGE_TRIGGER", 1)
+MERGE_TRIGGER = settings.SETTINGS.merge_trigger
 if MERGE_TRIGGER not in (0, 1, 2):
     raise ValueError(f"SEGKV_MERGE_TRIGGER must be 0, 1 or 2, got {MERGE_TRIGGER}")
 
@@ -595,10 +595,10 @@ def attention_outputs(query, dv: int, num_partials: int, out_dtype, poison: bool
 # From 16 partials the last program merges its query row's heads a chunk of partials at a time
 # (merge_group_if_last): a bound of 64 measured slower on the H200 (Llama-3.1-8B batch 1 220 / 195
 # against 226-227 / 203 tok/s at 1K / 16K; docs/benchmarks.md), so 8 stays.
-MERGE_IN_STAGE1_MAX_PARTIALS = env_int("SEGKV_MERGE_IN_STAGE1_MAX", 8)
+MERGE_IN_STAGE1_MAX_PARTIALS = settings.SETTINGS.merge_in_stage1_max
 # SEGKV_MERGE_IN_STAGE1_CHUNKED=1: the chunked merge for rows of 2-8 partials too (offline, sm_90a,
 # head_dim 128: 168 registers at 4 heads per KV head against the whole-row merge's 232)
-MERGE_IN_STAGE1_CHUNKED = env_int("SEGKV_MERGE_IN_STAGE1_CHUNKED", 0) == 1
+MERGE_IN_STAGE1_CHUNKED = settings.SETTINGS.merge_in_stage1_chunked
 if MERGE_IN_STAGE1_MAX_PARTIALS not in (0, 2, 4, 8, 16, 32, 64):
     raise ValueError(f"SEGKV_MERGE_IN_STAGE1_MAX must be 0, 2, 4, 8, 16, 32 or 64, got {MERGE_IN_STAGE1_MAX_PARTIALS}")
 
@@ -607,7 +607,7 @@ if MERGE_IN_STAGE1_MAX_PARTIALS not in (0, 2, 4, 8, 16, 32, 64):
 # batch-1 latent merge reads 32-256 partials per row, latency the extra programs hide). H200,
 # DeepSeek-V2-Lite batch 1: 489 / 421 tok/s at 1K / 16K with 32 against 480-484 / 406-412 with 64;
 # 16 (twice the programs again) measured 506-508 / 439-440 against 32's 514-518 / 447.
-MERGE_BLOCK_DV = env_int("SEGKV_MERGE_BLOCK_DV", None)
+MERGE_BLOCK_DV = settings.SETTINGS.merge_block_dv
 GQA_MERGE_BLOCK_DV, LATENT_MERGE_BLOCK_DV = 64, 32
 
 

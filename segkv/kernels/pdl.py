@@ -16,22 +16,21 @@ for that when no row needs merging).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from segkv.kernels.settings import env_int
+import segkv.settings as settings
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = settings.SETTINGS.triton_interpret
 
 
 @functools.lru_cache(maxsize=None)
 def pdl_supported(device_index: int) -> bool:
     """Whether device ``device_index`` and this Triton support PDL (capability 9.0 or later, a
     Triton with ``launch_pdl`` and ``gdc_wait``); ``SEGKV_TRITON_PDL=0`` turns it off."""
-    if _INTERPRET or env_int("SEGKV_TRITON_PDL", 1) != 1 or not torch.cuda.is_available():
+    if _INTERPRET or not settings.SETTINGS.triton_pdl or not torch.cuda.is_available():
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions

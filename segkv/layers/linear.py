@@ -22,21 +22,21 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from segkv.kernels.settings import env_int
+from segkv.settings import SETTINGS
 
-BATCH1_GEMV = env_int("SEGKV_BATCH1_GEMV", 1) == 1
-BATCH1_FUSED_GEMV = env_int("SEGKV_BATCH1_FUSED_GEMV", 1) == 1
-BATCH1_QKV_ROPE = env_int("SEGKV_BATCH1_QKV_ROPE", 0) == 1
+BATCH1_GEMV = SETTINGS.batch1_gemv
+BATCH1_FUSED_GEMV = SETTINGS.batch1_fused_gemv
+BATCH1_QKV_ROPE = SETTINGS.batch1_qkv_rope
 # Products of at most this many inputs take programs of whole weight rows, WHOLE_ROWS a program
 # (``SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS``, 0: split-K blocks everywhere; ``SEGKV_GEMV_WHOLE_ROWS``)
-WHOLE_ROW_MAX_INPUTS = env_int("SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS", 4096)
-WHOLE_ROWS = env_int("SEGKV_GEMV_WHOLE_ROWS", 4)
+WHOLE_ROW_MAX_INPUTS = SETTINGS.gemv_whole_row_max_inputs
+WHOLE_ROWS = SETTINGS.gemv_whole_rows
 # The output head's product writes float32 logits itself (cuBLAS with a float32 result,
 # ``torch.mm(..., out_dtype=torch.float32)``) instead of half-precision logits and a conversion
 # launch (4.1 us a decode step on the H200 for DeepSeek-V2-Lite's 102400 entries); the logits
 # then skip one rounding. ``SEGKV_HEAD_FLOAT32_OUT=1``; off: level on the H200 (DeepSeek-V2-Lite
 # batch 1 543-544 / 473-475 tok/s at 1K / 16K against 543 / 474).
-HEAD_FLOAT32_OUT = env_int("SEGKV_HEAD_FLOAT32_OUT", 0) == 1
+HEAD_FLOAT32_OUT = SETTINGS.head_float32_out
 
 
 def launch_for(in_dim: int, *, whole_rows: bool = False) -> tuple[int, int]:

@@ -12,23 +12,23 @@ from segkv.attention.plan import AttentionShape
 from segkv.kernels.fused_ops import mla_rope_and_write_latent, mla_rope_fusable
 from segkv.kernels.head_gemv import MAX_IN as HEAD_GEMV_MAX_IN
 from segkv.kernels.head_gemv import head_gemv
-from segkv.kernels.settings import env_int
 from segkv.layers.activation import stack_linears
 from segkv.layers.linear import RowProduct
 from segkv.layers.norm import PendingCombine, RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
+from segkv.settings import SETTINGS
 
 MLA_MODES = ("absorbed", "naive")
 # one token's residual add and norm (and the previous MoE layer's combine) in the x product's launch
 # (H200, DeepSeek-V2-Lite batch 1, 1K / 16K: 439-441 / 378-380 -> 447-448 / 386-387 tok/s)
-NORM_IN_MLA = env_int("SEGKV_BATCH1_NORM_IN_MLA", 1) == 1
+NORM_IN_MLA = SETTINGS.batch1_norm_in_mla
 # ... and the query's RoPE and the latent cache write in the same launch (H200, alternating
 # in one run, two rounds: 457 / 391-394 -> 461-462 / 399-400 tok/s at 1K / 16K)
-MLA_ROPE = env_int("SEGKV_BATCH1_MLA_ROPE", 1) == 1
+MLA_ROPE = SETTINGS.batch1_mla_rope
 # one token's absorbed products (q_nope through W_uk, the latent output through W_uv) as per-head
 # GEMVs with PDL (kernels.head_gemv) instead of batched GEMMs (H200, DeepSeek-V2-Lite batch 1,
 # alternating, two rounds: 465-468 / 398-401 -> 481-482 / 411-417 tok/s at 1K / 16K)
-LATENT_GEMV = env_int("SEGKV_BATCH1_LATENT_GEMV", 1) == 1
+LATENT_GEMV = SETTINGS.batch1_latent_gemv
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
 
 

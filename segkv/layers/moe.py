@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from segkv.kernels.settings import env_int
 from segkv.layers.activation import GatedMLP
 from segkv.layers.norm import PendingCombine, RMSNorm
+from segkv.settings import SETTINGS
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 # fused routers take their float32 logits from one Triton launch up to this many tokens (decode),
@@ -20,16 +20,16 @@ ROUTER_KERNEL_MAX_TOKENS = 16
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 # decode fusions of a MoE block (docs/configuration.md), switchable for A/B runs: the norm with the
 # router's logits and top-k in one launch; the combine inside the next block's norm
-NORM_ROUTE = env_int("SEGKV_MOE_NORM_ROUTE", 1) == 1
-COMBINE_IN_NORM = env_int("SEGKV_MOE_COMBINE_IN_NORM", 1) == 1
+NORM_ROUTE = SETTINGS.moe_norm_route
+COMBINE_IN_NORM = SETTINGS.moe_combine_in_norm
 # one token's routed and shared experts as one launch (kernels.expert_mlp: the down items start as
 # each pair's gate/up items finish) instead of two (0). H200, DeepSeek-V2-Lite batch 1: 517-518 /
 # 444-447 tok/s at 1K / 16K against 498-501 / 433-434
-ONE_LAUNCH_MLP = env_int("SEGKV_EXPERT_ONE_LAUNCH", 1) == 1
+ONE_LAUNCH_MLP = SETTINGS.expert_one_launch
 # with it, the norm, the router and its top-k in the same launch too (kernels.expert_mlp.moe_block_one_token:
 # the shared experts' items wait only for the normed row, the routed ones for the ids). H200,
 # DeepSeek-V2-Lite batch 1: 520-521 / 449 tok/s at 1K / 16K against 518 / 448-449 (0: two launches)
-ONE_LAUNCH_BLOCK = env_int("SEGKV_MOE_ONE_LAUNCH", 1) == 1
+ONE_LAUNCH_BLOCK = SETTINGS.moe_one_launch
 
 
 @dataclass(slots=True, frozen=True)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from segkv.kernels.settings import env_int
 from segkv.layers.transfer import to_device
 from segkv.sampling_params import SamplingParams
+import segkv.settings as settings
 
 LOGPROBS_MODES = ("raw", "processed")
 
@@ -31,7 +31,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of ``(B, V)`` float32: on CUDA two short Triton launches
     (``kernels.sampling_ops.row_argmax``; ``SEGKV_TRITON_ARGMAX=0``: torch's), since torch
     reduced a 128K-entry row in one block (26 us on the H200) between two decode steps."""
-    if x.is_cuda and env_int("SEGKV_TRITON_ARGMAX", 1) == 1:
+    if x.is_cuda and settings.SETTINGS.triton_argmax:
         from segkv.kernels.sampling_ops import row_argmax
 
         return row_argmax(x)

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from segkv.models.default_configs import GQA_NAME, MLA_NAME, gqa_config, mla_config
 from segkv.models.registry import model_class
 from segkv.models.stdlib_corpus import read_corpus, save_tokenizer, train_tokenizer
+import segkv.settings as settings
 
 DEFAULT_NAME = GQA_NAME
 _DIRS = {GQA_NAME: "default-untrained", MLA_NAME: "default-mla-untrained"}
@@ -28,7 +29,7 @@ _CORPUS_BYTES = 3_000_000
 
 def default_model_dir(name: str = GQA_NAME) -> Path:
     """Where a placeholder lives: ``$SEGKV_HOME/<name>-untrained`` (default ``~/.cache/segkv``)."""
-    home = Path(os.environ.get("SEGKV_HOME", Path.home() / ".cache" / "segkv"))
+    home = Path(settings.or_default(settings.SETTINGS.home, Path.home() / ".cache" / "segkv"))
     return home / _DIRS[name]
 
 
