@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -62,6 +63,7 @@ CUDA_MERGE_LAUNCH_ROWS = 0
 PARTIAL_WORKSPACE_BYTES = 64 << 20
 
 
+@functools.cache
 def stage1_merge_bound() -> int:
     """The most partials per row the GQA stage-1 kernel merges itself (0: it never does)."""
     from segkv.kernels.paged_attention import MERGE_IN_STAGE1_MAX_PARTIALS  # the CUDA kernels' setting

@@ -9,7 +9,6 @@ fits: the next ``prepare`` only rewrites the buffer's contents.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from itertools import chain
 
@@ -330,7 +329,6 @@ class TritonBackend:
         return self._reference.run(prepared.reference, *args, **kwargs)
 
 
-@functools.cache
 def merges_in_stage1(max_work_rows: int, max_row_partials: int | None) -> bool:
     """Whether the GQA kernels merge a plan's rows inside stage 1: work items of one query row
     (decode) and at most :func:`stage1_merge_bound` partials per row. The merge launch and its
