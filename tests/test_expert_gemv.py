@@ -5,11 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_helpers import DEVICE, GPU
 from segkv.kernels.expert_gemv import expert_gemv
 from settings_helpers import setenv
-
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from attention_helpers import Batch, dense_attention, forked_history, triton_and_reference, ulp
+from gpu_helpers import DEVICE, GPU
 from settings_helpers import setenv
 from segkv.attention import AttentionShape, DeviceSpec, Route, SequenceQuery, TorchReferenceBackend, plan_attention
 from segkv.cache import PagedKVCache
@@ -24,8 +25,6 @@ import triton  # noqa: E402,F401  (a test dependency: the kernels must run in CI
 from segkv.attention.merge import merge_partials  # noqa: E402
 from segkv.attention.triton_backend import TritonBackend  # noqa: E402
 
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ROUTES = [r.value for r in Route]
 
@@ -174,7 +173,7 @@ def test_prefill_chunks_over_pages_longer_than_the_tile(gen, monkeypatch):
         check(out, lse, ref, ref_lse)
 
 
-@pytest.mark.skipif(not GPU, reason="a 128K-row history needs the GPU")
+@pytest.mark.gpu  # a 128K-row history
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_mixed_long_and_short_batch_in_one_launch(dtype, gen):
     torch_dtype = DTYPES[dtype]
@@ -308,7 +307,7 @@ def test_fixed_plan_buffers_hold_each_plan_after_one_or_four_transfers(one_copy,
     assert len(addresses) == 1
 
 
-@pytest.mark.skipif(not GPU, reason="CUDA graphs need the GPU")
+@pytest.mark.gpu  # real CUDA graphs
 def test_cuda_graph_replays_a_new_plan(gen):
     from segkv.attention.triton_backend import PlanCapacity
 
@@ -697,7 +696,7 @@ def test_pipeline_stages_shrink_to_fit_shared_memory():
     assert stages_that_fit(2, 1) == 2 and stages_that_fit(3, 10**9) == 1
 
 
-@pytest.mark.skipif(not GPU, reason="programmatic dependent launch needs the GPU")
+@pytest.mark.gpu  # programmatic dependent launch
 def test_a_graphs_merge_without_partials_still_orders_the_next_kernel(gen):
     """A CUDA graph captured over a split plan keeps its merge launch; replayed over a one-piece
     plan every row has a single partial, stage 1 writes the rows itself and the merge has nothing
@@ -803,7 +802,7 @@ def test_page_offsets_in_32_or_64_bits_give_the_reference(wide, gen, monkeypatch
     assert calls  # the launcher asked
 
 
-@pytest.mark.skipif(not GPU, reason="a cache past 2^31 elements needs 8 GB of GPU memory")
+@pytest.mark.gpu  # a cache past 2^31 elements: 8 GB of device memory
 def test_pages_past_two_to_the_31_elements(gen):
     """A cache whose pages lie past 2^31 elements (int64 page offsets): the history's pages are
     taken after 131072 others, so every one of them starts beyond int32."""

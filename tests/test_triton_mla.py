@@ -12,6 +12,7 @@ import itertools
 import pytest
 import torch
 
+from gpu_helpers import DEVICE, GPU
 from segkv.attention import AttentionShape, DeviceSpec, Route, SequenceQuery, TorchReferenceBackend, plan_attention
 from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.triton_backend import TritonBackend, is_latent_cache
@@ -23,8 +24,6 @@ from attention_helpers import forked_history, triton_and_reference
 from settings_helpers import setenv
 from test_triton_attention import check
 
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RANK, ROPE = (512, 64) if GPU else (64, 16)
 
@@ -216,7 +215,7 @@ def test_latent_width_other_than_deepseek(gen):
     check(out, lse, ref, ref_lse)
 
 
-@pytest.mark.skipif(not GPU, reason="a 128K-row latent history needs the GPU")
+@pytest.mark.gpu  # a 128K-row latent history
 @pytest.mark.parametrize("heads", [16, 128])
 def test_latent_mixed_long_and_short_batch(heads, gen):
     layout = KVLayout(num_layers=1, kind="mla", kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16)
