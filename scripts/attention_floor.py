@@ -118,7 +118,8 @@ def main() -> None:
                      for b, pp, q in zip(fixed, fixed_prepared, qs)]))
             for launch in filter(None, args.launches.split(";")):
                 block_n, warps, stages = launch.split(",")
-                with mock.patch.object(settings, "SETTINGS", dataclasses.replace(  # SEGKV_TRITON_BLOCK_N/WARPS/STAGES
+                # as SEGKV_TRITON_BLOCK_N, _WARPS and _STAGES would (settings are read once, at import)
+                with mock.patch.object(settings, "SETTINGS", dataclasses.replace(
                         settings.SETTINGS, triton_block_n=int(block_n), triton_warps=int(warps),
                         triton_stages=int(stages))):
                     timers[f"p{parts}_n{block_n}w{warps}s{stages}"] = Timer.capture(flushed(calls))

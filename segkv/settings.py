@@ -23,86 +23,156 @@ class Settings:
     None means the code's own default (named in the help), which may depend on the device or shape."""
 
     # --- the command, the server and model files
-    api_key: str | None = _setting("SEGKV_API_KEY", TEXT, None, "the API key `segkv serve` asks for without --api-key; unset or empty: none")
-    home: str | None = _setting("SEGKV_HOME", TEXT, None, "where the untrained placeholder models are built (None: ~/.cache/segkv)")
-    triton_interpret: bool = _setting("TRITON_INTERPRET", EXACT_ONE, False, "Triton kernels run in Triton's interpreter (the kernels branch on it)")
+    api_key: str | None = _setting("SEGKV_API_KEY", TEXT, None,
+        "the API key `segkv serve` asks for without --api-key; unset or empty: none")
+    home: str | None = _setting("SEGKV_HOME", TEXT, None,
+        "where the untrained placeholder models are built (None: ~/.cache/segkv)")
+    triton_interpret: bool = _setting("TRITON_INTERPRET", EXACT_ONE, False,
+        "Triton kernels run in Triton's interpreter (the kernels branch on it)")
     # --- the engine's step loop
-    lookahead: int | None = _setting("SEGKV_LOOKAHEAD", INTEGER, None, "launch decode steps ahead (nonzero: on; None: on CUDA, off on the CPU)")
+    lookahead: int | None = _setting("SEGKV_LOOKAHEAD", INTEGER, None,
+        "launch decode steps ahead (nonzero: on; None: on CUDA, off on the CPU)")
     # --- attention planning
-    attention_route: str | None = _setting("SEGKV_ATTENTION_ROUTE", TEXT, None, "force the attention route (auto, single, split, segments, cascade)")
-    plan_one_copy_bytes: int = _setting("SEGKV_PLAN_ONE_COPY_BYTES", INTEGER, 128 << 10, "a graph bucket's plan buffer up to this size goes to the device in one copy")
-    cuda_blocks_per_sm: int | None = _setting("SEGKV_CUDA_BLOCKS_PER_SM", INTEGER, None, "stage-1 programs per SM the CUDA planner assumes (None: 2)")
-    cuda_min_partition_rows: int | None = _setting("SEGKV_CUDA_MIN_PARTITION_ROWS", INTEGER, None, "shortest GQA partition of the CUDA planner, KV rows (None: 64)")
-    cuda_tall_blocks_per_sm: int | None = _setting("SEGKV_CUDA_TALL_BLOCKS_PER_SM", INTEGER, None, "tall decode programs per SM the CUDA planner assumes (None: 3)")
-    cuda_lean_blocks_per_sm: int | None = _setting("SEGKV_CUDA_LEAN_BLOCKS_PER_SM", INTEGER, None, "lean decode programs per SM the CUDA planner assumes (None: 3; 0: off)")
-    cuda_min_latent_partition_rows: int | None = _setting("SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS", INTEGER, None, "shortest latent partition of the CUDA planner, KV rows (None: 32)")
-    cuda_latent_merge_rows: int | None = _setting("SEGKV_CUDA_LATENT_MERGE_ROWS", INTEGER, None, "KV rows one more latent partition costs the merge in the planner (None: 1)")
-    cuda_merge_launch_rows: int | None = _setting("SEGKV_CUDA_MERGE_LAUNCH_ROWS", INTEGER, None, "KV rows a GQA merge launch costs a decode plan in the planner (None: 0)")
+    attention_route: str | None = _setting("SEGKV_ATTENTION_ROUTE", TEXT, None,
+        "force the attention route (auto, single, split, segments, cascade)")
+    plan_one_copy_bytes: int = _setting("SEGKV_PLAN_ONE_COPY_BYTES", INTEGER, 128 << 10,
+        "a graph bucket's plan buffer up to this size goes to the device in one copy")
+    cuda_blocks_per_sm: int | None = _setting("SEGKV_CUDA_BLOCKS_PER_SM", INTEGER, None,
+        "stage-1 programs per SM the CUDA planner assumes (None: 2)")
+    cuda_min_partition_rows: int | None = _setting("SEGKV_CUDA_MIN_PARTITION_ROWS", INTEGER, None,
+        "shortest GQA partition of the CUDA planner, KV rows (None: 64)")
+    cuda_tall_blocks_per_sm: int | None = _setting("SEGKV_CUDA_TALL_BLOCKS_PER_SM", INTEGER, None,
+        "tall decode programs per SM the CUDA planner assumes (None: 3)")
+    cuda_lean_blocks_per_sm: int | None = _setting("SEGKV_CUDA_LEAN_BLOCKS_PER_SM", INTEGER, None,
+        "lean decode programs per SM the CUDA planner assumes (None: 3; 0: off)")
+    cuda_min_latent_partition_rows: int | None = _setting(
+        "SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS", INTEGER, None,
+        "shortest latent partition of the CUDA planner, KV rows (None: 32)")
+    cuda_latent_merge_rows: int | None = _setting("SEGKV_CUDA_LATENT_MERGE_ROWS", INTEGER, None,
+        "KV rows one more latent partition costs the merge in the planner (None: 1)")
+    cuda_merge_launch_rows: int | None = _setting("SEGKV_CUDA_MERGE_LAUNCH_ROWS", INTEGER, None,
+        "KV rows a GQA merge launch costs a decode plan in the planner (None: 0)")
     # --- GQA attention kernels
-    triton_block_n: int | None = _setting("SEGKV_TRITON_BLOCK_N", INTEGER, None, "KV rows per GQA stage-1 tile (None: 64; 32 for head dims above 128)")
+    triton_block_n: int | None = _setting("SEGKV_TRITON_BLOCK_N", INTEGER, None,
+        "KV rows per GQA stage-1 tile (None: 64; 32 for head dims above 128)")
     triton_warps: int = _setting("SEGKV_TRITON_WARPS", INTEGER, 4, "warps per GQA stage-1 program")
-    triton_stages: int = _setting("SEGKV_TRITON_STAGES", INTEGER, 3, "pipeline stages of the GQA stage-1 kernel")
-    triton_block_m: int = _setting("SEGKV_TRITON_BLOCK_M", INTEGER, 64, "most (row, head) pairs per GQA stage-1 program")
+    triton_stages: int = _setting("SEGKV_TRITON_STAGES", INTEGER, 3,
+        "pipeline stages of the GQA stage-1 kernel")
+    triton_block_m: int = _setting("SEGKV_TRITON_BLOCK_M", INTEGER, 64,
+        "most (row, head) pairs per GQA stage-1 program")
     triton_tall_warps: int = _setting("SEGKV_TRITON_TALL_WARPS", INTEGER, 4, "warps of 64-pair GQA programs")
-    triton_tall_block_n: int = _setting("SEGKV_TRITON_TALL_BLOCK_N", INTEGER, 32, "KV rows per tile of tall decode programs")
-    triton_tall_maxnreg: int = _setting("SEGKV_TRITON_TALL_MAXNREG", INTEGER, 168, "register cap of tall decode programs (0: none)")
-    triton_heads_fastest: bool = _setting("SEGKV_TRITON_HEADS_FASTEST", SWITCH, True, "launch a piece's KV heads side by side")
-    triton_maxnreg: int | None = _setting("SEGKV_TRITON_MAXNREG", INTEGER, None, "register cap of the GQA stage-1 kernel (None: Triton's choice)")
-    triton_transposed: int | None = _setting("SEGKV_TRITON_TRANSPOSED", INTEGER, None, "GQA programs of at least this many (at most 16) pairs use transposed products (None: 0, none)")
-    subpage_tiles: bool = _setting("SEGKV_SUBPAGE_TILES", SWITCH, True, "attention tiles keep their size and walk longer pages a tile at a time")
-    attention_ftz_exp2: bool = _setting("SEGKV_ATTENTION_FTZ_EXP2", EXACT_ONE, True, "the online softmax uses ex2.approx.ftz on the GPU")
-    attention_reciprocal_norm: bool = _setting("SEGKV_ATTENTION_RECIPROCAL_NORM", SWITCH, True, "normalise the attention output by one reciprocal per row")
-    attention_page_scalars: bool = _setting("SEGKV_ATTENTION_PAGE_SCALARS", SWITCH, True, "a tile of whole pages loads each page's index once")
-    attention_scalar_pages: int = _setting("SEGKV_ATTENTION_SCALAR_PAGES", INTEGER, 4, "most pages a GQA tile loads as scalars (2 or 4)")
-    attention_skip_masks: int = _setting("SEGKV_ATTENTION_SKIP_MASKS", INTEGER, 1, "full GQA tiles skip the score mask (0 or 1)")
-    attention_wide_offsets: int = _setting("SEGKV_ATTENTION_WIDE_OFFSETS", INTEGER, 0, "int64 page offsets in stage 1 everywhere (1) or int32 where the cache allows (0)")
-    attention_pdl: bool = _setting("SEGKV_ATTENTION_PDL", SWITCH, True, "programmatic dependent launch for attention's stage 1 and merge")
-    attention_plan_early: int = _setting("SEGKV_ATTENTION_PLAN_EARLY", INTEGER, 1, "which programs read the host's plan before the PDL wait (0, 1, 2)")
-    merge_trigger: int = _setting("SEGKV_MERGE_TRIGGER", INTEGER, 1, "when the merge lets the next kernel launch (0: at once, 1: after its wait, 2: at its end)")
-    merge_in_stage1_max: int = _setting("SEGKV_MERGE_IN_STAGE1_MAX", INTEGER, 8, "most partials per decode row that stage 1 merges itself")
-    merge_in_stage1_chunked: bool = _setting("SEGKV_MERGE_IN_STAGE1_CHUNKED", SWITCH, False, "the chunked merge inside stage 1 also for rows of 2-8 partials")
-    merge_block_dv: int | None = _setting("SEGKV_MERGE_BLOCK_DV", INTEGER, None, "value columns per merge program (None: 64 for GQA, 32 for latent values)")
+    triton_tall_block_n: int = _setting("SEGKV_TRITON_TALL_BLOCK_N", INTEGER, 32,
+        "KV rows per tile of tall decode programs")
+    triton_tall_maxnreg: int = _setting("SEGKV_TRITON_TALL_MAXNREG", INTEGER, 168,
+        "register cap of tall decode programs (0: none)")
+    triton_heads_fastest: bool = _setting("SEGKV_TRITON_HEADS_FASTEST", SWITCH, True,
+        "launch a piece's KV heads side by side")
+    triton_maxnreg: int | None = _setting("SEGKV_TRITON_MAXNREG", INTEGER, None,
+        "register cap of the GQA stage-1 kernel (None: Triton's choice)")
+    triton_transposed: int | None = _setting("SEGKV_TRITON_TRANSPOSED", INTEGER, None,
+        "GQA programs of at least this many (at most 16) pairs use transposed products (None: 0, none)")
+    subpage_tiles: bool = _setting("SEGKV_SUBPAGE_TILES", SWITCH, True,
+        "attention tiles keep their size and walk longer pages a tile at a time")
+    attention_ftz_exp2: bool = _setting("SEGKV_ATTENTION_FTZ_EXP2", EXACT_ONE, True,
+        "the online softmax uses ex2.approx.ftz on the GPU")
+    attention_reciprocal_norm: bool = _setting("SEGKV_ATTENTION_RECIPROCAL_NORM", SWITCH, True,
+        "normalise the attention output by one reciprocal per row")
+    attention_page_scalars: bool = _setting("SEGKV_ATTENTION_PAGE_SCALARS", SWITCH, True,
+        "a tile of whole pages loads each page's index once")
+    attention_scalar_pages: int = _setting("SEGKV_ATTENTION_SCALAR_PAGES", INTEGER, 4,
+        "most pages a GQA tile loads as scalars (2 or 4)")
+    attention_skip_masks: int = _setting("SEGKV_ATTENTION_SKIP_MASKS", INTEGER, 1,
+        "full GQA tiles skip the score mask (0 or 1)")
+    attention_wide_offsets: int = _setting("SEGKV_ATTENTION_WIDE_OFFSETS", INTEGER, 0,
+        "int64 page offsets in stage 1 everywhere (1) or int32 where the cache allows (0)")
+    attention_pdl: bool = _setting("SEGKV_ATTENTION_PDL", SWITCH, True,
+        "programmatic dependent launch for attention's stage 1 and merge")
+    attention_plan_early: int = _setting("SEGKV_ATTENTION_PLAN_EARLY", INTEGER, 1,
+        "which programs read the host's plan before the PDL wait (0, 1, 2)")
+    merge_trigger: int = _setting("SEGKV_MERGE_TRIGGER", INTEGER, 1,
+        "when the merge lets the next kernel launch (0: at once, 1: after its wait, 2: at its end)")
+    merge_in_stage1_max: int = _setting("SEGKV_MERGE_IN_STAGE1_MAX", INTEGER, 8,
+        "most partials per decode row that stage 1 merges itself")
+    merge_in_stage1_chunked: bool = _setting("SEGKV_MERGE_IN_STAGE1_CHUNKED", SWITCH, False,
+        "the chunked merge inside stage 1 also for rows of 2-8 partials")
+    merge_block_dv: int | None = _setting("SEGKV_MERGE_BLOCK_DV", INTEGER, None,
+        "value columns per merge program (None: 64 for GQA, 32 for latent values)")
     # --- latent (MLA) attention kernel
     mla_block_n: int = _setting("SEGKV_MLA_BLOCK_N", INTEGER, 32, "latent rows per tile of the latent kernel")
-    mla_block_m: int | None = _setting("SEGKV_MLA_BLOCK_M", INTEGER, None, "(row, head) pairs per latent program (None: 16)")
+    mla_block_m: int | None = _setting("SEGKV_MLA_BLOCK_M", INTEGER, None,
+        "(row, head) pairs per latent program (None: 16)")
     mla_warps: int = _setting("SEGKV_MLA_WARPS", INTEGER, 4, "warps per latent program")
     mla_stages: int = _setting("SEGKV_MLA_STAGES", INTEGER, 3, "pipeline stages of the latent kernel")
-    mla_maxnreg: int | None = _setting("SEGKV_MLA_MAXNREG", INTEGER, None, "register cap of the latent kernel (None: Triton's choice)")
-    mla_value_split: int = _setting("SEGKV_MLA_VALUE_SPLIT", INTEGER, 0, "latent programs per pair block (0: chosen per launch; 1, 2 or 4 forced)")
-    mla_value_split_max_partials: int | None = _setting("SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", INTEGER, None, "most partials for the value split (None: the SM count; 132 in the interpreter)")
-    mla_value_split_auto: int = _setting("SEGKV_MLA_VALUE_SPLIT_AUTO", INTEGER, 2, "most latent programs per pair block the automatic split launches (2 or 4)")
-    mla_score_chains: bool = _setting("SEGKV_MLA_SCORE_CHAINS", SWITCH, True, "the latent scores' pieces as separate MMA chains")
-    mla_shares_last: bool = _setting("SEGKV_MLA_SHARES_LAST", SWITCH, False, "value shares as the launch grid's third dimension")
+    mla_maxnreg: int | None = _setting("SEGKV_MLA_MAXNREG", INTEGER, None,
+        "register cap of the latent kernel (None: Triton's choice)")
+    mla_value_split: int = _setting("SEGKV_MLA_VALUE_SPLIT", INTEGER, 0,
+        "latent programs per pair block (0: chosen per launch; 1, 2 or 4 forced)")
+    mla_value_split_max_partials: int | None = _setting("SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", INTEGER, None,
+        "most partials for the value split (None: the SM count; 132 in the interpreter)")
+    mla_value_split_auto: int = _setting("SEGKV_MLA_VALUE_SPLIT_AUTO", INTEGER, 2,
+        "most latent programs per pair block the automatic split launches (2 or 4)")
+    mla_score_chains: bool = _setting("SEGKV_MLA_SCORE_CHAINS", SWITCH, True,
+        "the latent scores' pieces as separate MMA chains")
+    mla_shares_last: bool = _setting("SEGKV_MLA_SHARES_LAST", SWITCH, False,
+        "value shares as the launch grid's third dimension")
     # --- one-row products (GEMV), the sampler and the output head
-    batch1_gemv: bool = _setting("SEGKV_BATCH1_GEMV", SWITCH, True, "one-row MLA products through the split-K Triton GEMV")
-    batch1_fused_gemv: bool = _setting("SEGKV_BATCH1_FUSED_GEMV", SWITCH, True, "one-row decode of GQA models and dense MLPs through the fused GEMVs")
-    batch1_qkv_rope: bool = _setting("SEGKV_BATCH1_QKV_ROPE", SWITCH, False, "the fused q/k/v GEMV also applies q/k norms, RoPE and the cache write")
-    batch1_norm_in_mla: bool = _setting("SEGKV_BATCH1_NORM_IN_MLA", SWITCH, True, "one-token MLA: the combine, residual add and norm inside the x product")
-    batch1_mla_rope: bool = _setting("SEGKV_BATCH1_MLA_ROPE", SWITCH, True, "one-token MLA: the x product also applies RoPE and writes the latent row")
-    batch1_latent_gemv: bool = _setting("SEGKV_BATCH1_LATENT_GEMV", SWITCH, True, "one-token absorbed attention: per-head products as one-row GEMVs")
-    gemv_evict_first: bool = _setting("SEGKV_GEMV_EVICT_FIRST", SWITCH, True, "GEMV weights loaded with an evict-first hint")
-    gemv_whole_row_max_inputs: int = _setting("SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS", INTEGER, 4096, "one-row products of at most this many inputs use whole weight rows (0: none)")
-    gemv_whole_rows: int = _setting("SEGKV_GEMV_WHOLE_ROWS", INTEGER, 4, "whole weight rows per program of those products")
-    gemv_maxnreg: int = _setting("SEGKV_GEMV_MAXNREG", INTEGER, 0, "register cap of the plain split-K GEMVs on Hopper (0: none)")
-    gemv_maxnreg_norm: int = _setting("SEGKV_GEMV_MAXNREG_NORM", INTEGER, 0, "register cap of the norming split-K GEMVs on Hopper (0: none)")
-    triton_argmax: bool = _setting("SEGKV_TRITON_ARGMAX", SWITCH, True, "the sampler's argmax on CUDA through two Triton launches")
-    head_float32_out: bool = _setting("SEGKV_HEAD_FLOAT32_OUT", SWITCH, False, "the output head's product writes float32 logits itself on CUDA")
-    triton_pdl: bool = _setting("SEGKV_TRITON_PDL", SWITCH, True, "programmatic dependent launch for the MoE chain and the split-K GEMV")
+    batch1_gemv: bool = _setting("SEGKV_BATCH1_GEMV", SWITCH, True,
+        "one-row MLA products through the split-K Triton GEMV")
+    batch1_fused_gemv: bool = _setting("SEGKV_BATCH1_FUSED_GEMV", SWITCH, True,
+        "one-row decode of GQA models and dense MLPs through the fused GEMVs")
+    batch1_qkv_rope: bool = _setting("SEGKV_BATCH1_QKV_ROPE", SWITCH, False,
+        "the fused q/k/v GEMV also applies q/k norms, RoPE and the cache write")
+    batch1_norm_in_mla: bool = _setting("SEGKV_BATCH1_NORM_IN_MLA", SWITCH, True,
+        "one-token MLA: the combine, residual add and norm inside the x product")
+    batch1_mla_rope: bool = _setting("SEGKV_BATCH1_MLA_ROPE", SWITCH, True,
+        "one-token MLA: the x product also applies RoPE and writes the latent row")
+    batch1_latent_gemv: bool = _setting("SEGKV_BATCH1_LATENT_GEMV", SWITCH, True,
+        "one-token absorbed attention: per-head products as one-row GEMVs")
+    gemv_evict_first: bool = _setting("SEGKV_GEMV_EVICT_FIRST", SWITCH, True,
+        "GEMV weights loaded with an evict-first hint")
+    gemv_whole_row_max_inputs: int = _setting("SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS", INTEGER, 4096,
+        "one-row products of at most this many inputs use whole weight rows (0: none)")
+    gemv_whole_rows: int = _setting("SEGKV_GEMV_WHOLE_ROWS", INTEGER, 4,
+        "whole weight rows per program of those products")
+    gemv_maxnreg: int = _setting("SEGKV_GEMV_MAXNREG", INTEGER, 0,
+        "register cap of the plain split-K GEMVs on Hopper (0: none)")
+    gemv_maxnreg_norm: int = _setting("SEGKV_GEMV_MAXNREG_NORM", INTEGER, 0,
+        "register cap of the norming split-K GEMVs on Hopper (0: none)")
+    triton_argmax: bool = _setting("SEGKV_TRITON_ARGMAX", SWITCH, True,
+        "the sampler's argmax on CUDA through two Triton launches")
+    head_float32_out: bool = _setting("SEGKV_HEAD_FLOAT32_OUT", SWITCH, False,
+        "the output head's product writes float32 logits itself on CUDA")
+    triton_pdl: bool = _setting("SEGKV_TRITON_PDL", SWITCH, True,
+        "programmatic dependent launch for the MoE chain and the split-K GEMV")
     # --- mixture of experts
-    moe_norm_route: bool = _setting("SEGKV_MOE_NORM_ROUTE", SWITCH, True, "decode MoE: residual add, norm, router and top-k in one launch")
-    moe_combine_in_norm: bool = _setting("SEGKV_MOE_COMBINE_IN_NORM", SWITCH, True, "the next block's norm combines the experts' outputs")
-    expert_one_launch: bool = _setting("SEGKV_EXPERT_ONE_LAUNCH", SWITCH, True, "one token's routed and shared experts in one launch")
-    moe_one_launch: bool = _setting("SEGKV_MOE_ONE_LAUNCH", SWITCH, True, "one token's whole MoE block in one launch")
-    expert_preload: bool = _setting("SEGKV_EXPERT_PRELOAD", SWITCH, False, "expert GEMVs request their first weight block before the PDL wait")
-    expert_act_in_gate_up: bool = _setting("SEGKV_EXPERT_ACT_IN_GATE_UP", SWITCH, True, "the gate/up expert launch writes silu(gate) * up itself")
-    gemv_unroll: int | None = _setting("SEGKV_GEMV_UNROLL", INTEGER, None, "unroll the expert GEMV's input loop (nonzero: on; None: for at most 8 pairs)")
-    expert_block_i: int | None = _setting("SEGKV_EXPERT_BLOCK_I", INTEGER, None, "inputs per step of the expert GEMVs (None: 256 for few pairs, else 128)")
-    expert_block_o: int | None = _setting("SEGKV_EXPERT_BLOCK_O", INTEGER, None, "outputs per expert GEMV program (None: 16)")
-    expert_warps: int | None = _setting("SEGKV_EXPERT_WARPS", INTEGER, None, "warps per expert GEMV program (None: 4)")
-    expert_mlp_block_i: int | None = _setting("SEGKV_EXPERT_MLP_BLOCK_I", INTEGER, None, "inputs per step of the one-launch expert MLP (None: 512)")
-    expert_mlp_warps: int | None = _setting("SEGKV_EXPERT_MLP_WARPS", INTEGER, None, "warps per one-launch expert MLP program (None: 8)")
-    expert_mlp_unroll: bool = _setting("SEGKV_EXPERT_MLP_UNROLL", SWITCH, True, "unroll the one-launch expert MLP's input loop")
-    expert_mlp_stages: int = _setting("SEGKV_EXPERT_MLP_STAGES", INTEGER, 3, "pipeline stages of the one-launch expert MLP")
+    moe_norm_route: bool = _setting("SEGKV_MOE_NORM_ROUTE", SWITCH, True,
+        "decode MoE: residual add, norm, router and top-k in one launch")
+    moe_combine_in_norm: bool = _setting("SEGKV_MOE_COMBINE_IN_NORM", SWITCH, True,
+        "the next block's norm combines the experts' outputs")
+    expert_one_launch: bool = _setting("SEGKV_EXPERT_ONE_LAUNCH", SWITCH, True,
+        "one token's routed and shared experts in one launch")
+    moe_one_launch: bool = _setting("SEGKV_MOE_ONE_LAUNCH", SWITCH, True,
+        "one token's whole MoE block in one launch")
+    expert_preload: bool = _setting("SEGKV_EXPERT_PRELOAD", SWITCH, False,
+        "expert GEMVs request their first weight block before the PDL wait")
+    expert_act_in_gate_up: bool = _setting("SEGKV_EXPERT_ACT_IN_GATE_UP", SWITCH, True,
+        "the gate/up expert launch writes silu(gate) * up itself")
+    gemv_unroll: int | None = _setting("SEGKV_GEMV_UNROLL", INTEGER, None,
+        "unroll the expert GEMV's input loop (nonzero: on; None: for at most 8 pairs)")
+    expert_block_i: int | None = _setting("SEGKV_EXPERT_BLOCK_I", INTEGER, None,
+        "inputs per step of the expert GEMVs (None: 256 for few pairs, else 128)")
+    expert_block_o: int | None = _setting("SEGKV_EXPERT_BLOCK_O", INTEGER, None,
+        "outputs per expert GEMV program (None: 16)")
+    expert_warps: int | None = _setting("SEGKV_EXPERT_WARPS", INTEGER, None,
+        "warps per expert GEMV program (None: 4)")
+    expert_mlp_block_i: int | None = _setting("SEGKV_EXPERT_MLP_BLOCK_I", INTEGER, None,
+        "inputs per step of the one-launch expert MLP (None: 512)")
+    expert_mlp_warps: int | None = _setting("SEGKV_EXPERT_MLP_WARPS", INTEGER, None,
+        "warps per one-launch expert MLP program (None: 8)")
+    expert_mlp_unroll: bool = _setting("SEGKV_EXPERT_MLP_UNROLL", SWITCH, True,
+        "unroll the one-launch expert MLP's input loop")
+    expert_mlp_stages: int = _setting("SEGKV_EXPERT_MLP_STAGES", INTEGER, 3,
+        "pipeline stages of the one-launch expert MLP")
 
 
 def _parse(env: str, kind: str, text: str | None, default):
@@ -123,10 +193,14 @@ def _parse(env: str, kind: str, text: str | None, default):
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
-    """The settings of ``environ`` (default ``os.environ``); a bad value is a ValueError naming its variable."""
+    """The settings of ``environ`` (default ``os.environ``); a bad value is a ValueError naming its
+    variable."""
     environ = os.environ if environ is None else environ
-    return Settings(**{f.name: _parse(f.metadata["env"], f.metadata["kind"], environ.get(f.metadata["env"]), f.default)
-                       for f in fields(Settings)})
+    values = {}
+    for f in fields(Settings):
+        env = f.metadata["env"]
+        values[f.name] = _parse(env, f.metadata["kind"], environ.get(env), f.default)
+    return Settings(**values)
 
 
 def or_default(value, default):

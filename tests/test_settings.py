@@ -62,14 +62,16 @@ def test_the_documented_variables_are_the_declared_ones():
         if line.startswith("| `"):
             documented |= set(re.findall(r"`([A-Z][A-Z0-9_]+)`", line.split("|")[1]))
     assert documented == set(declared()), (
-        f"undocumented: {sorted(set(declared()) - documented)}; not declared: {sorted(documented - set(declared()))}")
+        f"undocumented: {sorted(set(declared()) - documented)}; "
+        f"not declared: {sorted(documented - set(declared()))}")
 
 
 def test_defaults_and_parsing():
     assert load_settings({}) == Settings()
     s = load_settings({"SEGKV_TRITON_WARPS": " 8 ", "SEGKV_TRITON_STAGES": "", "SEGKV_ATTENTION_PDL": "2",
-                       "SEGKV_SUBPAGE_TILES": "0", "SEGKV_MLA_SHARES_LAST": "1", "SEGKV_ATTENTION_FTZ_EXP2": "",
-                       "TRITON_INTERPRET": "1", "SEGKV_API_KEY": "", "SEGKV_LOOKAHEAD": "2"})
+                       "SEGKV_SUBPAGE_TILES": "0", "SEGKV_MLA_SHARES_LAST": "1",
+                       "SEGKV_ATTENTION_FTZ_EXP2": "", "TRITON_INTERPRET": "1", "SEGKV_API_KEY": "",
+                       "SEGKV_LOOKAHEAD": "2"})
     assert (s.triton_warps, s.triton_stages, s.attention_pdl, s.subpage_tiles, s.mla_shares_last) == (
         8, 3, False, False, True)  # a switch is on when its integer is 1
     assert (s.attention_ftz_exp2, s.triton_interpret, s.api_key, s.lookahead) == (False, True, "", 2)

@@ -170,14 +170,17 @@ class DeviceSpec:
         if blocks_per_multiprocessor is None:
             blocks_per_multiprocessor = or_default(settings.SETTINGS.cuda_blocks_per_sm, CUDA_BLOCKS_PER_SM)
         if min_rows_per_partition is None:
-            min_rows_per_partition = or_default(settings.SETTINGS.cuda_min_partition_rows, CUDA_MIN_PARTITION_ROWS)
+            min_rows_per_partition = or_default(settings.SETTINGS.cuda_min_partition_rows,
+                                                CUDA_MIN_PARTITION_ROWS)
         return cls(
             kind="cuda",
             name=props.name,
             num_multiprocessors=props.multi_processor_count,
             blocks_per_multiprocessor=blocks_per_multiprocessor,
-            tall_blocks_per_multiprocessor=or_default(settings.SETTINGS.cuda_tall_blocks_per_sm, CUDA_TALL_BLOCKS_PER_SM),
-            lean_blocks_per_multiprocessor=or_default(settings.SETTINGS.cuda_lean_blocks_per_sm, CUDA_LEAN_BLOCKS_PER_SM),
+            tall_blocks_per_multiprocessor=or_default(settings.SETTINGS.cuda_tall_blocks_per_sm,
+                                                      CUDA_TALL_BLOCKS_PER_SM),
+            lean_blocks_per_multiprocessor=or_default(settings.SETTINGS.cuda_lean_blocks_per_sm,
+                                                      CUDA_LEAN_BLOCKS_PER_SM),
             min_rows_per_partition=min_rows_per_partition,
             min_rows_per_latent_partition=or_default(settings.SETTINGS.cuda_min_latent_partition_rows,
                                                      CUDA_MIN_LATENT_PARTITION_ROWS),

@@ -227,7 +227,8 @@ def _power_of_two(n: int) -> bool:
 
 def default_block_o() -> int:
     """Outputs per program (``SEGKV_EXPERT_BLOCK_O`` overrides, for tuning runs)."""
-    forced = _forced(settings.SETTINGS.expert_block_o, "SEGKV_EXPERT_BLOCK_O", _power_of_two, "a power of two")
+    forced = _forced(settings.SETTINGS.expert_block_o, "SEGKV_EXPERT_BLOCK_O", _power_of_two,
+                     "a power of two")
     return BLOCK_O if forced is None else forced
 
 

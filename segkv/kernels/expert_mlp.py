@@ -220,7 +220,8 @@ def _prepare_experts(name: str, x: torch.Tensor, pairs: int, gate_up: torch.Tens
                 EXACT_FP32=kernel_dtype == torch.float32, KIND=kind_of(x.dtype), EVICT_FIRST=WEIGHTS_EVICT_FIRST,
                 COUNTERS_P2=triton.next_power_of_2(counters_size(pairs)),
                 UNROLL=env.expert_mlp_unroll,
-                num_warps=settings.or_default(env.expert_mlp_warps, NUM_WARPS), num_stages=env.expert_mlp_stages)
+                num_warps=settings.or_default(env.expert_mlp_warps, NUM_WARPS),
+                num_stages=env.expert_mlp_stages)
     return _ExpertLaunch(
         _activation_buffer((pairs, inner), kernel_dtype, x.device, poison),
         _activation_buffer((s_inner,), kernel_dtype, x.device, poison),
