@@ -35,23 +35,17 @@ class Settings:
     # --- attention planning
     attention_route: str | None = _setting("SEGKV_ATTENTION_ROUTE", TEXT, None,
         "force the attention route (auto, single, split, segments, cascade)")
-    plan_one_copy_bytes: int = _setting("SEGKV_PLAN_ONE_COPY_BYTES", INTEGER, 128 << 10,
-        "a graph bucket's plan buffer up to this size goes to the device in one copy")
     cuda_blocks_per_sm: int | None = _setting("SEGKV_CUDA_BLOCKS_PER_SM", INTEGER, None,
         "stage-1 programs per SM the CUDA planner assumes (None: 2)")
     cuda_min_partition_rows: int | None = _setting("SEGKV_CUDA_MIN_PARTITION_ROWS", INTEGER, None,
         "shortest GQA partition of the CUDA planner, KV rows (None: 64)")
     cuda_tall_blocks_per_sm: int | None = _setting("SEGKV_CUDA_TALL_BLOCKS_PER_SM", INTEGER, None,
         "tall decode programs per SM the CUDA planner assumes (None: 3)")
-    cuda_lean_blocks_per_sm: int | None = _setting("SEGKV_CUDA_LEAN_BLOCKS_PER_SM", INTEGER, None,
-        "lean decode programs per SM the CUDA planner assumes (None: 3; 0: off)")
     cuda_min_latent_partition_rows: int | None = _setting(
         "SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS", INTEGER, None,
         "shortest latent partition of the CUDA planner, KV rows (None: 32)")
     cuda_latent_merge_rows: int | None = _setting("SEGKV_CUDA_LATENT_MERGE_ROWS", INTEGER, None,
         "KV rows one more latent partition costs the merge in the planner (None: 1)")
-    cuda_merge_launch_rows: int | None = _setting("SEGKV_CUDA_MERGE_LAUNCH_ROWS", INTEGER, None,
-        "KV rows a GQA merge launch costs a decode plan in the planner (None: 0)")
     # --- GQA attention kernels
     triton_block_n: int | None = _setting("SEGKV_TRITON_BLOCK_N", INTEGER, None,
         "KV rows per GQA stage-1 tile (None: 64; 32 for head dims above 128)")
@@ -67,8 +61,6 @@ class Settings:
         "register cap of tall decode programs (0: none)")
     triton_heads_fastest: bool = _setting("SEGKV_TRITON_HEADS_FASTEST", SWITCH, True,
         "launch a piece's KV heads side by side")
-    triton_maxnreg: int | None = _setting("SEGKV_TRITON_MAXNREG", INTEGER, None,
-        "register cap of the GQA stage-1 kernel (None: Triton's choice)")
     triton_transposed: int | None = _setting("SEGKV_TRITON_TRANSPOSED", INTEGER, None,
         "GQA programs of at least this many (at most 16) pairs use transposed products (None: 0, none)")
     subpage_tiles: bool = _setting("SEGKV_SUBPAGE_TILES", SWITCH, True,

@@ -55,7 +55,7 @@ CUDA_LATENT_MERGE_ROWS_PER_PARTITION = 1
 # What a GQA merge launch costs, in KV rows, when stage 1 cannot merge a decode plan's rows itself
 # (more partials per row than it merges). 0: not costed. At batch 1 and 1K the merge launch takes
 # about 5.5 us a layer after stage 1 (Llama-3.1-8B on the H200), while 8 partitions of 128 rows would
-# merge inside stage 1. SEGKV_CUDA_MERGE_LAUNCH_ROWS; 0: costing it at 256 or 512 rows measured
+# merge inside stage 1. 0: costing it at 256 or 512 rows measured
 # slower on the H200 (Llama-3.1-8B batch 1 at 1K 217 against 226 tok/s; docs/benchmarks.md).
 CUDA_MERGE_LAUNCH_ROWS = 0
 # Float32 split partials (output + LSE) a plan may need; the Triton backend keeps one buffer of
@@ -179,8 +179,7 @@ class DeviceSpec:
             blocks_per_multiprocessor=blocks_per_multiprocessor,
             tall_blocks_per_multiprocessor=or_default(settings.SETTINGS.cuda_tall_blocks_per_sm,
                                                       CUDA_TALL_BLOCKS_PER_SM),
-            lean_blocks_per_multiprocessor=or_default(settings.SETTINGS.cuda_lean_blocks_per_sm,
-                                                      CUDA_LEAN_BLOCKS_PER_SM),
+            lean_blocks_per_multiprocessor=CUDA_LEAN_BLOCKS_PER_SM,
             min_rows_per_partition=min_rows_per_partition,
             min_rows_per_latent_partition=or_default(settings.SETTINGS.cuda_min_latent_partition_rows,
                                                      CUDA_MIN_LATENT_PARTITION_ROWS),
@@ -189,7 +188,7 @@ class DeviceSpec:
             partition_overhead_rows=256,
             latent_merge_rows_per_partition=or_default(settings.SETTINGS.cuda_latent_merge_rows,
                                                        CUDA_LATENT_MERGE_ROWS_PER_PARTITION),
-            merge_launch_rows=or_default(settings.SETTINGS.cuda_merge_launch_rows, CUDA_MERGE_LAUNCH_ROWS),
+            merge_launch_rows=CUDA_MERGE_LAUNCH_ROWS,
             stage1_merge_max_partials=stage1_merge_bound(),
             key_tile_rows=CUDA_KEY_TILE_ROWS,
         )

@@ -17,7 +17,6 @@ import torch
 
 from segkv.attention.device import PARTIAL_WORKSPACE_BYTES, stage1_merge_bound
 from segkv.attention.plan import AttentionPlan
-from segkv.settings import SETTINGS
 
 LSE_API_TRITON = "triton-merge"
 
@@ -28,8 +27,8 @@ _PADDED = ("work_partial_start", "reduce_ptr")
 # fields' used entries and the small fields): on the H200 each host-to-device copy between two
 # decode steps took 2.3-2.7 us plus 1.3 us to the next, and 128 KB more cost about 3-5 us at the
 # link's rate. A batch-1 graph bucket's buffer is about 62 KB for DeepSeek-V2-Lite's 160K-token
-# limit at pages of 32. SEGKV_PLAN_ONE_COPY_BYTES (0: always four).
-PLAN_ONE_COPY_BYTES = SETTINGS.plan_one_copy_bytes
+# limit at pages of 32.
+PLAN_ONE_COPY_BYTES = 128 << 10
 # The plan arrays, in their order inside the packed buffer.
 _FIELDS = ("page_table", "page_rows", "page_key_start", "work_pages", "work_partial_start",
            "partial_row", "partial_offset", "partial_direct", "reduce_ptr", "reduce_partials")

@@ -366,7 +366,6 @@ def default_launch_config(*, head_dim: int) -> LaunchConfig:
         tall_maxnreg=env.triton_tall_maxnreg or None,
         # a piece's KV heads side by side: 0-3% faster at batch 1-16 over 32K-128K (H200)
         heads_fastest=env.triton_heads_fastest,
-        maxnreg=env.triton_maxnreg,
         # transposed products: none by default (TRANSPOSED_MIN_PAIRS: the row-major loop with page
         # scalars, four-page tiles and skipped masks is level or faster on the 70B shape)
         transposed_min_pairs=settings.or_default(env.triton_transposed, TRANSPOSED_MIN_PAIRS),
