@@ -85,8 +85,6 @@ class Settings:
         "when the merge lets the next kernel launch (0: at once, 1: after its wait, 2: at its end)")
     merge_in_stage1_max: int = _setting("SEGKV_MERGE_IN_STAGE1_MAX", INTEGER, 8,
         "most partials per decode row that stage 1 merges itself")
-    merge_in_stage1_chunked: bool = _setting("SEGKV_MERGE_IN_STAGE1_CHUNKED", SWITCH, False,
-        "the chunked merge inside stage 1 also for rows of 2-8 partials")
     merge_block_dv: int | None = _setting("SEGKV_MERGE_BLOCK_DV", INTEGER, None,
         "value columns per merge program (None: 64 for GQA, 32 for latent values)")
     # --- latent (MLA) attention kernel
@@ -108,47 +106,9 @@ class Settings:
     mla_shares_last: bool = _setting("SEGKV_MLA_SHARES_LAST", SWITCH, False,
         "value shares as the launch grid's third dimension")
     # --- one-row products (GEMV), the sampler and the output head
-    batch1_gemv: bool = _setting("SEGKV_BATCH1_GEMV", SWITCH, True,
-        "one-row MLA products through the split-K Triton GEMV")
-    batch1_fused_gemv: bool = _setting("SEGKV_BATCH1_FUSED_GEMV", SWITCH, True,
-        "one-row decode of GQA models and dense MLPs through the fused GEMVs")
-    batch1_qkv_rope: bool = _setting("SEGKV_BATCH1_QKV_ROPE", SWITCH, False,
-        "the fused q/k/v GEMV also applies q/k norms, RoPE and the cache write")
-    batch1_norm_in_mla: bool = _setting("SEGKV_BATCH1_NORM_IN_MLA", SWITCH, True,
-        "one-token MLA: the combine, residual add and norm inside the x product")
-    batch1_mla_rope: bool = _setting("SEGKV_BATCH1_MLA_ROPE", SWITCH, True,
-        "one-token MLA: the x product also applies RoPE and writes the latent row")
-    batch1_latent_gemv: bool = _setting("SEGKV_BATCH1_LATENT_GEMV", SWITCH, True,
-        "one-token absorbed attention: per-head products as one-row GEMVs")
-    gemv_evict_first: bool = _setting("SEGKV_GEMV_EVICT_FIRST", SWITCH, True,
-        "GEMV weights loaded with an evict-first hint")
-    gemv_whole_row_max_inputs: int = _setting("SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS", INTEGER, 4096,
-        "one-row products of at most this many inputs use whole weight rows (0: none)")
-    gemv_whole_rows: int = _setting("SEGKV_GEMV_WHOLE_ROWS", INTEGER, 4,
-        "whole weight rows per program of those products")
-    gemv_maxnreg: int = _setting("SEGKV_GEMV_MAXNREG", INTEGER, 0,
-        "register cap of the plain split-K GEMVs on Hopper (0: none)")
-    gemv_maxnreg_norm: int = _setting("SEGKV_GEMV_MAXNREG_NORM", INTEGER, 0,
-        "register cap of the norming split-K GEMVs on Hopper (0: none)")
-    triton_argmax: bool = _setting("SEGKV_TRITON_ARGMAX", SWITCH, True,
-        "the sampler's argmax on CUDA through two Triton launches")
-    head_float32_out: bool = _setting("SEGKV_HEAD_FLOAT32_OUT", SWITCH, False,
-        "the output head's product writes float32 logits itself on CUDA")
     triton_pdl: bool = _setting("SEGKV_TRITON_PDL", SWITCH, True,
         "programmatic dependent launch for the MoE chain and the split-K GEMV")
     # --- mixture of experts
-    moe_norm_route: bool = _setting("SEGKV_MOE_NORM_ROUTE", SWITCH, True,
-        "decode MoE: residual add, norm, router and top-k in one launch")
-    moe_combine_in_norm: bool = _setting("SEGKV_MOE_COMBINE_IN_NORM", SWITCH, True,
-        "the next block's norm combines the experts' outputs")
-    expert_one_launch: bool = _setting("SEGKV_EXPERT_ONE_LAUNCH", SWITCH, True,
-        "one token's routed and shared experts in one launch")
-    moe_one_launch: bool = _setting("SEGKV_MOE_ONE_LAUNCH", SWITCH, True,
-        "one token's whole MoE block in one launch")
-    expert_preload: bool = _setting("SEGKV_EXPERT_PRELOAD", SWITCH, False,
-        "expert GEMVs request their first weight block before the PDL wait")
-    expert_act_in_gate_up: bool = _setting("SEGKV_EXPERT_ACT_IN_GATE_UP", SWITCH, True,
-        "the gate/up expert launch writes silu(gate) * up itself")
     gemv_unroll: int | None = _setting("SEGKV_GEMV_UNROLL", INTEGER, None,
         "unroll the expert GEMV's input loop (nonzero: on; None: for at most 8 pairs)")
     expert_block_i: int | None = _setting("SEGKV_EXPERT_BLOCK_I", INTEGER, None,

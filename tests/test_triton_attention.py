@@ -497,18 +497,15 @@ def count_merge_launches(monkeypatch) -> list:
     return merges
 
 
-@pytest.mark.parametrize("dtype,chunked", [("fp32", False), ("bf16", False), ("bf16", True)])
-def test_decode_rows_of_few_partials_merge_inside_stage1(dtype, chunked, gen, monkeypatch):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_decode_rows_of_few_partials_merge_inside_stage1(dtype, gen, monkeypatch):
     """Work items of one query row (decode) and at most 8 partials per row: the last program of
     each (row, head) merges it, so no merge launch runs. Rows of several partials, a fully masked
     row, an empty chain and (fixed buffers) padding rows all come out as the reference's; the
     tickets are back to 0 after every launch, so a second launch is right too. A plan of 12
-    partials per row launches the merge kernel instead, and a fixed buffer bounded at 8 refuses it.
-    ``chunked``: the last program merges with the chunked merge of many-partial rows."""
+    partials per row launches the merge kernel instead, and a fixed buffer bounded at 8 refuses it."""
     from segkv.attention.triton_backend import PlanCapacity, stage1_merge_bound
-    from segkv.kernels import paged_attention
 
-    monkeypatch.setattr(paged_attention, "MERGE_IN_STAGE1_CHUNKED", chunked)
     merges = count_merge_launches(monkeypatch)
     batch = decode_rows_batch(gen, dtype=DTYPES[dtype], long_rows=200, ratio=4, num_pages=64)  # 13 and 3 pages
     capacity = PlanCapacity(max_pages=256, max_work=64, max_partials=256, max_rows=8, max_work_rows=1,

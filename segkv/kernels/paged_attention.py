@@ -50,7 +50,7 @@ def _stage1_kernel(
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
-    MERGE_LANES: tl.constexpr = 1, MERGE_CHUNKED: tl.constexpr = False, WIDE_OFFSETS: tl.constexpr = True,
+    MERGE_LANES: tl.constexpr = 1, WIDE_OFFSETS: tl.constexpr = True,
     SKIP: tl.constexpr = False, FOUR: tl.constexpr = False, STAMPS=None,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
@@ -168,7 +168,7 @@ def _stage1_kernel(
                    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, valid)
     if STAMPS is not None:
         timeline.record(STAMPS, st0, sc0, st1, sc1)
-    if MERGE > 8 or (MERGE > 0 and MERGE_CHUNKED):
+    if MERGE > 8:
         merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
                             stride_c, OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp,
                             stride_fr, stride_fh, stride_flr, kvh, mb, MERGE, GROUP, MERGE_LANES, BLOCK_M, BLOCK_DV)
@@ -483,7 +483,6 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
         MERGE=0, TRANSPOSED=transposed, PLAN_EARLY=PLAN_EARLY == 2 or (PLAN_EARLY == 1 and block_m <= 16 and not transposed),
         MERGE_LANES=min(triton.next_power_of_2(group), block_m),
-        MERGE_CHUNKED=MERGE_IN_STAGE1_CHUNKED,
         WIDE_OFFSETS=page_offsets_wide(cache_needs_int64),
         SKIP=skip_masks(page_size, block_n, four),
         FOUR=four,
@@ -595,9 +594,6 @@ def attention_outputs(query, dv: int, num_partials: int, out_dtype, poison: bool
 # (merge_group_if_last): a bound of 64 measured slower on the H200 (Llama-3.1-8B batch 1 220 / 195
 # against 226-227 / 203 tok/s at 1K / 16K; docs/benchmarks.md), so 8 stays.
 MERGE_IN_STAGE1_MAX_PARTIALS = settings.SETTINGS.merge_in_stage1_max
-# SEGKV_MERGE_IN_STAGE1_CHUNKED=1: the chunked merge for rows of 2-8 partials too (offline, sm_90a,
-# head_dim 128: 168 registers at 4 heads per KV head against the whole-row merge's 232)
-MERGE_IN_STAGE1_CHUNKED = settings.SETTINGS.merge_in_stage1_chunked
 if MERGE_IN_STAGE1_MAX_PARTIALS not in (0, 2, 4, 8, 16, 32, 64):
     raise ValueError(f"SEGKV_MERGE_IN_STAGE1_MAX must be 0, 2, 4, 8, 16, 32 or 64, got {MERGE_IN_STAGE1_MAX_PARTIALS}")
 
