@@ -18,11 +18,13 @@ RANK = {
     "models": 4,
     "runner": 5,
     "scheduler": 5,
-    "engine": 6,
-    "server": 7,
-    "bench": 8,
-    "cli": 9,  # the command wires everything, benchmarks included
-    "root": 8,
+    "tokenizer": 5,  # text <-> token ids; the engine and the server's templates use it
+    "sessions": 6,  # conversations and sessions take their engine through a Protocol
+    "engine": 7,
+    "server": 8,
+    "bench": 9,
+    "cli": 10,  # the command wires everything, benchmarks included
+    "root": 9,
 }
 
 

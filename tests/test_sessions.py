@@ -8,7 +8,7 @@ import pytest
 
 from model_helpers import build_model_dir
 from segkv.engine import LLM, AsyncEngine
-from segkv.engine.sessions import SessionStore
+from segkv.sessions.store import SessionStore
 from segkv.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

@@ -28,7 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from model_helpers import build_model_dir
 from segkv.cache import OutOfPagesError
 from segkv.engine import LLM, AsyncEngine
-from segkv.engine.sessions import SessionStore
+from segkv.sessions.store import SessionStore
 from segkv.sampling_params import SamplingParams
 
 WORDS = ["hi", "fork here", "tell me more", "ok", "pages and segments", "why?"]

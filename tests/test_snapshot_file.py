@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 
 from segkv.cache import KVChain, OutOfPagesError, PagedKVCache
 from segkv.config import CacheConfig, KVLayout
-from segkv.engine import snapshot_file
-from segkv.engine.snapshot_file import (
+from segkv.sessions import snapshot_file
+from segkv.sessions.snapshot_file import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_DIGEST_KEY,
@@ -228,7 +228,7 @@ import hashlib, json, sys
 import torch
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, KVLayout
-from segkv.engine.snapshot_file import load_snapshot
+from segkv.sessions.snapshot_file import load_snapshot
 
 results = []
 for job in json.load(open(sys.argv[1])):

@@ -10,8 +10,8 @@ import pytest
 import torch
 from tokenizer_helpers import CHATML_TEMPLATE, LLAMA3_TEMPLATE, build_tiny_tokenizer, tiny_vocab_size
 
-from segkv.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from segkv.engine.tokenizer import Tokenizer
+from segkv.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
+from segkv.tokenizer.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

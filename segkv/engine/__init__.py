@@ -1,11 +1,11 @@
-"""The step loop, the engine API, detokenization and the conversations API."""
+"""The step loop and the engine API; conversations and sessions (segkv.sessions) re-exported."""
 
 from segkv.engine.async_engine import AsyncEngine, StreamUpdate
-from segkv.engine.conversation import Conversation, ConversationSnapshot, Turn
 from segkv.engine.core import EngineCore, EngineRequest, EngineStopped, QueueFullError
 from segkv.engine.llm import LLM
-from segkv.engine.sessions import Session, SessionStore
 from segkv.scheduler.scheduler import SchedulerConfig
+from segkv.sessions.conversation import Conversation, ConversationSnapshot, Turn
+from segkv.sessions.store import Session, SessionStore
 
 __all__ = [
     "LLM",

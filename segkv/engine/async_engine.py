@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 from segkv.cache.chain import ChainSnapshot
 from segkv.engine.core import EngineCore, EngineRequest, EngineStopped
-from segkv.engine.snapshot_file import load_snapshot, save_snapshot
 from segkv.engine.llm import LLM
 from segkv.outputs import RequestOutput
 from segkv.sampling_params import SamplingParams
 from segkv.scheduler.scheduler import SchedulerConfig
+from segkv.sessions.snapshot_file import load_snapshot, save_snapshot
 
 
 @dataclass(slots=True)

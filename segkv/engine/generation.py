@@ -8,14 +8,14 @@ import torch
 
 from segkv.cache.chain import KVChain
 from segkv.cache.page_pool import OutOfPagesError
-from segkv.engine.detokenizer import IncrementalDetokenizer
 from segkv.engine.step_ahead import StepAhead
-from segkv.engine.tokenizer import Tokenizer
 from segkv.layers.sampler import Sampler, make_generator
 from segkv.layers.transfer import HostCopy, select_rows
 from segkv.outputs import CompletionOutput, TokenLogprob
 from segkv.runner.model_runner import ModelRunner, StepInput
 from segkv.sampling_params import SamplingParams
+from segkv.tokenizer.detokenizer import IncrementalDetokenizer
+from segkv.tokenizer.tokenizer import Tokenizer
 import segkv.settings as settings
 
 

@@ -13,9 +13,7 @@ import torch
 
 from segkv.cache.kv_cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype
-from segkv.engine.conversation import Conversation
 from segkv.engine.generation import Generator
-from segkv.engine.tokenizer import Tokenizer
 from segkv.models.default_models import check_model_dir, resolve_model_dir
 from segkv.models.loader import fingerprint, load_model
 from segkv.outputs import RequestOutput
@@ -23,6 +21,8 @@ from segkv.runner.model_runner import ModelRunner
 from segkv.runner.warmup import warm_up, warm_up_shapes
 from segkv.sampling_params import SamplingParams
 from segkv.scheduler.scheduler import SchedulerConfig
+from segkv.sessions.conversation import Conversation
+from segkv.tokenizer.tokenizer import Tokenizer
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 # Engines gc.freeze() what they hold; unfrozen at exit, the final collection frees it (frozen

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from segkv.cache.chain import ChainSnapshot
-from segkv.engine.snapshot_file import load_snapshot, save_snapshot
+from segkv.sessions.snapshot_file import load_snapshot, save_snapshot
 from segkv.outputs import CompletionOutput, TurnStats
 from segkv.sampling_params import SamplingParams
 

@@ -6,13 +6,31 @@ import copy
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 from segkv.cache.chain import ChainSnapshot
-from segkv.engine.async_engine import AsyncEngine, StreamUpdate
 from segkv.sampling_params import SamplingParams
+
+
+class SessionEngine(Protocol):
+    """What a session store uses of its engine (``AsyncEngine`` is one): streaming generation,
+    pins on cached rows, snapshot files, memory statistics and the pressure hook. ``llm`` gives
+    the tokenizer; ``core`` the page pool and prefix index the pressure hook checks."""
+
+    llm: Any
+    core: Any
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Any]: ...
+    def stats(self) -> dict[str, object]: ...
+    def pin(self, token_ids: list[int]) -> tuple[ChainSnapshot, int]: ...
+    def share(self, snapshot: ChainSnapshot) -> ChainSnapshot: ...
+    def release(self, snapshot: ChainSnapshot) -> None: ...
+    def save_snapshot(self, snapshot: ChainSnapshot, path, *, metadata: dict) -> None: ...
+    def load_snapshot(self, path) -> tuple[ChainSnapshot, list[int], dict]: ...
+    def add_pressure_hook(self, hook: Callable[[int], Any]) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -61,7 +79,7 @@ class Session:
 
 
 class SessionStore:
-    """Sessions over an :class:`AsyncEngine`; each turn is a request whose history is pinned.
+    """Sessions over an engine (a :class:`SessionEngine`); each turn is a request whose history is pinned.
 
     A turn's prompt (the chat template over the session's messages) is served from the
     prefix index, where the previous turn's rows were pinned, so only new tokens are
@@ -75,7 +93,8 @@ class SessionStore:
     a turn it was generating finishes unrecorded.
     """
 
-    def __init__(self, engine: AsyncEngine, *, ttl_seconds: float = 3600.0, max_sessions: int = 10_000) -> None:
+    def __init__(self, engine: SessionEngine, *, ttl_seconds: float = 3600.0,
+                 max_sessions: int = 10_000) -> None:
         self.engine = engine
         self.ttl_seconds = ttl_seconds
         self.max_sessions = max_sessions
@@ -127,7 +146,7 @@ class SessionStore:
         return len(old)
 
     # -- turns ------------------------------------------------------------------------
-    async def say(self, session_id: str, text: str, params: SamplingParams) -> AsyncIterator[StreamUpdate]:
+    async def say(self, session_id: str, text: str, params: SamplingParams) -> AsyncIterator[Any]:
         """Add a user message and stream the reply; the turn is recorded when it finishes.
 
         A turn whose stream is closed or cancelled before the end (a client that left), whose

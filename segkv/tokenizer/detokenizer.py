@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from segkv.engine.tokenizer import Tokenizer
+from segkv.tokenizer.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT = 6  # prompt tokens kept as decoding context (leading-space rules of some decoders)
