@@ -1,5 +1,5 @@
 """Continuous-batching decisions (CPU only)."""
 
-from segkv.scheduler.scheduler import Scheduler, SchedulerConfig, StepDecision
+from segkv.scheduler.scheduler import Schedulable, Scheduler, SchedulerConfig, SchedulerOutput
 
-__all__ = ["Scheduler", "SchedulerConfig", "StepDecision"]
+__all__ = ["Schedulable", "Scheduler", "SchedulerConfig", "SchedulerOutput"]

@@ -1,10 +1,16 @@
-"""Continuous-batching policy: which sequences run this step and how many tokens each gets."""
+"""Continuous-batching decisions (admission, prefix match, token budget, eviction, preemption)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from segkv.cache.chain import KVChain
+from segkv.cache.kv_cache import PagedKVCache
+from segkv.cache.page_pool import OutOfPagesError
+from segkv.cache.prefix_index import PrefixIndex
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,30 +33,124 @@ class SchedulerConfig:
 
 
 class Schedulable(Protocol):
-    """What the policy reads of a sequence."""
+    """What the scheduler reads and changes of a sequence (the engine's ``Sequence``)."""
+
+    chain: KVChain
+    pending: list[int]  # token ids that still need KV rows
 
     @property
-    def num_pending(self) -> int: ...  # tokens that still need KV rows (1 when decoding)
+    def num_pending(self) -> int: ...  # 1 when decoding
 
-
-S = TypeVar("S", bound=Schedulable)
+    def all_token_ids(self) -> list[int]: ...
 
 
 @dataclass(slots=True)
-class StepDecision:
-    """The step's work: ``(sequence, tokens)`` pairs, and which waiting sequences were admitted."""
+class SchedulerOutput:
+    """One step's decisions, for the engine to run.
 
-    work: list
-    admitted: list
+    ``scheduled``: ``(sequence, num_tokens)`` pairs in batch order (decodes, prefill chunks,
+    then admissions). ``admitted``: waiting sequences that joined the running ones.
+    ``preempted``: running sequences whose rows were released this step (back at the head of
+    the queue, recomputed later). ``matched``: ``(sequence, cached_tokens)`` for each cached
+    prefix matched on admission, in order. ``num_evicted_pages``: unreferenced cached pages
+    evicted to fit the step. ``ahead_ok``: the next decode step may be launched before this
+    one's tokens are read (nobody waits: a waiting request would be admitted next step).
+    """
+
+    scheduled: list[tuple[Any, int]] = field(default_factory=list)
+    admitted: list[Any] = field(default_factory=list)
+    preempted: list[Any] = field(default_factory=list)
+    matched: list[tuple[Any, int]] = field(default_factory=list)
+    num_evicted_pages: int = 0
+    ahead_ok: bool = False
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
 
 
 class Scheduler:
-    """Decode-first continuous batching with chunked prefill under a token budget."""
+    """Decode-first continuous batching with chunked prefill under a token budget, over the
+    pages of one KV cache.
 
-    def __init__(self, config: SchedulerConfig | None = None) -> None:
+    It owns the queues (``waiting``, ``running``), the prefix index and the pressure hooks.
+    Waiting sequences hold no pages: the longest cached prefix is matched on admission. When a
+    step's new pages are not free, unreferenced cached segments are evicted first, then what
+    the pressure hooks give up; new work is admitted only if it fits, and to keep running
+    sequences going the most recently admitted one is preempted (its rows sealed into the
+    index, released and later recomputed, its outputs kept), so a request is never lost.
+    ``rows_ahead(seq)``: rows a step launched ahead already holds for ``seq``.
+    """
+
+    def __init__(self, cache: PagedKVCache, config: SchedulerConfig | None = None, *,
+                 rows_ahead: Callable[[Any], int] = lambda seq: 0) -> None:
         self.config = config or SchedulerConfig()
+        self.cache = cache
+        self.pool = cache.pool
+        self.prefix = PrefixIndex(self.pool)
+        self.rows_ahead = rows_ahead
+        self.waiting: deque[Schedulable] = deque()
+        self.running: list[Schedulable] = []
+        self.num_preemptions = 0
+        # Called with the number of pages still missing after cached segments were evicted;
+        # each may release references it holds (e.g. idle sessions) and returns pages freed.
+        self.pressure_hooks: list[Callable[[int], Any]] = []
 
-    def decide(self, running: Sequence[S], waiting: Sequence[S]) -> StepDecision:
+    # -- queues -----------------------------------------------------------------------
+    def add(self, seq: Schedulable) -> None:
+        """Queue a new sequence (holding no rows)."""
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Schedulable) -> None:
+        """A sequence forked from a running one (a sibling sample) runs from now on."""
+        self.running.append(seq)
+
+    def free(self, seq: Schedulable, *, keep: bool = True) -> None:
+        """Take the sequence out of the queues; seal what it computed into the prefix index
+        (``keep``), then release its chain."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        chain = seq.chain
+        if keep and chain.num_rows and chain.token_ids() is not None:
+            chain.seal()
+            self.prefix.insert(chain.refs)
+        chain.release()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """This step's work, fitted into the free pages; admitted sequences move to running."""
+        out = SchedulerOutput()
+        candidates = list(self.waiting)[: max(0, self.config.max_num_seqs - len(self.running))]
+        for seq in candidates:
+            self._match(seq, out)
+        work, admitted = self._pick(self.running, candidates)
+        if not self._fits(work, out):
+            for seq in candidates:  # not admitted now: give their cached prefixes back
+                self._unmatch(seq)
+            if not self.running and candidates:
+                self._match(candidates[0], out)
+            work, admitted = self._pick(self.running, [] if self.running else candidates[:1])
+            while not self._fits(work, out):
+                if len(self.running) <= 1:
+                    raise OutOfPagesError(
+                        f"the KV cache ({self.pool.num_pages} pages, {self.pool.num_free_pages} free) "
+                        "cannot hold the next step of a single sequence; raise the KV memory budget")
+                self._preempt(self.running[-1], out)
+                work, admitted = self._pick(self.running, [])
+        for seq in admitted:
+            self.waiting.remove(seq)
+            self.running.append(seq)
+        out.scheduled, out.admitted = work, admitted
+        out.ahead_ok = not self.waiting
+        return out
+
+    def _pick(self, running: Sequence[Schedulable], waiting: Sequence[Schedulable]
+              ) -> tuple[list[tuple[Schedulable, int]], list[Schedulable]]:
         """Running decodes first (one token each), then running prefills, then admissions.
 
         Every scheduled sequence gets at least one token while budget remains; prefills are
@@ -77,4 +177,65 @@ class Scheduler:
             admitted.append(seq)
             budget -= take
             slots -= 1
-        return StepDecision(work, admitted)
+        return work, admitted
+
+    # -- pages ------------------------------------------------------------------------
+    def _fits(self, work: list[tuple[Schedulable, int]], out: SchedulerOutput) -> bool:
+        """Whether the step's new pages are free, evicting unreferenced cached segments if needed."""
+        need = sum(self._pages_needed(seq, n) for seq, n in work)
+        return self._make_room(need - self.pool.num_free_pages, out)
+
+    def make_room(self, pages_short: int) -> bool:
+        """Free ``pages_short`` more pages if it can: unreferenced cached segments first, then
+        what the pressure hooks give up (idle sessions' pins). True when they are free."""
+        return self._make_room(pages_short, SchedulerOutput())
+
+    def _make_room(self, pages_short: int, out: SchedulerOutput) -> bool:
+        need = self.pool.num_free_pages + pages_short
+        if pages_short > 0:
+            out.num_evicted_pages += self.prefix.evict(pages_short)
+        for hook in self.pressure_hooks:
+            short = need - self.pool.num_free_pages
+            if short <= 0:
+                break
+            hook(short)
+            out.num_evicted_pages += self.prefix.evict(short)
+        return need <= self.pool.num_free_pages
+
+    def _pages_needed(self, seq: Schedulable, num_tokens: int) -> int:
+        num_tokens -= self.rows_ahead(seq)  # rows a step launched ahead holds already
+        ps = self.pool.page_size
+        tail = seq.chain.num_tail_rows
+        room = (-tail) % ps if tail else 0
+        return -(-max(0, num_tokens - room) // ps)
+
+    def preempt(self, seq: Schedulable) -> None:
+        """Release a running sequence's rows (keeping them findable in the prefix index) and
+        requeue it at the head of the waiting queue."""
+        self._preempt(seq, SchedulerOutput())
+
+    def _preempt(self, seq: Schedulable, out: SchedulerOutput) -> None:
+        self.free(seq)
+        seq.chain = self.cache.new_chain()
+        self._unmatch(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+
+    # -- prefix match -----------------------------------------------------------------
+    def _match(self, seq: Schedulable, out: SchedulerOutput) -> None:
+        """Give a waiting sequence (holding no rows) the longest cached prefix of its tokens
+        (at least one token is left to compute)."""
+        if seq.chain.num_rows:
+            return
+        tokens = seq.all_token_ids()
+        match = self.prefix.match(tokens[:-1])
+        seq.chain = KVChain(self.pool, refs=match.refs, copy_rows=self.cache.storage.copy_rows,
+                            compaction=self.cache.compaction)
+        seq.pending = tokens[match.num_tokens:]
+        out.matched.append((seq, match.num_tokens))
+
+    def _unmatch(self, seq: Schedulable) -> None:
+        """Drop a waiting sequence's references: it will recompute or rematch later."""
+        seq.chain.release()
+        seq.pending = seq.all_token_ids()
