@@ -7,8 +7,7 @@ product, the weight bytes per second, and the result's largest difference from c
 ``--layers``: the chain of a Llama-3.1-8B layer at one row without its attention (residual add
 and RMSNorm, q/k/v, o, residual add and RMSNorm, gate/up, SiLU-and-mul, down) over 8 layers'
 weights: the separate kernels with cuBLAS against the fused split-K GEMVs (``layers.linear``).
-``--layers`` compares register caps (``maxnreg``, ``dense_gemv.PLAIN_REGISTER_CAP`` /
-``NORM_REGISTER_CAP``); ``--layers --all-tiles`` the tile shapes instead; ``--layers --whole-rows``
+``--layers --all-tiles`` compares the tile shapes; ``--layers --whole-rows``
 programs of whole weight rows (one split: no partial sums, no tickets; the engine's launch for
 products of up to 4096 inputs) against split-K blocks.
 Usage: ``python3 scripts/dense_gemv_sweep.py [--chain-only | --layers [--all-tiles | --whole-rows]]``.
@@ -26,7 +25,6 @@ import triton
 
 from expert_gemv_sweep import time_us  # scripts/ beside this one: the same graph timing
 
-from segkv.kernels import dense_gemv
 from segkv.kernels.dense_gemv import gated_splitk_gemv, norm_splitk_gemv, splitk_gemv, workspace_size
 from segkv.kernels.fused_ops import rms_norm, silu_and_mul
 from segkv.layers.linear import launch_for
@@ -124,15 +122,6 @@ def layers(dev, gen, hidden: int = 4096, inner: int = 14336, kv: int = 1024, cou
     def small_big(small, big):  # q/k/v and o, then gate/up and down
         return lambda o, i: small if o * i <= (hidden + 2 * kv) * hidden else big
 
-    def capped(plain, norm, launch=lambda o, i: (*launch_for(i), 4, True)):
-        """The fused chain with ``maxnreg`` caps (0: none) for the plain/gated and the norm GEMVs."""
-        run = fused(launch)
-
-        def with_caps():
-            dense_gemv.PLAIN_REGISTER_CAP, dense_gemv.NORM_REGISTER_CAP = plain, norm
-            return run()
-        return with_caps
-
     if "--all-tiles" in sys.argv:  # the tile sweep of earlier runs (docs/benchmarks.md)
         variants = {"cuBLAS + kernels": cublas, "fused, launch_for": fused(lambda o, i: (*launch_for(i), 4, False)),
                     "fused, 16 x 512, evict first": fused(every(16, 512, 4, True)),
@@ -156,10 +145,9 @@ def layers(dev, gen, hidden: int = 4096, inner: int = 14336, kv: int = 1024, cou
         # earlier (H200): 1 x 4096 0.77x, 2 x 4096 1.00x, 2 x 4096 with 8 warps 0.91x, 4 x 4096
         # with 8 warps 1.04x; down in whole rows 1 x 16384 (8 warps) 0.74x, 2 x 8192 0.86x; down
         # 8 x 2048 / 4 x 2048 1.06-1.07x (4 x 4096 elsewhere: 1.09x)
-    else:  # registers per thread: programs per multiprocessor, weight bytes in flight
-        variants = {"cuBLAS + kernels": cublas, "fused, evict first, no caps": capped(0, 0),
-                    "fused, caps 48 / 72": capped(48, 72), "fused, caps 0 / 72": capped(0, 72),
-                    "fused, caps 48 / 64": capped(48, 64), "fused, caps 40 / 64": capped(40, 64)}
+    else:  # the engine's launches against cuBLAS
+        variants = {"cuBLAS + kernels": cublas,
+                    "fused, launch_for": fused(lambda o, i: (*launch_for(i, whole_rows=True), 4, True))}
     ref = cublas().float()
     base = None
     for _ in range(2):

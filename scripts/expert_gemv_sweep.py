@@ -10,9 +10,9 @@ gated form (``[gate | up]`` rows in, SiLU-and-mul applied by the kernel).
 ``--shared``: one token's launches with the shared experts as a decode step runs them (6 routed
 pairs and DeepSeek-V2-Lite's two shared experts stacked, 8 distinct shared weight copies): the
 gate/up launch writing ``silu(gate) * up`` and the plain down launch, each alone and as a pair,
-against both in one launch (``kernels.expert_mlp``, ``SEGKV_EXPERT_ONE_LAUNCH``), alternating.
+against both in one launch (``kernels.expert_mlp``, the engine's), alternating.
 ``--block``: the norm-route launch and the experts' launch against the whole MoE block in one
-launch (``SEGKV_MOE_ONE_LAUNCH``, the default), alternating.
+launch (``kernels.expert_mlp.moe_block_one_token``, the engine's), alternating.
 Usage: ``python3 scripts/expert_gemv_sweep.py [--shared | --block]``.
 """
 
@@ -108,15 +108,15 @@ def shared_launches() -> None:
 
     def two_launches(e, wu, wd):
         a, sa = expert_gemv_with_shared(x, pairs, e, gate_up, x, wu, distinct_experts=True, activation=True)
-        expert_gemv_with_shared(a, 1, e, down, sa, wd, distinct_experts=True, ids_ready=True)
+        expert_gemv_with_shared(a, 1, e, down, sa, wd, distinct_experts=True)
 
     for _ in range(2):
         _report("gate/up with shared, activation written",
                 time_us([partial(expert_gemv_with_shared, x, pairs, e, gate_up, x, w, distinct_experts=True,
                                  activation=True) for e, w in zip(draws, s_gate_up)]), up_bytes, "")
         _report("down with shared, plain",
-                time_us([partial(expert_gemv_with_shared, act, 1, e, down, s_act, w, distinct_experts=True,
-                                 ids_ready=True) for e, w in zip(draws, s_down)]), down_bytes, "")
+                time_us([partial(expert_gemv_with_shared, act, 1, e, down, s_act, w, distinct_experts=True)
+                         for e, w in zip(draws, s_down)]), down_bytes, "")
         _report("gate/up then down (two launches)",
                 time_us([partial(two_launches, e, wu, wd) for e, wu, wd in zip(draws, s_gate_up, s_down)]),
                 up_bytes + down_bytes, "")

@@ -32,21 +32,6 @@ def test_splitk_gemv_matches_the_product_and_leaves_its_tickets_zero(out_dim, in
         splitk_gemv(x, w, block_n=block_n, block_k=block_k, workspace=(workspace[0][:1], workspace[1]))
 
 
-def test_register_caps_apply_only_to_cuda_launches_on_hopper(monkeypatch):
-    """The ``maxnreg`` caps were measured on Hopper: none on the CPU, in the interpreter or on
-    other GPUs; on Hopper the norm launches take the norm cap."""
-    from segkv.kernels import dense_gemv
-
-    assert dense_gemv.register_cap(torch.zeros(1), dense_gemv.INPUT_NORM) == 0
-    if not GPU:
-        return
-    x = torch.zeros(1, device="cuda")
-    monkeypatch.setattr(dense_gemv, "_INTERPRET", False)
-    hopper = torch.cuda.get_device_capability()[0] == 9
-    assert dense_gemv.register_cap(x, dense_gemv.INPUT_NORM) == (dense_gemv.NORM_REGISTER_CAP if hopper else 0)
-    assert dense_gemv.register_cap(x, dense_gemv.INPUT_GATED) == (dense_gemv.PLAIN_REGISTER_CAP if hopper else 0)
-
-
 def _workspace(out_dim, in_dim, block_n, block_k):
     from segkv.kernels.dense_gemv import workspace_size
 
@@ -114,15 +99,12 @@ def test_norm_gemv_is_the_product_of_the_normed_residual_sum(out_dim, in_dim, bl
         norm_splitk_gemv(x, x[:, :-1], g, eps, w)
 
 
-@pytest.mark.parametrize("on", [False, True])
-def test_row_product_uses_the_gemv_only_for_one_cuda_row_without_bias(on, gen, monkeypatch):
-    """``layers.linear.RowProduct``: with ``SEGKV_BATCH1_GEMV`` on, one row on CUDA takes the
-    split-K GEMV (reusing its workspace); a bias, more rows, the CPU or the switch off take
-    ``F.linear``. Every path gives the product."""
+def test_row_product_uses_the_gemv_only_for_one_cuda_row_without_bias(gen, monkeypatch):
+    """``layers.linear.RowProduct``: one row on CUDA takes the split-K GEMV (reusing its
+    workspace); a bias, more rows or the CPU take ``F.linear``. Every path gives the product."""
     from segkv.kernels import dense_gemv
     from segkv.layers import linear
 
-    monkeypatch.setattr(linear, "BATCH1_GEMV", on)
     calls = []
     original = dense_gemv.splitk_gemv
     monkeypatch.setattr(dense_gemv, "splitk_gemv", lambda *a, **kw: calls.append(kw["workspace"]) or original(*a, **kw))
@@ -135,7 +117,7 @@ def test_row_product_uses_the_gemv_only_for_one_cuda_row_without_bias(on, gen, m
         y = product(x, w, b)
         ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
         torch.testing.assert_close(y.double(), ref, rtol=2.0**-7, atol=2.0**-7)
-    expected = 2 if (on and GPU) else 0
+    expected = 2 if GPU else 0
     assert len(calls) == expected and all(ws is calls[0] for ws in calls)
 
 
@@ -176,15 +158,12 @@ def test_combine_norm_gemv_forms_the_experts_output_in_the_product(out_dim, in_d
                                  w)
 
 
-@pytest.mark.parametrize("family,rope_in_product", [("llama3.1", True), ("qwen3", True), ("qwen3", False)])
-def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_logits(family, rope_in_product, tmp_path,
-                                                                                      monkeypatch):
-    """``SEGKV_BATCH1_FUSED_GEMV``: a grouped-query model fed one row at a time runs each layer as
-    the q/k/v GEMV with the residual add and norm inside, the o GEMV, the gate/up GEMV with the
-    second norm inside and the down GEMV with SiLU-and-mul inside (on the CPU too, for this test)
-    and gives the unfused model's logits and greedy tokens. With ``SEGKV_BATCH1_QKV_ROPE`` the
-    q/k/v launch also applies the q/k norms (Qwen3), RoPE and the cache write; without it the
-    RoPE-and-write kernel applies the q/k norms."""
+@pytest.mark.parametrize("family", ["llama3.1", "qwen3"])
+def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_logits(family, tmp_path, monkeypatch):
+    """A grouped-query model fed one row at a time runs each layer as the q/k/v GEMV with the
+    residual add and norm inside, the o GEMV, the gate/up GEMV with the second norm inside and
+    the down GEMV with SiLU-and-mul inside (on the CPU too, for this test) and gives the unfused
+    model's logits and greedy tokens. The RoPE-and-write kernel applies the q/k norms."""
     from model_helpers import build_model_dir
     from one_row_helpers import (
         counted,
@@ -194,40 +173,33 @@ def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_log
         same_logits_one_token_at_a_time,
     )
 
-    from segkv.kernels import dense_gemv, qkv_gemv
-    from segkv.layers import linear
+    from segkv.kernels import dense_gemv
     from segkv.models import decoder
 
     build_model_dir(tmp_path, family)
     plain = llm(tmp_path, fused_ops=False)
-    monkeypatch.setattr(linear, "BATCH1_FUSED_GEMV", True)
-    monkeypatch.setattr(linear, "BATCH1_QKV_ROPE", rope_in_product)
     gemvs_on_the_cpu_too(monkeypatch)
     calls = counted(monkeypatch, norm=(dense_gemv, "norm_splitk_gemv"), gated=(dense_gemv, "gated_splitk_gemv"),
-                     plain=(dense_gemv, "splitk_gemv"), rope=(qkv_gemv, "qkv_rope_gemv"))
+                     plain=(dense_gemv, "splitk_gemv"))
     normed_in_rope, rope_and_write = [], decoder.rope_and_write_kv
     monkeypatch.setattr(decoder, "rope_and_write_kv",
                         lambda *a, **k: normed_in_rope.append("q_norm" in k) or rope_and_write(*a, **k))
     fused = llm(tmp_path, fused_ops=True)
     layers = fused.runner.model.cfg.num_layers
     tokens = same_logits_one_token_at_a_time(plain, fused)
-    rope = tokens * layers if rope_in_product else 0  # one launch per layer and token for q/k/v
-    assert calls == {"norm": 2 * tokens * layers - rope, "gated": tokens * layers, "plain": tokens * layers,
-                     "rope": rope}
+    assert calls == {"norm": 2 * tokens * layers, "gated": tokens * layers, "plain": tokens * layers}
     same_greedy_tokens(plain, fused)
     assert calls["gated"] > tokens * layers  # decode steps of one sequence took the fused GEMVs
     # Qwen3's q/k norms in the RoPE-and-write launch wherever that launch runs
     assert normed_in_rope and all(normed_in_rope) if family == "qwen3" else not any(normed_in_rope)
 
 
-@pytest.mark.parametrize("rope_in_product", [False, True])
-def test_mla_model_with_the_norm_and_combine_in_its_x_gemv_gives_the_unfused_logits(rope_in_product, tmp_path,
-                                                                                     monkeypatch):
-    """``SEGKV_BATCH1_NORM_IN_MLA``: a DeepSeek model (a dense layer, then routed + shared experts)
-    fed one token at a time forms the previous MoE layer's combine, the residual add and the norm
-    inside the x product's launch (the dense layer's plain row too), and gives the unfused
-    model's logits and greedy tokens (on the CPU too, for this test). With ``SEGKV_BATCH1_MLA_ROPE``
-    the same launch rotates the query and writes the latent cache row."""
+def test_mla_model_with_the_norm_and_rope_in_its_x_gemv_gives_the_unfused_logits(tmp_path, monkeypatch):
+    """A DeepSeek model (a dense layer, then routed + shared experts) fed one token at a time
+    forms the previous MoE layer's combine, the residual add and the norm inside the x product's
+    launch (the dense layer's plain row too), which also rotates the query and writes the latent
+    cache row, and gives the unfused model's logits and greedy tokens (on the CPU too, for this
+    test)."""
     from one_row_helpers import (
         GRAPHS,
         counted,
@@ -239,24 +211,17 @@ def test_mla_model_with_the_norm_and_combine_in_its_x_gemv_gives_the_unfused_log
     )
 
     from segkv.kernels import dense_gemv, mla_x_gemv
-    from segkv.layers import mla
 
     small_deepseek_dir(tmp_path, num_hidden_layers=3)  # layer 2 takes the combine
     plain = llm(tmp_path, fused_ops=False, cuda_graphs=False)
-    monkeypatch.setattr(mla, "NORM_IN_MLA", True)
-    monkeypatch.setattr(mla, "MLA_ROPE", rope_in_product)
     gemvs_on_the_cpu_too(monkeypatch)
     calls = counted(monkeypatch, combine=(dense_gemv, "combine_norm_splitk_gemv"),
                      norm=(dense_gemv, "norm_splitk_gemv"), rope=(mla_x_gemv, "mla_x_rope_gemv"))
     fused = llm(tmp_path, fused_ops=True, cuda_graphs=GRAPHS)
     layers = fused.runner.model.cfg.num_layers
     tokens = same_logits_one_token_at_a_time(plain, fused)
-    # per token: every MoE layer after the first takes the combine; layer 0 (embeddings) and
-    # layer 1 (after the dense MLP) a plain row, plus the dense layer's gate/up norm GEMV
-    if rope_in_product:  # every layer's x product, plus the dense layer's gate/up norm GEMV
-        assert calls == {"combine": 0, "norm": tokens, "rope": tokens * layers}
-    else:
-        assert calls == {"combine": tokens * (layers - 2), "norm": 3 * tokens, "rope": 0} and calls["combine"] > 0
+    # per token: every layer's x product with RoPE, plus the dense layer's gate/up norm GEMV
+    assert calls == {"combine": 0, "norm": tokens, "rope": tokens * layers}
     same_greedy_tokens(plain, fused)
 
 
@@ -264,8 +229,8 @@ def test_one_row_launches_take_whole_rows_up_to_4096_inputs():
     """``launch_for``: products of at most ``WHOLE_ROW_MAX_INPUTS`` inputs take ``WHOLE_ROWS`` whole
     weight rows a program (one split: no partial sums, no tickets) where the launch allows it;
     wider ones, and launches whose partials meet per head, keep split-K blocks. ``RowProduct``
-    gives the q/k/v launch with RoPE split-K blocks whole per head, the plain, norm and gated
-    products whole rows."""
+    gives a launch whose partials meet per head (the MLA x launch) split-K blocks whole per head,
+    the plain, norm and gated products whole rows."""
     from segkv.layers import linear
     from segkv.layers.linear import RowProduct, launch_for
 
@@ -274,7 +239,7 @@ def test_one_row_launches_take_whole_rows_up_to_4096_inputs():
     assert launch_for(2048, whole_rows=True) == (4, 2048)
     assert launch_for(14336, whole_rows=True) == (16, 512) and launch_for(4096) == (16, 512)
     assert launch_for(2048) == (32, 256)
-    rows = RowProduct(fused_decoder=True)
+    rows = RowProduct()
     w = torch.zeros(6144, 4096)
     whole = rows._launch(w)
     assert (whole["block_n"], whole["block_k"]) == (4, 4096)
@@ -285,27 +250,13 @@ def test_one_row_launches_take_whole_rows_up_to_4096_inputs():
     assert (down["block_n"], down["block_k"]) == (16, 512)
 
 
-@pytest.mark.parametrize("on", [False, True])
-def test_float32_logits_match_the_head_product(on, monkeypatch):
-    """The output head's float32 logits: ``F.linear`` then ``.float()`` by default and wherever the
-    switch cannot apply (the CPU, float32 weights, rows of more than two dimensions); with
-    ``SEGKV_HEAD_FLOAT32_OUT`` on a GPU, a product with a float32 result (float32 sums, one rounding
-    less), close to the half-precision logits."""
+def test_float32_logits_are_the_head_product_in_float32():
+    """The output head's float32 logits: ``F.linear`` then ``.float()``."""
     from segkv.layers import linear
 
-    monkeypatch.setattr(linear, "HEAD_FLOAT32_OUT", on)
-    device = DEVICE
     gen = torch.Generator().manual_seed(3)
-    hidden = torch.randn(3, 256, generator=gen).to(device, torch.bfloat16)
-    weight = (0.05 * torch.randn(1000, 256, generator=gen)).to(device, torch.bfloat16)
+    hidden = torch.randn(3, 256, generator=gen).to(DEVICE, torch.bfloat16)
+    weight = (0.05 * torch.randn(1000, 256, generator=gen)).to(DEVICE, torch.bfloat16)
     logits = linear.float32_logits(hidden, weight)
     assert logits.dtype == torch.float32 and logits.shape == (3, 1000) and torch.isfinite(logits).all()
-    rounded = torch.nn.functional.linear(hidden, weight).float()
-    exact = hidden.double() @ weight.double().t()
-    if on and device == "cuda":  # unrounded: nearer the float64 product than the bf16 logits are
-        assert (logits.double() - exact).abs().max() <= (rounded.double() - exact).abs().max()
-        torch.testing.assert_close(logits, rounded, rtol=1e-2, atol=1e-2)
-    else:
-        assert torch.equal(logits, rounded)
-    three_d = linear.float32_logits(hidden[None], weight)  # F.linear's path whatever the switch
-    assert torch.equal(three_d[0], torch.nn.functional.linear(hidden[None], weight).float()[0])
+    assert torch.equal(logits, torch.nn.functional.linear(hidden, weight).float())

@@ -88,25 +88,6 @@ def test_gated_products_with_shared_weight_in_one_launch(dtype, gen):
         expert_gemv_with_shared(h, 1, experts, down, x, s_down, gated=True)  # shared rows are not [gate | up]
 
 
-@pytest.mark.parametrize("ids_ready", [False, True])
-def test_first_weight_block_taken_apart_gives_the_same_products(ids_ready, gen, monkeypatch):
-    """``SEGKV_EXPERT_PRELOAD``: the first weight block loaded apart (before the PDL wait on a
-    GPU) for the shared experts and, with ``ids_ready``, the routed pairs: the same outputs."""
-    from segkv.kernels import expert_gemv as module
-
-    x = torch.randn(3, 2 * 300, generator=gen).to(torch.bfloat16).to(DEVICE)
-    weight = (torch.randn(4, 48, 300, generator=gen) / 300**0.5).to(torch.bfloat16).to(DEVICE)
-    shared_x = torch.randn(1, 2 * 200, generator=gen).to(torch.bfloat16).to(DEVICE)
-    shared_w = (torch.randn(40, 200, generator=gen) / 200**0.5).to(torch.bfloat16).to(DEVICE)
-    experts = torch.tensor([2, 0, 3], device=DEVICE)
-    ref = module.expert_gemv_with_shared(x, 1, experts, weight, shared_x, shared_w, gated=True)
-    monkeypatch.setattr(module, "PRELOAD", True)
-    out = module.expert_gemv_with_shared(x, 1, experts, weight, shared_x, shared_w, gated=True, ids_ready=ids_ready)
-    assert all(torch.isfinite(o).all() for o in out)
-    torch.testing.assert_close(out[0], ref[0], rtol=1e-6, atol=1e-6)  # float32 sums in another order at most
-    torch.testing.assert_close(out[1], ref[1], rtol=1e-6, atol=1e-6)
-
-
 def test_inputs_per_step_can_be_forced_for_tuning_runs(gen, monkeypatch):
     """``SEGKV_EXPERT_BLOCK_I`` sets the inputs per step of a launch (one token's few pairs take 256
     by default, many pairs 128); the sums are the same, and a width that is not a power of two
@@ -179,11 +160,11 @@ def test_activation_in_the_gate_up_product_equals_silu_and_mul_of_it(dtype, gen)
         expert_gemv(x, k, experts, gate_up[:, 1:], activation=True)
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 5])
+@pytest.mark.parametrize("tokens", [2, 5])
 def test_moe_layer_with_the_activation_in_the_gate_up_product_matches_the_expert_loop(tokens, gen, monkeypatch):
-    """``SEGKV_EXPERT_ACT_IN_GATE_UP``: a packed, fused MoE layer with shared experts at one token
-    (shared experts in the routed launches), 2 tokens (a plain down launch instead of the gated
-    one) and 5 (10 pairs: instead of the separate SiLU-and-mul) gives the expert loop's output."""
+    """A packed, fused MoE layer with shared experts at 2 tokens and 5 (10 pairs) writes the
+    activation in the gate/up launch, reads it in a plain down launch and gives the expert loop's
+    output (one token's experts run in one launch: ``test_expert_mlp``)."""
     from segkv.kernels import expert_gemv as module
     from segkv.layers.moe import MixtureOfExperts, RouterSpec
 
@@ -200,11 +181,9 @@ def test_moe_layer_with_the_activation_in_the_gate_up_product_matches_the_expert
         launch = module._launch
 
         def counted(*args, **kwargs):
-            calls.append(args[14] if len(args) > 14 else kwargs.get("activation", False))  # _launch's activation
+            calls.append(args[13] if len(args) > 13 else kwargs.get("activation", False))  # _launch's activation
             return launch(*args, **kwargs)
 
         monkeypatch.setattr(module, "_launch", counted)
-        monkeypatch.setattr(module, "ACT_IN_GATE_UP", True)
-        monkeypatch.setattr("segkv.layers.moe.ONE_LAUNCH_MLP", False)  # the two launches
         torch.testing.assert_close(moe(x), looped, rtol=1e-5, atol=1e-5)
     assert calls and calls[0] is True and not any(calls[1:]), calls  # gate/up with the activation, then down

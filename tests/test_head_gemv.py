@@ -49,12 +49,10 @@ def test_head_gemv_rejects_what_it_cannot_compute(gen):
         head_gemv(torch.randn(1, 2048, device=DEVICE), torch.randn(1, 4, 2048, device=DEVICE))
 
 
-@pytest.mark.parametrize("rope_in_product", [False, True])
-def test_mla_model_with_per_head_latent_products_gives_the_plain_logits(rope_in_product, tmp_path, monkeypatch):
-    """``SEGKV_BATCH1_LATENT_GEMV``: a DeepSeek model fed one token at a time takes both absorbed
-    products through ``head_gemv`` (on the CPU too, for this test), the query's latent columns
-    written in place (after the x launch with RoPE, or the RoPE-and-latent-write kernel), and gives
-    the unfused model's logits and greedy tokens."""
+def test_mla_model_with_per_head_latent_products_gives_the_plain_logits(tmp_path, monkeypatch):
+    """A DeepSeek model fed one token at a time takes both absorbed products through
+    ``head_gemv`` (on the CPU too, for this test), the query's latent columns written in place
+    after the x launch with RoPE, and gives the unfused model's logits and greedy tokens."""
     from one_row_helpers import (
         GRAPHS,
         counted,
@@ -69,8 +67,6 @@ def test_mla_model_with_per_head_latent_products_gives_the_plain_logits(rope_in_
 
     small_deepseek_dir(tmp_path, num_hidden_layers=2)  # a dense layer, then experts
     plain = llm(tmp_path, fused_ops=False, cuda_graphs=False)
-    monkeypatch.setattr(mla, "LATENT_GEMV", True)
-    monkeypatch.setattr(mla, "MLA_ROPE", rope_in_product)
     monkeypatch.setattr(mla, "one_token_on_cuda", lambda rows: rows.shape[0] == 1)
     gemvs_on_the_cpu_too(monkeypatch)
     calls = counted(monkeypatch, heads=(mla, "head_gemv"))

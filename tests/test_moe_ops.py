@@ -91,18 +91,15 @@ def test_combine_experts_rejects_mismatched_shapes(gen):
         combine_experts(y, weights.double())
 
 
-@pytest.mark.parametrize("act", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_layer_runs_one_token_in_two_expert_launches(dtype, act, gen, monkeypatch):
+def test_fused_layer_runs_one_token_with_its_shared_experts(dtype, gen, monkeypatch):
     """A fused, packed MoE layer with two shared experts: one token runs the routed pairs and the
-    shared experts in two GEMV launches (no cuBLAS shared product, no separate SiLU-and-mul), with
-    the activation written by the gate/up launch (``act``, the default) or taken by the down launch;
-    more tokens keep the shared MLP; both equal the unfused layer."""
+    shared experts in one launch (``kernels.expert_mlp``: no cuBLAS shared product, no separate
+    SiLU-and-mul); more tokens keep the shared MLP, the routed pairs' gate/up launch writing the
+    activation for a plain down launch; both equal the unfused layer."""
     from segkv.kernels import expert_gemv as gemv_module
+    from segkv.kernels import expert_mlp
     from segkv.layers.moe import MixtureOfExperts, RouterSpec
-
-    monkeypatch.setattr(gemv_module, "ACT_IN_GATE_UP", act)
-    monkeypatch.setattr("segkv.layers.moe.ONE_LAUNCH_MLP", False)  # the two launches (one: test_expert_mlp)
 
     moe = MixtureOfExperts(40, 24, RouterSpec(num_experts=6, top_k=3), num_shared=2).to(DEVICE)
     with torch.no_grad():
@@ -115,17 +112,16 @@ def test_fused_layer_runs_one_token_in_two_expert_launches(dtype, act, gen, monk
         moe.pack_experts()
         for module in (moe, moe.gate, moe.shared_experts):
             module.use_fused()
-        launches, one_launch = [], gemv_module.expert_gemv_with_shared
-        monkeypatch.setattr(gemv_module, "expert_gemv_with_shared",
-                            lambda *a, **kw: launches.append(kw) or one_launch(*a, **kw))
+        launches, one_launch = [], expert_mlp.expert_mlp_one_token
+        monkeypatch.setattr(expert_mlp, "expert_mlp_one_token", lambda *a, **kw: launches.append(1) or one_launch(*a, **kw))
         monkeypatch.setattr(moe.shared_experts, "forward", None)  # one token must not call the shared MLP
         one = moe(xs[0])
-        assert [(kw.get("gated", False), kw.get("activation", False)) for kw in launches] == [(False, act),
-                                                                                             (not act, False)]
+        assert launches == [1]
         monkeypatch.undo()
-        monkeypatch.setattr(gemv_module, "ACT_IN_GATE_UP", act)  # 3 tokens: the shared MLP, the routed pairs packed
-        monkeypatch.setattr("segkv.layers.moe.ONE_LAUNCH_MLP", False)
+        gemvs, gemv = [], gemv_module.expert_gemv  # 3 tokens: the shared MLP, the routed pairs packed
+        monkeypatch.setattr(gemv_module, "expert_gemv", lambda *a, **kw: gemvs.append(kw) or gemv(*a, **kw))
         three = moe(xs[1])
+        assert [kw.get("activation", False) for kw in gemvs] == [True, False]
     ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20
     for got, ref in ((one, unfused[0]), (three, unfused[1])):
         assert got.dtype == dtype and torch.isfinite(got).all()
@@ -197,16 +193,16 @@ def test_norm_route_topk_rejects_bad_inputs(gen):
         norm_route_topk(x, x, w, 1e-6, router, 9, tickets)
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 20])
+@pytest.mark.parametrize("tokens", [3, 20])
 def test_fused_block_routes_few_tokens_in_the_norm_launch(tokens, gen, monkeypatch):
     """A fused MoE block's second half (``forward_after_norm``): up to 16 tokens the norm, the
     router's logits and its top-k are one launch and the separate kernels do not run; more
-    tokens take them apart. Either way the result equals the unfused norm and layer."""
+    tokens take them apart (one token: the whole block in one launch, ``test_expert_mlp``).
+    Either way the result equals the unfused norm and layer."""
     from moe_helpers import random_moe_block
     from segkv.kernels import moe_ops
     from segkv.layers import norm as norm_module
 
-    monkeypatch.setattr("segkv.layers.moe.ONE_LAUNCH_BLOCK", False)  # the norm-route launch (one: test_expert_mlp)
     moe, norm = random_moe_block(gen, DEVICE, top_k=2, num_shared=1)
     x = torch.randn(tokens, 40, generator=gen).to(torch.bfloat16).to(DEVICE)
     residual = torch.randn(tokens, 40, generator=gen).to(torch.bfloat16).to(DEVICE)

@@ -80,7 +80,7 @@ def test_defaults_and_parsing():
         s.triton_warps = 2
 
 
-@pytest.mark.parametrize("name,value", [("SEGKV_TRITON_WARPS", "four"), ("SEGKV_GEMV_EVICT_FIRST", "yes"),
+@pytest.mark.parametrize("name,value", [("SEGKV_TRITON_WARPS", "four"), ("SEGKV_TRITON_PDL", "yes"),
                                         ("SEGKV_MLA_MAXNREG", "1.5")])
 def test_a_bad_value_names_its_variable(name, value):
     with pytest.raises(ValueError, match=f"{name} must be an integer, got '{value}'"):

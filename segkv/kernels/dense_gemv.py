@@ -35,33 +35,9 @@ import triton.language as tl
 
 from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
 from segkv.kernels.moe_ops import check_combine, combine_row
-from segkv.kernels.pdl import _INTERPRET, capability_major, pdl_options
-from segkv.settings import SETTINGS
+from segkv.kernels.pdl import pdl_options
 
 INPUT_PLAIN, INPUT_GATED, INPUT_NORM, INPUT_COMBINE = 0, 1, 2, 3
-# Weights stream through once a decode step: their lines may leave L2 first, so that activations,
-# partial sums and KV pages stay (``SEGKV_GEMV_EVICT_FIRST=0``: the default policy). Llama-3.1-8B
-# batch 1 on the H200: 214-215 -> 219 tok/s at 1K.
-WEIGHTS_EVICT_FIRST = SETTINGS.gemv_evict_first
-# Registers per thread (ptxas ``maxnreg``; 0: the compiler's choice) of the one-row GEMVs whose
-# input is the row itself or a gated pair, and of those that norm it (norm, combine, q/k/v and
-# MLA x launches), on Hopper (where they were measured). A program holds its 16 x 512 weight
-# block in registers from before the PDL wait, so registers set the programs per multiprocessor
-# and with them the weight bytes in flight across a product boundary. With Triton 3.6 the norm
-# launches took 80 registers (6 programs per SM) while block 0 stored the residual under a branch;
-# capped at 72 (7 programs) Llama-3.1-8B batch 1 on the H200 went 219-220 -> 222-223 tok/s at 1K.
-# The store is now predicated instead, and they take 64 uncapped (8 programs; a cap of 72 lets
-# ptxas give the q/k/v and MLA x launches 70-72). Caps that spill (64 / 40) lost 6-15%.
-PLAIN_REGISTER_CAP = SETTINGS.gemv_maxnreg
-NORM_REGISTER_CAP = SETTINGS.gemv_maxnreg_norm
-
-
-def register_cap(x: torch.Tensor, input_kind: int) -> int:
-    """The ``maxnreg`` of a one-row GEMV launch on ``x``'s device (0: none): the caps above on a
-    Hopper GPU, none elsewhere (other register files were not measured) or in the interpreter."""
-    if _INTERPRET or not x.is_cuda or capability_major(x.device.index or 0) != 9:
-        return 0
-    return PLAIN_REGISTER_CAP if input_kind in (INPUT_PLAIN, INPUT_GATED) else NORM_REGISTER_CAP
 
 
 @triton.jit
@@ -241,9 +217,6 @@ def gemv_operands(name: str, x: torch.Tensor, weight: torch.Tensor, *, input_kin
         raise ValueError(f"{name}: workspace of {part.numel()} floats and {tickets.numel()} tickets, "
                          f"{floats} and {tickets_needed} needed")
     options = pdl_options(x, pdl)
-    cap = register_cap(x, input_kind)
-    if cap > 0:
-        options["maxnreg"] = cap
     return GemvOperands(flat, flat if res is None else res, flat if g is None else g, res_out, part, tickets, split,
                         blocks, kind, options)
 

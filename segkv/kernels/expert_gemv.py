@@ -16,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST
 from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
 from segkv.kernels.pdl import pdl_options
 from segkv.kernels.work_items import wait_full
@@ -81,8 +80,7 @@ def _store_activation(out_row, ob, acc, INNER: tl.constexpr, BLOCK_O: tl.constex
 @triton.jit
 def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constexpr, BLOCK_O: tl.constexpr,
                BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, GATED: tl.constexpr, KIND: tl.constexpr,
-               UNROLL: tl.constexpr, EVICT_FIRST: tl.constexpr, FIRST_APART: tl.constexpr, PDL: tl.constexpr,
-               ACT: tl.constexpr = False, X_CG: tl.constexpr = False, SPIN: tl.constexpr = False, spin_ptr=None,
+               UNROLL: tl.constexpr, EVICT_FIRST: tl.constexpr, ACT: tl.constexpr = False, X_CG: tl.constexpr = False, SPIN: tl.constexpr = False, spin_ptr=None,
                spin_need=0):
     """Outputs ``ob * BLOCK_O ...`` of one product: ``w_rows`` points at the weight's first
     column, one row per output of :func:`_weight_rows` (row stride folded in); ``x_row`` at the
@@ -91,28 +89,20 @@ def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constex
     * up`` of its rows (:func:`_store_activation`) instead of the products.
     ``UNROLL``: the input loop unrolled, so every chunk's weights can be requested at once.
     ``EVICT_FIRST``: the weight's lines leave L2 first (read once: no other pair wants them).
-    ``FIRST_APART``: the first weight block loads first and, with ``PDL``, the program then waits
-    for the previous kernel (programmatic dependent launch) before reading ``x_row``. ``X_CG``: the
+    ``X_CG``: the
     input row is read through L2 (other programs of the same launch wrote it). ``SPIN``: the
     program first waits until ``spin_ptr`` counts ``spin_need`` (``kernels.work_items``): the input
     row is another program's."""
     offs_o, o_ok = _weight_rows(ob, BLOCK_O, OUT_DIM, ACT)
     acc = tl.zeros([BLOCK_O], tl.float32)
-    START: tl.constexpr = BLOCK_I if FIRST_APART else 0
     if SPIN:
         wait_full(spin_ptr, spin_need)
-    if FIRST_APART:
-        w = _chunk_weights(w_rows, o_ok, 0, IN, BLOCK_I, EVICT_FIRST)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        acc = _chunk_product(acc, x_row, w, 0, IN, BLOCK_I, GATED, KIND, X_CG)
     if UNROLL:
-        for i0 in tl.static_range(START, IN, BLOCK_I):
+        for i0 in tl.static_range(0, IN, BLOCK_I):
             w = _chunk_weights(w_rows, o_ok, i0, IN, BLOCK_I, EVICT_FIRST)
             acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND, X_CG)
     else:
-        for i0 in range(START, IN, BLOCK_I):
+        for i0 in range(0, IN, BLOCK_I):
             w = _chunk_weights(w_rows, o_ok, i0, IN, BLOCK_I, EVICT_FIRST)
             acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND, X_CG)
     if ACT:
@@ -130,8 +120,7 @@ def _expert_gemv_kernel(
     IN: tl.constexpr, OUT_DIM: tl.constexpr, SHARED_IN: tl.constexpr, SHARED_OUT: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
     GATED: tl.constexpr, KIND: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
-    USE_PDL: tl.constexpr, EVICT_FIRST: tl.constexpr = False, PRELOAD_SHARED: tl.constexpr = False,
-    PRELOAD_ROUTED: tl.constexpr = False, ACT: tl.constexpr = False,
+    USE_PDL: tl.constexpr, EVICT_FIRST: tl.constexpr = False, ACT: tl.constexpr = False,
 ):
     """Program ``t``: ``BLOCK_O`` outputs of one product. The first ``num_pairs x cdiv(OUT_DIM,
     BLOCK_O)`` programs serve the routed pairs (pair ``n``: expert ``experts[n]`` on row
@@ -141,13 +130,11 @@ def _expert_gemv_kernel(
     pairs fastest). With ``HAS_SHARED`` the rest serve the shared weight ``SW (SHARED_OUT,
     SHARED_IN)`` on every row of ``SX``, ``BLOCK_O`` outputs a program. ``USE_PDL``:
     scheduled while the previous kernel finishes (``kernels.pdl``) and waits for it before any
-    load; with ``PRELOAD_SHARED`` the shared weight's first block loads before the wait, and with
-    ``PRELOAD_ROUTED`` (``rows`` and ``experts`` written two launches back) the routed pairs'
-    too. (Without PDL the preloads only take the first block apart: the same sums.) ``ACT``: the
+    load. ``ACT``: the
     weights are ``[gate | up]`` stacks, and each program stores ``silu(gate) * up`` of half its
     outputs' gate rows and their up rows (``OUT (N, OUT_DIM / 2)``, ``SOUT (T, SHARED_OUT /
     2)``): the down product then reads the activation, not ``[gate | up]``."""
-    if USE_PDL and not PRELOAD_SHARED:
+    if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
@@ -160,12 +147,8 @@ def _expert_gemv_kernel(
         shared_rows, _ = _weight_rows(ob, BLOCK_O, SHARED_OUT, ACT)  # not offs_o: one shape per name (Triton)
         _gemv_tile(SX + token * stride_sxr, SW + shared_rows.to(tl.int64) * stride_swo, SOUT + token * stride_son,
                    ob, SHARED_IN, SHARED_OUT, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND, UNROLL,
-                   EVICT_FIRST, PRELOAD_SHARED, USE_PDL, ACT)
+                   EVICT_FIRST, ACT)
     else:
-        if USE_PDL:
-            if PRELOAD_SHARED and not PRELOAD_ROUTED:  # the router's choice may come from the kernel just before
-                tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
         n = t % num_pairs
         ob = t // num_pairs
         if PAIRS_PER_ROW > 0:
@@ -176,7 +159,7 @@ def _expert_gemv_kernel(
         offs_o, _ = _weight_rows(ob, BLOCK_O, OUT_DIM, ACT)
         _gemv_tile(X + row * stride_xr, W + expert * stride_we + offs_o.to(tl.int64) * stride_wo,
                    OUT + n.to(tl.int64) * stride_on, ob, IN, OUT_DIM, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND,
-                   UNROLL, EVICT_FIRST, PRELOAD_ROUTED, USE_PDL, ACT)
+                   UNROLL, EVICT_FIRST, ACT)
 
 
 # Measured on the H200 (scripts/expert_gemv_sweep.py, DeepSeek-V2-Lite shapes, 6 and 48 pairs):
@@ -186,20 +169,6 @@ def _expert_gemv_kernel(
 BLOCK_O, BLOCK_I, NUM_WARPS = 16, 128, 4
 WIDE_BLOCK_I = 256
 
-
-# with programmatic dependent launch, the weights' first block requested before the wait: the shared
-# experts' always, the routed experts' where the ids are older than the previous launch (the down
-# product). SEGKV_EXPERT_PRELOAD=1; off: it measured level on the H200 (docs/configuration.md).
-PRELOAD = settings.SETTINGS.expert_preload
-
-# The gate/up product writing silu(gate) * up itself (for the MoE layer's packed experts; 0 turns it
-# off): each program pairs 8 gate rows with their 8 up rows. The down product then reads half the
-# input and no activation math: taken in the down launch (gated), each input chunk's silu(gate) * up
-# is converted through shared memory to the products' layout (offline, sm_90a: 70 barriers against
-# 36). Measured on the H200 (DeepSeek-V2-Lite, one token): the down launch 14.6-14.7 us against
-# 15.1-15.2, gate/up level; batch 8 1316 / 1105 tok/s against 1298 / 1097 at 1K / 16K (it also
-# replaces the separate SiLU-and-mul launch there); batch 1 level (500 / 430 against 500 / 431-433).
-ACT_IN_GATE_UP = settings.SETTINGS.expert_act_in_gate_up
 
 # pairs up to which a launch reads 256 inputs per step with the loop unrolled: one token's experts
 # (6 pairs: gate/up 20.3 -> 19.6 us, down 12.5 -> 11.6 us); at 48 pairs unrolling gained nothing
@@ -252,7 +221,7 @@ def default_block_i(pairs: int) -> int:
 def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
                 *, out_dtype: torch.dtype | None = None, gated: bool = False, block_o: int | None = None,
                 block_i: int | None = None, num_warps: int | None = None, unroll: bool | None = None,
-                distinct_experts: bool = False, ids_ready: bool = False, activation: bool = False) -> torch.Tensor:
+                distinct_experts: bool = False, activation: bool = False) -> torch.Tensor:
     """``x (R, In)``, ``rows (N,)`` and ``experts (N,)`` int64/int32 on the device, ``weight
     (E, Out, In)`` with unit stride on In -> ``(N, Out)`` in ``out_dtype`` (default ``x``'s).
     ``rows`` may be an int ``r``: pair ``n`` reads row ``n // r`` (a token's ``r`` experts in a
@@ -263,34 +232,31 @@ def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor
     :func:`default_block_o`, :func:`default_block_i`, :func:`default_num_warps`,
     :func:`default_unroll`; tuning runs set them). ``distinct_experts``:
     no two pairs share an expert (one token's choice), so each weight is read once and its lines
-    leave L2 first (``dense_gemv.WEIGHTS_EVICT_FIRST``). ``ids_ready``: ``rows`` and ``experts``
-    were written before the launch just before this one, which waited for them (the down product
-    after the gate/up product): with programmatic dependent launch the routed weights' first
-    block loads before the wait for that launch. ``activation``: ``weight`` is a ``(E, 2 I, In)``
+    leave L2 first. ``activation``: ``weight`` is a ``(E, 2 I, In)``
     ``[gate | up]`` stack and the result is ``silu(gate) * up`` ``(N, I)``, equal to
     ``fused_ops.silu_and_mul`` of the plain product (each half rounded first, as it is stored)."""
     return _launch(x, rows, experts, weight, None, None, out_dtype, gated, block_o, block_i, num_warps, unroll,
-                   distinct_experts, ids_ready, activation)[0]
+                   distinct_experts, activation)[0]
 
 
 def expert_gemv_with_shared(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
                             shared_x: torch.Tensor, shared_weight: torch.Tensor, *, gated: bool = False,
-                            distinct_experts: bool = False, ids_ready: bool = False, activation: bool = False
+                            distinct_experts: bool = False, activation: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`expert_gemv`, and in the same launch ``shared_weight (Out_s, In_s)`` (a MoE layer's
     shared experts, one dense weight) on every row of ``shared_x (T, In_s)`` (``(T, 2 In_s)``
     when ``gated``): returns ``(routed (N, Out), shared (T, Out_s))`` in ``x``'s dtype. At decode
     sizes each product is a few microseconds, so one launch for both halves the launches.
-    ``distinct_experts``, ``ids_ready`` and ``activation`` (for both weights) as in :func:`expert_gemv`."""
+    ``distinct_experts`` and ``activation`` (for both weights) as in :func:`expert_gemv`."""
     if shared_weight.dim() != 2 or shared_x.dim() != 2 or shared_x.dtype != x.dtype:
         raise ValueError(f"shared weight (Out, In) and rows (T, In) of x's dtype expected, got "
                          f"{tuple(shared_weight.shape)} and {tuple(shared_x.shape)} {shared_x.dtype}")
     return _launch(x, rows, experts, weight, shared_x, shared_weight, None, gated, None, None, None, None,
-                   distinct_experts, ids_ready, activation)
+                   distinct_experts, activation)
 
 
 def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated, block_o, block_i, num_warps, unroll,
-            distinct_experts, ids_ready=False, activation=False):
+            distinct_experts, activation=False):
     """Checks, outputs and the launch of :func:`expert_gemv` / :func:`expert_gemv_with_shared`."""
     has_shared = shared_weight is not None
     block_o = block_o or default_block_o()
@@ -340,7 +306,6 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
             EXACT_FP32=kernel_dtype == torch.float32, PAIRS_PER_ROW=pairs_per_row, GATED=gated,
             KIND=kind_of(x.dtype), HAS_SHARED=has_shared, num_warps=num_warps,
             UNROLL=default_unroll(n) if unroll is None else unroll, **options,
-            EVICT_FIRST=WEIGHTS_EVICT_FIRST and distinct_experts,
-            PRELOAD_SHARED=PRELOAD, PRELOAD_ROUTED=PRELOAD and ids_ready, ACT=activation,
+            EVICT_FIRST=distinct_experts, ACT=activation,
         )
     return out.to(out_dtype), shared_out.to(out_dtype)

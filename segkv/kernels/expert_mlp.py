@@ -30,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST
 from segkv.kernels.expert_gemv import _gemv_tile, _weight_rows
 from segkv.kernels.fused_ops import kind_of
 from segkv.kernels.moe_ops import norm_route_program, prepare_norm_route
@@ -72,7 +71,7 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
             rows, _ = _weight_rows(item, BLOCK_O, 2 * S_INNER, True)
             # routed: the normed row is the router's block 0's
             _gemv_tile(X, SGU + rows.to(tl.int64) * stride_sguo, SACT, item, HIDDEN, 2 * S_INNER, BLOCK_O,
-                       BLOCK_I_UP, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, False, False, True,
+                       BLOCK_I_UP, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, True,
                        ROUTED, ROUTED, COUNTERS + NORM_READY, 1)
             count_done(COUNTERS + _FIXED_COUNTERS + PAIRS)
         else:
@@ -84,7 +83,7 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
             expert = tl.load(experts + n, cache_modifier=CG).to(tl.int64)
             rows, _ = _weight_rows(ob, BLOCK_O, 2 * INNER, True)
             _gemv_tile(X, GU + expert * stride_gue + rows.to(tl.int64) * stride_guo, ACT + n * INNER, ob, HIDDEN,
-                       2 * INNER, BLOCK_O, BLOCK_I_UP, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, False, False,
+                       2 * INNER, BLOCK_O, BLOCK_I_UP, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST,
                        True, ROUTED)
             count_done(COUNTERS + _FIXED_COUNTERS + n)
     else:
@@ -93,7 +92,7 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
         rows = ob * BLOCK_O + tl.arange(0, BLOCK_O)
         if d < DOWN_BLOCKS:  # the shared experts' down: their gate/up items came first
             _gemv_tile(SACT, SDOWN + rows.to(tl.int64) * stride_sdo, SOUT, ob, S_INNER, HIDDEN, BLOCK_O,
-                       BLOCK_I_DOWN, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, False, False, False, True,
+                       BLOCK_I_DOWN, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, False, True,
                        True, COUNTERS + _FIXED_COUNTERS + PAIRS, S_UP_BLOCKS)
         else:
             n = d // DOWN_BLOCKS - 1
@@ -102,7 +101,7 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
             expert = tl.load(experts + n, cache_modifier=CG).to(tl.int64)
             _gemv_tile(ACT + n * INNER, DOWN + expert * stride_de + rows.to(tl.int64) * stride_do,
                        OUT + n * HIDDEN, ob, INNER, HIDDEN, BLOCK_O, BLOCK_I_DOWN, EXACT_FP32, False, KIND, UNROLL,
-                       EVICT_FIRST, False, False, False, True, True, COUNTERS + _FIXED_COUNTERS + n, UP_BLOCKS)
+                       EVICT_FIRST, False, True, True, COUNTERS + _FIXED_COUNTERS + n, UP_BLOCKS)
         leave_zero_if_last(COUNTERS + 1, ITEMS - UP_ITEMS, COUNTERS, PAIRS + _FIXED_COUNTERS + 1 + _ROUTE_COUNTERS,
                            COUNTERS_P2)
 
@@ -217,7 +216,7 @@ def _prepare_experts(name: str, x: torch.Tensor, pairs: int, gate_up: torch.Tens
     meta = dict(HIDDEN=hidden, INNER=inner, S_INNER=s_inner, BLOCK_O=BLOCK_O,
                 BLOCK_I_UP=min(block_i, triton.next_power_of_2(hidden)),
                 BLOCK_I_DOWN=min(block_i, triton.next_power_of_2(max(inner, s_inner))),
-                EXACT_FP32=kernel_dtype == torch.float32, KIND=kind_of(x.dtype), EVICT_FIRST=WEIGHTS_EVICT_FIRST,
+                EXACT_FP32=kernel_dtype == torch.float32, KIND=kind_of(x.dtype), EVICT_FIRST=True,
                 COUNTERS_P2=triton.next_power_of_2(counters_size(pairs)),
                 UNROLL=env.expert_mlp_unroll,
                 num_warps=settings.or_default(env.expert_mlp_warps, NUM_WARPS),

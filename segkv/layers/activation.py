@@ -26,7 +26,7 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
-        self._row_product = RowProduct(fused_decoder=True)  # batch-1 decode (layers.linear)
+        self._row_product = RowProduct()  # batch-1 decode (layers.linear)
 
     def use_fused(self) -> None:
         """Stack ``gate_proj`` and ``up_proj`` into one ``(2I, hidden)`` weight (one GEMM instead of

@@ -3,17 +3,14 @@
 cuBLAS streams a small model's projections at one row far below the memory bandwidth (2048 x
 2048 in about 6 us on the H200); the split-K GEMV spreads the weight over hundreds of programs
 and, launched with programmatic dependent launch, loads its weight block while the kernel before
-it finishes. The MLA layer's x and o products take it (``SEGKV_BATCH1_GEMV``: DeepSeek-V2-Lite
-batch 1 / 1K 415-417 -> 428-429 tok/s on the H200). The grouped-query decoder's projections and
-gated MLPs take it with the layer's residual add and RMSNorm, or its SiLU-and-mul, inside the
-product's launch (``SEGKV_BATCH1_FUSED_GEMV``; H200, batch 1, 1K / 16K: Llama-3.1-8B 207 / 187 ->
-219-220 / 196-197 tok/s, Qwen3-8B 193 / 174 -> 213-214 / 189). Products of up to 4096 inputs
-take whole weight rows per program (:func:`launch_for`). The q/k/v product is such a plain
-whole-row GEMV, followed by one RoPE-and-write launch that also applies Qwen3's q/k norms
-(``fused_ops.rope_and_write_kv``); ``SEGKV_BATCH1_QKV_ROPE=1`` instead puts the q/k norms, RoPE
-and the cache write in the q/k/v launch (``kernels.qkv_gemv``, split-K blocks whose partial sums
-meet per head), 1.5% slower on the H200 since whole rows. One row on CUDA without a bias;
-everything else takes ``F.linear`` and the separate kernels.
+it finishes. The MLA layer's x and o products take it (DeepSeek-V2-Lite batch 1 / 1K 415-417 ->
+428-429 tok/s on the H200). The grouped-query decoder's projections and gated MLPs take it with
+the layer's residual add and RMSNorm, or its SiLU-and-mul, inside the product's launch (H200,
+batch 1, 1K / 16K: Llama-3.1-8B 207 / 187 -> 219-220 / 196-197 tok/s, Qwen3-8B 193 / 174 ->
+213-214 / 189). Products of up to 4096 inputs take whole weight rows per program
+(:func:`launch_for`). The q/k/v product is such a plain whole-row GEMV, followed by one
+RoPE-and-write launch that also applies Qwen3's q/k norms (``fused_ops.rope_and_write_kv``).
+One row on CUDA without a bias; everything else takes ``F.linear`` and the separate kernels.
 """
 
 from __future__ import annotations
@@ -22,22 +19,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from segkv.settings import SETTINGS
-
-BATCH1_GEMV = SETTINGS.batch1_gemv
-BATCH1_FUSED_GEMV = SETTINGS.batch1_fused_gemv
-BATCH1_QKV_ROPE = SETTINGS.batch1_qkv_rope
 # Products of at most this many inputs take programs of whole weight rows, WHOLE_ROWS a program
-# (``SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS``, 0: split-K blocks everywhere; ``SEGKV_GEMV_WHOLE_ROWS``)
-WHOLE_ROW_MAX_INPUTS = SETTINGS.gemv_whole_row_max_inputs
-WHOLE_ROWS = SETTINGS.gemv_whole_rows
-# The output head's product writes float32 logits itself (cuBLAS with a float32 result,
-# ``torch.mm(..., out_dtype=torch.float32)``) instead of half-precision logits and a conversion
-# launch (4.1 us a decode step on the H200 for DeepSeek-V2-Lite's 102400 entries); the logits
-# then skip one rounding. ``SEGKV_HEAD_FLOAT32_OUT=1``; off: level on the H200 (DeepSeek-V2-Lite
-# batch 1 543-544 / 473-475 tok/s at 1K / 16K against 543 / 474).
-HEAD_FLOAT32_OUT = SETTINGS.head_float32_out
-
+WHOLE_ROW_MAX_INPUTS = 4096
+WHOLE_ROWS = 4
 
 def launch_for(in_dim: int, *, whole_rows: bool = False) -> tuple[int, int]:
     """``(BLOCK_N, BLOCK_K)`` of the one-row GEMV for a weight of ``in_dim`` inputs.
@@ -70,22 +54,14 @@ def one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 class RowProduct:
     """``F.linear(x, weight, bias)``, through the split-K GEMV for one row on CUDA (no bias), with
     a workspace (float32 partials, zeroed tickets) kept per weight shape for the next call.
+    :meth:`after_norm` and :meth:`gated` form their row in the launch."""
 
-    ``fused_decoder``: the grouped-query decoder's products, switched by
-    ``SEGKV_BATCH1_FUSED_GEMV`` (else ``SEGKV_BATCH1_GEMV``); :meth:`after_norm` and
-    :meth:`gated` form their row in the launch."""
-
-    def __init__(self, *, fused_decoder: bool = False) -> None:
-        self.fused_decoder = fused_decoder
+    def __init__(self) -> None:
         self._workspace: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @property
-    def enabled(self) -> bool:
-        return BATCH1_FUSED_GEMV if self.fused_decoder else BATCH1_GEMV
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
         """Whether a call with these arguments takes the split-K GEMV."""
-        return self.enabled and one_row(x, weight, bias)
+        return one_row(x, weight, bias)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.applies(x, weight, bias):
@@ -131,26 +107,11 @@ class RowProduct:
         return mla_x_rope_gemv(x, residual, norm_weight, eps, weight, **rope,
                                **self._launch(weight, whole=(query_head, rope["latent_rows"].shape[-1])))
 
-    @property
-    def rope_in_product(self) -> bool:
-        """Whether :meth:`after_norm_with_rope` is on (``SEGKV_BATCH1_QKV_ROPE``)."""
-        return BATCH1_QKV_ROPE
-
-    def after_norm_with_rope(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                             eps: float, weight: torch.Tensor, **rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`after_norm` for a stacked q/k/v weight, with the q/k norms, RoPE and the cache
-        write in the same launch (``kernels.qkv_gemv.qkv_rope_gemv``, ``rope`` its keyword
-        arguments): returns ``(rotated q (1, H, D), x + residual)``."""
-        from segkv.kernels.qkv_gemv import qkv_rope_gemv
-
-        return qkv_rope_gemv(x, residual, norm_weight, eps, weight, **rope,
-                             **self._launch(weight, whole=(rope["cos_sin"].shape[-1],)))
-
     def _launch(self, weight: torch.Tensor, whole: tuple[int, ...] = ()) -> dict:
         """The launch arguments for ``weight``: ``launch_for``'s blocks (whole weight rows unless
         ``whole`` names row groups, heads, whose partial sums meet: then split-K blocks with
         ``BLOCK_N`` halved until each group is whole output blocks), and the workspace."""
-        from segkv.kernels.dense_gemv import WEIGHTS_EVICT_FIRST, workspace_size
+        from segkv.kernels.dense_gemv import workspace_size
 
         out_dim, in_dim = weight.shape
         block_n, block_k = launch_for(in_dim, whole_rows=not whole)
@@ -162,14 +123,9 @@ class RowProduct:
             self._workspace[key] = (torch.empty(floats, dtype=torch.float32, device=weight.device),
                                     torch.zeros(tickets, dtype=torch.int32, device=weight.device))
         return {"block_n": block_n, "block_k": block_k, "workspace": self._workspace[key],
-                "evict_first": WEIGHTS_EVICT_FIRST}
+                "evict_first": True}
 
 
 def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``hidden (N, H) @ weight (V, H)^T`` as float32 logits ``(N, V)``. With
-    :data:`HEAD_FLOAT32_OUT`, on CUDA and a half-precision pair, the product writes float32 itself
-    (float32 sums, no half-precision rounding of the logits); else ``F.linear`` then ``.float()``."""
-    if (HEAD_FLOAT32_OUT and hidden.is_cuda and hidden.dim() == 2 and hidden.dtype == weight.dtype
-            and hidden.dtype in (torch.bfloat16, torch.float16)):
-        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    """``hidden (N, H) @ weight (V, H)^T`` as float32 logits ``(N, V)``: ``F.linear`` then ``.float()``."""
     return F.linear(hidden, weight).float()

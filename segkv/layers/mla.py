@@ -16,19 +16,8 @@ from segkv.layers.activation import stack_linears
 from segkv.layers.linear import RowProduct
 from segkv.layers.norm import PendingCombine, RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
-from segkv.settings import SETTINGS
 
 MLA_MODES = ("absorbed", "naive")
-# one token's residual add and norm (and the previous MoE layer's combine) in the x product's launch
-# (H200, DeepSeek-V2-Lite batch 1, 1K / 16K: 439-441 / 378-380 -> 447-448 / 386-387 tok/s)
-NORM_IN_MLA = SETTINGS.batch1_norm_in_mla
-# ... and the query's RoPE and the latent cache write in the same launch (H200, alternating
-# in one run, two rounds: 457 / 391-394 -> 461-462 / 399-400 tok/s at 1K / 16K)
-MLA_ROPE = SETTINGS.batch1_mla_rope
-# one token's absorbed products (q_nope through W_uk, the latent output through W_uv) as per-head
-# GEMVs with PDL (kernels.head_gemv) instead of batched GEMMs (H200, DeepSeek-V2-Lite batch 1,
-# alternating, two rounds: 465-468 / 398-401 -> 481-482 / 411-417 tok/s at 1K / 16K)
-LATENT_GEMV = SETTINGS.batch1_latent_gemv
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
 
 
@@ -146,12 +135,12 @@ class MultiHeadLatentAttention(nn.Module):
                            positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """A pre-norm block's first half: ``(self(norm(x + residual)), x + residual)`` (``x``
         itself without a residual). ``x`` may be the previous MoE layer's output not formed yet
-        (:class:`PendingCombine`). At one token on CUDA with the x projections stacked and
-        ``SEGKV_BATCH1_NORM_IN_MLA`` on, the combine, the residual add and the norm run inside
-        the x product's launch (``kernels.dense_gemv``): two launches become one. With
-        ``SEGKV_BATCH1_MLA_ROPE`` (absorbed attention, no q LoRA) the same launch also rotates the
-        query and writes the latent cache row (``kernels.mla_x_gemv``): one launch fewer again."""
-        source = self._gemv_source(x, residual, norm) if NORM_IN_MLA else None
+        (:class:`PendingCombine`). At one token on CUDA with the x projections stacked, the
+        combine, the residual add and the norm run inside the x product's launch
+        (``kernels.dense_gemv``): two launches become one. With absorbed attention and no q LoRA
+        the same launch also rotates the query and writes the latent cache row
+        (``kernels.mla_x_gemv``): one launch fewer again."""
+        source = self._gemv_source(x, residual, norm)
         if source is None:
             if residual is None:
                 h, residual = norm(x), x
@@ -159,7 +148,7 @@ class MultiHeadLatentAttention(nn.Module):
                 h, residual = norm.add_and_norm(x, residual)
             return self(h, positions, meta), residual
         d, weight, rows = self.dims, self._x_proj[0], self._row_product
-        if MLA_ROPE and self.fused and meta.mla_mode == "absorbed" and d.q_lora_rank is None:
+        if self.fused and meta.mla_mode == "absorbed" and d.q_lora_rank is None:
             query = weight.new_empty(1, d.num_heads, d.kv_lora_rank + d.qk_rope_head_dim)
             kv_norm = self.kv_a_layernorm
             q_nope, residual = rows.after_norm_mla_rope(
@@ -246,12 +235,12 @@ class MultiHeadLatentAttention(nn.Module):
         """Attention over the latent rows: ``(T, H, r + rope)`` query -> ``(T, H, v)``. ``query``:
         a buffer whose rope columns already hold ``q_pe`` (the fused RoPE wrote them); the latent
         columns are computed into it, so no concatenation copies the query (one launch fewer). At
-        one token on CUDA with such a buffer (``SEGKV_BATCH1_LATENT_GEMV``) both per-head products
-        are one-row GEMVs (``kernels.head_gemv``; ``W_uk`` read through its transpose ``(H, r,
-        n)``) instead of batched GEMMs."""
+        one token on CUDA with such a buffer both per-head products are one-row GEMVs with PDL
+        (``kernels.head_gemv``; ``W_uk`` read through its transpose ``(H, r, n)``) instead of
+        batched GEMMs."""
         w_uk, w_uv = self._kv_b()
         rank = self.dims.kv_lora_rank
-        per_head = (LATENT_GEMV and query is not None and one_token_on_cuda(q_nope)
+        per_head = (query is not None and one_token_on_cuda(q_nope)
                     and max(rank, self.dims.qk_nope_head_dim) <= HEAD_GEMV_MAX_IN)
         if per_head:
             head_gemv(q_nope[0], w_uk.transpose(1, 2), out=query[0, :, :rank])

@@ -10,7 +10,6 @@ from torch import nn
 
 from segkv.layers.activation import GatedMLP
 from segkv.layers.norm import PendingCombine, RMSNorm
-from segkv.settings import SETTINGS
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 # fused routers take their float32 logits from one Triton launch up to this many tokens (decode),
@@ -18,18 +17,6 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 # token's programs reading the whole weight again would lose to cuBLAS
 ROUTER_KERNEL_MAX_TOKENS = 16
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-# decode fusions of a MoE block (docs/configuration.md), switchable for A/B runs: the norm with the
-# router's logits and top-k in one launch; the combine inside the next block's norm
-NORM_ROUTE = SETTINGS.moe_norm_route
-COMBINE_IN_NORM = SETTINGS.moe_combine_in_norm
-# one token's routed and shared experts as one launch (kernels.expert_mlp: the down items start as
-# each pair's gate/up items finish) instead of two (0). H200, DeepSeek-V2-Lite batch 1: 517-518 /
-# 444-447 tok/s at 1K / 16K against 498-501 / 433-434
-ONE_LAUNCH_MLP = SETTINGS.expert_one_launch
-# with it, the norm, the router and its top-k in the same launch too (kernels.expert_mlp.moe_block_one_token:
-# the shared experts' items wait only for the normed row, the routed ones for the ids). H200,
-# DeepSeek-V2-Lite batch 1: 520-521 / 449 tok/s at 1K / 16K against 518 / 448-449 (0: two launches)
-ONE_LAUNCH_BLOCK = SETTINGS.moe_one_launch
 
 
 @dataclass(slots=True, frozen=True)
@@ -155,9 +142,10 @@ class MixtureOfExperts(nn.Module):
     loop over experts (a host synchronisation per layer); packed ones (:meth:`pack_experts`)
     stay on the device: a GEMV per (token, expert) pair up to ``PACKED_PAIRS_LIMIT`` pairs, a
     grouped GEMM per expert beyond it. Fused (GPU decode) with one token, every routed and shared
-    expert of the layer runs in one launch (``kernels.expert_mlp``; ``SEGKV_EXPERT_ONE_LAUNCH=0``:
-    the gate/up launch writing ``silu(gate) * up``, then the down launch), where a batch-1 step of
-    small experts is mostly launches.
+    expert of the layer runs in one launch (``kernels.expert_mlp``: the down items start as each
+    pair's gate/up items finish; H200, DeepSeek-V2-Lite batch 1: 517-518 / 444-447 tok/s at 1K /
+    16K against 498-501 / 433-434 with two launches), where a batch-1 step of small experts is
+    mostly launches.
     """
 
     def __init__(self, hidden_size: int, expert_size: int, spec: RouterSpec, *, num_shared: int = 0,
@@ -223,12 +211,12 @@ class MixtureOfExperts(nn.Module):
                            ) -> tuple[torch.Tensor | PendingCombine, torch.Tensor]:
         """A pre-norm block's second half: ``(self(norm(x + residual)), x + residual)``. Fused
         with a few tokens (decode), the residual add, the norm, the router's logits and its top-k
-        are one launch (``kernels.moe_ops.norm_route_topk``, unless ``SEGKV_MOE_NORM_ROUTE=0``).
-        ``defer_combine``: a fused layer may return its output as a :class:`PendingCombine`, for
-        the next block's norm to form in its own launch (``SEGKV_MOE_COMBINE_IN_NORM=0``: never)."""
+        are one launch (``kernels.moe_ops.norm_route_topk``). ``defer_combine``: a fused layer may
+        return its output as a :class:`PendingCombine`, for the next block's norm to form in its
+        own launch."""
         gate = self.gate
-        defer = defer_combine and COMBINE_IN_NORM
-        if not (NORM_ROUTE and self.fused and gate.fused and norm.fused and x.dim() == 2
+        defer = defer_combine
+        if not (self.fused and gate.fused and norm.fused and x.dim() == 2
                 and x.shape[0] <= ROUTER_KERNEL_MAX_TOKENS):
             h, residual = norm.add_and_norm(x, residual)
             weights, ids = self.gate(h)
@@ -247,14 +235,12 @@ class MixtureOfExperts(nn.Module):
         return self._experts(h, weights, ids, defer), residual
 
     def _block_in_one_launch(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple | None:
-        """One token's norm, router, top-k and experts in one launch (``ONE_LAUNCH_BLOCK``, with the
-        experts' one launch and the activation in gate/up; shared experts stacked, a norm weight
-        of ``x``'s dtype): ``moe_block_one_token``'s results, else None."""
-        from segkv.kernels.expert_gemv import ACT_IN_GATE_UP
-
+        """One token's norm, router, top-k and experts in one launch (shared experts stacked, a norm
+        weight of ``x``'s dtype): ``moe_block_one_token``'s results, else None. The shared experts'
+        items wait only for the normed row, the routed ones for the ids (H200, DeepSeek-V2-Lite
+        batch 1: 520-521 / 449 tok/s at 1K / 16K against 518 / 448-449 with two launches)."""
         shared = self._stacked_shared_weights() if self._packed is not None else None
-        if not (ONE_LAUNCH_BLOCK and ONE_LAUNCH_MLP and ACT_IN_GATE_UP and shared is not None and x.shape[0] == 1
-                and norm.weight.dtype == x.dtype):
+        if not (shared is not None and x.shape[0] == 1 and norm.weight.dtype == x.dtype):
             return None
         from segkv.kernels.expert_mlp import moe_block_one_token
 
@@ -294,29 +280,24 @@ class MixtureOfExperts(nn.Module):
         """Device-side dispatch for few pairs: one GEMV per (token, expert) pair; pair ``n`` is
         token ``n // k`` (no index tensors to build). Returns the routed outputs ``(T k, H)``, and
         with ``shared`` (:meth:`_stacked_shared_weights`) the shared experts' ``(T, H)`` from the
-        same launches (else None): one token's in one launch (``ONE_LAUNCH_MLP``, the default),
-        else two. With ``expert_gemv.ACT_IN_GATE_UP`` (the default) the gate/up launch writes
-        ``silu(gate) * up``; without, one token's down launch takes it of the gate/up rows itself
-        (rounded as ``silu_and_mul``) and more pairs run the activation apart."""
-        from segkv.kernels.expert_gemv import ACT_IN_GATE_UP, FEW_PAIRS, expert_gemv, expert_gemv_with_shared
-        from segkv.kernels.fused_ops import silu_and_mul
+        same launches (else None): one token's in one launch, else two. The gate/up launch writes
+        ``silu(gate) * up`` and the down launch reads it plainly (H200, DeepSeek-V2-Lite: one
+        token's down launch 14.6-14.7 us against 15.1-15.2 with the activation taken in it; batch 8
+        1316 / 1105 tok/s against 1298 / 1097 at 1K / 16K)."""
+        from segkv.kernels.expert_gemv import expert_gemv, expert_gemv_with_shared
 
         gate_up, down = self._packed
         experts = ids.reshape(-1)
         x = x.contiguous()
         one = x.shape[0] == 1  # one token's experts are distinct: each weight read once
-        act = ACT_IN_GATE_UP  # the gate/up launch writes silu(gate) * up: a plain down launch
-        if shared is not None and one and act and ONE_LAUNCH_MLP:
+        if shared is not None and one:
             return self._one_launch(x, experts, shared)
         if shared is not None:
             h, shared_h = expert_gemv_with_shared(x, ids.shape[1], experts, gate_up, x, shared[0], distinct_experts=one,
-                                                  activation=act)
-            return expert_gemv_with_shared(h, 1, experts, down, shared_h, shared[1], gated=not act,
-                                           distinct_experts=one, ids_ready=True)
-        h = expert_gemv(x, ids.shape[1], experts, gate_up, distinct_experts=one, activation=act)  # (T k, I or 2I)
-        if act or experts.numel() <= FEW_PAIRS:  # the activation made, or taken in the down launch
-            return expert_gemv(h, 1, experts, down, gated=not act, distinct_experts=one, ids_ready=True), None
-        return expert_gemv(silu_and_mul(h), 1, experts, down), None
+                                                  activation=True)
+            return expert_gemv_with_shared(h, 1, experts, down, shared_h, shared[1], distinct_experts=one)
+        h = expert_gemv(x, ids.shape[1], experts, gate_up, distinct_experts=one, activation=True)  # (T k, I)
+        return expert_gemv(h, 1, experts, down, distinct_experts=one), None
 
     def _one_launch(self, x: torch.Tensor, experts: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor]:

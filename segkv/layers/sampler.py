@@ -22,16 +22,15 @@ import torch
 
 from segkv.layers.transfer import to_device
 from segkv.sampling_params import SamplingParams
-import segkv.settings as settings
 
 LOGPROBS_MODES = ("raw", "processed")
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of ``(B, V)`` float32: on CUDA two short Triton launches
-    (``kernels.sampling_ops.row_argmax``; ``SEGKV_TRITON_ARGMAX=0``: torch's), since torch
-    reduced a 128K-entry row in one block (26 us on the H200) between two decode steps."""
-    if x.is_cuda and settings.SETTINGS.triton_argmax:
+    (``kernels.sampling_ops.row_argmax``), since torch reduced a 128K-entry row in one block
+    (26 us on the H200) between two decode steps."""
+    if x.is_cuda:
         from segkv.kernels.sampling_ops import row_argmax
 
         return row_argmax(x)

@@ -90,7 +90,7 @@ class DecoderAttention(nn.Module):
         self.fused = False  # RoPE and the cache write in one Triton kernel (kernels/fused_ops.py)
         self._rope_fusable = rope_fusable(cfg.head_dim, interleaved=rotary.interleaved)
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
-        self._row_product = RowProduct(fused_decoder=True)  # batch-1 decode (layers.linear)
+        self._row_product = RowProduct()  # batch-1 decode (layers.linear)
 
     def use_fused(self) -> None:
         """Stack the q, k and v projections into one weight (one GEMM instead of three; their
@@ -121,23 +121,11 @@ class DecoderAttention(nn.Module):
         """A pre-norm block's first half: ``(self(norm(x + residual)), x + residual)`` (``x``
         itself without a residual; a MoE layer's :class:`PendingCombine` takes the separate path).
         At one row on CUDA with the projections stacked, the residual add and the norm run inside
-        the q/k/v product's launch (``layers.linear.RowProduct``), and with RoPE fused, the q/k
-        norms, RoPE and the cache write too (``kernels.qkv_gemv``)."""
+        the q/k/v product's launch (``layers.linear.RowProduct``)."""
         if isinstance(x, PendingCombine) or not (self._qkv is not None and self._qkv[1] is None and norm.fused
                                                  and self._row_product.applies(x, self._qkv[0])):
             h, residual = (norm(x), x) if residual is None else norm.add_and_norm(x, residual)
             return self(h, positions, meta), residual
-        if self.fused and self._row_product.rope_in_product and (
-                not self.qk_norm or self.q_norm.eps == self.k_norm.eps):
-            layer = self.attn.layer_index
-            keys, values = meta.storage.mha_rows(layer, meta.slots, trusted_slots=meta.trusted_slots)
-            norms = {"q_norm": self.q_norm.weight, "k_norm": self.k_norm.weight, "qk_eps": self.q_norm.eps} \
-                if self.qk_norm else {}
-            q, residual = self._row_product.after_norm_with_rope(
-                x, residual, norm.weight, norm.eps, self._qkv[0], num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads, positions=positions, cos_sin=self.rotary.cos_sin_table(x.dtype),
-                slots=meta.slots, key_rows=keys, value_rows=values, **norms)
-            return self._output(self.attn.attend(q, meta)), residual
         qkv, residual = self._row_product.after_norm(x, residual, norm.weight, norm.eps, self._qkv[0])
         return self._attend(*self._split_heads(*qkv.split(self._qkv_sizes(), dim=-1)), positions, meta), residual
 
