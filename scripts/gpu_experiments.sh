@@ -2,9 +2,10 @@
 # Open questions, measured on the GPU machine; results under $OUT/experiments.txt. Defaults change
 # only after a measurement. Parts take 1-8 minutes; a device call runs at most 10. `... verify`
 # checks the defaults after a change. Every part below has been measured (docs/benchmarks.md: "Four
-# one-launch fusions measured" for moeblock, now the default; the losing attnonelaunch,
-# mlponelaunch and mergehead parts were removed with their switches; "One token's experts in one launch" for
-# onelaunch, "The activation in the gate/up launch" for actgateup, "The last prepared switches
+# one-launch fusions measured" for moeblock, "One token's experts in one launch" for onelaunch and
+# "The activation in the gate/up launch" for actgateup, now the only paths: those parts were removed
+# with their switches, as were the losing attnonelaunch, mlponelaunch and mergehead parts and
+# wholerows ("One-row GEMVs in whole weight rows", now the only path); "The last prepared switches
 # measured" for trigger, partitions, cascade, pagesize, tests and enginetests; the shared-expert
 # balance and split parts measured there were removed with their switches, see git history).
 # Measured (docs/benchmarks.md, "Sub-page tiles on" and "The prepared switches measured"): shares,
@@ -69,9 +70,6 @@
 #             2 stages, the merge at 128 / 32 columns per program, and partitions of at least 64
 #             rows, between runs at the defaults (at 1K stage 1 and the merge are 15% of a step for
 #             1.2 MB of latent rows per layer: latency, not bandwidth).
-#   moeblock  one token's whole MoE block (norm, router, top-k, experts) in one launch
-#             (SEGKV_MOE_ONE_LAUNCH, the default) against the norm-route launch and the experts'
-#             launch: the block alone, GPU tests, DeepSeek-V2-Lite batch 1 alternating, a profile.
 #   latent16k  Nsight Compute on the latent stage 1 at batch 1 / 16K and DeepSeek-V2-Lite's 16K step
 #             by kernel and grid (about 1 minute; docs/benchmarks.md, "DeepSeek-V2-Lite at 16K: the
 #             latent stage 1").
@@ -84,12 +82,6 @@
 #             chains of 8 steps, the halves' 16) against the default halves (about 4 minutes).
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
-#   onelaunch  one token's expert gate/up and down products as one launch (SEGKV_EXPERT_ONE_LAUNCH,
-#             kernels.expert_mlp, the default) against two: the launches alone, the difference, GPU
-#             tests, DeepSeek-V2-Lite batch 1 alternating.
-#   actgateup  DeepSeek-V2-Lite's expert gate/up launch writing silu(gate) * up, the down launch
-#             reading it plain (SEGKV_EXPERT_ACT_IN_GATE_UP, the default) against the activation in
-#             the down launch: the launches alone, GPU tests, batch 1 and 8 alternating.
 #   trigger   the merge letting the o GEMV launch at once (SEGKV_MERGE_TRIGGER=0), so its weight
 #             loads overlap stage 1: GPU tests, Llama-3.1-8B, Qwen3-8B, DeepSeek-V2-Lite batch 1.
 #   partitions  batch 1 at 16K-64K and batch 16 at 16K split into 1-1056 partitions against the
@@ -136,8 +128,8 @@
 #             programs per SM (32-row tiles at pages of 16 measured slower in fourpages).
 #   diet2 / diet2latent / dietmodels / dietbatches  page scalars and reciprocal normalisation (now
 #             the defaults) off, alone and both: GPU tests and GQA kernels / the latent stage 1 / the
-#             batch-1 models, with the float32 logits (SEGKV_HEAD_FLOAT32_OUT) as a third setting /
-#             batch 8 and 16 (a device call each).
+#             batch-1 models / batch 8 and 16 (a device call each; the float32 logits measured
+#             with them as a third setting were level and removed with their switch).
 #   retune    the 8B shape's partition counts at batch 1 and the cascade's partitions, page size and
 #             tall programs per SM, re-measured with those two on.
 #   profile   batch-1 graph steps of DeepSeek-V2-Lite and Llama-3.1-8B at 1K and 16K by kernel and
@@ -220,13 +212,12 @@ elif [ "$part" = diet2latent ]; then
   done
 elif [ "$part" = dietmodels ]; then
   # the batch-1 models with page scalars and reciprocal normalisation both off / both on (the
-  # defaults) / both on and the output head's float32 logits (SEGKV_HEAD_FLOAT32_OUT=1), two rounds
+  # defaults), two rounds
   for round in 1 2; do
     for model in deepseek-v2-lite llama-3.1-8b; do
       # shellcheck disable=SC2086
       e2e "$model both off" $DIET_OFF -- --models $model --batches 1 --contexts 1K,16K
       e2e "$model defaults" -- --models $model --batches 1 --contexts 1K,16K
-      e2e "$model defaults, float32 logits" SEGKV_HEAD_FLOAT32_OUT=1 -- --models $model --batches 1 --contexts 1K,16K
     done
   done
 elif [ "$part" = dietbatches ]; then
@@ -424,17 +415,6 @@ elif [ "$part" = ropeheads ]; then
     tests/test_head_gemv.py tests/test_cuda_graphs.py tests/test_dense_gemv.py tests/test_triton_attention.py \
     -k "not test_triton_attention or transposed or pipeline or chunks or few_partials or longer_than"
   e2e "deepseek one program per token" -- --models deepseek-v2-lite --batches 1,8,32 --contexts 1K,16K
-elif [ "$part" = wholerows ]; then
-  # one-row GEMVs in whole weight rows (now the default up to 4096 inputs; docs/benchmarks.md
-  # "One-row GEMVs in whole weight rows") against split-K blocks everywhere: the layer chain's
-  # launch sweep, then the three batch-1 models alternating (SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS=0: before)
-  timeout 200 python3 scripts/dense_gemv_sweep.py --layers --whole-rows 2>&1 | grep -E "layer chain|rror" | tee -a "$log"
-  for round in 1 2; do
-    for model in llama-3.1-8b qwen3-8b deepseek-v2-lite; do
-      e2e "$model split-K everywhere" SEGKV_GEMV_WHOLE_ROW_MAX_INPUTS=0 -- --models $model --batches 1 --contexts 1K,16K
-      e2e "$model defaults" -- --models $model --batches 1 --contexts 1K,16K
-    done
-  done
 elif [ "$part" = merge ]; then
   echo "== DeepSeek-V2-Lite batch 1: latent merge cost per partition 0 / 1 rows" | tee -a "$log"
   for round in 1 2; do
@@ -822,21 +802,6 @@ elif [ "$part" = trigger ]; then
     e2e "deepseek merge trigger $trigger" SEGKV_MERGE_TRIGGER=$trigger -- --models deepseek-v2-lite --batches 1 \
       --contexts 1K,16K
   done
-elif [ "$part" = moeblock ]; then
-  # SEGKV_MOE_ONE_LAUNCH (on by default since this part measured it): one token's whole MoE block
-  # in one launch (kernels.expert_mlp.moe_block_one_token): the router's 16 programs first (residual
-  # add, norm, logits, top-k), the shared experts' items waiting only for the normed row, the routed
-  # ones for the ids, so the router's latency overlaps the shared experts' streaming: the block
-  # alone, GPU tests, DeepSeek-V2-Lite batch 1 alternating, and where a step goes with it.
-  echo "-- one token's MoE block (us per block)" | tee -a "$log"
-  timeout 120 python3 scripts/expert_gemv_sweep.py --block 2>&1 | tail -9 | tee -a "$log"
-  gpu_tests "the MoE block in one launch" -- tests/test_expert_mlp.py tests/test_deepseek_parity.py \
-    tests/test_cuda_graphs.py tests/test_moe_ops.py -k "expert or moe or deepseek or launch or block"
-  deepseek_ab SEGKV_MOE_ONE_LAUNCH
-  echo "== where a batch-1 graph step goes with it: deepseek-v2-lite, 1K" | tee -a "$log"
-  timeout 120 python3 scripts/profile_decode.py --model deepseek-v2-lite --batch 1 \
-    --context 1024 --rows 5 --trace /tmp/step.json > /dev/null 2>&1
-  python3 scripts/trace_gaps.py /tmp/step.json --kernels --by-grid --min-us 3 --rows 12 2>&1 | tee -a "$log"
 elif [ "$part" = scorechains ]; then
   # (the latent GPU tests with the default chains apart: part verify)
   for round in 1 2; do
@@ -866,56 +831,6 @@ elif [ "$part" = verify ]; then
   echo "-- one token's MoE block (us per block)" | tee -a "$log"
   timeout 120 python3 scripts/expert_gemv_sweep.py --block 2>&1 | tail -5 | tee -a "$log"
   e2e "defaults" -- --models llama-3.1-8b,deepseek-v2-lite --batches 1 --contexts 1K,16K
-elif [ "$part" = onelaunch ]; then
-  # SEGKV_EXPERT_ONE_LAUNCH (on by default since this part measured it): one token's gate/up and
-  # down expert products (with the shared experts) as one launch whose down items start as each pair's activation is complete
-  # (kernels.expert_mlp), against the two launches: the launches alone, GPU tests, DeepSeek-V2-Lite
-  # batch 1 alternating.
-  echo "-- one token's expert launches (us per launch)" | tee -a "$log"
-  timeout 150 python3 scripts/expert_gemv_sweep.py --shared 2>&1 | tail -9 | tee -a "$log"
-  echo "-- one launch against two, DeepSeek-V2-Lite shapes: largest difference in units of the last place" \
-    | tee -a "$log"
-  timeout 60 python3 - <<'PY' 2>&1 | tail -3 | tee -a "$log"
-import torch
-from segkv.kernels.expert_gemv import expert_gemv_with_shared
-from segkv.kernels.expert_mlp import counters_size, expert_mlp_one_token
-g = torch.Generator(device="cuda").manual_seed(1)
-for dtype in (torch.float32, torch.bfloat16):
-    w = lambda *s: (torch.randn(*s, device="cuda", generator=g) / s[-1] ** 0.5).to(dtype)
-    gu, dn, sgu, sdn, x = w(16, 2816, 2048), w(16, 2048, 1408), w(5632, 2048), w(2048, 2816), w(1, 2048)
-    e = torch.randperm(16, device="cuda", generator=g)[:6]
-    c = torch.zeros(counters_size(6), dtype=torch.int32, device="cuda")
-    r, s = expert_mlp_one_token(x, e, gu, dn, sgu, sdn, c, poison=True)
-    a, sa = expert_gemv_with_shared(x, 6, e, gu, x, sgu, activation=True)
-    rr, ss = expert_gemv_with_shared(a, 1, e, dn, sa, sdn)
-    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-23
-    d = max(((r.double() - rr.double()).abs() / (rr.double().abs() * ulp)).max().item(),
-            ((s.double() - ss.double()).abs() / (ss.double().abs() * ulp)).max().item())
-    print(dtype, "bit-equal" if torch.equal(r, rr) and torch.equal(s, ss) else f"differs, {d:.2f} ulp at most")
-PY
-  gpu_tests "the experts in one launch" SEGKV_EXPERT_ONE_LAUNCH=1 -- tests/test_expert_mlp.py \
-    tests/test_expert_gemv.py tests/test_cuda_graphs.py tests/test_deepseek_parity.py tests/test_moe_ops.py \
-    -k "expert or moe or deepseek or launch"
-  deepseek_ab SEGKV_EXPERT_ONE_LAUNCH
-elif [ "$part" = actgateup ]; then
-  # SEGKV_EXPERT_ACT_IN_GATE_UP (1, the default since this part measured it): the gate/up launch
-  # writes silu(gate) * up (programs of 8 gate rows and their 8 up rows), the down launch reads it
-  # plain, against the activation taken inside the down launch (0). (A wide accumulator measured
-  # here too was slower everywhere and was removed.)
-  echo "-- one token's expert launches (us per launch)" | tee -a "$log"
-  timeout 150 python3 scripts/expert_gemv_sweep.py --shared 2>&1 | tail -5 | tee -a "$log"
-  echo "== GPU tests: the activation in either launch" | tee -a "$log"
-  for act in 0 1; do
-    SEGKV_EXPERT_ACT_IN_GATE_UP=$act timeout 200 python3 -m pytest -q -p no:cacheprovider \
-      tests/test_expert_gemv.py tests/test_cuda_graphs.py tests/test_deepseek_parity.py tests/test_moe_ops.py \
-      -k "expert or moe or deepseek or activation" 2>&1 | grep -E "passed|failed|^E  " | tail -3 | tee -a "$log"
-  done
-  for round in 1 2; do
-    for act in 0 1; do
-      e2e "deepseek activation in gate/up $act" SEGKV_EXPERT_ACT_IN_GATE_UP=$act -- \
-        --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K
-    done
-  done
 elif [ "$part" = partitions ]; then
   # batch 1 at 16K-64K (32K: 81% of the read bandwidth, the issue asks 85%) and batch 16 at 16K
   # (0.98-0.99x of cuDNN SDPA): the split into 1-1056 partitions (12, 24 and 48 among them) at the
@@ -942,7 +857,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (grid, retune, diet2, diet2latent, dietmodels, dietbatches, scorechains, verify, latent16k, moeblock, onelaunch, actgateup, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, actgateup, partitions or pagesize)" >&2
+  echo "unknown part $part (grid, retune, diet2, diet2latent, dietmodels, dietbatches, scorechains, verify, latent16k, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, partitions or pagesize)" >&2
   exit 2
 fi
 done
