@@ -61,8 +61,6 @@ class Settings:
         "register cap of tall decode programs (0: none)")
     triton_heads_fastest: bool = _setting("SEGKV_TRITON_HEADS_FASTEST", SWITCH, True,
         "launch a piece's KV heads side by side")
-    triton_transposed: int | None = _setting("SEGKV_TRITON_TRANSPOSED", INTEGER, None,
-        "GQA programs of at least this many (at most 16) pairs use transposed products (None: 0, none)")
     subpage_tiles: bool = _setting("SEGKV_SUBPAGE_TILES", SWITCH, True,
         "attention tiles keep their size and walk longer pages a tile at a time")
     attention_ftz_exp2: bool = _setting("SEGKV_ATTENTION_FTZ_EXP2", EXACT_ONE, True,
@@ -75,14 +73,8 @@ class Settings:
         "most pages a GQA tile loads as scalars (2 or 4)")
     attention_skip_masks: int = _setting("SEGKV_ATTENTION_SKIP_MASKS", INTEGER, 1,
         "full GQA tiles skip the score mask (0 or 1)")
-    attention_wide_offsets: int = _setting("SEGKV_ATTENTION_WIDE_OFFSETS", INTEGER, 0,
-        "int64 page offsets in stage 1 everywhere (1) or int32 where the cache allows (0)")
     attention_pdl: bool = _setting("SEGKV_ATTENTION_PDL", SWITCH, True,
         "programmatic dependent launch for attention's stage 1 and merge")
-    attention_plan_early: int = _setting("SEGKV_ATTENTION_PLAN_EARLY", INTEGER, 1,
-        "which programs read the host's plan before the PDL wait (0, 1, 2)")
-    merge_trigger: int = _setting("SEGKV_MERGE_TRIGGER", INTEGER, 1,
-        "when the merge lets the next kernel launch (0: at once, 1: after its wait, 2: at its end)")
     merge_in_stage1_max: int = _setting("SEGKV_MERGE_IN_STAGE1_MAX", INTEGER, 8,
         "most partials per decode row that stage 1 merges itself")
     merge_block_dv: int | None = _setting("SEGKV_MERGE_BLOCK_DV", INTEGER, None,

@@ -28,11 +28,8 @@ from segkv.kernels.offline_compile import MAX_SHARED_PER_PROGRAM  # noqa: E402
 
 DECODE = [
     {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 16, "rows": 1},
-    # 8 heads per KV head (the 70B shape): row-major by default, and the transposed products
-    # (SEGKV_TRITON_TRANSPOSED=8), a path of its own
+    # 8 heads per KV head (the 70B shape)
     {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 16, "rows": 1, "group": 8},
-    {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 16, "rows": 1, "group": 8,
-     "transposed_min_pairs": 8},
     {"kernel": "latent", "dtype": "bfloat16", "page_size": 16, "rows": 1},
 ]
 LARGEST = [
@@ -102,15 +99,11 @@ def test_the_latent_value_split_keeps_sixteen_columns_a_share():
         assert meta["BLOCK_R"] // meta["VALUE_SPLIT"] >= 16
 
 
-def test_the_merge_lets_the_next_kernel_launch_when_told():
-    """``SEGKV_MERGE_TRIGGER``: the merge lets the next kernel launch before its wait for stage 1
-    (0), right after it (1, the default) or only when it ends (2: no explicit trigger), for GQA
-    and latent widths, with the plan read before the wait or after it."""
-    cases = [{"kernel": "merge", "dv": dv, "trigger": t, "plan_early": early}
-             for dv, early in ((128, True), (512, False)) for t in (0, 1, 2)]
-    orders = [r["pdl"] for r in compile_cases(cases)]
-    expected = [["launch_dependents", "wait"], ["wait", "launch_dependents"], ["wait"]]
-    assert orders == expected * 2
+def test_the_merge_lets_the_next_kernel_launch_after_its_wait():
+    """The merge lets the next kernel launch right after its wait for stage 1, for GQA and latent
+    widths."""
+    orders = [r["pdl"] for r in compile_cases([{"kernel": "merge", "dv": dv} for dv in (128, 512)])]
+    assert orders == [["wait", "launch_dependents"]] * 2
 
 
 def test_timeline_stamps_compile_away_unless_asked():
@@ -118,7 +111,7 @@ def test_timeline_stamps_compile_away_unless_asked():
     global timer and the SM's clock at a program's start, after its PDL wait and at its end only
     when given a stamp buffer; the launches' default (None) reads no timer at all."""
     stage1 = {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 32, "rows": 1, "pdl": True}
-    merge = {"kernel": "merge", "dv": 128, "trigger": 1, "plan_early": True}
+    merge = {"kernel": "merge", "dv": 128}
     reports = compile_cases([stage1, {**stage1, "stamps": True}, merge, {**merge, "stamps": True}])
     plain, stamped = {"globaltimer": 0, "clock64": 0}, {"globaltimer": 3, "clock64": 3}
     assert [r["timers"] for r in reports] == [plain, stamped, plain, stamped]

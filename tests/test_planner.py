@@ -476,13 +476,12 @@ def test_the_planners_tall_decode_programs_are_the_launchers(rows, group, head_d
 GQA70 = AttentionShape(num_q_heads=64, num_kv_heads=8, key_dim=128, value_dim=128)
 
 
-def test_a_full_device_of_lean_programs_is_costed_in_the_waves_it_holds(monkeypatch):
+def test_a_full_device_of_lean_programs_is_costed_in_the_waves_it_holds():
     """``lean_blocks_per_multiprocessor``: the 70B shape's decode programs at pages of 16 (8 pairs,
     four page scalars) fit 3 to an SM, so batch 64 in one piece is 512 programs in 1.29 waves of
     396 (0.81x SDPA on the H200), and the planner cuts 3 partitions (4 even waves; 0.961-0.965
     against 1.148-1.157 ms at 16K). Off, pages of 32, the 8B shape (4 pairs) and an idle device
-    (batch 16: 2 partitions, a wave of 264) plan as before; with the transposed products (no
-    four page scalars) the programs are not lean."""
+    (batch 16: 2 partitions, a wave of 264) plan as before."""
     from segkv.attention.device import lean_decode_programs
 
     lean = dataclasses.replace(H200, min_rows_per_partition=64, lean_blocks_per_multiprocessor=3)
@@ -506,8 +505,6 @@ def test_a_full_device_of_lean_programs_is_costed_in_the_waves_it_holds(monkeypa
     assert not lean_decode_programs(3, 8, 128, 16, 64)  # 24 pairs: a 32-row M tile
     assert not lean_decode_programs(1, 8, 256, 16, 64)  # wide heads
     assert not lean_decode_programs(1, 8, 64, 16, 64)  # narrow heads: other programs, not asked
-    setenv(monkeypatch, "SEGKV_TRITON_TRANSPOSED", "8")
-    assert not lean_decode_programs(1, 8, 128, 16, 64)
     with pytest.raises(ValueError, match="lean_blocks_per_multiprocessor"):
         dataclasses.replace(H200, lean_blocks_per_multiprocessor=-1)
 

@@ -30,17 +30,16 @@ def test_which_launches_skip_masks(monkeypatch):
              (48, 64): False, (128, 64): True, (100, 64): False, (96, 32): True}
     assert {k: paged_attention.skip_masks(*k) for k in table} == table
     monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 2)
-    assert not attention_tiles.four_page_scalars(transposed=False)
-    # four pages where the programs are not transposed
+    assert not attention_tiles.four_page_scalars()
     monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 4)
-    assert attention_tiles.four_page_scalars(False) and not attention_tiles.four_page_scalars(True)
+    assert attention_tiles.four_page_scalars()
     assert paged_attention.skip_masks(16, 64, four=True) and paged_attention.skip_masks(8, 32, four=True)
     assert not paged_attention.skip_masks(16, 64) and paged_attention.skip_masks(32, 64)
     assert not paged_attention.skip_masks(8, 64, four=True)
     assert not paged_attention.skip_masks(20, 64, four=True)
     monkeypatch.setattr(attention_tiles, "PAGE_SCALARS", tl.constexpr(False))
     assert not paged_attention.skip_masks(16, 32) and not paged_attention.skip_masks(16, 64, four=True)
-    assert not attention_tiles.four_page_scalars(False)
+    assert not attention_tiles.four_page_scalars()
 
 
 def test_launch_constants_follow_the_setting(monkeypatch):
@@ -57,21 +56,18 @@ def test_launch_constants_follow_the_setting(monkeypatch):
 
 def test_four_page_scalars_follow_the_setting(monkeypatch):
     """64-row decode tiles of 16-row pages: four page scalars (and fullness, so skipped masks) with
-    ``SEGKV_ATTENTION_SCALAR_PAGES=4``, except in transposed programs."""
-    def launch(transposed_min_pairs: int) -> dict:
+    ``SEGKV_ATTENTION_SCALAR_PAGES=4``."""
+    def launch() -> dict:
         return paged_attention.stage1_launch(dtype=torch.bfloat16, dk=128, dv=128, group=4, page_size=16,
-                                             max_work_rows=1, element_size=2,
-                                             launch=LaunchConfig(64, 4, 3,
-                                                                 transposed_min_pairs=transposed_min_pairs))
+                                             max_work_rows=1, element_size=2, launch=LaunchConfig(64, 4, 3))
 
     monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 1)
     monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 2)
-    plain = launch(0)
+    plain = launch()
     assert plain["BLOCK_N"] == 64 and not plain["FOUR"] and not plain["SKIP"]
     monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 4)
-    four, transposed = launch(0), launch(1)
-    assert four["FOUR"] and four["SKIP"] and not four["TRANSPOSED"]
-    assert transposed["TRANSPOSED"] and not transposed["FOUR"] and not transposed["SKIP"]
+    four = launch()
+    assert four["FOUR"] and four["SKIP"]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -88,15 +84,7 @@ def test_skipped_masks_give_the_reference(route, rows, page_size, block_n, dtype
     monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 1)
     check_with_the_second_sequence_masked(gen, DTYPES[dtype], route, rows=rows, ratio=4, page_size=page_size,
                                           partitions=3,
-                                          launch=LaunchConfig(block_n, 4, 3, tall_block_n=block_n,
-                                                              transposed_min_pairs=0))
-
-
-@pytest.mark.parametrize("route", ["split", "cascade"])
-def test_transposed_programs_skip_masks_too(route, gen, monkeypatch):
-    monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 1)
-    check_with_the_second_sequence_masked(gen, torch.bfloat16, route, rows=1, ratio=8, page_size=16, partitions=3,
-                                          launch=LaunchConfig(32, 4, 3, transposed_min_pairs=1))
+                                          launch=LaunchConfig(block_n, 4, 3, tall_block_n=block_n))
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -127,7 +115,7 @@ def test_four_page_tiles_give_the_reference(rows, dtype, gen, monkeypatch):
     plan = plan_attention(queries, shape, DeviceSpec.cpu(), page_size=page_size, route="split",
                           num_partitions=2)
     assert plan.num_partitions == 2
-    launch = LaunchConfig(64, 4, 3, transposed_min_pairs=0)
+    launch = LaunchConfig(64, 4, 3)
     meta = paged_attention.stage1_launch(dtype=DTYPES[dtype], dk=head_dim, dv=head_dim, group=4,
                                          page_size=page_size, max_work_rows=rows, element_size=2,
                                          launch=launch)

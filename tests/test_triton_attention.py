@@ -7,7 +7,6 @@ the plan that ran.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest
@@ -138,16 +137,15 @@ def test_page_sizes_that_do_not_divide_the_tile(page_size, subpage, gen, monkeyp
     check_every_route_with_a_masked_row(gen, page_size)
 
 
-@pytest.mark.parametrize("page_size,transposed", [(32, 0), (48, 1), (20, 0)])
-def test_pages_longer_than_the_tile(page_size, transposed, gen, monkeypatch):
+@pytest.mark.parametrize("page_size", [32, 48, 20])
+def test_pages_longer_than_the_tile(page_size, gen, monkeypatch):
     """Tiles kept at 16 rows (``SEGKV_SUBPAGE_TILES=1``, the default): pages of 32, 48 or 20 rows are walked 2, 3 or
-    2 tiles at a time (the last one partly past the page), row-major and transposed products,
+    2 tiles at a time (the last one partly past the page),
     every route, fully masked rows included, against the reference."""
     from segkv.kernels.paged_attention import default_launch_config, stage1_launch
 
     setenv(monkeypatch, "SEGKV_SUBPAGE_TILES", "1")
     setenv(monkeypatch, "SEGKV_TRITON_BLOCK_N", "16")
-    setenv(monkeypatch, "SEGKV_TRITON_TRANSPOSED", str(transposed))
     launch = default_launch_config(head_dim=64)
     assert launch.subpage_tiles and stage1_launch(dtype=torch.float32, dk=64, dv=64, group=4, page_size=page_size,
                                                   max_work_rows=1, element_size=4, launch=launch)["BLOCK_N"] == 16
@@ -377,62 +375,21 @@ def check_with_the_second_sequence_masked(gen, dtype, route: str, *, rows: int, 
     assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
 
 
-@pytest.mark.parametrize("route,dtype", [("split", "bf16"), ("cascade", "fp32")] if not GPU
-                         else list(itertools.product(ROUTES, ["fp32", "bf16", "fp16"])))
-def test_transposed_products_match_the_reference(route, dtype, gen, monkeypatch):
-    """Programs of ``transposed_min_pairs`` to 16 (row, head) pairs take the K/V tile as the tall
-    operand (scores ``(BLOCK_N, pairs)``, accumulator ``(head_dim, pairs)``); others keep the
-    row-major products. By default none (``SEGKV_TRITON_TRANSPOSED`` sets the least, 0: none;
-    8 was the default before). Both give the reference's results, over pieces that end inside a
-    tile, with fully masked rows and with the merge inside stage 1."""
-    from segkv.kernels import paged_attention
-    from segkv.kernels.paged_attention import LaunchConfig
-
-    def meta(rows, group, launch):
-        return paged_attention.stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=group, page_size=16,
-                                             max_work_rows=rows, element_size=2, launch=launch)["TRANSPOSED"]
-
-    setenv(monkeypatch, "SEGKV_TRITON_TRANSPOSED", None)
-    default = paged_attention.default_launch_config(head_dim=64)
-    assert default.transposed_min_pairs == 0
-    assert not any(meta(rows, g, default) for rows in (1, 2, 4) for g in (1, 4, 8, 16))
-    setenv(monkeypatch, "SEGKV_TRITON_TRANSPOSED", "8")
-    eight = paged_attention.default_launch_config(head_dim=64)
-    assert [meta(1, g, eight) for g in (1, 4, 8, 16)] == [False, False, True, True]
-    assert meta(2, 4, eight) and not meta(3, 8, eight) and not meta(17, 4, eight)
-    setenv(monkeypatch, "SEGKV_TRITON_TRANSPOSED", "1")
-    every = paged_attention.default_launch_config(head_dim=64)
-    assert meta(1, 1, every) and meta(4, 4, every) and not meta(17, 4, every)
-    setenv(monkeypatch, "SEGKV_TRITON_TRANSPOSED", "0")
-    assert not any(meta(1, g, paged_attention.default_launch_config(head_dim=64)) for g in (1, 8, 16))
-    for rows, ratio, page_size, block_n in ((1, 8, 16, 16), (3, 4, 16, 64), (17, 4, 32, 64)):
-        check_with_the_second_sequence_masked(gen, DTYPES[dtype], route, rows=rows, ratio=ratio, page_size=page_size,
-                                              partitions=3, launch=LaunchConfig(block_n, 4, 3, transposed_min_pairs=1))
-
-
 @pytest.mark.parametrize("route", ["split", "cascade"] if not GPU else ROUTES)
 def test_plan_reads_before_the_wait_match_the_reference(route, gen, monkeypatch):
-    """``SEGKV_ATTENTION_PLAN_EARLY``: stage 1 reads its plan share and the merge its first partial
-    ids before waiting for the previous kernel, and with ``SEGKV_MERGE_TRIGGER=2`` the merge lets
-    the next kernel in only when it ends: the same results as the reference, over pieces that
-    end inside a tile, with fully masked rows, more partials than one merge block and the merge
-    inside stage 1."""
+    """Decode programs of at most 16 pairs read their plan share before waiting for the previous
+    kernel (tall ones, cascade and prefill, after it), and the merge its first partial ids: the same
+    results as the reference, over pieces that end inside a tile, with fully masked rows, more
+    partials than one merge block and the merge inside stage 1."""
     from segkv.kernels import paged_attention
     from segkv.kernels.paged_attention import LaunchConfig
 
-    def reads_early(group: int, setting: int, rows: int = 1) -> bool:
-        monkeypatch.setattr(paged_attention, "PLAN_EARLY", setting)
+    def reads_early(group: int, rows: int = 1) -> bool:
         meta = paged_attention.stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=group, page_size=16,
-                                             max_work_rows=rows, element_size=2,
-                                             launch=LaunchConfig(16, 4, 3, transposed_min_pairs=8))
+                                             max_work_rows=rows, element_size=2, launch=LaunchConfig(16, 4, 3))
         return meta["PLAN_EARLY"]
 
-    # the default reads early in row-major decode programs (4 pairs), not in transposed ones (8)
-    # or tall ones (64: cascade, prefill); 2 everywhere, 0 nowhere
-    assert [reads_early(4, 1), reads_early(8, 1), reads_early(4, 1, rows=16), reads_early(8, 2),
-            reads_early(4, 2, rows=16), reads_early(4, 0)] == [True, False, False, True, True, False]
-    monkeypatch.setattr(paged_attention, "PLAN_EARLY", 2)
-    monkeypatch.setattr(paged_attention, "MERGE_TRIGGER", 2)
+    assert [reads_early(4), reads_early(8), reads_early(4, rows=16)] == [True, True, False]
     for rows, ratio, page_size, block_n, parts in ((1, 8, 16, 16, 3), (3, 4, 16, 64, 3), (1, 4, 16, 16, 70)):
         check_with_the_second_sequence_masked(gen, torch.bfloat16, route, rows=rows, ratio=ratio, page_size=page_size,
                                               partitions=parts, launch=LaunchConfig(block_n, 4, 3))
@@ -567,19 +524,12 @@ def test_merge_of_many_partials_per_row(gen):
                                 scale=0.125, device=DEVICE))
 
 
-@pytest.mark.parametrize("plan_early,trigger", [(False, 1), (True, 2), (True, 0)])
-def test_merge_kernel_folds_blocks_of_partials_exactly(plan_early, trigger, gen, monkeypatch):
+def test_merge_kernel_folds_blocks_of_partials_exactly(gen):
     """The one-pass merge against the contract's formula (``merge_partials``) on synthetic partials:
     rows of 150 partials (three blocks of 64) whose first block is all empty, whose last is, whose
     live LSEs span 80 nats (the running maximum grows across blocks and earlier sums are rescaled),
-    a row of 64 empties, and a row with no partials. Empty partials hold NaN outputs: weight 0.
-    Also with the first block's partial ids read before the wait, and the next kernel let in when
-    the merge ends or at once (``SEGKV_MERGE_TRIGGER``; on the GPU, where the merge uses PDL)."""
-    from segkv.kernels import paged_attention
+    a row of 64 empties, and a row with no partials. Empty partials hold NaN outputs: weight 0."""
     from segkv.kernels.paged_attention import merge_into
-
-    monkeypatch.setattr(paged_attention, "PLAN_EARLY", int(plan_early))
-    monkeypatch.setattr(paged_attention, "MERGE_TRIGGER", trigger)
 
     heads, dim = 3, 96
     counts = [150, 150, 150, 64, 0, 2]
@@ -769,17 +719,13 @@ def test_wide_offsets_follow_the_caches_extent():
 
 
 def test_which_launches_take_int64_page_offsets():
-    """Only those whose cache needs them (by default): every program shape, page size and
-    transposed or row-major product takes int32 offsets otherwise."""
-    from segkv.kernels.paged_attention import (WIDE_OFFSETS_SETTING, default_launch_config, page_offsets_wide,
-                                               stage1_launch)
+    """Only those whose cache needs them: every program shape and page size takes int32 offsets
+    otherwise."""
+    from segkv.kernels.paged_attention import stage1_launch
 
-    assert WIDE_OFFSETS_SETTING == 0  # the default (SEGKV_ATTENTION_WIDE_OFFSETS unset)
-    assert page_offsets_wide(True) and not page_offsets_wide(False)
     launch = dict(dtype=torch.bfloat16, dk=128, dv=128, element_size=2)
-    transposed = dataclasses.replace(default_launch_config(head_dim=128), transposed_min_pairs=8)
     for page_size in (16, 32, 64):
-        for group, rows, config in ((4, 1, None), (8, 1, None), (8, 1, transposed), (4, 16, None)):
+        for group, rows, config in ((4, 1, None), (8, 1, None), (4, 16, None)):
             args = dict(group=group, page_size=page_size, max_work_rows=rows, launch=config, **launch)
             assert not stage1_launch(**args)["WIDE_OFFSETS"], (page_size, group, rows, config)
             assert stage1_launch(cache_needs_int64=True, **args)["WIDE_OFFSETS"], (page_size, group, rows, config)

@@ -39,8 +39,8 @@ def exp2_ftz(x):
 @triton.jit
 def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.constexpr):
     """Page ids, valid rows and first-row positions of pages ``pidx`` (0 past ``pg1``). The ids are
-    int64 when ``WIDE`` (:func:`paged_attention.page_offsets_wide`: a cache whose element offsets pass
-    int32, or a launch measured faster so), else int32: a page's offset is then one 32-bit multiply instead of a sign extension and a
+    int64 when ``WIDE`` (:func:`paged_attention.wide_offsets`: a cache whose element offsets pass
+    int32), else int32: a page's offset is then one 32-bit multiply instead of a sign extension and a
     64-bit product per tile row (sm_90a: 97 of a 64-pair tile loop's 857 instructions)."""
     in_range = pidx < pg1
     page = tl.load(page_table + pidx, mask=in_range, other=0)
@@ -86,12 +86,11 @@ if SKIP_MASKS not in (0, 1):
     raise ValueError(f"SEGKV_ATTENTION_SKIP_MASKS must be 0 or 1, got {SKIP_MASKS}")
 
 
-def four_page_scalars(transposed: bool) -> bool:
+def four_page_scalars() -> bool:
     """Whether a GQA stage-1 launch gives a four-page tile's rows their page entries as scalars
-    (:data:`SCALAR_PAGES`, :data:`PAGE_SCALARS`): not in ``transposed`` programs, whose per-row
-    selects cost more than the row loads they replace (sm_90a, the 70B shape's decode at pages of
-    16: 506 -> 566 loop instructions; the 8B shape's 417 -> 398 on the common path, 168 -> 148 registers)."""
-    return bool(PAGE_SCALARS) and SCALAR_PAGES == 4 and not transposed
+    (:data:`SCALAR_PAGES`, :data:`PAGE_SCALARS`; sm_90a, the 8B shape's decode at pages of 16: 417 ->
+    398 loop instructions on the common path, 168 -> 148 registers)."""
+    return bool(PAGE_SCALARS) and SCALAR_PAGES == 4
 
 
 def full_tiles_known(page_size: int, block_n: int, four: bool = False) -> bool:
@@ -225,32 +224,6 @@ def online_softmax_step(s, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT
         p_hi, p_lo = _split_p(p, v.dtype)
         acc = tl.dot(p_lo, v, tl.dot(p_hi, v, acc))
     return m_new, l_i, acc
-
-
-@triton.jit
-def online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v, m_i, l_i, acc_t,
-                                   EXACT_FP32: tl.constexpr, needs_mask=True):
-    """:func:`online_softmax_step` with the KV tile as the tall operand: scores ``s_t (N, M)``,
-    values ``v (N, D)``, accumulator ``acc_t (D, M) += v^T p_t``. With a few (row, head) pairs
-    per program (M = 16) the tile's rows fill a Hopper warpgroup MMA's M and both operands stay in
-    shared memory; the query is not copied into every warp's registers each tile. The same float32
-    arithmetic (P split into two half-precision parts), the running max in base-2 units."""
-    scale2 = scale * LOG2E
-    s = s_t
-    if needs_mask:
-        s = tl.where(_key_positions(kpos, in_page)[:, None] <= offset[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 0) * scale2)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = exp2_ftz(s * scale2 - m_safe[None, :])
-    alpha = exp2_ftz(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 0)
-    acc_t = acc_t * alpha[None, :]
-    if EXACT_FP32:
-        acc_t = tl.dot(tl.trans(v.to(tl.float32)), p, acc_t, input_precision="ieee")
-    else:
-        p_hi, p_lo = _split_p(p, v.dtype)
-        acc_t = tl.dot(tl.trans(v), p_lo, tl.dot(tl.trans(v), p_hi, acc_t))
-    return m_new, l_i, acc_t
 
 
 @triton.jit

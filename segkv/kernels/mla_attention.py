@@ -30,7 +30,6 @@ from segkv.kernels.paged_attention import (
     attention_pdl_options,
     maxnreg_option,
     merge_into,
-    page_offsets_wide,
     stages_that_fit,
     subpage_tiles,
     tile_rows,
@@ -310,7 +309,7 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
         # forced 2 and the automatic split follow the plan; forced 4 quarters whatever the plan
         ADAPTIVE=value_split > 1 and (launch.value_split == 2 or launch.value_split == 0),
         SHARES_LAST=launch.shares_last, CHAINS_APART=SCORE_CHAINS_APART,
-        WIDE_OFFSETS=page_offsets_wide(cache_needs_int64),
+        WIDE_OFFSETS=cache_needs_int64,
         **maxnreg_option(launch),
         num_stages=stages_that_fit(launch.num_stages, block_n * (rank + rope) * element_size),
     )

@@ -239,9 +239,6 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     common = {"OUT": "*fp32", "LSE": "*fp32", "FINAL": f"*{t}", "FINAL_LSE": "*fp32"}
     if case["kernel"] == "gqa":
         d = case["head_dim"]
-        if "transposed_min_pairs" in case:
-            launch = dataclasses.replace(launch or paged_attention.default_launch_config(head_dim=d),
-                                         transposed_min_pairs=case["transposed_min_pairs"])
         meta = paged_attention.stage1_launch(dtype=dtype, dk=d, dv=d, group=case.get("group", 4),
                                              page_size=case["page_size"], max_work_rows=case["rows"],
                                              element_size=element, launch=launch,
@@ -288,7 +285,7 @@ def stage1_report(case: dict, launch=None) -> dict:
 
 def merge_report(case: dict) -> dict:
     """The merge kernel with programmatic dependent launch for ``{"kernel": "merge", "dv": int,
-    "trigger": 0 | 1 | 2, "plan_early": bool, "stamps": bool}`` (bf16 output, the launcher's column
+    "stamps": bool}`` (bf16 output, the launcher's column
     and partial blocks): its PDL instructions in program order (``griddepcontrol.wait`` and
     ``.launch_dependents``) and timer reads (:func:`timer_reads`)."""
     from segkv.kernels import paged_attention
@@ -296,7 +293,7 @@ def merge_report(case: dict) -> dict:
     dv = case["dv"]
     block_dv = paged_attention.merge_block_dv(dv)
     meta = {"DV": dv, "BLOCK_DV": block_dv, "BLOCK_P": 16 if block_dv > 256 else 64, "USE_PDL": True,
-            "PLAN_EARLY": bool(case.get("plan_early", False)), "TRIGGER": case["trigger"], "num_warps": 4}
+            "num_warps": 4}
     pointers = {"PART_OUT": "*fp32", "PART_LSE": "*fp32", "OUT": "*bf16", "OUT_LSE": "*fp32"}
     if case.get("stamps"):
         pointers["STAMPS"] = "*i64"

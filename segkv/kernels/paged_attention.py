@@ -22,7 +22,6 @@ from segkv.kernels.attention_tiles import (
     load_kv,
     next_tile_first,
     online_softmax_step,
-    online_softmax_step_transposed,
     pair_reads,
     plan_reads,
     store_partials,
@@ -49,7 +48,7 @@ def _stage1_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
-    USE_PDL: tl.constexpr = False, TRANSPOSED: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
     MERGE_LANES: tl.constexpr = 1, WIDE_OFFSETS: tl.constexpr = True,
     SKIP: tl.constexpr = False, FOUR: tl.constexpr = False, STAMPS=None,
 ):
@@ -64,8 +63,7 @@ def _stage1_kernel(
     (work items of one query row, at most ``MERGE`` partials per row) the last program of each
     (row, head) merges it (``merge_if_last``, tickets in COUNTERS ``(rows, heads)`` int32, all 0
     between launches) and the first work item's programs zero the rows without partials: no
-    merge launch. ``TRANSPOSED``: the K/V tile as the tall operand (scores ``(BLOCK_N, BLOCK_M)``,
-    accumulator ``(BLOCK_DV, BLOCK_M)``, :func:`online_softmax_step_transposed`). ``PLAN_EARLY``
+    merge launch. ``PLAN_EARLY``
     (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait. ``SKIP``
     (:func:`skip_masks`): a tile whose rows all hold keys every valid pair sees skips the score mask.
     ``FOUR`` (:func:`attention_tiles.four_page_scalars`): a tile of four pages loads their entries
@@ -110,17 +108,13 @@ def _stage1_kernel(
     dv_ok = offs_dv < DV
     q = tl.load(Q + qrow[:, None] * stride_qr + head[:, None] * stride_qh + offs_dk[None, :],
                 mask=valid[:, None] & dk_ok[None, :], other=0.0)
-    if not PLAN_EARLY:  # the page range after the query: with every page read first (plan_reads) the 70B
-        # shape's transposed programs were 3.5% slower at batch 4 and 16 (H200)
+    if not PLAN_EARLY:  # the page range after the query
         pg0 = tl.load(work_pages + 2 * w)
         pg1 = tl.load(work_pages + 2 * w + 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    if TRANSPOSED:
-        acc = tl.zeros([BLOCK_DV, BLOCK_M], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     slot = offs_n // PAGE_SIZE
     row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
@@ -148,22 +142,12 @@ def _stage1_kernel(
             k_cur, v_cur = load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
         in_page = row_cur < rows_cur
         kpos = kst_cur + row_cur
-        if TRANSPOSED:
-            if EXACT_FP32:
-                s_t = tl.dot(k_cur.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
-            else:
-                s_t = tl.dot(k_cur, tl.trans(q))
-            m_i, l_i, acc = online_softmax_step_transposed(s_t, scale, kpos, offset, in_page, v_cur, m_i, l_i,
-                                                           acc, EXACT_FP32, needs_mask)
+        if EXACT_FP32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
         else:
-            if EXACT_FP32:
-                s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
-            m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, v_cur, m_i, l_i, acc,
-                                                EXACT_FP32, needs_mask)
-    if TRANSPOSED:
-        acc = tl.trans(acc)
+            s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
+        m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, v_cur, m_i, l_i, acc,
+                                            EXACT_FP32, needs_mask)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
                    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, valid)
     if STAMPS is not None:
@@ -182,8 +166,7 @@ def _stage1_kernel(
 def _merge_kernel(
     PART_OUT, PART_LSE, OUT, OUT_LSE, reduce_ptr, reduce_partials,
     stride_pp, stride_ph, stride_lp, stride_or, stride_oh, stride_lr,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr = False,
-    PLAN_EARLY: tl.constexpr = False, TRIGGER: tl.constexpr = 1, STAMPS=None,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr = False, STAMPS=None,
 ):
     """One program per (query row, head, ``BLOCK_DV`` value columns): the exact merge of its
     partials, rounded once. Rows without partials get 0 and LSE -inf; rows with exactly one were
@@ -192,16 +175,12 @@ def _merge_kernel(
     running maximum, weight sum and weighted sum; with at most ``BLOCK_P`` partials (every decode
     plan) that is the contract's formula in one step. Column blocks keep wide values (latent
     attention: 512 columns) from leaving a batch-1 merge to a handful of programs that each stream
-    every partial. With ``USE_PDL``: ``PLAN_EARLY`` reads the first block's partial ids (the
-    host's plan) before waiting for stage 1; ``TRIGGER`` is when the next kernel may launch: 0 at
-    once (its programs load their weights while stage 1 and the merge run), 1 right after the
-    wait, 2 when the merge ends (its weight loads do not compete with the merge's). ``STAMPS``: as
+    every partial. The first block's partial ids (the host's plan) are read before the PDL wait
+    for stage 1 (``USE_PDL``), and the next kernel may launch right after that wait. ``STAMPS``: as
     :func:`_stage1_kernel`'s (programs with nothing to merge write none)."""
     if STAMPS is not None:
         st0 = timeline.global_ns()
         sc0 = timeline.sm_cycles()
-    if USE_PDL and TRIGGER == 0:  # the next kernel reads the merge's output only after its own wait
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     head = tl.program_id(1)
     cb = tl.program_id(2)
@@ -217,20 +196,16 @@ def _merge_kernel(
     if nothing:
         return
     offs_p = tl.arange(0, BLOCK_P)
-    # the partial ids one block ahead (loop-carried), the first block before the wait when PLAN_EARLY
-    if PLAN_EARLY:
-        p_next = tl.load(reduce_partials + start + offs_p, mask=start + offs_p < end, other=0)
+    # the partial ids one block ahead (loop-carried), the first block before the wait
+    p_next = tl.load(reduce_partials + start + offs_p, mask=start + offs_p < end, other=0)
     if USE_PDL:  # the partials are complete once stage 1 is
         tl.extra.cuda.gdc_wait()
-        if TRIGGER == 1:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
         if end - start == 1:  # program (0, 0, 0) with nothing to merge, after its wait
             return
     if STAMPS is not None:
         st1 = timeline.global_ns()
         sc1 = timeline.sm_cycles()
-    if not PLAN_EARLY:
-        p_next = tl.load(reduce_partials + start + offs_p, mask=start + offs_p < end, other=0)
     offs = cb * BLOCK_DV + tl.arange(0, BLOCK_DV)
     col_ok = offs < DV
     m = tl.full([BLOCK_P], float("-inf"), tl.float32)  # running maximum (all lanes equal)
@@ -289,30 +264,6 @@ def subpage_tiles() -> bool:
 # chunks hold more). The planner's attention.device.TALL_DECODE_MAX_ROWS is this.
 TALL_DECODE_MAX_ROWS = 16
 
-# Decode programs of at least this many (query row x head) pairs (and at most 16) take the K/V tile
-# as the tall operand (SEGKV_TRITON_TRANSPOSED; 0, the default: none). 8 was the default while the
-# row-major loop loaded its page entries per row; with page scalars, four-page tiles and skipped
-# masks the 70B shape's row-major decode is level or faster (H200: batch 1 / 32K 0.0398 -> 0.0390
-# ms at pages of 16, batch 4 / 16 at 32K 2-3% faster; docs/benchmarks.md).
-TRANSPOSED_MIN_PAIRS = 0
-
-
-def transposed_products(pairs: int, block_m: int, launch: LaunchConfig) -> bool:
-    """Whether stage-1 programs of ``pairs`` (query row, head) pairs in ``block_m``-row M tiles take
-    the K/V tile as the tall operand (``launch.transposed_min_pairs`` to 16 pairs; taller programs
-    already fill a warpgroup MMA with their pairs)."""
-    return block_m <= 16 and 0 < launch.transposed_min_pairs <= pairs
-
-
-def four_page_decode(pairs: int, launch: LaunchConfig | None = None) -> bool:
-    """Whether row-major decode programs of ``pairs`` (query row, head) pairs (at most 16: one
-    16-row M tile) take a 64-row tile's four page entries as scalars (:func:`stage1_launch`'s
-    ``FOUR`` at pages of 16): not where ``launch`` (default: :func:`default_launch_config`) gives
-    them the transposed products."""
-    launch = launch or default_launch_config(head_dim=128)
-    return four_page_scalars(transposed_products(pairs, 16, launch))
-
-
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
     """Stage-1 tile and launch parameters: KV rows per iteration, warps, pipeline stages."""
@@ -326,9 +277,6 @@ class LaunchConfig:
     tall_maxnreg: int | None = None  # register cap of tall decode programs
     heads_fastest: bool = False  # launch a piece's KV heads side by side (they share its pages)
     maxnreg: int | None = None  # register cap per thread (more resident programs, maybe spills)
-    # GQA programs of this many (query row x head) pairs up to 16 take the K/V tile as the tall
-    # operand of the products (0: none)
-    transposed_min_pairs: int = 0
     value_split: int = 1  # latent programs per pair block, each with its share of the values (0: chosen per launch)
     value_split_max_partials: int | None = None  # the most partials of a plan whose latent programs halve the values
     value_split_auto: int = 2  # latent programs the automatic split launches (4: quarters for the fewest partials)
@@ -366,9 +314,6 @@ def default_launch_config(*, head_dim: int) -> LaunchConfig:
         tall_maxnreg=env.triton_tall_maxnreg or None,
         # a piece's KV heads side by side: 0-3% faster at batch 1-16 over 32K-128K (H200)
         heads_fastest=env.triton_heads_fastest,
-        # transposed products: none by default (TRANSPOSED_MIN_PAIRS: the row-major loop with page
-        # scalars, four-page tiles and skipped masks is level or faster on the 70B shape)
-        transposed_min_pairs=settings.or_default(env.triton_transposed, TRANSPOSED_MIN_PAIRS),
     )
 
 
@@ -431,24 +376,11 @@ def paged_attention(
     return out.to(out_dtype), lse
 
 
-# Page offsets of the stage-1 programs (SEGKV_ATTENTION_WIDE_OFFSETS): unset or 0, int32 wherever
-# the cache allows (wide_offsets); 1: int64 everywhere. int32 offsets take a tile loop's sign
-# extensions and 64-bit products away (sm_90a: 64-pair programs 857 -> 760 instructions) and on the
-# H200 made the cascade's prefix programs 3% faster, the transposed 70B-shape programs 2.5-5% at
-# batch 1 and the latent kernel up to 6% (batch 8, 64K). The row-major decode programs at pages of
-# 32 kept int64 ones until skipped masks and page scalars: then int32 measured 0.4-0.9% faster at
-# batch 16 and level at batch 1 and 4 (docs/benchmarks.md).
-WIDE_OFFSETS_SETTING = settings.SETTINGS.attention_wide_offsets
-if WIDE_OFFSETS_SETTING not in (0, 1):
-    raise ValueError(f"SEGKV_ATTENTION_WIDE_OFFSETS must be 0 or 1, got {WIDE_OFFSETS_SETTING}")
-
-
-def page_offsets_wide(needed: bool) -> bool:
-    """Whether a stage-1 launch takes int64 page offsets: where the cache ``needed`` them
-    (:func:`wide_offsets`) or :data:`WIDE_OFFSETS_SETTING` asks for them everywhere."""
-    return needed or WIDE_OFFSETS_SETTING == 1
-
-
+# Page offsets of the stage-1 programs: int32 wherever the cache allows, int64 only where its
+# element offsets may pass int32 (wide_offsets). int32 offsets take a tile loop's sign extensions
+# and 64-bit products away (sm_90a: 64-pair programs 857 -> 760 instructions) and on the H200 made
+# the cascade's prefix programs 3% faster, the latent kernel up to 6% (batch 8, 64K) and the
+# decode programs at pages of 32 0.4-0.9% at batch 16, level at batch 1 and 4 (docs/benchmarks.md).
 def wide_offsets(*caches: torch.Tensor) -> bool:
     """Whether an element offset into any of ``caches`` (pages of K, V or latent rows, any strided
     view) may pass int32: the stage-1 kernels then need int64 page offsets (``WIDE_OFFSETS``)."""
@@ -464,26 +396,26 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     ``TALL_DECODE_MAX_ROWS`` query rows (decode rows of forks sharing a prefix) with
     ``tall_block_n`` rows per tile and ``tall_maxnreg`` registers (the planner's tall wave,
     ``DeviceSpec.tall_wave_size``, counts on them fitting 3 to an SM), and pipeline stages shrunk to what
-    fits in shared memory. Programs of ``launch.transposed_min_pairs`` to 16 pairs take the
-    transposed products (decode rows; taller programs already fill a warpgroup MMA with their pairs).
-    ``launch`` defaults to :func:`default_launch_config`; ``cache_needs_int64``: the caches need int64
-    element offsets (:func:`wide_offsets`; the launch's offsets: :func:`page_offsets_wide`)."""
+    fits in shared memory. ``launch`` defaults to :func:`default_launch_config`;
+    ``cache_needs_int64``: the caches need int64 element offsets (:func:`wide_offsets`), which the
+    launch then takes."""
     launch = launch or default_launch_config(head_dim=max(dk, dv))
     block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
     tall = block_m >= 64
     tall_decode = tall and max_work_rows <= TALL_DECODE_MAX_ROWS  # device.tall_decode_programs
     block_n = tile_rows(dataclasses.replace(launch, block_n=launch.tall_block_n) if tall_decode else launch,
                         page_size)
-    transposed = transposed_products(max_work_rows * group, block_m, launch)
-    four = four_page_scalars(transposed)
+    four = four_page_scalars()
     return dict(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
         # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
         EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
-        MERGE=0, TRANSPOSED=transposed, PLAN_EARLY=PLAN_EARLY == 2 or (PLAN_EARLY == 1 and block_m <= 16 and not transposed),
+        # the plan's reads before the PDL wait in decode programs of at most 16 pairs (tall ones,
+        # cascade and prefill, were not measured with them)
+        MERGE=0, PLAN_EARLY=block_m <= 16,
         MERGE_LANES=min(triton.next_power_of_2(group), block_m),
-        WIDE_OFFSETS=page_offsets_wide(cache_needs_int64),
+        WIDE_OFFSETS=cache_needs_int64,
         SKIP=skip_masks(page_size, block_n, four),
         FOUR=four,
         num_warps=launch.tall_warps if tall else launch.num_warps,
@@ -519,24 +451,12 @@ def stages_that_fit(num_stages: int, tile_bytes: int) -> int:
 # GEMVs around it, batch 1 on the H200 gained 1-1.5% (Llama-3.1-8B 224 -> 226-227 tok/s at 1K,
 # Qwen3-8B 217 -> 220), batch 8 level (docs/benchmarks.md). SEGKV_ATTENTION_PDL=0 turns it off.
 ATTENTION_PDL = settings.SETTINGS.attention_pdl
-# With PDL: the GQA stage 1 and the merge read the host's plan (partial rows, pages, partial ids)
-# before waiting for the kernel before them, so fewer dependent loads follow the wait (the latent
-# stage 1 always does). SEGKV_ATTENTION_PLAN_EARLY: 1 (default) in the merge and the row-major
-# decode programs of at most 16 pairs, 2 in every stage-1 program, 0 nowhere. Measured on the
-# H200: the 8B shape's batch-1 kernels 3% faster at 16K, Llama-3.1-8B 203 -> 205 tok/s at 16K; the
-# 70B shape's transposed programs 2-4% slower with it, hence not there; taller programs (cascade,
-# prefill) not measured with it.
-PLAN_EARLY = settings.SETTINGS.attention_plan_early
-if PLAN_EARLY not in (0, 1, 2):
-    raise ValueError(f"SEGKV_ATTENTION_PLAN_EARLY must be 0, 1 or 2, got {PLAN_EARLY}")
-# When the merge lets the next kernel (the o GEMV) launch (SEGKV_MERGE_TRIGGER): 1, right after its
-# wait for stage 1, the default; 2, when it ends: measured level with Llama-3.1-8B at batch 1 (226
-# / 203-204 tok/s against 226-227 / 203); 0, at once, so the o GEMV's programs load their weights
-# while stage 1 runs (as after a merge inside stage 1): 3% slower at 1K, level at 16K (their weight
-# loads compete with stage 1's K/V reads, and they hold slots the merge's programs wait for).
-MERGE_TRIGGER = settings.SETTINGS.merge_trigger
-if MERGE_TRIGGER not in (0, 1, 2):
-    raise ValueError(f"SEGKV_MERGE_TRIGGER must be 0, 1 or 2, got {MERGE_TRIGGER}")
+# With PDL: the GQA stage 1 (decode programs of at most 16 pairs) and the merge read the host's plan
+# (partial rows, pages, partial ids) before waiting for the kernel before them, so fewer dependent
+# loads follow the wait (the latent stage 1 always does): on the H200 the 8B shape's batch-1
+# kernels 3% faster at 16K, Llama-3.1-8B 203 -> 205 tok/s at 16K. The merge lets the next kernel
+# (the o GEMV) launch right after its wait for stage 1: letting it in at once was 3% slower at 1K
+# (its weight loads competed with stage 1's K/V reads), only at the merge's end level.
 
 
 # Launch name ("stage1", "merge") -> an int64 tensor of timeline.FIELDS values per program: those
@@ -625,8 +545,8 @@ def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> Non
         out.stride(0), out.stride(1), lse.stride(0),
         # 64 partials per step: a GQA decode row's partials (33 on the H200) in one step, a
         # 256-way latent split in four
-        DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, PLAN_EARLY=PLAN_EARLY > 0,
-        TRIGGER=MERGE_TRIGGER, **attention_pdl_options(out), **timeline_stamps("merge"),
+        DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, **attention_pdl_options(out),
+        **timeline_stamps("merge"),
     )
 
 
