@@ -100,3 +100,86 @@ def test_n_samples_run_as_forked_siblings(model_dir):
     assert [o.index for o in outs] == [0, 1, 2] and all(len(o.token_ids) == 6 for o in outs)
     expected = llm.generate([prompts(llm, 1)[0]], params)[0].outputs
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+
+
+class _Seq:
+    """What the scheduler needs of a sequence: a chain, the tokens still pending, all tokens."""
+
+    def __init__(self, chain, tokens: list[int]) -> None:
+        self.chain, self.pending, self.tokens = chain, list(tokens), list(tokens)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.pending)
+
+    def all_token_ids(self) -> list[int]:
+        return list(self.tokens)
+
+    def run(self, num_tokens: int) -> None:  # what the generator does with scheduled tokens
+        self.chain.append(num_tokens, token_ids=self.pending[:num_tokens])
+        del self.pending[:num_tokens]
+
+    def sample(self, token: int) -> None:  # a sampled token waits for its row
+        self.pending, self.tokens = [token], self.tokens + [token]
+
+
+def test_scheduler_output_says_what_runs_this_step():
+    """The scheduler's contract, without a model: which sequences run and how many tokens each
+    (decodes first, prefill chunks under the token budget), who was admitted, the cached prefix
+    each admission found."""
+    from segkv.cache import PagedKVCache
+    from segkv.config import CacheConfig, KVLayout
+    from segkv.scheduler import Scheduler
+
+    cache = PagedKVCache(KVLayout(num_layers=1, num_kv_heads=1, head_dim=4),
+                         CacheConfig(page_size=4, num_pages=16))
+    scheduler = Scheduler(cache, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=12))
+    a, b, c = (_Seq(cache.new_chain(), list(range(k, k + 10))) for k in (0, 100, 200))
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert out.scheduled == [(a, 10), (b, 2)] and out.admitted == [a, b] and not out.preempted
+    assert out.matched == [(a, 0), (b, 0)] and not out.ahead_ok  # c still waits
+    assert list(scheduler.waiting) == [c] and scheduler.running == [a, b]
+    for seq, n in out.scheduled:
+        seq.run(n)
+    out = scheduler.schedule()
+    assert out.scheduled == [(b, 8)]  # a has nothing pending: its sampled token is not appended here
+    a.sample(10)
+    b.run(8)
+    b.sample(110)
+    scheduler.free(a)  # a finishes: its rows are sealed into the prefix index
+    twin = _Seq(cache.new_chain(), list(range(0, 11)))
+    scheduler.add(twin)
+    out = scheduler.schedule()  # c is admitted before the twin (max_num_seqs=2: b runs, one slot)
+    assert out.scheduled == [(b, 1), (c, 10)] and out.admitted == [c] and out.matched == [(c, 0)]
+    assert out.num_evicted_pages == 0 and not out.preempted
+    scheduler.free(b)
+    scheduler.free(c)
+    out = scheduler.schedule()
+    assert out.matched == [(twin, 10)] and out.scheduled == [(twin, 1)]  # ten rows came from a
+
+
+def test_scheduler_preempts_the_youngest_when_pages_run_out():
+    """Two decodes that each need a new page and no page free: the younger is preempted (its
+    rows sealed into the prefix index, then evicted to make room), the older runs."""
+    from segkv.cache import PagedKVCache
+    from segkv.config import CacheConfig, KVLayout
+    from segkv.scheduler import Scheduler
+
+    cache = PagedKVCache(KVLayout(num_layers=1, num_kv_heads=1, head_dim=4),
+                         CacheConfig(page_size=4, num_pages=4))
+    scheduler = Scheduler(cache, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    a, b = _Seq(cache.new_chain(), list(range(8))), _Seq(cache.new_chain(), list(range(100, 108)))
+    scheduler.add(a)
+    scheduler.add(b)
+    out = scheduler.schedule()
+    assert out.scheduled == [(a, 8), (b, 8)] and out.ahead_ok
+    for seq, n in out.scheduled:
+        seq.run(n)
+    a.sample(8)
+    b.sample(108)
+    out = scheduler.schedule()
+    assert out.preempted == [b] and out.scheduled == [(a, 1)] and out.num_evicted_pages == 2
+    assert list(scheduler.waiting) == [b] and scheduler.running == [a] and scheduler.num_preemptions == 1
+    assert b.pending == b.tokens and not b.chain.num_rows  # recomputed when admitted again
