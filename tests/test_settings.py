@@ -68,14 +68,12 @@ def test_the_documented_variables_are_the_declared_ones():
 
 def test_defaults_and_parsing():
     assert load_settings({}) == Settings()
-    s = load_settings({"SEGKV_TRITON_WARPS": " 8 ", "SEGKV_TRITON_STAGES": "", "SEGKV_ATTENTION_PDL": "2",
-                       "SEGKV_SUBPAGE_TILES": "0", "SEGKV_MLA_SHARES_LAST": "1",
-                       "SEGKV_ATTENTION_FTZ_EXP2": "", "TRITON_INTERPRET": "1", "SEGKV_API_KEY": "",
-                       "SEGKV_LOOKAHEAD": "2"})
-    assert (s.triton_warps, s.triton_stages, s.attention_pdl, s.subpage_tiles, s.mla_shares_last) == (
-        8, 3, False, False, True)  # a switch is on when its integer is 1
-    assert (s.attention_ftz_exp2, s.triton_interpret, s.api_key, s.lookahead) == (False, True, "", 2)
-    assert Settings().attention_ftz_exp2 and not Settings().triton_interpret and Settings().home is None
+    s = load_settings({"SEGKV_TRITON_WARPS": " 8 ", "SEGKV_TRITON_STAGES": "", "SEGKV_EXPERT_MLP_UNROLL": "2",
+                       "TRITON_INTERPRET": "1", "SEGKV_API_KEY": "", "SEGKV_LOOKAHEAD": "2"})
+    assert (s.triton_warps, s.triton_stages, s.expert_mlp_unroll) == (8, 3, False)  # a switch: on when 1
+    assert (s.triton_interpret, s.api_key, s.lookahead) == (True, "", 2)
+    assert not load_settings({"TRITON_INTERPRET": ""}).triton_interpret  # exact-one: on only for "1"
+    assert not Settings().triton_interpret and Settings().home is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.triton_warps = 2
 
