@@ -108,7 +108,11 @@ def test_sigterm_ends_long_streams_with_an_error_event_and_done():
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "shutting_down"
     assert refused.json()["error"]["message"] == SHUTTING_DOWN
-    assert 1.0 <= elapsed < 10, elapsed  # the timeout was given, and not much more
+    assert elapsed >= 1.0, elapsed  # the timeout was given
+    # and not much more: every stream had its [DONE] soon after the timeout (the process's own
+    # exit, torch's teardown included, is slow on a loaded machine, so it is not what is timed)
+    ended = max(s.events[-1][0] for s in streams) - signalled
+    assert 1.0 <= ended < 8, ended
     assert "Draining: 3 request(s) in flight get up to 1 s to finish" in log
     assert "Ended 3 request(s) still running after 1 s" in log
     assert "timeout graceful shutdown exceeded" not in log  # nothing left for uvicorn to cut
