@@ -5,8 +5,7 @@ beyond L2); 8 launches, each over fresh distinct experts, are captured in one CU
 timing is the kernels' alone (a decode step replays them from a graph too, not from Python).
 Prints the median [min-max] over 10 replays of the time per launch in microseconds and the
 weight bytes read per second, per launch configuration (outputs and inputs per step, warps, the
-input loop unrolled or not), with the default configuration marked; for the down product also the
-gated form (``[gate | up]`` rows in, SiLU-and-mul applied by the kernel).
+input loop unrolled or not), with the default configuration marked.
 ``--shared``: one token's launches with the shared experts as a decode step runs them (6 routed
 pairs and DeepSeek-V2-Lite's two shared experts stacked, 8 distinct shared weight copies): the
 gate/up launch writing ``silu(gate) * up`` and the plain down launch, each alone and as a pair,
@@ -72,13 +71,6 @@ def main() -> None:
                 _report(f"{name:8s} pairs {pairs:3d} block_o {block_o:3d} block_i {block_i:3d} warps {warps} "
                         f"unroll {int(unroll)}", time_us(launches), nbytes,
                         " <- default" if (block_o, block_i, warps, unroll) == default else "")
-            if name == "down":  # the down product taking [gate | up] and applying SiLU-and-mul itself
-                h = torch.randn(pairs, 2 * in_dim, device=dev, dtype=torch.bfloat16, generator=gen)
-                for unroll in (False, True):
-                    launches = [partial(expert_gemv, h, rows, experts, weight, gated=True, unroll=unroll)
-                                for experts in draws]
-                    _report(f"{name:8s} pairs {pairs:3d} gated, default launch, unroll {int(unroll)}",
-                            time_us(launches), nbytes, "")
             _report(f"{name:8s} pairs {pairs:3d} grouped GEMM (its default launch)",
                     time_us([partial(grouped_expert_gemm, x, rows, experts, weight) for experts in draws]), nbytes, "")
 

@@ -52,10 +52,10 @@ def test_rows_as_pairs_per_row_read_row_n_over_r(gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gated_products_with_shared_weight_in_one_launch(dtype, gen):
+def test_products_with_shared_weight_in_one_launch(dtype, gen):
     """``expert_gemv_with_shared``: the routed pairs and a dense shared weight on every row in one
-    launch, the input either plain or ``[gate | up]`` reduced to ``silu(gate) * up`` as
-    ``silu_and_mul`` rounds it; each output equals the separate products."""
+    launch, the gate/up products and the down products of their activation; each output equals
+    the separate products."""
     from segkv.kernels.expert_gemv import expert_gemv_with_shared
     from segkv.kernels.fused_ops import silu_and_mul
 
@@ -77,15 +77,14 @@ def test_gated_products_with_shared_weight_in_one_launch(dtype, gen):
     assert h.shape == (tokens * k, 2 * inner) and sh.shape == (tokens, 2 * shared_inner)
     same(h, expert_gemv(x, k, experts, gate_up))
     same(sh, expert_gemv(x, 1, first, s_gate_up[None]))
-    y, sy = expert_gemv_with_shared(h, 1, experts, down, sh, s_down, gated=True)
+    y, sy = expert_gemv_with_shared(silu_and_mul(h), 1, experts, down, silu_and_mul(sh), s_down)
     same(y, expert_gemv(silu_and_mul(h), 1, experts, down))
-    same(y, expert_gemv(h, 1, experts, down, gated=True))
     same(sy, expert_gemv(silu_and_mul(sh), 1, first, s_down[None]))
     ref = torch.nn.functional.linear(silu_and_mul(sh).double(), s_down.double())  # the shared MLP's down product
     ulp = ref.abs().clamp_min(2.0**-126) * (2.0**-7 if dtype == torch.bfloat16 else 2.0**-20)
     assert torch.isfinite(sy).all() and ((sy.double() - ref).abs() <= ulp + 1e-5).all()
     with pytest.raises(ValueError, match="shapes do not match"):
-        expert_gemv_with_shared(h, 1, experts, down, x, s_down, gated=True)  # shared rows are not [gate | up]
+        expert_gemv_with_shared(silu_and_mul(h), 1, experts, down, x, s_down)  # shared rows of the wrong width
 
 
 def test_inputs_per_step_can_be_forced_for_tuning_runs(gen, monkeypatch):
@@ -115,31 +114,31 @@ def test_outputs_and_warps_per_program_can_be_forced_for_tuning_runs(gen, monkey
     from segkv.kernels.expert_gemv import default_block_o, default_num_warps, expert_gemv_with_shared
 
     assert (default_block_o(), default_num_warps()) == (16, 4)
-    x = torch.randn(2, 2 * 40, generator=gen).to(DEVICE)
+    x = torch.randn(2, 40, generator=gen).to(DEVICE)
     weight = torch.randn(4, 24, 40, generator=gen).to(DEVICE)
     shared = torch.randn(36, 40, generator=gen).to(DEVICE)
     experts = torch.randint(0, 4, (6,), generator=gen).to(DEVICE)
-    expected = expert_gemv_with_shared(x, 3, experts, weight, x, shared, gated=True)
+    expected = expert_gemv_with_shared(x, 3, experts, weight, x, shared)
     for block_o, warps in (("8", "2"), ("32", "8")):
         setenv(monkeypatch, "SEGKV_EXPERT_BLOCK_O", block_o)
         setenv(monkeypatch, "SEGKV_EXPERT_WARPS", warps)
         assert (default_block_o(), default_num_warps()) == (int(block_o), int(warps))
-        for got, want in zip(expert_gemv_with_shared(x, 3, experts, weight, x, shared, gated=True), expected):
+        for got, want in zip(expert_gemv_with_shared(x, 3, experts, weight, x, shared), expected):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     setenv(monkeypatch, "SEGKV_EXPERT_BLOCK_O", "12")
     with pytest.raises(ValueError, match="SEGKV_EXPERT_BLOCK_O must be a power of two"):
-        expert_gemv(x[:, :40], 3, experts, weight)
+        expert_gemv(x, 3, experts, weight)
     setenv(monkeypatch, "SEGKV_EXPERT_BLOCK_O", "16")
     setenv(monkeypatch, "SEGKV_EXPERT_WARPS", "3")
     with pytest.raises(ValueError, match="SEGKV_EXPERT_WARPS must be 1, 2, 4, 8 or 16"):
-        expert_gemv(x[:, :40], 3, experts, weight)
+        expert_gemv(x, 3, experts, weight)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_activation_in_the_gate_up_product_equals_silu_and_mul_of_it(dtype, gen):
     """``activation``: programs of 8 gate rows and their 8 up rows store ``silu(gate) * up``,
     bit-equal to ``silu_and_mul`` of the stored ``[gate | up]`` product, routed and shared, with
-    inner sizes that leave the last program part empty (44, 20); a gated input is refused."""
+    inner sizes that leave the last program part empty (44, 20); an odd number of rows is refused."""
     from segkv.kernels.expert_gemv import expert_gemv_with_shared
     from segkv.kernels.fused_ops import silu_and_mul
 
@@ -153,9 +152,6 @@ def test_activation_in_the_gate_up_product_equals_silu_and_mul_of_it(dtype, gen)
     assert act.shape == (6, inner) and s_act.shape == (2, shared_inner) and act.dtype == dtype
     assert torch.equal(act, silu_and_mul(plain)) and torch.equal(s_act, silu_and_mul(s_plain))
     assert torch.equal(expert_gemv(x, k, experts, gate_up, activation=True), act)
-    with pytest.raises(ValueError, match="activation"):
-        down = torch.randn(6, hidden, inner, generator=gen).to(dtype).to(DEVICE)
-        expert_gemv(plain, 1, experts, down, gated=True, activation=True)
     with pytest.raises(ValueError, match="even"):
         expert_gemv(x, k, experts, gate_up[:, 1:], activation=True)
 
@@ -181,7 +177,7 @@ def test_moe_layer_with_the_activation_in_the_gate_up_product_matches_the_expert
         launch = module._launch
 
         def counted(*args, **kwargs):
-            calls.append(args[13] if len(args) > 13 else kwargs.get("activation", False))  # _launch's activation
+            calls.append(args[12] if len(args) > 12 else kwargs.get("activation", False))  # _launch's activation
             return launch(*args, **kwargs)
 
         monkeypatch.setattr(module, "_launch", counted)

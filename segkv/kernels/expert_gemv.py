@@ -6,8 +6,8 @@ synchronisation (CUDA graphs can capture it), and each (row, expert) pair reads 
 expert's weights. Float32 accumulation; the result is rounded once to the output dtype.
 
 The same launch can also take a dense weight applied to every row (a MoE layer's shared experts,
-:func:`expert_gemv_with_shared`), and inputs holding ``[gate | up]`` that it reduces to
-``silu(gate) * up`` itself (``gated``): at batch 1 a MoE layer's experts are then two launches.
+:func:`expert_gemv_with_shared`), and ``[gate | up]`` weights whose products it stores as
+``silu(gate) * up`` (``activation``): a MoE layer's experts are then two launches.
 """
 
 from __future__ import annotations
@@ -34,15 +34,12 @@ def _chunk_weights(w_rows, o_ok, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, EV
 
 
 @triton.jit
-def _chunk_product(acc, x_row, w, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, GATED: tl.constexpr,
-                   KIND: tl.constexpr, X_CG: tl.constexpr = False):
+def _chunk_product(acc, x_row, w, i0, IN: tl.constexpr, BLOCK_I: tl.constexpr, X_CG: tl.constexpr = False):
     """``acc (BLOCK_O,)`` plus the product of weight block ``w`` with inputs ``i0 .. i0 + BLOCK_I``.
     ``X_CG``: the inputs are read through L2 (written by other programs of the same launch)."""
     offs_i = i0 + tl.arange(0, BLOCK_I)
     i_ok = offs_i < IN
     x = tl.load(x_row + offs_i, mask=i_ok, other=0.0, cache_modifier=".cg" if X_CG else "").to(tl.float32)
-    if GATED:  # rounded as silu_and_mul rounds, so the product sees the same activation
-        x = silu_mul_rounded(x, tl.load(x_row + IN + offs_i, mask=i_ok, other=0.0).to(tl.float32), KIND)
     return acc + tl.sum(w * x[None, :], axis=1)
 
 
@@ -67,7 +64,7 @@ def _store_activation(out_row, ob, acc, INNER: tl.constexpr, BLOCK_O: tl.constex
                       EXACT_FP32: tl.constexpr):
     """``silu(gate) * up`` of a program's ``BLOCK_O / 2`` gate sums and their up sums (``acc``, in
     that order), each rounded as the product's output would be, then as ``silu_and_mul`` rounds:
-    what the down product's gated input makes of the stored ``[gate | up]`` row."""
+    what ``silu_and_mul`` makes of the stored ``[gate | up]`` row."""
     gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_O // 2)), (1, 0)))
     act = silu_mul_rounded(round_to_kind(gate, KIND), round_to_kind(up, KIND), KIND)
     offs = ob * (BLOCK_O // 2) + tl.arange(0, BLOCK_O // 2)
@@ -79,13 +76,12 @@ def _store_activation(out_row, ob, acc, INNER: tl.constexpr, BLOCK_O: tl.constex
 
 @triton.jit
 def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constexpr, BLOCK_O: tl.constexpr,
-               BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, GATED: tl.constexpr, KIND: tl.constexpr,
+               BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, KIND: tl.constexpr,
                UNROLL: tl.constexpr, EVICT_FIRST: tl.constexpr, ACT: tl.constexpr = False, X_CG: tl.constexpr = False, SPIN: tl.constexpr = False, spin_ptr=None,
                spin_need=0):
     """Outputs ``ob * BLOCK_O ...`` of one product: ``w_rows`` points at the weight's first
     column, one row per output of :func:`_weight_rows` (row stride folded in); ``x_row`` at the
-    input row, which holds ``[gate | up]`` (``2 IN`` columns, reduced to ``silu(gate) * up`` on the
-    fly) when ``GATED``. ``ACT``: the weight is ``[gate | up]`` and the program stores ``silu(gate)
+    input row. ``ACT``: the weight is ``[gate | up]`` and the program stores ``silu(gate)
     * up`` of its rows (:func:`_store_activation`) instead of the products.
     ``UNROLL``: the input loop unrolled, so every chunk's weights can be requested at once.
     ``EVICT_FIRST``: the weight's lines leave L2 first (read once: no other pair wants them).
@@ -100,11 +96,11 @@ def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constex
     if UNROLL:
         for i0 in tl.static_range(0, IN, BLOCK_I):
             w = _chunk_weights(w_rows, o_ok, i0, IN, BLOCK_I, EVICT_FIRST)
-            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND, X_CG)
+            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, X_CG)
     else:
         for i0 in range(0, IN, BLOCK_I):
             w = _chunk_weights(w_rows, o_ok, i0, IN, BLOCK_I, EVICT_FIRST)
-            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, GATED, KIND, X_CG)
+            acc = _chunk_product(acc, x_row, w, i0, IN, BLOCK_I, X_CG)
     if ACT:
         _store_activation(out_row, ob, acc, OUT_DIM // 2, BLOCK_O, KIND, EXACT_FP32)
     elif EXACT_FP32:
@@ -119,7 +115,7 @@ def _expert_gemv_kernel(
     stride_xr, stride_we, stride_wo, stride_on, stride_sxr, stride_swo, stride_son, num_pairs,
     IN: tl.constexpr, OUT_DIM: tl.constexpr, SHARED_IN: tl.constexpr, SHARED_OUT: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, EXACT_FP32: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
-    GATED: tl.constexpr, KIND: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
+    KIND: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
     USE_PDL: tl.constexpr, EVICT_FIRST: tl.constexpr = False, ACT: tl.constexpr = False,
 ):
     """Program ``t``: ``BLOCK_O`` outputs of one product. The first ``num_pairs x cdiv(OUT_DIM,
@@ -146,7 +142,7 @@ def _expert_gemv_kernel(
         ob = (t - routed_programs) % SHARED_BLOCKS
         shared_rows, _ = _weight_rows(ob, BLOCK_O, SHARED_OUT, ACT)  # not offs_o: one shape per name (Triton)
         _gemv_tile(SX + token * stride_sxr, SW + shared_rows.to(tl.int64) * stride_swo, SOUT + token * stride_son,
-                   ob, SHARED_IN, SHARED_OUT, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND, UNROLL,
+                   ob, SHARED_IN, SHARED_OUT, BLOCK_O, BLOCK_I, EXACT_FP32, KIND, UNROLL,
                    EVICT_FIRST, ACT)
     else:
         n = t % num_pairs
@@ -158,7 +154,7 @@ def _expert_gemv_kernel(
         expert = tl.load(experts + n).to(tl.int64)
         offs_o, _ = _weight_rows(ob, BLOCK_O, OUT_DIM, ACT)
         _gemv_tile(X + row * stride_xr, W + expert * stride_we + offs_o.to(tl.int64) * stride_wo,
-                   OUT + n.to(tl.int64) * stride_on, ob, IN, OUT_DIM, BLOCK_O, BLOCK_I, EXACT_FP32, GATED, KIND,
+                   OUT + n.to(tl.int64) * stride_on, ob, IN, OUT_DIM, BLOCK_O, BLOCK_I, EXACT_FP32, KIND,
                    UNROLL, EVICT_FIRST, ACT)
 
 
@@ -219,15 +215,13 @@ def default_block_i(pairs: int) -> int:
 
 
 def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
-                *, out_dtype: torch.dtype | None = None, gated: bool = False, block_o: int | None = None,
+                *, out_dtype: torch.dtype | None = None, block_o: int | None = None,
                 block_i: int | None = None, num_warps: int | None = None, unroll: bool | None = None,
                 distinct_experts: bool = False, activation: bool = False) -> torch.Tensor:
     """``x (R, In)``, ``rows (N,)`` and ``experts (N,)`` int64/int32 on the device, ``weight
     (E, Out, In)`` with unit stride on In -> ``(N, Out)`` in ``out_dtype`` (default ``x``'s).
     ``rows`` may be an int ``r``: pair ``n`` reads row ``n // r`` (a token's ``r`` experts in a
     row, as a router returns them; no index tensor to build per step).
-    ``gated``: ``x (R, 2 In)`` holds ``[gate | up]`` and the product takes ``silu(gate) * up``,
-    rounded as :func:`segkv.kernels.fused_ops.silu_and_mul` rounds (one launch instead of two).
     ``block_o``/``block_i``/``num_warps``/``unroll``: the launch (default: the measured best,
     :func:`default_block_o`, :func:`default_block_i`, :func:`default_num_warps`,
     :func:`default_unroll`; tuning runs set them). ``distinct_experts``:
@@ -235,27 +229,27 @@ def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor
     leave L2 first. ``activation``: ``weight`` is a ``(E, 2 I, In)``
     ``[gate | up]`` stack and the result is ``silu(gate) * up`` ``(N, I)``, equal to
     ``fused_ops.silu_and_mul`` of the plain product (each half rounded first, as it is stored)."""
-    return _launch(x, rows, experts, weight, None, None, out_dtype, gated, block_o, block_i, num_warps, unroll,
+    return _launch(x, rows, experts, weight, None, None, out_dtype, block_o, block_i, num_warps, unroll,
                    distinct_experts, activation)[0]
 
 
 def expert_gemv_with_shared(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor, weight: torch.Tensor,
-                            shared_x: torch.Tensor, shared_weight: torch.Tensor, *, gated: bool = False,
+                            shared_x: torch.Tensor, shared_weight: torch.Tensor, *,
                             distinct_experts: bool = False, activation: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`expert_gemv`, and in the same launch ``shared_weight (Out_s, In_s)`` (a MoE layer's
-    shared experts, one dense weight) on every row of ``shared_x (T, In_s)`` (``(T, 2 In_s)``
-    when ``gated``): returns ``(routed (N, Out), shared (T, Out_s))`` in ``x``'s dtype. At decode
+    shared experts, one dense weight) on every row of ``shared_x (T, In_s)``: returns ``(routed
+    (N, Out), shared (T, Out_s))`` in ``x``'s dtype. At decode
     sizes each product is a few microseconds, so one launch for both halves the launches.
     ``distinct_experts`` and ``activation`` (for both weights) as in :func:`expert_gemv`."""
     if shared_weight.dim() != 2 or shared_x.dim() != 2 or shared_x.dtype != x.dtype:
         raise ValueError(f"shared weight (Out, In) and rows (T, In) of x's dtype expected, got "
                          f"{tuple(shared_weight.shape)} and {tuple(shared_x.shape)} {shared_x.dtype}")
-    return _launch(x, rows, experts, weight, shared_x, shared_weight, None, gated, None, None, None, None,
+    return _launch(x, rows, experts, weight, shared_x, shared_weight, None, None, None, None, None,
                    distinct_experts, activation)
 
 
-def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated, block_o, block_i, num_warps, unroll,
+def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, block_o, block_i, num_warps, unroll,
             distinct_experts, activation=False):
     """Checks, outputs and the launch of :func:`expert_gemv` / :func:`expert_gemv_with_shared`."""
     has_shared = shared_weight is not None
@@ -269,18 +263,16 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
         if rows < 1:
             raise ValueError(f"rows as an int is the pairs per row, at least 1; got {rows}")
         rows = experts  # not read by the kernel
-    in_cols = 2 if gated else 1
-    if x.shape[1] != in_cols * weight.shape[2] or rows.shape != experts.shape or (
-            has_shared and shared_x.shape[1] != in_cols * shared_weight.shape[1]):
+    if x.shape[1] != weight.shape[2] or rows.shape != experts.shape or (
+            has_shared and shared_x.shape[1] != shared_weight.shape[1]):
         raise ValueError(f"shapes do not match: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"rows {tuple(rows.shape)}, experts {tuple(experts.shape)}"
                          + (f", shared x {tuple(shared_x.shape)}, shared weight {tuple(shared_weight.shape)}"
-                            if has_shared else "") + (" (gated: x holds [gate | up])" if gated else ""))
+                            if has_shared else ""))
     n, out_dim, in_dim = rows.numel(), weight.shape[1], weight.shape[2]
-    if activation and (gated or block_o < 2 or out_dim % 2 or (has_shared and shared_weight.shape[0] % 2)):
-        raise ValueError(f"the activation takes [gate | up] weights of an even number of rows, at least 2 outputs "
-                         f"per program and inputs that are not [gate | up] themselves: weight {tuple(weight.shape)}, "
-                         f"block_o {block_o}, gated {gated}"
+    if activation and (block_o < 2 or out_dim % 2 or (has_shared and shared_weight.shape[0] % 2)):
+        raise ValueError(f"the activation takes [gate | up] weights of an even number of rows and at least 2 "
+                         f"outputs per program: weight {tuple(weight.shape)}, block_o {block_o}"
                          + (f", shared weight {tuple(shared_weight.shape)}" if has_shared else ""))
     out_cols = out_dim // 2 if activation else out_dim
     out_dtype = out_dtype or x.dtype
@@ -303,7 +295,7 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, gated,
             shared_weight.stride(0) if has_shared else 0, shared_out.stride(0), n,
             IN=in_dim, OUT_DIM=out_dim, SHARED_IN=s_in_dim, SHARED_OUT=s_out_dim, BLOCK_O=block_o,
             BLOCK_I=min(block_i, triton.next_power_of_2(max(in_dim, s_in_dim))),
-            EXACT_FP32=kernel_dtype == torch.float32, PAIRS_PER_ROW=pairs_per_row, GATED=gated,
+            EXACT_FP32=kernel_dtype == torch.float32, PAIRS_PER_ROW=pairs_per_row,
             KIND=kind_of(x.dtype), HAS_SHARED=has_shared, num_warps=num_warps,
             UNROLL=default_unroll(n) if unroll is None else unroll, **options,
             EVICT_FIRST=distinct_experts, ACT=activation,

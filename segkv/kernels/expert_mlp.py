@@ -71,7 +71,7 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
             rows, _ = _weight_rows(item, BLOCK_O, 2 * S_INNER, True)
             # routed: the normed row is the router's block 0's
             _gemv_tile(X, SGU + rows.to(tl.int64) * stride_sguo, SACT, item, HIDDEN, 2 * S_INNER, BLOCK_O,
-                       BLOCK_I_UP, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, True,
+                       BLOCK_I_UP, EXACT_FP32, KIND, UNROLL, EVICT_FIRST, True,
                        ROUTED, ROUTED, COUNTERS + NORM_READY, 1)
             count_done(COUNTERS + _FIXED_COUNTERS + PAIRS)
         else:
@@ -83,7 +83,7 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
             expert = tl.load(experts + n, cache_modifier=CG).to(tl.int64)
             rows, _ = _weight_rows(ob, BLOCK_O, 2 * INNER, True)
             _gemv_tile(X, GU + expert * stride_gue + rows.to(tl.int64) * stride_guo, ACT + n * INNER, ob, HIDDEN,
-                       2 * INNER, BLOCK_O, BLOCK_I_UP, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST,
+                       2 * INNER, BLOCK_O, BLOCK_I_UP, EXACT_FP32, KIND, UNROLL, EVICT_FIRST,
                        True, ROUTED)
             count_done(COUNTERS + _FIXED_COUNTERS + n)
     else:
@@ -92,7 +92,7 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
         rows = ob * BLOCK_O + tl.arange(0, BLOCK_O)
         if d < DOWN_BLOCKS:  # the shared experts' down: their gate/up items came first
             _gemv_tile(SACT, SDOWN + rows.to(tl.int64) * stride_sdo, SOUT, ob, S_INNER, HIDDEN, BLOCK_O,
-                       BLOCK_I_DOWN, EXACT_FP32, False, KIND, UNROLL, EVICT_FIRST, False, True,
+                       BLOCK_I_DOWN, EXACT_FP32, KIND, UNROLL, EVICT_FIRST, False, True,
                        True, COUNTERS + _FIXED_COUNTERS + PAIRS, S_UP_BLOCKS)
         else:
             n = d // DOWN_BLOCKS - 1
@@ -100,7 +100,7 @@ def _mlp_item(item, X, GU, DOWN, ACT, OUT, experts, SGU, SDOWN, SACT, SOUT, COUN
                 wait_full(COUNTERS + NORM_READY + 1, 1)
             expert = tl.load(experts + n, cache_modifier=CG).to(tl.int64)
             _gemv_tile(ACT + n * INNER, DOWN + expert * stride_de + rows.to(tl.int64) * stride_do,
-                       OUT + n * HIDDEN, ob, INNER, HIDDEN, BLOCK_O, BLOCK_I_DOWN, EXACT_FP32, False, KIND, UNROLL,
+                       OUT + n * HIDDEN, ob, INNER, HIDDEN, BLOCK_O, BLOCK_I_DOWN, EXACT_FP32, KIND, UNROLL,
                        EVICT_FIRST, False, True, True, COUNTERS + _FIXED_COUNTERS + n, UP_BLOCKS)
         leave_zero_if_last(COUNTERS + 1, ITEMS - UP_ITEMS, COUNTERS, PAIRS + _FIXED_COUNTERS + 1 + _ROUTE_COUNTERS,
                            COUNTERS_P2)
