@@ -63,16 +63,6 @@ class Settings:
         "launch a piece's KV heads side by side")
     subpage_tiles: bool = _setting("SEGKV_SUBPAGE_TILES", SWITCH, True,
         "attention tiles keep their size and walk longer pages a tile at a time")
-    attention_ftz_exp2: bool = _setting("SEGKV_ATTENTION_FTZ_EXP2", EXACT_ONE, True,
-        "the online softmax uses ex2.approx.ftz on the GPU")
-    attention_reciprocal_norm: bool = _setting("SEGKV_ATTENTION_RECIPROCAL_NORM", SWITCH, True,
-        "normalise the attention output by one reciprocal per row")
-    attention_page_scalars: bool = _setting("SEGKV_ATTENTION_PAGE_SCALARS", SWITCH, True,
-        "a tile of whole pages loads each page's index once")
-    attention_scalar_pages: int = _setting("SEGKV_ATTENTION_SCALAR_PAGES", INTEGER, 4,
-        "most pages a GQA tile loads as scalars (2 or 4)")
-    attention_skip_masks: int = _setting("SEGKV_ATTENTION_SKIP_MASKS", INTEGER, 1,
-        "full GQA tiles skip the score mask (0 or 1)")
     attention_pdl: bool = _setting("SEGKV_ATTENTION_PDL", SWITCH, True,
         "programmatic dependent launch for attention's stage 1 and merge")
     merge_in_stage1_max: int = _setting("SEGKV_MERGE_IN_STAGE1_MAX", INTEGER, 8,

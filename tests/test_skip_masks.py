@@ -1,5 +1,5 @@
-"""Full, wholly visible tiles without the score mask (``SEGKV_ATTENTION_SKIP_MASKS``,
-``paged_attention.skip_masks``): the GQA stage 1 against the torch reference.
+"""Full, wholly visible tiles without the score mask (the GQA stage 1's ``SKIP``,
+``attention_tiles.full_tiles_known``): the GQA stage 1 against the torch reference.
 
 The histories end segments mid-page, so work items mix full pages with part-full ones; decode rows
 see every key of their pieces, windows of several rows do not (their own piece is causal), and the
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton.language as tl
 
-from segkv.kernels import attention_tiles, paged_attention
+from segkv.kernels import paged_attention
+from segkv.kernels.attention_tiles import full_tiles_known
 from segkv.kernels.paged_attention import LaunchConfig
 from attention_helpers import triton_and_reference, write_rows
 from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
@@ -20,54 +20,28 @@ from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 from test_triton_attention import DEVICE, DTYPES, check, check_with_the_second_sequence_masked
 
 
-def test_which_launches_skip_masks(monkeypatch):
-    """Only with the setting on, and only where a tile's pages tell whether it is full: one page
-    that the tiles divide, or exactly two (four with ``SEGKV_ATTENTION_SCALAR_PAGES=4``)."""
-    monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 0)
-    assert not paged_attention.skip_masks(16, 32)
-    monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 1)
+def test_which_launches_skip_masks():
+    """Only where a tile's pages tell whether it is full: one page that the tiles divide, or
+    exactly two, or four (the GQA stage 1's four page scalars)."""
     table = {(16, 32): True, (32, 32): True, (64, 32): True, (32, 64): True, (16, 64): False, (20, 32): False,
              (48, 64): False, (128, 64): True, (100, 64): False, (96, 32): True}
-    assert {k: paged_attention.skip_masks(*k) for k in table} == table
-    monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 2)
-    assert not attention_tiles.four_page_scalars()
-    monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 4)
-    assert attention_tiles.four_page_scalars()
-    assert paged_attention.skip_masks(16, 64, four=True) and paged_attention.skip_masks(8, 32, four=True)
-    assert not paged_attention.skip_masks(16, 64) and paged_attention.skip_masks(32, 64)
-    assert not paged_attention.skip_masks(8, 64, four=True)
-    assert not paged_attention.skip_masks(20, 64, four=True)
-    monkeypatch.setattr(attention_tiles, "PAGE_SCALARS", tl.constexpr(False))
-    assert not paged_attention.skip_masks(16, 32) and not paged_attention.skip_masks(16, 64, four=True)
-    assert not attention_tiles.four_page_scalars()
+    assert {k: full_tiles_known(*k) for k in table} == table
+    assert full_tiles_known(16, 64, four=True) and full_tiles_known(8, 32, four=True)
+    assert not full_tiles_known(8, 64, four=True)
+    assert not full_tiles_known(20, 64, four=True)
 
 
-def test_launch_constants_follow_the_setting(monkeypatch):
+def test_launch_constants():
     def skip(page_size: int, rows: int) -> bool:
         return paged_attention.stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=4, page_size=page_size,
                                              max_work_rows=rows, element_size=2,
                                              launch=LaunchConfig(32, 4, 3, tall_block_n=32))["SKIP"]
 
-    monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 0)
-    assert not skip(16, 1) and not skip(16, 16)
-    monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 1)
     assert skip(16, 1) and skip(16, 16) and skip(32, 1) and not skip(20, 1)
-
-
-def test_four_page_scalars_follow_the_setting(monkeypatch):
-    """64-row decode tiles of 16-row pages: four page scalars (and fullness, so skipped masks) with
-    ``SEGKV_ATTENTION_SCALAR_PAGES=4``."""
-    def launch() -> dict:
-        return paged_attention.stage1_launch(dtype=torch.bfloat16, dk=128, dv=128, group=4, page_size=16,
-                                             max_work_rows=1, element_size=2, launch=LaunchConfig(64, 4, 3))
-
-    monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 1)
-    monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 2)
-    plain = launch()
-    assert plain["BLOCK_N"] == 64 and not plain["FOUR"] and not plain["SKIP"]
-    monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 4)
-    four = launch()
-    assert four["FOUR"] and four["SKIP"]
+    # 64-row decode tiles of 16-row pages: four page scalars, so fullness and skipped masks
+    four = paged_attention.stage1_launch(dtype=torch.bfloat16, dk=128, dv=128, group=4, page_size=16,
+                                         max_work_rows=1, element_size=2, launch=LaunchConfig(64, 4, 3))
+    assert four["BLOCK_N"] == 64 and four["FOUR"] and four["SKIP"]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -80,8 +54,7 @@ def test_four_page_scalars_follow_the_setting(monkeypatch):
     ("split", 3, 20, 32),     # pages that do not tell fullness: the mask everywhere
     ("split", 1, 96, 32),     # pages of three tiles
 ])
-def test_skipped_masks_give_the_reference(route, rows, page_size, block_n, dtype, gen, monkeypatch):
-    monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 1)
+def test_skipped_masks_give_the_reference(route, rows, page_size, block_n, dtype, gen):
     check_with_the_second_sequence_masked(gen, DTYPES[dtype], route, rows=rows, ratio=4, page_size=page_size,
                                           partitions=3,
                                           launch=LaunchConfig(block_n, 4, 3, tall_block_n=block_n))
@@ -89,13 +62,11 @@ def test_skipped_masks_give_the_reference(route, rows, page_size, block_n, dtype
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_four_page_tiles_give_the_reference(rows, dtype, gen, monkeypatch):
-    """``SEGKV_ATTENTION_SCALAR_PAGES=4``: 64-row tiles of 16-row pages take their four page entries
+def test_four_page_tiles_give_the_reference(rows, dtype, gen):
+    """64-row tiles of 16-row pages take their four page entries
     as scalars. The history's segments are 7 and 9 whole pages, then one ending mid-page, so tiles
     hold four full pages (masks skipped for decode rows), fewer pages, and part-full pages; a fork
     trimmed to end mid-page; windows of 3 rows keep the causal mask in their own piece."""
-    monkeypatch.setattr(attention_tiles, "SKIP_MASKS", 1)
-    monkeypatch.setattr(attention_tiles, "SCALAR_PAGES", 4)
     page_size, head_dim = 16, 64
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=head_dim, dtype=DTYPES[dtype])
     cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=128), device=DEVICE,

@@ -216,7 +216,7 @@ def lean_decode_programs(max_work_rows: int, group_size: int, head_dim: int, pag
     """Whether the GQA stage-1 launch of a plan whose work items hold up to ``max_work_rows`` query
     rows takes lean decode programs: 8-16 (row, head) pairs (one 16-row M tile) over
     ``key_tile_rows``-row tiles of four pages with their page entries as scalars
-    (``attention_tiles.four_page_scalars``, the launcher's)."""
+    (the GQA stage 1's ``FOUR``, ``paged_attention.stage1_launch``)."""
     pairs = max_work_rows * group_size
     # heads of 128 only: the programs the driver was asked about (scripts/stage1_occupancy.py)
     return head_dim == 128 and 8 <= pairs <= 16 and key_tile_rows == 4 * page_size

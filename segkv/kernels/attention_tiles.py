@@ -14,15 +14,7 @@ from segkv.settings import SETTINGS
 # 1082 instructions of a 64-pair program's tile loop on sm_90a). Flushing results below 2^-126 to 0
 # changes nothing a float32 softmax can see: such a weight is under 2^-126 of the row's largest,
 # which is 1. The interpreter runs Triton's ``exp2``.
-FAST_EXP2: tl.constexpr = tl.constexpr(not SETTINGS.triton_interpret and SETTINGS.attention_ftz_exp2)
-# A program's results normalised by one reciprocal per row and a product per value instead of a
-# division per value (``SEGKV_ATTENTION_RECIPROCAL_NORM``, on by default; 0 divides). Offline
-# (Triton 3.9, sm_90a) each float32 division is about 3 instructions: the latent batch-1 program
-# (value halves) 1800 -> 1744 SASS instructions, its adaptive launch 4072 -> 3848 (249 -> 255
-# registers, no spill), the tall GQA program 2152 -> 1960 (spills 56 -> 24 bytes). Both are float32
-# normalisations within 2 ulp; the result is rounded once as before. H200, with PAGE_SCALARS:
-# DeepSeek-V2-Lite batch 1 / 16K 464-465 -> 474 tok/s, the 16-fork cascade 0.0650 -> 0.0616-0.0623 ms.
-RECIPROCAL_NORM: tl.constexpr = tl.constexpr(SETTINGS.attention_reciprocal_norm)
+FAST_EXP2: tl.constexpr = tl.constexpr(not SETTINGS.triton_interpret)
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -51,55 +43,30 @@ def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.conste
     return page, rows, key_start
 
 
-# A tile of one or two whole pages reads each page's index once and gives it to the tile's rows
-# (``SEGKV_ATTENTION_PAGE_SCALARS``, on by default; 0 loads per row), instead of one load per
-# row and field that every thread repeats for the rows it holds. Offline (Triton 3.9, sm_90a,
-# SASS instructions of the tile loop): the batch-1 latent program (value halves) at pages of 32
-# 499 -> 456; the batch-1 GQA program at pages of 64 456 -> 393. H200: the latent batch-1 stage 1
-# at 128K 0.0593 -> 0.0570 ms, the 16-fork cascade 0.0650 -> 0.0625 ms, the 8B shape's batch-16
-# kernel at 32K 0.6% slower.
-PAGE_SCALARS: tl.constexpr = tl.constexpr(SETTINGS.attention_page_scalars)
-# The most pages a tile gives its rows as scalars (``SEGKV_ATTENTION_SCALAR_PAGES``, 2 or 4; 4 by
-# default): 4 lets a 64-row tile of 16-row pages (decode at pages of 16) load its four page entries
-# once and select per row, and tell whether it is full (:data:`SKIP_MASKS`). A launch constant (the
-# GQA stage 1's ``FOUR``), not read in the kernels. H200, the 8B shape at pages of 16 (two rounds):
-# batch 1 at 32K / 64K 0.0408 -> 0.0391-0.0394 / 0.0739-0.0742 -> 0.0702-0.0712 ms, batch 4 4-5%
-# faster, batch 16 at 16K / 32K 0.2566-0.2593 -> 0.2469-0.2489 / 0.5035-0.5085 -> 0.4816-0.4849 ms;
-# Llama-3.1-8B batch 1 / 8 level.
-SCALAR_PAGES = SETTINGS.attention_scalar_pages
-if SCALAR_PAGES not in (2, 4):
-    raise ValueError(f"SEGKV_ATTENTION_SCALAR_PAGES must be 2 or 4, got {SCALAR_PAGES}")
-
-
-# A tile whose rows all hold keys that every pair of the program sees skips the score mask
-# (``SEGKV_ATTENTION_SKIP_MASKS``, on by default; 0 masks every tile): a branch on scalars every
-# thread already holds (the tile's page scalars and, once per program, its work item's last key
-# against its pairs' smallest causal offset), no vote between warps in the loop (lazy rescaling's
-# per-tile vote cost more than it saved). Decode rows see all their keys, and a prefill chunk's
-# history tiles too, so the common tile spends no key positions, compare and select per score.
-# Offline (Triton 3.9, sm_90a), the common tile: tall programs 459 -> 391 instructions at pages of
-# 16, 434 -> 378 at 32; batch-1 decode at pages of 32 415 -> 398. With 0 the code is as before.
-# H200 (two rounds each): the 16-fork cascade 0.0618-0.0622 -> 0.0595-0.0602 ms at pages of 16,
-# 0.0609-0.0612 -> 0.0601-0.0607 at 32; the kernels at batch 1 / 16 and Llama-3.1-8B level or faster.
-SKIP_MASKS = SETTINGS.attention_skip_masks
-if SKIP_MASKS not in (0, 1):
-    raise ValueError(f"SEGKV_ATTENTION_SKIP_MASKS must be 0 or 1, got {SKIP_MASKS}")
-
-
-def four_page_scalars() -> bool:
-    """Whether a GQA stage-1 launch gives a four-page tile's rows their page entries as scalars
-    (:data:`SCALAR_PAGES`, :data:`PAGE_SCALARS`; sm_90a, the 8B shape's decode at pages of 16: 417 ->
-    398 loop instructions on the common path, 168 -> 148 registers)."""
-    return bool(PAGE_SCALARS) and SCALAR_PAGES == 4
+# A tile of one or two whole pages (four in the GQA stage 1: ``tile_pages``'s ``FOUR``) reads each
+# page's index once and gives it to the tile's rows, instead of one load per row and field that
+# every thread repeats for the rows it holds. Offline (Triton 3.9, sm_90a, SASS instructions of the
+# tile loop): the batch-1 latent program (value halves) at pages of 32 499 -> 456; the batch-1 GQA
+# program at pages of 64 456 -> 393, at pages of 16 (four pages) 417 -> 398 on the common path with
+# 168 -> 148 registers. H200: the latent batch-1 stage 1 at 128K 0.0593 -> 0.0570 ms, the 16-fork
+# cascade 0.0650 -> 0.0625 ms; the 8B shape at pages of 16 batch 1 / 32K 0.0408 -> 0.0391-0.0394 ms.
+#
+# A tile whose rows all hold keys that every pair of the program sees skips the score mask (the
+# GQA stage 1's ``SKIP``, where :func:`full_tiles_known`): a branch on scalars every thread already
+# holds (the tile's page scalars and, once per program, its work item's last key against its
+# pairs' smallest causal offset), no vote between warps in the loop (lazy rescaling's per-tile vote
+# cost more than it saved). Decode rows see all their keys, and a prefill chunk's history tiles
+# too, so the common tile spends no key positions, compare and select per score. Offline (Triton
+# 3.9, sm_90a), the common tile: tall programs 459 -> 391 instructions at pages of 16, 434 -> 378
+# at 32; batch-1 decode at pages of 32 415 -> 398. H200: the 16-fork cascade 0.0618-0.0622 ->
+# 0.0595-0.0602 ms at pages of 16; the kernels at batch 1 / 16 and Llama-3.1-8B level or faster.
 
 
 def full_tiles_known(page_size: int, block_n: int, four: bool = False) -> bool:
     """Whether :func:`tile_pages`'s ``full`` tells a full tile: tiles of one page that the tiles
     divide (a 100-row page in 64-row tiles leaves the second tile's last rows empty however full
-    the page), or of exactly two pages (or four, with ``four``: :func:`four_page_scalars`), with
-    :data:`PAGE_SCALARS`."""
-    return bool(PAGE_SCALARS) and (page_size % block_n == 0 or block_n == 2 * page_size
-                                   or (four and block_n == 4 * page_size))
+    the page), or of exactly two pages (or four, with ``four``: the GQA stage 1's four page scalars)."""
+    return page_size % block_n == 0 or block_n == 2 * page_size or (four and block_n == 4 * page_size)
 
 
 @triton.jit
@@ -114,13 +81,13 @@ def _by_slot(slot, a, b, c, d, PAGES: tl.constexpr):
 def tile_pages(page_table, page_rows, page_key_start, first, slot, pg1, WIDE: tl.constexpr, PAGES: tl.constexpr,
                BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, FOUR: tl.constexpr = False):
     """:func:`page_index` of a tile's ``BLOCK_N`` rows: ``first`` the tile's first page entry,
-    ``slot (BLOCK_N,)`` each row's page within the tile. With :data:`PAGE_SCALARS` and a tile of
-    one or two pages (or four, with ``FOUR``: :func:`four_page_scalars`), each page's entry is loaded
-    once (a scalar) and given to its rows. Also
+    ``slot (BLOCK_N,)`` each row's page within the tile. In a tile of one or two pages (or four,
+    with ``FOUR``: the GQA stage 1), each page's entry is loaded once (a scalar) and given to its
+    rows. Also
     ``full``, a scalar: whether the tile's pages all hold ``PAGE_SIZE`` rows (meaningful only where
     :func:`full_tiles_known`; unused, it compiles to nothing)."""
-    ONE: tl.constexpr = PAGE_SCALARS and PAGES == 1
-    SEVERAL: tl.constexpr = PAGE_SCALARS and (PAGES == 2 or (PAGES == 4 and FOUR))
+    ONE: tl.constexpr = PAGES == 1
+    SEVERAL: tl.constexpr = PAGES == 2 or (PAGES == 4 and FOUR)
     if ONE:
         page, rows, key_start = page_index(page_table, page_rows, page_key_start, first, pg1, WIDE)
         zero = tl.zeros([BLOCK_N], tl.int32)
@@ -206,7 +173,7 @@ def online_softmax_step(s, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT
     the updated running max, sum and float32 accumulator ``(M, D)``. The running max ``m_i`` is in base-2 units (``max(s) * scale * log2(e)``): each weight is then
     one fused multiply-add and one ``exp2`` (:func:`store_partials` turns it back into a natural
     LSE). A fully masked row keeps max -inf and adds nothing (no NaN). ``needs_mask`` False (a
-    scalar, :data:`SKIP_MASKS`): every pair sees every key of the tile, no mask."""
+    scalar, the GQA stage 1's ``SKIP``): every pair sees every key of the tile, no mask."""
     scale2 = scale * LOG2E
     if needs_mask:
         s = tl.where(_key_positions(kpos, in_page)[None, :] <= offset[:, None], s, float("-inf"))
@@ -235,10 +202,10 @@ def store_partials(acc, m_i, l_i, partial, head, valid, offs_d, d_ok, partial_di
     in base-2 units (:func:`online_softmax_step`); the stored LSE is natural. The LSEs of the pairs
     in ``lse_valid`` only (``valid``, or none where another program of the same pairs stores them)."""
     empty = l_i == 0.0
-    if RECIPROCAL_NORM:
-        out = acc * (1.0 / tl.where(empty, 1.0, l_i))[:, None]
-    else:
-        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    # one reciprocal per row and a product per value, not a division per value (about 3
+    # instructions each on sm_90a; the latent batch-1 program 1800 -> 1744 SASS instructions, the
+    # tall GQA program 2152 -> 1960 with fewer spills): float32 within 2 ulp, rounded once after
+    out = acc * (1.0 / tl.where(empty, 1.0, l_i))[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
     direct = tl.load(partial_direct + partial, mask=valid, other=-1)
     to_merge = valid & (direct < 0)

@@ -15,9 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from segkv.kernels import attention_tiles, timeline
+from segkv.kernels import timeline
 from segkv.kernels.attention_tiles import (
-    four_page_scalars,
     full_tiles_known,
     load_kv,
     next_tile_first,
@@ -65,9 +64,8 @@ def _stage1_kernel(
     between launches) and the first work item's programs zero the rows without partials: no
     merge launch. ``PLAN_EARLY``
     (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait. ``SKIP``
-    (:func:`skip_masks`): a tile whose rows all hold keys every valid pair sees skips the score mask.
-    ``FOUR`` (:func:`attention_tiles.four_page_scalars`): a tile of four pages loads their entries
-    as scalars. ``STAMPS``: an int64 tensor of ``timeline.FIELDS`` values per program, where each
+    (:func:`attention_tiles.full_tiles_known`): a tile whose rows all hold keys every valid pair sees
+    skips the score mask. ``FOUR``: a tile of four pages loads their entries as scalars. ``STAMPS``: an int64 tensor of ``timeline.FIELDS`` values per program, where each
     program writes its timeline (diagnostics: ``scripts/stage1_timeline.py``); None compiles it away."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
@@ -405,7 +403,6 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     tall_decode = tall and max_work_rows <= TALL_DECODE_MAX_ROWS  # device.tall_decode_programs
     block_n = tile_rows(dataclasses.replace(launch, block_n=launch.tall_block_n) if tall_decode else launch,
                         page_size)
-    four = four_page_scalars()
     return dict(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
@@ -416,8 +413,10 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         MERGE=0, PLAN_EARLY=block_m <= 16,
         MERGE_LANES=min(triton.next_power_of_2(group), block_m),
         WIDE_OFFSETS=cache_needs_int64,
-        SKIP=skip_masks(page_size, block_n, four),
-        FOUR=four,
+        # full, wholly visible tiles skip the score mask where the tile's pages tell fullness; a
+        # 64-row tile of 16-row pages takes its four page entries as scalars (attention_tiles)
+        SKIP=full_tiles_known(page_size, block_n, four=True),
+        FOUR=True,
         num_warps=launch.tall_warps if tall else launch.num_warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size),
         **maxnreg_option(dataclasses.replace(launch, maxnreg=launch.tall_maxnreg)
@@ -428,13 +427,6 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
 # Shared memory the pipelined K/V (latent) buffers may take: Hopper gives a program up to 227 KB,
 # and the kernels keep some for the queries and layout conversions.
 PIPELINE_SHARED_BYTES = 192 * 1024
-
-
-def skip_masks(page_size: int, block_n: int, four: bool = False) -> bool:
-    """Whether a stage-1 launch skips the score mask of full, wholly visible tiles
-    (``attention_tiles.SKIP_MASKS``, where the tile's pages tell fullness: ``full_tiles_known``;
-    tiles of four pages where ``four``, the launch's :func:`four_page_scalars`)."""
-    return bool(attention_tiles.SKIP_MASKS) and full_tiles_known(page_size, block_n, four)
 
 
 def stages_that_fit(num_stages: int, tile_bytes: int) -> int:
