@@ -81,12 +81,6 @@ class Settings:
         "latent programs per pair block (0: chosen per launch; 1, 2 or 4 forced)")
     mla_value_split_max_partials: int | None = _setting("SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", INTEGER, None,
         "most partials for the value split (None: the SM count; 132 in the interpreter)")
-    mla_value_split_auto: int = _setting("SEGKV_MLA_VALUE_SPLIT_AUTO", INTEGER, 2,
-        "most latent programs per pair block the automatic split launches (2 or 4)")
-    mla_score_chains: bool = _setting("SEGKV_MLA_SCORE_CHAINS", SWITCH, True,
-        "the latent scores' pieces as separate MMA chains")
-    mla_shares_last: bool = _setting("SEGKV_MLA_SHARES_LAST", SWITCH, False,
-        "value shares as the launch grid's third dimension")
     # --- one-row products (GEMV), the sampler and the output head
     triton_pdl: bool = _setting("SEGKV_TRITON_PDL", SWITCH, True,
         "programmatic dependent launch for the MoE chain and the split-K GEMV")

@@ -91,11 +91,13 @@ def test_the_latent_value_split_keeps_sixteen_columns_a_share():
 
     from segkv.kernels.mla_attention import default_mla_launch_config, mla_stage1_launch
 
-    for rank, auto, split in ((16, 2, 1), (32, 2, 2), (32, 4, 2), (64, 4, 4), (512, 4, 4), (512, 2, 2)):
-        launch = dataclasses.replace(default_mla_launch_config(), value_split_auto=auto)
+    # the automatic split (0: halves that follow the plan) and forced quarters (4: whatever the plan)
+    for rank, forced, split, adaptive in ((16, 0, 1, False), (32, 0, 2, True), (512, 0, 2, True),
+                                          (16, 4, 1, False), (32, 4, 2, False), (64, 4, 4, False)):
+        launch = dataclasses.replace(default_mla_launch_config(), value_split=forced)
         meta = mla_stage1_launch(dtype=torch.bfloat16, rank=rank, rope=16, num_heads=4, page_size=16,
                                  max_work_rows=1, element_size=2, num_rows=1, launch=launch)
-        assert (meta["VALUE_SPLIT"], meta["ADAPTIVE"]) == (split, split > 1), (rank, auto, meta)
+        assert (meta["VALUE_SPLIT"], meta["ADAPTIVE"]) == (split, adaptive), (rank, forced, meta)
         assert meta["BLOCK_R"] // meta["VALUE_SPLIT"] >= 16
 
 
@@ -118,22 +120,18 @@ def test_timeline_stamps_compile_away_unless_asked():
     assert reports[2]["pdl"] == reports[3]["pdl"] == ["wait", "launch_dependents"]
 
 
-def test_latent_score_pieces_are_separate_mma_chains_when_told():
-    """``SEGKV_MLA_SCORE_CHAINS``: by default Triton folds the sum of the scores' pieces into one
-    accumulator, so a batch-1 latent program's scores are one chain of 36 MMA steps (its half of
-    the 512 latent columns, the 64 RoPE columns, the other half). Apart, the halves' longest
-    chain is 16 and the quarters' 8; the program that takes all the values keeps its 32 (one
-    product over its 512 columns); the P.V chains stay at 4 (two bf16 halves of P, 32 rows)."""
+def test_latent_score_pieces_are_separate_mma_chains():
+    """The scores' pieces (its share of the 512 latent columns, the 64 RoPE columns, the other
+    shares) are summed apart, so Triton does not fold them into one chain of 36 MMA steps: the
+    halves' longest chain is 16 and the quarters' 8; the program that takes all the values keeps
+    its 32 (one product over its 512 columns); the P.V chains stay at 4 (two bf16 halves of P, 32
+    rows)."""
     base = {"kernel": "latent", "dtype": "bfloat16", "page_size": 32, "rows": 1, "one_query": True}
-    cases = [{**base, "score_chains": apart} for apart in (False, True)]
-    cases += [{**base, "score_chains": apart, "value_split": 4} for apart in (False, True)]
-    reports = compile_cases(cases)
-    one, apart, one_quarters, apart_quarters = [r["chains"] for r in reports]
+    reports = compile_cases([base, {**base, "value_split": 4}])
+    apart, apart_quarters = [r["chains"] for r in reports]
     # the row max and sum of the halves' and the whole values' programs, across the warps
     assert reports[0]["loop_reductions"] == 4
-    assert one.count(36) == 2 and max(one) == 36  # the halves' and the whole values' programs
     assert max(apart) == 32 and apart.count(16) == 2 and 36 not in apart
-    assert max(one_quarters) == 36
     assert max(apart_quarters) == 8
     assert apart_quarters.count(4) >= 2  # the RoPE columns' chain and the P.V chain
 

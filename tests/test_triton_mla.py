@@ -132,28 +132,17 @@ def test_value_split_matches_the_reference(route, dtype, page_size, heads, gen, 
                                         page_size=page_size, max_work_rows=1, element_size=2)
 
 
-@pytest.mark.parametrize("route,shares_last,chains_apart",
-                         [("split", False, False), ("split", True, False), ("cascade", True, False),
-                          ("split", False, True)]
-                         + ([("single", False, False), ("single", True, False), ("single", False, True)]
-                            if GPU else []))
-def test_adaptive_value_shares_match_the_reference(route, shares_last, chains_apart, gen, monkeypatch):
-    """``SEGKV_MLA_VALUE_SPLIT_AUTO=4``: four programs per pair block take a quarter of the values
-    each when the plan has at most a quarter of ``SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS`` partials,
-    two take a half with at most that many, else the first takes all (the others exit before
-    the wait); each gives the reference's results, fully masked rows included, with the shares
-    as neighbours in the grid or as its third dimension (``SEGKV_MLA_SHARES_LAST``), and with the
-    scores' pieces summed apart (``SEGKV_MLA_SCORE_CHAINS``)."""
+@pytest.mark.parametrize("route", ["split", "cascade"] + (["single"] if GPU else []))
+def test_adaptive_value_shares_match_the_reference(route, gen, monkeypatch):
+    """The automatic split: two programs per pair block take a half of the values each when the
+    plan has at most ``SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS`` partials, else the first takes all (the
+    other exits before the wait); each gives the reference's results, fully masked rows included."""
     from segkv.kernels import mla_attention
 
     setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT", None)
-    setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT_AUTO", "4")
-    setenv(monkeypatch, "SEGKV_MLA_SHARES_LAST", "1" if shares_last else "0")
-    monkeypatch.setattr(mla_attention, "SCORE_CHAINS_APART", chains_apart)
     meta = mla_attention.mla_stage1_launch(dtype=torch.bfloat16, rank=RANK, rope=ROPE, num_heads=4, page_size=16,
                                            max_work_rows=1, element_size=2, num_rows=1)
-    assert (meta["VALUE_SPLIT"], meta["ADAPTIVE"], meta["SHARES_LAST"], meta["CHAINS_APART"]) == (
-        4, True, shares_last, chains_apart)
+    assert (meta["VALUE_SPLIT"], meta["ADAPTIVE"]) == (2, True)
     heads = 4
     cache, _, (q0, q1, _) = latent_batch(gen, dtype=torch.bfloat16, page_size=16, rows=1)
     queries = [q0, SequenceQuery(q1.spans, 1, query_start=-1), SequenceQuery((), 1)]  # masked, empty
@@ -162,28 +151,22 @@ def test_adaptive_value_shares_match_the_reference(route, shares_last, chains_ap
     partials = plan_attention(queries, shape, device, page_size=16, route=route,
                               num_partitions=3 if route == "split" else None).num_partials
     assert partials > 1
-    for limit in (4 * partials, partials, partials - 1):  # quarters, halves, one program
+    for limit in (partials, partials - 1):  # halves, one program
         setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", str(limit))
         out, lse, ref, ref_lse = run_latent(cache, queries, heads, route, gen, dtype=torch.bfloat16)
         check(out, lse, ref, ref_lse)
         assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
-    setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT_AUTO", "3")
-    with pytest.raises(ValueError, match="2 or 4 programs"):
-        mla_attention.mla_stage1_launch(dtype=torch.bfloat16, rank=RANK, rope=ROPE, num_heads=heads, page_size=16,
-                                        max_work_rows=1, element_size=2)
 
 
-@pytest.mark.parametrize("page_size,subpage", [(20, 1), (48, 1), (48, 0)])
-def test_latent_page_sizes_that_do_not_divide_the_tile(page_size, subpage, gen, monkeypatch):
+@pytest.mark.parametrize("page_size", [20, 48])
+def test_latent_page_sizes_that_do_not_divide_the_tile(page_size, gen):
     """Latent pages of 20 rows (one whole page in a 32-row tile) or 48 (a full and a partial
-    32-row tile by default; one page in a 64-row tile with ``SEGKV_SUBPAGE_TILES=0``): every route
-    gives the reference's results."""
+    32-row tile): every route gives the reference's results."""
     from segkv.kernels import mla_attention
 
-    setenv(monkeypatch, "SEGKV_SUBPAGE_TILES", str(subpage))
     tile = mla_attention.mla_stage1_launch(dtype=torch.float32, rank=RANK, rope=ROPE, num_heads=4,
                                            page_size=page_size, max_work_rows=1, element_size=4)["BLOCK_N"]
-    assert tile == (32 if subpage else 64) and tile % page_size != 0
+    assert tile == 32 and tile % page_size != 0
     for route in [r.value for r in Route]:
         cache, _, queries = latent_batch(gen, dtype=torch.float32, page_size=page_size, rows=2)
         check(*run_latent(cache, queries, 4, route, gen, dtype=torch.float32))
@@ -191,11 +174,10 @@ def test_latent_page_sizes_that_do_not_divide_the_tile(page_size, subpage, gen, 
 
 @pytest.mark.parametrize("page_size", [32, 20])
 def test_latent_pages_longer_than_the_tile(page_size, gen, monkeypatch):
-    """Latent tiles kept at 16 rows (``SEGKV_SUBPAGE_TILES=1``, the default): pages of 32 or 20 rows span two tiles;
+    """Latent tiles kept at 16 rows: pages of 32 or 20 rows span two tiles;
     every route, with one program and with the value halves, gives the reference's results."""
     from segkv.kernels import mla_attention
 
-    setenv(monkeypatch, "SEGKV_SUBPAGE_TILES", "1")
     setenv(monkeypatch, "SEGKV_MLA_BLOCK_N", "16")
     assert mla_attention.mla_stage1_launch(dtype=torch.float32, rank=RANK, rope=ROPE, num_heads=4,
                                            page_size=page_size, max_work_rows=1, element_size=4)["BLOCK_N"] == 16

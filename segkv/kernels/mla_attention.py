@@ -49,14 +49,16 @@ def _latent_scores(q, c, EXACT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _add_scores(x, y, APART: tl.constexpr):
-    """``x + y`` for float32 score pieces. ``APART``: as ``fma(x, 1, y)``, the same float32 sum
-    (``x * 1`` is exact, so it rounds once as the add does), which Triton's combine pass does not
-    fold into a product's accumulator: products summed this way stay independent MMA chains
-    instead of one chain through every column of the scores."""
-    if APART:
-        return tl.fma(x, 1.0, y)
-    return x + y
+def _add_scores(x, y):
+    """``x + y`` for float32 score pieces, as ``fma(x, 1, y)``: the same float32 sum (``x * 1`` is
+    exact, so it rounds once as the add does), which Triton's combine pass does not fold into a
+    product's accumulator: products summed this way stay independent MMA chains instead of one
+    chain through every column of the scores. With 16 pairs a program's scores are one 16-row MMA
+    tile per warp; folded, the halves at 512 + 64 columns were a chain of 36 dependent mma.sync
+    (k=16), whose latency a batch-1 plan's two warps per scheduler cannot hide; apart, the longest
+    is the own share's 16. H200, DeepSeek-V2-Lite batch 1: 521-522 / 453 tok/s at 1K / 16K against
+    518-519 / 445-449 with one chain."""
+    return tl.fma(x, 1.0, y)
 
 
 @triton.jit
@@ -72,12 +74,12 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
                   rows_next, start_next, vb,
                   RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_ROPE: tl.constexpr,
                   BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  EXACT_FP32: tl.constexpr, PARTS: tl.constexpr, CHAINS_APART: tl.constexpr, WIDE: tl.constexpr):
+                  EXACT_FP32: tl.constexpr, PARTS: tl.constexpr, WIDE: tl.constexpr):
     """A program's scan of its work item's latent rows and the store of its pairs' partials: the
     values' ``BLOCK_V`` columns from ``vb * BLOCK_V``, one of ``PARTS`` (1, 2 or 4) shares (with
     more than one the scores also take the other shares' columns, after its own, and only program
-    ``vb == 0`` stores the LSE). ``CHAINS_APART``: the scores' pieces (the own share's columns,
-    the RoPE columns, each other share's) are separate MMA chains, added (:func:`_add_scores`)."""
+    ``vb == 0`` stores the LSE). The scores' pieces (the own share's columns, the RoPE columns,
+    each other share's) are separate MMA chains, added (:func:`_add_scores`)."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     offs_n = tl.arange(0, BLOCK_N)
@@ -119,16 +121,12 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
             tile = row_base + (page * stride_lp)[:, None]
         c = tl.load(tile + offs_v[None, :], mask=in_page[:, None] & v_ok[None, :], other=0.0)
         k_rope = tl.load(tile + RANK + offs_e[None, :], mask=in_page[:, None] & e_ok[None, :], other=0.0)
-        s = _add_scores(_latent_scores(q_lat, c, EXACT_FP32), _latent_scores(q_rope, k_rope, EXACT_FP32),
-                        CHAINS_APART)
+        s = _add_scores(_latent_scores(q_lat, c, EXACT_FP32), _latent_scores(q_rope, k_rope, EXACT_FP32))
         if PARTS > 1:
-            s = _add_scores(s, _latent_scores(q_1, _latent_cols(tile, offs_1, in_page, RANK), EXACT_FP32),
-                            CHAINS_APART)
+            s = _add_scores(s, _latent_scores(q_1, _latent_cols(tile, offs_1, in_page, RANK), EXACT_FP32))
         if PARTS == 4:
-            s = _add_scores(s, _latent_scores(q_2, _latent_cols(tile, offs_2, in_page, RANK), EXACT_FP32),
-                            CHAINS_APART)
-            s = _add_scores(s, _latent_scores(q_3, _latent_cols(tile, offs_3, in_page, RANK), EXACT_FP32),
-                            CHAINS_APART)
+            s = _add_scores(s, _latent_scores(q_2, _latent_cols(tile, offs_2, in_page, RANK), EXACT_FP32))
+            s = _add_scores(s, _latent_scores(q_3, _latent_cols(tile, offs_3, in_page, RANK), EXACT_FP32))
         m_i, l_i, acc = online_softmax_step(s, scale, key_start + row_cur, offset, in_page, c, m_i,
                                             l_i, acc, EXACT_FP32)
     # shares: the first program stores the LSE (the others' float32 scores summed their own share
@@ -149,27 +147,19 @@ def _mla_stage1_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr = False, VALUE_SPLIT: tl.constexpr = 1, ADAPTIVE: tl.constexpr = False,
-    SHARES_LAST: tl.constexpr = False, CHAINS_APART: tl.constexpr = False, WIDE_OFFSETS: tl.constexpr = True,
+    WIDE_OFFSETS: tl.constexpr = True,
 ):
     """One program: ``BLOCK_M`` (query row, head) pairs of one work item, scanning its piece
     ``BLOCK_N`` latent rows at a time with an online softmax in float32 (:func:`_latent_pairs`).
     ``USE_PDL``: as the GQA stage 1 (``paged_attention.ATTENTION_PDL``). ``VALUE_SPLIT``: programs
     per pair block, each computing the whole scores and the output of its share of the values.
-    ``ADAPTIVE``: the shares follow the plan's partial count (read from the plan, so a graph's
-    fixed grid follows each step's plan): 4 programs take a quarter each when the plan has at most
-    ``split_max_partials / 4`` partials (``VALUE_SPLIT`` 4), 2 a half each with at most
-    ``split_max_partials``, else the first takes all the values; programs without a share exit
-    before the wait. Otherwise (forced, for tuning) the ``VALUE_SPLIT`` shares whatever the plan.
-    ``SHARES_LAST``: the shares are the grid's third dimension (every work item's first programs
-    launch before any second one, so programs without a share exit at the launch's tail) instead
-    of neighbours in the first. ``CHAINS_APART``: the scores' pieces as independent MMA chains
-    (:data:`SCORE_CHAINS_APART`)."""
-    if SHARES_LAST:
-        mb = tl.program_id(0)
-        vb = tl.program_id(2)
-    else:
-        mb = tl.program_id(0) // VALUE_SPLIT
-        vb = tl.program_id(0) % VALUE_SPLIT
+    ``ADAPTIVE`` (``VALUE_SPLIT`` 2): the shares follow the plan's partial count (read from the
+    plan, so a graph's fixed grid follows each step's plan): 2 programs take a half each when the
+    plan has at most ``split_max_partials`` partials, else the first takes all the values; programs
+    without a share exit before the wait. Otherwise (forced, for tuning) the ``VALUE_SPLIT`` shares
+    whatever the plan. A pair block's shares are neighbours in the grid's first dimension."""
+    mb = tl.program_id(0) // VALUE_SPLIT
+    vb = tl.program_id(0) % VALUE_SPLIT
     w = tl.program_id(1)
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
@@ -179,10 +169,7 @@ def _mla_stage1_kernel(
     shares = VALUE_SPLIT
     if ADAPTIVE:
         partials = tl.load(work_partial_start + num_work)
-        if VALUE_SPLIT == 4:
-            shares = tl.where(partials * 4 <= split_max_partials, 4, tl.where(partials <= split_max_partials, 2, 1))
-        else:
-            shares = tl.where(partials <= split_max_partials, 2, 1)
+        shares = tl.where(partials <= split_max_partials, 2, 1)
         if vb >= shares:  # nothing to do: leave before the wait, freeing the slot
             return
     valid, head, partial, qrow, offset, pg0, pg1, page_next, rows_next, start_next, _ = plan_reads(
@@ -205,30 +192,27 @@ def _mla_stage1_kernel(
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 4, BLOCK_ROPE, BLOCK_M,
-                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 4, CHAINS_APART, WIDE_OFFSETS)
+                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 4, WIDE_OFFSETS)
     elif halves:
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 2, BLOCK_ROPE, BLOCK_M,
-                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 2, CHAINS_APART, WIDE_OFFSETS)
+                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 2, WIDE_OFFSETS)
     else:  # one program, all the values
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, 0, RANK, ROPE, BLOCK_R, BLOCK_ROPE, BLOCK_M,
-                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 1, CHAINS_APART, WIDE_OFFSETS)
+                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 1, WIDE_OFFSETS)
 
 
 MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulator fits in registers
-# The scores' pieces (own value share, RoPE columns, the other shares) as separate MMA chains
-# (SEGKV_MLA_SCORE_CHAINS, 1 by default; 0: one chain). With 16 pairs a program's scores are one
-# 16-row MMA tile per warp, and Triton folds the pieces' sum into one accumulator: a chain of 36
-# dependent mma.sync (k=16) for the halves at 512 + 64 columns, whose latency a batch-1 plan's two
-# warps per scheduler cannot hide (Nsight Compute: "wait" the first stall). Apart, the longest
-# chain is the own share's 16. H200, DeepSeek-V2-Lite batch 1: 521-522 / 453 tok/s at 1K / 16K
-# against 518-519 / 445-449 with one chain.
-SCORE_CHAINS_APART = settings.SETTINGS.mla_score_chains
+# Latent programs per pair block of the automatic value split (halves). Four (quarters for plans of
+# at most a quarter of the partials) measured level at 1K and 2.5% slower at 16K (DeepSeek-V2-Lite
+# batch 1, H200: 418-419 against 426-430 tok/s); the shares as the grid's third dimension instead
+# of neighbours, 486 against 495-496 tok/s at 1K.
+AUTO_VALUE_SPLIT = 2
 
 
 def default_mla_launch_config() -> LaunchConfig:
@@ -237,8 +221,7 @@ def default_mla_launch_config() -> LaunchConfig:
     / 128K 0.0767 -> 0.0641 ms on the H200), no register cap; ``SEGKV_MLA_BLOCK_N``, ``SEGKV_MLA_BLOCK_M``, ``SEGKV_MLA_WARPS``,
     ``SEGKV_MLA_STAGES`` and ``SEGKV_MLA_MAXNREG`` override them (tuning runs). The value split
     (``SEGKV_MLA_VALUE_SPLIT``) is 0, chosen per launch (:func:`mla_stage1_launch`) up to
-    ``SEGKV_MLA_VALUE_SPLIT_AUTO`` programs (2; 4 adds quarters for plans of few partials); 1, 2 or 4
-    force it. ``SEGKV_MLA_SHARES_LAST=1`` launches the shares as the grid's third dimension.
+    :data:`AUTO_VALUE_SPLIT` programs; 1, 2 or 4 force it.
     (Products with the latent tile as the tall operand measured 5-20% slower on the H200, and
     16-row tiles, three programs per SM at 168 registers, 11% slower for DeepSeek-V2-Lite at 16K:
     docs/benchmarks.md.)"""
@@ -252,8 +235,6 @@ def default_mla_launch_config() -> LaunchConfig:
         maxnreg=env.mla_maxnreg,
         value_split=env.mla_value_split,
         value_split_max_partials=env.mla_value_split_max_partials,
-        value_split_auto=env.mla_value_split_auto,
-        shares_last=env.mla_shares_last,
     )
 
 
@@ -284,8 +265,7 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
     count from the plan), so the plan's few programs do not leave most of each SM idle
     (DeepSeek-V2-Lite +2% at 1K and 16K on the H200; at 32K, 187 partitions, and 128K the halves
     took 1.5x as long as one program per pair block; batch 8 lost up to 10%, 128 heads 1.6x).
-    ``launch.value_split_auto`` 4 launches four instead, which take quarters of the values when the
-    plan has at most a quarter as many partials. Forced 2 follows the plan as the automatic split
+    Forced 2 follows the plan as the automatic split
     does; forced 4 takes quarters whatever the plan (tuning). A split never leaves a share fewer
     than 16 value columns (the products' minimum), so ranks under 64 split less or not at all.
     ``cache_needs_int64``: the latent cache needs int64 element offsets (``paged_attention.wide_offsets``)."""
@@ -293,14 +273,12 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
     if launch.value_split not in (0, 1, 2, 4):
         raise ValueError(f"the latent value split must be 0 (chosen per launch), 1, 2 or 4 programs, "
                          f"got {launch.value_split}")
-    if launch.value_split_auto not in (2, 4):
-        raise ValueError(f"the automatic latent value split launches 2 or 4 programs, got {launch.value_split_auto}")
     block_n = tile_rows(launch, page_size)
     block_m = max(16, min(launch.block_m, triton.next_power_of_2(max_work_rows * num_heads)))
     one_program = num_rows is not None and num_rows * num_heads <= block_m
     block_r = max(16, triton.next_power_of_2(rank))
     # each share's products need at least 16 value columns (small test models: rank 16 or 32)
-    value_split = min(launch.value_split or (launch.value_split_auto if one_program else 1), block_r // 16)
+    value_split = min(launch.value_split or (AUTO_VALUE_SPLIT if one_program else 1), block_r // 16)
     return dict(
         RANK=rank, ROPE=rope, BLOCK_R=block_r,
         BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), BLOCK_M=block_m,
@@ -308,7 +286,6 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
         num_warps=launch.num_warps, VALUE_SPLIT=value_split,
         # forced 2 and the automatic split follow the plan; forced 4 quarters whatever the plan
         ADAPTIVE=value_split > 1 and (launch.value_split == 2 or launch.value_split == 0),
-        SHARES_LAST=launch.shares_last, CHAINS_APART=SCORE_CHAINS_APART,
         WIDE_OFFSETS=cache_needs_int64,
         **maxnreg_option(launch),
         num_stages=stages_that_fit(launch.num_stages, block_n * (rank + rope) * element_size),
@@ -340,8 +317,7 @@ def mla_paged_attention(
                                  num_rows=num_rows, launch=launch,
                                  cache_needs_int64=wide_offsets(latent_cache))
         blocks = triton.cdiv(max_work_rows * num_heads, meta["BLOCK_M"])
-        grid = ((blocks, num_work, meta["VALUE_SPLIT"]) if meta["SHARES_LAST"]
-                else (blocks * meta["VALUE_SPLIT"], num_work))
+        grid = (blocks * meta["VALUE_SPLIT"], num_work)
         _mla_stage1_kernel[grid](
             query, latent_cache, part_out, part_lse, out, lse,
             page_table, page_rows, page_key_start, work_pages, work_partial_start,

@@ -222,8 +222,7 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     "rows": query rows per work item, "head_dim": int (gqa), "group": int (gqa, default 4),
     "heads": int (latent, default 16), "rank" / "rope": int (latent, default 512 / 64),
     "one_query": bool (latent, default False: the launch of a batch of one query row, whose value
-    split is chosen per plan), "score_chains": bool (latent, default: the launcher's
-    ``SEGKV_MLA_SCORE_CHAINS``), "value_split": int (latent,
+    split is chosen per plan), "value_split": int (latent,
     default: the launcher's), "assemble": bool (default False), "pdl": bool (default False: the
     programmatic-dependent-launch variant), "wide": bool (default False: int32 page offsets, as for
     caches of under 2^31 elements), "stamps": bool (gqa, default False: the variant that writes its
@@ -256,8 +255,6 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
                                                num_rows=1 if case.get("one_query") else None, launch=launch,
                                                cache_needs_int64=case.get("wide", False))
         fn, pointers = mla_attention._mla_stage1_kernel, {"Q": f"*{t}", "LAT": f"*{t}", **common}
-        if "score_chains" in case:
-            meta["CHAINS_APART"] = bool(case["score_chains"])
     meta = {**meta, "USE_PDL": bool(case.get("pdl", False))}
     return compile_offline(fn, meta, pointers=pointers, assemble=case.get("assemble", False)), meta
 

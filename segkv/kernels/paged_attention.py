@@ -277,8 +277,6 @@ class LaunchConfig:
     maxnreg: int | None = None  # register cap per thread (more resident programs, maybe spills)
     value_split: int = 1  # latent programs per pair block, each with its share of the values (0: chosen per launch)
     value_split_max_partials: int | None = None  # the most partials of a plan whose latent programs halve the values
-    value_split_auto: int = 2  # latent programs the automatic split launches (4: quarters for the fewest partials)
-    shares_last: bool = False  # latent shares as the grid's third dimension (see _mla_stage1_kernel)
     subpage_tiles: bool = True  # the tile is block_n rows whatever the page size (a longer page spans tiles)
 
 
