@@ -48,7 +48,7 @@ def main() -> None:
             ints(args.block_n), ints(args.block_m), ints(args.warps), ints(args.stages), ints(args.maxnreg)):
         label = f"{args.kernel} BLOCK_N {block_n:3d} BLOCK_M {block_m:3d} warps {warps} stages {stages} maxnreg {cap or '-'}"
         launch = LaunchConfig(max(block_n, args.page_size), warps, stages, block_m=block_m, tall_warps=warps,
-                              heads_fastest=True, maxnreg=cap or None)
+                              maxnreg=cap or None)
         case = {"kernel": "gqa" if args.kernel == "gqa" else "latent", "dtype": args.dtype, "head_dim": 128,
                 "page_size": args.page_size, "rows": max(1, block_m // group), "assemble": True, "sass": args.sass}
         try:

@@ -31,7 +31,6 @@ from segkv.bench.decode_attention import (
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 from segkv.kernels import paged_attention as pa
-from segkv.kernels.paged_attention import default_launch_config
 from segkv.kernels.timeline import FIELDS
 
 STAMP_ROWS = 1 << 16  # programs a stamp buffer holds (more than any launch here)
@@ -80,8 +79,7 @@ def program_classes(plan, programs: torch.Tensor, num_kv: int) -> list[str]:
     """Each stage-1 program's class by its work item: "tall" (several query rows: a shared
     piece's) or "one row". ``programs``: grid indices, x fastest, in the launch's order."""
     num_work = len(plan.work)
-    heads_fastest = default_launch_config(head_dim=128).heads_fastest
-    work = [(i // num_kv) % num_work if heads_fastest else i % num_work for i in programs.tolist()]
+    work = [(i // num_kv) % num_work for i in programs.tolist()]  # a piece's KV heads side by side
     return ["tall" if len(plan.work[w].query_rows) > 1 else "one row" for w in work]
 
 

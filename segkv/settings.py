@@ -59,10 +59,6 @@ class Settings:
         "KV rows per tile of tall decode programs")
     triton_tall_maxnreg: int = _setting("SEGKV_TRITON_TALL_MAXNREG", INTEGER, 168,
         "register cap of tall decode programs (0: none)")
-    triton_heads_fastest: bool = _setting("SEGKV_TRITON_HEADS_FASTEST", SWITCH, True,
-        "launch a piece's KV heads side by side")
-    subpage_tiles: bool = _setting("SEGKV_SUBPAGE_TILES", SWITCH, True,
-        "attention tiles keep their size and walk longer pages a tile at a time")
     attention_pdl: bool = _setting("SEGKV_ATTENTION_PDL", SWITCH, True,
         "programmatic dependent launch for attention's stage 1 and merge")
     merge_in_stage1_max: int = _setting("SEGKV_MERGE_IN_STAGE1_MAX", INTEGER, 8,

@@ -121,33 +121,29 @@ def check_every_route_with_a_masked_row(gen, page_size: int) -> None:
         assert torch.equal(out[2:4], torch.zeros_like(out[2:4])) and torch.isneginf(lse[2:4]).all()
 
 
-@pytest.mark.parametrize("page_size,subpage", [(20, 1), (48, 1), (100, 1), (100, 0)])
-def test_page_sizes_that_do_not_divide_the_tile(page_size, subpage, gen, monkeypatch):
+@pytest.mark.parametrize("page_size", [20, 48, 100])
+def test_page_sizes_that_do_not_divide_the_tile(page_size, gen):
     """Pages of 20, 48 or 100 rows: a 64-row tile covers 3 or 1 whole pages and its rows past them
-    count nothing (they are the next step's); a 100-row page spans a full and a partial 64-row tile
-    (the default) or, with ``SEGKV_SUBPAGE_TILES=0``, fills 100 rows of a 128-row tile. Every route
-    gives the reference's results, fully masked rows included. (Rows past whole pages once counted
-    the next page twice.)"""
+    count nothing (they are the next step's); a 100-row page spans a full and a partial 64-row
+    tile. Every route gives the reference's results, fully masked rows included. (Rows past whole
+    pages once counted the next page twice.)"""
     from segkv.kernels.paged_attention import stage1_launch
 
-    setenv(monkeypatch, "SEGKV_SUBPAGE_TILES", str(subpage))
     meta = stage1_launch(dtype=torch.float32, dk=64, dv=64, group=4, page_size=page_size, max_work_rows=1,
                          element_size=4)
-    assert meta["BLOCK_N"] == (64 if subpage else 128) and meta["BLOCK_N"] % page_size != 0
+    assert meta["BLOCK_N"] == 64 and meta["BLOCK_N"] % page_size != 0
     check_every_route_with_a_masked_row(gen, page_size)
 
 
 @pytest.mark.parametrize("page_size", [32, 48, 20])
 def test_pages_longer_than_the_tile(page_size, gen, monkeypatch):
-    """Tiles kept at 16 rows (``SEGKV_SUBPAGE_TILES=1``, the default): pages of 32, 48 or 20 rows are walked 2, 3 or
-    2 tiles at a time (the last one partly past the page),
+    """Tiles kept at 16 rows: pages of 32, 48 or 20 rows are walked 2, 3 or 2 tiles at a time (the last one partly past the page),
     every route, fully masked rows included, against the reference."""
     from segkv.kernels.paged_attention import default_launch_config, stage1_launch
 
-    setenv(monkeypatch, "SEGKV_SUBPAGE_TILES", "1")
     setenv(monkeypatch, "SEGKV_TRITON_BLOCK_N", "16")
     launch = default_launch_config(head_dim=64)
-    assert launch.subpage_tiles and stage1_launch(dtype=torch.float32, dk=64, dv=64, group=4, page_size=page_size,
+    assert stage1_launch(dtype=torch.float32, dk=64, dv=64, group=4, page_size=page_size,
                                                   max_work_rows=1, element_size=4, launch=launch)["BLOCK_N"] == 16
     check_every_route_with_a_masked_row(gen, page_size)
 
@@ -622,10 +618,9 @@ def test_launch_overrides_from_the_environment(monkeypatch):
     from segkv.kernels.paged_attention import default_launch_config
 
     setenv(monkeypatch, "SEGKV_TRITON_WARPS", "8")
-    setenv(monkeypatch, "SEGKV_TRITON_HEADS_FASTEST", "0")
     setenv(monkeypatch, "SEGKV_MLA_MAXNREG", "168")
     launch = default_launch_config(head_dim=128)
-    assert (launch.num_warps, launch.heads_fastest, launch.maxnreg) == (8, False, None)
+    assert (launch.num_warps, launch.maxnreg) == (8, None)
     assert default_mla_launch_config().maxnreg == 168
     with pytest.raises(ValueError, match="SEGKV_TRITON_STAGES"):  # read with the settings
         setenv(monkeypatch, "SEGKV_TRITON_STAGES", "two")

@@ -31,7 +31,6 @@ from segkv.kernels.paged_attention import (
     maxnreg_option,
     merge_into,
     stages_that_fit,
-    subpage_tiles,
     tile_rows,
     wide_offsets,
 )
@@ -228,7 +227,6 @@ def default_mla_launch_config() -> LaunchConfig:
     env = settings.SETTINGS
     return LaunchConfig(
         block_n=env.mla_block_n,  # a longer page spans tiles (tile_rows)
-        subpage_tiles=subpage_tiles(),
         num_warps=env.mla_warps,
         num_stages=env.mla_stages,
         block_m=settings.or_default(env.mla_block_m, MLA_BLOCK_M),
@@ -273,7 +271,7 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
     if launch.value_split not in (0, 1, 2, 4):
         raise ValueError(f"the latent value split must be 0 (chosen per launch), 1, 2 or 4 programs, "
                          f"got {launch.value_split}")
-    block_n = tile_rows(launch, page_size)
+    block_n = tile_rows(launch)
     block_m = max(16, min(launch.block_m, triton.next_power_of_2(max_work_rows * num_heads)))
     one_program = num_rows is not None and num_rows * num_heads <= block_m
     block_r = max(16, triton.next_power_of_2(rank))

@@ -46,7 +46,7 @@ def _stage1_kernel(
     scale, num_rows,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, MERGE: tl.constexpr,
     USE_PDL: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
     MERGE_LANES: tl.constexpr = 1, WIDE_OFFSETS: tl.constexpr = True,
     SKIP: tl.constexpr = False, FOUR: tl.constexpr = False, STAMPS=None,
@@ -72,12 +72,10 @@ def _stage1_kernel(
     if STAMPS is not None:
         st0 = timeline.global_ns()
         sc0 = timeline.sm_cycles()
-    if HEADS_FASTEST:  # launch order: a piece's KV heads side by side (they share its pages)
-        kvh = tl.program_id(0)
-        w = tl.program_id(1)
-    else:
-        w = tl.program_id(0)
-        kvh = tl.program_id(1)
+    # launch order: a piece's KV heads side by side (they share its pages): 0-3% faster at batch
+    # 1-16 over 32K-128K than work items side by side (H200)
+    kvh = tl.program_id(0)
+    w = tl.program_id(1)
     mb = tl.program_id(2)
     p0 = tl.load(work_partial_start + w)
     n_rows = tl.load(work_partial_start + w + 1) - p0
@@ -248,15 +246,6 @@ def _kv_write_kernel(SRC, DST, slots, stride_sn, stride_dn, WIDTH: tl.constexpr,
     tl.store(DST + slot * stride_dn + offs, row.to(DST.dtype.element_ty), mask=offs < WIDTH)
 
 
-def subpage_tiles() -> bool:
-    """Tiles of the launch's rows whatever the page size (the default; ``SEGKV_SUBPAGE_TILES=0``
-    grows the tile to the page): a page longer than the tile is walked a tile at a time. A 64-row
-    page keeps the latent kernel's 32-row tile (a 64-row one holds 255 registers and spills 1 KB,
-    offline, sm_90a); on the H200 the latent kernel at pages of 64 ran 2-2.9x faster at 32K and
-    GQA at pages of 128 1.4x (docs/benchmarks.md). Pages no longer than the tile compile as before."""
-    return settings.SETTINGS.subpage_tiles
-
-
 # The most query rows per work item of a tall (64-pair) decode program, launched with the
 # tall_block_n / tall_maxnreg of LaunchConfig (the decode rows of forks sharing a prefix; prefill
 # chunks hold more). The planner's attention.device.TALL_DECODE_MAX_ROWS is this.
@@ -273,17 +262,18 @@ class LaunchConfig:
     tall_warps: int = 4  # warps for programs of 64 or more pairs (8 measured slower for cascade)
     tall_block_n: int = 64  # KV rows per tile of tall decode programs (64 pairs from at most 16 query rows)
     tall_maxnreg: int | None = None  # register cap of tall decode programs
-    heads_fastest: bool = False  # launch a piece's KV heads side by side (they share its pages)
     maxnreg: int | None = None  # register cap per thread (more resident programs, maybe spills)
     value_split: int = 1  # latent programs per pair block, each with its share of the values (0: chosen per launch)
     value_split_max_partials: int | None = None  # the most partials of a plan whose latent programs halve the values
-    subpage_tiles: bool = True  # the tile is block_n rows whatever the page size (a longer page spans tiles)
 
 
-def tile_rows(launch: LaunchConfig, page_size: int) -> int:
-    """KV rows per stage-1 tile (``BLOCK_N``): a power of two holding at least one page, unless the
-    launch walks longer pages a tile at a time (``subpage_tiles``)."""
-    return triton.next_power_of_2(launch.block_n if launch.subpage_tiles else max(page_size, launch.block_n))
+def tile_rows(launch: LaunchConfig) -> int:
+    """KV rows per stage-1 tile (``BLOCK_N``): the launch's rows (a power of two) whatever the page
+    size, so a page longer than the tile is walked a tile at a time. A 64-row page keeps the latent
+    kernel's 32-row tile (a 64-row one holds 255 registers and spills 1 KB, offline, sm_90a); on the
+    H200 the latent kernel at pages of 64 ran 2-2.9x faster at 32K than with the tile grown to the
+    page, and GQA at pages of 128 1.4x (docs/benchmarks.md)."""
+    return triton.next_power_of_2(launch.block_n)
 
 
 def default_launch_config(*, head_dim: int) -> LaunchConfig:
@@ -293,8 +283,7 @@ def default_launch_config(*, head_dim: int) -> LaunchConfig:
     env = settings.SETTINGS
     block_n = settings.or_default(env.triton_block_n, 32 if wide else 64)
     return LaunchConfig(
-        block_n=block_n,  # a longer page spans tiles; grown to the page without subpage_tiles (tile_rows)
-        subpage_tiles=subpage_tiles(),
+        block_n=block_n,  # a longer page spans tiles (tile_rows)
         num_warps=env.triton_warps,
         # 3 stages: two K/V buffers, the next tile loading during this one (2 stages: one buffer);
         # batch 1 / 32K 0.0456 -> 0.0422 ms, batch 16 0.531 -> 0.500 (H200, with 2 programs per SM)
@@ -308,8 +297,6 @@ def default_launch_config(*, head_dim: int) -> LaunchConfig:
         # and no cap
         tall_block_n=env.triton_tall_block_n,
         tall_maxnreg=env.triton_tall_maxnreg or None,
-        # a piece's KV heads side by side: 0-3% faster at batch 1-16 over 32K-128K (H200)
-        heads_fastest=env.triton_heads_fastest,
     )
 
 
@@ -355,7 +342,7 @@ def paged_attention(
                              cache_needs_int64=wide_offsets(key_cache, value_cache))
         meta["MERGE"] = MERGE_IN_STAGE1_MAX_PARTIALS if merged else 0
         blocks = triton.cdiv(max_work_rows * group, meta["BLOCK_M"])
-        grid = (num_kv, num_work, blocks) if meta["HEADS_FASTEST"] else (num_work, num_kv, blocks)
+        grid = (num_kv, num_work, blocks)
         _stage1_kernel[grid](
             query, key_cache, value_cache, part_out, part_lse, out, lse,
             page_table, page_rows, page_key_start, work_pages, work_partial_start,
@@ -399,13 +386,12 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
     tall = block_m >= 64
     tall_decode = tall and max_work_rows <= TALL_DECODE_MAX_ROWS  # device.tall_decode_programs
-    block_n = tile_rows(dataclasses.replace(launch, block_n=launch.tall_block_n) if tall_decode else launch,
-                        page_size)
+    block_n = tile_rows(dataclasses.replace(launch, block_n=launch.tall_block_n) if tall_decode else launch)
     return dict(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
         # IEEE float32 for float32 inputs, and in the interpreter (whose bf16 dots are unreliable)
-        EXACT_FP32=dtype == torch.float32 or _INTERPRET, HEADS_FASTEST=launch.heads_fastest,
+        EXACT_FP32=dtype == torch.float32 or _INTERPRET,
         # the plan's reads before the PDL wait in decode programs of at most 16 pairs (tall ones,
         # cascade and prefill, were not measured with them)
         MERGE=0, PLAN_EARLY=block_m <= 16,
