@@ -59,8 +59,6 @@ class Settings:
         "KV rows per tile of tall decode programs")
     triton_tall_maxnreg: int = _setting("SEGKV_TRITON_TALL_MAXNREG", INTEGER, 168,
         "register cap of tall decode programs (0: none)")
-    attention_pdl: bool = _setting("SEGKV_ATTENTION_PDL", SWITCH, True,
-        "programmatic dependent launch for attention's stage 1 and merge")
     merge_in_stage1_max: int = _setting("SEGKV_MERGE_IN_STAGE1_MAX", INTEGER, 8,
         "most partials per decode row that stage 1 merges itself")
     merge_block_dv: int | None = _setting("SEGKV_MERGE_BLOCK_DV", INTEGER, None,
@@ -78,8 +76,6 @@ class Settings:
     mla_value_split_max_partials: int | None = _setting("SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", INTEGER, None,
         "most partials for the value split (None: the SM count; 132 in the interpreter)")
     # --- one-row products (GEMV), the sampler and the output head
-    triton_pdl: bool = _setting("SEGKV_TRITON_PDL", SWITCH, True,
-        "programmatic dependent launch for the MoE chain and the split-K GEMV")
     # --- mixture of experts
     gemv_unroll: int | None = _setting("SEGKV_GEMV_UNROLL", INTEGER, None,
         "unroll the expert GEMV's input loop (nonzero: on; None: for at most 8 pairs)")

@@ -78,7 +78,7 @@ def test_defaults_and_parsing():
         s.triton_warps = 2
 
 
-@pytest.mark.parametrize("name,value", [("SEGKV_TRITON_WARPS", "four"), ("SEGKV_TRITON_PDL", "yes"),
+@pytest.mark.parametrize("name,value", [("SEGKV_TRITON_WARPS", "four"), ("SEGKV_EXPERT_MLP_UNROLL", "yes"),
                                         ("SEGKV_MLA_MAXNREG", "1.5")])
 def test_a_bad_value_names_its_variable(name, value):
     with pytest.raises(ValueError, match=f"{name} must be an integer, got '{value}'"):

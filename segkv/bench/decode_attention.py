@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="each timing graph holds at least this many calls (default %(default)s: one pass "
                         "over the data copies)")
     parser.add_argument("--pdl", type=int, choices=(0, 1), default=None,
-                        help="attention PDL on or off for the timed calls (default: SEGKV_ATTENTION_PDL's, on); "
+                        help="attention PDL on or off for the timed calls (default: on where the device has it); "
                         "in a graph of several calls PDL chains them")
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None, metavar="REPORT_JSON",

@@ -150,7 +150,7 @@ def _mla_stage1_kernel(
 ):
     """One program: ``BLOCK_M`` (query row, head) pairs of one work item, scanning its piece
     ``BLOCK_N`` latent rows at a time with an online softmax in float32 (:func:`_latent_pairs`).
-    ``USE_PDL``: as the GQA stage 1 (``paged_attention.ATTENTION_PDL``). ``VALUE_SPLIT``: programs
+    ``USE_PDL``: as the GQA stage 1 (``paged_attention.attention_pdl_options``). ``VALUE_SPLIT``: programs
     per pair block, each computing the whole scores and the output of its share of the values.
     ``ADAPTIVE`` (``VALUE_SPLIT`` 2): the shares follow the plan's partial count (read from the
     plan, so a graph's fixed grid follows each step's plan): 2 programs take a half each when the

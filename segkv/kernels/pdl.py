@@ -29,8 +29,8 @@ _INTERPRET = settings.SETTINGS.triton_interpret
 @functools.lru_cache(maxsize=None)
 def pdl_supported(device_index: int) -> bool:
     """Whether device ``device_index`` and this Triton support PDL (capability 9.0 or later, a
-    Triton with ``launch_pdl`` and ``gdc_wait``); ``SEGKV_TRITON_PDL=0`` turns it off."""
-    if _INTERPRET or not settings.SETTINGS.triton_pdl or not torch.cuda.is_available():
+    Triton with ``launch_pdl`` and ``gdc_wait``)."""
+    if _INTERPRET or not torch.cuda.is_available():
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
