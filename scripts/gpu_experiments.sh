@@ -41,15 +41,10 @@
 # Measured (docs/benchmarks.md, "The engine's stage 1 sampled per instruction; page entries asked
 # into L1 ahead and fewer partials a merge step: level, removed"): entryprefetch and mergestep (both
 # removed with their switches), affinepages (a timing probe with its check script; git history).
-#   shares    the latent value split with quarters for plans of at most a quarter of the SM count
-#             of partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4; the kernel at 1K: 0.0059 ms with quarters
-#             against 0.0067 with halves) and the shares as the grid's last dimension
-#             (SEGKV_MLA_SHARES_LAST=1, so programs without a share exit at the launch's tail: at
-#             64K the halves' idle second programs cost DeepSeek-V2-Lite 2%): GPU tests, kernels,
-#             DeepSeek-V2-Lite batch 1 at 1K / 16K / 64K alternating.
-#   subpage   pages of 64 rows with the tiles kept at 32 latent / 64 GQA rows (SEGKV_SUBPAGE_TILES=1)
-#             against tiles grown to the page (the latent one then spills): GPU tests, kernels,
-#             DeepSeek-V2-Lite batch 1 and 8 with --page-size 64 alternating; GQA kernels with pages of 128.
+# The attention experiment switches measured above are removed, and with them the parts that only
+# compared them (diet2, diet2latent, dietmodels, dietbatches, p16wide, rowmajor70b, p32offsets,
+# skipmasks, b64two, lean2, lean3, leanverify, plan, shares, subpage, trigger, scorechains; git
+# history). A configuration below that still sets one of those variables runs the defaults there.
 #   cascade   16 forks of a 32K prefix (+ 512 rows each) on the 8B shape at pages of 16 and 32, and
 #             on the 70B shape (16 forks x 8 heads = 128 pairs per KV head) with its prefix in
 #             programs of 64 pairs x 4 warps (the default) or 128 pairs x 8 warps (two warpgroups,
@@ -73,17 +68,8 @@
 #   latent16k  Nsight Compute on the latent stage 1 at batch 1 / 16K and DeepSeek-V2-Lite's 16K step
 #             by kernel and grid (about 1 minute; docs/benchmarks.md, "DeepSeek-V2-Lite at 16K: the
 #             latent stage 1").
-#   scorechains  the latent stage 1's scores as separate MMA chains (SEGKV_MLA_SCORE_CHAINS, 1 by
-#             default since DeepSeek-V2-Lite batch 1 measured +0.5% / +1-2% at 1K / 16K; the halves'
-#             longest chain 36 -> 16 MMA steps) against one chain (its GPU tests: verify): the kernel at
-#             batch 1 / 8 and 1K / 16K / 64K in two rounds (DeepSeek-V2-Lite batch 8: level / +0.5%
-#             at 1K / 16K, measured), and batch 1 with quarters of the
-#             values for plans of few partials (SEGKV_MLA_VALUE_SPLIT_AUTO=4, SEGKV_MLA_SHARES_LAST=1;
-#             chains of 8 steps, the halves' 16) against the default halves (about 4 minutes).
 #   verify    the GPU tests of the attention, expert, MoE, GEMV, DeepSeek and graph code, the MoE
 #             block alone, Llama-3.1-8B and DeepSeek-V2-Lite batch 1 at the defaults.
-#   trigger   the merge letting the o GEMV launch at once (SEGKV_MERGE_TRIGGER=0), so its weight
-#             loads overlap stage 1: GPU tests, Llama-3.1-8B, Qwen3-8B, DeepSeek-V2-Lite batch 1.
 #   partitions  batch 1 at 16K-64K and batch 16 at 16K split into 1-1056 partitions against the
 #             planner's choice.
 #   pagesize  kernels at pages of 32 / 64 / 128 (walked in 64-row tiles), whole-model decode at
@@ -100,36 +86,20 @@
 #   stage1merge  batch 1's 32-33 partials merged by stage 1's last program a chunk at a time
 #             (SEGKV_MERGE_IN_STAGE1_MAX=64) against the merge launch: GPU tests, kernels at
 #             batch 1 / 4 and 16K-64K (8B and 70B shapes), Llama-3.1-8B batch 1 alternating.
-#   plan      Llama-3.1-8B batch 1 with the attention plan read before the PDL wait and the merge's
-#             late trigger (SEGKV_ATTENTION_PLAN_EARLY, SEGKV_MERGE_TRIGGER=2), DeepSeek-V2-Lite
-#             with the plan read early, alternating.
 #   transposed  GQA decode programs of 8-16 pairs with the K/V tile as the tall operand (the default
 #             since it measured faster on the 70B shape): GPU tests, the 70B kernels at batch 1 / 4 /
 #             16 and 16K-64K against SDPA, Qwen3-32B batch 1 and 8 alternating with it off.
 #   graphcalls  the kernel benchmark's timing graphs: one pass over the data copies with attention
 #             PDL (the default), at least 16 calls without it and with it; then the acceptance grid
 #             with 16 calls and PDL off (a device call).
-#   p16wide   the 8B shape at pages of 16, batch 4 / 16, with int64 page offsets
-#             (SEGKV_ATTENTION_WIDE_OFFSETS=1: more registers) against int32 (measured: slower).
-#   skipmasks  full, wholly visible tiles without the score mask (SEGKV_ATTENTION_SKIP_MASKS=1):
-#             GPU tests, kernels and the cascade, Llama-3.1-8B batch 1 / 8, off / on (measured: now
-#             the default, "Skipped masks on; four page scalars").
 #   fourpages  four page scalars for 64-row tiles of 16-row pages (SEGKV_ATTENTION_SCALAR_PAGES=4):
 #             GPU tests, the 8B shape's kernels at pages of 16, Llama-3.1-8B batch 1 / 8 (measured:
 #             now the default, "Skipped masks on; four page scalars").
 #   grid      the acceptance in one run at the defaults: attention GPU tests, the benchmark's grid.
 #   attentiontests  the attention kernels' GPU tests at the defaults.
-#   p32offsets  int32 page offsets for the row-major decode programs at pages of 32 too (the rule
-#             keeps int64 there), both shapes (not yet run).
-#   rowmajor70b  the 70B shape's decode programs row-major (SEGKV_TRITON_TRANSPOSED=0) against
-#             transposed, now that the row-major loop has four page scalars and skipped masks.
 #   p16wave   the decode programs' registers at pages of 16 and 32 as the GPU's Triton compiles
 #             them, the batch-1 partition sweep, and both shapes with the planner counting 3 decode
 #             programs per SM (32-row tiles at pages of 16 measured slower in fourpages).
-#   diet2 / diet2latent / dietmodels / dietbatches  page scalars and reciprocal normalisation (now
-#             the defaults) off, alone and both: GPU tests and GQA kernels / the latent stage 1 / the
-#             batch-1 models / batch 8 and 16 (a device call each; the float32 logits measured
-#             with them as a third setting were level and removed with their switch).
 #   retune    the 8B shape's partition counts at batch 1 and the cascade's partitions, page size and
 #             tall programs per SM, re-measured with those two on.
 #   profile   batch-1 graph steps of DeepSeek-V2-Lite and Llama-3.1-8B at 1K and 16K by kernel and
@@ -188,50 +158,8 @@ kernels_alternate() {  # decode_attention arguments...: two rounds, each setting
 deepseek_ab() {  # a 0/1 setting: DeepSeek-V2-Lite batch 1 at 1K and 16K with it off and on, two rounds
   e2e_alternate "$1" "0 1" --models deepseek-v2-lite --batches 1 --contexts 1K,16K
 }
-# page scalars and reciprocal normalisation (on by default): both off, each alone, the defaults
-DIET_OFF="SEGKV_ATTENTION_PAGE_SCALARS=0 SEGKV_ATTENTION_RECIPROCAL_NORM=0"
-DIET_CFGS=("$DIET_OFF" "SEGKV_ATTENTION_RECIPROCAL_NORM=0" "SEGKV_ATTENTION_PAGE_SCALARS=0" "")
 for part in "${@:-latent}"; do
-if [ "$part" = diet2 ]; then
-  # fewer instructions per stage-1 program: the page indices of a one- or two-page tile loaded once
-  # (SEGKV_ATTENTION_PAGE_SCALARS; tile loops 4-14% shorter) and the results normalised by one
-  # reciprocal per row (SEGKV_ATTENTION_RECIPROCAL_NORM), both now on by default: the attention and
-  # latent GPU tests, then the kernels (GQA batch 1 / 16 at 32K, the cascade) with each setting
-  gpu_tests "attention and latent, page scalars and reciprocal normalisation" \
-    -- tests/test_triton_mla.py tests/test_triton_attention.py \
-    -k "not test_triton_attention or transposed or pipeline or chunks or few_partials or longer_than"
-  CFGS=("${DIET_CFGS[@]}")
-  kernels_alternate --shapes llama3-8b --batches 1,16 --contexts 32768 --page-sizes 32 --trials 5
-elif [ "$part" = diet2latent ]; then
-  # the latent stage 1 of diet2 at batch 1 with each setting
-  for cfg in "${DIET_CFGS[@]}"; do
-    echo "-- latent stage 1, ${cfg:-defaults} (ms)" | tee -a "$log"
-    # shellcheck disable=SC2086
-    env $cfg timeout 100 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 --page-size 32 \
-      --contexts 1024,16384,131072 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
-  done
-elif [ "$part" = dietmodels ]; then
-  # the batch-1 models with page scalars and reciprocal normalisation both off / both on (the
-  # defaults), two rounds
-  for round in 1 2; do
-    for model in deepseek-v2-lite llama-3.1-8b; do
-      # shellcheck disable=SC2086
-      e2e "$model both off" $DIET_OFF -- --models $model --batches 1 --contexts 1K,16K
-      e2e "$model defaults" -- --models $model --batches 1 --contexts 1K,16K
-    done
-  done
-elif [ "$part" = dietbatches ]; then
-  # page scalars and reciprocal normalisation (the defaults since dietmodels) at batch 8 and 16:
-  # both off against the defaults, two rounds, after the graph tests with the defaults
-  gpu_tests "graphs" -- tests/test_cuda_graphs.py
-  for round in 1 2; do
-    for model in deepseek-v2-lite llama-3.1-8b; do
-      # shellcheck disable=SC2086
-      e2e "$model both off" $DIET_OFF -- --models $model --batches 8,16 --contexts 1K,16K
-      e2e "$model defaults" -- --models $model --batches 8,16 --contexts 1K,16K
-    done
-  done
-elif [ "$part" = graphcalls ]; then
+if [ "$part" = graphcalls ]; then
   # the kernel benchmark's timing graphs: one pass over the data copies with attention PDL between
   # calls (the default), at least 16 calls with PDL off and 16 calls with PDL on: batch 1 / 16 at
   # 16K and 32K, both page sizes, and the cascade, two rounds; then the acceptance grid with 16
@@ -250,12 +178,6 @@ elif [ "$part" = graphcalls ]; then
     --contexts 16384,32768,65536,131072 --page-sizes 16,32 --trials 5 --json "$OUT/grid.json" > "$OUT/grid.txt" 2>&1
   grep -E "^\[|rror|cascade" "$OUT/grid.txt" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' \
     | tee -a "$log"
-elif [ "$part" = p16wide ]; then
-  # the 8B shape's decode programs at pages of 16 take int32 page offsets and fit 3 to an SM by
-  # registers where the planner counts 2: batch 4 / 16 with int64 offsets (more registers) against
-  # them, two rounds, 16K and 32K
-  CFGS=("" "SEGKV_ATTENTION_WIDE_OFFSETS=1")
-  kernels_alternate --no-cascade --shapes llama3-8b --batches 1,4,16 --contexts 16384,32768 --page-sizes 16 --trials 5
 elif [ "$part" = p16wave ]; then
   # with four page scalars the 8B shape's decode programs take fewer registers (sm_90a: 168 -> 148
   # at pages of 16): their registers and shared memory as Triton 3.6 compiles them (programs per SM),
@@ -272,21 +194,6 @@ elif [ "$part" = p16wave ]; then
   CFGS=("" "SEGKV_CUDA_BLOCKS_PER_SM=3")
   kernels_alternate --no-cascade --shapes llama3-8b,llama3-70b --batches 1,4,16 --contexts 16384,32768 --page-sizes 16,32 \
     --trials 5
-elif [ "$part" = rowmajor70b ]; then
-  # the 70B shape's decode programs (8 pairs) row-major instead of transposed: with four page
-  # scalars and skipped masks the row-major loop is the shorter one offline (sm_90a, common path:
-  # 405 against 506 instructions at pages of 16, 399 against 495 at 32); batch 1 / 4 / 16, 16K-64K,
-  # two rounds
-  CFGS=("" "SEGKV_TRITON_TRANSPOSED=0")
-  kernels_alternate --no-cascade --shapes llama3-70b --batches 1,4,16 --contexts 16384,32768,65536 --page-sizes 16,32 \
-    --trials 5
-elif [ "$part" = p32offsets ]; then
-  # the row-major decode programs at pages of 32 with int64 page offsets (the rule before this part
-  # was measured; int32 was 4% slower at batch 1 / 32K before page scalars and skipped masks)
-  # against int32, now the default: both shapes, batch 1 / 4 / 16, 16K-64K, two rounds
-  CFGS=("" "SEGKV_ATTENTION_WIDE_OFFSETS=1")
-  kernels_alternate --no-cascade --shapes llama3-8b,llama3-70b --batches 1,4,16 --contexts 16384,32768,65536 \
-    --page-sizes 32 --trials 5
 elif [ "$part" = p16parts ]; then
   # batch 1 at pages of 16 runs 33 partitions (992-1008 rows: 16 tiles of 64 rows, the last one
   # partial) where pages of 32 run 32 (1024 rows: 16 full tiles) and are 1.5-2 us faster: the
@@ -369,24 +276,6 @@ elif [ "$part" = fourpages ]; then
   CFGS=("" "SEGKV_ATTENTION_SCALAR_PAGES=4" "SEGKV_TRITON_BLOCK_N=32")
   kernels_alternate --no-cascade --shapes llama3-8b --batches 1,4,16 --contexts 16384,32768,65536 --page-sizes 16 --trials 5
   e2e_alternate SEGKV_ATTENTION_SCALAR_PAGES "2 4" --models llama-3.1-8b --batches 1,8 --contexts 1K,16K
-elif [ "$part" = skipmasks ]; then
-  # full, wholly visible tiles without the score mask (SEGKV_ATTENTION_SKIP_MASKS=1; offline the
-  # tall tile loop's common path 13-15% shorter, batch-1 decode 4%): the GPU tests with it on, then
-  # the kernels (batch 1 / 16 at 16K and 32K, pages of 16 and 32, the cascade at pages of 16 and 32)
-  # and Llama-3.1-8B batch 1 and 8, off / on, two rounds
-  GPU_TESTS_TIMEOUT=300 gpu_tests "skipped masks" SEGKV_ATTENTION_SKIP_MASKS=1 -- tests/test_skip_masks.py \
-    tests/test_triton_attention.py tests/test_masked_rows.py -k "not test_kernels_match_the_reference or (bf16 and 16-)"
-  CFGS=("" "SEGKV_ATTENTION_SKIP_MASKS=1")
-  kernels_alternate --shapes llama3-8b --batches 1,16 --contexts 16384,32768 --page-sizes 16,32 --trials 5
-  for round in 1 2; do
-    for cfg in "${CFGS[@]}"; do
-      echo "-- cascade, pages of 32, ${cfg:-defaults}, round $round" | tee -a "$log"
-      # shellcheck disable=SC2086
-      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --cascade-only --cascade-page-size 32 \
-        --trials 5 2>&1 | attention_rows
-    done
-  done
-  e2e_alternate SEGKV_ATTENTION_SKIP_MASKS "0 1" --models llama-3.1-8b --batches 1,8 --contexts 1K,16K
 elif [ "$part" = retune ]; then
   # the planner's choices re-measured with page scalars and reciprocal normalisation on (stage-1
   # tile loops 4-14% shorter): the 8B shape's partition counts at batch 1 / 32K and 64K (pages of
@@ -486,17 +375,6 @@ for line in sys.stdin:
   CFGS=("" "SEGKV_ATTENTION_SCALAR_PAGES=2" "SEGKV_TRITON_TRANSPOSED=8" "SEGKV_TRITON_HEADS_FASTEST=0"
         "SEGKV_CUDA_BLOCKS_PER_SM=3")
   kernels_alternate --no-cascade --shapes llama3-70b,llama3-8b --batches 64 --contexts 16384 --page-sizes 16,32 --trials 3
-elif [ "$part" = b64two ]; then
-  # after b64 (70B shape, pages of 16: 150 registers, so 3 programs per SM, where the others hold
-  # 168-180; two page scalars or the transposed products made batch 64 1.16 -> 0.95-0.97 ms): their
-  # registers, then the 70B shape at pages of 16 over batch 1-64 with each, two rounds
-  echo "-- 70B decode program at pages of 16 (shared, registers, spills): defaults, two page scalars, transposed" | tee -a "$log"
-  for cfg in "" "SEGKV_ATTENTION_SCALAR_PAGES=2" "SEGKV_TRITON_TRANSPOSED=8"; do
-    echo '[{"kernel":"gqa","dtype":"bfloat16","head_dim":128,"page_size":16,"rows":1,"group":8,"assemble":true,"pdl":true}]' \
-      | env $cfg timeout 60 python3 -m segkv.kernels.offline_compile 2>&1 | grep -o '"shared.*spill_bytes": [0-9]*' | tee -a "$log"
-  done
-  CFGS=("" "SEGKV_ATTENTION_SCALAR_PAGES=2" "SEGKV_TRITON_TRANSPOSED=8")
-  kernels_alternate --no-cascade --shapes llama3-70b --batches 1,4,16,32,64 --contexts 16384,32768 --page-sizes 16 --trials 3
 elif [ "$part" = lean ]; then
   # the 70B shape's decode at pages of 16 fits 3 programs per SM (150 registers; b64, b64two):
   # batch 64 in one piece ran 0.81x SDPA. Batch 33-128 with the planner costing a full device's
@@ -511,41 +389,6 @@ elif [ "$part" = lean ]; then
   CFGS=("" "SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3" "SEGKV_TRITON_STAGES=4")
   kernels_alternate --no-cascade --shapes llama3-70b --batches 33,48,64,96,128 --contexts 16384,32768 \
     --page-sizes 16 --trials 3
-elif [ "$part" = lean2 ]; then
-  # after lean (the driver holds 3 of the 70B shape's decode programs at pages of 16 per SM, 2 of
-  # the others; the rule as first written lost 2% at batch 33 and 48, so the planner now costs lean
-  # waves only once one-piece programs fill a lean wave, batch 50 on): the rule off and on where it
-  # changes plans, 4K-16K at batch 50-256 and 128K at batch 48-64
-  CFGS=("SEGKV_CUDA_LEAN_BLOCKS_PER_SM=0" "SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3")
-  for round in 1 2; do
-    for cfg in "${CFGS[@]}"; do
-      echo "-- kernels: $cfg, round $round" | tee -a "$log"
-      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --no-cascade --shapes llama3-70b \
-        --batches 50,56,64,80,112,128,256 --contexts 4096,16384 --page-sizes 16 --trials 3 2>&1 | attention_rows
-      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --no-cascade --shapes llama3-70b \
-        --batches 48,56,64 --contexts 131072 --page-sizes 16 --trials 3 2>&1 | attention_rows
-    done
-  done
-elif [ "$part" = lean3 ]; then
-  # after lean2 (re-costing split plans or more than 3 waves lost 2-7%): the planner re-costs only
-  # one-pass plans of 1-3 lean waves, and only heads of 128. The driver's count for the 405B shape's
-  # 16-pair programs, then the rule off and on at the unmeasured batches it changes: the 70B shape
-  # at 1K-8K (batch 60-72) and 4K-16K (batch 120-130), and the 405B shape (batch 56-128)
-  echo "-- stage-1 programs per SM as the driver places them (batch 64 decode)" | tee -a "$log"
-  timeout 120 python3 scripts/stage1_occupancy.py --shapes llama3-405b --page-sizes 16,32 2>&1 \
-    | grep -E "registers|rror" | tee -a "$log"
-  CFGS=("SEGKV_CUDA_LEAN_BLOCKS_PER_SM=0" "SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3")
-  for round in 1 2; do
-    for cfg in "${CFGS[@]}"; do
-      echo "-- kernels: $cfg, round $round" | tee -a "$log"
-      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --no-cascade --shapes llama3-70b \
-        --batches 60,66,72 --contexts 1024,4096,8192 --page-sizes 16 --trials 3 2>&1 | attention_rows
-      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --no-cascade --shapes llama3-70b \
-        --batches 120,124,130 --contexts 4096,8192,16384 --page-sizes 16 --trials 3 2>&1 | attention_rows
-      env $cfg timeout 100 python3 -m segkv.bench.decode_attention --no-cascade --shapes llama3-405b \
-        --batches 56,64,128 --contexts 4096,16384 --page-sizes 16 --trials 3 2>&1 | attention_rows
-    done
-  done
 elif [ "$part" = timeline ]; then
   # where a call's time goes (scripts/stage1_timeline.py: each program's start, wait and end from
   # %globaltimer, durations from %clock64): batch 1 at 32K (84% of the copy rate, the issue asks
@@ -568,15 +411,6 @@ elif [ "$part" = cascadetimeline ]; then
     2>&1 | grep -v -i warn | tee -a "$log"
   CFGS=("" "SEGKV_MERGE_BLOCK_DV=128" "SEGKV_MERGE_BLOCK_DV=32")
   kernels_alternate --cascade-only --trials 5
-elif [ "$part" = leanverify ]; then
-  # SEGKV_CUDA_LEAN_BLOCKS_PER_SM=3 the default (after lean3): the planner, CUDA-graph and engine GPU
-  # tests, then the kernels at the defaults and with the rule off, the 70B and 405B shapes at batch
-  # 1-128 / 16K and the 8B shape (never lean) at batch 64
-  GPU_TESTS_TIMEOUT=400 gpu_tests "planner, graphs, engine" -- tests/test_planner.py tests/test_cuda_graphs.py \
-    tests/test_gpu_engine.py
-  CFGS=("" "SEGKV_CUDA_LEAN_BLOCKS_PER_SM=0")
-  kernels_alternate --no-cascade --shapes llama3-70b,llama3-405b,llama3-8b --batches 1,16,64,128 --contexts 16384 \
-    --page-sizes 16 --trials 3
 elif [ "$part" = fullgrid ]; then
   # the kernels' whole GPU grids (GQA: route x dtype x pages 16 / 32 / 64 x ratio 1 / 4 / 8 x head_dim
   # 64 / 128 / 256, each at 1, 4 and 17 rows; latent: route x dtype x pages x heads, and the value
@@ -643,26 +477,6 @@ elif [ "$part" = stage1merge ]; then
         --batches 1 --contexts 1K,16K
     done
   done
-elif [ "$part" = plan ]; then
-  # batch-1 attention at 1K is latency: Llama-3.1-8B's stage 1 and merge take 12 us a layer for 4
-  # MB (8.7% of a step). The plan's reads before the PDL wait (SEGKV_ATTENTION_PLAN_EARLY) and the
-  # merge letting the o GEMV in only when it ends (SEGKV_MERGE_TRIGGER=2), alternating
-  echo "== GPU tests: plan reads before the wait, the merge's late trigger" | tee -a "$log"
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py -k "plan_reads or folds_blocks" \
-    2>&1 | grep -E "passed|failed|^E  " | tail -5 | tee -a "$log"
-  for round in 1 2; do
-    for cfg in "SEGKV_ATTENTION_PLAN_EARLY=0" "SEGKV_ATTENTION_PLAN_EARLY=1" "SEGKV_MERGE_TRIGGER=2" \
-        "SEGKV_ATTENTION_PLAN_EARLY=1 SEGKV_MERGE_TRIGGER=2"; do
-      # shellcheck disable=SC2086
-      e2e "llama-3.1-8b $cfg" $cfg -- --models llama-3.1-8b --batches 1 --contexts 1K,16K
-    done
-  done
-  for round in 1 2; do
-    for early in 0 1; do
-      e2e "deepseek-v2-lite plan early $early" SEGKV_ATTENTION_PLAN_EARLY=$early -- --models deepseek-v2-lite \
-        --batches 1 --contexts 1K,16K
-    done
-  done
 elif [ "$part" = transposed ]; then
   # GQA decode programs of 8-16 (row, head) pairs take the K/V tile as the tall operand by default
   # (SEGKV_TRITON_TRANSPOSED=8; measured: the 70B shape's 8 pairs gained 2-5%, the 8B shape's 4
@@ -709,45 +523,6 @@ elif [ "$part" = profile ]; then
       python3 scripts/trace_gaps.py /tmp/step.json --kernels --by-grid --min-us 5 --rows 16 2>&1 | tee -a "$log"
     done
   done
-elif [ "$part" = shares ]; then
-  echo "== GPU tests: latent value shares" | tee -a "$log"
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py -k "adaptive or value_split" \
-    2>&1 | grep -E "passed|failed|^E  " | tail -5 | tee -a "$log"
-  for cfg in "SEGKV_MLA_VALUE_SPLIT_AUTO=2" "SEGKV_MLA_VALUE_SPLIT_AUTO=4" "SEGKV_MLA_SHARES_LAST=1" \
-      "SEGKV_MLA_VALUE_SPLIT_AUTO=4 SEGKV_MLA_SHARES_LAST=1"; do
-    echo "-- latent stage 1, $cfg (ms)" | tee -a "$log"
-    # shellcheck disable=SC2086
-    env $cfg timeout 100 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 --page-size 32 \
-      --contexts 1024,4096,16384,65536 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
-  done
-  for round in 1 2; do
-    for cfg in "SEGKV_MLA_VALUE_SPLIT_AUTO=2" "SEGKV_MLA_VALUE_SPLIT_AUTO=4" "SEGKV_MLA_SHARES_LAST=1" \
-        "SEGKV_MLA_VALUE_SPLIT_AUTO=4 SEGKV_MLA_SHARES_LAST=1"; do
-      # shellcheck disable=SC2086
-      e2e "deepseek $cfg" $cfg -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K,64K
-    done
-  done
-elif [ "$part" = subpage ]; then
-  echo "== GPU tests: pages longer than the tile, pages that do not divide it" | tee -a "$log"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_mla.py \
-    -k "longer_than_the_tile or do_not_divide" 2>&1 | grep -E "passed|failed|^E  " | tail -5 | tee -a "$log"
-  for sub in 0 1; do
-    echo "-- latent stage 1, pages of 64, SEGKV_SUBPAGE_TILES=$sub (ms)" | tee -a "$log"
-    SEGKV_SUBPAGE_TILES=$sub timeout 100 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1,8 \
-      --page-size 64 --contexts 4096,32768 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
-  done
-  for round in 1 2; do
-    for sub in 0 1; do
-      e2e "deepseek pages of 64, subpage tiles $sub" SEGKV_SUBPAGE_TILES=$sub -- --models deepseek-v2-lite \
-        --batches 1,8 --contexts 1K,16K --page-size 64
-    done
-  done
-  for sub in 0 1; do  # GQA: pages of 128 in 64-row tiles against 128-row ones
-    echo "-- decode attention kernels, pages of 128, SEGKV_SUBPAGE_TILES=$sub" | tee -a "$log"
-    SEGKV_SUBPAGE_TILES=$sub timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b \
-      --batches 1,16 --contexts 16384 --page-sizes 128 --no-cascade --trials 5 2>&1 | grep -E "^\[|rror" \
-      | tee -a "$log"
-  done
 elif [ "$part" = cascade ]; then
   for round in 1 2; do
     for cfg in "llama3-8b 16 64 4" "llama3-8b 32 64 4" "llama3-70b 16 64 4" "llama3-70b 16 128 8"; do
@@ -779,46 +554,6 @@ elif [ "$part" = short ]; then
     for cfg in "${configs[@]}"; do
       e2e "llama-3.1-8b $cfg" "$cfg" -- --models llama-3.1-8b --batches 1 --contexts 1K,4K
     done
-  done
-elif [ "$part" = trigger ]; then
-  # the merge letting the next kernel launch at once (SEGKV_MERGE_TRIGGER=0) instead of after its
-  # wait for stage 1 (1): at batch 1 the o GEMV (or the latent per-head GEMV) then loads its weight
-  # blocks while stage 1 and the merge run, as it does at batch 4-16 where stage 1 merges itself
-  # (Llama-3.1-8B at 1K: stage 1 6.6 us, merge 5.5, o 11.0 for 34 MB)
-  echo "== GPU tests: the merge's trigger" | tee -a "$log"
-  for trigger in 0 2; do
-    SEGKV_MERGE_TRIGGER=$trigger timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
-      tests/test_triton_mla.py -k "plan_reads or folds_blocks or mixed_long or value_split" 2>&1 \
-      | grep -E "passed|failed|^E  " | tail -3 | tee -a "$log"
-  done
-  for round in 1 2; do
-    for trigger in 1 0; do
-      e2e "llama-3.1-8b merge trigger $trigger" SEGKV_MERGE_TRIGGER=$trigger -- --models llama-3.1-8b --batches 1 \
-        --contexts 1K,16K
-    done
-  done
-  for trigger in 1 0; do
-    e2e "qwen3-8b merge trigger $trigger" SEGKV_MERGE_TRIGGER=$trigger -- --models qwen3-8b --batches 1 --contexts 1K,16K
-    e2e "deepseek merge trigger $trigger" SEGKV_MERGE_TRIGGER=$trigger -- --models deepseek-v2-lite --batches 1 \
-      --contexts 1K,16K
-  done
-elif [ "$part" = scorechains ]; then
-  # (the latent GPU tests with the default chains apart: part verify)
-  for round in 1 2; do
-    for chains in 1 0; do
-      echo "-- latent stage 1, SEGKV_MLA_SCORE_CHAINS=$chains, round $round (ms)" | tee -a "$log"
-      SEGKV_MLA_SCORE_CHAINS=$chains timeout 100 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 \
-        --batches 1,8 --page-size 32 --contexts 1024,16384,65536 --dtypes bfloat16 --trials 5 2>&1 \
-        | grep -E "^\[|rror" | tee -a "$log"
-    done
-  done
-  # (DeepSeek-V2-Lite batch 8 with the chains apart / one chain: measured, docs/benchmarks.md)
-  # quarters of the values for plans of at most 33 partials: their chains are 8 steps now, the
-  # halves' 16 (measured level at 1K and 2-4% slower at 16K when both were 36)
-  for round in 1 2; do
-    e2e "halves (default)" -- --models deepseek-v2-lite --batches 1 --contexts 1K,16K
-    e2e "quarters, shares last" SEGKV_MLA_VALUE_SPLIT_AUTO=4 SEGKV_MLA_SHARES_LAST=1 -- --models deepseek-v2-lite \
-      --batches 1 --contexts 1K,16K
   done
 elif [ "$part" = verify ]; then
   # after a change of defaults or a removal: the attention kernels' GPU tests (bf16 / head_dim 128 /
@@ -857,7 +592,7 @@ elif [ "$part" = pagesize ]; then
     e2e "deepseek pages of $page" -- --models deepseek-v2-lite --batches 1,8 --contexts 1K,16K --page-size $page
   done
 else
-  echo "unknown part $part (grid, retune, diet2, diet2latent, dietmodels, dietbatches, scorechains, verify, latent16k, merge, expert, mla, tests, valuesplit, heads128, stage1merge, plan, transposed, profile, shares, subpage, cascade, b16, short, enginetests, trigger, partitions or pagesize)" >&2
+  echo "unknown part $part (grid, retune, verify, latent16k, merge, expert, mla, tests, valuesplit, heads128, stage1merge, transposed, profile, cascade, b16, short, enginetests, partitions or pagesize)" >&2
   exit 2
 fi
 done
