@@ -37,7 +37,7 @@ test: install chromium
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) tests
 
 bench-memory: install
-	$(BIN)/python -m segkv.bench.cache_memory
+	$(BIN)/python -m benchmarks.cache_memory
 
 # The main job: the OpenAI-compatible server with the built-in default model.
 run: install-runtime

@@ -1,7 +1,7 @@
 """The fixed cost of a batch-1 decode attention call, split: stage 1 alone, the merge alone, the
 whole call, over partition counts and contexts (Llama-3-8B shape: 32 query heads, 8 KV heads,
 head_dim 128, bf16). Each variant is a CUDA graph over enough copies of the KV that L2 stays cold
-(as in ``segkv.bench.decode_attention``); medians of ``--trials`` shuffled trials, in us.
+(as in ``benchmarks.decode_attention``); medians of ``--trials`` shuffled trials, in us.
 
 A time that barely grows with the tiles each program scans is fixed cost: the plan's dependent
 index loads, the pipeline's first tile, the partial's store, the merge launch. The floor of an
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
 from segkv.attention.triton_backend import PlanCapacity, TritonBackend
-from segkv.bench.decode_attention import Timer, _fill_random
+from benchmarks.decode_attention import Timer, _fill_random
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 from segkv.kernels import paged_attention

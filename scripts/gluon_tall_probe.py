@@ -744,7 +744,7 @@ def compile_only() -> None:
 def run(trials: int, selected: tuple[str, ...], clocks: tuple[str, ...] = (), once: tuple[str, ...] = ()) -> None:
     from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
     from segkv.attention.triton_backend import TritonBackend
-    from segkv.bench.decode_attention import Timer, _run_trials, forked_prefix, measured_read_bandwidth
+    from benchmarks.decode_attention import Timer, _run_trials, forked_prefix, measured_read_bandwidth
     from segkv.kernels.paged_attention import merge_into
 
     device, forks, prefix, page, q_heads, kv_heads, dim = "cuda", 16, 32768, 16, 32, 8, 128

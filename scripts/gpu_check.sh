@@ -4,9 +4,9 @@
 #   SEGKV_GPU_TESTS  pytest -k expression for the kernel tests ("" = the full grid, about an hour)
 #   SEGKV_GPU_TUNE   partition-count sweep cases, e.g. 1x131072,4x32768 (empty: skip), run for each
 #                    SEGKV_GPU_LAUNCHES entry BLOCK_N,WARPS,STAGES
-#   SEGKV_GPU_BENCH  arguments for segkv.bench.decode_attention ("skip" to skip)
-#   SEGKV_GPU_MLA_BENCH  arguments for segkv.bench.mla_decode ("skip" to skip)
-#   SEGKV_GPU_E2E    arguments for segkv.bench.decode_e2e, e.g. "--models llama-3.1-8b --skip-hf" (empty: skip),
+#   SEGKV_GPU_BENCH  arguments for benchmarks.decode_attention ("skip" to skip)
+#   SEGKV_GPU_MLA_BENCH  arguments for benchmarks.mla_decode ("skip" to skip)
+#   SEGKV_GPU_E2E    arguments for benchmarks.decode_e2e, e.g. "--models llama-3.1-8b --skip-hf" (empty: skip),
 #                    followed by scripts/profile_decode.py (batch 1, 1K context)
 #   SEGKV_GPU_TRAIN  non-empty: retrain the built-in models (about 6.5 min) and compare them byte for byte
 #   SEGKV_GPU_SWEEPS non-empty: the expert GEMV launch sweep and the prefill attention launch sweep
@@ -20,23 +20,23 @@ python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/te
   -k "${SEGKV_GPU_TESTS:-}" 2>&1 | tail -25 | tee "$OUT/tests.txt"
 if [ -n "${SEGKV_GPU_TUNE:-}" ]; then  # one process per launch configuration
   for launch in ${SEGKV_GPU_LAUNCHES:-64,4,2 64,4,3 128,4,2 128,8,2 32,4,2 64,8,2}; do
-    timeout 300 python3 -m segkv.bench.decode_attention --tune "$SEGKV_GPU_TUNE" --launch "$launch" --trials 3 \
+    timeout 300 python3 -m benchmarks.decode_attention --tune "$SEGKV_GPU_TUNE" --launch "$launch" --trials 3 \
       --json "/tmp/tune_${launch//,/_}.json" 2>&1 | grep -v "^device" | tee -a "$OUT/tune.txt"
   done
   python3 -c 'import glob, json, sys; json.dump([json.load(open(f)) for f in sorted(glob.glob("/tmp/tune_*.json"))], open(sys.argv[1], "w"))' "$OUT/tune.json"
 fi
 if [ "${SEGKV_GPU_BENCH:-}" != "skip" ]; then
   # shellcheck disable=SC2086
-  python3 -m segkv.bench.decode_attention --json "$OUT/decode_attention.json" ${SEGKV_GPU_BENCH:-} 2>&1 \
+  python3 -m benchmarks.decode_attention --json "$OUT/decode_attention.json" ${SEGKV_GPU_BENCH:-} 2>&1 \
     | tee "$OUT/bench.txt"
 fi
 if [ "${SEGKV_GPU_MLA_BENCH:-}" != "skip" ]; then  # the latent (MLA) kernel and layer benchmark
   # shellcheck disable=SC2086
-  python3 -m segkv.bench.mla_decode --json "$OUT/mla_decode.json" ${SEGKV_GPU_MLA_BENCH:-} 2>&1 | tee "$OUT/mla_bench.txt"
+  python3 -m benchmarks.mla_decode --json "$OUT/mla_decode.json" ${SEGKV_GPU_MLA_BENCH:-} 2>&1 | tee "$OUT/mla_bench.txt"
 fi
 if [ -n "${SEGKV_GPU_E2E:-}" ]; then  # whole-model decode against its bandwidth limit, then where a step goes
   # shellcheck disable=SC2086
-  python3 -m segkv.bench.decode_e2e --json "$OUT/decode_e2e.json" ${SEGKV_GPU_E2E} 2>&1 | tee "$OUT/e2e.txt"
+  python3 -m benchmarks.decode_e2e --json "$OUT/decode_e2e.json" ${SEGKV_GPU_E2E} 2>&1 | tee "$OUT/e2e.txt"
   python3 scripts/profile_decode.py 2>&1 | tee "$OUT/profile.txt" | grep -E "graphs=|replay|host"
 fi
 if [ -n "${SEGKV_GPU_TRAIN:-}" ]; then  # regenerate the built-in models and compare with the packaged ones

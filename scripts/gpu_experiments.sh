@@ -122,7 +122,7 @@ e2e() {  # label, env assignments..., --, decode_e2e arguments...
   echo "-- $1" | tee -a "$log"
   shift
   split_env "$@"
-  env ${ENVS[@]+"${ENVS[@]}"} timeout 100 python3 -m segkv.bench.decode_e2e --skip-hf --trials 3 \
+  env ${ENVS[@]+"${ENVS[@]}"} timeout 100 python3 -m benchmarks.decode_e2e --skip-hf --trials 3 \
     ${REST[@]+"${REST[@]}"} 2>&1 | grep -E "^\[|rror" | tee -a "$log"
 }
 gpu_tests() {  # label, env assignments..., --, pytest arguments...
@@ -151,7 +151,7 @@ kernels_alternate() {  # decode_attention arguments...: two rounds, each setting
     for cfg in "${CFGS[@]}"; do
       echo "-- kernels: ${cfg:-defaults}, round $round" | tee -a "$log"
       # shellcheck disable=SC2086
-      env $cfg timeout 100 python3 -m segkv.bench.decode_attention "$@" 2>&1 | attention_rows
+      env $cfg timeout 100 python3 -m benchmarks.decode_attention "$@" 2>&1 | attention_rows
     done
   done
 }
@@ -169,12 +169,12 @@ if [ "$part" = graphcalls ]; then
     for cfg in "" "--calls-per-graph 16 --pdl 0" "--calls-per-graph 16 --pdl 1"; do
       echo "-- kernels: ${cfg:-defaults}, round $round" | tee -a "$log"
       # shellcheck disable=SC2086
-      timeout 100 python3 -m segkv.bench.decode_attention $cfg --shapes llama3-8b --batches 1,16 \
+      timeout 100 python3 -m benchmarks.decode_attention $cfg --shapes llama3-8b --batches 1,16 \
         --contexts 16384,32768 --page-sizes 16,32 --trials 5 2>&1 | attention_rows
     done
   done
   echo "-- acceptance grid, 16 calls per graph, PDL off: $OUT/grid.txt" | tee -a "$log"
-  timeout 300 python3 -m segkv.bench.decode_attention --calls-per-graph 16 --pdl 0 --shapes llama3-8b,llama3-70b --batches 1,4,16 \
+  timeout 300 python3 -m benchmarks.decode_attention --calls-per-graph 16 --pdl 0 --shapes llama3-8b,llama3-70b --batches 1,4,16 \
     --contexts 16384,32768,65536,131072 --page-sizes 16,32 --trials 5 --json "$OUT/grid.json" > "$OUT/grid.txt" 2>&1
   grep -E "^\[|rror|cascade" "$OUT/grid.txt" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' \
     | tee -a "$log"
@@ -188,7 +188,7 @@ elif [ "$part" = p16wave ]; then
       | grep -E "^gqa" | tee -a "$log"
   done
   for page in 16 32; do
-    timeout 60 python3 -m segkv.bench.decode_attention --tune 1x32768,1x65536 --shapes llama3-8b --page-sizes $page \
+    timeout 60 python3 -m benchmarks.decode_attention --tune 1x32768,1x65536 --shapes llama3-8b --page-sizes $page \
       --trials 5 2>&1 | grep -E "^tune|rror" | sed -E 's/ p[0-9]+_head=[^ ]*//g' | tee -a "$log"
   done
   CFGS=("" "SEGKV_CUDA_BLOCKS_PER_SM=3")
@@ -200,7 +200,7 @@ elif [ "$part" = p16parts ]; then
   # partition sweep with 32 and 33 side by side, both shapes, both page sizes, 32K and 64K
   for shape in llama3-8b llama3-70b; do
     for page in 16 32; do
-      timeout 90 python3 -m segkv.bench.decode_attention --tune 1x32768,1x65536 --shapes $shape --page-sizes $page \
+      timeout 90 python3 -m benchmarks.decode_attention --tune 1x32768,1x65536 --shapes $shape --page-sizes $page \
         --trials 5 2>&1 | grep -E "^tune|rror" | sed -E 's/ p[0-9]+_head=[^ ]*//g' | tee -a "$log"
     done
   done
@@ -211,7 +211,7 @@ elif [ "$part" = headmajor ]; then
   # beside it, both shapes, batch 1 / 4 / 16, 16K-64K, both page sizes, two rounds
   for round in 1 2; do
     echo "-- kernels, head-major copy beside, round $round" | tee -a "$log"
-    timeout 150 python3 -m segkv.bench.decode_attention --head-major --no-cascade --shapes llama3-8b,llama3-70b \
+    timeout 150 python3 -m benchmarks.decode_attention --head-major --no-cascade --shapes llama3-8b,llama3-70b \
       --batches 1,4,16 --contexts 16384,32768,65536 --page-sizes 16,32 --trials 5 2>&1 | attention_rows
   done
 elif [ "$part" = wholetiles ]; then
@@ -224,7 +224,7 @@ elif [ "$part" = wholetiles ]; then
       for cfg in "" "SEGKV_CUDA_MIN_PARTITION_ROWS=${ctx_rows##*:}"; do
         echo "-- kernels: ${cfg:-defaults}, round $round" | tee -a "$log"
         # shellcheck disable=SC2086
-        env $cfg timeout 100 python3 -m segkv.bench.decode_attention --no-cascade --shapes llama3-8b,llama3-70b \
+        env $cfg timeout 100 python3 -m benchmarks.decode_attention --no-cascade --shapes llama3-8b,llama3-70b \
           --batches 1 --contexts $ctx --page-sizes 16,32 --trials 5 2>&1 | attention_rows
       done
     done
@@ -234,10 +234,10 @@ elif [ "$part" = b16parts ]; then
   # 16K with pages of 32: the partition sweep at both, both page sizes, the 8B shape; the 70B shape
   # at 16K, pages of 32
   for page in 16 32; do
-    timeout 120 python3 -m segkv.bench.decode_attention --tune 16x16384,16x131072 --shapes llama3-8b --page-sizes $page \
+    timeout 120 python3 -m benchmarks.decode_attention --tune 16x16384,16x131072 --shapes llama3-8b --page-sizes $page \
       --trials 5 2>&1 | grep -E "^tune|rror" | sed -E 's/ p[0-9]+_head=[^ ]*//g' | tee -a "$log"
   done
-  timeout 60 python3 -m segkv.bench.decode_attention --tune 16x16384 --shapes llama3-70b --page-sizes 32 \
+  timeout 60 python3 -m benchmarks.decode_attention --tune 16x16384 --shapes llama3-70b --page-sizes 32 \
     --trials 5 2>&1 | grep -E "^tune|rror" | sed -E 's/ p[0-9]+_head=[^ ]*//g' | tee -a "$log"
 elif [ "$part" = offsetse2e ]; then
   # Llama-3.1-8B (pages of 32 on CUDA) with the decode programs' int64 page offsets (the rule
@@ -256,13 +256,13 @@ elif [ "$part" = grid ]; then
   GPU_TESTS_TIMEOUT=200 gpu_tests "attention kernels" -- tests/test_triton_attention.py tests/test_skip_masks.py \
     tests/test_masked_rows.py -k "not test_kernels_match_the_reference or (bf16 and 128 and 16-16)"
   echo "-- acceptance grid at the defaults: $OUT/grid.txt" | tee -a "$log"
-  timeout 270 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b --batches 1,4,16 \
+  timeout 270 python3 -m benchmarks.decode_attention --shapes llama3-8b,llama3-70b --batches 1,4,16 \
     --contexts 16384,32768,65536,131072 --page-sizes 16,32 --trials 5 --json "$OUT/grid.json" > "$OUT/grid.txt" 2>&1
   grep -E "^\[|rror|cascade" "$OUT/grid.txt" | sed -E 's/ segments2.*sdpa_flash/ sdpa_flash/; s/sdpa_efficient.*//' \
     | tee -a "$log"
   for page in 16 32; do
     echo "-- cascade, pages of $page, and with at most 32 prefix partitions (whole tiles)" | tee -a "$log"
-    timeout 60 python3 -m segkv.bench.decode_attention --cascade-only --cascade-page-size $page --cascade-caps 32 \
+    timeout 60 python3 -m benchmarks.decode_attention --cascade-only --cascade-page-size $page --cascade-caps 32 \
       --trials 5 2>&1 | attention_rows
   done
 elif [ "$part" = fourpages ]; then
@@ -282,7 +282,7 @@ elif [ "$part" = retune ]; then
   # 32), then the cascade with at most 17 / 25 / 33 / 49 partitions, at pages of 16 and 32, and with
   # 2 / 3 / 4 tall programs per SM assumed (2 also without the register cap), two rounds
   echo "-- partition sweep, 8B shape, batch 1" | tee -a "$log"
-  timeout 150 python3 -m segkv.bench.decode_attention --tune 1x32768,1x65536 --shapes llama3-8b --page-sizes 32 \
+  timeout 150 python3 -m benchmarks.decode_attention --tune 1x32768,1x65536 --shapes llama3-8b --page-sizes 32 \
     --trials 5 2>&1 | grep -E "^tune|rror" | tee -a "$log"
   CFGS=("" "SEGKV_CUDA_TALL_BLOCKS_PER_SM=2" "SEGKV_CUDA_TALL_BLOCKS_PER_SM=4"
         "SEGKV_CUDA_TALL_BLOCKS_PER_SM=2 SEGKV_TRITON_TALL_MAXNREG=0")
@@ -291,7 +291,7 @@ elif [ "$part" = retune ]; then
       for cfg in "${CFGS[@]}"; do
         echo "-- cascade, pages of $page, ${cfg:-defaults}, round $round" | tee -a "$log"
         # shellcheck disable=SC2086
-        env $cfg timeout 100 python3 -m segkv.bench.decode_attention --cascade-only --cascade-page-size $page \
+        env $cfg timeout 100 python3 -m benchmarks.decode_attention --cascade-only --cascade-page-size $page \
           --cascade-caps 17,25,33,49 --trials 5 2>&1 | attention_rows
       done
     done
@@ -428,7 +428,7 @@ elif [ "$part" = valuesplit ]; then
   # partitions, where the second program must exit at once and cost nothing)
   for split in 1 0; do
     echo "-- latent stage 1, SEGKV_MLA_VALUE_SPLIT=$split (ms)" | tee -a "$log"
-    SEGKV_MLA_VALUE_SPLIT=$split timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 \
+    SEGKV_MLA_VALUE_SPLIT=$split timeout 150 python3 -m benchmarks.mla_decode --skip-layer --heads 16 --batches 1 \
       --contexts 1024,16384,32768,131072 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
   done
   for round in 1 2; do
@@ -449,11 +449,11 @@ elif [ "$part" = heads128 ]; then
   for cfg in "SEGKV_MLA_VALUE_SPLIT=1" "SEGKV_MLA_BLOCK_M=64 SEGKV_MLA_VALUE_SPLIT=4 SEGKV_MLA_BLOCK_N=16" \
       "SEGKV_MLA_BLOCK_M=64 SEGKV_MLA_VALUE_SPLIT=4" "SEGKV_MLA_BLOCK_M=32 SEGKV_MLA_VALUE_SPLIT=4"; do
     echo "-- 128 latent heads, $cfg (ms)" | tee -a "$log"
-    env $cfg timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 128 --batches 1,8 \
+    env $cfg timeout 150 python3 -m benchmarks.mla_decode --skip-layer --heads 128 --batches 1,8 \
       --contexts 16384,32768,131072 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
   done
   echo "-- 16 latent heads, SEGKV_MLA_VALUE_SPLIT=4 (152 registers offline) (ms)" | tee -a "$log"
-  SEGKV_MLA_VALUE_SPLIT=4 timeout 150 python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 \
+  SEGKV_MLA_VALUE_SPLIT=4 timeout 150 python3 -m benchmarks.mla_decode --skip-layer --heads 16 --batches 1 \
     --contexts 1024,16384 --dtypes bfloat16 --trials 5 2>&1 | grep -E "^\[|rror" | tee -a "$log"
 elif [ "$part" = stage1merge ]; then
   # batch 1's 32-33 partials per row merged by stage 1's last program a chunk at a time
@@ -467,7 +467,7 @@ elif [ "$part" = stage1merge ]; then
   for cfg in "SEGKV_MERGE_IN_STAGE1_MAX=8" "SEGKV_MERGE_IN_STAGE1_MAX=64" \
       "SEGKV_MERGE_IN_STAGE1_MAX=64 SEGKV_MERGE_IN_STAGE1_CHUNKED=1" "SEGKV_MERGE_IN_STAGE1_MAX=8"; do
     echo "-- decode attention kernels, $cfg" | tee -a "$log"
-    env $cfg timeout 150 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b \
+    env $cfg timeout 150 python3 -m benchmarks.decode_attention --shapes llama3-8b,llama3-70b \
       --batches 1,4,16 --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 \
       | grep -E "^\[|^device|rror" | tee -a "$log"
   done
@@ -489,7 +489,7 @@ elif [ "$part" = transposed ]; then
   for cfg in "SEGKV_TRITON_TRANSPOSED=0" "SEGKV_TRITON_TRANSPOSED=8" \
       "SEGKV_TRITON_TRANSPOSED=8 SEGKV_TRITON_STAGES=2 SEGKV_CUDA_BLOCKS_PER_SM=3" "SEGKV_TRITON_TRANSPOSED=0"; do
     echo "-- decode attention kernels, $cfg" | tee -a "$log"
-    env $cfg timeout 150 python3 -m segkv.bench.decode_attention --shapes llama3-70b --batches 1,4,16 \
+    env $cfg timeout 150 python3 -m benchmarks.decode_attention --shapes llama3-70b --batches 1,4,16 \
       --contexts 16384,32768,65536 --page-sizes 32 --no-cascade --trials 5 2>&1 | grep -E "^\[|^device|rror" \
       | tee -a "$log"
   done
@@ -528,7 +528,7 @@ elif [ "$part" = cascade ]; then
     for cfg in "llama3-8b 16 64 4" "llama3-8b 32 64 4" "llama3-70b 16 64 4" "llama3-70b 16 128 8"; do
       read -r shape page pairs warps <<< "$cfg"
       echo "-- cascade $shape, pages of $page, prefix programs of $pairs pairs x $warps warps" | tee -a "$log"
-      SEGKV_TRITON_BLOCK_M=$pairs SEGKV_TRITON_TALL_WARPS=$warps timeout 100 python3 -m segkv.bench.decode_attention \
+      SEGKV_TRITON_BLOCK_M=$pairs SEGKV_TRITON_TALL_WARPS=$warps timeout 100 python3 -m benchmarks.decode_attention \
         --cascade-only --cascade-shape "$shape" --cascade-page-size "$page" --trials 5 2>&1 \
         | grep -E "^cascade|^  |rror" | tee -a "$log"
     done
@@ -546,7 +546,7 @@ elif [ "$part" = short ]; then
            "SEGKV_CUDA_MERGE_LAUNCH_ROWS=512")
   for cfg in "${configs[@]}"; do
     echo "-- decode attention kernels, $cfg" | tee -a "$log"
-    env "$cfg" timeout 100 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b --batches 1 \
+    env "$cfg" timeout 100 python3 -m benchmarks.decode_attention --shapes llama3-8b,llama3-70b --batches 1 \
       --contexts 1024,2048,4096,8192 --page-sizes 32 --no-cascade --trials 5 2>&1 | grep -E "^\[|rror" \
       | tee -a "$log"
   done
@@ -572,7 +572,7 @@ elif [ "$part" = partitions ]; then
   # default launch against the planner's choice (33 / 2), pages of 32
   for shape in llama3-8b llama3-70b; do
     echo "-- partition counts, $shape, batch 1" | tee -a "$log"
-    timeout 200 python3 -m segkv.bench.decode_attention --tune 1x16384,1x32768,1x65536,16x16384 --shapes $shape \
+    timeout 200 python3 -m benchmarks.decode_attention --tune 1x16384,1x32768,1x65536,16x16384 --shapes $shape \
       --page-sizes 32 --trials 5 2>&1 | grep -E "^tune|rror" | tee -a "$log"
   done
 elif [ "$part" = pagesize ]; then
@@ -581,7 +581,7 @@ elif [ "$part" = pagesize ]; then
   # pages of 32 (offline, sm_90a: 245 registers against 192, both 2 programs per SM). Kernels at
   # pages of 32 / 64 / 128, then whole-model decode at pages of 32 (the CUDA default) and 64
   echo "-- decode attention kernels, pages of 32 / 64 / 128" | tee -a "$log"
-  timeout 200 python3 -m segkv.bench.decode_attention --shapes llama3-8b,llama3-70b --batches 1,4,16 \
+  timeout 200 python3 -m benchmarks.decode_attention --shapes llama3-8b,llama3-70b --batches 1,4,16 \
     --contexts 16384,65536 --page-sizes 32,64,128 --no-cascade --trials 5 2>&1 | attention_rows
   for round in 1 2; do
     for page in 32 64; do

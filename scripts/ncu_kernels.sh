@@ -18,24 +18,24 @@ show() { grep -E "_kernel \(|grid_size|duration|dram__|registers|warps_active|is
 if [ "${1:-all}" = latent16k ]; then
   echo "== latent stage 1: 16 heads, batch 1, 16K, pages of 32"
   timeout 200 ncu --clock-control none --kernel-name regex:_mla_stage1 --launch-skip 1 --launch-count 1 \
-    --metrics "$metrics" python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 \
+    --metrics "$metrics" python3 -m benchmarks.mla_decode --skip-layer --heads 16 --batches 1 \
     --contexts 16384 --dtypes bfloat16 --page-size 32 --trials 1 2>&1 | show | tee "$OUT/ncu.txt"
   exit 0
 fi
 {
   echo "== latent stage 1: 16 heads, batch 1, 128K"
   timeout 200 ncu --clock-control none --kernel-name regex:_mla_stage1 --launch-skip 1 --launch-count 1 \
-    --metrics "$metrics" python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 \
+    --metrics "$metrics" python3 -m benchmarks.mla_decode --skip-layer --heads 16 --batches 1 \
     --contexts 131072 --dtypes bfloat16 --trials 1 2>&1 | show
   echo "== GQA stage 1: llama3-8b, batch 4, 32K"
   timeout 200 ncu --clock-control none --kernel-name regex:_stage1_kernel --launch-skip 2 --launch-count 1 \
-    --metrics "$metrics" python3 -m segkv.bench.decode_attention --trials 1 --no-cascade --shapes llama3-8b \
+    --metrics "$metrics" python3 -m benchmarks.decode_attention --trials 1 --no-cascade --shapes llama3-8b \
     --page-sizes 16 --batches 4 --contexts 32768 2>&1 | show
   echo "== GQA stage 1: the cascade (16 forks of a 32K prefix, 64-pair prefix programs)"
   timeout 200 ncu --clock-control none --kernel-name regex:_stage1_kernel --launch-skip 0 --launch-count 1 \
-    --metrics "$metrics" python3 -m segkv.bench.decode_attention --trials 1 --cascade-only 2>&1 | show
+    --metrics "$metrics" python3 -m benchmarks.decode_attention --trials 1 --cascade-only 2>&1 | show
   echo "== latent stage 1: 16 heads, batch 1, 1K (a DeepSeek-V2-Lite decode step's attention)"
   timeout 200 ncu --clock-control none --kernel-name regex:_mla_stage1 --launch-skip 1 --launch-count 1 \
-    --metrics "$metrics" python3 -m segkv.bench.mla_decode --skip-layer --heads 16 --batches 1 \
+    --metrics "$metrics" python3 -m benchmarks.mla_decode --skip-layer --heads 16 --batches 1 \
     --contexts 1024 --dtypes bfloat16 --trials 1 2>&1 | show
 } | tee "$OUT/ncu.txt"

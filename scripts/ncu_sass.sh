@@ -19,7 +19,7 @@ rep="/tmp/ncu_$case_name"
 timeout 300 ncu --clock-control none --kernel-name regex:_stage1_kernel --launch-skip "$skip" --launch-count 1 \
   --section SourceCounters --section WarpStateStats --section LaunchStats --section Occupancy \
   --section SpeedOfLight --section MemoryWorkloadAnalysis -f -o "$rep" \
-  python3 -m segkv.bench.decode_attention "${args[@]}" > "$OUT/${case_name}_run.txt" 2>&1
+  python3 -m benchmarks.decode_attention "${args[@]}" > "$OUT/${case_name}_run.txt" 2>&1
 ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/${case_name}_sass.csv" 2>&1
 ncu -i "$rep.ncu-rep" --page details > "$OUT/${case_name}_details.txt" 2>&1
 wc -c "$OUT/${case_name}_sass.csv" "$OUT/${case_name}_details.txt"

@@ -1,6 +1,6 @@
 """Where a decode step's time goes: host work, graph replay and each kernel, for one model shape.
 
-Builds a model at a real shape with random weights (``segkv.bench.decode_e2e.model_config``), fills a
+Builds a model at a real shape with random weights (``benchmarks.decode_e2e.model_config``), fills a
 cache of ``--context`` random rows per sequence and times greedy decode steps through the runner
 (CUDA graphs on), then splits the step:
 
@@ -30,7 +30,7 @@ import torch
 
 from segkv.attention.planner import plan_attention
 from segkv.attention.plan import SequenceQuery
-from segkv.bench.decode_e2e import _decode, _runner, _trim_to, build_segkv, case_pages, model_config
+from benchmarks.decode_e2e import _decode, _runner, _trim_to, build_segkv, case_pages, model_config
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, default_page_size
 from segkv.layers.sampler import argmax_rows
@@ -130,7 +130,7 @@ def generator_timeline(runner, chains, first: list[int], steps: int, context: in
     graph replay (an event before and after it) and the time from one replay's end to the next
     one's start (sampling, copies, and any wait for the host), median / 90th percentile / largest
     over ``runs`` runs of ``steps`` steps, the first 3 steps of each run left out."""
-    from segkv.bench.decode_e2e import _generate
+    from benchmarks.decode_e2e import _generate
 
     replays, gaps, collections = [], [], []
     started = {}

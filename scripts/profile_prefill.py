@@ -15,7 +15,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from segkv.bench.decode_e2e import _runner, build_segkv, model_config
+from benchmarks.decode_e2e import _runner, build_segkv, model_config
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy
 from segkv.runner.model_runner import StepInput

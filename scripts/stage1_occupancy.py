@@ -19,7 +19,7 @@ import torch
 
 from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
 from segkv.attention.triton_backend import TritonBackend
-from segkv.bench.decode_attention import SHAPES
+from benchmarks.decode_attention import SHAPES
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 from segkv.kernels import paged_attention

@@ -2,7 +2,7 @@
 
 The planner's plan for ``--cases`` (batch x context; ``--shape``, ``--page-sizes``) runs in a
 CUDA graph over enough copies of the data that L2 is cold for each call (as
-``segkv.bench.decode_attention`` times it), with the programs writing their stamps
+``benchmarks.decode_attention`` times it), with the programs writing their stamps
 (``kernels.timeline``: ``%globaltimer`` at each program's start, after its PDL wait and at its
 end; ``%clock64`` for durations). ``--cascade``: also 16 forks of a 32K prefix with 512 rows
 each, the planner's cascade plan, its prefix (tall) and suffix programs apart. For each call it
@@ -20,7 +20,7 @@ import torch
 
 from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
 from segkv.attention.triton_backend import TritonBackend
-from segkv.bench.decode_attention import (
+from benchmarks.decode_attention import (
     SHAPES,
     Timer,
     _fill_random,

@@ -29,7 +29,7 @@ import triton.language as tl
 from dense_gemv_sweep import weight_copies  # scripts/ beside this one: the same weights
 from expert_gemv_sweep import time_us  # and the same graph timing
 
-from segkv.bench.decode_attention import measured_read_bandwidth
+from benchmarks.decode_attention import measured_read_bandwidth
 from segkv.kernels.dense_gemv import splitk_gemv, workspace_size
 from segkv.layers.linear import launch_for
 

@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-RANDOM_MODELS = ("llama-3.1-8b", "qwen3-8b")  # segkv.bench.decode_e2e shapes, random weights
+RANDOM_MODELS = ("llama-3.1-8b", "qwen3-8b")  # benchmarks.decode_e2e shapes, random weights
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 def random_model_dir(name: str, directory: Path) -> Path:
     """A model directory for ``name``: its config.json and the built-in model's tokenizer files
     (the weights are made on the device by :func:`install_random_weights`)."""
-    from segkv.bench.decode_e2e import model_config
+    from benchmarks.decode_e2e import model_config
     from segkv.models.default_models import resolve_model_dir
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -85,7 +85,7 @@ def install_random_weights() -> None:
     """Make ``LLM`` build random weights on the device instead of reading a checkpoint (an 8B
     checkpoint would take a minute to write and read back; the weights' values do not matter)."""
     import segkv.engine.llm as llm_module
-    from segkv.bench.decode_e2e import build_segkv
+    from benchmarks.decode_e2e import build_segkv
     from segkv.config import parse_dtype
     from segkv.models.loader import read_config
 

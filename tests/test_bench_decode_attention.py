@@ -1,4 +1,4 @@
-"""CPU checks of the decode attention benchmark (segkv/bench/decode_attention.py): the timing
+"""CPU checks of the decode attention benchmark (benchmarks/decode_attention.py): the timing
 graphs' call count, the command line's harness flags and the report's tables. The timed runs
 themselves need a CUDA device."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from segkv.bench import decode_attention as bench
+from benchmarks import decode_attention as bench
 
 
 def _row(auto_ms: float, sdpa_ms: float) -> dict:

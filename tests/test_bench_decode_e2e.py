@@ -1,4 +1,4 @@
-"""CPU checks of the model decode benchmark (segkv/bench/decode_e2e.py): the published shapes,
+"""CPU checks of the model decode benchmark (benchmarks/decode_e2e.py): the published shapes,
 the bandwidth limit against hand computations, the whole pipeline on tiny shapes (segkv alone,
 the CUDA-graph code path emulated, a Hugging Face eager comparison on shared weights), memory
 skips, the deadline and resuming, and the markdown table. Only the CUDA timing (events, graph
@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from segkv.bench import decode_e2e as e2e
-from segkv.bench.hf_baseline import hf_tensor
+from benchmarks import decode_e2e as e2e
+from benchmarks.hf_baseline import hf_tensor
 from segkv.models.registry import model_class
 from settings_helpers import setenv
 
@@ -201,7 +201,7 @@ def test_failed_hugging_face_build_still_measures_segkv(tmp_path, monkeypatch):
 def test_step_marks_time_the_steps_after_the_first(monkeypatch):
     """``StepMarks`` marks every decode step the runner launches while it is on (both entry points),
     times the span from a mark to the last, and leaves the runner's own methods after."""
-    from segkv.bench.decode_e2e import StepMarks
+    from benchmarks.decode_e2e import StepMarks
 
     class Runner:
         def forward(self, inputs):
@@ -211,7 +211,7 @@ def test_step_marks_time_the_steps_after_the_first(monkeypatch):
             return ("ahead", chains, ids)
 
     clock = iter([10.0, 10.5, 11.0, 12.0])
-    monkeypatch.setattr("segkv.bench.decode_e2e.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("benchmarks.decode_e2e.time.perf_counter", lambda: next(clock))
     runner = Runner()
     with StepMarks(runner, torch.device("cpu")) as marks:
         assert runner.forward([1]) == ("forward", [1])

@@ -1,4 +1,4 @@
-"""CPU checks of the MLA decode benchmark (segkv/bench/mla_decode.py): its grid, byte counts,
+"""CPU checks of the MLA decode benchmark (benchmarks/mla_decode.py): its grid, byte counts,
 torch default path, unchecked cache writes, the case/plan/bench plumbing (timers faked) and the
 summary. The timed runs themselves need a CUDA device."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from segkv.attention import DeviceSpec, TorchReferenceBackend, attend_piece
-from segkv.bench import mla_decode as mla
+from benchmarks import mla_decode as mla
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, KVLayout
 

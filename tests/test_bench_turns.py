@@ -9,7 +9,7 @@ import statistics
 import pytest
 import torch
 
-from segkv.bench import turns
+from benchmarks import turns
 
 pytest.importorskip("transformers")
 

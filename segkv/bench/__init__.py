@@ -1,1 +1,2 @@
-"""Benchmarks (kernel, wrapper, serving, memory): scripts, never run by the tests."""
+"""The serving load generator behind ``segkv bench serve``; the kernel, layer and model benchmarks
+live in the repository's top-level ``benchmarks/``."""

@@ -426,7 +426,7 @@ def stages_that_fit(num_stages: int, tile_bytes: int) -> int:
 # o GEMV, which loads its weights meanwhile) right after the wait. On by default: with the PDL
 # GEMVs around it, batch 1 on the H200 gained 1-1.5% (Llama-3.1-8B 224 -> 226-227 tok/s at 1K,
 # Qwen3-8B 217 -> 220), batch 8 level (docs/benchmarks.md). On wherever the device supports it
-# (kernels.pdl.pdl_supported); only the kernel benchmark turns it off (segkv.bench.decode_attention
+# (kernels.pdl.pdl_supported); only the kernel benchmark turns it off (benchmarks.decode_attention
 # --pdl 0: repeated calls in one timing graph would otherwise chain).
 ATTENTION_PDL = True
 # With PDL: the GQA stage 1 (decode programs of at most 16 pairs) and the merge read the host's plan

@@ -51,7 +51,7 @@ class Row:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line flags; defaults give the 4-layer bf16 MHA toy configuration."""
-    p = argparse.ArgumentParser(prog="python -m segkv.bench.cache_memory", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cache_memory", description=__doc__)
     p.add_argument("--kind", choices=("mha", "mla"), default="mha")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8, help="KV heads (mha only)")
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nFAILED:\n" + "\n".join(failures), file=sys.stderr)
         return 1
     if not args.no_docs:
-        command = " ".join([".venv/bin/python -m segkv.bench.cache_memory", *argv])
+        command = " ".join([".venv/bin/python -m benchmarks.cache_memory", *argv])
         update_docs(Path(args.docs), f"{SECTION}\n\n{NOTES}\n\n```\n{command}\n```\n\n{config}\n\n{table}\n")
     return 0
 

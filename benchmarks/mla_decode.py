@@ -41,11 +41,11 @@ copy bandwidth measured at the start of the same run.
 
 Run on a CUDA device::
 
-    python -m segkv.bench.mla_decode --json mla.json                  # the full grid, or in two parts:
-    python -m segkv.bench.mla_decode --dtypes bfloat16 --json mla-bf16.json
-    python -m segkv.bench.mla_decode --dtypes float16 --json mla-fp16.json
-    python -m segkv.bench.mla_decode --summarise mla-bf16.json mla-fp16.json   # one summary of both
-    python -m segkv.bench.mla_decode --heads 16,128 --batches 1,8 --contexts 32768,131072 \\
+    python -m benchmarks.mla_decode --json mla.json                  # the full grid, or in two parts:
+    python -m benchmarks.mla_decode --dtypes bfloat16 --json mla-bf16.json
+    python -m benchmarks.mla_decode --dtypes float16 --json mla-fp16.json
+    python -m benchmarks.mla_decode --summarise mla-bf16.json mla-fp16.json   # one summary of both
+    python -m benchmarks.mla_decode --heads 16,128 --batches 1,8 --contexts 32768,131072 \\
         --dtypes bfloat16 --trials 5                                   # a quick subset
 
 Rows are written to ``--json`` as they complete; ``--stop-after-s`` starts no new case after
@@ -66,7 +66,7 @@ import torch
 from segkv.attention import AttentionShape, DeviceSpec, Route, SequenceQuery, TorchReferenceBackend, plan_attention
 from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.triton_backend import TritonBackend
-from segkv.bench.decode_attention import (  # noqa: F401  (MAX_L2_COPIES: re-exported, the cap of l2_copies)
+from benchmarks.decode_attention import (  # noqa: F401  (MAX_L2_COPIES: re-exported, the cap of l2_copies)
     MAX_L2_COPIES,
     Timer,
     _fill_random,
@@ -613,7 +613,7 @@ def _dims_dict(dims: MLADims) -> dict:
 
 # -- command ----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m segkv.bench.mla_decode", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.mla_decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", default=DEFAULT_HEADS, help="query head counts (default %(default)s)")
     parser.add_argument("--batches", default=DEFAULT_BATCHES, help="batch sizes (default %(default)s)")

@@ -15,7 +15,7 @@ shuffled order; each figure is the median per call over the trials, with min and
 counts the unique KV bytes a step must read, and the fraction is of the copy bandwidth
 measured in the same run.
 
-Run on a CUDA device: ``python -m segkv.bench.decode_attention --help``.
+Run on a CUDA device: ``python -m benchmarks.decode_attention --help``.
 """
 
 from __future__ import annotations

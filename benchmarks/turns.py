@@ -68,7 +68,7 @@ STOPPED = "stopped (time budget)"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m segkv.bench.turns", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.turns", description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-8b")
     p.add_argument("--first-turns", default="20000,50000", help="comma-separated first-turn token counts")
     p.add_argument("--follow-ups", type=int, default=4)
@@ -649,7 +649,7 @@ def setup(args: argparse.Namespace, argv: list[str]) -> tuple[dict, list, ModelR
             f"{dtype_name}); page size {args.page_size}, pool {num_pages:,} pages; prefill chunk "
             f"{args.prefill_chunk}; CUDA graphs {graph_words(graphs, runner)}; transformers attention "
             f"{'-' if hf is None else args.hf_attn}")
-    report = {"benchmark": "turns", "command": " ".join(["python -m segkv.bench.turns", *argv]),
+    report = {"benchmark": "turns", "command": " ".join(["python -m benchmarks.turns", *argv]),
               "status": "running", "config": config, "config_line": line, "turns": [], "forks": [],
               "fork_history": {}, "warmup_s": {}, "errors": []}
     return report, systems, runner

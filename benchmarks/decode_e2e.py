@@ -43,7 +43,7 @@ graph warm-up and recording at its addresses) are excluded; their time is report
 Cases whose prompt (batch x context) exceeds ``--hf-max-prompt-tokens`` or whose estimated
 memory does not fit are skipped with the reason; failures are recorded. (That side's code: ``hf_baseline``.)
 
-Run on a CUDA device, e.g. ``python -m segkv.bench.decode_e2e --models llama-3.1-8b --hf-variants
+Run on a CUDA device, e.g. ``python -m benchmarks.decode_e2e --models llama-3.1-8b --hf-variants
 eager --stop-after-s 420 --json build/e2e/llama.json`` (the report is rewritten after every case;
 ``--stop-after-s`` starts no case after that time, and the same command with ``--resume`` runs
 the cases left). ``--markdown A.json [B.json ...]`` prints the table of saved reports, merged per
@@ -70,7 +70,7 @@ from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype
 from segkv.models.loader import _keep_fp32
 from segkv.models.registry import model_class
-from segkv.bench.hf_baseline import (
+from benchmarks.hf_baseline import (
     HF_SKIPPED_FORWARDS,
     HF_VARIANTS,
     build_hf,
@@ -79,8 +79,8 @@ from segkv.bench.hf_baseline import (
     hf_case_bytes,
     hf_tensor,
 )
-from segkv.bench.runs import StepTimes, release, summary, sync
-from segkv.bench.turns import TokenIdsOnly
+from benchmarks.runs import StepTimes, release, summary, sync
+from benchmarks.turns import TokenIdsOnly
 from segkv.engine.generation import Generator, default_lookahead
 from segkv.layers.sampler import argmax_rows
 from segkv.runner.model_runner import ModelRunner, StepInput
@@ -199,7 +199,7 @@ def case_limit(model, *, batch: int, context: int, dtype: torch.dtype, bandwidth
 def measure_bandwidth(device: torch.device) -> float:
     """Copy bandwidth in bytes/s (bytes read + written), as ``decode_attention`` measures it on CUDA."""
     if device.type == "cuda":
-        from segkv.bench.decode_attention import measured_read_bandwidth
+        from benchmarks.decode_attention import measured_read_bandwidth
 
         return measured_read_bandwidth(str(device))
     src = torch.empty(1 << 26, dtype=torch.uint8, device=device)

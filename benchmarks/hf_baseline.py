@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from segkv.bench.runs import StepTimes, release, summary
+from benchmarks.runs import StepTimes, release, summary
 
 HF_VARIANTS = ("eager", "static", "compiled")
 HF_SKIPPED_FORWARDS = 3  # first decode forwards of a generate call left out of its timing
