@@ -14,7 +14,7 @@ from segkv.cache import KVChain, PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 
 SECTION = "## KV cache memory: forks and follow-up turns"
-DOC_HEADER = "# Benchmarks\n\nResults of the scripts in `segkv/bench/`, each with the command that made it.\n"
+DOC_HEADER = "# Benchmarks\n\nResults of the scripts in `benchmarks/`, each with the command that made it.\n"
 CHUNK_ROWS = 4096
 NOTES = """\
 Bytes that forking a conversation, then running one follow-up turn on the fork, allocate in

@@ -226,3 +226,13 @@ def test_rule_checker_sees_function_level_and_type_checking_imports(tmp_path):
     bad.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from segkv.engine.llm import LLM\n\n"
                    "def f():\n    import segkv.server.app\n    from segkv.kernels import pdl\n")
     assert _segkv_imports(bad) == [("segkv.engine.llm", 3), ("segkv.server.app", 6), ("segkv.kernels", 7)]
+
+
+def test_package_never_imports_the_benchmarks():
+    """benchmarks/ sits outside segkv/ and outside the wheel: the package never reaches it."""
+    for path, _ in _modules():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        names = {alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not any(name.split(".")[0] == "benchmarks" for name in names), \
+            f"{path.relative_to(PACKAGE.parent)} imports benchmarks"
