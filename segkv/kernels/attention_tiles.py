@@ -4,8 +4,7 @@ program's partials. Inlined by the kernels of ``paged_attention`` and ``mla_atte
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from segkv.kernels.triton_import import tl, triton
 
 from segkv.settings import SETTINGS
 

@@ -30,8 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+from segkv.kernels.triton_import import tl, triton
 
 from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
 from segkv.kernels.moe_ops import check_combine, combine_row

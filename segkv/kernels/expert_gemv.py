@@ -13,8 +13,7 @@ The same launch can also take a dense weight applied to every row (a MoE layer's
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from segkv.kernels.triton_import import tl, triton
 
 from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
 from segkv.kernels.pdl import pdl_options

@@ -27,8 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+from segkv.kernels.triton_import import tl, triton
 
 from segkv.kernels.expert_gemv import _gemv_tile, _weight_rows
 from segkv.kernels.fused_ops import kind_of

@@ -17,8 +17,7 @@ no compiler folds away; stores then write values that are already representable.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from segkv.kernels.triton_import import tl, triton
 
 from segkv.kernels.pdl import pdl_options, wait_then_release
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+from segkv.kernels.triton_import import tl, triton
 
 from segkv.settings import SETTINGS
 

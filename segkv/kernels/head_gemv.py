@@ -13,8 +13,7 @@ dependent launch the block loads before the wait for the kernel that wrote the r
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from segkv.kernels.triton_import import tl, triton
 
 from segkv.kernels.fused_ops import kind_of, round_to_kind
 from segkv.kernels.pdl import pdl_options, wait_then_release

@@ -11,8 +11,7 @@ and the merge follow ``paged_attention`` exactly (float32 throughout, rounded on
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from segkv.kernels.triton_import import tl, triton
 
 from segkv.kernels.attention_tiles import (
     next_tile_first,

@@ -17,8 +17,7 @@ product as the GEMV stores it, and continues exactly as the RoPE-and-write kerne
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from segkv.kernels.triton_import import tl, triton
 
 from segkv.kernels.dense_gemv import (INPUT_COMBINE, INPUT_NORM, gemv_operands, gemv_slice, row_rms, store_slice,
                                       stored_product)

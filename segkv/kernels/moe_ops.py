@@ -20,8 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+from segkv.kernels.triton_import import tl, triton
 
 from segkv.kernels.fused_ops import kind_of, round_to_kind
 from segkv.kernels.pdl import pdl_options, wait_then_release

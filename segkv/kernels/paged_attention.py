@@ -12,8 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+from segkv.kernels.triton_import import tl, triton
 
 from segkv.kernels import timeline
 from segkv.kernels.attention_tiles import (

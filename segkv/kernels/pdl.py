@@ -18,8 +18,7 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
+from segkv.kernels.triton_import import tl, triton
 
 import segkv.settings as settings
 

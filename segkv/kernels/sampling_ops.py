@@ -8,8 +8,7 @@ chunks reduced side by side, then reduces the chunks' winners: two short launche
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from segkv.kernels.triton_import import tl, triton
 
 
 @triton.jit

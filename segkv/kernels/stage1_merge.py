@@ -5,8 +5,7 @@ Results follow the merge kernel's contract (float32, rounded once)."""
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from segkv.kernels.triton_import import tl, triton
 
 
 @triton.jit

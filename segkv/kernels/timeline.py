@@ -6,8 +6,7 @@ points (``record``); ``None`` (every launch's default) compiles the stamps away.
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from segkv.kernels.triton_import import tl, triton
 
 # per program: globaltimer (ns) at its start, after its PDL wait, at its end; clock64 at the same
 # three points (cycles, this SM's counter); the SM it ran on

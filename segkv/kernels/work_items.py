@@ -11,8 +11,7 @@ acquire load. The launch's last waiter sets the counters back to 0 for the next 
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from segkv.kernels.triton_import import tl, triton
 
 
 @triton.jit

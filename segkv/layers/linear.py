@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
+from segkv.kernels.triton_import import triton
 
 # Products of at most this many inputs take programs of whole weight rows, WHOLE_ROWS a program
 WHOLE_ROW_MAX_INPUTS = 4096
