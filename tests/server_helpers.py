@@ -10,12 +10,32 @@ from contextlib import contextmanager
 import uvicorn
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_healthy(server, base: str, *, timeout: float = 120) -> None:
+    """Until ``base``'s /health answers 200; fails if the ``server`` process exits first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert server.poll() is None, f"the server exited: {server.stdout.read() if server.stdout else ''}"
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
+
 @contextmanager
 def live_server(app):
     """Serve ``app`` on 127.0.0.1 at a free port; yields the base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

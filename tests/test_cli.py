@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from model_helpers import build_model_dir
+from server_helpers import free_port, wait_healthy
 from settings_helpers import setenv
 from segkv.cli import ChatSession, build_parser, run_chat
 
@@ -130,9 +130,7 @@ def test_serve_exits_within_its_shutdown_timeout_with_a_request_in_flight(model_
     """SIGTERM with a long request in flight: the server gives it ``--shutdown-timeout`` seconds,
     then ends it with a 503 and exits 0 (it used to wait for every request, however long). The
     key from ``SEGKV_API_KEY`` guards the API meanwhile."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "SEGKV_API_KEY": "sesame"}
     server = subprocess.Popen([sys.executable, "-m", "segkv.cli", "serve", "--model", str(model_dir), "--port",
                                str(port), "--shutdown-timeout", "1"], stdout=subprocess.PIPE,
@@ -140,15 +138,7 @@ def test_serve_exits_within_its_shutdown_timeout_with_a_request_in_flight(model_
     base = f"http://127.0.0.1:{port}"
     key = {"Authorization": "Bearer sesame"}
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(server, base)
         assert httpx.get(f"{base}/v1/models").status_code == 401  # no key
         name = httpx.get(f"{base}/v1/models", headers=key).json()["data"][0]["id"]
         long_request = {"model": name, "prompt": "x", "n": 64, "max_tokens": 400, "ignore_eos": True}

@@ -277,15 +277,21 @@ def test_loads_that_fail_change_nothing(store, tmp_path):
     assert idle_pages(store) == 0
 
 
+def saved_and_deleted(store, path):
+    """A one-turn session saved to ``path`` and deleted; returns it and the pages its file needs
+    (pages of 4 rows)."""
+    s = store.create()
+    say(store, s.session_id, "a message worth saving " * 2)
+    store.save(s.session_id, path)
+    store.delete(s.session_id)
+    return s, len(s.turns[0].tokens) // 4 + 1
+
+
 def test_a_load_evicts_unreferenced_cached_segments_to_make_room(model_dir, tmp_path):
     engine = AsyncEngine(LLM(model_dir, page_size=4, num_pages=60))
     store = SessionStore(engine)
     try:
-        s = store.create()
-        say(store, s.session_id, "a message worth saving " * 2)
-        store.save(s.session_id, tmp_path / "s.segkv")
-        store.delete(s.session_id)
-        need = len(s.turns[0].tokens) // 4 + 1
+        s, need = saved_and_deleted(store, tmp_path / "s.segkv")
         for i in range(20):  # stateless requests: their rows stay cached (evictable) in the index
             ids = engine.llm.tokenizer.encode_chat([{"role": "user", "content": f"{i} filler text"}],
                                                    add_generation_prompt=True)
@@ -310,11 +316,7 @@ def test_a_load_takes_the_pins_of_idle_sessions_when_cached_segments_are_not_eno
     engine = AsyncEngine(LLM(model_dir, page_size=4, num_pages=60))
     store = SessionStore(engine)
     try:
-        s = store.create()
-        say(store, s.session_id, "a message worth saving " * 2)
-        store.save(s.session_id, tmp_path / "s.segkv")
-        store.delete(s.session_id)
-        need = len(s.turns[0].tokens) // 4 + 1
+        s, need = saved_and_deleted(store, tmp_path / "s.segkv")
         idle = []
         for i in range(20):  # idle sessions pin their histories: nothing is evictable by the index
             idle.append(store.create())

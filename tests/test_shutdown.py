@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,33 +15,20 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from server_helpers import free_port, wait_healthy
+
 SHUTTING_DOWN = "the server is shutting down"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextmanager
 def serve(*flags: str):
     """``segkv serve`` of the built-in model on a free port; yields (process, base URL)."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "segkv.cli", "serve", "--model", "default", "--port", str(port), *flags]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, f"the server exited: {server.stdout.read()}"
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(server, base)
         yield server, base
     finally:
         if server.poll() is None:
@@ -171,7 +157,7 @@ def test_a_model_that_fails_to_load_stops_the_server(tmp_path):
     missing = tmp_path / "no-model"
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "segkv.cli", "serve", "--model", str(missing), "--port",
-                           str(_free_port())], capture_output=True, text=True, timeout=120)
+                           str(free_port())], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert time.monotonic() - started < 60
     (line,) = [line for line in done.stderr.splitlines() if line.startswith("segkv: error:")]
@@ -185,7 +171,7 @@ def test_a_snapshot_dir_that_cannot_be_created_is_refused_before_loading(tmp_pat
     for path, reason in [(blocker, "a file, not a directory, is in its place"),
                          (blocker / "sub", "cannot create the directory: Not a directory")]:
         command = [sys.executable, "-m", "segkv.cli", "serve", "--snapshot-dir", str(path), "--port",
-                   str(_free_port())]
+                   str(free_port())]
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2
         assert done.stderr.strip() == f"segkv: error: --snapshot-dir {path}: {reason}"
