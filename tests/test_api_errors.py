@@ -349,8 +349,8 @@ def test_a_failing_session_stream_ends_with_an_error_event(env, monkeypatch):
     http = env["http"]
     say = SessionStore.say
 
-    async def failing_say(self, session_id, text, params):  # one real update, then the server stops
-        stream = say(self, session_id, text, params)
+    async def failing_say(self, session_id, text, params, **kwargs):  # one real update, then the server stops
+        stream = say(self, session_id, text, params, **kwargs)
         try:
             yield await stream.__anext__()
         finally:

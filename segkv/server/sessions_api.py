@@ -68,12 +68,12 @@ def sessions_router(store: SessionStore, *, snapshot_dir: Path | None) -> APIRou
         except KeyError:
             return None, missing(session_id)
 
-    def turn_max_tokens(session, req: TurnRequest) -> int:
-        """The turn's output limit, checked against the context like a chat request's."""
+    def turn_prompt(session, req: TurnRequest) -> tuple[list[int], int]:
+        """The turn's prompt ids and output limit, checked against the context like a chat request's."""
         messages = session.messages + [{"role": "user", "content": req.content}]
         ids = llm.tokenizer.encode_chat(messages, add_generation_prompt=True)
-        return fit_max_tokens([len(ids)], req.requested_max_tokens, default=DEFAULT_TURN_TOKENS,
-                              max_model_len=llm.max_model_len, where="messages")
+        return ids, fit_max_tokens([len(ids)], req.requested_max_tokens, default=DEFAULT_TURN_TOKENS,
+                                   max_model_len=llm.max_model_len, where="messages")
 
     @router.post("/v1/sessions")
     async def create(req: CreateSession):
@@ -105,10 +105,11 @@ def sessions_router(store: SessionStore, *, snapshot_dir: Path | None) -> APIRou
         if err:
             return err
         try:
-            params = req.sampling_params(default_max_tokens=turn_max_tokens(session, req), logprobs=None)
+            ids, max_tokens = turn_prompt(session, req)
+            params = req.sampling_params(default_max_tokens=max_tokens, logprobs=None)
             if params.n != 1:
                 raise ValueError("a session turn has exactly one reply (n=1)")
-            stream = store.say(session_id, req.content, params)
+            stream = store.say(session_id, req.content, params, prompt_ids=ids)
             first = await stream.__anext__()  # validation errors surface before any response
         except KeyError:  # deleted since it was found
             return missing(session_id)

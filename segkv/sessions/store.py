@@ -146,8 +146,12 @@ class SessionStore:
         return len(old)
 
     # -- turns ------------------------------------------------------------------------
-    async def say(self, session_id: str, text: str, params: SamplingParams) -> AsyncIterator[Any]:
+    async def say(self, session_id: str, text: str, params: SamplingParams, *,
+                  prompt_ids: list[int] | None = None) -> AsyncIterator[Any]:
         """Add a user message and stream the reply; the turn is recorded when it finishes.
+
+        ``prompt_ids`` is the chat template over the session's messages and ``text``, when the
+        caller has built it already (the server does, to check its length); else it is built here.
 
         A turn whose stream is closed or cancelled before the end (a client that left), whose
         request fails, or whose session was deleted meanwhile records and pins nothing.
@@ -162,7 +166,8 @@ class SessionStore:
             messages = copy.deepcopy(session.messages) + [{"role": "user", "content": text}]
             session.busy = True
         try:
-            ids = self.engine.llm.tokenizer.encode_chat(messages, add_generation_prompt=True)
+            ids = prompt_ids if prompt_ids is not None else \
+                self.engine.llm.tokenizer.encode_chat(messages, add_generation_prompt=True)
             before = self.engine.stats()["bytes_in_use"]
             last = None
             stream = self.engine.generate(ids, params)
