@@ -31,6 +31,7 @@ from tqdm import tqdm
 from segkv.cache.chain import KVChain
 from segkv.cache.page_pool import OutOfPagesError
 from segkv.layers.transfer import HostCopy
+from segkv.runner.cuda_graphs import DEFAULT_BUCKETS
 from segkv.runner.model_runner import ModelRunner, StepInput
 from segkv.sampling_params import SamplingParams
 
@@ -80,7 +81,7 @@ def warm_up_shapes(runner: ModelRunner, *, max_batch: int, max_num_batched_token
         raise ValueError(f"max_batch and max_num_batched_tokens must be >= 1, got {max_batch} and "
                          f"{max_num_batched_tokens}")
     graphs = runner.graphs
-    buckets = graphs.buckets if graphs is not None else (1, 2, 4, 8, 16, 32, 64)
+    buckets = graphs.buckets if graphs is not None else DEFAULT_BUCKETS
     cover = next((b for b in buckets if b >= max_batch), buckets[-1])
     graph_sizes = tuple(b for b in buckets if b <= cover) if graphs is not None else ()
     longest = max_model_len - 2  # room for the decode rows after the prompt
