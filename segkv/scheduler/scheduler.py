@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Protocol
 
 from segkv.cache.chain import KVChain
@@ -125,7 +126,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """This step's work, fitted into the free pages; admitted sequences move to running."""
         out = SchedulerOutput()
-        candidates = list(self.waiting)[: max(0, self.config.max_num_seqs - len(self.running))]
+        candidates = list(islice(self.waiting, max(0, self.config.max_num_seqs - len(self.running))))
         for seq in candidates:
             self._match(seq, out)
         work, admitted = self._pick(self.running, candidates)
