@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,7 +25,7 @@ from segkv.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard, check_ma
 from segkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from segkv.server.sessions_api import sessions_router
 from segkv.server.protocol import (ChatCompletionRequest, CompletionRequest, Usage, chat_logprobs,
-                                   completion_logprobs, finish_reason)
+                                   completion_logprobs, finish_reason, sse_event)
 
 __all__ = ["APIError", "DEFAULT_MAX_REQUEST_BYTES", "create_app"]
 
@@ -75,10 +74,6 @@ class _Streams:
         """Cancel the pumps; each cancelled engine stream aborts its request and frees its pages."""
         for task in self.tasks:
             task.cancel()
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path | None = None,
@@ -162,7 +157,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
         try:
             if first is not None:
                 for index in range(first):
-                    yield _sse(chunk(index, None, 0, None, False))
+                    yield sse_event(chunk(index, None, 0, None, False))
             async for prompt_index, update in streams.updates():
                 for out in update.output.outputs:
                     index = prompt_index * n + out.index
@@ -170,15 +165,15 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
                     delta = out.text[len(old):] if out.text.startswith(old) else out.text
                     done = out.finish_reason is not None and update.finished
                     if delta or done or len(out.token_ids) > tokens.get(index, 0):
-                        yield _sse(chunk(index, out, tokens.get(index, 0), delta, done))
+                        yield sse_event(chunk(index, out, tokens.get(index, 0), delta, done))
                     texts[index], tokens[index] = out.text, len(out.token_ids)
                 if update.finished:
                     finals.append(update.output)
                     record(update)
             if usage:
-                yield _sse(chunk(None, None, 0, Usage.of(finals).model_dump(), True))
+                yield sse_event(chunk(None, None, 0, Usage.of(finals).model_dump(), True))
         except Exception as exc:  # headers are sent: report the error in the stream
-            yield _sse(engine_error(exc).body)
+            yield sse_event(engine_error(exc).body)
         finally:
             streams.close()
         yield "data: [DONE]\n\n"

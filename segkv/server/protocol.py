@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -204,6 +205,11 @@ ErrorType = Literal["invalid_request_error", "not_found_error", "service_unavail
 def error_body(message: str, type_: ErrorType, *, param: str | None = None,
                code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def sse_event(payload: dict) -> str:
+    """``payload`` as one server-sent event (compact JSON)."""
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 def finish_reason(output: CompletionOutput) -> str | None:

@@ -6,7 +6,6 @@ never by its path on the server.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from segkv.engine import SessionStore
 from segkv.server.context import fit_max_tokens
 from segkv.server.disconnect import unless_client_leaves
 from segkv.server.errors import APIError, echo, engine_error, safe_message
-from segkv.server.protocol import _Request
+from segkv.server.protocol import _Request, sse_event
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 DEFAULT_TURN_TOKENS = 128  # a turn's reply when the client gives no limit (less if the context is short)
@@ -134,9 +133,9 @@ def sessions_router(store: SessionStore, *, snapshot_dir: Path | None) -> APIRou
                         body = {**base, "delta": delta, "finish_reason": out.finish_reason if done else None}
                         if done:
                             body["usage"] = _usage(update.output)
-                        yield f"data: {json.dumps(body)}\n\n"
+                        yield sse_event(body)
                 except Exception as exc:  # noqa: BLE001 - headers are sent: report the error in the stream
-                    yield f"data: {json.dumps(engine_error(exc).body)}\n\n"
+                    yield sse_event(engine_error(exc).body)
                 finally:
                     await stream.aclose()
                 yield "data: [DONE]\n\n"
