@@ -75,7 +75,6 @@ class Settings:
         "latent programs per pair block (0: chosen per launch; 1, 2 or 4 forced)")
     mla_value_split_max_partials: int | None = _setting("SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", INTEGER, None,
         "most partials for the value split (None: the SM count; 132 in the interpreter)")
-    # --- one-row products (GEMV), the sampler and the output head
     # --- mixture of experts
     gemv_unroll: int | None = _setting("SEGKV_GEMV_UNROLL", INTEGER, None,
         "unroll the expert GEMV's input loop (nonzero: on; None: for at most 8 pairs)")
