@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -30,7 +29,6 @@ CUDA_GRAPHS_HELP = ("replay decode steps from CUDA graphs: off, auto (the defaul
 PAGE_SIZE_HELP = "rows per KV cache page (default: 32 on CUDA, 16 elsewhere)"
 MODEL_HELP = "Hugging Face model directory, or a built-in model: 'default' (GQA) or 'default-mla' (MLA)"
 API_KEY_ENV = "SEGKV_API_KEY"  # as vLLM reads VLLM_API_KEY
-MAX_REQUEST_BYTES = 16 << 20  # the default when the app does not name its own
 SHUTTING_DOWN = "the server is shutting down"
 
 
@@ -201,17 +199,8 @@ def resolve_api_key(flag: str | None) -> str | None:
 
 
 def _app_options(app_module, *, api_key: str | None, max_request_bytes: int | None) -> dict:
-    """``api_key`` and ``max_request_bytes`` for ``create_app``, as far as it takes them."""
-    accepted = inspect.signature(app_module.create_app).parameters
-    options: dict = {}
-    if "api_key" in accepted:
-        options["api_key"] = api_key
-    elif api_key:  # never serve openly when a key was asked for
-        raise ValueError("this server cannot check API keys (create_app takes no api_key)")
-    if "max_request_bytes" in accepted:
-        default = getattr(app_module, "DEFAULT_MAX_REQUEST_BYTES", MAX_REQUEST_BYTES)
-        options["max_request_bytes"] = max_request_bytes or default
-    return options
+    """``api_key`` and ``max_request_bytes`` for ``create_app`` (the app's default size when omitted)."""
+    return {"api_key": api_key, "max_request_bytes": max_request_bytes or app_module.DEFAULT_MAX_REQUEST_BYTES}
 
 
 def prepare_snapshot_dir(path: str | None) -> Path | None:
