@@ -157,8 +157,6 @@ def run_serve(args) -> int:
 def _load_and_serve(args, gate, engines: list, server, snapshot_dir: Path | None,
                     api_key: str | None) -> None:
     """Load the model, warm it up, and install the app behind ``gate`` (the load thread's work)."""
-    import time
-
     from segkv.engine import LLM, AsyncEngine, SchedulerConfig
     from segkv.models.default_models import is_default_name, resolve_model_dir
     from segkv.server import app as app_module
@@ -167,13 +165,11 @@ def _load_and_serve(args, gate, engines: list, server, snapshot_dir: Path | None
               page_size=args.page_size, max_model_len=args.max_model_len, route=args.route,
               kv_cache_bytes=int(args.kv_cache_memory * (1 << 30)),
               cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], progress=True)
-    if hasattr(llm, "warm_up"):  # first kernels compiled, graphs captured: the first request is not slow
-        started = time.monotonic()
-        # the shapes this server's scheduler will run: its batch and its largest forward
-        info = llm.warm_up(max_batch=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                           progress=True)
-        seconds = info.get("seconds", time.monotonic() - started)
-        print(f"segkv: warmed up in {seconds:.1f} s, using {_mib(info.get('bytes', 0))}", flush=True)
+    # kernels compiled and graphs captured before ready, for the shapes this server's scheduler
+    # runs (its batch and its largest forward): the first requests wait for neither
+    info = llm.warm_up(max_batch=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       progress=True)
+    print(f"segkv: warmed up in {info['seconds']:.1f} s, using {_mib(info['bytes'])}", flush=True)
     if server.should_exit:  # a signal came while loading: nothing to serve
         return
     engine = AsyncEngine(llm, SchedulerConfig(max_num_seqs=args.max_num_seqs,

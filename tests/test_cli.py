@@ -170,7 +170,7 @@ def _status_and_body(call):
 
 
 def test_serve_load_warms_up_before_the_app_is_ready(model_dir, monkeypatch, capsys):
-    """The load thread's work: the model is warmed up (where ``LLM.warm_up`` exists) and its time and
+    """The load thread's work: the model is warmed up and its time and
     memory printed before the gate lets requests in; a server stopped meanwhile gets no engine."""
     from types import SimpleNamespace
 
@@ -184,7 +184,7 @@ def test_serve_load_warms_up_before_the_app_is_ready(model_dir, monkeypatch, cap
         calls.append((max_batch, max_num_batched_tokens, progress, gate.app))
         return {"seconds": 1.5, "bytes": 3 << 20}
 
-    monkeypatch.setattr(LLM, "warm_up", warm_up, raising=False)
+    monkeypatch.setattr(LLM, "warm_up", warm_up)
     args = build_parser().parse_args(["serve", "--model", str(model_dir), "--port", "9",
                                       "--max-num-seqs", "8", "--max-num-batched-tokens", "512"])
     gate, engines = LoadingGate(), []
