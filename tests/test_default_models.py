@@ -1,12 +1,11 @@
-"""The built-in default models: the training script (tiny, on the CPU), its checkpoints, the names."""
+"""The built-in default models: their training (``tools.default_models``, tiny, on the CPU), its
+checkpoints, the names."""
 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import math
-import sys
 import warnings
 from pathlib import Path
 
@@ -22,30 +21,22 @@ from segkv.models.default_models import (
 )
 from segkv.models.loader import load_model
 from segkv.models.registry import model_class
-from segkv.models.stdlib_corpus import corpus_sha256, read_corpus, split_corpus
-from segkv.models.training import causal_hidden, lm_losses
+from segkv.models.stdlib_corpus import read_corpus
 from segkv.runner.model_runner import ModelRunner
+from tools.default_models.corpus import corpus_sha256, split_corpus
+from tools.default_models.training import causal_hidden, lm_losses
 
-REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-4
 TEXT = "def add(a, b):\n    \"\"\"Return the sum.\"\"\"\n    return a + b\n\nclass Point:\n    x = 0\n"
 
 
-def _script():
-    """The training script as a module (run in this process: no second interpreter and torch import)."""
-    if "train_default_models" not in sys.modules:
-        path = REPO / "scripts" / "train_default_models.py"
-        spec = importlib.util.spec_from_file_location("train_default_models", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up
-        spec.loader.exec_module(module)
-    return sys.modules["train_default_models"]
-
-
 def _train(out: Path, *extra: str) -> dict:
-    script = _script()
+    """``python -m tools.default_models.train`` run in this process (no second interpreter and torch
+    import); imported here, as its import sets ``CUBLAS_WORKSPACE_CONFIG``."""
+    from tools.default_models import train as train_command
+
     argv = ["--preset", "tiny", "--device", "cpu", "--out-dir", str(out), "--no-plot", *extra]
-    return script.run(script.parse_args(argv))
+    return train_command.run(train_command.parse_args(argv))
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +198,7 @@ def test_python_like_check_rejects_prose_and_broken_code():
 @pytest.mark.parametrize("name", [GQA_NAME, MLA_NAME])
 def test_packaged_model_continues_python(name):
     if not is_complete(packaged_dir(name)):
-        pytest.skip(f"the trained {name!r} model is not packaged yet: scripts/train_default_models.py "
+        pytest.skip(f"the trained {name!r} model is not packaged yet: python -m tools.default_models.train "
                     "writes it (docs/default-models.md)")
     from segkv.engine import LLM
     from segkv.sampling_params import SamplingParams

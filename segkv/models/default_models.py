@@ -3,10 +3,10 @@
 
 ``--model default`` is a small Qwen3-style GQA model and ``--model default-mla`` a small
 DeepSeek-V3-style MLA/MoE model with one multi-token-prediction layer, both trained on the
-Python standard library by ``scripts/train_default_models.py`` and shipped in
-``segkv/default_models/``. Where the packaged weights are absent (a checkout where the
-training has not been run yet), an untrained placeholder of the same family stands in, with
-a warning.
+Python standard library by ``python -m tools.default_models.train`` (in the repository, outside
+the package) and shipped in ``segkv/default_models/``. Where the packaged weights are absent (a
+checkout where the training has not been run yet), an untrained placeholder of the same family
+stands in, with a warning.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def resolve_model_dir(name: str | Path) -> Path:
     warnings.warn(
         f"the trained built-in model {name!r} is not in this installation ({directory} has no weights); "
         "using an UNTRAINED placeholder with random weights: its text is not meaningful. "
-        "Build the trained models with scripts/train_default_models.py (docs/default-models.md).",
+        "Build the trained models with python -m tools.default_models.train (docs/default-models.md).",
         stacklevel=2,
     )
     return ensure_placeholder(name)

@@ -1,17 +1,17 @@
 """The Python standard library's sources as a text corpus, and the byte-level BPE tokenizer trained on it.
 
 The standard library is on every machine that runs segkv, so the built-in models (the untrained
-placeholder and the trained defaults) are made from it without downloading anything.
+placeholder and the trained defaults) are made from it without downloading anything. This
+module holds what the placeholder needs at run time; what only the training of the defaults
+needs (the corpus digest, the split by file, the chat examples) is in ``tools/default_models/``,
+outside the package.
 """
 
 from __future__ import annotations
 
-import ast
-import hashlib
 import json
-import sys
 import sysconfig
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,56 +60,6 @@ def read_corpus(root: Path | None = None, *, limit_bytes: int | None = None) -> 
     return docs
 
 
-def corpus_sha256(docs: Sequence[Document]) -> str:
-    """A digest of the corpus: every path and text, in order (what makes a training run repeatable)."""
-    digest = hashlib.sha256()
-    for doc in docs:
-        digest.update(doc.path.encode() + b"\0" + doc.text.encode() + b"\0")
-    return digest.hexdigest()
-
-
-def split_corpus(docs: Sequence[Document], *, every: int = 50) -> dict[str, list[Document]]:
-    """Split by file: ``docs[i]`` goes to ``test`` if ``i % every == 0``, to ``valid`` if
-    ``i % every == every // 2``, else to ``train`` (no file is in two splits)."""
-    if every < 3:
-        raise ValueError(f"every must be >= 3 so that each split gets files, got {every}")
-    split: dict[str, list[Document]] = {"train": [], "valid": [], "test": []}
-    for i, doc in enumerate(docs):
-        key = "test" if i % every == 0 else "valid" if i % every == every // 2 else "train"
-        split[key].append(doc)
-    return split
-
-
-def chat_examples(docs: Iterable[Document], *, max_chars: int = 1500) -> list[tuple[str, str]]:
-    """``(user, assistant)`` pairs made from the corpus's documented functions.
-
-    The user asks with the function's ``def`` line (even-numbered functions) or its docstring's
-    first line (odd-numbered); the assistant answers with the function's source. A few of these
-    in training make chat-formatted requests answer with Python.
-    """
-    pairs = []
-    for doc in docs:
-        try:
-            tree = ast.parse(doc.text)
-        except (SyntaxError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.col_offset:
-                continue  # top-level functions only: their source needs no dedent
-            summary = (ast.get_docstring(node) or "").strip().split("\n")[0]
-            source = ast.get_source_segment(doc.text, node)
-            if not summary or not source or len(source) > max_chars or node.decorator_list:
-                continue
-            question = source.split("\n")[0] if len(pairs) % 2 == 0 else summary
-            pairs.append((question, source))
-    return pairs
-
-
-def format_chat(user: str, assistant: str) -> str:
-    """One ChatML exchange, as :data:`CHATML_TEMPLATE` renders it, ending with the answer's end mark."""
-    return f"{IM_START}user\n{user}{IM_END}\n{IM_START}assistant\n{assistant}{IM_END}\n"
-
-
 def train_tokenizer(texts: Iterable[str], *, vocab_size: int):
     """A byte-level BPE ``tokenizers.Tokenizer`` with :data:`SPECIAL_TOKENS` first (ids 0..2).
 
@@ -136,7 +86,3 @@ def save_tokenizer(tok, directory: Path, *, model_max_length: int) -> None:
         "clean_up_tokenization_spaces": False,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-def python_version() -> str:
-    return ".".join(map(str, sys.version_info[:3]))

@@ -9,15 +9,17 @@ then trains
   attention, routed + shared experts (``noaux_tc`` routing with bias balancing) and one
   multi-token-prediction layer trained with DeepSeek-V3's MTP loss,
 
-with segkv's own model classes (a full-sequence causal forward, ``segkv.models.training``),
+with segkv's own model classes (a full-sequence causal forward, ``tools.default_models.training``),
 AdamW and a cosine schedule. Each model is saved as a Hugging Face directory (bfloat16
 weights, the MoE routers in float32) and reloaded to measure its held-out perplexity, next
 to a unigram model's on the same tokens. ``metrics.json`` records the curves, the corpus
 digest and the versions; ``loss_curves.png`` is drawn when matplotlib is installed
-(``scripts/plot_default_models.py`` draws it from ``metrics.json`` anywhere).
+(``python -m tools.default_models.plot`` draws it from ``metrics.json`` anywhere).
 
-    python3 scripts/train_default_models.py --device cuda            # ~5 min on one H200
-    python3 scripts/train_default_models.py --preset tiny --device cpu --out-dir /tmp/dm   # seconds
+From the repository root:
+
+    python -m tools.default_models.train --device cuda            # ~5 min on one H200
+    python -m tools.default_models.train --preset tiny --device cpu --out-dir /tmp/dm   # seconds
 """
 
 from __future__ import annotations
@@ -40,17 +42,15 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
 from segkv.layers.moe import TopKRouter  # noqa: E402
-from segkv.models import stdlib_corpus as corpus  # noqa: E402
+from segkv.models import stdlib_corpus  # noqa: E402
 from segkv.models.default_models import (  # noqa: E402
     EOS_TOKEN_IDS, GQA_NAME, MLA_NAME, PACKAGE_ROOT, PACKAGED, gqa_config, mla_config,
 )
 from segkv.models.loader import load_model  # noqa: E402
 from segkv.models.registry import model_class  # noqa: E402
-from segkv.models.training import causal_hidden, init_weights, lm_losses  # noqa: E402
+from tools.default_models import corpus  # noqa: E402
+from tools.default_models.training import causal_hidden, init_weights, lm_losses  # noqa: E402
 
 MAX_FILE_BYTES = 16_000_000
 FP32_TENSORS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # routing stays float32
@@ -112,7 +112,8 @@ def log(message: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m tools.default_models.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="h200")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out-dir", type=Path, default=PACKAGE_ROOT)
@@ -146,13 +147,13 @@ class Data:
 
 
 def build_data(preset: Preset, limit_bytes: int | None, heldout_every: int) -> Data:
-    docs = corpus.read_corpus(limit_bytes=limit_bytes)
+    docs = stdlib_corpus.read_corpus(limit_bytes=limit_bytes)
     split = corpus.split_corpus(docs, every=heldout_every)
     log(f"corpus: {len(docs)} files, {sum(len(d.text) for d in docs):,} characters; "
         + ", ".join(f"{k} {len(v)} files" for k, v in split.items()))
-    tok = corpus.train_tokenizer((d.text for d in split["train"]), vocab_size=preset.vocab_size)
+    tok = stdlib_corpus.train_tokenizer((d.text for d in split["train"]), vocab_size=preset.vocab_size)
     chats = [corpus.format_chat(q, a) for q, a in corpus.chat_examples(split["train"])]
-    eot = tok.token_to_id(corpus.END_OF_TEXT)
+    eot = tok.token_to_id(stdlib_corpus.END_OF_TEXT)
     streams = {}
     texts_of = {"train": [d.text for d in split["train"]] + chats,
                 "valid": [d.text for d in split["valid"]], "test": [d.text for d in split["test"]]}
@@ -163,7 +164,7 @@ def build_data(preset: Preset, limit_bytes: int | None, heldout_every: int) -> D
         streams[name] = torch.tensor(ids, dtype=torch.int64)
     info = {
         "source": "Python standard library *.py (sysconfig stdlib path), sorted by path",
-        "skipped_dirs": sorted(corpus.SKIP_DIRS), "sha256": corpus.corpus_sha256(docs),
+        "skipped_dirs": sorted(stdlib_corpus.SKIP_DIRS), "sha256": corpus.corpus_sha256(docs),
         "files": {k: len(v) for k, v in split.items()}, "characters": sum(len(d.text) for d in docs),
         "heldout_every": heldout_every, "chat_examples": len(chats),
         "tokens": {k: int(v.numel()) for k, v in streams.items()},
@@ -346,7 +347,7 @@ def save_model(model: torch.nn.Module, config: dict, tok, directory: Path) -> in
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": None, "eos_token_id": EOS_TOKEN_IDS, "pad_token_id": 0}
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    corpus.save_tokenizer(tok, directory, model_max_length=config["max_position_embeddings"])
+    stdlib_corpus.save_tokenizer(tok, directory, model_max_length=config["max_position_embeddings"])
     size = (directory / "model.safetensors").stat().st_size
     if size > MAX_FILE_BYTES:
         raise SystemExit(f"{directory / 'model.safetensors'} is {size:,} bytes, over {MAX_FILE_BYTES:,}")
@@ -407,7 +408,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
         "python_version": corpus.python_version(), "torch_version": torch.__version__,
         "tokenizers_version": tokenizers.__version__, "seed": args.seed, "preset": args.preset,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "command": "python3 scripts/train_default_models.py " + " ".join(args.argv),
+        "command": "python -m tools.default_models.train " + " ".join(args.argv),
         "corpus": data.info, "vocab_size": vocab, "models": {},
     }
     builders = {"gqa": (GQA_NAME, gqa_config, preset.gqa), "mla": (MLA_NAME, mla_config, preset.mla)}
@@ -450,15 +451,13 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 def _plot(metrics_path: Path, png: Path) -> None:
-    """Draw the curves with scripts/plot_default_models.py when matplotlib is installed."""
+    """Draw the curves with ``tools.default_models.plot`` when matplotlib is installed."""
     if importlib.util.find_spec("matplotlib") is None:
-        log("matplotlib is not installed: no plot (scripts/plot_default_models.py draws it later)")
+        log("matplotlib is not installed: no plot (python -m tools.default_models.plot draws it later)")
         return
-    spec = importlib.util.spec_from_file_location("plot_default_models", Path(__file__).with_name(
-        "plot_default_models.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.plot(json.loads(metrics_path.read_text()), png)
+    from tools.default_models.plot import plot
+
+    plot(json.loads(metrics_path.read_text()), png)
     log(f"wrote {png}")
 
 

@@ -1,7 +1,7 @@
 """Loss-curve plot and results table of the built-in default models, from their ``metrics.json``.
 
-    python3 scripts/plot_default_models.py                      # prints the markdown table, draws the PNG
-    python3 scripts/plot_default_models.py --update-doc docs/default-models.md
+    python -m tools.default_models.plot                      # prints the markdown table, draws the PNG
+    python -m tools.default_models.plot --update-doc docs/default-models.md
 
 The table goes between ``<!-- metrics:begin -->`` and ``<!-- metrics:end -->`` of the doc with
 ``--update-doc``. Drawing needs matplotlib (``pip install -e .[train]``); the table does not.
@@ -16,7 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BEGIN, END = "<!-- metrics:begin -->", "<!-- metrics:end -->"
 
 
@@ -90,7 +90,8 @@ def update_doc(doc: Path, table: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m tools.default_models.plot", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--metrics", type=Path, default=REPO / "segkv" / "default_models" / "metrics.json")
     p.add_argument("--png", type=Path, default=REPO / "docs" / "images" / "default-models-loss.png")
     p.add_argument("--no-png", action="store_true", help="only print the table")
