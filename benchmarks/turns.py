@@ -48,9 +48,9 @@ from segkv.cache.kv_cache import PagedKVCache
 from segkv.config import CacheConfig, default_page_size, parse_dtype
 from segkv.engine.generation import Generator
 from segkv.models.registry import model_class
-from segkv.models.training import init_weights
 from segkv.runner.model_runner import ModelRunner
 from segkv.sampling_params import SamplingParams
+from tools.default_models.training import init_weights
 
 QWEN3_8B = {
     "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 4096,
