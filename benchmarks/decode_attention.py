@@ -151,7 +151,10 @@ def regroup(query: SequenceQuery, num_segments: int, page_size: int, id_base: in
     return SequenceQuery(tuple(spans), query.num_query_rows)
 
 
-def _fill_random(cache: PagedKVCache, generator: torch.Generator) -> None:
+def fill_random(cache: PagedKVCache, generator: torch.Generator) -> None:
+    """Fill layer 0's whole K and V pools of ``cache`` (``(num_pages, page_size, num_kv_heads,
+    dim)`` views, in the cache's dtype) with standard-normal values drawn from ``generator``
+    (on the cache's device), 4096 pages at a time."""
     for tensor in (cache.storage.key_cache(0), cache.storage.value_cache(0)):
         for start in range(0, tensor.shape[0], 4096):
             chunk = tensor[start:start + 4096]
@@ -181,13 +184,17 @@ def _sdpa_call(backend: str, q, k, v):
     return call
 
 
-def _summarise(times: list[float], kv_bytes: int, bandwidth: float) -> dict:
+def time_summary(times: list[float], kv_bytes: int, bandwidth: float) -> dict:
+    """One variant's row: median / min / max of ``times`` (ms per call), and the rate of
+    ``kv_bytes`` read per call at the median, in GB/s and as a fraction of ``bandwidth`` (bytes/s)."""
     med = statistics.median(times)
     return {"median_ms": med, "min_ms": min(times), "max_ms": max(times), "gbps": kv_bytes / (med / 1e3) / 1e9,
             "fraction_of_bandwidth": kv_bytes / (med / 1e3) / bandwidth}
 
 
-def _run_trials(timers: dict[str, Timer], trials: int) -> dict[str, list[float]]:
+def run_trials(timers: dict[str, Timer], trials: int) -> dict[str, list[float]]:
+    """``trials`` rounds over ``timers``, each round in a fresh random order (so no variant always
+    runs first or after the same one); returns each timer's ms per call, one entry per round."""
     samples = {name: [] for name in timers}
     for _ in range(trials):
         order = list(timers)
@@ -211,7 +218,7 @@ def bench_case(*, shape_name: str, batch: int, context: int, page_size: int, dty
     layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
     cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=copies * batch * pages_per_seq + 1),
                          device=device, compaction=CompactionPolicy(enabled=False))
-    _fill_random(cache, gen)
+    fill_random(cache, gen)
     shape = AttentionShape(q_heads, kv_heads, head_dim, head_dim)
     spec = DeviceSpec.cuda()
     backend = TritonBackend(page_size=page_size, device=device)
@@ -255,10 +262,10 @@ def bench_case(*, shape_name: str, batch: int, context: int, page_size: int, dty
             timers[name] = Timer.capture(calls)
         except Exception as exc:  # a stock backend that does not run this shape
             errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-    samples = _run_trials(timers, trials)
+    samples = run_trials(timers, trials)
     result = {"shape": shape_name, "batch": batch, "context": context, "page_size": page_size,
               "dtype": str(dtype).replace("torch.", ""), "l2_copies": copies, "plans": plans, "errors": errors,
-              "variants": {name: _summarise(t, kv_bytes, bandwidth) for name, t in samples.items()}}
+              "variants": {name: time_summary(t, kv_bytes, bandwidth) for name, t in samples.items()}}
     del timers, fns
     for chain in chains_all:
         chain.release()
@@ -273,7 +280,7 @@ def forked_prefix(*, kv_heads: int, head_dim: int, dtype, forks: int, prefix: in
     pages = (prefix + forks * (suffix + page_size)) // page_size + 8
     cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=pages), device=device,
                          compaction=CompactionPolicy(enabled=False))
-    _fill_random(cache, generator)
+    fill_random(cache, generator)
     root = cache.new_chain()
     root.append(prefix)
     root.seal()
@@ -331,7 +338,7 @@ def bench_cascade(*, shape_name: str, forks: int, prefix: int, suffix: int, page
     own_pages = forks * -(-(prefix + suffix) // page_size) + 8
     copies = PagedKVCache(cache.layout, CacheConfig(page_size=page_size, num_pages=own_pages), device=device,
                           compaction=CompactionPolicy(enabled=False))
-    _fill_random(copies, gen)
+    fill_random(copies, gen)
     own = [copies.new_chain() for _ in range(forks)]
     for chain in own:
         chain.append(prefix + suffix)
@@ -341,14 +348,14 @@ def bench_cascade(*, shape_name: str, forks: int, prefix: int, suffix: int, page
     own_prepared = backend.prepare(own_plan)
     ck, cv = copies.storage.key_cache(0), copies.storage.value_cache(0)
     timers["own_copies"] = Timer.capture([lambda: backend.run(own_prepared, q, ck, cv, scale=head_dim**-0.5)])
-    samples = _run_trials(timers, trials)
+    samples = run_trials(timers, trials)
     element = torch.empty((), dtype=dtype).element_size()
     unique = 2 * (prefix + forks * suffix) * kv_heads * head_dim * element
     # GB/s of the unique K/V, except own_copies: what it reads (every fork's whole history)
     read = {"own_copies": 2 * forks * (prefix + suffix) * kv_heads * head_dim * element}
     result = {"shape": shape_name, "forks": forks, "prefix": prefix, "suffix": suffix, "page_size": page_size,
               "dtype": str(dtype).replace("torch.", ""), "plans": {n: p.describe() for n, p in plans.items()},
-              "variants": {name: _summarise(t, read.get(name, unique), bandwidth) for name, t in samples.items()}}
+              "variants": {name: time_summary(t, read.get(name, unique), bandwidth) for name, t in samples.items()}}
     result["speedup"] = result["variants"]["no_sharing"]["median_ms"] / result["variants"]["cascade"]["median_ms"]
     result["speedup_vs_own_copies"] = (result["variants"]["own_copies"]["median_ms"]
                                        / result["variants"]["cascade"]["median_ms"])
@@ -379,7 +386,7 @@ def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], 
         layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
         cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=batch * pages_per_seq + 1),
                              device=device, compaction=CompactionPolicy(enabled=False))
-        _fill_random(cache, gen)
+        fill_random(cache, gen)
         chains = [cache.new_chain() for _ in range(batch)]
         for chain in chains:
             chain.append(context)
@@ -399,8 +406,8 @@ def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], 
             for layout_name, (kc, vc) in (("token", token_major), ("head", head_major)):
                 key = f"p{parts}_{layout_name}"
                 timers[key] = Timer.capture([lambda p=prepared, kc=kc, vc=vc: backend.run(p, q, kc, vc, scale=0.088)])
-        samples = _run_trials(timers, trials)
-        results = {k: _summarise(t, kv_bytes, bandwidth) for k, t in samples.items()}
+        samples = run_trials(timers, trials)
+        results = {k: time_summary(t, kv_bytes, bandwidth) for k, t in samples.items()}
         rows.append({"batch": batch, "context": context, "launch": [launch.block_n, launch.num_warps,
                      launch.num_stages], "auto_partitions": auto.num_partitions, "results": results})
         print(f"tune {shape_name} n{launch.block_n}_w{launch.num_warps}_s{launch.num_stages} B={batch} ctx={context} "

@@ -68,7 +68,7 @@ import torch
 
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype
-from segkv.models.loader import _keep_fp32
+from segkv.models.loader import keep_fp32
 from segkv.models.registry import model_class
 from benchmarks.hf_baseline import (
     HF_SKIPPED_FORWARDS,
@@ -236,7 +236,7 @@ def build_segkv(cfg: dict, *, device: torch.device, dtype: torch.dtype, hf_state
     std, state, made, copied = float(cfg.get("initializer_range", 0.02)), {}, {}, 0
     used: set[str] = set()
     for name, p in model.named_parameters(remove_duplicate=False):
-        want = torch.float32 if _keep_fp32(name) else dtype
+        want = torch.float32 if keep_fp32(name) else dtype
         if id(p) in made:  # tied
             state[name] = made[id(p)]
             continue
@@ -278,7 +278,7 @@ def parity(model, hf, *, device: torch.device, dtype: torch.dtype, vocab: int, s
     cache = PagedKVCache(model.kv_layout(dtype), CacheConfig(page_size=16, num_pages=4), device=device)
     chain = cache.new_chain()
     try:
-        ours = _runner(model, cache, device)[0].prompt_logits(chain, ids).float()
+        ours = build_runner(model, cache, device)[0].prompt_logits(chain, ids).float()
     finally:
         chain.release()
     with torch.no_grad():
@@ -288,8 +288,8 @@ def parity(model, hf, *, device: torch.device, dtype: torch.dtype, vocab: int, s
 
 
 # -- segkv decode ---------------------------------------------------------------------------
-def _runner(model, cache, device: torch.device, *, graphs: str = "off", backend: str = "auto"
-            ) -> tuple[ModelRunner, bool]:
+def build_runner(model, cache, device: torch.device, *, graphs: str = "off", backend: str = "auto"
+                 ) -> tuple[ModelRunner, bool]:
     """A runner and whether it decodes through CUDA graphs. ``graphs``: "off", "auto" (where the
     runner has them: CUDA, no MoE) or "emulate" (the graph code path replayed without capture,
     over the Triton backend: CPU tests)."""
@@ -300,7 +300,10 @@ def _runner(model, cache, device: torch.device, *, graphs: str = "off", backend:
     return runner, getattr(runner, "graphs", None) is not None
 
 
-def _decode(runner: ModelRunner, chains, first: list[int], steps: int) -> list[list[int]]:
+def decode_steps(runner: ModelRunner, chains, first: list[int], steps: int) -> list[list[int]]:
+    """Greedy decode of ``steps`` tokens per chain through ``runner.forward``, one plain step at a
+    time (no sampler, no look-ahead): ``first`` holds each chain's next input token. Returns the
+    tokens per step, ``steps`` lists of one token id per chain."""
     tokens, out = first, []
     for _ in range(steps):
         logits = runner.forward([StepInput(c, [t]) for c, t in zip(chains, tokens)])
@@ -339,11 +342,11 @@ class StepMarks(StepTimes):
         return call
 
 
-def _generate(runner: ModelRunner, chains, first: list[int], steps: int, *, lookahead: bool,
-              max_model_len: int) -> tuple[list[list[int]], int]:
+def generate_steps(runner: ModelRunner, chains, first: list[int], steps: int, *, lookahead: bool,
+                   max_model_len: int) -> tuple[list[list[int]], int]:
     """Greedy decode of ``steps`` tokens per chain as the engine runs it (``Generator``: samples
     drawn on the device, the next step launched before the host reads them when ``lookahead``).
-    Returns the tokens per step (as ``_decode``) and the steps served by a step launched ahead."""
+    Returns the tokens per step (as ``decode_steps``) and the steps served by a step launched ahead."""
     gen = Generator(runner, TokenIdsOnly(), max_model_len=max_model_len, lookahead=lookahead)
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     seqs = [gen.new_sequence(0, c, [t], [t], params) for c, t in zip(chains, first)]
@@ -351,7 +354,9 @@ def _generate(runner: ModelRunner, chains, first: list[int], steps: int, *, look
     return [list(step) for step in zip(*(s.output_ids for s in seqs))], gen.steps_ahead_used
 
 
-def _trim_to(chains, context: int) -> None:
+def trim_to(chains, context: int) -> None:
+    """Trim every chain longer than ``context`` rows back to ``context`` (the rows a timed run
+    decoded are dropped, so the next run starts from the same history)."""
     for chain in chains:
         if chain.num_rows > context:
             chain.trim(chain.num_rows - context)
@@ -400,34 +405,34 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
         gen = torch.Generator().manual_seed(seed)
         first = torch.randint(0, model.cfg.vocab_size, (batch,), generator=gen).tolist()
         backend = "triton" if graphs == "emulate" else "auto"
-        eager, _ = _runner(model, cache, device, backend=backend)
+        eager, _ = build_runner(model, cache, device, backend=backend)
         runners.append(eager)
         runner = eager
         if graphs != "off":  # made first: it packs MoE experts, which the eager reference then uses too
             try:
-                runner, out["cuda_graphs"] = _runner(model, cache, device, graphs=graphs, backend=backend)
+                runner, out["cuda_graphs"] = build_runner(model, cache, device, graphs=graphs, backend=backend)
                 runners.append(runner)
                 out["graphs_off_reason"] = getattr(runner, "graphs_off_reason", None)
             except ValueError as exc:  # "emulate" refuses models without graph support
                 out["graphs_off_reason"] = str(exc)
         counter = _ExpertCounter(model)
         try:  # the untimed eager reference: greedy tokens, experts touched
-            reference = _decode(eager, chains, first, steps)
+            reference = decode_steps(eager, chains, first, steps)
         finally:
             distinct = counter.close()
-        _trim_to(chains, context)
+        trim_to(chains, context)
         if distinct is not None:
             out["distinct_experts_measured"] = distinct
         try:
-            _decode(runner, chains, first, warmup)
+            decode_steps(runner, chains, first, warmup)
         except Exception as exc:  # graph capture failed: measure eager, say why
             if runner is eager:
                 raise
             out["graph_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            _trim_to(chains, context)
+            trim_to(chains, context)
             runner, out["cuda_graphs"] = eager, False
-            _decode(runner, chains, first, warmup)
-        _trim_to(chains, context)
+            decode_steps(runner, chains, first, warmup)
+        trim_to(chains, context)
         # the engine's loop (Generator, steps launched ahead by default on CUDA) and, when that is
         # on, the same loop step by step (the host reads each token before the next step starts),
         # alternating in the same trials. What exists now lives through the trials: kept out of the
@@ -446,7 +451,7 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
                 start = time.perf_counter()
                 with StepMarks(runner, device) as marks:
                     # the length limit only so the Generator never stops a case early
-                    tokens, used = _generate(runner, chains, first, steps, lookahead=ahead,
+                    tokens, used = generate_steps(runner, chains, first, steps, lookahead=ahead,
                                              max_model_len=context + steps + 8)
                 sync(device)
                 whole[ahead].append(batch * steps / (time.perf_counter() - start))
@@ -455,7 +460,7 @@ def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, c
                 rates[ahead].append(batch * (steps - 1 - HF_SKIPPED_FORWARDS) / marks.seconds(HF_SKIPPED_FORWARDS))
                 equal &= tokens == reference
                 ahead_used += used
-                _trim_to(chains, context)
+                trim_to(chains, context)
         out.update(summary(rates[lookahead]), tokens_equal_eager=equal, lookahead=lookahead,
                    steps_ahead_used=ahead_used, whole_run=summary(whole[lookahead]))
         if lookahead:

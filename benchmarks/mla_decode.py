@@ -69,11 +69,11 @@ from segkv.attention.triton_backend import TritonBackend
 from benchmarks.decode_attention import (  # noqa: F401  (MAX_L2_COPIES: re-exported, the cap of l2_copies)
     MAX_L2_COPIES,
     Timer,
-    _fill_random,
-    _run_trials,
-    _summarise,
+    fill_random,
     l2_copies,
     measured_read_bandwidth,
+    run_trials,
+    time_summary,
 )
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
@@ -431,7 +431,7 @@ def build_case(case: Case, *, page_size: int, l2_bytes: int, gen: torch.Generato
     layout = KVLayout(num_layers=1, kind="mla", kv_lora_rank=KV_LORA_RANK, rope_dim=ROPE_DIM, dtype=dtype)
     cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=copies * case.batch * pages_per_seq + 1),
                          device=device, compaction=CompactionPolicy(enabled=False))
-    _fill_random(cache, gen)
+    fill_random(cache, gen)
     data = CaseData(case, page_size, copies, cache)
     latent = cache.storage.latent[0]
     for _ in range(copies):
@@ -525,7 +525,7 @@ def _row(level: str, data: CaseData, heads: int, plans: PlanSet, samples: dict, 
            "page_size": data.page_size, "latent_bytes": c.latent_bytes, "bytes": nbytes, "l2_copies": data.copies,
            "plans": plans.describe, "planner_route": plans.planner_route, "split_forced": plans.split_forced,
            "timing": timing, "errors": errors,
-           "variants": {name: _summarise(t, nbytes, bandwidth) for name, t in samples.items() if t}}
+           "variants": {name: time_summary(t, nbytes, bandwidth) for name, t in samples.items() if t}}
     row["speedup"] = speedups(row)
     return row
 
@@ -549,7 +549,7 @@ def bench_kernel(data: CaseData, heads: int, plans: PlanSet, *, backend: TritonB
     rel, check_errors = check_outputs(fns, "torch_default")
     timers, timing, errors = build_timers(fns)
     errors = {**check_errors, **errors}
-    samples = _run_trials(timers, trials)
+    samples = run_trials(timers, trials)
     row = _row("kernel", data, heads, plans, samples, timing, errors, data.case.latent_bytes, bandwidth)
     row.update(metadata_host_ms=plans.metadata_host_ms, relative_error=rel)
     del timers, fns
@@ -594,7 +594,7 @@ def bench_layer(data: CaseData, heads: int, plans: PlanSet, *, backend: TritonBa
     rel, check_errors = check_outputs(fns, "torch_reference")
     timers, timing, errors = build_timers(fns)
     errors = {**check_errors, **errors}
-    samples = _run_trials(timers, trials)
+    samples = run_trials(timers, trials)
     row = _row("layer", data, heads, plans, samples, timing, errors, data.case.latent_bytes + weight_bytes,
                bandwidth)
     row.update(weight_bytes=weight_bytes, layer_copies=num_layers, dims=_dims_dict(dims), relative_error=rel,

@@ -30,7 +30,7 @@ import torch
 
 from segkv.attention.planner import plan_attention
 from segkv.attention.plan import SequenceQuery
-from benchmarks.decode_e2e import _decode, _runner, _trim_to, build_segkv, case_pages, model_config
+from benchmarks.decode_e2e import build_runner, build_segkv, case_pages, decode_steps, model_config, trim_to
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, default_page_size
 from segkv.layers.sampler import argmax_rows
@@ -58,9 +58,9 @@ def _profile_table(runner, chains, first: list[int], steps: int, context: int, s
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        _decode(runner, chains, first, steps)
+        decode_steps(runner, chains, first, steps)
         torch.cuda.synchronize()
-    _trim_to(chains, context)
+    trim_to(chains, context)
     if trace:
         prof.export_chrome_trace(trace)
     return prof.key_averages().table(sort_by=sort_by, row_limit=rows)
@@ -130,7 +130,7 @@ def generator_timeline(runner, chains, first: list[int], steps: int, context: in
     graph replay (an event before and after it) and the time from one replay's end to the next
     one's start (sampling, copies, and any wait for the host), median / 90th percentile / largest
     over ``runs`` runs of ``steps`` steps, the first 3 steps of each run left out."""
-    from benchmarks.decode_e2e import _generate
+    from benchmarks.decode_e2e import generate_steps
 
     replays, gaps, collections = [], [], []
     started = {}
@@ -142,9 +142,9 @@ def generator_timeline(runner, chains, first: list[int], steps: int, context: in
             collections.append((info["generation"], (time.perf_counter() - started["t"]) * 1e3))
 
     def run() -> None:
-        _generate(runner, chains, first, steps, lookahead=True, max_model_len=context + steps + 8)
+        generate_steps(runner, chains, first, steps, lookahead=True, max_model_len=context + steps + 8)
         torch.cuda.synchronize()
-        _trim_to(chains, context)
+        trim_to(chains, context)
 
     gc.callbacks.append(on_gc)
     try:
@@ -206,18 +206,18 @@ def main() -> None:
         chain.append(args.context)
     first = list(range(1, args.batch + 1))
     for graphs in ("auto", "off"):
-        runner, on = _runner(model, cache, device, graphs=graphs)
-        _decode(runner, chains, first, 8)
-        _trim_to(chains, args.context)
+        runner, on = build_runner(model, cache, device, graphs=graphs)
+        decode_steps(runner, chains, first, 8)
+        trim_to(chains, args.context)
 
         def steps() -> None:
-            _decode(runner, chains, first, args.steps)
-            _trim_to(chains, args.context)
+            decode_steps(runner, chains, first, args.steps)
+            trim_to(chains, args.context)
 
         if args.timeline or args.generator:
             if on and args.timeline:
                 timeline(runner, chains, first, args.steps)
-                _trim_to(chains, args.context)
+                trim_to(chains, args.context)
             if on and args.generator:
                 if args.gc_freeze:  # as the engine does once set up
                     gc.collect()

@@ -15,7 +15,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from benchmarks.decode_e2e import _runner, build_segkv, model_config
+from benchmarks.decode_e2e import build_runner, build_segkv, model_config
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy
 from segkv.runner.model_runner import StepInput
@@ -40,7 +40,7 @@ def main() -> None:
                          device=device, compaction=CompactionPolicy(enabled=False))
     chain = cache.new_chain()
     chain.append(args.history)
-    runner, _ = _runner(model, cache, device, graphs="off")
+    runner, _ = build_runner(model, cache, device, graphs="off")
     tokens = torch.randint(0, cfg["vocab_size"], (args.chunk,)).tolist()
 
     def chunk() -> None:

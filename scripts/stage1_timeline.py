@@ -23,7 +23,7 @@ from segkv.attention.triton_backend import TritonBackend
 from benchmarks.decode_attention import (
     SHAPES,
     Timer,
-    _fill_random,
+    fill_random,
     forked_prefix,
     l2_copies,
     measured_read_bandwidth,
@@ -138,7 +138,7 @@ def run_case(shape_name: str, batch: int, context: int, page_size: int, trials: 
     layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
     cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=copies * pages + 1), device="cuda",
                          compaction=CompactionPolicy(enabled=False))
-    _fill_random(cache, gen)
+    fill_random(cache, gen)
     kc, vc = cache.storage.key_cache(0), cache.storage.value_cache(0)
     shape = AttentionShape(q_heads, kv_heads, head_dim, head_dim)
     backend = TritonBackend(page_size=page_size, device="cuda")

@@ -94,7 +94,7 @@ def load_model(
                 if tuple(tensor.shape) != want:
                     raise ValueError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {want}")
-                state[target] = tensor.to(torch.float32 if _keep_fp32(target) else torch_dtype)
+                state[target] = tensor.to(torch.float32 if keep_fp32(target) else torch_dtype)
     if hasattr(model, "drop_unloaded"):  # optional modules the checkpoint does not carry
         for name in model.drop_unloaded(set(state)):
             state.pop(name, None)
@@ -105,7 +105,7 @@ def load_model(
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors: {shown}")
     model = model.to_empty(device=device).to(torch_dtype)
     for name, param in model.named_parameters():
-        if _keep_fp32(name):  # routing decisions must not flip with the weights' dtype
+        if keep_fp32(name):  # routing decisions must not flip with the weights' dtype
             param.data = param.data.float()
     model.load_state_dict(state, strict=False, assign=False)
     if tied:
@@ -118,7 +118,9 @@ def load_model(
 _FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
 
-def _keep_fp32(name: str) -> bool:
+def keep_fp32(name: str) -> bool:
+    """Whether the parameter ``name`` (a segkv state-dict key) stays float32 whatever dtype the
+    model loads in: the MoE router's weight and score-correction bias."""
     return name.endswith(_FP32_SUFFIXES)
 
 
