@@ -1,4 +1,4 @@
-# Sourced by the GPU machine's scripts (gpu_check.sh, gpu_experiments.sh): run
+# Sourced by the GPU machine's scripts (gpu_check.sh): run
 # from the repository root with segkv from the working tree, results under $OUT (made here), and
 # pytest installed from .whl/ (carried) when the machine lacks it.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
