@@ -37,7 +37,7 @@ def test_32_concurrent_requests_match_one_at_a_time(model_dir):
     llm = LLM(model_dir, page_size=8, num_pages=600)
     batch = prompts(llm, 32)
     alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in batch]
-    core = EngineCore(llm, SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=64))
+    core = EngineCore(llm.cache, llm.generator, SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=64))
     requests = [core.add_request(p, GREEDY) for p in batch]
     run_all(core)
     assert [r.output().outputs[0].token_ids for r in requests] == alone
@@ -47,7 +47,7 @@ def test_32_concurrent_requests_match_one_at_a_time(model_dir):
 
 def test_repeated_history_is_served_from_the_prefix_index(model_dir):
     llm = LLM(model_dir, page_size=8, num_pages=600)
-    core = EngineCore(llm)
+    core = EngineCore(llm.cache, llm.generator)
     history = prompts(llm, 1)[0] * 6
     first = core.add_request(history, GREEDY)
     run_all(core)
@@ -65,7 +65,8 @@ def test_small_kv_budget_preempts_recomputes_and_completes(model_dir):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     alone = [big.generate([p], params)[0].outputs[0].token_ids for p in batch]
     small = LLM(model_dir, page_size=4, num_pages=40)
-    core = EngineCore(small, SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=64))
+    core = EngineCore(small.cache, small.generator,
+                      SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=64))
     requests = [core.add_request(p, params) for p in batch]
     run_all(core)
     assert core.num_preemptions > 0
@@ -74,7 +75,7 @@ def test_small_kv_budget_preempts_recomputes_and_completes(model_dir):
 
 def test_abort_frees_pages_and_queue_limits(model_dir):
     llm = LLM(model_dir, page_size=8, num_pages=600)
-    core = EngineCore(llm, SchedulerConfig(max_waiting=2))
+    core = EngineCore(llm.cache, llm.generator, SchedulerConfig(max_waiting=2))
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     a = core.add_request(prompts(llm, 1)[0], long)
     core.add_request(prompts(llm, 2)[1], long)
@@ -92,7 +93,7 @@ def test_abort_frees_pages_and_queue_limits(model_dir):
 
 def test_n_samples_run_as_forked_siblings(model_dir):
     llm = LLM(model_dir, page_size=8, num_pages=600)
-    core = EngineCore(llm)
+    core = EngineCore(llm.cache, llm.generator)
     params = SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=5, ignore_eos=True)
     request = core.add_request(prompts(llm, 1)[0], params)
     run_all(core)
@@ -183,3 +184,59 @@ def test_scheduler_preempts_the_youngest_when_pages_run_out():
     assert out.preempted == [b] and out.scheduled == [(a, 1)] and out.num_evicted_pages == 2
     assert list(scheduler.waiting) == [b] and scheduler.running == [a] and scheduler.num_preemptions == 1
     assert b.pending == b.tokens and not b.chain.num_rows  # recomputed when admitted again
+
+
+def test_llm_generate_runs_on_its_core_and_leaves_no_pages(model_dir):
+    """``LLM.generate`` adds requests to the LLM's one core and steps it: every step reaches the
+    core's listeners, more prompts than the queue holds are fed in as room frees, outputs come in
+    input order and equal each prompt run alone, and no page stays behind."""
+    llm = LLM(model_dir, page_size=8, num_pages=600)
+    batch = prompts(llm, 5)
+    alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in batch]
+    llm.core.configure(SchedulerConfig(max_waiting=2))
+    seen: set[str] = set()
+    llm.core.step_listeners.append(lambda touched: seen.update(r.request_id for r in touched))
+    outs = llm.generate(batch, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert seen == {o.request_id for o in outs} and len(seen) == 5
+    assert llm.cache.pool.pages_in_use == 0 and len(llm.core.prefix) == 0 and not llm.core.requests
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate([batch[0], [5] * llm.max_model_len], GREEDY)
+    assert llm.cache.pool.pages_in_use == 0 and not llm.core.requests
+
+
+def test_async_engine_drives_the_llms_core_beside_generate(model_dir):
+    """An AsyncEngine wraps the LLM's own core (limits from its config); ``LLM.generate`` called
+    while a served request runs shares the steps, and both get the tokens they get alone."""
+    import asyncio
+    import threading
+
+    from segkv.engine import AsyncEngine
+
+    llm = LLM(model_dir, page_size=8, num_pages=600)
+    served, offline = prompts(llm, 2)
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want_served = llm.generate([served], long)[0].outputs[0].token_ids
+    want_offline = llm.generate([offline], GREEDY)[0].outputs[0].token_ids
+    engine = AsyncEngine(llm, SchedulerConfig(max_num_seqs=8))
+    try:
+        assert engine.core is llm.core and llm.core.config.max_num_seqs == 8
+        started = threading.Event()
+
+        async def stream() -> list[int]:
+            last = None
+            async for update in engine.generate(served, long):
+                started.set()
+                last = update
+            return last.output.outputs[0].token_ids
+
+        result: list = []
+        thread = threading.Thread(target=lambda: result.append(asyncio.run(stream())))
+        thread.start()
+        assert started.wait(60)
+        got_offline = llm.generate([offline], GREEDY)[0].outputs[0].token_ids
+        thread.join(60)
+        assert result == [want_served] and got_offline == want_offline
+    finally:
+        engine.shutdown()
+    assert engine._on_step not in llm.core.step_listeners

@@ -109,7 +109,7 @@ def _finish(core: EngineCore) -> None:
 def _step_until_ahead(core: EngineCore) -> None:
     for _ in range(50):
         core.step()
-        if core.llm.generator._ahead is not None:
+        if core.generator._ahead is not None:
             return
     raise AssertionError("no step was launched ahead")
 
@@ -124,7 +124,7 @@ def test_engine_with_arrivals_and_aborts(model_dir):
     alone = [plain.generate([p], params)[0].outputs[0].token_ids for p in batch]
     llm = _llm(model_dir, True)
     gen = llm.generator
-    core = EngineCore(llm, SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64))
+    core = EngineCore(llm.cache, llm.generator, SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64))
     requests = [core.add_request(p, params) for p in batch[:6]]
     doomed = core.add_request(batch[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     _step_until_ahead(core)
@@ -151,7 +151,8 @@ def test_engine_preempting_sequences_that_hold_rows_ahead(model_dir):
     batch = _prompts(plain, 10)
     alone = [plain.generate([p], params)[0].outputs[0].token_ids for p in batch]
     small = _llm(model_dir, True, num_pages=36)
-    core = EngineCore(small, SchedulerConfig(max_num_seqs=10, max_num_batched_tokens=64))
+    core = EngineCore(small.cache, small.generator,
+                      SchedulerConfig(max_num_seqs=10, max_num_batched_tokens=64))
     requests = [core.add_request(p, params) for p in batch]
     _step_until_ahead(core)
     held = [s for s in core.running if small.generator.rows_ahead(s)]

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from segkv.cache.chain import ChainSnapshot
-from segkv.engine.core import EngineCore, EngineRequest, EngineStopped
+from segkv.engine.core import EngineRequest, EngineStopped
 from segkv.engine.llm import LLM
 from segkv.outputs import RequestOutput
 from segkv.sampling_params import SamplingParams
@@ -30,18 +30,22 @@ class StreamUpdate:
 
 
 class AsyncEngine:
-    """Thread-safe front of :class:`EngineCore` for async servers.
+    """Thread-safe front of an LLM's :class:`EngineCore` for async servers.
 
-    ``generate`` yields a :class:`StreamUpdate` after every step that touched the request;
-    cancelling the iterator (a client disconnect) aborts the request, and its pages are
-    freed before the next step runs. To shut down, :meth:`stop_admitting` refuses new
-    requests, and :meth:`abort_all` ends those still running with an error.
+    It drives the core of ``llm`` (the one ``LLM.generate`` steps too, under the core's lock);
+    ``config``, if given, sets that core's scheduler limits. ``generate`` yields a
+    :class:`StreamUpdate` after every step that touched the request; cancelling the iterator (a
+    client disconnect) aborts the request, and its pages are freed before the next step runs. To
+    shut down, :meth:`stop_admitting` refuses new requests, and :meth:`abort_all` ends those still
+    running with an error.
     """
 
     def __init__(self, llm: LLM, config: SchedulerConfig | None = None) -> None:
         self.llm = llm
-        self.core = EngineCore(llm, config)
-        self._lock = threading.Lock()
+        self.core = llm.core
+        if config is not None:
+            self.core.configure(config)
+        self._lock = self.core.lock
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = False
@@ -51,6 +55,7 @@ class AsyncEngine:
         self._token_times: deque[tuple[float, int]] = deque(maxlen=4096)  # (time, tokens sampled)
         self._ttfts: deque[float] = deque(maxlen=256)
         self.num_finished = 0
+        self.core.step_listeners.append(self._on_step)  # whoever steps the core, streams get updates
         self._thread = threading.Thread(target=self._loop, name="segkv-engine", daemon=True)
         self._thread.start()
 
@@ -128,13 +133,14 @@ class AsyncEngine:
 
     def save_snapshot(self, snapshot: ChainSnapshot, path, *, metadata: dict) -> None:
         with self._lock:
-            save_snapshot(path, snapshot, self.llm.cache, fingerprint=self.llm.fingerprint, metadata=metadata)
+            save_snapshot(path, snapshot, self.core.cache, fingerprint=self.core.fingerprint,
+                          metadata=metadata)
 
     def load_snapshot(self, path) -> tuple[ChainSnapshot, list[int], dict]:
         """Load a snapshot file into the cache and the prefix index; errors change nothing."""
         with self._lock:
             # cached segments and idle sessions' pins give way to the file, as to new requests
-            loaded = load_snapshot(path, self.llm.cache, fingerprint=self.llm.fingerprint,
+            loaded = load_snapshot(path, self.core.cache, fingerprint=self.core.fingerprint,
                                    make_room=self.core.make_room)
             self.core.prefix.insert(loaded.snapshot.refs)
             return loaded.snapshot, loaded.token_ids, loaded.metadata
@@ -147,6 +153,9 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        with self._lock:
+            if self._on_step in self.core.step_listeners:
+                self.core.step_listeners.remove(self._on_step)
 
     # -- the loop ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -157,16 +166,18 @@ class AsyncEngine:
                 continue
             with self._lock:
                 try:
-                    touched = self.core.step()
-                    self.steps += 1
+                    self.core.step()  # its requests' updates go out through _on_step
                 except BaseException as exc:  # fail the in-flight requests, keep serving
                     self.error = exc
                     self._abort_all(RuntimeError(f"engine step failed: {exc}"))
-                    continue
-                updates = [(r, self._update(r)) for r in touched]
-                self._record(touched)
-            for request, update in updates:
-                self._deliver(request.request_id, update)
+
+    def _on_step(self, touched: list[EngineRequest]) -> None:
+        """After every step of the core (under its lock): stream updates and counters."""
+        self.steps += 1
+        self._record(touched)
+        for request in touched:
+            if request.request_id in self._streams:  # not the requests of LLM.generate
+                self._deliver(request.request_id, self._update(request))
 
     def _record(self, touched: list[EngineRequest]) -> None:
         now = time.monotonic()

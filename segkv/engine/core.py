@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from segkv.engine.generation import Sequence
-from segkv.engine.llm import LLM
+from segkv.cache.kv_cache import PagedKVCache
+from segkv.engine.generation import Generator, Sequence
 from segkv.outputs import RequestOutput
+from segkv.runner.model_runner import ModelRunner
 from segkv.sampling_params import SamplingParams
 from segkv.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -32,6 +35,7 @@ class EngineRequest:
     seqs: list[Sequence]
     arrival: float
     cached_tokens: int = 0
+    cache_rows: bool = True  # finished rows stay in the prefix index (False: released)
     first_token_time: float | None = None
     finished_time: float | None = None
     aborted: bool = False
@@ -51,23 +55,46 @@ class EngineRequest:
 
 
 class EngineCore:
-    """Runs many requests together, one forward per :meth:`step`.
+    """Runs many requests together, one forward per :meth:`step`, on a KV cache and the
+    generator (runner, sampler, detokenizers) that steps sequences on it.
 
     The :class:`Scheduler` makes every decision (admission, cached prefixes, the token
     budget, eviction, preemption); the core keeps the requests, runs the scheduled work through
-    the generator and records what it produced.
+    the generator and records what it produced. ``LLM.generate`` and :class:`AsyncEngine` drive
+    the same core: whoever steps it holds :attr:`lock`, and every step's touched requests go to
+    the :attr:`step_listeners` (an async engine's streams), whoever ran it. ``fingerprint`` names
+    the model's weights (written into and checked against snapshot files).
     """
 
-    def __init__(self, llm: LLM, config: SchedulerConfig | None = None) -> None:
-        self.llm = llm
-        self.scheduler = Scheduler(llm.cache, config, rows_ahead=lambda seq: llm.generator.rows_ahead(seq))
+    def __init__(self, cache: PagedKVCache, generator: Generator, config: SchedulerConfig | None = None, *,
+                 fingerprint: str = "") -> None:
+        self.cache = cache
+        self.generator = generator
+        self.fingerprint = fingerprint
+        self.scheduler = Scheduler(cache, config, rows_ahead=generator.rows_ahead)
         self.config = self.scheduler.config
         self.pool = self.scheduler.pool
         self.prefix = self.scheduler.prefix
         self.pressure_hooks = self.scheduler.pressure_hooks  # see Scheduler.make_room
         self.requests: dict[str, EngineRequest] = {}
-        self._owner: dict[int, EngineRequest] = {}
+        self._owner: dict[int, EngineRequest] = {}  # id(sequence) -> its request, while it runs
         self._ids = itertools.count()
+        self.lock = threading.Lock()  # held by whoever adds, aborts or steps
+        self.step_listeners: list[Callable[[list[EngineRequest]], None]] = []
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.generator.runner
+
+    @property
+    def max_model_len(self) -> int:
+        return self.generator.max_model_len
+
+    def configure(self, config: SchedulerConfig) -> None:
+        """Use ``config``'s limits from now on (while no request is in flight)."""
+        if self.requests or self.has_unfinished():
+            raise RuntimeError("the scheduler's limits change only while no request is in flight")
+        self.scheduler.config = self.config = config
 
     @property
     def waiting(self) -> deque[Sequence]:
@@ -82,12 +109,16 @@ class EngineCore:
         return self.scheduler.num_preemptions
 
     # -- requests ---------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None
-                    ) -> EngineRequest:
-        """Queue a request; ValueError for a bad prompt, QueueFullError when full."""
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+                    cache_rows: bool = True) -> EngineRequest:
+        """Queue a request; ValueError for a bad prompt, QueueFullError when full.
+
+        ``cache_rows=False``: the finished request's rows are released instead of staying in the
+        prefix index for later requests (offline generation leaves no pages behind).
+        """
         if not prompt_ids:
             raise ValueError("a prompt must have at least one token")
-        self.llm.check_prompt_length(len(prompt_ids))
+        self.generator.check_prompt_length(len(prompt_ids))
         if self.pool.pages_for_rows(len(prompt_ids)) >= self.pool.num_pages:
             raise ValueError(f"a prompt of {len(prompt_ids)} tokens does not fit the KV cache of "
                              f"{self.pool.num_pages} pages of {self.pool.page_size} rows")
@@ -97,8 +128,9 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         # Waiting sequences hold no pages: the cached prefix is matched at admission.
-        seq = self.llm.generator.new_sequence(0, self.llm.cache.new_chain(), prompt_ids, prompt_ids, params)
-        request = EngineRequest(request_id, list(prompt_ids), params, [seq], time.monotonic(), -1)
+        seq = self.generator.new_sequence(0, self.cache.new_chain(), prompt_ids, prompt_ids, params)
+        request = EngineRequest(request_id, list(prompt_ids), params, [seq], time.monotonic(), -1,
+                                cache_rows=cache_rows)
         self.requests[request_id] = request
         self._owner[id(seq)] = request
         self.scheduler.add(seq)
@@ -112,6 +144,7 @@ class EngineCore:
         request.aborted = True
         for seq in request.all_seqs():
             self.scheduler.free(seq, keep=False)  # an aborted request's rows are not kept for reuse
+            self._owner.pop(id(seq), None)
             if seq.finish_reason is None:
                 seq.finish_reason = "abort"
         return True
@@ -128,13 +161,17 @@ class EngineCore:
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[EngineRequest]:
-        """Run one forward; return requests that produced tokens or finished this step."""
+        """Run one forward; return requests that produced tokens or finished this step (also
+        given to the step listeners). Call it holding :attr:`lock` when another thread may too."""
         out = self.scheduler.schedule()
         self._note_cached(out)
         if not out.scheduled:
             return []
-        ready = self.llm.generator.step(out.scheduled, ahead_ok=out.ahead_ok)
-        return self._postprocess(ready)
+        ready = self.generator.step(out.scheduled, ahead_ok=out.ahead_ok)
+        touched = self._postprocess(ready)
+        for listener in self.step_listeners:
+            listener(touched)
+        return touched
 
     def _note_cached(self, out: SchedulerOutput) -> None:
         """A request's cached tokens are those its first prefix match found."""
@@ -159,11 +196,13 @@ class EngineCore:
             request.token_times.append(now)
             touched[request.request_id] = request
         for seq in [s for s in self.running if s.finish_reason is not None]:
-            self.scheduler.free(seq)
+            self.scheduler.free(seq, keep=self._owner[id(seq)].cache_rows)
         for request in touched.values():
             if request.finished:
                 request.finished_time = now
                 self.requests.pop(request.request_id, None)
+                for seq in request.all_seqs():
+                    self._owner.pop(id(seq), None)
         return list(touched.values())
 
     def pages_of_requests(self) -> int:
@@ -183,6 +222,6 @@ class EngineCore:
                 "pages_cached_only": self.prefix.num_pages_held_only(),
                 "running": len(self.running), "waiting": len(self.waiting),
                 "preemptions": self.num_preemptions, "prefix": self.prefix.stats(),
-                "steps_ahead": {"used": self.llm.generator.steps_ahead_used,
-                                "cancelled": self.llm.generator.steps_ahead_cancelled},
-                "routes": dict(self.llm.runner.route_counts)}
+                "steps_ahead": {"used": self.generator.steps_ahead_used,
+                                "cancelled": self.generator.steps_ahead_cancelled},
+                "routes": dict(self.runner.route_counts)}

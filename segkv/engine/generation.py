@@ -90,6 +90,14 @@ class Generator:
         self.steps_ahead_used = 0  # decode steps served by a step launched ahead
         self.steps_ahead_cancelled = 0
 
+    def check_prompt_length(self, num_tokens: int) -> None:
+        """Raise a clear ValueError if a prompt leaves no room for one generated token."""
+        if num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num_tokens} tokens in the prompt, which leaves no room for output."
+            )
+
     def rows_ahead(self, seq: Sequence) -> int:
         """Rows ``seq``'s chain already holds for its pending tokens (1 when the decode step that
         consumes them was launched ahead, else 0): the scheduler's page count leaves them out."""

@@ -6,6 +6,7 @@ import atexit
 import gc
 import itertools
 import time
+from collections import deque
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 
 from segkv.cache.kv_cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype
+from segkv.engine.core import EngineCore, EngineRequest
 from segkv.engine.generation import Generator
 from segkv.models.default_models import check_model_dir, resolve_model_dir
 from segkv.models.loader import fingerprint, load_model
@@ -20,7 +22,6 @@ from segkv.outputs import RequestOutput
 from segkv.runner.model_runner import ModelRunner
 from segkv.runner.warmup import warm_up, warm_up_shapes
 from segkv.sampling_params import SamplingParams
-from segkv.scheduler.scheduler import SchedulerConfig
 from segkv.sessions.conversation import Conversation
 from segkv.tokenizer.tokenizer import Tokenizer
 
@@ -50,7 +51,8 @@ def parse_device(device: str | torch.device) -> torch.device:
 
 
 class LLM:
-    """A model with its tokenizer, paged KV cache and runner.
+    """A model with its tokenizer, paged KV cache, runner and the :class:`EngineCore` that steps
+    requests on them (``generate`` here, and an :class:`AsyncEngine` serving this model).
 
     ``max_model_len`` defaults to the model's own limit. The cache holds ``num_pages``
     pages of ``page_size`` rows (default: ``config.default_page_size``, 32 on CUDA, 16
@@ -105,6 +107,7 @@ class LLM:
                                   cuda_graphs=cuda_graphs, max_model_len=self.max_model_len,
                                   fused_ops=fused_ops)
         self.generator = Generator(self.runner, self.tokenizer, max_model_len=self.max_model_len)
+        self.core = EngineCore(self.cache, self.generator, fingerprint=self.fingerprint)
         self._request_ids = itertools.count()
         # what exists now lives as long as the engine: keep it out of the cyclic collector's
         # scans, which otherwise fire inside every step's planning (page lists are large)
@@ -130,7 +133,7 @@ class LLM:
         variants captured, ``[size, wide, few]``), ``"forwards"``, ``"skipped"`` (shapes the
         cache had no room for)``}``.
         """
-        defaults = SchedulerConfig()
+        defaults = self.core.config
         cuda = self.device.type == "cuda"
         if max_batch is None:
             max_batch = defaults.max_num_seqs
@@ -156,24 +159,39 @@ class LLM:
     def generate(
         self, prompts: str | Seq[str] | Seq[Seq[int]], sampling: SamplingParams | None = None
     ) -> list[RequestOutput]:
-        """Complete each prompt (text, or token ids); ``n`` samples share one prefill."""
+        """Complete each prompt (text, or token ids); ``n`` samples share one prefill.
+
+        The prompts are requests of this engine's core, stepped until all finish (a server's
+        requests on the same core run in the same steps); their pages are released at the end.
+        """
         params = sampling or SamplingParams()
         batch = self._normalise_prompts(prompts)
-        requests, seqs = [], []
+        for _, ids in batch:
+            self.check_prompt_length(len(ids))
+        core, queued = self.core, deque(batch)
+        requests: list[EngineRequest] = []
         try:
-            for text, ids in batch:
-                self.check_prompt_length(len(ids))
-                chain = self.cache.new_chain()
-                seqs.append(self.generator.new_sequence(0, chain, ids, ids, params))
-                requests.append(RequestOutput(f"gen-{next(self._request_ids)}", text, ids))
-            self.generator.run(seqs)  # n > 1: samples fork the prefilled prompt (no recompute)
-            for request, s in zip(requests, seqs):
-                request.outputs = [x.result() for x in [s, *s.siblings]]
-            return requests
+            active: list[EngineRequest] = []
+            while queued or active:
+                with core.lock:
+                    while queued and len(core.waiting) < core.config.max_waiting:
+                        request_id = f"gen-{next(self._request_ids)}"
+                        requests.append(core.add_request(queued.popleft()[1], params, request_id=request_id,
+                                                         cache_rows=False))
+                        active.append(requests[-1])
+                    core.step()  # n > 1: samples fork the prefilled prompt (no recompute)
+                active = [r for r in active if not r.finished]
+            outputs = []
+            for (text, _), request in zip(batch, requests):
+                if request.aborted:
+                    raise RuntimeError(f"request {request.request_id} was aborted: the engine stopped")
+                outputs.append(request.output())
+                outputs[-1].prompt = text
+            return outputs
         finally:
-            for s in seqs:
-                for x in [s, *s.siblings]:
-                    x.chain.release()
+            with core.lock:
+                for request in requests:
+                    core.abort(request.request_id)  # those not finished (an error, an interrupt)
 
     def _normalise_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompts, str):
@@ -197,11 +215,7 @@ class LLM:
 
     def check_prompt_length(self, num_tokens: int) -> None:
         """Raise a clear ValueError if a prompt leaves no room for one generated token."""
-        if num_tokens >= self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {num_tokens} tokens in the prompt, which leaves no room for output."
-            )
+        self.generator.check_prompt_length(num_tokens)
 
     # -- conversations ----------------------------------------------------------------
     def conversation(self, system: str | None = None) -> Conversation:
