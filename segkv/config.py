@@ -93,7 +93,7 @@ class KVLayout:
 
 def default_page_size(device_type: str) -> int:
     """Rows per KV page when none is asked for: 32 on CUDA, where whole-model decode measured
-    0-4.5% faster than with 16 on the H200 (``docs/benchmarks.md``), 16 elsewhere."""
+    level or faster than with 16 (``docs/benchmarks.md``), 16 elsewhere."""
     return 32 if device_type == "cuda" else 16
 
 

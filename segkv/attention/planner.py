@@ -35,10 +35,10 @@ ROUTE_ENV = "SEGKV_ATTENTION_ROUTE"
 # 16 x kv_lora_rank float32), so a latent piece with H heads makes H / 16 programs.
 _TILE_ROWS = 64
 _LATENT_TILE_ROWS = 16
-# Latent programs hold a 16 x 512 float32 accumulator and use all 255 registers per thread, so
-# at most 2 are resident per multiprocessor (Nsight Compute on the H200) whatever the device spec
-# says: a split that overfills that wave (128 heads x batch 32 at 2K: 3 partitions, 1.35x slower
-# than one) must not look free.
+# Latent programs hold a 16 x 512 float32 accumulator and use every register a thread may have, so
+# at most 2 are resident per multiprocessor (measured) whatever the device spec says: a split that
+# overfills that wave measured slower than one partition and must not look free
+# (docs/performance-notes.md).
 _LATENT_RESIDENT_PER_MULTIPROCESSOR = 2
 # A single pass of lean decode programs is re-costed in the waves the device holds of them while it
 # makes fewer than this many, over runs of at least this many rows (_lean_single_pass)
@@ -237,12 +237,10 @@ def _lean_single_pass(base: int, longest: int, work_rows: int, shape: AttentionS
     """Whether a single pass of ``base`` stage-1 programs over runs of up to ``longest`` rows is
     re-costed in the waves the device holds of lean decode programs (``device.lean_wave_size``,
     :func:`lean_decode_programs`: 3 per SM where the planner aims at 2). One pass over 1-3 such
-    waves ends in a partial one whose programs run alone on their SMs: the 70B shape's batch 64
-    (512 programs, 1.29 waves of 396) ran 0.81-0.84x cuDNN SDPA at 4K-128K in one pass and
-    0.99-1.00x in 3 or 10 partitions; batch 56-66 at 4K-8K and batch 124-130 at 16K gained
-    4-25% (H200). Re-costing plans the aimed-at wave already splits (batch 50, 80, 112), more
-    waves (batch 256) or runs under :data:`LEAN_SINGLE_PASS_MIN_ROWS` (batch 66 and 72 at 1K,
-    where a partition's fixed cost weighs most) lost 2-12% there, so none of them is."""
+    waves ends in a partial one whose programs run alone on their SMs, which measured slower than
+    splitting it into partitions. Re-costing plans the aimed-at wave already splits, more waves or
+    runs under :data:`LEAN_SINGLE_PASS_MIN_ROWS` (where a partition's fixed cost weighs most)
+    measured slower, so none of them is (docs/performance-notes.md, batch 64 and lean programs)."""
     lean_wave = device.lean_wave_size
     # (tall decode programs hold more than 32 pairs, so they are never lean)
     return (bool(device.lean_blocks_per_multiprocessor) and not shape.is_latent
@@ -318,8 +316,8 @@ def _auto_chunk(
 
     def cheapest(cost_all: np.ndarray) -> int:
         """The cheapest estimate; among equal ones an idle device takes the most partitions, a full
-        one the fewest. (Taking the most within 3% of the best, as before the pipelined kernel, cost
-        2-5% at batch 4-16 from 32K on the H200: batch 4 / 128K ran 33 partitions in 0.517 ms, 8 in 0.494.)"""
+        one the fewest. (Taking the most within 3% of the best, as before the pipelined kernel,
+        measured slower at small batches and long contexts: docs/performance-notes.md.)"""
         near = np.flatnonzero(cost_all <= cost_all.min())
         if base < wave:  # an idle device: partitions of whole tiles first (a partial last tile only adds work)
             waste = tiled_all[near] - chunk_all[near]

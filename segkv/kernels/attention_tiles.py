@@ -9,8 +9,8 @@ from segkv.kernels.triton_import import tl, triton
 from segkv.settings import SETTINGS
 
 # ``ex2.approx.ftz.f32`` on the GPU: Triton's ``exp2`` emits ``ex2.approx.f32``, which ptxas wraps
-# in a subnormal fix-up (a compare and two predicated multiplies per element; about 100 of the
-# 1082 instructions of a 64-pair program's tile loop on sm_90a). Flushing results below 2^-126 to 0
+# in a subnormal fix-up (a compare and two predicated multiplies per element, a sizeable share of
+# the tile loop's instructions). Flushing results below 2^-126 to 0
 # changes nothing a float32 softmax can see: such a weight is under 2^-126 of the row's largest,
 # which is 1. The interpreter runs Triton's ``exp2``.
 FAST_EXP2: tl.constexpr = tl.constexpr(not SETTINGS.triton_interpret)
@@ -32,7 +32,7 @@ def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.conste
     """Page ids, valid rows and first-row positions of pages ``pidx`` (0 past ``pg1``). The ids are
     int64 when ``WIDE`` (:func:`paged_attention.wide_offsets`: a cache whose element offsets pass
     int32), else int32: a page's offset is then one 32-bit multiply instead of a sign extension and a
-    64-bit product per tile row (sm_90a: 97 of a 64-pair tile loop's 857 instructions)."""
+    64-bit product per tile row (fewer instructions in the tile loop)."""
     in_range = pidx < pg1
     page = tl.load(page_table + pidx, mask=in_range, other=0)
     if WIDE:
@@ -44,21 +44,17 @@ def page_index(page_table, page_rows, page_key_start, pidx, pg1, WIDE: tl.conste
 
 # A tile of one or two whole pages (four in the GQA stage 1: ``tile_pages``'s ``FOUR``) reads each
 # page's index once and gives it to the tile's rows, instead of one load per row and field that
-# every thread repeats for the rows it holds. Offline (Triton 3.9, sm_90a, SASS instructions of the
-# tile loop): the batch-1 latent program (value halves) at pages of 32 499 -> 456; the batch-1 GQA
-# program at pages of 64 456 -> 393, at pages of 16 (four pages) 417 -> 398 on the common path with
-# 168 -> 148 registers. H200: the latent batch-1 stage 1 at 128K 0.0593 -> 0.0570 ms, the 16-fork
-# cascade 0.0650 -> 0.0625 ms; the 8B shape at pages of 16 batch 1 / 32K 0.0408 -> 0.0391-0.0394 ms.
+# every thread repeats for the rows it holds: fewer instructions in the tile loop and fewer
+# registers, and the GQA and latent stage 1 measured faster (docs/performance-notes.md).
 #
 # A tile whose rows all hold keys that every pair of the program sees skips the score mask (the
 # GQA stage 1's ``SKIP``, where :func:`full_tiles_known`): a branch on scalars every thread already
 # holds (the tile's page scalars and, once per program, its work item's last key against its
 # pairs' smallest causal offset), no vote between warps in the loop (lazy rescaling's per-tile vote
 # cost more than it saved). Decode rows see all their keys, and a prefill chunk's history tiles
-# too, so the common tile spends no key positions, compare and select per score. Offline (Triton
-# 3.9, sm_90a), the common tile: tall programs 459 -> 391 instructions at pages of 16, 434 -> 378
-# at 32; batch-1 decode at pages of 32 415 -> 398. H200: the 16-fork cascade 0.0618-0.0622 ->
-# 0.0595-0.0602 ms at pages of 16; the kernels at batch 1 / 16 and Llama-3.1-8B level or faster.
+# too, so the common tile spends no key positions, compare and select per score: fewer
+# instructions in the tile loop; the cascade measured faster, the other kernels level or faster
+# (docs/performance-notes.md).
 
 
 def full_tiles_known(page_size: int, block_n: int, four: bool = False) -> bool:
@@ -183,7 +179,7 @@ def online_softmax_step(s, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     # the products accumulate into acc itself: a separate (M, D) float32 result per dot would
-    # triple the accumulator registers (255 with spills for 64 x 128 and 16 x 512 tiles)
+    # triple the accumulator registers (and spill at 64 x 128 and 16 x 512 tiles)
     if EXACT_FP32:
         acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:  # P split exactly into two half-precision parts: about 16 bits of P, float32 sums
@@ -201,9 +197,9 @@ def store_partials(acc, m_i, l_i, partial, head, valid, offs_d, d_ok, partial_di
     in base-2 units (:func:`online_softmax_step`); the stored LSE is natural. The LSEs of the pairs
     in ``lse_valid`` only (``valid``, or none where another program of the same pairs stores them)."""
     empty = l_i == 0.0
-    # one reciprocal per row and a product per value, not a division per value (about 3
-    # instructions each on sm_90a; the latent batch-1 program 1800 -> 1744 SASS instructions, the
-    # tall GQA program 2152 -> 1960 with fewer spills): float32 within 2 ulp, rounded once after
+    # one reciprocal per row and a product per value, not a division per value (a division costs
+    # more instructions; fewer instructions and spills in the stage-1 programs): float32 within
+    # 2 ulp, rounded once after
     out = acc * (1.0 / tl.where(empty, 1.0, l_i))[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
     direct = tl.load(partial_direct + partial, mask=valid, other=-1)

@@ -2,9 +2,9 @@
 
 ``out = W @ a`` for ``W (Out, In)`` and one row ``a (In,)``: program ``(n, k)`` reads a
 ``BLOCK_N x BLOCK_K`` block of the weight, so even a small projection spreads its bytes over
-hundreds of programs (cuBLAS's batch-1 kernels stream the 8 MB projections of a small model at
-1.4-2.5 TB/s). The ``SPLIT`` partial sums of an output block meet by an atomic ticket: the
-block's last program adds them in a fixed order (no float atomics, so results do not depend on
+hundreds of programs (cuBLAS's batch-1 kernels stream the 8 MB projections of a small model far
+below the memory bandwidth). The ``SPLIT`` partial sums of an output block meet by an atomic
+ticket: the block's last program adds them in a fixed order (no float atomics, so results do not depend on
 timing), rounds once and resets the ticket to 0 for the next launch. A ticket costs its program a
 release fence (one thread's ``MEMBAR.ALL.GPU`` before the atomic) and the atomic's round trip
 before it ends: with one split (``BLOCK_K`` spanning the input, a few whole weight rows a
@@ -78,8 +78,8 @@ def gemv_slice(X, RES, G, RES_OUT, W, stride_w, out_dim, in_dim, nb, kb, EXPERT_
     if INPUT >= 2:
         if HAS_RES:
             a = round_to_kind(a + tl.load(RES + cols, mask=c_ok, other=0.0).to(tl.float32), KIND)
-            # block 0's programs write h; a predicated store, not a branch: the branch kept 16
-            # more registers live (80 -> 64 per thread, 6 -> 8 programs per SM; sm_90a, Triton 3.6)
+            # block 0's programs write h; a predicated store, not a branch: the branch kept more
+            # registers live, so fewer programs fit on an SM
             first_block = tl.zeros_like(cols) + nb == 0
             tl.store(RES_OUT + cols, a.to(RES_OUT.dtype.element_ty), mask=c_ok & first_block)
         square_sum = tl.sum(a * a, axis=0)

@@ -221,7 +221,7 @@ def _rope_kv_kernel(
     key head ``h - HQ`` and write it, with the value head, into the cache row ``SLOTS[token]``.
     ``COS_SIN (max_position, 2 HALF)`` holds ``[cos | sin]`` already in the q dtype. With
     ``QK_NORM`` (Qwen3) each query / key head is RMS-normed by ``Q_NORM`` / ``K_NORM`` first."""
-    # letting the next launch be scheduled before the wait measured level on the H200 (docs/benchmarks.md)
+    # letting the next launch be scheduled before the wait measured level (docs/benchmarks.md)
     wait_then_release(USE_PDL)  # q, k, v come from the launch before
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)

@@ -150,9 +150,9 @@ def _check_inputs(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor,
 
 def _tile(block_m: int, dtype: torch.dtype) -> tuple[int, int]:
     """``(BLOCK_N, BLOCK_K)``. Decode blocks (a few pairs each) are bound by the weight reads:
-    narrow output tiles give many programs and long K steps keep loads in flight (on an H200,
-    64 x 128 streams the weights at about 4 TB/s). Blocks of many pairs take wider output
-    tiles, so each input row is re-read less often, with K steps that keep the pipelined
+    narrow output tiles give many programs and long K steps keep loads in flight (64 x 128
+    measured to stream the weights well: docs/performance-notes.md). Blocks of many pairs take
+    wider output tiles, so each input row is re-read less often, with K steps that keep the pipelined
     shared-memory buffers well inside the 227 KiB a program may use (float32 tiles are twice
     the bytes)."""
     if block_m <= 32:

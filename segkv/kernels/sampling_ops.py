@@ -1,8 +1,9 @@
 """Triton kernels for sampling: the argmax of each row of logits.
 
-``torch.argmax`` over one row of a 128K-entry vocabulary ran as a single-block reduction on the
-H200 (26 us), between two decode steps' graph replays. :func:`row_argmax` splits each row into
-chunks reduced side by side, then reduces the chunks' winners: two short launches.
+``torch.argmax`` over one row of a 128K-entry vocabulary runs as a single-block reduction, which
+measured slow between two decode steps' graph replays (docs/performance-notes.md).
+:func:`row_argmax` splits each row into chunks reduced side by side, then reduces the chunks'
+winners: two short launches.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """One-row products for batch-1 decode through the one-row Triton GEMV (``kernels.dense_gemv``).
 
-cuBLAS streams a small model's projections at one row far below the memory bandwidth (2048 x
-2048 in about 6 us on the H200); the split-K GEMV spreads the weight over hundreds of programs
-and, launched with programmatic dependent launch, loads its weight block while the kernel before
-it finishes. The MLA layer's x and o products take it (DeepSeek-V2-Lite batch 1 / 1K 415-417 ->
-428-429 tok/s on the H200). The grouped-query decoder's projections and gated MLPs take it with
-the layer's residual add and RMSNorm, or its SiLU-and-mul, inside the product's launch (H200,
-batch 1, 1K / 16K: Llama-3.1-8B 207 / 187 -> 219-220 / 196-197 tok/s, Qwen3-8B 193 / 174 ->
-213-214 / 189). Products of up to 4096 inputs take whole weight rows per program
-(:func:`launch_for`). The q/k/v product is such a plain whole-row GEMV, followed by one
+cuBLAS streams a small model's projections at one row far below the memory bandwidth; the
+split-K GEMV spreads the weight over hundreds of programs and, launched with programmatic
+dependent launch, loads its weight block while the kernel before it finishes. The MLA layer's x
+and o products take it. The grouped-query decoder's projections and gated MLPs take it with the
+layer's residual add and RMSNorm, or its SiLU-and-mul, inside the product's launch. Both measured
+faster end to end (docs/performance-notes.md). Products of up to 4096 inputs take whole weight
+rows per program (:func:`launch_for`). The q/k/v product is such a plain whole-row GEMV, followed by one
 RoPE-and-write launch that also applies Qwen3's q/k norms (``fused_ops.rope_and_write_kv``).
 One row on CUDA without a bias; everything else takes ``F.linear`` and the separate kernels.
 """
@@ -30,16 +28,13 @@ def launch_for(in_dim: int, *, whole_rows: bool = False) -> tuple[int, int]:
     the q/k/v launch with RoPE and the MLA x launch): products of at most
     :data:`WHOLE_ROW_MAX_INPUTS` inputs take :data:`WHOLE_ROWS` whole rows a program (one split,
     so no partial sums and no ticket, whose release fence every split-K program waits for before
-    it ends). H200, `scripts/dense_gemv_sweep.py --layers --whole-rows`: a Llama-3.1-8B layer's
-    products 106.3 us against 115.6-116.1 (4.1 TB/s, 96% of the copy rate); batch 1 Llama-3.1-8B
-    228 / 206 -> 240 / 216 tok/s at 1K / 16K, Qwen3-8B 221 / 198 -> 232-233 / 207,
-    DeepSeek-V2-Lite 523-525 / 453-454 -> 532-535 / 459 (docs/benchmarks.md). 1 or 2 rows a program
-    were 0.77x / 1.00x, whole rows of the 14336-input down product 0.74-0.86x.
+    it ends): a layer's products and whole-model decode measured faster than split-K, close to the
+    copy rate (docs/benchmarks.md). Fewer rows a program measured no faster, whole rows of a much
+    wider input (a 14336-input down product) slower.
 
-    Otherwise split-K blocks, from the H200 sweep: 2048-wide inputs 32 x 256 (DeepSeek-V2-Lite o
-    5.7 us against cuBLAS's 6.5, q + kv_a 6.9 against 6.8); wider inputs 16 x 512 (Llama-3.1-8B
-    qkv, gate + up, down: 0.95-0.96x cuBLAS alone; 32 x 1024, 1.02x on the square o, spills
-    registers when the weight block is loaded before the PDL wait)."""
+    Otherwise split-K blocks, chosen by measurement against cuBLAS: 2048-wide inputs 32 x 256;
+    wider inputs 16 x 512 (32 x 1024 spills registers when the weight block is loaded before the
+    PDL wait). See docs/performance-notes.md."""
     if whole_rows and in_dim <= WHOLE_ROW_MAX_INPUTS:
         return WHOLE_ROWS, triton.next_power_of_2(in_dim)
     return (32, 256) if in_dim <= 2048 else (16, 512)

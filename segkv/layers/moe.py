@@ -143,9 +143,8 @@ class MixtureOfExperts(nn.Module):
     stay on the device: a GEMV per (token, expert) pair up to ``PACKED_PAIRS_LIMIT`` pairs, a
     grouped GEMM per expert beyond it. Fused (GPU decode) with one token, every routed and shared
     expert of the layer runs in one launch (``kernels.expert_mlp``: the down items start as each
-    pair's gate/up items finish; H200, DeepSeek-V2-Lite batch 1: 517-518 / 444-447 tok/s at 1K /
-    16K against 498-501 / 433-434 with two launches), where a batch-1 step of small experts is
-    mostly launches.
+    pair's gate/up items finish; measured faster than two launches: docs/performance-notes.md),
+    where a batch-1 step of small experts is mostly launches.
     """
 
     def __init__(self, hidden_size: int, expert_size: int, spec: RouterSpec, *, num_shared: int = 0,
@@ -167,8 +166,8 @@ class MixtureOfExperts(nn.Module):
     # its expert's weights, which beats grouping the pairs by expert only for small batches
     PACKED_PAIRS_LIMIT = 64
     # tokens up to which the shared experts run in the routed GEMV launches: each token's programs
-    # read the shared weights again, which cuBLAS reads once for all rows (H200, DeepSeek-V2-Lite:
-    # batch 1 288 -> 302 tok/s, batch 8 1138 -> 923 with them in the launches)
+    # read the shared weights again, which cuBLAS reads once for all rows (measured faster at one
+    # token, slower at a few: docs/performance-notes.md)
     SHARED_IN_GEMV_TOKENS = 1
 
     def pack_experts(self) -> None:
@@ -237,8 +236,8 @@ class MixtureOfExperts(nn.Module):
     def _block_in_one_launch(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple | None:
         """One token's norm, router, top-k and experts in one launch (shared experts stacked, a norm
         weight of ``x``'s dtype): ``moe_block_one_token``'s results, else None. The shared experts'
-        items wait only for the normed row, the routed ones for the ids (H200, DeepSeek-V2-Lite
-        batch 1: 520-521 / 449 tok/s at 1K / 16K against 518 / 448-449 with two launches)."""
+        items wait only for the normed row, the routed ones for the ids (measured level or slightly
+        faster than two launches: docs/performance-notes.md)."""
         shared = self._stacked_shared_weights() if self._packed is not None else None
         if not (shared is not None and x.shape[0] == 1 and norm.weight.dtype == x.dtype):
             return None
@@ -281,9 +280,8 @@ class MixtureOfExperts(nn.Module):
         token ``n // k`` (no index tensors to build). Returns the routed outputs ``(T k, H)``, and
         with ``shared`` (:meth:`_stacked_shared_weights`) the shared experts' ``(T, H)`` from the
         same launches (else None): one token's in one launch, else two. The gate/up launch writes
-        ``silu(gate) * up`` and the down launch reads it plainly (H200, DeepSeek-V2-Lite: one
-        token's down launch 14.6-14.7 us against 15.1-15.2 with the activation taken in it; batch 8
-        1316 / 1105 tok/s against 1298 / 1097 at 1K / 16K)."""
+        ``silu(gate) * up`` and the down launch reads it plainly (measured faster than taking the
+        activation in the down launch: docs/performance-notes.md)."""
         from segkv.kernels.expert_gemv import expert_gemv, expert_gemv_with_shared
 
         gate_up, down = self._packed

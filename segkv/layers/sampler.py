@@ -28,8 +28,8 @@ LOGPROBS_MODES = ("raw", "processed")
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of ``(B, V)`` float32: on CUDA two short Triton launches
-    (``kernels.sampling_ops.row_argmax``), since torch reduced a 128K-entry row in one block
-    (26 us on the H200) between two decode steps."""
+    (``kernels.sampling_ops.row_argmax``), since torch reduces a 128K-entry row in one block, which
+    measured slow between two decode steps (docs/performance-notes.md)."""
     if x.is_cuda:
         from segkv.kernels.sampling_ops import row_argmax
 
