@@ -7,7 +7,6 @@ import torch
 
 from gpu_helpers import DEVICE, GPU
 from segkv.kernels.expert_gemv import expert_gemv
-from settings_helpers import setenv
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -87,10 +86,10 @@ def test_products_with_shared_weight_in_one_launch(dtype, gen):
         expert_gemv_with_shared(silu_and_mul(h), 1, experts, down, x, s_down)  # shared rows of the wrong width
 
 
-def test_inputs_per_step_can_be_forced_for_tuning_runs(gen, monkeypatch):
-    """``SEGKV_EXPERT_BLOCK_I`` sets the inputs per step of a launch (one token's few pairs take 256
-    by default, many pairs 128); the sums are the same, and a width that is not a power of two
-    >= 16 is refused before any launch."""
+def test_inputs_per_step_can_be_chosen_by_the_caller(gen):
+    """``block_i`` sets the inputs per step of a launch (one token's few pairs take 256 by default,
+    many pairs 128); the sums are the same, and a width that is not a power of two >= 16 is
+    refused before any launch."""
     from segkv.kernels.expert_gemv import default_block_i
 
     assert (default_block_i(6), default_block_i(48)) == (256, 128)
@@ -99,39 +98,29 @@ def test_inputs_per_step_can_be_forced_for_tuning_runs(gen, monkeypatch):
     experts = torch.randint(0, 4, (6,), generator=gen).to(DEVICE)
     ref = torch.einsum("noi,ni->no", weight[experts].double(), x.repeat_interleave(3, 0).double())
     for width in (32, 64):
-        setenv(monkeypatch, "SEGKV_EXPERT_BLOCK_I", str(width))
-        assert default_block_i(6) == width
-        torch.testing.assert_close(expert_gemv(x, 3, experts, weight).double(), ref, rtol=1e-5, atol=1e-4)
-    setenv(monkeypatch, "SEGKV_EXPERT_BLOCK_I", "96")
-    with pytest.raises(ValueError, match="SEGKV_EXPERT_BLOCK_I must be a power of two"):
-        expert_gemv(x, 3, experts, weight)
+        torch.testing.assert_close(expert_gemv(x, 3, experts, weight, block_i=width).double(), ref,
+                                   rtol=1e-5, atol=1e-4)
+    for bad in (96, 8):
+        with pytest.raises(ValueError, match="block_i a power of two >= 16"):
+            expert_gemv(x, 3, experts, weight, block_i=bad)
 
 
-def test_outputs_and_warps_per_program_can_be_forced_for_tuning_runs(gen, monkeypatch):
-    """``SEGKV_EXPERT_BLOCK_O`` and ``SEGKV_EXPERT_WARPS`` set the launch of every expert GEMV,
-    the one with the shared experts included; the products stay the same, and values the kernel
-    cannot take are refused before any launch."""
-    from segkv.kernels.expert_gemv import default_block_o, default_num_warps, expert_gemv_with_shared
-
-    assert (default_block_o(), default_num_warps()) == (16, 4)
+def test_outputs_and_warps_per_program_can_be_chosen_by_the_caller(gen):
+    """``block_o`` and ``num_warps`` set the launch; the products stay the same, and values the
+    kernel cannot take are refused before any launch."""
     x = torch.randn(2, 40, generator=gen).to(DEVICE)
     weight = torch.randn(4, 24, 40, generator=gen).to(DEVICE)
-    shared = torch.randn(36, 40, generator=gen).to(DEVICE)
     experts = torch.randint(0, 4, (6,), generator=gen).to(DEVICE)
-    expected = expert_gemv_with_shared(x, 3, experts, weight, x, shared)
-    for block_o, warps in (("8", "2"), ("32", "8")):
-        setenv(monkeypatch, "SEGKV_EXPERT_BLOCK_O", block_o)
-        setenv(monkeypatch, "SEGKV_EXPERT_WARPS", warps)
-        assert (default_block_o(), default_num_warps()) == (int(block_o), int(warps))
-        for got, want in zip(expert_gemv_with_shared(x, 3, experts, weight, x, shared), expected):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    setenv(monkeypatch, "SEGKV_EXPERT_BLOCK_O", "12")
-    with pytest.raises(ValueError, match="SEGKV_EXPERT_BLOCK_O must be a power of two"):
-        expert_gemv(x, 3, experts, weight)
-    setenv(monkeypatch, "SEGKV_EXPERT_BLOCK_O", "16")
-    setenv(monkeypatch, "SEGKV_EXPERT_WARPS", "3")
-    with pytest.raises(ValueError, match="SEGKV_EXPERT_WARPS must be 1, 2, 4, 8 or 16"):
-        expert_gemv(x, 3, experts, weight)
+    expected = expert_gemv(x, 3, experts, weight)
+    ref = torch.einsum("noi,ni->no", weight[experts].double(), x.repeat_interleave(3, 0).double())
+    torch.testing.assert_close(expected.double(), ref, rtol=1e-5, atol=1e-4)
+    for block_o, warps in ((8, 2), (32, 8)):
+        torch.testing.assert_close(expert_gemv(x, 3, experts, weight, block_o=block_o, num_warps=warps),
+                                   expected, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="block_o must be a power of two"):
+        expert_gemv(x, 3, experts, weight, block_o=12)
+    with pytest.raises(ValueError, match="num_warps must be 1, 2, 4, 8 or 16"):
+        expert_gemv(x, 3, experts, weight, num_warps=3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

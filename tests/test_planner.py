@@ -421,14 +421,14 @@ def test_cuda_device_spec_from_properties_and_environment(monkeypatch):
                 spec.stage1_merge_max_partials, spec.lean_blocks_per_multiprocessor) == (
                     "cuda", 132, 2, 64, 32, 1, 0, 8, 3)
         for name, value in (("SEGKV_CUDA_BLOCKS_PER_SM", "3"), ("SEGKV_CUDA_MIN_PARTITION_ROWS", "128"),
-                            ("SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS", "64"), ("SEGKV_CUDA_LATENT_MERGE_ROWS", "0")):
+                            ("SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS", "64")):
             setenv(monkeypatch, name, value)
         spec = DeviceSpec.cuda()
         assert (spec.blocks_per_multiprocessor, spec.min_rows_per_partition, spec.min_rows_per_latent_partition,
                 spec.latent_merge_rows_per_partition, spec.merge_launch_rows,
-                spec.lean_wave_size) == (3, 128, 64, 0, 0, 396)
-        setenv(monkeypatch, "SEGKV_CUDA_LATENT_MERGE_ROWS", "-1")
-        with pytest.raises(ValueError, match="latent_merge_rows_per_partition"):
+                spec.lean_wave_size) == (3, 128, 64, 1, 0, 396)
+        setenv(monkeypatch, "SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS", "0")
+        with pytest.raises(ValueError, match="min_rows_per_latent_partition"):
             DeviceSpec.cuda()
 
 

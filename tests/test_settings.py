@@ -68,24 +68,30 @@ def test_the_documented_variables_are_the_declared_ones():
 
 def test_defaults_and_parsing():
     assert load_settings({}) == Settings()
-    s = load_settings({"SEGKV_TRITON_WARPS": " 8 ", "SEGKV_TRITON_STAGES": "", "SEGKV_EXPERT_MLP_UNROLL": "2",
+    s = load_settings({"SEGKV_CUDA_BLOCKS_PER_SM": " 3 ", "SEGKV_CUDA_MIN_PARTITION_ROWS": "",
                        "TRITON_INTERPRET": "1", "SEGKV_API_KEY": "", "SEGKV_LOOKAHEAD": "2"})
-    assert (s.triton_warps, s.triton_stages, s.expert_mlp_unroll) == (8, 3, False)  # a switch: on when 1
+    assert (s.cuda_blocks_per_sm, s.cuda_min_partition_rows) == (3, None)  # blanks stripped; empty: default
     assert (s.triton_interpret, s.api_key, s.lookahead) == (True, "", 2)
     assert not load_settings({"TRITON_INTERPRET": ""}).triton_interpret  # exact-one: on only for "1"
+    assert not load_settings({"TRITON_INTERPRET": "2"}).triton_interpret
     assert not Settings().triton_interpret and Settings().home is None
     with pytest.raises(dataclasses.FrozenInstanceError):
-        s.triton_warps = 2
+        s.lookahead = 2
 
 
-@pytest.mark.parametrize("name,value", [("SEGKV_TRITON_WARPS", "four"), ("SEGKV_EXPERT_MLP_UNROLL", "yes"),
-                                        ("SEGKV_MLA_MAXNREG", "1.5")])
+@pytest.mark.parametrize("name,value", [("SEGKV_LOOKAHEAD", "four"), ("SEGKV_CUDA_BLOCKS_PER_SM", "yes"),
+                                        ("SEGKV_CUDA_MIN_LATENT_PARTITION_ROWS", "1.5")])
 def test_a_bad_value_names_its_variable(name, value):
     with pytest.raises(ValueError, match=f"{name} must be an integer, got '{value}'"):
         load_settings({name: value})
 
 
+def test_at_most_fifteen_settings():
+    """Only settings both of whose sides serve users: the rest are constants of the code."""
+    assert len(declared()) <= 15, sorted(declared())
+
+
 def test_settings_are_read_once_at_import():
     assert isinstance(settings.SETTINGS, Settings)
-    assert all(kind in (settings.INTEGER, settings.SWITCH, settings.EXACT_ONE, settings.TEXT)
+    assert all(kind in (settings.INTEGER, settings.EXACT_ONE, settings.TEXT)
                and help for kind, _, help in declared().values())

@@ -14,7 +14,6 @@ import torch
 
 from attention_helpers import Batch, dense_attention, forked_history, triton_and_reference, ulp
 from gpu_helpers import DEVICE, GPU
-from settings_helpers import setenv
 from segkv.attention import AttentionShape, DeviceSpec, Route, SequenceQuery, TorchReferenceBackend, plan_attention
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
@@ -135,16 +134,26 @@ def test_page_sizes_that_do_not_divide_the_tile(page_size, gen):
     check_every_route_with_a_masked_row(gen, page_size)
 
 
+def small_tiles(monkeypatch, **tiles) -> None:
+    """Every GQA launch takes the default launch with ``tiles`` (LaunchConfig fields) replaced."""
+    import dataclasses
+
+    from segkv.kernels import paged_attention
+
+    default = paged_attention.default_launch_config
+    monkeypatch.setattr(paged_attention, "default_launch_config",
+                        lambda *, head_dim: dataclasses.replace(default(head_dim=head_dim), **tiles))
+
+
 @pytest.mark.parametrize("page_size", [32, 48, 20])
 def test_pages_longer_than_the_tile(page_size, gen, monkeypatch):
     """Tiles kept at 16 rows: pages of 32, 48 or 20 rows are walked 2, 3 or 2 tiles at a time (the last one partly past the page),
     every route, fully masked rows included, against the reference."""
-    from segkv.kernels.paged_attention import default_launch_config, stage1_launch
+    from segkv.kernels.paged_attention import stage1_launch
 
-    setenv(monkeypatch, "SEGKV_TRITON_BLOCK_N", "16")
-    launch = default_launch_config(head_dim=64)
+    small_tiles(monkeypatch, block_n=16)
     assert stage1_launch(dtype=torch.float32, dk=64, dv=64, group=4, page_size=page_size,
-                                                  max_work_rows=1, element_size=4, launch=launch)["BLOCK_N"] == 16
+                         max_work_rows=1, element_size=4)["BLOCK_N"] == 16
     check_every_route_with_a_masked_row(gen, page_size)
 
 
@@ -154,8 +163,7 @@ def test_prefill_chunks_over_pages_longer_than_the_tile(gen, monkeypatch):
     every route against the reference."""
     from segkv.kernels.paged_attention import stage1_launch
 
-    setenv(monkeypatch, "SEGKV_TRITON_BLOCK_N", "16")
-    setenv(monkeypatch, "SEGKV_TRITON_TALL_BLOCK_N", "16")
+    small_tiles(monkeypatch, block_n=16, tall_block_n=16)
     meta = stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=4, page_size=48, max_work_rows=17, element_size=2)
     assert meta["BLOCK_N"] == 16 and meta["BLOCK_M"] == 64
     # one KV head and two sealed segments (boundaries mid-page) are enough for every route's page
@@ -472,7 +480,7 @@ def test_decode_rows_of_few_partials_merge_inside_stage1(dtype, gen, monkeypatch
 
 @pytest.mark.parametrize("ratio", [4, 32])  # chunks of 16 partials and several programs per row
 def test_rows_of_many_partials_merge_inside_stage1_by_chunks(ratio, gen, monkeypatch):
-    """``SEGKV_MERGE_IN_STAGE1_MAX=32``: decode rows of up to 32 partials are merged by the last
+    """A stage-1 merge bound of 32: decode rows of up to 32 partials are merged by the last
     program of their query row's heads, a chunk of partials at a time (16 at 4 heads per KV head,
     8 at 8, so several chunks and a running maximum; 32 heads per KV head in programs of 16 pairs,
     two programs per row), with no merge launch: rows of 20-way splits' partials and, at 4 heads
@@ -562,8 +570,8 @@ def test_merge_splits_value_columns_over_programs(gen, monkeypatch):
 
     assert (paged_attention.merge_block_dv(128), paged_attention.merge_block_dv(512),
             paged_attention.merge_block_dv(32)) == (64, 32, 32)  # GQA, latent, narrow
-    monkeypatch.setattr(paged_attention, "MERGE_BLOCK_DV", 16)
-    assert paged_attention.merge_block_dv(512) == 16
+    monkeypatch.setattr(paged_attention, "GQA_MERGE_BLOCK_DV", 16)
+    assert paged_attention.merge_block_dv(64) == 16
     batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=16, ratio=4, head_dim=64, rows=3)
     plan, out, lse, ref, ref_lse = run_both(batch, "split")
     assert max(len(p) for p in plan.reduce_map) > 1  # rows really merged
@@ -612,18 +620,18 @@ def test_eager_plan_fields_start_16_byte_aligned(gen):
     assert len(sizes) > 1 and any(n % 4 for shape in sizes for n in shape)  # the offsets really varied
 
 
-def test_launch_overrides_from_the_environment(monkeypatch):
-    """Kernel launch overrides: integers are taken, anything else names the variable."""
+def test_default_launches():
+    """The measured launches: GQA 64-row tiles (32 above head dim 128), 4 warps, 3 stages, tall
+    decode programs at 32-row tiles under 168 registers; latent 32-row tiles, 16 pairs, the value
+    split chosen per launch."""
     from segkv.kernels.mla_attention import default_mla_launch_config
     from segkv.kernels.paged_attention import default_launch_config
 
-    setenv(monkeypatch, "SEGKV_TRITON_WARPS", "8")
-    setenv(monkeypatch, "SEGKV_MLA_MAXNREG", "168")
-    launch = default_launch_config(head_dim=128)
-    assert (launch.num_warps, launch.maxnreg) == (8, None)
-    assert default_mla_launch_config().maxnreg == 168
-    with pytest.raises(ValueError, match="SEGKV_TRITON_STAGES"):  # read with the settings
-        setenv(monkeypatch, "SEGKV_TRITON_STAGES", "two")
+    gqa, wide, latent = default_launch_config(head_dim=128), default_launch_config(head_dim=256), \
+        default_mla_launch_config()
+    assert (gqa.block_n, wide.block_n, gqa.num_warps, gqa.num_stages, gqa.block_m) == (64, 32, 4, 3, 64)
+    assert (gqa.tall_block_n, gqa.tall_maxnreg, gqa.maxnreg) == (32, 168, None)
+    assert (latent.block_n, latent.block_m, latent.value_split, latent.maxnreg) == (32, 16, 0, None)
 
 
 def test_pipeline_stages_shrink_to_fit_shared_memory():

@@ -21,11 +21,25 @@ from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 from segkv.layers.mla import MLADims, MultiHeadLatentAttention
 from segkv.layers.rotary import RotaryEmbedding
 from attention_helpers import forked_history, triton_and_reference
-from settings_helpers import setenv
 from test_triton_attention import check
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RANK, ROPE = (512, 64) if GPU else (64, 16)
+
+
+def latent_launch(monkeypatch, **fields) -> None:
+    """Every latent launch takes the default launch with ``fields`` (LaunchConfig fields) replaced."""
+    import dataclasses
+
+    from segkv.kernels import mla_attention
+
+    default = getattr(mla_attention.default_mla_launch_config, "original", mla_attention.default_mla_launch_config)
+
+    def launch():
+        return dataclasses.replace(default(), **fields)
+
+    launch.original = default
+    monkeypatch.setattr(mla_attention, "default_mla_launch_config", launch)
 
 
 def latent_batch(gen, *, dtype, page_size, rows, rank=RANK, rope=ROPE, segments=4):
@@ -88,9 +102,9 @@ def test_value_split_matches_the_reference(route, dtype, page_size, heads, gen, 
     """Two programs per (work item, head block), each with half the value columns, give the
     reference's results on every route, a rank that is not a power of two and fully masked rows
     included (0, LSE -inf, no NaN); so does a plan of more partials than
-    ``SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS`` (the first program takes all the values, the second
+    the launch's ``value_split_max_partials`` (the first program takes all the values, the second
     exits); so do four programs with a quarter each. By default a batch whose (row, head) pairs
-    fit one program launches the two (batch-1 decode); ``SEGKV_MLA_VALUE_SPLIT`` 1 / 2 / 4 force
+    fit one program launches the two (batch-1 decode); a launch's ``value_split`` 1 / 2 / 4 forces
     it; other values are refused."""
     from segkv.kernels import mla_attention
 
@@ -99,20 +113,18 @@ def test_value_split_matches_the_reference(route, dtype, page_size, heads, gen, 
                                                page_size=16, max_work_rows=1, element_size=2,
                                                num_rows=rows)["VALUE_SPLIT"]
 
-    setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT", None)
     assert [split(1, 16), split(1, 4), split(4, 4), split(2, 16), split(8, 16), split(1, 128)] == [2, 2, 2, 1, 1, 1]
-    setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT", "1")
+    latent_launch(monkeypatch, value_split=1)
     assert split(1, 16) == 1
-    setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT", "2")
-    assert mla_attention.default_mla_launch_config().value_split == 2
+    latent_launch(monkeypatch, value_split=2)
     assert split(8, 128) == 2
     for rows in ([1, 4, 17] if GPU else [1 + heads % 4]):
         cache, _, queries = latent_batch(gen, dtype=DTYPES[dtype], page_size=page_size, rows=rows)
         check(*run_latent(cache, queries, heads, route, gen, dtype=DTYPES[dtype]))
         # a plan of more partials than the limit: the first program takes all the values
-        setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", "1")
+        latent_launch(monkeypatch, value_split=2, value_split_max_partials=1)
         check(*run_latent(cache, queries, heads, route, gen, dtype=DTYPES[dtype]))
-        setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", None)
+        latent_launch(monkeypatch, value_split=2)
     rank, rope = (448, 64) if GPU else (48, 8)
     cache, _, (q0, q1, _) = latent_batch(gen, dtype=torch.bfloat16, page_size=16, rows=2, rank=rank, rope=rope)
     out, lse, ref, ref_lse = run_latent(cache, [q0, SequenceQuery(q1.spans, 2, query_start=-2), SequenceQuery((), 2)],
@@ -120,13 +132,13 @@ def test_value_split_matches_the_reference(route, dtype, page_size, heads, gen, 
     check(out, lse, ref, ref_lse)
     dead = [2, 3, 4, 5]
     assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
-    # four programs per pair block, a quarter of the values each (forced, for tuning)
-    setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT", "4")
+    # four programs per pair block, a quarter of the values each (a benchmark's launch)
+    latent_launch(monkeypatch, value_split=4)
     out, lse, ref, ref_lse = run_latent(cache, [q0, SequenceQuery(q1.spans, 2, query_start=-2), SequenceQuery((), 2)],
                                         heads, route, gen, dtype=torch.bfloat16, rank=rank, rope=rope)
     check(out, lse, ref, ref_lse)
     assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
-    setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT", "3")  # 0, 1, 2 or 4
+    latent_launch(monkeypatch, value_split=3)  # 0, 1, 2 or 4
     with pytest.raises(ValueError, match="value split"):
         mla_attention.mla_stage1_launch(dtype=torch.bfloat16, rank=RANK, rope=ROPE, num_heads=heads,
                                         page_size=page_size, max_work_rows=1, element_size=2)
@@ -135,11 +147,10 @@ def test_value_split_matches_the_reference(route, dtype, page_size, heads, gen, 
 @pytest.mark.parametrize("route", ["split", "cascade"] + (["single"] if GPU else []))
 def test_adaptive_value_shares_match_the_reference(route, gen, monkeypatch):
     """The automatic split: two programs per pair block take a half of the values each when the
-    plan has at most ``SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS`` partials, else the first takes all (the
+    plan has at most the launch's ``value_split_max_partials`` partials, else the first takes all (the
     other exits before the wait); each gives the reference's results, fully masked rows included."""
     from segkv.kernels import mla_attention
 
-    setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT", None)
     meta = mla_attention.mla_stage1_launch(dtype=torch.bfloat16, rank=RANK, rope=ROPE, num_heads=4, page_size=16,
                                            max_work_rows=1, element_size=2, num_rows=1)
     assert (meta["VALUE_SPLIT"], meta["ADAPTIVE"]) == (2, True)
@@ -152,7 +163,7 @@ def test_adaptive_value_shares_match_the_reference(route, gen, monkeypatch):
                               num_partitions=3 if route == "split" else None).num_partials
     assert partials > 1
     for limit in (partials, partials - 1):  # halves, one program
-        setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT_MAX_PARTIALS", str(limit))
+        latent_launch(monkeypatch, value_split_max_partials=limit)
         out, lse, ref, ref_lse = run_latent(cache, queries, heads, route, gen, dtype=torch.bfloat16)
         check(out, lse, ref, ref_lse)
         assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
@@ -178,11 +189,11 @@ def test_latent_pages_longer_than_the_tile(page_size, gen, monkeypatch):
     every route, with one program and with the value halves, gives the reference's results."""
     from segkv.kernels import mla_attention
 
-    setenv(monkeypatch, "SEGKV_MLA_BLOCK_N", "16")
+    latent_launch(monkeypatch, block_n=16)
     assert mla_attention.mla_stage1_launch(dtype=torch.float32, rank=RANK, rope=ROPE, num_heads=4,
                                            page_size=page_size, max_work_rows=1, element_size=4)["BLOCK_N"] == 16
-    for split in ("1", "0"):
-        setenv(monkeypatch, "SEGKV_MLA_VALUE_SPLIT", split)
+    for split in (1, 0):
+        latent_launch(monkeypatch, block_n=16, value_split=split)
         for route in [r.value for r in Route]:
             cache, _, queries = latent_batch(gen, dtype=torch.float32, page_size=page_size, rows=1)
             check(*run_latent(cache, queries, 4, route, gen, dtype=torch.float32))

@@ -12,51 +12,36 @@ from segkv.settings import or_default
 import segkv.settings as settings
 
 
-# Stage-1 programs per multiprocessor the split planner aims for on CUDA devices (docs/benchmarks.md).
-CUDA_BLOCKS_PER_SM = 2  # stage 1 at (BLOCK_N 64, 4 warps, 3 stages): about 204 registers, 72 KB of shared memory
-# The same for plans of tall decode programs (tall_decode_programs: 64 pairs from at most 16 query
-# rows, the decode rows of forks sharing a prefix), launched with 32-row tiles and at most 168
-# registers (paged_attention.default_launch_config), 64 KB of shared memory, so 3 fit an SM. The
-# cascade (16 forks of a 32K prefix) ran 0.0645 ms at 3 against 0.0762 with 64-row tiles at 2
-# (H200, docs/benchmarks.md). Prefill chunks (work items of up to 64 rows) keep 64-row tiles, 2 per SM.
+# The CUDA planner's numbers, measured on the H100 and H200 (docs/benchmarks.md, "Decode attention";
+# docs/performance-notes.md has what else was tried).
+# Stage-1 programs per multiprocessor the split planner aims for: stage 1 at (BLOCK_N 64, 4 warps,
+# 3 stages) holds about 204 registers and 72 KB of shared memory, so two fit an SM.
+CUDA_BLOCKS_PER_SM = 2
+# The same for tall decode programs (64 pairs from at most 16 query rows: forks sharing a prefix),
+# launched with 32-row tiles under a 168-register cap (paged_attention.default_launch_config): three fit.
 CUDA_TALL_BLOCKS_PER_SM = 3
-# The same for a full device's waves of lean decode programs (lean_decode_programs: 8-16 pairs over
-# 64-row tiles of four 16-row pages, the 70B and 405B shapes' decode at pages of 16), which hold
-# 146-150 registers and 72 KB as the H200's Triton 3.6 compiles them: the driver places 3 per SM
-# (cuOccupancyMaxActiveBlocksPerMultiprocessor, scripts/stage1_occupancy.py) where it places 2 of
-# the other decode programs (178-188 registers). The planner still aims an idle device at
-# CUDA_BLOCKS_PER_SM, and re-costs a full one's single pass of 1-3 lean waves at 3
-# (planner._lean_single_pass): batch 64 in one piece per sequence is 512 programs, 1.29 waves of
-# 396 (not 1.94 of 264), and ran at 0.81-0.84x cuDNN SDPA, where 3 partitions ran 0.99-1.00x
-# (H200, docs/benchmarks.md). 0: off.
+# The same for a full device's waves of lean decode programs (8-16 pairs over 64-row tiles of four
+# 16-row pages), which hold about 150 registers, so the driver places three per SM. The planner
+# still aims an idle device at CUDA_BLOCKS_PER_SM and re-costs a full one's single pass at this
+# (planner._lean_single_pass). 0: off.
 CUDA_LEAN_BLOCKS_PER_SM = 3
 # The most query rows per work item of a tall decode program (more: a prefill chunk's); the
 # launcher's kernels.paged_attention.TALL_DECODE_MAX_ROWS
 TALL_DECODE_MAX_ROWS = 16
-# Fewest KV rows per partition on CUDA: one BLOCK_N tile. Short contexts at small batches then
-# still fill the device (4 programs of 272 rows left a 1K-context decode step latency-bound).
+# Fewest KV rows per partition on CUDA: one BLOCK_N tile, so short contexts at small batches still
+# fill the device.
 CUDA_MIN_PARTITION_ROWS = 64
-# KV rows per tile of the GQA programs (BLOCK_N; the tall decode programs' 32-row tiles and the
-# latent programs are costed in rows): a partition costs its whole tiles, so the
-# planner counts a 992-row partition (15.5 tiles) as 16 and, at equal cost, takes partitions of
-# whole tiles (batch 1 / 32K at pages of 16: 32 partitions of 1024 rows, not 33 of 992-1008;
-# 0.3-1% faster on the H200).
+# KV rows per tile of the GQA programs (BLOCK_N): a partition costs its whole tiles, so at equal
+# cost the planner takes partitions of whole tiles.
 CUDA_KEY_TILE_ROWS = 64
-# The same for latent (MLA) attention: one 32-row latent tile. At batch 1 / 1K a partition per
-# tile (about 34) ran DeepSeek-V2-Lite decode at 380 tok/s against 376 with 64-row partitions
-# (H200, alternating runs); from 8K on the 256-partition cap decides either way.
+# The same for latent (MLA) attention: one 32-row latent tile.
 CUDA_MIN_LATENT_PARTITION_ROWS = 32
-# What one more latent partition costs the merge, in KV rows: each query row's merge reads one
-# 16-head x 512 float32 partial per partition, one after another. At batch 1 on the H200 (PDL on)
-# 256 partitions of 64 rows at 16K ran DeepSeek-V2-Lite at 395-409 tok/s, 128 of 128 rows at 423;
-# at 1K 32 partitions of 32 rows beat 8 of 128 (477-479 against 446-449). A cost of 1 row per
-# partition picks about sqrt(context) partitions: 32 at 1K, 128 at 16K.
+# What one more latent partition costs the merge, in KV rows (each query row's merge reads one
+# 16-head x 512 float32 partial per partition in turn): a cost of 1 picks about sqrt(context)
+# partitions.
 CUDA_LATENT_MERGE_ROWS_PER_PARTITION = 1
-# What a GQA merge launch costs, in KV rows, when stage 1 cannot merge a decode plan's rows itself
-# (more partials per row than it merges). 0: not costed. At batch 1 and 1K the merge launch takes
-# about 5.5 us a layer after stage 1 (Llama-3.1-8B on the H200), while 8 partitions of 128 rows would
-# merge inside stage 1. 0: costing it at 256 or 512 rows measured
-# slower on the H200 (Llama-3.1-8B batch 1 at 1K 217 against 226 tok/s; docs/benchmarks.md).
+# What a GQA merge launch costs, in KV rows, when stage 1 cannot merge a decode plan's rows itself.
+# 0: not costed (costing it measured slower).
 CUDA_MERGE_LAUNCH_ROWS = 0
 # Float32 split partials (output + LSE) a plan may need; the Triton backend keeps one buffer of
 # this size, so a long history adds no per-step workspace (see DeviceSpec.max_partial_bytes).
@@ -66,7 +51,7 @@ PARTIAL_WORKSPACE_BYTES = 64 << 20
 @functools.cache
 def stage1_merge_bound() -> int:
     """The most partials per row the GQA stage-1 kernel merges itself (0: it never does)."""
-    from segkv.kernels.paged_attention import MERGE_IN_STAGE1_MAX_PARTIALS  # the CUDA kernels' setting
+    from segkv.kernels.paged_attention import MERGE_IN_STAGE1_MAX_PARTIALS  # needs Triton: imported on use
 
     return MERGE_IN_STAGE1_MAX_PARTIALS
 
@@ -177,8 +162,7 @@ class DeviceSpec:
             name=props.name,
             num_multiprocessors=props.multi_processor_count,
             blocks_per_multiprocessor=blocks_per_multiprocessor,
-            tall_blocks_per_multiprocessor=or_default(settings.SETTINGS.cuda_tall_blocks_per_sm,
-                                                      CUDA_TALL_BLOCKS_PER_SM),
+            tall_blocks_per_multiprocessor=CUDA_TALL_BLOCKS_PER_SM,
             lean_blocks_per_multiprocessor=CUDA_LEAN_BLOCKS_PER_SM,
             min_rows_per_partition=min_rows_per_partition,
             min_rows_per_latent_partition=or_default(settings.SETTINGS.cuda_min_latent_partition_rows,
@@ -186,8 +170,7 @@ class DeviceSpec:
             max_partitions=256,
             max_query_rows_per_work=64,
             partition_overhead_rows=256,
-            latent_merge_rows_per_partition=or_default(settings.SETTINGS.cuda_latent_merge_rows,
-                                                       CUDA_LATENT_MERGE_ROWS_PER_PARTITION),
+            latent_merge_rows_per_partition=CUDA_LATENT_MERGE_ROWS_PER_PARTITION,
             merge_launch_rows=CUDA_MERGE_LAUNCH_ROWS,
             stage1_merge_max_partials=stage1_merge_bound(),
             key_tile_rows=CUDA_KEY_TILE_ROWS,

@@ -121,8 +121,7 @@ def _expert_gemv_kernel(
     BLOCK_O)`` programs serve the routed pairs (pair ``n``: expert ``experts[n]`` on row
     ``rows[n]``, or row ``n // PAIRS_PER_ROW`` when that is > 0), pairs fastest: the pairs of an
     expert that several tokens chose read each weight block at about the same time, so the
-    second read hits L2 (DeepSeek-V2-Lite, batch 8: 1023 tok/s with blocks fastest, 1138 with
-    pairs fastest). With ``HAS_SHARED`` the rest serve the shared weight ``SW (SHARED_OUT,
+    second read hits L2 (blocks fastest measured 10% slower at batch 8). With ``HAS_SHARED`` the rest serve the shared weight ``SW (SHARED_OUT,
     SHARED_IN)`` on every row of ``SX``, ``BLOCK_O`` outputs a program. ``USE_PDL``:
     scheduled while the previous kernel finishes (``kernels.pdl``) and waits for it before any
     load. ``ACT``: the
@@ -157,59 +156,22 @@ def _expert_gemv_kernel(
                    UNROLL, EVICT_FIRST, ACT)
 
 
-# Measured on the H200 (scripts/expert_gemv_sweep.py, DeepSeek-V2-Lite shapes, 6 and 48 pairs):
-# 16 outputs per program and 4 warps were fastest in all four cases (2.4-4.3 TB/s); 128 inputs per
-# step for many pairs (256 for the gate/up product at batch 8 made the whole decode 4% slower,
-# 1123 -> 1073 tok/s, though the sweep over distinct experts favoured it by 2%)
+# The measured launch (docs/benchmarks.md, "MoE decode"): 16 outputs per program and 4 warps;
+# 128 inputs per step for many pairs, 256 with the input loop unrolled for one token's few pairs.
 BLOCK_O, BLOCK_I, NUM_WARPS = 16, 128, 4
 WIDE_BLOCK_I = 256
-
-
-# pairs up to which a launch reads 256 inputs per step with the loop unrolled: one token's experts
-# (6 pairs: gate/up 20.3 -> 19.6 us, down 12.5 -> 11.6 us); at 48 pairs unrolling gained nothing
+# pairs up to which a launch reads WIDE_BLOCK_I inputs per step with the loop unrolled (one token's
+# experts; at 48 pairs unrolling gained nothing)
 FEW_PAIRS = 8
 
 
 def default_unroll(pairs: int) -> bool:
-    """Whether the input loop is unrolled for ``pairs`` pairs (``SEGKV_GEMV_UNROLL=0/1``
-    overrides, for tuning runs)."""
-    forced = settings.SETTINGS.gemv_unroll
-    return pairs <= FEW_PAIRS if forced is None else bool(forced)
-
-
-def _forced(forced: int | None, name: str, allowed, what: str) -> int | None:
-    """The launch setting ``forced`` by environment variable ``name`` (tuning runs), None when unset;
-    a value ``allowed`` refuses is a clear error naming the variable and ``what`` it takes."""
-    if forced is not None and not allowed(forced):
-        raise ValueError(f"{name} must be {what}, got {forced}")
-    return forced
-
-
-def _power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
-def default_block_o() -> int:
-    """Outputs per program (``SEGKV_EXPERT_BLOCK_O`` overrides, for tuning runs)."""
-    forced = _forced(settings.SETTINGS.expert_block_o, "SEGKV_EXPERT_BLOCK_O", _power_of_two,
-                     "a power of two")
-    return BLOCK_O if forced is None else forced
-
-
-def default_num_warps() -> int:
-    """Warps per program (``SEGKV_EXPERT_WARPS`` overrides, for tuning runs)."""
-    forced = _forced(settings.SETTINGS.expert_warps, "SEGKV_EXPERT_WARPS", lambda n: n in (1, 2, 4, 8, 16),
-                     "1, 2, 4, 8 or 16")
-    return NUM_WARPS if forced is None else forced
+    """Whether the input loop is unrolled for ``pairs`` pairs."""
+    return pairs <= FEW_PAIRS
 
 
 def default_block_i(pairs: int) -> int:
-    """Inputs per step for ``pairs`` pairs: 256 for one token's few pairs, else 128
-    (``SEGKV_EXPERT_BLOCK_I`` overrides, for tuning runs)."""
-    forced = _forced(settings.SETTINGS.expert_block_i, "SEGKV_EXPERT_BLOCK_I",
-                     lambda n: n >= 16 and _power_of_two(n), "a power of two >= 16")
-    if forced is not None:
-        return forced
+    """Inputs per step for ``pairs`` pairs: 256 for one token's few pairs, else 128."""
     return WIDE_BLOCK_I if pairs <= FEW_PAIRS else BLOCK_I
 
 
@@ -222,8 +184,8 @@ def expert_gemv(x: torch.Tensor, rows: torch.Tensor | int, experts: torch.Tensor
     ``rows`` may be an int ``r``: pair ``n`` reads row ``n // r`` (a token's ``r`` experts in a
     row, as a router returns them; no index tensor to build per step).
     ``block_o``/``block_i``/``num_warps``/``unroll``: the launch (default: the measured best,
-    :func:`default_block_o`, :func:`default_block_i`, :func:`default_num_warps`,
-    :func:`default_unroll`; tuning runs set them). ``distinct_experts``:
+    :data:`BLOCK_O`, :func:`default_block_i`, :data:`NUM_WARPS`, :func:`default_unroll`;
+    benchmarks set them). ``distinct_experts``:
     no two pairs share an expert (one token's choice), so each weight is read once and its lines
     leave L2 first. ``activation``: ``weight`` is a ``(E, 2 I, In)``
     ``[gate | up]`` stack and the result is ``silu(gate) * up`` ``(N, I)``, equal to
@@ -252,8 +214,13 @@ def _launch(x, rows, experts, weight, shared_x, shared_weight, out_dtype, block_
             distinct_experts, activation=False):
     """Checks, outputs and the launch of :func:`expert_gemv` / :func:`expert_gemv_with_shared`."""
     has_shared = shared_weight is not None
-    block_o = block_o or default_block_o()
-    num_warps = num_warps or default_num_warps()
+    block_o = block_o or BLOCK_O
+    num_warps = num_warps or NUM_WARPS
+    if block_o & (block_o - 1) or block_i is not None and (block_i < 16 or block_i & (block_i - 1)):
+        raise ValueError(f"expert_gemv: block_o must be a power of two and block_i a power of two >= 16, "
+                         f"got {block_o} and {block_i}")
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"expert_gemv: num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
     for name, t in (("x", x), ("weight", weight), ("shared x", shared_x), ("shared weight", shared_weight)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"expert_gemv needs unit column strides ({name})")

@@ -152,11 +152,8 @@ def _moe_block_kernel(
                   BLOCK_O, BLOCK_I_UP, BLOCK_I_DOWN, EXACT_FP32, KIND, EVICT_FIRST, COUNTERS_P2, UNROLL, True)
 
 
-# 16 outputs a program (8 gate rows with their 8 up rows). Measured on the H200 (DeepSeek-V2-Lite,
-# one token, `expert_gemv_sweep.py --shared` and whole-model decode at batch 1, 1K / 16K): 512 inputs
-# a step and 8 warps 37.2 us a launch, 517-518 / 444-447 tok/s; the two-launch GEMVs' 256 and 4
-# warps 39.3 us, 505 / 438-439; 512 x 4 warps 37.5 us but 506-507 / 430-431; 256 x 8 warps 514 /
-# 445-446; 128, 1024, 2048 inputs, 16 warps and the pipelined (not unrolled) loop were slower.
+# 16 outputs a program (8 gate rows with their 8 up rows), 512 inputs a step, 8 warps, the input
+# loop unrolled, 3 pipeline stages: the fastest measured (docs/performance-notes.md, "MoE").
 BLOCK_O, BLOCK_I, NUM_WARPS = 16, 512, 8
 
 
@@ -208,8 +205,7 @@ def _prepare_experts(name: str, x: torch.Tensor, pairs: int, gate_up: torch.Tens
                          f"{counters.numel()} {counters.dtype} on {counters.device}")
     # the interpreter truncates float32 -> bf16/fp16 stores: there it writes float32, torch rounds
     kernel_dtype = torch.float32 if _INTERPRET else x.dtype
-    env = settings.SETTINGS  # the SEGKV_EXPERT_MLP_* settings: tuning runs
-    block_i = settings.or_default(env.expert_mlp_block_i, BLOCK_I)
+    block_i = BLOCK_I
     items = (triton.cdiv(s_inner, BLOCK_O // 2) + pairs * triton.cdiv(inner, BLOCK_O // 2)
              + (pairs + 1) * triton.cdiv(hidden, BLOCK_O))
     meta = dict(HIDDEN=hidden, INNER=inner, S_INNER=s_inner, BLOCK_O=BLOCK_O,
@@ -217,9 +213,7 @@ def _prepare_experts(name: str, x: torch.Tensor, pairs: int, gate_up: torch.Tens
                 BLOCK_I_DOWN=min(block_i, triton.next_power_of_2(max(inner, s_inner))),
                 EXACT_FP32=kernel_dtype == torch.float32, KIND=kind_of(x.dtype), EVICT_FIRST=True,
                 COUNTERS_P2=triton.next_power_of_2(counters_size(pairs)),
-                UNROLL=env.expert_mlp_unroll,
-                num_warps=settings.or_default(env.expert_mlp_warps, NUM_WARPS),
-                num_stages=env.expert_mlp_stages)
+                UNROLL=True, num_warps=NUM_WARPS, num_stages=3)
     return _ExpertLaunch(
         _activation_buffer((pairs, inner), kernel_dtype, x.device, poison),
         _activation_buffer((s_inner,), kernel_dtype, x.device, poison),

@@ -34,7 +34,6 @@ from segkv.kernels.paged_attention import (
     wide_offsets,
 )
 from segkv.kernels.pdl import multiprocessors
-import segkv.settings as settings
 
 
 @triton.jit
@@ -54,8 +53,7 @@ def _add_scores(x, y):
     chain through every column of the scores. With 16 pairs a program's scores are one 16-row MMA
     tile per warp; folded, the halves at 512 + 64 columns were a chain of 36 dependent mma.sync
     (k=16), whose latency a batch-1 plan's two warps per scheduler cannot hide; apart, the longest
-    is the own share's 16. H200, DeepSeek-V2-Lite batch 1: 521-522 / 453 tok/s at 1K / 16K against
-    518-519 / 445-449 with one chain."""
+    is the own share's 16."""
     return tl.fma(x, 1.0, y)
 
 
@@ -206,37 +204,23 @@ def _mla_stage1_kernel(
 
 
 MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulator fits in registers
-# Latent programs per pair block of the automatic value split (halves). Four (quarters for plans of
-# at most a quarter of the partials) measured level at 1K and 2.5% slower at 16K (DeepSeek-V2-Lite
-# batch 1, H200: 418-419 against 426-430 tok/s); the shares as the grid's third dimension instead
-# of neighbours, 486 against 495-496 tok/s at 1K.
+# Latent programs per pair block of the automatic value split (halves; quarters and shares as a
+# third grid dimension measured slower: docs/performance-notes.md).
 AUTO_VALUE_SPLIT = 2
 
 
 def default_mla_launch_config() -> LaunchConfig:
-    """BLOCK_N 32 (a 32 x 576 latent tile per pipeline stage, 36 KB in bf16), 16 pairs, 4 warps,
-    3 stages (two latent buffers: the next tile loads during this one's products; 16 heads, batch 1
-    / 128K 0.0767 -> 0.0641 ms on the H200), no register cap; ``SEGKV_MLA_BLOCK_N``, ``SEGKV_MLA_BLOCK_M``, ``SEGKV_MLA_WARPS``,
-    ``SEGKV_MLA_STAGES`` and ``SEGKV_MLA_MAXNREG`` override them (tuning runs). The value split
-    (``SEGKV_MLA_VALUE_SPLIT``) is 0, chosen per launch (:func:`mla_stage1_launch`) up to
-    :data:`AUTO_VALUE_SPLIT` programs; 1, 2 or 4 force it.
-    (Products with the latent tile as the tall operand measured 5-20% slower on the H200, and
-    16-row tiles, three programs per SM at 168 registers, 11% slower for DeepSeek-V2-Lite at 16K:
-    docs/benchmarks.md.)"""
-    env = settings.SETTINGS
-    return LaunchConfig(
-        block_n=env.mla_block_n,  # a longer page spans tiles (tile_rows)
-        num_warps=env.mla_warps,
-        num_stages=env.mla_stages,
-        block_m=settings.or_default(env.mla_block_m, MLA_BLOCK_M),
-        maxnreg=env.mla_maxnreg,
-        value_split=env.mla_value_split,
-        value_split_max_partials=env.mla_value_split_max_partials,
-    )
+    """The measured launch (``docs/benchmarks.md``, "Latent decode attention"): 32-row tiles (a
+    32 x 576 latent tile per pipeline stage, 36 KB in bf16), 16 pairs, 4 warps, 3 stages (the next
+    tile loads during this one's products), no register cap; the value split chosen per launch
+    (:func:`mla_stage1_launch`) up to :data:`AUTO_VALUE_SPLIT` programs. Benchmarks pass their own
+    :class:`LaunchConfig` (``value_split`` 1, 2 or 4 forces the split)."""
+    return LaunchConfig(block_n=32, num_warps=4, num_stages=3, block_m=MLA_BLOCK_M, maxnreg=None,
+                        value_split=0, value_split_max_partials=None)
 
 
 # A plan of at most this many partials halves its values when the device is not a GPU (the
-# interpreter): the H200's multiprocessors
+# interpreter): a 132-SM GPU's multiprocessors
 INTERPRETER_SPLIT_MAX_PARTIALS = 132
 
 
@@ -260,8 +244,7 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
     query rows x heads fit one program (batch-1 decode of up to 16 heads); they halve the values
     when the plan has at most :func:`value_split_max_partials` partials (the kernel reads the
     count from the plan), so the plan's few programs do not leave most of each SM idle
-    (DeepSeek-V2-Lite +2% at 1K and 16K on the H200; at 32K, 187 partitions, and 128K the halves
-    took 1.5x as long as one program per pair block; batch 8 lost up to 10%, 128 heads 1.6x).
+    (docs/performance-notes.md: more partials, batches or heads made the halves slower).
     Forced 2 follows the plan as the automatic split
     does; forced 4 takes quarters whatever the plan (tuning). A split never leaves a share fewer
     than 16 value columns (the products' minimum), so ranks under 64 split less or not at all.

@@ -71,8 +71,7 @@ def _stage1_kernel(
     if STAMPS is not None:
         st0 = timeline.global_ns()
         sc0 = timeline.sm_cycles()
-    # launch order: a piece's KV heads side by side (they share its pages): 0-3% faster at batch
-    # 1-16 over 32K-128K than work items side by side (H200)
+    # launch order: a piece's KV heads side by side, as they share its pages
     kvh = tl.program_id(0)
     w = tl.program_id(1)
     mb = tl.program_id(2)
@@ -269,33 +268,25 @@ class LaunchConfig:
 def tile_rows(launch: LaunchConfig) -> int:
     """KV rows per stage-1 tile (``BLOCK_N``): the launch's rows (a power of two) whatever the page
     size, so a page longer than the tile is walked a tile at a time. A 64-row page keeps the latent
-    kernel's 32-row tile (a 64-row one holds 255 registers and spills 1 KB, offline, sm_90a); on the
-    H200 the latent kernel at pages of 64 ran 2-2.9x faster at 32K than with the tile grown to the
-    page, and GQA at pages of 128 1.4x (docs/benchmarks.md)."""
+    kernel's 32-row tile (a 64-row one spills registers); tiles grown to the page measured much
+    slower (docs/performance-notes.md)."""
     return triton.next_power_of_2(launch.block_n)
 
 
 def default_launch_config(*, head_dim: int) -> LaunchConfig:
-    """Measured defaults (``docs/benchmarks.md``), overridable by the ``SEGKV_TRITON_*`` variables
-    of ``docs/configuration.md`` (tile, warps, stages, pairs, launch order, register cap)."""
-    wide = head_dim > 128
-    env = settings.SETTINGS
-    block_n = settings.or_default(env.triton_block_n, 32 if wide else 64)
+    """The measured launch (``docs/benchmarks.md``, "Decode attention"): 64-row tiles (32 for head
+    dims above 128), 4 warps, 3 pipeline stages (the next tile loads during this one), at most 64
+    pairs per program. Tall decode programs (64 pairs from at most 16 query rows: forks sharing a
+    prefix) take 32-row tiles under 168 registers, so three fit an SM where two 64-row ones would;
+    prefill chunks keep 64-row tiles and no cap. Benchmarks pass their own :class:`LaunchConfig`."""
     return LaunchConfig(
-        block_n=block_n,  # a longer page spans tiles (tile_rows)
-        num_warps=env.triton_warps,
-        # 3 stages: two K/V buffers, the next tile loading during this one (2 stages: one buffer);
-        # batch 1 / 32K 0.0456 -> 0.0422 ms, batch 16 0.531 -> 0.500 (H200, with 2 programs per SM)
-        num_stages=env.triton_stages,
-        block_m=env.triton_block_m,
-        tall_warps=env.triton_tall_warps,
-        # tall decode programs (64 pairs from at most 16 query rows: forks sharing a prefix): 32-row
-        # tiles under 168 registers (40 bytes spilled) and 64 KB of shared memory, 3 per SM where
-        # 64-row tiles (243 registers, 112 KB) fit 2. The cascade (16 forks of a 32K prefix) 0.0762
-        # -> 0.0645 ms with the planner's tall wave of 3 per SM (H200). Prefill chunks keep block_n
-        # and no cap
-        tall_block_n=env.triton_tall_block_n,
-        tall_maxnreg=env.triton_tall_maxnreg or None,
+        block_n=32 if head_dim > 128 else 64,  # a longer page spans tiles (tile_rows)
+        num_warps=4,
+        num_stages=3,
+        block_m=64,
+        tall_warps=4,
+        tall_block_n=32,
+        tall_maxnreg=168,
     )
 
 
@@ -359,10 +350,8 @@ def paged_attention(
 
 
 # Page offsets of the stage-1 programs: int32 wherever the cache allows, int64 only where its
-# element offsets may pass int32 (wide_offsets). int32 offsets take a tile loop's sign extensions
-# and 64-bit products away (sm_90a: 64-pair programs 857 -> 760 instructions) and on the H200 made
-# the cascade's prefix programs 3% faster, the latent kernel up to 6% (batch 8, 64K) and the
-# decode programs at pages of 32 0.4-0.9% at batch 16, level at batch 1 and 4 (docs/benchmarks.md).
+# element offsets may pass int32 (wide_offsets): int32 offsets take a tile loop's sign extensions
+# and 64-bit products away (docs/performance-notes.md).
 def wide_offsets(*caches: torch.Tensor) -> bool:
     """Whether an element offset into any of ``caches`` (pages of K, V or latent rows, any strided
     view) may pass int32: the stage-1 kernels then need int64 page offsets (``WIDE_OFFSETS``)."""
@@ -422,18 +411,16 @@ def stages_that_fit(num_stages: int, tile_bytes: int) -> int:
 # Programmatic dependent launch for stage 1 and the merge (``kernels.pdl``): each is scheduled
 # while the kernel before it finishes (at batch 1 a PDL GEMV that lets its successor in at once),
 # reads only the host's plan before waiting for it, and lets its own successor in (the merge, the
-# o GEMV, which loads its weights meanwhile) right after the wait. On by default: with the PDL
-# GEMVs around it, batch 1 on the H200 gained 1-1.5% (Llama-3.1-8B 224 -> 226-227 tok/s at 1K,
-# Qwen3-8B 217 -> 220), batch 8 level (docs/benchmarks.md). On wherever the device supports it
+# o GEMV, which loads its weights meanwhile) right after the wait (docs/performance-notes.md).
+# On wherever the device supports it
 # (kernels.pdl.pdl_supported); only the kernel benchmark turns it off (benchmarks.decode_attention
 # --pdl 0: repeated calls in one timing graph would otherwise chain).
 ATTENTION_PDL = True
 # With PDL: the GQA stage 1 (decode programs of at most 16 pairs) and the merge read the host's plan
 # (partial rows, pages, partial ids) before waiting for the kernel before them, so fewer dependent
-# loads follow the wait (the latent stage 1 always does): on the H200 the 8B shape's batch-1
-# kernels 3% faster at 16K, Llama-3.1-8B 203 -> 205 tok/s at 16K. The merge lets the next kernel
-# (the o GEMV) launch right after its wait for stage 1: letting it in at once was 3% slower at 1K
-# (its weight loads competed with stage 1's K/V reads), only at the merge's end level.
+# loads follow the wait (the latent stage 1 always does). The merge lets the next kernel (the o
+# GEMV) launch right after its wait for stage 1, not at once: the GEMV's weight loads would compete
+# with stage 1's K/V reads.
 
 
 # Launch name ("stage1", "merge") -> an int64 tensor of timeline.FIELDS values per program: those
@@ -483,32 +470,20 @@ def attention_outputs(query, dv: int, num_partials: int, out_dtype, poison: bool
 
 
 # Decode rows of at most this many partials (a power of 2) may be merged by stage 1's last
-# program instead of a merge launch (the backend decides; 0: never). Batch 16 splits rows in 2,
-# batch 4 in 8, a history of 8 segments in 8 or more; batch 1 in 16-33, where a launch that
-# reads all of a row's partials at once is faster. 8 against 4 (H200): 8 segments at batch 16
-# 2% faster on the 70B shape, batch 4 within -1% .. +1.5%.
-# From 16 partials the last program merges its query row's heads a chunk of partials at a time
-# (merge_group_if_last): a bound of 64 measured slower on the H200 (Llama-3.1-8B batch 1 220 / 195
-# against 226-227 / 203 tok/s at 1K / 16K; docs/benchmarks.md), so 8 stays.
-MERGE_IN_STAGE1_MAX_PARTIALS = settings.SETTINGS.merge_in_stage1_max
-if MERGE_IN_STAGE1_MAX_PARTIALS not in (0, 2, 4, 8, 16, 32, 64):
-    raise ValueError(f"SEGKV_MERGE_IN_STAGE1_MAX must be 0, 2, 4, 8, 16, 32 or 64, got {MERGE_IN_STAGE1_MAX_PARTIALS}")
+# program instead of a merge launch (the backend decides). Batch 16 splits rows in 2, batch 4 in 8,
+# a history of 8 segments in 8 or more; batch 1 in 16-33, where a launch that reads all of a row's
+# partials at once is faster (bounds of 4 and 64 measured slower: docs/performance-notes.md).
+MERGE_IN_STAGE1_MAX_PARTIALS = 8
 
-# value columns per merge program (SEGKV_MERGE_BLOCK_DV forces one width): 64 is within 1% of the
-# best for 128-wide GQA values; 512-wide latent values take 32 (16 programs per row and head: a
-# batch-1 latent merge reads 32-256 partials per row, latency the extra programs hide). H200,
-# DeepSeek-V2-Lite batch 1: 489 / 421 tok/s at 1K / 16K with 32 against 480-484 / 406-412 with 64;
-# 16 (twice the programs again) measured 506-508 / 439-440 against 32's 514-518 / 447.
-MERGE_BLOCK_DV = settings.SETTINGS.merge_block_dv
+# Value columns per merge program: 64 for 128-wide GQA values; 32 for 512-wide latent values (16
+# programs per row and head: a batch-1 latent merge reads 32-256 partials per row, latency the
+# extra programs hide).
 GQA_MERGE_BLOCK_DV, LATENT_MERGE_BLOCK_DV = 64, 32
 
 
 def merge_block_dv(dv: int) -> int:
     """Value columns per merge program for ``dv``-wide values."""
-    if MERGE_BLOCK_DV is not None:
-        width = MERGE_BLOCK_DV
-    else:
-        width = LATENT_MERGE_BLOCK_DV if dv >= 512 else GQA_MERGE_BLOCK_DV
+    width = LATENT_MERGE_BLOCK_DV if dv >= 512 else GQA_MERGE_BLOCK_DV
     return min(max(16, triton.next_power_of_2(dv)), width)
 
 
@@ -520,7 +495,7 @@ def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> Non
         part_out, part_lse, out, lse, reduce_ptr, reduce_partials,
         part_out.stride(0), part_out.stride(1), part_lse.stride(0),
         out.stride(0), out.stride(1), lse.stride(0),
-        # 64 partials per step: a GQA decode row's partials (33 on the H200) in one step, a
+        # 64 partials per step: a GQA decode row's partials (33 on a 132-SM GPU) in one step, a
         # 256-way latent split in four
         DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, **attention_pdl_options(out),
         **timeline_stamps("merge"),
