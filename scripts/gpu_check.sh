@@ -9,8 +9,6 @@
 #   SEGKV_GPU_E2E    arguments for benchmarks.decode_e2e, e.g. "--models llama-3.1-8b --skip-hf" (empty: skip),
 #                    followed by scripts/profile_decode.py (batch 1, 1K context)
 #   SEGKV_GPU_TRAIN  non-empty: retrain the built-in models (about 6.5 min) and compare them byte for byte
-#   SEGKV_GPU_SWEEPS non-empty: the expert GEMV launch sweep and the prefill attention launch sweep
-#   SEGKV_GPU_NCU    non-empty: Nsight Compute counters of the stage-1 kernels (scripts/ncu_kernels.sh)
 # Installs pytest from .whl/ (carried) when the machine lacks it (scripts/gpu_env.sh).
 set -uo pipefail
 # shellcheck source=scripts/gpu_env.sh
@@ -40,17 +38,10 @@ if [ -n "${SEGKV_GPU_E2E:-}" ]; then  # whole-model decode against its bandwidth
   python3 scripts/profile_decode.py 2>&1 | tee "$OUT/profile.txt" | grep -E "graphs=|replay|host"
 fi
 if [ -n "${SEGKV_GPU_TRAIN:-}" ]; then  # regenerate the built-in models and compare with the packaged ones
-  python3 scripts/train_default_models.py --device cuda --out-dir /tmp/segkv-default-models --no-plot 2>&1 \
+  python3 -m tools.default_models.train --device cuda --out-dir /tmp/segkv-default-models --no-plot 2>&1 \
     | grep -v "step .*/.* loss" | tee "$OUT/train.txt"
   for m in qwen3-gqa deepseek-mla; do
     a=$(sha256sum < "segkv/default_models/$m/model.safetensors"); b=$(sha256sum < "/tmp/segkv-default-models/$m/model.safetensors")
     [ "$a" = "$b" ] && echo "regenerate $m: identical" || echo "regenerate $m: DIFFERENT"
   done | tee -a "$OUT/train.txt"
-fi
-if [ -n "${SEGKV_GPU_SWEEPS:-}" ]; then  # launch sweeps: expert GEMV (decode) and stage-1 attention (prefill)
-  python3 scripts/expert_gemv_sweep.py 2>&1 | tee "$OUT/gemv_sweep.txt"
-  bash scripts/prefill_sweep.sh 2>&1 | tee "$OUT/prefill_sweep.txt"
-fi
-if [ -n "${SEGKV_GPU_NCU:-}" ]; then  # why a kernel is slow: occupancy, issue rate, stall reasons
-  bash scripts/ncu_kernels.sh
 fi

@@ -201,5 +201,5 @@ def lean_decode_programs(max_work_rows: int, group_size: int, head_dim: int, pag
     ``key_tile_rows``-row tiles of four pages with their page entries as scalars
     (the GQA stage 1's ``FOUR``, ``paged_attention.stage1_launch``)."""
     pairs = max_work_rows * group_size
-    # heads of 128 only: the programs the driver was asked about (scripts/stage1_occupancy.py)
+    # heads of 128 only: the programs whose occupancy the driver was asked about
     return head_dim == 128 and 8 <= pairs <= 16 and key_tile_rows == 4 * page_size
