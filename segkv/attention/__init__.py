@@ -1,5 +1,6 @@
 """Attention over pieces of the KV cache: plans, the planner, the exact merge, the backend."""
 
+from segkv.attention.backend import AttentionBackend, BackendCapabilities, PreparedAttention
 from segkv.attention.device import DeviceSpec
 from segkv.attention.merge import LSE_API, merge_partials, merge_states
 from segkv.attention.plan import (
@@ -15,11 +16,14 @@ from segkv.attention.planner import ROUTE_ENV, plan_attention
 from segkv.attention.reference import TorchReferenceBackend, attend_piece, piece_slots
 
 __all__ = [
+    "AttentionBackend",
     "AttentionPlan",
     "AttentionShape",
+    "BackendCapabilities",
     "DeviceSpec",
     "LSE_API",
     "Piece",
+    "PreparedAttention",
     "ROUTE_ENV",
     "Route",
     "SequenceQuery",

@@ -7,16 +7,13 @@ exactly (``merge.merge_partials``) and rounds once to the output dtype.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from segkv.attention.backend import BackendCapabilities, KVTransform
 from segkv.attention.merge import LSE_API, merge_partials
 from segkv.attention.plan import AttentionPlan, Piece
-
-
-KVTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(slots=True)
@@ -80,10 +77,17 @@ def attend_piece(
 
 
 class TorchReferenceBackend:
-    """Runs attention plans with PyTorch: the CPU backend and the oracle for kernels."""
+    """Runs attention plans with PyTorch: the CPU backend and the oracle for kernels.
+
+    An :class:`~segkv.attention.backend.AttentionBackend` (its docstring shows the lifecycle):
+    any device, both cache layouts, ``kv_transform``; no CUDA graphs (``prepare`` allocates
+    index tensors sized by the plan, and ``run`` gathers pieces of plan-dependent sizes).
+    """
 
     name = "torch"
     lse_api = LSE_API
+    capabilities = BackendCapabilities(devices=("cpu", "cuda"), kv_layouts=("mha", "mla"), kv_transform=True,
+                                       cuda_graphs=False, precision_modes=("exact",))
 
     def __init__(self, *, page_size: int, device: str | torch.device = "cpu") -> None:
         self.page_size = page_size

@@ -15,6 +15,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from segkv.attention.backend import BackendCapabilities, KVTransform
 from segkv.attention.device import PARTIAL_WORKSPACE_BYTES, stage1_merge_bound
 from segkv.attention.plan import AttentionPlan
 
@@ -136,10 +137,59 @@ def flatten_plan(plan: AttentionPlan) -> dict[str, np.ndarray]:
 
 
 class TritonBackend:
-    """Runs attention plans with Triton kernels (CUDA, or the interpreter on the CPU)."""
+    """Runs attention plans with Triton kernels (CUDA, or the interpreter on the CPU).
+
+    An :class:`~segkv.attention.backend.AttentionBackend`: both cache layouts (GQA kernels for
+    ``"mha"``, the latent kernel for ``"mla"``); ``kv_transform`` runs on the torch reference
+    over the same plan; with a :class:`PlanCapacity` its plans live in fixed buffers, so CUDA
+    graphs captured over ``run`` replay later plans. Half-precision P.V uses P split into two
+    half-precision parts (about 16 bits of P, float32 sums): within one unit in the last place
+    of the output of float32 attention rounded once. The CPU runs it only in Triton's
+    interpreter (``TRITON_INTERPRET=1`` before ``triton`` is imported: tests).
+
+    Lifecycle (runnable; plan and prepare once per step, run once per layer)::
+
+        import torch
+        from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
+        from segkv.attention.triton_backend import TritonBackend
+        from segkv.cache import PagedKVCache
+        from segkv.config import CacheConfig, KVLayout
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: TRITON_INTERPRET=1
+        num_layers, page_size, q_heads, kv_heads, dim = 2, 16, 8, 2, 64
+        layout = KVLayout(num_layers=num_layers, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.bfloat16)
+        cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=32), device=device)
+        backend = TritonBackend(page_size=page_size, device=device)
+
+        # one step: a 37-row prompt chunk and a 3-row turn on a 20-row history
+        chains = [cache.new_chain(), cache.new_chain()]
+        history = chains[1].append(20)
+        for layer in range(num_layers):
+            cache.storage.write(layer, history, *torch.randn(2, 20, kv_heads, dim, device=device))
+        chains[1].seal()
+        new_rows = [37, 3]
+        slots = [slot for chain, n in zip(chains, new_rows) for slot in chain.append(n)]
+
+        # once per step: plan the pieces from the chains, prepare the index tensors
+        queries = [SequenceQuery.from_chain(chain, n) for chain, n in zip(chains, new_rows)]
+        plan = plan_attention(queries, AttentionShape(q_heads, kv_heads, dim, dim), DeviceSpec.detect(device),
+                              page_size=page_size)
+        prepared = backend.prepare(plan)
+
+        # per layer: write its new K/V rows, then run over its cache with the same prepared plan
+        query = torch.randn(num_layers, plan.num_query_rows, q_heads, dim, device=device).to(torch.bfloat16)
+        outputs = []
+        for layer in range(num_layers):
+            cache.storage.write(layer, slots, *torch.randn(2, len(slots), kv_heads, dim, device=device))
+            out, lse = backend.run(prepared, query[layer], cache.storage.key_cache(layer),
+                                   cache.storage.value_cache(layer), scale=dim ** -0.5)
+            outputs.append(out)  # (40, q_heads, dim) bfloat16; lse (40, q_heads) float32
+    """
 
     name = "triton"
     lse_api = LSE_API_TRITON
+    capabilities = BackendCapabilities(devices=("cuda",), kv_layouts=("mha", "mla"), kv_transform=True,
+                                       cuda_graphs=True, precision_modes=("exact",))
 
     def __init__(
         self,
@@ -254,9 +304,9 @@ class TritonBackend:
         *,
         scale: float,
         out_dtype: torch.dtype | None = None,
-        kv_transform=None,
+        kv_transform: KVTransform | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of one layer; same arguments and results as the reference backend.
+        """Attention of one layer: arguments and results as ``AttentionBackend.run`` states them.
 
         With fixed-size buffers ``query`` may carry padding rows past the plan's rows (a graph
         bucket); they come out 0 with LSE -inf.

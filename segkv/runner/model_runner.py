@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from segkv.attention.backend import AttentionBackend
 from segkv.attention.device import DeviceSpec
 from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionPlan, Route, SequenceQuery
@@ -70,7 +71,10 @@ class ModelRunner:
         self.mla_mode = mla_mode
         self.prefill_chunk = prefill_chunk
         self.decode_rows_threshold = decode_rows_threshold
-        self.backend = self._make_backend(backend, cache)
+        self.backend: AttentionBackend = self._make_backend(backend, cache)
+        if cache.layout.kind not in self.backend.capabilities.kv_layouts:
+            raise ValueError(f"the {self.backend.name} attention backend does not attend "
+                             f"{cache.layout.kind!r} caches")
         # fused kernels and stacked projections: on by default on CUDA, where launches dominate
         self.fused_ops = self.device.type == "cuda" if fused_ops is None else bool(fused_ops)
         if self.fused_ops and hasattr(model, "use_fused_ops"):
@@ -234,9 +238,8 @@ class ModelRunner:
 
     def _make_graphs(self, mode: bool | str, max_model_len: int):
         """CUDA-graph decode: ``True`` (error if unavailable), ``"auto"`` (on where available:
-        CUDA and the Triton backend), ``"emulate"``
+        CUDA and a backend whose ``capabilities.cuda_graphs`` holds), ``"emulate"``
         (replay by re-running the captured step: tests), ``False``."""
-        from segkv.attention.triton_backend import TritonBackend
         from segkv.runner.cuda_graphs import DecodeGraphs
 
         if mode not in (True, False, "auto", "emulate"):
@@ -245,8 +248,9 @@ class ModelRunner:
             return None
         emulate = mode == "emulate"
         reason = None
-        if not isinstance(self.backend, TritonBackend):
-            reason = "the attention backend is not the Triton backend"
+        if not self.backend.capabilities.cuda_graphs:
+            reason = (f"the {self.backend.name} attention backend cannot run in CUDA graphs "
+                      "(the Triton backend can)")
         elif not emulate and self.device.type != "cuda":
             reason = "the device is not a CUDA device"
         if reason is not None:
@@ -257,7 +261,7 @@ class ModelRunner:
         return DecodeGraphs(self.model, self.cache, self.device_spec, device=self.device,
                             max_model_len=max_model_len, emulate=emulate)
 
-    def _make_backend(self, name: str, cache: PagedKVCache):
+    def _make_backend(self, name: str, cache: PagedKVCache) -> AttentionBackend:
         """Triton kernels on CUDA ("auto"), for K/V and latent (MLA) caches alike; the torch
         reference otherwise. MLA's naive prefill path (``kv_transform``) runs on the reference
         inside the Triton backend; absorbed decode runs the latent kernel."""
