@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from segkv.attention.reference import PreparedPlan, TorchReferenceBackend
+from segkv.attention.backend import AttentionBackend, PreparedAttention
 from segkv.cache.storage import PagedKVStorage
 
 
@@ -22,8 +22,8 @@ class AttentionMetadata:
     their device-side range check (a host synchronisation CUDA graphs cannot capture).
     """
 
-    backend: TorchReferenceBackend  # or TritonBackend: the same prepare/run interface
-    prepared: PreparedPlan
+    backend: AttentionBackend
+    prepared: PreparedAttention  # backend.prepare(plan)
     storage: PagedKVStorage
     slots: torch.Tensor
     mla_mode: str = "absorbed"
