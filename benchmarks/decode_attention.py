@@ -372,7 +372,7 @@ def tune(*, dtype, trials: int, bandwidth: float, cases: list[tuple[int, int]], 
     ``launch`` None: the kernels' defaults), in the cache's token-major page layout and a
     head-major one (``(page, head, row, dim)``). One configuration per process: a faulting
     configuration cannot spoil the others."""
-    from segkv.kernels.paged_attention import default_launch_config
+    from segkv.kernels.attention.paged_attention import default_launch_config
 
     device = "cuda"
     q_heads, kv_heads, head_dim = SHAPES[shape_name]
@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.calls_per_graph < 0:
         parser.error("--calls-per-graph must be 0 or more")
     CALLS_PER_GRAPH = args.calls_per_graph
-    from segkv.kernels import paged_attention
+    from segkv.kernels.attention import paged_attention
 
     if args.pdl is not None:
         paged_attention.ATTENTION_PDL = bool(args.pdl)  # read at each launch (attention_pdl_options)
@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
               "attention_pdl": paged_attention.ATTENTION_PDL}
     if args.tune:
         cases = [tuple(int(x) for x in c.split("x")) for c in args.tune.split(",")]
-        from segkv.kernels.paged_attention import LaunchConfig
+        from segkv.kernels.attention.paged_attention import LaunchConfig
 
         launch = LaunchConfig(*_ints(args.launch)) if args.launch else None
         report["tune"] = tune(dtype=dtype, trials=args.trials, bandwidth=bandwidth, cases=cases, launch=launch,

@@ -3,7 +3,7 @@
 The planner's plan for ``--cases`` (batch x context; ``--shape``, ``--page-sizes``) runs in a
 CUDA graph over enough copies of the data that L2 is cold for each call (as
 ``benchmarks.decode_attention`` times it), with the programs writing their stamps
-(``kernels.timeline``: ``%globaltimer`` at each program's start, after its PDL wait and at its
+(``kernels.attention.timeline``: ``%globaltimer`` at each program's start, after its PDL wait and at its
 end; ``%clock64`` for durations). ``--cascade``: also 16 forks of a 32K prefix with 512 rows
 each, the planner's cascade plan, its prefix (tall) and suffix programs apart. For each call it
 prints, in us from the first stage-1 program's start: when programs start, wait and end
@@ -30,8 +30,8 @@ from benchmarks.decode_attention import (
 )
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
-from segkv.kernels import paged_attention as pa
-from segkv.kernels.timeline import FIELDS
+from segkv.kernels.attention import paged_attention as pa
+from segkv.kernels.attention.timeline import FIELDS
 
 STAMP_ROWS = 1 << 16  # programs a stamp buffer holds (more than any launch here)
 

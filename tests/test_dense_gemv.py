@@ -1,4 +1,4 @@
-"""The split-K batch-1 GEMV (``kernels.dense_gemv``) against the float64 product."""
+"""The split-K batch-1 GEMV (``kernels.gemv.dense_gemv``) against the float64 product."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from gpu_helpers import DEVICE, GPU
 def test_splitk_gemv_matches_the_product_and_leaves_its_tickets_zero(out_dim, in_dim, block_n, block_k, dtype, gen):
     """Output and input dims that do not fill a block, one split and several, twice with one
     workspace (the tickets are back to 0 after each launch)."""
-    from segkv.kernels.dense_gemv import splitk_gemv
+    from segkv.kernels.gemv.dense_gemv import splitk_gemv
 
     w = (torch.randn(out_dim, in_dim, generator=gen) / in_dim**0.5).to(dtype).to(DEVICE)
     x = torch.randn(1, in_dim, generator=gen).to(dtype).to(DEVICE)
@@ -33,7 +33,7 @@ def test_splitk_gemv_matches_the_product_and_leaves_its_tickets_zero(out_dim, in
 
 
 def _workspace(out_dim, in_dim, block_n, block_k):
-    from segkv.kernels.dense_gemv import workspace_size
+    from segkv.kernels.gemv.dense_gemv import workspace_size
 
     floats, tickets = workspace_size(out_dim, in_dim, block_n, block_k)
     return (torch.full((floats,), float("nan"), device=DEVICE), torch.zeros(tickets, dtype=torch.int32, device=DEVICE))
@@ -49,8 +49,8 @@ def _bf16_tol(dtype):
 def test_gated_gemv_is_the_down_product_of_silu_and_mul(out_dim, inner, block_n, block_k, dtype, gen):
     """``gated_splitk_gemv([gate | up], W) = W @ silu_and_mul([gate | up])``: the activation rounded
     as the separate kernel rounds it; one split and several, with and without the eviction hint."""
-    from segkv.kernels.dense_gemv import gated_splitk_gemv
-    from segkv.kernels.fused_ops import silu_and_mul
+    from segkv.kernels.gemv.dense_gemv import gated_splitk_gemv
+    from segkv.kernels.fused.fused_ops import silu_and_mul
 
     w = (torch.randn(out_dim, inner, generator=gen) / inner**0.5).to(dtype).to(DEVICE)
     gate_up = (2 * torch.randn(1, 2 * inner, generator=gen)).to(dtype).to(DEVICE)
@@ -75,7 +75,7 @@ def test_norm_gemv_is_the_product_of_the_normed_residual_sum(out_dim, in_dim, bl
     """``norm_splitk_gemv``: ``h = x + residual`` exactly as the dtype's add rounds it (returned,
     the next residual; ``x`` itself without one) and ``W @ (g * h / rms(h))`` within one rounding of
     the float64 product; the sum of squares spans every split of the row."""
-    from segkv.kernels.dense_gemv import norm_splitk_gemv
+    from segkv.kernels.gemv.dense_gemv import norm_splitk_gemv
 
     eps = 1e-5
     w = (torch.randn(out_dim, in_dim, generator=gen) / in_dim**0.5).to(dtype).to(DEVICE)
@@ -102,7 +102,7 @@ def test_norm_gemv_is_the_product_of_the_normed_residual_sum(out_dim, in_dim, bl
 def test_row_product_uses_the_gemv_only_for_one_cuda_row_without_bias(gen, monkeypatch):
     """``layers.linear.RowProduct``: one row on CUDA takes the split-K GEMV (reusing its
     workspace); a bias, more rows or the CPU take ``F.linear``. Every path gives the product."""
-    from segkv.kernels import dense_gemv
+    from segkv.kernels.gemv import dense_gemv
     from segkv.layers import linear
 
     calls = []
@@ -129,8 +129,8 @@ def test_combine_norm_gemv_forms_the_experts_output_in_the_product(out_dim, in_d
     """``combine_norm_splitk_gemv``: one token's expert outputs combined as ``combine_experts``
     combines them, the residual added (returned: the next residual) and the product of the normed
     sum, within one rounding of float64; bad shapes are clear errors."""
-    from segkv.kernels.dense_gemv import combine_norm_splitk_gemv
-    from segkv.kernels.moe_ops import combine_experts
+    from segkv.kernels.gemv.dense_gemv import combine_norm_splitk_gemv
+    from segkv.kernels.moe.moe_ops import combine_experts
 
     k, eps = 6, 1e-6
     w = (torch.randn(out_dim, in_dim, generator=gen) / in_dim**0.5).to(dtype).to(DEVICE)
@@ -173,7 +173,7 @@ def test_decoder_with_the_norm_and_activation_in_its_gemvs_gives_the_unfused_log
         same_logits_one_token_at_a_time,
     )
 
-    from segkv.kernels import dense_gemv
+    from segkv.kernels.gemv import dense_gemv
     from segkv.models import decoder
 
     build_model_dir(tmp_path, family)
@@ -210,7 +210,7 @@ def test_mla_model_with_the_norm_and_rope_in_its_x_gemv_gives_the_unfused_logits
         small_deepseek_dir,
     )
 
-    from segkv.kernels import dense_gemv, mla_x_gemv
+    from segkv.kernels.gemv import dense_gemv, mla_x_gemv
 
     small_deepseek_dir(tmp_path, num_hidden_layers=3)  # layer 2 takes the combine
     plain = llm(tmp_path, fused_ops=False, cuda_graphs=False)

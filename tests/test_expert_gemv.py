@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpu_helpers import DEVICE, GPU
-from segkv.kernels.expert_gemv import expert_gemv
+from segkv.kernels.moe.expert_gemv import expert_gemv
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -55,8 +55,8 @@ def test_products_with_shared_weight_in_one_launch(dtype, gen):
     """``expert_gemv_with_shared``: the routed pairs and a dense shared weight on every row in one
     launch, the gate/up products and the down products of their activation; each output equals
     the separate products."""
-    from segkv.kernels.expert_gemv import expert_gemv_with_shared
-    from segkv.kernels.fused_ops import silu_and_mul
+    from segkv.kernels.moe.expert_gemv import expert_gemv_with_shared
+    from segkv.kernels.fused.fused_ops import silu_and_mul
 
     tokens, k, experts_count, inner, hidden, shared_inner = 3, 2, 4, 24, 40, 48
     x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE)
@@ -90,7 +90,7 @@ def test_inputs_per_step_can_be_chosen_by_the_caller(gen):
     """``block_i`` sets the inputs per step of a launch (one token's few pairs take 256 by default,
     many pairs 128); the sums are the same, and a width that is not a power of two >= 16 is
     refused before any launch."""
-    from segkv.kernels.expert_gemv import default_block_i
+    from segkv.kernels.moe.expert_gemv import default_block_i
 
     assert (default_block_i(6), default_block_i(48)) == (256, 128)
     x = torch.randn(2, 200, generator=gen).to(DEVICE)
@@ -128,8 +128,8 @@ def test_activation_in_the_gate_up_product_equals_silu_and_mul_of_it(dtype, gen)
     """``activation``: programs of 8 gate rows and their 8 up rows store ``silu(gate) * up``,
     bit-equal to ``silu_and_mul`` of the stored ``[gate | up]`` product, routed and shared, with
     inner sizes that leave the last program part empty (44, 20); an odd number of rows is refused."""
-    from segkv.kernels.expert_gemv import expert_gemv_with_shared
-    from segkv.kernels.fused_ops import silu_and_mul
+    from segkv.kernels.moe.expert_gemv import expert_gemv_with_shared
+    from segkv.kernels.fused.fused_ops import silu_and_mul
 
     hidden, inner, shared_inner, k = 40, 44, 20, 3
     x = (2 * torch.randn(2, hidden, generator=gen)).to(dtype).to(DEVICE)
@@ -150,7 +150,7 @@ def test_moe_layer_with_the_activation_in_the_gate_up_product_matches_the_expert
     """A packed, fused MoE layer with shared experts at 2 tokens and 5 (10 pairs) writes the
     activation in the gate/up launch, reads it in a plain down launch and gives the expert loop's
     output (one token's experts run in one launch: ``test_expert_mlp``)."""
-    from segkv.kernels import expert_gemv as module
+    from segkv.kernels.moe import expert_gemv as module
     from segkv.layers.moe import MixtureOfExperts, RouterSpec
 
     moe = MixtureOfExperts(32, 24, RouterSpec(num_experts=6, top_k=2), num_shared=2).to(DEVICE)

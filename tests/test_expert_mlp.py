@@ -1,4 +1,4 @@
-"""One token's expert MLP in one launch (``kernels.expert_mlp``) against the two GEMV launches."""
+"""One token's expert MLP in one launch (``kernels.moe.expert_mlp``) against the two GEMV launches."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from gpu_helpers import DEVICE, GPU
-from segkv.kernels.expert_gemv import expert_gemv_with_shared
-from segkv.kernels.expert_mlp import counters_size, expert_mlp_one_token
+from segkv.kernels.moe.expert_gemv import expert_gemv_with_shared
+from segkv.kernels.moe.expert_mlp import counters_size, expert_mlp_one_token
 
 
 def _weights(num_experts, hidden, inner, s_inner, dtype, gen):
@@ -84,7 +84,7 @@ def test_moe_layer_runs_one_token_in_one_expert_launch(dtype, gen, monkeypatch):
     """A packed, fused MoE layer with shared experts runs one token's experts in one launch, with
     the unfused layer's output (to float32 summation order and the combine's rounding); 2 tokens
     keep the two-launch path."""
-    from segkv.kernels import expert_mlp
+    from segkv.kernels.moe import expert_mlp
     from segkv.layers.moe import MixtureOfExperts, RouterSpec
 
     moe = MixtureOfExperts(40, 24, RouterSpec(num_experts=6, top_k=3), num_shared=2).to(DEVICE)
@@ -115,8 +115,8 @@ def test_whole_block_in_one_launch_equals_route_then_experts(dtype, hidden, expe
     """``moe_block_one_token``: the router's programs and the expert items in one launch give the
     norm-route launch's sum, weights and ids exactly and the expert launch's outputs on them (to
     float32 summation order), with poisoned activations, twice on the same counters and tickets."""
-    from segkv.kernels.moe_ops import norm_route_topk
-    from segkv.kernels.expert_mlp import moe_block_one_token
+    from segkv.kernels.moe.moe_ops import norm_route_topk
+    from segkv.kernels.moe.expert_mlp import moe_block_one_token
 
     inner, s_inner = 20, 40
     gate_up, down, s_gate_up, s_down = _weights(experts_count, hidden, inner, s_inner, dtype, gen)
@@ -141,7 +141,7 @@ def test_whole_block_in_one_launch_equals_route_then_experts(dtype, hidden, expe
 
 
 def test_whole_block_refuses_bad_input(gen):
-    from segkv.kernels.expert_mlp import moe_block_one_token
+    from segkv.kernels.moe.expert_mlp import moe_block_one_token
 
     gate_up, down, s_gate_up, s_down = _weights(6, 32, 8, 16, torch.float32, gen)
     router = torch.randn(6, 32, generator=gen).to(DEVICE)
@@ -166,7 +166,7 @@ def test_moe_block_runs_one_token_in_one_launch(defer, gen, monkeypatch):
     norm-route launch, no expert launch), with the sum, the combined output (or its deferred
     parts) of the norm-route launch followed by the layer's experts; 2 tokens keep them apart."""
     from moe_helpers import random_moe_block
-    from segkv.kernels import expert_mlp, moe_ops
+    from segkv.kernels.moe import expert_mlp, moe_ops
     from segkv.layers.norm import PendingCombine
 
     moe, norm = random_moe_block(gen, DEVICE, top_k=3, num_shared=2)

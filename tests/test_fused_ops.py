@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from gpu_helpers import DEVICE, GPU
-from segkv.kernels.fused_ops import (kind_of, mla_rope_and_write_latent, rms_norm, rope_and_write_kv,
+from segkv.kernels.fused.fused_ops import (kind_of, mla_rope_and_write_latent, rms_norm, rope_and_write_kv,
                                      round_to_kind, silu_and_mul)
 from segkv.layers.norm import RMSNorm
 from segkv.layers.rotary import RotaryEmbedding

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpu_helpers import DEVICE, GPU
-from segkv.kernels.grouped_expert_gemm import group_pairs_by_expert, grouped_expert_gemm
+from segkv.kernels.moe.grouped_expert_gemm import group_pairs_by_expert, grouped_expert_gemm
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7}

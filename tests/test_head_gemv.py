@@ -1,4 +1,4 @@
-"""Per-head one-row products (``kernels.head_gemv``) against the float64 product, and the latent
+"""Per-head one-row products (``kernels.gemv.head_gemv``) against the float64 product, and the latent
 attention model that takes them at one token."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def test_head_gemv_is_each_heads_product(heads, out_dim, in_dim, transposed, dty
     """Weights laid out (H, Out, In) or read through a transposed (H, In, Out) view (as W_uk is),
     output blocks and inputs that do not fill a power of two, a new output and one written into
     a strided view of a larger buffer (the other columns untouched)."""
-    from segkv.kernels.head_gemv import head_gemv
+    from segkv.kernels.gemv.head_gemv import head_gemv
 
     stored = torch.randn(heads, in_dim, out_dim) if transposed else torch.randn(heads, out_dim, in_dim)
     stored = (stored / in_dim**0.5).to(dtype).to(DEVICE)
@@ -34,7 +34,7 @@ def test_head_gemv_is_each_heads_product(heads, out_dim, in_dim, transposed, dty
 
 
 def test_head_gemv_rejects_what_it_cannot_compute(gen):
-    from segkv.kernels.head_gemv import head_gemv
+    from segkv.kernels.gemv.head_gemv import head_gemv
 
     x, w = torch.randn(2, 8, device=DEVICE), torch.randn(2, 4, 8, device=DEVICE)
     with pytest.raises(ValueError, match="head_gemv"):

@@ -89,7 +89,7 @@ def test_the_latent_value_split_compiles_for_narrow_ranks(dtype):
 def test_the_latent_value_split_keeps_sixteen_columns_a_share():
     import torch
 
-    from segkv.kernels.mla_attention import default_mla_launch_config, mla_stage1_launch
+    from segkv.kernels.attention.mla_attention import default_mla_launch_config, mla_stage1_launch
 
     # the automatic split (0: halves that follow the plan) and forced quarters (4: whatever the plan)
     for rank, forced, split, adaptive in ((16, 0, 1, False), (32, 0, 2, True), (512, 0, 2, True),
@@ -109,7 +109,7 @@ def test_the_merge_lets_the_next_kernel_launch_after_its_wait():
 
 
 def test_timeline_stamps_compile_away_unless_asked():
-    """``STAMPS`` (``kernels.timeline``, scripts/stage1_timeline.py): stage 1 and the merge read the
+    """``STAMPS`` (``kernels.attention.timeline``, scripts/stage1_timeline.py): stage 1 and the merge read the
     global timer and the SM's clock at a program's start, after its PDL wait and at its end only
     when given a stamp buffer; the launches' default (None) reads no timer at all."""
     stage1 = {"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 32, "rows": 1, "pdl": True}

@@ -1,4 +1,4 @@
-"""The MLA x product with RoPE and the latent write in its launch (``kernels.mla_x_gemv``)
+"""The MLA x product with RoPE and the latent write in its launch (``kernels.gemv.mla_x_gemv``)
 against the kernels it replaces: the norm (or combine-norm) GEMV and ``mla_rope_and_write_latent``."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ def test_mla_x_rope_gemv_equals_the_kernels_it_replaces(heads, nope, rope, rank,
     """Same no-RoPE query part, same rotated RoPE part in the query buffer, same latent row at
     the slot (other rows untouched), same next residual; twice with one workspace (tickets back
     to 0). Sources: a row plus a residual, the first layer's row alone, a MoE layer's combine."""
-    from segkv.kernels.dense_gemv import combine_norm_splitk_gemv, norm_splitk_gemv, workspace_size
-    from segkv.kernels.fused_ops import mla_rope_and_write_latent
-    from segkv.kernels.mla_x_gemv import mla_x_rope_gemv
+    from segkv.kernels.gemv.dense_gemv import combine_norm_splitk_gemv, norm_splitk_gemv, workspace_size
+    from segkv.kernels.fused.fused_ops import mla_rope_and_write_latent
+    from segkv.kernels.gemv.mla_x_gemv import mla_x_rope_gemv
 
     out_dim = heads * (nope + rope) + rank + rope
     block_n = 16
@@ -72,7 +72,7 @@ def test_mla_x_rope_gemv_equals_the_kernels_it_replaces(heads, nope, rope, rank,
 
 
 def test_mla_x_rope_gemv_rejects_bad_shapes(gen):
-    from segkv.kernels.mla_x_gemv import mla_x_rope_gemv
+    from segkv.kernels.gemv.mla_x_gemv import mla_x_rope_gemv
 
     heads, nope, rope, rank, hidden = 2, 16, 16, 32, 64
     w = torch.randn(heads * (nope + rope) + rank + rope, hidden, generator=gen).to(DEVICE)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpu_helpers import DEVICE, GPU
-from segkv.kernels.moe_ops import combine_experts, route_topk
+from segkv.kernels.moe.moe_ops import combine_experts, route_topk
 
 
 def torch_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
@@ -94,11 +94,11 @@ def test_combine_experts_rejects_mismatched_shapes(gen):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_layer_runs_one_token_with_its_shared_experts(dtype, gen, monkeypatch):
     """A fused, packed MoE layer with two shared experts: one token runs the routed pairs and the
-    shared experts in one launch (``kernels.expert_mlp``: no cuBLAS shared product, no separate
+    shared experts in one launch (``kernels.moe.expert_mlp``: no cuBLAS shared product, no separate
     SiLU-and-mul); more tokens keep the shared MLP, the routed pairs' gate/up launch writing the
     activation for a plain down launch; both equal the unfused layer."""
-    from segkv.kernels import expert_gemv as gemv_module
-    from segkv.kernels import expert_mlp
+    from segkv.kernels.moe import expert_gemv as gemv_module
+    from segkv.kernels.moe import expert_mlp
     from segkv.layers.moe import MixtureOfExperts, RouterSpec
 
     moe = MixtureOfExperts(40, 24, RouterSpec(num_experts=6, top_k=3), num_shared=2).to(DEVICE)
@@ -133,7 +133,7 @@ def test_fused_layer_runs_one_token_with_its_shared_experts(dtype, gen, monkeypa
 def test_router_logits_match_the_float32_product(tokens, experts, hidden, dtype, gen):
     """The router's float32 logits from half-precision inputs: the product of the widened
     tensors, to float32 summation order (expert counts and widths that do not fill a block)."""
-    from segkv.kernels.moe_ops import router_logits
+    from segkv.kernels.moe.moe_ops import router_logits
 
     x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE)
     weight = (torch.randn(experts, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEVICE)
@@ -154,8 +154,8 @@ def test_norm_route_topk_matches_the_separate_kernels(tokens, experts, hidden, k
     """The fused residual add, RMSNorm, router logits and top-k against the three kernels it
     replaces (norm rows wider than one 2048-column step, expert counts that do not fill a block),
     twice in a row: the per-token tickets are left zero for the next launch."""
-    from segkv.kernels.fused_ops import rms_norm
-    from segkv.kernels.moe_ops import norm_route_topk, router_logits
+    from segkv.kernels.fused.fused_ops import rms_norm
+    from segkv.kernels.moe.moe_ops import norm_route_topk, router_logits
 
     x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE)
     residual = (3 * torch.randn(tokens, hidden, generator=gen)).to(dtype).to(DEVICE)
@@ -178,7 +178,7 @@ def test_norm_route_topk_matches_the_separate_kernels(tokens, experts, hidden, k
 
 
 def test_norm_route_topk_rejects_bad_inputs(gen):
-    from segkv.kernels.moe_ops import norm_route_topk
+    from segkv.kernels.moe.moe_ops import norm_route_topk
 
     x = torch.randn(2, 32, generator=gen).to(DEVICE)
     w, router = torch.ones(32, device=DEVICE), torch.randn(8, 32, generator=gen).to(DEVICE)
@@ -200,7 +200,7 @@ def test_fused_block_routes_few_tokens_in_the_norm_launch(tokens, gen, monkeypat
     tokens take them apart (one token: the whole block in one launch, ``test_expert_mlp``).
     Either way the result equals the unfused norm and layer."""
     from moe_helpers import random_moe_block
-    from segkv.kernels import moe_ops
+    from segkv.kernels.moe import moe_ops
     from segkv.layers import norm as norm_module
 
     moe, norm = random_moe_block(gen, DEVICE, top_k=2, num_shared=1)
@@ -228,8 +228,8 @@ def test_fused_block_routes_few_tokens_in_the_norm_launch(tokens, gen, monkeypat
 def test_combine_add_rms_norm_matches_the_two_kernels(dtype, tokens, k, hidden, with_shared, gen):
     """The combine inside the next block's residual add and RMSNorm against combine_experts then
     rms_norm: the sum as those round it exactly, the normed row to float32 summation order."""
-    from segkv.kernels.fused_ops import rms_norm
-    from segkv.kernels.moe_ops import combine_add_rms_norm
+    from segkv.kernels.fused.fused_ops import rms_norm
+    from segkv.kernels.moe.moe_ops import combine_add_rms_norm
 
     y = torch.randn(tokens * k, hidden, generator=gen).to(dtype).to(DEVICE)
     weights = torch.rand(tokens, k, generator=gen).to(DEVICE)
@@ -250,7 +250,7 @@ def test_a_fused_moe_model_forms_each_layers_output_in_the_next_norm(gen, monkey
     """A fused two-layer DeepSeek-style stack at decode: each MoE layer's output reaches the next
     norm unformed and is combined there (no combine launch), and the hidden states equal the
     unfused model's."""
-    from segkv.kernels import moe_ops
+    from segkv.kernels.moe import moe_ops
     from segkv.layers.moe import MixtureOfExperts, RouterSpec
     from segkv.layers.norm import PendingCombine, RMSNorm
 
@@ -294,7 +294,7 @@ def test_a_fused_moe_model_forms_each_layers_output_in_the_next_norm(gen, monkey
 def test_norm_route_topk_breaks_ties_to_the_lower_expert(gen):
     """Experts with equal router rows (equal logits) are chosen and ordered by id, as route_topk
     orders them."""
-    from segkv.kernels.moe_ops import norm_route_topk, router_logits
+    from segkv.kernels.moe.moe_ops import norm_route_topk, router_logits
 
     x = torch.randn(1, 64, generator=gen).to(DEVICE)
     residual = torch.randn(1, 64, generator=gen).to(DEVICE)
@@ -315,7 +315,7 @@ def test_norm_route_topk_breaks_ties_to_the_lower_expert(gen):
 def test_norm_route_topk_fills_every_slot_with_a_valid_expert_even_on_nan(gen):
     """A NaN hidden row (an overflowed activation) still routes to k distinct, valid experts, so
     the expert GEMVs never index outside the weights; finite rows are unaffected."""
-    from segkv.kernels.moe_ops import norm_route_topk
+    from segkv.kernels.moe.moe_ops import norm_route_topk
 
     x = torch.randn(3, 64, generator=gen).to(DEVICE)
     x[1, 5] = float("nan")

@@ -460,7 +460,7 @@ def test_the_planners_tall_decode_programs_are_the_launchers(rows, group, head_d
     import torch
 
     from segkv.attention import device
-    from segkv.kernels import paged_attention
+    from segkv.kernels.attention import paged_attention
 
     assert device.TALL_DECODE_MAX_ROWS == paged_attention.TALL_DECODE_MAX_ROWS
     meta = paged_attention.stage1_launch(dtype=torch.bfloat16, dk=head_dim, dv=head_dim, group=group, page_size=32,
@@ -540,7 +540,7 @@ def test_the_planners_lean_decode_programs_are_the_launchers(rows, group, page_s
     import torch
 
     from segkv.attention.device import CUDA_KEY_TILE_ROWS, lean_decode_programs
-    from segkv.kernels import paged_attention
+    from segkv.kernels.attention import paged_attention
 
     meta = paged_attention.stage1_launch(dtype=torch.bfloat16, dk=128, dv=128, group=group, page_size=page_size,
                                          max_work_rows=rows, element_size=2)

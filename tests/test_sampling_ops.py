@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_helpers import DEVICE, GPU
-from segkv.kernels.sampling_ops import row_argmax
+from segkv.kernels.fused.sampling_ops import row_argmax
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 4096, 5000, 128256 if GPU else 12289])

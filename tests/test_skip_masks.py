@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from segkv.kernels import paged_attention
-from segkv.kernels.attention_tiles import full_tiles_known
-from segkv.kernels.paged_attention import LaunchConfig
+from segkv.kernels.attention import paged_attention
+from segkv.kernels.attention.attention_tiles import full_tiles_known
+from segkv.kernels.attention.paged_attention import LaunchConfig
 from attention_helpers import triton_and_reference, write_rows
 from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
 from segkv.cache import PagedKVCache

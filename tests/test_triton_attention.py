@@ -126,7 +126,7 @@ def test_page_sizes_that_do_not_divide_the_tile(page_size, gen):
     count nothing (they are the next step's); a 100-row page spans a full and a partial 64-row
     tile. Every route gives the reference's results, fully masked rows included. (Rows past whole
     pages once counted the next page twice.)"""
-    from segkv.kernels.paged_attention import stage1_launch
+    from segkv.kernels.attention.paged_attention import stage1_launch
 
     meta = stage1_launch(dtype=torch.float32, dk=64, dv=64, group=4, page_size=page_size, max_work_rows=1,
                          element_size=4)
@@ -138,7 +138,7 @@ def small_tiles(monkeypatch, **tiles) -> None:
     """Every GQA launch takes the default launch with ``tiles`` (LaunchConfig fields) replaced."""
     import dataclasses
 
-    from segkv.kernels import paged_attention
+    from segkv.kernels.attention import paged_attention
 
     default = paged_attention.default_launch_config
     monkeypatch.setattr(paged_attention, "default_launch_config",
@@ -149,7 +149,7 @@ def small_tiles(monkeypatch, **tiles) -> None:
 def test_pages_longer_than_the_tile(page_size, gen, monkeypatch):
     """Tiles kept at 16 rows: pages of 32, 48 or 20 rows are walked 2, 3 or 2 tiles at a time (the last one partly past the page),
     every route, fully masked rows included, against the reference."""
-    from segkv.kernels.paged_attention import stage1_launch
+    from segkv.kernels.attention.paged_attention import stage1_launch
 
     small_tiles(monkeypatch, block_n=16)
     assert stage1_launch(dtype=torch.float32, dk=64, dv=64, group=4, page_size=page_size,
@@ -161,7 +161,7 @@ def test_prefill_chunks_over_pages_longer_than_the_tile(gen, monkeypatch):
     """Chunks of 17 query rows (causal among themselves; 68 row-head pairs: two tall programs per
     work item) over pages of 48 rows walked in 16-row tiles, the last one partly past the page:
     every route against the reference."""
-    from segkv.kernels.paged_attention import stage1_launch
+    from segkv.kernels.attention.paged_attention import stage1_launch
 
     small_tiles(monkeypatch, block_n=16, tall_block_n=16)
     meta = stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=4, page_size=48, max_work_rows=17, element_size=2)
@@ -199,7 +199,7 @@ def test_mixed_long_and_short_batch_in_one_launch(dtype, gen):
 
 
 def test_kv_write_kernel(gen):
-    from segkv.kernels.paged_attention import write_rows
+    from segkv.kernels.attention.paged_attention import write_rows
 
     cache = torch.zeros(8, 16, 2, 64, device=DEVICE, dtype=torch.bfloat16)
     rows = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -347,7 +347,7 @@ def test_kernel_matches_the_reference_at_every_pipeline_depth(route, gen):
     pieces that end inside a tile and on a tile boundary. The interpreter has no pipeline (every
     depth runs the same program), so without a GPU only the default depth runs, over the cascade
     route (shared and own pieces; the other routes' tiles are in the tests around)."""
-    from segkv.kernels.paged_attention import LaunchConfig
+    from segkv.kernels.attention.paged_attention import LaunchConfig
 
     depths = (1, 2, 3) if GPU else (3,)
     for (rows, page_size, block_n), stages in itertools.product(((1, 16, 16), (5, 16, 64), (17, 32, 64)), depths):
@@ -385,8 +385,8 @@ def test_plan_reads_before_the_wait_match_the_reference(route, gen, monkeypatch)
     kernel (tall ones, cascade and prefill, after it), and the merge its first partial ids: the same
     results as the reference, over pieces that end inside a tile, with fully masked rows, more
     partials than one merge block and the merge inside stage 1."""
-    from segkv.kernels import paged_attention
-    from segkv.kernels.paged_attention import LaunchConfig
+    from segkv.kernels.attention import paged_attention
+    from segkv.kernels.attention.paged_attention import LaunchConfig
 
     def reads_early(group: int, rows: int = 1) -> bool:
         meta = paged_attention.stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=group, page_size=16,
@@ -450,7 +450,7 @@ def check_merges_inside_stage1(batch, gen, *, parts: int, bound: int, capacity, 
 
 def count_merge_launches(monkeypatch) -> list:
     """A list that grows by one per merge-kernel launch."""
-    from segkv.kernels import paged_attention
+    from segkv.kernels.attention import paged_attention
 
     merges = []
     merge_into = paged_attention.merge_into
@@ -488,8 +488,8 @@ def test_rows_of_many_partials_merge_inside_stage1_by_chunks(ratio, gen, monkeyp
     come out as the reference's, and the tickets are back to 0."""
     from segkv.attention import triton_backend
     from segkv.attention.triton_backend import PlanCapacity
-    from segkv.kernels import paged_attention
-    from segkv.kernels.paged_attention import LaunchConfig
+    from segkv.kernels.attention import paged_attention
+    from segkv.kernels.attention.paged_attention import LaunchConfig
 
     monkeypatch.setattr(paged_attention, "MERGE_IN_STAGE1_MAX_PARTIALS", 32)
     triton_backend.stage1_merge_bound.cache_clear()
@@ -533,7 +533,7 @@ def test_merge_kernel_folds_blocks_of_partials_exactly(gen):
     rows of 150 partials (three blocks of 64) whose first block is all empty, whose last is, whose
     live LSEs span 80 nats (the running maximum grows across blocks and earlier sums are rescaled),
     a row of 64 empties, and a row with no partials. Empty partials hold NaN outputs: weight 0."""
-    from segkv.kernels.paged_attention import merge_into
+    from segkv.kernels.attention.paged_attention import merge_into
 
     heads, dim = 3, 96
     counts = [150, 150, 150, 64, 0, 2]
@@ -566,7 +566,7 @@ def test_merge_kernel_folds_blocks_of_partials_exactly(gen):
 def test_merge_splits_value_columns_over_programs(gen, monkeypatch):
     """The merge runs one program per (row, head, block of value columns): with 16-column blocks a
     64-wide value takes four programs per row and head, and every column and LSE is written."""
-    from segkv.kernels import paged_attention
+    from segkv.kernels.attention import paged_attention
 
     assert (paged_attention.merge_block_dv(128), paged_attention.merge_block_dv(512),
             paged_attention.merge_block_dv(32)) == (64, 32, 32)  # GQA, latent, narrow
@@ -624,8 +624,8 @@ def test_default_launches():
     """The measured launches: GQA 64-row tiles (32 above head dim 128), 4 warps, 3 stages, tall
     decode programs at 32-row tiles under 168 registers; latent 32-row tiles, 16 pairs, the value
     split chosen per launch."""
-    from segkv.kernels.mla_attention import default_mla_launch_config
-    from segkv.kernels.paged_attention import default_launch_config
+    from segkv.kernels.attention.mla_attention import default_mla_launch_config
+    from segkv.kernels.attention.paged_attention import default_launch_config
 
     gqa, wide, latent = default_launch_config(head_dim=128), default_launch_config(head_dim=256), \
         default_mla_launch_config()
@@ -637,7 +637,7 @@ def test_default_launches():
 def test_pipeline_stages_shrink_to_fit_shared_memory():
     """Two K/V buffers of float32 64 x 256-wide tiles (256 KB) do not fit a Hopper program's shared
     memory (227 KB): those launches keep one buffer; bf16 tiles and the latent tiles keep three stages."""
-    from segkv.kernels.paged_attention import stages_that_fit
+    from segkv.kernels.attention.paged_attention import stages_that_fit
 
     assert stages_that_fit(3, 64 * (256 + 256) * 4) == 2  # float32, head_dim 256, page 64
     assert stages_that_fit(3, 64 * (256 + 256) * 2) == 3  # bf16, same tile
@@ -655,7 +655,7 @@ def test_a_graphs_merge_without_partials_still_orders_the_next_kernel(gen):
     has: a long stage 1 (64K rows, one program per KV head) and poisoned outputs before every
     replay would show a read that came too early."""
     from segkv.attention.triton_backend import PlanCapacity
-    from segkv.kernels.dense_gemv import splitk_gemv, workspace_size
+    from segkv.kernels.gemv.dense_gemv import splitk_gemv, workspace_size
 
     layout = KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     rows = 65536
@@ -708,7 +708,7 @@ def test_a_graphs_merge_without_partials_still_orders_the_next_kernel(gen):
 def test_wide_offsets_follow_the_caches_extent():
     """Page offsets are int32 unless some element of a cache (any strided view) lies at 2^31 or
     beyond; meta tensors, so no memory is taken."""
-    from segkv.kernels.paged_attention import wide_offsets
+    from segkv.kernels.attention.paged_attention import wide_offsets
 
     page = 16 * 8 * 128  # elements of one page of 16 rows, 8 KV heads, head_dim 128
     small = torch.empty(256, 16, 8, 128, device="meta")
@@ -724,7 +724,7 @@ def test_wide_offsets_follow_the_caches_extent():
 def test_which_launches_take_int64_page_offsets():
     """Only those whose cache needs them: every program shape and page size takes int32 offsets
     otherwise."""
-    from segkv.kernels.paged_attention import stage1_launch
+    from segkv.kernels.attention.paged_attention import stage1_launch
 
     launch = dict(dtype=torch.bfloat16, dk=128, dv=128, element_size=2)
     for page_size in (16, 32, 64):
@@ -737,7 +737,7 @@ def test_which_launches_take_int64_page_offsets():
 @pytest.mark.parametrize("wide", [False, True])
 def test_page_offsets_in_32_or_64_bits_give_the_reference(wide, gen, monkeypatch):
     """Both page-offset widths of stage 1 on every route (forced: the caches here are small)."""
-    from segkv.kernels import paged_attention
+    from segkv.kernels.attention import paged_attention
 
     calls = []
     monkeypatch.setattr(paged_attention, "wide_offsets", lambda *caches: calls.append(caches) or wide)
@@ -752,7 +752,7 @@ def test_page_offsets_in_32_or_64_bits_give_the_reference(wide, gen, monkeypatch
 def test_pages_past_two_to_the_31_elements(gen):
     """A cache whose pages lie past 2^31 elements (int64 page offsets): the history's pages are
     taken after 131072 others, so every one of them starts beyond int32."""
-    from segkv.kernels.paged_attention import wide_offsets
+    from segkv.kernels.attention.paged_attention import wide_offsets
 
     layout = KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     filler_pages = 2**31 // (16 * 8 * 128)

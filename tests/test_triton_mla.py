@@ -31,7 +31,7 @@ def latent_launch(monkeypatch, **fields) -> None:
     """Every latent launch takes the default launch with ``fields`` (LaunchConfig fields) replaced."""
     import dataclasses
 
-    from segkv.kernels import mla_attention
+    from segkv.kernels.attention import mla_attention
 
     default = getattr(mla_attention.default_mla_launch_config, "original", mla_attention.default_mla_launch_config)
 
@@ -106,7 +106,7 @@ def test_value_split_matches_the_reference(route, dtype, page_size, heads, gen, 
     exits); so do four programs with a quarter each. By default a batch whose (row, head) pairs
     fit one program launches the two (batch-1 decode); a launch's ``value_split`` 1 / 2 / 4 forces
     it; other values are refused."""
-    from segkv.kernels import mla_attention
+    from segkv.kernels.attention import mla_attention
 
     def split(rows, num_heads):
         return mla_attention.mla_stage1_launch(dtype=torch.bfloat16, rank=RANK, rope=ROPE, num_heads=num_heads,
@@ -149,7 +149,7 @@ def test_adaptive_value_shares_match_the_reference(route, gen, monkeypatch):
     """The automatic split: two programs per pair block take a half of the values each when the
     plan has at most the launch's ``value_split_max_partials`` partials, else the first takes all (the
     other exits before the wait); each gives the reference's results, fully masked rows included."""
-    from segkv.kernels import mla_attention
+    from segkv.kernels.attention import mla_attention
 
     meta = mla_attention.mla_stage1_launch(dtype=torch.bfloat16, rank=RANK, rope=ROPE, num_heads=4, page_size=16,
                                            max_work_rows=1, element_size=2, num_rows=1)
@@ -173,7 +173,7 @@ def test_adaptive_value_shares_match_the_reference(route, gen, monkeypatch):
 def test_latent_page_sizes_that_do_not_divide_the_tile(page_size, gen):
     """Latent pages of 20 rows (one whole page in a 32-row tile) or 48 (a full and a partial
     32-row tile): every route gives the reference's results."""
-    from segkv.kernels import mla_attention
+    from segkv.kernels.attention import mla_attention
 
     tile = mla_attention.mla_stage1_launch(dtype=torch.float32, rank=RANK, rope=ROPE, num_heads=4,
                                            page_size=page_size, max_work_rows=1, element_size=4)["BLOCK_N"]
@@ -187,7 +187,7 @@ def test_latent_page_sizes_that_do_not_divide_the_tile(page_size, gen):
 def test_latent_pages_longer_than_the_tile(page_size, gen, monkeypatch):
     """Latent tiles kept at 16 rows: pages of 32 or 20 rows span two tiles;
     every route, with one program and with the value halves, gives the reference's results."""
-    from segkv.kernels import mla_attention
+    from segkv.kernels.attention import mla_attention
 
     latent_launch(monkeypatch, block_n=16)
     assert mla_attention.mla_stage1_launch(dtype=torch.float32, rank=RANK, rope=ROPE, num_heads=4,
@@ -265,7 +265,7 @@ def test_mla_layer_absorbed_on_triton_matches_naive_reference(rows, gen):
 @pytest.mark.parametrize("wide", [False, True])
 def test_latent_page_offsets_in_32_or_64_bits_give_the_reference(wide, gen, monkeypatch):
     """Both page-offset widths of the latent stage 1 (forced: the caches here are small)."""
-    from segkv.kernels import mla_attention
+    from segkv.kernels.attention import mla_attention
 
     calls = []
     monkeypatch.setattr(mla_attention, "wide_offsets", lambda *caches: calls.append(caches) or wide)

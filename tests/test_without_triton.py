@@ -44,8 +44,8 @@ def test_the_built_in_models_generate_and_serve_without_triton():
 
 def test_a_kernel_launched_without_triton_says_so():
     out = _run_without_triton("""
-        from segkv.kernels.fused_ops import rms_norm
-        from segkv.kernels import fused_ops
+        from segkv.kernels.fused.fused_ops import rms_norm
+        from segkv.kernels.fused import fused_ops
         kernels = [v for v in vars(fused_ops).values() if type(v).__name__ == "_UnavailableKernel"]
         assert kernels, "no kernel was defined"
         try:

@@ -26,7 +26,7 @@ CUDA_TALL_BLOCKS_PER_SM = 3
 # (planner._lean_single_pass). 0: off.
 CUDA_LEAN_BLOCKS_PER_SM = 3
 # The most query rows per work item of a tall decode program (more: a prefill chunk's); the
-# launcher's kernels.paged_attention.TALL_DECODE_MAX_ROWS
+# launcher's kernels.attention.paged_attention.TALL_DECODE_MAX_ROWS
 TALL_DECODE_MAX_ROWS = 16
 # Fewest KV rows per partition on CUDA: one BLOCK_N tile, so short contexts at small batches still
 # fill the device.
@@ -51,7 +51,7 @@ PARTIAL_WORKSPACE_BYTES = 64 << 20
 @functools.cache
 def stage1_merge_bound() -> int:
     """The most partials per row the GQA stage-1 kernel merges itself (0: it never does)."""
-    from segkv.kernels.paged_attention import MERGE_IN_STAGE1_MAX_PARTIALS  # needs Triton: imported on use
+    from segkv.kernels.attention.paged_attention import MERGE_IN_STAGE1_MAX_PARTIALS  # needs Triton: imported on use
 
     return MERGE_IN_STAGE1_MAX_PARTIALS
 

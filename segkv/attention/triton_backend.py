@@ -77,7 +77,7 @@ _ALIGN_INT32 = 4  # int32 entries per 16 bytes
 
 @dataclass(slots=True)
 class TritonPreparedPlan:
-    """A plan as int32 device tensors (see ``kernels.paged_attention.paged_attention``)."""
+    """A plan as int32 device tensors (see ``kernels.attention.paged_attention.paged_attention``)."""
 
     plan: AttentionPlan
     arrays: dict[str, torch.Tensor]
@@ -205,7 +205,7 @@ class TritonBackend:
         self.device = torch.device(device)
         self.poison = poison  # tests: fill outputs with NaN before every launch
         self.capacity = capacity
-        self.launch = launch  # kernels.paged_attention.LaunchConfig, or None for the measured default
+        self.launch = launch  # kernels.attention.paged_attention.LaunchConfig, or None for the measured default
         self._fixed: dict[str, torch.Tensor] | None = None
         self._staging: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
@@ -311,8 +311,8 @@ class TritonBackend:
         With fixed-size buffers ``query`` may carry padding rows past the plan's rows (a graph
         bucket); they come out 0 with LSE -inf.
         """
-        from segkv.kernels.mla_attention import mla_paged_attention
-        from segkv.kernels.paged_attention import paged_attention
+        from segkv.kernels.attention.mla_attention import mla_paged_attention
+        from segkv.kernels.attention.paged_attention import paged_attention
 
         plan = prepared.plan
         if kv_transform is not None:  # naive MLA decompresses pieces: the reference does that

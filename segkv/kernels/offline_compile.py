@@ -107,7 +107,7 @@ def pdl_order(ptx: str) -> list[str]:
 
 
 def timer_reads(ptx: str) -> dict[str, int]:
-    """How often a kernel reads the GPU's timers (``kernels.timeline``): ``globaltimer`` and ``clock64``."""
+    """How often a kernel reads the GPU's timers (``kernels.attention.timeline``): ``globaltimer`` and ``clock64``."""
     return {"globaltimer": ptx.count("%globaltimer"), "clock64": ptx.count("%clock64")}
 
 
@@ -226,11 +226,11 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     default: the launcher's), "assemble": bool (default False), "pdl": bool (default False: the
     programmatic-dependent-launch variant), "wide": bool (default False: int32 page offsets, as for
     caches of under 2^31 elements), "stamps": bool (gqa, default False: the variant that writes its
-    programs' timelines, ``kernels.timeline``)}``. ``launch``: a ``paged_attention.LaunchConfig``
+    programs' timelines, ``kernels.attention.timeline``)}``. ``launch``: a ``paged_attention.LaunchConfig``
     (default: the launcher's). Returns the compiled kernel and the launch constants used."""
     import torch
 
-    from segkv.kernels import mla_attention, paged_attention
+    from segkv.kernels.attention import mla_attention, paged_attention
 
     dtype = getattr(torch, case["dtype"])
     element = torch.empty((), dtype=dtype).element_size()
@@ -285,7 +285,7 @@ def merge_report(case: dict) -> dict:
     "stamps": bool}`` (bf16 output, the launcher's column
     and partial blocks): its PDL instructions in program order (``griddepcontrol.wait`` and
     ``.launch_dependents``) and timer reads (:func:`timer_reads`)."""
-    from segkv.kernels import paged_attention
+    from segkv.kernels.attention import paged_attention
 
     dv = case["dv"]
     block_dv = paged_attention.merge_block_dv(dv)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from segkv.kernels.fused_ops import silu_and_mul
+from segkv.kernels.fused.fused_ops import silu_and_mul
 from segkv.layers.linear import RowProduct
 from segkv.layers.norm import RMSNorm
 
@@ -31,7 +31,7 @@ class GatedMLP(nn.Module):
     def use_fused(self) -> None:
         """Stack ``gate_proj`` and ``up_proj`` into one ``(2I, hidden)`` weight (one GEMM instead of
         two; their parameters become views of it, so no second copy stays alive) and run
-        SiLU-and-mul as one Triton kernel (kernels/fused_ops.py)."""
+        SiLU-and-mul as one Triton kernel (kernels/fused/fused_ops.py)."""
         if self._gate_up is None:
             self._gate_up = stack_linears(self.gate_proj, self.up_proj)
 

@@ -1,4 +1,4 @@
-"""One-row products for batch-1 decode through the one-row Triton GEMV (``kernels.dense_gemv``).
+"""One-row products for batch-1 decode through the one-row Triton GEMV (``kernels.gemv.dense_gemv``).
 
 cuBLAS streams a small model's projections at one row far below the memory bandwidth; the
 split-K GEMV spreads the weight over hundreds of programs and, launched with programmatic
@@ -61,22 +61,22 @@ class RowProduct:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.applies(x, weight, bias):
             return F.linear(x, weight, bias)
-        from segkv.kernels.dense_gemv import splitk_gemv
+        from segkv.kernels.gemv.dense_gemv import splitk_gemv
 
         return splitk_gemv(x, weight, **self._launch(weight))
 
     def gated(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``weight @ silu(gate) * up`` for one row ``gate_up (1, 2I)`` (``applies`` checked by
         the caller on the row's first half)."""
-        from segkv.kernels.dense_gemv import gated_splitk_gemv
+        from segkv.kernels.gemv.dense_gemv import gated_splitk_gemv
 
         return gated_splitk_gemv(gate_up, weight, **self._launch(weight))
 
     def after_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weight @ rms_norm(x + residual), x + residual)`` for one row (``kernels.dense_gemv.
+        """``(weight @ rms_norm(x + residual), x + residual)`` for one row (``kernels.gemv.dense_gemv.
         norm_splitk_gemv``; ``applies`` checked by the caller)."""
-        from segkv.kernels.dense_gemv import norm_splitk_gemv
+        from segkv.kernels.gemv.dense_gemv import norm_splitk_gemv
 
         return norm_splitk_gemv(x, residual, norm_weight, eps, weight, **self._launch(weight))
 
@@ -84,9 +84,9 @@ class RowProduct:
                            residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`after_norm` of one token whose ``x`` is a MoE layer's output not formed yet
-        (``kernels.dense_gemv.combine_norm_splitk_gemv``; ``applies`` checked by the caller on the
+        (``kernels.gemv.dense_gemv.combine_norm_splitk_gemv``; ``applies`` checked by the caller on the
         residual)."""
-        from segkv.kernels.dense_gemv import combine_norm_splitk_gemv
+        from segkv.kernels.gemv.dense_gemv import combine_norm_splitk_gemv
 
         return combine_norm_splitk_gemv(parts, expert_weights, shared, residual, norm_weight, eps, weight,
                                         **self._launch(weight))
@@ -94,9 +94,9 @@ class RowProduct:
     def after_norm_mla_rope(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                             eps: float, weight: torch.Tensor, **rope) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLA x product of one token with the query's RoPE and the latent cache write in its
-        launch (``kernels.mla_x_gemv.mla_x_rope_gemv``, ``rope`` its keyword arguments): returns
+        launch (``kernels.gemv.mla_x_gemv.mla_x_rope_gemv``, ``rope`` its keyword arguments): returns
         ``(q_nope (1, H, nope), x + residual)``."""
-        from segkv.kernels.mla_x_gemv import mla_x_rope_gemv
+        from segkv.kernels.gemv.mla_x_gemv import mla_x_rope_gemv
 
         query_head = rope["nope_dim"] + rope["cos_sin"].shape[-1]
         return mla_x_rope_gemv(x, residual, norm_weight, eps, weight, **rope,
@@ -106,7 +106,7 @@ class RowProduct:
         """The launch arguments for ``weight``: ``launch_for``'s blocks (whole weight rows unless
         ``whole`` names row groups, heads, whose partial sums meet: then split-K blocks with
         ``BLOCK_N`` halved until each group is whole output blocks), and the workspace."""
-        from segkv.kernels.dense_gemv import workspace_size
+        from segkv.kernels.gemv.dense_gemv import workspace_size
 
         out_dim, in_dim = weight.shape
         block_n, block_k = launch_for(in_dim, whole_rows=not whole)

@@ -9,9 +9,9 @@ from torch import nn
 
 from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionShape
-from segkv.kernels.fused_ops import mla_rope_and_write_latent, mla_rope_fusable
-from segkv.kernels.head_gemv import MAX_IN as HEAD_GEMV_MAX_IN
-from segkv.kernels.head_gemv import head_gemv
+from segkv.kernels.fused.fused_ops import mla_rope_and_write_latent, mla_rope_fusable
+from segkv.kernels.gemv.head_gemv import MAX_IN as HEAD_GEMV_MAX_IN
+from segkv.kernels.gemv.head_gemv import head_gemv
 from segkv.layers.activation import stack_linears
 from segkv.layers.linear import RowProduct
 from segkv.layers.norm import PendingCombine, RMSNorm
@@ -137,9 +137,9 @@ class MultiHeadLatentAttention(nn.Module):
         itself without a residual). ``x`` may be the previous MoE layer's output not formed yet
         (:class:`PendingCombine`). At one token on CUDA with the x projections stacked, the
         combine, the residual add and the norm run inside the x product's launch
-        (``kernels.dense_gemv``): two launches become one. With absorbed attention and no q LoRA
+        (``kernels.gemv.dense_gemv``): two launches become one. With absorbed attention and no q LoRA
         the same launch also rotates the query and writes the latent cache row
-        (``kernels.mla_x_gemv``): one launch fewer again."""
+        (``kernels.gemv.mla_x_gemv``): one launch fewer again."""
         source = self._gemv_source(x, residual, norm)
         if source is None:
             if residual is None:
@@ -236,7 +236,7 @@ class MultiHeadLatentAttention(nn.Module):
         a buffer whose rope columns already hold ``q_pe`` (the fused RoPE wrote them); the latent
         columns are computed into it, so no concatenation copies the query (one launch fewer). At
         one token on CUDA with such a buffer both per-head products are one-row GEMVs with PDL
-        (``kernels.head_gemv``; ``W_uk`` read through its transpose ``(H, r, n)``) instead of
+        (``kernels.gemv.head_gemv``; ``W_uk`` read through its transpose ``(H, r, n)``) instead of
         batched GEMMs."""
         w_uk, w_uv = self._kv_b()
         rank = self.dims.kv_lora_rank

@@ -100,14 +100,14 @@ class TopKRouter(nn.Module):
         return self._tickets
 
     def use_fused(self) -> None:
-        """Scores, top-k, weights and scaling in one kernel (``kernels.moe_ops.route_topk``) for
+        """Scores, top-k, weights and scaling in one kernel (``kernels.moe.moe_ops.route_topk``) for
         routers that choose among all experts (``greedy``); grouped choices stay in torch."""
         self.fused = not self.spec.grouped
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
         if self.fused:
-            from segkv.kernels.moe_ops import route_topk, router_logits
+            from segkv.kernels.moe.moe_ops import route_topk, router_logits
 
             if x.shape[0] <= ROUTER_KERNEL_MAX_TOKENS:  # decode: one launch for the float32 product
                 logits = router_logits(x, self.weight)
@@ -142,7 +142,7 @@ class MixtureOfExperts(nn.Module):
     loop over experts (a host synchronisation per layer); packed ones (:meth:`pack_experts`)
     stay on the device: a GEMV per (token, expert) pair up to ``PACKED_PAIRS_LIMIT`` pairs, a
     grouped GEMM per expert beyond it. Fused (GPU decode) with one token, every routed and shared
-    expert of the layer runs in one launch (``kernels.expert_mlp``: the down items start as each
+    expert of the layer runs in one launch (``kernels.moe.expert_mlp``: the down items start as each
     pair's gate/up items finish; measured faster than two launches: docs/performance-notes.md),
     where a batch-1 step of small experts is mostly launches.
     """
@@ -159,7 +159,7 @@ class MixtureOfExperts(nn.Module):
             if num_shared else None
         )
         self._packed: tuple[torch.Tensor, torch.Tensor] | None = None  # see pack_experts (not saved)
-        self._counters: dict[tuple, torch.Tensor] = {}  # kernels.expert_mlp's, per (device, pairs); left zero
+        self._counters: dict[tuple, torch.Tensor] = {}  # kernels.moe.expert_mlp's, per (device, pairs); left zero
         self.fused = False  # see use_fused
 
     # (token, expert) pairs up to which a packed layer runs one GEMV per pair: each pair reads
@@ -210,7 +210,7 @@ class MixtureOfExperts(nn.Module):
                            ) -> tuple[torch.Tensor | PendingCombine, torch.Tensor]:
         """A pre-norm block's second half: ``(self(norm(x + residual)), x + residual)``. Fused
         with a few tokens (decode), the residual add, the norm, the router's logits and its top-k
-        are one launch (``kernels.moe_ops.norm_route_topk``). ``defer_combine``: a fused layer may
+        are one launch (``kernels.moe.moe_ops.norm_route_topk``). ``defer_combine``: a fused layer may
         return its output as a :class:`PendingCombine`, for the next block's norm to form in its
         own launch."""
         gate = self.gate
@@ -220,7 +220,7 @@ class MixtureOfExperts(nn.Module):
             h, residual = norm.add_and_norm(x, residual)
             weights, ids = self.gate(h)
             return self._experts(h, weights, ids, defer), residual
-        from segkv.kernels.moe_ops import norm_route_topk
+        from segkv.kernels.moe.moe_ops import norm_route_topk
 
         s = gate.spec
         block = self._block_in_one_launch(x, residual, norm)
@@ -241,7 +241,7 @@ class MixtureOfExperts(nn.Module):
         shared = self._stacked_shared_weights() if self._packed is not None else None
         if not (shared is not None and x.shape[0] == 1 and norm.weight.dtype == x.dtype):
             return None
-        from segkv.kernels.expert_mlp import moe_block_one_token
+        from segkv.kernels.moe.expert_mlp import moe_block_one_token
 
         s, k = self.gate.spec, self.gate.spec.top_k
         gate_up, down = self._packed
@@ -282,7 +282,7 @@ class MixtureOfExperts(nn.Module):
         same launches (else None): one token's in one launch, else two. The gate/up launch writes
         ``silu(gate) * up`` and the down launch reads it plainly (measured faster than taking the
         activation in the down launch: docs/performance-notes.md)."""
-        from segkv.kernels.expert_gemv import expert_gemv, expert_gemv_with_shared
+        from segkv.kernels.moe.expert_gemv import expert_gemv, expert_gemv_with_shared
 
         gate_up, down = self._packed
         experts = ids.reshape(-1)
@@ -299,8 +299,8 @@ class MixtureOfExperts(nn.Module):
 
     def _one_launch(self, x: torch.Tensor, experts: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token's pairs and shared experts in one launch (``kernels.expert_mlp``)."""
-        from segkv.kernels.expert_mlp import expert_mlp_one_token
+        """One token's pairs and shared experts in one launch (``kernels.moe.expert_mlp``)."""
+        from segkv.kernels.moe.expert_mlp import expert_mlp_one_token
 
         gate_up, down = self._packed
         return expert_mlp_one_token(x, experts, gate_up, down, shared[0], shared[1],
@@ -309,7 +309,7 @@ class MixtureOfExperts(nn.Module):
     def _launch_counters(self, device: torch.device, pairs: int) -> torch.Tensor:
         """This layer's int32 counters for one-launch experts of ``pairs`` pairs (left zero by every
         launch; allocated at the first call, which precedes any graph capture replaying it)."""
-        from segkv.kernels.expert_mlp import counters_size
+        from segkv.kernels.moe.expert_mlp import counters_size
 
         key = (device, pairs)
         if key not in self._counters:
@@ -328,9 +328,9 @@ class MixtureOfExperts(nn.Module):
     def _grouped_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Device-side dispatch for many pairs: the pairs sorted by expert on the device (one
         grouping shared by both products), each expert's weights read about once per product."""
-        from segkv.kernels.grouped_expert_gemm import group_pairs_by_expert, grouped_expert_gemm
+        from segkv.kernels.moe.grouped_expert_gemm import group_pairs_by_expert, grouped_expert_gemm
 
-        from segkv.kernels.fused_ops import silu_and_mul
+        from segkv.kernels.fused.fused_ops import silu_and_mul
 
         gate_up, down = self._packed
         experts = ids.reshape(-1)

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from segkv.kernels.fused_ops import rms_norm
+from segkv.kernels.fused.fused_ops import rms_norm
 
 
 @dataclass(frozen=True, slots=True)
 class PendingCombine:
     """A mixture-of-experts layer's output not formed yet: ``sum_j weights[t, j] * parts[t k + j]``
-    in float32, rounded once, plus ``shared`` (``kernels.moe_ops.combine_experts``). The next
+    in float32, rounded once, plus ``shared`` (``kernels.moe.moe_ops.combine_experts``). The next
     block's norm forms it inside its own launch (:meth:`RMSNorm.add_and_norm`).
 
     ``parts (T k, H)``, ``weights (T, k)`` float32, ``shared (T, H)`` or None."""
@@ -23,7 +23,7 @@ class PendingCombine:
     shared: torch.Tensor | None
 
     def materialize(self) -> torch.Tensor:
-        from segkv.kernels.moe_ops import combine_experts
+        from segkv.kernels.moe.moe_ops import combine_experts
 
         return combine_experts(self.parts, self.weights, self.shared)
 
@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.fused = False  # one Triton kernel (kernels/fused_ops.py) instead of the torch ops
+        self.fused = False  # one Triton kernel (kernels/fused/fused_ops.py) instead of the torch ops
 
     def use_fused(self) -> None:
         self.fused = True
@@ -56,7 +56,7 @@ class RMSNorm(nn.Module):
             if not self.fused:
                 x = x.materialize()
             else:
-                from segkv.kernels.moe_ops import combine_add_rms_norm
+                from segkv.kernels.moe.moe_ops import combine_add_rms_norm
 
                 return combine_add_rms_norm(x.parts, x.weights, x.shared, residual, self.weight, self.eps)
         if self.fused:

@@ -28,10 +28,10 @@ LOGPROBS_MODES = ("raw", "processed")
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of ``(B, V)`` float32: on CUDA two short Triton launches
-    (``kernels.sampling_ops.row_argmax``), since torch reduces a 128K-entry row in one block, which
+    (``kernels.fused.sampling_ops.row_argmax``), since torch reduces a 128K-entry row in one block, which
     measured slow between two decode steps (docs/performance-notes.md)."""
     if x.is_cuda:
-        from segkv.kernels.sampling_ops import row_argmax
+        from segkv.kernels.fused.sampling_ops import row_argmax
 
         return row_argmax(x)
     return x.argmax(dim=-1)

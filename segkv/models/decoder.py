@@ -12,7 +12,7 @@ from torch import nn
 from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionShape
 from segkv.config import KVLayout
-from segkv.kernels.fused_ops import rope_and_write_kv, rope_fusable
+from segkv.kernels.fused.fused_ops import rope_and_write_kv, rope_fusable
 from segkv.layers.activation import GatedMLP, stack_linears
 from segkv.layers.attention import PagedAttention
 from segkv.layers.linear import RowProduct
@@ -87,7 +87,7 @@ class DecoderAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.rotary = rotary
         self.attn = PagedAttention(layer_index, scale=cfg.head_dim**-0.5)
-        self.fused = False  # RoPE and the cache write in one Triton kernel (kernels/fused_ops.py)
+        self.fused = False  # RoPE and the cache write in one Triton kernel (kernels/fused/fused_ops.py)
         self._rope_fusable = rope_fusable(cfg.head_dim, interleaved=rotary.interleaved)
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
         self._row_product = RowProduct()  # batch-1 decode (layers.linear)

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import torch
 from segkv.kernels.triton_import import tl, triton
 
-from segkv.kernels.expert_gemv import _gemv_tile, _weight_rows
-from segkv.kernels.fused_ops import kind_of
-from segkv.kernels.moe_ops import norm_route_program, prepare_norm_route
+from segkv.kernels.moe.expert_gemv import _gemv_tile, _weight_rows
+from segkv.kernels.fused.fused_ops import kind_of
+from segkv.kernels.moe.moe_ops import norm_route_program, prepare_norm_route
 from segkv.kernels.pdl import pdl_options
-from segkv.kernels.work_items import claim_item, count_done, leave_zero_if_last, wait_full
+from segkv.kernels.moe.work_items import claim_item, count_done, leave_zero_if_last, wait_full
 import segkv.settings as settings
 
 _INTERPRET = settings.SETTINGS.triton_interpret

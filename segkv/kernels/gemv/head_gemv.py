@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from segkv.kernels.triton_import import tl, triton
 
-from segkv.kernels.fused_ops import kind_of, round_to_kind
+from segkv.kernels.fused.fused_ops import kind_of, round_to_kind
 from segkv.kernels.pdl import pdl_options, wait_then_release
 
 

@@ -3,7 +3,7 @@ latent cache write in its launch.
 
 For batch-1 decode of an MLA layer without a q LoRA (DeepSeek-V2-Lite): the previous MoE layer's
 combine (or a plain row), the residual add and RMSNorm, the stacked ``[q | kv_a]`` product (the
-split-K GEMV of ``kernels.dense_gemv``), then per group of output rows: a query head's no-RoPE
+split-K GEMV of ``kernels.gemv.dense_gemv``), then per group of output rows: a query head's no-RoPE
 part stored for the absorbed product and its RoPE part rotated into the attention's query
 buffer; the ``kv_a`` row normed by ``kv_a_layernorm``, its RoPE part rotated, both written into
 the latent cache row. The separate RoPE-and-write kernel (``fused_ops.mla_rope_and_write_latent``)
@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from segkv.kernels.triton_import import tl, triton
 
-from segkv.kernels.dense_gemv import (INPUT_COMBINE, INPUT_NORM, gemv_operands, gemv_slice, row_rms, store_slice,
+from segkv.kernels.gemv.dense_gemv import (INPUT_COMBINE, INPUT_NORM, gemv_operands, gemv_slice, row_rms, store_slice,
                                       stored_product)
-from segkv.kernels.fused_ops import cos_sin_at, kind_of, rope_pairs, rotate_pair, round_to_kind
-from segkv.kernels.moe_ops import check_combine
+from segkv.kernels.fused.fused_ops import cos_sin_at, kind_of, rope_pairs, rotate_pair, round_to_kind
+from segkv.kernels.moe.moe_ops import check_combine
 
 
 @triton.jit

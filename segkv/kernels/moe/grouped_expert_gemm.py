@@ -1,7 +1,7 @@
 """Triton kernel: matrix products of (row, expert) pairs grouped by expert on the device.
 
 ``out[n] = W[experts[n]] @ x[rows[n]]`` for stacked expert weights ``W (E, Out, In)``, the
-contract of :func:`segkv.kernels.expert_gemv.expert_gemv`, for batches with many pairs: the
+contract of :func:`segkv.kernels.moe.expert_gemv.expert_gemv`, for batches with many pairs: the
 pairs are sorted by expert on the device, and one program multiplies a tile of its expert's
 weights against up to ``BLOCK_M`` gathered input rows with ``tl.dot``, so an expert's weights
 are read about once per call instead of once per pair.
@@ -170,7 +170,7 @@ def grouped_expert_gemm(x: torch.Tensor, rows: torch.Tensor | int, experts: torc
     ``(N, Out)`` in ``out_dtype`` (default ``x``'s). Expert ids must lie in ``0..E-1``; they
     are not checked, since that would synchronise (rows of pairs with other ids stay
     unwritten). ``rows`` may be an int ``r``: pair ``n`` reads row ``n // r``, as in
-    :func:`~segkv.kernels.expert_gemv.expert_gemv`. ``groups``: :func:`group_pairs_by_expert`
+    :func:`~segkv.kernels.moe.expert_gemv.expert_gemv`. ``groups``: :func:`group_pairs_by_expert`
     of ``experts``, when the caller shares it between several products over the same ids.
     """
     pairs_per_row = rows if isinstance(rows, int) else 0

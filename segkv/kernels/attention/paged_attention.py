@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from segkv.kernels.triton_import import tl, triton
 
-from segkv.kernels import timeline
-from segkv.kernels.attention_tiles import (
+from segkv.kernels.attention import timeline
+from segkv.kernels.attention.attention_tiles import (
     full_tiles_known,
     load_kv,
     next_tile_first,
@@ -29,7 +29,7 @@ from segkv.kernels.attention_tiles import (
     work_item_visible,
 )
 from segkv.kernels.pdl import pdl_options
-from segkv.kernels.stage1_merge import merge_group_if_last, merge_if_last, zero_empty_rows
+from segkv.kernels.attention.stage1_merge import merge_group_if_last, merge_if_last, zero_empty_rows
 import segkv.settings as settings
 
 _INTERPRET = settings.SETTINGS.triton_interpret

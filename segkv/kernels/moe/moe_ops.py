@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 from segkv.kernels.triton_import import tl, triton
 
-from segkv.kernels.fused_ops import kind_of, round_to_kind
+from segkv.kernels.fused.fused_ops import kind_of, round_to_kind
 from segkv.kernels.pdl import pdl_options, wait_then_release
-from segkv.kernels.work_items import count_done
+from segkv.kernels.moe.work_items import count_done
 
 
 @triton.jit

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from segkv.kernels.triton_import import tl, triton
 
-from segkv.kernels.attention_tiles import (
+from segkv.kernels.attention.attention_tiles import (
     next_tile_first,
     online_softmax_step,
     plan_reads,
@@ -22,7 +22,7 @@ from segkv.kernels.attention_tiles import (
     tile_range,
     tile_rows_in_page,
 )
-from segkv.kernels.paged_attention import (
+from segkv.kernels.attention.paged_attention import (
     _INTERPRET,
     LaunchConfig,
     attention_outputs,

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from segkv.kernels.triton_import import tl, triton
 
-from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
+from segkv.kernels.fused.fused_ops import kind_of, round_to_kind, silu_mul_rounded
 from segkv.kernels.pdl import pdl_options
-from segkv.kernels.work_items import wait_full
+from segkv.kernels.moe.work_items import wait_full
 import segkv.settings as settings
 
 _INTERPRET = settings.SETTINGS.triton_interpret
@@ -86,7 +86,7 @@ def _gemv_tile(x_row, w_rows, out_row, ob, IN: tl.constexpr, OUT_DIM: tl.constex
     ``EVICT_FIRST``: the weight's lines leave L2 first (read once: no other pair wants them).
     ``X_CG``: the
     input row is read through L2 (other programs of the same launch wrote it). ``SPIN``: the
-    program first waits until ``spin_ptr`` counts ``spin_need`` (``kernels.work_items``): the input
+    program first waits until ``spin_ptr`` counts ``spin_need`` (``kernels.moe.work_items``): the input
     row is another program's."""
     offs_o, o_ok = _weight_rows(ob, BLOCK_O, OUT_DIM, ACT)
     acc = tl.zeros([BLOCK_O], tl.float32)

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 from segkv.kernels.triton_import import tl, triton
 
-from segkv.kernels.fused_ops import kind_of, round_to_kind, silu_mul_rounded
-from segkv.kernels.moe_ops import check_combine, combine_row
+from segkv.kernels.fused.fused_ops import kind_of, round_to_kind, silu_mul_rounded
+from segkv.kernels.moe.moe_ops import check_combine, combine_row
 from segkv.kernels.pdl import pdl_options
 
 INPUT_PLAIN, INPUT_GATED, INPUT_NORM, INPUT_COMBINE = 0, 1, 2, 3

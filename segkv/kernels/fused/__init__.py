@@ -1,0 +1,1 @@
+"""Fused elementwise kernels (norms, RoPE, cache writes, activations) and sampling reductions."""

@@ -1,0 +1,1 @@
+"""One-row products for decode: the dense split-K GEMV, the output head and the MLA x product."""
