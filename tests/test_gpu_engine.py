@@ -46,7 +46,7 @@ def test_engine_with_graphs_and_steps_ahead_gives_the_eager_tokens(tmp_path):
     want = [eager.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     llm = LLM(tmp_path, cuda_graphs=True, **kw)
     assert llm.generator.lookahead
-    core = EngineCore(llm, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    core = EngineCore(llm.cache, llm.generator, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
     requests = [core.add_request(p, sp) for p, sp in zip(prompts[:2], params[:2])]
     for _ in range(5):
         core.step()

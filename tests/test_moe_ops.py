@@ -173,7 +173,11 @@ def test_norm_route_topk_matches_the_separate_kernels(tokens, experts, hidden, k
         assert h.dtype == ref_h.dtype and torch.isfinite(h).all()
         ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-23}[dtype]
         torch.testing.assert_close(h.float(), ref_h.float(), rtol=4 * ulp, atol=0)  # float32 sum order only
-        assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids)
+        assert ids.dtype == torch.int64 and ids.shape == ref_ids.shape
+        if not torch.equal(ids, ref_ids):  # a near-tie of router scores (sum order) may pick either expert
+            ref_logits = router_logits(ref_h, router_w)
+            torch.testing.assert_close(ref_logits.gather(1, ids), ref_logits.gather(1, ref_ids), rtol=0, atol=1e-5)
+            assert (ids != ref_ids).sum() <= 2 * tokens  # swaps of neighbours, not another choice
         torch.testing.assert_close(weights, ref_w, rtol=1e-4, atol=1e-6)
 
 
