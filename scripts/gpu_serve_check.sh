@@ -20,7 +20,7 @@ fi
 python3 -c 'import torch, triton, fastapi, uvicorn; print("torch", torch.__version__, "triton", triton.__version__,
   "fastapi", fastapi.__version__, torch.cuda.get_device_name())' 2>&1 | tee "$OUT/env.txt"
 if [ "${SEGKV_GPU_WARM:-}" != "skip" ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_warmup.py tests/test_cuda_graphs.py 2>&1 | tail -60 \
+  python3 -m pytest -q -p no:cacheprovider tests/runner/test_warmup.py tests/runner/test_cuda_graphs.py 2>&1 | tail -60 \
     | tee "$OUT/tests.txt"
   timeout 480 python3 scripts/warm_burst.py --both --out "$OUT/warm_burst.json" 2>&1 | tail -40 \
     | tee "$OUT/warm_burst.txt"

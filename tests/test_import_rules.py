@@ -228,11 +228,24 @@ def test_rule_checker_sees_function_level_and_type_checking_imports(tmp_path):
     assert _segkv_imports(bad) == [("segkv.engine.llm", 3), ("segkv.server.app", 6), ("segkv.kernels", 7)]
 
 
-def test_package_never_imports_the_benchmarks():
-    """benchmarks/ sits outside segkv/ and outside the wheel: the package never reaches it."""
+def test_package_never_imports_the_benchmarks_or_tools():
+    """benchmarks/ and tools/ sit outside segkv/ and outside the wheel: the package never reaches them."""
     for path, _ in _modules():
         tree = ast.parse(path.read_text(), filename=str(path))
         names = {alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
         names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        assert not any(name.split(".")[0] == "benchmarks" for name in names), \
-            f"{path.relative_to(PACKAGE.parent)} imports benchmarks"
+        outside = sorted(name for name in names if name.split(".")[0] in ("benchmarks", "tools"))
+        assert not outside, f"{path.relative_to(PACKAGE.parent)} imports {outside}"
+
+
+def test_tests_mirror_the_package():
+    """tests/<part>/ holds the tests of segkv/<part>/ (or of benchmarks/); tests/ itself only the
+    repository-wide checks and the command line."""
+    tests = Path(__file__).resolve().parent
+    parts = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()} | {"benchmarks"}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    assert folders <= parts, f"test folders without a package part: {sorted(folders - parts)}"
+    at_root = {p.stem for p in tests.glob("test_*.py")}
+    assert at_root <= {"test_cli", "test_import_rules", "test_names_defined", "test_readme", "test_settings"}, \
+        f"put these under the folder of what they test: {sorted(at_root)}"
+    assert all(list(tests.joinpath(f).glob("test_*.py")) for f in folders)

@@ -31,7 +31,7 @@ class _Collector(Reporter):
         self.found.append(f"{filename}: {msg}")
 
 
-@pytest.mark.parametrize("folder", ["segkv", "benchmarks", "scripts", "tests"])
+@pytest.mark.parametrize("folder", ["segkv", "benchmarks", "scripts", "tools", "tests"])
 def test_every_name_read_is_defined(folder):
     files = sorted((ROOT / folder).rglob("*.py"))
     assert files, folder

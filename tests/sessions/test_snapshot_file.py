@@ -27,7 +27,7 @@ from segkv.sessions.snapshot_file import (
     save_snapshot,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = {
     "mha": dict(kind="mha", num_layers=2, num_kv_heads=2, head_dim=8),
     "mla": dict(kind="mla", num_layers=2, kv_lora_rank=12, rope_dim=4),

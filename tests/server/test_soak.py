@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "soak.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
 DURATION_S = 60
 
 

@@ -15,17 +15,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FOLDERS = ("benchmarks", "scripts")
-FIRST_PARTY = {"segkv", "benchmarks"}  # plus the modules of scripts/ (imported by bare name there)
-
-# (file, private name) pairs a kept file still needs because the owning module has no public way
-# to reach it yet. Each entry names what is missing; an entry that no longer matches fails below.
-KNOWN = {
-    # the captured graphs of a runner (segkv.runner.cuda_graphs.DecodeGraphs._buckets): timing a
-    # bucket's replay alone needs a public accessor of the captured buckets
-    ("scripts/profile_decode.py", "_buckets"),
-}
+FIRST_PARTY = {"segkv", "benchmarks", "tools"}  # plus the modules of scripts/ (imported by bare name there)
 
 
 def _private(name: str) -> bool:
@@ -139,15 +131,8 @@ def _uses(path: Path) -> list[tuple[int, str]]:
 @pytest.mark.parametrize("path", _files(), ids=lambda p: str(p.relative_to(REPO)))
 def test_public_names_only(path: Path):
     rel = str(path.relative_to(REPO))
-    bad = [f"{rel}:{line}: {name}" for line, name in _uses(path) if (rel, name) not in KNOWN]
+    bad = [f"{rel}:{line}: {name}" for line, name in _uses(path)]
     assert not bad, "underscore names of other modules (make them public in their own module):\n" + "\n".join(bad)
-
-
-def test_known_exceptions_still_needed():
-    """An entry of KNOWN whose file no longer reaches its name is stale: drop it."""
-    for rel, name in KNOWN:
-        path = REPO / rel
-        assert path.exists() and name in {n for _, n in _uses(path)}, f"stale exception {rel}: {name}"
 
 
 # -- the checker itself: what it must reject and what it must let through ------------------------
