@@ -86,13 +86,13 @@ def timed_graphs(runner):
     """Each captured bucket's graph wrapped in a :class:`_TimedGraph` while inside; yields them by
     bucket key, and gives every bucket its own graph back on leaving, however the block ends."""
     timed = {}
-    for key, bucket in runner.graphs._buckets.items():
+    for key, bucket in runner.graphs.captured.items():
         timed[key] = bucket.graph = _TimedGraph(bucket.graph)
     try:
         yield timed
     finally:
         for key, t in timed.items():
-            runner.graphs._buckets[key].graph = t.graph
+            runner.graphs.captured[key].graph = t.graph
 
 
 def timeline(runner, chains, first: list[int], steps: int) -> None:
@@ -229,7 +229,7 @@ def main() -> None:
         per = [m / args.steps for m in med]
         print(f"graphs={graphs} (on: {on}): {per[0]:.3f} ms/step [{per[1]:.3f}-{per[2]:.3f}] "
               f"-> {args.batch * 1e3 / per[0]:.1f} tok/s; plan {runner.last_plan.describe()}")
-        bucket = next(iter(runner.graphs._buckets.values()), None) if on else None
+        bucket = next(iter(runner.graphs.captured.values()), None) if on else None
         if on and bucket is None:
             print("  no graph was captured (every step ran eagerly)")
         if bucket is not None:

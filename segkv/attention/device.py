@@ -12,8 +12,8 @@ from segkv.settings import or_default
 import segkv.settings as settings
 
 
-# The CUDA planner's numbers, measured on the H100 and H200 (docs/benchmarks.md, "Decode attention";
-# docs/performance-notes.md has what else was tried).
+# The CUDA planner's numbers, measured on the H100 and H200 (docs/benchmarks.md, "Decode attention
+# kernels against torch SDPA"; docs/performance-notes.md has what else was tried).
 # Stage-1 programs per multiprocessor the split planner aims for: stage 1 at (BLOCK_N 64, 4 warps,
 # 3 stages) holds about 204 registers and 72 KB of shared memory, so two fit an SM.
 CUDA_BLOCKS_PER_SM = 2

@@ -25,10 +25,9 @@ LSE_API_TRITON = "triton-merge"
 # (padding work items and query rows then have no partials).
 _PADDED = ("work_partial_start", "reduce_ptr")
 # A fixed plan buffer up to this size goes to the device in one transfer, not four (its page
-# fields' used entries and the small fields): on the H200 each host-to-device copy between two
-# decode steps took 2.3-2.7 us plus 1.3 us to the next, and 128 KB more cost about 3-5 us at the
-# link's rate. A batch-1 graph bucket's buffer is about 62 KB for DeepSeek-V2-Lite's 160K-token
-# limit at pages of 32.
+# fields' used entries and the small fields): each host-to-device copy between two decode steps
+# costs more than sending up to 128 KB more in one (docs/performance-notes.md). A batch-1 graph
+# bucket's buffer is about 62 KB for DeepSeek-V2-Lite's 160K-token limit at pages of 32.
 PLAN_ONE_COPY_BYTES = 128 << 10
 # The plan arrays, in their order inside the packed buffer.
 _FIELDS = ("page_table", "page_rows", "page_key_start", "work_pages", "work_partial_start",
@@ -45,7 +44,7 @@ class PlanCapacity:
     work items of one row (``max_work_rows=1``) and a bound the kernels allow, stage 1 merges
     the rows itself (no merge launch in the graph). Stage 1 launches one program per possible
     work item (``max_work``) and KV head: padding ones start and exit, so ``max_work`` should be
-    no larger than plans need (4000 idle programs cost 3-9 us per launch on the H200).
+    no larger than plans need (thousands of idle programs cost microseconds per launch).
     """
 
     max_pages: int

@@ -16,7 +16,9 @@ so the buffer logic can be checked on machines without CUDA graphs.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -53,8 +55,8 @@ class _Bucket:
 def max_graph_work_items(device: DeviceSpec, size: int, *, kv_heads: int, latent: bool, wide: bool = False) -> int:
     """Work items a graph bucket of ``size`` decode rows holds room for. Stage 1 launches a program
     per possible work item and KV head, and idle ones still start: sized for the latent layout
-    (one program per item), an 8-KV-head model's batch-1 bucket launched 4224 programs for 88 and
-    lost 3-9 us per layer (H200).
+    (one program per item), an 8-KV-head model's batch-1 bucket launched 4224 programs for 88,
+    measurably slower per layer.
 
     Narrow buckets (every work item one sequence's row, no shared pieces): two waves of stage-1
     programs (a split fills at most one; batches that fill the device make up to two), at most
@@ -109,6 +111,12 @@ class DecodeGraphs:
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
+
+    @property
+    def captured(self) -> Mapping[tuple[int, bool, bool], _Bucket]:
+        """The captured buckets by ``(size, wide, few)`` key, read-only (profilers time a bucket's
+        ``graph.replay`` alone)."""
+        return MappingProxyType(self._buckets)
 
     def bucket_for(self, num_rows: int) -> int | None:
         """The bucket size a decode step of ``num_rows`` rows replays (None: larger than every bucket)."""

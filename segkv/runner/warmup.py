@@ -3,7 +3,7 @@
 Triton compiles a kernel the first time it meets a new specialisation (block sizes chosen from a
 step's rows, integer arguments equal to 1 or divisible by 16), and a CUDA graph is captured the
 first time a decode batch lands in its bucket. Done lazily, all of it falls on the first requests:
-a burst of 32 on a fresh server waited about 25 s for its first tokens (Llama-3.1-8B shape, H100).
+a burst of 32 on a fresh server waited seconds for its first tokens (docs/benchmarks.md, "Serving").
 
 :func:`warm_up` runs those shapes on throwaway chains of the cache: every variant of every decode
 graph bucket up to the server's batch (captured directly), one-sequence prefills of a geometric

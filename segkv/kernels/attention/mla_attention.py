@@ -210,7 +210,7 @@ AUTO_VALUE_SPLIT = 2
 
 
 def default_mla_launch_config() -> LaunchConfig:
-    """The measured launch (``docs/benchmarks.md``, "Latent decode attention"): 32-row tiles (a
+    """The measured launch (``docs/benchmarks.md``, "Latent (MLA) decode attention"): 32-row tiles (a
     32 x 576 latent tile per pipeline stage, 36 KB in bf16), 16 pairs, 4 warps, 3 stages (the next
     tile loads during this one's products), no register cap; the value split chosen per launch
     (:func:`mla_stage1_launch`) up to :data:`AUTO_VALUE_SPLIT` programs. Benchmarks pass their own

@@ -274,8 +274,8 @@ def tile_rows(launch: LaunchConfig) -> int:
 
 
 def default_launch_config(*, head_dim: int) -> LaunchConfig:
-    """The measured launch (``docs/benchmarks.md``, "Decode attention"): 64-row tiles (32 for head
-    dims above 128), 4 warps, 3 pipeline stages (the next tile loads during this one), at most 64
+    """The measured launch (``docs/benchmarks.md``, "Decode attention kernels against torch
+    SDPA"): 64-row tiles (32 for head dims above 128), 4 warps, 3 pipeline stages (the next tile loads during this one), at most 64
     pairs per program. Tall decode programs (64 pairs from at most 16 query rows: forks sharing a
     prefix) take 32-row tiles under 168 registers, so three fit an SM where two 64-row ones would;
     prefill chunks keep 64-row tiles and no cap. Benchmarks pass their own :class:`LaunchConfig`."""

@@ -156,7 +156,7 @@ def _expert_gemv_kernel(
                    UNROLL, EVICT_FIRST, ACT)
 
 
-# The measured launch (docs/benchmarks.md, "MoE decode"): 16 outputs per program and 4 warps;
+# The measured launch (docs/performance-notes.md, "Figures behind the code's constants"): 16 outputs per program and 4 warps;
 # 128 inputs per step for many pairs, 256 with the input loop unrolled for one token's few pairs.
 BLOCK_O, BLOCK_I, NUM_WARPS = 16, 128, 4
 WIDE_BLOCK_I = 256

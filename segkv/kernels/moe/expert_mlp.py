@@ -2,7 +2,7 @@
 
 At batch 1 a MoE layer's experts were two GEMV launches (``expert_gemv_with_shared``): gate/up
 writing ``silu(gate) * up``, then down. The down launch is short (46 MB for DeepSeek-V2-Lite), so
-its ramp and tail weigh: alone it streams 3.1 TB/s against gate/up's 3.8. Here both products are
+its ramp and tail weigh: alone it streams well below gate/up's rate. Here both products are
 work items of one launch, in this order: the shared experts' gate/up blocks, each routed pair's
 gate/up blocks (pair after pair), then the shared down blocks and each pair's down blocks. A
 gate/up item counts itself in its expert's counter when its activation is stored; a down item
@@ -153,7 +153,8 @@ def _moe_block_kernel(
 
 
 # 16 outputs a program (8 gate rows with their 8 up rows), 512 inputs a step, 8 warps, the input
-# loop unrolled, 3 pipeline stages: the fastest measured (docs/performance-notes.md, "MoE").
+# loop unrolled, 3 pipeline stages: the fastest measured (docs/performance-notes.md, "Figures
+# behind the code's constants").
 BLOCK_O, BLOCK_I, NUM_WARPS = 16, 512, 8
 
 
