@@ -20,6 +20,7 @@ RANK = {
     "scheduler": 5,
     "tokenizer": 5,  # text <-> token ids; the engine and the server's templates use it
     "sessions": 6,  # conversations and sessions take their engine through a Protocol
+    "spec": 6,  # speculative decoding: proposers and the verification of their drafts
     "engine": 7,
     "server": 8,
     "bench": 9,
