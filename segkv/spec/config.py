@@ -70,13 +70,13 @@ class SpeculativeConfig:
                     raise ValueError(f"speculative config: {key} applies to method 'ngram' only, "
                                      f"not {self.method!r}")
             return
+        for key, value in zip(NGRAM_KEYS, (low, high)):
+            if value is not None and value < 1:
+                raise ValueError(f"speculative config: {key} must be >= 1, got {value}")
         if low is None and high is None:
             low = high = DEFAULT_PROMPT_LOOKUP
         low = high if low is None else low
         high = low if high is None else high
-        for key, value in zip(NGRAM_KEYS, (low, high)):
-            if value < 1:
-                raise ValueError(f"speculative config: {key} must be >= 1, got {value}")
         if low > high:
             raise ValueError(f"speculative config: prompt_lookup_min ({low}) must not exceed "
                              f"prompt_lookup_max ({high})")

@@ -1,0 +1,120 @@
+"""SpeculativeConfig: vLLM's --speculative-config keys, their defaults, and a clear error for each bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from segkv.spec.config import SpeculativeConfig
+
+
+def test_off():
+    for value in (None, "null", '{"method": "none"}', {"method": "none"}):
+        assert SpeculativeConfig.parse(value) is None
+
+
+def test_ngram_defaults_follow_vllm():
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert config == SpeculativeConfig("ngram", 3, 5, 5)
+    assert config.model is None and config.disable_by_batch_size is None
+    # one size given: the other takes its value
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4}) \
+        == SpeculativeConfig("ngram", 2, 4, 4)
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}) \
+        == SpeculativeConfig("ngram", 2, 2, 2)
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_min": 1,
+                                      "prompt_lookup_max": 3, "disable_by_batch_size": 8})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max, config.disable_by_batch_size) == (1, 3, 8)
+
+
+def test_mtp_and_draft_model():
+    assert SpeculativeConfig.parse({"method": "mtp"}).num_speculative_tokens == 1  # DeepSeek's one MTP layer
+    assert SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 2}).num_speculative_tokens == 2
+    config = SpeculativeConfig.parse({"method": "draft_model", "model": "/m/small", "num_speculative_tokens": 4})
+    assert (config.model, config.num_speculative_tokens) == ("/m/small", 4)
+    assert config.prompt_lookup_min is None and config.prompt_lookup_max is None
+
+
+def test_a_config_parses_to_itself_and_is_frozen():
+    config = SpeculativeConfig("mtp", 2)
+    assert SpeculativeConfig.parse(config) is config
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.num_speculative_tokens = 3
+
+
+@pytest.mark.parametrize("config", [
+    SpeculativeConfig("ngram", 3),
+    SpeculativeConfig("ngram", 1, 2, 4, disable_by_batch_size=16),
+    SpeculativeConfig("mtp"),
+    SpeculativeConfig("mtp", 3, disable_by_batch_size=1),
+    SpeculativeConfig("draft_model", 5, model="/models/draft"),
+])
+def test_describe_round_trips(config):
+    described = config.describe()
+    assert described["method"] == config.method
+    assert described["num_speculative_tokens"] == config.num_speculative_tokens
+    assert SpeculativeConfig.parse(described) == config
+    assert SpeculativeConfig.parse(json.dumps(described)) == config
+
+
+def test_describe_names_only_what_applies():
+    assert SpeculativeConfig("mtp").describe() == {"method": "mtp", "num_speculative_tokens": 1}
+    assert SpeculativeConfig("ngram", 3).describe() == {"method": "ngram", "num_speculative_tokens": 3,
+                                                        "prompt_lookup_min": 5, "prompt_lookup_max": 5}
+
+
+@pytest.mark.parametrize("value, message", [
+    ("", "not valid JSON"),
+    ("{method: ngram}", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ("3", "expected a JSON object"),
+    (["ngram"], "expected a JSON object"),
+    ({}, "method is required"),
+    ({"num_speculative_tokens": 3}, "method is required"),
+    ({"method": "eagle"}, "method must be one of mtp, ngram, draft_model"),
+    ({"method": "[ngram]", "num_speculative_tokens": 3}, "method must be one of"),
+    ({"method": 1}, "method must be a string"),
+    ({"method": "none", "num_speculative_tokens": 3}, "method 'none' turns speculation off and takes no other"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "k": 3}, "unknown key(s) 'k'"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}, "'draft_tensor_parallel_size'"),
+    ({"method": "ngram"}, "num_speculative_tokens is required for method 'ngram'"),
+    ({"method": "draft_model", "model": "/m"}, "num_speculative_tokens is required for method 'draft_model'"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be between 1 and 16, got 0"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens must be between 1 and 16, got 17"),
+    ({"method": "mtp", "num_speculative_tokens": -1}, "num_speculative_tokens must be between 1 and 16"),
+    ({"method": "ngram", "num_speculative_tokens": "3"}, "num_speculative_tokens must be an integer, got '3'"),
+    ({"method": "ngram", "num_speculative_tokens": 3.0}, "num_speculative_tokens must be an integer, got 3.0"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be an integer, got True"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}, "prompt_lookup_min must be >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 0}, "prompt_lookup_max must be >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min (4) must not exceed prompt_lookup_max (2)"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": "5"}, "prompt_lookup_max must be an integer"),
+    ({"method": "mtp", "prompt_lookup_min": 2}, "prompt_lookup_min applies to method 'ngram' only"),
+    ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
+     "prompt_lookup_max applies to method 'ngram' only"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "method 'draft_model' needs model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": ""}, "method 'draft_model' needs model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": 7}, "model must be a string"),
+    ({"method": "mtp", "model": "/m"}, "model applies to method 'draft_model' only, not 'mtp'"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "model": "/m"}, "model applies to method 'draft_model' only"),
+    ({"method": "mtp", "disable_by_batch_size": 0}, "disable_by_batch_size must be >= 1, got 0"),
+    ({"method": "mtp", "disable_by_batch_size": 2.5}, "disable_by_batch_size must be an integer"),
+])
+def test_bad_input_is_a_clear_error(value, message):
+    with pytest.raises(ValueError, match="speculative config: ") as info:
+        SpeculativeConfig.parse(value if not isinstance(value, dict) else json.dumps(value))
+    assert message in str(info.value)
+    if isinstance(value, dict):  # a dict is checked as its JSON text is
+        with pytest.raises(ValueError) as info:
+            SpeculativeConfig.parse(value)
+        assert message in str(info.value)
+
+
+def test_direct_construction_is_validated():
+    with pytest.raises(ValueError, match="method must be one of"):
+        SpeculativeConfig("none", 1)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be between 1 and 16"):
+        SpeculativeConfig("ngram", 0)
