@@ -11,6 +11,11 @@ entry, which picks token ``i`` with probability ``probs[i]``. A row with a gener
 its ``q`` from that generator alone, always ``V`` values per step, so a seeded request
 gives the same tokens whatever else is in the batch; other rows share torch's default
 generator of the device.
+
+A verify window (speculative decoding) needs the same rows without a draw:
+``Sampler.distribution`` gives each row's probabilities (one-hot for greedy rows) for exact
+rejection sampling, and ``Sampler.logprobs_of`` the log-probabilities of the tokens it kept.
+Both reuse the penalties and filters above, so they describe exactly what ``forward`` does.
 """
 
 from __future__ import annotations
@@ -137,6 +142,25 @@ def apply_filters(
     return out
 
 
+def _histories(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]] | None,
+    output_token_ids: Sequence[Sequence[int]] | None,
+) -> tuple[Sequence[Sequence[int]], Sequence[Sequence[int]]]:
+    """Check one call's shapes and lengths; the prompt and output histories (None: all empty)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
+    batch = logits.shape[0]
+    empty = [()] * batch
+    prompts = empty if prompt_token_ids is None else prompt_token_ids
+    outputs = empty if output_token_ids is None else output_token_ids
+    for name, items in {"params": params, "prompt_token_ids": prompts, "output_token_ids": outputs}.items():
+        if len(items) != batch:
+            raise ValueError(f"{name} has {len(items)} entries for {batch} rows of logits")
+    return prompts, outputs
+
+
 class Sampler(torch.nn.Module):
     """Chooses the next token of every row of a batch (see the module docstring).
 
@@ -170,17 +194,10 @@ class Sampler(torch.nn.Module):
         ``torch.Generator`` on ``logits.device`` for each seeded row (``None``: the
         device's default generator); a row with a seed must have one.
         """
-        if logits.dim() != 2:
-            raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
-        batch = logits.shape[0]
-        empty = [()] * batch
-        prompts = empty if prompt_token_ids is None else prompt_token_ids
-        outputs = empty if output_token_ids is None else output_token_ids
-        gens = [None] * batch if generators is None else list(generators)
-        named = {"params": params, "prompt_token_ids": prompts, "output_token_ids": outputs}
-        for name, items in {**named, "generators": gens}.items():
-            if len(items) != batch:
-                raise ValueError(f"{name} has {len(items)} entries for {batch} rows of logits")
+        prompts, outputs = _histories(logits, params, prompt_token_ids, output_token_ids)
+        gens = [None] * logits.shape[0] if generators is None else list(generators)
+        if len(gens) != logits.shape[0]:
+            raise ValueError(f"generators has {len(gens)} entries for {logits.shape[0]} rows of logits")
         for i, p in enumerate(params):
             if p.seed is not None and not p.greedy and gens[i] is None:
                 raise ValueError(f"row {i} has seed {p.seed} but no generator (use make_generator)")
@@ -195,8 +212,71 @@ class Sampler(torch.nn.Module):
             sampled = argmax_rows(final.softmax(dim=-1).div_(self._race_noise(final, gens, greedy)))
             token_ids = torch.where(to_device(greedy, torch.bool, logits.device), token_ids, sampled)
         if all(p.logprobs is None for p in params):  # a log-softmax over the vocabulary nobody reads
-            return SampleOutput(token_ids=token_ids, logprobs=None, top_logprobs=[None] * batch)
+            return SampleOutput(token_ids=token_ids, logprobs=None, top_logprobs=[None] * len(params))
         return self._logprobs(raw if self.logprobs_mode == "raw" else final, token_ids, params)
+
+    def distribution(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor:
+        """``(B, V)`` float32 probabilities that ``forward`` draws each row from.
+
+        A sampled row: the softmax after penalties, temperature and filters (exactly the row
+        ``forward`` races over; filtered tokens are 0). A greedy row: a one-hot of the
+        penalised argmax, the token ``forward`` takes. Arguments as for ``forward``; the rows
+        of a verify window come as separate rows, each with the output so far plus the drafts
+        before its position in ``output_token_ids``, so penalties see them.
+        """
+        prompts, outputs = _histories(logits, params, prompt_token_ids, output_token_ids)
+        penalised = apply_penalties(logits.float(), params, prompts, outputs)
+        one_hot = torch.zeros_like(penalised).scatter_(1, argmax_rows(penalised)[:, None], 1.0)
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            return one_hot
+        probs = self._sample_distribution(penalised, params, greedy).softmax(dim=-1)
+        return torch.where(to_device(greedy, torch.bool, logits.device)[:, None], one_hot, probs)
+
+    def logprobs_of(
+        self,
+        logits: torch.Tensor,
+        token_ids: torch.Tensor | Sequence[int],
+        params: Sequence[SamplingParams],
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> SampleOutput:
+        """Log-probabilities of given tokens, as ``forward`` reports them had it chosen them.
+
+        ``token_ids``: ``B`` ids (a list, or a ``(B,)`` integer tensor); other arguments as
+        for ``forward``. The result's ``token_ids`` are these, ``(B,)`` int64 on
+        ``logits.device``; ``logprobs`` and ``top_logprobs`` follow ``logprobs_mode`` and
+        each row's ``params.logprobs`` exactly as in ``forward`` (``logprobs`` is None when
+        no row asks for any).
+        """
+        prompts, outputs = _histories(logits, params, prompt_token_ids, output_token_ids)
+        batch, vocab = logits.shape
+        if isinstance(token_ids, torch.Tensor):
+            ids = token_ids.to(device=logits.device, dtype=torch.int64).reshape(-1)
+        else:
+            ids = [int(t) for t in token_ids]
+            if any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"token ids must be in [0, {vocab}), got {ids}")
+            ids = to_device(ids, torch.int64, logits.device)
+        if ids.shape[0] != batch:
+            raise ValueError(f"token_ids has {ids.shape[0]} entries for {batch} rows of logits")
+        if all(p.logprobs is None for p in params):
+            return SampleOutput(token_ids=ids, logprobs=None, top_logprobs=[None] * batch)
+        raw = logits.float()
+        if self.logprobs_mode == "raw":
+            return self._logprobs(raw, ids, params)
+        penalised = apply_penalties(raw, params, prompts, outputs)
+        greedy = [p.greedy for p in params]
+        final = penalised if all(greedy) else self._sample_distribution(penalised, params, greedy)
+        return self._logprobs(final, ids, params)
 
     @staticmethod
     def _sample_distribution(

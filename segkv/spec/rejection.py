@@ -1,0 +1,165 @@
+"""Exact rejection sampling of verify windows: which drafts to keep, and one more token.
+
+A proposer drafts ``d_1..d_k`` after a sequence's last token, each ``d_j`` drawn from its own
+distribution ``q_j`` (one-hot for a deterministic proposer such as n-gram lookup). One
+target forward over ``[last, d_1..d_k]`` gives ``k + 1`` rows ``p_0..p_k`` (the sampler's
+``Sampler.distribution``: ``p_j`` is the target's next-token distribution after ``d_1..d_j``).
+Then, for ``j = 1..k`` in order, ``d_j`` is kept with probability
+``min(1, p_{j-1}(d_j) / q_j(d_j))``; at the first rejection one token is drawn from the
+residual ``normalise(max(0, p_{j-1} - q_j))`` and the window ends; if every draft is kept,
+a bonus token is drawn from ``p_k`` (Leviathan et al. 2023; Chen et al. 2023).
+
+Why it is exact: at one position, the token ``x`` comes out as a kept draft with probability
+``q(x) min(1, p(x) / q(x)) = min(p, q)(x)``, and as the replacement with probability
+``(1 - sum min(p, q)) * max(0, p - q)(x) / sum max(0, p - q)``. Both sums of the last factor
+equal the total variation distance ``sum max(0, p - q)``, so the two terms add to
+``min(p, q)(x) + max(0, p - q)(x) = p(x)``: each emitted token has the target's conditional
+distribution given the tokens before it, whatever ``q`` is. The residual has mass 0 only
+when ``p == q``, and then no draft is rejected; a float32 rounding that still gets there
+falls back to ``p``. Greedy rows (one-hot ``p``) keep a draft exactly when it is the argmax
+and then emit the argmax.
+
+Draws: per sequence, ``k`` uniforms and then ``V`` Exp(1) values from its generator (an
+exponential race ``argmax(r / e)`` picks ``i`` with probability ``r[i] / sum r``, as the
+sampler does), always the same count, so a seeded request gives the same tokens whatever
+else is in the batch. The whole batch costs one device-to-host copy, at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from segkv.layers.transfer import to_device
+
+_SUM_TOLERANCE = 1e-3  # a probability row's sum may be off by float32 rounding, never by more
+
+
+def verify_window(
+    target_probs: torch.Tensor,
+    draft_ids: Sequence[int],
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> list[int]:
+    """The tokens one verify window emits: the kept drafts, then one more (``1..k + 1``).
+
+    ``target_probs``: ``(k + 1, V)`` float32, the rows ``p_0..p_k`` (see the module
+    docstring). ``draft_ids``: the ``k`` drafts. ``draft_probs``: ``(k, V)`` float32, row
+    ``j`` the distribution ``d_{j+1}`` was drawn from, or None for a deterministic proposer
+    (``q`` one-hot on each draft). ``generator``: the sequence's generator on
+    ``target_probs.device`` (None: the device's default one).
+    """
+    return verify_windows(target_probs, [draft_ids], draft_probs, [generator])[0]
+
+
+def verify_windows(
+    target_probs: torch.Tensor,
+    draft_ids: Sequence[Sequence[int]],
+    draft_probs: torch.Tensor | None = None,
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> list[list[int]]:
+    """``verify_window`` for ``B`` sequences at once, with one device-to-host copy.
+
+    ``target_probs``: ``(sum(k_i + 1), V)`` float32, sequence ``i``'s ``k_i + 1`` rows after
+    those of sequence ``i - 1``. ``draft_ids``: ``B`` lists, ``k_i >= 0`` drafts each.
+    ``draft_probs``: ``(sum(k_i), V)`` float32, the drafts' distributions in the same order,
+    or None when every proposer is deterministic (pass one-hot rows to mix the two).
+    ``generators``: ``B`` entries (None: all the device's default generator). Returns ``B``
+    lists of ``1..k_i + 1`` tokens. Raises ValueError on rows that are not probabilities
+    (NaN, infinite, negative, or not summing to 1).
+    """
+    num_drafts = [len(d) for d in draft_ids]
+    batch = len(num_drafts)
+    if batch == 0:
+        return []
+    if target_probs.dim() != 2 or target_probs.shape[0] != sum(num_drafts) + batch:
+        raise ValueError(f"target_probs must be (sum(k_i + 1), V) = ({sum(num_drafts) + batch}, V) "
+                         f"for drafts of lengths {num_drafts}, got shape {tuple(target_probs.shape)}")
+    num_rows, vocab = target_probs.shape
+    device = target_probs.device
+    drafts = [[int(t) for t in d] for d in draft_ids]
+    if any(not 0 <= t < vocab for d in drafts for t in d):
+        raise ValueError(f"draft ids must be in [0, {vocab}), got {drafts}")
+    gens = [None] * batch if generators is None else list(generators)
+    if len(gens) != batch:
+        raise ValueError(f"generators has {len(gens)} entries for {batch} sequences")
+    if draft_probs is not None and tuple(draft_probs.shape) != (sum(num_drafts), vocab):
+        raise ValueError(f"draft_probs must be (sum(k_i), V) = ({sum(num_drafts)}, {vocab}), "
+                         f"got shape {tuple(draft_probs.shape)}")
+
+    # Host-built index maps: row r of the window batch is sequence seq[r]'s position r - start.
+    starts, seq, ids, draft_rows = [], [], [], []
+    for i, d in enumerate(drafts):
+        starts.append(len(seq))
+        draft_rows += range(len(seq), len(seq) + len(d))
+        seq += [i] * (len(d) + 1)
+        ids += d + [0]  # the last row's "draft" is a placeholder, never kept
+    is_draft = [True] * num_rows
+    for i, start in enumerate(starts):
+        is_draft[start + num_drafts[i]] = False
+
+    p = target_probs.float()
+    draft_rows_t = to_device(draft_rows, torch.int64, device)
+    ids_t = to_device(ids, torch.int64, device)
+    q = torch.zeros_like(p)  # the last row of a window keeps q = 0: its residual is p itself
+    if draft_probs is None:
+        q[draft_rows_t, ids_t[draft_rows_t]] = 1.0
+    else:
+        q.index_copy_(0, draft_rows_t, draft_probs.float())
+
+    uniform, noise = _draws(num_drafts, starts, gens, num_rows, vocab, device)
+    p_draft = p.gather(1, ids_t[:, None]).squeeze(1)
+    q_draft = q.gather(1, ids_t[:, None]).squeeze(1)
+    # u < p/q as u * q < p: exact for q > 0, and q = 0 (a draft its proposer could not draw)
+    # is kept iff p > 0. A one-hot p keeps its argmax (u * q < 1) and nothing else (< 0).
+    keep = (uniform * q_draft < p_draft) & to_device(is_draft, torch.bool, device)
+    # The first row of each window that does not keep its draft (the last row never does).
+    row = torch.arange(num_rows, device=device)
+    first = torch.full((batch,), num_rows, dtype=torch.int64, device=device).scatter_reduce_(
+        0, to_device(seq, torch.int64, device), torch.where(keep, num_rows, row), reduce="amin")
+    residual = (p[first] - q[first]).clamp_min_(0)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p[first])
+    token = (residual / noise).argmax(dim=-1)
+
+    checks = torch.stack([~_are_probabilities(p, device), ~_are_probabilities(draft_probs, device)]).long()
+    num_kept = first - to_device(starts, torch.int64, device)
+    result = torch.cat([checks, num_kept, token]).tolist()  # the one device-to-host copy
+    if result[0]:
+        raise ValueError("target_probs rows must be probabilities: finite, >= 0, summing to 1")
+    if result[1]:
+        raise ValueError("draft_probs rows must be probabilities: finite, >= 0, summing to 1")
+    kept, tokens = result[2 : 2 + batch], result[2 + batch :]
+    return [d[:n] + [t] for d, n, t in zip(drafts, kept, tokens)]
+
+
+def _are_probabilities(rows: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """A 0-d bool tensor on ``device``: every row of ``(N, V)`` ``rows`` (None: none) is
+    finite, >= 0 and sums to 1."""
+    if rows is None or rows.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=device)
+    rows = rows.to(device=device, dtype=torch.float32)
+    sums = rows.sum(dim=-1)
+    return rows.isfinite().all() & (rows >= 0).all() & ((sums - 1).abs() <= _SUM_TOLERANCE).all()
+
+
+def _draws(
+    num_drafts: list[int],
+    starts: list[int],
+    gens: list[torch.Generator | None],
+    num_rows: int,
+    vocab: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(num_rows,)`` U[0, 1) and ``(B, V)`` Exp(1) float32: sequence ``i``'s ``k_i`` uniforms,
+    then its ``V`` exponentials, from its own generator; unseeded rows share one draw each."""
+    uniform = torch.zeros(num_rows, device=device)  # the last row of a window draws none
+    noise = torch.empty(len(num_drafts), vocab, device=device)
+    if any(g is None for g in gens):
+        uniform.uniform_()
+        noise.exponential_()
+    for i, g in enumerate(gens):
+        if g is not None:
+            uniform[starts[i] : starts[i] + num_drafts[i]].uniform_(generator=g)
+            noise[i].exponential_(generator=g)
+    return uniform, noise.clamp_min_(torch.finfo(torch.float32).tiny)  # e = 0 would give inf or NaN
