@@ -28,6 +28,10 @@ CUDA_GRAPHS_HELP = ("replay decode steps from CUDA graphs: off, auto (the defaul
                     "Triton backend), on (error if not available)")
 PAGE_SIZE_HELP = "rows per KV cache page (default: 32 on CUDA, 16 elsewhere)"
 MODEL_HELP = "Hugging Face model directory, or a built-in model: 'default' (GQA) or 'default-mla' (MLA)"
+SPECULATIVE_CONFIG_HELP = ("speculative decoding, a JSON object of vLLM's keys: method (mtp, ngram, "
+                           "draft_model or none), num_speculative_tokens, prompt_lookup_min, "
+                           "prompt_lookup_max, model, disable_by_batch_size; e.g. "
+                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' (default: off)")
 API_KEY_ENV = "SEGKV_API_KEY"  # as vLLM reads VLLM_API_KEY
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -46,6 +50,17 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _speculative_config(text: str):
+    """``--speculative-config``: a SpeculativeConfig, or None (off); bad JSON or keys stop the
+    command before the model loads (exit code 2)."""
+    from segkv.spec.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help=MODEL_HELP)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -55,6 +70,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--route", default=None, choices=["single", "split", "segments", "cascade"],
                         help="force an attention route (default: the planner decides)")
     parser.add_argument("--cuda-graphs", default="auto", choices=list(CUDA_GRAPHS), help=CUDA_GRAPHS_HELP)
+    parser.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                        help=SPECULATIVE_CONFIG_HELP)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -92,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV cache budget in GiB (pages = budget / page bytes)")
     serve.add_argument("--route", default=None, choices=["single", "split", "segments", "cascade"])
     serve.add_argument("--cuda-graphs", default="auto", choices=list(CUDA_GRAPHS), help=CUDA_GRAPHS_HELP)
+    serve.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                       help=SPECULATIVE_CONFIG_HELP)
     serve.add_argument("--shutdown-timeout", type=_non_negative_float, default=10.0,
                        help="on SIGTERM / Ctrl-C, new requests get 503 and requests in flight get this many "
                             "seconds to finish; then those left are ended (a stream gets an error event and "
@@ -164,7 +183,8 @@ def _load_and_serve(args, gate, engines: list, server, snapshot_dir: Path | None
     llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device,
               page_size=args.page_size, max_model_len=args.max_model_len, route=args.route,
               kv_cache_bytes=int(args.kv_cache_memory * (1 << 30)),
-              cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], progress=True)
+              cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], speculative_config=args.speculative_config,
+              progress=True)
     # kernels compiled and graphs captured before ready, for the shapes this server's scheduler
     # runs (its batch and its largest forward): the first requests wait for neither
     info = llm.warm_up(max_batch=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -228,7 +248,7 @@ def _load(args):
 
     llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, page_size=args.page_size,
               max_model_len=args.max_model_len, route=args.route, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs],
-              progress=True)
+              speculative_config=args.speculative_config, progress=True)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
     return llm, params

@@ -245,3 +245,48 @@ def test_serve_rejects_bad_numbers():
         done = subprocess.run([sys.executable, "-m", "segkv.cli", "serve", *flags], capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 2 and "must be >=" in done.stderr, done.stderr
+
+
+def test_speculative_config_flag_on_every_model_command():
+    """``--speculative-config`` (vLLM's JSON) on generate, chat and serve: parsed by argparse into a
+    SpeculativeConfig, off (None) when absent or ``{"method": "none"}``."""
+    from segkv.spec.config import SpeculativeConfig
+
+    parser = build_parser()
+    value = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    for command in (["generate", "--prompt", "x"], ["chat"], ["serve"]):
+        assert parser.parse_args(command).speculative_config is None
+        assert parser.parse_args([*command, "--speculative-config", '{"method": "none"}']).speculative_config is None
+        config = parser.parse_args([*command, "--speculative-config", value]).speculative_config
+        assert config == SpeculativeConfig("ngram", 3, prompt_lookup_min=4, prompt_lookup_max=4)
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["chat"], ["serve"]])
+def test_a_bad_speculative_config_is_a_clear_error(command):
+    """Bad JSON or a bad key: exit code 2 with the reason, before any model loads."""
+    for value, reason in [("{", "not valid JSON"),
+                          ('{"method": "ngram", "k": 3}', "unknown key(s) 'k'"),
+                          ('{"method": "ngram", "num_speculative_tokens": 99}', "between 1 and 16, got 99")]:
+        done = subprocess.run([sys.executable, "-m", "segkv.cli", *command, "--model", "/nonexistent",
+                               "--speculative-config", value], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert "argument --speculative-config: speculative config: " in done.stderr and reason in done.stderr
+        assert "Traceback" not in done.stderr
+
+
+def test_llm_takes_a_speculative_config(monkeypatch):
+    from segkv.engine import LLM
+    from segkv.engine import llm as llm_module
+
+    llm = LLM("default", speculative_config='{"method":"ngram","num_speculative_tokens":3}')
+    assert llm.speculative_config.num_speculative_tokens == 3
+    assert llm.speculative_config.method == "ngram"
+    assert LLM("default").speculative_config is None
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model loaded before the speculative config was checked")
+
+    monkeypatch.setattr(llm_module, "load_model", no_loading)
+    monkeypatch.setattr(llm_module, "check_model_dir", no_loading)
+    with pytest.raises(ValueError, match="num_speculative_tokens is required for method 'ngram'"):
+        LLM("default", speculative_config={"method": "ngram"})

@@ -23,6 +23,7 @@ from segkv.runner.model_runner import ModelRunner
 from segkv.runner.warmup import warm_up, warm_up_shapes
 from segkv.sampling_params import SamplingParams
 from segkv.sessions.conversation import Conversation
+from segkv.spec.config import SpeculativeConfig
 from segkv.tokenizer.tokenizer import Tokenizer
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -61,7 +62,9 @@ class LLM:
     for K/V caches, the torch reference otherwise), "torch" or "triton". ``cuda_graphs``: decode
     steps replayed from CUDA graphs (``True``, ``"auto"`` where available, ``False``; see
     ``runner/cuda_graphs.py``). ``fused_ops``: stacked projections and fused Triton kernels
-    (default: on CUDA; ``ModelRunner``).
+    (default: on CUDA; ``ModelRunner``). ``speculative_config``: speculative decoding, vLLM's
+    ``speculative_config`` (a JSON string, a dict or a :class:`SpeculativeConfig`), parsed before
+    the model loads into ``self.speculative_config`` (``None``: off).
     """
 
     def __init__(
@@ -81,8 +84,11 @@ class LLM:
         backend: str = "auto",
         cuda_graphs: bool | str = False,
         fused_ops: bool | None = None,
+        speculative_config: str | dict | SpeculativeConfig | None = None,
         progress: bool = False,
     ) -> None:
+        # a bad value is refused before anything loads
+        self.speculative_config = SpeculativeConfig.parse(speculative_config)
         # "default", "default-mla" or a directory (refused clearly if it is not one)
         self.model_dir = check_model_dir(resolve_model_dir(model_dir))
         self.dtype = parse_dtype(dtype)
