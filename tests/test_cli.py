@@ -256,7 +256,8 @@ def test_speculative_config_flag_on_every_model_command():
     value = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
     for command in (["generate", "--prompt", "x"], ["chat"], ["serve"]):
         assert parser.parse_args(command).speculative_config is None
-        assert parser.parse_args([*command, "--speculative-config", '{"method": "none"}']).speculative_config is None
+        off = parser.parse_args([*command, "--speculative-config", '{"method": "none"}'])
+        assert off.speculative_config is None
         config = parser.parse_args([*command, "--speculative-config", value]).speculative_config
         assert config == SpeculativeConfig("ngram", 3, prompt_lookup_min=4, prompt_lookup_max=4)
 
