@@ -1,4 +1,4 @@
-"""SpeculativeConfig: vLLM's --speculative-config keys, their defaults, and a clear error for each bad input."""
+"""SpeculativeConfig: vLLM's --speculative-config keys, their defaults, a clear error for each bad input."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import json
 import pytest
 
 from segkv.spec.config import SpeculativeConfig
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
 def test_off():
@@ -20,10 +22,8 @@ def test_ngram_defaults_follow_vllm():
     assert config == SpeculativeConfig("ngram", 3, 5, 5)
     assert config.model is None and config.disable_by_batch_size is None
     # one size given: the other takes its value
-    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4}) \
-        == SpeculativeConfig("ngram", 2, 4, 4)
-    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}) \
-        == SpeculativeConfig("ngram", 2, 2, 2)
+    assert SpeculativeConfig.parse({**NGRAM, "prompt_lookup_max": 4}) == SpeculativeConfig("ngram", 3, 4, 4)
+    assert SpeculativeConfig.parse({**NGRAM, "prompt_lookup_min": 2}) == SpeculativeConfig("ngram", 3, 2, 2)
     config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_min": 1,
                                       "prompt_lookup_max": 3, "disable_by_batch_size": 8})
     assert (config.prompt_lookup_min, config.prompt_lookup_max, config.disable_by_batch_size) == (1, 3, 8)
@@ -32,7 +32,8 @@ def test_ngram_defaults_follow_vllm():
 def test_mtp_and_draft_model():
     assert SpeculativeConfig.parse({"method": "mtp"}).num_speculative_tokens == 1  # DeepSeek's one MTP layer
     assert SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 2}).num_speculative_tokens == 2
-    config = SpeculativeConfig.parse({"method": "draft_model", "model": "/m/small", "num_speculative_tokens": 4})
+    config = SpeculativeConfig.parse({"method": "draft_model", "model": "/m/small",
+                                      "num_speculative_tokens": 4})
     assert (config.model, config.num_speculative_tokens) == ("/m/small", 4)
     assert config.prompt_lookup_min is None and config.prompt_lookup_max is None
 
@@ -76,22 +77,22 @@ def test_describe_names_only_what_applies():
     ({"method": "eagle"}, "method must be one of mtp, ngram, draft_model"),
     ({"method": "[ngram]", "num_speculative_tokens": 3}, "method must be one of"),
     ({"method": 1}, "method must be a string"),
-    ({"method": "none", "num_speculative_tokens": 3}, "method 'none' turns speculation off and takes no other"),
-    ({"method": "ngram", "num_speculative_tokens": 3, "k": 3}, "unknown key(s) 'k'"),
-    ({"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}, "'draft_tensor_parallel_size'"),
+    ({"method": "none", "num_speculative_tokens": 3}, "method 'none' turns speculation off"),
+    ({**NGRAM, "k": 3}, "unknown key(s) 'k'"),
+    ({**NGRAM, "draft_tensor_parallel_size": 1}, "'draft_tensor_parallel_size'"),
     ({"method": "ngram"}, "num_speculative_tokens is required for method 'ngram'"),
     ({"method": "draft_model", "model": "/m"}, "num_speculative_tokens is required for method 'draft_model'"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be between 1 and 16, got 0"),
-    ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens must be between 1 and 16, got 17"),
+    ({**NGRAM, "num_speculative_tokens": 0}, "num_speculative_tokens must be between 1 and 16, got 0"),
+    ({**NGRAM, "num_speculative_tokens": 17}, "num_speculative_tokens must be between 1 and 16, got 17"),
     ({"method": "mtp", "num_speculative_tokens": -1}, "num_speculative_tokens must be between 1 and 16"),
-    ({"method": "ngram", "num_speculative_tokens": "3"}, "num_speculative_tokens must be an integer, got '3'"),
-    ({"method": "ngram", "num_speculative_tokens": 3.0}, "num_speculative_tokens must be an integer, got 3.0"),
-    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be an integer, got True"),
-    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}, "prompt_lookup_min must be >= 1"),
-    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 0}, "prompt_lookup_max must be >= 1"),
-    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+    ({**NGRAM, "num_speculative_tokens": "3"}, "num_speculative_tokens must be an integer, got '3'"),
+    ({**NGRAM, "num_speculative_tokens": 3.0}, "num_speculative_tokens must be an integer, got 3.0"),
+    ({**NGRAM, "num_speculative_tokens": True}, "num_speculative_tokens must be an integer, got True"),
+    ({**NGRAM, "prompt_lookup_min": 0}, "prompt_lookup_min must be >= 1"),
+    ({**NGRAM, "prompt_lookup_max": 0}, "prompt_lookup_max must be >= 1"),
+    ({**NGRAM, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min (4) must not exceed prompt_lookup_max (2)"),
-    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": "5"}, "prompt_lookup_max must be an integer"),
+    ({**NGRAM, "prompt_lookup_max": "5"}, "prompt_lookup_max must be an integer"),
     ({"method": "mtp", "prompt_lookup_min": 2}, "prompt_lookup_min applies to method 'ngram' only"),
     ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
      "prompt_lookup_max applies to method 'ngram' only"),
@@ -99,7 +100,7 @@ def test_describe_names_only_what_applies():
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": ""}, "method 'draft_model' needs model"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": 7}, "model must be a string"),
     ({"method": "mtp", "model": "/m"}, "model applies to method 'draft_model' only, not 'mtp'"),
-    ({"method": "ngram", "num_speculative_tokens": 3, "model": "/m"}, "model applies to method 'draft_model' only"),
+    ({**NGRAM, "model": "/m"}, "model applies to method 'draft_model' only"),
     ({"method": "mtp", "disable_by_batch_size": 0}, "disable_by_batch_size must be >= 1, got 0"),
     ({"method": "mtp", "disable_by_batch_size": 2.5}, "disable_by_batch_size must be an integer"),
 ])
