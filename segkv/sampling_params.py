@@ -58,6 +58,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    speculative: bool = True  # False: this request decodes one token per step when speculation is on
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -93,6 +94,8 @@ class SamplingParams:
         put(self, "stop_token_ids", self._token_ids(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
         lp = self.logprobs
         if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {lp!r}")

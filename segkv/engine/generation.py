@@ -14,6 +14,9 @@ from segkv.layers.transfer import HostCopy, select_rows
 from segkv.outputs import CompletionOutput, TokenLogprob
 from segkv.runner.model_runner import ModelRunner, StepInput
 from segkv.sampling_params import SamplingParams
+from segkv.spec.config import SpeculativeConfig
+from segkv.spec.ngram import NgramProposer
+from segkv.spec.rejection import verify_window
 from segkv.tokenizer.detokenizer import IncrementalDetokenizer
 from segkv.tokenizer.tokenizer import Tokenizer
 import segkv.settings as settings
@@ -77,18 +80,31 @@ class Generator:
     read gives its extra row back (trimmed). The next step takes the decode rows it holds; what
     else that step has (a new request's prefill) runs a forward of its own, and rows no work item
     takes (aborted or preempted sequences) are given back. Outputs are the same either way.
+
+    ``speculative`` (a :class:`~segkv.spec.config.SpeculativeConfig`, None: off): decode steps
+    become verify windows. A proposer drafts up to ``k`` tokens per decoding sequence; one forward
+    over each window (its pending token and the drafts) gives the target's logits of every row;
+    exact rejection sampling (:func:`~segkv.spec.rejection.verify_window`) keeps the drafts the
+    target's distribution allows and draws one more token; the rows of rejected drafts are
+    trimmed from the chain (no copy). Sequences without drafts decode as usual in the same
+    forward. Steps are not launched ahead while speculation is on.
     """
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_model_len: int,
-                 lookahead: bool | None = None) -> None:
+                 lookahead: bool | None = None, speculative: SpeculativeConfig | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.sampler = Sampler()
         self.max_model_len = max_model_len
+        self.speculative = speculative
+        self.proposer = _make_proposer(speculative)
         self.lookahead = default_lookahead(runner.device) if lookahead is None else bool(lookahead)
+        if self.proposer is not None:
+            self.lookahead = False  # a window's length is known only after its verification
         self._ahead: StepAhead | None = None
         self.steps_ahead_used = 0  # decode steps served by a step launched ahead
         self.steps_ahead_cancelled = 0
+        self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative else 0)
 
     def check_prompt_length(self, num_tokens: int) -> None:
         """Raise a clear ValueError if a prompt leaves no room for one generated token."""
@@ -126,6 +142,12 @@ class Generator:
         siblings: forks of its chain that sample from the same logits, so the prompt is
         computed and stored once. Returns the sequences that sampled (siblings excluded).
         """
+        drafts = self._propose(work)
+        if drafts:
+            try:
+                return self._verify_step(work, drafts)
+            except OutOfPagesError:  # the chains are as they were: this step runs without drafts
+                pass
         logits = self._forward(work)
         ready, rows = [], []
         for row, (s, k) in enumerate(work):
@@ -144,6 +166,89 @@ class Generator:
                      torch.cat([logits] + [row for _, row in spawned]) if spawned else logits,
                      launch_ahead=self.lookahead and ahead_ok and decodes)
         return ready
+
+    def _propose(self, work: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
+        """Drafts for the decoding sequences of ``work`` (position -> token ids), each capped so
+        that its window stays inside the model's length and the request's ``max_tokens``."""
+        if self.proposer is None:
+            return {}
+        limit = self.speculative.disable_by_batch_size
+        if limit is not None and len(work) > limit:
+            return {}
+        drafts = {}
+        for i, (s, k) in enumerate(work):
+            if k != 1 or len(s.pending) != 1 or not s.output_ids or not s.params.speculative:
+                continue  # prefill chunks and first tokens (siblings fork after them) decode plainly
+            room = min(self.speculative.num_speculative_tokens,
+                       s.params.max_tokens - len(s.output_ids) - 1,  # each accepted draft is a token
+                       self.max_model_len - s.chain.num_rows - 2)  # every window row has a position
+            if room < 1:
+                continue
+            proposal = self.proposer.propose(s.all_token_ids())[:room]
+            if proposal:
+                drafts[i] = proposal
+        return drafts
+
+    def _verify_step(self, work: list[tuple[Sequence, int]], drafts: dict[int, list[int]]) -> list[Sequence]:
+        """One forward over ``work`` where the items in ``drafts`` carry their drafts after their
+        pending token (a verify window); each window is verified, the rest sample as usual."""
+        counts = [1 + len(drafts.get(i, ())) for i in range(len(work))]
+        logits = self.runner.forward(
+            [StepInput(s.chain, s.pending[:k] + drafts.get(i, [])) for i, (s, k) in enumerate(work)],
+            logit_rows=counts)
+        ready, plain, plain_rows, windows = [], [], [], []
+        end = 0
+        for i, (s, k) in enumerate(work):
+            end += counts[i]
+            s.pending = s.pending[k:]
+            if s.pending:
+                continue
+            ready.append(s)
+            if i in drafts:
+                windows.append((s, drafts[i], logits[end - counts[i] : end]))
+            else:
+                plain.append(s)
+                plain_rows.append(end - 1)
+        if plain:
+            rows = select_rows(logits, plain_rows)
+            spawned = self._spawn_siblings(plain, rows)
+            self._sample(plain + [x for x, _ in spawned],
+                         torch.cat([rows] + [row for _, row in spawned]) if spawned else rows)
+        for s, proposal, rows in windows:
+            self._verify(s, proposal, rows)
+        return ready
+
+    def _verify(self, s: Sequence, proposal: list[int], rows: torch.Tensor) -> None:
+        """Verify ``s``'s window: ``rows (k + 1, vocab)`` float32 logits of its pending token and
+        its ``k`` drafts. Emits the accepted drafts and one more token (up to a stop or a length
+        limit) and trims the rows of the drafts not kept."""
+        k = len(proposal)
+        params = [s.params] * (k + 1)
+        prompts = [s.history] * (k + 1)
+        outputs = [s.output_ids + proposal[:j] for j in range(k + 1)]
+        probs = self.sampler.distribution(rows, params, prompt_token_ids=prompts, output_token_ids=outputs)
+        emitted = verify_window(probs, proposal, None, s.generator)
+        self.spec_stats.record(k, len(emitted) - 1)
+        chosen = None
+        if s.params.logprobs is not None:
+            m = len(emitted)
+            chosen = self.sampler.logprobs_of(rows[:m], torch.tensor(emitted, device=rows.device), params[:m],
+                                              prompt_token_ids=prompts[:m], output_token_ids=outputs[:m])
+            values = chosen.logprobs.tolist()
+        taken = 0
+        for j, token in enumerate(emitted):
+            s.output_ids.append(token)
+            taken += 1
+            if chosen is not None:
+                s.logprobs.append(TokenLogprob(token, values[j], chosen.top_logprobs[j]))
+            # the chain holds rows for the window's tokens after this one: not in the length check
+            self._check_finish(s, token, rows_ahead=k + 1 - taken)
+            if s.finish_reason is not None:
+                break
+        # rows kept: the pending token's and the accepted drafts' before the last token taken
+        s.chain.trim(k + 1 - taken)
+        if s.finish_reason is None:
+            s.pending = [emitted[taken - 1]]
 
     def _forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
         """``(len(work), vocab)`` logits of the step: the decode rows a step launched ahead holds
@@ -253,3 +358,40 @@ class Generator:
         if len(s.output_ids) >= p.max_tokens or s.chain.num_rows - rows_ahead + 1 >= self.max_model_len:
             s.finish_reason = "length"
             s.detok.finish()
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Counters of verify windows (vLLM's spec-decode metrics): windows verified (``drafts``),
+    draft tokens proposed, draft tokens accepted, and accepted drafts per position
+    (``accepted_per_position[j]``: windows whose first ``j + 1`` drafts were kept)."""
+
+    max_drafts: int
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = [0] * self.max_drafts
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += proposed
+        self.accepted_tokens += accepted
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verify window: the accepted drafts plus the one drawn after them."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else 0.0
+
+
+def _make_proposer(config: SpeculativeConfig | None):
+    """The drafting side of ``config`` (None when speculation is off)."""
+    if config is None:
+        return None
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
+    raise NotImplementedError(f"speculative method {config.method!r} is not available yet; use 'ngram'")

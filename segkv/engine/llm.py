@@ -112,7 +112,8 @@ class LLM:
                                   mla_mode=mla_mode, prefill_chunk=prefill_chunk, backend=backend,
                                   cuda_graphs=cuda_graphs, max_model_len=self.max_model_len,
                                   fused_ops=fused_ops)
-        self.generator = Generator(self.runner, self.tokenizer, max_model_len=self.max_model_len)
+        self.generator = Generator(self.runner, self.tokenizer, max_model_len=self.max_model_len,
+                                   speculative=self.speculative_config)
         self.core = EngineCore(self.cache, self.generator, fingerprint=self.fingerprint)
         self._request_ids = itertools.count()
         # what exists now lives as long as the engine: keep it out of the cyclic collector's

@@ -95,9 +95,13 @@ class ModelRunner:
         return torch.cat(rows)
 
     @torch.inference_mode()
-    def forward(self, inputs: list[StepInput], *, collect: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, inputs: list[StepInput], *, collect: list[torch.Tensor] | None = None,
+                logit_rows: list[int] | None = None) -> torch.Tensor:
         """Process every input's tokens; returns ``(B, vocab)`` float32 logits of each last token.
 
+        ``logit_rows`` (one count per input, default all 1): the logits of each input's last
+        ``logit_rows[i]`` rows instead, ``(sum(logit_rows), vocab)`` in input order (a verify
+        window's rows); they must lie in the input's last chunk of ``prefill_chunk`` tokens.
         With ``collect`` (single input only) the logits of every processed row are appended
         to it chunk by chunk. On failure (e.g. :class:`OutOfPagesError`) every chain is left
         as it was.
@@ -106,26 +110,39 @@ class ModelRunner:
             raise ValueError("collect works with exactly one input")
         if any(not item.token_ids for item in inputs):
             raise ValueError("every sequence of a forward needs at least one new token")
+        if logit_rows is not None:
+            if collect is not None or len(logit_rows) != len(inputs):
+                raise ValueError("logit_rows needs one count per input, and no collect")
+            for n, item in zip(logit_rows, inputs):
+                last_chunk = (len(item.token_ids) - 1) % self.prefill_chunk + 1
+                if not 1 <= n <= last_chunk:
+                    raise ValueError(f"logit_rows {n} is outside 1..{last_chunk}, the input's last chunk")
         done = [0] * len(inputs)
         logits: list[torch.Tensor | None] = [None] * len(inputs)
         try:
             while any(d < len(item.token_ids) for d, item in zip(done, inputs)):
                 active = [i for i, item in enumerate(inputs) if done[i] < len(item.token_ids)]
                 chunks = [inputs[i].token_ids[done[i] : done[i] + self.prefill_chunk] for i in active]
-                out = self._step([inputs[i].chain for i in active], chunks, all_rows=collect is not None)
+                rows = None if logit_rows is None else [
+                    logit_rows[i] if done[i] + len(c) == len(inputs[i].token_ids) else 1 for i, c in zip(active, chunks)]
+                out = self._step([inputs[i].chain for i in active], chunks, all_rows=collect is not None,
+                                 logit_rows=rows)
                 if collect is not None:
                     collect.append(out)
                     out = out[-1:]
+                starts = [0] * len(active)
+                if rows is not None:
+                    starts = [sum(rows[:r]) for r in range(len(active))]
                 for row, i in enumerate(active):
                     done[i] += len(chunks[row])
                     if done[i] == len(inputs[i].token_ids):
-                        logits[i] = out[row]
+                        logits[i] = out[row] if rows is None else out[starts[row] : starts[row] + rows[row]]
         except BaseException:
             for d, item in zip(done, inputs):
                 if d:
                     item.chain.trim(d)
             raise
-        return torch.stack(logits)
+        return torch.stack(logits) if logit_rows is None else torch.cat(logits)
 
     @torch.inference_mode()
     def decode_from_device(self, chains: list[KVChain], token_ids: torch.Tensor) -> torch.Tensor:
@@ -140,9 +157,10 @@ class ModelRunner:
         return self._step(chains, [[PENDING_TOKEN]] * len(chains), device_ids=token_ids)
 
     def _step(self, chains: list[KVChain], chunks: list[list[int]], *, all_rows: bool = False,
-              device_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """One forward over ``chunks`` appended to ``chains``. ``device_ids``: the chunks' token
-        ids as a device tensor (decode steps; ``chunks`` then hold placeholders)."""
+              logit_rows: list[int] | None = None, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward over ``chunks`` appended to ``chains``: logits of each chunk's last row, of
+        every row (``all_rows``) or of each chunk's last ``logit_rows[i]`` rows. ``device_ids``:
+        the chunks' token ids as a device tensor (decode steps; ``chunks`` then hold placeholders)."""
         slots: list[int] = []
         positions: list[int] = []
         appended: list[tuple[KVChain, int]] = []
@@ -162,7 +180,7 @@ class ModelRunner:
             else:
                 plan, arrays = self._plan(queries, mla_mode), None
             logits = None
-            if self.graphs is not None and not all_rows and all(len(t) == 1 for t in chunks):
+            if self.graphs is not None and not all_rows and all(len(t) == 1 for t in chunks):  # 1 row each
                 logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode,
                                          arrays=arrays, device_ids=device_ids)
                 if logits is not None:  # the replay runs on the GPU: plan the likely next step meanwhile
@@ -170,7 +188,11 @@ class ModelRunner:
                     if self._ahead is not None:  # and queue its index copies behind this replay
                         self.graphs.stage_ahead(self._ahead.plan, len(chains), self._ahead.arrays)
             if logits is None:  # eager: no graph, a prefill chunk, or a step no graph holds
-                logits = self._eager_logits(chunks, positions, slots, plan, mla_mode, all_rows, device_ids)
+                if all_rows:
+                    rows = None
+                else:
+                    rows = _last_rows(chunks, [1] * len(chunks) if logit_rows is None else logit_rows)
+                logits = self._eager_logits(chunks, positions, slots, plan, mla_mode, rows, device_ids)
         except BaseException:
             for chain, n in appended:
                 chain.trim(n)
@@ -217,7 +239,8 @@ class ModelRunner:
         return _PlanAhead(queries, mla_mode, self.device_spec, self.route, plan, flatten_plan(plan))
 
     def _eager_logits(self, chunks: list[list[int]], positions: list[int], slots: list[int], plan: AttentionPlan,
-                      mla_mode: str, all_rows: bool, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      mla_mode: str, rows: list[int] | None, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the step's ``rows`` (flat row indices; None: every row)."""
         meta = AttentionMetadata(
             backend=self.backend,
             prepared=self.backend.prepare(plan),
@@ -231,10 +254,9 @@ class ModelRunner:
             ids = to_device([t for chunk in chunks for t in chunk], torch.long, self.device)
         pos = to_device(positions, torch.long, self.device)
         hidden = self.model(ids, pos, meta)
-        if all_rows:
+        if rows is None:
             return self.model.compute_logits(hidden)
-        last = to_device(_last_rows(chunks), torch.long, self.device)
-        return self.model.compute_logits(hidden[last])
+        return self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
 
     def _make_graphs(self, mode: bool | str, max_model_len: int):
         """CUDA-graph decode: ``True`` (error if unavailable), ``"auto"`` (on where available:
@@ -291,11 +313,12 @@ class _PlanAhead:
     arrays: dict
 
 
-def _last_rows(chunks: list[list[int]]) -> list[int]:
+def _last_rows(chunks: list[list[int]], counts: list[int]) -> list[int]:
+    """Flat indices of the last ``counts[i]`` rows of each chunk, in order."""
     out, total = [], 0
-    for chunk in chunks:
+    for chunk, n in zip(chunks, counts):
         total += len(chunk)
-        out.append(total - 1)
+        out += range(total - n, total)
     return out
 
 
