@@ -401,3 +401,80 @@ def test_sampler_rejects_bad_arguments():
         SAMPLER(torch.zeros(10), two[:1])
     with pytest.raises(ValueError, match="logprobs_mode"):
         Sampler(logprobs_mode="sampled")
+
+
+# ---------------------------------------------------------------- distribution, logprobs_of
+
+
+def test_distribution_is_what_forward_draws_from(gen):
+    vocab = 12
+    row = torch.randn(vocab, generator=gen) * 2
+    history = [3, 3, 7]
+    params = SamplingParams(temperature=0.8, top_k=8, top_p=0.9, presence_penalty=0.7, repetition_penalty=1.2)
+    probs = SAMPLER.distribution(row[None], [params], prompt_token_ids=[[1]], output_token_ids=[history])[0]
+    assert probs.dtype == torch.float32 and math.isclose(float(probs.sum()), 1.0, rel_tol=1e-6)
+    penalised = apply_penalties(row[None], [params], [[1]], [history]) / 0.8
+    kept = apply_filters(penalised, top_k=torch.tensor([8]), top_p=torch.tensor([0.9]))[0].isfinite()
+    assert torch.equal(probs > 0, kept) and 0 < int(kept.sum()) <= 8
+    num = 20000
+    g = make_generator(_seed(gen))
+    out = SAMPLER(row.expand(num, -1), [params] * num, prompt_token_ids=[[1]] * num,
+                  output_token_ids=[history] * num, generators=[g] * num)
+    _assert_frequencies(torch.bincount(out.token_ids, minlength=vocab).double() / num, probs, num)
+
+
+def test_distribution_rows_each_see_their_own_history(gen):
+    """Greedy rows are a one-hot of the penalised argmax; every row is penalised by its own
+    history (a verify window's rows pass the drafts before them)."""
+    vocab = 20
+    logits = torch.randn(4, vocab, generator=gen)
+    logits[1] = logits[0]
+    top = int(logits[0].argmax())
+    logits[:2, top] = logits[0].topk(2).values[1] + 0.5  # a penalty of 2 moves the argmax away
+    params = [SamplingParams(temperature=0, presence_penalty=2.0)] * 2 + [SamplingParams(frequency_penalty=1.0)] * 2
+    histories = [[], [top], [5], [5, 5, 6]]
+    probs = SAMPLER.distribution(logits, params, output_token_ids=histories)
+    penalised = apply_penalties(logits, params, [[]] * 4, histories)
+    assert torch.equal(probs[:2], torch.nn.functional.one_hot(penalised[:2].argmax(-1), vocab).float())
+    assert probs[0, top] == 1 and probs[1, top] == 0
+    torch.testing.assert_close(probs[2:], penalised[2:].softmax(-1), rtol=0, atol=1e-7)
+    out = SAMPLER(logits[:2], params[:2], output_token_ids=histories[:2])
+    assert torch.equal(out.token_ids, probs[:2].argmax(-1))
+
+
+@pytest.mark.parametrize("sampler", [SAMPLER, PROCESSED], ids=["raw", "processed"])
+def test_logprobs_of_the_chosen_tokens_match_forward(gen, sampler):
+    batch, vocab = 6, 60
+    logits = torch.randn(batch, vocab, generator=gen) * 2
+    params = [
+        SamplingParams(logprobs=5, temperature=0.7, repetition_penalty=1.3, seed=1),
+        SamplingParams(logprobs=0, temperature=0, frequency_penalty=0.5),
+        SamplingParams(),
+        SamplingParams(logprobs=20, top_k=3, seed=2),
+        SamplingParams(logprobs=2, top_p=0.5, min_p=0.1, seed=3),
+        SamplingParams(logprobs=1, temperature=1.5, presence_penalty=-1.0, seed=4),
+    ]
+    histories = {"prompt_token_ids": [[1, 2, 3]] * batch, "output_token_ids": [[4, 4, 9]] * batch}
+    gens = [make_generator(_seed(gen)) if p.seed is not None else None for p in params]
+    out = sampler(logits, params, generators=gens, **histories)
+    again = sampler.logprobs_of(logits, out.token_ids, params, **histories)
+    assert torch.equal(again.token_ids, out.token_ids) and torch.equal(again.logprobs, out.logprobs)
+    assert again.top_logprobs == out.top_logprobs
+    listed = sampler.logprobs_of(logits.half(), out.token_ids.tolist(), params, **histories)
+    assert listed.token_ids.dtype == torch.int64 and listed.logprobs.shape == (batch,)
+
+    other = (out.token_ids + 1) % vocab  # any token, chosen or not
+    source = logits.log_softmax(-1) if sampler is SAMPLER else None
+    theirs = sampler.logprobs_of(logits, other, params, **histories)
+    if source is not None:
+        torch.testing.assert_close(theirs.logprobs, source.gather(1, other[:, None])[:, 0], rtol=0, atol=1e-6)
+    else:
+        filtered = apply_filters(logits[3:4], top_k=torch.tensor([3])).log_softmax(-1)[0]
+        assert theirs.logprobs[3] == filtered[other[3]]  # -inf outside the top 3 as well
+    assert theirs.top_logprobs == out.top_logprobs  # the alternatives do not depend on the token
+    nobody = [p.replace(logprobs=None) for p in params]
+    assert sampler.logprobs_of(logits, other, nobody, **histories).logprobs is None
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 60\)"):
+        sampler.logprobs_of(logits, [0] * (batch - 1) + [60], params, **histories)
+    with pytest.raises(ValueError, match="token_ids has 2 entries for 6 rows"):
+        sampler.logprobs_of(logits, [0, 1], params, **histories)
