@@ -38,6 +38,8 @@ def _fit_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     obs = torch.cat([counts[~small], counts[small].sum()[None]])
     exp = torch.cat([expected[~small], expected[small].sum()[None]])
     obs, exp = obs[exp > 0], exp[exp > 0]
+    if obs.numel() == 1:  # one possible outcome (a filter kept one token): nothing to test
+        return 1.0
     return _chi2_pvalue(float(((obs - exp) ** 2 / exp).sum()), obs.numel() - 1)
 
 
@@ -156,13 +158,14 @@ def _check_exact(tokens: torch.Tensor, exact: torch.Tensor) -> dict[str, float]:
         (TOP_P, False, False),
         (SamplingParams(), True, False),
         (TOP_P, True, False),
-        (SamplingParams(temperature=0.7, top_k=6, top_p=0.95), False, True),
+        (SamplingParams(temperature=1.3, top_k=6, top_p=0.95), False, True),
     ],
     ids=["t1-sampled", "top_p-sampled", "t1-deterministic", "top_p-deterministic", "filters-ragged"],
 )
 def test_speculative_tokens_have_the_target_distribution(gen, params, deterministic, ragged):
     target = Target(gen, params)
     exact = target.exact()
+    assert int((exact * NUM >= 5).sum()) >= 20  # enough outcomes for the test to tell anything
     plain = _plain(target, NUM)
     spec = _speculative(target, _draft_model(gen, target), NUM, deterministic=deterministic, ragged=ragged)
     pvalues = {f"speculative {name}": p for name, p in _check_exact(spec, exact).items()}
