@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -175,19 +176,21 @@ class Generator:
         limit = self.speculative.disable_by_batch_size
         if limit is not None and len(work) > limit:
             return {}
-        drafts = {}
+        where, seqs, rooms = [], [], []
         for i, (s, k) in enumerate(work):
             if k != 1 or len(s.pending) != 1 or not s.output_ids or not s.params.speculative:
                 continue  # prefill chunks and first tokens (siblings fork after them) decode plainly
             room = min(self.speculative.num_speculative_tokens,
                        s.params.max_tokens - len(s.output_ids) - 1,  # each accepted draft is a token
                        self.max_model_len - s.chain.num_rows - 2)  # every window row has a position
-            if room < 1:
-                continue
-            proposal = self.proposer.propose(s.all_token_ids())[:room]
-            if proposal:
-                drafts[i] = proposal
-        return drafts
+            if room >= 1:
+                where.append(i)
+                seqs.append(s)
+                rooms.append(room)
+        if not seqs:
+            return {}
+        proposals = self.proposer.propose(seqs, rooms)
+        return {i: list(p[:room]) for i, p, room in zip(where, proposals, rooms) if p}
 
     def _verify_step(self, work: list[tuple[Sequence, int]], drafts: dict[int, list[int]]) -> list[Sequence]:
         """One forward over ``work`` where the items in ``drafts`` carry their drafts after their
@@ -388,10 +391,35 @@ class SpecStats:
         return 1 + self.accepted_tokens / self.drafts if self.drafts else 0.0
 
 
-def _make_proposer(config: SpeculativeConfig | None):
+class Proposer(Protocol):
+    """The drafting side of speculative decoding.
+
+    ``propose(seqs, rooms)``: for each decoding sequence (its tokens so far are
+    ``seq.all_token_ids()``, the last of them pending: it has no row in ``seq.chain`` yet), at most
+    ``rooms[i]`` draft token ids (an empty list: no drafts this step). Called once per step with
+    every sequence that may speculate. A proposer that keeps state per sequence (a draft model's
+    own cache) must not trust it blindly: between two calls a sequence may have been trimmed,
+    preempted and recomputed, or forked; compare the tokens it holds with ``all_token_ids()``.
+    """
+
+    def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]: ...
+
+
+class NgramDrafts:
+    """:class:`Proposer` of prompt lookup (``segkv.spec.ngram``) over each sequence's own tokens."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.lookup = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
+                                    config.num_speculative_tokens)
+
+    def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
+        return [self.lookup.propose(s.all_token_ids())[:room] for s, room in zip(seqs, rooms)]
+
+
+def _make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
     """The drafting side of ``config`` (None when speculation is off)."""
     if config is None:
         return None
     if config.method == "ngram":
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
+        return NgramDrafts(config)
     raise NotImplementedError(f"speculative method {config.method!r} is not available yet; use 'ngram'")
