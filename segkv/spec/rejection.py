@@ -100,26 +100,37 @@ def verify_windows(
         is_draft[start + num_drafts[i]] = False
 
     p = target_probs.float()
-    draft_rows_t = to_device(draft_rows, torch.int64, device)
     ids_t = to_device(ids, torch.int64, device)
-    q = torch.zeros_like(p)  # the last row of a window keeps q = 0: its residual is p itself
-    if draft_probs is None:
-        q[draft_rows_t, ids_t[draft_rows_t]] = 1.0
+    is_draft_t = to_device(is_draft, torch.bool, device)
+    q = None if draft_probs is None else draft_probs.float()
+    p_draft = p.gather(1, ids_t[:, None]).squeeze(1)
+    if q is None:  # one-hot q: 1 at each draft
+        q_draft = is_draft_t.float()
     else:
-        q.index_copy_(0, draft_rows_t, draft_probs.float())
+        draft_rows_t = to_device(draft_rows, torch.int64, device)
+        q_draft = torch.zeros(num_rows, device=device).index_copy_(
+            0, draft_rows_t, q.gather(1, ids_t[draft_rows_t, None]).squeeze(1))
 
     uniform, noise = _draws(num_drafts, starts, gens, num_rows, vocab, device)
-    p_draft = p.gather(1, ids_t[:, None]).squeeze(1)
-    q_draft = q.gather(1, ids_t[:, None]).squeeze(1)
     # u < p/q as u * q < p: exact for q > 0, and q = 0 (a draft its proposer could not draw)
     # is kept iff p > 0. A one-hot p keeps its argmax (u * q < 1) and nothing else (< 0).
-    keep = (uniform * q_draft < p_draft) & to_device(is_draft, torch.bool, device)
+    keep = (uniform * q_draft < p_draft) & is_draft_t
     # The first row of each window that does not keep its draft (the last row never does).
     row = torch.arange(num_rows, device=device)
     first = torch.full((batch,), num_rows, dtype=torch.int64, device=device).scatter_reduce_(
         0, to_device(seq, torch.int64, device), torch.where(keep, num_rows, row), reduce="amin")
-    residual = (p[first] - q[first]).clamp_min_(0)
-    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p[first])
+    # q of the rejected draft, or 0 where the window ran to its last row (the bonus draws from p)
+    rejected = is_draft_t[first][:, None]
+    target = p[first]
+    if q is None:
+        q_first = torch.zeros_like(target).scatter_(1, ids_t[first][:, None], rejected.float())
+    elif q.shape[0] == 0:
+        q_first = torch.zeros_like(target)
+    else:  # window row r of sequence i is draft row r - i (each earlier window has one last row)
+        index = (first - torch.arange(batch, device=device)).clamp_(0, q.shape[0] - 1)
+        q_first = q[index] * rejected
+    residual = (target - q_first).clamp_min_(0)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, target)
     token = (residual / noise).argmax(dim=-1)
 
     checks = torch.stack([~_are_probabilities(p, device), ~_are_probabilities(draft_probs, device)]).long()
