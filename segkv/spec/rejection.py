@@ -11,8 +11,9 @@ a bonus token is drawn from ``p_k`` (Leviathan et al. 2023; Chen et al. 2023).
 
 Why it is exact: at one position, the token ``x`` comes out as a kept draft with probability
 ``q(x) min(1, p(x) / q(x)) = min(p, q)(x)``, and as the replacement with probability
-``(1 - sum min(p, q)) * max(0, p - q)(x) / sum max(0, p - q)``. Both sums of the last factor
-equal the total variation distance ``sum max(0, p - q)``, so the two terms add to
+``(1 - sum min(p, q)) * max(0, p - q)(x) / sum max(0, p - q)``. The rejection probability
+``1 - sum min(p, q)`` equals the residual's mass ``sum max(0, p - q)`` (both are the total
+variation distance of ``p`` and ``q``), so the two terms add to
 ``min(p, q)(x) + max(0, p - q)(x) = p(x)``: each emitted token has the target's conditional
 distribution given the tokens before it, whatever ``q`` is. The residual has mass 0 only
 when ``p == q``, and then no draft is rejected; a float32 rounding that still gets there
