@@ -16,6 +16,7 @@ from segkv.outputs import CompletionOutput, TokenLogprob
 from segkv.runner.model_runner import ModelRunner, StepInput
 from segkv.sampling_params import SamplingParams
 from segkv.spec.config import SpeculativeConfig
+from segkv.spec.draft_model import DraftModelProposer
 from segkv.spec.ngram import NgramProposer
 from segkv.spec.rejection import verify_window
 from segkv.tokenizer.detokenizer import IncrementalDetokenizer
@@ -98,7 +99,7 @@ class Generator:
         self.sampler = Sampler()
         self.max_model_len = max_model_len
         self.speculative = speculative
-        self.proposer = _make_proposer(speculative)
+        self.proposer = _make_proposer(speculative, runner, tokenizer)
         self.lookahead = default_lookahead(runner.device) if lookahead is None else bool(lookahead)
         if self.proposer is not None:
             self.lookahead = False  # a window's length is known only after its verification
@@ -416,10 +417,14 @@ class NgramDrafts:
         return [self.lookup.propose(s.all_token_ids())[:room] for s, room in zip(seqs, rooms)]
 
 
-def _make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
-    """The drafting side of ``config`` (None when speculation is off)."""
+def _make_proposer(config: SpeculativeConfig | None, runner: ModelRunner, tokenizer: Tokenizer) -> Proposer | None:
+    """The drafting side of ``config`` (None when speculation is off); a draft model runs on the
+    target's device in its dtype and must share its tokenizer."""
     if config is None:
         return None
     if config.method == "ngram":
         return NgramDrafts(config)
-    raise NotImplementedError(f"speculative method {config.method!r} is not available yet; use 'ngram'")
+    if config.method == "draft_model":
+        return DraftModelProposer.for_target(config.model, runner, tokenizer)
+    raise NotImplementedError(f"speculative method {config.method!r} is not available yet; use 'ngram' or "
+                              "'draft_model'")
