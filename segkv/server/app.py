@@ -22,7 +22,7 @@ from segkv.server.dashboard import dashboard_router
 from segkv.server.disconnect import unless_client_leaves
 from segkv.server.errors import APIError, echo, engine_error, install_error_handlers, safe_message
 from segkv.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard, check_max_bytes
-from segkv.server.metrics import CONTENT_TYPE, ServerMetrics
+from segkv.server.metrics import CONTENT_TYPE, ServerMetrics, speculative_stats
 from segkv.server.sessions_api import sessions_router
 from segkv.server.protocol import (ChatCompletionRequest, CompletionRequest, Usage, chat_logprobs,
                                    completion_logprobs, finish_reason, sse_event)
@@ -97,12 +97,19 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
     sessions = SessionStore(engine, ttl_seconds=session_ttl)
     app.state.sessions = sessions
     app.include_router(sessions_router(sessions, snapshot_dir=Path(snapshot_dir) if snapshot_dir else None))
-    app.include_router(dashboard_router(
-        lambda: {**engine.live_stats(), "sessions": [s.describe() for s in sessions.list()]},
-        model_name=model_name, max_model_len=engine.llm.max_model_len, started=time.time()))
     llm = engine.llm
+
+    def speculative() -> dict | None:
+        return speculative_stats(llm.speculative_config, llm.generator.spec_stats)
+
+    app.include_router(dashboard_router(
+        lambda: {**engine.live_stats(), "sessions": [s.describe() for s in sessions.list()],
+                 "speculative": speculative()},
+        model_name=model_name, max_model_len=llm.max_model_len, started=time.time()))
     tokenizer = llm.tokenizer
-    metrics = ServerMetrics(lambda: {**engine.stats(), "sessions": sessions.stats()}, model_name=model_name)
+    metrics = ServerMetrics(
+        lambda: {**engine.stats(), "sessions": sessions.stats(), "speculative": speculative()},
+        model_name=model_name)
     created = int(time.time())
     app.state.engine, app.state.metrics = engine, metrics
 
@@ -277,7 +284,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
                 "pages_cached_only": stats.get("pages_cached_only", 0),
                 "cached_segments": prefix.get("num_nodes", 0),
                 "cached_tokens": prefix.get("num_cached_tokens", 0),
-                "running": stats["running"], "waiting": stats["waiting"], "preemptions": stats["preemptions"]}
+                "running": stats["running"], "waiting": stats["waiting"], "preemptions": stats["preemptions"],
+                "speculative": None if llm.speculative_config is None else llm.speculative_config.describe()}
 
     @app.get("/metrics")
     async def prometheus():

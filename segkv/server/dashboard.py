@@ -111,6 +111,15 @@ th:last-child, td:last-child { padding-right:0; }
   <table><colgroup><col><col style="width:40%"></colgroup>
   <thead><tr><th>route</th><th class="n">steps</th></tr></thead>
   <tbody id="routes" data-updated=""></tbody></table></div>
+ <div class="card hidden" id="spec-card"><h2 title="verify windows of speculative decoding">Speculative decoding</h2>
+  <div class="row"><span>method</span><span id="spec-method" data-updated="">&ndash;</span></div>
+  <div class="row" title="accepted draft tokens / draft tokens">
+   <span>acceptance rate</span><span id="spec-acceptance-rate" data-updated="">&ndash;</span></div>
+  <div class="row" title="tokens per verify window: the accepted drafts and the one drawn after them">
+   <span>mean accepted length</span><span id="spec-mean-accepted-length" data-updated="">&ndash;</span></div>
+  <div class="row"><span>windows</span><span id="spec-drafts" data-updated="">&ndash;</span></div>
+  <div class="row"><span>draft tokens</span><span id="spec-draft-tokens" data-updated="">&ndash;</span></div>
+  <div class="row"><span>accepted tokens</span><span id="spec-accepted-tokens" data-updated="">&ndash;</span></div></div>
  <div class="card wide hidden" id="sessions-card"><h2>Sessions (<span id="sessions-count">0</span>)</h2>
   <div class="scroll"><table><colgroup><col><col style="width:12%"><col style="width:14%">
    <col style="width:14%"><col style="width:18%"><col style="width:14%"></colgroup>
@@ -191,6 +200,17 @@ function sessions(list, now) {
   more.textContent = hidden > 0 ? "and " + hidden + " more" : "";
   more.classList.toggle("hidden", hidden <= 0);
 }
+function speculative(x, now) {  // null: speculation is off, no card
+  $("spec-card").classList.toggle("hidden", !x);
+  if (!x) return;
+  put("spec-method", x.method, x.method + " (k=" + x.num_speculative_tokens + ")", now);
+  const rate = x.acceptance_rate, length = x.mean_accepted_length;
+  put("spec-acceptance-rate", rate, missing(rate) ? undefined : (100 * rate).toFixed(1) + "%", now);
+  put("spec-mean-accepted-length", length, missing(length) ? undefined : Number(length).toFixed(2), now);
+  put("spec-drafts", x.num_drafts, undefined, now);
+  put("spec-draft-tokens", x.num_draft_tokens, undefined, now);
+  put("spec-accepted-tokens", x.num_accepted_tokens, undefined, now);
+}
 function render(s, now) {
   put("model", s.model, undefined, now); $("model").title = s.model ?? "";
   put("max-model-len", s.max_model_len, missing(s.max_model_len) ? undefined
@@ -218,6 +238,7 @@ function render(s, now) {
   put("prefix-cached-segments", p.num_nodes, undefined, now);
   put("prefix-cached-tokens", p.num_cached_tokens, undefined, now);
   rows($("routes"), Object.entries(s.routes || {}).sort().map(([r, n]) => [r, [r, n]]), now);
+  speculative(s.speculative || null, now);
   sessions(Array.isArray(s.sessions) ? s.sessions : null, now);
   sparkline(tps);
 }

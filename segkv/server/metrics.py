@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -16,6 +17,27 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def speculative_stats(config: Any, counters: Any) -> dict | None:
+    """Speculative decoding's settings (``config.describe()``) and verify-window counters (a
+    generator's ``SpecStats``) for /metrics and the dashboard; None when speculation is off.
+
+    ``acceptance_rate`` is accepted / draft tokens and ``mean_accepted_length`` the tokens per
+    window (accepted drafts plus the one drawn after them), None before the first window.
+    """
+    if config is None:
+        return None
+    # read in the reverse order of SpecStats.record's writes, without the engine's lock: each
+    # count is read no later than the ones that bound it, so accepted <= draft tokens holds
+    per_position = list(counters.accepted_per_position)
+    accepted = counters.accepted_tokens
+    draft_tokens = counters.draft_tokens
+    drafts = counters.drafts
+    return {**config.describe(), "num_drafts": drafts, "num_draft_tokens": draft_tokens,
+            "num_accepted_tokens": accepted, "num_accepted_tokens_per_pos": per_position,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
 
 
 class _EngineCollector(Collector):
@@ -72,6 +94,20 @@ class _EngineCollector(Collector):
         for route, count in sorted(stats.get("routes", {}).items()):
             routes.add_metric([route], count)
         yield routes
+        spec = stats.get("speculative")
+        if spec is not None:  # as vLLM: the spec-decode counters exist only when speculation is on
+            yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts (verify windows).",
+                          spec["num_drafts"])
+            yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                          spec["num_draft_tokens"])
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                          spec["num_accepted_tokens"])
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.",
+                                          labels=["model_name", "position"])
+            for position, count in enumerate(spec["num_accepted_tokens_per_pos"]):
+                per_pos.add_metric([self._model, str(position)], count)
+            yield per_pos
 
 
 class ServerMetrics:

@@ -113,6 +113,8 @@ class _Request(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool = False
+    # extension: false makes this request decode one token per step on a speculative server
+    speculative: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -133,7 +135,7 @@ class _Request(BaseModel):
             **{k: v for k, v in given.items() if v is not None},
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             n=self.n, stop=self.stop, stop_token_ids=self.stop_token_ids or (),
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, speculative=self.speculative,
         )
 
     @property
