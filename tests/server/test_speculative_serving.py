@@ -259,3 +259,33 @@ def test_a_session_turn_with_a_bad_speculative_value_is_a_400(servers):
                           json={"content": "x", "speculative": "yes"})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "speculative"
+
+
+def test_the_dashboard_shows_the_acceptance_rate_in_a_browser(servers, spec):
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as exc:
+        pytest.fail(f"the dashboard test needs the playwright package: {exc}")
+    from test_dashboard import _launch
+
+    _, spec_base, plain_base = servers
+    spec.completions.create(model=MODEL, prompt=PROMPTS[0], extra_body=IGNORE_EOS, **GREEDY)
+    with sync_playwright() as p:
+        browser = _launch(p)
+        try:
+            page = browser.new_page()
+            page.goto(f"{plain_base}/")
+            page.wait_for_function("document.getElementById('status').dataset.updated !== ''")
+            assert not page.is_visible("#spec-card"), "speculation off: no card"
+            page.goto(f"{spec_base}/")
+            page.wait_for_function("document.getElementById('spec-drafts').dataset.updated !== ''")
+            stats = httpx.get(f"{spec_base}/dashboard/stats").json()["speculative"]
+            assert page.is_visible("#spec-card")
+            assert page.text_content("#spec-method") == "ngram (k=3)"
+            rate = float(page.get_attribute("#spec-acceptance-rate", "data-value"))
+            assert rate == pytest.approx(stats["acceptance_rate"]) and 0 < rate <= 1
+            assert page.text_content("#spec-acceptance-rate") == f"{100 * rate:.1f}%"
+            length = float(page.get_attribute("#spec-mean-accepted-length", "data-value"))
+            assert length == pytest.approx(stats["mean_accepted_length"]) and 1 < length <= 4
+        finally:
+            browser.close()
