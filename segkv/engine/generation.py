@@ -15,8 +15,10 @@ from segkv.layers.transfer import HostCopy, select_rows
 from segkv.outputs import CompletionOutput, TokenLogprob
 from segkv.runner.model_runner import ModelRunner, StepInput
 from segkv.sampling_params import SamplingParams
+from segkv.runner.mtp import MtpRunner
 from segkv.spec.config import SpeculativeConfig
 from segkv.spec.draft_model import DraftModelProposer
+from segkv.spec.mtp import MtpProposer
 from segkv.spec.ngram import NgramProposer
 from segkv.spec.rejection import verify_window
 from segkv.tokenizer.detokenizer import IncrementalDetokenizer
@@ -426,5 +428,6 @@ def _make_proposer(config: SpeculativeConfig | None, runner: ModelRunner, tokeni
         return NgramDrafts(config)
     if config.method == "draft_model":
         return DraftModelProposer.for_target(config.model, runner, tokenizer)
-    raise NotImplementedError(f"speculative method {config.method!r} is not available yet; use 'ngram' or "
-                              "'draft_model'")
+    if config.method == "mtp":
+        return MtpProposer(MtpRunner(runner))
+    raise ValueError(f"unknown speculative method {config.method!r}")

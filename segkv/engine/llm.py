@@ -103,7 +103,13 @@ class LLM:
         if max_model_len is not None and not 1 <= max_model_len <= limit:
             raise ValueError(f"max_model_len must be between 1 and the model's {limit}, got {max_model_len}")
         self.max_model_len = max_model_len or limit
-        layout = self.model.kv_layout(self.dtype)
+        if self.speculative_config is not None and self.speculative_config.method == "mtp":
+            if not len(getattr(self.model, "mtp", ())):
+                raise ValueError(f"speculative method 'mtp' needs multi-token-prediction layers, which "
+                                 f"{self.model_dir} does not have; use 'ngram' or 'draft_model'")
+            layout = self.model.kv_layout(self.dtype, mtp=True)  # the MTP layers keep rows too
+        else:
+            layout = self.model.kv_layout(self.dtype)
         if num_pages is None:
             num_pages = max(1, kv_cache_bytes // (page_size * layout.row_bytes))
         self.cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=num_pages),

@@ -206,8 +206,11 @@ class DeepseekForCausalLM(CausalLM):
                                           topk_method=cls.default_topk_method,
                                           rope_interleave=cls.rope_interleave))
 
-    def kv_layout(self, dtype: torch.dtype) -> KVLayout:
-        return KVLayout(kind="mla", num_layers=self.cfg.num_layers, kv_lora_rank=self.cfg.mla.kv_lora_rank,
+    def kv_layout(self, dtype: torch.dtype, *, mtp: bool = False) -> KVLayout:
+        """The latent cache's layout; ``mtp``: with the MTP layers' rows after the main layers'
+        (drafting with them, ``runner/mtp.py``)."""
+        layers = self.cfg.num_layers + (len(self.mtp) if mtp else 0)
+        return KVLayout(kind="mla", num_layers=layers, kv_lora_rank=self.cfg.mla.kv_lora_rank,
                         rope_dim=self.cfg.mla.qk_rope_head_dim, dtype=dtype)
 
     def attention_shape(self, mla_mode: str = "absorbed") -> AttentionShape:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -85,6 +86,9 @@ class ModelRunner:
         self.graphs_off_reason: str | None = None
         self._ahead: _PlanAhead | None = None  # see _plan_ahead
         self.plans_ahead_used = 0
+        # called with (chains, chunks, hidden (T, hidden)) after every eager forward: the hidden
+        # states an MTP drafter needs (runner/mtp.py); while set, decode steps run eagerly
+        self.hidden_listener: Callable[[list[KVChain], list[list[int]], torch.Tensor], None] | None = None
         self.graphs = self._make_graphs(cuda_graphs, max_model_len or getattr(model, "max_model_len", 4096))
 
     @torch.inference_mode()
@@ -180,7 +184,8 @@ class ModelRunner:
             else:
                 plan, arrays = self._plan(queries, mla_mode), None
             logits = None
-            if self.graphs is not None and not all_rows and all(len(t) == 1 for t in chunks):  # 1 row each
+            if (self.graphs is not None and not all_rows and self.hidden_listener is None
+                    and all(len(t) == 1 for t in chunks)):  # 1 row each
                 logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode,
                                          arrays=arrays, device_ids=device_ids)
                 if logits is not None:  # the replay runs on the GPU: plan the likely next step meanwhile
@@ -192,7 +197,7 @@ class ModelRunner:
                     rows = None
                 else:
                     rows = _last_rows(chunks, [1] * len(chunks) if logit_rows is None else logit_rows)
-                logits = self._eager_logits(chunks, positions, slots, plan, mla_mode, rows, device_ids)
+                logits = self._eager_logits(chunks, positions, slots, plan, mla_mode, rows, device_ids, chains)
         except BaseException:
             for chain, n in appended:
                 chain.trim(n)
@@ -239,7 +244,8 @@ class ModelRunner:
         return _PlanAhead(queries, mla_mode, self.device_spec, self.route, plan, flatten_plan(plan))
 
     def _eager_logits(self, chunks: list[list[int]], positions: list[int], slots: list[int], plan: AttentionPlan,
-                      mla_mode: str, rows: list[int] | None, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      mla_mode: str, rows: list[int] | None, device_ids: torch.Tensor | None = None,
+                      chains: list[KVChain] | None = None) -> torch.Tensor:
         """Logits of the step's ``rows`` (flat row indices; None: every row)."""
         meta = AttentionMetadata(
             backend=self.backend,
@@ -254,6 +260,8 @@ class ModelRunner:
             ids = to_device([t for chunk in chunks for t in chunk], torch.long, self.device)
         pos = to_device(positions, torch.long, self.device)
         hidden = self.model(ids, pos, meta)
+        if self.hidden_listener is not None and chains is not None:
+            self.hidden_listener(chains, chunks, hidden)
         if rows is None:
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
