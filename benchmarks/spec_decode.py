@@ -166,6 +166,14 @@ def stats_delta(before: dict, after: dict) -> dict:
     return d
 
 
+def tokens_per_forward(case: dict) -> float:
+    """Tokens the speculative side generated per forward that produced tokens (the prompt's last
+    chunk, decode steps and verify windows each emit one token plus the drafts they accept):
+    tokens / (tokens - accepted drafts); the plain side's is 1. Independent of the machine's load."""
+    tokens = case.get("generated_tokens") or len(case["speculative"]["trials"]) * case["prompts"] * case["max_tokens"]
+    return tokens / (tokens - case["stats"]["accepted_tokens"])
+
+
 def run_side(llm: LLM, prompts: list[list[int]], batch: int, params: SamplingParams) -> tuple[float, int, list]:
     """Generate every prompt, ``batch`` per call: ``(seconds, tokens generated, token ids per prompt)``."""
     sync(llm.device)
@@ -227,6 +235,7 @@ def e2e_group(plain: LLM, sides: list[tuple[dict, LLM | None]], prompts: list[li
         llm.generate(prompts[:batch], warm)
     before = {id(c): stats_snapshot(llm) for c, llm in live}
     rates: dict[int, list[float]] = {id(c): [] for c, _ in live}
+    made = {id(c): 0 for c, _ in live}
     plain_rates, reference, plain_equal = [], None, True
     equal = {id(c): True for c, _ in live}
     for _ in range(args.trials):
@@ -237,13 +246,15 @@ def e2e_group(plain: LLM, sides: list[tuple[dict, LLM | None]], prompts: list[li
         for case, llm in live:
             seconds, tokens, ids = run_side(llm, prompts, batch, params)
             rates[id(case)].append(tokens / seconds)
+            made[id(case)] += tokens
             equal[id(case)] &= ids == reference
     plain_summary = summary(plain_rates)
     for case, llm in live:
         spec = summary(rates[id(case)])
         case.update(plain=plain_summary, speculative=spec,
                     speedup=spec["tokens_per_s"] / plain_summary["tokens_per_s"],
-                    stats=stats_delta(before[id(case)], stats_snapshot(llm)))
+                    stats=stats_delta(before[id(case)], stats_snapshot(llm)), generated_tokens=made[id(case)])
+        case["tokens_per_forward"] = tokens_per_forward(case)
         if temperature == 0:
             case["tokens_equal"] = equal[id(case)] and plain_equal
     return [c for c, _ in sides]
@@ -258,7 +269,7 @@ def e2e_line(case: dict) -> str:
     acc = "/".join(f"{a:.2f}" for a in st["acceptance_per_position"] or [])
     mal = st["mean_accepted_length"]
     return (head + f"plain {_rate(p)} spec {_rate(s)} tok/s, speedup {case['speedup']:.2f}x, "
-            f"accepted length {'-' if mal is None else f'{mal:.2f}'}, per position {acc or '-'}"
+            f"{tokens_per_forward(case):.2f} tokens per forward, accepted length {'-' if mal is None else f'{mal:.2f}'}, per position {acc or '-'}"
             + ("" if "tokens_equal" not in case else f", greedy equal {case['tokens_equal']}"))
 
 
@@ -424,15 +435,16 @@ def markdown_tables(reports: list[dict]) -> str:
                   f"medians [min-max] of {e2e[0][0]['args']['trials']} trials, plain and speculative "
                   "alternating.", "",
                   "| model | method | k | workload | batch | T | plain tok/s | speculative tok/s | speedup "
-                  "| accepted length | acceptance per position | greedy equal |", "|---" * 12 + "|"]
+                  "| tokens / forward | accepted length | acceptance per position | greedy equal |", "|---" * 13 + "|"]
         for _, c in e2e:
             cells = [c["model"], c["method"], str(c["k"]), c["workload"], str(c["batch"]), f"{c['temperature']:g}"]
             if "skipped" in c:
-                cells += [f"skipped: {c['skipped'][:80]}"] + ["-"] * 5
+                cells += [f"skipped: {c['skipped'][:80]}"] + ["-"] * 6
             else:
                 st = c["stats"]
                 mal = st["mean_accepted_length"]
                 cells += [_rate(c["plain"]), _rate(c["speculative"]), f"{c['speedup']:.2f}×",
+                          f"{tokens_per_forward(c):.2f}",
                           "-" if mal is None else f"{mal:.2f}",
                           " / ".join(f"{a:.2f}" for a in st["acceptance_per_position"] or []) or "-",
                           {True: "yes", False: "NO"}.get(c.get("tokens_equal"), "-")]
@@ -525,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if args.reserve_gib is None:
         args.reserve_gib = 4.0 if device.type == "cuda" else 0.25
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
     report = {"device": name, "torch": torch.__version__, "python": sys.version.split()[0], "dtype": args.dtype,
               "args": {k: v for k, v in vars(args).items()}, "graphs": GRAPHS_NOTE}
 

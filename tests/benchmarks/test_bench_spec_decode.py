@@ -45,6 +45,9 @@ def test_end_to_end_cases(report):
             assert c[side]["min"] <= c[side]["tokens_per_s"] <= c[side]["max"]
         assert c["speedup"] == pytest.approx(c["speculative"]["tokens_per_s"] / c["plain"]["tokens_per_s"])
         st = c["stats"]
+        assert c["generated_tokens"] == 2 * 1 * 8  # trials x prompts x max_tokens (EOS ignored)
+        assert c["tokens_per_forward"] == pytest.approx(16 / (16 - st["accepted_tokens"]))
+        assert 1 <= c["tokens_per_forward"] <= 1 + c["k"]
         assert len(st["accepted_per_position"]) == c["k"]
         assert 0 <= st["accepted_tokens"] <= st["draft_tokens"] <= c["k"] * st["drafts"]
         if st["drafts"]:
