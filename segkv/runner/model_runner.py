@@ -174,7 +174,7 @@ class ModelRunner:
                 slots += chain.append(len(tokens), token_ids=tokens)
                 appended.append((chain, len(tokens)))
                 positions += range(start, start + len(tokens))
-            mla_mode = self._mla_mode(chunks)
+            mla_mode = self.mla_mode_of(chunks)
             queries = [SequenceQuery.from_chain(c, len(t)) for c, t in zip(chains, chunks)]
             ahead, self._ahead = self._ahead, None
             if (ahead is not None and ahead.mla_mode == mla_mode and ahead.device_spec is self.device_spec
@@ -182,7 +182,7 @@ class ModelRunner:
                 plan, arrays = ahead.plan, ahead.arrays  # planned while the GPU ran the last step
                 self.plans_ahead_used += 1
             else:
-                plan, arrays = self._plan(queries, mla_mode), None
+                plan, arrays = self.plan(queries, mla_mode), None
             logits = None
             if (self.graphs is not None and not all_rows and self.hidden_listener is None
                     and all(len(t) == 1 for t in chunks)):  # 1 row each
@@ -209,13 +209,14 @@ class ModelRunner:
     @property
     def decode_mla_mode(self) -> str:
         """The MLA mode of a decode step (one row per sequence): the one its CUDA graphs capture."""
-        return self._mla_mode([[PENDING_TOKEN]])
+        return self.mla_mode_of([[PENDING_TOKEN]])
 
     def forget_plan_ahead(self) -> None:
         """Drop the next step planned ahead (after a warm-up: that step never comes)."""
         self._ahead = None
 
-    def _plan(self, queries: list[SequenceQuery], mla_mode: str) -> AttentionPlan:
+    def plan(self, queries: list[SequenceQuery], mla_mode: str) -> AttentionPlan:
+        """The attention plan of ``queries`` on this runner's device, cache and route."""
         return plan_attention(queries, self.model.attention_shape(mla_mode), self.device_spec,
                               page_size=self.cache.page_size, route=self.route)
 
@@ -240,7 +241,7 @@ class ModelRunner:
                 pages, taken = pages + (new_pages[taken],), taken + 1
             spans[-1] = replace(tail, page_ids=pages, num_rows=tail.num_rows + 1)
             queries.append(SequenceQuery(tuple(spans), 1))
-        plan = self._plan(queries, mla_mode)
+        plan = self.plan(queries, mla_mode)
         return _PlanAhead(queries, mla_mode, self.device_spec, self.route, plan, flatten_plan(plan))
 
     def _eager_logits(self, chunks: list[list[int]], positions: list[int], slots: list[int], plan: AttentionPlan,
@@ -302,8 +303,9 @@ class ModelRunner:
             return TritonBackend(page_size=cache.page_size, device=self.device)
         return TorchReferenceBackend(page_size=cache.page_size, device=self.device)
 
-    def _mla_mode(self, chunks: list[list[int]]) -> str:
-        """Absorbed (latent) attention for decode-sized windows, naive for prefill chunks."""
+    def mla_mode_of(self, chunks: list[list[int]]) -> str:
+        """The MLA mode of a step over ``chunks``: absorbed (latent) attention for decode-sized
+        windows, naive for prefill chunks (or the runner's forced mode)."""
         if self.mla_mode != "auto":
             return self.mla_mode
         return "absorbed" if max(len(c) for c in chunks) <= self.decode_rows_threshold else "naive"

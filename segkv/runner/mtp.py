@@ -149,8 +149,8 @@ class MtpRunner:
 
     def _forward(self, queries, hidden, next_ids, positions, slots, *, depth: int, widths: list[int]):
         runner = self.runner
-        mla_mode = runner._mla_mode([[0] * w for w in widths])
-        plan = runner._plan(queries, mla_mode)
+        mla_mode = runner.mla_mode_of([[0] * w for w in widths])
+        plan = runner.plan(queries, mla_mode)
         meta = AttentionMetadata(backend=runner.backend, prepared=runner.backend.prepare(plan),
                                  storage=runner.cache.storage, slots=to_device(slots, torch.long, runner.device),
                                  mla_mode=mla_mode)
