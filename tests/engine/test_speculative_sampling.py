@@ -1,0 +1,358 @@
+"""Speculative decoding through the engine samples exactly the target's distribution.
+
+``tests/spec/test_rejection.py`` proves the rejection rule on synthetic distributions; here the
+whole path runs (the scheduler, prefix reuse, proposers, verify windows, the sampler's
+distributions, trimming): a 24-token vocabulary model's first three generated tokens, drawn tens
+of thousands of times with and without speculation (n-gram lookup; a second random model as the
+draft), are compared by chi-square tests with each other and with the exact distribution
+computed from the model's logits, at temperature 1 and at top-p 0.9. A deliberately wrong
+acceptance rule patched in must fail the same comparison (the tests' power). Then windows under
+a small KV cache: preempted and recomputed requests, and an abort between steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import segkv.engine.generation as generation
+from model_helpers import COMMON, gqa_families
+from segkv.engine.core import EngineCore
+from segkv.engine.llm import LLM
+from segkv.sampling_params import SamplingParams
+from segkv.scheduler import SchedulerConfig
+
+VOCAB = 24
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NUM_SAMPLES = 20_000
+NUM_POWER_SAMPLES = 5_000
+# Three tokens are compared; a fourth makes room for windows of two drafts (positions 2 and 3):
+# a window never drafts past max_tokens, so with 3 the windows would hold one draft only
+MAX_TOKENS = 4
+ALPHA = 1e-5  # a correct engine fails one of this file's 40 comparisons with probability < 1e-3
+SETTINGS = {"temperature-1": dict(temperature=1.0), "top-p-0.9": dict(temperature=1.0, top_p=0.9)}
+# Every vocabulary token once, then a repeat: whatever the first sampled token, the n-gram
+# proposer finds it in the prompt and drafts what followed it; 30 tokens (at least the draft
+# model's 16 to fork its cached prompt instead of computing it per request)
+PROMPT = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1)).tolist()
+PROMPT = PROMPT + PROMPT[:6]
+
+
+# -- a model of a small vocabulary ---------------------------------------------------
+def build_word_model(directory, *, seed: int, scale: float = 0.2):
+    """A one-layer random Qwen3 over a 24-word word-level tokenizer (eos ``<|im_end|>`` = 0); its
+    weights scaled so that next-token distributions are spread (top token ~0.3, entropy ~2.3
+    nats of ln 24 = 3.2): neither one-hot nor uniform. Returns the HF model."""
+    directory.mkdir(parents=True, exist_ok=True)
+    words = ["<|im_end|>", "<|pad|>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 3)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|pad|>",
+        "bos_token": None, "add_bos_token": False}))
+    config_cls, model_cls, extra = gqa_families()["qwen3"]
+    config = config_cls(vocab_size=VOCAB, **{**COMMON, **extra, "num_hidden_layers": 1})
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, scale)
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="module")
+def word_models(tmp_path_factory):
+    """(target directory, draft directory, the target's HF model): two different random models."""
+    root = tmp_path_factory.mktemp("word-models")
+    target = build_word_model(root / "target", seed=0)
+    build_word_model(root / "draft", seed=1)
+    return root / "target", root / "draft", target
+
+
+def big_batches(llm: LLM) -> LLM:
+    """Let ``generate`` run up to 1024 sequences per step (fewer, larger forwards)."""
+    llm.core = EngineCore(llm.cache, llm.generator,
+                          SchedulerConfig(max_num_seqs=1024, max_num_batched_tokens=8192, max_waiting=1024))
+    return llm
+
+
+@pytest.fixture(scope="module")
+def engines(word_models):
+    target, draft, _ = word_models
+    kw = {"page_size": 16, "num_pages": 4096}  # 1024 running sequences and the shared prompt fit
+    return {
+        "plain": big_batches(LLM(target, **kw)),
+        "ngram": big_batches(LLM(target, speculative_config=NGRAM, **kw)),
+        "draft_model": big_batches(LLM(target, **kw, speculative_config={
+            "method": "draft_model", "num_speculative_tokens": 2, "model": str(draft)})),
+    }
+
+
+def params_of(setting: str) -> SamplingParams:
+    return SamplingParams(**SETTINGS[setting], max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def draw(llm: LLM, setting: str, count: int, *, seed: int,
+         chunk: int | None = None) -> list[tuple[int, int, int]]:
+    """``count`` samples of the first three tokens of ``PROMPT``: identical unseeded requests in
+    ``generate`` calls of ``chunk`` prompts (default: one call; their draws come from the default
+    generator, seeded here)."""
+    torch.manual_seed(seed)
+    chunk = chunk or count
+    samples = []
+    for start in range(0, count, chunk):
+        outputs = llm.generate([PROMPT] * min(chunk, count - start), params_of(setting))
+        samples += [tuple(r.outputs[0].token_ids[:3]) for r in outputs]
+    assert len(samples) == count and all(len(s) == 3 for s in samples)
+    assert llm.cache.stats()["pages_in_use"] == 0  # every request's pages went back
+    return samples
+
+
+# The draft model proposer looks for a draft chain to fork among those of every live target
+# chain, and ``generate`` keeps its requests' chains alive until it returns: a call of 20,000
+# requests costs quadratic time there, so its samples are drawn 500 requests per call
+CHUNKS = {"ngram": None, "draft_model": 500}
+
+
+_plain_samples: dict[str, list[tuple[int, int, int]]] = {}
+
+
+def plain_samples(engines, setting: str) -> list[tuple[int, int, int]]:
+    if setting not in _plain_samples:
+        _plain_samples[setting] = draw(engines["plain"], setting, NUM_SAMPLES, seed=100)
+    return _plain_samples[setting]
+
+
+# -- the exact distribution ---------------------------------------------------------
+_exact: dict[str, torch.Tensor] = {}
+
+
+def exact_joint(word_models, engines, setting: str) -> torch.Tensor:
+    """``(V, V, V)`` float64: the probability of each first three tokens, from the target's
+    logits after the prompt and every one- and two-token continuation, turned into sampling
+    distributions by the engine's sampler (temperature, top-p)."""
+    if setting in _exact:
+        return _exact[setting]
+    _, _, hf = word_models
+    contexts = [[]] + [[x] for x in range(VOCAB)] + [[x, y] for x in range(VOCAB) for y in range(VOCAB)]
+    with torch.no_grad():
+        rows = []
+        for length in (0, 1, 2):  # one batch per context length
+            batch = torch.tensor([PROMPT + c for c in contexts if len(c) == length])
+            rows.append(hf(batch).logits[:, -1].float())
+        logits = torch.cat(rows)
+    params = params_of(setting)
+    probs = engines["plain"].generator.sampler.distribution(
+        logits, [params] * len(contexts), prompt_token_ids=[PROMPT] * len(contexts),
+        output_token_ids=contexts).double()
+    p1 = probs[0]
+    p2 = probs[1 : 1 + VOCAB]
+    p3 = probs[1 + VOCAB :].reshape(VOCAB, VOCAB, VOCAB)
+    _exact[setting] = p1[:, None, None] * p2[:, :, None] * p3
+    return _exact[setting]
+
+
+# -- chi-square tests ---------------------------------------------------------------
+def chi2_sf(statistic: float, df: int) -> float:
+    """P(X >= statistic) for X ~ chi-square(df)."""
+    if df <= 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+def two_sample_p(a: Counter, b: Counter, *, min_count: int = 10) -> float:
+    """Chi-square test that two samples' counts over the same cells come from one distribution;
+    cells with fewer than ``min_count`` pooled counts are merged into one."""
+    na, nb = sum(a.values()), sum(b.values())
+    cells, sparse = [], [0, 0]
+    for key in set(a) | set(b):
+        if a[key] + b[key] >= min_count:
+            cells.append((a[key], b[key]))
+        else:
+            sparse[0] += a[key]
+            sparse[1] += b[key]
+    if sum(sparse):
+        cells.append(tuple(sparse))
+    ka, kb = math.sqrt(nb / na), math.sqrt(na / nb)
+    statistic = sum((x * ka - y * kb) ** 2 / (x + y) for x, y in cells)
+    return chi2_sf(statistic, len(cells) - 1)
+
+
+def goodness_of_fit_p(observed: Counter, expected: dict, *, min_expected: float = 5.0) -> float:
+    """Chi-square test of counts against exact cell probabilities (cells expected fewer than
+    ``min_expected`` times are merged; an observed cell of probability 0 gives p = 0)."""
+    n = sum(observed.values())
+    if any(expected.get(key, 0.0) == 0.0 for key in observed):
+        return 0.0
+    cells, sparse = [], [0, 0.0]
+    for key, prob in expected.items():
+        if n * prob >= min_expected:
+            cells.append((observed[key], n * prob))
+        elif prob > 0:
+            sparse[0] += observed[key]
+            sparse[1] += n * prob
+    if sparse[1] > 0:
+        cells.append(tuple(sparse))
+    statistic = sum((o - e) ** 2 / e for o, e in cells)
+    return chi2_sf(statistic, len(cells) - 1)
+
+
+VIEWS = {  # what is compared: each position's marginal, and the joint of the first two
+    "token 1": lambda s: s[0],
+    "token 2": lambda s: s[1],
+    "token 3": lambda s: s[2],
+    "tokens 1-2": lambda s: s[:2],
+}
+
+
+def view_probs(joint: torch.Tensor, view: str) -> dict:
+    if view == "tokens 1-2":
+        table = joint.sum(2)
+        return {(x, y): float(table[x, y]) for x in range(VOCAB) for y in range(VOCAB)}
+    marginal = joint.sum(dim=tuple(d for d in range(3) if d != int(view[-1]) - 1))
+    return {x: float(marginal[x]) for x in range(VOCAB)}
+
+
+def p_values(samples, plain, joint) -> dict[str, float]:
+    """Each view's p-value against the plain samples and against the exact distribution."""
+    out = {}
+    for view, key in VIEWS.items():
+        counts = Counter(map(key, samples))
+        out[f"{view} vs plain"] = two_sample_p(counts, Counter(map(key, plain)))
+        out[f"{view} vs exact"] = goodness_of_fit_p(counts, view_probs(joint, view))
+    return out
+
+
+def spec_counts(llm: LLM) -> tuple[int, int, int]:
+    s = llm.generator.spec_stats
+    return s.drafts, s.accepted_tokens, s.draft_tokens - s.accepted_tokens
+
+
+# -- exactness ----------------------------------------------------------------------
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_plain_sampling_matches_the_exact_distribution(word_models, engines, setting):
+    """The reference itself: plain samples fit the distribution computed from the logits (and
+    that distribution is spread: neither one-hot nor uniform at any position)."""
+    joint = exact_joint(word_models, engines, setting)
+    assert math.isclose(float(joint.sum()), 1.0, abs_tol=1e-6)
+    for view in ("token 1", "token 2", "token 3"):
+        probs = torch.tensor(list(view_probs(joint, view).values()))
+        assert 0.1 < float(probs.max()) < 0.6 and int((probs > 0.01).sum()) >= 5
+    samples = plain_samples(engines, setting)
+    for view, key in VIEWS.items():
+        p = goodness_of_fit_p(Counter(map(key, samples)), view_probs(joint, view))
+        print("plain", setting, view, p)  # shown with -s
+        assert p > ALPHA, (view, p)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_sampling_has_the_target_distribution(word_models, engines, method, setting):
+    llm = engines[method]
+    before = spec_counts(llm)
+    samples = draw(llm, setting, NUM_SAMPLES, seed=200, chunk=CHUNKS[method])
+    drafts, accepted, rejected = (b - a for a, b in zip(before, spec_counts(llm)))
+    assert drafts > 0 and accepted > 0 and rejected > 0, (drafts, accepted, rejected)
+    assert drafts >= NUM_SAMPLES // 2  # the proposers draft at (nearly) every first window
+    result = p_values(samples, plain_samples(engines, setting), exact_joint(word_models, engines, setting))
+    print(method, setting, (drafts, accepted, rejected), result)  # shown with -s
+    failed = {name: p for name, p in result.items() if p <= ALPHA}
+    assert not failed, (failed, result)
+
+
+def accept_every_draft(target_probs, draft_ids, draft_probs, generator):
+    """A wrong acceptance rule: every draft is kept, then the bonus token is drawn from the last
+    row (the second token becomes the n-gram lookup's guess whenever there is one)."""
+    last = target_probs[len(draft_ids)]
+    return list(draft_ids) + [int(torch.multinomial(last, 1, generator=generator))]
+
+
+def test_a_wrong_acceptance_rule_fails_the_same_comparison(word_models, engines, monkeypatch):
+    """The tests' power: with a wrong rule patched into the generator, the second token's
+    distribution and the joint of the first two are told apart from plain sampling and from
+    the exact distribution."""
+    monkeypatch.setattr(generation, "verify_window", accept_every_draft)
+    llm = engines["ngram"]
+    before = spec_counts(llm)
+    samples = draw(llm, "temperature-1", NUM_POWER_SAMPLES, seed=300)
+    assert spec_counts(llm)[0] > before[0]
+    result = p_values(samples, plain_samples(engines, "temperature-1"),
+                      exact_joint(word_models, engines, "temperature-1"))
+    print("wrong rule", result)  # shown with -s
+    for name in ("token 2 vs plain", "token 2 vs exact", "tokens 1-2 vs plain", "tokens 1-2 vs exact"):
+        assert result[name] < 1e-12, (name, result)
+
+
+# -- windows under a small KV cache -------------------------------------------------
+def run_all(core: EngineCore, max_steps: int = 10_000) -> None:
+    for _ in range(max_steps):
+        if not core.has_unfinished():
+            return
+        core.step()
+    raise AssertionError("requests did not finish")
+
+
+def looping_prompts(count: int) -> list[list[int]]:
+    """Short prompts with repeats (and random greedy continuations loop): n-gram drafts are found."""
+    return [[3 + (i + j) % 7 for j in range(4 + i % 3)] * 2 + [3 + i % 7] for i in range(count)]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def greedy_alone(word_models):
+    big = LLM(word_models[0], page_size=4, num_pages=800)
+    return [big.generate([p], GREEDY)[0].outputs[0].token_ids for p in looping_prompts(12)]
+
+
+def small_core(word_models) -> tuple[LLM, EngineCore]:
+    small = LLM(word_models[0], page_size=4, num_pages=40, speculative_config=NGRAM)
+    config = SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=64)
+    return small, EngineCore(small.cache, small.generator, config)
+
+
+def test_a_small_cache_preempts_and_recomputes_windows_with_plain_greedy_tokens(word_models, greedy_alone):
+    small, core = small_core(word_models)
+    start = small.cache.pool.pages_in_use
+    requests = [core.add_request(p, GREEDY) for p in looping_prompts(12)]
+    run_all(core)
+    assert core.num_preemptions > 0
+    drafts, accepted, rejected = spec_counts(small)
+    assert drafts > 0 and accepted > 0 and rejected > 0
+    assert [r.output().outputs[0].token_ids for r in requests] == greedy_alone
+    core.prefix.clear()
+    assert small.cache.pool.pages_in_use == start
+
+
+def test_an_abort_between_windows_frees_its_pages(word_models, greedy_alone):
+    small, core = small_core(word_models)
+    start = small.cache.pool.pages_in_use
+    prompts = looping_prompts(12)
+    requests = [core.add_request(p, GREEDY) for p in prompts]
+    owner = {id(r.seqs[0]): i for i, r in enumerate(requests)}
+    running = []
+    while not running:  # a request that has verified windows and holds rows now
+        core.step()
+        running = [owner[id(s)] for s in core.running if len(s.output_ids) >= 4 and s.chain.num_rows]
+    assert small.generator.spec_stats.drafts > 0
+    victim = running[0]
+    in_use = small.cache.pool.pages_in_use
+    assert core.abort(requests[victim].request_id) and requests[victim].aborted
+    assert small.cache.pool.pages_in_use < in_use  # its pages went back at once
+    run_all(core)
+    assert core.num_preemptions > 0
+    assert requests[victim].output().outputs[0].finish_reason == "abort"
+    assert [r.output().outputs[0].token_ids for i, r in enumerate(requests) if i != victim] == \
+        [t for i, t in enumerate(greedy_alone) if i != victim]
+    core.prefix.clear()
+    assert small.cache.pool.pages_in_use == start
