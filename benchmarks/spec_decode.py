@@ -430,8 +430,9 @@ def markdown_tables(reports: list[dict]) -> str:
     if e2e:
         devices = "; ".join(sorted({r["device"] for r, _ in e2e}))
         first = e2e[0][1]
+        sizes = [n for _, c in e2e for n in c["prompt_tokens"]]
         lines += [f"Device: {devices}; {e2e[0][0]['dtype']}; {first['max_tokens']} new tokens per prompt, "
-                  f"prompts of {min(first['prompt_tokens'])}-{max(first['prompt_tokens'])} tokens; tokens/s "
+                  f"prompts of {min(sizes)}-{max(sizes)} tokens; tokens/s "
                   f"medians [min-max] of {e2e[0][0]['args']['trials']} trials, plain and speculative "
                   "alternating.", "",
                   "| model | method | k | workload | batch | T | plain tok/s | speculative tok/s | speedup "
