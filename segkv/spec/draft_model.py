@@ -29,6 +29,7 @@ sequence that still does not fit gets no drafts this step: the step never fails.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from segkv.tokenizer.tokenizer import Tokenizer
 DEFAULT_DRAFT_CACHE_BYTES = 256 << 20
 # a new draft chain forks a live one only when they share at least this many tokens
 MIN_FORK_TOKENS = 16
+FORK_CANDIDATES = 64  # most recent draft states a new sequence may fork from
 # text whose token ids both tokenizers must agree on (code, prose, digits, non-ASCII)
 _PROBE = "def f(x):\n    return {'a': [1, 2.5]}  # héllo, wörld — 日本語 🙂\n\nThe quick brown fox. 12345"
 
@@ -184,7 +186,9 @@ class DraftModelProposer:
             state.last_used = self._clock
             return state
         best, best_len = None, MIN_FORK_TOKENS - 1
-        for other in self._states.values():
+        # the newest states only (a fork's parent was made or used just before): scanning every
+        # live state would make a batch of N new sequences cost N^2 / 2 comparisons
+        for other in itertools.islice(reversed(self._states.values()), FORK_CANDIDATES):
             if other.token_ids[:1] == ids[:1]:
                 n = _common_prefix(other.token_ids, ids)
                 if n > best_len:

@@ -254,8 +254,9 @@ def test_plain_sampling_matches_the_exact_distribution(word_models, engines, set
         assert p > ALPHA, (view, p)
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+# the n-gram proposer at both settings; the draft model (slower on the CPU) at temperature 1
+@pytest.mark.parametrize("method,setting", [("ngram", "temperature-1"), ("ngram", "top-p-0.9"),
+                                            ("draft_model", "temperature-1")])
 def test_speculative_sampling_has_the_target_distribution(word_models, engines, method, setting):
     llm = engines[method]
     before = spec_counts(llm)
