@@ -275,10 +275,10 @@ def test_the_dashboard_shows_the_acceptance_rate_in_a_browser(servers, spec):
         try:
             page = browser.new_page()
             page.goto(f"{plain_base}/")
-            page.wait_for_function("document.getElementById('status').dataset.updated !== ''")
+            page.wait_for_function("() => document.getElementById('status').dataset.updated !== ''")
             assert not page.is_visible("#spec-card"), "speculation off: no card"
             page.goto(f"{spec_base}/")
-            page.wait_for_function("document.getElementById('spec-drafts').dataset.updated !== ''")
+            page.wait_for_function("() => document.getElementById('spec-drafts').dataset.updated !== ''")
             stats = httpx.get(f"{spec_base}/dashboard/stats").json()["speculative"]
             assert page.is_visible("#spec-card")
             assert page.text_content("#spec-method") == "ngram (k=3)"
