@@ -79,7 +79,7 @@ from benchmarks.hf_baseline import (
     hf_case_bytes,
     hf_tensor,
 )
-from benchmarks.runs import StepTimes, release, summary, sync
+from benchmarks.runs import StepTimes, int_list, release, summary, sync
 from benchmarks.turns import TokenIdsOnly
 from segkv.engine.generation import Generator, default_lookahead
 from segkv.layers.sampler import argmax_rows
@@ -626,22 +626,11 @@ def _guarded(fn, *args, device: torch.device, **kwargs) -> dict:
         release(device)
 
 
-def _ints(text: str) -> list[int]:
-    out = []
-    for item in text.split(","):
-        item = item.strip().upper()
-        if item:
-            out.append(int(item[:-1]) * 1024 if item.endswith("K") else int(item))
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers (1K = 1024), got {text!r}")
-    return out
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
-    p.add_argument("--batches", type=_ints, default=[1, 8, 32])
-    p.add_argument("--contexts", type=_ints, default=[1024, 16384, 65536], help="e.g. 1K,16K,64K")
+    p.add_argument("--batches", type=int_list, default=[1, 8, 32])
+    p.add_argument("--contexts", type=int_list, default=[1024, 16384, 65536], help="e.g. 1K,16K,64K")
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed run (>= 5)")
     p.add_argument("--trials", type=int, default=3, help="timed runs per case (median, min, max)")
     p.add_argument("--warmup", type=int, default=4, help="untimed segkv steps before the trials")

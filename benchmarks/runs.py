@@ -1,8 +1,10 @@
 """Small helpers the model benchmarks share: waiting for and freeing the device between cases,
-marks of a run's steps, and the median / min / max summary of repeated rate measurements."""
+marks of a run's steps, the median / min / max summary of repeated rate measurements, and the
+integers of their command lines."""
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import time
@@ -49,3 +51,13 @@ class StepTimes:
             self.marks[-1].synchronize()
             return self.marks[first].elapsed_time(self.marks[-1]) / 1e3
         return self.marks[-1] - self.marks[first]
+
+
+def int_list(text: str) -> list[int]:
+    """A command-line list of positive integers, ``"1,8,32"`` or ``"1K,16K"`` (1K = 1024)."""
+    out = []
+    for item in filter(None, (x.strip().upper() for x in text.split(","))):
+        out.append(int(item[:-1]) * 1024 if item.endswith("K") else int(item))
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers (1K = 1024), got {text!r}")
+    return out

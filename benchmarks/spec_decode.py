@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.decode_e2e import build_runner, build_segkv, free_memory_bytes, model_config, trim_to
-from benchmarks.runs import release, summary, sync
+from benchmarks.runs import int_list, release, summary, sync
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype
 from segkv.engine.llm import LLM
@@ -476,13 +476,6 @@ def markdown_tables(reports: list[dict]) -> str:
 
 
 # -- the run --------------------------------------------------------------------------------
-def _ints(text: str) -> list[int]:
-    out = []
-    for item in filter(None, (x.strip().upper() for x in text.split(","))):
-        out.append(int(item[:-1]) * 1024 if item.endswith("K") else int(item))
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers (1K = 1024), got {text!r}")
-    return out
 
 
 def _floats(text: str) -> list[float]:
@@ -494,13 +487,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parts", default="e2e,verify", help="comma-separated: e2e, verify")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--ks", type=_ints, default=[1, 2, 3, 4], help="speculative tokens per window")
+    p.add_argument("--ks", type=int_list, default=[1, 2, 3, 4], help="speculative tokens per window")
     p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("end to end")
     g.add_argument("--cases", type=parse_cases, default=parse_cases(CASES), help=f"model:method, ... ({CASES})")
     g.add_argument("--draft-model", default="default", help="the draft model of method draft_model")
     g.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated: {', '.join(WORKLOADS)}")
-    g.add_argument("--batches", type=_ints, default=[1, 8])
+    g.add_argument("--batches", type=int_list, default=[1, 8])
     g.add_argument("--temperatures", type=_floats, default=[0.0], help="e.g. 0,1 (0: greedy)")
     g.add_argument("--prompts", type=int, default=4, help="prompts per trial (rounded up to the batch)")
     g.add_argument("--prompt-tokens", type=int, default=512)
@@ -508,8 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trials", type=int, default=3)
     g = p.add_argument_group("verify-step cost")
     g.add_argument("--verify-models", default=",".join(VERIFY_MODELS))
-    g.add_argument("--verify-batches", type=_ints, default=[1, 8, 32])
-    g.add_argument("--contexts", type=_ints, default=[1024, 32768], help="e.g. 1K,32K")
+    g.add_argument("--verify-batches", type=int_list, default=[1, 8, 32])
+    g.add_argument("--contexts", type=int_list, default=[1024, 32768], help="e.g. 1K,32K")
     g.add_argument("--verify-steps", type=int, default=10, help="calls per side per trial")
     g.add_argument("--verify-trials", type=int, default=3)
     g.add_argument("--verify-warmup", type=int, default=2)
