@@ -19,7 +19,7 @@ from segkv.runner.mtp import MtpRunner
 from segkv.spec.config import SpeculativeConfig
 from segkv.spec.draft_model import DraftModelProposer
 from segkv.spec.mtp import MtpProposer
-from segkv.spec.ngram import NgramProposer
+from segkv.spec.ngram import NgramIndex, NgramProposer
 from segkv.spec.rejection import verify_window
 from segkv.tokenizer.detokenizer import IncrementalDetokenizer
 from segkv.tokenizer.tokenizer import Tokenizer
@@ -46,6 +46,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     siblings: list[Sequence] = field(default_factory=list)  # samples 1..n-1 forked after prefill
+    draft_state: object | None = None  # a proposer's own state for this sequence (its n-gram index)
 
     @property
     def num_pending(self) -> int:
@@ -409,14 +410,25 @@ class Proposer(Protocol):
 
 
 class NgramDrafts:
-    """:class:`Proposer` of prompt lookup (``segkv.spec.ngram``) over each sequence's own tokens."""
+    """:class:`Proposer` of prompt lookup (``segkv.spec.ngram``) over each sequence's own tokens.
+
+    Each sequence keeps an incremental n-gram index (``draft_state``) that takes only the tokens
+    generated since the last step, so a step costs the same at any context length. A sequence's
+    tokens only grow (trims and preemption drop rows, not tokens), so the index never rolls back."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.lookup = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
                                     config.num_speculative_tokens)
 
     def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
-        return [self.lookup.propose(s.all_token_ids())[:room] for s, room in zip(seqs, rooms)]
+        out = []
+        for s, room in zip(seqs, rooms):
+            index = s.draft_state
+            if not isinstance(index, NgramIndex):
+                index = s.draft_state = self.lookup.new_index(s.history)
+            index.extend(s.output_ids[len(index) - len(s.history):])
+            out.append(index.propose(room))
+        return out
 
 
 def _make_proposer(config: SpeculativeConfig | None, runner: ModelRunner, tokenizer: Tokenizer) -> Proposer | None:
