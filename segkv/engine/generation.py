@@ -57,6 +57,11 @@ class Sequence:
         """Prompt and generated tokens, in order."""
         return self.history + self.output_ids
 
+    def token_ids_from(self, start: int) -> list[int]:
+        """``all_token_ids()[start:]`` without building the whole list."""
+        h = len(self.history)
+        return self.history[start:] + self.output_ids if start < h else self.output_ids[start - h:]
+
     def result(self) -> CompletionOutput:
         return CompletionOutput(
             index=self.index,

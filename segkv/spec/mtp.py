@@ -23,8 +23,8 @@ class MtpProposer:
         self.mtp = mtp
 
     def propose(self, seqs: list, rooms: list[int]) -> list[list[int]]:
-        """``seqs``: sequences with ``chain`` and ``all_token_ids()`` (the last id pending, no row
-        yet); at most ``rooms[i]`` drafts each."""
+        """``seqs``: sequences with ``chain`` and ``token_ids_from(start)`` (their tokens from
+        ``start``; the last one pending, with no row yet); at most ``rooms[i]`` drafts each."""
         out: list[list[int]] = [[] for _ in seqs]
         ready, next_ids = [], []
         for i, s in enumerate(seqs):
@@ -32,7 +32,7 @@ class MtpProposer:
             if n:
                 rows = s.chain.num_rows
                 ready.append(i)
-                next_ids.append(s.all_token_ids()[rows - n + 1 : rows + 1])
+                next_ids.append(s.token_ids_from(rows - n + 1))  # through the pending token
         if not ready:
             return out
         hidden = self.mtp.catch_up([seqs[i].chain for i in ready], next_ids)
