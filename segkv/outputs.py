@@ -33,13 +33,19 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """The outputs of one prompt; ``num_cached_tokens`` of the prompt were not recomputed."""
+    """The outputs of one prompt; ``num_cached_tokens`` of the prompt were not recomputed.
+
+    ``prompt_logprobs`` (when the request's ``prompt_logprobs`` is set): one entry per prompt
+    token, ``None`` for the first (nothing precedes it), else the token's log-probability given
+    the tokens before it and the asked number of alternatives (as vLLM reports them).
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)

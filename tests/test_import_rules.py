@@ -21,6 +21,7 @@ RANK = {
     "tokenizer": 5,  # text <-> token ids; the engine and the server's templates use it
     "sessions": 6,  # conversations and sessions take their engine through a Protocol
     "spec": 6,  # speculative decoding: proposers and the verification of their drafts
+    "structured": 6,  # constrained decoding: grammars compiled for a tokenizer, a matcher per sequence
     "engine": 7,
     "server": 8,
     "bench": 9,
