@@ -34,6 +34,7 @@ SPECULATIVE_CONFIG_HELP = ("speculative decoding, a JSON object of vLLM's keys: 
                            "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' (default: off)")
 API_KEY_ENV = "SEGKV_API_KEY"  # as vLLM reads VLLM_API_KEY
 SHUTTING_DOWN = "the server is shutting down"
+TOOL_CALL_PARSERS = ["deepseek_v3", "hermes", "llama3_json", "mistral"]  # segkv.server.tool_parsers.PARSERS
 
 
 def _positive_int(text: str) -> int:
@@ -120,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "environment variable; unset: no key)")
     serve.add_argument("--max-request-bytes", type=_positive_int, default=None,
                        help="largest request body accepted, in bytes (default: 16 MiB)")
+    serve.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                       help="how the model writes tool calls (vLLM's names; default: the model family's)")
     return parser
 
 
@@ -200,6 +203,7 @@ def _load_and_serve(args, gate, engines: list, server, snapshot_dir: Path | None
     builtin = is_default_name(args.model)
     name = args.served_model_name or (args.model if builtin else llm.model_dir.name)
     options = _app_options(app_module, api_key=api_key, max_request_bytes=args.max_request_bytes)
+    options["tool_call_parser"] = args.tool_call_parser
     gate.ready(app_module.create_app(engine, model_name=name, snapshot_dir=snapshot_dir,
                                      session_ttl=args.session_ttl, **options))
     print(f"segkv: serving {name} on http://{args.host}:{args.port}", flush=True)

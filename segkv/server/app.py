@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,8 +25,13 @@ from segkv.server.errors import APIError, echo, engine_error, install_error_hand
 from segkv.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard, check_max_bytes
 from segkv.server.metrics import CONTENT_TYPE, ServerMetrics, speculative_stats
 from segkv.server.sessions_api import sessions_router
-from segkv.server.protocol import (ChatCompletionRequest, CompletionRequest, Usage, chat_logprobs,
-                                   completion_logprobs, finish_reason, sse_event)
+from segkv.server.protocol import (ChatCompletionRequest, CompletionRequest, FieldError, Usage, chat_logprobs,
+                                   completion_logprobs, finish_reason, joined_logprobs, prompt_logprobs,
+                                   sse_event)
+from segkv.server.structured import structured_output
+from segkv.server.tool_output import CallText, ToolStream, limit_calls
+from segkv.server.tool_parsers import default_parser, parser_for
+from segkv.server.tools import call_constraint, check_parameter_schemas, template_message, tool_settings
 
 __all__ = ["APIError", "DEFAULT_MAX_REQUEST_BYTES", "create_app"]
 
@@ -78,8 +84,12 @@ class _Streams:
 
 def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path | None = None,
                session_ttl: float = 3600.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """An OpenAI-compatible app serving ``engine`` under the model name ``model_name``.
+
+    Tool calls are read with ``tool_call_parser`` (vLLM's ``--tool-call-parser`` names), by
+    default the parser of the model's family (:func:`segkv.server.tool_parsers.default_parser`;
+    none: requests with tools get a 400 unless ``tool_choice`` is "none").
 
     Sessions live ``session_ttl`` seconds idle; ``snapshot_dir`` enables saving them to files.
     Request bodies over ``max_request_bytes`` get a 413. With ``api_key``, ``/v1/*`` and the
@@ -87,6 +97,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
     ``/health`` and ``/metrics`` stay open. Every error is an OpenAI error body.
     """
     check_max_bytes(max_request_bytes)  # here, not when the middleware is built at the first request
+    if tool_call_parser is not None:
+        parser_for(tool_call_parser)  # an unknown name is refused here, not at the first request
     if api_key is not None:
         check_api_key(api_key)
     app = FastAPI(title="segkv", version="0")
@@ -107,6 +119,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
                  "speculative": speculative()},
         model_name=model_name, max_model_len=llm.max_model_len, started=time.time()))
     tokenizer = llm.tokenizer
+    vocab_size = llm.model.cfg.vocab_size
+    parser_name = tool_call_parser or default_parser(_model_type(llm.model_dir))
+    call_text = CallText(tokenizer, parser_for(parser_name)) if parser_name else None
     metrics = ServerMetrics(
         lambda: {**engine.stats(), "sessions": sessions.stats(), "speculative": speculative()},
         model_name=model_name)
@@ -157,14 +172,15 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
         return finals  # type: ignore[return-value]
 
     async def stream_chunks(streams: _Streams, chunk, n: int, first=None, usage: bool = False):
-        """SSE text: ``chunk(choice_index, output, start_token, delta, done)`` per new piece."""
+        """SSE text: ``chunk(choice_index, output, start_token, delta, done, request_output)`` per
+        new piece (a payload, or a list of payloads, none to skip)."""
         texts: dict[int, str] = {}
         tokens: dict[int, int] = {}
         finals: list[RequestOutput] = []
         try:
             if first is not None:
                 for index in range(first):
-                    yield sse_event(chunk(index, None, 0, None, False))
+                    yield sse_event(chunk(index, None, 0, None, False, None))
             async for prompt_index, update in streams.updates():
                 for out in update.output.outputs:
                     index = prompt_index * n + out.index
@@ -172,13 +188,15 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
                     delta = out.text[len(old):] if out.text.startswith(old) else out.text
                     done = out.finish_reason is not None and update.finished
                     if delta or done or len(out.token_ids) > tokens.get(index, 0):
-                        yield sse_event(chunk(index, out, tokens.get(index, 0), delta, done))
+                        payloads = chunk(index, out, tokens.get(index, 0), delta, done, update.output)
+                        for payload in payloads if isinstance(payloads, list) else [payloads]:
+                            yield sse_event(payload)
                     texts[index], tokens[index] = out.text, len(out.token_ids)
                 if update.finished:
                     finals.append(update.output)
                     record(update)
             if usage:
-                yield sse_event(chunk(None, None, 0, Usage.of(finals).model_dump(), True))
+                yield sse_event(chunk(None, None, 0, Usage.of(finals).model_dump(), True, None))
         except Exception as exc:  # headers are sent: report the error in the stream
             yield sse_event(engine_error(exc).body)
         finally:
@@ -198,18 +216,41 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
         if not prompts:
             raise APIError(400, "prompt must not be empty", "invalid_request_error", param="prompt")
         prompts = [check_ids(p) for p in prompts]
+        if req.requested_max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens 0 needs echo (prompt scoring)", "invalid_request_error",
+                           param="max_tokens")
         max_tokens = fit_max_tokens([len(p) for p in prompts], req.requested_max_tokens, default=16,
                                     max_model_len=llm.max_model_len, where="prompt")
-        params = _params(req, default_max_tokens=max_tokens, logprobs=req.logprobs)
+        # echo with logprobs scores the prompt; max_tokens 0 needs prompt logprobs in the engine
+        scoring = req.echo and (req.logprobs is not None or max_tokens == 0)
+        structured = _structured(req)
+        params = _params(req, default_max_tokens=max_tokens, logprobs=req.logprobs, vocab_size=vocab_size,
+                         structured=structured, prompt_logprobs=(req.logprobs or 0) if scoring else None)
         rid, n = f"cmpl-{uuid.uuid4().hex}", req.n
         streams = await start(prompts, params, rid)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
+        sources = prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
+
+        def echoed(final: RequestOutput, out, prompt_index: int) -> tuple[str, dict | None]:
+            """The prompt's text and logprobs, then the output's: what ``echo`` answers."""
+            source = sources[prompt_index]
+            text = source if isinstance(source, str) else tokenizer.decode(prompts[prompt_index])
+            logprobs = completion_logprobs(out, 0, token_text, len(text))
+            if req.logprobs is not None:
+                logprobs = joined_logprobs(prompt_logprobs(final, token_text), logprobs)
+            return text, logprobs
 
         if req.stream:
-            def chunk(index, out, start_token, delta, done):
+            opened: set[int] = set()
+
+            def chunk(index, out, start_token, delta, done, final):
                 if index is None:
                     return {**base, "choices": [], "usage": delta}
                 logprobs = completion_logprobs(out, start_token, token_text, 0)
+                if req.echo and index not in opened:
+                    opened.add(index)
+                    text, logprobs = echoed(final, out, index // n)
+                    delta = text + delta
                 return {**base, "choices": [{"index": index, "text": delta, "logprobs": logprobs,
                                              "finish_reason": finish_reason(out) if done else None}]}
 
@@ -217,16 +258,26 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
                                      media_type="text/event-stream",
                                      background=BackgroundTask(streams.aclose))
         finals = await unless_client_leaves(request, collect(streams, len(prompts)))
-        choices = [{"index": i * n + out.index, "text": out.text, "finish_reason": finish_reason(out),
-                    "logprobs": completion_logprobs(out, 0, token_text, 0)}
-                   for i, final in enumerate(finals) for out in final.outputs]
+        choices = []
+        for i, final in enumerate(finals):
+            for out in final.outputs:
+                text, logprobs = out.text, completion_logprobs(out, 0, token_text, 0)
+                if req.echo:
+                    prefix, logprobs = echoed(final, out, i)
+                    text = prefix + text
+                choices.append({"index": i * n + out.index, "text": text, "finish_reason": finish_reason(out),
+                                "logprobs": logprobs})
         return {**base, "choices": choices, "usage": Usage.of(finals).model_dump()}
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
         check_model(req.model)
+        tools, parser, structured = _chat_tools(req, parser_name)
         try:
-            ids = tokenizer.encode_chat([m.plain() for m in req.messages], add_generation_prompt=True)
+            messages = [template_message(m.plain(), i) for i, m in enumerate(req.messages)]
+            ids = tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools.tools)
+        except FieldError as exc:
+            raise APIError(400, safe_message(exc), "invalid_request_error", param=exc.param) from exc
         except (ValueError, TypeError, jinja2.TemplateError) as exc:
             raise APIError(400, safe_message(exc), "invalid_request_error", param="messages") from exc
         check_ids(ids)
@@ -234,31 +285,56 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
         # no limit given: the room the context leaves, as vLLM does
         max_tokens = fit_max_tokens([len(ids)], req.requested_max_tokens, default=llm.max_model_len,
                                     max_model_len=llm.max_model_len, where="messages")
-        params = _params(req, default_max_tokens=max_tokens, logprobs=logprobs)
+        params = _params(req, default_max_tokens=max_tokens, logprobs=logprobs, vocab_size=vocab_size,
+                         structured=structured)
         rid, n = f"chatcmpl-{uuid.uuid4().hex}", req.n
         streams = await start([ids], params, rid)
         base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": model_name}
 
         if req.stream:
-            def chunk(index, out, start_token, delta, done):
+            tool_streams: dict[int, ToolStream] = {}
+
+            def chunk(index, out, start_token, delta, done, final):
                 if index is None:
                     return {**base, "choices": [], "usage": delta}
                 if out is None:  # the opening chunk of each choice names the role
                     opening = {"index": index, "delta": {"role": "assistant", "content": ""},
                                "logprobs": None, "finish_reason": None}
                     return {**base, "choices": [opening]}
-                return {**base, "choices": [{"index": index, "delta": {"content": delta} if delta else {},
-                                             "logprobs": chat_logprobs(out, start_token, token_text),
-                                             "finish_reason": finish_reason(out) if done else None}]}
+                logprobs = chat_logprobs(out, start_token, token_text)
+                if parser is None:
+                    return {**base, "choices": [{"index": index, "delta": {"content": delta} if delta else {},
+                                                 "logprobs": logprobs,
+                                                 "finish_reason": finish_reason(out) if done else None}]}
+                stream = tool_streams.setdefault(index, ToolStream(parser, parallel=tools.parallel))
+                content, calls = stream.feed(call_text(out.text, out.token_ids), done)
+                deltas = ([{"content": content}] if content else []) + [{"tool_calls": [c]} for c in calls]
+                if not deltas and (done or logprobs):
+                    deltas = [{}]
+                payloads = [{**base, "choices": [{"index": index, "delta": d, "logprobs": None,
+                                                  "finish_reason": None}]} for d in deltas]
+                if payloads:
+                    payloads[0]["choices"][0]["logprobs"] = logprobs
+                    if done:
+                        payloads[-1]["choices"][0]["finish_reason"] = _tool_finish(out, bool(stream.calls))
+                return payloads
 
             return StreamingResponse(stream_chunks(streams, chunk, n, first=n, usage=req.include_usage),
                                      media_type="text/event-stream",
                                      background=BackgroundTask(streams.aclose))
         (final,) = await unless_client_leaves(request, collect(streams, 1))
-        choices = [{"index": out.index, "message": {"role": "assistant", "content": out.text},
-                    "finish_reason": finish_reason(out), "logprobs": chat_logprobs(out, 0, token_text)}
-                   for out in final.outputs]
+        choices = []
+        for out in final.outputs:
+            message, reason = {"role": "assistant", "content": out.text}, finish_reason(out)
+            if parser is not None:
+                parsed = limit_calls(parser.parse(call_text(out.text, out.token_ids)), tools.parallel)
+                if parsed.tool_calls:
+                    message = {"role": "assistant", "content": parsed.content,
+                               "tool_calls": [c.to_openai() for c in parsed.tool_calls]}
+                    reason = _tool_finish(out, True)
+            choices.append({"index": out.index, "message": message, "finish_reason": reason,
+                            "logprobs": chat_logprobs(out, 0, token_text)})
         return {**base, "object": "chat.completion", "choices": choices,
                 "usage": Usage.of([final]).model_dump()}
 
@@ -294,8 +370,62 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
     return app
 
 
-def _params(req, *, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _params(req, **settings) -> SamplingParams:
     try:
-        return req.sampling_params(default_max_tokens=default_max_tokens, logprobs=logprobs)
+        return req.sampling_params(**settings)
+    except FieldError as exc:
+        raise APIError(400, safe_message(exc), "invalid_request_error", param=exc.param) from exc
     except (ValueError, TypeError) as exc:
         raise APIError(400, safe_message(exc), "invalid_request_error") from exc
+
+
+def _structured(req):
+    """The request's output constraint (response_format, guided_*), or None (400 naming the field)."""
+    try:
+        req.check_supported()
+        return structured_output(req.model_extra or {})
+    except FieldError as exc:
+        raise APIError(400, safe_message(exc), "invalid_request_error", param=exc.param) from exc
+
+
+def _chat_tools(req, parser_name: str | None):
+    """(ToolSettings, the parser to read calls with or None, the output constraint or None) of a
+    chat request (400 naming the field for bad tool input)."""
+    try:
+        req.check_supported()
+        extra = req.model_extra or {}
+        tools = tool_settings(extra)
+        structured = structured_output(extra)
+        parser = None
+        if tools.tools and tools.choice != "none":
+            if parser_name is None:
+                raise FieldError("this model has no tool-call parser: start the server with "
+                                 "--tool-call-parser, or send tool_choice \"none\"", "tools")
+            parser = parser_for(parser_name)
+            check_parameter_schemas(tools)
+        if tools.forced:
+            if structured is not None:
+                raise FieldError("`response_format` cannot constrain a forced tool call (`tool_choice` "
+                                 "\"required\" or a named function)", "response_format")
+            try:
+                structured = call_constraint(parser_name, tools)
+            except ValueError as exc:
+                raise FieldError(f"`tools`: {exc}", "tools") from exc
+    except FieldError as exc:
+        raise APIError(400, safe_message(exc), "invalid_request_error", param=exc.param) from exc
+    return tools, parser, structured
+
+
+def _tool_finish(out, called: bool) -> str | None:
+    """"tool_calls" for an output that ended with calls, else its own finish reason."""
+    reason = finish_reason(out)
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _model_type(model_dir: Path) -> str:
+    """The Hugging Face ``model_type`` in the model directory's config.json ("" if unreadable)."""
+    try:
+        value = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return value if isinstance(value, str) else ""

@@ -79,7 +79,9 @@ def engine_error(exc: Exception) -> APIError:
         return APIError(503, safe_message(exc) or "the server is shutting down", "service_unavailable_error",
                         code="engine_stopped")
     if isinstance(exc, (ValueError, TypeError, jinja2.TemplateError)):
-        return APIError(400, safe_message(exc), "invalid_request_error")
+        param = getattr(exc, "param", None)  # a FieldError names its field
+        param = param if isinstance(param, str) else None
+        return APIError(400, safe_message(exc), "invalid_request_error", param=param)
     return APIError(500, f"engine error: {safe_message(exc)}", "server_error")
 
 

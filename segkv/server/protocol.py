@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -75,18 +75,27 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class FieldError(ValueError):
+    """Bad input in one request field; ``param`` names it in the 400."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 # OpenAI request fields this server does not implement, and when a value asks for the feature
 # (a client library may send the neutral value): rejected with a clear error, never ignored
 UNSUPPORTED_FIELDS = {
-    "logit_bias": bool,
-    "tools": bool,
     "functions": bool,
-    "tool_choice": lambda v: v not in (None, "none", "auto"),
     "function_call": lambda v: v not in (None, "none", "auto"),
-    "response_format": lambda v: not (v is None or (isinstance(v, dict) and v.get("type") == "text")),
-    "echo": bool,
     "suffix": bool,
     "best_of": lambda v: v not in (None, 1),
+}
+# chat's tool fields, refused on completions
+COMPLETION_UNSUPPORTED = {
+    **UNSUPPORTED_FIELDS,
+    "tools": bool,
+    "tool_choice": lambda v: v not in (None, "none", "auto"),
 }
 
 
@@ -95,6 +104,7 @@ class _Request(BaseModel):
     the OpenAI features this server lacks (:data:`UNSUPPORTED_FIELDS`), which are refused."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+    unsupported: ClassVar[dict] = UNSUPPORTED_FIELDS
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -118,18 +128,31 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    def sampling_params(self, *, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's settings (ValueError with a clear message for invalid values and for
-        features this server does not implement)."""
+    def check_supported(self) -> None:
+        """FieldError for a field asking for a feature this server does not implement."""
         extra = self.model_extra or {}
-        for name, asks in UNSUPPORTED_FIELDS.items():
+        for name, asks in self.unsupported.items():
             if name in extra and asks(extra[name]):
-                raise ValueError(f"`{name}` is not supported by this server")
+                raise FieldError(f"`{name}` is not supported by this server", name)
+
+    def sampling_params(self, *, default_max_tokens: int, logprobs: int | None, vocab_size: int,
+                        structured=None, prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's settings (ValueError with a clear message for invalid values and for
+        features this server does not implement; FieldError naming the field where one is to
+        blame). ``structured``: the StructuredOutput constraint, if any."""
+        from segkv.server.structured import logit_bias
+
+        self.check_supported()
+        extra = self.model_extra or {}
         given = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "seed": self.seed, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
         }
+        bias = logit_bias(extra.get("logit_bias"), vocab_size)
+        # the engine's newer settings are passed only when asked for
+        newer = {"structured": structured, "logit_bias": bias, "prompt_logprobs": prompt_logprobs}
+        given.update({name: value for name, value in newer.items() if value is not None})
         max_tokens = self.requested_max_tokens
         return SamplingParams(
             **{k: v for k, v in given.items() if v is not None},
@@ -149,13 +172,19 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
+    unsupported: ClassVar[dict] = COMPLETION_UNSUPPORTED
+
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_prompt)]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # 0 with echo: prompt scoring (the prompt's logprobs, nothing generated)
+    max_tokens: int | None = Field(default=None, ge=0)
+    echo: bool = False
 
 
 class ChatMessage(BaseModel):
     """One chat message. ``developer`` is OpenAI's newer name for ``system`` and is templated as
-    one; ``tool`` messages (and assistant ``tool_calls``) are refused: tools are not implemented."""
+    one; ``tool`` messages carry a ``tool_call_id``, assistant messages may carry ``tool_calls``
+    (checked by :func:`segkv.server.tools.template_message`)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -164,11 +193,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def plain(self) -> dict[str, Any]:
-        """The message for the chat template: text parts joined into one string (ValueError
-        for a tool message or tool calls)."""
+        """The message for the chat template: text parts joined into one string (None content,
+        as an assistant message with tool calls has, is an empty string)."""
         extra = self.model_extra or {}
-        if self.role == "tool" or extra.get("tool_calls"):
-            raise ValueError("tool messages and tool calls are not supported by this server (no tools)")
         content = self.content
         if isinstance(content, list):
             content = "".join(part["text"] for part in content)
@@ -246,3 +273,25 @@ def chat_logprobs(output: CompletionOutput, start: int, decode) -> dict | None:
     return {"content": [{**item(e.token_id, e.logprob),
                          "top_logprobs": [item(t, lp) for t, lp in (e.top or [])]}
                         for e in output.logprobs[start:]]}
+
+
+def prompt_logprobs(output: RequestOutput, decode) -> dict:
+    """The legacy ``logprobs`` object of the prompt's tokens (echo): the first token has none."""
+    ids = output.prompt_token_ids
+    entries = getattr(output, "prompt_logprobs", None) or [None] * len(ids)
+    tokens = [decode(t) for t in ids]
+    offsets, pos = [], 0
+    for token in tokens:
+        offsets.append(pos)
+        pos += len(token)
+    return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": [None if e is None else {decode(t): lp for t, lp in (e.top or [])} for e in entries],
+            "text_offset": offsets}
+
+
+def joined_logprobs(first: dict | None, second: dict | None) -> dict | None:
+    """Two legacy ``logprobs`` objects one after the other (``second``'s offsets already count
+    ``first``'s text)."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}

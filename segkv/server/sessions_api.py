@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import time
+from typing import ClassVar
 from pathlib import Path
 
 from fastapi import APIRouter, Request
@@ -19,7 +20,8 @@ from segkv.engine import SessionStore
 from segkv.server.context import fit_max_tokens
 from segkv.server.disconnect import unless_client_leaves
 from segkv.server.errors import APIError, echo, engine_error, safe_message
-from segkv.server.protocol import _Request, sse_event
+from segkv.server.protocol import COMPLETION_UNSUPPORTED, _Request, sse_event
+from segkv.server.structured import structured_output
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 DEFAULT_TURN_TOKENS = 128  # a turn's reply when the client gives no limit (less if the context is short)
@@ -31,6 +33,10 @@ class CreateSession(BaseModel):
 
 
 class TurnRequest(_Request):
+    """One user turn; output constraints (``response_format``, ``guided_*``) and ``logit_bias``
+    work as in chat, tools do not (a session's history has no tool messages)."""
+
+    unsupported: ClassVar[dict] = COMPLETION_UNSUPPORTED
     model: str = ""
     content: str = Field(min_length=1)
 
@@ -105,7 +111,9 @@ def sessions_router(store: SessionStore, *, snapshot_dir: Path | None) -> APIRou
             return err
         try:
             ids, max_tokens = turn_prompt(session, req)
-            params = req.sampling_params(default_max_tokens=max_tokens, logprobs=None)
+            params = req.sampling_params(default_max_tokens=max_tokens, logprobs=None,
+                                         vocab_size=llm.model.cfg.vocab_size,
+                                         structured=structured_output(req.model_extra or {}))
             if params.n != 1:
                 raise ValueError("a session turn has exactly one reply (n=1)")
             stream = store.say(session_id, req.content, params, prompt_ids=ids)

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 
 CALL_ID_PREFIX = "call_"
 CALL_ID_LENGTH = 24
+MISTRAL_ID_LENGTH = 9  # Mistral's chat templates refuse any other tool call id
 _ID_ALPHABET = string.ascii_letters + string.digits
+ID_STYLES = ("openai", "mistral")
 
 
 def _reject_constant(name: str):
@@ -32,11 +34,16 @@ _DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 _WS = re.compile(r"\s*")
 
 
-def make_call_id(rng: random.Random | None = None) -> str:
-    """``call_`` + 24 random alphanumerics; deterministic when a ``random.Random`` is given."""
-    if rng is None:
-        return CALL_ID_PREFIX + "".join(secrets.choice(_ID_ALPHABET) for _ in range(CALL_ID_LENGTH))
-    return CALL_ID_PREFIX + "".join(rng.choice(_ID_ALPHABET) for _ in range(CALL_ID_LENGTH))
+def make_call_id(rng: random.Random | None = None, *, style: str = "openai") -> str:
+    """A tool call id; deterministic when a ``random.Random`` is given. ``style`` "openai":
+    ``call_`` + 24 random alphanumerics; "mistral": 9 alphanumerics (what Mistral's templates
+    accept when the id comes back in the conversation)."""
+    if style not in ID_STYLES:
+        raise ValueError(f"unknown tool call id style {style!r}; valid: {', '.join(ID_STYLES)}")
+    choice = secrets.choice if rng is None else rng.choice
+    if style == "mistral":
+        return "".join(choice(_ID_ALPHABET) for _ in range(MISTRAL_ID_LENGTH))
+    return CALL_ID_PREFIX + "".join(choice(_ID_ALPHABET) for _ in range(CALL_ID_LENGTH))
 
 
 @dataclass(slots=True)
@@ -87,7 +94,7 @@ def _arguments_json(value) -> str | None:
 
 
 def _call_from_object(obj, rng: random.Random | None, *, keys=("arguments", "parameters"),
-                      args_required: bool = False) -> ToolCall | None:
+                      args_required: bool = False, style: str = "openai") -> ToolCall | None:
     """``{"name": ..., "arguments"|"parameters": ...}`` as a ToolCall, or None if not a call."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
@@ -97,7 +104,7 @@ def _call_from_object(obj, rng: random.Random | None, *, keys=("arguments", "par
     arguments = _arguments_json(obj[present[0]] if present else None)
     if arguments is None:
         return None
-    return ToolCall(make_call_id(rng), obj["name"], arguments)
+    return ToolCall(make_call_id(rng, style=style), obj["name"], arguments)
 
 
 def _decode_at(text: str, pos: int):
@@ -121,10 +128,22 @@ class ToolParser:
     """Reads one model family's tool-call format out of generated text."""
 
     name = ""
+    id_style = "openai"  # of :func:`make_call_id`
+    markers: tuple[str, ...] = ()  # text that opens a call block
 
     def parse(self, text: str, rng: random.Random | None = None) -> ParsedOutput:
         """Split ``text`` into content and tool calls; ids from ``rng`` when given."""
         raise NotImplementedError
+
+    def call_start(self, text: str) -> int | None:
+        """Where the first call block may begin in ``text`` (a marker, or the start of one cut
+        off at the end of ``text``), or None: everything before it is surely content."""
+        found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
+        for start in range(max(0, len(text) - max(map(len, self.markers), default=0) + 1), len(text)):
+            if any(m.startswith(text[start:]) for m in self.markers):
+                found.append(start)
+                break
+        return min(found, default=None)
 
 
 class HermesToolParser(ToolParser):
@@ -132,6 +151,7 @@ class HermesToolParser(ToolParser):
 
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    markers = (OPEN,)
 
     def parse(self, text, rng=None):
         pieces, calls, pos = [], [], 0
@@ -165,6 +185,13 @@ class Llama3JsonToolParser(ToolParser):
 
     name = "llama3_json"
     TAG = "<|python_tag|>"
+    markers = (TAG,)
+
+    def call_start(self, text):
+        stripped = len(text) - len(text.lstrip())
+        if text[stripped:stripped + 1] in ("{", "["):  # calls only when the output starts with JSON
+            return stripped
+        return ToolParser.call_start(self, text)
 
     def parse(self, text, rng=None):
         tag = text.find(self.TAG)
@@ -197,7 +224,9 @@ class MistralToolParser(ToolParser):
     ``[TOOL_CALLS]NAME[ARGS]{...}`` form (optionally with ``[CALL_ID]ID``) also reads."""
 
     name = "mistral"
+    id_style = "mistral"
     MARK = "[TOOL_CALLS]"
+    markers = (MARK,)
     _NAMED = re.compile(r"\s*([^\[\]\s{}]+)(?:\[CALL_ID\][A-Za-z0-9_-]*)?\[ARGS\]")
 
     def _block(self, text, pos, rng):
@@ -207,13 +236,14 @@ class MistralToolParser(ToolParser):
             decoded = _decode_at(text, named.end())
             if decoded is None:
                 return None
-            call = _call_from_object({"name": named.group(1), "arguments": decoded[0]}, rng)
+            call = _call_from_object({"name": named.group(1), "arguments": decoded[0]}, rng,
+                                     style=self.id_style)
             return None if call is None else ([call], decoded[1])
         decoded = _decode_at(text, pos)
         if decoded is None:
             return None
         objects = decoded[0] if isinstance(decoded[0], list) else [decoded[0]]
-        calls = [_call_from_object(o, rng) for o in objects]
+        calls = [_call_from_object(o, rng, style=self.id_style) for o in objects]
         return None if not calls or None in calls else (calls, decoded[1])
 
     def parse(self, text, rng=None):
@@ -239,6 +269,7 @@ class DeepSeekV3ToolParser(ToolParser):
     name = "deepseek_v3"
     CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    markers = (CALLS_BEGIN,)
     _HEAD = re.compile(r"\s*function\s*<｜tool▁sep｜>([^\n<]+)\n```(?:json)?[ \t]*\n")
     _FENCE_END = re.compile(r"\s*```\s*<｜tool▁call▁end｜>")
 

@@ -210,10 +210,13 @@ def test_roles_are_checked(env):
     assert error_of(http.post("/v1/chat/completions", json=robot), 400)["param"] == "messages.0.role"
     tool = {**CHAT, "messages": [{"role": "user", "content": "x"},
                                  {"role": "tool", "content": "42", "tool_call_id": "c1"}]}
+    assert http.post("/v1/chat/completions", json=tool).status_code == 200  # tool results are history
+    del tool["messages"][1]["tool_call_id"]
     error = error_of(http.post("/v1/chat/completions", json=tool), 400)
-    assert "tool" in error["message"] and "not supported" in error["message"]
+    assert error["param"] == "messages" and "tool_call_id" in error["message"]
     calls = {**CHAT, "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}]}
-    assert "not supported" in error_of(http.post("/v1/chat/completions", json=calls), 400)["message"]
+    error = error_of(http.post("/v1/chat/completions", json=calls), 400)  # a call without a function
+    assert error["param"] == "messages" and "tool_calls[0]" in error["message"]
     # developer is OpenAI's newer system role: templated as the system message
     llm = env["llm"]
     developer = {**CHAT, "messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "x"}]}
@@ -223,8 +226,12 @@ def test_roles_are_checked(env):
 
 
 def test_unsupported_fields_are_still_refused(env):
-    response = env["http"].post("/v1/chat/completions", json={**CHAT, "logit_bias": {"5": 1}})
-    assert "`logit_bias` is not supported" in error_of(response, 400)["message"]
+    response = env["http"].post("/v1/chat/completions", json={**CHAT, "functions": [{"name": "f"}]})
+    error = error_of(response, 400)
+    assert "`functions` is not supported" in error["message"] and error["param"] == "functions"
+    response = env["http"].post("/v1/completions", json={"model": CHAT["model"], "prompt": "x",
+                                                          "tools": [{"type": "function"}]})
+    assert "`tools` is not supported" in error_of(response, 400)["message"]  # chat only
 
 
 # -- the context length -----------------------------------------------------------------------

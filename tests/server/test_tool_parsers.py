@@ -78,6 +78,10 @@ def test_call_ids_are_openai_style_and_seedable():
     assert re.fullmatch(r"call_[A-Za-z0-9]{24}", make_call_id())
     assert make_call_id() != make_call_id()
     assert make_call_id(random.Random(7)) == make_call_id(random.Random(7))
+    # Mistral's templates refuse a call id that is not 9 alphanumerics when it comes back
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", make_call_id(style="mistral"))
+    with pytest.raises(ValueError, match="openai, mistral"):
+        make_call_id(style="uuid")
     text = render("hermes", [("f", {}), ("g", {})])
     a = parser_for("hermes").parse(text, random.Random(1))
     b = parser_for("hermes").parse(text, random.Random(1))
@@ -231,7 +235,8 @@ def test_round_trip(fmt, calls, prefix, variant, seed):
     out = parser_for(fmt).parse(render(fmt, calls, prefix, variant), random.Random(seed))
     assert summary(out) == (prefix.strip() or None, calls)
     assert [c.arguments for c in out.tool_calls] == [_dumps(a) for _, a in calls]
-    assert all(re.fullmatch(r"call_[A-Za-z0-9]{24}", c.id) for c in out.tool_calls)
+    id_pattern = r"[A-Za-z0-9]{9}" if fmt == "mistral" else r"call_[A-Za-z0-9]{24}"
+    assert all(re.fullmatch(id_pattern, c.id) for c in out.tool_calls)
 
 
 PIECES = st.sampled_from([
@@ -250,3 +255,14 @@ def test_arbitrary_text_never_raises(fmt, pieces):
         assert out.content == text
     for call in out.tool_calls:
         assert isinstance(json.loads(call.arguments), dict)
+
+
+@pytest.mark.parametrize("fmt,text,start", [
+    ("hermes", "plain text", None), ("hermes", "see <tool_call>{", 4), ("hermes", "a <tool_c", 2),
+    ("hermes", "a < b", None), ("hermes", "a <", 2),
+    ("llama3_json", '  {"name"', 2), ("llama3_json", "use {x}", None), ("llama3_json", "x <|python", 2),
+    ("mistral", "ok [TOOL", 3), ("mistral", "[TOOL_CALLS][", 0),
+    ("deepseek_v3", "hi" + DS_CALLS_BEGIN, 2), ("deepseek_v3", "hi" + DS_CALLS_BEGIN[:3], 2),
+])
+def test_call_start_finds_markers_and_cut_off_marker_starts(fmt, text, start):
+    assert parser_for(fmt).call_start(text) == start
