@@ -122,10 +122,10 @@ class StructuredOutput:
 
     @property
     def key(self) -> tuple[str, str, str, str]:
-        """``(kind, spec, prefix, suffix)``: equal for equal constraints (a schema as canonical JSON)."""
+        """``(kind, spec, prefix, suffix)``: equal for equal constraints (a schema as compact JSON)."""
         kind = self.kind
         if kind == "json_schema":
-            spec = json.dumps(self.json_schema, sort_keys=True, separators=(",", ":"))
+            spec = json.dumps(self.json_schema, separators=(",", ":"))  # key order is the output's order
         elif kind == "choice":
             spec = json.dumps(list(self.choice))
         else:

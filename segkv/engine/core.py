@@ -49,9 +49,10 @@ class EngineRequest:
         return [x for s in self.seqs for x in (s, *s.siblings)]
 
     def output(self) -> RequestOutput:
+        scores = self.seqs[0].prompt_logprobs
         return RequestOutput(self.request_id, None, self.prompt_ids,
                              [s.result() for s in sorted(self.all_seqs(), key=lambda s: s.index)],
-                             max(self.cached_tokens, 0))
+                             max(self.cached_tokens, 0), prompt_logprobs=None if scores is None else list(scores))
 
 
 class EngineCore:
@@ -119,6 +120,7 @@ class EngineCore:
         if not prompt_ids:
             raise ValueError("a prompt must have at least one token")
         self.generator.check_prompt_length(len(prompt_ids))
+        params.check_vocab(self.generator.vocab_size)
         if self.pool.pages_for_rows(len(prompt_ids)) >= self.pool.num_pages:
             raise ValueError(f"a prompt of {len(prompt_ids)} tokens does not fit the KV cache of "
                              f"{self.pool.num_pages} pages of {self.pool.page_size} rows")
@@ -177,8 +179,8 @@ class EngineCore:
         """A request's cached tokens are those its first prefix match found."""
         for seq, cached in out.matched:
             request = self._owner[id(seq)]
-            if request.cached_tokens < 0:
-                request.cached_tokens = cached
+            if request.cached_tokens < 0:  # a prompt-scoring request recomputes its cached prefix
+                request.cached_tokens = 0 if request.params.prompt_logprobs is not None else cached
 
     def _postprocess(self, ready: list[Sequence]) -> list[EngineRequest]:
         """Record the step's tokens per request; forked samples join, finished sequences leave

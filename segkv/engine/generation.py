@@ -10,7 +10,7 @@ import torch
 from segkv.cache.chain import KVChain
 from segkv.cache.page_pool import OutOfPagesError
 from segkv.engine.step_ahead import StepAhead
-from segkv.layers.sampler import Sampler, make_generator
+from segkv.layers.sampler import Sampler, make_generator, score_tokens
 from segkv.layers.transfer import HostCopy, select_rows
 from segkv.outputs import CompletionOutput, TokenLogprob
 from segkv.runner.model_runner import ModelRunner, StepInput
@@ -21,6 +21,8 @@ from segkv.spec.draft_model import DraftModelProposer
 from segkv.spec.mtp import MtpProposer
 from segkv.spec.ngram import NgramIndex, NgramProposer
 from segkv.spec.rejection import verify_window
+from segkv.structured.grammar import GrammarCache
+from segkv.structured.matcher import GrammarState, fill_bitmask, new_bitmask
 from segkv.tokenizer.detokenizer import IncrementalDetokenizer
 from segkv.tokenizer.tokenizer import Tokenizer
 import segkv.settings as settings
@@ -47,11 +49,18 @@ class Sequence:
     stop_reason: str | int | None = None
     siblings: list[Sequence] = field(default_factory=list)  # samples 1..n-1 forked after prefill
     draft_state: object | None = None  # a proposer's own state for this sequence (its n-gram index)
+    grammar: GrammarState | None = None  # where a constrained sequence stands in its grammar
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's scores so far (prompt_logprobs)
 
     @property
     def num_pending(self) -> int:
         """Tokens that still need KV rows (the scheduler's view)."""
         return len(self.pending)
+
+    @property
+    def scoring(self) -> bool:
+        """Whether prompt tokens still need their logprobs (``params.prompt_logprobs``)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.history)
 
     def all_token_ids(self) -> list[int]:
         """Prompt and generated tokens, in order."""
@@ -98,6 +107,15 @@ class Generator:
     target's distribution allows and draws one more token; the rows of rejected drafts are
     trimmed from the chain (no copy). Sequences without drafts decode as usual in the same
     forward. Steps are not launched ahead while speculation is on.
+
+    Constrained sequences (``params.structured``) each follow their grammar (``grammar``, a
+    :class:`~segkv.structured.matcher.GrammarState`; compiled grammars are shared through
+    :attr:`grammars`): the sampler masks the tokens it does not allow, the sampled token advances
+    it, and the sequence ends (``"stop"``) when the grammar terminates. A step with a constrained
+    sequence is not launched ahead (its mask needs the token the host has not read yet). A
+    constrained sequence's drafts are walked through its grammar before the forward: the window
+    stops at the first draft it rejects, and each window row is masked by the grammar as it stands
+    after the drafts before it, so verification keeps exactly the tokens plain decoding allows.
     """
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_model_len: int,
@@ -114,7 +132,10 @@ class Generator:
         self._ahead: StepAhead | None = None
         self.steps_ahead_used = 0  # decode steps served by a step launched ahead
         self.steps_ahead_cancelled = 0
+        self._window_masks: dict[int, torch.Tensor] = {}  # this step's grammar masks of verify windows
         self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative else 0)
+        self.vocab_size = runner.model.cfg.vocab_size  # the logits' width
+        self.grammars = GrammarCache(tokenizer, self.vocab_size)
 
     def check_prompt_length(self, num_tokens: int) -> None:
         """Raise a clear ValueError if a prompt leaves no room for one generated token."""
@@ -134,7 +155,10 @@ class Generator:
         seed = None if params.seed is None else params.seed + index
         generator = make_generator(seed, self.runner.device) if seed is not None else None
         detok = IncrementalDetokenizer(self.tokenizer, stop=params.stop, prompt_ids=history)
-        return Sequence(index, chain, list(history), list(new_ids), params, detok, generator)
+        grammar = None if params.structured is None else GrammarState(self.grammars, params.structured)
+        scores = [None] if params.prompt_logprobs is not None and index == 0 else None
+        return Sequence(index, chain, list(history), list(new_ids), params, detok, generator, grammar=grammar,
+                        prompt_logprobs=scores)
 
     def run(self, seqs: list[Sequence]) -> None:
         """Generate until every sequence has a finish reason (EOS, stops, lengths)."""
@@ -152,7 +176,7 @@ class Generator:
         siblings: forks of its chain that sample from the same logits, so the prompt is
         computed and stored once. Returns the sequences that sampled (siblings excluded).
         """
-        drafts = self._propose(work)
+        drafts = {} if any(s.scoring for s, _ in work) else self._propose(work)  # scoring keeps every row
         if drafts:
             try:
                 return self._verify_step(work, drafts)
@@ -168,14 +192,32 @@ class Generator:
         if not ready:
             return []
         logits = select_rows(logits, rows)  # no stream synchronisation: the step may still be running
+        if any(s.params.max_tokens == 0 for s in ready):  # prompt scoring only: nothing is sampled
+            scored = [row for row, s in enumerate(ready) if s.params.max_tokens == 0]
+            for s, _ in self._spawn_siblings([ready[row] for row in scored], select_rows(logits, scored)):
+                s.prompt_logprobs = None
+            for s in [x for row in scored for x in (ready[row], *ready[row].siblings)]:
+                s.finish_reason = "length"
+                s.detok.finish()
+            keep = [row for row, s in enumerate(ready) if s.params.max_tokens > 0]
+            self._sample_rows([ready[row] for row in keep], select_rows(logits, keep), work, ahead_ok=False)
+            return ready
+        self._sample_rows(ready, logits, work, ahead_ok=ahead_ok)
+        return ready
+
+    def _sample_rows(self, ready: list[Sequence], logits: torch.Tensor, work: list[tuple[Sequence, int]],
+                     *, ahead_ok: bool) -> None:
+        """Sample the next token of ``ready`` from their ``logits``, forking ``n > 1`` samples first."""
+        if not ready:
+            return
         spawned = self._spawn_siblings(ready, logits)
         # the next decode step may start before the host reads this one's tokens: only for plain
         # decodes (every sequence of the step sampled one token, none new), else it could not serve
-        decodes = not spawned and len(ready) == len(work) and all(k == 1 for _, k in work)
+        decodes = not spawned and len(ready) == len(work) and all(k == 1 for _, k in work) \
+            and all(s.grammar is None for s in ready)
         self._sample(ready + [s for s, _ in spawned],
                      torch.cat([logits] + [row for _, row in spawned]) if spawned else logits,
                      launch_ahead=self.lookahead and ahead_ok and decodes)
-        return ready
 
     def _propose(self, work: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
         """Drafts for the decoding sequences of ``work`` (position -> token ids), each capped so
@@ -199,7 +241,20 @@ class Generator:
         if not seqs:
             return {}
         proposals = self.proposer.propose(seqs, rooms)
-        return {i: list(p[:room]) for i, p, room in zip(where, proposals, rooms) if p}
+        drafts = {i: list(p[:room]) for i, p, room in zip(where, proposals, rooms) if p}
+        self._window_masks = {}
+        for i, proposal in list(drafts.items()):
+            state = work[i][0].grammar
+            if state is None:
+                continue
+            bitmask = new_bitmask(len(proposal) + 1, self.vocab_size)
+            taken = state.draft_masks(proposal, bitmask, 0)
+            if taken:
+                drafts[i] = proposal[:taken]
+                self._window_masks[i] = bitmask[: taken + 1]
+            else:
+                del drafts[i]
+        return drafts
 
     def _verify_step(self, work: list[tuple[Sequence, int]], drafts: dict[int, list[int]]) -> list[Sequence]:
         """One forward over ``work`` where the items in ``drafts`` carry their drafts after their
@@ -217,7 +272,7 @@ class Generator:
                 continue
             ready.append(s)
             if i in drafts:
-                windows.append((s, drafts[i], logits[end - counts[i] : end]))
+                windows.append((s, drafts[i], logits[end - counts[i] : end], self._window_masks.get(i)))
             else:
                 plain.append(s)
                 plain_rows.append(end - 1)
@@ -226,26 +281,30 @@ class Generator:
             spawned = self._spawn_siblings(plain, rows)
             self._sample(plain + [x for x, _ in spawned],
                          torch.cat([rows] + [row for _, row in spawned]) if spawned else rows)
-        for s, proposal, rows in windows:
-            self._verify(s, proposal, rows)
+        for s, proposal, rows, bitmask in windows:
+            self._verify(s, proposal, rows, bitmask)
         return ready
 
-    def _verify(self, s: Sequence, proposal: list[int], rows: torch.Tensor) -> None:
+    def _verify(self, s: Sequence, proposal: list[int], rows: torch.Tensor,
+                bitmask: torch.Tensor | None = None) -> None:
         """Verify ``s``'s window: ``rows (k + 1, vocab)`` float32 logits of its pending token and
-        its ``k`` drafts. Emits the accepted drafts and one more token (up to a stop or a length
+        its ``k`` drafts (``bitmask``: ``(k + 1, words)`` int32, a constrained sequence's grammar
+        mask of each row). Emits the accepted drafts and one more token (up to a stop or a length
         limit) and trims the rows of the drafts not kept."""
         k = len(proposal)
         params = [s.params] * (k + 1)
         prompts = [s.history] * (k + 1)
         outputs = [s.output_ids + proposal[:j] for j in range(k + 1)]
-        probs = self.sampler.distribution(rows, params, prompt_token_ids=prompts, output_token_ids=outputs)
+        probs = self.sampler.distribution(rows, params, prompt_token_ids=prompts, output_token_ids=outputs,
+                                          token_bitmask=bitmask)
         emitted = verify_window(probs, proposal, None, s.generator)
         self.spec_stats.record(k, len(emitted) - 1)
         chosen = None
         if s.params.logprobs is not None:
             m = len(emitted)
             chosen = self.sampler.logprobs_of(rows[:m], torch.tensor(emitted, device=rows.device), params[:m],
-                                              prompt_token_ids=prompts[:m], output_token_ids=outputs[:m])
+                                              prompt_token_ids=prompts[:m], output_token_ids=outputs[:m],
+                                              token_bitmask=None if bitmask is None else bitmask[:m])
             values = chosen.logprobs.tolist()
         taken = 0
         for j, token in enumerate(emitted):
@@ -271,8 +330,7 @@ class Generator:
         taken = set(served)
         rest = [i for i in range(len(work)) if i not in taken]
         try:
-            rest_logits = self.runner.forward([StepInput(work[i][0].chain, work[i][0].pending[:work[i][1]])
-                                               for i in rest])
+            rest_logits = self._forward_rest([work[i] for i in rest])
         except BaseException:  # the step did not happen: the rows taken from the step ahead go too
             for i in served:
                 work[i][0].chain.trim(1)
@@ -281,6 +339,42 @@ class Generator:
             return rest_logits
         where = {i: n for n, i in enumerate(served)} | {i: len(served) + n for n, i in enumerate(rest)}
         return select_rows(torch.cat([ahead_logits, rest_logits]), [where[i] for i in range(len(work))])
+
+    def _forward_rest(self, items: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """``(len(items), vocab)`` logits of one forward over ``items``; a sequence still scoring
+        its prompt runs a forward of its own that keeps every row's logits (:meth:`_score_chunk`)."""
+        scoring = [i for i, (s, _) in enumerate(items) if s.scoring]
+        if not scoring:
+            return self.runner.forward([StepInput(s.chain, s.pending[:k]) for s, k in items])
+        plain = [i for i in range(len(items)) if i not in set(scoring)]
+        parts = [self.runner.forward([StepInput(items[i][0].chain, items[i][0].pending[:items[i][1]])
+                                      for i in plain])] if plain else []
+        parts += [self._score_chunk(*items[i]) for i in scoring]
+        where = {i: n for n, i in enumerate(plain + scoring)}
+        return select_rows(torch.cat(parts), [where[i] for i in range(len(items))])
+
+    def _score_chunk(self, s: Sequence, k: int) -> torch.Tensor:
+        """Process ``s``'s next ``k`` prompt tokens keeping every row's logits, record the prompt
+        logprobs they give, and return the last row's ``(1, vocab)`` logits.
+
+        Rows the prefix cache gave (a cached prefix skips its forward) have no logits: the chain is
+        first trimmed back to the last scored row, so a scoring request recomputes the cached part
+        of its prompt instead of reusing it."""
+        scored = len(s.prompt_logprobs)
+        if s.chain.num_rows > scored - 1:
+            extra = s.chain.num_rows - (scored - 1)
+            s.chain.trim(extra)
+            s.pending = s.token_ids_from(scored - 1)[: extra + len(s.pending)]
+        start = s.chain.num_rows
+        rows: list[torch.Tensor] = []
+        last = self.runner.forward([StepInput(s.chain, s.pending[:k])], collect=rows)
+        logits = torch.cat(rows)
+        # row j predicts the token at position start + j + 1
+        positions = range(max(scored, start + 1), min(start + k + 1, len(s.history)))
+        targets = [s.history[p] for p in positions]
+        s.prompt_logprobs += score_tokens(logits[[p - start - 1 for p in positions]], targets,
+                                          s.params.prompt_logprobs)
+        return last
 
     def _take_ahead(self, work: list[tuple[Sequence, int]]) -> tuple[list[int], torch.Tensor | None]:
         """The positions of ``work`` whose decode row the step launched ahead holds, and their
@@ -326,6 +420,7 @@ class Generator:
             prompt_token_ids=[s.history for s in seqs],
             output_token_ids=[s.output_ids for s in seqs],
             generators=[s.generator for s in seqs],
+            token_bitmask=fill_bitmask([s.grammar for s in seqs], self.vocab_size),
         )
         # one transfer for the batch, queued before the step launched ahead so reading it waits
         # for this step's samples only
@@ -356,6 +451,13 @@ class Generator:
         """Set ``s``'s finish reason if ``token`` ends it; ``rows_ahead``: rows its chain already
         holds for tokens after the history (a step launched ahead), left out of the length check."""
         p = s.params
+        if s.grammar is not None:
+            accepted = s.grammar.accept(token)
+            assert accepted, f"token {token} was sampled outside the grammar's mask"
+            if s.grammar.terminated:  # the grammar is complete and took its end-of-sequence token
+                s.finish_reason, s.stop_reason = "stop", None
+                s.detok.finish()
+                return
         is_eos = token in self.tokenizer.eos_token_ids and not p.ignore_eos
         if is_eos or token in p.stop_token_ids:
             s.finish_reason = "stop"

@@ -1,7 +1,8 @@
 """Turn one step's next-token logits into chosen token ids and their log-probabilities.
 
 Order of operations per row (vLLM semantics, filters in Hugging Face's order):
-penalties (repetition over prompt + output tokens, then frequency and presence over output
+``logit_bias`` added to the raw logits (OpenAI's semantics) -> the grammar's token mask (a
+constrained row: tokens it does not allow become -inf) -> penalties (repetition over prompt + output tokens, then frequency and presence over output
 tokens) -> greedy rows take the argmax here -> temperature -> top-k -> top-p (over the
 top-k survivors, renormalised) -> min-p (relative to the most likely token, so it keeps
 the same set in any order) -> one draw from the filtered softmax. All in float32.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from segkv.layers.transfer import to_device
+from segkv.outputs import TokenLogprob
 from segkv.sampling_params import SamplingParams
 
 LOGPROBS_MODES = ("raw", "processed")
@@ -56,6 +58,23 @@ class SampleOutput:
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None
     top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def score_tokens(logits: torch.Tensor, token_ids: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Each of ``token_ids``' log-probability under its row of ``logits`` ``(n, V)`` (the model's
+    own: ``log_softmax`` in float32) and the ``top`` most likely alternatives (prompt logprobs)."""
+    if logits.shape[0] != len(token_ids):
+        raise ValueError(f"{len(token_ids)} token ids for {logits.shape[0]} rows of logits")
+    if not token_ids:
+        return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ids = to_device(list(token_ids), torch.int64, logits.device)
+    chosen = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
+    alternatives = [[] for _ in token_ids]
+    if top:
+        values, where = logprobs.topk(min(top, logprobs.shape[1]), dim=-1)
+        alternatives = [list(zip(i, v)) for i, v in zip(where.tolist(), values.tolist())]
+    return [TokenLogprob(t, c, a) for t, c, a in zip(token_ids, chosen, alternatives)]
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -106,6 +125,40 @@ def apply_penalties(
     return logits - frequency * outputs - presence * seen
 
 
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` ``(B, V)`` float32 plus each row's ``params.logit_bias`` (the input itself if no
+    row has one). Token ids were checked against the vocabulary when the request was added."""
+    rows, cols, values = [], [], []
+    for i, p in enumerate(params):
+        for token, value in (p.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token)
+            values.append(value)
+    if not rows:
+        return logits
+    device = logits.device
+    index = (to_device(rows, torch.int64, device), to_device(cols, torch.int64, device))
+    return logits.index_put(index, to_device(values, torch.float32, device), accumulate=True)
+
+
+def apply_token_bitmask(logits: torch.Tensor, token_bitmask: torch.Tensor | None) -> torch.Tensor:
+    """Copy of ``logits`` ``(B, V)`` float32 with the tokens ``token_bitmask`` does not allow set
+    to -inf (the input itself when it is None). ``token_bitmask``: ``(B, ceil(V' / 32))`` int32,
+    any device, xgrammar's layout (bit ``j % 32`` of word ``j // 32`` set: token ``j`` allowed);
+    columns beyond ``V'`` are allowed."""
+    if token_bitmask is None:
+        return logits
+    batch, vocab = logits.shape
+    if token_bitmask.dim() != 2 or token_bitmask.shape[0] != batch:
+        raise ValueError(f"token_bitmask must be ({batch}, words), got shape {tuple(token_bitmask.shape)}")
+    words = to_device(token_bitmask, torch.int32, logits.device)
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words[:, :, None] >> bits) & 1).bool().reshape(batch, -1)
+    if allowed.shape[1] < vocab:
+        allowed = torch.cat([allowed, allowed.new_ones(batch, vocab - allowed.shape[1])], dim=1)
+    return logits.masked_fill(~allowed[:, :vocab], float("-inf"))
+
+
 def apply_filters(
     logits: torch.Tensor,
     *,
@@ -140,6 +193,12 @@ def apply_filters(
         threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
         out = out.masked_fill(logits < threshold, float("-inf"))
     return out
+
+
+def _biased(logits: torch.Tensor, params: Sequence[SamplingParams], token_bitmask: torch.Tensor | None
+            ) -> torch.Tensor:
+    """The logits the penalties start from: ``logit_bias`` added, then the grammar's mask."""
+    return apply_token_bitmask(apply_logit_bias(logits, params), token_bitmask)
 
 
 def _histories(
@@ -185,6 +244,7 @@ class Sampler(torch.nn.Module):
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         output_token_ids: Sequence[Sequence[int]] | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> SampleOutput:
         """Sample one token per row.
 
@@ -192,7 +252,9 @@ class Sampler(torch.nn.Module):
         ``prompt_token_ids`` / ``output_token_ids``: ``B`` lists of token ids each (``None``:
         all empty), the histories the penalties look at. ``generators``: ``B`` entries, a
         ``torch.Generator`` on ``logits.device`` for each seeded row (``None``: the
-        device's default generator); a row with a seed must have one.
+        device's default generator); a row with a seed must have one. ``token_bitmask``:
+        ``(B, words)`` int32, the grammar's allowed tokens per row (see ``apply_token_bitmask``;
+        None: every token allowed).
         """
         prompts, outputs = _histories(logits, params, prompt_token_ids, output_token_ids)
         gens = [None] * logits.shape[0] if generators is None else list(generators)
@@ -203,7 +265,7 @@ class Sampler(torch.nn.Module):
                 raise ValueError(f"row {i} has seed {p.seed} but no generator (use make_generator)")
 
         raw = logits.float()
-        penalised = apply_penalties(raw, params, prompts, outputs)
+        penalised = apply_penalties(_biased(raw, params, token_bitmask), params, prompts, outputs)
         token_ids = argmax_rows(penalised)
         final = penalised
         greedy = [p.greedy for p in params]
@@ -222,6 +284,7 @@ class Sampler(torch.nn.Module):
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         output_token_ids: Sequence[Sequence[int]] | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``(B, V)`` float32 probabilities that ``forward`` draws each row from.
 
@@ -232,7 +295,7 @@ class Sampler(torch.nn.Module):
         before its position in ``output_token_ids``, so penalties see them.
         """
         prompts, outputs = _histories(logits, params, prompt_token_ids, output_token_ids)
-        penalised = apply_penalties(logits.float(), params, prompts, outputs)
+        penalised = apply_penalties(_biased(logits.float(), params, token_bitmask), params, prompts, outputs)
         one_hot = torch.zeros_like(penalised).scatter_(1, argmax_rows(penalised)[:, None], 1.0)
         greedy = [p.greedy for p in params]
         if all(greedy):
@@ -248,6 +311,7 @@ class Sampler(torch.nn.Module):
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         output_token_ids: Sequence[Sequence[int]] | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> SampleOutput:
         """Log-probabilities of given tokens, as ``forward`` reports them had it chosen them.
 
@@ -273,7 +337,7 @@ class Sampler(torch.nn.Module):
         raw = logits.float()
         if self.logprobs_mode == "raw":
             return self._logprobs(raw, ids, params)
-        penalised = apply_penalties(raw, params, prompts, outputs)
+        penalised = apply_penalties(_biased(raw, params, token_bitmask), params, prompts, outputs)
         greedy = [p.greedy for p in params]
         final = penalised if all(greedy) else self._sample_distribution(penalised, params, greedy)
         return self._logprobs(final, ids, params)

@@ -24,9 +24,11 @@ def test_each_kind_builds_a_grammar(kwargs):
     assert pickle.loads(pickle.dumps(params)) == params
 
 
-def test_equal_constraints_share_a_key_whatever_the_key_order():
-    a = StructuredOutput(json_schema={"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}})
+def test_equal_constraints_share_a_key_and_property_order_is_kept():
+    a = StructuredOutput(json_schema=dict(SCHEMA))
     assert a.key == StructuredOutput(json_schema=SCHEMA).key and hash(a) == hash(StructuredOutput(json_schema=SCHEMA))
+    two = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}, "required": ["b", "a"]}
+    assert StructuredOutput(json_schema=two).key[1].index('"b"') < StructuredOutput(json_schema=two).key[1].index('"a"')
     assert StructuredOutput(choice=["x", "y"]).choice == ("x", "y")
 
 

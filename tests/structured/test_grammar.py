@@ -1,0 +1,84 @@
+"""Grammars compiled for the default model's tokenizer: the cache, the token mask, and drafts walked
+through a matcher and rolled back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import xgrammar
+
+from segkv.layers.sampler import apply_logit_bias, apply_token_bitmask
+from segkv.models.default_models import resolve_model_dir
+from segkv.sampling_params import SamplingParams, StructuredOutput
+from segkv.structured.grammar import GrammarCache, tokenizer_info
+from segkv.structured.matcher import GrammarState, fill_bitmask, new_bitmask
+from segkv.tokenizer.tokenizer import Tokenizer
+
+VOCAB = 8192 + 64  # wider logits than the tokenizer's vocabulary, as padded embeddings are
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_dir(resolve_model_dir("default"))
+
+
+def test_tokenizer_info_is_byte_level_with_eos_stops(tokenizer):
+    info = tokenizer_info(tokenizer, VOCAB)
+    assert info.vocab_type == xgrammar.VocabType.BYTE_LEVEL and info.vocab_size == VOCAB
+    assert set(info.stop_token_ids) == set(tokenizer.eos_token_ids)
+
+
+def test_cache_compiles_each_constraint_once_and_evicts_the_oldest(tokenizer):
+    cache = GrammarCache(tokenizer, VOCAB, capacity=2)
+    a, b, c = (StructuredOutput(regex=r) for r in ("a+", "b+", "c+"))
+    first = cache.compile(a)
+    assert cache.compile(StructuredOutput(regex="a+")) is first
+    assert cache.stats() == {"hits": 1, "misses": 1, "size": 1}
+    cache.compile(b)
+    cache.compile(c)  # evicts a, the least recently used
+    assert len(cache) == 2 and cache.compile(a) is not first and cache.misses == 4
+
+
+def test_mask_allows_exactly_the_grammar_and_sampler_applies_it(tokenizer):
+    cache = GrammarCache(tokenizer, VOCAB)
+    state = GrammarState(cache, StructuredOutput(choice=["yes", "no"]))
+    bitmask = fill_bitmask([state, None], VOCAB)
+    logits = torch.randn(2, VOCAB)
+    masked = apply_token_bitmask(logits, bitmask)
+    expected = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(expected, bitmask)
+    assert torch.equal(masked, expected) and torch.equal(masked[1], logits[1])
+    allowed = torch.isfinite(masked[0]).nonzero().flatten().tolist()
+    texts = {tokenizer.decode([t]) for t in allowed}
+    assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts)
+    assert fill_bitmask([None, None], VOCAB) is None
+
+
+def test_logit_bias_adds_to_the_named_entries_only():
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(logit_bias={4: 2.5, 7: -100}), SamplingParams(), SamplingParams(logit_bias={49: 1})]
+    out = apply_logit_bias(logits, params)
+    delta = out - logits
+    assert delta[0, 4].item() == pytest.approx(2.5) and delta[0, 7].item() == pytest.approx(-100)
+    assert delta[2, 49].item() == pytest.approx(1.0)
+    assert torch.count_nonzero(delta) == 3
+    assert apply_logit_bias(logits, [SamplingParams()] * 3) is logits
+
+
+def test_drafts_stop_at_the_first_the_grammar_rejects_and_the_state_rolls_back(tokenizer):
+    cache = GrammarCache(tokenizer, VOCAB)
+    state = GrammarState(cache, StructuredOutput(regex="[0-9]{4}"))
+    digits = [tokenizer.token_to_id(d) for d in "0123456789"]
+    letter = tokenizer.token_to_id("x")
+    bitmask = new_bitmask(4, VOCAB)
+    assert state.draft_masks([digits[1], digits[2], letter], bitmask, 0) == 2
+    reference = new_bitmask(1, VOCAB)
+    state.fill(reference, 0)
+    assert torch.equal(bitmask[0], reference[0])  # the state is where it was
+    assert state.accept(digits[1]) and state.accept(digits[2])
+    state.fill(reference, 0)
+    assert torch.equal(bitmask[2], reference[0])  # row 2: after the two drafts taken
+    assert not state.accept(letter)
+    assert state.accept(digits[3]) and state.accept(digits[4])
+    assert not state.terminated
+    assert state.accept(tokenizer.eos_token_ids[0]) and state.terminated
