@@ -94,6 +94,11 @@ class _EngineCollector(Collector):
         for route, count in sorted(stats.get("routes", {}).items()):
             routes.add_metric([route], count)
         yield routes
+        grammars = stats.get("grammar_cache", {})
+        yield counter("segkv_grammar_cache_hits", "Constrained requests' grammars found compiled in the cache.",
+                      grammars.get("hits", 0))
+        yield counter("segkv_grammar_cache_misses", "Grammars compiled for constrained requests (cache misses).",
+                      grammars.get("misses", 0))
         spec = stats.get("speculative")
         if spec is not None:  # as vLLM: the spec-decode counters exist only when speculation is on
             yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts (verify windows).",

@@ -12,6 +12,7 @@ import pytest
 
 from segkv.engine.llm import LLM
 from segkv.sampling_params import SamplingParams, StructuredOutput
+from segkv.server.metrics import ServerMetrics
 
 OBJ = {"type": "object", "additionalProperties": False}
 SCHEMAS = {
@@ -58,6 +59,9 @@ def test_every_output_of_five_schemas_validates(llm):
     assert len(set(texts)) > 20  # sampled, not one answer repeated
     stats = llm.generator.grammars.stats()
     assert stats["misses"] >= 5 and stats["hits"] >= 5 * 19  # each schema compiled once, shared by its samples
+    text = ServerMetrics(llm.core.stats, model_name="default").render().decode()
+    assert f'segkv_grammar_cache_hits_total{{model_name="default"}} {float(stats["hits"])}' in text
+    assert f'segkv_grammar_cache_misses_total{{model_name="default"}} {float(stats["misses"])}' in text
 
 
 def test_unconstrained_requests_do_not_give_json(llm):
