@@ -120,7 +120,6 @@ class EngineCore:
         if not prompt_ids:
             raise ValueError("a prompt must have at least one token")
         self.generator.check_prompt_length(len(prompt_ids))
-        params.check_vocab(self.generator.vocab_size)
         if self.pool.pages_for_rows(len(prompt_ids)) >= self.pool.num_pages:
             raise ValueError(f"a prompt of {len(prompt_ids)} tokens does not fit the KV cache of "
                              f"{self.pool.num_pages} pages of {self.pool.page_size} rows")

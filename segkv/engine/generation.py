@@ -148,6 +148,7 @@ class Generator:
 
     def new_sequence(self, index: int, chain: KVChain, history: list[int], new_ids: list[int],
                      params: SamplingParams) -> Sequence:
+        params.check_vocab(self.vocab_size)  # logit_bias ids: a ValueError here, not an index error later
         seed = None if params.seed is None else params.seed + index
         generator = make_generator(seed, self.runner.device) if seed is not None else None
         detok = IncrementalDetokenizer(self.tokenizer, stop=params.stop, prompt_ids=history)

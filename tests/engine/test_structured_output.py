@@ -117,3 +117,17 @@ def test_constrained_greedy_equals_with_and_without_speculation(llm):
     stats = spec.generator.spec_stats
     assert stats.drafts > 0 and stats.accepted_tokens > 0
     assert spec.cache.stats()["pages_in_use"] == 0
+
+
+def test_conversation_turns_take_the_same_sampling_params(llm):
+    """The sessions path (a conversation's turn) is constrained like a request."""
+    chat = llm.conversation()
+    schema = SCHEMAS["enums"]
+    turn = chat.say("Which colour?", SamplingParams(max_tokens=20, structured=StructuredOutput(json_schema=schema)))
+    jsonschema.validate(json.loads(turn.text), schema)
+    assert turn.output.finish_reason == "stop"
+    turn = chat.say("Again, yes or no?", SamplingParams(max_tokens=5, structured=StructuredOutput(choice=["yes", "no"]),
+                                                        logit_bias={llm.tokenizer.encode("no")[-1]: -100}))
+    assert turn.text in ("yes", "no")
+    with pytest.raises(ValueError, match="out of the vocabulary"):
+        chat.say("x", SamplingParams(logit_bias={llm.model.cfg.vocab_size + 5: 1}))
