@@ -34,7 +34,9 @@ the context stays fixed. The sides alternate call by call, ``--verify-steps`` ca
 Per call: the step time (CUDA events around the call, the device synchronised before it; the
 wall time on the CPU) and the host time (from the call to its return, before synchronising: the
 Python and launch work; it includes any wait the call itself makes on the device). ratio = window
-step time / plain step time. Both sides are eager: CUDA graphs do not cover verify windows yet.
+step time / plain step time. ``--cuda-graphs auto`` (the default) replays both sides from CUDA graphs
+where the device has them (decode buckets and verify-window buckets of k + 1 rows), ``off`` runs
+both eagerly.
 Cases whose cache does not fit the free memory are skipped with the reason.
 
 Run on a GPU: ``python -m benchmarks.spec_decode --json build/spec/gpu.json``; on the CPU, e.g.
@@ -58,19 +60,18 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.decode_e2e import build_runner, build_segkv, free_memory_bytes, model_config, trim_to
+from benchmarks.decode_e2e import build_segkv, free_memory_bytes, model_config, trim_to
 from benchmarks.runs import int_list, release, summary, sync
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype
 from segkv.engine.llm import LLM
 from segkv.models.default_models import PACKAGE_ROOT
-from segkv.runner.model_runner import StepInput
+from segkv.runner.model_runner import ModelRunner, StepInput
 from segkv.sampling_params import SamplingParams
 
 CASES = "default:ngram,default-mla:draft_model,default-mla:mtp"
 WORKLOADS = ("heldout", "repeat")
 VERIFY_MODELS = ("llama-3.1-8b", "deepseek-v2-lite")
-GRAPHS_NOTE = "eager steps on both sides: CUDA graphs do not cover verify windows yet"
 
 
 # -- prompts --------------------------------------------------------------------------------
@@ -186,7 +187,21 @@ def run_side(llm: LLM, prompts: list[list[int]], batch: int, params: SamplingPar
 
 
 def make_llm(model: str, args, *, pages: int, speculative: dict | None = None) -> LLM:
-    return LLM(model, dtype=args.dtype, device=args.device, num_pages=pages, speculative_config=speculative)
+    return LLM(model, dtype=args.dtype, device=args.device, num_pages=pages, speculative_config=speculative,
+               cuda_graphs=graphs_mode(args))
+
+
+def graphs_mode(args) -> bool | str:
+    """The engine's ``cuda_graphs`` for ``--cuda-graphs``."""
+    return {"off": False, "auto": "auto", "emulate": "emulate"}[args.cuda_graphs]
+
+
+def graphs_note(args) -> str:
+    if args.cuda_graphs == "emulate":
+        return "the CUDA-graph code path emulated on both sides"
+    if args.cuda_graphs == "off" or torch.device(args.device).type != "cuda":
+        return "eager steps on both sides"
+    return "decode steps and verify windows replayed from CUDA graphs on both sides"
 
 
 def e2e_model(model: str, methods: list[str], workloads: list[str], args) -> Iterator[list[dict]]:
@@ -299,7 +314,7 @@ def timed_call(fn, device: torch.device) -> tuple[float, float]:
 
 
 def verify_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, context: int, ks: list[int],
-                steps: int, trials: int, warmup: int, page_size: int, seed: int) -> dict:
+                steps: int, trials: int, warmup: int, page_size: int, seed: int, graphs: bool | str = False) -> dict:
     """Step and host times of a plain decode step and of a verify window of k + 1 rows per sequence."""
     layout = model.kv_layout(dtype)
     pages = batch * -(-(context + max(ks) + 2) // page_size) + 2
@@ -314,7 +329,9 @@ def verify_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, 
     try:
         for chain in chains:
             chain.append(context)
-        runner, _ = build_runner(model, cache, device)  # eager
+        # verify windows run MLA absorbed, and replay graphs of their own, as the engine's do
+        runner = ModelRunner(model, cache, device=device, cuda_graphs=graphs, max_model_len=context + max(ks) + 2,
+                             graph_windows=tuple(k + 1 for k in ks), decode_rows_threshold=max(ks) + 1)
         gen = torch.Generator().manual_seed(seed)
         vocab = model.cfg.vocab_size
         sides = [0, *ks]  # 0: the plain step
@@ -394,7 +411,8 @@ def run_verify(args, report: dict, write) -> None:
                             case.update(verify_case(model, device=device, dtype=dtype, batch=batch,
                                                     context=context, ks=args.ks, steps=args.verify_steps,
                                                     trials=args.verify_trials, warmup=args.verify_warmup,
-                                                    page_size=page_size, seed=args.seed))
+                                                    page_size=page_size, seed=args.seed,
+                                                    graphs=graphs_mode(args)))
                         except Exception as exc:
                             case.update(status="error", error=f"{type(exc).__name__}: {str(exc).strip()[:300]}")
                         finally:
@@ -456,7 +474,7 @@ def markdown_tables(reports: list[dict]) -> str:
             lines.append("")
         devices = "; ".join(sorted({r["device"] for r, _ in verify}))
         lines += [f"Device: {devices}; {verify[0][0]['dtype']}; {verify[0][0]['args']['preset']} shapes, random "
-                  f"weights; {GRAPHS_NOTE}. Step time per forward (median of trials), ratio = window / plain "
+                  f"weights; {verify[0][0]['graphs']}. Step time per forward (median of trials), ratio = window / plain "
                   "step; host = time to return from the call.", "",
                   "| model | batch | context | k | plain step ms | window step ms | ratio | plain host ms "
                   "| window host ms |", "|---" * 9 + "|"]
@@ -489,6 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--ks", type=int_list, default=[1, 2, 3, 4], help="speculative tokens per window")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cuda-graphs", choices=("auto", "off", "emulate"), default="auto",
+                   help="decode steps and verify windows replayed from CUDA graphs (auto: where available)")
     g = p.add_argument_group("end to end")
     g.add_argument("--cases", type=parse_cases, default=parse_cases(CASES), help=f"model:method, ... ({CASES})")
     g.add_argument("--draft-model", default="default", help="the draft model of method draft_model")
@@ -534,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
             else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
     report = {"device": name, "torch": torch.__version__, "python": sys.version.split()[0], "dtype": args.dtype,
-              "args": {k: v for k, v in vars(args).items()}, "graphs": GRAPHS_NOTE}
+              "args": {k: v for k, v in vars(args).items()}, "graphs": graphs_note(args)}
 
     def write() -> None:
         if args.json:
@@ -543,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp.write_text(json.dumps(report, indent=1))
             os.replace(tmp, args.json)
 
-    print(f"device {name}; {args.dtype}; torch {torch.__version__}; k {args.ks}; {GRAPHS_NOTE}", flush=True)
+    print(f"device {name}; {args.dtype}; torch {torch.__version__}; k {args.ks}; {graphs_note(args)}", flush=True)
     mismatch = False
     if "e2e" in parts:
         report["e2e"] = {"cases": []}

@@ -114,9 +114,13 @@ class LLM:
             num_pages = max(1, kv_cache_bytes // (page_size * layout.row_bytes))
         self.cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=num_pages),
                                   device=str(self.device), compaction=compaction)
+        # a verify window (k drafts and the pending token) runs like a decode step: MLA absorbed,
+        # replayed from its own CUDA graphs
+        window = 1 if self.speculative_config is None else self.speculative_config.num_speculative_tokens + 1
         self.runner = ModelRunner(self.model, self.cache, device=self.device, route=route,
                                   mla_mode=mla_mode, prefill_chunk=prefill_chunk, backend=backend,
-                                  cuda_graphs=cuda_graphs, max_model_len=self.max_model_len,
+                                  cuda_graphs=cuda_graphs, graph_windows=(window,) if window > 1 else (),
+                                  decode_rows_threshold=window, max_model_len=self.max_model_len,
                                   fused_ops=fused_ops)
         self.generator = Generator(self.runner, self.tokenizer, max_model_len=self.max_model_len,
                                    speculative=self.speculative_config)
@@ -143,7 +147,8 @@ class LLM:
         Returns ``{"seconds", "bytes"`` (device memory it left reserved: graph pools, index
         buffers, the allocator's blocks for the largest step; 0 on the CPU), ``"buckets"``
         (decode batch sizes run), ``"graphs"`` (graph
-        variants captured, ``[size, wide, few]``), ``"forwards"``, ``"skipped"`` (shapes the
+        variants captured, ``[size, wide, few]``, and ``[sequences, wide, False, window]`` for
+        verify windows), ``"forwards"``, ``"skipped"`` (shapes the
         cache had no room for)``}``.
         """
         defaults = self.core.config

@@ -9,6 +9,15 @@ position 0) write their K/V into a reserved scratch page and attend nothing. Mix
 layers are packed (stacked expert weights, device-side dispatch at every batch). A step that does
 not fit (its plan exceeds the capacity) returns None and the runner runs it eagerly.
 
+Verify windows (speculative decoding: up to ``W`` query rows per sequence) have buckets of their
+own, by sequence count and window size ``W``: ``size * W`` static rows, work items of up to ``W``
+rows (``wide`` ones: up to every row, for prefixes several sequences share). A step whose windows
+are shorter than ``W`` (an n-gram found fewer drafts, or none) pads the rest of the rows like a
+decode step does.
+
+Every replay also leaves the model's hidden states in a static buffer, which the runner hands to
+its ``hidden_listener`` (an MTP drafter reads them): graphs and MTP drafting go together.
+
 ``emulate=True`` replays by calling the captured step again over the same static buffers,
 so the buffer logic can be checked on machines without CUDA graphs.
 """
@@ -31,6 +40,9 @@ from segkv.attention.triton_backend import PlanCapacity, TritonBackend, merges_i
 from segkv.cache.kv_cache import PagedKVCache
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# the most static rows of a verify-window graph (sequences x window): logits and activations of
+# every row live in the graph's pool
+MAX_WINDOW_ROWS = 256
 
 
 def expert_layers(model: nn.Module) -> list:
@@ -43,9 +55,11 @@ def expert_layers(model: nn.Module) -> list:
 class _Bucket:
     size: int
     backend: TritonBackend
-    inputs: torch.Tensor  # (3, B) int64 on the device: ids, positions, slots
-    staging: torch.Tensor  # (3, B) int64 on the host (pinned on CUDA)
-    logits: torch.Tensor | None = None  # (B, vocab) float32, written by every replay
+    inputs: torch.Tensor  # (3, rows) int64 on the device: ids, positions, slots
+    staging: torch.Tensor  # (3, rows) int64 on the host (pinned on CUDA)
+    window: int = 1  # query rows per sequence (1: decode)
+    logits: torch.Tensor | None = None  # (rows, vocab) float32, written by every replay
+    hidden: torch.Tensor | None = None  # (rows, hidden) the model's output, written by every replay
     graph: torch.cuda.CUDAGraph | None = None
     step: object = None  # the captured callable (emulation replays it)
     copied: object = None  # torch.cuda.Event after the last host-to-device copy of the staging rows
@@ -81,8 +95,12 @@ class DecodeGraphs:
         device: torch.device,
         max_model_len: int,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        windows: tuple[int, ...] = (),
         emulate: bool = False,
     ) -> None:
+        """``windows``: verify-window sizes (query rows per sequence, >= 2) that get graphs too."""
+        if any(w < 2 for w in windows):
+            raise ValueError(f"verify-window sizes must be >= 2, got {windows}")
         for layer in expert_layers(model):
             layer.pack_experts()  # device-side expert dispatch at every batch: no host synchronisation
         if not emulate and device.type != "cuda":
@@ -93,6 +111,7 @@ class DecodeGraphs:
         self.device_spec = device_spec
         self.max_model_len = max_model_len
         self.buckets = tuple(sorted(buckets))
+        self.windows = tuple(sorted(set(windows)))
         self.emulate = emulate
         # (batch size, wide, few): "narrow" graphs serve plans whose work items hold one query row
         # each (attention tiles as small as eager's: same rounding, no padded rows); "wide" ones
@@ -100,11 +119,18 @@ class DecodeGraphs:
         # narrow ones merge no row from more partials than the GQA stage-1 kernel merges itself,
         # so their graph has no merge launch
         self._buckets: dict[tuple[int, bool, bool], _Bucket] = {}
+        self._window_buckets: dict[tuple[int, int, bool], _Bucket] = {}  # (sequences, window, wide)
+        self._last: _Bucket | None = None  # the bucket replayed last (its hidden states)
         self._merge_in_stage1 = cache.storage.layout.kind == "mha"  # the latent kernels keep their merge
         # a page of the pool reserved for the K/V rows of padding query rows
         self._scratch = cache.new_chain()
         self._scratch_slot = self._scratch.append(1)[0]
+        # a window graph's capture plan needs a query of its window's rows: a second scratch chain
+        self._scratch_rows = cache.new_chain()
+        if self.windows:
+            self._scratch_rows.append(self.windows[-1])
         self.replays = 0
+        self.window_replays = 0  # of them, verify-window steps
         self.fallbacks = 0
         self.staged_plans_used = 0  # replays whose plan indices were copied ahead (stage_ahead)
 
@@ -150,10 +176,56 @@ class DecodeGraphs:
         for bucket in self._buckets.values():
             bucket.staged = None
 
+    def window_sizes(self, window: int) -> tuple[int, ...]:
+        """The sequence-count buckets of verify windows of ``window`` rows (at most
+        :data:`MAX_WINDOW_ROWS` static rows each)."""
+        return tuple(b for b in self.buckets if b * window <= MAX_WINDOW_ROWS)
+
+    def window_bucket_for(self, widths: list[int]) -> tuple[int, int] | None:
+        """``(sequences, window)`` of the bucket a step of windows of ``widths`` rows replays
+        (None: no window graph holds it)."""
+        widest = max(widths)
+        window = next((w for w in self.windows if w >= widest), None)
+        if window is None:
+            return None
+        size = next((b for b in self.window_sizes(window) if b >= len(widths)), None)
+        return None if size is None else (size, window)
+
+    @property
+    def window_captured(self) -> Mapping[tuple[int, int, bool], _Bucket]:
+        """The captured verify-window buckets by ``(sequences, window, wide)``, read-only."""
+        return MappingProxyType(self._window_buckets)
+
+    def warm_windows(self, size: int, mla_mode_of) -> list[tuple[int, int, bool]]:
+        """Capture the verify-window buckets of ``size`` sequences not captured yet, narrow and
+        (``size >= 2``) wide, for every window size; ``mla_mode_of(window)`` is the MLA mode of
+        such a step. Returns the keys captured now."""
+        made = []
+        for window in self.windows:
+            mode = mla_mode_of(window)
+            if size not in self.window_sizes(window) or mode == "naive":
+                continue
+            for wide in (False, True) if size >= 2 else (False,):
+                if (size, window, wide) in self._window_buckets:
+                    continue
+                bucket = self._capture(size, wide, False, mode, window=window)
+                if bucket.graph is not None:
+                    bucket.graph.replay()
+                made.append((size, window, wide))
+        return made
+
     def release(self) -> None:
-        """Give the scratch page back (the graphs stay unusable afterwards)."""
+        """Give the scratch pages back (the graphs stay unusable afterwards)."""
         self._scratch.release()
+        self._scratch_rows.release()
         self._buckets.clear()
+        self._window_buckets.clear()
+        self._last = None
+
+    def last_hidden(self, rows: int) -> torch.Tensor:
+        """A copy of the first ``rows`` hidden states ``(rows, hidden)`` of the last replay (its
+        static buffer is overwritten by the next one)."""
+        return self._last.hidden[:rows].clone()
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], plan: AttentionPlan,
             mla_mode: str, *, arrays: dict | None = None, device_ids: torch.Tensor | None = None
@@ -170,18 +242,48 @@ class DecodeGraphs:
         staged, bucket.staged = bucket.staged, None
         if staged is plan:
             self.staged_plans_used += 1
-        else:
-            try:
-                bucket.backend.prepare(plan, arrays=arrays)
-            except ValueError:  # the plan exceeds the bucket's fixed capacity
-                self.fallbacks += 1
-                return None
-        pad = size - n
+        elif not self._prepare(bucket, plan, arrays):
+            return None
+        self._replay(bucket, ids, positions, slots, device_ids)
+        return bucket.logits[:n].clone()
+
+    def run_window(self, widths: list[int], ids: list[int], positions: list[int], slots: list[int],
+                   plan: AttentionPlan, mla_mode: str, rows: list[int]) -> torch.Tensor | None:
+        """Logits ``(len(rows), vocab)`` float32 of the flat query ``rows`` of a step of verify
+        windows (``widths[i]`` rows of sequence ``i``, ``ids``/``positions``/``slots`` flat), or
+        None when no window graph holds it."""
+        key = self.window_bucket_for(widths)
+        if key is None or mla_mode == "naive":
+            self.fallbacks += 1
+            return None
+        size, window = key
+        wide = plan.max_work_rows > window
+        bucket = self._window_buckets.get((size, window, wide)) or self._capture(size, wide, False, mla_mode,
+                                                                                 window=window)
+        bucket.staged = None
+        if not self._prepare(bucket, plan, None):
+            return None
+        self._replay(bucket, ids, positions, slots, None)
+        self.window_replays += 1
+        return bucket.logits[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
+
+    def _prepare(self, bucket: _Bucket, plan: AttentionPlan, arrays: dict | None) -> bool:
+        try:
+            bucket.backend.prepare(plan, arrays=arrays)
+        except ValueError:  # the plan exceeds the bucket's fixed capacity
+            self.fallbacks += 1
+            return False
+        return True
+
+    def _replay(self, bucket: _Bucket, ids: list[int], positions: list[int], slots: list[int],
+                device_ids: torch.Tensor | None) -> None:
+        """Write the step's rows (the rest: padding on the scratch slot) and replay ``bucket``."""
+        n = len(positions)
         if bucket.copied is not None:  # the last step's transfer must have read the staging rows
             bucket.copied.synchronize()
         rows = bucket.staging.numpy()  # numpy writes: building a tensor from lists costs more
         rows[0, :n], rows[1, :n], rows[2, :n] = ids, positions, slots
-        if pad:
+        if n < rows.shape[1]:
             rows[0, n:], rows[1, n:], rows[2, n:] = 0, 0, self._scratch_slot
         bucket.inputs.copy_(bucket.staging, non_blocking=True)
         if device_ids is not None:  # the previous step's samples, never seen by the host
@@ -194,7 +296,7 @@ class DecodeGraphs:
         else:
             bucket.graph.replay()
         self.replays += 1
-        return bucket.logits[:n].clone()
+        self._last = bucket
 
     def stage_ahead(self, plan: AttentionPlan, num_rows: int, arrays: dict) -> None:
         """Copy the index arrays of a likely next step (``plan`` over ``num_rows`` decode rows,
@@ -221,25 +323,29 @@ class DecodeGraphs:
         few = self._merge_in_stage1 and merges_in_stage1(plan.max_work_rows, plan.max_row_partials)
         return size, plan.max_work_rows > 1, few
 
-    def _capacity(self, size: int, wide: bool, few: bool) -> PlanCapacity:
+    def _capacity(self, size: int, wide: bool, few: bool, window: int = 1) -> PlanCapacity:
         page = self.cache.page_size
         pages_per_seq = math.ceil(self.max_model_len / page) + 64  # + pages left part-full by segment ends
         work = max_graph_work_items(self.device_spec, size, kv_heads=self.cache.layout.num_kv_heads,
                                     latent=self.cache.layout.kind == "mla", wide=wide)
-        return PlanCapacity(max_pages=size * pages_per_seq, max_work=work, max_partials=work + 64 * size,
-                            max_rows=size, max_work_rows=size if wide else 1,
+        rows = size * window
+        return PlanCapacity(max_pages=size * pages_per_seq, max_work=work, max_partials=(work + 64 * size) * window,
+                            max_rows=rows, max_work_rows=rows if wide else window,
                             max_row_partials=stage1_merge_bound() if few else None)
 
-    def _capture(self, size: int, wide: bool, few: bool, mla_mode: str) -> _Bucket:
+    def _capture(self, size: int, wide: bool, few: bool, mla_mode: str, *, window: int = 1) -> _Bucket:
+        """Capture the bucket of ``size`` sequences of ``window`` rows each (1: decode)."""
+        rows = size * window
         backend = TritonBackend(page_size=self.cache.page_size, device=self.device,
-                                capacity=self._capacity(size, wide, few))
+                                capacity=self._capacity(size, wide, few, window))
         pinned = self.device.type == "cuda"
-        staging = torch.zeros(3, size, dtype=torch.long, pin_memory=pinned)
+        staging = torch.zeros(3, rows, dtype=torch.long, pin_memory=pinned)
         staging[2] = self._scratch_slot
         inputs = staging.to(self.device)
-        bucket = _Bucket(size, backend, inputs, staging)
-        # a plan with every row attending the scratch row: valid for the warm-up and capture
-        scratch = SequenceQuery(tuple(self._scratch.spans()), 1)
+        bucket = _Bucket(size, backend, inputs, staging, window=window)
+        # a plan with every row attending the scratch rows: valid for the warm-up and capture
+        chain = self._scratch if window == 1 else self._scratch_rows
+        scratch = SequenceQuery(tuple(chain.spans()), window)
         shape = self.model.attention_shape(mla_mode)
         prepared = backend.prepare(plan_attention([scratch] * size, shape, self.device_spec,
                                                   page_size=self.cache.page_size, route="single"))
@@ -247,8 +353,8 @@ class DecodeGraphs:
                                  slots=inputs[2], mla_mode=mla_mode, trusted_slots=True)
 
         def step() -> None:
-            hidden = self.model(inputs[0], inputs[1], meta)
-            bucket.logits = self.model.compute_logits(hidden)
+            bucket.hidden = self.model(inputs[0], inputs[1], meta)
+            bucket.logits = self.model.compute_logits(bucket.hidden)
 
         bucket.step = step
         if self.emulate:
@@ -264,5 +370,8 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 step()
             bucket.graph = graph
-        self._buckets[size, wide, few] = bucket
+        if window == 1:
+            self._buckets[size, wide, few] = bucket
+        else:
+            self._window_buckets[size, window, wide] = bucket
         return bucket

@@ -42,6 +42,9 @@ class ModelRunner:
     so scores never exist for a whole prompt at once; history is attended as pieces.
     ``fused_ops`` (default: on CUDA) stacks the q/k/v and gate/up projections and runs RMSNorm,
     SiLU-and-mul and RoPE with the cache write as single Triton kernels (``CausalLM.use_fused_ops``).
+    ``cuda_graphs`` replays decode steps, and verify windows of the ``graph_windows`` sizes (rows
+    per sequence), from CUDA graphs (``runner/cuda_graphs.py``). ``decode_rows_threshold``: the
+    widest step per sequence that MLA runs absorbed (decode and verify windows), not naive.
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class ModelRunner:
         decode_rows_threshold: int = 1,
         backend: str = "auto",
         cuda_graphs: bool | str = False,
+        graph_windows: tuple[int, ...] = (),
         max_model_len: int | None = None,
         fused_ops: bool | None = None,
     ) -> None:
@@ -86,10 +90,11 @@ class ModelRunner:
         self.graphs_off_reason: str | None = None
         self._ahead: _PlanAhead | None = None  # see _plan_ahead
         self.plans_ahead_used = 0
-        # called with (chains, chunks, hidden (T, hidden)) after every eager forward: the hidden
-        # states an MTP drafter needs (runner/mtp.py); while set, decode steps run eagerly
+        # called with (chains, chunks, hidden (T, hidden)) after every forward: the hidden states an
+        # MTP drafter needs (runner/mtp.py)
         self.hidden_listener: Callable[[list[KVChain], list[list[int]], torch.Tensor], None] | None = None
-        self.graphs = self._make_graphs(cuda_graphs, max_model_len or getattr(model, "max_model_len", 4096))
+        self.graphs = self._make_graphs(cuda_graphs, max_model_len or getattr(model, "max_model_len", 4096),
+                                        graph_windows)
 
     @torch.inference_mode()
     def prompt_logits(self, chain: KVChain, token_ids: list[int]) -> torch.Tensor:
@@ -184,19 +189,22 @@ class ModelRunner:
             else:
                 plan, arrays = self.plan(queries, mla_mode), None
             logits = None
-            if (self.graphs is not None and not all_rows and self.hidden_listener is None
-                    and all(len(t) == 1 for t in chunks)):  # 1 row each
-                logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode,
-                                         arrays=arrays, device_ids=device_ids)
-                if logits is not None:  # the replay runs on the GPU: plan the likely next step meanwhile
-                    self._ahead = self._plan_ahead(chains, mla_mode)
-                    if self._ahead is not None:  # and queue its index copies behind this replay
-                        self.graphs.stage_ahead(self._ahead.plan, len(chains), self._ahead.arrays)
+            rows = None if all_rows else _last_rows(chunks, [1] * len(chunks) if logit_rows is None else logit_rows)
+            if self.graphs is not None and not all_rows:
+                widths = [len(t) for t in chunks]
+                if max(widths) == 1:  # a decode step
+                    logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode,
+                                             arrays=arrays, device_ids=device_ids)
+                    if logits is not None:  # the replay runs on the GPU: plan the likely next step meanwhile
+                        self._ahead = self._plan_ahead(chains, mla_mode)
+                        if self._ahead is not None:  # and queue its index copies behind this replay
+                            self.graphs.stage_ahead(self._ahead.plan, len(chains), self._ahead.arrays)
+                elif device_ids is None and max(widths) <= max(self.graphs.windows, default=0):  # verify windows
+                    logits = self.graphs.run_window(widths, [t for c in chunks for t in c], positions, slots,
+                                                    plan, mla_mode, rows)
+                if logits is not None and self.hidden_listener is not None:
+                    self.hidden_listener(chains, chunks, self.graphs.last_hidden(len(positions)))
             if logits is None:  # eager: no graph, a prefill chunk, or a step no graph holds
-                if all_rows:
-                    rows = None
-                else:
-                    rows = _last_rows(chunks, [1] * len(chunks) if logit_rows is None else logit_rows)
                 logits = self._eager_logits(chunks, positions, slots, plan, mla_mode, rows, device_ids, chains)
         except BaseException:
             for chain, n in appended:
@@ -267,10 +275,11 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
 
-    def _make_graphs(self, mode: bool | str, max_model_len: int):
+    def _make_graphs(self, mode: bool | str, max_model_len: int, windows: tuple[int, ...]):
         """CUDA-graph decode: ``True`` (error if unavailable), ``"auto"`` (on where available:
         CUDA and a backend whose ``capabilities.cuda_graphs`` holds), ``"emulate"``
-        (replay by re-running the captured step: tests), ``False``."""
+        (replay by re-running the captured step: tests), ``False``. ``windows``: verify-window
+        sizes that get graphs too."""
         from segkv.runner.cuda_graphs import DecodeGraphs
 
         if mode not in (True, False, "auto", "emulate"):
@@ -290,7 +299,7 @@ class ModelRunner:
             self.graphs_off_reason = reason
             return None
         return DecodeGraphs(self.model, self.cache, self.device_spec, device=self.device,
-                            max_model_len=max_model_len, emulate=emulate)
+                            max_model_len=max_model_len, windows=windows, emulate=emulate)
 
     def _make_backend(self, name: str, cache: PagedKVCache) -> AttentionBackend:
         """Triton kernels on CUDA ("auto"), for K/V and latent (MLA) caches alike; the torch

@@ -52,7 +52,8 @@ SAMPLING = (
 class WarmUpShapes:
     """What a warm-up runs.
 
-    ``graph_sizes``: decode graph buckets whose every variant is captured. ``decode_sizes``: batch
+    ``graph_sizes``: decode graph buckets whose every variant is captured (and the verify-window
+    buckets of as many sequences, when the runner's graphs have window sizes). ``decode_sizes``: batch
     sizes that prefill together and decode (a step from host ids, one from device ids).
     ``prefill_lengths``: one-sequence prompts, a forward each (longer ones chunked). ``batched``:
     the prompt lengths of the largest forward, full chunks of several sequences. ``shared_prefix``:
@@ -145,8 +146,11 @@ class _Warm:
 
     @torch.inference_mode()
     def graphs(self, size: int) -> None:
-        keys = self.runner.graphs.warm(size, self.runner.decode_mla_mode)
+        runner = self.runner
+        keys = runner.graphs.warm(size, runner.decode_mla_mode)
         self.captured += [list(k) for k in keys]
+        windows = runner.graphs.warm_windows(size, lambda window: runner.mla_mode_of([[0] * window]))
+        self.captured += [[s, wide, False, window] for s, window, wide in windows]
 
     def forward(self, inputs: list[StepInput]) -> torch.Tensor:
         self.forwards += 1

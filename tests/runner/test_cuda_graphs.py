@@ -229,3 +229,42 @@ def test_graph_buckets_hold_every_decode_plan_of_their_size(kv_heads, latent):
         bucket = 1 << (forks - 1).bit_length()
         room = max_graph_work_items(device, bucket, kv_heads=kv_heads, latent=latent, wide=True)
         assert len(plan.work) <= room, (forks, segments, len(plan.work), room)
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def _tokens(llm, prompts, params):
+    return [[o.token_ids for o in r.outputs] for r in llm.generate(prompts, params)]
+
+
+def test_verify_windows_replay_window_graphs_and_give_the_plain_tokens(tmp_path):
+    """n-gram windows of up to 4 rows (fewer when fewer drafts match: padded) replay the window
+    graphs; forks of one long prompt (a shared prefix: cascade plans) replay the wide ones."""
+    build_model_dir(tmp_path, "qwen3")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10], [8, 8, 1]]  # loops: the n-grams match
+    forks = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)
+    long_prompt = [[3, 1, 4, 1, 5, 9, 2, 6] * 5]  # 40 rows: more than a page shared by the two samples
+    plain = _llm(tmp_path)
+    want = _tokens(plain, prompts, params), _tokens(plain, long_prompt, forks)
+    llm = _llm(tmp_path, cuda_graphs=MODE, speculative_config=NGRAM)
+    graphs = llm.runner.graphs
+    assert graphs.windows == (4,) and llm.runner.decode_rows_threshold == 4
+    assert (_tokens(llm, prompts, params), _tokens(llm, long_prompt, forks)) == want
+    assert llm.generator.spec_stats.drafts > 0 and graphs.window_replays > 0
+    assert (4, 4, False) in graphs.window_captured and (2, 4, True) in graphs.window_captured
+    assert llm.cache.stats()["pages_in_use"] == 2  # the graphs' two scratch chains only
+
+
+def test_mtp_drafting_reads_the_hidden_states_of_graph_replays():
+    """The MTP drafter's hidden states come from the graphs' static buffer (decode and window
+    steps replay, none but the prefill runs eagerly), and the tokens are plain decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = ["def add(a, b):\n    return a + b\n\n\ndef sub("]
+    want = _tokens(LLM("default-mla", dtype="float32"), prompts, params)
+    llm = _llm("default-mla", cuda_graphs=MODE, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert _tokens(llm, prompts, params) == want
+    stats, graphs = llm.generator.spec_stats, llm.runner.graphs
+    assert stats.drafts > 0 and stats.accepted_tokens > 0
+    assert graphs.window_replays > 0 and graphs.fallbacks == 0
