@@ -86,12 +86,14 @@ class DraftModelProposer:
     ``target_tokenizer`` and ``target_vocab_size``: the target's, which the draft must share (a
     ValueError naming both models otherwise). ``dtype``/``device``: the target's. The draft cache
     holds ``num_pages`` pages of ``page_size`` rows (default: as many as ``kv_cache_bytes``).
+    ``backend``, ``cuda_graphs`` and ``graph_windows``: the draft runner's (``ModelRunner``).
     """
 
     def __init__(self, model_dir: str | Path, *, target_tokenizer: Tokenizer, target_vocab_size: int,
                  dtype: torch.dtype, device: str | torch.device, target_name: str = "the target model",
                  kv_cache_bytes: int = DEFAULT_DRAFT_CACHE_BYTES, num_pages: int | None = None,
-                 page_size: int | None = None, prefill_chunk: int = 512) -> None:
+                 page_size: int | None = None, prefill_chunk: int = 512, cuda_graphs: bool | str = False,
+                 graph_windows: tuple[int, ...] = (), backend: str = "auto") -> None:
         self.model_dir = check_model_dir(resolve_model_dir(model_dir))
         self.device = torch.device(device)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
@@ -106,7 +108,9 @@ class DraftModelProposer:
             num_pages = max(1, kv_cache_bytes // (page_size * layout.row_bytes))
         self.cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=num_pages),
                                   device=str(self.device))
-        self.runner = ModelRunner(self.model, self.cache, device=self.device, backend="auto", cuda_graphs=False,
+        # draft steps are decode steps, and catching up after a window is a window: graphs for both
+        self.runner = ModelRunner(self.model, self.cache, device=self.device, backend=backend, cuda_graphs=cuda_graphs,
+                                  graph_windows=graph_windows, decode_rows_threshold=max(graph_windows, default=1),
                                   max_model_len=self.max_model_len, prefill_chunk=prefill_chunk)
         self._states: dict[int, _DraftState] = {}  # id(target chain) -> its draft state
         self._dead: list[tuple[int, weakref.ref]] = []  # states whose key died while a call ran
@@ -119,9 +123,15 @@ class DraftModelProposer:
     @classmethod
     def for_target(cls, model_dir: str | Path, runner: ModelRunner, tokenizer: Tokenizer,
                    **kwargs: Any) -> DraftModelProposer:
-        """The proposer for the target that ``runner`` runs (its dtype, device and vocabulary)."""
+        """The proposer for the target that ``runner`` runs (its dtype, device and vocabulary, and its
+        CUDA graphs: decode steps and the same verify-window sizes, emulated where the target's are)."""
         model = runner.model
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        graphs = runner.graphs
+        if graphs is not None:
+            kwargs.setdefault("cuda_graphs", "emulate" if graphs.emulate else True)
+            kwargs.setdefault("graph_windows", graphs.windows)
+            kwargs.setdefault("backend", "triton")  # the backend graphs run
         return cls(model_dir, target_tokenizer=tokenizer, target_vocab_size=model.cfg.vocab_size, dtype=dtype,
                    device=runner.device, target_name=kwargs.pop("target_name", type(model).__name__), **kwargs)
 

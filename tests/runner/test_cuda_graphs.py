@@ -268,3 +268,19 @@ def test_mtp_drafting_reads_the_hidden_states_of_graph_replays():
     stats, graphs = llm.generator.spec_stats, llm.runner.graphs
     assert stats.drafts > 0 and stats.accepted_tokens > 0
     assert graphs.window_replays > 0 and graphs.fallbacks == 0
+
+
+def test_a_draft_model_decodes_and_catches_up_through_its_own_graphs(tmp_path):
+    """The draft runner follows the target's graphs: draft steps replay decode buckets and the
+    catch-up after a window (the accepted drafts and the pending token) replays window ones."""
+    build_model_dir(tmp_path, "qwen3")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10]]
+    want = _tokens(_llm(tmp_path), prompts, params)
+    llm = _llm(tmp_path, cuda_graphs=MODE,
+               speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
+    assert _tokens(llm, prompts, params) == want
+    draft = llm.generator.proposer.runner.graphs
+    assert draft is not None and draft.windows == (3,)
+    assert draft.replays > 0 and draft.window_replays > 0
+    assert llm.generator.spec_stats.accepted_tokens > 0  # the model drafting for itself
