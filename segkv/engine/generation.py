@@ -173,7 +173,9 @@ class Generator:
         siblings: forks of its chain that sample from the same logits, so the prompt is
         computed and stored once. Returns the sequences that sampled (siblings excluded).
         """
-        drafts = {} if any(s.scoring for s, _ in work) else self._propose(work)  # scoring keeps every row
+        # prompt scoring keeps every row's logits, and a max_tokens 0 request samples nothing: no windows
+        plain = any(s.scoring or s.params.max_tokens == 0 for s, _ in work)
+        drafts = {} if plain else self._propose(work)
         if drafts:
             try:
                 return self._verify_step(work, drafts)
