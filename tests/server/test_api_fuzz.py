@@ -27,6 +27,20 @@ TEXT = st.one_of(st.text(max_size=12), SURROGATE_TEXT)
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True), TEXT)
 JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
     st.text(max_size=8), inner, max_size=4), max_leaves=10)
+SCHEMA = st.sampled_from([
+    {"type": "object"}, {"type": "array"}, {"type": "nonsense"}, {"type": "string", "maxLength": 0},
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 3}}, "required": ["a"]},
+    {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}}},
+])
+TOOL = st.fixed_dictionaries(
+    {"type": st.one_of(st.just("function"), SCALARS),
+     "function": st.one_of(st.fixed_dictionaries({"name": st.one_of(st.sampled_from(["f", "g"]), TEXT)},
+                                                 optional={"parameters": st.one_of(SCHEMA, JSON),
+                                                           "description": st.one_of(TEXT, JSON)}), JSON)})
+TOOL_CALL = st.fixed_dictionaries(
+    {"id": st.one_of(TEXT, SCALARS), "type": st.just("function"),
+     "function": st.one_of(st.fixed_dictionaries({"name": TEXT, "arguments": st.one_of(TEXT, JSON)}), JSON)})
 FIELDS = {
     "model": st.one_of(st.just(MODEL), SCALARS),
     "max_tokens": st.one_of(st.integers(-5, 6), SCALARS),
@@ -51,12 +65,34 @@ FIELDS = {
     "messages": st.one_of(
         st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"]),
                                          "content": st.one_of(st.text(max_size=20), JSON)}), max_size=3),
+        st.lists(st.fixed_dictionaries({"role": st.sampled_from(["tool", "assistant"]),
+                                         "content": st.one_of(st.none(), st.text(max_size=8), JSON)},
+                                        optional={"tool_call_id": st.one_of(TEXT, SCALARS),
+                                                  "tool_calls": st.one_of(st.lists(TOOL_CALL, max_size=2), JSON)}),
+                 max_size=3),
         JSON),
     "content": st.one_of(st.text(max_size=20), SCALARS),
     "turn": st.one_of(st.integers(-2, 4), SCALARS),
     "name": st.one_of(st.text(max_size=10), SCALARS),
     "system": st.one_of(st.text(max_size=10), SCALARS),
     "user": st.one_of(TEXT, JSON),
+    # tools, constraints and the sampling extras: any shape is a 200 or a 400
+    "tools": st.one_of(st.lists(TOOL, max_size=3), JSON),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]),
+                             st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+                                 {"name": st.one_of(st.sampled_from(["f", "g"]), TEXT)})}), JSON),
+    "parallel_tool_calls": st.one_of(st.booleans(), SCALARS),
+    "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+                                 st.builds(lambda schema: {"type": "json_schema",
+                                                           "json_schema": {"name": "x", "schema": schema}},
+                                           st.one_of(SCHEMA, JSON)), JSON),
+    "logit_bias": st.one_of(st.dictionaries(st.one_of(st.integers(-5, 10**6).map(str), TEXT),
+                                            st.one_of(st.floats(-150, 150), SCALARS), max_size=3), JSON),
+    "echo": st.one_of(st.booleans(), SCALARS),
+    "guided_regex": st.one_of(st.sampled_from(["[a-c]{1,3}", "[unclosed", "(x|y)+", ""]), SCALARS),
+    "guided_choice": st.one_of(st.lists(st.text(max_size=4), max_size=3), JSON),
+    "structured_outputs": st.one_of(st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar"]),
+                                                    st.one_of(SCHEMA, JSON), max_size=2), JSON),
 }
 BODY = st.one_of(st.fixed_dictionaries({}, optional=FIELDS), JSON)
 # fields large enough to pass the body limit, or nearly
@@ -157,3 +193,42 @@ def test_malformed_and_oversize_bodies_give_openai_4xx_errors(http, endpoint, bo
         assert response.status_code == 413
     elif how.startswith("nest") and int(how[4:]) >= 64:
         assert response.status_code == 400 and "levels deep" in response.json()["error"]["message"]
+
+
+BAD = [  # (endpoint, extra fields, the field the 400 names): bad tool and constraint input
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                        "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ("chat", {"response_format": {"type": "yaml"}}, "response_format"),
+    ("chat", {"response_format": "json"}, "response_format"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+     "tools"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "wrong"}}}}}]}, "tools"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"tool_choice": "sometimes", "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tool_choice"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+              "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"messages": [{"role": "tool", "content": "42"}]}, "messages"),
+    ("chat", {"guided_regex": "[unclosed"}, "guided_regex"),
+    ("chat", {"guided_choice": [], "max_tokens": 2}, "guided_choice"),
+    ("chat", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ("chat", {"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ("chat", {"logit_bias": {"abc": 1}}, "logit_bias"),
+    ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("chat", {"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("completions", {"max_tokens": 0}, "max_tokens"),
+    ("completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+]
+
+
+@pytest.mark.parametrize("endpoint,extra,param", BAD)
+def test_bad_tools_and_constraints_are_400s_naming_the_field(http, endpoint, extra, param):
+    body = {"model": MODEL, "max_tokens": 2, **({"messages": [{"role": "user", "content": "x"}]}
+                                                if endpoint == "chat" else {"prompt": "x"}), **extra}
+    response = http.post("/v1/chat/completions" if endpoint == "chat" else "/v1/completions", json=body)
+    check_answer(response, body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
