@@ -336,3 +336,43 @@ def test_detokenizer_prompt_context_and_finish(tokenizers):
     assert det.token_ids == gen_ids and det.finish() == ""
     with pytest.raises(ValueError, match="finish"):
         det.add(gen_ids[0])
+
+
+# Tool-call history as the Qwen3 and DeepSeek V3 templates render it: calls with arguments as a
+# string (as OpenAI clients send them) or a mapping, null content, and tool results
+TOOL_HISTORY_TEMPLATE = """
+{%- for message in messages %}
+    {%- if message.role == "assistant" %}
+        {{- '<|im_start|>assistant\\n' + (message.content if message.content is string else '') }}
+        {%- for tool_call in message.tool_calls or [] %}
+            {%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
+            {{- '<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' }}
+            {%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '[none]' if message['content'] is none else '[text]' }}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response>[' + message.tool_call_id + ']<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if tools %}{{- tools | map(attribute='function') | map(attribute='name') | join(',') }}{%- endif %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+
+@pytest.mark.parametrize("content", ["", "Let me look.", None])
+@pytest.mark.parametrize("arguments", ['{"city": "Zürich"}', {"city": "Zürich", "n": [1, 2]}])
+def test_tool_call_history_renders_as_transformers(tmp_path, content, arguments):
+    build_tiny_tokenizer(tmp_path, style="chatml", chat_template=TOOL_HISTORY_TEMPLATE)
+    tok, hf = Tokenizer.from_dir(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": content, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    text, ids = _hf_chat(hf, messages, tools=tools, add_generation_prompt=True)
+    assert tok.apply_chat_template(messages, tools=tools) == text
+    assert tok.encode_chat(messages, tools=tools) == ids
+    assert "<tool_response>\n{\"temp\": 21}\n</tool_response>[call_1]" in text
