@@ -285,7 +285,8 @@ def prompt_logprobs(output: RequestOutput, decode) -> dict:
         offsets.append(pos)
         pos += len(token)
     return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
-            "top_logprobs": [None if e is None else {decode(t): lp for t, lp in (e.top or [])} for e in entries],
+            "top_logprobs": [None if e is None else {decode(t): lp for t, lp in (e.top or [])}
+                             for e in entries],
             "text_offset": offsets}
 
 
@@ -294,4 +295,5 @@ def joined_logprobs(first: dict | None, second: dict | None) -> dict | None:
     ``first``'s text)."""
     if first is None or second is None:
         return first or second
-    return {key: first[key] + second[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {key: first[key] + second[key] for key in keys}

@@ -64,17 +64,18 @@ def test_json_schema_outputs_validate_at_temperature_1(server, index):
     for choice in out.choices:
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), schema)
-    chunks = client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt, temperature=1,
-                                            seed=index, max_tokens=200, stream=True)
-    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), schema)
+    chunks = client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt,
+                                            temperature=1, seed=index, max_tokens=200, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    jsonschema.validate(json.loads(text), schema)
 
 
 def test_json_object_outputs_are_json_objects(server):
     """Every output that ends by itself parses as an object (this prose-trained model may write
     a key until the length limit: the engine's concern, not the server's)."""
     _, _, client = server
-    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={"type": "json_object"},
-                                         temperature=1, n=8, seed=3, max_tokens=300)
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1, n=8, seed=3,
+                                         max_tokens=300, response_format={"type": "json_object"})
     finished = [c.message.content for c in out.choices if c.finish_reason == "stop"]
     assert finished and all(c.message.content.startswith("{") for c in out.choices)
     for text in finished:
@@ -101,7 +102,8 @@ def test_a_session_turn_takes_response_format(server):
     _, base, _ = server
     sid = httpx.post(f"{base}/v1/sessions", json={}).json()["id"]
     turn = httpx.post(f"{base}/v1/sessions/{sid}/turns", timeout=60,
-                      json={"content": "JSON please", "max_tokens": 200, "response_format": {"type": "json_object"}})
+                      json={"content": "JSON please", "max_tokens": 200,
+                            "response_format": {"type": "json_object"}})
     assert turn.status_code == 200, turn.text
     assert isinstance(json.loads(turn.json()["message"]["content"]), dict)
 

@@ -360,18 +360,19 @@ FORMATS = {  # the tool result (and the call before it) as each template writes 
 
 def test_a_follow_up_with_the_tool_result_continues_the_conversation(served):
     family, llm, client = served
-    first = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, temperature=0,
-                                           max_tokens=200,
-                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    weather = {"type": "function", "function": {"name": "get_weather"}}
+    first = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, temperature=0, max_tokens=200,
+                                           tool_choice=weather)
     call = first.choices[0].message.tool_calls[0]
     arguments = call.function.arguments  # as the SDK gives it: a JSON string, sent back unchanged
     history = [*USER, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
-    out = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, temperature=0, max_tokens=4,
-                                         extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, temperature=0,
+                                         max_tokens=4, extra_body={"ignore_eos": True})
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 4
     # the prompt the server rendered: the template's call and result formats
-    rendered = llm.tokenizer.apply_chat_template([*USER, {**history[1], "content": ""}, history[2]], tools=TOOLS)
+    as_sent = [*USER, {**history[1], "content": ""}, history[2]]  # null content is templated as ""
+    rendered = llm.tokenizer.apply_chat_template(as_sent, tools=TOOLS)
     assert out.usage.prompt_tokens == len(llm.tokenizer.encode(rendered, add_special_tokens=False))
     for piece in FORMATS[family]:
         piece = (piece.replace("@ARGS_Q@", json.dumps(arguments)[1:-1]).replace("@ARGS@", arguments)
@@ -395,22 +396,24 @@ def test_a_call_the_parser_cannot_read_stays_content_streamed_and_not():
 
 
 def test_only_the_first_call_is_kept_without_parallel_calls():
-    text = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>'
+    text = "\n".join(f'<tool_call>\n{{"name": "{name}", "arguments": {{}}}}\n</tool_call>' for name in "ab")
     stream = ToolStream(parser_for("hermes"), parallel=False)
     deltas = [d for end in range(1, len(text) + 1) for d in stream.feed(text[:end], end == len(text))[1]]
     assert [d["function"]["name"] for d in deltas if "id" in d] == ["a"]
 
 
 def test_special_token_markers_are_read_back(tmp_path):
-    build_tiny_tokenizer(tmp_path, style="llama3", tokenizer_config={"additional_special_tokens": ["[TOOL_CALLS]"]})
+    build_tiny_tokenizer(tmp_path, style="llama3",
+                         tokenizer_config={"additional_special_tokens": ["[TOOL_CALLS]"]})
     from segkv.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(tmp_path)
-    ids = tokenizer.encode('[TOOL_CALLS] [{"name": "f", "arguments": {}}]<|eot_id|>', add_special_tokens=False)
+    call = '[TOOL_CALLS] [{"name": "f", "arguments": {}}]'
+    ids = tokenizer.encode(call + "<|eot_id|>", add_special_tokens=False)
     text = tokenizer.decode(ids)  # the engine's text: special tokens dropped
     assert "[TOOL_CALLS]" not in text
     read = CallText(tokenizer, parser_for("mistral"))(text, ids)
-    assert read == '[TOOL_CALLS] [{"name": "f", "arguments": {}}]'  # the marker back, eos still dropped
+    assert read == call  # the marker back, the end-of-sequence token still dropped
     assert parser_for("mistral").parse(read).tool_calls[0].name == "f"
 
 
@@ -419,3 +422,8 @@ def test_the_cli_offers_every_parser():
     from segkv.server.tool_parsers import PARSERS
 
     assert TOOL_CALL_PARSERS == sorted(PARSERS)
+
+
+def test_an_unknown_parser_is_refused_when_the_app_is_made():
+    with pytest.raises(ValueError, match="unknown tool-call parser 'qwen'"):
+        create_app(None, model_name=MODEL, tool_call_parser="qwen")

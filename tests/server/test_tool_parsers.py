@@ -266,3 +266,52 @@ def test_arbitrary_text_never_raises(fmt, pieces):
 ])
 def test_call_start_finds_markers_and_cut_off_marker_starts(fmt, text, start):
     assert parser_for(fmt).call_start(text) == start
+
+
+def _streamed(fmt: str, text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]]]:
+    """The content and (name, arguments) calls a ToolStream sends for ``text`` grown at ``cuts``."""
+    from segkv.server.tool_output import ToolStream
+
+    stream, content, calls = ToolStream(parser_for(fmt)), "", {}
+    ends = sorted(set(c for c in cuts if 0 < c < len(text)))
+    for end, finished in [*((e, False) for e in ends), (len(text), True)]:
+        piece, deltas = stream.feed(text[:end], finished)
+        content += piece
+        for delta in deltas:
+            call = calls.setdefault(delta["index"], ["", ""])
+            if "id" in delta:
+                assert not call[0] and delta["type"] == "function"  # the name comes once, first
+                call[0] = delta["function"]["name"]
+            else:
+                assert call[0]  # arguments only after the name
+            call[1] += delta["function"]["arguments"]
+    return content, [tuple(c) for _, c in sorted(calls.items())]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fmt=st.sampled_from(FORMATS), calls=CALLS, prefix=st.text(max_size=20), variant=st.integers(0, 1),
+       cuts=st.lists(st.integers(0, 400), max_size=40))
+def test_streaming_sends_what_parsing_finds_and_no_marker_as_content(fmt, calls, prefix, variant, cuts):
+    if any(m in prefix for m in MARKERS[fmt]):
+        prefix = ""
+    text = render(fmt, calls, prefix, variant)
+    parsed = parser_for(fmt).parse(text)
+    content, streamed = _streamed(fmt, text, cuts)
+    assert streamed == [(c.name, c.arguments) for c in parsed.tool_calls]
+    assert content.strip() == (parsed.content or "")
+    assert not any(m in content for m in MARKERS[fmt])
+
+
+@settings(max_examples=300, deadline=None)
+@given(fmt=st.sampled_from(FORMATS), pieces=st.lists(PIECES | st.text(max_size=5), max_size=25),
+       cuts=st.lists(st.integers(0, 200), max_size=30))
+def test_streaming_arbitrary_text_matches_parsing(fmt, pieces, cuts):
+    text = "".join(pieces)
+    parsed = parser_for(fmt).parse(text)
+    content, streamed = _streamed(fmt, text, cuts)
+    if parsed.tool_calls:
+        # a call the text after it later shows to be malformed cannot be taken back once sent
+        found = [(c.name, c.arguments) for c in parsed.tool_calls]
+        assert found[:len(streamed)] == streamed[:len(found)]
+    else:
+        assert content == text or streamed

@@ -369,7 +369,8 @@ def test_tool_call_history_renders_as_transformers(tmp_path, content, arguments)
     build_tiny_tokenizer(tmp_path, style="chatml", chat_template=TOOL_HISTORY_TEMPLATE)
     tok, hf = Tokenizer.from_dir(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
-    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": content, "tool_calls": [call]},
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": content, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     text, ids = _hf_chat(hf, messages, tools=tools, add_generation_prompt=True)
