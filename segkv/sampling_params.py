@@ -159,7 +159,8 @@ class SamplingParams:
     ids to values in ``[-100, 100]`` added to the model's raw logits before anything else
     (OpenAI's semantics; ids are checked against the vocabulary when the request is added).
     ``prompt_logprobs`` ``k`` in ``0..20`` reports each prompt token's log-probability and its
-    ``k`` most likely alternatives (the first prompt token has none). ``max_tokens`` may be 0
+    ``k`` most likely alternatives (the first prompt token has none; a cached prefix of the
+    prompt is recomputed to score it). ``max_tokens`` may be 0
     only with ``prompt_logprobs`` (prompt scoring: nothing is generated).
     """
 
