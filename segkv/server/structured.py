@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from segkv.sampling_params import StructuredOutput
 from segkv.server.protocol import FieldError
 
 LOGIT_BIAS_LIMIT = 100  # OpenAI's range: -100 (ban) .. 100 (only choice)
@@ -16,8 +17,6 @@ STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", 
 
 
 def _make(param: str, **kwargs):
-    from segkv.sampling_params import StructuredOutput
-
     try:
         return StructuredOutput(**kwargs)
     except (ValueError, TypeError) as exc:

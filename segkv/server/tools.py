@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from segkv.sampling_params import StructuredOutput
 from segkv.server.protocol import FieldError
 from segkv.server.tool_parsers import DeepSeekV3ToolParser
 
@@ -42,6 +43,15 @@ class ToolSettings:
         return [f for f in functions if self.named is None or f["name"] == self.named]
 
 
+NO_PARAMETERS = {"type": "object", "properties": {}}  # a function declared without parameters
+
+
+def _parameters(function: dict) -> dict:
+    """The function's parameters schema (an object without properties when not given)."""
+    parameters = function.get("parameters")
+    return NO_PARAMETERS if parameters is None else parameters
+
+
 def _function(tool: object, i: int) -> dict:
     where = f"tools[{i}]"
     if not isinstance(tool, dict) or tool.get("type") != "function":
@@ -52,16 +62,14 @@ def _function(tool: object, i: int) -> dict:
     name = function.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
         raise FieldError(f"{where}.function.name must be 1 to 64 letters, digits, '_', '.' or '-'",
-                               "tools")
+                         "tools")
     if "description" in function and not isinstance(function["description"], (str, type(None))):
         raise FieldError(f"{where}.function.description must be a string", "tools")
-    parameters = function.get("parameters")
-    if parameters is None:
-        parameters = {"type": "object", "properties": {}}
-    elif not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+    parameters = _parameters(function)
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
         raise FieldError(f"{where}.function.parameters must be a JSON schema of an object "
-                               "({\"type\": \"object\", ...})", "tools")
-    return {**tool, "function": {**function, "parameters": parameters}}
+                         "({\"type\": \"object\", ...})", "tools")
+    return tool  # the template sees the tool as the client sent it
 
 
 def tool_settings(extra: dict[str, Any]) -> ToolSettings:
@@ -86,14 +94,14 @@ def tool_settings(extra: dict[str, Any]) -> ToolSettings:
         name = function.get("name") if isinstance(function, dict) else None
         if choice.get("type") != "function" or not isinstance(name, str):
             raise FieldError("`tool_choice` must be \"none\", \"auto\", \"required\" or "
-                                   "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+                             "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
         if name not in names:
             raise FieldError(f"`tool_choice` names the function {name[:100]!r}, which is not in `tools`",
-                                   "tool_choice")
+                             "tool_choice")
         choice, named = "function", name
     elif choice not in TOOL_CHOICES:
         raise FieldError("`tool_choice` must be \"none\", \"auto\", \"required\" or a named function",
-                               "tool_choice")
+                         "tool_choice")
     if choice == "required" and not tools:
         raise FieldError("`tool_choice` \"required\" needs `tools`", "tool_choice")
     return ToolSettings(tools=tools, choice=choice, named=named, parallel=parallel is not False)
@@ -116,7 +124,7 @@ def template_message(message: dict[str, Any], i: int) -> dict[str, Any]:
                     or not isinstance(function.get("arguments", ""), (str, dict))
                     or not isinstance(call.get("id", ""), str)):
                 raise FieldError(f"{where}.tool_calls[{j}] must be {{\"id\": ..., \"type\": \"function\", "
-                                       "\"function\": {\"name\": ..., \"arguments\": ...}}", "messages")
+                                 "\"function\": {\"name\": ..., \"arguments\": ...}}", "messages")
     if message["role"] == "tool" and not isinstance(message.get("tool_call_id"), str):
         raise FieldError(f"{where}: a tool message needs a `tool_call_id` string", "messages")
     return message
@@ -124,17 +132,13 @@ def template_message(message: dict[str, Any], i: int) -> dict[str, Any]:
 
 def check_parameter_schemas(settings: ToolSettings) -> None:
     """FieldError naming ``tools`` for a tool whose parameters are not a schema the
-    constrained decoder can compile (checked where the engine offers constraints)."""
-    try:
-        from segkv.sampling_params import StructuredOutput
-    except ImportError:  # an engine without constrained decoding: the object check is all
-        return
+    constrained decoder can compile."""
     for i, tool in enumerate(settings.tools or ()):
         try:
-            StructuredOutput(json_schema=tool["function"]["parameters"])
+            StructuredOutput(json_schema=_parameters(tool["function"]))
         except (ValueError, TypeError) as exc:
             raise FieldError(f"tools[{i}].function.parameters is not a valid JSON schema: {exc}",
-                                   "tools") from exc
+                             "tools") from exc
 
 
 # -- forced calls ------------------------------------------------------------------------------
@@ -143,15 +147,13 @@ def _anyof(schemas: list[dict]) -> dict:
 
 
 def _call_schema(function: dict, key: str) -> dict:
-    properties = {"name": {"const": function["name"]}, key: function["parameters"]}
+    properties = {"name": {"const": function["name"]}, key: _parameters(function)}
     return {"type": "object", "properties": properties, "required": ["name", key]}
 
 
 def call_constraint(parser: str, settings: ToolSettings):
     """The StructuredOutput that makes the output exactly one call of an allowed function in
     ``parser``'s format (ValueError from StructuredOutput for an invalid parameter schema)."""
-    from segkv.sampling_params import StructuredOutput
-
     functions = settings.allowed()
     if parser == "hermes":
         schema = _anyof([_call_schema(f, "arguments") for f in functions])
@@ -166,7 +168,7 @@ def call_constraint(parser: str, settings: ToolSettings):
         head = f"{p.CALLS_BEGIN}{p.CALL_BEGIN}function{p.SEP}"
         tail = f"\n```{p.CALL_END}{p.CALLS_END}"
         if len(functions) == 1:  # the name is outside the JSON: it goes in the prefix
-            return StructuredOutput(json_schema=functions[0]["parameters"],
+            return StructuredOutput(json_schema=_parameters(functions[0]),
                                     prefix=f"{head}{functions[0]['name']}\n```json\n", suffix=tail)
         return StructuredOutput(grammar=_deepseek_grammar(functions, head, tail))
     raise ValueError(f"no forced-call format for the tool-call parser {parser!r}")
@@ -193,7 +195,8 @@ def _deepseek_grammar(functions: list[dict], head: str, tail: str) -> str:
     rules, alternatives = [], []
     for i, function in enumerate(functions):
         try:
-            args = xgrammar.Grammar.from_json_schema(json.dumps(function["parameters"]), any_whitespace=False)
+            schema = json.dumps(_parameters(function))
+            args = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
         except Exception as exc:  # noqa: BLE001 - xgrammar's errors name the schema's problem
             raise ValueError(f"tools[{i}].function.parameters is not a usable JSON schema: {exc}") from exc
         rules.append(_renamed(str(args), f"t{i}_"))
