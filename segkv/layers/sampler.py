@@ -145,21 +145,26 @@ def apply_token_bitmask(logits: torch.Tensor, token_bitmask: torch.Tensor | None
     """Copy of ``logits`` ``(B, V)`` float32 with the tokens ``token_bitmask`` does not allow set
     to -inf (the input itself when it is None). ``token_bitmask``: ``(B, ceil(V / 32))`` int32,
     any device, xgrammar's layout (bit ``j % 32`` of word ``j // 32`` set: token ``j`` allowed).
-    xgrammar's own kernel applies it (C++ on the CPU, a GPU kernel on CUDA): unpacking the bits
-    with torch operations measured several times slower on the CPU."""
+    On the CPU xgrammar's C++ kernel applies it (unpacking the bits with torch operations measured
+    several times slower there); on other devices the bits are unpacked by torch operations, which
+    need no kernel built at run time and queue without a host synchronisation."""
     if token_bitmask is None:
         return logits
-    import xgrammar  # only constrained requests get here
-
     batch, vocab = logits.shape
     if token_bitmask.dim() != 2 or token_bitmask.shape != (batch, (vocab + 31) // 32):
         raise ValueError(f"token_bitmask must be ({batch}, {(vocab + 31) // 32}) for logits of shape "
                          f"{tuple(logits.shape)}, got {tuple(token_bitmask.shape)}")
     same = token_bitmask.device == logits.device
     words = token_bitmask.to(torch.int32) if same else to_device(token_bitmask, torch.int32, logits.device)
-    out = logits.clone()
-    xgrammar.apply_token_bitmask_inplace(out, words, vocab_size=vocab)
-    return out
+    if logits.device.type == "cpu":
+        import xgrammar  # only constrained requests get here
+
+        out = logits.clone()
+        xgrammar.apply_token_bitmask_inplace(out, words, vocab_size=vocab)
+        return out
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words[:, :, None] >> bits) & 1).bool().reshape(batch, -1)[:, :vocab]
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def apply_filters(

@@ -81,3 +81,13 @@ def test_drafts_stop_at_the_first_the_grammar_rejects_and_the_state_rolls_back(t
     assert state.accept(digits[3]) and state.accept(digits[4])
     assert not state.terminated
     assert state.accept(tokenizer.eos_token_ids[0]) and state.terminated
+
+
+@pytest.mark.gpu
+def test_mask_on_cuda_matches_the_cpu_one():
+    """On CUDA the bits are unpacked by torch operations: the same tokens stay allowed."""
+    logits = torch.randn(4, VOCAB)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, (VOCAB + 31) // 32), dtype=torch.int32)
+    on_cpu = apply_token_bitmask(logits, bitmask)
+    assert torch.equal(apply_token_bitmask(logits.cuda(), bitmask).cpu(), on_cpu)
+    assert torch.equal(apply_token_bitmask(logits.cuda(), bitmask.cuda()).cpu(), on_cpu)
