@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -12,6 +13,7 @@ from segkv.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 MAX_SAMPLES_PER_PROMPT = 128
+LOGIT_BIAS_LIMIT = 100  # OpenAI's range: -100 (ban) .. 100 (only choice)
 # Strict as OpenAI's types are: a bool is not an integer, "yes" is not a bool, "2" is not a
 # number (a float field still takes an integer)
 STRICT = ConfigDict(strict=True)
@@ -69,18 +71,39 @@ Stop = Annotated[str | list[str] | None, BeforeValidator(lambda v: v if isinstan
 TokenIds = Annotated[list[int] | None, _list_of(_is_int, "a list of token ids (integers)")]
 
 
-class StreamOptions(BaseModel):
-    model_config = STRICT
-
-    include_usage: bool = False
-
-
 class FieldError(ValueError):
     """Bad input in one request field; ``param`` names it in the 400."""
 
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def logit_bias(value: object, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token id strings to numbers in [-100, 100]) as token ids to
+    floats, or None when empty (FieldError naming ``logit_bias``)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise FieldError("`logit_bias` must be an object of token ids to numbers", "logit_bias")
+    bias = {}
+    for key, number in value.items():
+        token = key.strip() if isinstance(key, str) else ""
+        if not (token.isascii() and token.isdigit() and len(token) <= 12 and int(token) < vocab_size):
+            raise FieldError(f"`logit_bias` keys must be token ids in 0..{vocab_size - 1}, got {key[:40]!r}",
+                             "logit_bias")
+        if (isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number)
+                or not -LOGIT_BIAS_LIMIT <= number <= LOGIT_BIAS_LIMIT):
+            raise FieldError(f"`logit_bias` values must be numbers in [-{LOGIT_BIAS_LIMIT}, "
+                             f"{LOGIT_BIAS_LIMIT}]", "logit_bias")
+        bias[int(token)] = float(number)
+    return bias or None
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+
+    include_usage: bool = False
 
 
 # OpenAI request fields this server does not implement, and when a value asks for the feature
@@ -140,8 +163,6 @@ class _Request(BaseModel):
         """The engine's settings (ValueError with a clear message for invalid values and for
         features this server does not implement; FieldError naming the field where one is to
         blame). ``structured``: the StructuredOutput constraint, if any."""
-        from segkv.server.structured import logit_bias
-
         self.check_supported()
         extra = self.model_extra or {}
         given = {

@@ -1,15 +1,13 @@
-"""Request fields to engine settings: ``response_format`` (and vLLM's ``guided_*`` and
-``structured_outputs`` extras) to a StructuredOutput, and OpenAI's ``logit_bias`` to token ids."""
+"""Request fields to an output constraint: ``response_format`` (and vLLM's ``guided_*`` and
+``structured_outputs`` extras) to a StructuredOutput."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from segkv.sampling_params import StructuredOutput
 from segkv.server.protocol import FieldError
 
-LOGIT_BIAS_LIMIT = 100  # OpenAI's range: -100 (ban) .. 100 (only choice)
 # vLLM's request extras: field -> the StructuredOutput argument it gives
 GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -84,24 +82,3 @@ def structured_output(extra: dict[str, Any]):
         names = " and ".join(f"`{name}`" for name, _ in found)
         raise FieldError(f"{names} each constrain the output; give one", found[1][0])
     return found[0][1] if found else None
-
-
-def logit_bias(value: object, vocab_size: int) -> dict[int, float] | None:
-    """OpenAI's ``logit_bias`` (token id strings to numbers in [-100, 100]) as token ids to
-    floats, or None when empty (FieldError naming ``logit_bias``)."""
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise FieldError("`logit_bias` must be an object of token ids to numbers", "logit_bias")
-    bias = {}
-    for key, number in value.items():
-        token = key.strip() if isinstance(key, str) else ""
-        if not (token.isascii() and token.isdigit() and len(token) <= 12 and int(token) < vocab_size):
-            raise FieldError(f"`logit_bias` keys must be token ids in 0..{vocab_size - 1}, got {key[:40]!r}",
-                             "logit_bias")
-        if (isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number)
-                or not -LOGIT_BIAS_LIMIT <= number <= LOGIT_BIAS_LIMIT):
-            raise FieldError(f"`logit_bias` values must be numbers in [-{LOGIT_BIAS_LIMIT}, "
-                             f"{LOGIT_BIAS_LIMIT}]", "logit_bias")
-        bias[int(token)] = float(number)
-    return bias or None
