@@ -132,3 +132,25 @@ def test_conversation_turns_take_the_same_sampling_params(llm):
     assert turn.text in ("yes", "no")
     with pytest.raises(ValueError, match="out of the vocabulary"):
         chat.say("x", SamplingParams(logit_bias={llm.model.cfg.vocab_size + 5: 1}))
+
+
+def test_seeded_constrained_samples_ignore_the_batch_and_lookahead_leaves_constrained_steps_alone(llm):
+    """A seeded constrained request draws the same tokens alone and in a batch; with steps launched
+    ahead on, a batch holding a constrained request decodes step by step and gives the same outputs."""
+    schema = SCHEMAS["required fields"]
+    seeded = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=40, structured=StructuredOutput(json_schema=schema))
+    free = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    alone = run_all(llm, [(PROMPT, seeded)])[0]
+    llm.generator.lookahead = True
+    try:
+        used = llm.generator.steps_ahead_used
+        together = run_all(llm, [("def f(x):", free), (PROMPT, seeded), ("import os", free)])
+        assert llm.generator.steps_ahead_used == used  # no step was launched ahead of a constrained one
+        free_only = run_all(llm, [("def f(x):", free), ("import os", free)])
+        assert llm.generator.steps_ahead_used > used  # (the switch works: free batches do)
+    finally:
+        llm.generator.lookahead = False
+    assert [o.token_ids for o in together[1].outputs] == [o.token_ids for o in alone.outputs]
+    assert [o.token_ids for o in free_only[0].outputs] == [o.token_ids for o in together[0].outputs]
+    for o in alone.outputs:
+        jsonschema.validate(json.loads(o.text), schema)
