@@ -37,8 +37,12 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int):
     specials = tokenizer.special_token_ids - set(tokenizer.eos_token_ids)
     size = min(tokenizer.vocab_size, vocab_size)
     encoded = ["" if i in specials else (backend.id_to_token(i) or "") for i in range(size)]
+    # SentencePiece-style tokenizers prepend a space ("▁") to the text: xgrammar must know it
+    first = tokenizer.encode("a", add_special_tokens=False)[:1]
+    prefix_space = kind == "BYTE_FALLBACK" and bool(first) and encoded[first[0]].startswith("\u2581")
     return xgrammar.TokenizerInfo(encoded, getattr(xgrammar.VocabType, kind), vocab_size=vocab_size,
-                                  stop_token_ids=list(tokenizer.eos_token_ids) or None)
+                                  stop_token_ids=list(tokenizer.eos_token_ids) or None,
+                                  add_prefix_space=prefix_space)
 
 
 class GrammarCache:

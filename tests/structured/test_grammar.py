@@ -28,6 +28,35 @@ def test_tokenizer_info_is_byte_level_with_eos_stops(tokenizer):
     assert set(info.stop_token_ids) == set(tokenizer.eos_token_ids)
 
 
+def sentencepiece_tokenizer(directory) -> Tokenizer:
+    """A tiny Llama/Mistral-style tokenizer: BPE over "▁"-joined words with byte fallback."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers, trainers
+
+    backend = Backend(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"]
+    backend.train_from_iterator(["hello world the quick brown fox jumps over the lazy dog"] * 50,
+                                trainer=trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                            show_progress=False))
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}')
+    return Tokenizer.from_dir(directory)
+
+
+def test_sentencepiece_vocabulary_is_byte_fallback_with_a_prefix_space(tmp_path):
+    tokenizer = sentencepiece_tokenizer(tmp_path)
+    info = tokenizer_info(tokenizer, tokenizer.vocab_size)
+    assert info.vocab_type == xgrammar.VocabType.BYTE_FALLBACK and info.add_prefix_space
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    assert info.decoded_vocab[ids[0]].startswith(b" hello")  # "\u2581" reads as a space
+    assert info.decoded_vocab[tokenizer.bos_token_id] == b""  # special tokens never match text
+    state = GrammarState(GrammarCache(tokenizer, tokenizer.vocab_size), StructuredOutput(regex=" hello [a-z]+"))
+    assert all(state.accept(t) for t in ids) and state.accept(tokenizer.eos_token_ids[0]) and state.terminated
+
+
 def test_cache_compiles_each_constraint_once_and_evicts_the_oldest(tokenizer):
     cache = GrammarCache(tokenizer, VOCAB, capacity=2)
     a, b, c = (StructuredOutput(regex=r) for r in ("a+", "b+", "c+"))
