@@ -150,3 +150,17 @@ def test_echo_with_logprobs_scores_the_prompt(server):
     streamed = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=3, temperature=0,
                                          stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in streamed if c.choices) == both.choices[0].text
+
+
+def test_required_tool_calls_are_always_valid_calls(server):
+    """The default model (Qwen3's family: hermes calls) at temperature 1, forced to call."""
+    _, _, client = server
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": SCHEMAS[2]}},
+             {"type": "function", "function": {"name": "score", "parameters": SCHEMAS[3]}}]
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools, tool_choice="required",
+                                         temperature=1, n=8, seed=5, max_tokens=100)
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for choice in out.choices:
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
