@@ -46,6 +46,13 @@ class PreNormBlock(nn.Module):
         return self.mlp(h), residual
 
 
+def _residual_stream(x: torch.Tensor | PendingCombine, residual: torch.Tensor | None) -> torch.Tensor:
+    """The hidden state between two blocks, ``x + residual`` (``x`` alone before the first block)."""
+    if isinstance(x, PendingCombine):
+        x = x.materialize()
+    return x if residual is None else residual + x
+
+
 class CausalLM(nn.Module):
     """``model`` (embed_tokens, layers, norm) plus ``lm_head``, tied to the embeddings if asked.
 
@@ -92,13 +99,46 @@ class CausalLM(nn.Module):
         """One line per refused setting; families add their own."""
         return common_settings(cfg)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    # Layers whose input hidden states the forward also returns (EAGLE-3 draft heads); None: off.
+    aux_hidden_layers: tuple[int, ...] | None = None
+
+    def set_aux_hidden_layers(self, layer_ids: tuple[int, ...] | list[int] | None) -> None:
+        """Opt in (or out, with None) to the auxiliary hidden states of ``layer_ids``.
+
+        Layer id ``i`` means the input of decoder layer ``i`` (the residual stream after layers
+        ``0..i-1``; 0 is the embeddings), as vLLM numbers EAGLE-3's
+        ``eagle_aux_hidden_state_layer_ids``. While set, :meth:`forward` returns
+        ``(hidden, aux)`` with ``aux (T, len(layer_ids) * hidden)`` the states concatenated in
+        the order given; no extra pass runs."""
+        if layer_ids is None:
+            self.aux_hidden_layers = None
+            return
+        ids = tuple(int(i) for i in layer_ids)
+        num_layers = len(self.model.layers)
+        bad = [i for i in ids if not 0 <= i < num_layers]
+        if not ids or bad:
+            raise ValueError(f"aux hidden layer ids {list(ids)} must be non-empty and within "
+                             f"[0, {num_layers}) (the target has {num_layers} layers)")
+        self.aux_hidden_layers = ids
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states ``(T, hidden)``; with :attr:`aux_hidden_layers` set, ``(hidden, aux)``
+        (see :meth:`set_aux_hidden_layers`)."""
         x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
+        wanted = self.aux_hidden_layers
+        captured: dict[int, torch.Tensor] | None = None if wanted is None else {}
+        for i, layer in enumerate(self.model.layers):
+            if captured is not None and i in wanted:
+                captured[i] = _residual_stream(x, residual)
             x, residual = layer.forward_with_residual(x, residual, positions, meta, defer_combine=True)
         if residual is None:  # no layers
-            return self.model.norm(x)
-        return self.model.norm.add_and_norm(x, residual)[0]
+            hidden = self.model.norm(x)
+        else:
+            hidden = self.model.norm.add_and_norm(x, residual)[0]
+        if captured is None:
+            return hidden
+        return hidden, torch.cat([captured[i] for i in wanted], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return float32_logits(hidden, self.lm_head.weight)
