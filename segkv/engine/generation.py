@@ -112,6 +112,11 @@ class Generator:
     constrained sequence's drafts are walked through its grammar before the forward: the window
     stops at the first draft it rejects, and each window row is masked by the grammar as it stands
     after the drafts before it, so verification keeps exactly the tokens plain decoding allows.
+
+    A request with ``prompt_logprobs`` scores its prompt while prefilling it: its chunks run in a
+    forward of their own that keeps every row's logits (:meth:`_score_chunk`); a cached prefix is
+    recomputed, since cached rows have no logits. With ``max_tokens`` 0 it then ends (``"length"``)
+    without sampling. Steps holding either run without verify windows.
     """
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_model_len: int,
