@@ -84,7 +84,7 @@ class StructuredOutput:
     def __post_init__(self) -> None:
         if not isinstance(self.json_object, bool):
             raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
-        given = [k for k in _STRUCTURED_KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError("structured output takes exactly one of json_schema, json_object, regex, choice "
                              f"or grammar, got {given or 'none'}")
@@ -97,7 +97,8 @@ class StructuredOutput:
                 raise ValueError(f"structured output {name} must be a non-empty str, got {value!r}")
         if self.json_schema is not None:
             if not isinstance(self.json_schema, Mapping):
-                raise ValueError(f"json_schema must be a JSON schema object (a dict), got {self.json_schema!r}")
+                raise ValueError(f"json_schema must be a JSON schema object (a dict), "
+                                 f"got {self.json_schema!r}")
             try:
                 json.dumps(self.json_schema)
             except (TypeError, ValueError) as exc:
@@ -117,8 +118,13 @@ class StructuredOutput:
 
     @property
     def kind(self) -> str:
-        """Which constraint this is: ``json_schema``, ``json_object``, ``regex``, ``choice`` or ``grammar``."""
-        return next(k for k in _STRUCTURED_KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object))
+        """Which constraint this is: ``json_schema``, ``json_object``, ``regex``, ``choice``, ``grammar``."""
+        return self._given()[0]
+
+    def _given(self) -> list[str]:
+        """The constraint fields that are set (``json_object`` counts when True)."""
+        return [k for k in _STRUCTURED_KINDS
+                if (self.json_object if k == "json_object" else getattr(self, k) is not None)]
 
     @property
     def key(self) -> tuple[str, str, str, str]:
@@ -213,7 +219,8 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**64), got {self.seed!r}")
         plp = self.prompt_logprobs
         if plp is not None and (not _is_int(plp) or not 0 <= plp <= MAX_LOGPROBS):
-            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {plp!r}")
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {plp!r}")
         if plp is None:
             _integer("max_tokens", self.max_tokens, 1, ">= 1")
         else:

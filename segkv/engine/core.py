@@ -52,7 +52,8 @@ class EngineRequest:
         scores = self.seqs[0].prompt_logprobs
         return RequestOutput(self.request_id, None, self.prompt_ids,
                              [s.result() for s in sorted(self.all_seqs(), key=lambda s: s.index)],
-                             max(self.cached_tokens, 0), prompt_logprobs=None if scores is None else list(scores))
+                             max(self.cached_tokens, 0),
+                             prompt_logprobs=None if scores is None else list(scores))
 
 
 class EngineCore:

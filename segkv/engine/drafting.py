@@ -88,7 +88,8 @@ class NgramDrafts:
         return out
 
 
-def make_proposer(config: SpeculativeConfig | None, runner: ModelRunner, tokenizer: Tokenizer) -> Proposer | None:
+def make_proposer(config: SpeculativeConfig | None, runner: ModelRunner,
+                  tokenizer: Tokenizer) -> Proposer | None:
     """The drafting side of ``config`` (None when speculation is off); a draft model runs on the
     target's device in its dtype and must share its tokenizer."""
     if config is None:

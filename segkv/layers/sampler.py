@@ -2,10 +2,11 @@
 
 Order of operations per row (vLLM semantics, filters in Hugging Face's order):
 ``logit_bias`` added to the raw logits (OpenAI's semantics) -> the grammar's token mask (a
-constrained row: tokens it does not allow become -inf) -> penalties (repetition over prompt + output tokens, then frequency and presence over output
-tokens) -> greedy rows take the argmax here -> temperature -> top-k -> top-p (over the
-top-k survivors, renormalised) -> min-p (relative to the most likely token, so it keeps
-the same set in any order) -> one draw from the filtered softmax. All in float32.
+constrained row: tokens it does not allow become -inf) -> penalties (repetition over prompt +
+output tokens, then frequency and presence over output tokens) -> greedy rows take the
+argmax here -> temperature -> top-k -> top-p (over the top-k survivors, renormalised) ->
+min-p (relative to the most likely token, so it keeps the same set in any order) -> one
+draw from the filtered softmax. All in float32.
 
 A draw is an exponential race, ``argmax(probs / q)`` with ``q ~ Exp(1)`` per vocabulary
 entry, which picks token ``i`` with probability ``probs[i]``. A row with a generator draws
