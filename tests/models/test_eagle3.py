@@ -310,3 +310,29 @@ def test_training_time_test_lowers_the_loss():
     # soft cross-entropy against a random target's near-uniform distribution: its floor is that
     # distribution's entropy, so the drop is absolute
     assert len(last) == 3 and all(b < a - 0.25 for a, b in zip(first, last)), (first, last)
+
+
+def test_training_time_test_attends_as_a_draft_chain_does(tmp_path):
+    """Step 1 of training-time test at row ``t`` equals drafting one token after position ``t``:
+    the head over ``[step-0 rows 0..t ; its own output at t]`` with a plain causal mask."""
+    from tools.default_models.eagle3_training import TTTAttention
+
+    target = make_target(layers=6)
+    tensors = head_tensors()
+    head = load_eagle3_head(write_head(tmp_path / "head", tensors), target)
+    s = 10
+    ids = torch.randint(0, VOCAB, (1, s + 2))
+    features = torch.randn(s, HEAD["hidden"])
+    store = TTTAttention(1, s)
+    meta = AttentionMetadata(backend=store, prepared=None, storage=store, slots=torch.arange(s))
+    base = torch.arange(s)
+    with torch.no_grad():
+        out0 = head(features, ids[0, 1:s + 1], base, meta)
+        out1 = head(out0, ids[0, 2:s + 2], base + 1, meta)
+        for t in (0, 4, s - 1):
+            chain_hidden = torch.cat([features[: t + 1], out0[t: t + 1]])
+            chain_ids = torch.cat([ids[0, 1: t + 2], ids[0, t + 2: t + 3]])
+            chain_pos = torch.cat([torch.arange(t + 1), torch.tensor([t + 1])])
+            chain = head(chain_hidden, chain_ids, chain_pos, one_sequence_meta(t + 2))
+            torch.testing.assert_close(chain[: t + 1], out0[: t + 1], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(chain[t + 1], out1[t], rtol=1e-5, atol=1e-5)
