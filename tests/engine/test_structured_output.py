@@ -154,3 +154,17 @@ def test_seeded_constrained_samples_ignore_the_batch_and_lookahead_leaves_constr
     assert [o.token_ids for o in free_only[0].outputs] == [o.token_ids for o in together[0].outputs]
     for o in alone.outputs:
         jsonschema.validate(json.loads(o.text), schema)
+
+
+def test_preempted_constrained_sequences_resume_in_their_grammar():
+    """A constrained sequence preempted for lack of pages recomputes its rows and goes on from where
+    its grammar stood: every output still follows the schema."""
+    small = LLM("default", dtype="float32", device="cpu", page_size=4, num_pages=40)
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 8, "maxItems": 8}
+    params = SamplingParams(temperature=1.0, max_tokens=60, structured=StructuredOutput(json_schema=schema))
+    outputs = run_all(small, [("Numbers: " * 3, params)] * 8)
+    assert small.core.num_preemptions > 0
+    for out in outputs:
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert small.cache.stats()["pages_in_use"] == 0
