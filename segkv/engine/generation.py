@@ -133,7 +133,6 @@ class Generator:
         self._ahead: StepAhead | None = None
         self.steps_ahead_used = 0  # decode steps served by a step launched ahead
         self.steps_ahead_cancelled = 0
-        self._window_masks: dict[int, torch.Tensor] = {}  # this step's grammar masks of verify windows
         self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative else 0)
         self.vocab_size = runner.model.cfg.vocab_size  # the logits' width
         self.grammars = GrammarCache(tokenizer, self.vocab_size)
@@ -180,10 +179,10 @@ class Generator:
         """
         # prompt scoring keeps every row's logits, and a max_tokens 0 request samples nothing: no windows
         plain = any(s.scoring or s.params.max_tokens == 0 for s, _ in work)
-        drafts = {} if plain else self._propose(work)
+        drafts, masks = ({}, {}) if plain else self._propose(work)
         if drafts:
             try:
-                return self._verify_step(work, drafts)
+                return self._verify_step(work, drafts, masks)
             except OutOfPagesError:  # the chains are as they were: this step runs without drafts
                 pass
         logits = self._forward(work)
@@ -223,14 +222,17 @@ class Generator:
                      torch.cat([logits] + [row for _, row in spawned]) if spawned else logits,
                      launch_ahead=self.lookahead and ahead_ok and decodes)
 
-    def _propose(self, work: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
+    def _propose(self, work: list[tuple[Sequence, int]]
+                 ) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
         """Drafts for the decoding sequences of ``work`` (position -> token ids), each capped so
-        that its window stays inside the model's length and the request's ``max_tokens``."""
+        that its window stays inside the model's length and the request's ``max_tokens``, and the
+        grammar masks of the constrained ones' windows (position -> ``(drafts + 1, words)`` int32):
+        a constrained sequence's drafts stop before the first its grammar rejects."""
         if self.proposer is None:
-            return {}
+            return {}, {}
         limit = self.speculative.disable_by_batch_size
         if limit is not None and len(work) > limit:
-            return {}
+            return {}, {}
         where, seqs, rooms = [], [], []
         for i, (s, k) in enumerate(work):
             if k != 1 or len(s.pending) != 1 or not s.output_ids or not s.params.speculative:
@@ -243,10 +245,10 @@ class Generator:
                 seqs.append(s)
                 rooms.append(room)
         if not seqs:
-            return {}
+            return {}, {}
         proposals = self.proposer.propose(seqs, rooms)
         drafts = {i: list(p[:room]) for i, p, room in zip(where, proposals, rooms) if p}
-        self._window_masks = {}
+        masks = {}
         for i, proposal in list(drafts.items()):
             state = work[i][0].grammar
             if state is None:
@@ -255,14 +257,16 @@ class Generator:
             taken = state.draft_masks(proposal, bitmask, 0)
             if taken:
                 drafts[i] = proposal[:taken]
-                self._window_masks[i] = bitmask[: taken + 1]
+                masks[i] = bitmask[: taken + 1]
             else:
                 del drafts[i]
-        return drafts
+        return drafts, masks
 
-    def _verify_step(self, work: list[tuple[Sequence, int]], drafts: dict[int, list[int]]) -> list[Sequence]:
+    def _verify_step(self, work: list[tuple[Sequence, int]], drafts: dict[int, list[int]],
+                     masks: dict[int, torch.Tensor]) -> list[Sequence]:
         """One forward over ``work`` where the items in ``drafts`` carry their drafts after their
-        pending token (a verify window); each window is verified, the rest sample as usual."""
+        pending token (a verify window); each window is verified (constrained ones under their
+        ``masks``), the rest sample as usual."""
         counts = [1 + len(drafts.get(i, ())) for i in range(len(work))]
         logits = self.runner.forward(
             [StepInput(s.chain, s.pending[:k] + drafts.get(i, [])) for i, (s, k) in enumerate(work)],
@@ -276,7 +280,7 @@ class Generator:
                 continue
             ready.append(s)
             if i in drafts:
-                windows.append((s, drafts[i], logits[end - counts[i] : end], self._window_masks.get(i)))
+                windows.append((s, drafts[i], logits[end - counts[i] : end], masks.get(i)))
             else:
                 plain.append(s)
                 plain_rows.append(end - 1)
