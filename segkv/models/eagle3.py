@@ -85,7 +85,8 @@ class Eagle3Config:
     def from_hf(cls, cfg: dict[str, Any]) -> Eagle3Config:
         names = cfg.get("architectures") or []
         if ARCHITECTURE not in names:
-            raise ValueError(f"not an EAGLE-3 head: config.json architectures {names}, expected [{ARCHITECTURE!r}]")
+            raise ValueError(f"not an EAGLE-3 head: config.json architectures {names}, "
+                             f"expected [{ARCHITECTURE!r}]")
         require(cfg, "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
         layers = int(cfg.get("num_hidden_layers", 1))
         if layers != 1:
@@ -103,7 +104,8 @@ class Eagle3Config:
             hidden_size=hidden, target_hidden_size=int(cfg.get("target_hidden_size") or hidden),
             intermediate_size=int(cfg["intermediate_size"]), num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             attention_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -114,7 +116,8 @@ class Eagle3Config:
     def decoder_config(self) -> DecoderConfig:
         """The Llama layer settings of the head's ``midlayer`` (its q/k/v then widen to 2 * hidden)."""
         return DecoderConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
             num_layers=1, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
             max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=False,
@@ -146,7 +149,8 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Eagle3Attention(dcfg, layer_index, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, activation=cfg.hidden_act)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias,
+                            activation=cfg.hidden_act)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +213,8 @@ class Eagle3Head(nn.Module):
         if self.embed_tokens is not None:
             return self.embed_tokens(ids)
         if not self._shared_embedding:
-            raise ValueError("this EAGLE-3 head has no embed_tokens: share the target's with share_embedding()")
+            raise ValueError("this EAGLE-3 head has no embed_tokens: share the target's with "
+                             "share_embedding()")
         return self._shared_embedding[0](ids)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:

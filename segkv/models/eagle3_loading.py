@@ -74,7 +74,8 @@ def load_eagle3_head(directory: str | Path, target: nn.Module, *, dtype: str | t
         if tuple(tensors[name].shape) != tuple(param.shape):
             raise ValueError(f"EAGLE-3 head tensor {name!r} has shape {tuple(tensors[name].shape)}, expected "
                              f"{tuple(param.shape)} from config.json (hidden_size {cfg.hidden_size}, "
-                             f"target_hidden_size {cfg.target_hidden_size}, draft_vocab_size {cfg.draft_vocab_size})")
+                             f"target_hidden_size {cfg.target_hidden_size}, "
+                             f"draft_vocab_size {cfg.draft_vocab_size})")
     draft_ids = _draft_to_target(cfg, tensors.get("d2t"), tensors.get("t2d"))
     torch_dtype = parse_dtype(dtype)
     head = head.to_empty(device=device)
@@ -93,7 +94,8 @@ def _draft_to_target(cfg: Eagle3Config, d2t: torch.Tensor | None, t2d: torch.Ten
     n, vocab = cfg.draft_vocab_size, cfg.vocab_size
     if d2t is None:
         if n != vocab:
-            raise ValueError(f"EAGLE-3 head lacks tensor 'd2t', needed as draft_vocab_size {n} != vocab_size {vocab}")
+            raise ValueError(f"EAGLE-3 head lacks tensor 'd2t', needed as draft_vocab_size {n} "
+                             f"!= vocab_size {vocab}")
         ids = torch.arange(n)
     else:
         if tuple(d2t.shape) != (n,) or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
@@ -101,16 +103,18 @@ def _draft_to_target(cfg: Eagle3Config, d2t: torch.Tensor | None, t2d: torch.Ten
                              f"got {d2t.dtype} {tuple(d2t.shape)}")
         ids = torch.arange(n) + d2t.to(torch.int64)
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise ValueError(f"EAGLE-3 head tensor 'd2t' maps draft ids outside the target vocabulary [0, {vocab})")
+            raise ValueError(f"EAGLE-3 head tensor 'd2t' maps draft ids outside the target vocabulary "
+                             f"[0, {vocab})")
         if int(ids.unique().numel()) != n:
             raise ValueError("EAGLE-3 head tensor 'd2t' maps two draft ids to the same target id")
     if t2d is not None:
         if tuple(t2d.shape) != (vocab,):
-            raise ValueError(f"EAGLE-3 head tensor 't2d' has shape {tuple(t2d.shape)}, expected ({vocab},) (vocab_size)")
+            raise ValueError(f"EAGLE-3 head tensor 't2d' has shape {tuple(t2d.shape)}, "
+                             f"expected ({vocab},) (vocab_size)")
         mask = t2d.to(torch.bool)
         if int(mask.sum()) != n or not bool(mask[ids].all()):
-            raise ValueError(f"EAGLE-3 head tensor 't2d' disagrees with 'd2t': it marks {int(mask.sum())} target "
-                             f"ids, draft_vocab_size is {n}")
+            raise ValueError(f"EAGLE-3 head tensor 't2d' disagrees with 'd2t': it marks "
+                             f"{int(mask.sum())} target ids, draft_vocab_size is {n}")
     return ids
 
 

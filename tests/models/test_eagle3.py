@@ -23,8 +23,8 @@ VOCAB = 96
 
 def make_target(kind: str = "gqa", *, vocab: int = VOCAB, hidden: int = 32, layers: int = 6, seed: int = 0):
     if kind == "gqa":
-        cfg = gqa_config(vocab, hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8,
-                         intermediate_size=64, max_position_embeddings=128)
+        cfg = gqa_config(vocab, hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2,
+                         head_dim=8, intermediate_size=64, max_position_embeddings=128)
     else:
         cfg = mla_config(vocab, hidden_size=hidden, num_layers=layers, num_heads=2, q_lora_rank=None,
                          kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
@@ -144,7 +144,8 @@ def reference_head(t, embed_w, features, ids, positions, eps=1e-5, theta=10000.0
     p = "midlayer."
     s, d = features.shape[0], HEAD["head_dim"]
     e = embed_w[ids]
-    x = torch.cat([rms(e, t[p + "input_layernorm.weight"]), rms(features, t[p + "hidden_norm.weight"])], dim=-1)
+    x = torch.cat([rms(e, t[p + "input_layernorm.weight"]), rms(features, t[p + "hidden_norm.weight"])],
+                  dim=-1)
     q = rope((x @ t[p + "self_attn.q_proj.weight"].T).view(s, -1, d)).transpose(0, 1)
     k = rope((x @ t[p + "self_attn.k_proj.weight"].T).view(s, -1, d)).transpose(0, 1)
     v = (x @ t[p + "self_attn.v_proj.weight"].T).view(s, -1, d).transpose(0, 1)
@@ -182,7 +183,8 @@ def test_published_layout_loads_and_matches_reference(tmp_path, own_embeddings):
     positions = torch.arange(s) + 3
     target.set_aux_hidden_layers(head.aux_layer_ids)
     with torch.no_grad():
-        _, aux = target(torch.randint(0, VOCAB, (s,)), torch.arange(s), dense_metadata(target, 1, s, ids.device))
+        meta = dense_metadata(target, 1, s, ids.device)
+        _, aux = target(torch.randint(0, VOCAB, (s,)), torch.arange(s), meta)
         features = head.fuse(aux)
         out = head(features, ids, positions, one_sequence_meta(s))
         draft = head.compute_logits(out)

@@ -83,8 +83,8 @@ def token_streams(tok: Tokenizer, test_files: set[str]) -> dict[str, torch.Tenso
     if not held:
         raise SystemExit("none of the targets' test files is in this Python's standard library")
     eot = tok.token_to_id(stdlib_corpus.END_OF_TEXT)
-    texts = {"train": [d.text for d in rest] + [corpus.format_chat(q, a) for q, a in corpus.chat_examples(rest)],
-             "test": [d.text for d in held]}
+    chats = [corpus.format_chat(q, a) for q, a in corpus.chat_examples(rest)]
+    texts = {"train": [d.text for d in rest] + chats, "test": [d.text for d in held]}
     streams = {}
     for name, items in texts.items():
         ids: list[int] = []
@@ -165,8 +165,8 @@ def train_head(name: str, args: argparse.Namespace, device: torch.device) -> dic
     test = streams["test"][: n_test * s].view(n_test, s)
     weights = [0.8**j for j in range(args.ttt_steps)]
     log(f"[{name}] head {sum(p.numel() for p in params):,} parameters, draft vocabulary {draft_ids.numel()} "
-        f"(held-out coverage {coverage:.3f}); {args.steps} steps of {b} x {s}; train {train.numel():,} tokens, "
-        f"test {test.numel():,}")
+        f"(held-out coverage {coverage:.3f}); {args.steps} steps of {b} x {s}; "
+        f"train {train.numel():,} tokens, test {test.numel():,}")
     curve = []
     start = time.perf_counter()
     running = [0.0] * args.ttt_steps
@@ -201,7 +201,8 @@ def train_head(name: str, args: argparse.Namespace, device: torch.device) -> dic
     log(f"[{name}] held-out top-1 acceptance of the first draft {result['top1_first_draft']:.3f}; "
         f"by step {result['top1_by_step']}")
     record = {
-        "target": PACKAGED[name], "command": "python -m tools.default_models.train_eagle3 " + " ".join(args.argv),
+        "target": PACKAGED[name],
+        "command": "python -m tools.default_models.train_eagle3 " + " ".join(args.argv),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch_version": torch.__version__, "python_version": corpus.python_version(),
         "aux_layer_ids": AUX_LAYER_IDS, "draft_vocab_size": int(draft_ids.numel()),
