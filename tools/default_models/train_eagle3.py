@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-tokens", type=int, default=1 << 17)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-only", action="store_true",
+                   help="measure the heads in --out-dir again, no training")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
@@ -111,11 +113,16 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
 @torch.no_grad()
 def evaluate(head: Eagle3Head, target, windows: torch.Tensor, batch_size: int, ttt_steps: int,
              device: torch.device) -> dict:
-    """Held-out soft cross-entropy and top-1 acceptance (head argmax == target argmax) per draft step."""
+    """Held-out soft cross-entropy and top-1 acceptance (head argmax == target argmax) per draft step,
+    and ``mean_accepted_drafts``: the expected number of a ``ttt_steps``-token chain's drafts that
+    greedy verification accepts (the steps all right from the first on), the deeper steps fed the
+    true tokens rather than the drafts (the same wherever the drafts before were right and the
+    text follows the target's argmax)."""
     head.eval()
     loss = [0.0] * ttt_steps
     hits = [0.0] * ttt_steps
     count = [0] * ttt_steps
+    chain = chains = 0.0
     for start in range(0, windows.shape[0], batch_size):
         ids = windows[start:start + batch_size].to(device)
         out = ttt_losses(head, ids, target_batch(target, ids), num_steps=ttt_steps)
@@ -124,10 +131,15 @@ def evaluate(head: Eagle3Head, target, windows: torch.Tensor, batch_size: int, t
             loss[j] += float(out.losses[j]) * n
             hits[j] += float(out.correct[j].sum())
             count[j] += n
+        rows = ids.shape[1] - ttt_steps  # rows t with a label at every step
+        right = torch.stack([c.view(ids.shape[0], -1)[:, :rows] for c in out.correct]).float()
+        chain += float(right.cumprod(0).sum())
+        chains += ids.shape[0] * rows
     head.train()
     return {"loss_by_step": [round(x / n, 4) for x, n in zip(loss, count)],
             "top1_by_step": [round(x / n, 4) for x, n in zip(hits, count)],
-            "top1_first_draft": round(hits[0] / count[0], 4), "positions": count[0]}
+            "top1_first_draft": round(hits[0] / count[0], 4), "positions": count[0],
+            "mean_accepted_drafts": round(chain / chains, 4)}
 
 
 def train_head(name: str, args: argparse.Namespace, device: torch.device) -> dict:
@@ -164,6 +176,15 @@ def train_head(name: str, args: argparse.Namespace, device: torch.device) -> dic
     n_test = min(streams["test"].numel() // s, max(1, args.eval_tokens // s))
     test = streams["test"][: n_test * s].view(n_test, s)
     weights = [0.8**j for j in range(args.ttt_steps)]
+    directory = args.out_dir / HEAD_DIRS[name]
+    if args.eval_only:  # re-measure a saved head; its metrics.json keeps the training record
+        result = evaluate(load_eagle3_head(directory, target, device=device), target, test, b, args.ttt_steps,
+                          device)
+        record = json.loads((directory / "metrics.json").read_text())
+        record["heldout"].update(tokens=int(test.numel()), **result)
+        (directory / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
+        log(f"[{name}] held-out {result}")
+        return record
     log(f"[{name}] head {sum(p.numel() for p in params):,} parameters, draft vocabulary {draft_ids.numel()} "
         f"(held-out coverage {coverage:.3f}); {args.steps} steps of {b} x {s}; "
         f"train {train.numel():,} tokens, test {test.numel():,}")
@@ -192,7 +213,6 @@ def train_head(name: str, args: argparse.Namespace, device: torch.device) -> dic
                 f"{point['elapsed_s']}s")
             running = [0.0] * args.ttt_steps
     wall = time.perf_counter() - start
-    directory = args.out_dir / HEAD_DIRS[name]
     size = save_eagle3_head(head, config, directory)
     if size > MAX_FILE_BYTES:
         raise SystemExit(f"{directory} weights are {size:,} bytes, over {MAX_FILE_BYTES:,}")
