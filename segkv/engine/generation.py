@@ -156,7 +156,10 @@ class Generator:
         seed = None if params.seed is None else params.seed + index
         generator = make_generator(seed, self.runner.device) if seed is not None else None
         detok = IncrementalDetokenizer(self.tokenizer, stop=params.stop, prompt_ids=history)
-        grammar = None if params.structured is None else GrammarState(self.grammars, params.structured)
+        grammar = None
+        if params.structured is not None:
+            budget = min(params.max_tokens, self.max_model_len - len(history) - len(new_ids))
+            grammar = GrammarState(self.grammars, params.structured, budget=budget)
         scores = [None] if params.prompt_logprobs is not None and index == 0 else None
         return Sequence(index, chain, list(history), list(new_ids), params, detok, generator, grammar=grammar,
                         prompt_logprobs=scores)
@@ -460,9 +463,9 @@ class Generator:
         holds for tokens after the history (a step launched ahead), left out of the length check."""
         p = s.params
         if s.grammar is not None:
-            accepted = s.grammar.accept(token)
-            assert accepted, f"token {token} was sampled outside the grammar's mask"
-            if s.grammar.terminated:  # the grammar is complete and took its end-of-sequence token
+            # a token outside the grammar (every allowed token had no probability): the output
+            # ends there, as at an end-of-sequence token, rather than failing the step
+            if not s.grammar.accept(token) or s.grammar.terminated:  # complete, its EOS taken
                 s.finish_reason, s.stop_reason = "stop", None
                 s.detok.finish()
                 return

@@ -61,6 +61,7 @@ class GrammarCache:
         self.misses = 0
         self._compiled: OrderedDict[tuple[str, str, str, str], Any] = OrderedDict()
         self._compiler = None
+        self._texts: list[bytes] | None = None
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -86,6 +87,13 @@ class GrammarCache:
             if len(self._compiled) > self.capacity:
                 self._compiled.popitem(last=False)
             return compiled
+
+    def token_texts(self) -> list[bytes]:
+        """Each token id's bytes as the grammar reads them (special tokens: empty)."""
+        with self._lock:
+            if self._texts is None:
+                self._texts = list(tokenizer_info(self.tokenizer, self.vocab_size).decoded_vocab)
+            return self._texts
 
     def stats(self) -> dict[str, int]:
         return {"hits": self.hits, "misses": self.misses, "size": len(self._compiled)}
