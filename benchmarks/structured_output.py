@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
             else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
     print(f"device {name}; {dtype}; torch {torch.__version__}", flush=True)
-    llm = LLM(args.model, dtype=dtype, device=str(device))
+    llm = LLM(args.model, dtype=dtype, device=str(device), cuda_graphs="auto")  # as a server decodes
     report = {"device": name, "torch": torch.__version__, "python": sys.version.split()[0], "dtype": dtype,
               "args": vars(args), "cases": []}
     for batch in args.batches:
