@@ -338,3 +338,49 @@ def test_training_time_test_attends_as_a_draft_chain_does(tmp_path):
             chain = head(chain_hidden, chain_ids, chain_pos, one_sequence_meta(t + 2))
             torch.testing.assert_close(chain[: t + 1], out0[: t + 1], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(chain[t + 1], out1[t], rtol=1e-5, atol=1e-5)
+
+
+SNIPPET = '''def fibonacci(n):
+    """Return the n-th Fibonacci number."""
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+
+class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        if not self.items:
+            raise IndexError("pop from an empty stack")
+        return self.items.pop()
+'''
+
+
+@pytest.mark.parametrize("name", ["default", "default-mla"])
+def test_packaged_heads_load_and_agree_with_their_targets(name):
+    """The shipped heads load against the shipped targets and their first draft is the target's
+    argmax well above chance on a snippet of Python."""
+    from tokenizers import Tokenizer
+
+    from segkv.models.default_models import PACKAGE_ROOT, is_complete, packaged_dir
+    from segkv.models.loader import load_model
+    from tools.default_models.eagle3_training import target_batch, ttt_losses
+
+    head_dir = PACKAGE_ROOT / {"default": "eagle3-default", "default-mla": "eagle3-default-mla"}[name]
+    if not (head_dir / "model.safetensors").is_file() or not is_complete(packaged_dir(name)):
+        pytest.skip(f"no packaged {name} model or head in this checkout")
+    target = load_model(packaged_dir(name))
+    head = load_eagle3_head(head_dir, target)
+    target.set_aux_hidden_layers(head.aux_layer_ids)
+    ids = Tokenizer.from_file(str(packaged_dir(name) / "tokenizer.json")).encode(SNIPPET).ids
+    ids = torch.tensor([ids])
+    with torch.no_grad():
+        out = ttt_losses(head, ids, target_batch(target, ids), num_steps=2)
+    first = float(out.correct[0].float().mean())
+    assert first > 0.3, first
