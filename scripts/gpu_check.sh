@@ -10,6 +10,7 @@
 #                    followed by scripts/profile_decode.py (batch 1, 1K context)
 #   SEGKV_GPU_SPEC   non-empty: benchmarks.spec_decode (end to end: every method, k = 1..4, batch 1 and 8;
 #                    then the verify-step cost at the 8B and DeepSeek-V2-Lite shapes)
+#   SEGKV_GPU_STRUCTURED  non-empty: benchmarks.structured_output (json_schema against free, batch 1 and 32)
 #   SEGKV_GPU_TRAIN  non-empty: retrain the built-in models (about 6.5 min) and compare them byte for byte
 # Installs pytest from .whl/ (carried) when the machine lacks it (scripts/gpu_env.sh).
 set -uo pipefail
@@ -41,9 +42,13 @@ if [ -n "${SEGKV_GPU_E2E:-}" ]; then  # whole-model decode against its bandwidth
 fi
 if [ -n "${SEGKV_GPU_SPEC:-}" ]; then  # speculative decoding: speedups, acceptance, verify-step cost
   timeout 280 python3 -m benchmarks.spec_decode --parts e2e --cases default:ngram,default-mla:mtp,default-mla:draft_model \
-    --temperatures 0 --json "$OUT/spec_e2e.json" 2>&1 | tail -30 | tee "$OUT/spec_e2e.txt"
+    --ks 1,2,3 --temperatures 0 --json "$OUT/spec_e2e.json" 2>&1 | tail -30 | tee "$OUT/spec_e2e.txt"
   timeout 280 python3 -m benchmarks.spec_decode --parts verify --json "$OUT/spec_verify.json" 2>&1 | tail -30 \
     | tee "$OUT/spec_verify.txt"
+fi
+if [ -n "${SEGKV_GPU_STRUCTURED:-}" ]; then  # constrained decoding's cost per output token (carry xgrammar in .whl/)
+  timeout 150 python3 -m benchmarks.structured_output --batches 1,32 --json "$OUT/structured.json" 2>&1 | tail -8 \
+    | tee "$OUT/structured.txt"
 fi
 if [ -n "${SEGKV_GPU_TRAIN:-}" ]; then  # regenerate the built-in models and compare with the packaged ones
   python3 -m tools.default_models.train --device cuda --out-dir /tmp/segkv-default-models --no-plot 2>&1 \
