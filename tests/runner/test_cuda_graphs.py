@@ -242,7 +242,7 @@ def test_verify_windows_replay_window_graphs_and_give_the_plain_tokens(tmp_path)
     """n-gram windows of up to 4 rows (fewer when fewer drafts match: padded) replay the window
     graphs; forks of one long prompt (a shared prefix: cascade plans) replay the wide ones."""
     build_model_dir(tmp_path, "qwen3")
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10], [8, 8, 1]]  # loops: the n-grams match
     forks = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)
     long_prompt = [[3, 1, 4, 1, 5, 9, 2, 6] * 5]  # 40 rows: more than a page shared by the two samples
@@ -260,7 +260,7 @@ def test_verify_windows_replay_window_graphs_and_give_the_plain_tokens(tmp_path)
 def test_mtp_drafting_reads_the_hidden_states_of_graph_replays():
     """The MTP drafter's hidden states come from the graphs' static buffer (decode and window
     steps replay, none but the prefill runs eagerly), and the tokens are plain decoding's."""
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     prompts = ["def add(a, b):\n    return a + b\n\n\ndef sub("]
     want = _tokens(LLM("default-mla", dtype="float32"), prompts, params)
     llm = _llm("default-mla", cuda_graphs=MODE, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
