@@ -107,8 +107,9 @@ class Generator:
     Constrained sequences (``params.structured``) each follow their grammar (``grammar``, a
     :class:`~segkv.structured.matcher.GrammarState`; compiled grammars are shared through
     :attr:`grammars`): the sampler masks the tokens it does not allow, the sampled token advances
-    it, and the sequence ends (``"stop"``) when the grammar terminates. A step with a constrained
-    sequence is not launched ahead (its mask needs the token the host has not read yet). A
+    it, and the sequence ends (``"stop"``) when the grammar terminates. Its steps run ahead like any
+    decode: a step launched ahead is a forward only, and its mask is filled once the host has
+    advanced the grammar over the token before, while that forward runs. A
     constrained sequence's drafts are walked through its grammar before the forward: the window
     stops at the first draft it rejects, and each window row is masked by the grammar as it stands
     after the drafts before it, so verification keeps exactly the tokens plain decoding allows.
@@ -218,9 +219,10 @@ class Generator:
             return
         spawned = self._spawn_siblings(ready, logits)
         # the next decode step may start before the host reads this one's tokens: only for plain
-        # decodes (every sequence of the step sampled one token, none new), else it could not serve
-        decodes = not spawned and len(ready) == len(work) and all(k == 1 for _, k in work) \
-            and all(s.grammar is None for s in ready)
+        # decodes (every sequence of the step sampled one token, none new), else it could not serve.
+        # Constrained ones too: the step ahead is a forward only, and its tokens are sampled once
+        # the host has advanced the grammars over this step's (the mask is filled meanwhile)
+        decodes = not spawned and len(ready) == len(work) and all(k == 1 for _, k in work)
         self._sample(ready + [s for s, _ in spawned],
                      torch.cat([logits] + [row for _, row in spawned]) if spawned else logits,
                      launch_ahead=self.lookahead and ahead_ok and decodes)

@@ -132,9 +132,10 @@ def test_conversation_turns_take_the_same_sampling_params(llm):
         chat.say("x", SamplingParams(logit_bias={llm.model.cfg.vocab_size + 5: 1}))
 
 
-def test_seeded_constrained_samples_ignore_the_batch_and_lookahead_leaves_constrained_steps_alone(llm):
-    """A seeded constrained request draws the same tokens alone and in a batch; with steps launched
-    ahead on, a batch holding a constrained request decodes step by step and gives the same outputs."""
+def test_seeded_constrained_samples_ignore_the_batch_and_steps_launched_ahead(llm):
+    """A seeded constrained request draws the same tokens alone and in a batch, and with steps
+    launched ahead (the forward runs before the host has advanced the grammar; the mask is filled
+    before the step's tokens are sampled) as without."""
     schema = SCHEMAS["required fields"]
     seeded = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=40, structured=StructuredOutput(json_schema=schema))
     free = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -143,9 +144,8 @@ def test_seeded_constrained_samples_ignore_the_batch_and_lookahead_leaves_constr
     try:
         used = llm.generator.steps_ahead_used
         together = run_all(llm, [("def f(x):", free), (PROMPT, seeded), ("import os", free)])
-        assert llm.generator.steps_ahead_used == used  # no step was launched ahead of a constrained one
+        assert llm.generator.steps_ahead_used > used + 10  # constrained steps ran ahead too
         free_only = run_all(llm, [("def f(x):", free), ("import os", free)])
-        assert llm.generator.steps_ahead_used > used  # (the switch works: free batches do)
     finally:
         llm.generator.lookahead = False
     assert [o.token_ids for o in together[1].outputs] == [o.token_ids for o in alone.outputs]
