@@ -60,6 +60,7 @@ class _Bucket:
     window: int = 1  # query rows per sequence (1: decode)
     logits: torch.Tensor | None = None  # (rows, vocab) float32, written by every replay
     hidden: torch.Tensor | None = None  # (rows, hidden) the model's output, written by every replay
+    hidden_in: torch.Tensor | None = None  # (rows, hidden) static input of MTP graphs (MtpGraphs)
     graph: torch.cuda.CUDAGraph | None = None
     step: object = None  # the captured callable (emulation replays it)
     copied: object = None  # torch.cuda.Event after the last host-to-device copy of the staging rows
@@ -228,11 +229,12 @@ class DecodeGraphs:
         return self._last.hidden[:rows].clone()
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], plan: AttentionPlan,
-            mla_mode: str, *, arrays: dict | None = None, device_ids: torch.Tensor | None = None
-            ) -> torch.Tensor | None:
+            mla_mode: str, *, arrays: dict | None = None, device_ids: torch.Tensor | None = None,
+            hidden_in: torch.Tensor | None = None) -> torch.Tensor | None:
         """``(n, vocab)`` float32 logits of a decode step, or None when it does not fit a graph.
         ``arrays``: the plan already flattened (``flatten_plan``), if it was. ``device_ids``: the
-        token ids as an ``(n,)`` device tensor (copied on the device; ``ids`` are then ignored)."""
+        token ids as an ``(n,)`` device tensor (copied on the device; ``ids`` are then ignored).
+        ``hidden_in``: ``(n, hidden)``, the input hidden states of :class:`MtpGraphs`."""
         n = len(ids)
         size, wide, few = self._bucket_key(n, plan)
         if size is None or mla_mode == "naive":  # naive MLA decompresses pieces through the reference
@@ -244,11 +246,12 @@ class DecodeGraphs:
             self.staged_plans_used += 1
         elif not self._prepare(bucket, plan, arrays):
             return None
-        self._replay(bucket, ids, positions, slots, device_ids)
+        self._replay(bucket, ids, positions, slots, device_ids, hidden_in)
         return bucket.logits[:n].clone()
 
     def run_window(self, widths: list[int], ids: list[int], positions: list[int], slots: list[int],
-                   plan: AttentionPlan, mla_mode: str, rows: list[int]) -> torch.Tensor | None:
+                   plan: AttentionPlan, mla_mode: str, rows: list[int], *,
+                   hidden_in: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits ``(len(rows), vocab)`` float32 of the flat query ``rows`` of a step of verify
         windows (``widths[i]`` rows of sequence ``i``, ``ids``/``positions``/``slots`` flat), or
         None when no window graph holds it."""
@@ -263,7 +266,7 @@ class DecodeGraphs:
         bucket.staged = None
         if not self._prepare(bucket, plan, None):
             return None
-        self._replay(bucket, ids, positions, slots, None)
+        self._replay(bucket, ids, positions, slots, None, hidden_in)
         self.window_replays += 1
         return bucket.logits[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
 
@@ -276,7 +279,7 @@ class DecodeGraphs:
         return True
 
     def _replay(self, bucket: _Bucket, ids: list[int], positions: list[int], slots: list[int],
-                device_ids: torch.Tensor | None) -> None:
+                device_ids: torch.Tensor | None, hidden_in: torch.Tensor | None = None) -> None:
         """Write the step's rows (the rest: padding on the scratch slot) and replay ``bucket``."""
         n = len(positions)
         if bucket.copied is not None:  # the last step's transfer must have read the staging rows
@@ -288,6 +291,8 @@ class DecodeGraphs:
         bucket.inputs.copy_(bucket.staging, non_blocking=True)
         if device_ids is not None:  # the previous step's samples, never seen by the host
             bucket.inputs[0, :n].copy_(device_ids)
+        if hidden_in is not None:
+            bucket.hidden_in[:n].copy_(hidden_in)
         if self.device.type == "cuda":
             bucket.copied = torch.cuda.Event()
             bucket.copied.record()
@@ -323,6 +328,14 @@ class DecodeGraphs:
         few = self._merge_in_stage1 and merges_in_stage1(plan.max_work_rows, plan.max_row_partials)
         return size, plan.max_work_rows > 1, few
 
+    def _new_bucket(self, bucket: _Bucket) -> None:
+        """Static buffers a bucket's forward reads besides ids, positions and slots (none here)."""
+
+    def _forward(self, bucket: _Bucket, meta: AttentionMetadata) -> None:
+        """The captured forward: the model over the bucket's rows, its hidden states and logits."""
+        bucket.hidden = self.model(bucket.inputs[0], bucket.inputs[1], meta)
+        bucket.logits = self.model.compute_logits(bucket.hidden)
+
     def _capacity(self, size: int, wide: bool, few: bool, window: int = 1) -> PlanCapacity:
         page = self.cache.page_size
         pages_per_seq = math.ceil(self.max_model_len / page) + 64  # + pages left part-full by segment ends
@@ -351,12 +364,8 @@ class DecodeGraphs:
                                                   page_size=self.cache.page_size, route="single"))
         meta = AttentionMetadata(backend=backend, prepared=prepared, storage=self.cache.storage,
                                  slots=inputs[2], mla_mode=mla_mode, trusted_slots=True)
-
-        def step() -> None:
-            bucket.hidden = self.model(inputs[0], inputs[1], meta)
-            bucket.logits = self.model.compute_logits(bucket.hidden)
-
-        bucket.step = step
+        self._new_bucket(bucket)
+        step = bucket.step = lambda: self._forward(bucket, meta)
         if self.emulate:
             step()
         else:
@@ -375,3 +384,25 @@ class DecodeGraphs:
         else:
             self._window_buckets[size, window, wide] = bucket
         return bucket
+
+
+class MtpGraphs(DecodeGraphs):
+    """The forwards of MTP layer ``depth`` (``model.mtp_forward``, ``runner/mtp.py``) replayed from
+    CUDA graphs: one-row draft steps in decode buckets, catch-up windows in window buckets. Each
+    bucket also holds a static ``(rows, hidden)`` input for the hidden states the layer reads, and
+    what a replay returns is the layer's output hidden states, not logits."""
+
+    def __init__(self, model: nn.Module, cache: PagedKVCache, device_spec: DeviceSpec, *, depth: int,
+                 **kwargs) -> None:
+        super().__init__(model, cache, device_spec, **kwargs)
+        self.depth = depth
+
+    def _new_bucket(self, bucket: _Bucket) -> None:
+        embed = self.model.model.embed_tokens.weight
+        bucket.hidden_in = torch.zeros(bucket.inputs.shape[1], embed.shape[1], dtype=embed.dtype,
+                                       device=self.device)
+
+    def _forward(self, bucket: _Bucket, meta: AttentionMetadata) -> None:
+        bucket.hidden = self.model.mtp_forward(bucket.hidden_in, bucket.inputs[0], bucket.inputs[1], meta,
+                                               depth=self.depth)
+        bucket.logits = bucket.hidden  # what run and run_window return rows of

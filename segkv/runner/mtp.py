@@ -50,7 +50,9 @@ class MtpRunner:
 
     The cache must hold the MTP layers' rows: ``runner.cache.layout.num_layers`` equals the main
     layers plus ``len(model.mtp)``. While an ``MtpRunner`` exists, the runner's forwards report
-    their hidden states to it and run eagerly.
+    their hidden states to it. Where the runner replays CUDA graphs, so do the MTP layers' forwards
+    (one :class:`~segkv.runner.cuda_graphs.MtpGraphs` per layer, with the runner's window sizes):
+    draft steps and catch-ups of up to a window's rows per sequence.
     """
 
     def __init__(self, runner: ModelRunner) -> None:
@@ -66,6 +68,14 @@ class MtpRunner:
         self.num_layers = len(mtp)
         self._pending: weakref.WeakKeyDictionary[KVChain, _Pending] = weakref.WeakKeyDictionary()
         runner.hidden_listener = self._record
+        self.graphs = None
+        if runner.graphs is not None:
+            from segkv.runner.cuda_graphs import MtpGraphs
+
+            main = runner.graphs
+            self.graphs = [MtpGraphs(model, runner.cache, runner.device_spec, depth=d, device=runner.device,
+                                     max_model_len=main.max_model_len, buckets=main.buckets,
+                                     windows=main.windows, emulate=main.emulate) for d in range(len(mtp))]
 
     def _record(self, chains: list[KVChain], chunks: list[list[int]], hidden: torch.Tensor) -> None:
         """Keep each chunk's hidden rows (``hidden (T, hidden)``, chunks in order)."""
@@ -149,14 +159,25 @@ class MtpRunner:
 
     def _forward(self, queries, hidden, next_ids, positions, slots, *, depth: int, widths: list[int]):
         runner = self.runner
+        depth = min(depth, self.num_layers - 1)
         mla_mode = runner.mla_mode_of([[0] * w for w in widths])
         plan = runner.plan(queries, mla_mode)
+        graphs = None if self.graphs is None else self.graphs[depth]
+        if graphs is not None and max(widths) == 1:
+            out = graphs.run(next_ids, positions, slots, plan, mla_mode, hidden_in=hidden)
+        elif graphs is not None and max(widths) <= max(graphs.windows, default=0):
+            out = graphs.run_window(widths, next_ids, positions, slots, plan, mla_mode, list(range(len(positions))),
+                                    hidden_in=hidden)
+        else:
+            out = None
+        if out is not None:
+            return out
         meta = AttentionMetadata(backend=runner.backend, prepared=runner.backend.prepare(plan),
                                  storage=runner.cache.storage, slots=to_device(slots, torch.long, runner.device),
                                  mla_mode=mla_mode)
         ids = to_device(next_ids, torch.long, runner.device)
         pos = to_device(positions, torch.long, runner.device)
-        return runner.model.mtp_forward(hidden, ids, pos, meta, depth=min(depth, self.num_layers - 1))
+        return runner.model.mtp_forward(hidden, ids, pos, meta, depth=depth)
 
 
 def _last_slots(chain: KVChain, n: int) -> list[int]:

@@ -259,7 +259,8 @@ def test_verify_windows_replay_window_graphs_and_give_the_plain_tokens(tmp_path)
 
 def test_mtp_drafting_reads_the_hidden_states_of_graph_replays():
     """The MTP drafter's hidden states come from the graphs' static buffer (decode and window
-    steps replay, none but the prefill runs eagerly), and the tokens are plain decoding's."""
+    steps replay, none but the prefill runs eagerly), the MTP layer's own forwards replay MTP
+    graphs (its catch-up after the prompt runs eagerly), and the tokens are plain decoding's."""
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     prompts = ["def add(a, b):\n    return a + b\n\n\ndef sub("]
     want = _tokens(LLM("default-mla", dtype="float32"), prompts, params)
@@ -268,6 +269,8 @@ def test_mtp_drafting_reads_the_hidden_states_of_graph_replays():
     stats, graphs = llm.generator.spec_stats, llm.runner.graphs
     assert stats.drafts > 0 and stats.accepted_tokens > 0
     assert graphs.window_replays > 0 and graphs.fallbacks == 0
+    (mtp,) = llm.generator.proposer.mtp.graphs  # the MTP layer's forwards replay graphs of their own
+    assert mtp.replays > mtp.window_replays > 0 and mtp.fallbacks == 0  # draft steps and catch-ups
 
 
 def test_a_draft_model_decodes_and_catches_up_through_its_own_graphs(tmp_path):
