@@ -146,7 +146,8 @@ def test_serve_exits_within_its_shutdown_timeout_with_a_request_in_flight(model_
         client = threading.Thread(target=lambda: answers.append(_status_and_body(
             lambda: httpx.post(f"{base}/v1/completions", json=long_request, headers=key, timeout=60))))
         client.start()
-        while httpx.get(f"{base}/health").json()["running"] == 0:  # the request is being served
+        # the request is being served (a loaded machine may take seconds to answer while it starts)
+        while httpx.get(f"{base}/health", timeout=30).json()["running"] == 0:
             time.sleep(0.05)
         stopped = time.monotonic()
         server.send_signal(signal.SIGTERM)
