@@ -170,6 +170,9 @@ class AsyncEngine:
                 except BaseException as exc:  # fail the in-flight requests, keep serving
                     self.error = exc
                     self._abort_all(RuntimeError(f"engine step failed: {exc}"))
+            # the lock is not fair: taken again at once, it kept /health and new requests waiting
+            # for seconds while requests ran; giving up the interpreter lets a waiting thread in
+            time.sleep(0)
 
     def _on_step(self, touched: list[EngineRequest]) -> None:
         """After every step of the core (under its lock): stream updates and counters."""

@@ -240,3 +240,39 @@ def test_async_engine_drives_the_llms_core_beside_generate(model_dir):
     finally:
         engine.shutdown()
     assert engine._on_step not in llm.core.step_listeners
+
+
+def test_the_serving_loop_lets_other_threads_take_the_lock_between_steps(model_dir):
+    """While a long request runs, a thread asking for the core's lock (stats for /health, a new
+    request) gets it within a few steps: the loop gives the interpreter up after each step, where
+    taking the lock again at once kept waiters out for seconds."""
+    import asyncio
+    import threading
+    import time
+
+    from segkv.engine import AsyncEngine
+
+    llm = LLM(model_dir, page_size=8, num_pages=600)
+    (prompt,) = prompts(llm, 1)
+    engine = AsyncEngine(llm)
+    try:
+        started, finished = threading.Event(), threading.Event()
+
+        async def stream() -> None:
+            async for _ in engine.generate(prompt, SamplingParams(max_tokens=400, n=16, ignore_eos=True)):
+                started.set()
+            finished.set()
+
+        thread = threading.Thread(target=lambda: asyncio.run(stream()))
+        thread.start()
+        assert started.wait(60)
+        waits = []
+        while not finished.is_set() and len(waits) < 20:
+            steps, begin = engine.steps, time.monotonic()
+            engine.stats()  # under the core's lock
+            waits.append((engine.steps - steps, time.monotonic() - begin))
+        thread.join(120)
+        assert len(waits) == 20, "the request ended before the lock was taken 20 times"
+        assert max(steps for steps, _ in waits) <= 5, waits  # steps run while one acquisition waited
+    finally:
+        engine.shutdown()
