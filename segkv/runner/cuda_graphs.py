@@ -38,6 +38,7 @@ from segkv.attention.plan import AttentionPlan, SequenceQuery
 from segkv.attention.planner import plan_attention
 from segkv.attention.triton_backend import PlanCapacity, TritonBackend, merges_in_stage1, stage1_merge_bound
 from segkv.cache.kv_cache import PagedKVCache
+from segkv.layers.transfer import to_device
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # the most static rows of a verify-window graph (sequences x window): logits and activations of
@@ -268,7 +269,7 @@ class DecodeGraphs:
             return None
         self._replay(bucket, ids, positions, slots, None, hidden_in)
         self.window_replays += 1
-        return bucket.logits[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
+        return bucket.logits[to_device(rows, torch.long, self.device)]
 
     def _prepare(self, bucket: _Bucket, plan: AttentionPlan, arrays: dict | None) -> bool:
         try:

@@ -163,13 +163,12 @@ class MtpRunner:
         mla_mode = runner.mla_mode_of([[0] * w for w in widths])
         plan = runner.plan(queries, mla_mode)
         graphs = None if self.graphs is None else self.graphs[depth]
+        out = None  # None: no graph holds the step (a catch-up wider than a window, a plan too big)
         if graphs is not None and max(widths) == 1:
             out = graphs.run(next_ids, positions, slots, plan, mla_mode, hidden_in=hidden)
         elif graphs is not None and max(widths) <= max(graphs.windows, default=0):
             out = graphs.run_window(widths, next_ids, positions, slots, plan, mla_mode, list(range(len(positions))),
                                     hidden_in=hidden)
-        else:
-            out = None
         if out is not None:
             return out
         meta = AttentionMetadata(backend=runner.backend, prepared=runner.backend.prepare(plan),

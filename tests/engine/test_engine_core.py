@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine_helpers import run_all
 from model_helpers import build_model_dir
 from segkv.engine import LLM
 from segkv.engine.core import EngineCore, QueueFullError
@@ -18,14 +19,6 @@ def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("core-model")
     build_model_dir(directory, "qwen3")
     return directory
-
-
-def run_all(core: EngineCore, max_steps: int = 10_000) -> None:
-    for _ in range(max_steps):
-        if not core.has_unfinished():
-            return
-        core.step()
-    raise AssertionError("requests did not finish")
 
 
 def prompts(llm, count: int) -> list[list[int]]:

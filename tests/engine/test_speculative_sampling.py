@@ -21,6 +21,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import segkv.engine.generation as generation
+from engine_helpers import run_all
 from model_helpers import COMMON, gqa_families
 from segkv.engine.core import EngineCore
 from segkv.engine.llm import LLM
@@ -294,14 +295,6 @@ def test_a_wrong_acceptance_rule_fails_the_same_comparison(word_models, engines,
 
 
 # -- windows under a small KV cache -------------------------------------------------
-def run_all(core: EngineCore, max_steps: int = 10_000) -> None:
-    for _ in range(max_steps):
-        if not core.has_unfinished():
-            return
-        core.step()
-    raise AssertionError("requests did not finish")
-
-
 def looping_prompts(count: int) -> list[list[int]]:
     """Short prompts with repeats (and random greedy continuations loop): n-gram drafts are found."""
     return [[3 + (i + j) % 7 for j in range(4 + i % 3)] * 2 + [3 + i % 7] for i in range(count)]
