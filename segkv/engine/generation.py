@@ -16,7 +16,7 @@ from segkv.outputs import CompletionOutput, TokenLogprob
 from segkv.runner.model_runner import ModelRunner, StepInput
 from segkv.sampling_params import SamplingParams
 from segkv.spec.config import SpeculativeConfig
-from segkv.spec.rejection import verify_window
+from segkv.spec.rejection import verify_windows
 from segkv.structured.grammar import GrammarCache
 from segkv.structured.matcher import GrammarState, fill_bitmask, new_bitmask
 from segkv.tokenizer.detokenizer import IncrementalDetokenizer
@@ -99,7 +99,7 @@ class Generator:
     ``speculative`` (a :class:`~segkv.spec.config.SpeculativeConfig`, None: off): decode steps
     become verify windows. A proposer drafts up to ``k`` tokens per decoding sequence; one forward
     over each window (its pending token and the drafts) gives the target's logits of every row;
-    exact rejection sampling (:func:`~segkv.spec.rejection.verify_window`) keeps the drafts the
+    exact rejection sampling (:func:`~segkv.spec.rejection.verify_windows`) keeps the drafts the
     target's distribution allows and draws one more token; the rows of rejected drafts are
     trimmed from the chain (no copy). Sequences without drafts decode as usual in the same
     forward. Steps are not launched ahead while speculation is on.
@@ -294,45 +294,67 @@ class Generator:
             spawned = self._spawn_siblings(plain, rows)
             self._sample(plain + [x for x, _ in spawned],
                          torch.cat([rows] + [row for _, row in spawned]) if spawned else rows)
-        for s, proposal, rows, bitmask in windows:
-            self._verify(s, proposal, rows, bitmask)
+        if windows:
+            self._verify(windows)
         return ready
 
-    def _verify(self, s: Sequence, proposal: list[int], rows: torch.Tensor,
-                bitmask: torch.Tensor | None = None) -> None:
-        """Verify ``s``'s window: ``rows (k + 1, vocab)`` float32 logits of its pending token and
-        its ``k`` drafts (``bitmask``: ``(k + 1, words)`` int32, a constrained sequence's grammar
-        mask of each row). Emits the accepted drafts and one more token (up to a stop or a length
-        limit) and trims the rows of the drafts not kept."""
-        k = len(proposal)
-        params = [s.params] * (k + 1)
-        prompts = [s.history] * (k + 1)
-        outputs = [s.output_ids + proposal[:j] for j in range(k + 1)]
-        probs = self.sampler.distribution(rows, params, prompt_token_ids=prompts, output_token_ids=outputs,
-                                          token_bitmask=bitmask)
-        emitted = verify_window(probs, proposal, None, s.generator)
-        self.spec_stats.record(k, len(emitted) - 1)
+    def _verify(self, windows: list[tuple[Sequence, list[int], torch.Tensor, torch.Tensor | None]]) -> None:
+        """Verify the step's windows together: each ``(sequence, drafts, rows, bitmask)`` has its
+        ``rows (k + 1, vocab)`` float32 logits of its pending token and its ``k`` drafts (``bitmask``:
+        ``(k + 1, words)`` int32, a constrained sequence's grammar mask of each row, or None). Each
+        emits its accepted drafts and one more token (up to a stop or a length limit) and trims the
+        rows of the drafts not kept. The whole batch reads its results with one device-to-host copy
+        (two with logprobs); greedy windows only compare the drafts with the rows' argmax."""
+        seqs = [w[0] for w in windows]
+        proposals = [w[1] for w in windows]
+        params = [s.params for s, p in zip(seqs, proposals) for _ in range(len(p) + 1)]
+        prompts = [s.history for s, p in zip(seqs, proposals) for _ in range(len(p) + 1)]
+        outputs = [s.output_ids + p[:j] for s, p in zip(seqs, proposals) for j in range(len(p) + 1)]
+        logits = torch.cat([w[2] for w in windows]) if len(windows) > 1 else windows[0][2]
+        bitmask = None
+        if any(w[3] is not None for w in windows):
+            bitmask = torch.cat([new_bitmask(len(p) + 1, self.vocab_size) if m is None else m
+                                 for _, p, _, m in windows])
+        scores = dict(prompt_token_ids=prompts, output_token_ids=outputs, token_bitmask=bitmask)
+        if all(p.greedy for p in params):  # one-hot targets: a draft is kept iff it is the argmax
+            best = self.sampler.greedy_tokens(logits, params, **scores).tolist()
+            emitted, start = [], 0
+            for proposal in proposals:
+                row = best[start : start + len(proposal) + 1]
+                kept = next((j for j, (d, t) in enumerate(zip(proposal, row)) if d != t), len(proposal))
+                emitted.append(proposal[:kept] + [row[kept]])
+                start += len(proposal) + 1
+        else:
+            probs = self.sampler.distribution(logits, params, **scores)
+            emitted = verify_windows(probs, proposals, None, [s.generator for s in seqs])
         chosen = None
-        if s.params.logprobs is not None:
-            m = len(emitted)
-            chosen = self.sampler.logprobs_of(rows[:m], torch.tensor(emitted, device=rows.device), params[:m],
-                                              prompt_token_ids=prompts[:m], output_token_ids=outputs[:m],
-                                              token_bitmask=None if bitmask is None else bitmask[:m])
+        if any(s.params.logprobs is not None for s in seqs):
+            # the logprobs of the emitted tokens: row j of a window scores its j-th emitted token
+            rows = [start + j for start, e in zip(_starts(proposals), emitted) for j in range(len(e))]
+            chosen = self.sampler.logprobs_of(
+                logits[rows], [t for e in emitted for t in e], [params[r] for r in rows],
+                prompt_token_ids=[prompts[r] for r in rows], output_token_ids=[outputs[r] for r in rows],
+                token_bitmask=None if bitmask is None else bitmask[rows])
             values = chosen.logprobs.tolist()
-        taken = 0
-        for j, token in enumerate(emitted):
-            s.output_ids.append(token)
-            taken += 1
-            if chosen is not None:
-                s.logprobs.append(TokenLogprob(token, values[j], chosen.top_logprobs[j]))
-            # the chain holds rows for the window's tokens after this one: not in the length check
-            self._check_finish(s, token, rows_ahead=k + 1 - taken)
-            if s.finish_reason is not None:
-                break
-        # rows kept: the pending token's and the accepted drafts' before the last token taken
-        s.chain.trim(k + 1 - taken)
-        if s.finish_reason is None:
-            s.pending = [emitted[taken - 1]]
+        row = 0
+        for s, proposal, tokens in zip(seqs, proposals, emitted):
+            k = len(proposal)
+            self.spec_stats.record(k, len(tokens) - 1)
+            taken = 0
+            for j, token in enumerate(tokens):
+                s.output_ids.append(token)
+                taken += 1
+                if chosen is not None and s.params.logprobs is not None:
+                    s.logprobs.append(TokenLogprob(token, values[row + j], chosen.top_logprobs[row + j]))
+                # the chain holds rows for the window's tokens after this one: not in the length check
+                self._check_finish(s, token, rows_ahead=k + 1 - taken)
+                if s.finish_reason is not None:
+                    break
+            row += len(tokens)
+            # rows kept: the pending token's and the accepted drafts' before the last token taken
+            s.chain.trim(k + 1 - taken)
+            if s.finish_reason is None:
+                s.pending = [tokens[taken - 1]]
 
     def _forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
         """``(len(work), vocab)`` logits of the step: the decode rows a step launched ahead holds
@@ -485,3 +507,12 @@ class Generator:
         if len(s.output_ids) >= p.max_tokens or s.chain.num_rows - rows_ahead + 1 >= self.max_model_len:
             s.finish_reason = "length"
             s.detok.finish()
+
+
+def _starts(groups: list[list[int]]) -> list[int]:
+    """Where each verify window's rows start in the step's window rows (``len(g) + 1`` each)."""
+    out, total = [], 0
+    for g in groups:
+        out.append(total)
+        total += len(g) + 1
+    return out

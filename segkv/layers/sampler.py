@@ -286,6 +286,21 @@ class Sampler(torch.nn.Module):
             return SampleOutput(token_ids=token_ids, logprobs=None, top_logprobs=[None] * len(params))
         return self._logprobs(raw if self.logprobs_mode == "raw" else final, token_ids, params)
 
+    def greedy_tokens(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
+        token_bitmask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``(B,)`` int64 on ``logits.device``: each row's penalised argmax, the token ``forward``
+        takes for a greedy row (the one-hot of :meth:`distribution`, without building it).
+        Arguments as for ``forward``."""
+        prompts, outputs = _histories(logits, params, prompt_token_ids, output_token_ids)
+        return argmax_rows(apply_penalties(_biased(logits.float(), params, token_bitmask), params, prompts, outputs))
+
     def distribution(
         self,
         logits: torch.Tensor,

@@ -271,18 +271,23 @@ def test_speculative_sampling_has_the_target_distribution(word_models, engines, 
     assert not failed, (failed, result)
 
 
-def accept_every_draft(target_probs, draft_ids, draft_probs, generator):
-    """A wrong acceptance rule: every draft is kept, then the bonus token is drawn from the last
-    row (the second token becomes the n-gram lookup's guess whenever there is one)."""
-    last = target_probs[len(draft_ids)]
-    return list(draft_ids) + [int(torch.multinomial(last, 1, generator=generator))]
+def accept_every_draft(target_probs, draft_ids, draft_probs, generators):
+    """A wrong acceptance rule (``verify_windows``' signature): every draft is kept, then the bonus
+    token is drawn from each window's last row (the second token becomes the n-gram lookup's guess
+    whenever there is one)."""
+    out, start = [], 0
+    for drafts, generator in zip(draft_ids, generators):
+        last = target_probs[start + len(drafts)]
+        out.append(list(drafts) + [int(torch.multinomial(last, 1, generator=generator))])
+        start += len(drafts) + 1
+    return out
 
 
 def test_a_wrong_acceptance_rule_fails_the_same_comparison(word_models, engines, monkeypatch):
     """The tests' power: with a wrong rule patched into the generator, the second token's
     distribution and the joint of the first two are told apart from plain sampling and from
     the exact distribution."""
-    monkeypatch.setattr(generation, "verify_window", accept_every_draft)
+    monkeypatch.setattr(generation, "verify_windows", accept_every_draft)
     llm = engines["ngram"]
     before = spec_counts(llm)
     samples = draw(llm, "temperature-1", NUM_POWER_SAMPLES, seed=300)
