@@ -137,10 +137,16 @@ class KVChain:
     def set_last_token_id(self, token_id: int) -> None:
         """Record the token id of the last row (appended before its token was known on the host:
         a decode step launched from the device's samples)."""
-        if not self.num_tail_rows:
-            raise ValueError("the chain has no tail row to set a token id for")
-        if self.tail.token_ids is not None:
-            self.tail.token_ids[-1] = int(token_id)
+        self.set_last_token_ids([token_id])
+
+    def set_last_token_ids(self, token_ids: list[int]) -> None:
+        """Record the token ids of the last ``len(token_ids)`` rows, all in the tail (appended
+        before their tokens were known on the host)."""
+        n = len(token_ids)
+        if n > self.num_tail_rows:
+            raise ValueError(f"the chain's tail holds {self.num_tail_rows} rows; cannot set {n} token ids")
+        if n and self.tail.token_ids is not None:
+            self.tail.token_ids[-n:] = [int(t) for t in token_ids]
 
     def seal(self) -> SegRef | None:
         """End the turn: the tail becomes a sealed segment; compaction may follow."""

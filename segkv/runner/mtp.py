@@ -29,7 +29,7 @@ from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import SequenceQuery
 from segkv.cache.chain import KVChain
 from segkv.layers.transfer import to_device
-from segkv.runner.model_runner import ModelRunner
+from segkv.runner.model_runner import PENDING_TOKEN, ModelRunner
 
 
 @dataclass(slots=True)
@@ -135,19 +135,23 @@ class MtpRunner:
         return out[last]
 
     @torch.inference_mode()
-    def draft_step(self, chains: list[KVChain], hidden: torch.Tensor, token_ids: list[int], depth: int) -> torch.Tensor:
+    def draft_step(self, chains: list[KVChain], hidden: torch.Tensor, token_ids: torch.Tensor,
+                   depth: int) -> torch.Tensor:
         """One more draft: each chain gets one row appended (the caller trims it), where the MTP
         layer ``min(depth, layers - 1)`` reads ``hidden (B, hidden)`` (the previous MTP output)
-        and the previous draft ``token_ids[i]``. Returns the new MTP hidden states ``(B, hidden)``."""
+        and the previous draft ``token_ids (B,)`` int64, still on the device (the host never waits
+        for it). Returns the new MTP hidden states ``(B, hidden)``."""
+        if token_ids.shape != (len(chains),):
+            raise ValueError(f"token_ids must have shape ({len(chains)},), got {tuple(token_ids.shape)}")
         positions, slots, queries, appended = [], [], [], []
         try:
-            for chain, token in zip(chains, token_ids):
+            for chain in chains:
                 positions.append(chain.num_rows)
-                slots += chain.append(1, token_ids=[token])
+                slots += chain.append(1, token_ids=[PENDING_TOKEN])  # a draft row: trimmed, never kept
                 appended.append(chain)
                 queries.append(SequenceQuery.from_chain(chain, 1))
-            return self._forward(queries, hidden, list(token_ids), positions, slots, depth=depth,
-                                 widths=[1] * len(chains))
+            return self._forward(queries, hidden, [PENDING_TOKEN] * len(chains), positions, slots, depth=depth,
+                                 widths=[1] * len(chains), device_ids=token_ids)
         except BaseException:  # no row is left behind: the chains are as they were
             for chain in appended:
                 chain.trim(1)
@@ -157,7 +161,10 @@ class MtpRunner:
         """``(N, hidden)`` MTP outputs -> float32 ``(N, vocab)`` logits."""
         return self.runner.model.compute_mtp_logits(mtp_hidden, depth=min(depth, self.num_layers - 1))
 
-    def _forward(self, queries, hidden, next_ids, positions, slots, *, depth: int, widths: list[int]):
+    def _forward(self, queries, hidden, next_ids, positions, slots, *, depth: int, widths: list[int],
+                 device_ids: torch.Tensor | None = None):
+        """The MTP layer's output hidden states of the step's rows; ``device_ids``: the token ids
+        on the device (one-row steps; ``next_ids`` then hold placeholders)."""
         runner = self.runner
         depth = min(depth, self.num_layers - 1)
         mla_mode = runner.mla_mode_of([[0] * w for w in widths])
@@ -165,7 +172,7 @@ class MtpRunner:
         graphs = None if self.graphs is None else self.graphs[depth]
         out = None  # None: no graph holds the step (a catch-up wider than a window, a plan too big)
         if graphs is not None and max(widths) == 1:
-            out = graphs.run(next_ids, positions, slots, plan, mla_mode, hidden_in=hidden)
+            out = graphs.run(next_ids, positions, slots, plan, mla_mode, hidden_in=hidden, device_ids=device_ids)
         elif graphs is not None and max(widths) <= max(graphs.windows, default=0):
             out = graphs.run_window(widths, next_ids, positions, slots, plan, mla_mode, list(range(len(positions))),
                                     hidden_in=hidden)
@@ -174,7 +181,7 @@ class MtpRunner:
         meta = AttentionMetadata(backend=runner.backend, prepared=runner.backend.prepare(plan),
                                  storage=runner.cache.storage, slots=to_device(slots, torch.long, runner.device),
                                  mla_mode=mla_mode)
-        ids = to_device(next_ids, torch.long, runner.device)
+        ids = to_device(next_ids, torch.long, runner.device) if device_ids is None else device_ids
         pos = to_device(positions, torch.long, runner.device)
         return runner.model.mtp_forward(hidden, ids, pos, meta, depth=depth)
 

@@ -42,6 +42,7 @@ from segkv.cache.chain import KVChain
 from segkv.cache.kv_cache import PagedKVCache
 from segkv.cache.page_pool import OutOfPagesError
 from segkv.config import CacheConfig, default_page_size
+from segkv.layers.transfer import to_device
 from segkv.models.default_models import check_model_dir, resolve_model_dir
 from segkv.models.loader import load_model
 from segkv.runner.model_runner import ModelRunner, StepInput
@@ -172,20 +173,42 @@ class DraftModelProposer:
     # -- internals ----------------------------------------------------------------------
     def _draft(self, active: list[int], states: list[_DraftState | None], tokens: list[list[int]],
                rooms: list[int], drafts: list[list[int]]) -> None:
-        """Catch up and draft for ``active``, appending to ``drafts`` step by step (a failure
-        keeps the drafts made before it)."""
+        """Catch up and draft for ``active`` into ``drafts`` (a failure keeps the drafts made
+        before it). Draft steps run from the device's picks (``decode_from_device``): the host
+        reads every draft with one copy at the end instead of waiting for each step."""
+        if not active:
+            return
         inputs = [tokens[i][len(states[i].token_ids):] for i in active]
-        step = 0
-        while active:
-            logits = self.runner.forward([StepInput(states[i].chain, ids) for i, ids in zip(active, inputs)])
-            for i, ids in zip(active, inputs):
-                states[i].token_ids.extend(ids)
-            picks = logits[:, : self.vocab_limit].argmax(dim=-1).tolist()
-            step += 1
-            for i, token in zip(active, picks):
-                drafts[i].append(token)
-            inputs = [[token] for i, token in zip(active, picks) if rooms[i] > step]
-            active = [i for i in active if rooms[i] > step]
+        logits = self.runner.forward([StepInput(states[i].chain, ids) for i, ids in zip(active, inputs)])
+        for i, ids in zip(active, inputs):
+            states[i].token_ids.extend(ids)
+        picks = logits[:, : self.vocab_limit].argmax(dim=-1)
+        columns = [(active, picks)]  # each draft step's sequences and their picks (device)
+        step = 1
+        try:
+            while True:
+                prev, prev_picks = columns[-1]
+                nxt = [i for i in prev if rooms[i] > step]
+                if not nxt:
+                    break
+                where = {i: n for n, i in enumerate(prev)}
+                feed = prev_picks if len(nxt) == len(prev) else prev_picks[
+                    to_device([where[i] for i in nxt], torch.long, prev_picks.device)]
+                logits = self.runner.decode_from_device([states[i].chain for i in nxt], feed)
+                columns.append((nxt, logits[:, : self.vocab_limit].argmax(dim=-1)))
+                step += 1
+        finally:  # the drafts made, read at once; the draft rows appended get their token ids
+            values = torch.cat([c for _, c in columns]).tolist()
+            at = 0
+            for seqs, c in columns:
+                for i in seqs:
+                    drafts[i].append(values[at])
+                    at += 1
+            for i in active:
+                fed = drafts[i][:-1]  # every draft but the last was appended as a row
+                if fed:
+                    states[i].chain.set_last_token_ids(fed)
+                    states[i].token_ids.extend(fed)
 
     def _state_of(self, seq: DraftSequence, ids: list[int]) -> _DraftState:
         """``seq``'s draft state: its own, else a new one forking the live draft chain that shares

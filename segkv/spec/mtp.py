@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+
 from segkv.cache.page_pool import OutOfPagesError
+from segkv.layers.transfer import to_device
 from segkv.runner.mtp import MtpRunner
 
 
@@ -36,27 +39,36 @@ class MtpProposer:
         if not ready:
             return out
         hidden = self.mtp.catch_up([seqs[i].chain for i in ready], next_ids)
-        for i, token in zip(ready, self.mtp.logits(hidden, 0).argmax(dim=-1).tolist()):
-            out[i].append(token)
+        # the drafts stay on the device until the last is drawn: one device-to-host copy per call
+        tokens = self.mtp.logits(hidden, 0).argmax(dim=-1)
+        columns = [tokens]  # draft j of every sequence in ``ready`` (stale where it stopped before)
         appended = dict.fromkeys(ready, 0)
         active = [n for n, i in enumerate(ready) if rooms[i] > 1]  # positions in ``ready``
         depth = 1
         try:
             while active:
                 chains = [seqs[ready[n]].chain for n in active]
-                step = self.mtp.draft_step(chains, hidden[active], [out[ready[n]][-1] for n in active], depth)
+                whole = len(active) == len(ready)
+                index = None if whole else to_device(active, torch.long, hidden.device)
+                step = self.mtp.draft_step(chains, hidden if whole else hidden[index],
+                                           tokens if whole else tokens[index], depth)
                 for n in active:
                     appended[ready[n]] += 1
-                hidden = hidden.clone()
-                hidden[active] = step
-                for n, token in zip(active, self.mtp.logits(step, depth).argmax(dim=-1).tolist()):
-                    out[ready[n]].append(token)
-                active = [n for n in active if len(out[ready[n]]) < rooms[ready[n]]]
+                picks = self.mtp.logits(step, depth).argmax(dim=-1)
+                if whole:
+                    hidden, tokens = step, picks
+                else:
+                    hidden, tokens = hidden.index_copy(0, index, step), tokens.index_copy(0, index, picks)
+                columns.append(tokens)
                 depth += 1
+                active = [n for n in active if rooms[ready[n]] > depth]
         except OutOfPagesError:  # no room for a draft row: the drafts so far stand
             pass
         finally:
             for i, n in appended.items():
                 if n:
                     seqs[i].chain.trim(n)
+        table = torch.stack(columns, dim=1).tolist()
+        for n, i in enumerate(ready):
+            out[i] = table[n][: min(rooms[i], len(columns))]
         return out

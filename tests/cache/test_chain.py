@@ -268,6 +268,25 @@ def test_token_ids_tracked(gen):
         chain.append(2, token_ids=[1])
 
 
+def test_last_token_ids_set_after_the_rows(gen):
+    """Rows appended before their tokens were known (placeholders) get their ids afterwards."""
+    cache = make_cache("mla", 4)
+    chain = cache.new_chain()
+    fill(cache, chain, 5, gen, tokens=[10, 11, 12, 13, 14])
+    chain.seal()
+    fill(cache, chain, 3, gen, tokens=[-1, -1, -1])
+    chain.set_last_token_ids([7, 8])
+    assert chain.token_ids() == [10, 11, 12, 13, 14, -1, 7, 8]
+    chain.set_last_token_id(9)
+    assert chain.token_ids() == [10, 11, 12, 13, 14, -1, 7, 9]
+    with pytest.raises(ValueError, match="tail holds 3 rows"):
+        chain.set_last_token_ids([1, 2, 3, 4])
+    assert chain.token_ids() == [10, 11, 12, 13, 14, -1, 7, 9]
+    chain.seal()
+    with pytest.raises(ValueError, match="tail holds 0 rows"):
+        chain.set_last_token_id(1)
+
+
 def test_out_of_pages_on_append_leaves_chain_unchanged(cache, gen):
     ps = cache.page_size
     small = make_cache(cache.layout.kind, ps, num_pages=3)
