@@ -142,10 +142,20 @@ def parse_cases(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def spec_config(method: str, k: int, *, draft_model: str) -> dict:
+def size_pair(text: str) -> list[int]:
+    """``MIN,MAX`` n-gram sizes."""
+    sizes = int_list(text)
+    if len(sizes) != 2:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX, got {text!r}")
+    return sizes
+
+
+def spec_config(method: str, k: int, *, draft_model: str, prompt_lookup: list[int] | None = None) -> dict:
     config = {"method": method, "num_speculative_tokens": k}
     if method == "draft_model":
         config["model"] = draft_model
+    if method == "ngram" and prompt_lookup:
+        config["prompt_lookup_min"], config["prompt_lookup_max"] = prompt_lookup
     return config
 
 
@@ -213,7 +223,7 @@ def e2e_model(model: str, methods: list[str], workloads: list[str], args) -> Ite
     sides: list[tuple[dict, LLM | None]] = []
     for method in methods:
         for k in args.ks:
-            config = spec_config(method, k, draft_model=args.draft_model)
+            config = spec_config(method, k, draft_model=args.draft_model, prompt_lookup=args.prompt_lookup)
             try:
                 sides.append(({"method": method, "k": k, "speculative_config": config},
                               make_llm(model, args, pages=pages, speculative=config)))
@@ -512,6 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("end to end")
     g.add_argument("--cases", type=parse_cases, default=parse_cases(CASES), help=f"model:method, ... ({CASES})")
     g.add_argument("--draft-model", default="default", help="the draft model of method draft_model")
+    g.add_argument("--prompt-lookup", type=size_pair, default=None, metavar="MIN,MAX",
+                   help="the n-gram sizes of method ngram (default: the engine's, 5,5)")
     g.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated: {', '.join(WORKLOADS)}")
     g.add_argument("--batches", type=int_list, default=[1, 8])
     g.add_argument("--temperatures", type=_floats, default=[0.0], help="e.g. 0,1 (0: greedy)")

@@ -5,6 +5,7 @@ is asserted, only that times are finite and positive."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -112,3 +113,12 @@ def test_repeat_prompt_asks_for_the_file_back():
     assert "Rewrite the file with the function load renamed to load_v2:\nimport os\n\n\n" in prompt
     short = sd.repeat_prompt(text, Words(), tokens=2)  # the lines that fit
     assert short.startswith("Here is a file:\nimport os\n\n\n\nRewrite the file with the function renamed:")
+
+
+def test_prompt_lookup_sizes_reach_the_ngram_config():
+    assert sd.spec_config("ngram", 4, draft_model="default", prompt_lookup=sd.size_pair("1,3")) == {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    assert sd.spec_config("mtp", 2, draft_model="default", prompt_lookup=[1, 3]) == {
+        "method": "mtp", "num_speculative_tokens": 2}
+    with pytest.raises(argparse.ArgumentTypeError, match="MIN,MAX"):
+        sd.size_pair("3")
