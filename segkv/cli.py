@@ -29,7 +29,7 @@ CUDA_GRAPHS_HELP = ("replay decode steps from CUDA graphs: off, auto (the defaul
 PAGE_SIZE_HELP = "rows per KV cache page (default: 32 on CUDA, 16 elsewhere)"
 MODEL_HELP = "Hugging Face model directory, or a built-in model: 'default' (GQA) or 'default-mla' (MLA)"
 SPECULATIVE_CONFIG_HELP = ("speculative decoding, a JSON object of vLLM's keys: method (mtp, ngram, "
-                           "draft_model or none), num_speculative_tokens, prompt_lookup_min, "
+                           "draft_model, eagle3 or none), num_speculative_tokens, prompt_lookup_min, "
                            "prompt_lookup_max, model, disable_by_batch_size; e.g. "
                            "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' (default: off)")
 API_KEY_ENV = "SEGKV_API_KEY"  # as vLLM reads VLLM_API_KEY

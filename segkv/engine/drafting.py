@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from segkv.runner.model_runner import ModelRunner
 from segkv.runner.mtp import MtpRunner
 from segkv.spec.config import SpeculativeConfig
 from segkv.spec.draft_model import DraftModelProposer
+from segkv.spec.eagle3 import Eagle3Proposer, resolve_head_dir
 from segkv.spec.mtp import MtpProposer
 from segkv.spec.ngram import NgramIndex, NgramProposer
 from segkv.tokenizer.tokenizer import Tokenizer
@@ -88,16 +90,19 @@ class NgramDrafts:
         return out
 
 
-def make_proposer(config: SpeculativeConfig | None, runner: ModelRunner,
-                  tokenizer: Tokenizer) -> Proposer | None:
+def make_proposer(config: SpeculativeConfig | None, runner: ModelRunner, tokenizer: Tokenizer, *,
+                  target_dir: str | Path | None = None) -> Proposer | None:
     """The drafting side of ``config`` (None when speculation is off); a draft model runs on the
-    target's device in its dtype and must share its tokenizer."""
+    target's device in its dtype and must share its tokenizer. ``target_dir``: the target's
+    directory, where an EAGLE-3 head ``"default"`` is looked up (``resolve_head_dir``)."""
     if config is None:
         return None
     if config.method == "ngram":
         return NgramDrafts(config)
     if config.method == "draft_model":
         return DraftModelProposer.for_target(config.model, runner, tokenizer)
+    if config.method == "eagle3":
+        return Eagle3Proposer(resolve_head_dir(config.model, target_dir), runner)
     if config.method == "mtp":
         return MtpProposer(MtpRunner(runner))
     raise ValueError(f"unknown speculative method {config.method!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import itertools
 import time
@@ -24,6 +25,7 @@ from segkv.runner.warmup import warm_up, warm_up_shapes
 from segkv.sampling_params import SamplingParams
 from segkv.sessions.conversation import Conversation
 from segkv.spec.config import SpeculativeConfig
+from segkv.spec.eagle3 import resolve_head_dir
 from segkv.tokenizer.tokenizer import Tokenizer
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -64,7 +66,9 @@ class LLM:
     ``runner/cuda_graphs.py``). ``fused_ops``: stacked projections and fused Triton kernels
     (default: on CUDA; ``ModelRunner``). ``speculative_config``: speculative decoding, vLLM's
     ``speculative_config`` (a JSON string, a dict or a :class:`SpeculativeConfig`), parsed before
-    the model loads into ``self.speculative_config`` (``None``: off).
+    the model loads into ``self.speculative_config`` (``None``: off). Method ``eagle3`` with
+    model ``"default"`` takes the built-in head of the built-in target (``default``,
+    ``default-mla``).
     """
 
     def __init__(
@@ -91,6 +95,12 @@ class LLM:
         self.speculative_config = SpeculativeConfig.parse(speculative_config)
         # "default", "default-mla" or a directory (refused clearly if it is not one)
         self.model_dir = check_model_dir(resolve_model_dir(model_dir))
+        # the config the generator runs: an EAGLE-3 head's directory resolved ("default": the
+        # built-in head of this target), refused clearly before anything loads
+        speculative = self.speculative_config
+        if speculative is not None and speculative.method == "eagle3":
+            speculative = dataclasses.replace(speculative,
+                                              model=str(resolve_head_dir(speculative.model, self.model_dir)))
         self.dtype = parse_dtype(dtype)
         self.device = parse_device(device)
         page_size = default_page_size(self.device.type) if page_size is None else page_size
@@ -123,7 +133,7 @@ class LLM:
                                   decode_rows_threshold=window, max_model_len=self.max_model_len,
                                   fused_ops=fused_ops)
         self.generator = Generator(self.runner, self.tokenizer, max_model_len=self.max_model_len,
-                                   speculative=self.speculative_config)
+                                   speculative=speculative)
         self.core = EngineCore(self.cache, self.generator, fingerprint=self.fingerprint)
         self._request_ids = itertools.count()
         # what exists now lives as long as the engine: keep it out of the cyclic collector's

@@ -15,8 +15,11 @@ rows (``wide`` ones: up to every row, for prefixes several sequences share). A s
 are shorter than ``W`` (an n-gram found fewer drafts, or none) pads the rest of the rows like a
 decode step does.
 
-Every replay also leaves the model's hidden states in a static buffer, which the runner hands to
-its ``hidden_listener`` (an MTP drafter reads them): graphs and MTP drafting go together.
+Every replay also leaves the model's hidden states in a static buffer, and its auxiliary hidden
+states in another while the model returns them (``CausalLM.set_aux_hidden_layers``); the runner
+hands the ones a drafter needs to its ``hidden_listener`` (:meth:`DecodeGraphs.last_states`: an
+EAGLE-3 head reads the auxiliary states, an MTP drafter the hidden states), so graphs and
+drafting go together. A bucket captured before the auxiliary layers changed is captured again.
 
 ``emulate=True`` replays by calling the captured step again over the same static buffers,
 so the buffer logic can be checked on machines without CUDA graphs.
@@ -61,6 +64,8 @@ class _Bucket:
     window: int = 1  # query rows per sequence (1: decode)
     logits: torch.Tensor | None = None  # (rows, vocab) float32, written by every replay
     hidden: torch.Tensor | None = None  # (rows, hidden) the model's output, written by every replay
+    aux: torch.Tensor | None = None  # (rows, width) auxiliary hidden states (EAGLE-3), when the model returns them
+    aux_layers: tuple[int, ...] | None = None  # the model's aux_hidden_layers when captured
     hidden_in: torch.Tensor | None = None  # (rows, hidden) static input of MTP graphs (MtpGraphs)
     graph: torch.cuda.CUDAGraph | None = None
     step: object = None  # the captured callable (emulation replays it)
@@ -224,10 +229,12 @@ class DecodeGraphs:
         self._window_buckets.clear()
         self._last = None
 
-    def last_hidden(self, rows: int) -> torch.Tensor:
-        """A copy of the first ``rows`` hidden states ``(rows, hidden)`` of the last replay (its
-        static buffer is overwritten by the next one)."""
-        return self._last.hidden[:rows].clone()
+    def last_states(self, rows: int) -> torch.Tensor:
+        """A copy of the first ``rows`` states a drafter reads of the last replay (its static
+        buffers are overwritten by the next one): the auxiliary hidden states ``(rows, width)``
+        where the model returned them, else the hidden states ``(rows, hidden)``."""
+        last = self._last
+        return (last.hidden if last.aux is None else last.aux)[:rows].clone()
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], plan: AttentionPlan,
             mla_mode: str, *, arrays: dict | None = None, device_ids: torch.Tensor | None = None,
@@ -241,7 +248,7 @@ class DecodeGraphs:
         if size is None or mla_mode == "naive":  # naive MLA decompresses pieces through the reference
             self.fallbacks += 1
             return None
-        bucket = self._buckets.get((size, wide, few)) or self._capture(size, wide, few, mla_mode)
+        bucket = self._current(self._buckets.get((size, wide, few))) or self._capture(size, wide, few, mla_mode)
         staged, bucket.staged = bucket.staged, None
         if staged is plan:
             self.staged_plans_used += 1
@@ -262,14 +269,21 @@ class DecodeGraphs:
             return None
         size, window = key
         wide = plan.max_work_rows > window
-        bucket = self._window_buckets.get((size, window, wide)) or self._capture(size, wide, False, mla_mode,
-                                                                                 window=window)
+        bucket = (self._current(self._window_buckets.get((size, window, wide)))
+                  or self._capture(size, wide, False, mla_mode, window=window))
         bucket.staged = None
         if not self._prepare(bucket, plan, None):
             return None
         self._replay(bucket, ids, positions, slots, None, hidden_in)
         self.window_replays += 1
         return bucket.logits[to_device(rows, torch.long, self.device)]
+
+    def _current(self, bucket: _Bucket | None) -> _Bucket | None:
+        """``bucket`` unless it was captured with other auxiliary hidden layers than the model's now
+        (a drafter that reads them was set up after the capture): then None, to capture it again."""
+        if bucket is None or bucket.aux_layers != getattr(self.model, "aux_hidden_layers", None):
+            return None
+        return bucket
 
     def _prepare(self, bucket: _Bucket, plan: AttentionPlan, arrays: dict | None) -> bool:
         try:
@@ -333,8 +347,10 @@ class DecodeGraphs:
         """Static buffers a bucket's forward reads besides ids, positions and slots (none here)."""
 
     def _forward(self, bucket: _Bucket, meta: AttentionMetadata) -> None:
-        """The captured forward: the model over the bucket's rows, its hidden states and logits."""
-        bucket.hidden = self.model(bucket.inputs[0], bucket.inputs[1], meta)
+        """The captured forward: the model over the bucket's rows, its hidden states (and auxiliary
+        ones, where the model returns them) and logits."""
+        out = self.model(bucket.inputs[0], bucket.inputs[1], meta)
+        bucket.hidden, bucket.aux = out if isinstance(out, tuple) else (out, None)
         bucket.logits = self.model.compute_logits(bucket.hidden)
 
     def _capacity(self, size: int, wide: bool, few: bool, window: int = 1) -> PlanCapacity:
@@ -356,7 +372,8 @@ class DecodeGraphs:
         staging = torch.zeros(3, rows, dtype=torch.long, pin_memory=pinned)
         staging[2] = self._scratch_slot
         inputs = staging.to(self.device)
-        bucket = _Bucket(size, backend, inputs, staging, window=window)
+        bucket = _Bucket(size, backend, inputs, staging, window=window,
+                         aux_layers=getattr(self.model, "aux_hidden_layers", None))
         # a plan with every row attending the scratch rows: valid for the warm-up and capture
         chain = self._scratch if window == 1 else self._scratch_rows
         scratch = SequenceQuery(tuple(chain.spans()), window)

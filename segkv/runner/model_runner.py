@@ -90,8 +90,9 @@ class ModelRunner:
         self.graphs_off_reason: str | None = None
         self._ahead: _PlanAhead | None = None  # see _plan_ahead
         self.plans_ahead_used = 0
-        # called with (chains, chunks, hidden (T, hidden)) after every forward: the hidden states an
-        # MTP drafter needs (runner/mtp.py)
+        # called with (chains, chunks, states (T, width)) after every forward: the states a drafter
+        # needs, the model's auxiliary hidden states while it returns them (an EAGLE-3 head,
+        # spec/eagle3.py), else its final hidden states (MTP, runner/mtp.py)
         self.hidden_listener: Callable[[list[KVChain], list[list[int]], torch.Tensor], None] | None = None
         self.graphs = self._make_graphs(cuda_graphs, max_model_len or getattr(model, "max_model_len", 4096),
                                         graph_windows)
@@ -203,7 +204,7 @@ class ModelRunner:
                     logits = self.graphs.run_window(widths, [t for c in chunks for t in c], positions, slots,
                                                     plan, mla_mode, rows)
                 if logits is not None and self.hidden_listener is not None:
-                    self.hidden_listener(chains, chunks, self.graphs.last_hidden(len(positions)))
+                    self.hidden_listener(chains, chunks, self.graphs.last_states(len(positions)))
             if logits is None:  # eager: no graph, a prefill chunk, or a step no graph holds
                 logits = self._eager_logits(chunks, positions, slots, plan, mla_mode, rows, device_ids, chains)
         except BaseException:
@@ -268,9 +269,9 @@ class ModelRunner:
         else:
             ids = to_device([t for chunk in chunks for t in chunk], torch.long, self.device)
         pos = to_device(positions, torch.long, self.device)
-        hidden = self.model(ids, pos, meta)
+        hidden, aux = split_hidden(self.model(ids, pos, meta))
         if self.hidden_listener is not None and chains is not None:
-            self.hidden_listener(chains, chunks, hidden)
+            self.hidden_listener(chains, chunks, hidden if aux is None else aux)
         if rows is None:
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
@@ -332,6 +333,12 @@ class _PlanAhead:
     arrays: dict
 
 
+def split_hidden(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A model forward's ``(hidden (T, hidden), aux (T, width) or None)``: with auxiliary hidden
+    layers set (``CausalLM.set_aux_hidden_layers``) the forward returns both, else hidden only."""
+    return out if isinstance(out, tuple) else (out, None)
+
+
 def _last_rows(chunks: list[list[int]], counts: list[int]) -> list[int]:
     """Flat indices of the last ``counts[i]`` rows of each chunk, in order."""
     out, total = [], 0
@@ -341,4 +348,4 @@ def _last_rows(chunks: list[list[int]], counts: list[int]) -> list[int]:
     return out
 
 
-__all__ = ["ModelRunner", "StepInput", "OutOfPagesError", "PENDING_TOKEN"]
+__all__ = ["ModelRunner", "StepInput", "OutOfPagesError", "PENDING_TOKEN", "split_hidden"]

@@ -6,7 +6,9 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("mtp", "ngram", "draft_model")
+METHODS = ("mtp", "ngram", "draft_model", "eagle3")
+# methods that read ``model``: a draft model's directory, an EAGLE-3 head's
+MODEL_METHODS = ("draft_model", "eagle3")
 OFF = "none"
 MAX_SPECULATIVE_TOKENS = 16
 # vLLM's defaults when neither n-gram size is given (one given: the other takes its value)
@@ -24,7 +26,9 @@ class SpeculativeConfig:
 
     ``method``: ``"mtp"`` (the model's own multi-token-prediction layers), ``"ngram"`` (prompt
     lookup over the sequence's own tokens) or ``"draft_model"`` (a smaller model with the same
-    tokenizer, from the directory ``model``). ``num_speculative_tokens`` (k, 1..16): tokens drafted
+    tokenizer, from the directory ``model``) or ``"eagle3"`` (an EAGLE-3 draft head over the
+    target's hidden states, from the directory ``model``, or ``"default"``: the built-in head of
+    a built-in target). ``num_speculative_tokens`` (k, 1..16): tokens drafted
     per step; required except for ``mtp`` (default 1). ``prompt_lookup_min`` /
     ``prompt_lookup_max``: the n-gram sizes tried, ``ngram`` only (vLLM's defaults: both 5 when
     neither is given, else the missing one takes the other's value). ``disable_by_batch_size``:
@@ -87,13 +91,15 @@ class SpeculativeConfig:
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"speculative config: model must be a string (a directory), "
                              f"got {type(self.model).__name__}")
-        if self.method == "draft_model":
-            if not self.model:
-                raise ValueError("speculative config: method 'draft_model' needs model, the draft "
-                                 "model's directory")
-        elif self.model is not None:
-            raise ValueError(f"speculative config: model applies to method 'draft_model' only, "
-                             f"not {self.method!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative config: method 'draft_model' needs model, the draft "
+                             "model's directory")
+        if self.method == "eagle3" and not self.model:
+            raise ValueError("speculative config: method 'eagle3' needs model, the EAGLE-3 head's "
+                             "directory (or 'default': the built-in head of a built-in target)")
+        if self.method not in MODEL_METHODS and self.model is not None:
+            raise ValueError(f"speculative config: model applies to methods {' and '.join(MODEL_METHODS)} "
+                             f"only, not {self.method!r}")
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:

@@ -99,8 +99,12 @@ def test_describe_names_only_what_applies():
     ({"method": "draft_model", "num_speculative_tokens": 2}, "method 'draft_model' needs model"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": ""}, "method 'draft_model' needs model"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": 7}, "model must be a string"),
-    ({"method": "mtp", "model": "/m"}, "model applies to method 'draft_model' only, not 'mtp'"),
-    ({**NGRAM, "model": "/m"}, "model applies to method 'draft_model' only"),
+    ({"method": "mtp", "model": "/m"}, "model applies to methods draft_model and eagle3 only, not 'mtp'"),
+    ({**NGRAM, "model": "/m"}, "model applies to methods draft_model and eagle3 only"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "method 'eagle3' needs model"),
+    ({"method": "eagle3", "model": "default"}, "num_speculative_tokens is required for method 'eagle3'"),
+    ({"method": "eagle3", "model": "default", "num_speculative_tokens": 2, "prompt_lookup_min": 2},
+     "prompt_lookup_min applies to method 'ngram' only"),
     ({"method": "mtp", "disable_by_batch_size": 0}, "disable_by_batch_size must be >= 1, got 0"),
     ({"method": "mtp", "disable_by_batch_size": 2.5}, "disable_by_batch_size must be an integer"),
 ])
@@ -112,6 +116,12 @@ def test_bad_input_is_a_clear_error(value, message):
         with pytest.raises(ValueError) as info:
             SpeculativeConfig.parse(value)
         assert message in str(info.value)
+
+
+def test_eagle3_takes_a_head_and_k():
+    config = SpeculativeConfig.parse({"method": "eagle3", "model": "default", "num_speculative_tokens": 3})
+    assert (config.method, config.model, config.num_speculative_tokens) == ("eagle3", "default", 3)
+    assert SpeculativeConfig.parse(config.describe()) == config
 
 
 def test_direct_construction_is_validated():

@@ -1,0 +1,446 @@
+"""Eagle3Proposer: greedy chain drafts of an EAGLE-3 head over the target's auxiliary hidden states.
+
+The head (``segkv/models/eagle3.py``) reads, for target row ``t``, the target's three auxiliary
+hidden states (``CausalLM.set_aux_hidden_layers``) fused into one and the embedding of token
+``t + 1``. The target's forwards report those states for every row they compute (the runner's
+``hidden_listener``; no extra pass), and the proposer keeps them, per target chain, until the
+row's next token is known. A call of :meth:`Eagle3Proposer.propose`
+
+1. compares the tokens a head state holds with the sequence's ``all_token_ids()`` and trims the
+   head's rows back to their common prefix (rejected drafts, a trimmed or recomputed sequence);
+2. catches up: the head rows of the target rows it lacks, batched over the sequences (chunks of
+   at most :data:`CATCH_UP_CHUNK` rows each). Row ``t``'s input is ``fuse(aux_t)`` and the
+   embedding of token ``t + 1``, at position ``t``; the output at the last target row (whose next
+   token is the pending one) gives the first draft;
+3. drafts greedily: step ``j`` appends one head row at position ``last + j`` whose inputs are the
+   head's previous output and the previous draft's embedding, as training-time test trained it.
+
+Drafts are the argmax of the head's logits mapped to target ids (``compute_target_logits``'s
+argmax: ids off the draft vocabulary are ``-inf`` there), kept on the device until the last is
+drawn: one device-to-host copy per call. They are deterministic, so verification with one-hot
+draft probabilities is exact at every temperature.
+
+The draft rows (steps ``j >= 1``) are trimmed after each call: their input is the head's own
+output, not the target's states, so they are not the rows a catch-up writes for an accepted
+token, and keeping them (as the draft model does) would give later drafts a worse history.
+
+Head states are keyed weakly by the sequence's target chain, like ``DraftModelProposer``'s: a
+state is released with its target chain, a new chain forks the live head state with the longest
+common prefix (``n > 1`` siblings), and the least recently used states of other sequences are
+released when the head's cache is out of pages. A sequence whose last target row has no recorded
+auxiliary state (a fork, rows written before drafting began, a history taken from the prefix
+cache) proposes nothing that step; older rows without one are skipped (the head's history has a
+hole there, which costs acceptance, never correctness). Tree drafts are not implemented.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from segkv.attention.device import DeviceSpec
+from segkv.attention.metadata import AttentionMetadata
+from segkv.attention.plan import AttentionShape, SequenceQuery
+from segkv.attention.planner import plan_attention
+from segkv.attention.reference import TorchReferenceBackend
+from segkv.cache.chain import KVChain
+from segkv.cache.kv_cache import PagedKVCache
+from segkv.cache.page_pool import OutOfPagesError
+from segkv.config import CacheConfig, default_page_size
+from segkv.layers.transfer import to_device
+from segkv.models.default_models import GQA_NAME, MLA_NAME, PACKAGE_ROOT, packaged_dir
+from segkv.models.eagle3 import Eagle3Head
+from segkv.models.eagle3_loading import load_eagle3_head
+from segkv.runner.model_runner import PENDING_TOKEN, ModelRunner
+from segkv.spec.draft_model import FORK_CANDIDATES, MIN_FORK_TOKENS, DraftSequence, _common_prefix
+
+DEFAULT_HEAD_CACHE_BYTES = 64 << 20
+# the most head rows one sequence catches up per forward (a long prompt: attention scores of
+# this many query rows at once)
+CATCH_UP_CHUNK = 512
+BUILT_IN_HEADS = {GQA_NAME: "eagle3-default", MLA_NAME: "eagle3-default-mla"}
+DEFAULT_HEAD = "default"
+
+
+def resolve_head_dir(model: str | Path, target_dir: str | Path | None) -> Path:
+    """The head directory of ``model``: a path, or ``"default"``: the built-in head of the built-in
+    target in ``target_dir``. ValueError when the target has no built-in head, or a directory
+    lacks ``config.json``."""
+    if str(model) == DEFAULT_HEAD:
+        target = None if target_dir is None else Path(target_dir).resolve()
+        name = next((n for n in BUILT_IN_HEADS if target == packaged_dir(n).resolve()), None)
+        if name is None:
+            raise ValueError(f"speculative method 'eagle3': model 'default' picks the built-in head of a built-in "
+                             f"target ({', '.join(BUILT_IN_HEADS)}); {target_dir} has none: give the head's "
+                             f"directory")
+        return PACKAGE_ROOT / BUILT_IN_HEADS[name]
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"speculative method 'eagle3': the head directory '{model}' "
+                         f"{'has no config.json' if path.is_dir() else 'does not exist'}")
+    return path
+
+
+@dataclass(slots=True)
+class _AuxRecord:
+    """The target's auxiliary states ``(n, width)`` of a chain's rows ``start ..`` not consumed yet."""
+
+    start: int
+    parts: list[torch.Tensor] = field(default_factory=list)
+    rows: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows
+
+    def truncate(self, end: int) -> None:
+        """Keep the rows before ``end`` (rows trimmed from the target chain since)."""
+        keep, parts, total = end - self.start, [], 0
+        for part in self.parts:
+            if total >= keep:
+                break
+            parts.append(part[: keep - total])
+            total += len(parts[-1])
+        self.parts, self.rows = parts, total
+
+    def rows_from(self, start: int) -> torch.Tensor:
+        """The states of rows ``start .. end`` (``start >= self.start``), ``(end - start, width)``."""
+        whole = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
+        return whole[start - self.start:]
+
+    def drop_before(self, row: int) -> None:
+        """Forget the rows before ``row`` (the head has theirs now)."""
+        if row >= self.end:
+            self.start, self.parts, self.rows = row, [], 0
+        elif row > self.start:
+            rest = self.rows_from(row)
+            self.start, self.parts, self.rows = row, [rest], len(rest)
+
+
+@dataclass(slots=True, eq=False)
+class _HeadState:
+    """One sequence's head rows: their chain, the target row of each, and the tokens they read.
+
+    ``covered``: target rows ``0 .. covered - 1`` are done (a head row each, or skipped: no
+    recorded state); ``token_ids``: the sequence's first ``covered + 1`` tokens (empty while
+    ``covered == 0``), which those rows were computed from."""
+
+    chain: KVChain
+    key: weakref.ref
+    positions: list[int] = field(default_factory=list)
+    covered: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    last_used: int = 0
+
+    def trim_to(self, covered: int) -> None:
+        if covered < self.covered:
+            keep = bisect.bisect_left(self.positions, covered)
+            self.chain.trim(len(self.positions) - keep)
+            del self.positions[keep:]
+            self.covered = covered
+            del self.token_ids[covered + 1 if covered else 0:]
+
+
+@dataclass(slots=True)
+class _Work:
+    """A sequence being drafted for: its index in the call, state, first target row to catch up
+    (``start``), the states of rows ``start .. last`` and their next tokens, and its room."""
+
+    index: int
+    state: _HeadState
+    record: _AuxRecord
+    tokens: list[int]
+    start: int
+    aux: torch.Tensor
+    next_ids: list[int]
+    room: int
+
+    def mark_done(self, covered: int) -> None:
+        """Target rows before ``covered`` are done: the state reads tokens through ``covered``."""
+        state = self.state
+        state.covered = covered
+        state.token_ids.extend(self.tokens[len(state.token_ids): covered + 1])
+
+
+class Eagle3Proposer:
+    """Greedy chain drafts of an EAGLE-3 head (see the module docstring); the :class:`Proposer`
+    protocol. ``runner``: the target's; the proposer sets the target's auxiliary hidden layers and
+    becomes the runner's ``hidden_listener``. ``head_dir``: the head's directory (checked against
+    the target: ValueErrors name the field). The head's cache holds ``num_pages`` pages (default:
+    as many as ``kv_cache_bytes``) of the target cache's page size. The head runs eagerly."""
+
+    def __init__(self, head_dir: str | Path, runner: ModelRunner, *, kv_cache_bytes: int = DEFAULT_HEAD_CACHE_BYTES,
+                 num_pages: int | None = None, page_size: int | None = None) -> None:
+        target = runner.model
+        if not hasattr(target, "set_aux_hidden_layers"):
+            raise ValueError(f"speculative method 'eagle3' needs a target that returns auxiliary hidden states; "
+                             f"{type(target).__name__} does not")
+        dtype = next(p.dtype for p in target.parameters() if p.is_floating_point())
+        self.device = runner.device
+        self.head: Eagle3Head = load_eagle3_head(head_dir, target, dtype=dtype, device=self.device)
+        page_size = page_size or runner.cache.page_size or default_page_size(self.device.type)
+        layout = self.head.kv_layout(dtype)
+        if num_pages is None:
+            num_pages = max(1, kv_cache_bytes // (page_size * layout.row_bytes))
+        self.cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=num_pages),
+                                  device=str(self.device))
+        self.backend = self._make_backend(runner)
+        self.device_spec = DeviceSpec.detect(self.device)
+        c = self.head.cfg
+        self.shape = AttentionShape(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim)
+        target.set_aux_hidden_layers(self.head.aux_layer_ids)
+        self._aux: weakref.WeakKeyDictionary[Any, _AuxRecord] = weakref.WeakKeyDictionary()
+        runner.hidden_listener = self._record
+        self._states: dict[int, _HeadState] = {}  # id(target chain) -> its head state
+        self._dead: list[tuple[int, weakref.ref]] = []  # states whose key died while a call ran
+        self._lock = threading.Lock()
+        self._clock = 0
+        self.evictions = 0  # head states released to make room
+
+    def _make_backend(self, runner: ModelRunner):
+        """The Triton backend where the target runs it on CUDA; the torch reference elsewhere (the
+        head runs eagerly, so graph emulation on the CPU does not need Triton's interpreter)."""
+        if runner.backend.name == "triton" and self.device.type == "cuda":
+            from segkv.attention.triton_backend import TritonBackend
+
+            return TritonBackend(page_size=self.cache.page_size, device=self.device)
+        return TorchReferenceBackend(page_size=self.cache.page_size, device=self.device)
+
+    @property
+    def num_sequences(self) -> int:
+        """Head states held (one per live sequence that was drafted for)."""
+        return len(self._states)
+
+    def release_all(self) -> None:
+        """Release every head state (the head cache's pages all go back)."""
+        with self._lock:
+            for state in self._states.values():
+                state.chain.release()
+            self._states.clear()
+            self._dead.clear()
+
+    # -- the target's states ------------------------------------------------------------
+    def _record(self, chains: list[KVChain], chunks: list[list[int]], aux: torch.Tensor) -> None:
+        """Keep each chunk's auxiliary states (``aux (T, width)``, chunks in order)."""
+        start = 0
+        for chain, chunk in zip(chains, chunks):
+            n = len(chunk)
+            first = chain.num_rows - n  # the chunk's rows are in the chain already
+            rows = aux[start : start + n]
+            start += n
+            record = self._aux.get(chain)
+            if record is not None and record.end > first >= record.start:
+                record.truncate(first)  # rows trimmed since (rejected drafts)
+            if record is None or record.end != first:
+                record = self._aux[chain] = _AuxRecord(first)  # a new chain, or rows not seen
+            record.parts.append(rows)
+            record.rows += n
+
+    # -- the Proposer protocol ----------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, seqs: list[DraftSequence], rooms: list[int]) -> list[list[int]]:
+        """Up to ``rooms[i]`` greedy draft tokens for each of ``seqs`` (see the module docstring)."""
+        with self._lock:
+            self._release_dead()
+            self._clock += 1
+            drafts: list[list[int]] = [[] for _ in seqs]
+            work = []
+            for i, (seq, room) in enumerate(zip(seqs, rooms)):
+                item = self._work_of(i, seq, room) if room > 0 else None
+                if item is not None:
+                    work.append(item)
+            work = self._make_room(work)
+            if work:
+                try:
+                    hidden = self._catch_up(work)
+                except OutOfPagesError:  # the chunk that failed left its chains as they were
+                    return drafts
+                self._draft(work, hidden, drafts)
+            return drafts
+
+    def _work_of(self, index: int, seq: DraftSequence, room: int) -> _Work | None:
+        """What ``seq`` needs caught up (None: its last row's state is unknown, so no drafts)."""
+        tokens = seq.all_token_ids()
+        rows = seq.chain.num_rows  # the target's rows: every token but the pending one
+        record = self._aux.get(seq.chain)
+        if record is not None and record.end > rows:
+            record.truncate(rows)
+        if record is None or record.end != rows or rows == 0 or len(tokens) != rows + 1:
+            return None
+        state = self._state_of(seq, tokens)
+        state.trim_to(min(state.covered, max(_common_prefix(state.token_ids, tokens) - 1, 0), rows))
+        start = max(state.covered, record.start)  # rows before the record's have no state: skipped
+        if start >= rows:  # the head is up to date, yet the last row must be its input: recompute it
+            state.trim_to(rows - 1)
+            start = rows - 1
+            if start < record.start:
+                return None
+        item = _Work(index, state, record, tokens, start, record.rows_from(start), tokens[start + 1: rows + 1], room)
+        item.mark_done(start)
+        return item
+
+    def _catch_up(self, work: list[_Work]) -> torch.Tensor:
+        """Write the head rows of every ``work`` item's missing target rows; returns the head's
+        output at each one's last row, ``(len(work), hidden)``."""
+        done = [0] * len(work)
+        last: list[torch.Tensor | None] = [None] * len(work)
+        while any(d < len(w.next_ids) for d, w in zip(done, work)):
+            active = [n for n, w in enumerate(work) if done[n] < len(w.next_ids)]
+            spans = [(done[n], min(done[n] + CATCH_UP_CHUNK, len(work[n].next_ids))) for n in active]
+            fused = self.head.fuse(torch.cat([work[n].aux[a:b] for n, (a, b) in zip(active, spans)]))
+            ids = [t for n, (a, b) in zip(active, spans) for t in work[n].next_ids[a:b]]
+            positions = [work[n].start + r for n, (a, b) in zip(active, spans) for r in range(a, b)]
+            out = self._head_step([work[n].state.chain for n in active], fused, ids, positions,
+                                  [b - a for a, b in spans])
+            end = 0
+            for n, (a, b) in zip(active, spans):
+                end += b - a
+                work[n].state.positions += range(work[n].start + a, work[n].start + b)
+                work[n].mark_done(work[n].start + b)
+                done[n] = b
+                if b == len(work[n].next_ids):
+                    last[n] = out[end - 1]
+        for w in work:  # the head holds these rows now; the last one's state stays, to recompute
+            w.record.drop_before(w.state.covered - 1)  # its output if a step comes without new rows
+        return torch.stack(last)
+
+    def _draft(self, work: list[_Work], hidden: torch.Tensor, drafts: list[list[int]]) -> None:
+        """Draft greedily from ``hidden`` (each item's output at its last row) into ``drafts``; draft
+        rows are appended for steps ``1..`` and trimmed at the end (a failure keeps the drafts so far)."""
+        picks = self._pick(hidden)
+        columns = [(list(range(len(work))), picks)]  # each step's items (positions in work) and picks
+        appended = [0] * len(work)
+        step = 1
+        try:
+            while True:
+                prev, prev_picks = columns[-1]
+                nxt = [n for n in prev if work[n].room > step]
+                if not nxt:
+                    break
+                if len(nxt) != len(prev):
+                    index = to_device([prev.index(n) for n in nxt], torch.long, hidden.device)
+                    hidden, prev_picks = hidden[index], prev_picks[index]
+                positions = [work[n].state.covered - 1 + step for n in nxt]
+                hidden = self._head_step([work[n].state.chain for n in nxt], hidden, None, positions,
+                                         [1] * len(nxt), device_ids=prev_picks)
+                for n in nxt:
+                    appended[n] += 1
+                columns.append((nxt, self._pick(hidden)))
+                step += 1
+        except OutOfPagesError:  # no room for a draft row: the drafts so far stand
+            pass
+        finally:
+            for w, n in zip(work, appended):
+                if n:
+                    w.state.chain.trim(n)
+            values = torch.cat([c for _, c in columns]).tolist()
+            at = 0
+            for items, _ in columns:
+                for n in items:
+                    drafts[work[n].index].append(values[at])
+                    at += 1
+
+    def _pick(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy target ids ``(N,)`` int64 of head outputs ``hidden (N, hidden)``: the argmax of the
+        draft logits mapped to the target vocabulary (the argmax of ``compute_target_logits``)."""
+        return self.head.draft_to_target(self.head.compute_logits(hidden).argmax(dim=-1))
+
+    def _head_step(self, chains: list[KVChain], hidden: torch.Tensor, ids: list[int] | None,
+                   positions: list[int], widths: list[int], *, device_ids: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """One head forward: ``widths[i]`` rows appended to ``chains[i]`` at ``positions`` (flat),
+        reading ``hidden (T, hidden)`` and the next tokens ``ids`` (or ``device_ids (T,)`` int64 on
+        the device); returns ``(T, hidden)``. On failure every chain is left as it was."""
+        slots, queries, appended = [], [], []
+        try:
+            at = 0
+            for chain, width in zip(chains, widths):
+                tokens = [PENDING_TOKEN] * width if ids is None else ids[at: at + width]
+                slots += chain.append(width, token_ids=tokens)
+                appended.append((chain, width))
+                queries.append(SequenceQuery.from_chain(chain, width))
+                at += width
+            plan = plan_attention(queries, self.shape, self.device_spec, page_size=self.cache.page_size)
+            meta = AttentionMetadata(backend=self.backend, prepared=self.backend.prepare(plan),
+                                     storage=self.cache.storage, slots=to_device(slots, torch.long, self.device))
+            next_ids = device_ids if device_ids is not None else to_device(ids, torch.long, self.device)
+            return self.head(hidden, next_ids, to_device(positions, torch.long, self.device), meta)
+        except BaseException:
+            for chain, width in appended:
+                chain.trim(width)
+            raise
+
+    # -- head states ----------------------------------------------------------------------
+    def _state_of(self, seq: DraftSequence, ids: list[int]) -> _HeadState:
+        """``seq``'s head state: its own, else a new one forking the live state that shares the
+        longest prefix with ``ids`` (no copy), else an empty one."""
+        key = seq.chain
+        state = self._states.get(id(key))
+        if state is not None and state.key() is key:
+            state.last_used = self._clock
+            return state
+        best, best_len = None, MIN_FORK_TOKENS - 1
+        for other in itertools.islice(reversed(self._states.values()), FORK_CANDIDATES):
+            if other.token_ids[:1] == ids[:1]:
+                n = _common_prefix(other.token_ids, ids)
+                if n > best_len:
+                    best, best_len = other, n
+        this = weakref.ref(self)
+        ref = weakref.ref(key, lambda r, k=id(key): (p := this()) is not None and p._key_died(k, r))
+        if best is None:
+            state = _HeadState(self.cache.new_chain(), ref, last_used=self._clock)
+        else:
+            state = _HeadState(best.chain.fork(), ref, list(best.positions), best.covered, list(best.token_ids),
+                               self._clock)
+        old = self._states.get(id(key))
+        if old is not None:  # a dead key's state whose release was queued: the id is reused
+            old.chain.release()
+        self._states[id(key)] = state
+        return state
+
+    def _make_room(self, work: list[_Work]) -> list[_Work]:
+        """The items of ``work`` the head cache has pages for: least recently used head states of
+        other sequences are released first; those that still do not fit are left out."""
+        pool = self.cache.pool
+        need = {id(w): pool.pages_for_rows(len(w.next_ids) + w.room - 1) + 1 for w in work}
+        total = sum(need.values())
+        if total > pool.num_free_pages:
+            busy = {id(w.state) for w in work}
+            idle = sorted((kv for kv in self._states.items() if id(kv[1]) not in busy),
+                          key=lambda kv: kv[1].last_used)
+            for key_id, state in idle:
+                if total <= pool.num_free_pages:
+                    break
+                state.chain.release()
+                del self._states[key_id]
+                self.evictions += 1
+        while work and total > pool.num_free_pages:
+            total -= need[id(work.pop())]
+        return work
+
+    def _key_died(self, key_id: int, ref: weakref.ref) -> None:
+        """A target chain went away: release its head state now, or at the next call if one runs."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._forget(key_id, ref)
+            finally:
+                self._lock.release()
+        else:
+            self._dead.append((key_id, ref))
+
+    def _release_dead(self) -> None:
+        while self._dead:
+            self._forget(*self._dead.pop())
+
+    def _forget(self, key_id: int, ref: weakref.ref) -> None:
+        state = self._states.get(key_id)
+        if state is not None and state.key is ref:
+            state.chain.release()
+            del self._states[key_id]
