@@ -154,6 +154,8 @@ def spec_config(method: str, k: int, *, draft_model: str, prompt_lookup: list[in
     config = {"method": method, "num_speculative_tokens": k}
     if method == "draft_model":
         config["model"] = draft_model
+    if method == "eagle3":  # the target's built-in head
+        config["model"] = "default"
     if method == "ngram" and prompt_lookup:
         config["prompt_lookup_min"], config["prompt_lookup_max"] = prompt_lookup
     return config
