@@ -120,7 +120,7 @@ class _AuxRecord:
         if row >= self.end:
             self.start, self.parts, self.rows = row, [], 0
         elif row > self.start:
-            rest = self.rows_from(row)
+            rest = self.rows_from(row).clone()  # a view would keep the whole forward's states alive
             self.start, self.parts, self.rows = row, [rest], len(rest)
 
 
