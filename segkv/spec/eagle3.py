@@ -184,7 +184,10 @@ class Eagle3Proposer:
                              f"{type(target).__name__} does not")
         dtype = next(p.dtype for p in target.parameters() if p.is_floating_point())
         self.device = runner.device
-        self.head: Eagle3Head = load_eagle3_head(head_dir, target, dtype=dtype, device=self.device)
+        try:
+            self.head: Eagle3Head = load_eagle3_head(head_dir, target, dtype=dtype, device=self.device)
+        except FileNotFoundError as exc:  # a head directory without its weights: bad input too
+            raise ValueError(f"speculative method 'eagle3': {exc}") from None
         page_size = page_size or runner.cache.page_size or default_page_size(self.device.type)
         layout = self.head.kv_layout(dtype)
         if num_pages is None:

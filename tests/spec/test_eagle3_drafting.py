@@ -108,5 +108,10 @@ def test_bad_heads_are_clear_errors(tmp_path):
         LLM("default", device="cpu", speculative_config={**EAGLE3, "model": "/no/such/head"})
     with pytest.raises(ValueError, match="target_hidden_size 128 != the target's hidden_size 256"):
         LLM("default", device="cpu", speculative_config={**EAGLE3, "model": _head_copy(tmp_path, target_hidden_size=128)})
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    shutil.copy(PACKAGE_ROOT / "eagle3-default" / "config.json", weightless)
+    with pytest.raises(ValueError, match="no \\*.safetensors weights"):
+        LLM("default", device="cpu", speculative_config={**EAGLE3, "model": str(weightless)})
     with pytest.raises(ValueError, match="method 'eagle3' needs model"):
         LLM("default", device="cpu", speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
