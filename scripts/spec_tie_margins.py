@@ -17,9 +17,12 @@ from benchmarks.spec_decode import heldout_prompts
 from segkv.engine.llm import LLM
 from segkv.sampling_params import SamplingParams
 
-CASES = [("default", {"method": "ngram", "num_speculative_tokens": 3}),
+CASES = [("default", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+         ("default-mla", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                          "prompt_lookup_max": 3}),
          ("default-mla", {"method": "mtp", "num_speculative_tokens": 3}),
-         ("default-mla", {"method": "draft_model", "model": "default", "num_speculative_tokens": 3})]
+         ("default-mla", {"method": "draft_model", "model": "default", "num_speculative_tokens": 3}),
+         ("default-mla", {"method": "eagle3", "model": "default", "num_speculative_tokens": 3})]
 
 
 def gap(logprob) -> float:
