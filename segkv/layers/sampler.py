@@ -163,9 +163,27 @@ def apply_token_bitmask(logits: torch.Tensor, token_bitmask: torch.Tensor | None
         out = logits.clone()
         xgrammar.apply_token_bitmask_inplace(out, words, vocab_size=vocab)
         return out
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((words[:, :, None] >> bits) & 1).bool().reshape(batch, -1)[:, :vocab]
-    return logits.masked_fill(~allowed, float("-inf"))
+    return mask_by_bits(logits, words)
+
+
+def mask_by_bits(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """``apply_token_bitmask`` with torch operations (any device): ``words (B, ceil(V / 32))``
+    int32 on ``logits``' device. Three launches, since the steps it runs in are bound by host work."""
+    batch, vocab = logits.shape
+    allowed = (words[:, :, None] & _bit_values(logits.device)).ne(0).reshape(batch, -1)[:, :vocab]
+    return torch.where(allowed, logits, float("-inf"))
+
+
+_BIT_VALUES: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_values(device: torch.device) -> torch.Tensor:
+    """``(32,)`` int32 ``1 << j`` on ``device`` (bit 31 is the sign bit), made once per device."""
+    values = _BIT_VALUES.get(device)
+    if values is None:
+        values = _BIT_VALUES[device] = torch.tensor([1 << j for j in range(31)] + [-(1 << 31)], dtype=torch.int32,
+                                                    device=device)
+    return values
 
 
 def apply_filters(

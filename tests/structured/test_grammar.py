@@ -7,7 +7,7 @@ import pytest
 import torch
 import xgrammar
 
-from segkv.layers.sampler import apply_logit_bias, apply_token_bitmask
+from segkv.layers.sampler import apply_logit_bias, apply_token_bitmask, mask_by_bits
 from segkv.models.default_models import resolve_model_dir
 from segkv.sampling_params import SamplingParams, StructuredOutput
 from segkv.structured.grammar import GrammarCache, tokenizer_info
@@ -110,6 +110,21 @@ def test_drafts_stop_at_the_first_the_grammar_rejects_and_the_state_rolls_back(t
     assert state.accept(digits[3]) and state.accept(digits[4])
     assert not state.terminated
     assert state.accept(tokenizer.eos_token_ids[0]) and state.terminated
+
+
+def test_torch_unpacking_matches_xgrammar_on_every_bit():
+    """The torch path (every device but the CPU) allows exactly the tokens xgrammar's CPU kernel
+    does, bit 31 (the int32 sign bit) included, and its power: a mask shifted by one token differs."""
+    logits = torch.randn(3, VOCAB)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, (VOCAB + 31) // 32), dtype=torch.int32)
+    bitmask[0] = -1  # everything allowed
+    bitmask[1, 0] = -(2**31)  # only token 31 of the first word
+    reference = apply_token_bitmask(logits, bitmask)  # the CPU: xgrammar's kernel
+    out = mask_by_bits(logits, bitmask)
+    assert torch.equal(out, reference) and torch.equal(out[0], logits[0])
+    assert torch.isfinite(out[1, :32]).nonzero().flatten().tolist() == [31]
+    shifted = mask_by_bits(logits, bitmask << 1)
+    assert not torch.equal(shifted, reference)
 
 
 @pytest.mark.gpu
