@@ -20,7 +20,10 @@ constrained TPOT / free TPOT - 1, each ratio from one back-to-back pair (so a ma
 changes between trials, as a shared CPU's does, moves both sides of a ratio alike).
 
 Run on the CPU: ``python -m benchmarks.structured_output --device cpu``; on a GPU
-``python -m benchmarks.structured_output --json build/structured/gpu.json``.
+``python -m benchmarks.structured_output --json build/structured/gpu.json``. ``--shape llama-3.1-8b``
+(a ``benchmarks.decode_e2e`` shape) first writes a model directory of that shape with random
+weights and ``--model``'s tokenizer and vocabulary (under ``--work-dir``), and measures on it: a
+step bound by reading its weights, where the built-in 7M model's step is bound by host work.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -36,7 +40,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.decode_e2e import build_segkv, model_config
 from benchmarks.runs import int_list
+from segkv.config import parse_dtype
+from segkv.models.default_models import resolve_model_dir
 from segkv.engine.llm import LLM
 from segkv.sampling_params import SamplingParams, StructuredOutput
 
@@ -111,7 +118,9 @@ def bench_batch(llm: LLM, batch: int, args) -> dict:
 
 
 def table(report: dict) -> str:
-    lines = [f"device: {report['device']}; model {report['args']['model']}; {report['args']['max_tokens']} tokens "
+    a = report["args"]
+    shape = f" ({a['shape']} shape, random weights)" if a.get("shape") else ""
+    lines = [f"device: {report['device']}; model {a['model']}{shape}; {a['max_tokens']} tokens "
              f"per request; {report['args']['trials']} trials",
              "| batch | free TPOT ms, median [min-max] | json_schema TPOT ms, median [min-max] | overhead, median "
              "[min to max] of the pairs |",
@@ -124,6 +133,31 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def random_model_dir(shape: str, tokenizer_model: str, out: Path, *, device: torch.device, dtype: str,
+                     preset: str = "real") -> Path:
+    """A model directory of benchmark ``shape`` with random weights, and the tokenizer, vocabulary
+    size and special ids of ``tokenizer_model`` (a directory or a built-in name); written once."""
+    if (out / "model.safetensors").is_file():
+        return out
+    from safetensors.torch import save_file
+
+    source = resolve_model_dir(tokenizer_model)
+    own = json.loads((source / "config.json").read_text())
+    cfg = {**model_config(shape, preset), "torch_dtype": dtype,
+           **{k: own[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id") if k in own}}
+    model, _ = build_segkv(cfg, device=device, dtype=parse_dtype(dtype))
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (source / name).is_file():
+            shutil.copy(source / name, out / name)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    state = {k: v.to("cpu").contiguous() for k, v in model.state_dict().items()}
+    del model
+    save_file(state, out / "model.safetensors.tmp")
+    os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -133,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batches", type=int_list, default=[1, 32])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--shape", default=None, help="e.g. llama-3.1-8b: random weights of that shape, --model's tokenizer")
+    parser.add_argument("--preset", choices=("real", "tiny"), default="real", help="--shape's sizes (tiny: tests)")
+    parser.add_argument("--work-dir", default="/tmp/segkv-structured", help="where --shape's model directory is written")
     parser.add_argument("--json", default=None, help="write the report to this file")
     return parser
 
@@ -146,7 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
             else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
     print(f"device {name}; {dtype}; torch {torch.__version__}", flush=True)
-    llm = LLM(args.model, dtype=dtype, device=str(device), cuda_graphs="auto")  # as a server decodes
+    model = args.model
+    if args.shape:
+        model = str(random_model_dir(args.shape, args.model, Path(args.work_dir) / f"{args.shape}-{args.preset}",
+                                     device=device, dtype=dtype, preset=args.preset))
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    llm = LLM(model, dtype=dtype, device=str(device), cuda_graphs="auto")  # as a server decodes
     report = {"device": name, "torch": torch.__version__, "python": sys.version.split()[0], "dtype": dtype,
               "args": vars(args), "cases": []}
     for batch in args.batches:

@@ -25,3 +25,21 @@ def test_report(tmp_path, capsys):
         assert math.isfinite(case["overhead"])
     assert report["cases"][0]["compile_s"] > 0 and report["cases"][1]["compile_s"] == 0  # compiled once
     assert "| 3 |" in capsys.readouterr().out
+
+
+def test_a_random_model_of_a_benchmark_shape(tmp_path, capsys):
+    """``--shape``: a model directory of that shape with random weights and the default model's
+    tokenizer and vocabulary, written once, then measured."""
+    path = tmp_path / "report.json"
+    args = ["--device", "cpu", "--shape", "llama-3.1-8b", "--preset", "tiny", "--work-dir", str(tmp_path / "m"),
+            "--batches", "2", "--max-tokens", "3", "--trials", "1", "--json", str(path)]
+    assert so.main(args) == 0
+    made = tmp_path / "m" / "llama-3.1-8b-tiny"
+    config = json.loads((made / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 8192
+    assert (made / "tokenizer.json").is_file()
+    stamp = (made / "model.safetensors").stat().st_mtime_ns
+    report = json.loads(path.read_text())
+    assert report["cases"][0]["json_schema"]["lengths"] == [3]
+    assert "(llama-3.1-8b shape, random weights)" in capsys.readouterr().out
+    assert so.main(args) == 0 and (made / "model.safetensors").stat().st_mtime_ns == stamp  # written once
