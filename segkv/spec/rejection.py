@@ -29,6 +29,7 @@ else is in the batch. The whole batch costs one device-to-host copy, at the end.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -175,3 +176,146 @@ def _draws(
             uniform[starts[i] : starts[i] + num_drafts[i]].uniform_(generator=g)
             noise[i].exponential_(generator=g)
     return uniform, noise.clamp_min_(torch.finfo(torch.float32).tiny)  # e = 0 would give inf or NaN
+
+
+# -- trees of drafts ------------------------------------------------------------------------
+# A tree window: draft node ``i`` (0..N-1) has a parent ``parents[i]`` (an earlier node, or -1:
+# the pending token, the root) and a token ``draft_ids[i]``; the siblings of a node hold
+# distinct tokens (top-k branches). Row 0 of its ``N + 1`` target rows is the root's distribution,
+# row ``i + 1`` node ``i``'s (the target's next-token distribution after the path to it).
+#
+# The rule, at the current node (first the root), with children c_1..c_m and one uniform u: the
+# child c_j with sum_{l<j} p(c_l) <= u < sum_{l<=j} p(c_l) is kept and becomes the current node;
+# if u falls past every child, one token is drawn from the residual, p with the children's tokens
+# zeroed and renormalised, and the window ends; at a leaf (no children) the residual is p itself,
+# the bonus token. Why it is exact: child c_j comes out with probability p(c_j), and a token x
+# outside the children with probability (1 - sum_j p(c_j)) * p(x) / (1 - sum_j p(c_j)) = p(x): the
+# emitted token has the target's conditional distribution, whatever the tree (drafts chosen
+# deterministically from the context, as top-k branches are). This is sequential rejection of
+# the siblings with one-hot proposals (accept c_j with p(c_j) / (1 - sum_{l<j} p(c_l))), drawn
+# with a single uniform per node. Greedy rows keep the child that is the argmax, if any, then
+# emit the argmax.
+
+
+@dataclass(frozen=True, slots=True)
+class TreeVerdict:
+    """What one tree window emits: ``tokens`` (the kept drafts, then one more) and ``nodes``, the
+    kept draft nodes in path order (``len(tokens) - 1`` of them)."""
+
+    tokens: list[int]
+    nodes: list[int]
+
+
+def tree_children(parents: Sequence[int]) -> list[list[int]]:
+    """``N + 1`` lists: the draft nodes under the root (entry 0) and under node ``i`` (entry
+    ``i + 1``), in node order. ValueError unless every parent is -1 or an earlier node."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, parent in enumerate(parents):
+        if not -1 <= int(parent) < i:
+            raise ValueError(f"node {i}'s parent must be -1 (the root) or an earlier node, got {parent}")
+        children[int(parent) + 1].append(i)
+    return children
+
+
+def verify_trees(
+    target_probs: torch.Tensor,
+    parents: Sequence[Sequence[int]],
+    draft_ids: Sequence[Sequence[int]],
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> list[TreeVerdict]:
+    """Verify ``B`` tree windows at once (the rule above), with one device-to-host copy.
+
+    ``target_probs``: ``(sum(N_i + 1), V)`` float32, tree ``i``'s ``N_i + 1`` rows (root first)
+    after those of tree ``i - 1``. ``parents[i]``, ``draft_ids[i]``: tree ``i``'s ``N_i`` parents
+    and tokens; siblings' tokens must differ. ``generators``: ``B`` entries (None: the device's
+    default generator); each tree draws ``N_i + 1`` uniforms, then ``V`` Exp(1) values, from its
+    own, so a seeded request gives the same tokens whatever else is in the batch. Raises
+    ValueError on malformed trees or rows that are not probabilities.
+    """
+    batch = len(parents)
+    if len(draft_ids) != batch:
+        raise ValueError(f"draft_ids has {len(draft_ids)} trees, parents {batch}")
+    gens = [None] * batch if generators is None else list(generators)
+    if len(gens) != batch:
+        raise ValueError(f"generators has {len(gens)} entries for {batch} trees")
+    sizes = [len(p) + 1 for p in parents]
+    if target_probs.dim() != 2 or target_probs.shape[0] != sum(sizes):
+        raise ValueError(f"target_probs must be (sum(N_i + 1), V) = ({sum(sizes)}, V), got "
+                         f"{tuple(target_probs.shape)}")
+    if batch == 0:
+        return []
+    num_rows, vocab = target_probs.shape
+    device = target_probs.device
+    kids, tokens = [], []
+    for p, d in zip(parents, draft_ids):
+        if len(d) != len(p):
+            raise ValueError(f"a tree has {len(p)} parents but {len(d)} draft ids")
+        d = [int(t) for t in d]
+        if any(not 0 <= t < vocab for t in d):
+            raise ValueError(f"draft ids must be in [0, {vocab}), got {d}")
+        children = tree_children(p)
+        for node, under in enumerate(children):
+            if len({d[c] for c in under}) != len(under):
+                raise ValueError(f"the children of row {node} repeat a token: {[d[c] for c in under]}")
+        kids.append(children)
+        tokens.append(d)
+
+    # (rows, width) the children's tokens of each row, padded with a column of probability 0
+    width = max((len(c) for children in kids for c in children), default=0) + 1
+    table = [[tokens[i][c] for c in under] for i, children in enumerate(kids) for under in children]
+    index = to_device([row + [row[0] if row else 0] * (width - len(row)) for row in table], torch.int64, device)
+    present = to_device([[True] * len(row) + [False] * (width - len(row)) for row in table], torch.bool, device)
+    p = target_probs.float()
+    child_mass = p.gather(1, index) * present
+    cumulative = child_mass.cumsum(dim=1)
+    residual = _tree_residuals(p, index, present)
+    uniform, noise = _tree_draws(sizes, gens, vocab, device)
+    owner = to_device([i for i, n in enumerate(sizes) for _ in range(n)], torch.int64, device)
+    drawn = (residual / noise[owner]).argmax(dim=-1)
+    check = (~_are_probabilities(p, device)).double()[None]
+    result = torch.cat([check, uniform.double(), drawn.double(), cumulative.double().flatten()]).tolist()
+    if result[0]:
+        raise ValueError("target_probs rows must be probabilities: finite, >= 0, summing to 1")
+    u, picks, cums = result[1 : 1 + num_rows], result[1 + num_rows : 1 + 2 * num_rows], result[1 + 2 * num_rows :]
+    out, start = [], 0
+    for children, d, n in zip(kids, tokens, sizes):
+        path, emitted, row = [], [], 0
+        while True:
+            r = start + row
+            chosen = next((c for j, c in enumerate(children[row]) if u[r] < cums[r * width + j]), None)
+            if chosen is None:
+                emitted.append(int(picks[r]))
+                break
+            path.append(chosen)
+            emitted.append(d[chosen])
+            row = chosen + 1
+        out.append(TreeVerdict(emitted, path))
+        start += n
+    return out
+
+
+def _tree_residuals(p: torch.Tensor, index: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """``(rows, V)``: each row of ``p`` with its children's tokens (``index``, where ``present``)
+    zeroed (the unnormalised residual an exponential race draws from); a row whose children hold
+    all its mass (float32 rounding only: it is then never reached) keeps ``p``."""
+    # counted, not scattered: padding columns repeat a child's index, and scatter's duplicates race
+    is_child = torch.zeros(p.shape, dtype=torch.int32, device=p.device).scatter_add_(1, index, present.int()) > 0
+    residual = p.masked_fill(is_child, 0.0)
+    return torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
+
+
+def _tree_draws(sizes: list[int], gens: list[torch.Generator | None], vocab: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum(sizes),)`` U[0, 1) and ``(B, V)`` Exp(1) float32, tree ``i``'s from its generator."""
+    uniform = torch.empty(sum(sizes), device=device)
+    noise = torch.empty(len(sizes), vocab, device=device)
+    if any(g is None for g in gens):
+        uniform.uniform_()
+        noise.exponential_()
+    start = 0
+    for i, (g, n) in enumerate(zip(gens, sizes)):
+        if g is not None:
+            uniform[start : start + n].uniform_(generator=g)
+            noise[i].exponential_(generator=g)
+        start += n
+    return uniform, noise.clamp_min_(torch.finfo(torch.float32).tiny)
