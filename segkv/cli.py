@@ -27,7 +27,16 @@ CUDA_GRAPHS = {"off": False, "auto": "auto", "on": True}
 CUDA_GRAPHS_HELP = ("replay decode steps from CUDA graphs: off, auto (the default: on a CUDA device with the "
                     "Triton backend), on (error if not available)")
 PAGE_SIZE_HELP = "rows per KV cache page (default: 32 on CUDA, 16 elsewhere)"
-MODEL_HELP = "Hugging Face model directory, or a built-in model: 'default' (GQA) or 'default-mla' (MLA)"
+MODEL_HELP = ("Hugging Face model directory, a Hugging Face id (org/name) already in the local Hugging Face cache "
+              "(HF_HUB_CACHE / HF_HOME; never downloaded), or a built-in model: 'default' (GQA) or "
+              "'default-mla' (MLA)")
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+DTYPE_HELP = "weights and KV cache dtype; auto (the default): the checkpoint's torch_dtype on CUDA, float32 on the CPU"
+DEVICE_HELP = "torch device: auto (the default: CUDA when available, else cpu), cpu, cuda, cuda:N"
+GPU_MEMORY_HELP = ("fraction of the GPU's memory segkv may use, in (0, 1]: the KV cache gets what is left after the "
+                   "weights and a profiling forward of the largest step (default: %(default)s; CUDA only)")
+KV_CACHE_MEMORY_HELP = ("KV cache size in GiB, overriding --gpu-memory-utilization (default: sized by "
+                        "--gpu-memory-utilization on CUDA, 1 GiB on the CPU)")
 SPECULATIVE_CONFIG_HELP = ("speculative decoding, a JSON object of vLLM's keys: method (mtp, ngram, "
                            "draft_model, eagle3 or none), num_speculative_tokens, prompt_lookup_min, "
                            "prompt_lookup_max, model, disable_by_batch_size; e.g. "
@@ -51,6 +60,30 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _utilization(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _add_memory_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpu-memory-utilization", type=_utilization, default=0.9, help=GPU_MEMORY_HELP)
+    parser.add_argument("--kv-cache-memory", type=_positive_float, default=None, metavar="GIB",
+                        help=KV_CACHE_MEMORY_HELP)
+
+
+def _kv_cache_bytes(args) -> int | None:
+    return None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
+
+
 def _speculative_config(text: str):
     """``--speculative-config``: a SpeculativeConfig, or None (off); bad JSON or keys stop the
     command before the model loads (exit code 2)."""
@@ -64,10 +97,11 @@ def _speculative_config(text: str):
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help=MODEL_HELP)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--page-size", type=int, default=None, help=PAGE_SIZE_HELP)
     parser.add_argument("--max-model-len", type=int, default=None)
+    _add_memory_args(parser)
     parser.add_argument("--route", default=None, choices=["single", "split", "segments", "cascade"],
                         help="force an attention route (default: the planner decides)")
     parser.add_argument("--cuda-graphs", default="auto", choices=list(CUDA_GRAPHS), help=CUDA_GRAPHS_HELP)
@@ -100,14 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
+    serve.add_argument("--device", default="auto", help=DEVICE_HELP)
     serve.add_argument("--page-size", type=int, default=None, help=PAGE_SIZE_HELP)
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    serve.add_argument("--kv-cache-memory", type=float, default=1.0,
-                       help="KV cache budget in GiB (pages = budget / page bytes)")
+    _add_memory_args(serve)
     serve.add_argument("--route", default=None, choices=["single", "split", "segments", "cascade"])
     serve.add_argument("--cuda-graphs", default="auto", choices=list(CUDA_GRAPHS), help=CUDA_GRAPHS_HELP)
     serve.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
@@ -180,14 +213,16 @@ def _load_and_serve(args, gate, engines: list, server, snapshot_dir: Path | None
                     api_key: str | None) -> None:
     """Load the model, warm it up, and install the app behind ``gate`` (the load thread's work)."""
     from segkv.engine import LLM, AsyncEngine, SchedulerConfig
-    from segkv.models.default_models import is_default_name, resolve_model_dir
+    from segkv.models.default_models import is_default_name, is_hub_name, resolve_model_dir
     from segkv.server import app as app_module
 
     llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device,
               page_size=args.page_size, max_model_len=args.max_model_len, route=args.route,
-              kv_cache_bytes=int(args.kv_cache_memory * (1 << 30)),
+              kv_cache_bytes=_kv_cache_bytes(args), gpu_memory_utilization=args.gpu_memory_utilization,
+              max_num_batched_tokens=args.max_num_batched_tokens,
               cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], speculative_config=args.speculative_config,
               progress=True)
+    print(llm.describe_summary(), flush=True)
     # kernels compiled and graphs captured before ready, for the shapes this server's scheduler
     # runs (its batch and its largest forward): the first requests wait for neither
     info = llm.warm_up(max_batch=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -200,8 +235,9 @@ def _load_and_serve(args, gate, engines: list, server, snapshot_dir: Path | None
     engines.append(engine)
     if gate.draining:  # the drain began between the check above and the append
         engine.stop_admitting()
-    builtin = is_default_name(args.model)
-    name = args.served_model_name or (args.model if builtin else llm.model_dir.name)
+    # a built-in or Hugging Face name is served as given (a cache snapshot's folder is a hash)
+    named = is_default_name(args.model) or is_hub_name(args.model)
+    name = args.served_model_name or (args.model if named else llm.model_dir.name)
     options = _app_options(app_module, api_key=api_key, max_request_bytes=args.max_request_bytes)
     options["tool_call_parser"] = args.tool_call_parser
     gate.ready(app_module.create_app(engine, model_name=name, snapshot_dir=snapshot_dir,
@@ -252,7 +288,9 @@ def _load(args):
 
     llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, page_size=args.page_size,
               max_model_len=args.max_model_len, route=args.route, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs],
+              kv_cache_bytes=_kv_cache_bytes(args), gpu_memory_utilization=args.gpu_memory_utilization,
               speculative_config=args.speculative_config, progress=True)
+    print(llm.describe_summary(), file=sys.stderr, flush=True)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
     return llm, params

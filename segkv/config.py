@@ -130,3 +130,78 @@ class CompactionPolicy:
             raise ValueError(f"CompactionPolicy.ratio must be >= 1, got {self.ratio}")
         if self.max_copy_rows < 0:
             raise ValueError(f"max_copy_rows must be >= 0, got {self.max_copy_rows}")
+
+
+# --- the new-user defaults: --device auto, --dtype auto, --gpu-memory-utilization
+
+GIB = 1 << 30
+# On a GPU the pool leaves this much of the utilization's share unused, for the allocator's
+# fragmentation and the buffers made after profiling (graph index buffers, the sampler's)
+KV_MARGIN_BYTES = 256 << 20
+
+
+def resolve_dtype(dtype: str | torch.dtype, *, device_type: str, checkpoint_dtype: object = None) -> torch.dtype:
+    """The dtype the weights load in: ``dtype`` itself, or for ``"auto"`` the checkpoint's
+    ``torch_dtype`` (config.json; float32 when absent) on CUDA and float32 on the CPU, where
+    half-precision matmuls are slow. A checkpoint dtype other than float32, float16 or bfloat16
+    is a ValueError naming it."""
+    if not (isinstance(dtype, str) and dtype == "auto"):
+        return parse_dtype(dtype)
+    if device_type != "cuda":
+        return torch.float32
+    if checkpoint_dtype is None:
+        return torch.float32
+    name = str(checkpoint_dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"--dtype auto: the checkpoint's torch_dtype {checkpoint_dtype!r} is not one segkv "
+                         f"runs ({', '.join(sorted(_DTYPES))}); pass --dtype explicitly")
+    return _DTYPES[name]
+
+
+def check_gpu_memory_utilization(value: float) -> float:
+    """``value`` if it is in (0, 1], else a ValueError."""
+    if not 0 < value <= 1:  # NaN too
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {value}")
+    return float(value)
+
+
+def kv_cache_budget(*, total: int, free: int, weights: int, peak: int, utilization: float,
+                    margin: int = KV_MARGIN_BYTES) -> int:
+    """Bytes the KV pool may take on a GPU, as vLLM sizes it: ``utilization`` of the device's
+    ``total`` bytes, less what is in use now (``total - free``: the weights, the CUDA context,
+    other processes), less the ``peak`` bytes a profiling forward at the largest step allocated
+    on top of that (activations, workspace, and as much again for CUDA graphs where the caller
+    counts them in), less ``margin``. ``weights`` (included in ``total - free``) names the
+    weights' share in the errors. A ValueError names the numbers and the flags when nothing is
+    left."""
+    check_gpu_memory_utilization(utilization)
+    if min(total, free, weights, peak, margin) < 0 or free > total:
+        raise ValueError(f"inconsistent memory figures: total={total}, free={free}, weights={weights}, "
+                         f"peak={peak}, margin={margin}")
+    allowed = int(total * utilization)
+    used = total - free
+    if weights >= allowed:
+        raise ValueError(f"--gpu-memory-utilization {utilization:g} allows {allowed / GIB:.2f} GiB of the "
+                         f"device's {total / GIB:.2f} GiB, but the weights alone take {weights / GIB:.2f} GiB; "
+                         "raise --gpu-memory-utilization, or use a smaller model or dtype")
+    budget = allowed - used - peak - margin
+    if budget <= 0:
+        raise ValueError(f"no memory is left for the KV cache: --gpu-memory-utilization {utilization:g} "
+                         f"allows {allowed / GIB:.2f} GiB of {total / GIB:.2f} GiB, but {used / GIB:.2f} GiB "
+                         f"is in use (weights {weights / GIB:.2f} GiB) and the largest step needs "
+                         f"{peak / GIB:.2f} GiB more (+{margin / GIB:.2f} GiB margin); raise "
+                         "--gpu-memory-utilization, lower --max-num-batched-tokens, or give "
+                         "--kv-cache-memory GIB explicitly")
+    return budget
+
+
+def check_capacity(max_model_len: int, *, capacity_tokens: int, explicit: bool) -> None:
+    """A ValueError when one sequence of ``max_model_len`` tokens cannot fit the KV pool's
+    ``capacity_tokens``; ``explicit``: the length was asked for (--max-model-len) rather than
+    taken from the model."""
+    if max_model_len <= capacity_tokens:
+        return
+    asked = "--max-model-len" if explicit else "the model's maximum length (--max-model-len unset)"
+    raise ValueError(f"{asked} is {max_model_len} tokens, more than the KV cache holds: "
+                     f"{capacity_tokens} tokens; lower --max-model-len, or give the cache more memory "
+                     "(--gpu-memory-utilization on a GPU, --kv-cache-memory GIB)")

@@ -27,6 +27,10 @@ class Settings:
         "the API key `segkv serve` asks for without --api-key; unset or empty: none")
     home: str | None = _setting("SEGKV_HOME", TEXT, None,
         "where the untrained placeholder models are built (None: ~/.cache/segkv)")
+    hf_hub_cache: str | None = _setting("HF_HUB_CACHE", TEXT, None,
+        "the Hugging Face cache `--model org/name` is looked up in (None: $HF_HOME/hub)")
+    hf_home: str | None = _setting("HF_HOME", TEXT, None,
+        "Hugging Face's home; its hub/ is the cache when HF_HUB_CACHE is unset (None: ~/.cache/huggingface)")
     triton_interpret: bool = _setting("TRITON_INTERPRET", EXACT_ONE, False,
         "Triton kernels run in Triton's interpreter (the kernels branch on it)")
     # --- the engine's step loop

@@ -6,6 +6,8 @@ import atexit
 import dataclasses
 import gc
 import itertools
+import logging
+import math
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
@@ -14,13 +16,15 @@ from pathlib import Path
 import torch
 
 from segkv.cache.kv_cache import PagedKVCache
-from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype
+from segkv.attention.plan import Route
+from segkv.config import (GIB, CacheConfig, CompactionPolicy, KVLayout, check_capacity,
+                          check_gpu_memory_utilization, default_page_size, kv_cache_budget, resolve_dtype)
 from segkv.engine.core import EngineCore, EngineRequest
 from segkv.engine.generation import Generator
 from segkv.models.default_models import check_model_dir, resolve_model_dir
-from segkv.models.loader import fingerprint, load_model
+from segkv.models.loader import fingerprint, load_model, read_config
 from segkv.outputs import RequestOutput
-from segkv.runner.model_runner import ModelRunner
+from segkv.runner.model_runner import ModelRunner, StepInput
 from segkv.runner.warmup import warm_up, warm_up_shapes
 from segkv.sampling_params import SamplingParams
 from segkv.sessions.conversation import Conversation
@@ -28,16 +32,22 @@ from segkv.spec.config import SpeculativeConfig
 from segkv.spec.eagle3 import resolve_head_dir
 from segkv.tokenizer.tokenizer import Tokenizer
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # the pool on the CPU when --kv-cache-memory is not given
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_PROFILE_TOKENS = 2048  # the scheduler's max_num_batched_tokens default
+logger = logging.getLogger("segkv")
 # Engines gc.freeze() what they hold; unfrozen at exit, the final collection frees it (frozen
 # cycles left at exit made the Triton bindings print a leak report after every command)
 atexit.register(gc.unfreeze)
 
 
 def parse_device(device: str | torch.device) -> torch.device:
-    """The torch device for ``device`` ("cpu", "cuda", "cuda:1", ...), refused with a clear error
+    """The torch device for ``device`` ("auto": CUDA when available, else the CPU; "cpu", "cuda",
+    "cuda:1", ...), refused with a clear error
     when torch does not know it or it is not on this machine (a CUDA device without a CUDA build
     of torch or a visible GPU, or past the last GPU)."""
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -57,9 +67,16 @@ class LLM:
     """A model with its tokenizer, paged KV cache, runner and the :class:`EngineCore` that steps
     requests on them (``generate`` here, and an :class:`AsyncEngine` serving this model).
 
+    ``model_dir``: a model directory, a built-in model (``default``, ``default-mla``) or a
+    Hugging Face id (``org/name``) found in the local Hugging Face cache (never downloaded).
+    ``device``: "auto" (CUDA when available, else the CPU) or a torch device. ``dtype``: "auto"
+    (the checkpoint's ``torch_dtype`` on CUDA, float32 on the CPU) or a dtype.
     ``max_model_len`` defaults to the model's own limit. The cache holds ``num_pages``
     pages of ``page_size`` rows (default: ``config.default_page_size``, 32 on CUDA, 16
-    elsewhere), or as many as ``kv_cache_bytes`` allows. ``route`` forces an attention route;
+    elsewhere), or as many as ``kv_cache_bytes`` allows; without either, on CUDA the pool takes
+    what ``gpu_memory_utilization`` of the device leaves after the weights and a profiling forward
+    of ``max_num_batched_tokens`` tokens (default 2048, the scheduler's), and 1 GiB on the CPU.
+    A ``max_model_len`` the pool cannot hold is a ValueError. ``route`` forces an attention route;
     ``mla_mode`` forces MLA's absorbed or naive path. ``backend``: "auto" (Triton kernels on CUDA
     for K/V caches, the torch reference otherwise), "torch" or "triton". ``cuda_graphs``: decode
     steps replayed from CUDA graphs (``True``, ``"auto"`` where available, ``False``; see
@@ -75,11 +92,13 @@ class LLM:
         self,
         model_dir: str | Path,
         *,
-        dtype: str | torch.dtype = "float32",
-        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
         page_size: int | None = None,
         num_pages: int | None = None,
-        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         route: str | None = None,
         mla_mode: str = "auto",
@@ -101,17 +120,24 @@ class LLM:
         if speculative is not None and speculative.method == "eagle3":
             speculative = dataclasses.replace(speculative,
                                               model=str(resolve_head_dir(speculative.model, self.model_dir)))
-        self.dtype = parse_dtype(dtype)
         self.device = parse_device(device)
+        config = read_config(self.model_dir)
+        self.dtype = resolve_dtype(dtype, device_type=self.device.type,
+                                   checkpoint_dtype=config.get("torch_dtype", config.get("dtype")))
+        self.gpu_memory_utilization = check_gpu_memory_utilization(gpu_memory_utilization)
+        if kv_cache_bytes is not None and kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {kv_cache_bytes}")
         page_size = default_page_size(self.device.type) if page_size is None else page_size
         if page_size < 1:  # before the cache budget divides by it
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device, progress=progress)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.fingerprint = fingerprint(self.model_dir)
         limit = self.model.max_model_len
         if max_model_len is not None and not 1 <= max_model_len <= limit:
             raise ValueError(f"max_model_len must be between 1 and the model's {limit}, got {max_model_len}")
+        explicit_len = max_model_len is not None
         self.max_model_len = max_model_len or limit
         if self.speculative_config is not None and self.speculative_config.method == "mtp":
             if not len(getattr(self.model, "mtp", ())):
@@ -120,8 +146,22 @@ class LLM:
             layout = self.model.kv_layout(self.dtype, mtp=True)  # the MTP layers keep rows too
         else:
             layout = self.model.kv_layout(self.dtype)
-        if num_pages is None:
-            num_pages = max(1, kv_cache_bytes // (page_size * layout.row_bytes))
+        page_bytes = page_size * layout.row_bytes
+        if num_pages is not None:
+            self.kv_cache_source = "num_pages"
+        elif kv_cache_bytes is not None:
+            num_pages, self.kv_cache_source = max(1, kv_cache_bytes // page_bytes), "kv_cache_memory"
+        elif self.device.type == "cuda":
+            budget = self._profile_kv_budget(
+                layout, page_size=page_size, tokens=max_num_batched_tokens or DEFAULT_PROFILE_TOKENS,
+                prefill_chunk=prefill_chunk, route=route, mla_mode=mla_mode, backend=backend,
+                fused_ops=fused_ops, graphs=bool(cuda_graphs))
+            num_pages = max(1, budget // page_bytes)
+            self.kv_cache_source = f"gpu_memory_utilization {self.gpu_memory_utilization:g}"
+        else:
+            num_pages, self.kv_cache_source = max(1, DEFAULT_KV_CACHE_BYTES // page_bytes), "cpu default"
+        if explicit_len or self.kv_cache_source != "num_pages":  # a pool counted in pages is the caller's
+            check_capacity(self.max_model_len, capacity_tokens=num_pages * page_size, explicit=explicit_len)
         self.cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=num_pages),
                                   device=str(self.device), compaction=compaction)
         # a verify window (k drafts and the pending token) runs like a decode step: MLA absorbed,
@@ -136,9 +176,75 @@ class LLM:
                                    speculative=speculative)
         self.core = EngineCore(self.cache, self.generator, fingerprint=self.fingerprint)
         self._request_ids = itertools.count()
+        logger.info("%s", self.describe_summary())
         # what exists now lives as long as the engine: keep it out of the cyclic collector's
         # scans, which otherwise fire inside every step's planning (page lists are large)
         gc.freeze()
+
+    # -- sizing the KV pool -----------------------------------------------------------
+    @torch.inference_mode()
+    def _profile_kv_budget(self, layout: KVLayout, *, page_size: int, tokens: int, prefill_chunk: int,
+                           route, mla_mode: str, backend: str, fused_ops, graphs: bool) -> int:
+        """The KV pool's bytes on CUDA, as vLLM measures them: one forward of ``tokens`` prompt
+        tokens (the largest step the scheduler runs: sequences of ``prefill_chunk`` tokens) on a
+        scratch pool, its peak allocation above the loaded weights counted once for the eager
+        step and once more for the CUDA graphs' private pools when ``graphs``; the pool gets
+        what :func:`config.kv_cache_budget` leaves of ``gpu_memory_utilization``."""
+        if tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {tokens}")
+        device = self.device
+        lengths = [min(prefill_chunk, tokens - start) for start in range(0, tokens, prefill_chunk)]
+        pages = sum(math.ceil(n / page_size) for n in lengths) + len(lengths) + 2
+        gc.collect()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        scratch = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=pages), device=str(device))
+        runner = ModelRunner(self.model, scratch, device=device, route=route, mla_mode=mla_mode,
+                             prefill_chunk=prefill_chunk, backend=backend, cuda_graphs=False,
+                             max_model_len=self.max_model_len, fused_ops=fused_ops)
+        chains = [scratch.new_chain() for _ in lengths]
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        vocab = self.model.cfg.vocab_size
+        inputs = [StepInput(chain, torch.randint(0, vocab, (n,), generator=generator).tolist())
+                  for chain, n in zip(chains, lengths)]
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        runner.forward(inputs)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        for chain in chains:
+            chain.release()
+        del runner, scratch, chains, inputs
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        self.profile = {"tokens": tokens, "peak_bytes": peak, "graphs_bytes": peak if graphs else 0,
+                        "free_bytes": free, "total_bytes": total}
+        return kv_cache_budget(total=total, free=free, weights=self.weight_bytes,
+                               peak=peak * (2 if graphs else 1), utilization=self.gpu_memory_utilization)
+
+    def summary(self) -> dict[str, object]:
+        """What this engine runs on, logged at start and shown by ``/health``: device, dtype,
+        weight bytes, the KV pool (bytes, tokens, how it was sized) and the attention routes."""
+        forced = self.runner.route
+        routes = [forced.value] if forced is not None else [r.value for r in Route]
+        page_size, num_pages = self.cache.config.page_size, self.cache.config.num_pages
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "weight_bytes": self.weight_bytes,
+                "kv_cache_bytes": num_pages * page_size * self.cache.layout.row_bytes,
+                "kv_cache_tokens": num_pages * page_size,
+                "kv_cache_source": self.kv_cache_source, "page_size": self.cache.config.page_size,
+                "max_model_len": self.max_model_len, "attention_backend": self.runner.backend.name,
+                "attention_routes": routes}
+
+    def describe_summary(self) -> str:
+        """:meth:`summary` as one line for the start-up log."""
+        s = self.summary()
+        return (f"segkv: {self.model_dir.name} on {s['device']}, {s['dtype']}, weights "
+                f"{s['weight_bytes'] / GIB:.2f} GiB; KV cache {s['kv_cache_bytes'] / GIB:.2f} GiB = "
+                f"{s['kv_cache_tokens']:,} tokens ({s['kv_cache_source']}), max_model_len {s['max_model_len']}; "
+                f"attention {s['attention_backend']}, routes {', '.join(s['attention_routes'])}")
 
     # -- before serving ---------------------------------------------------------------
     def warm_up(self, *, max_batch: int | None = None, max_num_batched_tokens: int | None = None,

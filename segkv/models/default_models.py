@@ -11,13 +11,17 @@ stands in, with a warning.
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
+
+import segkv.settings as settings
 
 from segkv.models.default_configs import EOS_TOKEN_IDS, GQA_NAME, MLA_NAME, gqa_config, mla_config
 
 __all__ = ["EOS_TOKEN_IDS", "GQA_NAME", "MLA_NAME", "PACKAGED", "PACKAGE_ROOT", "check_model_dir", "gqa_config",
-           "is_complete", "is_default_name", "mla_config", "packaged_dir", "resolve_model_dir"]
+           "hf_hub_cache", "is_complete", "is_default_name", "is_hub_name", "mla_config", "packaged_dir",
+           "resolve_hub_name", "resolve_model_dir"]
 
 # name -> directory under segkv/default_models/
 PACKAGED = {GQA_NAME: "qwen3-gqa", MLA_NAME: "deepseek-mla"}
@@ -40,8 +44,54 @@ def is_complete(directory: Path) -> bool:
     return all((directory / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))
 
 
+# a Hugging Face repository id: "org/name", no other slash, no leading dot or slash
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_hub_name(name: str | Path) -> bool:
+    """Whether ``name`` reads as a Hugging Face repository id (``org/name``) rather than a path:
+    a string of that form that is not an existing file or directory."""
+    return isinstance(name, str) and bool(_HUB_NAME.match(name)) and not Path(name).exists()
+
+
+def hf_hub_cache() -> Path:
+    """The Hugging Face cache directory: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
+    huggingface_hub's default (``~/.cache/huggingface/hub``)."""
+    s = settings.SETTINGS
+    if s.hf_hub_cache:
+        return Path(s.hf_hub_cache).expanduser()
+    if s.hf_home:
+        return Path(s.hf_home).expanduser() / "hub"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def resolve_hub_name(repo_id: str) -> Path:
+    """The snapshot directory of ``repo_id`` in the local Hugging Face cache, found offline
+    (nothing is downloaded); FileNotFoundError naming the model and the cache otherwise."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    cache = hf_hub_cache()
+    try:
+        path = Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        path = None
+    if path is None or not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache {cache} (looked for "
+            f"{cache / ('models--' + repo_id.replace('/', '--'))}; set HF_HUB_CACHE or HF_HOME to "
+            f"another cache); segkv does not download: fetch it first (huggingface-cli download "
+            f"{repo_id}), or give a model directory")
+    return path
+
+
 def resolve_model_dir(name: str | Path) -> Path:
-    """``default`` / ``default-mla`` -> the packaged trained model (or the placeholder); else a path."""
+    """``default`` / ``default-mla`` -> the packaged trained model (or the placeholder); an
+    ``org/name`` absent from disk -> its snapshot in the local Hugging Face cache; else a path."""
+    if is_hub_name(name):
+        return resolve_hub_name(name)
     if isinstance(name, Path) or not is_default_name(name):
         return Path(name)
     directory = packaged_dir(name)

@@ -361,7 +361,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
                 "cached_segments": prefix.get("num_nodes", 0),
                 "cached_tokens": prefix.get("num_cached_tokens", 0),
                 "running": stats["running"], "waiting": stats["waiting"], "preemptions": stats["preemptions"],
-                "speculative": None if llm.speculative_config is None else llm.speculative_config.describe()}
+                "speculative": None if llm.speculative_config is None else llm.speculative_config.describe(),
+                # what the engine runs on: device, dtype, weight bytes, KV capacity, attention routes
+                "engine": llm.summary()}
 
     @app.get("/metrics")
     async def prometheus():
