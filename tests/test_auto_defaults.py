@@ -108,6 +108,38 @@ def test_max_model_len_above_the_pools_capacity_is_a_clear_error(model_dir):
         LLM(model_dir, page_size=8, kv_cache_bytes=64 << 10)
 
 
+def test_the_profiling_pass_runs_the_largest_step_and_sizes_the_pool(model_dir, monkeypatch):
+    """The profiling forward runs (here on the CPU, the CUDA memory readings faked): sequences of
+    prefill_chunk tokens up to the step's size, on a scratch pool; its peak counted twice with
+    CUDA graphs; the engine's own pool untouched."""
+    llm = LLM(model_dir, page_size=8, num_pages=64)
+    total, free, peak = 80 * GIB, 60 * GIB, 300 * MIB
+    readings = {"allocated": 5 * GIB}
+    forwards = []
+    real_forward = llm.runner.forward.__func__
+
+    def forward(runner, inputs, **kwargs):
+        forwards.append([len(i.token_ids) for i in inputs])
+        return real_forward(runner, inputs, **kwargs)
+
+    from segkv.runner.model_runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "forward", forward)
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: readings["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: readings["allocated"] + peak)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free, total))
+    budget = llm._profile_kv_budget(llm.cache.layout, page_size=8, tokens=40, prefill_chunk=16, route=None,
+                                    mla_mode="auto", backend="auto", fused_ops=None, graphs=True)
+    assert forwards == [[16, 16, 8]]
+    assert budget == kv_cache_budget(total=total, free=free, weights=llm.weight_bytes, peak=2 * peak,
+                                     utilization=0.9)
+    assert llm.profile == {"tokens": 40, "peak_bytes": peak, "graphs_bytes": peak, "free_bytes": free,
+                           "total_bytes": total}
+    assert llm.cache.stats()["pages_in_use"] == 0
+
+
 # -- Hugging Face ids from the local cache ---------------------------------------------------
 
 def _fake_cache(root, repo_id: str, source) -> object:
