@@ -17,6 +17,7 @@ import torch
 
 from segkv.cache.kv_cache import PagedKVCache
 from segkv.attention.plan import Route
+from segkv.attention.planner import forced_route_from_env
 from segkv.config import (GIB, CacheConfig, CompactionPolicy, KVLayout, check_capacity,
                           check_gpu_memory_utilization, default_page_size, kv_cache_budget, resolve_dtype)
 from segkv.engine.core import EngineCore, EngineRequest
@@ -147,6 +148,7 @@ class LLM:
         else:
             layout = self.model.kv_layout(self.dtype)
         page_bytes = page_size * layout.row_bytes
+        self.profile: dict[str, int] | None = None  # the profiling pass's readings (CUDA, sized pool)
         if num_pages is not None:
             self.kv_cache_source = "num_pages"
         elif kv_cache_bytes is not None:
@@ -227,7 +229,7 @@ class LLM:
     def summary(self) -> dict[str, object]:
         """What this engine runs on, logged at start and shown by ``/health``: device, dtype,
         weight bytes, the KV pool (bytes, tokens, how it was sized) and the attention routes."""
-        forced = self.runner.route
+        forced = self.runner.route or forced_route_from_env()  # the flag, else SEGKV_ATTENTION_ROUTE
         routes = [forced.value] if forced is not None else [r.value for r in Route]
         page_size, num_pages = self.cache.config.page_size, self.cache.config.num_pages
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),

@@ -80,7 +80,7 @@ def resolve_hub_name(repo_id: str) -> Path:
         path = None
     if path is None or not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"model {repo_id!r} is not in the local Hugging Face cache {cache} (looked for "
+            f"model {repo_id!r} is neither a directory nor in the local Hugging Face cache {cache} (looked for "
             f"{cache / ('models--' + repo_id.replace('/', '--'))}; set HF_HUB_CACHE or HF_HOME to "
             f"another cache); segkv does not download: fetch it first (huggingface-cli download "
             f"{repo_id}), or give a model directory")

@@ -187,7 +187,7 @@ def test_a_hub_id_absent_from_the_cache_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError) as info:
         resolve_model_dir("acme/missing-model")
     message = str(info.value)
-    assert "'acme/missing-model' is not in the local Hugging Face cache" in message
+    assert "'acme/missing-model' is neither a directory nor in the local Hugging Face cache" in message
     assert str(cache) in message and "models--acme--missing-model" in message
     assert "HF_HUB_CACHE" in message and "HF_HOME" in message and "does not download" in message
     from segkv.cli import main
