@@ -65,11 +65,21 @@ class SequenceQuery:
     fully visible). By default the window is the chain's last ``num_query_rows`` rows,
     i.e. the new tokens were appended before attention. A row at a position before every
     key (for example a padding row at position -1) sees nothing and yields 0.
+
+    ``tree_parents`` makes the window a tree (a tree verify window, EAGLE-3 style): one entry
+    per query row, the index within the window of the row's parent, ``-1`` for a child of the
+    last history row; parents come before children. Every node is a query row and a KV row
+    (at position ``query_start + i``, in node order); node ``i`` sees every key before
+    ``query_start`` and, within the window, only its ancestors and itself (never siblings,
+    cousins or later rows). A tree's window must lie inside the chain. ``None`` is today's
+    causal window; so is a chain-shaped tree (parents ``-1, 0, 1, ...``), which
+    :attr:`is_tree` reports as not a tree so that it is planned exactly as the causal window.
     """
 
     spans: tuple[ChainSpan, ...]
     num_query_rows: int
     query_start: int | None = None
+    tree_parents: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_query_rows < 0:
@@ -81,15 +91,50 @@ class SequenceQuery:
             if span.key_start != position:
                 raise ValueError(f"spans are not contiguous: expected key_start {position}, got {span}")
             position += span.num_rows
+        if self.tree_parents is not None:
+            object.__setattr__(self, "tree_parents", tuple(self.tree_parents))
+            self._check_tree()
+
+    def _check_tree(self) -> None:
+        """ValueError unless ``tree_parents`` is a tree over the window and the window is in the chain."""
+        parents = self.tree_parents
+        if len(parents) != self.num_query_rows:
+            raise ValueError(f"tree_parents has {len(parents)} entries for {self.num_query_rows} query rows")
+        for node, parent in enumerate(parents):
+            if not isinstance(parent, int) or isinstance(parent, bool):
+                raise ValueError(f"tree_parents[{node}] must be an int, got {parent!r}")
+            if not -1 <= parent < node:
+                raise ValueError(f"tree_parents[{node}] = {parent}: a parent is -1 (the last history row) "
+                                 f"or an earlier node of the window (0 .. {node - 1})")
+        if self.query_start < 0 or self.query_start + self.num_query_rows > self.num_kv_rows:
+            raise ValueError(f"a tree window of {self.num_query_rows} rows at position {self.query_start} must "
+                             f"lie inside the chain's {self.num_kv_rows} rows (its nodes are KV rows)")
 
     @property
     def num_kv_rows(self) -> int:
         return sum(span.num_rows for span in self.spans)
 
+    @property
+    def is_tree(self) -> bool:
+        """Whether the window is a tree that is not a chain (a chain is planned as the causal window)."""
+        parents = self.tree_parents
+        return parents is not None and any(p != i - 1 for i, p in enumerate(parents))
+
+    def ancestor_masks(self) -> tuple[int, ...]:
+        """Per window node, a bitmask over the window's rows: bit ``j`` of entry ``i`` is set when
+        node ``i`` sees window row ``j`` (its ancestors and itself). A causal window's row ``i``
+        gets ``2 ** (i + 1) - 1``."""
+        parents = self.tree_parents or tuple(range(-1, self.num_query_rows - 1))
+        masks: list[int] = []
+        for node, parent in enumerate(parents):
+            masks.append((1 << node) | (masks[parent] if parent >= 0 else 0))
+        return tuple(masks)
+
     @classmethod
-    def from_chain(cls, chain, num_query_rows: int, *, query_start: int | None = None) -> SequenceQuery:
+    def from_chain(cls, chain, num_query_rows: int, *, query_start: int | None = None,
+                   tree_parents: tuple[int, ...] | None = None) -> SequenceQuery:
         """The query of a :class:`~segkv.cache.KVChain` whose last rows are the window."""
-        return cls(tuple(chain.spans()), num_query_rows, query_start)
+        return cls(tuple(chain.spans()), num_query_rows, query_start, tree_parents)
 
 
 @dataclass(slots=True, frozen=True)
@@ -123,17 +168,34 @@ class WorkItem:
     piece's first row in that row's sequence: the row sees piece rows ``j <= offset``
     (none when negative, all when ``>= num_rows - 1``). Each (work item, row) pair makes
     one partial result, numbered in work order.
+
+    ``key_masks`` (tree verify windows) restricts that further: row ``i`` then sees piece row
+    ``j`` only when bit ``j`` of ``key_masks[i]`` is set, and every set bit is at most the
+    row's causal offset (so the offset still bounds how far a kernel scans). The mask travels
+    as one packed bitmask per row over the piece's rows, the way FlashInfer's custom masks and
+    tree-attention kernels take it: a fixed-width, position-indexed form a kernel tests with
+    one shift per key, where per-row lists of visible keys would vary in length and need an
+    index array of their own. It stays small because the planner gives a mask only to a tree
+    window's own piece (the window's rows and the part page of history before them, under
+    ``page_size + window`` bits); the history itself is a plain causal item.
     """
 
     piece: int
     query_rows: tuple[int, ...]
     causal_offsets: tuple[int, ...]
+    key_masks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.query_rows) != len(self.causal_offsets):
             raise ValueError("query_rows and causal_offsets differ in length")
         if not self.query_rows:
             raise ValueError("a work item needs at least one query row")
+        if self.key_masks is not None:
+            if len(self.key_masks) != len(self.query_rows):
+                raise ValueError(f"{len(self.key_masks)} key masks for {len(self.query_rows)} query rows")
+            for mask, offset in zip(self.key_masks, self.causal_offsets):
+                if mask < 0 or mask.bit_length() > max(offset + 1, 0):
+                    raise ValueError(f"key mask {mask:#x} sets a bit past the row's causal offset {offset}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -181,6 +243,11 @@ class AttentionPlan:
     @property
     def num_partials(self) -> int:
         return len(self.partial_rows)
+
+    @property
+    def has_key_masks(self) -> bool:
+        """Whether some work item carries key masks (a tree verify window's own piece)."""
+        return any(item.key_masks is not None for item in self.work)
 
     def describe(self) -> dict[str, object]:
         """A small summary for logs, health reports and benchmark tables."""

@@ -6,13 +6,21 @@ piece read once for all of their query rows; ``split`` cuts long pieces into par
 when the batch alone would leave the device's parallel slots idle. The automatic choice
 uses the device's wave size (multiprocessors x resident blocks), never a fixed context
 threshold. ``SEGKV_ATTENTION_ROUTE`` forces a route (testing and benchmarks).
+
+Tree verify windows (``SequenceQuery.tree_parents``) are planned as two kinds of pieces: the
+history before the window's first page, which every node sees whole, goes through the route
+like any causal window (one work item for all the nodes, shared as a cascade piece when
+sequences share it); the window's own piece (that part page of history and the window's
+rows) gets one work item whose rows carry ``key_masks``, the ancestor mask
+(:class:`~segkv.attention.plan.WorkItem`). The window piece is never split: it holds under
+``page_size + window`` rows. The exact LSE merge joins the two as it joins any pieces.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -85,7 +93,8 @@ def plan_attention(
     partitions each run is cut into (``split``, ``segments`` and ``cascade``; without it
     those routes cut long runs only as far as the device has idle slots, ``single`` never). ``cascade_min_rows`` is the fewest
     rows a shared span needs to be planned as a cascade piece (default: one page,
-    or any shared span when ``cascade`` is forced).
+    or any shared span when ``cascade`` is forced). A tree window's history is planned by
+    the route; its window piece is added after the route's pieces (module docstring).
     """
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -95,6 +104,10 @@ def plan_attention(
     if cascade_min_rows is None:  # forced: share whatever is shared; auto: at least a page
         cascade_min_rows = 1 if forced == Route.CASCADE else page_size
 
+    windows = [_split_tree(query, page_size) if query.is_tree else None for query in queries]
+    full_queries = queries
+    # tree windows: the route plans their history; the window pieces are added after it
+    queries = [query if window is None else window.history for query, window in zip(queries, windows)]
     shared = _shared_spans(queries, cascade_min_rows)
     if forced is None:
         use_cascade = bool(shared)
@@ -120,6 +133,7 @@ def plan_attention(
     else:
         cuts, reason = [_cut_rows(run, None) for run in runs], f"forced {forced.value}"
     pieces, work, max_parts = _partition(runs, cuts, queries, device.max_query_rows_per_work)
+    _add_tree_windows(pieces, work, full_queries, windows, device.max_query_rows_per_work)
 
     if forced is not None:
         final = forced
@@ -395,3 +409,76 @@ def _parts_at(run: _Run, bounds: list[int]) -> list[_Part]:
         parts.append((run.page_ids[start:end], rows, key_start))
         key_start += sum(rows)
     return parts
+
+
+# -- tree verify windows -------------------------------------------------------------------
+@dataclass(slots=True)
+class _TreeWindow:
+    """A tree window's two parts: ``history``, the query over the spans before the page holding
+    the window's first row (every node sees all of it), and the window piece: the pages from
+    there to the window's last row, whose first row sits at position ``key_start``."""
+
+    history: SequenceQuery
+    page_ids: list[int]
+    page_rows: list[int]
+    key_start: int
+
+
+def _split_tree(query: SequenceQuery, page_size: int) -> _TreeWindow:
+    """Cut a tree query's spans at the page holding its first window row (pieces start at a
+    page's row 0, so up to ``page_size - 1`` history rows go with the window piece, all visible
+    to every node); rows after the window are left out (no node sees them)."""
+    start = query.query_start
+    end = start + query.num_query_rows
+    history: list[ChainSpan] = []
+    page_ids: list[int] = []
+    page_rows: list[int] = []
+    cut: int | None = None
+    for span in query.spans:
+        if span.num_rows == 0:
+            continue
+        if cut is None and span.key_start + span.num_rows <= start:
+            history.append(span)
+            continue
+        first = 0
+        if cut is None:  # the span holding the window's first row
+            first = (start - span.key_start) // page_size
+            cut = span.key_start + first * page_size
+            if first:
+                history.append(replace(span, page_ids=span.page_ids[:first], num_rows=first * page_size))
+        rows = span.page_rows(page_size)
+        for page in range(first, len(span.page_ids)):
+            page_start = span.key_start + page * page_size
+            if page_start >= end:
+                break
+            page_ids.append(span.page_ids[page])
+            page_rows.append(min(rows[page], end - page_start))
+        if span.key_start + span.num_rows >= end:
+            break
+    assert cut is not None, "a tree window lies inside its chain (SequenceQuery checks it)"
+    return _TreeWindow(SequenceQuery(tuple(history), query.num_query_rows, start), page_ids, page_rows, cut)
+
+
+def _add_tree_windows(
+    pieces: list[Piece],
+    work: list[WorkItem],
+    queries: Sequence[SequenceQuery],
+    windows: Sequence[_TreeWindow | None],
+    max_rows_per_work: int,
+) -> None:
+    """Append each tree window's piece and its masked work items (rows in node order): node
+    ``i`` sees the piece's leading history rows and its ancestors-or-self."""
+    row_base = 0
+    for query, window in zip(queries, windows):
+        if window is not None:
+            pieces.append(Piece(tuple(window.page_ids), tuple(window.page_rows)))
+            lead = query.query_start - window.key_start  # history rows at the head of the piece
+            history_bits = (1 << lead) - 1
+            masks = [history_bits | (mask << lead) for mask in query.ancestor_masks()]
+            rows = [row_base + i for i in range(query.num_query_rows)]
+            offsets = [lead + i for i in range(query.num_query_rows)]
+            for start in range(0, len(rows), max_rows_per_work):
+                stop = start + max_rows_per_work
+                work.append(WorkItem(len(pieces) - 1, tuple(rows[start:stop]), tuple(offsets[start:stop]),
+                                     tuple(masks[start:stop])))
+        row_base += query.num_query_rows

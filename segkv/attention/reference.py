@@ -1,7 +1,7 @@
 """The PyTorch reference backend: executes any attention plan on any device (the oracle).
 
 Per work item it gathers the piece's K/V rows through the page table, attends in
-float32 with the causal offsets, keeps each partial's LSE, then merges all partials
+float32 with the causal offsets (or a tree window's key masks), keeps each partial's LSE, then merges all partials
 exactly (``merge.merge_partials``) and rounds once to the output dtype.
 """
 
@@ -21,8 +21,9 @@ class PreparedPlan:
     """Index tensors of a plan, built once per step and reused by every layer.
 
     ``piece_slots[k]``: ``(n_k,)`` int64 flat storage slots of piece ``k``'s rows.
-    ``work_rows[w]`` / ``work_visible[w]``: ``(r_w,)`` int64 query rows of work item
-    ``w`` and how many of the piece's rows each sees. ``partial_rows``: ``(P,)`` int64.
+    ``work_rows[w]``: ``(r_w,)`` int64 query rows of work item ``w``; ``work_visible[w]``:
+    ``(r_w,)`` int64, how many of the piece's rows each sees, or for a work item with key
+    masks ``(r_w, n_k)`` bool, which. ``partial_rows``: ``(P,)`` int64.
     """
 
     plan: AttentionPlan
@@ -43,6 +44,12 @@ def piece_slots(piece: Piece, page_size: int, device: torch.device) -> torch.Ten
     return slots[offsets.unsqueeze(0) < rows.unsqueeze(1)]
 
 
+def key_mask_tensor(key_masks: tuple[int, ...], num_keys: int, device: torch.device) -> torch.Tensor:
+    """``(len(key_masks), num_keys)`` bool: entry ``[i, j]`` is bit ``j`` of ``key_masks[i]``."""
+    bits = [[bool(mask >> j & 1) for j in range(num_keys)] for mask in key_masks]
+    return torch.tensor(bits, dtype=torch.bool, device=device).reshape(len(key_masks), num_keys)
+
+
 def attend_piece(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -56,7 +63,8 @@ def attend_piece(
     Args:
         query: ``(R, Hq, Dk)``; key: ``(n, Hkv, Dk)``; value: ``(n, Hkv, Dv)`` (any float
             dtype, upcast to float32); ``Hq`` a multiple of ``Hkv``.
-        visible: ``(R,)`` int64; row ``r`` sees piece rows ``0 .. visible[r]-1``.
+        visible: ``(R,)`` int64, row ``r`` sees piece rows ``0 .. visible[r]-1``; or ``(R, n)``
+            bool, row ``r`` sees piece row ``j`` where ``visible[r, j]`` (a tree window's mask).
         scale: softmax scale applied to the scores.
 
     Returns:
@@ -68,7 +76,10 @@ def attend_piece(
     group = num_q_heads // num_kv_heads
     q = query.float().reshape(num_rows, num_kv_heads, group, key_dim)
     scores = torch.einsum("rhgd,nhd->rhgn", q, key.float()) * scale
-    mask = torch.arange(n, device=query.device).unsqueeze(0) < visible.unsqueeze(1)  # (R, n)
+    if visible.dim() == 2:
+        mask = visible
+    else:
+        mask = torch.arange(n, device=query.device).unsqueeze(0) < visible.unsqueeze(1)  # (R, n)
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (R, Hkv, G); -inf where nothing is visible
     probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
@@ -102,7 +113,10 @@ class TorchReferenceBackend:
             n = plan.pieces[item.piece].num_rows
             offsets = torch.tensor(item.causal_offsets, dtype=torch.long, device=dev)
             work_rows.append(torch.tensor(item.query_rows, dtype=torch.long, device=dev))
-            work_visible.append((offsets + 1).clamp(min=0, max=n))
+            if item.key_masks is None:
+                work_visible.append((offsets + 1).clamp(min=0, max=n))
+            else:  # the masks never set a bit past the causal offset (WorkItem checks it)
+                work_visible.append(key_mask_tensor(item.key_masks, n, dev))
         partial_rows = torch.tensor(plan.partial_rows, dtype=torch.long, device=dev)
         return PreparedPlan(plan, slots, work_rows, work_visible, partial_rows)
 
@@ -136,6 +150,29 @@ class TorchReferenceBackend:
         plan = prepared.plan
         if query.shape[0] != plan.num_query_rows:
             raise ValueError(f"query has {query.shape[0]} rows, the plan {plan.num_query_rows}")
+        partial_out, partial_lse = self.partials(prepared, query, key_cache, value_cache, scale=scale,
+                                                 kv_transform=kv_transform)
+        out, lse = merge_partials(partial_out, partial_lse, prepared.partial_rows, plan.num_query_rows)
+        return out.to(out_dtype or query.dtype), lse
+
+    def partials(
+        self,
+        prepared: PreparedPlan,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        *,
+        scale: float,
+        kv_transform: KVTransform | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 1 alone: every work item's partial states, unmerged (arguments as :meth:`run`;
+        ``query`` may hold more rows than the plan's work reads).
+
+        Returns:
+            ``(partial_out, partial_lse)``: ``(P, Hq, Dv)`` and ``(P, Hq)`` float32, partial
+            ``p`` belonging to query row ``prepared.partial_rows[p]``.
+        """
+        plan = prepared.plan
         if kv_transform is None and query.shape[1] % key_cache.shape[2]:
             raise ValueError(f"{query.shape[1]} query heads for {key_cache.shape[2]} KV heads")
         keys = key_cache.flatten(0, 1)
@@ -161,5 +198,4 @@ class TorchReferenceBackend:
             partial_out[start:end] = out
             partial_lse[start:end] = lse
             start = end
-        out, lse = merge_partials(partial_out, partial_lse, prepared.partial_rows, plan.num_query_rows)
-        return out.to(out_dtype or query.dtype), lse
+        return partial_out, partial_lse

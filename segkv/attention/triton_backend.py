@@ -5,11 +5,19 @@ to the device in one transfer. With a :class:`PlanCapacity`, the arrays live at 
 addresses with fixed maximum sizes and the kernels launch fixed grids (padding work items do
 nothing), so a CUDA graph captured over ``run`` replays correctly for any later plan that
 fits: the next ``prepare`` only rewrites the buffer's contents.
+
+Tree verify windows: the kernels take causal offsets, not key masks, so a plan's masked work
+items (each tree window's own small piece, :class:`~segkv.attention.plan.WorkItem`) run on
+the torch reference, while everything else (the histories, every other sequence) runs in
+the kernels, their states kept in float32; the two are merged exactly and rounded once. Fixed
+CUDA-graph buffers do not take such plans (``prepare`` raises NotImplementedError): the
+reference's gathers are sized by the plan. A kernel that tests one mask bit per key in its
+tile would remove both limits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import numpy as np
@@ -17,7 +25,8 @@ import torch
 
 from segkv.attention.backend import BackendCapabilities, KVTransform
 from segkv.attention.device import PARTIAL_WORKSPACE_BYTES, stage1_merge_bound
-from segkv.attention.plan import AttentionPlan
+from segkv.attention.merge import merge_partials
+from segkv.attention.plan import AttentionPlan, reduce_map_from_work
 
 LSE_API_TRITON = "triton-merge"
 
@@ -86,6 +95,8 @@ class TritonPreparedPlan:
     fixed: bool = False
     merge_in_stage1: bool = False  # GQA kernels: stage 1 merges the rows (paged_attention's argument)
     reference: object = None  # the reference backend's preparation, for kv_transform calls
+    masked: object = None  # the reference's preparation of the plan's masked work (tree windows), or None
+    kernel_work: bool = True  # whether the kernels have work (a plan of tree windows alone may not)
 
     def __getattr__(self, name: str) -> torch.Tensor:  # prepared.page_table, ...
         try:
@@ -239,7 +250,10 @@ class TritonBackend:
 
     def prepare(self, plan: AttentionPlan, *, arrays: dict[str, np.ndarray] | None = None) -> TritonPreparedPlan:
         """Flatten the plan into int32 tensors on the device (once per forward step).
-        ``arrays``: ``flatten_plan(plan)`` when the caller already made it (not modified)."""
+        ``arrays``: ``flatten_plan(plan)`` when the caller already made it (not modified).
+        A plan with key masks (tree windows) is prepared in two parts (module docstring)."""
+        if plan.has_key_masks:
+            return self._prepare_masked(plan)
         arrays = flatten_plan(plan) if arrays is None else dict(arrays)
         needs_merge = bool((np.diff(arrays["reduce_ptr"]) != 1).any())  # a row without exactly one partial
         max_work_rows = plan.max_work_rows
@@ -294,6 +308,26 @@ class TritonBackend:
         return TritonPreparedPlan(plan, self._fixed, cap.max_partials, cap.max_work_rows, True, fixed=True,
                                   merge_in_stage1=merges_in_stage1(cap.max_work_rows, cap.max_row_partials))
 
+    def _prepare_masked(self, plan: AttentionPlan) -> TritonPreparedPlan:
+        """A plan with key masks: its unmasked work for the kernels, its masked work (tree windows'
+        own pieces) for the torch reference. Eager only."""
+        if self.capacity is not None:
+            raise NotImplementedError(
+                "tree verify windows (work items with key masks) cannot go into fixed CUDA-graph plan "
+                "buffers: the Triton kernels take no key masks, so their window pieces run on the torch "
+                "reference; run such steps eagerly (a TritonBackend without a PlanCapacity)")
+        kernel_work, masked_work = _split_masked(plan)
+        kernel_plan = AttentionPlan(plan.route, plan.pieces, kernel_work,
+                                    reduce_map_from_work(kernel_work, plan.num_query_rows), plan.num_query_rows,
+                                    plan.num_partitions, plan.reason)
+        masked_plan = AttentionPlan(plan.route, plan.pieces, masked_work,
+                                    reduce_map_from_work(masked_work, plan.num_query_rows), plan.num_query_rows)
+        unmasked = self.prepare(kernel_plan)
+        return TritonPreparedPlan(plan, unmasked.arrays, unmasked.num_partials, unmasked.max_work_rows,
+                                  unmasked.needs_merge, merge_in_stage1=unmasked.merge_in_stage1,
+                                  masked=self._reference_backend().prepare(masked_plan),
+                                  kernel_work=bool(kernel_work))
+
     def run(
         self,
         prepared: TritonPreparedPlan,
@@ -317,6 +351,8 @@ class TritonBackend:
         if kv_transform is not None:  # naive MLA decompresses pieces: the reference does that
             return self._reference_run(prepared, query, key_cache, value_cache, scale=scale, out_dtype=out_dtype,
                                        kv_transform=kv_transform)
+        if prepared.masked is not None:
+            return self._masked_run(prepared, query, key_cache, value_cache, scale=scale, out_dtype=out_dtype)
         rows = query.shape[0]
         if prepared.fixed:
             if not plan.num_query_rows <= rows <= self.capacity.max_rows:
@@ -366,15 +402,47 @@ class TritonBackend:
             self._workspace = torch.empty(size, dtype=torch.float32, device=self.device)
         return self._workspace
 
-    def _reference_run(self, prepared: TritonPreparedPlan, *args, **kwargs):
-        """The torch reference on the same plan (prepared once per plan, on demand)."""
+    def _masked_run(self, prepared: TritonPreparedPlan, query: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, *, scale: float, out_dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:
+        """A plan with tree windows: the kernels' merged state of every row over the unmasked
+        pieces, ``(R, Hq, Dv)`` and ``(R, Hq)`` float32 (not rounded), joined by the exact LSE merge
+        with the reference's partials of the masked pieces, then rounded once to ``out_dtype``."""
+        rows, heads = query.shape[0], query.shape[1]
+        if rows != prepared.plan.num_query_rows:
+            raise ValueError(f"query has {rows} rows, the plan {prepared.plan.num_query_rows}")
+        masked = prepared.masked
+        partial_out, partial_lse = self._reference_backend().partials(masked, query, key_cache, value_cache, scale=scale)
+        partial_rows = masked.partial_rows
+        if prepared.kernel_work:
+            kernel = replace(prepared, masked=None)
+            out, lse = self.run(kernel, query, key_cache, value_cache, scale=scale, out_dtype=torch.float32)
+            partial_out = torch.cat([out.float().reshape(rows, heads, -1), partial_out])
+            partial_lse = torch.cat([lse.float(), partial_lse])
+            partial_rows = torch.cat([torch.arange(rows, device=partial_rows.device), partial_rows])
+        out, lse = merge_partials(partial_out, partial_lse, partial_rows, rows)
+        return out.to(out_dtype or query.dtype), lse
+
+    def _reference_backend(self):
+        """The torch reference backend on this device (made once, on demand)."""
         from segkv.attention.reference import TorchReferenceBackend
 
         if self._reference is None:
             self._reference = TorchReferenceBackend(page_size=self.page_size, device=self.device)
+        return self._reference
+
+    def _reference_run(self, prepared: TritonPreparedPlan, *args, **kwargs):
+        """The torch reference on the same plan (prepared once per plan, on demand)."""
+        reference = self._reference_backend()
         if prepared.reference is None or prepared.reference.plan is not prepared.plan:
-            prepared.reference = self._reference.prepare(prepared.plan)
-        return self._reference.run(prepared.reference, *args, **kwargs)
+            prepared.reference = reference.prepare(prepared.plan)
+        return reference.run(prepared.reference, *args, **kwargs)
+
+
+def _split_masked(plan: AttentionPlan) -> tuple[tuple, tuple]:
+    """The plan's work items without key masks (for the kernels) and with them (tree windows)."""
+    kernel = tuple(item for item in plan.work if item.key_masks is None)
+    masked = tuple(item for item in plan.work if item.key_masks is not None)
+    return kernel, masked
 
 
 def merges_in_stage1(max_work_rows: int, max_row_partials: int | None) -> bool:
