@@ -147,7 +147,7 @@ def test_names_resolve_to_packaged_models_or_placeholders(trained, monkeypatch, 
     monkeypatch.setattr(default_models, "PACKAGE_ROOT", trained[0])
     assert resolve_model_dir("default") == trained[0] / "qwen3-gqa"
     assert resolve_model_dir("default-mla") == trained[0] / "deepseek-mla"
-    assert resolve_model_dir("some/dir") == Path("some/dir")
+    assert resolve_model_dir("./some/dir") == Path("some/dir")  # "some/dir" reads as a Hugging Face id
     monkeypatch.setattr(default_models, "PACKAGE_ROOT", tmp_path)  # not trained yet
     built = []
     monkeypatch.setattr(placeholder, "ensure_placeholder", lambda name: built.append(name) or tmp_path / name)
