@@ -104,7 +104,7 @@ def test_max_model_len_above_the_pools_capacity_is_a_clear_error(model_dir):
     assert 16 <= capacity < 512
     with pytest.raises(ValueError, match=rf"--max-model-len is 512 tokens.*holds: {capacity} tokens"):
         LLM(model_dir, page_size=8, kv_cache_bytes=64 << 10, max_model_len=512)
-    with pytest.raises(ValueError, match=rf"the model's maximum length \(--max-model-len unset\) is \d+ tokens"):
+    with pytest.raises(ValueError, match=r"the model's maximum length \(--max-model-len unset\) is \d+ tokens"):
         LLM(model_dir, page_size=8, kv_cache_bytes=64 << 10)
 
 
