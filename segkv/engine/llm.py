@@ -189,18 +189,24 @@ class LLM:
                            route, mla_mode: str, backend: str, fused_ops, graphs: bool) -> int:
         """The KV pool's bytes on CUDA, as vLLM measures them: one forward of ``tokens`` prompt
         tokens (the largest step the scheduler runs: sequences of ``prefill_chunk`` tokens) on a
-        scratch pool, its peak allocation above the loaded weights counted once for the eager
+        scratch pool, its peak allocation above the loaded weights and that pool (activations,
+        workspace, the runner's buffers) counted once for the eager
         step and once more for the CUDA graphs' private pools when ``graphs``; the pool gets
         what :func:`config.kv_cache_budget` leaves of ``gpu_memory_utilization``."""
         if tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {tokens}")
         device = self.device
-        lengths = [min(prefill_chunk, tokens - start) for start in range(0, tokens, prefill_chunk)]
+        chunk = max(1, min(prefill_chunk, self.max_model_len - 1))  # positions the model has
+        lengths = [min(chunk, tokens - start) for start in range(0, tokens, chunk)]
         pages = sum(math.ceil(n / page_size) for n in lengths) + len(lengths) + 2
         gc.collect()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
         scratch = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=pages), device=str(device))
+        scratch_bytes = torch.cuda.memory_allocated(device) - base
+        # the runner's own buffers count with the step's activations: the real runner makes them again
         runner = ModelRunner(self.model, scratch, device=device, route=route, mla_mode=mla_mode,
                              prefill_chunk=prefill_chunk, backend=backend, cuda_graphs=False,
                              max_model_len=self.max_model_len, fused_ops=fused_ops)
@@ -209,12 +215,9 @@ class LLM:
         vocab = self.model.cfg.vocab_size
         inputs = [StepInput(chain, torch.randint(0, vocab, (n,), generator=generator).tolist())
                   for chain, n in zip(chains, lengths)]
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
         runner.forward(inputs)
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - before
+        peak = torch.cuda.max_memory_allocated(device) - base - scratch_bytes
         for chain in chains:
             chain.release()
         del runner, scratch, chains, inputs
