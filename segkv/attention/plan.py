@@ -206,7 +206,8 @@ class AttentionPlan:
     no partials (nothing visible) is 0 with LSE ``-inf``. ``num_partitions`` records the
     most partitions any single run was cut into (1 unless the route split).
     ``max_work_rows``: the most query rows of one work item (1 for a plain decode step);
-    ``max_row_partials``: the most partials merged into one query row.
+    ``max_row_partials``: the most partials merged into one query row. ``has_key_masks``: some
+    work item carries key masks (a tree verify window's own piece).
     """
 
     route: Route
@@ -219,6 +220,7 @@ class AttentionPlan:
     partial_rows: tuple[int, ...] = field(init=False)
     max_work_rows: int = field(init=False)
     max_row_partials: int = field(init=False)
+    has_key_masks: bool = field(init=False)
 
     def __post_init__(self) -> None:
         partial_rows = tuple(row for item in self.work for row in item.query_rows)
@@ -226,6 +228,7 @@ class AttentionPlan:
         # made once with the plan (planned ahead, off a graph step's path), read every step
         object.__setattr__(self, "max_work_rows", max((len(item.query_rows) for item in self.work), default=1))
         object.__setattr__(self, "max_row_partials", max(map(len, self.reduce_map), default=0))
+        object.__setattr__(self, "has_key_masks", any(item.key_masks is not None for item in self.work))
         if len(self.reduce_map) != self.num_query_rows:
             raise ValueError(f"reduce map has {len(self.reduce_map)} rows, expected {self.num_query_rows}")
         seen = set()
@@ -243,11 +246,6 @@ class AttentionPlan:
     @property
     def num_partials(self) -> int:
         return len(self.partial_rows)
-
-    @property
-    def has_key_masks(self) -> bool:
-        """Whether some work item carries key masks (a tree verify window's own piece)."""
-        return any(item.key_masks is not None for item in self.work)
 
     def describe(self) -> dict[str, object]:
         """A small summary for logs, health reports and benchmark tables."""

@@ -109,7 +109,12 @@ def flatten_plan(plan: AttentionPlan) -> dict[str, np.ndarray]:
     """The plan's index arrays as int32 numpy arrays (layout documented in ``paged_attention``).
 
     Page arrays are built with numpy (a long batch has hundreds of thousands of pages per step).
+    The arrays carry no key masks, so a plan with them (tree windows) is refused rather than
+    flattened into the wrong attention: ``TritonBackend.prepare`` takes such plans whole.
     """
+    if plan.has_key_masks:
+        raise NotImplementedError("flatten_plan: the plan has key masks (tree verify windows), which the "
+                                  "kernels' arrays cannot carry; give the plan to TritonBackend.prepare alone")
     pieces = plan.pieces
     counts = np.fromiter((len(p.page_ids) for p in pieces), dtype=np.int64, count=len(pieces))
     total = int(counts.sum())
@@ -251,7 +256,8 @@ class TritonBackend:
     def prepare(self, plan: AttentionPlan, *, arrays: dict[str, np.ndarray] | None = None) -> TritonPreparedPlan:
         """Flatten the plan into int32 tensors on the device (once per forward step).
         ``arrays``: ``flatten_plan(plan)`` when the caller already made it (not modified).
-        A plan with key masks (tree windows) is prepared in two parts (module docstring)."""
+        A plan with key masks (tree windows) is prepared in two parts (module docstring), whatever
+        ``arrays`` holds."""
         if plan.has_key_masks:
             return self._prepare_masked(plan)
         arrays = flatten_plan(plan) if arrays is None else dict(arrays)

@@ -282,7 +282,7 @@ def test_the_check_has_power(gen):
 def test_triton_backend_runs_histories_in_kernels_and_windows_on_the_reference(layout, gen):
     """The Triton backend (Triton's interpreter on the CPU) on a plan mixing tree and causal
     windows: outputs poisoned before the kernels run, results against the dense oracle."""
-    from segkv.attention.triton_backend import PlanCapacity, TritonBackend
+    from segkv.attention.triton_backend import PlanCapacity, TritonBackend, flatten_plan
 
     batch = build_tree_batch(layout, 16, gen, num_sequences=3, kinds=("branchy", "causal", "tree"), device=DEVICE)
     plan = _plan(batch)
@@ -297,3 +297,28 @@ def test_triton_backend_runs_histories_in_kernels_and_windows_on_the_reference(l
                           capacity=PlanCapacity(max_pages=64, max_work=64, max_partials=256, max_rows=64))
     with pytest.raises(NotImplementedError, match="key masks"):
         fixed.prepare(plan)
+    with pytest.raises(NotImplementedError, match="key masks"):
+        flatten_plan(plan)  # the kernels' arrays would drop the masks
+
+
+@pytest.mark.parametrize("layout", ["gqa4", "mla"])
+def test_triton_backend_with_tree_windows_alone(layout, gen):
+    """Tree windows over no history: nothing for the kernels, every row from the reference."""
+    from segkv.attention.triton_backend import TritonBackend
+
+    kv_layout, shape, scale = make_layout(layout, torch.float32)
+    cache = PagedKVCache(kv_layout, CacheConfig(page_size=16, num_pages=8), device=DEVICE)
+    chain = cache.new_chain()
+    parents = random_branchy_parents(_randint(2, 16, gen), gen)
+    write_rows(cache, chain, len(parents), gen)
+    query = torch.randn(len(parents), shape.num_q_heads, shape.key_dim, generator=gen)
+    batch = TreeBatch(cache, [chain], [SequenceQuery.from_chain(chain, len(parents), tree_parents=parents)],
+                      query, shape, scale)
+    plan = _plan(batch)
+    assert all(item.key_masks is not None for item in plan.work)
+    backend = TritonBackend(page_size=16, device=DEVICE, poison=True)
+    prepared = backend.prepare(plan)
+    assert not prepared.kernel_work
+    out, lse = backend.run(prepared, query.to(DEVICE), cache.storage.key_cache(0), cache.storage.value_cache(0),
+                           scale=scale)
+    check(out, lse, *dense_tree_attention(batch))
