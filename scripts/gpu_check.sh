@@ -17,7 +17,7 @@ set -uo pipefail
 # shellcheck source=scripts/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
-python3 -m pytest -q -p no:cacheprovider tests/attention/test_triton_attention.py tests/attention/test_triton_mla.py tests/runner/test_cuda_graphs.py tests/kernels/test_expert_gemv.py tests/kernels/test_expert_mlp.py tests/kernels/test_grouped_expert_gemm.py tests/kernels/test_moe_ops.py tests/kernels/test_dense_gemv.py tests/kernels/test_mla_x_gemv.py tests/kernels/test_head_gemv.py tests/kernels/test_sampling_ops.py tests/kernels/test_fused_ops.py tests/engine/test_gpu_engine.py \
+python3 -m pytest -q -p no:cacheprovider tests/attention/test_triton_attention.py tests/attention/test_triton_mla.py tests/runner/test_cuda_graphs.py tests/kernels/test_expert_gemv.py tests/kernels/test_expert_mlp.py tests/kernels/test_grouped_expert_gemm.py tests/kernels/test_moe_ops.py tests/kernels/test_dense_gemv.py tests/kernels/test_mla_x_gemv.py tests/kernels/test_head_gemv.py tests/kernels/test_sampling_ops.py tests/kernels/test_fused_ops.py tests/engine/test_gpu_engine.py tests/engine/test_auto_defaults.py \
   -k "${SEGKV_GPU_TESTS:-}" 2>&1 | tail -25 | tee "$OUT/tests.txt"
 if [ -n "${SEGKV_GPU_TUNE:-}" ]; then  # one process per launch configuration
   for launch in ${SEGKV_GPU_LAUNCHES:-64,4,2 64,4,3 128,4,2 128,8,2 32,4,2 64,8,2}; do
