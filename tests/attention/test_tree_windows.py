@@ -46,6 +46,21 @@ def random_branchy_parents(num_nodes: int, gen: torch.Generator) -> tuple[int, .
             return parents
 
 
+def _write_window(cache: PagedKVCache, chain: KVChain, num_nodes: int, gen: torch.Generator) -> int:
+    """Append a window of ``num_nodes`` rows and return its position. Sometimes the window is
+    sealed part way (it then crosses a segment boundary), sometimes rows follow it (no node sees
+    them)."""
+    query_start = chain.num_rows
+    head = _randint(1, num_nodes - 1, gen) if num_nodes > 1 and _randint(0, 2, gen) == 0 else num_nodes
+    write_rows(cache, chain, head, gen)
+    if head < num_nodes:
+        chain.seal()
+        write_rows(cache, chain, num_nodes - head, gen)
+    if _randint(0, 3, gen) == 0:
+        write_rows(cache, chain, _randint(1, 5, gen), gen)
+    return query_start
+
+
 def _parents(kind: str, num_nodes: int, gen: torch.Generator) -> tuple[int, ...] | None:
     """The window's ``tree_parents`` for a sequence of ``kind`` (build_tree_batch)."""
     if kind == "causal":
@@ -87,10 +102,10 @@ def build_tree_batch(layout_name: str, page_size: int, gen: torch.Generator, *, 
             if _randint(0, 1, gen):
                 chain.seal()
         num_nodes = _randint(2 if kind == "branchy" else 1, 16, gen)
-        write_rows(cache, chain, num_nodes, gen)
+        query_start = _write_window(cache, chain, num_nodes, gen)
         parents = _parents(kind, num_nodes, gen)
         chains.append(chain)
-        queries.append(SequenceQuery.from_chain(chain, num_nodes, tree_parents=parents))
+        queries.append(SequenceQuery.from_chain(chain, num_nodes, query_start=query_start, tree_parents=parents))
     rows = sum(q.num_query_rows for q in queries)
     query = torch.randn(rows, shape.num_q_heads, shape.key_dim, generator=gen)
     return TreeBatch(cache, chains, queries, query, shape, scale)
@@ -225,8 +240,8 @@ def test_chain_shaped_tree_is_the_causal_window_exactly(layout, gen):
     batch = build_tree_batch(layout, 16, gen, kinds=("causal", "causal", "causal"))
     causal_plan = _plan(batch)
     causal = run_reference(batch, causal_plan)
-    batch.queries = [SequenceQuery(q.spans, q.num_query_rows, tree_parents=tuple(range(-1, q.num_query_rows - 1)))
-                     for q in batch.queries]
+    batch.queries = [SequenceQuery(q.spans, q.num_query_rows, q.query_start,
+                                   tree_parents=tuple(range(-1, q.num_query_rows - 1))) for q in batch.queries]
     assert not any(q.is_tree for q in batch.queries)
     tree_plan = _plan(batch)
     assert tree_plan == causal_plan
