@@ -104,10 +104,11 @@ def plan_attention(
     if cascade_min_rows is None:  # forced: share whatever is shared; auto: at least a page
         cascade_min_rows = 1 if forced == Route.CASCADE else page_size
 
+    # tree windows: the route plans their histories (as causal queries that see all of them);
+    # their window pieces are added after the route's pieces
     windows = [_split_tree(query, page_size) if query.is_tree else None for query in queries]
-    full_queries = queries
-    # tree windows: the route plans their history; the window pieces are added after it
-    queries = [query if window is None else window.history for query, window in zip(queries, windows)]
+    full_queries, queries = queries, [query if window is None else window.history
+                                      for query, window in zip(queries, windows)]
     shared = _shared_spans(queries, cascade_min_rows)
     if forced is None:
         use_cascade = bool(shared)
