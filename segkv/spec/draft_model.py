@@ -29,8 +29,6 @@ sequence that still does not fit gets no drafts this step: the step never fails.
 
 from __future__ import annotations
 
-import itertools
-import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,12 +44,10 @@ from segkv.layers.transfer import to_device
 from segkv.models.default_models import check_model_dir, resolve_model_dir
 from segkv.models.loader import load_model
 from segkv.runner.model_runner import ModelRunner, StepInput
+from segkv.spec.chain_states import ChainStates, common_prefix
 from segkv.tokenizer.tokenizer import Tokenizer
 
 DEFAULT_DRAFT_CACHE_BYTES = 256 << 20
-# a new draft chain forks a live one only when they share at least this many tokens
-MIN_FORK_TOKENS = 16
-FORK_CANDIDATES = 64  # most recent draft states a new sequence may fork from
 # text whose token ids both tokenizers must agree on (code, prose, digits, non-ASCII)
 _PROBE = "def f(x):\n    return {'a': [1, 2.5]}  # héllo, wörld — 日本語 🙂\n\nThe quick brown fox. 12345"
 
@@ -113,13 +109,8 @@ class DraftModelProposer:
         self.runner = ModelRunner(self.model, self.cache, device=self.device, backend=backend, cuda_graphs=cuda_graphs,
                                   graph_windows=graph_windows, decode_rows_threshold=max(graph_windows, default=1),
                                   max_model_len=self.max_model_len, prefill_chunk=prefill_chunk)
-        self._states: dict[int, _DraftState] = {}  # id(target chain) -> its draft state
-        self._dead: list[tuple[int, weakref.ref]] = []  # states whose key died while a call ran
-        # held while a call (or a release) changes the draft cache; a key dying meanwhile (the
-        # cyclic collector may run anywhere) only queues its state for the next call
-        self._lock = threading.Lock()
-        self._clock = 0
-        self.evictions = 0  # draft chains released to make room
+        # one draft state per live target chain; its lock is held while a call changes the draft cache
+        self._states: ChainStates[_DraftState] = ChainStates()
 
     @classmethod
     def for_target(cls, model_dir: str | Path, runner: ModelRunner, tokenizer: Tokenizer,
@@ -141,27 +132,27 @@ class DraftModelProposer:
         """Draft chains held (one per live sequence that was drafted for)."""
         return len(self._states)
 
+    @property
+    def evictions(self) -> int:
+        """Draft chains released to make room."""
+        return self._states.evictions
+
     def release_all(self) -> None:
         """Release every draft chain (the cache's pages all go back)."""
-        with self._lock:
-            for state in self._states.values():
-                state.chain.release()
-            self._states.clear()
-            self._dead.clear()
+        self._states.release_all()
 
     # -- the Proposer protocol ----------------------------------------------------------
     def propose(self, seqs: list[DraftSequence], rooms: list[int]) -> list[list[int]]:
         """Up to ``rooms[i]`` greedy draft tokens for each of ``seqs`` (see the module docstring)."""
-        with self._lock:
-            self._release_dead()
-            self._clock += 1
+        with self._states.lock:
+            self._states.begin_call()
             tokens = [s.all_token_ids() for s in seqs]
             # every draft row has a position of the draft model: d_k has no row, so len + k - 1 rows
             rooms = [max(0, min(room, self.max_model_len + 1 - len(ids))) for room, ids in zip(rooms, tokens)]
             states = [self._state_of(s, ids) if room > 0 else None for s, ids, room in zip(seqs, tokens, rooms)]
             active = [i for i, st in enumerate(states) if st is not None]
             for i in active:  # keep the common prefix, and the pending token to process
-                states[i].trim_to(min(_common_prefix(states[i].token_ids, tokens[i]), len(tokens[i]) - 1))
+                states[i].trim_to(min(common_prefix(states[i].token_ids, tokens[i]), len(tokens[i]) - 1))
             active = self._make_room(active, states, tokens, rooms)
             drafts: list[list[int]] = [[] for _ in seqs]
             try:
@@ -213,30 +204,15 @@ class DraftModelProposer:
     def _state_of(self, seq: DraftSequence, ids: list[int]) -> _DraftState:
         """``seq``'s draft state: its own, else a new one forking the live draft chain that shares
         the longest prefix with ``ids`` (no copy), else an empty one."""
-        key = seq.chain
-        state = self._states.get(id(key))
-        if state is not None and state.key() is key:
-            state.last_used = self._clock
+        state = self._states.get(seq.chain)
+        if state is not None:
             return state
-        best, best_len = None, MIN_FORK_TOKENS - 1
-        # the newest states only (a fork's parent was made or used just before): scanning every
-        # live state would make a batch of N new sequences cost N^2 / 2 comparisons
-        for other in itertools.islice(reversed(self._states.values()), FORK_CANDIDATES):
-            if other.token_ids[:1] == ids[:1]:
-                n = _common_prefix(other.token_ids, ids)
-                if n > best_len:
-                    best, best_len = other, n
-        this = weakref.ref(self)
-        ref = weakref.ref(key, lambda r, k=id(key): (p := this()) is not None and p._key_died(k, r))
+        best, ref, clock = self._states.fork_source(ids), self._states.key_ref(seq.chain), self._states.clock
         if best is None:
-            state = _DraftState(self.cache.new_chain(), [], ref, self._clock)
+            state = _DraftState(self.cache.new_chain(), [], ref, clock)
         else:
-            state = _DraftState(best.chain.fork(), list(best.token_ids), ref, self._clock)
-        old = self._states.get(id(key))
-        if old is not None:  # a dead key's state whose release was queued: the id is reused
-            old.chain.release()
-        self._states[id(key)] = state
-        return state
+            state = _DraftState(best.chain.fork(), list(best.token_ids), ref, clock)
+        return self._states.put(seq.chain, state)
 
     def _make_room(self, active: list[int], states: list[_DraftState | None], tokens: list[list[int]],
                    rooms: list[int]) -> list[int]:
@@ -247,54 +223,10 @@ class DraftModelProposer:
         need = {i: pool.pages_for_rows(len(tokens[i]) - len(states[i].token_ids) + rooms[i] - 1) + 1
                 for i in active}
         total = sum(need.values())
-        if total > pool.num_free_pages:
-            busy = {id(states[i]) for i in active}
-            idle = sorted((st for st in self._states.items() if id(st[1]) not in busy), key=lambda kv: kv[1].last_used)
-            for key_id, state in idle:
-                if total <= pool.num_free_pages:
-                    break
-                state.chain.release()
-                del self._states[key_id]
-                self.evictions += 1
+        self._states.evict_idle({id(states[i]) for i in active}, lambda: total <= pool.num_free_pages)
         while active and total > pool.num_free_pages:
             total -= need[active.pop()]
         return active
-
-    def _key_died(self, key_id: int, ref: weakref.ref) -> None:
-        """A target chain went away: release its draft chain now, or at the next call if one runs."""
-        if self._lock.acquire(blocking=False):
-            try:
-                self._forget(key_id, ref)
-            finally:
-                self._lock.release()
-        else:
-            self._dead.append((key_id, ref))
-
-    def _release_dead(self) -> None:
-        while self._dead:
-            self._forget(*self._dead.pop())
-
-    def _forget(self, key_id: int, ref: weakref.ref) -> None:
-        state = self._states.get(key_id)
-        if state is not None and state.key is ref:
-            state.chain.release()
-            del self._states[key_id]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """The length of the longest common prefix of ``a`` and ``b`` (slice comparisons, so the
-    work per call is a few list compares rather than a Python loop over every token)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
-    while high - low > 1:
-        mid = (low + high) // 2
-        if a[low:mid] == b[low:mid]:
-            low = mid
-        else:
-            high = mid
-    return low
 
 
 def _check_same_tokenizer(draft: Tokenizer, target: Tokenizer, *, draft_name: str, target_name: str) -> None:

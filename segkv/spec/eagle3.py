@@ -36,8 +36,6 @@ hole there, which costs acceptance, never correctness). Tree drafts are not impl
 from __future__ import annotations
 
 import bisect
-import itertools
-import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +57,8 @@ from segkv.models.default_models import GQA_NAME, MLA_NAME, PACKAGE_ROOT, packag
 from segkv.models.eagle3 import Eagle3Head
 from segkv.models.eagle3_loading import load_eagle3_head
 from segkv.runner.model_runner import PENDING_TOKEN, ModelRunner
-from segkv.spec.draft_model import FORK_CANDIDATES, MIN_FORK_TOKENS, DraftSequence, _common_prefix
+from segkv.spec.chain_states import ChainStates, common_prefix
+from segkv.spec.draft_model import DraftSequence
 
 DEFAULT_HEAD_CACHE_BYTES = 64 << 20
 # the most head rows one sequence catches up per forward (a long prompt: attention scores of
@@ -201,11 +200,8 @@ class Eagle3Proposer:
         target.set_aux_hidden_layers(self.head.aux_layer_ids)
         self._aux: weakref.WeakKeyDictionary[Any, _AuxRecord] = weakref.WeakKeyDictionary()
         runner.hidden_listener = self._record
-        self._states: dict[int, _HeadState] = {}  # id(target chain) -> its head state
-        self._dead: list[tuple[int, weakref.ref]] = []  # states whose key died while a call ran
-        self._lock = threading.Lock()
-        self._clock = 0
-        self.evictions = 0  # head states released to make room
+        # one head state per live target chain; its lock is held while a call changes the head cache
+        self._states: ChainStates[_HeadState] = ChainStates()
 
     def _make_backend(self, runner: ModelRunner):
         """The Triton backend where the target runs it on CUDA; the torch reference elsewhere (the
@@ -221,13 +217,14 @@ class Eagle3Proposer:
         """Head states held (one per live sequence that was drafted for)."""
         return len(self._states)
 
+    @property
+    def evictions(self) -> int:
+        """Head states released to make room."""
+        return self._states.evictions
+
     def release_all(self) -> None:
         """Release every head state (the head cache's pages all go back)."""
-        with self._lock:
-            for state in self._states.values():
-                state.chain.release()
-            self._states.clear()
-            self._dead.clear()
+        self._states.release_all()
 
     # -- the target's states ------------------------------------------------------------
     def _record(self, chains: list[KVChain], chunks: list[list[int]], aux: torch.Tensor) -> None:
@@ -250,9 +247,8 @@ class Eagle3Proposer:
     @torch.inference_mode()
     def propose(self, seqs: list[DraftSequence], rooms: list[int]) -> list[list[int]]:
         """Up to ``rooms[i]`` greedy draft tokens for each of ``seqs`` (see the module docstring)."""
-        with self._lock:
-            self._release_dead()
-            self._clock += 1
+        with self._states.lock:
+            self._states.begin_call()
             drafts: list[list[int]] = [[] for _ in seqs]
             work = []
             for i, (seq, room) in enumerate(zip(seqs, rooms)):
@@ -278,7 +274,7 @@ class Eagle3Proposer:
         if record is None or record.end != rows or rows == 0 or len(tokens) != rows + 1:
             return None
         state = self._state_of(seq, tokens)
-        state.trim_to(min(state.covered, max(_common_prefix(state.token_ids, tokens) - 1, 0), rows))
+        state.trim_to(min(state.covered, max(common_prefix(state.token_ids, tokens) - 1, 0), rows))
         start = max(state.covered, record.start)  # rows before the record's have no state: skipped
         if start >= rows:  # the head is up to date, yet the last row must be its input: recompute it
             state.trim_to(rows - 1)
@@ -384,29 +380,16 @@ class Eagle3Proposer:
     def _state_of(self, seq: DraftSequence, ids: list[int]) -> _HeadState:
         """``seq``'s head state: its own, else a new one forking the live state that shares the
         longest prefix with ``ids`` (no copy), else an empty one."""
-        key = seq.chain
-        state = self._states.get(id(key))
-        if state is not None and state.key() is key:
-            state.last_used = self._clock
+        state = self._states.get(seq.chain)
+        if state is not None:
             return state
-        best, best_len = None, MIN_FORK_TOKENS - 1
-        for other in itertools.islice(reversed(self._states.values()), FORK_CANDIDATES):
-            if other.token_ids[:1] == ids[:1]:
-                n = _common_prefix(other.token_ids, ids)
-                if n > best_len:
-                    best, best_len = other, n
-        this = weakref.ref(self)
-        ref = weakref.ref(key, lambda r, k=id(key): (p := this()) is not None and p._key_died(k, r))
+        best, ref, clock = self._states.fork_source(ids), self._states.key_ref(seq.chain), self._states.clock
         if best is None:
-            state = _HeadState(self.cache.new_chain(), ref, last_used=self._clock)
+            state = _HeadState(self.cache.new_chain(), ref, last_used=clock)
         else:
             state = _HeadState(best.chain.fork(), ref, list(best.positions), best.covered, list(best.token_ids),
-                               self._clock)
-        old = self._states.get(id(key))
-        if old is not None:  # a dead key's state whose release was queued: the id is reused
-            old.chain.release()
-        self._states[id(key)] = state
-        return state
+                               clock)
+        return self._states.put(seq.chain, state)
 
     def _make_room(self, work: list[_Work]) -> list[_Work]:
         """The items of ``work`` the head cache has pages for: least recently used head states of
@@ -414,36 +397,7 @@ class Eagle3Proposer:
         pool = self.cache.pool
         need = {id(w): pool.pages_for_rows(len(w.next_ids) + w.room - 1) + 1 for w in work}
         total = sum(need.values())
-        if total > pool.num_free_pages:
-            busy = {id(w.state) for w in work}
-            idle = sorted((kv for kv in self._states.items() if id(kv[1]) not in busy),
-                          key=lambda kv: kv[1].last_used)
-            for key_id, state in idle:
-                if total <= pool.num_free_pages:
-                    break
-                state.chain.release()
-                del self._states[key_id]
-                self.evictions += 1
+        self._states.evict_idle({id(w.state) for w in work}, lambda: total <= pool.num_free_pages)
         while work and total > pool.num_free_pages:
             total -= need[id(work.pop())]
         return work
-
-    def _key_died(self, key_id: int, ref: weakref.ref) -> None:
-        """A target chain went away: release its head state now, or at the next call if one runs."""
-        if self._lock.acquire(blocking=False):
-            try:
-                self._forget(key_id, ref)
-            finally:
-                self._lock.release()
-        else:
-            self._dead.append((key_id, ref))
-
-    def _release_dead(self) -> None:
-        while self._dead:
-            self._forget(*self._dead.pop())
-
-    def _forget(self, key_id: int, ref: weakref.ref) -> None:
-        state = self._states.get(key_id)
-        if state is not None and state.key is ref:
-            state.chain.release()
-            del self._states[key_id]
