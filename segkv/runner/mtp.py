@@ -21,7 +21,6 @@ acceptance at fork points, never correctness.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 
@@ -30,19 +29,7 @@ from segkv.attention.plan import SequenceQuery
 from segkv.cache.chain import KVChain
 from segkv.layers.transfer import to_device
 from segkv.runner.model_runner import PENDING_TOKEN, ModelRunner
-
-
-@dataclass(slots=True)
-class _Pending:
-    """Main hidden states of a chain's rows ``start ..`` whose MTP rows are not written."""
-
-    start: int
-    parts: list[torch.Tensor] = field(default_factory=list)
-    rows: int = 0
-
-    @property
-    def end(self) -> int:
-        return self.start + self.rows
+from segkv.runner.row_states import RowStates, record_rows
 
 
 class MtpRunner:
@@ -66,7 +53,7 @@ class MtpRunner:
                              f"the {main} main layers and the {len(mtp)} MTP layers")
         self.runner = runner
         self.num_layers = len(mtp)
-        self._pending: weakref.WeakKeyDictionary[KVChain, _Pending] = weakref.WeakKeyDictionary()
+        self._pending: weakref.WeakKeyDictionary[KVChain, RowStates] = weakref.WeakKeyDictionary()
         runner.hidden_listener = self._record
         self.graphs = None
         if runner.graphs is not None:
@@ -79,30 +66,7 @@ class MtpRunner:
 
     def _record(self, chains: list[KVChain], chunks: list[list[int]], hidden: torch.Tensor) -> None:
         """Keep each chunk's hidden rows (``hidden (T, hidden)``, chunks in order)."""
-        start = 0
-        for chain, chunk in zip(chains, chunks):
-            n = len(chunk)
-            first = chain.num_rows - n  # the chunk's rows are in the chain already
-            rows = hidden[start : start + n]
-            start += n
-            record = self._pending.get(chain)
-            if record is not None and record.end > first >= record.start:
-                self._truncate(record, first)  # rows trimmed since (rejected drafts)
-            if record is None or record.end != first:
-                record = self._pending[chain] = _Pending(first)  # a new chain, or rows not seen
-            record.parts.append(rows)
-            record.rows += n
-
-    @staticmethod
-    def _truncate(record: _Pending, end: int) -> None:
-        keep = end - record.start
-        parts, total = [], 0
-        for part in record.parts:
-            if total >= keep:
-                break
-            parts.append(part[: keep - total])
-            total += len(parts[-1])
-        record.parts, record.rows = parts, total
+        record_rows(self._pending, chains, chunks, hidden)
 
     def pending_rows(self, chain: KVChain) -> int:
         """Rows at the end of ``chain`` whose MTP rows wait for :meth:`catch_up` (0: none known)."""
@@ -110,7 +74,7 @@ class MtpRunner:
         if record is None or record.start >= chain.num_rows:
             return 0
         if record.end > chain.num_rows:
-            self._truncate(record, chain.num_rows)
+            record.truncate(chain.num_rows)
         return record.rows if record.end == chain.num_rows else 0
 
     @torch.inference_mode()
@@ -125,7 +89,7 @@ class MtpRunner:
             record = self._pending.pop(chain)
             if record.rows != n or record.end != chain.num_rows:
                 raise ValueError(f"catch_up of {n} rows, but {record.rows} wait at the chain's end")
-            hidden.append(torch.cat(record.parts) if len(record.parts) > 1 else record.parts[0])
+            hidden.append(record.rows_from(record.start))
             positions += range(chain.num_rows - n, chain.num_rows)
             slots += _last_slots(chain, n)
             queries.append(SequenceQuery.from_chain(chain, n))

@@ -57,6 +57,7 @@ from segkv.models.default_models import GQA_NAME, MLA_NAME, PACKAGE_ROOT, packag
 from segkv.models.eagle3 import Eagle3Head
 from segkv.models.eagle3_loading import load_eagle3_head
 from segkv.runner.model_runner import PENDING_TOKEN, ModelRunner
+from segkv.runner.row_states import RowStates, record_rows
 from segkv.spec.chain_states import ChainStates, common_prefix
 from segkv.spec.draft_model import DraftSequence
 
@@ -85,42 +86,6 @@ def resolve_head_dir(model: str | Path, target_dir: str | Path | None) -> Path:
         raise ValueError(f"speculative method 'eagle3': the head directory '{model}' "
                          f"{'has no config.json' if path.is_dir() else 'does not exist'}")
     return path
-
-
-@dataclass(slots=True)
-class _AuxRecord:
-    """The target's auxiliary states ``(n, width)`` of a chain's rows ``start ..`` not consumed yet."""
-
-    start: int
-    parts: list[torch.Tensor] = field(default_factory=list)
-    rows: int = 0
-
-    @property
-    def end(self) -> int:
-        return self.start + self.rows
-
-    def truncate(self, end: int) -> None:
-        """Keep the rows before ``end`` (rows trimmed from the target chain since)."""
-        keep, parts, total = end - self.start, [], 0
-        for part in self.parts:
-            if total >= keep:
-                break
-            parts.append(part[: keep - total])
-            total += len(parts[-1])
-        self.parts, self.rows = parts, total
-
-    def rows_from(self, start: int) -> torch.Tensor:
-        """The states of rows ``start .. end`` (``start >= self.start``), ``(end - start, width)``."""
-        whole = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
-        return whole[start - self.start:]
-
-    def drop_before(self, row: int) -> None:
-        """Forget the rows before ``row`` (the head has theirs now)."""
-        if row >= self.end:
-            self.start, self.parts, self.rows = row, [], 0
-        elif row > self.start:
-            rest = self.rows_from(row).clone()  # a view would keep the whole forward's states alive
-            self.start, self.parts, self.rows = row, [rest], len(rest)
 
 
 @dataclass(slots=True, eq=False)
@@ -154,7 +119,7 @@ class _Work:
 
     index: int
     state: _HeadState
-    record: _AuxRecord
+    record: RowStates
     tokens: list[int]
     start: int
     aux: torch.Tensor
@@ -198,7 +163,7 @@ class Eagle3Proposer:
         c = self.head.cfg
         self.shape = AttentionShape(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim)
         target.set_aux_hidden_layers(self.head.aux_layer_ids)
-        self._aux: weakref.WeakKeyDictionary[Any, _AuxRecord] = weakref.WeakKeyDictionary()
+        self._aux: weakref.WeakKeyDictionary[Any, RowStates] = weakref.WeakKeyDictionary()
         runner.hidden_listener = self._record
         # one head state per live target chain; its lock is held while a call changes the head cache
         self._states: ChainStates[_HeadState] = ChainStates()
@@ -229,19 +194,7 @@ class Eagle3Proposer:
     # -- the target's states ------------------------------------------------------------
     def _record(self, chains: list[KVChain], chunks: list[list[int]], aux: torch.Tensor) -> None:
         """Keep each chunk's auxiliary states (``aux (T, width)``, chunks in order)."""
-        start = 0
-        for chain, chunk in zip(chains, chunks):
-            n = len(chunk)
-            first = chain.num_rows - n  # the chunk's rows are in the chain already
-            rows = aux[start : start + n]
-            start += n
-            record = self._aux.get(chain)
-            if record is not None and record.end > first >= record.start:
-                record.truncate(first)  # rows trimmed since (rejected drafts)
-            if record is None or record.end != first:
-                record = self._aux[chain] = _AuxRecord(first)  # a new chain, or rows not seen
-            record.parts.append(rows)
-            record.rows += n
+        record_rows(self._aux, chains, chunks, aux)
 
     # -- the Proposer protocol ----------------------------------------------------------
     @torch.inference_mode()
