@@ -228,6 +228,15 @@ def _biased(logits: torch.Tensor, params: Sequence[SamplingParams], token_bitmas
     return apply_token_bitmask(apply_logit_bias(logits, params), token_bitmask)
 
 
+def _penalised(logits: torch.Tensor, params: Sequence[SamplingParams],
+               prompt_token_ids: Sequence[Sequence[int]] | None, output_token_ids: Sequence[Sequence[int]] | None,
+               token_bitmask: torch.Tensor | None) -> torch.Tensor:
+    """``(B, V)`` float32: ``logits`` with ``logit_bias``, the grammar's mask and the penalties applied,
+    what greedy rows take the argmax of and sampled rows start from."""
+    prompts, outputs = _histories(logits, params, prompt_token_ids, output_token_ids)
+    return apply_penalties(_biased(logits.float(), params, token_bitmask), params, prompts, outputs)
+
+
 def _histories(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -316,8 +325,7 @@ class Sampler(torch.nn.Module):
         """``(B,)`` int64 on ``logits.device``: each row's penalised argmax, the token ``forward``
         takes for a greedy row (the one-hot of :meth:`distribution`, without building it).
         Arguments as for ``forward``."""
-        prompts, outputs = _histories(logits, params, prompt_token_ids, output_token_ids)
-        return argmax_rows(apply_penalties(_biased(logits.float(), params, token_bitmask), params, prompts, outputs))
+        return argmax_rows(_penalised(logits, params, prompt_token_ids, output_token_ids, token_bitmask))
 
     def distribution(
         self,
@@ -336,8 +344,7 @@ class Sampler(torch.nn.Module):
         of a verify window come as separate rows, each with the output so far plus the drafts
         before its position in ``output_token_ids``, so penalties see them.
         """
-        prompts, outputs = _histories(logits, params, prompt_token_ids, output_token_ids)
-        penalised = apply_penalties(_biased(logits.float(), params, token_bitmask), params, prompts, outputs)
+        penalised = _penalised(logits, params, prompt_token_ids, output_token_ids, token_bitmask)
         one_hot = torch.zeros_like(penalised).scatter_(1, argmax_rows(penalised)[:, None], 1.0)
         greedy = [p.greedy for p in params]
         if all(greedy):
