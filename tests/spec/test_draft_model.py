@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from drafting_helpers import GREEDY, K, PROMPTS, proposer_pages, tokens
 from model_helpers import build_model_dir
 from segkv.engine.core import EngineCore
 from segkv.engine.llm import LLM
@@ -17,22 +18,7 @@ from segkv.sampling_params import SamplingParams
 from segkv.scheduler import SchedulerConfig
 from segkv.spec.draft_model import DraftModelProposer
 
-K = 3
 DRAFT = {"method": "draft_model", "model": "default", "num_speculative_tokens": K}
-PROMPTS = [
-    "def add(a, b):\n    return",
-    "import os\nimport sys\n\n\ndef main():\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self",
-]
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-def tokens(llm, prompts, params):
-    return [[o.token_ids for o in r.outputs] for r in llm.generate(prompts, params)]
-
-
-def draft_pages(llm) -> int:
-    return llm.generator.proposer.cache.pool.pages_in_use
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +40,7 @@ def test_greedy_tokens_equal_plain_decoding_and_the_draft_cache_empties(mla_pair
     stats = spec.generator.spec_stats
     assert stats.drafts > 0 and 0 < stats.accepted_tokens <= stats.draft_tokens
     gc.collect()
-    assert draft_pages(spec) == 0 and spec.generator.proposer.num_sequences == 0
+    assert proposer_pages(spec) == 0 and spec.generator.proposer.num_sequences == 0
     assert spec.cache.stats()["pages_in_use"] == 0
 
 
@@ -70,7 +56,7 @@ def test_a_model_drafting_for_itself_has_every_draft_accepted(self_pair):
     # 32 tokens after the first: windows of k + 1 tokens (8 per prompt), the last one shortened
     assert drafts == len(PROMPTS) * 8 and proposed == len(PROMPTS) * 32 - drafts
     gc.collect()
-    assert draft_pages(spec) == 0
+    assert proposer_pages(spec) == 0
 
 
 def test_siblings_and_batches_match_plain(mla_pair):
@@ -82,7 +68,7 @@ def test_siblings_and_batches_match_plain(mla_pair):
     alone = [tokens(spec, [p], GREEDY)[0] for p in PROMPTS[:2]]
     assert alone == tokens(plain, PROMPTS[:2], GREEDY)
     gc.collect()
-    assert draft_pages(spec) == 0
+    assert proposer_pages(spec) == 0
 
 
 def test_seeded_sampling_is_reproducible(mla_pair):
@@ -112,7 +98,7 @@ def test_conversation_turns_fork_and_restore_match_plain(mla_pair):
         del conv, fork, snap
         gc.collect()
         if llm.speculative_config is not None:
-            assert draft_pages(llm) == 0
+            assert proposer_pages(llm) == 0
     assert results[0] == results[1]
 
 
@@ -133,7 +119,7 @@ def test_a_small_target_cache_preempts_and_recomputes_with_the_same_tokens(mla_p
     assert [[o.token_ids for o in r.output().outputs] for r in requests] == want
     del requests
     gc.collect()
-    assert draft_pages(small) == 0
+    assert proposer_pages(small) == 0
 
 
 def test_a_recomputed_sequence_step_by_step(self_pair):
@@ -162,7 +148,7 @@ def test_a_recomputed_sequence_step_by_step(self_pair):
     seq.chain.release()
     del seq
     gc.collect()
-    assert draft_pages(spec) == 0
+    assert proposer_pages(spec) == 0
 
 
 def test_a_tiny_draft_cache_evicts_or_skips_and_never_fails_the_step(mla_pair):

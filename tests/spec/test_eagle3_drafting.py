@@ -10,28 +10,14 @@ import shutil
 
 import pytest
 
+from drafting_helpers import GREEDY, K, PROMPTS, proposer_pages, tokens
 from model_helpers import build_model_dir
 from segkv.engine.llm import LLM
 from segkv.models.default_models import PACKAGE_ROOT
 from segkv.sampling_params import SamplingParams
 from segkv.spec.eagle3 import Eagle3Proposer
 
-K = 3
 EAGLE3 = {"method": "eagle3", "model": "default", "num_speculative_tokens": K}
-PROMPTS = [
-    "def add(a, b):\n    return",
-    "import os\nimport sys\n\n\ndef main():\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self",
-]
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-def tokens(llm, prompts, params):
-    return [[o.token_ids for o in r.outputs] for r in llm.generate(prompts, params)]
-
-
-def head_pages(llm) -> int:
-    return llm.generator.proposer.cache.pool.pages_in_use
 
 
 @pytest.fixture(scope="module", params=["default", "default-mla"])
@@ -53,7 +39,7 @@ def test_greedy_tokens_equal_plain_decoding_at_batch_3_and_1(pair):
     alone = tokens(spec, PROMPTS[2:], GREEDY)
     assert alone == tokens(plain, PROMPTS[2:], GREEDY)
     gc.collect()
-    assert head_pages(spec) == 0 and spec.generator.proposer.num_sequences == 0
+    assert proposer_pages(spec) == 0 and spec.generator.proposer.num_sequences == 0
     assert spec.cache.stats()["pages_in_use"] == 0
 
 
@@ -77,7 +63,7 @@ def test_siblings_turns_forks_and_restores_match_plain(pair):
         del conv, fork, snap
         gc.collect()
         if llm.speculative_config is not None:
-            assert head_pages(llm) == 0
+            assert proposer_pages(llm) == 0
     assert results[0] == results[1]
 
 
