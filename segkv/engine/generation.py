@@ -309,7 +309,10 @@ class Generator:
         proposals = [w[1] for w in windows]
         params = [s.params for s, p in zip(seqs, proposals) for _ in range(len(p) + 1)]
         prompts = [s.history for s, p in zip(seqs, proposals) for _ in range(len(p) + 1)]
-        outputs = [s.output_ids + p[:j] for s, p in zip(seqs, proposals) for j in range(len(p) + 1)]
+        # the output so far plus the drafts before each row, which only penalties read: not copied
+        # for the rest (a copy per row of a long output, every step)
+        outputs = [s.output_ids + p[:j] if s.params.has_penalties else ()
+                   for s, p in zip(seqs, proposals) for j in range(len(p) + 1)]
         logits = torch.cat([w[2] for w in windows]) if len(windows) > 1 else windows[0][2]
         bitmask = None
         if any(w[3] is not None for w in windows):
