@@ -67,13 +67,16 @@ class SequenceQuery:
     key (for example a padding row at position -1) sees nothing and yields 0.
 
     ``tree_parents`` makes the window a tree (a tree verify window, EAGLE-3 style): one entry
-    per query row, the index within the window of the row's parent, ``-1`` for a child of the
-    last history row; parents come before children. Every node is a query row and a KV row
-    (at position ``query_start + i``, in node order); node ``i`` sees every key before
-    ``query_start`` and, within the window, only its ancestors and itself (never siblings,
-    cousins or later rows). A tree's window must lie inside the chain. ``None`` is today's
-    causal window; so is a chain-shaped tree (parents ``-1, 0, 1, ...``), which
-    :attr:`is_tree` reports as not a tree so that it is planned exactly as the causal window.
+    per tree node, the index within the tree of the node's parent, ``-1`` for a child of the
+    last row before the tree; parents come before children. Every node is a KV row (in node
+    order, the tree's first row at :attr:`tree_start`); node ``i`` sees every key before the
+    tree and, within it, only its ancestors and itself (never siblings, cousins or later rows).
+    The query rows are the tree's last ``num_query_rows`` nodes: all of them for a verify
+    window; fewer when a tree grows a level at a time (a draft head's step appends and queries
+    its newest nodes, whose ancestors are rows of earlier steps). A tree must lie inside the
+    chain. ``None`` is today's causal window; so is a chain-shaped tree (parents ``-1, 0, 1,
+    ...``), which :attr:`is_tree` reports as not a tree so that it is planned exactly as the
+    causal window.
     """
 
     spans: tuple[ChainSpan, ...]
@@ -98,21 +101,27 @@ class SequenceQuery:
     def _check_tree(self) -> None:
         """ValueError unless ``tree_parents`` is a tree over the window and the window is in the chain."""
         parents = self.tree_parents
-        if len(parents) != self.num_query_rows:
-            raise ValueError(f"tree_parents has {len(parents)} entries for {self.num_query_rows} query rows")
+        if len(parents) < self.num_query_rows:
+            raise ValueError(f"tree_parents has {len(parents)} entries for {self.num_query_rows} query rows "
+                             f"(the query rows are the tree's last nodes)")
         for node, parent in enumerate(parents):
             if not isinstance(parent, int) or isinstance(parent, bool):
                 raise ValueError(f"tree_parents[{node}] must be an int, got {parent!r}")
             if not -1 <= parent < node:
                 raise ValueError(f"tree_parents[{node}] = {parent}: a parent is -1 (the last history row) "
                                  f"or an earlier node of the window (0 .. {node - 1})")
-        if self.query_start < 0 or self.query_start + self.num_query_rows > self.num_kv_rows:
-            raise ValueError(f"a tree window of {self.num_query_rows} rows at position {self.query_start} must "
-                             f"lie inside the chain's {self.num_kv_rows} rows (its nodes are KV rows)")
+        if self.tree_start < 0 or self.query_start + self.num_query_rows > self.num_kv_rows:
+            raise ValueError(f"a tree of {len(parents)} rows at position {self.tree_start} must lie inside "
+                             f"the chain's {self.num_kv_rows} rows (its nodes are KV rows)")
 
     @property
     def num_kv_rows(self) -> int:
         return sum(span.num_rows for span in self.spans)
+
+    @property
+    def tree_start(self) -> int:
+        """The position of the tree's first node (``query_start`` when every node is a query row)."""
+        return self.query_start - (len(self.tree_parents) - self.num_query_rows if self.tree_parents else 0)
 
     @property
     def is_tree(self) -> bool:
@@ -121,9 +130,9 @@ class SequenceQuery:
         return parents is not None and any(p != i - 1 for i, p in enumerate(parents))
 
     def ancestor_masks(self) -> tuple[int, ...]:
-        """Per window node, a bitmask over the window's rows: bit ``j`` of entry ``i`` is set when
-        node ``i`` sees window row ``j`` (its ancestors and itself). A causal window's row ``i``
-        gets ``2 ** (i + 1) - 1``."""
+        """Per tree node (every query row of a causal window), a bitmask over the tree's rows: bit
+        ``j`` of entry ``i`` is set when node ``i`` sees tree row ``j`` (its ancestors and itself).
+        A causal window's row ``i`` gets ``2 ** (i + 1) - 1``."""
         parents = self.tree_parents or tuple(range(-1, self.num_query_rows - 1))
         masks: list[int] = []
         for node, parent in enumerate(parents):

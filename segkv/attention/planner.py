@@ -429,8 +429,8 @@ def _split_tree(query: SequenceQuery, page_size: int) -> _TreeWindow:
     """Cut a tree query's spans at the page holding its first window row (pieces start at a
     page's row 0, so up to ``page_size - 1`` history rows go with the window piece, all visible
     to every node); rows after the window are left out (no node sees them)."""
-    start = query.query_start
-    end = start + query.num_query_rows
+    start = query.tree_start
+    end = query.query_start + query.num_query_rows
     history: list[ChainSpan] = []
     page_ids: list[int] = []
     page_rows: list[int] = []
@@ -473,11 +473,12 @@ def _add_tree_windows(
     for query, window in zip(queries, windows):
         if window is not None:
             pieces.append(Piece(tuple(window.page_ids), tuple(window.page_rows)))
-            lead = query.query_start - window.key_start  # history rows at the head of the piece
+            lead = query.tree_start - window.key_start  # history rows at the head of the piece
             history_bits = (1 << lead) - 1
-            masks = [history_bits | (mask << lead) for mask in query.ancestor_masks()]
+            first = len(query.tree_parents) - query.num_query_rows  # the query rows: the tree's last nodes
+            masks = [history_bits | (mask << lead) for mask in query.ancestor_masks()[first:]]
             rows = [row_base + i for i in range(query.num_query_rows)]
-            offsets = [lead + i for i in range(query.num_query_rows)]
+            offsets = [lead + first + i for i in range(query.num_query_rows)]
             for start in range(0, len(rows), max_rows_per_work):
                 stop = start + max_rows_per_work
                 work.append(WorkItem(len(pieces) - 1, tuple(rows[start:stop]), tuple(offsets[start:stop]),
