@@ -213,6 +213,31 @@ class KVChain:
             num_rows -= ref.num_rows
             ref.release()
 
+    def keep_last_rows(self, window: int, keep: Sequence[int]) -> int:
+        """Of the last ``window`` rows (all in the tail), keep those at offsets ``keep`` (strictly
+        ascending) as the window's first rows, in that order, and drop the rest: a tree verify
+        window's accepted path, whose nodes need not follow each other. Only rows not already in
+        place are copied (every layer, through the storage's ``copy_rows``); returns how many."""
+        keep = [int(k) for k in keep]
+        if not 0 <= window <= self.num_tail_rows:
+            raise ValueError(f"a window of {window} rows is not inside the tail's {self.num_tail_rows}")
+        if any(not 0 <= k < window for k in keep) or any(a >= b for a, b in zip(keep, keep[1:])):
+            raise ValueError(f"rows to keep must be strictly ascending offsets in [0, {window}), got {keep}")
+        tail = self.tail
+        base = tail.num_rows - window
+        moves = [(k, j) for j, k in enumerate(keep) if k != j]
+        if moves:
+            if self._copy_rows is None:
+                raise ValueError("this chain has no row copier (a chain made by PagedKVCache.new_chain has one)")
+            src = [tail.slots(base + k, base + k + 1)[0] for k, _ in moves]
+            dst = [tail.slots(base + j, base + j + 1)[0] for _, j in moves]
+            self._copy_rows(src, dst)  # a source lies after every destination before it: no overlap
+            if tail.token_ids is not None:
+                for k, j in moves:
+                    tail.token_ids[base + j] = tail.token_ids[base + k]
+        self.trim(window - len(keep))
+        return len(moves)
+
     def release(self) -> None:
         """Give up every reference; the chain becomes empty and may be reused."""
         for ref in self.refs:

@@ -29,10 +29,17 @@ BACKENDS = ("auto", "torch", "triton")
 
 @dataclass(slots=True)
 class StepInput:
-    """One sequence's share of a forward: its chain and the new token ids to process."""
+    """One sequence's share of a forward: its chain and the new token ids to process.
+
+    ``tree_parents`` makes the tokens a tree verify window (``SequenceQuery.tree_parents``): one
+    entry per token, the index of its parent among them, ``-1`` for a child of the chain's last
+    row. Every token gets a KV row, in order; its position is the chain's length plus its depth
+    (the root tokens' depth is 0), and it attends the history and its ancestors-or-self only.
+    A tree must fit one forward (``prefill_chunk`` tokens)."""
 
     chain: KVChain
     token_ids: list[int]
+    tree_parents: tuple[int, ...] | None = None
 
 
 class ModelRunner:
@@ -120,6 +127,13 @@ class ModelRunner:
             raise ValueError("collect works with exactly one input")
         if any(not item.token_ids for item in inputs):
             raise ValueError("every sequence of a forward needs at least one new token")
+        for item in inputs:
+            if item.tree_parents is not None and (len(item.tree_parents) != len(item.token_ids)
+                                                  or len(item.token_ids) > self.prefill_chunk):
+                raise ValueError(f"a tree of {len(item.token_ids)} tokens needs one parent per token "
+                                 f"({len(item.tree_parents)} given) and at most {self.prefill_chunk} tokens")
+            if item.tree_parents is not None:
+                tree_positions(0, item.tree_parents)  # a ValueError for a malformed tree
         if logit_rows is not None:
             if collect is not None or len(logit_rows) != len(inputs):
                 raise ValueError("logit_rows needs one count per input, and no collect")
@@ -135,8 +149,9 @@ class ModelRunner:
                 chunks = [inputs[i].token_ids[done[i] : done[i] + self.prefill_chunk] for i in active]
                 rows = None if logit_rows is None else [
                     logit_rows[i] if done[i] + len(c) == len(inputs[i].token_ids) else 1 for i, c in zip(active, chunks)]
+                trees = [inputs[i].tree_parents for i in active]
                 out = self._step([inputs[i].chain for i in active], chunks, all_rows=collect is not None,
-                                 logit_rows=rows)
+                                 logit_rows=rows, trees=trees if any(t is not None for t in trees) else None)
                 if collect is not None:
                     collect.append(out)
                     out = out[-1:]
@@ -167,21 +182,25 @@ class ModelRunner:
         return self._step(chains, [[PENDING_TOKEN]] * len(chains), device_ids=token_ids)
 
     def _step(self, chains: list[KVChain], chunks: list[list[int]], *, all_rows: bool = False,
-              logit_rows: list[int] | None = None, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+              logit_rows: list[int] | None = None, device_ids: torch.Tensor | None = None,
+              trees: list[tuple[int, ...] | None] | None = None) -> torch.Tensor:
         """One forward over ``chunks`` appended to ``chains``: logits of each chunk's last row, of
         every row (``all_rows``) or of each chunk's last ``logit_rows[i]`` rows. ``device_ids``:
-        the chunks' token ids as a device tensor (decode steps; ``chunks`` then hold placeholders)."""
+        the chunks' token ids as a device tensor (decode steps; ``chunks`` then hold placeholders).
+        ``trees``: per chunk, its tree parents (``StepInput.tree_parents``) or None."""
         slots: list[int] = []
         positions: list[int] = []
         appended: list[tuple[KVChain, int]] = []
+        trees = trees or [None] * len(chunks)
         try:
-            for chain, tokens in zip(chains, chunks):
+            for chain, tokens, tree in zip(chains, chunks, trees):
                 start = chain.num_rows
                 slots += chain.append(len(tokens), token_ids=tokens)
                 appended.append((chain, len(tokens)))
-                positions += range(start, start + len(tokens))
+                positions += range(start, start + len(tokens)) if tree is None else tree_positions(start, tree)
             mla_mode = self.mla_mode_of(chunks)
-            queries = [SequenceQuery.from_chain(c, len(t)) for c, t in zip(chains, chunks)]
+            queries = [SequenceQuery.from_chain(c, len(t), tree_parents=tree)
+                       for c, t, tree in zip(chains, chunks, trees)]
             ahead, self._ahead = self._ahead, None
             if (ahead is not None and ahead.mla_mode == mla_mode and ahead.device_spec is self.device_spec
                     and ahead.route == self.route and ahead.queries == queries):
@@ -200,7 +219,8 @@ class ModelRunner:
                         self._ahead = self._plan_ahead(chains, mla_mode)
                         if self._ahead is not None:  # and queue its index copies behind this replay
                             self.graphs.stage_ahead(self._ahead.plan, len(chains), self._ahead.arrays)
-                elif device_ids is None and max(widths) <= max(self.graphs.windows, default=0):  # verify windows
+                elif (device_ids is None and max(widths) <= max(self.graphs.windows, default=0)
+                      and (not plan.has_key_masks or getattr(self.backend.capabilities, "key_masks", False))):
                     logits = self.graphs.run_window(widths, [t for c in chunks for t in c], positions, slots,
                                                     plan, mla_mode, rows)
                 if logits is not None and self.hidden_listener is not None:
@@ -337,6 +357,18 @@ def split_hidden(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple
     """A model forward's ``(hidden (T, hidden), aux (T, width) or None)``: with auxiliary hidden
     layers set (``CausalLM.set_aux_hidden_layers``) the forward returns both, else hidden only."""
     return out if isinstance(out, tuple) else (out, None)
+
+
+def tree_positions(start: int, parents: tuple[int, ...]) -> list[int]:
+    """Each tree node's position: ``start`` plus its depth (a child of the last history row, -1,
+    has depth 0)."""
+    depths: list[int] = []
+    for node, parent in enumerate(parents):
+        if not -1 <= parent < node:
+            raise ValueError(f"tree_parents[{node}] = {parent}: a parent is -1 (the last history row) "
+                             f"or an earlier node (0 .. {node - 1})")
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return [start + d for d in depths]
 
 
 def _last_rows(chunks: list[list[int]], counts: list[int]) -> list[int]:
