@@ -10,13 +10,15 @@ from segkv.cache.chain import KVChain
 from segkv.cache.page_pool import OutOfPagesError
 from segkv.engine.drafting import SpecStats, make_proposer
 from segkv.engine.step_ahead import StepAhead
+from segkv.engine.tree_windows import Drafts, emitted_rows, greedy_walk, kept_rows, row_prefixes, window_size
 from segkv.layers.sampler import Sampler, make_generator, score_tokens
-from segkv.layers.transfer import HostCopy, select_rows
+from segkv.layers.transfer import HostCopy, select_rows, to_device
 from segkv.outputs import CompletionOutput, TokenLogprob
 from segkv.runner.model_runner import ModelRunner, StepInput
 from segkv.sampling_params import SamplingParams
 from segkv.spec.config import SpeculativeConfig
-from segkv.spec.rejection import verify_windows
+from segkv.spec.rejection import TreeVerdict, verify_trees, verify_windows
+from segkv.spec.tree import DraftTree
 from segkv.structured.grammar import GrammarCache
 from segkv.structured.matcher import GrammarState, fill_bitmask, new_bitmask
 from segkv.tokenizer.detokenizer import IncrementalDetokenizer
@@ -252,7 +254,18 @@ class Generator:
         if not seqs:
             return {}, {}
         proposals = self.proposer.propose(seqs, rooms)
-        drafts = {i: list(p[:room]) for i, p, room in zip(where, proposals, rooms) if p}
+        drafts = {}
+        for i, proposal, room in zip(where, proposals, rooms):
+            if isinstance(proposal, DraftTree):
+                # a constrained sequence's grammar walks one path; a chain-shaped tree is a chain
+                if work[i][0].grammar is not None:
+                    proposal = proposal.first_branch()
+                else:
+                    proposal = proposal.truncated(room)
+                    if proposal.is_chain:
+                        proposal = list(proposal.tokens)
+            if len(proposal):
+                drafts[i] = proposal if isinstance(proposal, DraftTree) else list(proposal[:room])
         masks = {}
         for i, proposal in list(drafts.items()):
             state = work[i][0].grammar
@@ -273,9 +286,14 @@ class Generator:
         pending token (a verify window); each window is verified (constrained ones under their
         ``masks``), the rest sample as usual."""
         counts = [1 + len(drafts.get(i, ())) for i in range(len(work))]
-        logits = self.runner.forward(
-            [StepInput(s.chain, s.pending[:k] + drafts.get(i, [])) for i, (s, k) in enumerate(work)],
-            logit_rows=counts)
+        inputs = []
+        for i, (s, k) in enumerate(work):
+            d = drafts.get(i, [])
+            if isinstance(d, DraftTree):
+                inputs.append(StepInput(s.chain, s.pending[:k] + list(d.tokens), d.window_parents()))
+            else:
+                inputs.append(StepInput(s.chain, s.pending[:k] + d))
+        logits = self.runner.forward(inputs, logit_rows=counts)
         ready, plain, plain_rows, windows = [], [], [], []
         end = 0
         for i, (s, k) in enumerate(work):
@@ -298,51 +316,58 @@ class Generator:
             self._verify(windows)
         return ready
 
-    def _verify(self, windows: list[tuple[Sequence, list[int], torch.Tensor, torch.Tensor | None]]) -> None:
+    def _verify(self, windows: list[tuple[Sequence, Drafts, torch.Tensor, torch.Tensor | None]]) -> None:
         """Verify the step's windows together: each ``(sequence, drafts, rows, bitmask)`` has its
-        ``rows (k + 1, vocab)`` float32 logits of its pending token and its ``k`` drafts (``bitmask``:
-        ``(k + 1, words)`` int32, a constrained sequence's grammar mask of each row, or None). Each
-        emits its accepted drafts and one more token (up to a stop or a length limit) and trims the
-        rows of the drafts not kept. The whole batch reads its results with one device-to-host copy
-        (two with logprobs); greedy windows only compare the drafts with the rows' argmax."""
+        ``rows (k + 1, vocab)`` float32 logits of its pending token and its ``k`` drafts, a chain or a
+        :class:`DraftTree` (``bitmask``: ``(k + 1, words)`` int32, a constrained sequence's grammar
+        mask of each row, or None; chains only). Each emits its accepted drafts and one more token
+        (up to a stop or a length limit) and drops the rows of the drafts not kept (a tree's kept
+        path is moved into place first). The whole batch reads its results with one device-to-host
+        copy (two with logprobs, or with sampled chains and trees both); greedy windows only compare
+        the drafts with the rows' argmax."""
         seqs = [w[0] for w in windows]
         proposals = [w[1] for w in windows]
         params = [s.params for s, p in zip(seqs, proposals) for _ in range(len(p) + 1)]
         prompts = [s.history for s, p in zip(seqs, proposals) for _ in range(len(p) + 1)]
         # the output so far plus the drafts before each row, which only penalties read: not copied
         # for the rest (a copy per row of a long output, every step)
-        outputs = [s.output_ids + p[:j] if s.params.has_penalties else ()
-                   for s, p in zip(seqs, proposals) for j in range(len(p) + 1)]
+        outputs = [s.output_ids + prefix if s.params.has_penalties else ()
+                   for s, p in zip(seqs, proposals)
+                   for prefix in (row_prefixes(p) if s.params.has_penalties else [()] * window_size(p))]
         logits = torch.cat([w[2] for w in windows]) if len(windows) > 1 else windows[0][2]
         bitmask = None
         if any(w[3] is not None for w in windows):
             bitmask = torch.cat([new_bitmask(len(p) + 1, self.vocab_size) if m is None else m
                                  for _, p, _, m in windows])
         scores = dict(prompt_token_ids=prompts, output_token_ids=outputs, token_bitmask=bitmask)
+        starts = _starts(proposals)
         if all(p.greedy for p in params):  # one-hot targets: a draft is kept iff it is the argmax
             best = self.sampler.greedy_tokens(logits, params, **scores).tolist()
-            emitted, start = [], 0
-            for proposal in proposals:
+            verdicts = []
+            for proposal, start in zip(proposals, starts):
                 row = best[start : start + len(proposal) + 1]
+                if isinstance(proposal, DraftTree):
+                    verdicts.append(greedy_walk(proposal, row))
+                    continue
                 kept = next((j for j, (d, t) in enumerate(zip(proposal, row)) if d != t), len(proposal))
-                emitted.append(proposal[:kept] + [row[kept]])
-                start += len(proposal) + 1
+                verdicts.append(TreeVerdict(proposal[:kept] + [row[kept]], list(range(kept))))
         else:
-            probs = self.sampler.distribution(logits, params, **scores)
-            emitted = verify_windows(probs, proposals, None, [s.generator for s in seqs])
+            verdicts = self._sample_windows(self.sampler.distribution(logits, params, **scores), seqs, proposals,
+                                            starts)
+        emitted = [v.tokens for v in verdicts]
         chosen = None
         if any(s.params.logprobs is not None for s in seqs):
-            # the logprobs of the emitted tokens: row j of a window scores its j-th emitted token
-            rows = [start + j for start, e in zip(_starts(proposals), emitted) for j in range(len(e))]
+            # the logprobs of the emitted tokens: each drawn from its window row's logits
+            rows = [start + r for start, v in zip(starts, verdicts) for r in emitted_rows(v)]
             chosen = self.sampler.logprobs_of(
                 logits[rows], [t for e in emitted for t in e], [params[r] for r in rows],
                 prompt_token_ids=[prompts[r] for r in rows], output_token_ids=[outputs[r] for r in rows],
                 token_bitmask=None if bitmask is None else bitmask[rows])
             values = chosen.logprobs.tolist()
         row = 0
-        for s, proposal, tokens in zip(seqs, proposals, emitted):
-            k = len(proposal)
-            self.spec_stats.record(k, len(tokens) - 1)
+        for s, proposal, verdict in zip(seqs, proposals, verdicts):
+            tokens, window = verdict.tokens, window_size(proposal)
+            self.spec_stats.record(len(proposal), len(tokens) - 1)
             taken = 0
             for j, token in enumerate(tokens):
                 s.output_ids.append(token)
@@ -350,14 +375,44 @@ class Generator:
                 if chosen is not None and s.params.logprobs is not None:
                     s.logprobs.append(TokenLogprob(token, values[row + j], chosen.top_logprobs[row + j]))
                 # the chain holds rows for the window's tokens after this one: not in the length check
-                self._check_finish(s, token, rows_ahead=k + 1 - taken)
+                self._check_finish(s, token, rows_ahead=window - taken)
                 if s.finish_reason is not None:
                     break
             row += len(tokens)
             # rows kept: the pending token's and the accepted drafts' before the last token taken
-            s.chain.trim(k + 1 - taken)
+            if isinstance(proposal, DraftTree):
+                keep = kept_rows(verdict, taken)
+                s.chain.keep_last_rows(window, keep)
+                on_kept = getattr(self.proposer, "keep_tree_rows", None)
+                if on_kept is not None:  # a drafter holding per-row states moves them the same way
+                    on_kept(s.chain, window, keep)
+            else:
+                s.chain.trim(window - taken)
             if s.finish_reason is None:
                 s.pending = [tokens[taken - 1]]
+
+    def _sample_windows(self, probs: torch.Tensor, seqs: list[Sequence], proposals: list[Drafts],
+                        starts: list[int]) -> list[TreeVerdict]:
+        """Exact rejection sampling of sampled windows from their rows' target distributions
+        ``probs (rows, vocab)`` float32: chains by :func:`verify_windows`, trees by
+        :func:`verify_trees` (each a batch of its own)."""
+        verdicts: list[TreeVerdict | None] = [None] * len(proposals)
+        for is_tree in (False, True):
+            picked = [n for n, p in enumerate(proposals) if isinstance(p, DraftTree) == is_tree]
+            if not picked:
+                continue
+            rows = [starts[n] + r for n in picked for r in range(window_size(proposals[n]))]
+            part = probs if len(rows) == probs.shape[0] else probs[to_device(rows, torch.long, probs.device)]
+            gens = [seqs[n].generator for n in picked]
+            if is_tree:
+                found = verify_trees(part, [proposals[n].parents for n in picked],
+                                     [proposals[n].tokens for n in picked], gens)
+            else:
+                found = [TreeVerdict(e, list(range(len(e) - 1)))
+                         for e in verify_windows(part, [proposals[n] for n in picked], None, gens)]
+            for n, verdict in zip(picked, found):
+                verdicts[n] = verdict
+        return verdicts
 
     def _forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
         """``(len(work), vocab)`` logits of the step: the decode rows a step launched ahead holds
