@@ -39,8 +39,8 @@ KV_CACHE_MEMORY_HELP = ("KV cache size in GiB, overriding --gpu-memory-utilizati
                         "--gpu-memory-utilization on CUDA, 1 GiB on the CPU)")
 SPECULATIVE_CONFIG_HELP = ("speculative decoding, a JSON object of vLLM's keys: method (mtp, ngram, "
                            "draft_model, eagle3 or none), num_speculative_tokens, prompt_lookup_min, "
-                           "prompt_lookup_max, model, disable_by_batch_size; e.g. "
-                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' (default: off)")
+                           "prompt_lookup_max, model, disable_by_batch_size, topk, num_draft_tokens; "
+                           "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' (default: off)")
 API_KEY_ENV = "SEGKV_API_KEY"  # as vLLM reads VLLM_API_KEY
 SHUTTING_DOWN = "the server is shutting down"
 TOOL_CALL_PARSERS = ["deepseek_v3", "hermes", "llama3_json", "mistral"]  # segkv.server.tool_parsers.PARSERS

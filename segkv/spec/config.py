@@ -17,7 +17,27 @@ DEFAULT_PROMPT_LOOKUP = 5
 # k from that count when it is not given
 DEFAULT_MTP_TOKENS = 1
 NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
-OPTIONAL_INT_KEYS = (*NGRAM_KEYS, "disable_by_batch_size")
+# EAGLE-3 tree drafts (SGLang's speculative_eagle_topk and speculative_num_draft_tokens)
+TREE_KEYS = ("topk", "num_draft_tokens")
+OPTIONAL_INT_KEYS = (*NGRAM_KEYS, "disable_by_batch_size", *TREE_KEYS)
+MAX_TOPK = 16
+# the most draft nodes of a tree (a verify window of the pending token and 64 nodes)
+MAX_TREE_NODES = 64
+# SGLang's name for num_speculative_tokens (the tree's depth), accepted by ``parse``
+STEPS_ALIAS = "num_steps"
+
+
+def tree_capacity(depth: int, topk: int) -> int:
+    """The most nodes a draft tree of ``depth`` levels can have when each level expands the ``topk``
+    best nodes of the one before into ``topk`` children each: ``topk`` at depth 1, then ``topk ** 2``
+    candidates per level."""
+    return topk + (depth - 1) * topk * topk
+
+
+def default_draft_tokens(depth: int, topk: int) -> int:
+    """``num_draft_tokens`` when not given: the pending token and ``topk`` nodes per level
+    (``depth + 1``, the chain's window, at topk 1), at most the tree's capacity and 64 nodes."""
+    return 1 + min(depth * topk, tree_capacity(depth, topk), MAX_TREE_NODES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +49,18 @@ class SpeculativeConfig:
     tokenizer, from the directory ``model``) or ``"eagle3"`` (an EAGLE-3 draft head over the
     target's hidden states, from the directory ``model``, or ``"default"``: the built-in head of
     a built-in target). ``num_speculative_tokens`` (k, 1..16): tokens drafted
-    per step; required except for ``mtp`` (default 1). ``prompt_lookup_min`` /
+    per step (an ``eagle3`` tree's depth, SGLang's ``num_steps``, which ``parse`` accepts as an
+    alias); required except for ``mtp`` (default 1). ``prompt_lookup_min`` /
     ``prompt_lookup_max``: the n-gram sizes tried, ``ngram`` only (vLLM's defaults: both 5 when
     neither is given, else the missing one takes the other's value). ``disable_by_batch_size``:
     steps running more requests than this do not speculate (default: always speculate).
+
+    ``eagle3`` only (SGLang's meanings): ``topk`` (1..16, default 1): the children drafted per
+    expanded node, and the nodes expanded per level; 1 drafts one greedy chain of k tokens.
+    ``num_draft_tokens``: the verify window's rows, the pending token included, so a tree of
+    ``num_draft_tokens - 1`` nodes; with topk 1 it is ``k + 1`` (the chain; another value is an
+    error), else between 2 and ``1 + tree_capacity(k, topk)`` and at most 65 (64 nodes), default
+    :func:`default_draft_tokens` (``1 + k * topk``, capped so). Other methods leave both ``None``.
 
     Build it with :meth:`parse` from a JSON string or dict (vLLM's keys); speculation off is
     ``None``, not a config.
@@ -44,6 +72,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     model: str | None = None
     disable_by_batch_size: int | None = None
+    topk: int | None = None
+    num_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -61,6 +91,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative config: num_speculative_tokens must be between 1 and "
                              f"{MAX_SPECULATIVE_TOKENS}, got {k}")
         self._check_ngram_sizes()
+        self._check_tree()
         self._check_model()
         limit = self.disable_by_batch_size
         if limit is not None and limit < 1:
@@ -86,6 +117,36 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({high})")
         object.__setattr__(self, "prompt_lookup_min", low)
         object.__setattr__(self, "prompt_lookup_max", high)
+
+    def _check_tree(self) -> None:
+        if self.method != "eagle3":
+            for key in TREE_KEYS:
+                if getattr(self, key) is not None:
+                    raise ValueError(f"speculative config: {key} applies to method 'eagle3' only, "
+                                     f"not {self.method!r}")
+            return
+        depth, topk = self.num_speculative_tokens, self.topk
+        if topk is None:
+            object.__setattr__(self, "topk", topk := 1)
+        if not 1 <= topk <= MAX_TOPK:
+            raise ValueError(f"speculative config: topk must be between 1 and {MAX_TOPK}, got {topk}")
+        n = self.num_draft_tokens
+        if n is None:
+            object.__setattr__(self, "num_draft_tokens", default_draft_tokens(depth, topk))
+            return
+        if topk == 1:
+            if n != depth + 1:
+                raise ValueError(f"speculative config: num_draft_tokens must be num_speculative_tokens + 1 "
+                                 f"({depth + 1}) with topk 1 (a chain of {depth} drafts and the pending "
+                                 f"token), got {n}")
+            return
+        capacity = tree_capacity(depth, topk)
+        most = 1 + min(capacity, MAX_TREE_NODES)
+        if not 2 <= n <= most:
+            raise ValueError(f"speculative config: num_draft_tokens must be between 2 and {most} (the pending "
+                             f"token and at most {min(capacity, MAX_TREE_NODES)} nodes: a tree of depth {depth} "
+                             f"and topk {topk} has at most {capacity}, and no tree more than "
+                             f"{MAX_TREE_NODES}), got {n}")
 
     def _check_model(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -125,10 +186,16 @@ class SpeculativeConfig:
             raise ValueError(f"speculative config: expected a JSON object (a dict), "
                              f"got {type(value).__name__}")
         known = [f.name for f in fields(cls)]
-        unknown = sorted(str(key) for key in value if key not in known)
+        unknown = sorted(str(key) for key in value if key not in known and key != STEPS_ALIAS)
         if unknown:
             raise ValueError(f"speculative config: unknown key(s) {', '.join(map(repr, unknown))}; "
                              f"the keys are {', '.join(known)}")
+        if STEPS_ALIAS in value:
+            value = dict(value)
+            steps = value.pop(STEPS_ALIAS)
+            if value.setdefault("num_speculative_tokens", steps) != steps:
+                raise ValueError(f"speculative config: {STEPS_ALIAS} is another name for num_speculative_tokens; "
+                                 f"they differ ({steps!r} and {value['num_speculative_tokens']!r})")
         if "method" not in value:
             raise ValueError(f"speculative config: method is required: one of {', '.join(METHODS)} "
                              f"or {OFF!r}")
@@ -148,6 +215,8 @@ class SpeculativeConfig:
         out: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
         if self.method == "ngram":
             out.update(prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)
+        if self.method == "eagle3":
+            out.update(topk=self.topk, num_draft_tokens=self.num_draft_tokens)
         if self.model is not None:
             out["model"] = self.model
         if self.disable_by_batch_size is not None:

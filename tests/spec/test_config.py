@@ -10,6 +10,7 @@ import pytest
 from segkv.spec.config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+EAGLE3 = {"method": "eagle3", "model": "default", "num_speculative_tokens": 3}
 
 
 def test_off():
@@ -51,6 +52,9 @@ def test_a_config_parses_to_itself_and_is_frozen():
     SpeculativeConfig("mtp"),
     SpeculativeConfig("mtp", 3, disable_by_batch_size=1),
     SpeculativeConfig("draft_model", 5, model="/models/draft"),
+    SpeculativeConfig("eagle3", 3, model="default"),
+    SpeculativeConfig("eagle3", 5, model="/heads/h", topk=8, num_draft_tokens=33),
+    SpeculativeConfig("eagle3", 1, model="default", topk=16),
 ])
 def test_describe_round_trips(config):
     described = config.describe()
@@ -105,6 +109,24 @@ def test_describe_names_only_what_applies():
     ({"method": "eagle3", "model": "default"}, "num_speculative_tokens is required for method 'eagle3'"),
     ({"method": "eagle3", "model": "default", "num_speculative_tokens": 2, "prompt_lookup_min": 2},
      "prompt_lookup_min applies to method 'ngram' only"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "topk": 2}, "topk applies to method 'eagle3' only, not 'ngram'"),
+    ({"method": "mtp", "num_draft_tokens": 2}, "num_draft_tokens applies to method 'eagle3' only, not 'mtp'"),
+    ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2, "topk": 1},
+     "topk applies to method 'eagle3' only"),
+    ({**EAGLE3, "topk": 0}, "topk must be between 1 and 16, got 0"),
+    ({**EAGLE3, "topk": 17}, "topk must be between 1 and 16, got 17"),
+    ({**EAGLE3, "topk": 2.0}, "topk must be an integer, got 2.0"),
+    ({**EAGLE3, "topk": True}, "topk must be an integer, got True"),
+    ({**EAGLE3, "num_draft_tokens": "8"}, "num_draft_tokens must be an integer, got '8'"),
+    ({**EAGLE3, "num_draft_tokens": 3}, "num_draft_tokens must be num_speculative_tokens + 1 (4) with topk 1"),
+    ({**EAGLE3, "topk": 1, "num_draft_tokens": 5}, "num_draft_tokens must be num_speculative_tokens + 1 (4)"),
+    ({**EAGLE3, "topk": 4, "num_draft_tokens": 1}, "num_draft_tokens must be between 2 and 37"),
+    ({**EAGLE3, "topk": 4, "num_draft_tokens": 38}, "num_draft_tokens must be between 2 and 37"),
+    ({**EAGLE3, "num_speculative_tokens": 1, "topk": 4, "num_draft_tokens": 6},
+     "num_draft_tokens must be between 2 and 5 (the pending token and at most 4 nodes"),
+    ({**EAGLE3, "num_speculative_tokens": 5, "topk": 8, "num_draft_tokens": 66},
+     "a tree of depth 5 and topk 8 has at most 264, and no tree more than 64), got 66"),
+    ({**EAGLE3, "num_steps": 2}, "num_steps is another name for num_speculative_tokens; they differ (2 and 3)"),
     ({"method": "mtp", "disable_by_batch_size": 0}, "disable_by_batch_size must be >= 1, got 0"),
     ({"method": "mtp", "disable_by_batch_size": 2.5}, "disable_by_batch_size must be an integer"),
 ])
@@ -121,7 +143,45 @@ def test_bad_input_is_a_clear_error(value, message):
 def test_eagle3_takes_a_head_and_k():
     config = SpeculativeConfig.parse({"method": "eagle3", "model": "default", "num_speculative_tokens": 3})
     assert (config.method, config.model, config.num_speculative_tokens) == ("eagle3", "default", 3)
+    assert (config.topk, config.num_draft_tokens) == (1, 4)  # a chain: k drafts and the pending token
     assert SpeculativeConfig.parse(config.describe()) == config
+
+
+@pytest.mark.parametrize("k, topk, given, want", [
+    (3, 1, 4, 4),
+    (3, 4, None, 13),  # 1 + k * topk
+    (1, 4, None, 5),  # one level: at most topk nodes
+    (5, 8, None, 41),
+    (6, 16, None, 65),  # capped: 64 nodes
+    (16, 16, None, 65),
+    (2, 2, 7, 7),  # 2 + 2 * 2 nodes: the whole tree
+    (3, 4, 2, 2),  # one node: the best depth-1 token
+    (5, 8, 65, 65),
+])
+def test_eagle3_tree_sizes(k, topk, given, want):
+    value = {**EAGLE3, "num_speculative_tokens": k, "topk": topk}
+    if given is not None:
+        value["num_draft_tokens"] = given
+    config = SpeculativeConfig.parse(value)
+    assert (config.num_speculative_tokens, config.topk, config.num_draft_tokens) == (k, topk, want)
+    assert config.describe() == {"method": "eagle3", "num_speculative_tokens": k, "topk": topk,
+                                 "num_draft_tokens": want, "model": "default"}
+    assert SpeculativeConfig.parse(json.dumps(config.describe())) == config
+
+
+def test_num_steps_is_sglangs_name_for_k():
+    config = SpeculativeConfig.parse({"method": "eagle3", "model": "default", "num_steps": 5, "topk": 8,
+                                      "num_draft_tokens": 32})
+    assert (config.num_speculative_tokens, config.topk, config.num_draft_tokens) == (5, 8, 32)
+    assert SpeculativeConfig.parse({**EAGLE3, "num_steps": 3}) == SpeculativeConfig.parse(EAGLE3)
+    assert SpeculativeConfig.parse({"method": "ngram", "num_steps": 2}).num_speculative_tokens == 2
+
+
+def test_other_methods_have_no_tree_settings():
+    for config in (SpeculativeConfig("ngram", 3), SpeculativeConfig("mtp"),
+                   SpeculativeConfig("draft_model", 2, model="/m")):
+        assert config.topk is None and config.num_draft_tokens is None
+        assert "topk" not in config.describe() and "num_draft_tokens" not in config.describe()
 
 
 def test_direct_construction_is_validated():
