@@ -13,6 +13,7 @@ from segkv.spec.draft_model import DraftModelProposer
 from segkv.spec.eagle3 import Eagle3Proposer, resolve_head_dir
 from segkv.spec.mtp import MtpProposer
 from segkv.spec.ngram import NgramIndex, NgramProposer
+from segkv.spec.tree import DraftTree
 from segkv.tokenizer.tokenizer import Tokenizer
 
 
@@ -59,13 +60,18 @@ class Proposer(Protocol):
 
     ``propose(seqs, rooms)``: for each decoding sequence (its tokens so far are
     ``seq.all_token_ids()``, the last of them pending: it has no row in ``seq.chain`` yet), at most
-    ``rooms[i]`` draft token ids (an empty list: no drafts this step). Called once per step with
+    ``rooms[i]`` draft token ids (an empty list: no drafts this step), or a
+    :class:`~segkv.spec.tree.DraftTree` of depth at most ``rooms[i]``. Called once per step with
     every sequence that may speculate. A proposer that keeps state per sequence (a draft model's
     own cache) must not trust it blindly: between two calls a sequence may have been trimmed,
     preempted and recomputed, or forked; compare the tokens it holds with ``all_token_ids()``.
+
+    A proposer that keeps states per target row may also define ``keep_tree_rows(chain, window,
+    keep)``: called after a tree window's kept rows (offsets ``keep`` of the chain's last
+    ``window`` rows) were moved into place (``KVChain.keep_last_rows``), to move its states alike.
     """
 
-    def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]: ...
+    def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int] | DraftTree]: ...
 
 
 class NgramDrafts:
@@ -102,7 +108,8 @@ def make_proposer(config: SpeculativeConfig | None, runner: ModelRunner, tokeniz
     if config.method == "draft_model":
         return DraftModelProposer.for_target(config.model, runner, tokenizer)
     if config.method == "eagle3":
-        return Eagle3Proposer(resolve_head_dir(config.model, target_dir), runner)
+        return Eagle3Proposer(resolve_head_dir(config.model, target_dir), runner, topk=config.topk,
+                              num_draft_tokens=config.num_draft_tokens)
     if config.method == "mtp":
         return MtpProposer(MtpRunner(runner))
     raise ValueError(f"unknown speculative method {config.method!r}")
