@@ -32,6 +32,10 @@ MODEL_HELP = ("Hugging Face model directory, a Hugging Face id (org/name) alread
               "'default-mla' (MLA)")
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 DTYPE_HELP = "weights and KV cache dtype; auto (the default): the checkpoint's torch_dtype on CUDA, float32 on the CPU"
+QUANTIZATIONS = ["fp8"]
+QUANTIZATION_HELP = ("quantize the checkpoint's linear projections at load: fp8 (e4m3 weights with per-output-channel "
+                     "scales; activations stay in --dtype). Default: the checkpoint as stored (FP8 checkpoints load "
+                     "as FP8 either way)")
 DEVICE_HELP = "torch device: auto (the default: CUDA when available, else cpu), cpu, cuda, cuda:N"
 GPU_MEMORY_HELP = ("fraction of the GPU's memory segkv may use, in (0, 1]: the KV cache gets what is left after the "
                    "weights and a profiling forward of the largest step (default: %(default)s; CUDA only)")
@@ -99,6 +103,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help=MODEL_HELP)
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
     parser.add_argument("--page-size", type=int, default=None, help=PAGE_SIZE_HELP)
     parser.add_argument("--max-model-len", type=int, default=None)
     _add_memory_args(parser)
@@ -136,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     serve.add_argument("--device", default="auto", help=DEVICE_HELP)
+    serve.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
     serve.add_argument("--page-size", type=int, default=None, help=PAGE_SIZE_HELP)
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=64)
@@ -216,7 +222,7 @@ def _load_and_serve(args, gate, engines: list, server, snapshot_dir: Path | None
     from segkv.models.default_models import is_default_name, is_hub_name, resolve_model_dir
     from segkv.server import app as app_module
 
-    llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device,
+    llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, quantization=args.quantization,
               page_size=args.page_size, max_model_len=args.max_model_len, route=args.route,
               kv_cache_bytes=_kv_cache_bytes(args), gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_batched_tokens=args.max_num_batched_tokens,
@@ -286,8 +292,8 @@ def _load(args):
     from segkv.models.default_models import resolve_model_dir
     from segkv.sampling_params import SamplingParams
 
-    llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, page_size=args.page_size,
-              max_model_len=args.max_model_len, route=args.route, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs],
+    llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, quantization=args.quantization,
+              page_size=args.page_size, max_model_len=args.max_model_len, route=args.route, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs],
               kv_cache_bytes=_kv_cache_bytes(args), gpu_memory_utilization=args.gpu_memory_utilization,
               speculative_config=args.speculative_config, progress=True)
     print(llm.describe_summary(), file=sys.stderr, flush=True)

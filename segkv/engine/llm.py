@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import gc
+import hashlib
 import itertools
 import logging
 import math
@@ -23,6 +24,7 @@ from segkv.config import (GIB, CacheConfig, CompactionPolicy, KVLayout, check_ca
 from segkv.engine.core import EngineCore, EngineRequest
 from segkv.engine.generation import Generator
 from segkv.models.default_models import check_model_dir, resolve_model_dir
+from segkv.models.fp8_loading import check_quantization
 from segkv.models.loader import fingerprint, load_model, read_config
 from segkv.outputs import RequestOutput
 from segkv.runner.model_runner import ModelRunner, StepInput
@@ -86,7 +88,9 @@ class LLM:
     ``speculative_config`` (a JSON string, a dict or a :class:`SpeculativeConfig`), parsed before
     the model loads into ``self.speculative_config`` (``None``: off). Method ``eagle3`` with
     model ``"default"`` takes the built-in head of the built-in target (``default``,
-    ``default-mla``).
+    ``default-mla``). ``quantization``: None loads the checkpoint as stored (FP8 checkpoints as
+    FP8); ``"fp8"`` also quantizes the linear projections of a bf16/fp16/fp32 checkpoint to e4m3
+    with per-output-channel scales at load (``models/fp8_loading.py``).
     """
 
     def __init__(
@@ -109,10 +113,12 @@ class LLM:
         cuda_graphs: bool | str = False,
         fused_ops: bool | None = None,
         speculative_config: str | dict | SpeculativeConfig | None = None,
+        quantization: str | None = None,
         progress: bool = False,
     ) -> None:
         # a bad value is refused before anything loads
         self.speculative_config = SpeculativeConfig.parse(speculative_config)
+        self.quantization = check_quantization(quantization)
         # "default", "default-mla" or a directory (refused clearly if it is not one)
         self.model_dir = check_model_dir(resolve_model_dir(model_dir))
         # the config the generator runs: an EAGLE-3 head's directory resolved ("default": the
@@ -132,9 +138,13 @@ class LLM:
         if page_size < 1:  # before the cache budget divides by it
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device, progress=progress)
+        self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device, progress=progress,
+                                quantization=self.quantization)
+        # FP8 layers count their one-byte weights and float32 scales (both parameters)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.fingerprint = fingerprint(self.model_dir)
+        if self.quantization is not None:  # other weights compute other KV rows: snapshots must not mix
+            self.fingerprint = hashlib.sha256(f"{self.fingerprint}:{self.quantization}".encode()).hexdigest()[:32]
         limit = self.model.max_model_len
         if max_model_len is not None and not 1 <= max_model_len <= limit:
             raise ValueError(f"max_model_len must be between 1 and the model's {limit}, got {max_model_len}")
@@ -236,7 +246,7 @@ class LLM:
         routes = [forced.value] if forced is not None else [r.value for r in Route]
         page_size, num_pages = self.cache.config.page_size, self.cache.config.num_pages
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                "weight_bytes": self.weight_bytes,
+                "weight_bytes": self.weight_bytes, "quantization": getattr(self.model, "quantization", None),
                 "kv_cache_bytes": num_pages * page_size * self.cache.layout.row_bytes,
                 "kv_cache_tokens": num_pages * page_size,
                 "kv_cache_source": self.kv_cache_source, "page_size": self.cache.config.page_size,
@@ -246,8 +256,9 @@ class LLM:
     def describe_summary(self) -> str:
         """:meth:`summary` as one line for the start-up log."""
         s = self.summary()
+        weights = f"{s['weight_bytes'] / GIB:.2f} GiB" + (f" ({s['quantization']})" if s["quantization"] else "")
         return (f"segkv: {self.model_dir.name} on {s['device']}, {s['dtype']}, weights "
-                f"{s['weight_bytes'] / GIB:.2f} GiB; KV cache {s['kv_cache_bytes'] / GIB:.2f} GiB = "
+                f"{weights}; KV cache {s['kv_cache_bytes'] / GIB:.2f} GiB = "
                 f"{s['kv_cache_tokens']:,} tokens ({s['kv_cache_source']}), max_model_len {s['max_model_len']}; "
                 f"attention {s['attention_backend']}, routes {', '.join(s['attention_routes'])}")
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from segkv.layers.activation import GatedMLP
+from segkv.layers.fp8 import Fp8Linear
 from segkv.layers.norm import PendingCombine, RMSNorm
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -177,6 +178,8 @@ class MixtureOfExperts(nn.Module):
         if self._packed is not None:
             return
         first = self.experts[0]
+        if isinstance(first.gate_proj, Fp8Linear):
+            self._unquantize_experts()
         inner, hidden = first.gate_proj.weight.shape
         like = {"dtype": first.gate_proj.weight.dtype, "device": first.gate_proj.weight.device}
         gate_up = torch.empty(len(self.experts), 2 * inner, hidden, **like)
@@ -192,6 +195,22 @@ class MixtureOfExperts(nn.Module):
                 expert.up_proj.weight = nn.Parameter(gate_up[i, inner:], requires_grad=False)
                 expert.down_proj.weight = nn.Parameter(down[i], requires_grad=False)
         self._packed = (gate_up, down)
+
+    def _unquantize_experts(self) -> None:
+        """FP8 routed experts become plain linears in the model dtype: the packed expert kernels
+        read plain weights. Correct, but the experts lose FP8's memory saving while packed."""
+        for expert in self.experts:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                fp8 = getattr(expert, name)
+                if isinstance(fp8, Fp8Linear):
+                    plain = nn.Linear(fp8.in_features, fp8.out_features, bias=fp8.bias is not None,
+                                      device=fp8.weight.device, dtype=fp8.model_dtype)
+                    with torch.no_grad():
+                        plain.weight.copy_(fp8.dequantized())
+                        if fp8.bias is not None:
+                            plain.bias.copy_(fp8.bias)
+                    plain.requires_grad_(False)
+                    setattr(expert, name, plain)
 
     @property
     def packed(self) -> bool:

@@ -72,13 +72,19 @@ class CausalLM(nn.Module):
         """The decode step with fewer, larger kernels (GPU): q/k/v and gate/up projections stacked
         into one GEMM each (the parameters become views, no second copy), and RMSNorm with the
         residual add, SiLU-and-mul and RoPE with the cache write as single Triton kernels. The
-        routed experts of a mixture-of-experts layer keep their own packing. Irreversible."""
+        routed experts of a mixture-of-experts layer keep their own packing. Irreversible.
+
+        Modules with FP8 projections (:class:`~segkv.layers.fp8.Fp8Linear`) stay unfused: stacking
+        and the one-row GEMVs read plain weights in the activation dtype, and the FP8 layers run
+        their own product (``kernels.quant.fp8_gemm``); the norms and routers still fuse."""
+        from segkv.layers.fp8 import Fp8Linear
         from segkv.layers.moe import MixtureOfExperts
 
         experts = {id(m) for moe in self.modules() if isinstance(moe, MixtureOfExperts)
                    for m in moe.experts.modules()}
         for module in self.modules():
-            if id(module) not in experts and hasattr(module, "use_fused"):
+            fp8 = any(isinstance(child, Fp8Linear) for child in module.children())
+            if id(module) not in experts and hasattr(module, "use_fused") and not fp8:
                 module.use_fused()
 
     @property

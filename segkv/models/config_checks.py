@@ -13,16 +13,17 @@ from __future__ import annotations
 from typing import Any
 
 from segkv.layers.rotary import SUPPORTED_ROPE_TYPES
+from segkv.models.fp8_checkpoint import parse_quantization
 
 
 def common_settings(cfg: dict[str, Any]) -> list[str]:
-    """What no family implements: quantized checkpoints, unknown RoPE types, partial rotary."""
+    """What no family implements: quantized checkpoints other than the FP8 formats
+    (``models/fp8_checkpoint.py``), unknown RoPE types, partial rotary."""
     problems = []
-    quant = cfg.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        problems.append(f"quantization_config (quant_method {method!r}): quantized checkpoints are not "
-                        "implemented; use the unquantized (bf16/fp16/fp32) weights")
+    try:
+        parse_quantization(cfg)
+    except ValueError as exc:
+        problems.append(str(exc))
     field, rope = _rope_dict(cfg)
     if rope is not None:
         kind = rope.get("rope_type", rope.get("type", "default"))

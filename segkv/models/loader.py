@@ -13,6 +13,8 @@ from torch import nn
 from tqdm import tqdm
 
 from segkv.config import parse_dtype
+from segkv.models.fp8_checkpoint import parse_quantization
+from segkv.models.fp8_loading import Fp8Plan, check_quantization, stored_tensors
 from segkv.models.registry import model_class
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -62,31 +64,46 @@ def fingerprint(model_dir: str | Path) -> str:
 
 def load_model(
     model_dir: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-    progress: bool = False,
+    progress: bool = False, quantization: str | None = None,
 ) -> nn.Module:
     """Build the registered model for ``model_dir`` and load its weights.
 
+    ``quantization``: None loads the checkpoint as stored (an FP8 checkpoint's projections as
+    FP8, ``models/fp8_checkpoint.py``); ``"fp8"`` also quantizes the other linear projections to
+    e4m3 with per-output-channel scales (``models/fp8_loading.py``). ``model.quantization`` then
+    describes the FP8 layers (None without any).
+
     Raises FileNotFoundError for missing files and ValueError for an unsupported
-    architecture or config setting, missing or unexpected tensors, and shape mismatches.
+    architecture, config setting or quantization format, missing or unexpected tensors, and
+    shape mismatches.
     """
+    check_quantization(quantization)
     cfg = read_config(model_dir)
     cls = model_class(cfg)
     cls.check_config(cfg)  # settings that would load and then compute something else
     torch_dtype = parse_dtype(dtype)
     with torch.device("meta"):
         model = cls.from_hf_config(cfg)
-    expected = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
-    tied = {n for n in expected if n == "lm_head.weight" and getattr(model.cfg, "tie_word_embeddings", False)}
-    state: dict[str, torch.Tensor] = {}
     files = weight_files(model_dir)
     # A family may keep some checkpoint tensors under other names (DeepSeek's MTP layers).
     param_name = getattr(model, "param_name", lambda name: name)
+    ignores = getattr(model, "ignores_weight", lambda _: False)
+    # which layers load as FP8, from the tensor headers (FP8 tensors without a config are refused)
+    plan = Fp8Plan.build(model, stored_tensors(files), parse_quantization(cfg), quantize=quantization == "fp8",
+                         param_name=param_name, ignores=ignores)
+    plan.install(model, torch_dtype)
+    expected = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+    tied = {n for n in expected if n == "lm_head.weight" and getattr(model.cfg, "tie_word_embeddings", False)}
+    state: dict[str, torch.Tensor] = {}
     for path in tqdm(files, desc="loading weights", unit="file", disable=not progress):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
+                if plan.takes(name):  # an FP8 layer's scale
+                    plan.take(name, f.get_tensor(name))
+                    continue
                 target = param_name(name)
                 if target not in expected:
-                    if getattr(model, "ignores_weight", lambda _: False)(name):
+                    if ignores(name):
                         continue  # e.g. the MTP layers' copies of the shared embeddings
                     raise ValueError(f"{path.name}: unexpected tensor {name!r} for {cls.__name__}")
                 tensor = f.get_tensor(name)
@@ -94,7 +111,11 @@ def load_model(
                 if tuple(tensor.shape) != want:
                     raise ValueError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {want}")
-                state[target] = tensor.to(torch.float32 if keep_fp32(target) else torch_dtype)
+                if plan.owns(target):  # FP8 as stored, or quantized from the checkpoint's values
+                    state[target] = tensor
+                else:
+                    state[target] = tensor.to(torch.float32 if keep_fp32(target) else torch_dtype)
+    plan.finish(state, torch_dtype)
     if hasattr(model, "drop_unloaded"):  # optional modules the checkpoint does not carry
         for name in model.drop_unloaded(set(state)):
             state.pop(name, None)
@@ -103,14 +124,17 @@ def load_model(
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors: {shown}")
-    model = model.to_empty(device=device).to(torch_dtype)
+    # cast on the meta device, then allocate: FP8 layers keep their FP8 weights and float32 scales
+    model = model.to(torch_dtype)
     for name, param in model.named_parameters():
         if keep_fp32(name):  # routing decisions must not flip with the weights' dtype
             param.data = param.data.float()
+    model = model.to_empty(device=device)
     model.load_state_dict(state, strict=False, assign=False)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     _init_buffers(model, device)
+    model.quantization = plan.describe()
     return model.eval()
 
 

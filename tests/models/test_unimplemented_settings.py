@@ -76,11 +76,11 @@ def test_unimplemented_rope_types_are_refused(tmp_path, field):
 def test_partial_rotary_and_quantization_are_refused(tmp_path):
     build_model_dir(tmp_path, "llama")
     _edit_config(tmp_path, partial_rotary_factor=0.5,
-                 quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+                 quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128})
     with pytest.raises(ValueError) as err:
         load_model(tmp_path)
     assert "partial_rotary_factor = 0.5" in str(err.value)
-    assert "quantization_config (quant_method 'fp8')" in str(err.value)  # every problem is named
+    assert "quantization_config (quant_method 'gptq')" in str(err.value)  # every problem is named
 
 
 def test_settings_that_are_implemented_or_ignored_load(tmp_path):

@@ -1,0 +1,109 @@
+"""Triton kernel: ``x @ dequantize(W_fp8)^T`` with the weight dequantized tile by tile in registers.
+
+Weight-only FP8 (W8A16): the weight is stored as float8 e4m3 (read as its bytes, ``uint8``) with
+float32 scales over ``(bn, bk)`` blocks of it (one block per tensor, one row per output channel,
+or DeepSeek's 128 x 128 tiles). Each program loads a ``BLOCK_N x BLOCK_K`` tile of bytes, widens
+it to the activation dtype exactly (every e4m3 value is a float16 and a bfloat16 value) and
+multiplies the activation tile by it with float32 accumulation; the activations are never
+quantized, so the product equals the dequantized weight's within float32 summation order. The
+bytes are decoded with integer operations (sign, exponent and mantissa moved into a float16 bit
+pattern, times 2^8), not a float8 type, so the same kernel runs on GPUs without FP8 conversion
+instructions and in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+from segkv import settings
+from segkv.kernels.triton_import import tl, triton
+
+# Triton's interpreter mis-rounds bfloat16 tiles and truncates float32 -> bf16/fp16 stores: there
+# the products run in float32 (exact for these operands) and torch rounds the output once
+_INTERPRET = settings.SETTINGS.triton_interpret
+
+
+@triton.jit
+def _e4m3_bits_to_float(bits):
+    """``bits`` (int32 holding the bytes 0..255 of e4m3 values) -> float32 values. e4m3's NaN
+    patterns (0x7F, 0xFF) decode as +-480: no quantizer writes them."""
+    half_bits = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)
+    return half_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def _fp8_linear_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, scale_cols,
+                       scale_bn, scale_bk, HAS_BIAS: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
+                       EXACT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """Program ``(m, n)``: ``Y[m block, n block] = X[m block] @ dequant(W[n block])^T (+ B)``.
+
+    ``SCALE_PER_TILE``: the ``BLOCK_K`` columns of a tile lie in one scale block (``BLOCK_K``
+    divides ``scale_bk``, or one block spans all of K): the tile's product is taken on the unscaled
+    values (exact in ``X``'s dtype) and scaled per output row in float32. Otherwise each element is
+    scaled before the product. ``EXACT_FP32``: operands widened to float32 and multiplied as IEEE
+    float32 (float32 activations, and the interpreter)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    scale_rows = (offs_n // scale_bn) * scale_cols
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        bits = tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                       mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.int32)
+        w = _e4m3_bits_to_float(bits)
+        if not SCALE_PER_TILE:
+            w = w * tl.load(S + scale_rows[:, None] + offs_k[None, :] // scale_bk,
+                            mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if EXACT_FP32:
+            part = tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        else:
+            part = tl.dot(x, tl.trans(w.to(x.dtype)))
+        if SCALE_PER_TILE:
+            part = part * tl.load(S + scale_rows + k0 // scale_bk, mask=n_ok, other=0.0)[None, :]
+        acc += part
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+               bias: torch.Tensor | None = None, *, block_n: int = 64, block_k: int = 128) -> torch.Tensor:
+    """``x (M, K)`` (float16, bfloat16 or float32; unit stride on K) times the FP8 weight
+    ``weight (N, K)`` (float8_e4m3fn, unit stride on K) with float32 ``scale (ceil(N/bn), ceil(K/bk))``
+    for ``block = (bn, bk)``, plus ``bias (N,)``: ``(M, N)`` in ``x``'s dtype, float32 sums rounded
+    once. Equal to ``F.linear(x, dequantized weight)`` within float32 summation order (each scale
+    is applied before or after its tile's product)."""
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"fp8_linear: rows (M, K) and a weight (N, K) expected, got {tuple(x.shape)} "
+                         f"and {tuple(weight.shape)}")
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_linear: the weight must be float8_e4m3fn, got {weight.dtype}")
+    n, k = weight.shape
+    bn, bk = block
+    want = (-(-n // bn), -(-k // bk))
+    if scale.dtype != torch.float32 or tuple(scale.shape) != want:
+        raise ValueError(f"fp8_linear: scale must be float32 of shape {want} for blocks {tuple(block)}, "
+                         f"got {scale.dtype} {tuple(scale.shape)}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("fp8_linear: x and the weight need unit stride along K")
+    scale = scale.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32 if _INTERPRET else x.dtype, device=x.device)
+    if m == 0:
+        return y.to(x.dtype)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _fp8_linear_kernel[grid](
+        x, weight.view(torch.uint8), scale, bias if bias is not None else scale, y, m, n, k, x.stride(0),
+        weight.stride(0), y.stride(0), scale.shape[1], bn, bk, HAS_BIAS=bias is not None,
+        SCALE_PER_TILE=bk % block_k == 0 or bk >= k, EXACT_FP32=x.dtype == torch.float32 or _INTERPRET,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return y.to(x.dtype)

@@ -1,0 +1,136 @@
+"""FP8 weights: a linear layer whose weight is float8 e4m3 with float32 block scales.
+
+One representation covers the published formats. The weight ``(N, K)`` is ``float8_e4m3fn`` and
+``weight_scale`` is float32 ``(ceil(N / bn), ceil(K / bk))`` for a block ``(bn, bk)``: ``(N, K)``
+is one scale per tensor, ``(1, K)`` one per output channel, ``(128, 128)`` DeepSeek-V3's tiles.
+The dequantized weight is ``float(weight[n, k]) * weight_scale[n // bn, k // bk]`` (a checkpoint's
+``weight_scale_inv`` and ``weight_scale`` both multiply). Activations are not quantized
+(weight-only FP8): on CUDA in float16/bfloat16/float32 the product runs in the Triton kernel
+``kernels.quant.fp8_gemm`` (the weight dequantized tile by tile in registers); elsewhere the
+weight is dequantized to the activation dtype and ``F.linear`` multiplies.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def scale_shape(out_features: int, in_features: int, block: tuple[int, int]) -> tuple[int, int]:
+    """``(ceil(out / bn), ceil(in / bk))``: the scale grid of an ``(out, in)`` weight in ``block`` tiles."""
+    return -(-out_features // block[0]), -(-in_features // block[1])
+
+
+def expand_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """``scale (ceil(N/bn), ceil(K/bk))`` -> a tensor broadcasting against the ``(N, K)`` weight:
+    the scale itself for one per tensor (``(1, 1)``) or per channel (``(N, 1)``), else each entry
+    repeated over its block and cut to ``(N, K)``."""
+    n, k = shape
+    if scale.shape[1] == 1 and (scale.shape[0] == 1 or block[0] == 1):
+        return scale
+    return scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``weight (N, K)`` float8_e4m3fn times its float32 block ``scale`` -> ``(N, K)`` in ``dtype``
+    (the product taken in float32, rounded once)."""
+    return (weight.float() * expand_scale(scale.float(), tuple(weight.shape), block)).to(dtype)
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight (N, K)`` (any float dtype) -> ``(float8_e4m3fn (N, K), float32 scale (N, 1))`` with
+    each row's largest magnitude mapped to e4m3's largest value, 448 (round to nearest). An all-zero
+    row gets scale 1."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def kernel_applies(x: torch.Tensor) -> bool:
+    """Whether ``x`` takes the Triton FP8 product: activations on CUDA in a dtype it multiplies."""
+    return x.is_cuda and x.dtype in _KERNEL_DTYPES
+
+
+class Fp8Linear(nn.Module):
+    """``nn.Linear``'s ``y = x W^T + b`` with ``W`` stored as FP8 (see the module docstring).
+
+    Parameters: ``weight (out, in)`` float8_e4m3fn, ``weight_scale`` float32 of
+    :func:`scale_shape` for ``block``, ``bias (out,)`` in the model dtype or None. ``block``:
+    ``(bn, bk)`` of the scale grid. ``model_dtype``: the dtype of the model's activations (where a
+    plain copy of the layer is made, :meth:`dequantized` defaults to it). ``x (..., in)`` -> ``(..., out)`` in ``x``'s dtype. Model-wide
+    dtype casts (``model.to(torch.bfloat16)``) leave the weight FP8 and the scales float32.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
+                 block: tuple[int, int] | None = None, device: torch.device | str | None = None,
+                 model_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.model_dtype = model_dtype
+        self.in_features, self.out_features = in_features, out_features
+        self.block = tuple(block) if block is not None else (1, in_features)  # default: per channel
+        if len(self.block) != 2 or min(self.block) < 1:
+            raise ValueError(f"FP8 scale blocks are two positive sizes, got {block}")
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(
+            torch.ones(scale_shape(out_features, in_features, self.block), dtype=torch.float32, device=device),
+            requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
+
+    @classmethod
+    def like(cls, linear: nn.Linear, block: tuple[int, int] | None = None,
+             model_dtype: torch.dtype = torch.float32) -> Fp8Linear:
+        """An FP8 layer of ``linear``'s shape and bias on ``linear``'s device (weights not copied)."""
+        return cls(linear.in_features, linear.out_features, bias=linear.bias is not None, block=block,
+                   device=linear.weight.device, model_dtype=model_dtype)
+
+    @property
+    def scheme(self) -> str:
+        """``tensor``, ``channel`` or ``block`` (the scale grid's kind)."""
+        if self.weight_scale.numel() == 1:
+            return "tensor"
+        if self.block == (1, self.in_features):
+            return "channel"
+        return "block"
+
+    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight ``(out, in)`` dequantized to ``dtype`` (default :attr:`model_dtype`)."""
+        return dequantize(self.weight, self.weight_scale, self.block, dtype or self.model_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernel_applies(x):
+            from segkv.kernels.quant.fp8_gemm import fp8_linear
+
+            rows = x.reshape(-1, self.in_features)
+            y = fp8_linear(rows if rows.stride(-1) == 1 else rows.contiguous(), self.weight, self.weight_scale,
+                           self.block, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def _apply(self, fn, recurse: bool = True):
+        # ``model.to(dtype)`` casts every floating-point parameter, FP8 included: the weight and
+        # the scales take only the device part of ``fn`` (a bfloat16 scale would lose bits)
+        own = {name: self._parameters.pop(name) for name in ("weight", "weight_scale")}
+        super()._apply(fn, recurse)
+        for name, param in own.items():
+            moved = fn(param.data)
+            if moved.dtype != param.dtype:
+                moved = param.data.to(moved.device)
+            self._parameters[name] = nn.Parameter(moved, requires_grad=False)
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, fp8 {self.scheme} scales, block={self.block}")
+
+
+def fp8_modules(model: nn.Module) -> list[Fp8Linear]:
+    """The model's FP8 linear layers."""
+    return [m for m in model.modules() if isinstance(m, Fp8Linear)]
