@@ -18,14 +18,17 @@ from segkv.sampling_params import SamplingParams
 from segkv.spec.eagle3 import Eagle3Proposer
 
 EAGLE3 = {"method": "eagle3", "model": "default", "num_speculative_tokens": K}
+EAGLE3_TREE = {**EAGLE3, "topk": 4, "num_draft_tokens": 12}  # trees of 11 nodes, top-4 branches
 
 
-@pytest.fixture(scope="module", params=["default", "default-mla"])
+@pytest.fixture(scope="module", params=[("default", "chain"), ("default", "tree"), ("default-mla", "chain"),
+                                        ("default-mla", "tree")], ids="-".join)
 def pair(request):
-    """A built-in target without and with its built-in EAGLE-3 head drafting for it."""
-    name = request.param
+    """A built-in target without and with its built-in EAGLE-3 head drafting for it (greedy chains,
+    or top-k trees verified as tree windows)."""
+    name, shape = request.param
     return LLM(name, device="cpu", dtype="float32"), LLM(name, device="cpu", dtype="float32",
-                                                         speculative_config=EAGLE3)
+                                                         speculative_config=EAGLE3_TREE if shape == "tree" else EAGLE3)
 
 
 def test_greedy_tokens_equal_plain_decoding_at_batch_3_and_1(pair):
@@ -36,6 +39,8 @@ def test_greedy_tokens_equal_plain_decoding_at_batch_3_and_1(pair):
     stats = spec.generator.spec_stats
     assert stats.drafts > 0 and 0 < stats.accepted_tokens <= stats.draft_tokens
     assert stats.accepted_per_position[1] > 0  # deeper steps (the head's own output fed back) hit too
+    if spec.speculative_config.topk > 1:  # windows were trees: more nodes than a chain's K drafts
+        assert stats.draft_tokens > stats.drafts * K
     alone = tokens(spec, PROMPTS[2:], GREEDY)
     assert alone == tokens(plain, PROMPTS[2:], GREEDY)
     gc.collect()
