@@ -31,7 +31,8 @@ class Sequence(Protocol):
 class SpecStats:
     """Counters of verify windows (vLLM's spec-decode metrics): windows verified (``drafts``),
     draft tokens proposed, draft tokens accepted, and accepted drafts per position
-    (``accepted_per_position[j]``: windows whose first ``j + 1`` drafts were kept)."""
+    (``accepted_per_position[j]``: windows whose first ``j + 1`` drafts were kept; for a tree
+    window, whose kept path reached depth ``j + 1``). A tree's proposed tokens are its nodes."""
 
     max_drafts: int
     drafts: int = 0
