@@ -14,7 +14,7 @@ instructions and in Triton's interpreter.
 from __future__ import annotations
 
 import torch
-from segkv import settings
+import segkv.settings as settings
 from segkv.kernels.triton_import import tl, triton
 
 # Triton's interpreter mis-rounds bfloat16 tiles and truncates float32 -> bf16/fp16 stores: there

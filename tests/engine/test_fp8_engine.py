@@ -1,0 +1,57 @@
+"""``LLM(quantization="fp8")`` and ``--quantization fp8``: the engine loads FP8 weights, reports
+their bytes, keeps their KV snapshots apart, and generates what the dequantized model generates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8_helpers import write_dtype_checkpoint
+from model_helpers import build_model_dir
+from segkv.cli import build_parser
+from segkv.engine import LLM
+from segkv.layers.fp8 import Fp8Linear
+from segkv.sampling_params import SamplingParams
+
+SETTINGS = {"device": "cpu", "dtype": "float32", "page_size": 8, "num_pages": 64}
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8-engine")
+    build_model_dir(root / "src", "qwen3")
+    write_dtype_checkpoint(root / "src", root / "bf16", torch.bfloat16)
+    return root / "bf16"
+
+
+def test_llm_quantization_fp8_reports_fp8_weight_bytes(bf16_dir, gen):
+    plain = LLM(bf16_dir, **SETTINGS)
+    fp8 = LLM(bf16_dir, quantization="fp8", **SETTINGS)
+    layers = [m for m in fp8.model.modules() if isinstance(m, Fp8Linear)]
+    assert len(layers) == 14 and fp8.quantization == "fp8"
+    summary = fp8.summary()
+    assert summary["quantization"] == "fp8: 14 layers quantized at load per channel"
+    assert plain.summary()["quantization"] is None
+    # one byte a weight and a float32 scale a row, in place of four bytes a weight
+    saved = sum(3 * m.weight.numel() - 4 * m.weight_scale.numel() for m in layers)
+    assert summary["weight_bytes"] == plain.weight_bytes - saved
+    assert "fp8: 14 layers" in fp8.describe_summary()
+    assert fp8.fingerprint != plain.fingerprint  # snapshots of one do not restore into the other
+    prompt = torch.randint(0, fp8.model.cfg.vocab_size, (12,), generator=gen).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    out = fp8.generate([prompt], params)[0]
+    assert len(out.outputs[0].token_ids) == 6
+
+
+def test_llm_refuses_unknown_quantization_before_loading(bf16_dir):
+    with pytest.raises(ValueError, match="quantization 'int4' is not implemented"):
+        LLM(bf16_dir, quantization="int4", **SETTINGS)
+
+
+def test_cli_quantization_flag():
+    parser = build_parser()
+    for command in (["generate", "--prompt", "x"], ["chat"], ["serve"]):
+        assert parser.parse_args(command).quantization is None
+        assert parser.parse_args(command + ["--quantization", "fp8"]).quantization == "fp8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--quantization", "int8"])

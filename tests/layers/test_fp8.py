@@ -1,0 +1,129 @@
+"""FP8 linear layers (``layers.fp8``) and their Triton product (``kernels.quant.fp8_gemm``, in
+Triton's interpreter without a GPU) against float64 products of the dequantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8_helpers import reference_dequantize, reference_quantize
+from gpu_helpers import DEVICE
+from segkv.layers.fp8 import FP8_DTYPE, Fp8Linear, dequantize, quantize_per_channel, scale_shape
+
+
+def fp8_layer(out_dim: int, in_dim: int, block: tuple[int, int], gen, *, bias: bool = False,
+              device: str = "cpu") -> tuple[Fp8Linear, torch.Tensor]:
+    """A random FP8 layer quantized by the reference quantizer, and its float64 dequantized weight."""
+    w = torch.randn(out_dim, in_dim, generator=gen) / in_dim**0.5
+    q, scale = reference_quantize(w, block)
+    layer = Fp8Linear(in_dim, out_dim, bias=bias, block=block, device=device)
+    with torch.no_grad():
+        layer.weight.copy_(q.to(device))
+        layer.weight_scale.copy_(scale.to(device))
+        if bias:
+            layer.bias.copy_(torch.randn(out_dim, generator=gen).to(device))
+    return layer, reference_dequantize(q, scale, block).double()
+
+
+BLOCKS = {"tensor": lambda n, k: (n, k), "channel": lambda n, k: (1, k), "block128": lambda n, k: (128, 128),
+          "block-odd": lambda n, k: (24, 40)}
+
+
+@pytest.mark.parametrize("scheme", list(BLOCKS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_on_the_cpu_is_the_dequantized_product(scheme, dtype, gen):
+    out_dim, in_dim = 200, 136  # partial blocks in both directions
+    layer, w = fp8_layer(out_dim, in_dim, BLOCKS[scheme](out_dim, in_dim), gen, bias=True)
+    layer.bias.data = layer.bias.data.to(dtype)
+    x = torch.randn(3, 5, in_dim, generator=gen).to(dtype)
+    y = layer(x)
+    assert y.shape == (3, 5, out_dim) and y.dtype == dtype and torch.isfinite(y).all()
+    ref = torch.nn.functional.linear(x, w.to(dtype), layer.bias)  # the model with the dequantized weight
+    torch.testing.assert_close(y, ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+    assert layer.scheme == ("block" if scheme.startswith("block") else scheme)
+
+
+@pytest.mark.parametrize("scheme", list(BLOCKS))
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_gemm_kernel_is_the_dequantized_product(scheme, rows, dtype, gen):
+    from segkv.kernels.quant.fp8_gemm import fp8_linear
+
+    out_dim, in_dim = 150, 264
+    block = BLOCKS[scheme](out_dim, in_dim)
+    layer, w = fp8_layer(out_dim, in_dim, block, gen, bias=rows == 5, device=DEVICE)
+    x = torch.randn(rows, in_dim, generator=gen).to(dtype).to(DEVICE)
+    bias = layer.bias.to(dtype) if layer.bias is not None else None
+    y = fp8_linear(x, layer.weight, layer.weight_scale, block, bias)
+    ref = x.double().cpu() @ w.T + (bias.double().cpu() if bias is not None else 0)
+    assert y.shape == (rows, out_dim) and y.dtype == dtype and torch.isfinite(y).all()
+    # float32 sums rounded once to the output dtype
+    tol = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
+    torch.testing.assert_close(y.double().cpu(), ref, rtol=tol, atol=tol)
+
+
+def test_every_e4m3_value_decodes_exactly(gen):
+    """The kernel's integer decoding of e4m3 bytes, over all 254 finite values (subnormals, zeros
+    of both signs, 448), against torch's conversion."""
+    from segkv.kernels.quant.fp8_gemm import fp8_linear
+
+    values = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE)
+    finite = values[~values.float().isnan()]
+    weight = finite.reshape(-1, 1).to(DEVICE)  # one input: each output is one value
+    x = torch.ones(1, 1, dtype=torch.float32, device=DEVICE)
+    y = fp8_linear(x, weight, torch.ones(1, 1, device=DEVICE), (weight.shape[0], 1))
+    assert torch.equal(y[0].cpu(), finite.float())
+
+
+def test_fp8_linear_rejects_what_it_cannot_compute():
+    from segkv.kernels.quant.fp8_gemm import fp8_linear
+
+    w = torch.zeros(8, 16, dtype=FP8_DTYPE, device=DEVICE)
+    x = torch.randn(2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="rows"):
+        fp8_linear(x[:, :8], w, torch.ones(8, 1, device=DEVICE), (1, 16))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_linear(x, w.float(), torch.ones(8, 1, device=DEVICE), (1, 16))
+    with pytest.raises(ValueError, match=r"scale must be float32 of shape \(8, 1\)"):
+        fp8_linear(x, w, torch.ones(1, 8, device=DEVICE), (1, 16))
+
+
+def test_quantize_per_channel():
+    w = torch.randn(33, 70)
+    w[5] = 0  # an all-zero row: scale 1, zeros
+    w[7, 3] = 1e4  # one large entry sets its row's scale alone
+    q, scale = quantize_per_channel(w.to(torch.bfloat16))
+    assert q.dtype == FP8_DTYPE and scale.shape == (33, 1) and scale.dtype == torch.float32
+    assert scale[5].item() == 1 and not q[5].float().any()
+    back = dequantize(q, scale, (1, 70))
+    assert back.abs().amax(dim=1).sub(w.to(torch.bfloat16).float().abs().amax(dim=1)).abs().max() < 1e-6 * 1e4
+    # e4m3 rounding: at most 2^-4 relative for normal values, 2^-9 of the scale below them
+    err = (back - w.to(torch.bfloat16).float()).abs()
+    assert (err <= w.to(torch.bfloat16).float().abs() * 2.0**-4 + scale * 2.0**-9).all()
+
+
+def test_model_dtype_casts_keep_fp8_weights_and_float32_scales(gen):
+    layer, _ = fp8_layer(16, 32, (8, 8), gen, bias=True)
+    scale = layer.weight_scale.clone()
+    weight = layer.weight.view(torch.uint8).clone()
+    layer.to(torch.bfloat16)
+    assert layer.weight.dtype == FP8_DTYPE and layer.bias.dtype == torch.bfloat16
+    assert torch.equal(layer.weight_scale, scale) and torch.equal(layer.weight.view(torch.uint8), weight)
+    assert layer.weight_scale.shape == scale_shape(16, 32, (8, 8)) == (2, 4)
+    with pytest.raises(ValueError, match="two positive sizes"):
+        Fp8Linear(4, 4, block=(0, 4))
+
+
+@pytest.mark.gpu
+def test_fp8_linear_takes_the_kernel_on_cuda(gen, monkeypatch):
+    """On CUDA the layer's forward is the Triton product (not a dequantized copy)."""
+    from segkv.kernels.quant import fp8_gemm
+
+    calls = []
+    real = fp8_gemm.fp8_linear
+    monkeypatch.setattr(fp8_gemm, "fp8_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    layer, w = fp8_layer(96, 128, (1, 128), gen, device="cuda")
+    x = torch.randn(4, 128, device="cuda", dtype=torch.bfloat16)
+    y = layer(x)
+    assert calls and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double().cpu(), x.double().cpu() @ w.T, rtol=2.0**-7, atol=2.0**-7)
