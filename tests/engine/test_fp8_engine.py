@@ -55,3 +55,25 @@ def test_cli_quantization_flag():
         assert parser.parse_args(command + ["--quantization", "fp8"]).quantization == "fp8"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--quantization", "int8"])
+
+
+@pytest.mark.gpu
+def test_fp8_on_cuda_with_graphs_matches_the_dequantized_model(bf16_dir, tmp_path, gen):
+    """On CUDA in bfloat16 with CUDA graphs and fused ops (the FP8 projections unfused, their
+    Triton product inside the graphs): prompt logits close to the same model with the dequantized
+    weights in bfloat16, and decode runs."""
+    from segkv.layers.fp8 import fp8_modules
+
+    cuda = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 64, "cuda_graphs": True}
+    fp8 = LLM(bf16_dir, quantization="fp8", **cuda)
+    reference = LLM(bf16_dir, **cuda)
+    with torch.no_grad():
+        for name, module in fp8.model.named_modules():
+            if module in fp8_modules(fp8.model):
+                reference.model.get_submodule(name).weight.copy_(module.dequantized(torch.bfloat16))
+    prompt = torch.randint(0, fp8.model.cfg.vocab_size, (40,), generator=gen).tolist()
+    logits = [llm.runner.prompt_logits(llm.cache.new_chain(), prompt) for llm in (fp8, reference)]
+    assert torch.isfinite(logits[0]).all()
+    torch.testing.assert_close(logits[0], logits[1], rtol=0.02, atol=0.02 * logits[1].abs().max().item())
+    out = fp8.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))[0]
+    assert len(out.outputs[0].token_ids) == 16

@@ -1,0 +1,82 @@
+"""FP8 weight-only products (``layers.fp8.Fp8Linear``) against bf16 ``F.linear`` at Llama-3.1-8B
+projection shapes: time per call, the weight bytes read per second, and the error against the
+float64 product of the dequantized weight. CUDA only.
+
+    python -m benchmarks.fp8_linear [--rows 1 16 256] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from segkv.layers.fp8 import Fp8Linear, quantize_per_channel
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def _time(fn, iters: int = 50) -> float:
+    """Median seconds per call over ``iters`` CUDA-event-timed calls (after warm-up)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def run(rows_list: list[int], block: tuple[int, int] | None) -> list[dict]:
+    out = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (n, k) in SHAPES.items():
+        w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+        layer = Fp8Linear(k, n, block=block, device="cuda", model_dtype=torch.bfloat16)
+        if block is None:
+            q, s = quantize_per_channel(w)
+        else:  # 128 x 128 tiles, as DeepSeek-V3 stores them
+            b0, b1 = block
+            tiles = w.float().view(n // b0, b0, k // b1, b1)
+            s = tiles.abs().amax(dim=(1, 3)) / 448.0
+            q = (tiles / s[:, None, :, None]).view(n, k).to(torch.float8_e4m3fn)
+        layer.weight.data.copy_(q)
+        layer.weight_scale.data.copy_(s)
+        deq = layer.dequantized(torch.float64)
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+            y = layer(x)
+            err = ((y.double() - x.double() @ deq.T).abs().max() / (x.double() @ deq.T).abs().max()).item()
+            t_fp8 = _time(lambda: layer(x))
+            t_bf16 = _time(lambda: F.linear(x, w))
+            row = {"shape": name, "n": n, "k": k, "rows": rows, "fp8_us": t_fp8 * 1e6, "bf16_us": t_bf16 * 1e6,
+                   "speedup": t_bf16 / t_fp8, "fp8_weight_GBps": n * k / t_fp8 / 1e9,
+                   "bf16_weight_GBps": 2 * n * k / t_bf16 / 1e9, "max_rel_err": err,
+                   "scales": "per-channel" if block is None else f"{block[0]}x{block[1]}"}
+            out.append(row)
+            print(f"{name:8s} {n:6d}x{k:<6d} rows {rows:4d} [{row['scales']}]: fp8 {row['fp8_us']:8.1f} us "
+                  f"({row['fp8_weight_GBps']:6.0f} GB/s)  bf16 {row['bf16_us']:8.1f} us "
+                  f"({row['bf16_weight_GBps']:6.0f} GB/s)  x{row['speedup']:.2f}  err {err:.1e}", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    results = run(args.rows, None) + run(args.rows, (128, 128))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
