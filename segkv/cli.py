@@ -293,7 +293,8 @@ def _load(args):
     from segkv.sampling_params import SamplingParams
 
     llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, quantization=args.quantization,
-              page_size=args.page_size, max_model_len=args.max_model_len, route=args.route, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs],
+              page_size=args.page_size, max_model_len=args.max_model_len, route=args.route,
+              cuda_graphs=CUDA_GRAPHS[args.cuda_graphs],
               kv_cache_bytes=_kv_cache_bytes(args), gpu_memory_utilization=args.gpu_memory_utilization,
               speculative_config=args.speculative_config, progress=True)
     print(llm.describe_summary(), file=sys.stderr, flush=True)

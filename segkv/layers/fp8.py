@@ -63,9 +63,10 @@ class Fp8Linear(nn.Module):
 
     Parameters: ``weight (out, in)`` float8_e4m3fn, ``weight_scale`` float32 of
     :func:`scale_shape` for ``block``, ``bias (out,)`` in the model dtype or None. ``block``:
-    ``(bn, bk)`` of the scale grid. ``model_dtype``: the dtype of the model's activations (where a
-    plain copy of the layer is made, :meth:`dequantized` defaults to it). ``x (..., in)`` -> ``(..., out)`` in ``x``'s dtype. Model-wide
-    dtype casts (``model.to(torch.bfloat16)``) leave the weight FP8 and the scales float32.
+    ``(bn, bk)`` of the scale grid. ``model_dtype``: the dtype of the model's activations (the
+    default of :meth:`dequantized`, for plain copies of the layer). ``x (..., in)`` -> ``(..., out)``
+    in ``x``'s dtype. Model-wide dtype casts (``model.to(torch.bfloat16)``) leave the weight FP8
+    and the scales float32.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
