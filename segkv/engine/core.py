@@ -75,6 +75,8 @@ class EngineCore:
         self.fingerprint = fingerprint
         self.scheduler = Scheduler(cache, config, rows_ahead=generator.rows_ahead)
         self.config = self.scheduler.config
+        # verify windows' draft rows count against the step's token budget too
+        generator.max_step_rows = self.config.max_num_batched_tokens
         self.pool = self.scheduler.pool
         self.prefix = self.scheduler.prefix
         self.pressure_hooks = self.scheduler.pressure_hooks  # see Scheduler.make_room

@@ -137,6 +137,8 @@ class Generator:
         self.steps_ahead_used = 0  # decode steps served by a step launched ahead
         self.steps_ahead_cancelled = 0
         self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative else 0)
+        # the most rows one step may compute, drafts included (the scheduler's token budget; None: no limit)
+        self.max_step_rows: int | None = None
         self.vocab_size = runner.model.cfg.vocab_size  # the logits' width
         self.grammars = GrammarCache(tokenizer, self.vocab_size)
 
@@ -266,6 +268,7 @@ class Generator:
                         proposal = list(proposal.tokens)
             if len(proposal):
                 drafts[i] = proposal if isinstance(proposal, DraftTree) else list(proposal[:room])
+        self._fit_budget(work, drafts)
         masks = {}
         for i, proposal in list(drafts.items()):
             state = work[i][0].grammar
@@ -279,6 +282,26 @@ class Generator:
             else:
                 del drafts[i]
         return drafts, masks
+
+    def _fit_budget(self, work: list[tuple[Sequence, int]], drafts: dict[int, Drafts]) -> None:
+        """Cut ``drafts`` (in place) so the step's rows, the scheduled tokens and every draft, stay
+        within :attr:`max_step_rows`: windows in work order keep what the budget still allows (a
+        tree its first nodes, which form a tree: parents come first)."""
+        if self.max_step_rows is None:
+            return
+        left = self.max_step_rows - sum(k for _, k in work)
+        for i in sorted(drafts):
+            d = drafts[i]
+            take = max(0, min(len(d), left))
+            left -= take
+            if take == len(d):
+                continue
+            if take == 0:
+                del drafts[i]
+            elif isinstance(d, DraftTree):
+                drafts[i] = DraftTree(d.tokens[:take], d.parents[:take])
+            else:
+                drafts[i] = d[:take]
 
     def _verify_step(self, work: list[tuple[Sequence, int]], drafts: dict[int, list[int]],
                      masks: dict[int, torch.Tensor]) -> list[Sequence]:

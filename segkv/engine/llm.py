@@ -23,6 +23,7 @@ from segkv.config import (GIB, CacheConfig, CompactionPolicy, KVLayout, check_ca
                           check_gpu_memory_utilization, default_page_size, kv_cache_budget, resolve_dtype)
 from segkv.engine.core import EngineCore, EngineRequest
 from segkv.engine.generation import Generator
+from segkv.scheduler import SchedulerConfig
 from segkv.models.default_models import check_model_dir, resolve_model_dir
 from segkv.models.fp8_loading import check_quantization
 from segkv.models.loader import fingerprint, load_model, read_config
@@ -176,9 +177,9 @@ class LLM:
             check_capacity(self.max_model_len, capacity_tokens=num_pages * page_size, explicit=explicit_len)
         self.cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=num_pages),
                                   device=str(self.device), compaction=compaction)
-        # a verify window (k drafts and the pending token) runs like a decode step: MLA absorbed,
+        # a verify window (its drafts, a tree's nodes, and the pending token) runs like a decode step: MLA absorbed,
         # replayed from its own CUDA graphs
-        window = 1 if self.speculative_config is None else self.speculative_config.num_speculative_tokens + 1
+        window = 1 if self.speculative_config is None else self.speculative_config.window_rows
         self.runner = ModelRunner(self.model, self.cache, device=self.device, route=route,
                                   mla_mode=mla_mode, prefill_chunk=prefill_chunk, backend=backend,
                                   cuda_graphs=cuda_graphs, graph_windows=(window,) if window > 1 else (),
@@ -186,7 +187,9 @@ class LLM:
                                   fused_ops=fused_ops)
         self.generator = Generator(self.runner, self.tokenizer, max_model_len=self.max_model_len,
                                    speculative=speculative)
-        self.core = EngineCore(self.cache, self.generator, fingerprint=self.fingerprint)
+        scheduling = None if max_num_batched_tokens is None else SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens)
+        self.core = EngineCore(self.cache, self.generator, scheduling, fingerprint=self.fingerprint)
         self._request_ids = itertools.count()
         logger.info("%s", self.describe_summary())
         # what exists now lives as long as the engine: keep it out of the cyclic collector's

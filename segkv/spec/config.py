@@ -210,6 +210,11 @@ class SpeculativeConfig:
             return None
         return cls(**value)
 
+    @property
+    def window_rows(self) -> int:
+        """The most rows of one verify window: the pending token and every draft (a tree's nodes)."""
+        return self.num_draft_tokens or self.num_speculative_tokens + 1
+
     def describe(self) -> dict[str, Any]:
         """The settings that apply to this method (for /health); ``parse`` of it gives this config back."""
         out: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}

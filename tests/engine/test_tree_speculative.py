@@ -81,7 +81,9 @@ class TreeOracle:
 
     def keep_tree_rows(self, chain, window, keep):
         pending, tree = self.proposed.pop(id(chain))
-        assert window == len(tree) + 1 and keep[0] == 0
+        # the whole tree, or its first nodes where the step's token budget cut it
+        assert window <= len(tree) + 1 and keep[0] == 0
+        tree = DraftTree(tree.tokens[: window - 1], tree.parents[: window - 1])
         nodes = [r - 1 for r in keep[1:]]
         assert [tree.parents[n] for n in nodes] == ([-1] + nodes)[: len(nodes)]  # a path from the root
         assert chain.token_ids()[-len(keep):] == [pending] + [tree.tokens[n] for n in nodes]
@@ -387,3 +389,24 @@ def test_a_wrong_tree_rule_fails_the_same_comparison(word_engines, monkeypatch):
     print("wrong tree rule", result)  # shown with -s
     for name in ("token 2 vs plain", "token 2 vs exact", "tokens 1-2 vs plain", "tokens 1-2 vs exact"):
         assert result[name] < 1e-12, (name, result)
+
+
+def test_draft_rows_stay_within_the_step_token_budget(gen):
+    """With a token budget of 6 rows a step, a batch of 3 decoding sequences leaves 3 rows for
+    drafts: windows are cut (trees to their first nodes) and every forward fits; tokens stay plain."""
+    kw = {"dtype": "float32", "device": "cpu", "max_num_batched_tokens": 6}
+    plain, spec = LLM("default", **kw), LLM("default", speculative_config=NGRAM, **kw)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [p[:6] for p in PROMPTS[:3]]
+    rows: list[int] = []
+    forward = spec.runner.forward
+
+    def counted(inputs, **kwargs):
+        rows.append(sum(len(item.token_ids) for item in inputs))
+        return forward(inputs, **kwargs)
+
+    spec.runner.forward = counted
+    want, got, oracle = run_with_trees(spec, gen, lambda llm: tokens(llm, prompts, params))
+    assert got == want == tokens(plain, prompts, params)
+    assert oracle.trees > 0 and max(rows) <= 6
+    assert spec.generator.spec_stats.draft_tokens > 0
