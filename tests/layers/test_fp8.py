@@ -127,3 +127,13 @@ def test_fp8_linear_takes_the_kernel_on_cuda(gen, monkeypatch):
     y = layer(x)
     assert calls and y.dtype == torch.bfloat16
     torch.testing.assert_close(y.double().cpu(), x.double().cpu() @ w.T, rtol=2.0**-7, atol=2.0**-7)
+
+
+def test_launch_shapes_fill_the_device_at_few_rows():
+    from segkv.kernels.quant.fp8_gemm import MIN_PROGRAMS, launch_for
+
+    assert launch_for(1, 4096, 4096, 128) == (16, 16, 128)  # 256 programs: as many as 16 columns give
+    assert launch_for(1, 28672, 4096, 4096) == (16, 64, 256)  # per channel: a step stays in its block
+    assert launch_for(4, 14336, 4096, 128)[2] == 128  # 128-wide scale blocks: 128-wide steps
+    m, n, _ = launch_for(512, 4096, 4096, 128)
+    assert (m, n) == (64, 64) and (512 // m) * (4096 // n) >= MIN_PROGRAMS

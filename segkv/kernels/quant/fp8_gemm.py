@@ -74,8 +74,26 @@ def _fp8_linear_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, 
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+# programs a launch should have at least (about two per multiprocessor of an H100): below it, the
+# output tiles narrow, since a few rows of activations leave the product bound by the weight read
+MIN_PROGRAMS = 264
+
+
+def launch_for(m: int, n: int, k: int, scale_bk: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` for an ``(m, k) x (n, k)^T`` product with scale blocks
+    ``scale_bk`` wide: row tiles of 16 to 64 rows; 64 output columns a program, fewer (down to 16,
+    ``tl.dot``'s least) until the launch has :data:`MIN_PROGRAMS` programs; 128 inputs a step, 256
+    for a few rows where a step stays inside one scale block."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64
+    while block_n > 16 and triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < MIN_PROGRAMS:
+        block_n //= 2
+    block_k = 256 if m <= 16 and (scale_bk % 256 == 0 or scale_bk >= k) else 128
+    return block_m, block_n, block_k
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-               bias: torch.Tensor | None = None, *, block_n: int = 64, block_k: int = 128) -> torch.Tensor:
+               bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x (M, K)`` (float16, bfloat16 or float32; unit stride on K) times the FP8 weight
     ``weight (N, K)`` (float8_e4m3fn, unit stride on K) with float32 ``scale (ceil(N/bn), ceil(K/bk))``
     for ``block = (bn, bk)``, plus ``bias (N,)``: ``(M, N)`` in ``x``'s dtype, float32 sums rounded
@@ -99,7 +117,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     y = torch.empty(m, n, dtype=torch.float32 if _INTERPRET else x.dtype, device=x.device)
     if m == 0:
         return y.to(x.dtype)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_m, block_n, block_k = launch_for(m, n, k, bk)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _fp8_linear_kernel[grid](
         x, weight.view(torch.uint8), scale, bias if bias is not None else scale, y, m, n, k, x.stride(0),
