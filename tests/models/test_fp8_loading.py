@@ -32,6 +32,9 @@ FORMATS = {
         scheme="tensor", input_scales=True, config={"quant_method": "fp8", "activation_scheme": "static"})),
     "vllm-fp8-channel": ("qwen2", dict(
         scheme="channel", scalar_scale_shape=(1,), config={"quant_method": "fp8", "activation_scheme": "dynamic"})),
+    "fbgemm-fp8": ("llama", dict(
+        scheme="channel", config={"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                  "modules_to_not_convert": ["lm_head"]})),
     "ct-channel-bf16-scales": ("mistral", dict(
         scheme="channel", scale_dtype=torch.bfloat16, config={
             "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
