@@ -26,7 +26,9 @@ class BackendCapabilities:
     ``kv_lora_rank`` columns). ``kv_transform``: ``run`` accepts a per-piece K/V transform
     (MLA's naive path decompresses latent rows). ``cuda_graphs``: it can prepare plans into
     fixed-capacity buffers, so a CUDA graph captured over ``run`` replays for later plans.
-    ``precision_modes``: the contract's modes inside a piece that it implements.
+    ``precision_modes``: the contract's modes inside a piece that it implements. ``key_masks``: it
+    runs plans whose work items carry key masks (``WorkItem.key_masks``: tree verify windows), in
+    fixed-capacity buffers too where it has them.
     """
 
     devices: tuple[str, ...]
@@ -34,6 +36,7 @@ class BackendCapabilities:
     kv_transform: bool
     cuda_graphs: bool
     precision_modes: tuple[str, ...]
+    key_masks: bool = False
 
     def __post_init__(self) -> None:
         for field, allowed in (("devices", DEVICE_TYPES), ("kv_layouts", KV_LAYOUTS),

@@ -98,7 +98,7 @@ class TorchReferenceBackend:
     name = "torch"
     lse_api = LSE_API
     capabilities = BackendCapabilities(devices=("cpu", "cuda"), kv_layouts=("mha", "mla"), kv_transform=True,
-                                       cuda_graphs=False, precision_modes=("exact",))
+                                       cuda_graphs=False, precision_modes=("exact",), key_masks=True)
 
     def __init__(self, *, page_size: int, device: str | torch.device = "cpu") -> None:
         self.page_size = page_size

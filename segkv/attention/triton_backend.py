@@ -6,18 +6,18 @@ addresses with fixed maximum sizes and the kernels launch fixed grids (padding w
 nothing), so a CUDA graph captured over ``run`` replays correctly for any later plan that
 fits: the next ``prepare`` only rewrites the buffer's contents.
 
-Tree verify windows: the kernels take causal offsets, not key masks, so a plan's masked work
-items (each tree window's own small piece, :class:`~segkv.attention.plan.WorkItem`) run on
-the torch reference, while everything else (the histories, every other sequence) runs in
-the kernels, their states kept in float32; the two are merged exactly and rounded once. Fixed
-CUDA-graph buffers do not take such plans (``prepare`` raises NotImplementedError): the
-reference's gathers are sized by the plan. A kernel that tests one mask bit per key in its
-tile would remove both limits.
+Tree verify windows: a plan's masked work items (each tree window's own small piece,
+:class:`~segkv.attention.plan.WorkItem` ``key_masks``) run in the same kernels. ``flatten_plan``
+packs each masked row's bitmask into int32 words (``work_key_masks``, ``key_mask_words``:
+:func:`flatten_plan`), masks of at most :data:`MAX_KEY_MASK_BITS` piece rows; the kernels test one
+bit per key of a masked item and read one flag per program of an unmasked one (a launch over a
+plan without masks compiles the test away). Fixed buffers hold masks too (``PlanCapacity``'s
+``max_key_mask_words``), so CUDA graphs replay plans with tree windows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
@@ -25,8 +25,7 @@ import torch
 
 from segkv.attention.backend import BackendCapabilities, KVTransform
 from segkv.attention.device import PARTIAL_WORKSPACE_BYTES, stage1_merge_bound
-from segkv.attention.merge import merge_partials
-from segkv.attention.plan import AttentionPlan, reduce_map_from_work
+from segkv.attention.plan import AttentionPlan
 
 LSE_API_TRITON = "triton-merge"
 
@@ -40,7 +39,13 @@ _PADDED = ("work_partial_start", "reduce_ptr")
 PLAN_ONE_COPY_BYTES = 128 << 10
 # The plan arrays, in their order inside the packed buffer.
 _FIELDS = ("page_table", "page_rows", "page_key_start", "work_pages", "work_partial_start",
-           "partial_row", "partial_offset", "partial_direct", "reduce_ptr", "reduce_partials")
+           "partial_row", "partial_offset", "partial_direct", "reduce_ptr", "reduce_partials",
+           "work_key_masks", "key_mask_words")
+# The widest key mask the kernels take, in piece rows: a masked row's words cover the piece rows up
+# to its causal offset (at most this many). The planner masks a tree window's own piece only, under
+# page_size + window rows (80 for 16-row pages and a 64-node tree).
+MAX_KEY_MASK_BITS = 256
+MAX_KEY_MASK_WORDS = MAX_KEY_MASK_BITS // 32  # int32 words of one row's mask, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +59,11 @@ class PlanCapacity:
     the rows itself (no merge launch in the graph). Stage 1 launches one program per possible
     work item (``max_work``) and KV head: padding ones start and exit, so ``max_work`` should be
     no larger than plans need (thousands of idle programs cost microseconds per launch).
+    ``max_key_mask_words``: int32 words of tree windows' key masks (``flatten_plan``'s
+    ``key_mask_words``); by default ``max_rows * MAX_KEY_MASK_WORDS``, enough for every query row
+    to have one masked partial of the widest mask (the planner masks each tree row in one piece).
+    0 leaves masks out: the graph's kernels then compile the mask test away and plans with masks
+    exceed the capacity (``prepare`` raises ValueError).
     """
 
     max_pages: int
@@ -62,6 +72,7 @@ class PlanCapacity:
     max_rows: int
     max_work_rows: int = 64
     max_row_partials: int | None = None
+    max_key_mask_words: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_pages", "max_work", "max_partials", "max_rows", "max_work_rows"):
@@ -69,6 +80,15 @@ class PlanCapacity:
                 raise ValueError(f"PlanCapacity.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_row_partials is not None and self.max_row_partials < 1:
             raise ValueError(f"PlanCapacity.max_row_partials must be >= 1, got {self.max_row_partials}")
+        if self.max_key_mask_words is not None and self.max_key_mask_words < 0:
+            raise ValueError(f"PlanCapacity.max_key_mask_words must be >= 0, got {self.max_key_mask_words}")
+
+    @property
+    def key_mask_words(self) -> int:
+        """The int32 words of key masks the buffers hold (``max_key_mask_words`` or its default)."""
+        if self.max_key_mask_words is None:
+            return self.max_rows * MAX_KEY_MASK_WORDS
+        return self.max_key_mask_words
 
     def sizes(self) -> dict[str, int]:
         return {
@@ -77,6 +97,7 @@ class PlanCapacity:
             "work_partial_start": self.max_work + 1, "partial_row": self.max_partials,
             "partial_offset": self.max_partials, "partial_direct": self.max_partials,
             "reduce_ptr": self.max_rows + 1, "reduce_partials": self.max_partials,
+            "work_key_masks": 2 * self.max_work, "key_mask_words": self.key_mask_words,
         }
 
 
@@ -95,8 +116,7 @@ class TritonPreparedPlan:
     fixed: bool = False
     merge_in_stage1: bool = False  # GQA kernels: stage 1 merges the rows (paged_attention's argument)
     reference: object = None  # the reference backend's preparation, for kv_transform calls
-    masked: object = None  # the reference's preparation of the plan's masked work (tree windows), or None
-    kernel_work: bool = True  # whether the kernels have work (a plan of tree windows alone may not)
+    key_masks: bool = False  # the kernels read the key-mask arrays (a plan with masks, or fixed buffers)
 
     def __getattr__(self, name: str) -> torch.Tensor:  # prepared.page_table, ...
         try:
@@ -109,12 +129,13 @@ def flatten_plan(plan: AttentionPlan) -> dict[str, np.ndarray]:
     """The plan's index arrays as int32 numpy arrays (layout documented in ``paged_attention``).
 
     Page arrays are built with numpy (a long batch has hundreds of thousands of pages per step).
-    The arrays carry no key masks, so a plan with them (tree windows) is refused rather than
-    flattened into the wrong attention: ``TritonBackend.prepare`` takes such plans whole.
+    Key masks (tree verify windows) go into two arrays: ``work_key_masks (2 W,)``, per work item
+    the index in ``key_mask_words`` of its first row's first word (-1 when the item has no masks)
+    and its words per row, ``ceil(n / 32)`` for the ``n`` piece rows its rows' causal offsets reach;
+    ``key_mask_words``, each masked row's mask in turn, piece row ``j`` in bit ``j % 32`` of word
+    ``j // 32`` (words are the mask's 32-bit slices as int32). A mask reaching more than
+    :data:`MAX_KEY_MASK_BITS` piece rows raises ValueError.
     """
-    if plan.has_key_masks:
-        raise NotImplementedError("flatten_plan: the plan has key masks (tree verify windows), which the "
-                                  "kernels' arrays cannot carry; give the plan to TritonBackend.prepare alone")
     pieces = plan.pieces
     counts = np.fromiter((len(p.page_ids) for p in pieces), dtype=np.int64, count=len(pieces))
     total = int(counts.sum())
@@ -131,6 +152,7 @@ def flatten_plan(plan: AttentionPlan) -> dict[str, np.ndarray]:
     for item in plan.work:
         work_start.append(work_start[-1] + len(item.query_rows))
         offsets.extend(item.causal_offsets)
+    work_key_masks, key_mask_words = _key_mask_arrays(plan)
     reduce_ptr, reduce_partials = [0], []
     direct = [-1] * plan.num_partials
     for row, partials in enumerate(plan.reduce_map):
@@ -148,16 +170,39 @@ def flatten_plan(plan: AttentionPlan) -> dict[str, np.ndarray]:
         "work_partial_start": i32(work_start),
         "partial_row": i32(plan.partial_rows), "partial_offset": i32(offsets), "partial_direct": i32(direct),
         "reduce_ptr": i32(reduce_ptr), "reduce_partials": i32(reduce_partials),
+        "work_key_masks": work_key_masks, "key_mask_words": key_mask_words,
     }
+
+
+def _key_mask_arrays(plan: AttentionPlan) -> tuple[np.ndarray, np.ndarray]:
+    """``work_key_masks`` and ``key_mask_words`` of a plan (:func:`flatten_plan`), int32."""
+    work_masks = np.empty((len(plan.work), 2), dtype=np.int32)
+    work_masks[:, 0], work_masks[:, 1] = -1, 0
+    if not plan.has_key_masks:
+        return work_masks.ravel(), np.zeros(0, dtype=np.int32)
+    words: list[int] = []
+    for index, item in enumerate(plan.work):
+        if item.key_masks is None:
+            continue
+        # the kernels read a row's words up to its causal offset (and the piece's last row)
+        width = min(max(item.causal_offsets) + 1, plan.pieces[item.piece].num_rows)
+        if width > MAX_KEY_MASK_BITS:
+            raise ValueError(f"work item {index} has key masks over {width} piece rows; the Triton kernels "
+                             f"take masks of at most MAX_KEY_MASK_BITS = {MAX_KEY_MASK_BITS} rows")
+        per_row = max(1, -(-width // 32))
+        work_masks[index] = len(words), per_row
+        for mask in item.key_masks:
+            words.extend(mask >> (32 * i) & 0xFFFFFFFF for i in range(per_row))
+    return work_masks.ravel(), np.asarray(words, dtype=np.int64).astype(np.uint32).view(np.int32)
 
 
 class TritonBackend:
     """Runs attention plans with Triton kernels (CUDA, or the interpreter on the CPU).
 
     An :class:`~segkv.attention.backend.AttentionBackend`: both cache layouts (GQA kernels for
-    ``"mha"``, the latent kernel for ``"mla"``); ``kv_transform`` runs on the torch reference
-    over the same plan; with a :class:`PlanCapacity` its plans live in fixed buffers, so CUDA
-    graphs captured over ``run`` replay later plans. Half-precision P.V uses P split into two
+    ``"mha"``, the latent kernel for ``"mla"``), tree windows' key masks included; ``kv_transform``
+    runs on the torch reference over the same plan; with a :class:`PlanCapacity` its plans live in
+    fixed buffers, so CUDA graphs captured over ``run`` replay later plans. Half-precision P.V uses P split into two
     half-precision parts (about 16 bits of P, float32 sums): within one unit in the last place
     of the output of float32 attention rounded once. The CPU runs it only in Triton's
     interpreter (``TRITON_INTERPRET=1`` before ``triton`` is imported: tests).
@@ -204,7 +249,7 @@ class TritonBackend:
     name = "triton"
     lse_api = LSE_API_TRITON
     capabilities = BackendCapabilities(devices=("cuda",), kv_layouts=("mha", "mla"), kv_transform=True,
-                                       cuda_graphs=True, precision_modes=("exact",))
+                                       cuda_graphs=True, precision_modes=("exact",), key_masks=True)
 
     def __init__(
         self,
@@ -255,11 +300,7 @@ class TritonBackend:
 
     def prepare(self, plan: AttentionPlan, *, arrays: dict[str, np.ndarray] | None = None) -> TritonPreparedPlan:
         """Flatten the plan into int32 tensors on the device (once per forward step).
-        ``arrays``: ``flatten_plan(plan)`` when the caller already made it (not modified).
-        A plan with key masks (tree windows) is prepared in two parts (module docstring), whatever
-        ``arrays`` holds."""
-        if plan.has_key_masks:
-            return self._prepare_masked(plan)
+        ``arrays``: ``flatten_plan(plan)`` when the caller already made it (not modified)."""
         arrays = flatten_plan(plan) if arrays is None else dict(arrays)
         needs_merge = bool((np.diff(arrays["reduce_ptr"]) != 1).any())  # a row without exactly one partial
         max_work_rows = plan.max_work_rows
@@ -276,7 +317,8 @@ class TritonBackend:
             return TritonPreparedPlan(plan, self._views(device_buffer, sizes, _ALIGN_INT32), plan.num_partials,
                                       max_work_rows, needs_merge,
                                       merge_in_stage1=needs_merge and merges_in_stage1(max_work_rows,
-                                                                                       plan.max_row_partials))
+                                                                                       plan.max_row_partials),
+                                      key_masks=plan.has_key_masks)
         cap = self.capacity
         if plan.num_query_rows > cap.max_rows or max_work_rows > cap.max_work_rows:
             raise ValueError(f"plan with {plan.num_query_rows} rows ({max_work_rows} per work item) exceeds "
@@ -311,28 +353,10 @@ class TritonBackend:
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
+        # the graph's kernels test masks whenever the buffers can hold them (whatever this plan holds)
         return TritonPreparedPlan(plan, self._fixed, cap.max_partials, cap.max_work_rows, True, fixed=True,
-                                  merge_in_stage1=merges_in_stage1(cap.max_work_rows, cap.max_row_partials))
-
-    def _prepare_masked(self, plan: AttentionPlan) -> TritonPreparedPlan:
-        """A plan with key masks: its unmasked work for the kernels, its masked work (tree windows'
-        own pieces) for the torch reference. Eager only."""
-        if self.capacity is not None:
-            raise NotImplementedError(
-                "tree verify windows (work items with key masks) cannot go into fixed CUDA-graph plan "
-                "buffers: the Triton kernels take no key masks, so their window pieces run on the torch "
-                "reference; run such steps eagerly (a TritonBackend without a PlanCapacity)")
-        kernel_work, masked_work = _split_masked(plan)
-        kernel_plan = AttentionPlan(plan.route, plan.pieces, kernel_work,
-                                    reduce_map_from_work(kernel_work, plan.num_query_rows), plan.num_query_rows,
-                                    plan.num_partitions, plan.reason)
-        masked_plan = AttentionPlan(plan.route, plan.pieces, masked_work,
-                                    reduce_map_from_work(masked_work, plan.num_query_rows), plan.num_query_rows)
-        unmasked = self.prepare(kernel_plan)
-        return TritonPreparedPlan(plan, unmasked.arrays, unmasked.num_partials, unmasked.max_work_rows,
-                                  unmasked.needs_merge, merge_in_stage1=unmasked.merge_in_stage1,
-                                  masked=self._reference_backend().prepare(masked_plan),
-                                  kernel_work=bool(kernel_work))
+                                  merge_in_stage1=merges_in_stage1(cap.max_work_rows, cap.max_row_partials),
+                                  key_masks=cap.key_mask_words > 0)
 
     def run(
         self,
@@ -357,8 +381,6 @@ class TritonBackend:
         if kv_transform is not None:  # naive MLA decompresses pieces: the reference does that
             return self._reference_run(prepared, query, key_cache, value_cache, scale=scale, out_dtype=out_dtype,
                                        kv_transform=kv_transform)
-        if prepared.masked is not None:
-            return self._masked_run(prepared, query, key_cache, value_cache, scale=scale, out_dtype=out_dtype)
         rows = query.shape[0]
         if prepared.fixed:
             if not plan.num_query_rows <= rows <= self.capacity.max_rows:
@@ -372,15 +394,18 @@ class TritonBackend:
         latent = is_latent_cache(key_cache, value_cache)
         dv = value_cache.shape[3]
         workspace = None if prepared.fixed else self._partials_workspace(prepared.num_partials * query.shape[1] * (dv + 1))
+        fields = {name: a[name] for name in _FIELDS}
+        if not prepared.key_masks:  # the kernels compile the mask test away
+            fields["work_key_masks"] = fields["key_mask_words"] = None
         if latent:
             return mla_paged_attention(
                 query=query, latent_cache=key_cache.squeeze(2), rank=dv,
-                **{name: a[name] for name in _FIELDS}, num_partials=prepared.num_partials,
+                **fields, num_partials=prepared.num_partials,
                 max_work_rows=prepared.max_work_rows, scale=scale, out_dtype=out_dtype or query.dtype,
                 needs_merge=prepared.needs_merge, poison=self.poison, workspace=workspace,
             )
         return paged_attention(
-            query=query, key_cache=key_cache, value_cache=value_cache, **{name: a[name] for name in _FIELDS},
+            query=query, key_cache=key_cache, value_cache=value_cache, **fields,
             num_partials=prepared.num_partials, max_work_rows=prepared.max_work_rows, scale=scale,
             out_dtype=out_dtype or query.dtype, needs_merge=prepared.needs_merge, launch=self.launch,
             poison=self.poison, workspace=workspace, merge_in_stage1=prepared.merge_in_stage1,
@@ -408,26 +433,6 @@ class TritonBackend:
             self._workspace = torch.empty(size, dtype=torch.float32, device=self.device)
         return self._workspace
 
-    def _masked_run(self, prepared: TritonPreparedPlan, query: torch.Tensor, key_cache: torch.Tensor,
-                    value_cache: torch.Tensor, *, scale: float, out_dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:
-        """A plan with tree windows: the kernels' merged state of every row over the unmasked
-        pieces, ``(R, Hq, Dv)`` and ``(R, Hq)`` float32 (not rounded), joined by the exact LSE merge
-        with the reference's partials of the masked pieces, then rounded once to ``out_dtype``."""
-        rows, heads = query.shape[0], query.shape[1]
-        if rows != prepared.plan.num_query_rows:
-            raise ValueError(f"query has {rows} rows, the plan {prepared.plan.num_query_rows}")
-        masked = prepared.masked
-        partial_out, partial_lse = self._reference_backend().partials(masked, query, key_cache, value_cache, scale=scale)
-        partial_rows = masked.partial_rows
-        if prepared.kernel_work:
-            kernel = replace(prepared, masked=None)
-            out, lse = self.run(kernel, query, key_cache, value_cache, scale=scale, out_dtype=torch.float32)
-            partial_out = torch.cat([out.float().reshape(rows, heads, -1), partial_out])
-            partial_lse = torch.cat([lse.float(), partial_lse])
-            partial_rows = torch.cat([torch.arange(rows, device=partial_rows.device), partial_rows])
-        out, lse = merge_partials(partial_out, partial_lse, partial_rows, rows)
-        return out.to(out_dtype or query.dtype), lse
-
     def _reference_backend(self):
         """The torch reference backend on this device (made once, on demand)."""
         from segkv.attention.reference import TorchReferenceBackend
@@ -442,13 +447,6 @@ class TritonBackend:
         if prepared.reference is None or prepared.reference.plan is not prepared.plan:
             prepared.reference = reference.prepare(prepared.plan)
         return reference.run(prepared.reference, *args, **kwargs)
-
-
-def _split_masked(plan: AttentionPlan) -> tuple[tuple, tuple]:
-    """The plan's work items without key masks (for the kernels) and with them (tree windows)."""
-    kernel = tuple(item for item in plan.work if item.key_masks is None)
-    masked = tuple(item for item in plan.work if item.key_masks is not None)
-    return kernel, masked
 
 
 def merges_in_stage1(max_work_rows: int, max_row_partials: int | None) -> bool:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
-from attention_helpers import gather_kv, make_layout, write_rows
+from attention_helpers import gather_kv, make_layout, ulp, write_rows
 from gpu_helpers import DEVICE
-from segkv.attention import DeviceSpec, Route, SequenceQuery, TorchReferenceBackend, plan_attention
+from segkv.attention import (AttentionShape, DeviceSpec, Route, SequenceQuery, TorchReferenceBackend,
+                             plan_attention)
 from segkv.cache import KVChain, PagedKVCache
-from segkv.config import CacheConfig, CompactionPolicy
+from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 
 ROUTES = [None] + [route.value for route in Route]
 ATOL = 2e-5  # float32 pieces merged in float32, against float64 dense attention
@@ -22,7 +24,7 @@ class TreeBatch:
     cache: PagedKVCache
     chains: list[KVChain]
     queries: list[SequenceQuery]
-    query: torch.Tensor  # (R, Hq, Dk) float32
+    query: torch.Tensor  # (R, Hq, Dk), the cache's dtype, on the CPU
     shape: object
     scale: float
 
@@ -77,15 +79,27 @@ def _history_rows(chain: KVChain, page_size: int, gen: torch.Generator) -> int:
     return [0, to_boundary, (to_boundary - 1) % page_size, _randint(1, 3 * page_size, gen)][kind]
 
 
+def tree_layout(name: str, dtype: torch.dtype):
+    """``make_layout``'s layouts, and ``"mla64"``: a latent cache of rank 64 and 16 RoPE columns
+    (the Triton tests: the interpreter's time grows with the latent width)."""
+    if name != "mla64":
+        return make_layout(name, dtype)
+    layout = KVLayout(num_layers=1, kind="mla", kv_lora_rank=64, rope_dim=16, dtype=dtype)
+    return layout, AttentionShape(4, 1, 80, 64), 80 ** -0.5
+
+
 def build_tree_batch(layout_name: str, page_size: int, gen: torch.Generator, *, num_sequences: int = 4,
-                     kinds: tuple[str, ...] | None = None, device: str = "cpu") -> TreeBatch:
-    """Sequences over fresh random float32 caches: some fork one sealed history, some start empty;
-    each adds history of random length (0, to a page boundary, ...), then its window of 1..16
-    rows. ``kinds[i]`` is ``"tree"`` (random parents, maybe chain-shaped), ``"branchy"`` (a random
-    tree that is not a chain, 2..16 nodes), ``"causal"`` or ``"chain"`` (a chain-shaped tree); by
-    default random, the last one branchy."""
-    layout, shape, scale = make_layout(layout_name, torch.float32)
-    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=num_sequences * 24 + 16),
+                     kinds: tuple[str, ...] | None = None, device: str = "cpu", max_nodes: int = 16,
+                     dtype: torch.dtype = torch.float32) -> TreeBatch:
+    """Sequences over fresh random caches of ``dtype``: some fork one sealed history, some start
+    empty; each adds history of random length (0, to a page boundary, ...), then its window of
+    1..``max_nodes`` rows. ``kinds[i]`` is ``"tree"`` (random parents, maybe chain-shaped),
+    ``"branchy"`` (a random tree that is not a chain, 2..``max_nodes`` nodes), ``"causal"`` or
+    ``"chain"`` (a chain-shaped tree); by default random, the last one branchy. The query is
+    ``(R, Hq, Dk)`` of ``dtype`` on the CPU."""
+    layout, shape, scale = tree_layout(layout_name, dtype)
+    pages = num_sequences * (24 + 2 * max_nodes // page_size) + 16
+    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=pages),
                          compaction=CompactionPolicy(enabled=False), device=device)
     shared = cache.new_chain()
     if _randint(0, 2, gen):
@@ -101,13 +115,13 @@ def build_tree_batch(layout_name: str, page_size: int, gen: torch.Generator, *, 
             write_rows(cache, chain, extra, gen)
             if _randint(0, 1, gen):
                 chain.seal()
-        num_nodes = _randint(2 if kind == "branchy" else 1, 16, gen)
+        num_nodes = _randint(2 if kind == "branchy" else 1, max_nodes, gen)
         query_start = _write_window(cache, chain, num_nodes, gen)
         parents = _parents(kind, num_nodes, gen)
         chains.append(chain)
         queries.append(SequenceQuery.from_chain(chain, num_nodes, query_start=query_start, tree_parents=parents))
     rows = sum(q.num_query_rows for q in queries)
-    query = torch.randn(rows, shape.num_q_heads, shape.key_dim, generator=gen)
+    query = torch.randn(rows, shape.num_q_heads, shape.key_dim, generator=gen).to(dtype)
     return TreeBatch(cache, chains, queries, query, shape, scale)
 
 
@@ -293,47 +307,188 @@ def test_the_check_has_power(gen):
         check(poisoned, lse, *right)
 
 
-@pytest.mark.parametrize("layout", ["gqa4", "mla"])
-def test_triton_backend_runs_histories_in_kernels_and_windows_on_the_reference(layout, gen):
-    """The Triton backend (Triton's interpreter on the CPU) on a plan mixing tree and causal
-    windows: outputs poisoned before the kernels run, results against the dense oracle."""
-    from segkv.attention.triton_backend import PlanCapacity, TritonBackend, flatten_plan
+# -- the Triton kernels with key masks (Triton's interpreter on the CPU) --------------------------
 
-    batch = build_tree_batch(layout, 16, gen, num_sequences=3, kinds=("branchy", "causal", "tree"), device=DEVICE)
-    plan = _plan(batch)
-    backend = TritonBackend(page_size=16, device=DEVICE, poison=True)
-    prepared = backend.prepare(plan)
-    assert prepared.masked is not None and all(item.key_masks for item in prepared.masked.plan.work)
-    storage = batch.cache.storage
-    out, lse = backend.run(prepared, batch.query.to(DEVICE), storage.key_cache(0), storage.value_cache(0),
-                           scale=batch.scale)
-    check(out, lse, *dense_tree_attention(batch), atol=5e-5)
-    fixed = TritonBackend(page_size=16, device=DEVICE,
-                          capacity=PlanCapacity(max_pages=64, max_work=64, max_partials=256, max_rows=64))
-    with pytest.raises(NotImplementedError, match="key masks"):
-        fixed.prepare(plan)
-    with pytest.raises(NotImplementedError, match="key masks"):
-        flatten_plan(plan)  # the kernels' arrays would drop the masks
+def check_rounded(out: torch.Tensor, lse: torch.Tensor, want: torch.Tensor, want_lse: torch.Tensor):
+    """``out`` (float32 or bfloat16) against the float64 oracle: float32 attention rounded once, so
+    within half a unit in the last place of ``out``'s dtype (plus float32 summation noise); LSEs
+    finite in the same places, and close there. No NaN."""
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "NaN in the result"
+    got = out.double().cpu()
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=0, atol=5e-5)
+    else:
+        diff = (got - want).abs()
+        bound = ulp(want.to(out.dtype)) + 1e-5
+        assert (diff <= bound).all(), f"max diff {diff.max().item()}"
+    lse = lse.double().cpu()
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    torch.testing.assert_close(lse[finite], want_lse[finite], rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("layout", ["gqa4", "mla"])
-def test_triton_backend_with_tree_windows_alone(layout, gen):
-    """Tree windows over no history: nothing for the kernels, every row from the reference."""
+def run_triton(batch: TreeBatch, plan, backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan on the Triton backend (outputs poisoned before the kernels run) over layer 0."""
     from segkv.attention.triton_backend import TritonBackend
 
-    kv_layout, shape, scale = make_layout(layout, torch.float32)
+    backend = backend or TritonBackend(page_size=batch.cache.page_size, device=DEVICE, poison=True)
+    storage = batch.cache.storage
+    return backend.run(backend.prepare(plan), batch.query.to(DEVICE), storage.key_cache(0),
+                       storage.value_cache(0), scale=batch.scale)
+
+
+TRITON_ROUTES = [(None, None), ("split", 3), ("cascade", None)]
+
+
+@pytest.mark.parametrize(("route", "partitions"), TRITON_ROUTES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["gqa4", "mla64"])
+def test_triton_kernels_take_key_masks(layout, dtype, route, partitions, gen):
+    """Random trees of 1-64 nodes beside causal windows, every masked item in the kernels: against
+    dense attention under an explicit mask (float64) and the reference on the same plan."""
+    batch = build_tree_batch(layout, 16, gen, num_sequences=3, max_nodes=64, dtype=dtype, device=DEVICE,
+                             kinds=("tree", "causal", "branchy"))
+    plan = _plan(batch, route, num_partitions=partitions)
+    assert plan.has_key_masks
+    out, lse = run_triton(batch, plan)
+    assert out.dtype == dtype
+    check_rounded(out, lse, *dense_tree_attention(batch))
+    ref, ref_lse = run_reference(batch, plan)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.cpu(), ref, rtol=0, atol=2e-5)
+    else:  # both float32 attention rounded once
+        assert ((out.double().cpu() - ref.double()).abs() <= ulp(ref) + 1e-5).all()
+
+
+@pytest.mark.parametrize("layout", ["gqa4", "mla64"])
+def test_triton_backend_with_tree_windows_alone(layout, gen):
+    """Tree windows over no history: every item masked, every row from the kernels."""
+    from segkv.attention.triton_backend import TritonBackend
+
+    assert TritonBackend.capabilities.key_masks and TorchReferenceBackend.capabilities.key_masks
+    kv_layout, shape, scale = tree_layout(layout, torch.float32)
     cache = PagedKVCache(kv_layout, CacheConfig(page_size=16, num_pages=8), device=DEVICE)
     chain = cache.new_chain()
-    parents = random_branchy_parents(_randint(2, 16, gen), gen)
+    parents = random_branchy_parents(_randint(2, 64, gen), gen)
     write_rows(cache, chain, len(parents), gen)
     query = torch.randn(len(parents), shape.num_q_heads, shape.key_dim, generator=gen)
     batch = TreeBatch(cache, [chain], [SequenceQuery.from_chain(chain, len(parents), tree_parents=parents)],
                       query, shape, scale)
     plan = _plan(batch)
     assert all(item.key_masks is not None for item in plan.work)
-    backend = TritonBackend(page_size=16, device=DEVICE, poison=True)
-    prepared = backend.prepare(plan)
-    assert not prepared.kernel_work
-    out, lse = backend.run(prepared, query.to(DEVICE), cache.storage.key_cache(0), cache.storage.value_cache(0),
+    check(*run_triton(batch, plan), *dense_tree_attention(batch), atol=5e-5)
+
+
+@pytest.mark.parametrize("layout", ["gqa4", "mla64"])
+def test_fixed_plan_buffers_take_key_masks(layout, gen):
+    """A backend with a PlanCapacity (fixed buffers, as CUDA graphs replay them) prepares plans
+    with tree windows, one after another with a plan without masks in between (stale words must
+    not leak), and gives the eager results (the same float32 work, rounded once)."""
+    from segkv.attention.triton_backend import MAX_KEY_MASK_WORDS, PlanCapacity, TritonBackend
+
+    capacity = PlanCapacity(max_pages=128, max_work=64, max_partials=512, max_rows=160, max_work_rows=64)
+    assert capacity.sizes()["key_mask_words"] == 160 * MAX_KEY_MASK_WORDS
+    fixed = TritonBackend(page_size=16, device=DEVICE, poison=True, capacity=capacity)
+    eager = TritonBackend(page_size=16, device=DEVICE, poison=True)
+    addresses = set()
+    for kinds in [("branchy", "causal"), ("causal", "chain"), ("causal", "branchy", "chain")]:
+        batch = build_tree_batch(layout, 16, gen, num_sequences=len(kinds), kinds=kinds, max_nodes=48,
+                                 device=DEVICE)
+        plan = _plan(batch)
+        assert plan.has_key_masks == ("branchy" in kinds)
+        prepared = fixed.prepare(plan)
+        assert prepared.fixed and prepared.key_masks
+        addresses.add(prepared.key_mask_words.data_ptr())
+        out, lse = run_triton(batch, plan, fixed)
+        want, want_lse = run_triton(batch, plan, eager)
+        check(out, lse, *dense_tree_attention(batch), atol=5e-5)
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+        assert torch.equal(torch.isfinite(lse), torch.isfinite(want_lse))
+    assert len(addresses) == 1
+    # a capacity without a mask region compiles the test away and refuses masked plans
+    bare = TritonBackend(page_size=16, device=DEVICE,
+                         capacity=PlanCapacity(max_pages=128, max_work=64, max_partials=256, max_rows=160,
+                                               max_work_rows=64, max_key_mask_words=0))
+    masked = _plan(build_tree_batch(layout, 16, gen, num_sequences=1, kinds=("branchy",), device=DEVICE))
+    with pytest.raises(ValueError, match="key_mask_words"):
+        bare.prepare(masked)
+
+
+def _wide_plan(page_size: int, num_rows: int, offsets: list[int], masks: list[int]):
+    """One piece of ``num_rows`` rows (pages 0, 1, ...) and one masked work item of rows 0.."""
+    from segkv.attention.plan import AttentionPlan, Piece, WorkItem, reduce_map_from_work
+
+    pages = -(-num_rows // page_size)
+    piece = Piece(tuple(range(pages)), tuple(min(page_size, num_rows - i * page_size) for i in range(pages)))
+    work = (WorkItem(0, tuple(range(len(offsets))), tuple(offsets), tuple(masks)),)
+    return AttentionPlan(Route.SINGLE, (piece,), work, reduce_map_from_work(work, len(offsets)), len(offsets))
+
+
+@pytest.mark.parametrize("layout", ["gqa4", "mla64"])
+@pytest.mark.parametrize("wide", [True, False], ids=["widest", "few-rows"])
+def test_widest_key_masks_and_rows_that_see_nothing(layout, wide, gen):
+    """Masks over the widest piece the kernels take (MAX_KEY_MASK_BITS rows, every word, bit 31
+    set), or few rows over a short piece (a latent launch of one program per work item, its values
+    split between two): the kernels equal the reference; a row whose mask is empty is 0 with LSE
+    -inf."""
+    from segkv.attention.triton_backend import MAX_KEY_MASK_BITS, TritonBackend
+
+    kv_layout, shape, scale = tree_layout(layout, torch.float32)
+    page_size = 16
+    if wide:
+        n, offsets = MAX_KEY_MASK_BITS, [MAX_KEY_MASK_BITS - 1, 200, 31, 32, 63, 100, 5]
+    else:
+        n, offsets = 40, [39, 33, 7]
+    cache = PagedKVCache(kv_layout, CacheConfig(page_size=page_size, num_pages=n // page_size + 1),
+                         compaction=CompactionPolicy(enabled=False), device=DEVICE)
+    write_rows(cache, cache.new_chain(), n, gen)  # pages 0.. in order
+    masks = []
+    for offset in offsets:
+        bits = torch.rand(offset + 1, generator=gen) < 0.4
+        bits[-1] = True
+        if offset >= 31:
+            bits[31] = True
+        masks.append(sum(1 << j for j in range(offset + 1) if bits[j]))
+    masks[-1] = 0  # sees nothing of the piece
+    plan = _wide_plan(page_size, n, offsets, masks)
+    query = torch.randn(len(offsets), shape.num_q_heads, shape.key_dim, generator=gen).to(DEVICE)
+    storage = cache.storage
+    backend = TritonBackend(page_size=page_size, device=DEVICE, poison=True)
+    out, lse = backend.run(backend.prepare(plan), query, storage.key_cache(0), storage.value_cache(0),
                            scale=scale)
-    check(out, lse, *dense_tree_attention(batch))
+    reference = TorchReferenceBackend(page_size=page_size, device=DEVICE)
+    ref, ref_lse = reference.run(reference.prepare(plan), query, storage.key_cache(0), storage.value_cache(0),
+                                 scale=scale)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    torch.testing.assert_close(out, ref, rtol=0, atol=2e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-4)
+    assert (out[-1] == 0).all() and (lse[-1] == float("-inf")).all()
+
+
+def test_key_masks_wider_than_the_maximum_raise():
+    from segkv.attention.triton_backend import MAX_KEY_MASK_BITS, TritonBackend, flatten_plan
+
+    n = MAX_KEY_MASK_BITS + 1
+    plan = _wide_plan(16, n, [n - 1, 3], [(1 << n) - 1, 0b1011])
+    with pytest.raises(ValueError, match="MAX_KEY_MASK_BITS"):
+        flatten_plan(plan)
+    with pytest.raises(ValueError, match="MAX_KEY_MASK_BITS"):
+        TritonBackend(page_size=16, device=DEVICE).prepare(plan)
+    # the same piece is fine where the rows reach no further than the maximum
+    flatten_plan(_wide_plan(16, n, [MAX_KEY_MASK_BITS - 1, 3], [1 << (MAX_KEY_MASK_BITS - 1), 0b1011]))
+
+
+def test_flattened_key_mask_layout():
+    """``work_key_masks``: each item's first word and words per row (-1, 0 unmasked);
+    ``key_mask_words``: each row's 32-bit slices as int32, low rows first."""
+    from segkv.attention.plan import AttentionPlan, Piece, WorkItem, reduce_map_from_work
+    from segkv.attention.triton_backend import flatten_plan
+
+    pieces = (Piece((0, 1, 2), (16, 16, 8)), Piece((3,), (4,)))
+    mask = (1 << 39) | (1 << 31) | 1
+    work = (WorkItem(1, (0, 1), (3, 3)), WorkItem(0, (0, 1), (39, 2), (mask, 0b101)))
+    plan = AttentionPlan(Route.SINGLE, pieces, work, reduce_map_from_work(work, 2), 2)
+    arrays = flatten_plan(plan)
+    assert arrays["work_key_masks"].tolist() == [-1, 0, 0, 2]
+    assert arrays["key_mask_words"].tolist() == [(1 << 31 | 1) - (1 << 32), 1 << 7, 0b101, 0]
+    assert arrays["key_mask_words"].dtype == arrays["work_key_masks"].dtype == np.int32

@@ -1,6 +1,7 @@
 """Triton building blocks of the stage-1 attention programs (GQA and latent): page indices and
-tile rows, the plan's share of a program, the online-softmax step in float32, and the store of a
-program's partials. Inlined by the kernels of ``paged_attention`` and ``mla_attention``."""
+tile rows, the plan's share of a program, a tree window's key masks, the online-softmax step in
+float32, and the store of a program's partials. Inlined by the kernels of ``paged_attention`` and
+``mla_attention``."""
 
 from __future__ import annotations
 
@@ -157,6 +158,35 @@ def _key_positions(kpos, in_page):
     holds no key: one compare per score then masks both. Invalid query rows need no term of their
     own: :func:`pair_reads` gives them offset -1, below every key position."""
     return tl.where(in_page, kpos, 2147483647)
+
+
+# Tree verify windows (``WorkItem.key_masks``): a masked work item's rows each carry a bitmask over
+# the piece's rows, packed into 32-bit words (``triton_backend.flatten_plan``: ``work_key_masks``
+# and ``key_mask_words``). Only masked items read them: a scalar branch per tile on the item's flag,
+# so unmasked items load nothing more.
+
+
+@triton.jit
+def work_key_masks_of(work_key_masks, w, partial, p0):
+    """A work item's key masks: whether it has any (a scalar) and each pair's first mask word
+    ``(M,)`` in ``key_mask_words`` (``work_key_masks[2 w]`` the item's first row's first word, -1
+    when unmasked; ``work_key_masks[2 w + 1]`` the words per row; ``partial - p0`` the pair's row
+    within the item)."""
+    start = tl.load(work_key_masks + 2 * w)
+    words = tl.load(work_key_masks + 2 * w + 1)
+    return start >= 0, tl.maximum(start, 0) + (partial - p0) * words
+
+
+@triton.jit
+def key_mask_scores(s, key_mask_words, word_base, kpos, offset, in_page):
+    """Scores ``s (M, N)`` with -inf wherever the pair's row does not see the key: bit ``kpos`` of the
+    row's mask (word ``kpos // 32`` from ``word_base (M,)``, shifted by ``kpos % 32``), and only keys
+    ``in_page`` at most the row's causal ``offset`` (every set bit is; the words past it are not
+    read). Arithmetic shifts of int32 words: ``& 1`` keeps the wanted bit, bit 31 included."""
+    see = in_page[None, :] & (kpos[None, :] <= offset[:, None])
+    word = tl.load(key_mask_words + word_base[:, None] + (kpos >> 5)[None, :], mask=see, other=0)
+    bit = (word >> (kpos & 31)[None, :]) & 1
+    return tl.where(see & (bit != 0), s, float("-inf"))
 
 
 @triton.jit

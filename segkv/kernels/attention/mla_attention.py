@@ -14,6 +14,7 @@ import torch
 from segkv.kernels.triton_import import tl, triton
 
 from segkv.kernels.attention.attention_tiles import (
+    key_mask_scores,
     next_tile_first,
     online_softmax_step,
     plan_reads,
@@ -21,12 +22,14 @@ from segkv.kernels.attention.attention_tiles import (
     tile_pages,
     tile_range,
     tile_rows_in_page,
+    work_key_masks_of,
 )
 from segkv.kernels.attention.paged_attention import (
     _INTERPRET,
     LaunchConfig,
     attention_outputs,
     attention_pdl_options,
+    key_mask_options,
     maxnreg_option,
     merge_into,
     stages_that_fit,
@@ -67,15 +70,18 @@ def _latent_cols(tile, offs, in_page, RANK: tl.constexpr):
 def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                   stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                   stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1, page_next,
-                  rows_next, start_next, vb,
+                  rows_next, start_next, vb, key_mask_words, masked, word_base,
                   RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_ROPE: tl.constexpr,
                   BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  EXACT_FP32: tl.constexpr, PARTS: tl.constexpr, WIDE: tl.constexpr):
+                  EXACT_FP32: tl.constexpr, PARTS: tl.constexpr, WIDE: tl.constexpr,
+                  KEY_MASKS: tl.constexpr):
     """A program's scan of its work item's latent rows and the store of its pairs' partials: the
     values' ``BLOCK_V`` columns from ``vb * BLOCK_V``, one of ``PARTS`` (1, 2 or 4) shares (with
     more than one the scores also take the other shares' columns, after its own, and only program
     ``vb == 0`` stores the LSE). The scores' pieces (the own share's columns, the RoPE columns,
-    each other share's) are separate MMA chains, added (:func:`_add_scores`)."""
+    each other share's) are separate MMA chains, added (:func:`_add_scores`). ``KEY_MASKS``: a
+    ``masked`` work item's scores keep only the keys its rows' mask bits set (words from
+    ``word_base (M,)``, :func:`attention_tiles.key_mask_scores`)."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     offs_n = tl.arange(0, BLOCK_N)
@@ -123,8 +129,11 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
         if PARTS == 4:
             s = _add_scores(s, _latent_scores(q_2, _latent_cols(tile, offs_2, in_page, RANK), EXACT_FP32))
             s = _add_scores(s, _latent_scores(q_3, _latent_cols(tile, offs_3, in_page, RANK), EXACT_FP32))
-        m_i, l_i, acc = online_softmax_step(s, scale, key_start + row_cur, offset, in_page, c, m_i,
-                                            l_i, acc, EXACT_FP32)
+        kpos = key_start + row_cur
+        if KEY_MASKS:
+            if masked:
+                s = key_mask_scores(s, key_mask_words, word_base, kpos, offset, in_page)
+        m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, c, m_i, l_i, acc, EXACT_FP32)
     # shares: the first program stores the LSE (the others' float32 scores summed their own share
     # first, so they may differ in the last bit); a vector mask, as the interpreter refuses a
     # vector & scalar one
@@ -144,6 +153,7 @@ def _mla_stage1_kernel(
     BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr = False, VALUE_SPLIT: tl.constexpr = 1, ADAPTIVE: tl.constexpr = False,
     WIDE_OFFSETS: tl.constexpr = True,
+    KEY_MASKS: tl.constexpr = False, work_key_masks=None, key_mask_words=None,
 ):
     """One program: ``BLOCK_M`` (query row, head) pairs of one work item, scanning its piece
     ``BLOCK_N`` latent rows at a time with an online softmax in float32 (:func:`_latent_pairs`).
@@ -153,7 +163,9 @@ def _mla_stage1_kernel(
     plan, so a graph's fixed grid follows each step's plan): 2 programs take a half each when the
     plan has at most ``split_max_partials`` partials, else the first takes all the values; programs
     without a share exit before the wait. Otherwise (forced, for tuning) the ``VALUE_SPLIT`` shares
-    whatever the plan. A pair block's shares are neighbours in the grid's first dimension."""
+    whatever the plan. A pair block's shares are neighbours in the grid's first dimension.
+    ``KEY_MASKS``: as the GQA stage 1's (tree verify windows' masked work items); False compiles
+    it away."""
     mb = tl.program_id(0) // VALUE_SPLIT
     vb = tl.program_id(0) % VALUE_SPLIT
     w = tl.program_id(1)
@@ -171,6 +183,10 @@ def _mla_stage1_kernel(
     valid, head, partial, qrow, offset, pg0, pg1, page_next, rows_next, start_next, _ = plan_reads(
         p0, n_rows, mb, w, 0, num_heads, partial_row, partial_offset, work_pages, page_table, page_rows,
         page_key_start, BLOCK_M, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS)
+    masked = False
+    word_base = partial
+    if KEY_MASKS:
+        masked, word_base = work_key_masks_of(work_key_masks, w, partial, p0)
     if USE_PDL:  # queries, latent rows and outputs wait for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -187,20 +203,23 @@ def _mla_stage1_kernel(
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
-                      page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 4, BLOCK_ROPE, BLOCK_M,
-                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 4, WIDE_OFFSETS)
+                      page_next, rows_next, start_next, vb, key_mask_words, masked, word_base, RANK, ROPE,
+                      BLOCK_R // 4, BLOCK_ROPE, BLOCK_M, PAGE_SIZE, BLOCK_N, EXACT_FP32, 4, WIDE_OFFSETS,
+                      KEY_MASKS)
     elif halves:
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
-                      page_next, rows_next, start_next, vb, RANK, ROPE, BLOCK_R // 2, BLOCK_ROPE, BLOCK_M,
-                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 2, WIDE_OFFSETS)
+                      page_next, rows_next, start_next, vb, key_mask_words, masked, word_base, RANK, ROPE,
+                      BLOCK_R // 2, BLOCK_ROPE, BLOCK_M, PAGE_SIZE, BLOCK_N, EXACT_FP32, 2, WIDE_OFFSETS,
+                      KEY_MASKS)
     else:  # one program, all the values
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
-                      page_next, rows_next, start_next, 0, RANK, ROPE, BLOCK_R, BLOCK_ROPE, BLOCK_M,
-                      PAGE_SIZE, BLOCK_N, EXACT_FP32, 1, WIDE_OFFSETS)
+                      page_next, rows_next, start_next, 0, key_mask_words, masked, word_base, RANK, ROPE,
+                      BLOCK_R, BLOCK_ROPE, BLOCK_M, PAGE_SIZE, BLOCK_N, EXACT_FP32, 1, WIDE_OFFSETS,
+                      KEY_MASKS)
 
 
 MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulator fits in registers
@@ -276,11 +295,12 @@ def mla_paged_attention(
     *, query, latent_cache, rank, page_table, page_rows, page_key_start, work_pages, work_partial_start,
     partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
-    poison=False, workspace=None,
+    poison=False, workspace=None, work_key_masks=None, key_mask_words=None,
 ):
     """Absorbed MLA over a plan: query ``(R, H, rank + rope)``, latent_cache ``(P, page_size,
     rank + rope)`` (or any view with unit column stride); the plan tensors and ``workspace`` as in
-    ``paged_attention``. Returns ``(out (R, H, rank) out_dtype, lse (R, H) float32)``.
+    ``paged_attention``; ``work_key_masks``/``key_mask_words``: tree verify windows' key masks
+    (``paged_attention.key_mask_options``). Returns ``(out (R, H, rank) out_dtype, lse (R, H) float32)``.
     """
     num_rows, num_heads, width = query.shape
     page_size = latent_cache.shape[1]
@@ -306,7 +326,7 @@ def mla_paged_attention(
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
             lse.stride(0),
             scale, num_heads, num_work, value_split_max_partials(launch, query.device), **meta,
-            **attention_pdl_options(query),
+            **attention_pdl_options(query), **key_mask_options(work_key_masks, key_mask_words),
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)

@@ -17,6 +17,7 @@ from segkv.kernels.triton_import import tl, triton
 from segkv.kernels.attention import timeline
 from segkv.kernels.attention.attention_tiles import (
     full_tiles_known,
+    key_mask_scores,
     load_kv,
     next_tile_first,
     online_softmax_step,
@@ -27,6 +28,7 @@ from segkv.kernels.attention.attention_tiles import (
     tile_range,
     tile_rows_in_page,
     work_item_visible,
+    work_key_masks_of,
 )
 from segkv.kernels.pdl import pdl_options
 from segkv.kernels.attention.stage1_merge import merge_group_if_last, merge_if_last, zero_empty_rows
@@ -49,6 +51,7 @@ def _stage1_kernel(
     USE_PDL: tl.constexpr = False, PLAN_EARLY: tl.constexpr = False,
     MERGE_LANES: tl.constexpr = 1, WIDE_OFFSETS: tl.constexpr = True,
     SKIP: tl.constexpr = False, FOUR: tl.constexpr = False, STAMPS=None,
+    KEY_MASKS: tl.constexpr = False, work_key_masks=None, key_mask_words=None,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -65,7 +68,11 @@ def _stage1_kernel(
     (with ``USE_PDL``): the program's plan reads (:func:`plan_reads`) come before the wait. ``SKIP``
     (:func:`attention_tiles.full_tiles_known`): a tile whose rows all hold keys every valid pair sees
     skips the score mask. ``FOUR``: a tile of four pages loads their entries as scalars. ``STAMPS``: an int64 tensor of ``timeline.FIELDS`` values per program, where each
-    program writes its timeline (diagnostics: ``scripts/stage1_timeline.py``); None compiles it away."""
+    program writes its timeline (diagnostics: ``scripts/stage1_timeline.py``); None compiles it away.
+    ``KEY_MASKS``: the plan may hold masked work items (tree verify windows; ``work_key_masks``
+    ``(2 W,)`` and ``key_mask_words`` int32, :func:`paged_attention`); a masked item's scores also
+    keep only the keys its rows' mask bits set (:func:`attention_tiles.key_mask_scores`), the others
+    read one flag per program. False compiles it away."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if STAMPS is not None:
@@ -120,6 +127,8 @@ def _stage1_kernel(
                                            BLOCK_N, PAGE_SIZE, FOUR)
     if SKIP:  # every valid pair sees every key of the work item: full tiles need no mask
         visible = work_item_visible(page_rows, page_key_start, pg0, pg1, offset, valid)
+    if KEY_MASKS:  # masked scores are wholly masked already (causal and page limits too): SKIP stays valid
+        masked, word_base = work_key_masks_of(work_key_masks, w, partial, p0)
     t0, t1 = tile_range(pg0, pg1, SUB)
     for t in range(t0, t1, PAGES):
         needs_mask = (visible & full) == 0 if SKIP else True
@@ -140,6 +149,9 @@ def _stage1_kernel(
             s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k_cur))  # bf16/fp16 products are exact in the float32 accumulator
+        if KEY_MASKS:
+            if masked:
+                s = key_mask_scores(s, key_mask_words, word_base, kpos, offset, in_page)
         m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, v_cur, m_i, l_i, acc,
                                             EXACT_FP32, needs_mask)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
@@ -295,6 +307,7 @@ def paged_attention(
     partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
     poison=False, workspace=None, counters=None, merge_in_stage1=False,
+    work_key_masks=None, key_mask_words=None,
 ):
     """Attention of a plan: stage-1 partials, then the exact merge, rounded once.
 
@@ -311,8 +324,9 @@ def paged_attention(
     ``merge_in_stage1``: every work item holds one query row and no row has more than
     :data:`MERGE_IN_STAGE1_MAX_PARTIALS` partials (the caller's promise): stage 1 merges the rows
     itself, with ``counters``, int32 zeros of at least ``R * Hq`` entries that every launch leaves
-    zero, and no merge kernel runs. Returns ``(out (R, Hq, Dv) out_dtype, lse (R, Hq)
-    float32)``; rows without partials are 0 with LSE -inf.
+    zero, and no merge kernel runs. ``work_key_masks`` ``(2 W,)`` and ``key_mask_words`` (int32,
+    both or neither): tree verify windows' key masks (:func:`key_mask_options`). Returns ``(out
+    (R, Hq, Dv) out_dtype, lse (R, Hq) float32)``; rows without partials are 0 with LSE -inf.
     """
     num_rows, num_heads, dk = query.shape
     page_size, num_kv = key_cache.shape[1], key_cache.shape[2]
@@ -343,6 +357,7 @@ def paged_attention(
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
             lse.stride(0), num_heads,
             scale, num_rows, **meta, **attention_pdl_options(query), **timeline_stamps("stage1"),
+            **key_mask_options(work_key_masks, key_mask_words),
         )
     if num_rows and not merged and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
@@ -433,6 +448,19 @@ def timeline_stamps(launch: str) -> dict:
     """The ``STAMPS`` argument of ``launch`` when :data:`TIMELINE_STAMPS` asks for a timeline."""
     stamps = TIMELINE_STAMPS.get(launch)
     return {} if stamps is None else {"STAMPS": stamps}
+
+
+def key_mask_options(work_key_masks, key_mask_words) -> dict:
+    """The stage-1 kernels' key-mask arguments (tree verify windows): none (``KEY_MASKS`` off,
+    compiled away) unless both arrays are given. Their layout (``triton_backend.flatten_plan``):
+    ``work_key_masks (2 W,)`` int32, per work item the index in ``key_mask_words`` of its first row's
+    first word (-1: the item has no masks) and its words per row; ``key_mask_words`` int32, each
+    masked row's bitmask over its piece's rows, 32 rows per word, lowest row in bit 0 of word 0."""
+    if (work_key_masks is None) != (key_mask_words is None):
+        raise ValueError("work_key_masks and key_mask_words go together")
+    if work_key_masks is None:
+        return {}
+    return {"KEY_MASKS": True, "work_key_masks": work_key_masks, "key_mask_words": key_mask_words}
 
 
 def attention_pdl_options(tensor: torch.Tensor) -> dict:
