@@ -361,7 +361,9 @@ class DecodeGraphs:
         rows = size * window
         return PlanCapacity(max_pages=size * pages_per_seq, max_work=work, max_partials=(work + 64 * size) * window,
                             max_rows=rows, max_work_rows=rows if wide else window,
-                            max_row_partials=stage1_merge_bound() if few else None)
+                            max_row_partials=stage1_merge_bound() if few else None,
+                            # decode steps never carry tree windows: their kernels compile without masks
+                            max_key_mask_words=0 if window == 1 else None)
 
     def _capture(self, size: int, wide: bool, few: bool, mla_mode: str, *, window: int = 1) -> _Bucket:
         """Capture the bucket of ``size`` sequences of ``window`` rows each (1: decode)."""

@@ -72,12 +72,14 @@ def test_siblings_turns_forks_and_restores_match_plain(pair):
     assert results[0] == results[1]
 
 
-def test_graph_emulation_gives_the_plain_tokens():
-    """The target's steps replayed from (emulated) CUDA graphs hand the proposer their aux states."""
+@pytest.mark.parametrize("config", [EAGLE3, EAGLE3_TREE], ids=["chain", "tree"])
+def test_graph_emulation_gives_the_plain_tokens(config):
+    """The target's steps replayed from (emulated) CUDA graphs hand the proposer their aux states;
+    tree windows replay their window graphs with key masks in the fixed plan buffers."""
     kw = dict(device="cpu", dtype="float32", page_size=16, num_pages=256, prefill_chunk=32)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     want = tokens(LLM("default", **kw), PROMPTS[1:], params)
-    spec = LLM("default", backend="triton", cuda_graphs="emulate", speculative_config=EAGLE3, **kw)
+    spec = LLM("default", backend="triton", cuda_graphs="emulate", speculative_config=config, **kw)
     assert tokens(spec, PROMPTS[1:], params) == want
     graphs = spec.runner.graphs
     assert graphs.window_replays > 0 and spec.generator.spec_stats.accepted_tokens > 0
