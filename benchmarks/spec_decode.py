@@ -151,7 +151,11 @@ def size_pair(text: str) -> list[int]:
 
 
 def spec_config(method: str, k: int, *, draft_model: str, prompt_lookup: list[int] | None = None) -> dict:
+    method, _, tree = method.partition("@")  # eagle3@TOPKxNODES: a tree of topk, NODES window rows
     config = {"method": method, "num_speculative_tokens": k}
+    if tree:
+        topk, _, rows = tree.partition("x")
+        config["topk"], config["num_draft_tokens"] = int(topk), int(rows)
     if method == "draft_model":
         config["model"] = draft_model
     if method == "eagle3":  # the target's built-in head

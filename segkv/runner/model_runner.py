@@ -220,7 +220,7 @@ class ModelRunner:
                         if self._ahead is not None:  # and queue its index copies behind this replay
                             self.graphs.stage_ahead(self._ahead.plan, len(chains), self._ahead.arrays)
                 elif (device_ids is None and max(widths) <= max(self.graphs.windows, default=0)
-                      and (not plan.has_key_masks or getattr(self.backend.capabilities, "key_masks", False))):
+                      and (not plan.has_key_masks or self.backend.capabilities.key_masks)):
                     logits = self.graphs.run_window(widths, [t for c in chunks for t in c], positions, slots,
                                                     plan, mla_mode, rows)
                 if logits is not None and self.hidden_listener is not None:
