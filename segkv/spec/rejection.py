@@ -193,7 +193,9 @@ def _draws(
 # emitted token has the target's conditional distribution, whatever the tree (drafts chosen
 # deterministically from the context, as top-k branches are). This is sequential rejection of
 # the siblings with one-hot proposals (accept c_j with p(c_j) / (1 - sum_{l<j} p(c_l))), drawn
-# with a single uniform per node. Greedy rows keep the child that is the argmax, if any, then
+# with a single uniform per node: SpecInfer's multi-step speculative sampling (Miao et al.,
+# ASPLOS 2024) and recursive rejection sampling over siblings (Jeon et al., 2024, "Recursive
+# Speculative Decoding") for drafts without replacement whose draft distributions are one-hot. Greedy rows keep the child that is the argmax, if any, then
 # emit the argmax.
 
 
