@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from segkv.attention.metadata import AttentionMetadata
+from segkv.attention.plan import AttentionShape
 from segkv.config import KVLayout
 from segkv.layers.activation import GatedMLP
 from segkv.layers.linear import float32_logits
@@ -207,6 +208,11 @@ class Eagle3Head(nn.Module):
         c = self.cfg
         return KVLayout(num_layers=self.layer_index + 1, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                         dtype=dtype)
+
+    def attention_shape(self, mla_mode: str | None = None) -> AttentionShape:
+        """The head layer's attention shape (``mla_mode`` is ignored: a grouped-query layer)."""
+        c = self.cfg
+        return AttentionShape(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim)
 
     # -- computation ----------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -259,10 +259,11 @@ class DecodeGraphs:
 
     def run_window(self, widths: list[int], ids: list[int], positions: list[int], slots: list[int],
                    plan: AttentionPlan, mla_mode: str, rows: list[int], *,
-                   hidden_in: torch.Tensor | None = None) -> torch.Tensor | None:
+                   hidden_in: torch.Tensor | None = None, device_ids: torch.Tensor | None = None
+                   ) -> torch.Tensor | None:
         """Logits ``(len(rows), vocab)`` float32 of the flat query ``rows`` of a step of verify
         windows (``widths[i]`` rows of sequence ``i``, ``ids``/``positions``/``slots`` flat), or
-        None when no window graph holds it."""
+        None when no window graph holds it. ``device_ids``: the flat token ids as a device tensor."""
         key = self.window_bucket_for(widths)
         if key is None or mla_mode == "naive":
             self.fallbacks += 1
@@ -274,7 +275,7 @@ class DecodeGraphs:
         bucket.staged = None
         if not self._prepare(bucket, plan, None):
             return None
-        self._replay(bucket, ids, positions, slots, None, hidden_in)
+        self._replay(bucket, ids, positions, slots, device_ids, hidden_in)
         self.window_replays += 1
         return bucket.logits[to_device(rows, torch.long, self.device)]
 
@@ -425,4 +426,21 @@ class MtpGraphs(DecodeGraphs):
     def _forward(self, bucket: _Bucket, meta: AttentionMetadata) -> None:
         bucket.hidden = self.model.mtp_forward(bucket.hidden_in, bucket.inputs[0], bucket.inputs[1], meta,
                                                depth=self.depth)
+        bucket.logits = bucket.hidden  # what run and run_window return rows of
+
+
+class Eagle3Graphs(DecodeGraphs):
+    """An EAGLE-3 head's forwards (``Eagle3Head.forward``, ``spec/eagle3.py``) over its own cache,
+    replayed from CUDA graphs: one-row chain draft steps in decode buckets, catch-ups and tree
+    levels (``topk`` rows a sequence, key masks in the plan) in window buckets. Each bucket holds
+    a static ``(rows, hidden)`` input for the hidden states the head reads; a replay returns the
+    head's output hidden states, not logits."""
+
+    def _new_bucket(self, bucket: _Bucket) -> None:
+        weight = self.model.fc.weight
+        bucket.hidden_in = torch.zeros(bucket.inputs.shape[1], weight.shape[0], dtype=weight.dtype,
+                                       device=self.device)
+
+    def _forward(self, bucket: _Bucket, meta: AttentionMetadata) -> None:
+        bucket.hidden = self.model(bucket.hidden_in, bucket.inputs[0], bucket.inputs[1], meta)
         bucket.logits = bucket.hidden  # what run and run_window return rows of

@@ -64,7 +64,7 @@ import torch
 
 from segkv.attention.device import DeviceSpec
 from segkv.attention.metadata import AttentionMetadata
-from segkv.attention.plan import AttentionShape, SequenceQuery
+from segkv.attention.plan import SequenceQuery
 from segkv.attention.planner import plan_attention
 from segkv.attention.reference import TorchReferenceBackend
 from segkv.cache.chain import KVChain
@@ -160,7 +160,8 @@ class Eagle3Proposer:
     hidden layers and becomes the runner's ``hidden_listener``. ``head_dir``: the head's directory
     (checked against the target: ValueErrors name the field). The head's cache holds
     ``num_pages`` pages (default: as many as ``kv_cache_bytes``) of the target cache's page size.
-    The head runs eagerly.
+    Where the target replays CUDA graphs, the head's forwards replay graphs of their own
+    (:class:`~segkv.runner.cuda_graphs.Eagle3Graphs`); steps no graph holds run eagerly.
 
     ``topk`` (``SpeculativeConfig.topk``, 1..16): 1 drafts chains (lists), more drafts trees
     (:class:`DraftTree`) of ``num_draft_tokens - 1`` nodes (``SpeculativeConfig.num_draft_tokens``,
@@ -195,17 +196,31 @@ class Eagle3Proposer:
                                   device=str(self.device))
         self.backend = self._make_backend(runner)
         self.device_spec = DeviceSpec.detect(self.device)
-        c = self.head.cfg
-        self.shape = AttentionShape(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim)
+        self.shape = self.head.attention_shape()
+        self.graphs = self._make_graphs(runner)
         target.set_aux_hidden_layers(self.head.aux_layer_ids)
         self._aux: weakref.WeakKeyDictionary[Any, RowStates] = weakref.WeakKeyDictionary()
         runner.hidden_listener = self._record
         # one head state per live target chain; its lock is held while a call changes the head cache
         self._states: ChainStates[_HeadState] = ChainStates()
 
+    def _make_graphs(self, runner: ModelRunner):
+        """Where the target replays CUDA graphs, the head's forwards replay their own
+        (:class:`~segkv.runner.cuda_graphs.Eagle3Graphs`): one-row chain steps in decode buckets;
+        catch-ups of up to a verify window's rows and tree levels (``topk`` rows) in window buckets."""
+        main = runner.graphs
+        if main is None:
+            return None
+        from segkv.runner.cuda_graphs import Eagle3Graphs
+
+        windows = {w for w in (*main.windows, self.topk) if w >= 2}
+        return Eagle3Graphs(self.head, self.cache, self.device_spec, device=self.device,
+                            max_model_len=main.max_model_len, buckets=main.buckets, windows=tuple(windows),
+                            emulate=main.emulate)
+
     def _make_backend(self, runner: ModelRunner):
-        """The Triton backend where the target runs it on CUDA; the torch reference elsewhere (the
-        head runs eagerly, so graph emulation on the CPU does not need Triton's interpreter)."""
+        """The Triton backend where the target runs it on CUDA; the torch reference elsewhere (eager
+        head steps; graph replays, emulated ones too, run their buckets' Triton backends)."""
         if runner.backend.name == "triton" and self.device.type == "cuda":
             from segkv.attention.triton_backend import TritonBackend
 
@@ -476,6 +491,9 @@ class Eagle3Proposer:
                 queries.append(SequenceQuery.from_chain(chain, width, tree_parents=tree))
                 at += width
             plan = plan_attention(queries, self.shape, self.device_spec, page_size=self.cache.page_size)
+            out = self._replay(plan, widths, ids, positions, slots, hidden, device_ids)
+            if out is not None:
+                return out
             meta = AttentionMetadata(backend=self.backend, prepared=self.backend.prepare(plan),
                                      storage=self.cache.storage, slots=to_device(slots, torch.long, self.device))
             next_ids = device_ids if device_ids is not None else to_device(ids, torch.long, self.device)
@@ -484,6 +502,22 @@ class Eagle3Proposer:
             for chain, width in appended:
                 chain.trim(width)
             raise
+
+    def _replay(self, plan, widths: list[int], ids: list[int] | None, positions: list[int], slots: list[int],
+                hidden: torch.Tensor, device_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """The head step's output from a CUDA-graph replay, or None when no graph holds it (no
+        graphs, a catch-up wider than every window, a plan over a bucket's capacity)."""
+        graphs = self.graphs
+        if graphs is None:
+            return None
+        flat = [PENDING_TOKEN] * len(positions) if ids is None else ids
+        # a grouped-query head: the mode only has to be one the graphs replay (naive MLA is not)
+        if max(widths) == 1:
+            return graphs.run(flat, positions, slots, plan, "absorbed", hidden_in=hidden, device_ids=device_ids)
+        if max(widths) <= max(graphs.windows, default=0):
+            return graphs.run_window(widths, flat, positions, slots, plan, "absorbed", list(range(len(positions))),
+                                     hidden_in=hidden, device_ids=device_ids)
+        return None
 
     # -- head states ----------------------------------------------------------------------
     def _state_of(self, seq: DraftSequence, ids: list[int]) -> _HeadState:

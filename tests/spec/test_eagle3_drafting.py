@@ -83,6 +83,8 @@ def test_graph_emulation_gives_the_plain_tokens(config):
     assert tokens(spec, PROMPTS[1:], params) == want
     graphs = spec.runner.graphs
     assert graphs.window_replays > 0 and spec.generator.spec_stats.accepted_tokens > 0
+    head_graphs = spec.generator.proposer.graphs  # the head's own steps replay graphs too
+    assert head_graphs.replays > 0 and head_graphs.window_replays > 0
 
 
 def _head_copy(tmp_path, **changes):
