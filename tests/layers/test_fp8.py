@@ -137,3 +137,41 @@ def test_launch_shapes_fill_the_device_at_few_rows():
     assert launch_for(4, 14336, 4096, 128)[2] == 128  # 128-wide scale blocks: 128-wide steps
     m, n, _ = launch_for(512, 4096, 4096, 128)
     assert (m, n) == (64, 64) and (512 // m) * (4096 // n) >= MIN_PROGRAMS
+
+
+COMPILE_SCRIPT = """
+import json
+from segkv.kernels.offline_compile import compile_offline
+from segkv.kernels.quant.fp8_gemm import _fp8_linear_kernel, launch_for
+out = []
+cases = [(1, 4096, 4096, 128), (1, 28672, 4096, 4096), (16, 6144, 4096, 4096), (512, 4096, 14336, 128),
+         (1, 4096, 4096, 48), (512, 4096, 4096, 48)]  # 48-wide scale blocks: each element scaled
+for m, n, k, bk in cases:
+        bm, bn, bkk = launch_for(m, n, k, bk)
+        per_tile = bk % bkk == 0 or bk >= k  # as fp8_linear launches it
+        c = compile_offline(_fp8_linear_kernel, {"HAS_BIAS": False, "SCALE_PER_TILE": per_tile, "EXACT_FP32": False,
+                            "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bkk, "num_warps": 4, "num_stages": 3},
+                            pointers={"X": "*bf16", "W": "*u8", "S": "*fp32", "B": "*fp32", "Y": "*bf16"})
+        out.append({"launch": [bm, bn, bkk], "shared": c.shared, "spills": c.spill_bytes, "mma": "mma" in c.ptx})
+print(json.dumps(out))
+"""
+
+
+def test_the_fp8_product_compiles_for_hopper_without_spills():
+    """The launches ``launch_for`` makes, compiled for sm_90a without a GPU (``kernels.offline_compile``,
+    in a subprocess without the interpreter): tensor-core products, no register spills, shared
+    memory within a program's limit."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia", reason="Triton without its CUDA backend cannot compile for sm_90a")
+    from segkv.kernels.offline_compile import MAX_SHARED_PER_PROGRAM
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for case in json.loads(done.stdout.splitlines()[-1]):
+        assert case["mma"] and case["spills"] == 0 and case["shared"] <= MAX_SHARED_PER_PROGRAM, case
