@@ -178,7 +178,7 @@ def check(out: torch.Tensor, lse: torch.Tensor, want: torch.Tensor, want_lse: to
 
 
 def run_reference(batch: TreeBatch, plan) -> tuple[torch.Tensor, torch.Tensor]:
-    backend = TorchReferenceBackend(page_size=batch.cache.page_size)
+    backend = TorchReferenceBackend(page_size=batch.cache.page_size, device=batch.cache.storage.device)
     storage = batch.cache.storage
     return backend.run(backend.prepare(plan), batch.query, storage.key_cache(0), storage.value_cache(0),
                        scale=batch.scale)
