@@ -67,12 +67,46 @@ def run(rows_list: list[int], block: tuple[int, int] | None) -> list[dict]:
     return out
 
 
+def sweep(rows: int, n: int, k: int, configs) -> list[dict]:
+    """Time the kernel's launch ``configs`` (``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``)
+    for one per-channel product of ``rows`` rows: the data ``launch_for`` is tuned from."""
+    from segkv.kernels.quant.fp8_gemm import _fp8_linear_kernel
+    from segkv.kernels.triton_import import triton
+
+    x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+    q, s = quantize_per_channel(torch.randn(n, k, device="cuda") / k**0.5)
+    y = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+    out = []
+    for bm, bn, bk, warps, stages in configs:
+        def launch():
+            _fp8_linear_kernel[(triton.cdiv(rows, bm), triton.cdiv(n, bn))](
+                x, q.view(torch.uint8), s, s, y, rows, n, k, x.stride(0), k, n, 1, 1, k, HAS_BIAS=False,
+                SCALE_PER_TILE=True, EXACT_FP32=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                num_stages=stages)
+        try:
+            t = _time(launch, iters=20)
+        except Exception as exc:  # a launch that does not fit (shared memory)
+            print(f"rows {rows} {n}x{k} {(bm, bn, bk, warps, stages)}: {type(exc).__name__}", flush=True)
+            continue
+        out.append({"rows": rows, "n": n, "k": k, "config": [bm, bn, bk, warps, stages], "us": t * 1e6,
+                    "weight_GBps": n * k / t / 1e9})
+        print(f"rows {rows} {n}x{k} {(bm, bn, bk, warps, stages)}: {t * 1e6:7.1f} us "
+              f"{n * k / t / 1e9:6.0f} GB/s", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
     parser.add_argument("--json", default=None)
+    parser.add_argument("--sweep", action="store_true", help="time launch configurations instead")
     args = parser.parse_args()
-    results = run(args.rows, None) + run(args.rows, (128, 128))
+    if args.sweep:
+        few = [(16, bn, bk, w, st) for bn in (32, 64, 128) for bk in (256, 512) for w in (4, 8) for st in (3, 4)]
+        many = [(bm, bn, 128, w, 3) for bm in (64, 128) for bn in (64, 128) for w in (4, 8)]
+        results = sweep(1, 6144, 4096, few) + sweep(1, 4096, 14336, few) + sweep(256, 6144, 4096, many)
+    else:
+        results = run(args.rows, None) + run(args.rows, (128, 128))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)

@@ -129,14 +129,15 @@ def test_fp8_linear_takes_the_kernel_on_cuda(gen, monkeypatch):
     torch.testing.assert_close(y.double().cpu(), x.double().cpu() @ w.T, rtol=2.0**-7, atol=2.0**-7)
 
 
-def test_launch_shapes_fill_the_device_at_few_rows():
+def test_launch_shapes():
     from segkv.kernels.quant.fp8_gemm import MIN_PROGRAMS, launch_for
 
-    assert launch_for(1, 4096, 4096, 128) == (16, 16, 128)  # 256 programs: as many as 16 columns give
-    assert launch_for(1, 28672, 4096, 4096) == (16, 64, 256)  # per channel: a step stays in its block
-    assert launch_for(4, 14336, 4096, 128)[2] == 128  # 128-wide scale blocks: 128-wide steps
-    m, n, _ = launch_for(512, 4096, 4096, 128)
+    assert launch_for(1, 4096, 4096, 128) == (16, 32, 128, 4)  # a step stays inside its 128-wide block
+    assert launch_for(1, 28672, 4096, 4096) == (16, 32, 512, 4)  # per channel: the widest step
+    assert launch_for(16, 14336, 4096, 256)[2] == 256
+    m, n, _, _ = launch_for(512, 4096, 4096, 128)
     assert (m, n) == (64, 64) and (512 // m) * (4096 // n) >= MIN_PROGRAMS
+    assert launch_for(40, 4096, 4096, 128)[:2] == (64, 16)  # one row tile: narrower columns fill the device
 
 
 COMPILE_SCRIPT = """
@@ -147,10 +148,10 @@ out = []
 cases = [(1, 4096, 4096, 128), (1, 28672, 4096, 4096), (16, 6144, 4096, 4096), (512, 4096, 14336, 128),
          (1, 4096, 4096, 48), (512, 4096, 4096, 48)]  # 48-wide scale blocks: each element scaled
 for m, n, k, bk in cases:
-        bm, bn, bkk = launch_for(m, n, k, bk)
+        bm, bn, bkk, stages = launch_for(m, n, k, bk)
         per_tile = bk % bkk == 0 or bk >= k  # as fp8_linear launches it
         c = compile_offline(_fp8_linear_kernel, {"HAS_BIAS": False, "SCALE_PER_TILE": per_tile, "EXACT_FP32": False,
-                            "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bkk, "num_warps": 4, "num_stages": 3},
+                            "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bkk, "num_warps": 4, "num_stages": stages},
                             pointers={"X": "*bf16", "W": "*u8", "S": "*fp32", "B": "*fp32", "Y": "*bf16"})
         out.append({"launch": [bm, bn, bkk], "shared": c.shared, "spills": c.spill_bytes, "mma": "mma" in c.ptx})
 print(json.dumps(out))

@@ -74,22 +74,26 @@ def _fp8_linear_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, 
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-# programs a launch should have at least (about two per multiprocessor of an H100): below it, the
-# output tiles narrow, since a few rows of activations leave the product bound by the weight read
+# programs a launch of many rows should have at least (about two per multiprocessor of an H100):
+# below it, the output tiles narrow
 MIN_PROGRAMS = 264
 
 
-def launch_for(m: int, n: int, k: int, scale_bk: int) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` for an ``(m, k) x (n, k)^T`` product with scale blocks
-    ``scale_bk`` wide: row tiles of 16 to 64 rows; 64 output columns a program, fewer (down to 16,
-    ``tl.dot``'s least) until the launch has :data:`MIN_PROGRAMS` programs; 128 inputs a step, 256
-    for a few rows where a step stays inside one scale block."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+def launch_for(m: int, n: int, k: int, scale_bk: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_stages)`` for an ``(m, k) x (n, k)^T`` product with scale
+    blocks ``scale_bk`` wide. Up to 16 rows: 16 x 32 output tiles, the widest input step (512,
+    256 or 128) that stays inside one scale block, 4 stages (the fastest of a sweep of tiles,
+    steps, warps and stages at 8B shapes on an H100: ``benchmarks/fp8_linear.py --sweep``). More
+    rows: 32- or 64-row tiles, 64 output columns a program, fewer (down to 16) until the launch
+    has :data:`MIN_PROGRAMS` programs, 128 inputs a step, 3 stages."""
+    if m <= 16:
+        inside = [step for step in (512, 256) if scale_bk % step == 0 or scale_bk >= k]
+        return 16, 32, (inside[0] if inside else 128), 4
+    block_m = 32 if m <= 32 else 64
     block_n = 64
     while block_n > 16 and triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < MIN_PROGRAMS:
         block_n //= 2
-    block_k = 256 if m <= 16 and (scale_bk % 256 == 0 or scale_bk >= k) else 128
-    return block_m, block_n, block_k
+    return block_m, block_n, 128, 3
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -117,11 +121,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     y = torch.empty(m, n, dtype=torch.float32 if _INTERPRET else x.dtype, device=x.device)
     if m == 0:
         return y.to(x.dtype)
-    block_m, block_n, block_k = launch_for(m, n, k, bk)
+    block_m, block_n, block_k, stages = launch_for(m, n, k, bk)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _fp8_linear_kernel[grid](
         x, weight.view(torch.uint8), scale, bias if bias is not None else scale, y, m, n, k, x.stride(0),
         weight.stride(0), y.stride(0), scale.shape[1], bn, bk, HAS_BIAS=bias is not None,
         SCALE_PER_TILE=bk % block_k == 0 or bk >= k, EXACT_FP32=x.dtype == torch.float32 or _INTERPRET,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages)
     return y.to(x.dtype)
