@@ -73,7 +73,7 @@ class EngineCore:
         self.cache = cache
         self.generator = generator
         self.fingerprint = fingerprint
-        self.scheduler = Scheduler(cache, config, rows_ahead=generator.rows_ahead)
+        self.scheduler = Scheduler(cache, config, rows_ahead=generator.rows_ahead, draft_rows=generator.draft_rows)
         self.config = self.scheduler.config
         # verify windows' draft rows count against the step's token budget too
         generator.max_step_rows = self.config.max_num_batched_tokens

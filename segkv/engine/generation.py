@@ -139,6 +139,8 @@ class Generator:
         self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative else 0)
         # the most rows one step may compute, drafts included (the scheduler's token budget; None: no limit)
         self.max_step_rows: int | None = None
+        # the most draft rows a decode's verify window adds (the scheduler keeps them in its budget)
+        self.draft_rows = speculative.window_rows - 1 if speculative else 0
         self.vocab_size = runner.model.cfg.vocab_size  # the logits' width
         self.grammars = GrammarCache(tokenizer, self.vocab_size)
 

@@ -80,12 +80,16 @@ class Scheduler:
     the pressure hooks give up; new work is admitted only if it fits, and to keep running
     sequences going the most recently admitted one is preempted (its rows sealed into the
     index, released and later recomputed, its outputs kept), so a request is never lost.
-    ``rows_ahead(seq)``: rows a step launched ahead already holds for ``seq``.
+    ``rows_ahead(seq)``: rows a step launched ahead already holds for ``seq``. ``draft_rows``:
+    rows each decode's verify window may add (speculative decoding), counted in the token budget.
     """
 
     def __init__(self, cache: PagedKVCache, config: SchedulerConfig | None = None, *,
-                 rows_ahead: Callable[[Any], int] = lambda seq: 0) -> None:
+                 rows_ahead: Callable[[Any], int] = lambda seq: 0, draft_rows: int = 0) -> None:
         self.config = config or SchedulerConfig()
+        # rows a decode's verify window may add (its drafts), kept free in the token budget so
+        # that prefills scheduled beside decodes do not crowd the drafts out
+        self.draft_rows = draft_rows
         self.cache = cache
         self.pool = cache.pool
         self.prefix = PrefixIndex(self.pool)
@@ -167,7 +171,7 @@ class Scheduler:
                 break
             take = min(seq.num_pending, budget)
             work.append((seq, take))
-            budget -= take
+            budget -= take + (self.draft_rows if seq.num_pending == 1 else 0)
         admitted = []
         slots = self.config.max_num_seqs - len(running)
         for seq in waiting:
