@@ -136,6 +136,10 @@ def compile_offline(fn, constants: dict, *, pointers: dict[str, str], arch: int 
     # optional arguments left out (a default of None, e.g. timeline stamps) compile away, as at a launch
     constexprs.update({n: None for n, p in params.items()
                        if p.default is None and n not in constexprs and n not in pointers})
+    # constexprs left out take their defaults (e.g. KEY_MASKS off), as at a launch
+    constexprs.update({n: p.default for n, p in params.items()
+                       if n not in constexprs and p.default is not inspect.Parameter.empty
+                       and "constexpr" in str(p.annotation)})
     names = list(params)
     signature = {n: "constexpr" if n in constexprs else _arg_type(n, pointers) for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
