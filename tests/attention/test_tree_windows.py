@@ -386,7 +386,7 @@ def test_fixed_plan_buffers_take_key_masks(layout, gen):
     not leak), and gives the eager results (the same float32 work, rounded once)."""
     from segkv.attention.triton_backend import MAX_KEY_MASK_WORDS, PlanCapacity, TritonBackend
 
-    capacity = PlanCapacity(max_pages=128, max_work=64, max_partials=512, max_rows=160, max_work_rows=64)
+    capacity = PlanCapacity(max_pages=128, max_work=64, max_partials=512, max_rows=160, max_work_rows=160)
     assert capacity.sizes()["key_mask_words"] == 160 * MAX_KEY_MASK_WORDS
     fixed = TritonBackend(page_size=16, device=DEVICE, poison=True, capacity=capacity)
     eager = TritonBackend(page_size=16, device=DEVICE, poison=True)
