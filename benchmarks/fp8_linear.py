@@ -70,7 +70,7 @@ def run(rows_list: list[int], block: tuple[int, int] | None) -> list[dict]:
 def sweep(rows: int, n: int, k: int, configs) -> list[dict]:
     """Time the kernel's launch ``configs`` (``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``)
     for one per-channel product of ``rows`` rows: the data ``launch_for`` is tuned from."""
-    from segkv.kernels.quant.fp8_gemm import _fp8_linear_kernel
+    from segkv.kernels.quant.fp8_gemm import fp8_linear_kernel
     from segkv.kernels.triton_import import triton
 
     x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
@@ -79,7 +79,7 @@ def sweep(rows: int, n: int, k: int, configs) -> list[dict]:
     out = []
     for bm, bn, bk, warps, stages in configs:
         def launch():
-            _fp8_linear_kernel[(triton.cdiv(rows, bm), triton.cdiv(n, bn))](
+            fp8_linear_kernel[(triton.cdiv(rows, bm), triton.cdiv(n, bn))](
                 x, q.view(torch.uint8), s, s, y, rows, n, k, x.stride(0), k, n, 1, 1, k, HAS_BIAS=False,
                 SCALE_PER_TILE=True, EXACT_FP32=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                 num_stages=stages)

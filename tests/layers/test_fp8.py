@@ -143,14 +143,14 @@ def test_launch_shapes():
 COMPILE_SCRIPT = """
 import json
 from segkv.kernels.offline_compile import compile_offline
-from segkv.kernels.quant.fp8_gemm import _fp8_linear_kernel, launch_for
+from segkv.kernels.quant.fp8_gemm import fp8_linear_kernel, launch_for
 out = []
 cases = [(1, 4096, 4096, 128), (1, 28672, 4096, 4096), (16, 6144, 4096, 4096), (512, 4096, 14336, 128),
          (1, 4096, 4096, 48), (512, 4096, 4096, 48)]  # 48-wide scale blocks: each element scaled
 for m, n, k, bk in cases:
         bm, bn, bkk, stages = launch_for(m, n, k, bk)
         per_tile = bk % bkk == 0 or bk >= k  # as fp8_linear launches it
-        c = compile_offline(_fp8_linear_kernel, {"HAS_BIAS": False, "SCALE_PER_TILE": per_tile, "EXACT_FP32": False,
+        c = compile_offline(fp8_linear_kernel, {"HAS_BIAS": False, "SCALE_PER_TILE": per_tile, "EXACT_FP32": False,
                             "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bkk, "num_warps": 4, "num_stages": stages},
                             pointers={"X": "*bf16", "W": "*u8", "S": "*fp32", "B": "*fp32", "Y": "*bf16"})
         out.append({"launch": [bm, bn, bkk], "shared": c.shared, "spills": c.spill_bytes, "mma": "mma" in c.ptx})

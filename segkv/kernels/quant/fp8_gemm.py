@@ -31,7 +31,7 @@ def _e4m3_bits_to_float(bits):
 
 
 @triton.jit
-def _fp8_linear_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, scale_cols,
+def fp8_linear_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, scale_cols,
                        scale_bn, scale_bk, HAS_BIAS: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
                        EXACT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr):
@@ -123,7 +123,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         return y.to(x.dtype)
     block_m, block_n, block_k, stages = launch_for(m, n, k, bk)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _fp8_linear_kernel[grid](
+    fp8_linear_kernel[grid](
         x, weight.view(torch.uint8), scale, bias if bias is not None else scale, y, m, n, k, x.stride(0),
         weight.stride(0), y.stride(0), scale.shape[1], bn, bk, HAS_BIAS=bias is not None,
         SCALE_PER_TILE=bk % block_k == 0 or bk >= k, EXACT_FP32=x.dtype == torch.float32 or _INTERPRET,
