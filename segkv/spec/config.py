@@ -47,8 +47,8 @@ class SpeculativeConfig:
     ``method``: ``"mtp"`` (the model's own multi-token-prediction layers), ``"ngram"`` (prompt
     lookup over the sequence's own tokens) or ``"draft_model"`` (a smaller model with the same
     tokenizer, from the directory ``model``) or ``"eagle3"`` (an EAGLE-3 draft head over the
-    target's hidden states, from the directory ``model``, or ``"default"``: the built-in head of
-    a built-in target). ``num_speculative_tokens`` (k, 1..16): tokens drafted
+    target's hidden states, from the directory ``model``, or ``"default"``, also when ``model`` is
+    not given: the built-in head of a built-in target). ``num_speculative_tokens`` (k, 1..16): tokens drafted
     per step (an ``eagle3`` tree's depth, SGLang's ``num_steps``, which ``parse`` accepts as an
     alias); required except for ``mtp`` (default 1). ``prompt_lookup_min`` /
     ``prompt_lookup_max``: the n-gram sizes tried, ``ngram`` only (vLLM's defaults: both 5 when
@@ -155,6 +155,8 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative config: method 'draft_model' needs model, the draft "
                              "model's directory")
+        if self.method == "eagle3" and self.model is None:  # the built-in head of a built-in target
+            object.__setattr__(self, "model", "default")
         if self.method == "eagle3" and not self.model:
             raise ValueError("speculative config: method 'eagle3' needs model, the EAGLE-3 head's "
                              "directory (or 'default': the built-in head of a built-in target)")

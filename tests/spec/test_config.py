@@ -105,7 +105,7 @@ def test_describe_names_only_what_applies():
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": 7}, "model must be a string"),
     ({"method": "mtp", "model": "/m"}, "model applies to methods draft_model and eagle3 only, not 'mtp'"),
     ({**NGRAM, "model": "/m"}, "model applies to methods draft_model and eagle3 only"),
-    ({"method": "eagle3", "num_speculative_tokens": 2}, "method 'eagle3' needs model"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "model": ""}, "method 'eagle3' needs model"),
     ({"method": "eagle3", "model": "default"}, "num_speculative_tokens is required for method 'eagle3'"),
     ({"method": "eagle3", "model": "default", "num_speculative_tokens": 2, "prompt_lookup_min": 2},
      "prompt_lookup_min applies to method 'ngram' only"),

@@ -108,5 +108,8 @@ def test_bad_heads_are_clear_errors(tmp_path):
     shutil.copy(PACKAGE_ROOT / "eagle3-default" / "config.json", weightless)
     with pytest.raises(ValueError, match="no \\*.safetensors weights"):
         LLM("default", device="cpu", speculative_config={**EAGLE3, "model": str(weightless)})
-    with pytest.raises(ValueError, match="method 'eagle3' needs model"):
-        LLM("default", device="cpu", speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="model 'default' picks the built-in head of a built-in target"):
+        LLM(tmp_path / "tiny", device="cpu", speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+    # without a model, a built-in target takes its built-in head
+    assert LLM("default", device="cpu", speculative_config={"method": "eagle3", "num_speculative_tokens": 2}
+               ).speculative_config.model == "default"
