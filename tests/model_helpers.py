@@ -61,3 +61,44 @@ def build_deepseek_dir(path, **overrides) -> None:
             if p.dim() == 2:
                 p.normal_(0, 0.1)
     hf.save_pretrained(path)
+
+
+def moe_families() -> dict[str, tuple[type, type, dict]]:
+    """Sparse-MoE family name -> (HF config class, HF model class, base config: 3 layers, 8 experts, top-2)."""
+    import transformers as tf
+
+    return {
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(
+            hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+            norm_topk_prob=True, max_position_embeddings=512)),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(
+            hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
+            sliding_window=None)),
+    }
+
+
+def build_moe_dir(directory: Path, family: str, *, seed: int = 0, extra_vocab: int = 0, **overrides):
+    """Write a random sparse-MoE checkpoint (``moe_families``) and a tiny ChatML tokenizer; return the
+    HF model. The vocabulary is the tokenizer's plus ``extra_vocab`` unused ids. Weights are scaled
+    so that attention is far from uniform and the router's choices are decisive (HF's init leaves
+    both near flat, where routing or scale errors would hardly show)."""
+    import math
+
+    directory.mkdir(parents=True, exist_ok=True)
+    build_tiny_tokenizer(directory, style="chatml")
+    config_cls, model_cls, base = moe_families()[family]
+    config = config_cls(vocab_size=tiny_vocab_size(directory) + extra_vocab, **{**base, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.normal_(0, 1)
+            elif p.dim() >= 2:  # linears (out, in) and stacked experts (E, out, in)
+                p.copy_(torch.randn_like(p) * 1.5 / math.sqrt(p.shape[-1]))
+    model.save_pretrained(directory)
+    return model

@@ -11,6 +11,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("segkv.models.mistral", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("segkv.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("segkv.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("segkv.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("segkv.models.mixtral", "MixtralForCausalLM"),
     "DeepseekV2ForCausalLM": ("segkv.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("segkv.models.deepseek", "DeepseekV3ForCausalLM"),
 }
