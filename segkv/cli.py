@@ -36,6 +36,10 @@ QUANTIZATIONS = ["fp8"]
 QUANTIZATION_HELP = ("quantize the checkpoint's linear projections at load: fp8 (e4m3 weights with per-output-channel "
                      "scales; activations stay in --dtype). Default: the checkpoint as stored (FP8 checkpoints load "
                      "as FP8 either way)")
+KV_CACHE_DTYPES = ["auto", "fp8"]  # config.KV_CACHE_DTYPES (no torch import here)
+KV_CACHE_DTYPE_HELP = ("KV cache storage: auto (the default: --dtype) or fp8 (float8 e4m3 with float32 scales per "
+                       "layer and KV head, the checkpoint's k_scale/v_scale where it has them, else 1.0; twice the "
+                       "tokens per byte of bf16)")
 DEVICE_HELP = "torch device: auto (the default: CUDA when available, else cpu), cpu, cuda, cuda:N"
 GPU_MEMORY_HELP = ("fraction of the GPU's memory segkv may use, in (0, 1]: the KV cache gets what is left after the "
                    "weights and a profiling forward of the largest step (default: %(default)s; CUDA only)")
@@ -104,6 +108,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_DTYPE_HELP)
     parser.add_argument("--page-size", type=int, default=None, help=PAGE_SIZE_HELP)
     parser.add_argument("--max-model-len", type=int, default=None)
     _add_memory_args(parser)
@@ -142,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     serve.add_argument("--device", default="auto", help=DEVICE_HELP)
     serve.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
+    serve.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_DTYPE_HELP)
     serve.add_argument("--page-size", type=int, default=None, help=PAGE_SIZE_HELP)
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=64)
@@ -223,6 +229,7 @@ def _load_and_serve(args, gate, engines: list, server, snapshot_dir: Path | None
     from segkv.server import app as app_module
 
     llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype,
               page_size=args.page_size, max_model_len=args.max_model_len, route=args.route,
               kv_cache_bytes=_kv_cache_bytes(args), gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_batched_tokens=args.max_num_batched_tokens,
@@ -293,6 +300,7 @@ def _load(args):
     from segkv.sampling_params import SamplingParams
 
     llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype,
               page_size=args.page_size, max_model_len=args.max_model_len, route=args.route,
               cuda_graphs=CUDA_GRAPHS[args.cuda_graphs],
               kv_cache_bytes=_kv_cache_bytes(args), gpu_memory_utilization=args.gpu_memory_utilization,

@@ -27,6 +27,22 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+# --kv-cache-dtype: "auto" stores K/V in the model's dtype; "fp8" stores float8 e4m3 bytes with
+# float32 scales per (layer, KV head) (cache/storage.py)
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's storage dtype: ``model_dtype`` for ``"auto"``, ``torch.float8_e4m3fn`` for
+    ``"fp8"``; any other value is a ValueError naming it."""
+    if kv_cache_dtype == "auto":
+        return parse_dtype(model_dtype)
+    if kv_cache_dtype == "fp8":
+        return FP8_KV_DTYPE
+    raise ValueError(f"unsupported kv_cache_dtype {kv_cache_dtype!r}; expected one of {list(KV_CACHE_DTYPES)}")
+
+
 @dataclass(slots=True, frozen=True)
 class KVLayout:
     """Shape of the KV rows one token stores in every layer.
@@ -35,6 +51,8 @@ class KVLayout:
     stores K and V of shape ``(num_kv_heads, head_dim)`` per token. ``kind="mla"`` is
     multi-head latent attention in absorbed form: each layer stores one latent row of
     ``kv_lora_rank + rope_dim`` columns; values are its first ``kv_lora_rank`` columns.
+    ``dtype``: float32, float16, bfloat16, or ``torch.float8_e4m3fn`` (an FP8 cache: one byte per
+    element, with float32 scales the storage keeps; ``PagedKVStorage``).
     """
 
     num_layers: int
@@ -50,7 +68,8 @@ class KVLayout:
             raise ValueError(f"KVLayout.kind must be one of {_KV_KINDS}, got {self.kind!r}")
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
-        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        if self.dtype != FP8_KV_DTYPE:
+            object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         if self.kind == "mha":
             if self.num_kv_heads < 1 or self.head_dim < 1:
                 raise ValueError(
@@ -77,6 +96,11 @@ class KVLayout:
     @property
     def element_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def fp8(self) -> bool:
+        """Whether rows are stored as float8 e4m3 with scales (``kv_cache_dtype="fp8"``)."""
+        return self.dtype == FP8_KV_DTYPE
 
     @property
     def row_bytes_per_layer(self) -> int:

@@ -11,6 +11,8 @@ import torch
 from segkv.attention.plan import AttentionPlan
 
 KVTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# an FP8 cache's (k_scale, v_scale) of one layer: (Hkv,) float32 each (PagedKVStorage.kv_scales)
+KVScales = tuple[torch.Tensor, torch.Tensor]
 DEVICE_TYPES = ("cpu", "cuda")
 KV_LAYOUTS = ("mha", "mla")  # KVLayout.kind: per-head K/V (MHA/GQA/MQA), or MLA's latent rows
 PRECISION_MODES = ("exact", "fast")  # inside a piece (ARCHITECTURE.md's numerical contract)
@@ -75,7 +77,9 @@ class AttentionBackend(Protocol):
       rows' first ``kv_lora_rank`` columns;
     - ``scale``: the softmax scale (explicit: MLA's is not ``Dk ** -0.5``); ``out_dtype``: the
       result's dtype (default ``query.dtype``); ``kv_transform``: maps each piece's gathered
-      ``(key, value)`` rows to the per-head K/V attended (needs ``capabilities.kv_transform``).
+      ``(key, value)`` rows to the per-head K/V attended (needs ``capabilities.kv_transform``);
+      ``kv_scales``: for a ``float8_e4m3fn`` cache, ``(k_scale, v_scale)`` ``(Hkv,)`` float32 (one
+      for an ``"mla"`` cache): the attention runs over ``fp8 * scale`` in float32.
 
     It returns ``(out, lse)``: ``(R, Hq, Dv)`` in ``out_dtype`` and ``(R, Hq)`` float32 (natural
     log). Backends need not support every layout or device: see ``capabilities``.
@@ -140,6 +144,7 @@ class AttentionBackend(Protocol):
         scale: float,
         out_dtype: torch.dtype | None = None,
         kv_transform: KVTransform | None = None,
+        kv_scales: KVScales | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer (shapes and dtypes in the class docstring): ``(out, lse)``."""
         ...

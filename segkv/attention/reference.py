@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from segkv.attention.backend import BackendCapabilities, KVTransform
+from segkv.attention.backend import BackendCapabilities, KVScales, KVTransform
 from segkv.attention.merge import LSE_API, merge_partials
 from segkv.attention.plan import AttentionPlan, Piece
+from segkv.cache.storage import dequantize_fp8
 
 
 @dataclass(slots=True)
@@ -130,6 +131,7 @@ class TorchReferenceBackend:
         scale: float,
         out_dtype: torch.dtype | None = None,
         kv_transform: KVTransform | None = None,
+        kv_scales: KVScales | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer.
 
@@ -143,6 +145,9 @@ class TorchReferenceBackend:
             kv_transform: maps each piece's gathered ``(key, value)`` rows to the per-head
                 K/V that are attended, e.g. MLA's naive path decompresses latent rows
                 ``(n, 1, r + rope)`` into ``(n, H, Dk)`` keys and ``(n, H, Dv)`` values.
+            kv_scales: an FP8 cache's ``(k_scale, v_scale)``, ``(Hkv,)`` float32 each: the
+                gathered ``float8_e4m3fn`` rows are dequantized to float32 (times the scale of
+                their KV head) before anything else, ``kv_transform`` included.
 
         Returns:
             ``(out, lse)``: ``(R, Hq, Dv)`` in ``out_dtype`` and ``(R, Hq)`` float32.
@@ -151,7 +156,7 @@ class TorchReferenceBackend:
         if query.shape[0] != plan.num_query_rows:
             raise ValueError(f"query has {query.shape[0]} rows, the plan {plan.num_query_rows}")
         partial_out, partial_lse = self.partials(prepared, query, key_cache, value_cache, scale=scale,
-                                                 kv_transform=kv_transform)
+                                                 kv_transform=kv_transform, kv_scales=kv_scales)
         out, lse = merge_partials(partial_out, partial_lse, prepared.partial_rows, plan.num_query_rows)
         return out.to(out_dtype or query.dtype), lse
 
@@ -164,6 +169,7 @@ class TorchReferenceBackend:
         *,
         scale: float,
         kv_transform: KVTransform | None = None,
+        kv_scales: KVScales | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage 1 alone: every work item's partial states, unmerged (arguments as :meth:`run`;
         ``query`` may hold more rows than the plan's work reads).
@@ -183,6 +189,8 @@ class TorchReferenceBackend:
             if index not in gathered:
                 slots = prepared.piece_slots[index]
                 key, value = keys[slots], values[slots]
+                if kv_scales is not None:  # FP8 bytes -> float32 values, per KV head
+                    key, value = dequantize_fp8(key, kv_scales[0]), dequantize_fp8(value, kv_scales[1])
                 gathered[index] = kv_transform(key, value) if kv_transform else (key, value)
             return gathered[index]
 

@@ -23,7 +23,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from segkv.attention.backend import BackendCapabilities, KVTransform
+from segkv.attention.backend import BackendCapabilities, KVScales, KVTransform
 from segkv.attention.device import PARTIAL_WORKSPACE_BYTES, stage1_merge_bound
 from segkv.attention.plan import AttentionPlan
 
@@ -368,6 +368,7 @@ class TritonBackend:
         scale: float,
         out_dtype: torch.dtype | None = None,
         kv_transform: KVTransform | None = None,
+        kv_scales: KVScales | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer: arguments and results as ``AttentionBackend.run`` states them.
 
@@ -380,7 +381,10 @@ class TritonBackend:
         plan = prepared.plan
         if kv_transform is not None:  # naive MLA decompresses pieces: the reference does that
             return self._reference_run(prepared, query, key_cache, value_cache, scale=scale, out_dtype=out_dtype,
-                                       kv_transform=kv_transform)
+                                       kv_transform=kv_transform, kv_scales=kv_scales)
+        if kv_scales is not None:
+            return self._reference_run(prepared, query, key_cache, value_cache, scale=scale, out_dtype=out_dtype,
+                                       kv_scales=kv_scales)
         rows = query.shape[0]
         if prepared.fixed:
             if not plan.num_query_rows <= rows <= self.capacity.max_rows:

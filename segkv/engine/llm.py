@@ -20,7 +20,8 @@ from segkv.cache.kv_cache import PagedKVCache
 from segkv.attention.plan import Route
 from segkv.attention.planner import forced_route_from_env
 from segkv.config import (GIB, CacheConfig, CompactionPolicy, KVLayout, check_capacity,
-                          check_gpu_memory_utilization, default_page_size, kv_cache_budget, resolve_dtype)
+                          check_gpu_memory_utilization, default_page_size, kv_cache_budget, resolve_dtype,
+                           resolve_kv_cache_dtype)
 from segkv.engine.core import EngineCore, EngineRequest
 from segkv.engine.generation import Generator
 from segkv.scheduler import SchedulerConfig
@@ -67,6 +68,32 @@ def parse_device(device: str | torch.device) -> torch.device:
     return parsed
 
 
+def checkpoint_kv_scales(found: dict | None, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 cache's static ``(k_scale, v_scale)``, ``(num_layers, H)`` float32 (``H``: KV heads, 1
+    for MLA): the checkpoint's scales (``model.kv_scales`` from the loader, scalars or one per KV
+    head) where it has them, 1.0 elsewhere. An MLA latent row holds keys and values: one scale per
+    layer, the larger of the two given (so neither saturates sooner than it would alone)."""
+    heads = layout.num_kv_heads if layout.kind == "mha" else 1
+    scales = {part: torch.ones(layout.num_layers, heads) for part in ("k", "v")}
+    given: dict[int, list[torch.Tensor]] = {}  # MLA: the scales given per layer, K's and V's
+    for part, per_layer in (found or {}).items():
+        for layer, value in per_layer.items():
+            if not 0 <= layer < layout.num_layers:
+                raise ValueError(f"checkpoint KV scale for layer {layer}; the KV cache has {layout.num_layers} layers")
+            if layout.kind == "mla":
+                given.setdefault(layer, []).append(value.max())
+            elif value.numel() not in (1, heads):
+                raise ValueError(f"checkpoint {part}_scale of layer {layer} has {value.numel()} values; "
+                                 f"expected 1 or {heads} (KV heads)")
+            else:
+                scales[part][layer] = value
+    if layout.kind == "mla":
+        for layer, values in given.items():
+            scales["k"][layer] = torch.stack(values).max()
+        return scales["k"], scales["k"]
+    return scales["k"], scales["v"]
+
+
 class LLM:
     """A model with its tokenizer, paged KV cache, runner and the :class:`EngineCore` that steps
     requests on them (``generate`` here, and an :class:`AsyncEngine` serving this model).
@@ -91,7 +118,10 @@ class LLM:
     model ``"default"`` takes the built-in head of the built-in target (``default``,
     ``default-mla``). ``quantization``: None loads the checkpoint as stored (FP8 checkpoints as
     FP8); ``"fp8"`` also quantizes the linear projections of a bf16/fp16/fp32 checkpoint to e4m3
-    with per-output-channel scales at load (``models/fp8_loading.py``).
+    with per-output-channel scales at load (``models/fp8_loading.py``). ``kv_cache_dtype``:
+    ``"auto"`` stores K/V in ``dtype``; ``"fp8"`` stores them as float8 e4m3 with static float32
+    scales per (layer, KV head) (per layer for MLA), the checkpoint's ``k_scale``/``v_scale`` (or
+    ``kv_scale``) tensors where it has them, else 1.0: twice the tokens per byte of bf16.
     """
 
     def __init__(
@@ -115,11 +145,14 @@ class LLM:
         fused_ops: bool | None = None,
         speculative_config: str | dict | SpeculativeConfig | None = None,
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
         progress: bool = False,
     ) -> None:
         # a bad value is refused before anything loads
         self.speculative_config = SpeculativeConfig.parse(speculative_config)
         self.quantization = check_quantization(quantization)
+        resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)
+        self.kv_cache_dtype = kv_cache_dtype
         # "default", "default-mla" or a directory (refused clearly if it is not one)
         self.model_dir = check_model_dir(resolve_model_dir(model_dir))
         # the config the generator runs: an EAGLE-3 head's directory resolved ("default": the
@@ -158,6 +191,14 @@ class LLM:
             layout = self.model.kv_layout(self.dtype, mtp=True)  # the MTP layers keep rows too
         else:
             layout = self.model.kv_layout(self.dtype)
+        # an FP8 cache stores one byte per element: the same bytes hold twice the tokens of bf16
+        layout = dataclasses.replace(layout, dtype=resolve_kv_cache_dtype(kv_cache_dtype, self.dtype))
+        kv_scales = None
+        if layout.fp8:
+            kv_scales = checkpoint_kv_scales(getattr(self.model, "kv_scales", None), layout)
+            # stored rows depend on the scales: snapshots of another cache must not load
+            digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in kv_scales)).hexdigest()
+            self.fingerprint = hashlib.sha256(f"{self.fingerprint}:kv-fp8:{digest}".encode()).hexdigest()[:32]
         page_bytes = page_size * layout.row_bytes
         self.profile: dict[str, int] | None = None  # the profiling pass's readings (CUDA, sized pool)
         if num_pages is not None:
@@ -177,6 +218,8 @@ class LLM:
             check_capacity(self.max_model_len, capacity_tokens=num_pages * page_size, explicit=explicit_len)
         self.cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=num_pages),
                                   device=str(self.device), compaction=compaction)
+        if kv_scales is not None:
+            self.cache.storage.set_scales(*kv_scales)
         # a verify window (its drafts, a tree's nodes, and the pending token) runs like a decode step: MLA absorbed,
         # replayed from its own CUDA graphs
         window = 1 if self.speculative_config is None else self.speculative_config.window_rows
@@ -250,6 +293,7 @@ class LLM:
         page_size, num_pages = self.cache.config.page_size, self.cache.config.num_pages
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "weight_bytes": self.weight_bytes, "quantization": getattr(self.model, "quantization", None),
+                "kv_cache_dtype": str(self.cache.layout.dtype).removeprefix("torch."),
                 "kv_cache_bytes": num_pages * page_size * self.cache.layout.row_bytes,
                 "kv_cache_tokens": num_pages * page_size,
                 "kv_cache_source": self.kv_cache_source, "page_size": self.cache.config.page_size,
@@ -261,7 +305,7 @@ class LLM:
         s = self.summary()
         weights = f"{s['weight_bytes'] / GIB:.2f} GiB" + (f" ({s['quantization']})" if s["quantization"] else "")
         return (f"segkv: {self.model_dir.name} on {s['device']}, {s['dtype']}, weights "
-                f"{weights}; KV cache {s['kv_cache_bytes'] / GIB:.2f} GiB = "
+                f"{weights}; KV cache {s['kv_cache_dtype']} {s['kv_cache_bytes'] / GIB:.2f} GiB = "
                 f"{s['kv_cache_tokens']:,} tokens ({s['kv_cache_source']}), max_model_len {s['max_model_len']}; "
                 f"attention {s['attention_backend']}, routes {', '.join(s['attention_routes'])}")
 

@@ -29,6 +29,7 @@ class PagedAttention(nn.Module):
         """Attention of ``q (T, Hq, D)`` over the cache, the step's rows already written."""
         storage, layer = meta.storage, self.layer_index
         out, _ = meta.backend.run(
-            meta.prepared, q, storage.key_cache(layer), storage.value_cache(layer), scale=self.scale
+            meta.prepared, q, storage.key_cache(layer), storage.value_cache(layer), scale=self.scale,
+            kv_scales=storage.kv_scales(layer),
         )
         return out

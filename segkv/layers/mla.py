@@ -148,7 +148,8 @@ class MultiHeadLatentAttention(nn.Module):
                 h, residual = norm.add_and_norm(x, residual)
             return self(h, positions, meta), residual
         d, weight, rows = self.dims, self._x_proj[0], self._row_product
-        if self.fused and meta.mla_mode == "absorbed" and d.q_lora_rank is None:
+        # an FP8 cache is written by storage.write, which quantizes (the fused kernel would not)
+        if self.fused and meta.mla_mode == "absorbed" and d.q_lora_rank is None and not meta.storage.fp8:
             query = weight.new_empty(1, d.num_heads, d.kv_lora_rank + d.qk_rope_head_dim)
             kv_norm = self.kv_a_layernorm
             q_nope, residual = rows.after_norm_mla_rope(
@@ -192,7 +193,7 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_pe = latent.split([d.kv_lora_rank, d.qk_rope_head_dim], -1)
         storage, layer = meta.storage, self.layer_index
         query = None  # the absorbed attention's query, filled in place by the fused path
-        if self.fused:
+        if self.fused and not storage.fp8:  # an FP8 cache's writes quantize: storage.write below
             rows = storage.latent_rows_to_write(layer, meta.slots, trusted_slots=meta.trusted_slots)
             norm = self.kv_a_layernorm  # folded into the write kernel: one launch fewer
             if meta.mla_mode == "absorbed":
@@ -212,7 +213,7 @@ class MultiHeadLatentAttention(nn.Module):
             query = torch.cat((q_nope, q_pe), dim=-1)  # (T, H, nope + rope)
             out, _ = meta.backend.run(meta.prepared, query, storage.key_cache(layer),
                                       storage.value_cache(layer), scale=self.scale,
-                                      kv_transform=self._decompress)
+                                      kv_transform=self._decompress, kv_scales=storage.kv_scales(layer))
         else:
             raise ValueError(f"mla_mode must be one of {MLA_MODES}, got {meta.mla_mode!r}")
         return self._output(out)
@@ -251,7 +252,7 @@ class MultiHeadLatentAttention(nn.Module):
             torch.bmm(q_nope.transpose(0, 1), w_uk, out=query[..., :rank].transpose(0, 1))
         storage, layer = meta.storage, self.layer_index
         out, _ = meta.backend.run(meta.prepared, query, storage.key_cache(layer), storage.value_cache(layer),
-                                  scale=self.scale)  # (T, H, r)
+                                  scale=self.scale, kv_scales=storage.kv_scales(layer))  # (T, H, r)
         if per_head:
             return head_gemv(out[0], w_uv).unsqueeze(0)
         return torch.einsum("thr,hvr->thv", out, w_uv)

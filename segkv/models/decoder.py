@@ -132,11 +132,14 @@ class DecoderAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """``q (T, H, D)``, ``k, v (T, KVH, D)`` of the new rows -> the output projection ``(T, hidden)``."""
+        # an FP8 cache is written by storage.write, which quantizes; the fused RoPE-and-write kernel
+        # stores rows unscaled in their own dtype
+        fused = self.fused and not meta.storage.fp8
         # the fused kernel norms the heads itself where the norm weights are in q's dtype
-        norms_in_rope = self.fused and self.qk_norm and self.q_norm.weight.dtype == self.k_norm.weight.dtype == q.dtype
+        norms_in_rope = fused and self.qk_norm and self.q_norm.weight.dtype == self.k_norm.weight.dtype == q.dtype
         if self.qk_norm and not norms_in_rope:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused:
+        if fused:
             keys, values = meta.storage.rows_to_write(self.attn.layer_index, meta.slots, k, v,
                                                       trusted_slots=meta.trusted_slots)
             norms = {"q_norm": self.q_norm.weight, "k_norm": self.k_norm.weight, "q_eps": self.q_norm.eps,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +63,20 @@ def fingerprint(model_dir: str | Path) -> str:
     return digest.hexdigest()[:32]
 
 
+# Static FP8 KV-cache scales as vLLM's checkpoints carry them: ``layers.{i}.self_attn.k_scale`` and
+# ``v_scale`` (also under ``.attn.``), or one ``kv_scale`` for both (older FP8 checkpoints). Scalars
+# or one per KV head. A stored value q means q * scale.
+KV_SCALE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:attn\.)?(k|v|kv)_scale$")
+
+
 def load_model(
     model_dir: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
     progress: bool = False, quantization: str | None = None,
 ) -> nn.Module:
     """Build the registered model for ``model_dir`` and load its weights.
+
+    ``model.kv_scales``: the checkpoint's static FP8 KV scales, ``{"k": {layer: (1,) or (Hkv,)
+    float32}, "v": {...}}`` (:data:`KV_SCALE_NAME`; empty without them).
 
     ``quantization``: None loads the checkpoint as stored (an FP8 checkpoint's projections as
     FP8, ``models/fp8_checkpoint.py``); ``"fp8"`` also quantizes the other linear projections to
@@ -95,11 +105,18 @@ def load_model(
     expected = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
     tied = {n for n in expected if n == "lm_head.weight" and getattr(model.cfg, "tie_word_embeddings", False)}
     state: dict[str, torch.Tensor] = {}
+    kv_scales: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}}
     for path in tqdm(files, desc="loading weights", unit="file", disable=not progress):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if plan.takes(name):  # an FP8 layer's scale
                     plan.take(name, f.get_tensor(name))
+                    continue
+                scale_of = KV_SCALE_NAME.search(name)
+                if scale_of is not None:  # a static FP8 KV scale: used by kv_cache_dtype="fp8" only
+                    layer, kind = int(scale_of.group(1)), scale_of.group(2)
+                    for part in ("k", "v") if kind == "kv" else (kind,):
+                        kv_scales[part][layer] = f.get_tensor(name).float().flatten()
                     continue
                 target = param_name(name)
                 if target not in expected:
@@ -135,6 +152,7 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     _init_buffers(model, device)
     model.quantization = plan.describe()
+    model.kv_scales = kv_scales
     return model.eval()
 
 
