@@ -8,7 +8,8 @@ from typing import Any
 def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict | None]:
     """``(rope_theta, scaling)`` from either ``rope_parameters`` or ``rope_theta``/``rope_scaling``.
 
-    ``scaling`` is None for plain RoPE, else a dict with a ``rope_type`` key.
+    ``scaling`` is None for plain RoPE, else a dict with a ``rope_type`` key (LongRoPE's always
+    with ``original_max_position_embeddings``).
     """
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" in params:
@@ -23,6 +24,13 @@ def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict | None]:
         scaling.pop("rope_theta", None)
         if kind == "default":
             scaling = None
+        elif kind == "longrope":
+            # transformers gives a top-level original_max_position_embeddings (where Phi-3 keeps it)
+            # priority over the one inside the RoPE dict, and falls back to max_position_embeddings
+            top = cfg.get("original_max_position_embeddings")
+            if top is not None:
+                scaling["original_max_position_embeddings"] = int(top)
+            scaling.setdefault("original_max_position_embeddings", int(cfg.get("max_position_embeddings", 4096)))
     return theta, scaling
 
 

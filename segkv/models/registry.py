@@ -15,6 +15,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("segkv.models.mixtral", "MixtralForCausalLM"),
     "DeepseekV2ForCausalLM": ("segkv.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("segkv.models.deepseek", "DeepseekV3ForCausalLM"),
+    "Phi3ForCausalLM": ("segkv.models.phi3", "Phi3ForCausalLM"),
 }
 
 
