@@ -1,4 +1,4 @@
-"""Rotary position embeddings with the scalings checkpoints use (linear, llama3, yarn, longrope)."""
+"""Rotary position embeddings with the scalings checkpoints use (linear, llama3, yarn, dynamic, longrope)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import math
 import torch
 from torch import nn
 
-# What every family takes.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# What every family takes. ``dynamic`` (dynamic NTK) rescales the base only for sequences longer
+# than ``max_position_embeddings``; segkv's table and model length stop there, so within it the
+# frequencies are the plain ones, exactly as transformers computes them for those lengths.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # Types whose frequencies depend on the step's positions: the family's attention must map positions
 # to table rows (:meth:`RotaryEmbedding.table_positions`), so only families that do accept them.
 POSITION_DEPENDENT_ROPE_TYPES = ("longrope",)
@@ -24,7 +26,7 @@ def rope_inv_freq(dim: int, base: float, scaling: dict | None, max_position: int
     known = SUPPORTED_ROPE_TYPES + POSITION_DEPENDENT_ROPE_TYPES
     if rope_type not in known:
         raise ValueError(f"unsupported rope scaling {rope_type!r}; supported: {', '.join(known)}")
-    if rope_type == "default":
+    if rope_type in ("default", "dynamic"):  # dynamic: the same up to max_position (see SUPPORTED_ROPE_TYPES)
         return inv_freq, 1.0
     if rope_type == "longrope":
         short, _, attention = longrope_inv_freq(dim, base, scaling, max_position)

@@ -1,4 +1,4 @@
-"""Phi-3 (fused qkv / gate_up, LongRoPE) against transformers (fp32)."""
+"""Phi-3 (fused qkv / gate_up, LongRoPE) and Llama with dynamic NTK RoPE against transformers (fp32)."""
 
 from __future__ import annotations
 
@@ -109,3 +109,14 @@ def test_phi3_unusual_config_with_longrope(tmp_path, gen):
     _check_greedy(hf, LLM(tmp_path, dtype="float32", device="cpu"),
                   torch.randint(0, vocab, (40,), generator=gen))  # long from the prompt on
 
+
+def test_llama_dynamic_rope_matches_transformers(tmp_path, gen):
+    """Dynamic NTK: within max_position_embeddings (segkv's model length) transformers' frequencies
+    are the plain ones; logits and greedy tokens up to that length."""
+    hf = _build(tmp_path, "llama", gen, max_position_embeddings=64,
+                rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    model = load_model(tmp_path)
+    assert model.max_model_len == 64
+    _check_logits(hf, model, torch.randint(0, hf.config.vocab_size, (40,), generator=gen), prefill_chunk=11)
+    _check_greedy(hf, LLM(tmp_path, dtype="float32", device="cpu"),
+                  torch.randint(0, hf.config.vocab_size, (30,), generator=gen), tokens=32)
