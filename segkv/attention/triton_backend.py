@@ -382,9 +382,7 @@ class TritonBackend:
         if kv_transform is not None:  # naive MLA decompresses pieces: the reference does that
             return self._reference_run(prepared, query, key_cache, value_cache, scale=scale, out_dtype=out_dtype,
                                        kv_transform=kv_transform, kv_scales=kv_scales)
-        if kv_scales is not None:
-            return self._reference_run(prepared, query, key_cache, value_cache, scale=scale, out_dtype=out_dtype,
-                                       kv_scales=kv_scales)
+
         rows = query.shape[0]
         if prepared.fixed:
             if not plan.num_query_rows <= rows <= self.capacity.max_rows:
@@ -407,6 +405,7 @@ class TritonBackend:
                 **fields, num_partials=prepared.num_partials,
                 max_work_rows=prepared.max_work_rows, scale=scale, out_dtype=out_dtype or query.dtype,
                 needs_merge=prepared.needs_merge, poison=self.poison, workspace=workspace,
+                kv_scale=None if kv_scales is None else kv_scales[0],
             )
         return paged_attention(
             query=query, key_cache=key_cache, value_cache=value_cache, **fields,
@@ -414,6 +413,7 @@ class TritonBackend:
             out_dtype=out_dtype or query.dtype, needs_merge=prepared.needs_merge, launch=self.launch,
             poison=self.poison, workspace=workspace, merge_in_stage1=prepared.merge_in_stage1,
             counters=self._merge_counters(rows * query.shape[1]) if prepared.merge_in_stage1 else None,
+            kv_scales=kv_scales,
         )
 
     def _merge_counters(self, entries: int) -> torch.Tensor:

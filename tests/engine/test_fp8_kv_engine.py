@@ -147,3 +147,18 @@ def test_checkpoint_kv_scales_shapes():
 def test_bad_kv_cache_dtype_is_a_clear_error():
     with pytest.raises(ValueError, match="unsupported kv_cache_dtype 'int8'"):
         LLM("default", kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_triton_kernels_read_the_fp8_cache_as_the_reference_does(model):
+    """The Triton backend (Triton's interpreter without a GPU) over the FP8 cache gives the torch
+    reference's logits within float32 summation noise, and the same greedy tokens."""
+    triton_llm = LLM(model, kv_cache_bytes=8 << 20, kv_cache_dtype="fp8", backend="triton")
+    torch_llm = LLM(model, kv_cache_bytes=8 << 20, kv_cache_dtype="fp8", backend="torch")
+    assert triton_llm.runner.backend.name != torch_llm.runner.backend.name
+    text = "def f(x):\n    return x"
+    torch.testing.assert_close(prompt_logits(triton_llm, text), prompt_logits(torch_llm, text), rtol=0, atol=1e-3)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    a = [r.outputs[0].token_ids for r in triton_llm.generate(PROMPTS[:2], params)]
+    b = [r.outputs[0].token_ids for r in torch_llm.generate(PROMPTS[:2], params)]
+    assert a == b

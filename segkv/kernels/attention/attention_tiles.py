@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from segkv.kernels.triton_import import tl, triton
 
+from segkv.kernels.quant.fp8_gemm import e4m3_bits_to_float
 from segkv.settings import SETTINGS
 
 # ``ex2.approx.ftz.f32`` on the GPU: Triton's ``exp2`` emits ``ex2.approx.f32``, which ptxas wraps
@@ -142,6 +143,15 @@ def load_kv(k_base, v_base, page, stride_kp, stride_vp, in_page, dk_ok, dv_ok):
     k = tl.load(k_base + (page * stride_kp)[:, None], mask=in_page[:, None] & dk_ok[None, :], other=0.0)
     v = tl.load(v_base + (page * stride_vp)[:, None], mask=in_page[:, None] & dv_ok[None, :], other=0.0)
     return k, v
+
+
+@triton.jit
+def fp8_values(tile, dtype: tl.constexpr):
+    """A tile of an FP8 cache's e4m3 bytes (loaded as uint8) -> its unscaled values in ``dtype``,
+    exactly: every e4m3 value is a float32, bfloat16 and float16 value. Callers apply the scales
+    in float32 (keys' folded into the softmax scale, values' on the accumulator), so the products
+    equal those of the dequantized values within float32 rounding."""
+    return e4m3_bits_to_float(tile.to(tl.int32)).to(dtype)
 
 
 @triton.jit

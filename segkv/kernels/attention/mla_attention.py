@@ -14,6 +14,7 @@ import torch
 from segkv.kernels.triton_import import tl, triton
 
 from segkv.kernels.attention.attention_tiles import (
+    fp8_values,
     key_mask_scores,
     next_tile_first,
     online_softmax_step,
@@ -61,9 +62,13 @@ def _add_scores(x, y):
 
 
 @triton.jit
-def _latent_cols(tile, offs, in_page, RANK: tl.constexpr):
-    """Columns ``offs`` of a latent tile's valid rows (0 elsewhere)."""
-    return tl.load(tile + offs[None, :], mask=in_page[:, None] & (offs < RANK)[None, :], other=0.0)
+def _latent_cols(tile, offs, in_page, RANK: tl.constexpr, KV_FP8: tl.constexpr, dtype: tl.constexpr):
+    """Columns ``offs`` of a latent tile's valid rows (0 elsewhere); ``KV_FP8``: e4m3 bytes decoded
+    to their unscaled values in ``dtype``."""
+    cols = tl.load(tile + offs[None, :], mask=in_page[:, None] & (offs < RANK)[None, :], other=0.0)
+    if KV_FP8:
+        cols = fp8_values(cols, dtype)
+    return cols
 
 
 @triton.jit
@@ -74,14 +79,17 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
                   RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_ROPE: tl.constexpr,
                   BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                   EXACT_FP32: tl.constexpr, PARTS: tl.constexpr, WIDE: tl.constexpr,
-                  KEY_MASKS: tl.constexpr):
+                  KEY_MASKS: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALE):
     """A program's scan of its work item's latent rows and the store of its pairs' partials: the
     values' ``BLOCK_V`` columns from ``vb * BLOCK_V``, one of ``PARTS`` (1, 2 or 4) shares (with
     more than one the scores also take the other shares' columns, after its own, and only program
     ``vb == 0`` stores the LSE). The scores' pieces (the own share's columns, the RoPE columns,
     each other share's) are separate MMA chains, added (:func:`_add_scores`). ``KEY_MASKS``: a
     ``masked`` work item's scores keep only the keys its rows' mask bits set (words from
-    ``word_base (M,)``, :func:`attention_tiles.key_mask_scores`)."""
+    ``word_base (M,)``, :func:`attention_tiles.key_mask_scores`). ``KV_FP8``: the latent rows are
+    an FP8 cache's e4m3 bytes with one float32 scale at ``KV_SCALE``: tiles are decoded exactly to the
+    query's dtype, the scale multiplies the softmax scale (keys) and the float32 accumulator
+    (values)."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     offs_n = tl.arange(0, BLOCK_N)
@@ -105,6 +113,9 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
+    qk_scale = scale
+    if KV_FP8:
+        qk_scale = scale * tl.load(KV_SCALE)
     row_base = LAT + (row_in_page * stride_ln)[:, None]
     t0, t1 = tile_range(pg0, pg1, SUB)
     for t in range(t0, t1, PAGES):
@@ -123,17 +134,22 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
             tile = row_base + (page * stride_lp)[:, None]
         c = tl.load(tile + offs_v[None, :], mask=in_page[:, None] & v_ok[None, :], other=0.0)
         k_rope = tl.load(tile + RANK + offs_e[None, :], mask=in_page[:, None] & e_ok[None, :], other=0.0)
+        if KV_FP8:
+            c = fp8_values(c, q_lat.dtype)
+            k_rope = fp8_values(k_rope, q_lat.dtype)
         s = _add_scores(_latent_scores(q_lat, c, EXACT_FP32), _latent_scores(q_rope, k_rope, EXACT_FP32))
         if PARTS > 1:
-            s = _add_scores(s, _latent_scores(q_1, _latent_cols(tile, offs_1, in_page, RANK), EXACT_FP32))
+            s = _add_scores(s, _latent_scores(q_1, _latent_cols(tile, offs_1, in_page, RANK, KV_FP8, q_lat.dtype), EXACT_FP32))
         if PARTS == 4:
-            s = _add_scores(s, _latent_scores(q_2, _latent_cols(tile, offs_2, in_page, RANK), EXACT_FP32))
-            s = _add_scores(s, _latent_scores(q_3, _latent_cols(tile, offs_3, in_page, RANK), EXACT_FP32))
+            s = _add_scores(s, _latent_scores(q_2, _latent_cols(tile, offs_2, in_page, RANK, KV_FP8, q_lat.dtype), EXACT_FP32))
+            s = _add_scores(s, _latent_scores(q_3, _latent_cols(tile, offs_3, in_page, RANK, KV_FP8, q_lat.dtype), EXACT_FP32))
         kpos = key_start + row_cur
         if KEY_MASKS:
             if masked:
                 s = key_mask_scores(s, key_mask_words, word_base, kpos, offset, in_page)
-        m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, c, m_i, l_i, acc, EXACT_FP32)
+        m_i, l_i, acc = online_softmax_step(s, qk_scale, kpos, offset, in_page, c, m_i, l_i, acc, EXACT_FP32)
+    if KV_FP8:  # the weights' sum of unscaled values times the scale
+        acc = acc * tl.load(KV_SCALE)
     # shares: the first program stores the LSE (the others' float32 scores summed their own share
     # first, so they may differ in the last bit); a vector mask, as the interpreter refuses a
     # vector & scalar one
@@ -154,6 +170,7 @@ def _mla_stage1_kernel(
     USE_PDL: tl.constexpr = False, VALUE_SPLIT: tl.constexpr = 1, ADAPTIVE: tl.constexpr = False,
     WIDE_OFFSETS: tl.constexpr = True,
     KEY_MASKS: tl.constexpr = False, work_key_masks=None, key_mask_words=None,
+    KV_FP8: tl.constexpr = False, KV_SCALE=None,
 ):
     """One program: ``BLOCK_M`` (query row, head) pairs of one work item, scanning its piece
     ``BLOCK_N`` latent rows at a time with an online softmax in float32 (:func:`_latent_pairs`).
@@ -165,7 +182,8 @@ def _mla_stage1_kernel(
     without a share exit before the wait. Otherwise (forced, for tuning) the ``VALUE_SPLIT`` shares
     whatever the plan. A pair block's shares are neighbours in the grid's first dimension.
     ``KEY_MASKS``: as the GQA stage 1's (tree verify windows' masked work items); False compiles
-    it away."""
+    it away. ``KV_FP8``: an FP8 latent cache (uint8 view) with its float32 scale at ``KV_SCALE``
+    (:func:`_latent_pairs`)."""
     mb = tl.program_id(0) // VALUE_SPLIT
     vb = tl.program_id(0) % VALUE_SPLIT
     w = tl.program_id(1)
@@ -205,21 +223,21 @@ def _mla_stage1_kernel(
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, vb, key_mask_words, masked, word_base, RANK, ROPE,
                       BLOCK_R // 4, BLOCK_ROPE, BLOCK_M, PAGE_SIZE, BLOCK_N, EXACT_FP32, 4, WIDE_OFFSETS,
-                      KEY_MASKS)
+                      KEY_MASKS, KV_FP8, KV_SCALE)
     elif halves:
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, vb, key_mask_words, masked, word_base, RANK, ROPE,
                       BLOCK_R // 2, BLOCK_ROPE, BLOCK_M, PAGE_SIZE, BLOCK_N, EXACT_FP32, 2, WIDE_OFFSETS,
-                      KEY_MASKS)
+                      KEY_MASKS, KV_FP8, KV_SCALE)
     else:  # one program, all the values
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, 0, key_mask_words, masked, word_base, RANK, ROPE,
                       BLOCK_R, BLOCK_ROPE, BLOCK_M, PAGE_SIZE, BLOCK_N, EXACT_FP32, 1, WIDE_OFFSETS,
-                      KEY_MASKS)
+                      KEY_MASKS, KV_FP8, KV_SCALE)
 
 
 MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulator fits in registers
@@ -295,13 +313,19 @@ def mla_paged_attention(
     *, query, latent_cache, rank, page_table, page_rows, page_key_start, work_pages, work_partial_start,
     partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
-    poison=False, workspace=None, work_key_masks=None, key_mask_words=None,
+    poison=False, workspace=None, work_key_masks=None, key_mask_words=None, kv_scale=None,
 ):
     """Absorbed MLA over a plan: query ``(R, H, rank + rope)``, latent_cache ``(P, page_size,
     rank + rope)`` (or any view with unit column stride); the plan tensors and ``workspace`` as in
     ``paged_attention``; ``work_key_masks``/``key_mask_words``: tree verify windows' key masks
-    (``paged_attention.key_mask_options``). Returns ``(out (R, H, rank) out_dtype, lse (R, H) float32)``.
+    (``paged_attention.key_mask_options``). ``kv_scale``: the cache is ``float8_e4m3fn`` with this
+    ``(1,)`` float32 scale (keys and values): the kernel reads its bytes and attends ``fp8 * scale``.
+    Returns ``(out (R, H, rank) out_dtype, lse (R, H) float32)``.
     """
+    fp8 = {}
+    if kv_scale is not None:
+        latent_cache = latent_cache.view(torch.uint8)
+        fp8 = {"KV_FP8": True, "KV_SCALE": kv_scale}
     num_rows, num_heads, width = query.shape
     page_size = latent_cache.shape[1]
     rope = width - rank
@@ -326,7 +350,7 @@ def mla_paged_attention(
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
             lse.stride(0),
             scale, num_heads, num_work, value_split_max_partials(launch, query.device), **meta,
-            **attention_pdl_options(query), **key_mask_options(work_key_masks, key_mask_words),
+            **attention_pdl_options(query), **key_mask_options(work_key_masks, key_mask_words), **fp8,
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)

@@ -16,6 +16,7 @@ from segkv.kernels.triton_import import tl, triton
 
 from segkv.kernels.attention import timeline
 from segkv.kernels.attention.attention_tiles import (
+    fp8_values,
     full_tiles_known,
     key_mask_scores,
     load_kv,
@@ -52,6 +53,7 @@ def _stage1_kernel(
     MERGE_LANES: tl.constexpr = 1, WIDE_OFFSETS: tl.constexpr = True,
     SKIP: tl.constexpr = False, FOUR: tl.constexpr = False, STAMPS=None,
     KEY_MASKS: tl.constexpr = False, work_key_masks=None, key_mask_words=None,
+    KV_FP8: tl.constexpr = False, K_SCALE=None, V_SCALE=None,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -72,7 +74,11 @@ def _stage1_kernel(
     ``KEY_MASKS``: the plan may hold masked work items (tree verify windows; ``work_key_masks``
     ``(2 W,)`` and ``key_mask_words`` int32, :func:`paged_attention`); a masked item's scores also
     keep only the keys its rows' mask bits set (:func:`attention_tiles.key_mask_scores`), the others
-    read one flag per program. False compiles it away."""
+    read one flag per program. False compiles it away. ``KV_FP8``: K and V are an FP8 cache's e4m3
+    bytes (uint8 views) with float32 scales per KV head in ``K_SCALE``/``V_SCALE`` ``(Hkv,)``: tiles
+    are decoded exactly to the query's dtype (:func:`attention_tiles.fp8_values`), the key scale
+    multiplies the softmax scale and the value scale the float32 accumulator, so the partials are
+    float32 attention over ``fp8 * scale``."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if STAMPS is not None:
@@ -116,6 +122,9 @@ def _stage1_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    qk_scale = scale
+    if KV_FP8:  # scores of the unscaled keys times the head's key scale: one multiply per program
+        qk_scale = scale * tl.load(K_SCALE + kvh)
     offs_n = tl.arange(0, BLOCK_N)
     slot = offs_n // PAGE_SIZE
     row_in_page = tile_rows_in_page(offs_n, PAGE_SIZE, PAGES, BLOCK_N)
@@ -145,6 +154,9 @@ def _stage1_kernel(
             k_cur, v_cur = load_kv(k_base, v_base, page_cur, stride_kp, stride_vp, row_cur < rows_cur, dk_ok, dv_ok)
         in_page = row_cur < rows_cur
         kpos = kst_cur + row_cur
+        if KV_FP8:
+            k_cur = fp8_values(k_cur, q.dtype)
+            v_cur = fp8_values(v_cur, q.dtype)
         if EXACT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k_cur.to(tl.float32)), input_precision="ieee")
         else:
@@ -152,8 +164,10 @@ def _stage1_kernel(
         if KEY_MASKS:
             if masked:
                 s = key_mask_scores(s, key_mask_words, word_base, kpos, offset, in_page)
-        m_i, l_i, acc = online_softmax_step(s, scale, kpos, offset, in_page, v_cur, m_i, l_i, acc,
+        m_i, l_i, acc = online_softmax_step(s, qk_scale, kpos, offset, in_page, v_cur, m_i, l_i, acc,
                                             EXACT_FP32, needs_mask)
+    if KV_FP8:  # the weights' sum of unscaled values times the head's value scale
+        acc = acc * tl.load(V_SCALE + kvh)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
                    stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, valid)
     if STAMPS is not None:
@@ -307,7 +321,7 @@ def paged_attention(
     partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
     poison=False, workspace=None, counters=None, merge_in_stage1=False,
-    work_key_masks=None, key_mask_words=None,
+    work_key_masks=None, key_mask_words=None, kv_scales=None,
 ):
     """Attention of a plan: stage-1 partials, then the exact merge, rounded once.
 
@@ -327,7 +341,13 @@ def paged_attention(
     zero, and no merge kernel runs. ``work_key_masks`` ``(2 W,)`` and ``key_mask_words`` (int32,
     both or neither): tree verify windows' key masks (:func:`key_mask_options`). Returns ``(out
     (R, Hq, Dv) out_dtype, lse (R, Hq) float32)``; rows without partials are 0 with LSE -inf.
+    ``kv_scales``: the caches are ``float8_e4m3fn`` with ``(k_scale, v_scale)`` ``(Hkv,)`` float32:
+    the kernel reads their bytes and attends ``fp8 * scale`` (``_stage1_kernel``'s ``KV_FP8``).
     """
+    fp8 = {}
+    if kv_scales is not None:
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+        fp8 = {"KV_FP8": True, "K_SCALE": kv_scales[0], "V_SCALE": kv_scales[1]}
     num_rows, num_heads, dk = query.shape
     page_size, num_kv = key_cache.shape[1], key_cache.shape[2]
     dv = value_cache.shape[3]
@@ -357,7 +377,7 @@ def paged_attention(
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
             lse.stride(0), num_heads,
             scale, num_rows, **meta, **attention_pdl_options(query), **timeline_stamps("stage1"),
-            **key_mask_options(work_key_masks, key_mask_words),
+            **key_mask_options(work_key_masks, key_mask_words), **fp8,
         )
     if num_rows and not merged and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)

@@ -23,9 +23,10 @@ _INTERPRET = settings.SETTINGS.triton_interpret
 
 
 @triton.jit
-def _e4m3_bits_to_float(bits):
+def e4m3_bits_to_float(bits):
     """``bits`` (int32 holding the bytes 0..255 of e4m3 values) -> float32 values. e4m3's NaN
-    patterns (0x7F, 0xFF) decode as +-480: no quantizer writes them."""
+    patterns (0x7F, 0xFF) decode as +-480: no quantizer writes them. Also the attention kernels'
+    decoder of FP8 KV caches (``attention_tiles.fp8_values``)."""
     half_bits = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)
     return half_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
 
@@ -57,7 +58,7 @@ def fp8_linear_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, s
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         bits = tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
                        mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.int32)
-        w = _e4m3_bits_to_float(bits)
+        w = e4m3_bits_to_float(bits)
         if not SCALE_PER_TILE:
             w = w * tl.load(S + scale_rows[:, None] + offs_k[None, :] // scale_bk,
                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
