@@ -162,3 +162,16 @@ def test_triton_kernels_read_the_fp8_cache_as_the_reference_does(model):
     a = [r.outputs[0].token_ids for r in triton_llm.generate(PROMPTS[:2], params)]
     b = [r.outputs[0].token_ids for r in torch_llm.generate(PROMPTS[:2], params)]
     assert a == b
+
+
+def test_cli_kv_cache_dtype_flag():
+    from segkv.cli import KV_CACHE_DTYPES, build_parser
+    from segkv.config import KV_CACHE_DTYPES as ALLOWED
+
+    assert tuple(KV_CACHE_DTYPES) == ALLOWED
+    parser = build_parser()
+    for command in (["serve"], ["generate", "--prompt", "x"], ["chat"]):
+        assert parser.parse_args(command).kv_cache_dtype == "auto"
+        assert parser.parse_args([*command, "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+        with pytest.raises(SystemExit):
+            parser.parse_args([*command, "--kv-cache-dtype", "int8"])
