@@ -175,3 +175,18 @@ def test_cli_kv_cache_dtype_flag():
         assert parser.parse_args([*command, "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
         with pytest.raises(SystemExit):
             parser.parse_args([*command, "--kv-cache-dtype", "int8"])
+
+
+@pytest.mark.parametrize("model,spec", [("default-mla", {"method": "mtp", "num_speculative_tokens": 2}),
+                                        ("default", {"method": "eagle3", "model": "default",
+                                                     "num_speculative_tokens": 2}),
+                                        ("default", {"method": "ngram", "num_speculative_tokens": 2})])
+def test_speculative_decoding_over_an_fp8_cache_keeps_greedy_outputs(model, spec):
+    """Verify windows write and attend the FP8 cache like decode steps (drafters keep their own
+    caches in the model's dtype): greedy outputs equal the non-speculative FP8 run's."""
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    plain = LLM(model, kv_cache_bytes=8 << 20, kv_cache_dtype="fp8")
+    spec_llm = LLM(model, kv_cache_bytes=8 << 20, kv_cache_dtype="fp8", speculative_config=spec)
+    a = [r.outputs[0].token_ids for r in plain.generate(PROMPTS[:3], params)]
+    b = [r.outputs[0].token_ids for r in spec_llm.generate(PROMPTS[:3], params)]
+    assert a == b
