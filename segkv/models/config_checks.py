@@ -6,6 +6,9 @@ its upper layers in transformers and attended the full history here). Each famil
 refuses (``CausalLM.unimplemented_settings``); the loader raises one ValueError naming every
 field. Settings the reference ignores (``pretraining_tp``: a sliced matmul, the same product)
 or that only matter in training (dropout, auxiliary losses) are not refused.
+
+``models/config_fields.py`` accounts for every field of each family's transformers config class
+(handled, inert or refused); :func:`common_settings` runs its refusals too.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ from __future__ import annotations
 from typing import Any
 
 from segkv.layers.rotary import SUPPORTED_ROPE_TYPES
+from segkv.models.config_fields import field_problems
 from segkv.models.fp8_checkpoint import parse_quantization
 
 
 def common_settings(cfg: dict[str, Any]) -> list[str]:
     """What no family implements: quantized checkpoints other than the FP8 formats
-    (``models/fp8_checkpoint.py``), unknown RoPE types, partial rotary."""
+    (``models/fp8_checkpoint.py``), unknown RoPE types, partial rotary; then the refusals of the
+    family's field table (``config_fields.field_problems``)."""
     problems = []
     try:
         parse_quantization(cfg)
@@ -34,7 +39,7 @@ def common_settings(cfg: dict[str, Any]) -> list[str]:
         factor = holder.get("partial_rotary_factor")
         if factor is not None and float(factor) != 1.0:
             problems.append(f"{where} = {factor}: RoPE over part of each head is not implemented")
-    return problems
+    return problems + field_problems(cfg)
 
 
 def qwen_sliding_window(cfg: dict[str, Any]) -> list[str]:

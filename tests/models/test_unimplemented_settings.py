@@ -65,11 +65,11 @@ def test_layer_types_other_than_full_attention_are_refused(tmp_path):
 @pytest.mark.parametrize("field", ["rope_scaling", "rope_parameters"])
 def test_unimplemented_rope_types_are_refused(tmp_path, field):
     build_model_dir(tmp_path, "llama")
-    rope = {"rope_type": "dynamic", "factor": 2.0}
+    rope = {"rope_type": "mrope", "mrope_section": [8, 12, 12]}  # Qwen2-VL's multimodal RoPE
     if field == "rope_parameters":
         rope["rope_theta"] = 10000.0
     _edit_config(tmp_path, **{"rope_parameters": None, field: rope})
-    with pytest.raises(ValueError, match=f"LlamaForCausalLM.*{field} with rope_type 'dynamic'"):
+    with pytest.raises(ValueError, match=f"LlamaForCausalLM.*{field} with rope_type 'mrope'"):
         load_model(tmp_path)
 
 

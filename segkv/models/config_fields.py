@@ -1,0 +1,293 @@
+"""An account of every ``config.json`` field of each supported family: handled, inert or refused.
+
+The fields come from the transformers config class of the family (``FieldTable.config_class``):
+its dataclass fields, ``__init__`` parameters, ``attribute_map`` aliases and the keys of a default
+instance's ``to_dict()``, plus fields real checkpoints carry outside that class (DeepSeek's
+remote-code keys, legacy ``rope_theta``/``rope_scaling``, ``torch_dtype``). Each field is
+
+- **handled**: segkv reads it and computes what the reference computes (``hidden_size``, the
+  biases it builds, ``rope_parameters``; Mistral's ``sliding_window`` caps the model length);
+- **inert**: it does not change inference (token ids, initialisation, dropout, training losses,
+  bookkeeping, values transformers itself recomputes);
+- **refused** unless at a value that changes nothing: :class:`Refused` says what segkv does
+  instead. A refusal whose ``is_inert`` is None is checked elsewhere, named by ``checked_by``
+  (``config_checks.common_settings``, the family's ``unimplemented_settings``, the layer that
+  reads the field); the others are checked here by :func:`field_problems`.
+
+``tests/models/test_config_fields.py`` walks each transformers class and fails on a field in no
+category, so a transformers upgrade that adds a field is noticed; it also loads every refusal's
+``example`` and checks the error names the field.
+
+A field in no table (a newer transformers version's metadata, a fine-tune's extra key) is logged
+and the model loads: refusing it would break checkpoints over bookkeeping, and the walker test is
+what keeps the tables complete for the supported transformers version.
+
+A registered architecture needs a table in :data:`FIELD_TABLES` or an entry, with its reason, in
+:data:`NO_TABLE`; the walker test fails on one with neither.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A field refused unless its value changes nothing.
+
+    ``why``: what segkv does instead (it ends the error). ``example``: config changes that must be
+    refused, naming this field (the walker test loads them). ``is_inert(value, cfg)``: whether
+    the value changes nothing; None when ``checked_by`` names where the check lives.
+    """
+
+    why: str
+    example: Mapping[str, Any]
+    is_inert: Callable[[Any, Mapping[str, Any]], bool] | None = None
+    checked_by: str = ""
+
+
+@dataclass(frozen=True)
+class FieldTable:
+    """One family's account of its ``config.json`` fields (see the module docstring)."""
+
+    config_class: str  # the transformers class, e.g. "LlamaConfig"
+    handled: frozenset[str]
+    inert: frozenset[str]
+    refused: Mapping[str, Refused] = field(default_factory=dict)
+
+    def known(self) -> frozenset[str]:
+        return self.handled | self.inert | frozenset(self.refused)
+
+
+def _false(value: Any, cfg: Mapping[str, Any]) -> bool:
+    """Inert when false or absent."""
+    return not value
+
+
+def _no_kv_groups(value: Any, cfg: Mapping[str, Any]) -> bool:
+    """transformers' MLA groups heads only where ``num_attention_heads // num_key_value_heads > 1``
+    (its default config has 128 KV heads whatever the head count: no grouping)."""
+    return value is None or int(cfg.get("num_attention_heads") or 0) // max(int(value), 1) <= 1
+
+
+# Fields of transformers' PreTrainedConfig (every family) and keys checkpoints carry beside them.
+_BASE_INERT = frozenset({
+    "_name_or_path", "model_type", "transformers_version", "auto_map",
+    "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder",
+    "output_attentions", "output_hidden_states", "return_dict", "use_cache",
+    "_attn_implementation_autoset",
+    # initialisation and training only: no effect on a forward pass in eval mode
+    # (transformers no longer reads pretraining_tp: its sliced products were the same product)
+    "initializer_range", "attention_dropout", "pretraining_tp",
+    # token ids: pad only sets the embedding's padding_idx (gradients); bos/eos select
+    # nothing in the forward pass (stop tokens are read by segkv/tokenizer)
+    "bos_token_id", "eos_token_id", "pad_token_id",
+})
+_BASE_HANDLED = frozenset({
+    "architectures",  # picks the family (registry.py)
+    "torch_dtype", "dtype",  # the precision of dtype="auto" on CUDA (config.resolve_dtype)
+    "rope_parameters", "rope_theta", "rope_scaling",  # hf_config.rope_settings; unknown types refused
+    "quantization_config",  # FP8 formats load (fp8_checkpoint.py); others refused in common_settings
+})
+_COMMON_REFUSED = {
+    "partial_rotary_factor": Refused(
+        "RoPE over part of each head is not implemented", {"partial_rotary_factor": 0.5},
+        checked_by="config_checks.common_settings"),
+    "hidden_act": Refused(
+        "only SiLU gated MLPs are implemented", {"hidden_act": "gelu"},
+        checked_by="layers/activation.GatedMLP"),
+}
+_DECODER_HANDLED = _BASE_HANDLED | {
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+}
+
+
+def _ignored_by_reference(name: str, family: str, what: str) -> Refused:
+    """A bias flag the transformers class does not read (it hard-codes ``what``) but segkv's
+    decoder does: true would make segkv expect tensors the checkpoint lacks."""
+    return Refused(f"{family} has {what} whatever this flag says (transformers ignores it)", {name: True},
+                   is_inert=_false)
+
+
+def _qwen_window(example: Mapping[str, Any]) -> Refused:
+    return Refused(
+        "sliding-window attention is not implemented (segkv attends the full history in every "
+        "layer); refused unless no layer is windowed or the window covers max_position_embeddings",
+        example, checked_by="config_checks.qwen_sliding_window (the family's unimplemented_settings)")
+
+
+_QWEN_WINDOW = {
+    "use_sliding_window": _qwen_window({"use_sliding_window": True, "sliding_window": 16,
+                                        "max_window_layers": 1, "layer_types": None}),
+    "sliding_window": _qwen_window({"use_sliding_window": True, "sliding_window": 8,
+                                    "max_window_layers": 0, "layer_types": None}),
+    "max_window_layers": _qwen_window({"use_sliding_window": True, "sliding_window": 16,
+                                       "max_window_layers": 0, "layer_types": None}),
+    "layer_types": _qwen_window({"layer_types": ["full_attention", "sliding_attention"]}),
+}
+
+_LLAMA = FieldTable(
+    "LlamaConfig",
+    handled=_DECODER_HANDLED | {"attention_bias", "mlp_bias"},  # q/k/v/o and MLP biases, as transformers
+    inert=_BASE_INERT,
+    refused=dict(_COMMON_REFUSED),
+)
+_MISTRAL = FieldTable(
+    "MistralConfig",
+    # sliding_window: the model length is capped at the window (mistral.py), where full
+    # attention equals windowed attention
+    handled=_DECODER_HANDLED | {"sliding_window"},
+    inert=_BASE_INERT,
+    refused={**_COMMON_REFUSED,
+             "attention_bias": _ignored_by_reference("attention_bias", "Mistral", "no attention biases"),
+             "mlp_bias": _ignored_by_reference("mlp_bias", "Mistral", "no MLP biases")},
+)
+_QWEN2 = FieldTable(
+    "Qwen2Config",
+    handled=_DECODER_HANDLED,
+    inert=_BASE_INERT,
+    refused={**_COMMON_REFUSED, **_QWEN_WINDOW,
+             "attention_bias": _ignored_by_reference(
+                 "attention_bias", "Qwen2", "Q/K/V biases and none on o_proj"),
+             "mlp_bias": _ignored_by_reference("mlp_bias", "Qwen2", "no MLP biases")},
+)
+_QWEN3 = FieldTable(
+    "Qwen3Config",
+    handled=_DECODER_HANDLED | {"attention_bias"},  # Q/K/V and o_proj biases, as transformers
+    inert=_BASE_INERT,
+    refused={**_COMMON_REFUSED, **_QWEN_WINDOW,
+             "mlp_bias": _ignored_by_reference("mlp_bias", "Qwen3", "no MLP biases")},
+)
+
+_DEEPSEEK_HANDLED = _BASE_HANDLED | {
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "attention_bias",
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size",
+    "first_k_dense_replace", "n_group", "topk_group", "topk_method", "norm_topk_prob",
+    "routed_scaling_factor",
+    # DeepSeek's own config.json keys (remote code), read by deepseek.py
+    "scoring_func", "moe_layer_freq", "num_nextn_predict_layers",
+}
+_DEEPSEEK_INERT = _BASE_INERT | {
+    "output_router_logits",
+    # transformers recomputes both from the MLA dimensions, whatever the file says
+    "head_dim", "qk_head_dim",
+    # DeepSeek's own keys: training losses and expert-parallel layout
+    "aux_loss_alpha", "seq_aux", "ep_size",
+}
+_DEEPSEEK_REFUSED = {
+    **_COMMON_REFUSED,
+    "num_key_value_heads": Refused(
+        "grouping MLA heads onto shared keys is not implemented (segkv gives every head its own "
+        "keys, as transformers does where num_attention_heads // num_key_value_heads <= 1)",
+        {"num_key_value_heads": 2}, is_inert=_no_kv_groups),
+}
+
+
+def _alias(name: str, target: str) -> Refused:
+    """An ``attribute_map`` alias: transformers reads it as ``target``, segkv only reads ``target``."""
+    return Refused(f"segkv reads this setting as {target!r}; rename the key", {name: 6, target: 4},
+                   is_inert=lambda value, cfg: value is None or value == cfg.get(target))
+
+
+_DEEPSEEK_V2 = FieldTable(
+    "DeepseekV2Config",
+    handled=_DEEPSEEK_HANDLED | {"mlp_bias"},  # dense and shared-expert MLP biases, as transformers
+    inert=_DEEPSEEK_INERT,
+    refused={**_DEEPSEEK_REFUSED, "num_experts": _alias("num_experts", "n_routed_experts")},
+)
+_DEEPSEEK_V3 = FieldTable(
+    "DeepseekV3Config",
+    handled=_DEEPSEEK_HANDLED | {"rope_interleave", "num_mtp_layers"},
+    inert=_DEEPSEEK_INERT,
+    refused={**_DEEPSEEK_REFUSED, "num_local_experts": _alias("num_local_experts", "n_routed_experts"),
+             "mlp_bias": _ignored_by_reference("mlp_bias", "DeepSeek-V3", "no MLP biases")},
+)
+
+
+def _moe_window_inert(value: Any, cfg: Mapping[str, Any]) -> bool:
+    """transformers' Qwen3-MoE windows every layer when ``use_sliding_window`` is set (it has no
+    ``max_window_layers``): inert only where the window covers the model length."""
+    window = cfg.get("sliding_window")
+    return not value or window is None or int(window) >= int(cfg.get("max_position_embeddings", 4096))
+
+
+_QWEN3_MOE = FieldTable(
+    "Qwen3MoeConfig",
+    handled=_DECODER_HANDLED | {
+        "attention_bias", "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+        "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"},  # qwen3_moe.py
+    inert=_BASE_INERT | {"router_aux_loss_coef", "output_router_logits"},
+    refused={**_COMMON_REFUSED,
+             "use_sliding_window": Refused(
+                 "sliding-window attention is not implemented (segkv attends the full history in "
+                 "every layer, transformers windows every layer)",
+                 {"use_sliding_window": True, "sliding_window": 16}, is_inert=_moe_window_inert),
+             # read only when use_sliding_window is set (transformers drops it otherwise)
+             "sliding_window": _qwen_window({"use_sliding_window": True, "sliding_window": 8}),
+             # not a transformers field here; checkpoints carry it from Qwen3's config
+             "max_window_layers": _qwen_window({"use_sliding_window": True, "sliding_window": 16,
+                                                "max_window_layers": 0}),
+             "mlp_bias": _ignored_by_reference("mlp_bias", "Qwen3-MoE", "no MLP biases")},
+)
+_MIXTRAL = FieldTable(
+    "MixtralConfig",
+    # sliding_window caps the model length, as for Mistral (mixtral.py)
+    handled=_DECODER_HANDLED | {"sliding_window", "num_local_experts", "num_experts", "num_experts_per_tok"},
+    # router_jitter_noise is applied in training only
+    inert=_BASE_INERT | {"router_aux_loss_coef", "router_jitter_noise", "output_router_logits"},
+    refused={**_COMMON_REFUSED,
+             "attention_bias": _ignored_by_reference("attention_bias", "Mixtral", "no attention biases"),
+             "mlp_bias": _ignored_by_reference("mlp_bias", "Mixtral", "no MLP biases")},
+)
+
+# architecture name (registry.ARCHITECTURES) -> its table
+FIELD_TABLES: dict[str, FieldTable] = {
+    "LlamaForCausalLM": _LLAMA,
+    "MistralForCausalLM": _MISTRAL,
+    "Qwen2ForCausalLM": _QWEN2,
+    "Qwen3ForCausalLM": _QWEN3,
+    "Qwen3MoeForCausalLM": _QWEN3_MOE,
+    "MixtralForCausalLM": _MIXTRAL,
+    "DeepseekV2ForCausalLM": _DEEPSEEK_V2,
+    "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
+}
+
+# Registered architectures without a table yet, each with its reason. Their configs get only
+# config_checks.common_settings and the family's own unimplemented_settings, no field account.
+NO_TABLE: dict[str, str] = {
+    "Phi3ForCausalLM": "family being added; its table comes with its parity tests",
+}
+
+
+def table_for(cfg: Mapping[str, Any]) -> FieldTable | None:
+    """The table of the first of the config's ``architectures`` that has one (as the registry picks)."""
+    for name in cfg.get("architectures") or []:
+        if name in FIELD_TABLES:
+            return FIELD_TABLES[name]
+    return None
+
+
+def field_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """One line per refused field at a value that changes the computation (those checked here;
+    the rest are checked where ``Refused.checked_by`` says). Fields in no category are logged."""
+    table = table_for(cfg)
+    if table is None:
+        return []
+    problems = []
+    for name, refused in table.refused.items():
+        if refused.is_inert is not None and name in cfg and not refused.is_inert(cfg[name], cfg):
+            problems.append(f"{name} = {cfg[name]!r}: {refused.why}")
+    unknown = sorted(set(cfg) - table.known())
+    if unknown:
+        logger.warning("config.json fields segkv does not know for %s, ignored: %s (if one changes the "
+                       "computation, the output will differ from the reference)",
+                       table.config_class, ", ".join(unknown))
+    return problems
