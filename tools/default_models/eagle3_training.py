@@ -52,8 +52,12 @@ class TTTAttention:
         eye = torch.eye(s, dtype=torch.bool, device=device)
         return torch.cat([causal] + [eye] * (steps - 1), dim=1)
 
+    def kv_scales(self, layer: int) -> None:
+        """Rows are kept in the model's dtype: no FP8 scales."""
+        return None
+
     def run(self, prepared, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float,
-            kv_transform=None) -> tuple[torch.Tensor, None]:
+            kv_transform=None, kv_scales=None) -> tuple[torch.Tensor, None]:
         b, s, steps, heads = self.batch, self.seq_len, key.shape[0], query.shape[1]
 
         def per_sequence(x: torch.Tensor) -> torch.Tensor:  # (steps, B*S, H, D) -> (B, Hq, steps*S, D)

@@ -47,8 +47,12 @@ class DenseCausalAttention:
         return key[:, : self.kv_lora_rank].unsqueeze(1)  # MLA: the latent columns are the values
 
     # -- the backend's part ----------------------------------------------------------
+    def kv_scales(self, layer: int) -> None:
+        """Rows are kept in the model's dtype: no FP8 scales."""
+        return None
+
     def run(self, prepared, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float,
-            kv_transform=None) -> tuple[torch.Tensor, None]:
+            kv_transform=None, kv_scales=None) -> tuple[torch.Tensor, None]:
         if kv_transform is not None:
             key, value = kv_transform(key, value)
         b, s = self.batch, self.seq_len
