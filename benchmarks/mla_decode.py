@@ -213,6 +213,9 @@ class UncheckedLatentWrites:
     def value_cache(self, layer: int) -> torch.Tensor:
         return self.storage.value_cache(layer)
 
+    def kv_scales(self, layer: int):
+        return self.storage.kv_scales(layer)
+
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None,
               *, trusted_slots: bool = True) -> None:
         """``key (n, rank + rope)`` rows into int64 ``slots (n,)`` on the storage's device."""
