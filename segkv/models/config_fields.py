@@ -248,6 +248,16 @@ _MIXTRAL = FieldTable(
              "mlp_bias": _ignored_by_reference("mlp_bias", "Mixtral", "no MLP biases")},
 )
 
+_PHI3 = FieldTable(
+    "Phi3Config",
+    # sliding_window caps the model length, as for Mistral (phi3.py); original_max_position_embeddings
+    # picks longrope's short or long factors (layers/rotary.py)
+    handled=_DECODER_HANDLED | {"sliding_window", "original_max_position_embeddings"},
+    # dropouts act in training only
+    inert=_BASE_INERT | {"resid_pdrop", "embd_pdrop"},
+    refused=dict(_COMMON_REFUSED),
+)
+
 # architecture name (registry.ARCHITECTURES) -> its table
 FIELD_TABLES: dict[str, FieldTable] = {
     "LlamaForCausalLM": _LLAMA,
@@ -256,15 +266,14 @@ FIELD_TABLES: dict[str, FieldTable] = {
     "Qwen3ForCausalLM": _QWEN3,
     "Qwen3MoeForCausalLM": _QWEN3_MOE,
     "MixtralForCausalLM": _MIXTRAL,
+    "Phi3ForCausalLM": _PHI3,
     "DeepseekV2ForCausalLM": _DEEPSEEK_V2,
     "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
 }
 
 # Registered architectures without a table yet, each with its reason. Their configs get only
 # config_checks.common_settings and the family's own unimplemented_settings, no field account.
-NO_TABLE: dict[str, str] = {
-    "Phi3ForCausalLM": "family being added; its table comes with its parity tests",
-}
+NO_TABLE: dict[str, str] = {}
 
 
 def table_for(cfg: Mapping[str, Any]) -> FieldTable | None:

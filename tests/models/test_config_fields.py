@@ -90,6 +90,8 @@ def _tiny_config(arch: str) -> dict:
                         n_group=1, topk_group=1)
     else:
         settings = dict(vocab_size=512, **COMMON)
+    if arch == "Phi3ForCausalLM":  # its default token ids (32000) lie outside the tiny vocabulary
+        settings.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cfg = getattr(transformers, table.config_class)(**settings).to_dict()
     cfg["architectures"] = [arch]
     return cfg
