@@ -170,15 +170,20 @@ class DecoderLayer(PreNormBlock):
 
 
 class DecoderBody(nn.Module):
-    """``model.*`` of the checkpoint: embeddings, layers, final norm."""
+    """``model.*`` of the checkpoint: embeddings, layers (``layer_class``, one per layer), final norm."""
+
+    layer_class: type[nn.Module] = None  # DecoderLayer, set below; a family with its own layer overrides it
 
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         rotary = RotaryEmbedding(cfg.head_dim, base=cfg.rope_theta, max_position=cfg.max_position_embeddings,
                                  scaling=cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+DecoderBody.layer_class = DecoderLayer
 
 
 class DecoderForCausalLM(CausalLM):

@@ -22,7 +22,7 @@ from segkv.layers.activation import GatedMLP
 from segkv.layers.norm import RMSNorm
 from segkv.layers.rotary import RotaryEmbedding, rope_type_of
 from segkv.models.base import CausalLM, PreNormBlock
-from segkv.models.decoder import DecoderAttention, DecoderConfig, DecoderForCausalLM
+from segkv.models.decoder import DecoderAttention, DecoderBody, DecoderConfig, DecoderForCausalLM
 
 # Names Phi-3 configs have used for LongRoPE (transformers' Phi3Config maps them the same way).
 _LONGROPE_NAMES = ("longrope", "su", "yarn")
@@ -97,16 +97,10 @@ class Phi3DecoderLayer(PreNormBlock):
         self.mlp = Phi3MLP(cfg.hidden_size, cfg.intermediate_size, activation=cfg.hidden_act)
 
 
-class Phi3Body(nn.Module):
-    """``model.*`` of the checkpoint: embeddings, layers, final norm."""
+class Phi3Body(DecoderBody):
+    """``model.*`` of the checkpoint: the decoder body with Phi-3's layers."""
 
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        rotary = RotaryEmbedding(cfg.head_dim, base=cfg.rope_theta, max_position=cfg.max_position_embeddings,
-                                 scaling=cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Phi3DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    layer_class = Phi3DecoderLayer
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):
