@@ -39,6 +39,8 @@ class Settings:
     # --- attention planning (the three CUDA numbers suit the H100 and H200; other GPUs may differ)
     attention_route: str | None = _setting("SEGKV_ATTENTION_ROUTE", TEXT, None,
         "force the attention route (auto, single, split, segments, cascade)")
+    attention_precision: str | None = _setting("SEGKV_ATTENTION_PRECISION", TEXT, None,
+        "force the precision mode inside attention pieces (auto, exact, fast; None: auto, the planner's)")
     cuda_blocks_per_sm: int | None = _setting("SEGKV_CUDA_BLOCKS_PER_SM", INTEGER, None,
         "stage-1 programs per SM the CUDA planner assumes (None: 2)")
     cuda_min_partition_rows: int | None = _setting("SEGKV_CUDA_MIN_PARTITION_ROWS", INTEGER, None,

@@ -31,6 +31,8 @@ TALL_DECODE_MAX_ROWS = 16
 # Fewest KV rows per partition on CUDA: one BLOCK_N tile, so short contexts at small batches still
 # fill the device.
 CUDA_MIN_PARTITION_ROWS = 64
+# The CUDA planner's automatic ``fast`` precision: plans of prefill programs (prefill_programs)
+CUDA_FAST_PREFILL = True
 # KV rows per tile of the GQA programs (BLOCK_N): a partition costs its whole tiles, so at equal
 # cost the planner takes partitions of whole tiles.
 CUDA_KEY_TILE_ROWS = 64
@@ -79,7 +81,9 @@ class DeviceSpec:
     query row per sequence, no shared pieces) with more partials per row than
     ``stage1_merge_max_partials``, the most the stage-1 kernel merges itself (0: none).
     ``key_tile_rows``: KV rows per tile of the GQA programs (not tall decode ones); the planner
-    costs their partitions in whole tiles (1: in rows).
+    costs their partitions in whole tiles (1: in rows). ``fast_prefill``: the planner's automatic
+    precision is ``fast`` for plans of prefill programs (:func:`prefill_programs`), where the
+    device's kernels run it faster (measured); ``exact`` everywhere else.
     """
 
     kind: str
@@ -98,6 +102,7 @@ class DeviceSpec:
     merge_launch_rows: int = 0
     stage1_merge_max_partials: int = 0
     key_tile_rows: int = 1
+    fast_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("cpu", "cuda"):
@@ -174,6 +179,7 @@ class DeviceSpec:
             merge_launch_rows=CUDA_MERGE_LAUNCH_ROWS,
             stage1_merge_max_partials=stage1_merge_bound(),
             key_tile_rows=CUDA_KEY_TILE_ROWS,
+            fast_prefill=CUDA_FAST_PREFILL,
         )
 
     @classmethod
@@ -192,6 +198,14 @@ def tall_decode_programs(max_work_rows: int, group_size: int, head_dim: int) -> 
     32 pairs with heads of at most 128, ``paged_attention.stage1_launch``) from at most
     :data:`TALL_DECODE_MAX_ROWS` rows, the decode rows of forks that share a prefix."""
     return head_dim <= 128 and max_work_rows * group_size > 32 and max_work_rows <= TALL_DECODE_MAX_ROWS
+
+
+def prefill_programs(max_work_rows: int, shape_dims: tuple[int, int], latent: bool) -> bool:
+    """Whether the stage-1 launch of a plan whose work items hold up to ``max_work_rows`` query rows
+    takes prefill programs: GQA work items of more than :data:`TALL_DECODE_MAX_ROWS` rows with
+    heads of at most 128 (``paged_attention.stage1_launch``'s ``prefill``: 128-pair tiles that stop
+    at their causal end). ``shape_dims``: the key and value widths."""
+    return not latent and max_work_rows > TALL_DECODE_MAX_ROWS and max(shape_dims) <= 128
 
 
 def lean_decode_programs(max_work_rows: int, group_size: int, head_dim: int, page_size: int,

@@ -25,6 +25,24 @@ class Route(str, Enum):
             raise ValueError(f"unknown attention route {value!r}; expected one of {names}") from None
 
 
+class Precision(str, Enum):
+    """The contract's precision modes inside a piece (ARCHITECTURE.md, "Numerical contract"); both
+    keep the float32 merge and the single rounding. ``exact``: P.V exact to float32 (the default,
+    and decode's). ``fast``: each weight of P rounded to the K/V dtype before P.V, float32 sums, as
+    FlashAttention does: for compute-bound work such as long prefill chunks."""
+
+    EXACT = "exact"
+    FAST = "fast"
+
+    @classmethod
+    def parse(cls, value: str | Precision) -> Precision:
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(p.value for p in cls)
+            raise ValueError(f"unknown attention precision {value!r}; expected one of {names} (or auto)") from None
+
+
 @dataclass(slots=True, frozen=True)
 class AttentionShape:
     """Head counts and widths of one attention layer.
@@ -216,7 +234,8 @@ class AttentionPlan:
     most partitions any single run was cut into (1 unless the route split).
     ``max_work_rows``: the most query rows of one work item (1 for a plain decode step);
     ``max_row_partials``: the most partials merged into one query row. ``has_key_masks``: some
-    work item carries key masks (a tree verify window's own piece).
+    work item carries key masks (a tree verify window's own piece). ``precision``: the mode
+    inside the pieces (:class:`Precision`), the planner's choice.
     """
 
     route: Route
@@ -226,12 +245,14 @@ class AttentionPlan:
     num_query_rows: int
     num_partitions: int = 1
     reason: str = ""
+    precision: Precision = Precision.EXACT
     partial_rows: tuple[int, ...] = field(init=False)
     max_work_rows: int = field(init=False)
     max_row_partials: int = field(init=False)
     has_key_masks: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", Precision.parse(self.precision))
         partial_rows = tuple(row for item in self.work for row in item.query_rows)
         object.__setattr__(self, "partial_rows", partial_rows)
         # made once with the plan (planned ahead, off a graph step's path), read every step
@@ -265,6 +286,7 @@ class AttentionPlan:
             "partials": self.num_partials,
             "query_rows": self.num_query_rows,
             "max_partitions": self.num_partitions,
+            "precision": self.precision.value,
             "reason": self.reason,
         }
 

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from segkv.attention.device import DeviceSpec, lean_decode_programs, tall_decode_programs
+from segkv.attention.device import DeviceSpec, lean_decode_programs, prefill_programs, tall_decode_programs
 from segkv.attention.plan import (
     AttentionPlan,
     AttentionShape,
     Piece,
+    Precision,
     Route,
     SequenceQuery,
     WorkItem,
@@ -76,6 +77,28 @@ def forced_route_from_env() -> Route | None:
     return Route.parse(value) if value and value != "auto" else None
 
 
+def forced_precision_from_env() -> Precision | None:
+    """``SEGKV_ATTENTION_PRECISION``'s mode (None: unset or ``auto``)."""
+    value = (settings.SETTINGS.attention_precision or "").strip()
+    return Precision.parse(value) if value and value != "auto" else None
+
+
+def choose_precision(shape: AttentionShape, device: DeviceSpec, max_work_rows: int,
+                     forced: Precision | str | None = None, tree_windows: bool = False) -> Precision:
+    """The precision mode of a plan: ``forced`` (else ``SEGKV_ATTENTION_PRECISION``), else
+    ``fast`` for plans of prefill programs on a device that runs them faster in it
+    (``DeviceSpec.fast_prefill``, measured), else ``exact`` (decode and verify windows, ``tree_windows``
+    included; latent attention; the CPU)."""
+    if forced is not None and forced != "auto":
+        return Precision.parse(forced)
+    env = forced_precision_from_env()
+    if env is not None:
+        return env
+    if device.fast_prefill and not tree_windows and prefill_programs(max_work_rows, (shape.key_dim, shape.value_dim), shape.is_latent):
+        return Precision.FAST
+    return Precision.EXACT
+
+
 def plan_attention(
     queries: Sequence[SequenceQuery],
     shape: AttentionShape,
@@ -85,6 +108,7 @@ def plan_attention(
     route: Route | str | None = None,
     num_partitions: int | None = None,
     cascade_min_rows: int | None = None,
+    precision: Precision | str | None = None,
 ) -> AttentionPlan:
     """Build the attention plan of one forward step.
 
@@ -95,6 +119,7 @@ def plan_attention(
     rows a shared span needs to be planned as a cascade piece (default: one page,
     or any shared span when ``cascade`` is forced). A tree window's history is planned by
     the route; its window piece is added after the route's pieces (module docstring).
+    ``precision`` forces the mode inside the pieces (else :func:`choose_precision`).
     """
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -143,6 +168,8 @@ def plan_attention(
     else:
         final = Route.SPLIT if max_parts > 1 else Route.SINGLE
     num_rows = sum(q.num_query_rows for q in queries)
+    max_work_rows = max((len(item.query_rows) for item in work), default=1)
+    mode = choose_precision(shape, device, max_work_rows, precision, any(w is not None for w in windows))
     return AttentionPlan(
         route=final,
         pieces=tuple(pieces),
@@ -151,6 +178,7 @@ def plan_attention(
         num_query_rows=num_rows,
         num_partitions=max_parts,
         reason=reason,
+        precision=mode,
     )
 
 

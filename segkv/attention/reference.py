@@ -58,6 +58,7 @@ def attend_piece(
     visible: torch.Tensor,
     *,
     scale: float,
+    fast: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 attention of query rows over one piece, with per-row visibility.
 
@@ -67,6 +68,10 @@ def attend_piece(
         visible: ``(R,)`` int64, row ``r`` sees piece rows ``0 .. visible[r]-1``; or ``(R, n)``
             bool, row ``r`` sees piece row ``j`` where ``visible[r, j]`` (a tree window's mask).
         scale: softmax scale applied to the scores.
+        fast: the contract's ``fast`` mode: each weight ``exp(s - max)`` (the row's largest is 1)
+            is rounded to ``query``'s dtype before P.V; the sums, the normalisation by the
+            unrounded weights' sum and the LSE stay float32 (``exact``: nothing is rounded; a
+            float32 query rounds nothing either, so the modes are one computation).
 
     Returns:
         ``(out, lse)``: ``(R, Hq, Dv)`` and ``(R, Hq)`` float32; a row that sees nothing
@@ -83,7 +88,13 @@ def attend_piece(
         mask = torch.arange(n, device=query.device).unsqueeze(0) < visible.unsqueeze(1)  # (R, n)
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (R, Hkv, G); -inf where nothing is visible
-    probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
+    if fast and query.dtype != torch.float32:  # weights relative to the row's largest, rounded as a kernel's P tile is
+        top = scores.amax(dim=-1, keepdim=True)
+        weights = torch.exp(scores - torch.where(torch.isneginf(top), 0.0, top))
+        total = weights.sum(dim=-1, keepdim=True)
+        probs = weights.to(query.dtype).float() / torch.where(total == 0, 1.0, total)
+    else:
+        probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
     out = torch.einsum("rhgn,nhd->rhgd", probs, value.float())
     return out.reshape(num_rows, num_q_heads, value_dim), lse.reshape(num_rows, num_q_heads)
 
@@ -99,7 +110,7 @@ class TorchReferenceBackend:
     name = "torch"
     lse_api = LSE_API
     capabilities = BackendCapabilities(devices=("cpu", "cuda"), kv_layouts=("mha", "mla"), kv_transform=True,
-                                       cuda_graphs=False, precision_modes=("exact",), key_masks=True)
+                                       cuda_graphs=False, precision_modes=("exact", "fast"), key_masks=True)
 
     def __init__(self, *, page_size: int, device: str | torch.device = "cpu") -> None:
         self.page_size = page_size
@@ -195,13 +206,14 @@ class TorchReferenceBackend:
             return gathered[index]
 
         num_heads = query.shape[1]
+        fast = plan.precision == "fast"
         value_dim = piece_kv(plan.work[0].piece)[1].shape[-1] if plan.work else values.shape[-1]
         partial_out = torch.empty(plan.num_partials, num_heads, value_dim, device=query.device)
         partial_lse = torch.empty(plan.num_partials, num_heads, device=query.device)
         start = 0
         for item, rows, visible in zip(plan.work, prepared.work_rows, prepared.work_visible):
             key, value = piece_kv(item.piece)
-            out, lse = attend_piece(query[rows], key, value, visible, scale=scale)
+            out, lse = attend_piece(query[rows], key, value, visible, scale=scale, fast=fast)
             end = start + rows.numel()
             partial_out[start:end] = out
             partial_lse[start:end] = lse

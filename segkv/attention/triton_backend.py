@@ -202,9 +202,11 @@ class TritonBackend:
     An :class:`~segkv.attention.backend.AttentionBackend`: both cache layouts (GQA kernels for
     ``"mha"``, the latent kernel for ``"mla"``), tree windows' key masks included; ``kv_transform``
     runs on the torch reference over the same plan; with a :class:`PlanCapacity` its plans live in
-    fixed buffers, so CUDA graphs captured over ``run`` replay later plans. Half-precision P.V uses P split into two
-    half-precision parts (about 16 bits of P, float32 sums): within one unit in the last place
-    of the output of float32 attention rounded once. The CPU runs it only in Triton's
+    fixed buffers, so CUDA graphs captured over ``run`` replay later plans (of the precision mode of
+    the first: ``prepare`` refuses another). Both precision modes (the plan's ``precision``): in
+    ``exact``, half-precision P.V uses P split into two half-precision parts (about 16 bits of P,
+    float32 sums), within one unit in the last place of float32 attention rounded once; ``fast``
+    rounds P to the K/V dtype, one product (``docs/design.md``, "Precision modes", states the bound). The CPU runs it only in Triton's
     interpreter (``TRITON_INTERPRET=1`` before ``triton`` is imported: tests).
 
     Lifecycle (runnable; plan and prepare once per step, run once per layer)::
@@ -249,7 +251,7 @@ class TritonBackend:
     name = "triton"
     lse_api = LSE_API_TRITON
     capabilities = BackendCapabilities(devices=("cuda",), kv_layouts=("mha", "mla"), kv_transform=True,
-                                       cuda_graphs=True, precision_modes=("exact",), key_masks=True)
+                                       cuda_graphs=True, precision_modes=("exact", "fast"), key_masks=True)
 
     def __init__(
         self,
@@ -267,6 +269,7 @@ class TritonBackend:
         self.capacity = capacity
         self.launch = launch  # kernels.attention.paged_attention.LaunchConfig, or None for the measured default
         self._fixed: dict[str, torch.Tensor] | None = None
+        self._fixed_precision = None  # the precision mode of the plans in the fixed buffers (the first one's)
         self._staging: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
         self._reference = None
@@ -320,6 +323,12 @@ class TritonBackend:
                                                                                        plan.max_row_partials),
                                       key_masks=plan.has_key_masks)
         cap = self.capacity
+        # a graph captured over run() replays the kernels of the precision it was captured with
+        if self._fixed_precision is None:
+            self._fixed_precision = plan.precision
+        elif plan.precision != self._fixed_precision:
+            raise ValueError(f"a {plan.precision.value} plan in fixed buffers prepared for "
+                             f"{self._fixed_precision.value} plans (their graphs run one precision mode)")
         if plan.num_query_rows > cap.max_rows or max_work_rows > cap.max_work_rows:
             raise ValueError(f"plan with {plan.num_query_rows} rows ({max_work_rows} per work item) exceeds "
                              f"the capacity ({cap.max_rows} rows, {cap.max_work_rows} per work item)")
@@ -405,7 +414,7 @@ class TritonBackend:
                 **fields, num_partials=prepared.num_partials,
                 max_work_rows=prepared.max_work_rows, scale=scale, out_dtype=out_dtype or query.dtype,
                 needs_merge=prepared.needs_merge, poison=self.poison, workspace=workspace,
-                kv_scale=None if kv_scales is None else kv_scales[0],
+                kv_scale=None if kv_scales is None else kv_scales[0], fast=plan.precision == "fast",
             )
         return paged_attention(
             query=query, key_cache=key_cache, value_cache=value_cache, **fields,
@@ -413,7 +422,7 @@ class TritonBackend:
             out_dtype=out_dtype or query.dtype, needs_merge=prepared.needs_merge, launch=self.launch,
             poison=self.poison, workspace=workspace, merge_in_stage1=prepared.merge_in_stage1,
             counters=self._merge_counters(rows * query.shape[1]) if prepared.merge_in_stage1 else None,
-            kv_scales=kv_scales,
+            kv_scales=kv_scales, fast=plan.precision == "fast",
         )
 
     def _merge_counters(self, entries: int) -> torch.Tensor:

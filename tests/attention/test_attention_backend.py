@@ -106,7 +106,7 @@ def test_backends_satisfy_the_protocol(cls):
     assert backend.page_size == 16 and backend.device == torch.device(DEVICE)
     assert set(backend.capabilities.kv_layouts) == {"mha", "mla"}
     assert backend.capabilities.kv_transform
-    assert backend.capabilities.precision_modes == ("exact",)
+    assert backend.capabilities.precision_modes == ("exact", "fast")
     assert not isinstance(object(), AttentionBackend)
 
 

@@ -157,15 +157,16 @@ def test_pages_longer_than_the_tile(page_size, gen, monkeypatch):
     check_every_route_with_a_masked_row(gen, page_size)
 
 
-def test_prefill_chunks_over_pages_longer_than_the_tile(gen, monkeypatch):
-    """Chunks of 17 query rows (causal among themselves; 68 row-head pairs: two tall programs per
-    work item) over pages of 48 rows walked in 16-row tiles, the last one partly past the page:
-    every route against the reference."""
+@pytest.mark.parametrize("block_m", [128, 64])
+def test_prefill_chunks_over_pages_longer_than_the_tile(block_m, gen, monkeypatch):
+    """Chunks of 17 query rows (causal among themselves; 68 row-head pairs: one prefill program per
+    work item, or two of 64 pairs, each stopping at its causal end) over pages of 48 rows walked in
+    16-row tiles, the last one partly past the page: every route against the reference."""
     from segkv.kernels.attention.paged_attention import stage1_launch
 
-    small_tiles(monkeypatch, block_n=16, tall_block_n=16)
+    small_tiles(monkeypatch, block_n=16, tall_block_n=16, prefill_block_n=16, prefill_block_m=block_m)
     meta = stage1_launch(dtype=torch.bfloat16, dk=64, dv=64, group=4, page_size=48, max_work_rows=17, element_size=2)
-    assert meta["BLOCK_N"] == 16 and meta["BLOCK_M"] == 64
+    assert meta["BLOCK_N"] == 16 and meta["BLOCK_M"] == block_m and meta["CAUSAL_END"]
     # one KV head and two sealed segments (boundaries mid-page) are enough for every route's page
     # walk (the interpreter runs one merge program per row and head)
     batch = gqa_batch(gen, dtype=torch.bfloat16, page_size=48, ratio=4, head_dim=64, rows=17, segments=3,

@@ -163,6 +163,18 @@ def _split_p(p, dtype: tl.constexpr):
 
 
 @triton.jit
+def _rounded_weights(p, dtype: tl.constexpr):
+    """Float32 weights ``p >= 0`` rounded to nearest (even) in ``dtype``, returned as float32: the
+    fast mode's P in float32 products. bfloat16 by the bits (the interpreter's casts to bfloat16
+    truncate); other dtypes by a cast."""
+    if dtype == tl.bfloat16:
+        bits = p.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    return p.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _key_positions(kpos, in_page):
     """The keys' positions for the causal mask, past every query (int32 max) where the tile row
     holds no key: one compare per score then masks both. Invalid query rows need no term of their
@@ -201,14 +213,19 @@ def key_mask_scores(s, key_mask_words, word_base, kpos, offset, in_page):
 
 @triton.jit
 def online_softmax_step(s, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT_FP32: tl.constexpr,
-                        needs_mask=True):
+                        needs_mask=True, FAST_PV: tl.constexpr = False):
     """One block of the online softmax: raw scores ``s (M, N)`` float32 of the keys at positions
     ``kpos (N,)``, masked causally against ``offset (M,)`` (a program's padding rows have offset
     -1, :func:`pair_reads`) and to the keys ``in_page``; ``v (N, D)`` the block's values. Returns
     the updated running max, sum and float32 accumulator ``(M, D)``. The running max ``m_i`` is in base-2 units (``max(s) * scale * log2(e)``): each weight is then
     one fused multiply-add and one ``exp2`` (:func:`store_partials` turns it back into a natural
     LSE). A fully masked row keeps max -inf and adds nothing (no NaN). ``needs_mask`` False (a
-    scalar, the GQA stage 1's ``SKIP``): every pair sees every key of the tile, no mask."""
+    scalar, the GQA stage 1's ``SKIP``): every pair sees every key of the tile, no mask.
+    ``FAST_PV`` (the contract's ``fast`` mode): P is rounded once to the values' dtype before P.V,
+    one half-precision product with float32 sums, as FlashAttention does (``l_i`` sums the unrounded
+    weights); otherwise (``exact``) P is split into two half-precision parts. In float32
+    (``EXACT_FP32``: float32 inputs, or the interpreter) the fast product rounds P to the dtype the
+    values arrived in and multiplies in IEEE float32, which is what the GPU's product computes."""
     scale2 = scale * LOG2E
     if needs_mask:
         s = tl.where(_key_positions(kpos, in_page)[None, :] <= offset[:, None], s, float("-inf"))
@@ -220,7 +237,12 @@ def online_softmax_step(s, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT
     acc = acc * alpha[:, None]
     # the products accumulate into acc itself: a separate (M, D) float32 result per dot would
     # triple the accumulator registers (and spill at 64 x 128 and 16 x 512 tiles)
-    if EXACT_FP32:
+    if FAST_PV:
+        if EXACT_FP32:
+            acc = tl.dot(_rounded_weights(p, v.dtype), v.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+    elif EXACT_FP32:
         acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:  # P split exactly into two half-precision parts: about 16 bits of P, float32 sums
         p_hi, p_lo = _split_p(p, v.dtype)
@@ -295,3 +317,37 @@ def work_item_visible(page_rows, page_key_start, pg0, pg1, offset, valid):
     last_key = (tl.load(page_key_start + last, mask=has, other=0)
                 + tl.load(page_rows + last, mask=has, other=0) - 1)
     return last_key <= tl.min(tl.where(valid, offset, 2147483647), 0)
+
+
+# Prefill programs (``CAUSAL_END`` in the GQA stage 1): a chunk's query rows see its own keys only up
+# to their positions, so a program of the chunk's first rows stops where its last pair's causal
+# offset ends instead of scanning (and masking) the rest of the chunk; and a tile every pair sees
+# whole skips the score mask, so only the tiles on the diagonal pay for it.
+
+
+@triton.jit
+def causal_page_end(page_key_start, pg0, pg1, valid, offset):
+    """The end of the page entries a program's pairs see: the first entry of ``[pg0, pg1)`` whose
+    first key lies past every valid pair's causal ``offset`` (``pg1`` when none does), by binary
+    search over the piece's increasing key starts (a few scalar loads per program)."""
+    last = tl.max(tl.where(valid, offset, -1), 0)
+    lo = pg0
+    hi = pg1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        right = tl.load(page_key_start + mid) <= last
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@triton.jit
+def tile_seen_whole(page_key_start, t, full, min_offset, BLOCK_N: tl.constexpr, SUB: tl.constexpr):
+    """Whether every pair of a program sees every key of tile ``t`` (a scalar): the tile is full
+    (``full``, where :func:`full_tiles_known`) and its last key is at most ``min_offset``, the
+    pairs' smallest causal offset."""
+    if SUB > 1:
+        first = tl.load(page_key_start + t // SUB) + (t % SUB) * BLOCK_N
+    else:
+        first = tl.load(page_key_start + t)
+    return full & (first + BLOCK_N - 1 <= min_offset)

@@ -79,7 +79,7 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
                   RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_ROPE: tl.constexpr,
                   BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                   EXACT_FP32: tl.constexpr, PARTS: tl.constexpr, WIDE: tl.constexpr,
-                  KEY_MASKS: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALE):
+                  KEY_MASKS: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALE, FAST_PV: tl.constexpr = False):
     """A program's scan of its work item's latent rows and the store of its pairs' partials: the
     values' ``BLOCK_V`` columns from ``vb * BLOCK_V``, one of ``PARTS`` (1, 2 or 4) shares (with
     more than one the scores also take the other shares' columns, after its own, and only program
@@ -89,7 +89,7 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
     ``word_base (M,)``, :func:`attention_tiles.key_mask_scores`). ``KV_FP8``: the latent rows are
     an FP8 cache's e4m3 bytes with one float32 scale at ``KV_SCALE``: tiles are decoded exactly to the
     query's dtype, the scale multiplies the softmax scale (keys) and the float32 accumulator
-    (values)."""
+    (values). ``FAST_PV``: the contract's ``fast`` mode (:func:`attention_tiles.online_softmax_step`)."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     offs_n = tl.arange(0, BLOCK_N)
@@ -147,7 +147,8 @@ def _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, pag
         if KEY_MASKS:
             if masked:
                 s = key_mask_scores(s, key_mask_words, word_base, kpos, offset, in_page)
-        m_i, l_i, acc = online_softmax_step(s, qk_scale, kpos, offset, in_page, c, m_i, l_i, acc, EXACT_FP32)
+        m_i, l_i, acc = online_softmax_step(s, qk_scale, kpos, offset, in_page, c, m_i, l_i, acc, EXACT_FP32,
+                                            True, FAST_PV)
     if KV_FP8:  # the weights' sum of unscaled values times the scale
         acc = acc * tl.load(KV_SCALE)
     # shares: the first program stores the LSE (the others' float32 scores summed their own share
@@ -170,7 +171,7 @@ def _mla_stage1_kernel(
     USE_PDL: tl.constexpr = False, VALUE_SPLIT: tl.constexpr = 1, ADAPTIVE: tl.constexpr = False,
     WIDE_OFFSETS: tl.constexpr = True,
     KEY_MASKS: tl.constexpr = False, work_key_masks=None, key_mask_words=None,
-    KV_FP8: tl.constexpr = False, KV_SCALE=None,
+    KV_FP8: tl.constexpr = False, KV_SCALE=None, FAST_PV: tl.constexpr = False,
 ):
     """One program: ``BLOCK_M`` (query row, head) pairs of one work item, scanning its piece
     ``BLOCK_N`` latent rows at a time with an online softmax in float32 (:func:`_latent_pairs`).
@@ -183,7 +184,7 @@ def _mla_stage1_kernel(
     whatever the plan. A pair block's shares are neighbours in the grid's first dimension.
     ``KEY_MASKS``: as the GQA stage 1's (tree verify windows' masked work items); False compiles
     it away. ``KV_FP8``: an FP8 latent cache (uint8 view) with its float32 scale at ``KV_SCALE``
-    (:func:`_latent_pairs`)."""
+    (:func:`_latent_pairs`). ``FAST_PV``: the contract's ``fast`` mode, else ``exact``."""
     mb = tl.program_id(0) // VALUE_SPLIT
     vb = tl.program_id(0) % VALUE_SPLIT
     w = tl.program_id(1)
@@ -223,21 +224,21 @@ def _mla_stage1_kernel(
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, vb, key_mask_words, masked, word_base, RANK, ROPE,
                       BLOCK_R // 4, BLOCK_ROPE, BLOCK_M, PAGE_SIZE, BLOCK_N, EXACT_FP32, 4, WIDE_OFFSETS,
-                      KEY_MASKS, KV_FP8, KV_SCALE)
+                      KEY_MASKS, KV_FP8, KV_SCALE, FAST_PV)
     elif halves:
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, vb, key_mask_words, masked, word_base, RANK, ROPE,
                       BLOCK_R // 2, BLOCK_ROPE, BLOCK_M, PAGE_SIZE, BLOCK_N, EXACT_FP32, 2, WIDE_OFFSETS,
-                      KEY_MASKS, KV_FP8, KV_SCALE)
+                      KEY_MASKS, KV_FP8, KV_SCALE, FAST_PV)
     else:  # one program, all the values
         _latent_pairs(Q, LAT, OUT, LSE, FINAL, FINAL_LSE, page_table, page_rows, page_key_start, partial_direct,
                       stride_qr, stride_qh, stride_lp, stride_ln, stride_op, stride_oh, stride_lsp, stride_fr,
                       stride_fh, stride_flr, scale, valid, head, partial, qrow, offset, pg0, pg1,
                       page_next, rows_next, start_next, 0, key_mask_words, masked, word_base, RANK, ROPE,
                       BLOCK_R, BLOCK_ROPE, BLOCK_M, PAGE_SIZE, BLOCK_N, EXACT_FP32, 1, WIDE_OFFSETS,
-                      KEY_MASKS, KV_FP8, KV_SCALE)
+                      KEY_MASKS, KV_FP8, KV_SCALE, FAST_PV)
 
 
 MLA_BLOCK_M = 16  # (row, head) pairs per program: a 16 x rank float32 accumulator fits in registers
@@ -313,14 +314,14 @@ def mla_paged_attention(
     *, query, latent_cache, rank, page_table, page_rows, page_key_start, work_pages, work_partial_start,
     partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
-    poison=False, workspace=None, work_key_masks=None, key_mask_words=None, kv_scale=None,
+    poison=False, workspace=None, work_key_masks=None, key_mask_words=None, kv_scale=None, fast=False,
 ):
     """Absorbed MLA over a plan: query ``(R, H, rank + rope)``, latent_cache ``(P, page_size,
     rank + rope)`` (or any view with unit column stride); the plan tensors and ``workspace`` as in
     ``paged_attention``; ``work_key_masks``/``key_mask_words``: tree verify windows' key masks
     (``paged_attention.key_mask_options``). ``kv_scale``: the cache is ``float8_e4m3fn`` with this
     ``(1,)`` float32 scale (keys and values): the kernel reads its bytes and attends ``fp8 * scale``.
-    Returns ``(out (R, H, rank) out_dtype, lse (R, H) float32)``.
+    ``fast``: the contract's ``fast`` precision mode inside the pieces. Returns ``(out (R, H, rank) out_dtype, lse (R, H) float32)``.
     """
     fp8 = {}
     if kv_scale is not None:
@@ -351,6 +352,7 @@ def mla_paged_attention(
             lse.stride(0),
             scale, num_heads, num_work, value_split_max_partials(launch, query.device), **meta,
             **attention_pdl_options(query), **key_mask_options(work_key_masks, key_mask_words), **fp8,
+            FAST_PV=fast,
         )
     if num_rows and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)

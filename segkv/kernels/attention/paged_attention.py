@@ -16,6 +16,7 @@ from segkv.kernels.triton_import import tl, triton
 
 from segkv.kernels.attention import timeline
 from segkv.kernels.attention.attention_tiles import (
+    causal_page_end,
     fp8_values,
     full_tiles_known,
     key_mask_scores,
@@ -26,6 +27,7 @@ from segkv.kernels.attention.attention_tiles import (
     plan_reads,
     store_partials,
     tile_pages,
+    tile_seen_whole,
     tile_range,
     tile_rows_in_page,
     work_item_visible,
@@ -54,6 +56,7 @@ def _stage1_kernel(
     SKIP: tl.constexpr = False, FOUR: tl.constexpr = False, STAMPS=None,
     KEY_MASKS: tl.constexpr = False, work_key_masks=None, key_mask_words=None,
     KV_FP8: tl.constexpr = False, K_SCALE=None, V_SCALE=None,
+    CAUSAL_END: tl.constexpr = False, FAST_PV: tl.constexpr = False,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -78,7 +81,11 @@ def _stage1_kernel(
     bytes (uint8 views) with float32 scales per KV head in ``K_SCALE``/``V_SCALE`` ``(Hkv,)``: tiles
     are decoded exactly to the query's dtype (:func:`attention_tiles.fp8_values`), the key scale
     multiplies the softmax scale and the value scale the float32 accumulator, so the partials are
-    float32 attention over ``fp8 * scale``."""
+    float32 attention over ``fp8 * scale``. ``CAUSAL_END`` (prefill programs): the scan stops at
+    the last page any pair sees (:func:`attention_tiles.causal_page_end`) and, with ``SKIP``, each
+    tile every pair sees whole skips the mask (:func:`attention_tiles.tile_seen_whole`), so only
+    the diagonal's tiles are masked. ``FAST_PV``: the contract's ``fast`` mode (P rounded to the
+    K/V dtype before P.V, :func:`attention_tiles.online_softmax_step`); off: ``exact``."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if STAMPS is not None:
@@ -134,13 +141,20 @@ def _stage1_kernel(
     if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
         page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE_OFFSETS, PAGES,
                                            BLOCK_N, PAGE_SIZE, FOUR)
-    if SKIP:  # every valid pair sees every key of the work item: full tiles need no mask
-        visible = work_item_visible(page_rows, page_key_start, pg0, pg1, offset, valid)
+    if CAUSAL_END:  # no tile past the last key a pair sees; the mask only where a pair misses a key
+        t0, t1 = tile_range(pg0, causal_page_end(page_key_start, pg0, pg1, valid, offset), SUB)
+        min_offset = tl.min(tl.where(valid, offset, 2147483647), 0)
+    else:
+        t0, t1 = tile_range(pg0, pg1, SUB)
+        if SKIP:  # every valid pair sees every key of the work item: full tiles need no mask
+            visible = work_item_visible(page_rows, page_key_start, pg0, pg1, offset, valid)
     if KEY_MASKS:  # masked scores are wholly masked already (causal and page limits too): SKIP stays valid
         masked, word_base = work_key_masks_of(work_key_masks, w, partial, p0)
-    t0, t1 = tile_range(pg0, pg1, SUB)
     for t in range(t0, t1, PAGES):
-        needs_mask = (visible & full) == 0 if SKIP else True
+        if CAUSAL_END:
+            needs_mask = tile_seen_whole(page_key_start, t, full, min_offset, BLOCK_N, SUB) == 0 if SKIP else True
+        else:
+            needs_mask = (visible & full) == 0 if SKIP else True
         page_cur, rows_cur, kst_cur = page, rows, kst
         page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, next_tile_first(t, PAGES, SUB), slot,
                                            pg1, WIDE_OFFSETS, PAGES, BLOCK_N, PAGE_SIZE, FOUR)
@@ -165,7 +179,7 @@ def _stage1_kernel(
             if masked:
                 s = key_mask_scores(s, key_mask_words, word_base, kpos, offset, in_page)
         m_i, l_i, acc = online_softmax_step(s, qk_scale, kpos, offset, in_page, v_cur, m_i, l_i, acc,
-                                            EXACT_FP32, needs_mask)
+                                            EXACT_FP32, needs_mask, FAST_PV)
     if KV_FP8:  # the weights' sum of unscaled values times the head's value scale
         acc = acc * tl.load(V_SCALE + kvh)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
@@ -289,6 +303,9 @@ class LaunchConfig:
     maxnreg: int | None = None  # register cap per thread (more resident programs, maybe spills)
     value_split: int = 1  # latent programs per pair block, each with its share of the values (0: chosen per launch)
     value_split_max_partials: int | None = None  # the most partials of a plan whose latent programs halve the values
+    prefill_block_m: int = 128  # (query row x head) pairs of a prefill program (work items of over 16 rows)
+    prefill_warps: int = 8  # two warp groups: each holds 64 pairs of the tile
+    prefill_block_n: int = 64  # KV rows per tile of prefill programs
 
 
 def tile_rows(launch: LaunchConfig) -> int:
@@ -321,7 +338,7 @@ def paged_attention(
     partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
     poison=False, workspace=None, counters=None, merge_in_stage1=False,
-    work_key_masks=None, key_mask_words=None, kv_scales=None,
+    work_key_masks=None, key_mask_words=None, kv_scales=None, fast=False,
 ):
     """Attention of a plan: stage-1 partials, then the exact merge, rounded once.
 
@@ -343,6 +360,8 @@ def paged_attention(
     (R, Hq, Dv) out_dtype, lse (R, Hq) float32)``; rows without partials are 0 with LSE -inf.
     ``kv_scales``: the caches are ``float8_e4m3fn`` with ``(k_scale, v_scale)`` ``(Hkv,)`` float32:
     the kernel reads their bytes and attends ``fp8 * scale`` (``_stage1_kernel``'s ``KV_FP8``).
+    ``fast``: the contract's ``fast`` precision mode inside the pieces (P rounded to the K/V dtype
+    before P.V); the merge and its single rounding are the same in both modes.
     """
     fp8 = {}
     if kv_scales is not None:
@@ -363,7 +382,7 @@ def paged_attention(
     if num_work and num_partials:
         meta = stage1_launch(dtype=query.dtype, dk=dk, dv=dv, group=group, page_size=page_size,
                              max_work_rows=max_work_rows, element_size=key_cache.element_size(), launch=launch,
-                             cache_needs_int64=wide_offsets(key_cache, value_cache))
+                             cache_needs_int64=wide_offsets(key_cache, value_cache), fast=fast)
         meta["MERGE"] = MERGE_IN_STAGE1_MAX_PARTIALS if merged else 0
         blocks = triton.cdiv(max_work_rows * group, meta["BLOCK_M"])
         grid = (num_kv, num_work, blocks)
@@ -395,21 +414,30 @@ def wide_offsets(*caches: torch.Tensor) -> bool:
 
 
 def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_work_rows: int, element_size: int,
-                  launch: LaunchConfig | None = None, cache_needs_int64: bool = False) -> dict:
+                  launch: LaunchConfig | None = None, cache_needs_int64: bool = False, fast: bool = False) -> dict:
     """The stage-1 kernel's constexprs and launch options (``num_warps``, ``num_stages``, the
     register cap) for a plan of this shape: at most 64 (row x head) pairs per program (32 for
-    heads wider than 128), tall (64-pair) programs with ``tall_warps``, and those of at most
+    heads wider than 128); prefill programs (work items of more than ``TALL_DECODE_MAX_ROWS``
+    rows, heads up to 128 wide) take ``prefill_block_m`` pairs with ``prefill_warps`` and
+    ``prefill_block_n``-row tiles, and stop at their causal end (``CAUSAL_END``); tall (64-pair)
+    programs with ``tall_warps``, and those of at most
     ``TALL_DECODE_MAX_ROWS`` query rows (decode rows of forks sharing a prefix) with
     ``tall_block_n`` rows per tile and ``tall_maxnreg`` registers (the planner's tall wave,
     ``DeviceSpec.tall_wave_size``, counts on them fitting 3 to an SM), and pipeline stages shrunk to what
     fits in shared memory. ``launch`` defaults to :func:`default_launch_config`;
     ``cache_needs_int64``: the caches need int64 element offsets (:func:`wide_offsets`), which the
-    launch then takes."""
+    launch then takes. ``fast``: the contract's ``fast`` mode (``FAST_PV``), else ``exact``."""
     launch = launch or default_launch_config(head_dim=max(dk, dv))
-    block_m = max(16, min(32 if max(dk, dv) > 128 else launch.block_m, triton.next_power_of_2(max_work_rows * group)))
+    prefill = max_work_rows > TALL_DECODE_MAX_ROWS and max(dk, dv) <= 128
+    widest = launch.prefill_block_m if prefill else 32 if max(dk, dv) > 128 else launch.block_m
+    block_m = max(16, min(widest, triton.next_power_of_2(max_work_rows * group)))
     tall = block_m >= 64
     tall_decode = tall and max_work_rows <= TALL_DECODE_MAX_ROWS  # device.tall_decode_programs
-    block_n = tile_rows(dataclasses.replace(launch, block_n=launch.tall_block_n) if tall_decode else launch)
+    if prefill:
+        block_n = tile_rows(dataclasses.replace(launch, block_n=launch.prefill_block_n))
+    else:
+        block_n = tile_rows(dataclasses.replace(launch, block_n=launch.tall_block_n) if tall_decode else launch)
+    warps = launch.prefill_warps if prefill and block_m > 64 else launch.tall_warps if tall else launch.num_warps
     return dict(
         GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), PAGE_SIZE=page_size, BLOCK_N=block_n,
@@ -424,7 +452,8 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
         # 64-row tile of 16-row pages takes its four page entries as scalars (attention_tiles)
         SKIP=full_tiles_known(page_size, block_n, four=True),
         FOUR=True,
-        num_warps=launch.tall_warps if tall else launch.num_warps,
+        CAUSAL_END=prefill, FAST_PV=fast,
+        num_warps=warps,
         num_stages=stages_that_fit(launch.num_stages, block_n * (dk + dv) * element_size),
         **maxnreg_option(dataclasses.replace(launch, maxnreg=launch.tall_maxnreg)
                          if tall_decode and launch.tall_maxnreg else launch),
