@@ -228,4 +228,5 @@ class EngineCore:
                 "preemptions": self.num_preemptions, "prefix": self.prefix.stats(),
                 "steps_ahead": {"used": self.generator.steps_ahead_used,
                                 "cancelled": self.generator.steps_ahead_cancelled},
-                "routes": dict(self.runner.route_counts), "grammar_cache": self.generator.grammars.stats()}
+                "routes": dict(self.runner.route_counts), "precisions": dict(self.runner.precision_counts),
+                "grammar_cache": self.generator.grammars.stats()}

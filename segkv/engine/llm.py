@@ -424,6 +424,7 @@ class LLM:
         return Conversation.load(self, path)
 
     def stats(self) -> dict[str, object]:
-        """Pool counters and the attention routes used so far."""
+        """Pool counters and the attention routes and precision modes used so far."""
         return {**self.cache.stats(), "routes": dict(self.runner.route_counts),
+                "precisions": dict(self.runner.precision_counts),
                 "last_plan": self.runner.last_plan.describe() if self.runner.last_plan else None}

@@ -94,6 +94,7 @@ class ModelRunner:
         self.device_spec = DeviceSpec.detect(self.device)
         self.last_plan: AttentionPlan | None = None
         self.route_counts: Counter[str] = Counter()
+        self.precision_counts: Counter[str] = Counter()  # forward steps per attention precision mode
         self.graphs_off_reason: str | None = None
         self._ahead: _PlanAhead | None = None  # see _plan_ahead
         self.plans_ahead_used = 0
@@ -233,6 +234,7 @@ class ModelRunner:
             raise
         self.last_plan = plan
         self.route_counts[plan.route.value] += 1
+        self.precision_counts[plan.precision.value] += 1
         return logits
 
     @property

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+import segkv.settings as settings
 from segkv.engine import AsyncEngine, SessionStore, StreamUpdate
 from segkv.outputs import RequestOutput
 from segkv.sampling_params import SamplingParams
@@ -349,10 +350,13 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
         plan = llm.runner.last_plan
         forced = llm.runner.route
         route = plan.route.value if plan is not None else (forced.value if forced is not None else "auto")
+        # the last step's precision mode inside the pieces, and steps per mode (the planner picks)
+        precision = plan.precision.value if plan is not None else (settings.SETTINGS.attention_precision or "auto")
         prefix = stats.get("prefix", {})
         error = None if engine.error is None else str(engine.error)
         return {"status": "ok", "model": model_name, "engine_error": error,
                 "decode_route": route, "lse_api": getattr(llm.runner.backend, "lse_api", LSE_API), "routes": stats.get("routes", {}),
+                "attention_precision": precision, "precisions": stats.get("precisions", {}),
                 "pages_in_use": stats["pages_in_use"], "bytes_in_use": stats["bytes_in_use"],
                 "peak_bytes_in_use": stats["peak_bytes_in_use"], "num_pages": stats["num_pages"],
                 # pages in use = running requests' + sessions' pins + cached prefixes (evictable)

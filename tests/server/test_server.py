@@ -128,6 +128,8 @@ def test_models_health_and_metrics(server, client):
     health = httpx.get(f"{base}/health").json()
     assert health["status"] == "ok" and health["model"] == MODEL and health["lse_api"] == "torch-reference"
     assert health["decode_route"] in {"single", "split", "segments", "cascade"}
+    # the CPU runs every plan exact (fast pays only where the GPU's prefill programs measured faster)
+    assert health["attention_precision"] == "exact" and health["precisions"]["exact"] == sum(health["routes"].values())
     assert sum(health["routes"].values()) > 0 and health["num_pages"] == 600
     assert health["running"] == 0 and health["waiting"] == 0 and health["cached_segments"] > 0
     # nothing runs and no session pins: every page in use is a cached prefix, and says so
