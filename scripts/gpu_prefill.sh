@@ -22,13 +22,8 @@ if [[ $STAGES == *,kernel,* ]]; then
     --json "$OUT/prefill_attention.json" 2>&1 | tee "$OUT/prefill_attention.txt"
 fi
 if [[ $STAGES == *,chunks,* ]]; then
-  for precision in exact fast; do
-    for chunk in ${SEGKV_PREFILL_CHUNKS:-512 1024 2048 4096}; do
-      echo "precision $precision" | tee -a "$OUT/chunks.txt"
-      SEGKV_ATTENTION_PRECISION=$precision timeout 120 python3 scripts/profile_prefill.py --history 16384 \
-        --chunk "$chunk" --rows 0 2>&1 | tail -2 | tee -a "$OUT/chunks.txt"
-    done
-  done
+  timeout 400 python3 scripts/profile_prefill.py --history 16384 --chunk "${SEGKV_PREFILL_CHUNKS:-512,1024,2048,4096}" \
+    --precisions exact,fast --rows 0 2>&1 | tee "$OUT/chunks.txt"
 fi
 if [[ $STAGES == *,turns,* ]]; then
   # shellcheck disable=SC2086

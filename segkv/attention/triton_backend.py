@@ -25,7 +25,8 @@ import torch
 
 from segkv.attention.backend import BackendCapabilities, KVScales, KVTransform
 from segkv.attention.device import PARTIAL_WORKSPACE_BYTES, stage1_merge_bound
-from segkv.attention.plan import AttentionPlan
+from segkv.attention.plan import AttentionPlan, Piece
+from segkv.cache.storage import dequantize_fp8
 
 LSE_API_TRITON = "triton-merge"
 
@@ -46,6 +47,9 @@ _FIELDS = ("page_table", "page_rows", "page_key_start", "work_pages", "work_part
 # page_size + window rows (80 for 16-row pages and a 64-node tree).
 MAX_KEY_MASK_BITS = 256
 MAX_KEY_MASK_WORDS = MAX_KEY_MASK_BITS // 32  # int32 words of one row's mask, at most
+# Rows per page of the per-head K/V that ``kv_transform`` calls decompress into (naive MLA): the
+# GQA kernels' measured 16-row pages (four to a 64-row tile), whatever the latent cache's page size.
+DECOMPRESSED_PAGE_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +119,8 @@ class TritonPreparedPlan:
     needs_merge: bool  # some row has other than exactly one partial
     fixed: bool = False
     merge_in_stage1: bool = False  # GQA kernels: stage 1 merges the rows (paged_attention's argument)
-    reference: object = None  # the reference backend's preparation, for kv_transform calls
+    reference: object = None  # the reference backend's preparation, where kv_transform calls need it
+    decompressed: object = None  # _DecompressedLayout of kv_transform calls, made by the first
     key_masks: bool = False  # the kernels read the key-mask arrays (a plan with masks, or fixed buffers)
 
     def __getattr__(self, name: str) -> torch.Tensor:  # prepared.page_table, ...
@@ -123,6 +128,24 @@ class TritonPreparedPlan:
             return self.arrays[name]
         except KeyError:
             raise AttributeError(name) from None
+
+
+@dataclass(slots=True)
+class _DecompressedLayout:
+    """Where ``kv_transform`` calls put a plan's pieces: the same for every layer of a step.
+
+    ``prepared``: the plan over the decompressed pages (same work, reduce map, route, precision and
+    partitions; piece ``k`` on pages of its own, each full but its last), on the device.
+    ``sources[k]``: ``(n_k,)`` int64 flat latent-cache slots of piece ``k``'s rows, or None for a
+    piece no work item reads or one without rows; ``starts[k]``: its first row in the buffers (a
+    page's first). ``num_pages``: pages of the buffers.
+    """
+
+    plan: AttentionPlan  # the plan it was made for
+    prepared: TritonPreparedPlan
+    sources: list[torch.Tensor | None]
+    starts: list[int]
+    num_pages: int
 
 
 def flatten_plan(plan: AttentionPlan) -> dict[str, np.ndarray]:
@@ -201,7 +224,8 @@ class TritonBackend:
 
     An :class:`~segkv.attention.backend.AttentionBackend`: both cache layouts (GQA kernels for
     ``"mha"``, the latent kernel for ``"mla"``), tree windows' key masks included; ``kv_transform``
-    runs on the torch reference over the same plan; with a :class:`PlanCapacity` its plans live in
+    (naive MLA) decompresses each piece once into contiguous pages and runs the GQA kernels over them
+    (:meth:`_run_decompressed`); with a :class:`PlanCapacity` its plans live in
     fixed buffers, so CUDA graphs captured over ``run`` replay later plans (of the precision mode of
     the first: ``prepare`` refuses another). Both precision modes (the plan's ``precision``): in
     ``exact``, half-precision P.V uses P split into two half-precision parts (about 16 bits of P,
@@ -305,23 +329,9 @@ class TritonBackend:
         """Flatten the plan into int32 tensors on the device (once per forward step).
         ``arrays``: ``flatten_plan(plan)`` when the caller already made it (not modified)."""
         arrays = flatten_plan(plan) if arrays is None else dict(arrays)
-        needs_merge = bool((np.diff(arrays["reduce_ptr"]) != 1).any())  # a row without exactly one partial
-        max_work_rows = plan.max_work_rows
         if self.capacity is None:
-            # every field 16-byte aligned: Triton specialises a kernel on its pointers' alignment, so
-            # fields at plan-dependent offsets made new variants compile (seconds) as plans changed
-            sizes = {name: len(arrays[name]) for name in _FIELDS}
-            host = np.concatenate([np.pad(arrays[name], (0, -sizes[name] % _ALIGN_INT32)) for name in _FIELDS])
-            device_buffer = torch.from_numpy(host)
-            if self.device.type == "cuda":  # page-locked and queued: no wait for the kernels ahead of it
-                device_buffer = device_buffer.pin_memory().to(self.device, non_blocking=True)
-            else:
-                device_buffer = device_buffer.to(self.device)
-            return TritonPreparedPlan(plan, self._views(device_buffer, sizes, _ALIGN_INT32), plan.num_partials,
-                                      max_work_rows, needs_merge,
-                                      merge_in_stage1=needs_merge and merges_in_stage1(max_work_rows,
-                                                                                       plan.max_row_partials),
-                                      key_masks=plan.has_key_masks)
+            return self._prepare_eager(plan, arrays)
+        max_work_rows = plan.max_work_rows
         cap = self.capacity
         # a graph captured over run() replays the kernels of the precision it was captured with
         if self._fixed_precision is None:
@@ -367,6 +377,26 @@ class TritonBackend:
                                   merge_in_stage1=merges_in_stage1(cap.max_work_rows, cap.max_row_partials),
                                   key_masks=cap.key_mask_words > 0)
 
+    def _prepare_eager(self, plan: AttentionPlan, arrays: dict[str, np.ndarray]) -> TritonPreparedPlan:
+        """The plan's int32 ``arrays`` (``flatten_plan``) in one device buffer sized for this plan
+        (``prepare`` without a capacity)."""
+        needs_merge = bool((np.diff(arrays["reduce_ptr"]) != 1).any())  # a row without exactly one partial
+        # every field 16-byte aligned: Triton specialises a kernel on its pointers' alignment, so
+        # fields at plan-dependent offsets made new variants compile (seconds) as plans changed
+        sizes = {name: len(arrays[name]) for name in _FIELDS}
+        host = np.concatenate([np.pad(arrays[name], (0, -sizes[name] % _ALIGN_INT32)) for name in _FIELDS])
+        device_buffer = torch.from_numpy(host)
+        if self.device.type == "cuda":  # page-locked and queued: no wait for the kernels ahead of it
+            device_buffer = device_buffer.pin_memory().to(self.device, non_blocking=True)
+        else:
+            device_buffer = device_buffer.to(self.device)
+        max_work_rows = plan.max_work_rows
+        return TritonPreparedPlan(plan, self._views(device_buffer, sizes, _ALIGN_INT32), plan.num_partials,
+                                  max_work_rows, needs_merge,
+                                  merge_in_stage1=needs_merge and merges_in_stage1(max_work_rows,
+                                                                                   plan.max_row_partials),
+                                  key_masks=plan.has_key_masks)
+
     def run(
         self,
         prepared: TritonPreparedPlan,
@@ -388,9 +418,9 @@ class TritonBackend:
         from segkv.kernels.attention.paged_attention import paged_attention
 
         plan = prepared.plan
-        if kv_transform is not None:  # naive MLA decompresses pieces: the reference does that
-            return self._reference_run(prepared, query, key_cache, value_cache, scale=scale, out_dtype=out_dtype,
-                                       kv_transform=kv_transform, kv_scales=kv_scales)
+        if kv_transform is not None:
+            return self._run_decompressed(prepared, query, key_cache, value_cache, scale=scale, out_dtype=out_dtype,
+                                          kv_transform=kv_transform, kv_scales=kv_scales)
 
         rows = query.shape[0]
         if prepared.fixed:
@@ -424,6 +454,98 @@ class TritonBackend:
             counters=self._merge_counters(rows * query.shape[1]) if prepared.merge_in_stage1 else None,
             kv_scales=kv_scales, fast=plan.precision == "fast",
         )
+
+    def _run_decompressed(
+        self,
+        prepared: TritonPreparedPlan,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        *,
+        scale: float,
+        out_dtype: torch.dtype | None,
+        kv_transform: KVTransform,
+        kv_scales: KVScales | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``run`` with a ``kv_transform`` (naive MLA): each piece a work item reads is gathered from
+        the cache (``(n, Hkv, Dk_cache)`` rows; an FP8 cache's dequantized to float32 as the reference
+        does), transformed once into keys ``(n, H, Dk)`` and values ``(n, H, Dv)``, and copied into two
+        contiguous buffers in ``query``'s dtype, ``(pages, DECOMPRESSED_PAGE_SIZE, H, Dk)`` and
+        ``(pages, DECOMPRESSED_PAGE_SIZE, H, Dv)``, each piece from a page's first row (the rows past a
+        piece's end are never read: the kernels mask rows past a page's count). The GQA kernels then
+        run the plan over those pages (group 1), with the plan's precision mode. A transform whose
+        output is not in ``query``'s dtype is rounded to it (``_decompress`` of ``MultiHeadLatentAttention``
+        returns the model's dtype, the query's).
+
+        The buffers are allocated per call: about ``pages * 16 * H * (Dk + Dv)`` elements. Fixed
+        (graph) preparations run here too, eagerly (graphs never replay naive steps); their padding
+        query rows come out 0 with LSE -inf. A plan whose work reads no key row runs on the torch
+        reference (nothing to decompress tells ``Dv``).
+        """
+        plan = prepared.plan
+        rows = query.shape[0]
+        if prepared.fixed:
+            if not plan.num_query_rows <= rows <= self.capacity.max_rows:
+                raise ValueError(f"query has {rows} rows; the plan needs {plan.num_query_rows} to "
+                                 f"{self.capacity.max_rows} (the capacity)")
+        elif rows != plan.num_query_rows:
+            raise ValueError(f"query has {rows} rows, the plan {plan.num_query_rows}")
+        live = query[:plan.num_query_rows]
+        layout = prepared.decompressed
+        if layout is None or layout.plan is not plan:  # once per step, shared by its layers
+            layout = prepared.decompressed = self._decompressed_layout(plan)
+        if not layout.num_pages:
+            out, lse = self._reference_run(prepared, live, key_cache, value_cache, scale=scale, out_dtype=out_dtype,
+                                           kv_transform=kv_transform, kv_scales=kv_scales)
+        else:
+            keys, values = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
+            key_pages = value_pages = None
+            for source, start in zip(layout.sources, layout.starts):
+                if source is None:
+                    continue
+                key, value = keys[source], values[source]
+                if kv_scales is not None:  # FP8 bytes -> float32 values, per KV head
+                    key, value = dequantize_fp8(key, kv_scales[0]), dequantize_fp8(value, kv_scales[1])
+                key, value = kv_transform(key, value)
+                if key_pages is None:
+                    shape = (layout.num_pages, DECOMPRESSED_PAGE_SIZE)
+                    key_pages = query.new_empty(*shape, *key.shape[1:])
+                    value_pages = query.new_empty(*shape, *value.shape[1:])
+                end = start + key.shape[0]
+                key_pages.view(-1, *key.shape[1:])[start:end] = key
+                value_pages.view(-1, *value.shape[1:])[start:end] = value
+            out, lse = self.run(layout.prepared, live, key_pages, value_pages, scale=scale, out_dtype=out_dtype)
+        if rows > live.shape[0]:  # a graph bucket's padding rows see nothing
+            out = torch.cat((out, out.new_zeros(rows - live.shape[0], *out.shape[1:])))
+            lse = torch.cat((lse, lse.new_full((rows - live.shape[0], lse.shape[1]), float("-inf"))))
+        return out, lse
+
+    def _decompressed_layout(self, plan: AttentionPlan) -> _DecompressedLayout:
+        """The pages ``kv_transform`` calls decompress ``plan``'s pieces into, and the plan over them
+        (:class:`_DecompressedLayout`), its index arrays and source slots on the device (one transfer each)."""
+        page = DECOMPRESSED_PAGE_SIZE
+        read = {item.piece for item in plan.work}
+        pieces, starts, counts, first = [], [], [], 0
+        for index, piece in enumerate(plan.pieces):
+            n = piece.num_rows if index in read else 0
+            full, rest = divmod(n, page)
+            page_rows = (page,) * full + ((rest,) if rest else ())
+            pieces.append(Piece(tuple(range(first, first + len(page_rows))), page_rows))
+            starts.append(first * page)
+            counts.append(n)
+            first += len(page_rows)
+        decompressed = AttentionPlan(plan.route, tuple(pieces), plan.work, plan.reduce_map, plan.num_query_rows,
+                                     num_partitions=plan.num_partitions, reason=plan.reason,
+                                     precision=plan.precision)
+        prepared = self._prepare_eager(decompressed, flatten_plan(decompressed))
+        # the flat cache slots of every read piece's rows (row j of a page at page_id * page_size + j)
+        sources = [p for p, n in zip(plan.pieces, counts) if n]
+        page_ids = np.fromiter(chain.from_iterable(p.page_ids for p in sources), dtype=np.int64)
+        page_rows = np.fromiter(chain.from_iterable(p.page_rows for p in sources), dtype=np.int64)
+        before = np.cumsum(page_rows) - page_rows
+        slots = np.repeat(page_ids * self.page_size - before, page_rows) + np.arange(int(page_rows.sum()))
+        split = iter(torch.from_numpy(slots).to(self.device).split([n for n in counts if n]))
+        return _DecompressedLayout(plan, prepared, [next(split) if n else None for n in counts], starts, first)
 
     def _merge_counters(self, entries: int) -> torch.Tensor:
         """At least ``entries`` int32 merge tickets, all zero (the kernels leave them so). A graph
