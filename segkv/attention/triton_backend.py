@@ -120,7 +120,7 @@ class TritonPreparedPlan:
     fixed: bool = False
     merge_in_stage1: bool = False  # GQA kernels: stage 1 merges the rows (paged_attention's argument)
     reference: object = None  # the reference backend's preparation, where kv_transform calls need it
-    decompressed: object = None  # _DecompressedLayout of kv_transform calls, made by the first
+    decompressed: object = None  # _DecompressedLayout of kv_transform calls (made by the first one)
     key_masks: bool = False  # the kernels read the key-mask arrays (a plan with masks, or fixed buffers)
 
     def __getattr__(self, name: str) -> torch.Tensor:  # prepared.page_table, ...
