@@ -203,9 +203,11 @@ def tall_decode_programs(max_work_rows: int, group_size: int, head_dim: int) -> 
 def prefill_programs(max_work_rows: int, shape_dims: tuple[int, int], latent: bool) -> bool:
     """Whether the stage-1 launch of a plan whose work items hold up to ``max_work_rows`` query rows
     takes prefill programs: GQA work items of more than :data:`TALL_DECODE_MAX_ROWS` rows with
-    heads of at most 128 (``paged_attention.stage1_launch``'s ``prefill``: 128-pair tiles that stop
-    at their causal end). ``shape_dims``: the key and value widths."""
-    return not latent and max_work_rows > TALL_DECODE_MAX_ROWS and max(shape_dims) <= 128
+    values of at most 128 columns and keys of at most 256 (the launcher's
+    ``paged_attention.prefill_programs``: 128-pair tiles that stop at their causal end).
+    ``shape_dims``: the key and value widths."""
+    key_dim, value_dim = shape_dims
+    return not latent and max_work_rows > TALL_DECODE_MAX_ROWS and value_dim <= 128 and key_dim <= 256
 
 
 def lean_decode_programs(max_work_rows: int, group_size: int, head_dim: int, page_size: int,

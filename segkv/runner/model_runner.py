@@ -326,8 +326,8 @@ class ModelRunner:
 
     def _make_backend(self, name: str, cache: PagedKVCache) -> AttentionBackend:
         """Triton kernels on CUDA ("auto"), for K/V and latent (MLA) caches alike; the torch
-        reference otherwise. MLA's naive prefill path (``kv_transform``) runs on the reference
-        inside the Triton backend; absorbed decode runs the latent kernel."""
+        reference otherwise. MLA's naive prefill path (``kv_transform``) decompresses each piece and
+        runs the GQA kernels over it; absorbed decode runs the latent kernel."""
         use_triton = name == "triton" or (name == "auto" and self.device.type == "cuda")
         if use_triton:
             from segkv.attention.triton_backend import TritonBackend

@@ -172,13 +172,15 @@ def test_latent_kernel_fast_mode_meets_the_bound(gen):
 
 
 def test_planner_picks_fast_for_prefill_programs_only(monkeypatch):
-    """Automatic: fast for GQA plans of prefill programs (work items of more than 16 rows, heads
-    of at most 128) on a device that measured it faster; exact for decode, verify windows of 16
-    rows, tree windows, latent attention, heads wider than 128 and the CPU. A setting or argument
+    """Automatic: fast for GQA plans of prefill programs (work items of more than 16 rows, values
+    of at most 128 columns, keys of at most 256: naive MLA's prefill too) on a device that
+    measured it faster; exact for decode, verify windows of 16 rows, tree windows, latent
+    attention, values wider than 128 and the CPU. A setting or argument
     forces it; a bad name is a clear error."""
     import segkv.settings as settings
 
     gqa, latent, wide = AttentionShape(32, 8, 128, 128), AttentionShape(16, 1, 576, 512), AttentionShape(8, 2, 256, 256)
+    naive_mla = AttentionShape(16, 16, 192, 128)  # DeepSeek's prefill: per-head keys 192 wide, values 128
     cuda = cuda_like()
     assert choose_precision(gqa, cuda, 64) == Precision.FAST
     assert choose_precision(gqa, cuda, 17) == Precision.FAST
@@ -187,6 +189,7 @@ def test_planner_picks_fast_for_prefill_programs_only(monkeypatch):
     assert choose_precision(gqa, cuda, 64, tree_windows=True) == Precision.EXACT
     assert choose_precision(latent, cuda, 64) == Precision.EXACT
     assert choose_precision(wide, cuda, 64) == Precision.EXACT
+    assert choose_precision(naive_mla, cuda, 64) == Precision.FAST
     assert choose_precision(gqa, DeviceSpec.cpu(), 4096) == Precision.EXACT
     assert choose_precision(gqa, cuda, 1, "fast") == Precision.FAST
     assert choose_precision(gqa, cuda, 64, "exact") == Precision.EXACT
@@ -242,3 +245,36 @@ def test_long_prefill_chunk_fast_mode_on_the_gpu(gen):
     assert plan.precision == Precision.FAST
     out, _ = run_plan(TritonBackend, plan, cache, q, scale)
     assert ((out - oracle).abs() <= fast_bound(spread, underflow, torch.bfloat16)).all()
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_prefill_programs_with_keys_wider_than_values(precision, gen):
+    """Keys of 160 columns and values of 64 (naive MLA's shape: per-head keys wider than 128,
+    values of at most 128): prefill programs with the halved tile, against the reference on the
+    same plan (bf16 within one unit in the last place for exact, the fast bound for fast)."""
+    from segkv.kernels.attention.paged_attention import stage1_launch
+
+    meta = stage1_launch(dtype=torch.bfloat16, dk=160, dv=64, group=1, page_size=16, max_work_rows=64, element_size=2)
+    assert meta["CAUSAL_END"] and meta["BLOCK_N"] == 32 and meta["BLOCK_M"] == 64
+    cache, chain, query, _, _, _ = prefill_case(gen, dtype=torch.bfloat16, history=70, chunk=24, kv_heads=2, group=1,
+                                                dim=160, segments=2)
+    keys = cache.storage.key_cache(0)
+    values = torch.randn(*keys.shape[:3], 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    q = torch.randn(24, 2, 160, generator=gen).to(torch.bfloat16).to(DEVICE)
+    shape, scale = AttentionShape(2, 2, 160, 64), 160 ** -0.5
+    plan = plan_attention([query], shape, cuda_like(), page_size=16, route="segments", precision=precision)
+    outs = []
+    for backend_cls in (TritonBackend, TorchReferenceBackend):
+        backend = backend_cls(page_size=16, device=DEVICE)
+        out, _ = backend.run(backend.prepare(plan), q, keys, values, scale=scale, out_dtype=torch.float32)
+        assert not torch.isnan(out).any()
+        outs.append(out.double().cpu())
+    slots = chain.slots()
+    flat_v = values.flatten(0, 1)[torch.as_tensor(slots, device=values.device)].double().cpu()
+    flat_k = keys.flatten(0, 1)[torch.as_tensor(slots, device=keys.device)].double().cpu()
+    scores = torch.einsum("rhd,nhd->rhn", q.double().cpu(), flat_k) * scale
+    mask = torch.arange(len(slots))[None, :] <= (query.query_start + torch.arange(24))[:, None]
+    weights = torch.softmax(scores.masked_fill(~mask[:, None, :], float("-inf")), dim=-1)
+    spread = torch.einsum("rhn,nhd->rhd", weights, flat_v.abs())
+    bound = fast_bound(spread, 0, torch.bfloat16) if precision == "fast" else 2.0 ** -14 * spread
+    assert ((outs[0] - outs[1]).abs() <= 2 * bound).all()

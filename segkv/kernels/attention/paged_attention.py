@@ -403,6 +403,14 @@ def paged_attention(
     return out.to(out_dtype), lse
 
 
+def prefill_programs(max_work_rows: int, dk: int, dv: int) -> bool:
+    """Whether the GQA stage 1 of a plan whose work items hold up to ``max_work_rows`` query rows
+    takes prefill programs (:func:`stage1_launch`): more than :data:`TALL_DECODE_MAX_ROWS` rows,
+    values of at most 128 columns and keys of at most 256 (naive MLA's 192-wide keys with
+    128-wide values). The planner's ``attention.device.prefill_programs`` is this."""
+    return max_work_rows > TALL_DECODE_MAX_ROWS and dv <= 128 and dk <= 256
+
+
 # Page offsets of the stage-1 programs: int32 wherever the cache allows, int64 only where its
 # element offsets may pass int32 (wide_offsets): int32 offsets take a tile loop's sign extensions
 # and 64-bit products away (docs/performance-notes.md).
@@ -417,9 +425,9 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
                   launch: LaunchConfig | None = None, cache_needs_int64: bool = False, fast: bool = False) -> dict:
     """The stage-1 kernel's constexprs and launch options (``num_warps``, ``num_stages``, the
     register cap) for a plan of this shape: at most 64 (row x head) pairs per program (32 for
-    heads wider than 128); prefill programs (work items of more than ``TALL_DECODE_MAX_ROWS``
-    rows, heads up to 128 wide) take ``prefill_block_m`` pairs with ``prefill_warps`` and
-    ``prefill_block_n``-row tiles, and stop at their causal end (``CAUSAL_END``); tall (64-pair)
+    heads wider than 128); prefill programs (:func:`prefill_programs`) take ``prefill_block_m``
+    pairs with ``prefill_warps`` and ``prefill_block_n``-row tiles (half that for keys wider than
+    128), and stop at their causal end (``CAUSAL_END``); tall (64-pair)
     programs with ``tall_warps``, and those of at most
     ``TALL_DECODE_MAX_ROWS`` query rows (decode rows of forks sharing a prefix) with
     ``tall_block_n`` rows per tile and ``tall_maxnreg`` registers (the planner's tall wave,
@@ -428,13 +436,14 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     ``cache_needs_int64``: the caches need int64 element offsets (:func:`wide_offsets`), which the
     launch then takes. ``fast``: the contract's ``fast`` mode (``FAST_PV``), else ``exact``."""
     launch = launch or default_launch_config(head_dim=max(dk, dv))
-    prefill = max_work_rows > TALL_DECODE_MAX_ROWS and max(dk, dv) <= 128
+    prefill = prefill_programs(max_work_rows, dk, dv)
     widest = launch.prefill_block_m if prefill else 32 if max(dk, dv) > 128 else launch.block_m
     block_m = max(16, min(widest, triton.next_power_of_2(max_work_rows * group)))
     tall = block_m >= 64
     tall_decode = tall and max_work_rows <= TALL_DECODE_MAX_ROWS  # device.tall_decode_programs
-    if prefill:
-        block_n = tile_rows(dataclasses.replace(launch, block_n=launch.prefill_block_n))
+    if prefill:  # keys wider than 128 (naive MLA's 192) halve the tile: the same registers and shared memory
+        rows = launch.prefill_block_n if dk <= 128 else max(16, launch.prefill_block_n // 2)
+        block_n = tile_rows(dataclasses.replace(launch, block_n=rows))
     else:
         block_n = tile_rows(dataclasses.replace(launch, block_n=launch.tall_block_n) if tall_decode else launch)
     warps = launch.prefill_warps if prefill and block_m > 64 else launch.tall_warps if tall else launch.num_warps
