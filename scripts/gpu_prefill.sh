@@ -6,6 +6,7 @@
 #           prompts, each SEGKV_PREFILL_LAUNCHES launch in both modes, against SDPA's backends
 #   chunks  scripts/profile_prefill.py (Qwen3-8B shape, 4 layers, 16K history): chunk wall time
 #           for chunks of 512-4096 rows, exact and fast
+#   mla     benchmarks.mla_decode kernel level, 128 heads at batch 1 and 32 over 32K, exact then fast
 #   turns   benchmarks.turns: first-turn TTFT at 20K and 50K against transformers' sdpa
 set -uo pipefail
 # shellcheck source=scripts/gpu_env.sh
@@ -24,6 +25,13 @@ fi
 if [[ $STAGES == *,chunks,* ]]; then
   timeout 400 python3 scripts/profile_prefill.py --history 16384 --chunk "${SEGKV_PREFILL_CHUNKS:-512,1024,2048,4096}" \
     --precisions exact,fast --rows 0 2>&1 | tee "$OUT/chunks.txt"
+fi
+if [[ $STAGES == *,mla,* ]]; then
+  for precision in exact fast; do
+    SEGKV_ATTENTION_PRECISION=$precision timeout 200 python3 -m benchmarks.mla_decode --heads 128 --batches 1,32 \
+      --contexts 32768 --dtypes bfloat16 --page-size 32 --skip-layer --trials 5 --json "$OUT/mla_$precision.json" 2>&1 \
+      | tail -8 | tee -a "$OUT/mla.txt"
+  done
 fi
 if [[ $STAGES == *,turns,* ]]; then
   # shellcheck disable=SC2086

@@ -278,3 +278,41 @@ def test_prefill_programs_with_keys_wider_than_values(precision, gen):
     spread = torch.einsum("rhn,nhd->rhd", weights, flat_v.abs())
     bound = fast_bound(spread, 0, torch.bfloat16) if precision == "fast" else 2.0 ** -14 * spread
     assert ((outs[0] - outs[1]).abs() <= 2 * bound).all()
+
+
+def test_many_head_latent_fast_programs(gen):
+    """Latent decode of many heads (64 pairs or more a work item) in fast mode takes the wide
+    programs (64 pairs, 8 warps, no value split), within the fast bound of the float64 oracle;
+    exact keeps the 16-pair programs."""
+    from segkv.kernels.attention.mla_attention import mla_stage1_launch
+
+    wide = mla_stage1_launch(dtype=torch.bfloat16, rank=512, rope=64, num_heads=128, page_size=32, max_work_rows=1,
+                             element_size=2, num_rows=32, fast=True)
+    assert wide["BLOCK_M"] == 64 and wide["num_warps"] == 8 and wide["VALUE_SPLIT"] == 1
+    narrow = mla_stage1_launch(dtype=torch.bfloat16, rank=512, rope=64, num_heads=128, page_size=32, max_work_rows=1,
+                               element_size=2, num_rows=32)
+    assert narrow["BLOCK_M"] == 16
+    rank, rope, heads, page, rows = 32, 16, 64, 16, 60
+    layout = KVLayout(num_layers=1, kind="mla", kv_lora_rank=rank, rope_dim=rope, dtype=torch.bfloat16)
+    cache = PagedKVCache(layout, CacheConfig(page_size=page, num_pages=16), device=DEVICE,
+                         compaction=CompactionPolicy(enabled=False))
+    chains, latents = [], []
+    for n in (rows, rows // 2):
+        chain = cache.new_chain()
+        latent = torch.randn(n, rank + rope, generator=gen).to(torch.bfloat16).to(DEVICE)
+        cache.storage.write(0, chain.append(n), latent)
+        chains.append(chain)
+        latents.append(latent)
+    queries = [SequenceQuery.from_chain(c, 1) for c in chains]
+    q = (3 * torch.randn(2, heads, rank + rope, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    plan = plan_attention(queries, AttentionShape(heads, 1, rank + rope, rank), cuda_like(), page_size=page,
+                          precision="fast")
+    backend = TritonBackend(page_size=page, device=DEVICE, poison=True)
+    out, _ = backend.run(backend.prepare(plan), q, cache.storage.key_cache(0), cache.storage.value_cache(0),
+                         scale=0.1, out_dtype=torch.float32)
+    for i, lat in enumerate(latents):
+        lat = lat.double().cpu()
+        weights = torch.softmax(torch.einsum("hd,nd->hn", q[i].double().cpu(), lat) * 0.1, dim=-1)
+        oracle = weights @ lat[:, :rank]
+        spread = weights @ lat[:, :rank].abs()
+        assert ((out[i].double().cpu() - oracle).abs() <= fast_bound(spread, 0, torch.bfloat16)).all()

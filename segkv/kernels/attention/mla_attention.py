@@ -10,6 +10,8 @@ and the merge follow ``paged_attention`` exactly (float32 throughout, rounded on
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from segkv.kernels.triton_import import tl, triton
 
@@ -275,7 +277,7 @@ def value_split_max_partials(launch: LaunchConfig, device: torch.device) -> int:
 
 def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size: int, max_work_rows: int,
                       element_size: int, num_rows: int | None = None, launch: LaunchConfig | None = None,
-                      cache_needs_int64: bool = False) -> dict:
+                      cache_needs_int64: bool = False, fast: bool = False) -> dict:
     """The latent stage-1 kernel's constexprs and launch options for a plan of this shape (pipeline
     stages shrunk to what fits in shared memory); ``launch`` defaults to :func:`default_mla_launch_config`.
     ``launch.value_split`` 0 launches two programs per pair block when the batch's ``num_rows``
@@ -286,12 +288,20 @@ def mla_stage1_launch(*, dtype, rank: int, rope: int, num_heads: int, page_size:
     Forced 2 follows the plan as the automatic split
     does; forced 4 takes quarters whatever the plan (tuning). A split never leaves a share fewer
     than 16 value columns (the products' minimum), so ranks under 64 split less or not at all.
-    ``cache_needs_int64``: the latent cache needs int64 element offsets (``paged_attention.wide_offsets``)."""
+    ``cache_needs_int64``: the latent cache needs int64 element offsets (``paged_attention.wide_offsets``).
+    ``fast`` (the contract's ``fast`` mode): work items of at least ``wide_latent_block_m`` pairs
+    (many heads: compute-bound) take programs of that many pairs over ``wide_latent_warps`` warps,
+    warp-group MMA tiles whose one P.V product fits the registers (exact's two spill), no value
+    split."""
     launch = launch or default_mla_launch_config()
     if launch.value_split not in (0, 1, 2, 4):
         raise ValueError(f"the latent value split must be 0 (chosen per launch), 1, 2 or 4 programs, "
                          f"got {launch.value_split}")
     block_n = tile_rows(launch)
+    wide = fast and max_work_rows * num_heads >= launch.wide_latent_block_m
+    if wide:
+        launch = dataclasses.replace(launch, block_m=launch.wide_latent_block_m, num_warps=launch.wide_latent_warps,
+                                     value_split=1)
     block_m = max(16, min(launch.block_m, triton.next_power_of_2(max_work_rows * num_heads)))
     one_program = num_rows is not None and num_rows * num_heads <= block_m
     block_r = max(16, triton.next_power_of_2(rank))
@@ -340,7 +350,7 @@ def mla_paged_attention(
         meta = mla_stage1_launch(dtype=query.dtype, rank=rank, rope=rope, num_heads=num_heads, page_size=page_size,
                                  max_work_rows=max_work_rows, element_size=latent_cache.element_size(),
                                  num_rows=num_rows, launch=launch,
-                                 cache_needs_int64=wide_offsets(latent_cache))
+                                 cache_needs_int64=wide_offsets(latent_cache), fast=fast)
         blocks = triton.cdiv(max_work_rows * num_heads, meta["BLOCK_M"])
         grid = (blocks * meta["VALUE_SPLIT"], num_work)
         _mla_stage1_kernel[grid](

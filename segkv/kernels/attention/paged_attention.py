@@ -306,6 +306,8 @@ class LaunchConfig:
     prefill_block_m: int = 128  # (query row x head) pairs of a prefill program (work items of over 16 rows)
     prefill_warps: int = 8  # two warp groups: each holds 64 pairs of the tile
     prefill_block_n: int = 64  # KV rows per tile of prefill programs
+    wide_latent_block_m: int = 64  # latent pairs per fast-mode program of many heads (a warp-group MMA tile)
+    wide_latent_warps: int = 8  # two warp groups: each holds half the 512 value columns
 
 
 def tile_rows(launch: LaunchConfig) -> int:
