@@ -219,13 +219,14 @@ def _chains(runner: ModelRunner, n: int) -> Iterator[list[KVChain]]:
 def _state_kept(runner: ModelRunner) -> Iterator[None]:
     """Restore what a warm-up's steps change besides compiled kernels and captured graphs: the
     pool's free list (its order decides the pages the next allocations get) and counters, the
-    runner's route counts, last plan and plan ahead, the graphs' counters, and the CPU's and the
+    runner's route and precision counts, last plan and plan ahead, the graphs' counters, and the CPU's and the
     device's random generator states (unseeded sampling draws from them)."""
     pool, graphs = runner.cache.pool, runner.graphs
     free = list(pool._free)  # private to the pool, read and put back whole: no page changes hands
     counters = {k: getattr(pool, k) for k in ("peak_pages_in_use", "pages_allocated_total", "bytes_copied",
                                               "rows_copied")}
     routes, last_plan, ahead_used = Counter(runner.route_counts), runner.last_plan, runner.plans_ahead_used
+    precisions = Counter(runner.precision_counts)
     graph_counters = {k: getattr(graphs, k) for k in ("replays", "fallbacks", "staged_plans_used")} if graphs else {}
     cuda = runner.device.type == "cuda"
     rng = torch.get_rng_state()
@@ -240,6 +241,8 @@ def _state_kept(runner: ModelRunner) -> Iterator[None]:
                 setattr(graphs, k, v)
         runner.route_counts.clear()
         runner.route_counts.update(routes)
+        runner.precision_counts.clear()
+        runner.precision_counts.update(precisions)
         runner.last_plan, runner.plans_ahead_used = last_plan, ahead_used
         assert sorted(pool._free) == sorted(free), "a warm-up chain kept pages"
         pool._free[:] = free
