@@ -83,18 +83,22 @@ def forced_precision_from_env() -> Precision | None:
     return Precision.parse(value) if value and value != "auto" else None
 
 
-def choose_precision(shape: AttentionShape, device: DeviceSpec, max_work_rows: int,
+def choose_precision(shape: AttentionShape, device: DeviceSpec, max_query_rows: int,
                      forced: Precision | str | None = None, tree_windows: bool = False) -> Precision:
-    """The precision mode of a plan: ``forced`` (else ``SEGKV_ATTENTION_PRECISION``), else
-    ``fast`` for plans of prefill programs on a device that runs them faster in it
-    (``DeviceSpec.fast_prefill``, measured), else ``exact`` (decode and verify windows, ``tree_windows``
-    included; latent attention; the CPU)."""
+    """The precision mode of a plan whose sequences have up to ``max_query_rows`` query rows each:
+    ``forced`` (else ``SEGKV_ATTENTION_PRECISION``), else ``fast`` for prefill chunks (more rows
+    than a verify window, in work items of prefill programs) on a device that runs them faster in
+    it (``DeviceSpec.fast_prefill``, measured), else ``exact``: decode (a cascade's many forks
+    too, whose shared piece has work items of many rows), verify windows (``tree_windows``
+    included), latent attention, the CPU."""
     if forced is not None and forced != "auto":
         return Precision.parse(forced)
     env = forced_precision_from_env()
     if env is not None:
         return env
-    if device.fast_prefill and not tree_windows and prefill_programs(max_work_rows, (shape.key_dim, shape.value_dim), shape.is_latent):
+    rows = min(max_query_rows, device.max_query_rows_per_work)  # a chunk's work items
+    if device.fast_prefill and not tree_windows and prefill_programs(rows, (shape.key_dim, shape.value_dim),
+                                                                     shape.is_latent):
         return Precision.FAST
     return Precision.EXACT
 
@@ -168,8 +172,8 @@ def plan_attention(
     else:
         final = Route.SPLIT if max_parts > 1 else Route.SINGLE
     num_rows = sum(q.num_query_rows for q in queries)
-    max_work_rows = max((len(item.query_rows) for item in work), default=1)
-    mode = choose_precision(shape, device, max_work_rows, precision, any(w is not None for w in windows))
+    max_query_rows = max((q.num_query_rows for q in full_queries), default=0)
+    mode = choose_precision(shape, device, max_query_rows, precision, any(w is not None for w in windows))
     return AttentionPlan(
         route=final,
         pieces=tuple(pieces),

@@ -35,11 +35,11 @@ def cuda_like(**fields) -> DeviceSpec:
 
 
 def prefill_case(gen, *, dtype, history: int, chunk: int, page_size: int = 16, kv_heads: int = 2, group: int = 4,
-                 dim: int = 64, segments: int = 2, scale_q: float = 3.0):
+                 dim: int = 64, segments: int = 2, scale_q: float = 3.0, spare_pages: int = 8):
     """One chain: a history sealed into ``segments`` segments, then a ``chunk``-row prompt chunk;
     random K/V and a query scaled by ``scale_q`` (peaky weights, so rounding shows)."""
     layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype)
-    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=(history + chunk) // page_size + 8),
+    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=(history + chunk) // page_size + spare_pages),
                          device=DEVICE, compaction=CompactionPolicy(enabled=False))
     chain = cache.new_chain()
     cuts = sorted(int(x) for x in torch.randint(1, history, (segments - 1,), generator=gen)) + [history]
@@ -210,11 +210,22 @@ def test_planner_picks_fast_for_prefill_programs_only(monkeypatch):
 
 def test_the_plan_reports_its_precision(gen):
     """The plan carries the mode and ``describe()`` (logs, /health, benchmark tables) shows it."""
-    cache, chain, query, q, shape, scale = prefill_case(gen, dtype=torch.bfloat16, history=40, chunk=20)
+    cache, chain, query, q, shape, scale = prefill_case(gen, dtype=torch.bfloat16, history=40, chunk=20,
+                                                        spare_pages=30)
     plan = plan_attention([query], shape, cuda_like(), page_size=cache.page_size)
     assert plan.precision == Precision.FAST and plan.describe()["precision"] == "fast"
     decode = plan_attention([SequenceQuery.from_chain(chain, 1)], shape, cuda_like(), page_size=cache.page_size)
     assert decode.precision == Precision.EXACT and decode.describe()["precision"] == "exact"
+    # 20 forks decoding over one shared history: a cascade piece whose work item holds 20 rows
+    # (the prefill programs' kernel) is still decode, exact
+    chain.seal()
+    forks = [chain.fork() for _ in range(20)]
+    for fork in forks:
+        fork.append(1)
+    cascade = plan_attention([SequenceQuery.from_chain(f, 1) for f in forks], shape, cuda_like(),
+                             page_size=cache.page_size)
+    assert cascade.route == Route.CASCADE and cascade.max_work_rows == 20
+    assert cascade.precision == Precision.EXACT
     with pytest.raises(ValueError, match="unknown attention precision"):
         plan_attention([query], shape, cuda_like(), page_size=cache.page_size, precision="loose")
 
