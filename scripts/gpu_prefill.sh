@@ -7,6 +7,8 @@
 #   chunks  scripts/profile_prefill.py (Qwen3-8B shape, 4 layers, 16K history): chunk wall time
 #           for chunks of 512-4096 rows, exact and fast
 #   mla     benchmarks.mla_decode kernel level, 128 heads at batch 1 and 32 over 32K, exact then fast
+#   e2e     benchmarks.prefill_e2e: first-turn TTFT at 4K/20K/50K and 16 x 2K prompts, Qwen3-8B,
+#           Llama-3.1-8B and DeepSeek-V2-Lite shapes against transformers (SEGKV_PREFILL_E2E_ARGS)
 #   turns   benchmarks.turns: first-turn TTFT at 20K and 50K against transformers' sdpa
 set -uo pipefail
 # shellcheck source=scripts/gpu_env.sh
@@ -32,6 +34,11 @@ if [[ $STAGES == *,mla,* ]]; then
       --contexts 32768 --dtypes bfloat16 --page-size 32 --skip-layer --trials 5 --json "$OUT/mla_$precision.json" 2>&1 \
       | tail -8 | tee -a "$OUT/mla.txt"
   done
+fi
+if [[ $STAGES == *,e2e,* ]]; then
+  # shellcheck disable=SC2086
+  timeout 580 python3 -m benchmarks.prefill_e2e --json "$OUT/prefill_e2e.json" ${SEGKV_PREFILL_E2E_ARGS:-} 2>&1 \
+    | grep -v Warning | tee "$OUT/prefill_e2e.txt"
 fi
 if [[ $STAGES == *,turns,* ]]; then
   # shellcheck disable=SC2086
