@@ -227,7 +227,8 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
     "heads": int (latent, default 16), "rank" / "rope": int (latent, default 512 / 64),
     "one_query": bool (latent, default False: the launch of a batch of one query row, whose value
     split is chosen per plan), "value_split": int (latent,
-    default: the launcher's), "assemble": bool (default False), "pdl": bool (default False: the
+    default: the launcher's), "fast": bool (default False: the precision mode, ``fast`` or ``exact``),
+    "assemble": bool (default False), "pdl": bool (default False: the
     programmatic-dependent-launch variant), "wide": bool (default False: int32 page offsets, as for
     caches of under 2^31 elements), "stamps": bool (gqa, default False: the variant that writes its
     programs' timelines, ``kernels.attention.timeline``)}``. ``launch``: a ``paged_attention.LaunchConfig``
@@ -245,7 +246,8 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
         meta = paged_attention.stage1_launch(dtype=dtype, dk=d, dv=d, group=case.get("group", 4),
                                              page_size=case["page_size"], max_work_rows=case["rows"],
                                              element_size=element, launch=launch,
-                                             cache_needs_int64=case.get("wide", False))
+                                             cache_needs_int64=case.get("wide", False),
+                                             fast=case.get("fast", False))
         fn, pointers = paged_attention._stage1_kernel, {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", **common}
         if case.get("stamps"):
             pointers["STAMPS"] = "*i64"
@@ -257,8 +259,10 @@ def compile_stage1(case: dict, launch=None) -> tuple[OfflineKernel, dict]:
                                                num_heads=case.get("heads", 16), page_size=case["page_size"],
                                                max_work_rows=case["rows"], element_size=element,
                                                num_rows=1 if case.get("one_query") else None, launch=launch,
-                                               cache_needs_int64=case.get("wide", False))
+                                               cache_needs_int64=case.get("wide", False),
+                                               fast=case.get("fast", False))
         fn, pointers = mla_attention._mla_stage1_kernel, {"Q": f"*{t}", "LAT": f"*{t}", **common}
+        meta["FAST_PV"] = bool(case.get("fast", False))  # the launcher passes it beside the launch's constants
     meta = {**meta, "USE_PDL": bool(case.get("pdl", False))}
     return compile_offline(fn, meta, pointers=pointers, assemble=case.get("assemble", False)), meta
 

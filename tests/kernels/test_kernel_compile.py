@@ -181,3 +181,19 @@ def test_full_tiles_branch_past_the_score_mask(case):
     loop = report["sass"]["loops"][0]
     assert loop["mma"] > 0 and loop["skippable"] >= 20
     assert report["spill_bytes"] == 0
+
+
+def test_prefill_and_many_head_latent_programs_take_warp_group_mmas():
+    """The prefill programs (128 pairs, 8 warps; both modes) and the fast many-head latent programs
+    (64 pairs, 8 warps) compile to Hopper's warp-group MMAs and fit a program's shared memory; the
+    prefill programs without spilling registers."""
+    cases = [{"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 32, "rows": 64, "fast": fast,
+              "assemble": True} for fast in (False, True)]
+    cases.append({"kernel": "latent", "dtype": "bfloat16", "page_size": 32, "rows": 1, "heads": 128, "fast": True})
+    results = compile_cases(cases)
+    for r in results[:2]:
+        assert r["num_warps"] == 8 and r["mma"] == "wgmma" and r["spill_bytes"] == 0, r
+        assert 0 < r["shared"] <= MAX_SHARED_PER_PROGRAM, r
+    latent = results[2]
+    assert latent["num_warps"] == 8 and latent["mma"] == "wgmma", latent
+    assert 0 < latent["shared"] <= MAX_SHARED_PER_PROGRAM, latent
