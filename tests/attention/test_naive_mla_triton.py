@@ -162,7 +162,14 @@ def test_prefill_chunk_runs_the_prefill_programs(precision, gen, no_reference, m
     assert plan.max_work_rows > kernels.TALL_DECODE_MAX_ROWS and plan.precision == precision
     assert launches == [True]
     check_layout(plan, prepared, 16)
-    check(out, lse, ref, ref_lse)
+    if precision == "exact":
+        check(out, lse, ref, ref_lse)
+    else:  # both round P to bf16, the kernel against each tile's running maximum, the reference
+        # against the row's, so they differ by about 2^-8 relative (test_precision_modes checks the
+        # elementwise bound against the oracle); a wrong key or value would be off by order 1
+        diff = (out.double() - ref.double()).norm() / ref.double().norm()
+        assert not torch.isnan(out).any() and diff <= 2.0 ** -6, diff
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-4)
 
 
 def test_tree_window_key_masks(gen, no_reference):
