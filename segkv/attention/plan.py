@@ -205,16 +205,23 @@ class WorkItem:
     index array of their own. It stays small because the planner gives a mask only to a tree
     window's own piece (the window's rows and the part page of history before them, under
     ``page_size + window`` bits); the history itself is a plain causal item.
+
+    ``key_lows`` (sliding-window attention) bounds each row from below: row ``i`` sees piece
+    rows ``j >= key_lows[i]`` only (``<= 0``: from the piece's first row). The planner drops
+    pages wholly below every row's window, so a decode row's piece starts on its window's page.
     """
 
     piece: int
     query_rows: tuple[int, ...]
     causal_offsets: tuple[int, ...]
     key_masks: tuple[int, ...] | None = None
+    key_lows: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.query_rows) != len(self.causal_offsets):
             raise ValueError("query_rows and causal_offsets differ in length")
+        if self.key_lows is not None and len(self.key_lows) != len(self.query_rows):
+            raise ValueError(f"{len(self.key_lows)} key lows for {len(self.query_rows)} query rows")
         if not self.query_rows:
             raise ValueError("a work item needs at least one query row")
         if self.key_masks is not None:
@@ -234,8 +241,11 @@ class AttentionPlan:
     most partitions any single run was cut into (1 unless the route split).
     ``max_work_rows``: the most query rows of one work item (1 for a plain decode step);
     ``max_row_partials``: the most partials merged into one query row. ``has_key_masks``: some
-    work item carries key masks (a tree verify window's own piece). ``precision``: the mode
-    inside the pieces (:class:`Precision`), the planner's choice.
+    work item carries key masks (a tree verify window's own piece); ``has_key_lows``: some
+    carries key lows (a sliding window). ``precision``: the mode
+    inside the pieces (:class:`Precision`), the planner's choice. ``window``: the sliding window
+    the plan was made for (each row sees its last ``window`` positions, itself included; the work
+    items' ``key_lows``), None for full attention.
     """
 
     route: Route
@@ -246,10 +256,12 @@ class AttentionPlan:
     num_partitions: int = 1
     reason: str = ""
     precision: Precision = Precision.EXACT
+    window: int | None = None
     partial_rows: tuple[int, ...] = field(init=False)
     max_work_rows: int = field(init=False)
     max_row_partials: int = field(init=False)
     has_key_masks: bool = field(init=False)
+    has_key_lows: bool = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", Precision.parse(self.precision))
@@ -259,6 +271,7 @@ class AttentionPlan:
         object.__setattr__(self, "max_work_rows", max((len(item.query_rows) for item in self.work), default=1))
         object.__setattr__(self, "max_row_partials", max(map(len, self.reduce_map), default=0))
         object.__setattr__(self, "has_key_masks", any(item.key_masks is not None for item in self.work))
+        object.__setattr__(self, "has_key_lows", any(item.key_lows is not None for item in self.work))
         if len(self.reduce_map) != self.num_query_rows:
             raise ValueError(f"reduce map has {len(self.reduce_map)} rows, expected {self.num_query_rows}")
         seen = set()
@@ -287,6 +300,7 @@ class AttentionPlan:
             "query_rows": self.num_query_rows,
             "max_partitions": self.num_partitions,
             "precision": self.precision.value,
+            "window": self.window,
             "reason": self.reason,
         }
 

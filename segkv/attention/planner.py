@@ -113,6 +113,7 @@ def plan_attention(
     num_partitions: int | None = None,
     cascade_min_rows: int | None = None,
     precision: Precision | str | None = None,
+    window: int | None = None,
 ) -> AttentionPlan:
     """Build the attention plan of one forward step.
 
@@ -124,7 +125,13 @@ def plan_attention(
     or any shared span when ``cascade`` is forced). A tree window's history is planned by
     the route; its window piece is added after the route's pieces (module docstring).
     ``precision`` forces the mode inside the pieces (else :func:`choose_precision`).
+    ``window``: sliding-window attention (each row sees its last ``window`` positions, itself
+    included): pages wholly before a sequence's first row's window are left out of its pieces
+    (:func:`_windowed`), and work items whose rows' windows start inside their piece carry
+    ``key_lows``; tree windows' masks lose the bits before each node's window.
     """
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     if num_partitions is not None and num_partitions < 1:
@@ -135,9 +142,11 @@ def plan_attention(
 
     # tree windows: the route plans their histories (as causal queries that see all of them);
     # their window pieces are added after the route's pieces
-    windows = [_split_tree(query, page_size) if query.is_tree else None for query in queries]
-    full_queries, queries = queries, [query if window is None else window.history
-                                      for query, window in zip(queries, windows)]
+    windows = [_split_tree(query, page_size) if query.is_tree else None for query in queries]  # tree windows
+    full_queries, queries = queries, [query if tree is None else tree.history
+                                      for query, tree in zip(queries, windows)]
+    if window is not None:  # after the tree split: a tree's history is windowed by its nodes' lowest key
+        queries = [_windowed(query, window, page_size) for query in queries]
     shared = _shared_spans(queries, cascade_min_rows)
     if forced is None:
         use_cascade = bool(shared)
@@ -162,8 +171,12 @@ def plan_attention(
             reason = f"forced {forced.value}; {reason}"
     else:
         cuts, reason = [_cut_rows(run, None) for run in runs], f"forced {forced.value}"
-    pieces, work, max_parts = _partition(runs, cuts, queries, device.max_query_rows_per_work)
-    _add_tree_windows(pieces, work, full_queries, windows, device.max_query_rows_per_work)
+    # a tree's nodes sit at the tree's start plus their depths, which bound their windows from below
+    positions = [None if tree is None else [query.tree_start + d for d in
+                                            tree_depths(query.tree_parents)[len(query.tree_parents) - query.num_query_rows:]]
+                 for query, tree in zip(full_queries, windows)]
+    pieces, work, max_parts = _partition(runs, cuts, queries, device.max_query_rows_per_work, window, positions)
+    _add_tree_windows(pieces, work, full_queries, windows, device.max_query_rows_per_work, window)
 
     if forced is not None:
         final = forced
@@ -183,6 +196,7 @@ def plan_attention(
         num_partitions=max_parts,
         reason=reason,
         precision=mode,
+        window=window,
     )
 
 
@@ -393,8 +407,12 @@ def _partition(
     cuts: list[list[_Part]],
     queries: Sequence[SequenceQuery],
     max_rows_per_work: int,
+    window: int | None = None,
+    positions: Sequence[list[int] | None] | None = None,
 ) -> tuple[list[Piece], list[WorkItem], int]:
-    """Pieces from the runs' partitions, and work items serving every member's rows."""
+    """Pieces from the runs' partitions, and work items serving every member's rows (with
+    ``key_lows`` where a sliding ``window`` starts inside the piece for some row; ``positions``:
+    per query, its rows' positions where they are not ``query_start + i``: a tree's nodes)."""
     row_base, total = [], 0
     for query in queries:
         row_base.append(total)
@@ -406,16 +424,54 @@ def _partition(
             pieces.append(Piece(tuple(page_ids), tuple(page_rows)))
             rows: list[int] = []
             offsets: list[int] = []
+            lows: list[int] = []
             for member in run.members:
                 query = queries[member]
+                where = positions[member] if positions is not None else None
                 for i in range(query.num_query_rows):
                     rows.append(row_base[member] + i)
                     offsets.append(query.query_start + i - key_start)
+                    if window is not None:
+                        lows.append((where[i] if where is not None else query.query_start + i) - window + 1 - key_start)
             for start in range(0, len(rows), max_rows_per_work):
                 stop = start + max_rows_per_work
-                work.append(WorkItem(len(pieces) - 1, tuple(rows[start:stop]), tuple(offsets[start:stop])))
+                item_lows = tuple(lows[start:stop]) if lows and max(lows[start:stop]) > 0 else None
+                work.append(WorkItem(len(pieces) - 1, tuple(rows[start:stop]), tuple(offsets[start:stop]),
+                                     key_lows=item_lows))
     max_parts = max((len(parts) for parts in cuts), default=1)
     return pieces, work, max_parts
+
+
+def tree_depths(parents: tuple[int, ...]) -> list[int]:
+    """Each tree node's depth (a child of the last history row, parent -1, has depth 0)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def _windowed(query: SequenceQuery, window: int, page_size: int) -> SequenceQuery:
+    """``query`` without the pages that end before its first row's window (position
+    ``query_start - window + 1``): whole spans dropped, a span's leading full pages cut. The
+    result's spans start past position 0, so it is made without ``SequenceQuery``'s checks (the
+    planner's internal form; its rows, positions and tree are the query's)."""
+    low = query.query_start - window + 1
+    if low <= 0:
+        return query
+    spans = []
+    for span in query.spans:
+        if span.num_rows == 0 or span.key_start + span.num_rows <= low:
+            continue
+        drop = max(0, (low - span.key_start) // page_size)  # whole pages before the window (all full)
+        if drop:
+            span = replace(span, page_ids=span.page_ids[drop:], num_rows=span.num_rows - drop * page_size,
+                           key_start=span.key_start + drop * page_size)
+        spans.append(span)
+    trimmed = object.__new__(SequenceQuery)
+    for name, value in (("spans", tuple(spans)), ("num_query_rows", query.num_query_rows),
+                        ("query_start", query.query_start), ("tree_parents", query.tree_parents)):
+        object.__setattr__(trimmed, name, value)
+    return trimmed
 
 
 def _cut_rows(run: _Run, limit: int | None) -> list[_Part]:
@@ -498,19 +554,25 @@ def _add_tree_windows(
     queries: Sequence[SequenceQuery],
     windows: Sequence[_TreeWindow | None],
     max_rows_per_work: int,
+    window: int | None = None,
 ) -> None:
     """Append each tree window's piece and its masked work items (rows in node order): node
-    ``i`` sees the piece's leading history rows and its ancestors-or-self."""
+    ``i`` sees the piece's leading history rows and its ancestors-or-self (under a sliding
+    ``window``, only those at or after its window's first position)."""
     row_base = 0
-    for query, window in zip(queries, windows):
-        if window is not None:
-            pieces.append(Piece(tuple(window.page_ids), tuple(window.page_rows)))
-            lead = query.tree_start - window.key_start  # history rows at the head of the piece
+    for query, tree in zip(queries, windows):
+        if tree is not None:
+            pieces.append(Piece(tuple(tree.page_ids), tuple(tree.page_rows)))
+            lead = query.tree_start - tree.key_start  # history rows at the head of the piece
             history_bits = (1 << lead) - 1
             first = len(query.tree_parents) - query.num_query_rows  # the query rows: the tree's last nodes
             masks = [history_bits | (mask << lead) for mask in query.ancestor_masks()[first:]]
             rows = [row_base + i for i in range(query.num_query_rows)]
             offsets = [lead + first + i for i in range(query.num_query_rows)]
+            if window is not None:  # a node's window starts at its position (the tree's start + depth) - window + 1
+                for i, depth in enumerate(tree_depths(query.tree_parents)[first:]):
+                    low = query.tree_start + depth - window + 1 - tree.key_start
+                    masks[i] &= ~((1 << max(low, 0)) - 1)
             for start in range(0, len(rows), max_rows_per_work):
                 stop = start + max_rows_per_work
                 work.append(WorkItem(len(pieces) - 1, tuple(rows[start:stop]), tuple(offsets[start:stop]),

@@ -24,7 +24,7 @@ class PreparedPlan:
     ``piece_slots[k]``: ``(n_k,)`` int64 flat storage slots of piece ``k``'s rows.
     ``work_rows[w]``: ``(r_w,)`` int64 query rows of work item ``w``; ``work_visible[w]``:
     ``(r_w,)`` int64, how many of the piece's rows each sees, or for a work item with key
-    masks ``(r_w, n_k)`` bool, which. ``partial_rows``: ``(P,)`` int64.
+    masks or key lows (a sliding window) ``(r_w, n_k)`` bool, which. ``partial_rows``: ``(P,)`` int64.
     """
 
     plan: AttentionPlan
@@ -125,7 +125,11 @@ class TorchReferenceBackend:
             n = plan.pieces[item.piece].num_rows
             offsets = torch.tensor(item.causal_offsets, dtype=torch.long, device=dev)
             work_rows.append(torch.tensor(item.query_rows, dtype=torch.long, device=dev))
-            if item.key_masks is None:
+            if item.key_lows is not None:  # a sliding window: rows see [low, offset] of the piece
+                keys = torch.arange(n, device=dev)
+                lows = torch.tensor(item.key_lows, dtype=torch.long, device=dev)
+                work_visible.append((keys[None, :] >= lows[:, None]) & (keys[None, :] <= offsets[:, None]))
+            elif item.key_masks is None:
                 work_visible.append((offsets + 1).clamp(min=0, max=n))
             else:  # the masks never set a bit past the causal offset (WorkItem checks it)
                 work_visible.append(key_mask_tensor(item.key_masks, n, dev))

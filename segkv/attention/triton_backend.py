@@ -41,7 +41,7 @@ PLAN_ONE_COPY_BYTES = 128 << 10
 # The plan arrays, in their order inside the packed buffer.
 _FIELDS = ("page_table", "page_rows", "page_key_start", "work_pages", "work_partial_start",
            "partial_row", "partial_offset", "partial_direct", "reduce_ptr", "reduce_partials",
-           "work_key_masks", "key_mask_words")
+           "work_key_masks", "key_mask_words", "partial_low")
 # The widest key mask the kernels take, in piece rows: a masked row's words cover the piece rows up
 # to its causal offset (at most this many). The planner masks a tree window's own piece only, under
 # page_size + window rows (80 for 16-row pages and a 64-node tree).
@@ -67,7 +67,9 @@ class PlanCapacity:
     ``key_mask_words``); by default ``max_rows * MAX_KEY_MASK_WORDS``, enough for every query row
     to have one masked partial of the widest mask (the planner masks each tree row in one piece).
     0 leaves masks out: the graph's kernels then compile the mask test away and plans with masks
-    exceed the capacity (``prepare`` raises ValueError).
+    exceed the capacity (``prepare`` raises ValueError). ``key_lows``: the buffers hold each
+    partial's sliding-window start (``flatten_plan``'s ``partial_low``) and the graph's kernels
+    apply it (a windowed model's graphs); without it a plan with key lows exceeds the capacity.
     """
 
     max_pages: int
@@ -77,6 +79,7 @@ class PlanCapacity:
     max_work_rows: int = 64
     max_row_partials: int | None = None
     max_key_mask_words: int | None = None
+    key_lows: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_pages", "max_work", "max_partials", "max_rows", "max_work_rows"):
@@ -102,6 +105,7 @@ class PlanCapacity:
             "partial_offset": self.max_partials, "partial_direct": self.max_partials,
             "reduce_ptr": self.max_rows + 1, "reduce_partials": self.max_partials,
             "work_key_masks": 2 * self.max_work, "key_mask_words": self.key_mask_words,
+            "partial_low": self.max_partials if self.key_lows else 0,
         }
 
 
@@ -122,6 +126,7 @@ class TritonPreparedPlan:
     reference: object = None  # the reference backend's preparation, where kv_transform calls need it
     decompressed: object = None  # _DecompressedLayout of kv_transform calls (made by the first one)
     key_masks: bool = False  # the kernels read the key-mask arrays (a plan with masks, or fixed buffers)
+    key_lows: bool = False  # the kernels read partial_low (a plan with key lows, or fixed buffers holding them)
 
     def __getattr__(self, name: str) -> torch.Tensor:  # prepared.page_table, ...
         try:
@@ -194,6 +199,9 @@ def flatten_plan(plan: AttentionPlan) -> dict[str, np.ndarray]:
         "partial_row": i32(plan.partial_rows), "partial_offset": i32(offsets), "partial_direct": i32(direct),
         "reduce_ptr": i32(reduce_ptr), "reduce_partials": i32(reduce_partials),
         "work_key_masks": work_key_masks, "key_mask_words": key_mask_words,
+        # each partial's sliding-window start within its piece (0: none); empty without windows
+        "partial_low": i32([low for item in plan.work for low in (item.key_lows or (0,) * len(item.query_rows))]
+                           if plan.has_key_lows else []),
     }
 
 
@@ -342,6 +350,8 @@ class TritonBackend:
         if plan.num_query_rows > cap.max_rows or max_work_rows > cap.max_work_rows:
             raise ValueError(f"plan with {plan.num_query_rows} rows ({max_work_rows} per work item) exceeds "
                              f"the capacity ({cap.max_rows} rows, {cap.max_work_rows} per work item)")
+        if plan.has_key_lows and not cap.key_lows:
+            raise ValueError("a plan with a sliding window's key lows in fixed buffers without them")
         if cap.max_row_partials is not None and plan.max_row_partials > cap.max_row_partials:
             raise ValueError(f"plan merges {plan.max_row_partials} partials into a row, capacity is "
                              f"{cap.max_row_partials}")
@@ -375,7 +385,7 @@ class TritonBackend:
         # the graph's kernels test masks whenever the buffers can hold them (whatever this plan holds)
         return TritonPreparedPlan(plan, self._fixed, cap.max_partials, cap.max_work_rows, True, fixed=True,
                                   merge_in_stage1=merges_in_stage1(cap.max_work_rows, cap.max_row_partials),
-                                  key_masks=cap.key_mask_words > 0)
+                                  key_masks=cap.key_mask_words > 0, key_lows=cap.key_lows)
 
     def _prepare_eager(self, plan: AttentionPlan, arrays: dict[str, np.ndarray]) -> TritonPreparedPlan:
         """The plan's int32 ``arrays`` (``flatten_plan``) in one device buffer sized for this plan
@@ -395,7 +405,7 @@ class TritonBackend:
                                   max_work_rows, needs_merge,
                                   merge_in_stage1=needs_merge and merges_in_stage1(max_work_rows,
                                                                                    plan.max_row_partials),
-                                  key_masks=plan.has_key_masks)
+                                  key_masks=plan.has_key_masks, key_lows=plan.has_key_lows)
 
     def run(
         self,
@@ -438,7 +448,12 @@ class TritonBackend:
         fields = {name: a[name] for name in _FIELDS}
         if not prepared.key_masks:  # the kernels compile the mask test away
             fields["work_key_masks"] = fields["key_mask_words"] = None
+        partial_low = fields.pop("partial_low")
+        if not prepared.key_lows:  # the kernels compile the window test away
+            partial_low = None
         if latent:
+            if partial_low is not None:
+                raise ValueError("the latent (MLA) kernel takes no sliding window")
             return mla_paged_attention(
                 query=query, latent_cache=key_cache.squeeze(2), rank=dv,
                 **fields, num_partials=prepared.num_partials,
@@ -452,7 +467,7 @@ class TritonBackend:
             out_dtype=out_dtype or query.dtype, needs_merge=prepared.needs_merge, launch=self.launch,
             poison=self.poison, workspace=workspace, merge_in_stage1=prepared.merge_in_stage1,
             counters=self._merge_counters(rows * query.shape[1]) if prepared.merge_in_stage1 else None,
-            kv_scales=kv_scales, fast=plan.precision == "fast",
+            kv_scales=kv_scales, fast=plan.precision == "fast", partial_low=partial_low,
         )
 
     def _run_decompressed(
@@ -536,7 +551,7 @@ class TritonBackend:
             first += len(page_rows)
         decompressed = AttentionPlan(plan.route, tuple(pieces), plan.work, plan.reduce_map, plan.num_query_rows,
                                      num_partitions=plan.num_partitions, reason=plan.reason,
-                                     precision=plan.precision)
+                                     precision=plan.precision, window=plan.window)
         prepared = self._prepare_eager(decompressed, flatten_plan(decompressed))
         # the flat cache slots of every read piece's rows (row j of a page at page_id * page_size + j)
         sources = [p for p, n in zip(plan.pieces, counts) if n]

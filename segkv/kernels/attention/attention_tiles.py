@@ -213,7 +213,7 @@ def key_mask_scores(s, key_mask_words, word_base, kpos, offset, in_page):
 
 @triton.jit
 def online_softmax_step(s, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT_FP32: tl.constexpr,
-                        needs_mask=True, FAST_PV: tl.constexpr = False):
+                        needs_mask=True, FAST_PV: tl.constexpr = False, low=None):
     """One block of the online softmax: raw scores ``s (M, N)`` float32 of the keys at positions
     ``kpos (N,)``, masked causally against ``offset (M,)`` (a program's padding rows have offset
     -1, :func:`pair_reads`) and to the keys ``in_page``; ``v (N, D)`` the block's values. Returns
@@ -225,10 +225,13 @@ def online_softmax_step(s, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT
     one half-precision product with float32 sums, as FlashAttention does (``l_i`` sums the unrounded
     weights); otherwise (``exact``) P is split into two half-precision parts. In float32
     (``EXACT_FP32``: float32 inputs, or the interpreter) the fast product rounds P to the dtype the
-    values arrived in and multiplies in IEEE float32, which is what the GPU's product computes."""
+    values arrived in and multiplies in IEEE float32, which is what the GPU's product computes.
+    ``low (M,)`` (sliding windows, with ``needs_mask``): keys before position ``low`` are masked too."""
     scale2 = scale * LOG2E
     if needs_mask:
         s = tl.where(_key_positions(kpos, in_page)[None, :] <= offset[:, None], s, float("-inf"))
+        if low is not None:  # a sliding window: keys before the pair's window's first position are masked too
+            s = tl.where(kpos[None, :] >= low[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)  # scale2 > 0: the max of the scaled scores
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = exp2_ftz(s * scale2 - m_safe[:, None])
@@ -351,3 +354,19 @@ def tile_seen_whole(page_key_start, t, full, min_offset, BLOCK_N: tl.constexpr, 
     else:
         first = tl.load(page_key_start + t)
     return full & (first + BLOCK_N - 1 <= min_offset)
+
+
+@triton.jit
+def window_page_start(page_key_start, pg0, pg1, valid, low):
+    """The first page entry of ``[pg0, pg1)`` a program's pairs see under a sliding window: the last
+    one whose first key is at most the pairs' smallest window start ``low`` (``pg0`` when none is),
+    by binary search; the entries before it hold only keys before every pair's window."""
+    first = tl.min(tl.where(valid, low, 2147483647), 0)
+    lo = pg0
+    hi = pg1
+    while lo < hi:  # the first entry whose first key lies past ``first``
+        mid = (lo + hi) // 2
+        right = tl.load(page_key_start + mid) <= first
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right, hi, mid)
+    return tl.maximum(lo - 1, pg0)

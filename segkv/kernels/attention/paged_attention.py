@@ -28,6 +28,7 @@ from segkv.kernels.attention.attention_tiles import (
     store_partials,
     tile_pages,
     tile_seen_whole,
+    window_page_start,
     tile_range,
     tile_rows_in_page,
     work_item_visible,
@@ -57,6 +58,7 @@ def _stage1_kernel(
     KEY_MASKS: tl.constexpr = False, work_key_masks=None, key_mask_words=None,
     KV_FP8: tl.constexpr = False, K_SCALE=None, V_SCALE=None,
     CAUSAL_END: tl.constexpr = False, FAST_PV: tl.constexpr = False,
+    KEY_LOWS: tl.constexpr = False, partial_low=None,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -85,7 +87,10 @@ def _stage1_kernel(
     the last page any pair sees (:func:`attention_tiles.causal_page_end`) and, with ``SKIP``, each
     tile every pair sees whole skips the mask (:func:`attention_tiles.tile_seen_whole`), so only
     the diagonal's tiles are masked. ``FAST_PV``: the contract's ``fast`` mode (P rounded to the
-    K/V dtype before P.V, :func:`attention_tiles.online_softmax_step`); off: ``exact``."""
+    K/V dtype before P.V, :func:`attention_tiles.online_softmax_step`); off: ``exact``.
+    ``KEY_LOWS`` (sliding windows): ``partial_low`` int32 per partial, the first piece row the
+    pair's row sees (0: from the first); the scan starts at the page holding the pairs' smallest
+    (:func:`attention_tiles.window_page_start`) and every tile is masked. False compiles it away."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if STAMPS is not None:
@@ -141,17 +146,27 @@ def _stage1_kernel(
     if not PLAN_EARLY:  # the first block's page indices (plan_reads), after the query and the K/V bases
         page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, pg0, slot, pg1, WIDE_OFFSETS, PAGES,
                                            BLOCK_N, PAGE_SIZE, FOUR)
+    low = None
+    scan0 = pg0
+    if KEY_LOWS:  # a sliding window: no tile before the first key a pair sees
+        low = tl.load(partial_low + partial, mask=valid, other=0)
+        scan0 = window_page_start(page_key_start, pg0, pg1, valid, low)
+        # the first tile's page indices from there
+        page, rows, kst, full = tile_pages(page_table, page_rows, page_key_start, scan0, slot, pg1, WIDE_OFFSETS,
+                                           PAGES, BLOCK_N, PAGE_SIZE, FOUR)
     if CAUSAL_END:  # no tile past the last key a pair sees; the mask only where a pair misses a key
-        t0, t1 = tile_range(pg0, causal_page_end(page_key_start, pg0, pg1, valid, offset), SUB)
+        t0, t1 = tile_range(scan0, causal_page_end(page_key_start, pg0, pg1, valid, offset), SUB)
         min_offset = tl.min(tl.where(valid, offset, 2147483647), 0)
     else:
-        t0, t1 = tile_range(pg0, pg1, SUB)
+        t0, t1 = tile_range(scan0, pg1, SUB)
         if SKIP:  # every valid pair sees every key of the work item: full tiles need no mask
             visible = work_item_visible(page_rows, page_key_start, pg0, pg1, offset, valid)
     if KEY_MASKS:  # masked scores are wholly masked already (causal and page limits too): SKIP stays valid
         masked, word_base = work_key_masks_of(work_key_masks, w, partial, p0)
     for t in range(t0, t1, PAGES):
-        if CAUSAL_END:
+        if KEY_LOWS:
+            needs_mask = True
+        elif CAUSAL_END:
             needs_mask = tile_seen_whole(page_key_start, t, full, min_offset, BLOCK_N, SUB) == 0 if SKIP else True
         else:
             needs_mask = (visible & full) == 0 if SKIP else True
@@ -179,7 +194,7 @@ def _stage1_kernel(
             if masked:
                 s = key_mask_scores(s, key_mask_words, word_base, kpos, offset, in_page)
         m_i, l_i, acc = online_softmax_step(s, qk_scale, kpos, offset, in_page, v_cur, m_i, l_i, acc,
-                                            EXACT_FP32, needs_mask, FAST_PV)
+                                            EXACT_FP32, needs_mask, FAST_PV, low)
     if KV_FP8:  # the weights' sum of unscaled values times the head's value scale
         acc = acc * tl.load(V_SCALE + kvh)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
@@ -340,7 +355,7 @@ def paged_attention(
     partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
     poison=False, workspace=None, counters=None, merge_in_stage1=False,
-    work_key_masks=None, key_mask_words=None, kv_scales=None, fast=False,
+    work_key_masks=None, key_mask_words=None, kv_scales=None, fast=False, partial_low=None,
 ):
     """Attention of a plan: stage-1 partials, then the exact merge, rounded once.
 
@@ -363,7 +378,8 @@ def paged_attention(
     ``kv_scales``: the caches are ``float8_e4m3fn`` with ``(k_scale, v_scale)`` ``(Hkv,)`` float32:
     the kernel reads their bytes and attends ``fp8 * scale`` (``_stage1_kernel``'s ``KV_FP8``).
     ``fast``: the contract's ``fast`` precision mode inside the pieces (P rounded to the K/V dtype
-    before P.V); the merge and its single rounding are the same in both modes.
+    before P.V); the merge and its single rounding are the same in both modes. ``partial_low``
+    ``(num_partials,)`` int32 (sliding windows): each partial's first visible piece row.
     """
     fp8 = {}
     if kv_scales is not None:
@@ -399,6 +415,7 @@ def paged_attention(
             lse.stride(0), num_heads,
             scale, num_rows, **meta, **attention_pdl_options(query), **timeline_stamps("stage1"),
             **key_mask_options(work_key_masks, key_mask_words), **fp8,
+            **({} if partial_low is None else {"KEY_LOWS": True, "partial_low": partial_low}),
         )
     if num_rows and not merged and (needs_merge or not (num_work and num_partials)):
         merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
