@@ -17,7 +17,7 @@ STAGES=",${SEGKV_PREFILL_STAGES:-tests,kernel,chunks},"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 if [[ $STAGES == *,tests,* ]]; then
   timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/attention/test_precision_modes.py \
-    tests/attention/test_triton_attention.py -k "${SEGKV_PREFILL_TESTS:-}" 2>&1 | tail -15 | tee "$OUT/tests.txt"
+    tests/attention/test_triton_attention.py tests/attention/test_sliding_window.py -k "${SEGKV_PREFILL_TESTS:-}" 2>&1 | tail -15 | tee "$OUT/tests.txt"
 fi
 if [[ $STAGES == *,kernel,* ]]; then
   timeout 420 python3 -m benchmarks.prefill_attention --launches "${SEGKV_PREFILL_LAUNCHES:-128x8x64,64x4x64}" \
