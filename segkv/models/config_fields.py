@@ -6,7 +6,7 @@ instance's ``to_dict()``, plus fields real checkpoints carry outside that class 
 remote-code keys, legacy ``rope_theta``/``rope_scaling``, ``torch_dtype``). Each field is
 
 - **handled**: segkv reads it and computes what the reference computes (``hidden_size``, the
-  biases it builds, ``rope_parameters``; Mistral's ``sliding_window`` caps the model length);
+  biases it builds, ``rope_parameters``; Mistral's ``sliding_window``, planned as a window);
 - **inert**: it does not change inference (token ids, initialisation, dropout, training losses,
   bookkeeping, values transformers itself recomputes);
 - **refused** unless at a value that changes nothing: :class:`Refused` says what segkv does
@@ -140,8 +140,7 @@ _LLAMA = FieldTable(
 )
 _MISTRAL = FieldTable(
     "MistralConfig",
-    # sliding_window: the model length is capped at the window (mistral.py), where full
-    # attention equals windowed attention
+    # sliding_window: every layer attends the window (the runner plans with model.sliding_window)
     handled=_DECODER_HANDLED | {"sliding_window"},
     inert=_BASE_INERT,
     refused={**_COMMON_REFUSED,
@@ -239,7 +238,7 @@ _QWEN3_MOE = FieldTable(
 )
 _MIXTRAL = FieldTable(
     "MixtralConfig",
-    # sliding_window caps the model length, as for Mistral (mixtral.py)
+    # sliding_window: every layer attends the window, as for Mistral
     handled=_DECODER_HANDLED | {"sliding_window", "num_local_experts", "num_experts", "num_experts_per_tok"},
     # router_jitter_noise is applied in training only
     inert=_BASE_INERT | {"router_aux_loss_coef", "router_jitter_noise", "output_router_logits"},
@@ -250,7 +249,7 @@ _MIXTRAL = FieldTable(
 
 _PHI3 = FieldTable(
     "Phi3Config",
-    # sliding_window caps the model length, as for Mistral (phi3.py); original_max_position_embeddings
+    # sliding_window: every layer attends the window, as for Mistral; original_max_position_embeddings
     # picks longrope's short or long factors (layers/rotary.py)
     handled=_DECODER_HANDLED | {"sliding_window", "original_max_position_embeddings"},
     # dropouts act in training only

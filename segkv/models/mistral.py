@@ -1,4 +1,4 @@
-"""Mistral (``MistralForCausalLM``): the Llama decoder; sliding windows are refused if active."""
+"""Mistral (``MistralForCausalLM``): the Llama decoder with an optional sliding window."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from segkv.models.decoder import DecoderConfig, DecoderForCausalLM
 
 
 class MistralForCausalLM(DecoderForCausalLM):
-    """Mistral with full attention.
+    """Mistral: the Llama decoder, every layer attending one ``sliding_window``.
 
-    Checkpoints with a ``sliding_window`` attend at most that many past tokens. segkv
-    attends the whole history, which is identical as long as a sequence is not longer than
-    the window, so the model length is capped at the window.
+    With a ``sliding_window`` of ``W`` each token attends its last ``W`` positions, itself
+    included (transformers' semantics); the runner plans attention with the window
+    (``model.sliding_window``, shared by every layer), so the model length stays
+    ``max_position_embeddings``. None, 0 or an absent window mean full attention.
     """
 
     @classmethod
@@ -21,8 +22,3 @@ class MistralForCausalLM(DecoderForCausalLM):
         window = cfg.get("sliding_window")
         model.sliding_window = int(window) if window else None
         return model
-
-    @property
-    def max_model_len(self) -> int:
-        window = getattr(self, "sliding_window", None)
-        return min(self.cfg.max_position_embeddings, window) if window else self.cfg.max_position_embeddings

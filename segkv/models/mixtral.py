@@ -6,7 +6,6 @@ import re
 from typing import Any
 
 from segkv.models.decoder import DecoderConfig
-from segkv.models.mistral import MistralForCausalLM
 from segkv.models.moe_decoder import SparseMoeDecoderForCausalLM, SparseMoeSettings, softmax_router
 
 # checkpoint names -> segkv's: block_sparse_moe.{gate, experts.{i}.w1/w3/w2} are the
@@ -24,8 +23,8 @@ class MixtralForCausalLM(SparseMoeDecoderForCausalLM):
     token takes the top ``num_experts_per_tok`` by softmax of the router logits, weighted by those
     k probabilities renormalised to sum 1 (the softmax of the k logits).
 
-    A ``sliding_window`` is handled as Mistral's is (``models/mistral.py``): the model length is
-    capped at the window. ``router_jitter_noise``, ``router_aux_loss_coef`` and
+    A ``sliding_window`` is attended as Mistral's is (``models/mistral.py``): every layer sees
+    the window, planned by the runner. ``router_jitter_noise``, ``router_aux_loss_coef`` and
     ``output_router_logits`` only matter in training.
     """
 
@@ -42,8 +41,6 @@ class MixtralForCausalLM(SparseMoeDecoderForCausalLM):
         window = cfg.get("sliding_window")
         model.sliding_window = int(window) if window else None
         return model
-
-    max_model_len = MistralForCausalLM.max_model_len
 
     def param_name(self, checkpoint_name: str) -> str:
         """The parameter a checkpoint tensor loads into: ``block_sparse_moe.*`` is ``mlp.*`` and an

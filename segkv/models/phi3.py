@@ -106,9 +106,9 @@ class Phi3Body(DecoderBody):
 class Phi3ForCausalLM(DecoderForCausalLM):
     """Phi-3 / Phi-4: no biases; tied embeddings where ``tie_word_embeddings`` says so.
 
-    A ``sliding_window`` (Phi-3-mini: 2047) is handled as Mistral's: segkv attends the whole
-    history, identical as long as no sequence is longer than the window, so the model length is
-    capped at the window.
+    A ``sliding_window`` (Phi-3-mini: 2047) is attended as Mistral's (``models/mistral.py``):
+    every layer sees the window, planned by the runner, and the model length stays
+    ``max_position_embeddings``.
     """
 
     def __init__(self, cfg: DecoderConfig) -> None:
@@ -131,8 +131,3 @@ class Phi3ForCausalLM(DecoderForCausalLM):
             if isinstance(rope, dict) and rope_type_of(rope) == "longrope":
                 rope["rope_type"] = "default"  # its factors are checked when the rotary is built
         return super().unimplemented_settings(cfg)
-
-    @property
-    def max_model_len(self) -> int:
-        window = getattr(self, "sliding_window", None)
-        return min(self.cfg.max_position_embeddings, window) if window else self.cfg.max_position_embeddings

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -39,7 +40,8 @@ from segkv.attention.device import DeviceSpec
 from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionPlan, SequenceQuery
 from segkv.attention.planner import plan_attention
-from segkv.attention.triton_backend import PlanCapacity, TritonBackend, merges_in_stage1, stage1_merge_bound
+from segkv.attention.triton_backend import (PlanCapacity, TritonBackend, flatten_plan, merges_in_stage1,
+                                            stage1_merge_bound)
 from segkv.cache.kv_cache import PagedKVCache
 from segkv.layers.transfer import to_device
 
@@ -286,9 +288,20 @@ class DecodeGraphs:
             return None
         return bucket
 
+    @staticmethod
+    def _zero_lows(bucket: _Bucket, plan: AttentionPlan, arrays: dict | None) -> dict | None:
+        """``arrays`` for ``bucket``'s buffers: where they hold key lows (a windowed model) and
+        ``plan`` has none (every window starts on a page boundary), explicit zero lows, so the
+        graph's window test does not read an earlier plan's lows left in the buffers."""
+        if not bucket.backend.capacity.key_lows or plan.has_key_lows:
+            return arrays
+        arrays = dict(flatten_plan(plan) if arrays is None else arrays)
+        arrays["partial_low"] = np.zeros(len(arrays["partial_row"]), dtype=np.int32)
+        return arrays
+
     def _prepare(self, bucket: _Bucket, plan: AttentionPlan, arrays: dict | None) -> bool:
         try:
-            bucket.backend.prepare(plan, arrays=arrays)
+            bucket.backend.prepare(plan, arrays=self._zero_lows(bucket, plan, arrays))
         except ValueError:  # the plan exceeds the bucket's fixed capacity
             self.fallbacks += 1
             return False
@@ -330,7 +343,7 @@ class DecodeGraphs:
         if bucket is None:
             return
         try:
-            bucket.backend.prepare(plan, arrays=arrays)
+            bucket.backend.prepare(plan, arrays=self._zero_lows(bucket, plan, arrays))
         except ValueError:  # over the bucket's capacity: the step will fall back to eager anyway
             bucket.staged = None
             return
@@ -364,7 +377,9 @@ class DecodeGraphs:
                             max_rows=rows, max_work_rows=rows if wide else window,
                             max_row_partials=stage1_merge_bound() if few else None,
                             # decode steps never carry tree windows: their kernels compile without masks
-                            max_key_mask_words=0 if window == 1 else None)
+                            max_key_mask_words=0 if window == 1 else None,
+                            # a windowed model's plans carry each partial's window start
+                            key_lows=bool(getattr(self.model, "sliding_window", None)))
 
     def _capture(self, size: int, wide: bool, few: bool, mla_mode: str, *, window: int = 1) -> _Bucket:
         """Capture the bucket of ``size`` sequences of ``window`` rows each (1: decode)."""
@@ -382,7 +397,8 @@ class DecodeGraphs:
         scratch = SequenceQuery(tuple(chain.spans()), window)
         shape = self.model.attention_shape(mla_mode)
         prepared = backend.prepare(plan_attention([scratch] * size, shape, self.device_spec,
-                                                  page_size=self.cache.page_size, route="single"))
+                                                  page_size=self.cache.page_size, route="single",
+                                                  window=getattr(self.model, "sliding_window", None)))
         meta = AttentionMetadata(backend=backend, prepared=prepared, storage=self.cache.storage,
                                  slots=inputs[2], mla_mode=mla_mode, trusted_slots=True)
         self._new_bucket(bucket)

@@ -247,9 +247,11 @@ class ModelRunner:
         self._ahead = None
 
     def plan(self, queries: list[SequenceQuery], mla_mode: str) -> AttentionPlan:
-        """The attention plan of ``queries`` on this runner's device, cache and route."""
+        """The attention plan of ``queries`` on this runner's device, cache and route, bounded by
+        the model's sliding window (one for every layer) where it has one."""
         return plan_attention(queries, self.model.attention_shape(mla_mode), self.device_spec,
-                              page_size=self.cache.page_size, route=self.route)
+                              page_size=self.cache.page_size, route=self.route,
+                              window=getattr(self.model, "sliding_window", None))
 
     def _plan_ahead(self, chains: list[KVChain], mla_mode: str) -> _PlanAhead | None:
         """The plan (and flattened index arrays) of the next decode step of the same chains, one

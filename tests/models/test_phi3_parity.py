@@ -88,7 +88,7 @@ def test_phi3_matches_transformers(tmp_path, gen):
 
 
 def test_phi3_unusual_config_with_longrope(tmp_path, gen):
-    """One KV head (MQA), an odd vocabulary, tied embeddings, a window cap, LongRoPE with original
+    """One KV head (MQA), an odd vocabulary, tied embeddings, a window longer than the prompts, LongRoPE with original
     length 32 and factor 8 (attention factor ~1.26): prompts below, at and above 32 tokens (short,
     then long factors), and a greedy run past it. (A sequence crossing 32 after its first step is
     not compared: transformers recomputes its cache at the long factors, see
@@ -99,7 +99,7 @@ def test_phi3_unusual_config_with_longrope(tmp_path, gen):
                 rope_scaling=_longrope(head_dim // 2, gen))
     assert hf.config.vocab_size % 2 == 1
     model = load_model(tmp_path)
-    assert model.max_model_len == 200
+    assert model.max_model_len == 256 and model.sliding_window == 200  # the window does not cap it
     assert model.lm_head.weight is model.model.embed_tokens.weight
     rotary = model.model.layers[0].self_attn.rotary
     assert rotary.longrope and rotary.attention_factor == pytest.approx(math.sqrt(1 + math.log(8) / math.log(32)))
