@@ -359,6 +359,8 @@ class TritonBackend:
         for name in _FIELDS:
             if len(arrays[name]) > sizes[name]:
                 raise ValueError(f"plan needs {len(arrays[name])} entries of {name}, capacity is {sizes[name]}")
+        if cap.key_lows and not plan.has_key_lows:  # the kernels test lows: none must be an earlier plan's
+            arrays["partial_low"] = np.zeros(len(arrays["partial_row"]), dtype=np.int32)
         # the kernels read these past the plan's entries (fixed grids): pad them to be inert
         for name in _PADDED:
             values = arrays[name]

@@ -32,7 +32,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -40,8 +39,7 @@ from segkv.attention.device import DeviceSpec
 from segkv.attention.metadata import AttentionMetadata
 from segkv.attention.plan import AttentionPlan, SequenceQuery
 from segkv.attention.planner import plan_attention
-from segkv.attention.triton_backend import (PlanCapacity, TritonBackend, flatten_plan, merges_in_stage1,
-                                            stage1_merge_bound)
+from segkv.attention.triton_backend import PlanCapacity, TritonBackend, merges_in_stage1, stage1_merge_bound
 from segkv.cache.kv_cache import PagedKVCache
 from segkv.layers.transfer import to_device
 
@@ -288,20 +286,9 @@ class DecodeGraphs:
             return None
         return bucket
 
-    @staticmethod
-    def _zero_lows(bucket: _Bucket, plan: AttentionPlan, arrays: dict | None) -> dict | None:
-        """``arrays`` for ``bucket``'s buffers: where they hold key lows (a windowed model) and
-        ``plan`` has none (every window starts on a page boundary), explicit zero lows, so the
-        graph's window test does not read an earlier plan's lows left in the buffers."""
-        if not bucket.backend.capacity.key_lows or plan.has_key_lows:
-            return arrays
-        arrays = dict(flatten_plan(plan) if arrays is None else arrays)
-        arrays["partial_low"] = np.zeros(len(arrays["partial_row"]), dtype=np.int32)
-        return arrays
-
     def _prepare(self, bucket: _Bucket, plan: AttentionPlan, arrays: dict | None) -> bool:
         try:
-            bucket.backend.prepare(plan, arrays=self._zero_lows(bucket, plan, arrays))
+            bucket.backend.prepare(plan, arrays=arrays)
         except ValueError:  # the plan exceeds the bucket's fixed capacity
             self.fallbacks += 1
             return False
@@ -343,7 +330,7 @@ class DecodeGraphs:
         if bucket is None:
             return
         try:
-            bucket.backend.prepare(plan, arrays=self._zero_lows(bucket, plan, arrays))
+            bucket.backend.prepare(plan, arrays=arrays)
         except ValueError:  # over the bucket's capacity: the step will fall back to eager anyway
             bucket.staged = None
             return

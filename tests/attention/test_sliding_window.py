@@ -149,3 +149,25 @@ def test_bad_windows_are_refused(gen):
     cache, chains, queries, q, shape = batch(gen, dtype=torch.float32, rows=1)
     with pytest.raises(ValueError, match="window must be >= 1"):
         plan_attention(queries, shape, DeviceSpec.cpu(), page_size=16, window=0)
+
+
+def test_fixed_buffers_clear_an_earlier_plans_lows(gen):
+    """Fixed buffers holding lows, then a windowed plan whose rows' windows all start on a page
+    boundary (no key lows): its kernels must not read the earlier plan's lows."""
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, dtype=torch.float32)
+    cache = PagedKVCache(layout, CacheConfig(page_size=16, num_pages=16), device=DEVICE,
+                         compaction=CompactionPolicy(enabled=False))
+    chain = cache.new_chain()
+    cache.storage.write(0, chain.append(26), *torch.randn(2, 26, 2, 32, generator=gen).to(DEVICE))
+    query, q, shape = SequenceQuery.from_chain(chain, 1), torch.randn(1, 8, 32, generator=gen).to(DEVICE), \
+        AttentionShape(8, 2, 32, 32)
+    with_lows = plan_attention([query], shape, DeviceSpec.cpu(), page_size=16, window=11)
+    no_lows = plan_attention([query], shape, DeviceSpec.cpu(), page_size=16, window=10)  # starts at row 16
+    assert with_lows.has_key_lows and not no_lows.has_key_lows
+    fixed = TritonBackend(page_size=16, device=DEVICE, capacity=PlanCapacity(
+        max_pages=8, max_work=8, max_partials=8, max_rows=1, max_work_rows=1, key_lows=True))
+    fixed.prepare(with_lows)
+    got, _ = fixed.run(fixed.prepare(no_lows), q, cache.storage.key_cache(0), cache.storage.value_cache(0),
+                       scale=32 ** -0.5, out_dtype=torch.float32)
+    want = windowed_oracle(cache, [chain], [query], q, 32 ** -0.5, 10)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=0, atol=2e-5)
