@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from segkv.attention import AttentionShape, SequenceQuery
@@ -205,3 +206,16 @@ def rope_table(max_position: int, dim: int, dtype: torch.dtype, device) -> torch
     from segkv.layers.rotary import RotaryEmbedding
 
     return RotaryEmbedding(dim, base=10000.0, max_position=max_position).to(device).cos_sin_table(dtype)
+
+
+@pytest.fixture
+def exact_attention(monkeypatch):
+    """Plans in the ``exact`` precision mode whatever the device: tests that check the exact
+    contract (one unit in the last place of float32 attention rounded once) would otherwise get
+    the ``fast`` mode the CUDA planner picks for prefill chunks (test_precision_modes checks that
+    mode against its own bound). A plan_attention ``precision`` argument still wins."""
+    import dataclasses
+
+    import segkv.settings as settings
+
+    monkeypatch.setattr(settings, "SETTINGS", dataclasses.replace(settings.SETTINGS, attention_precision="exact"))

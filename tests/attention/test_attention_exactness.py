@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_helpers import LAYOUTS, build_batch, dense_attention, sdpa_attention, ulp
+from attention_helpers import LAYOUTS, build_batch, dense_attention, sdpa_attention, ulp, exact_attention  # noqa: F401
 from segkv.attention import DeviceSpec, Route, TorchReferenceBackend, plan_attention
+
+# the exact contract's checks: exact plans on every device (attention_helpers.exact_attention)
+pytestmark = pytest.mark.usefixtures("exact_attention")
 
 ROUTES = [r.value for r in Route]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -11,12 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_helpers import forked_history, ulp
+from attention_helpers import forked_history, ulp, exact_attention  # noqa: F401
 from gpu_helpers import DEVICE, GPU
 from segkv.attention import AttentionShape, DeviceSpec, Route, SequenceQuery, TorchReferenceBackend, plan_attention
 from segkv.attention.triton_backend import TritonBackend
 from segkv.cache import PagedKVCache
 from segkv.config import FP8_KV_DTYPE, CacheConfig, CompactionPolicy, KVLayout
+
+# the exact contract's checks: exact plans on every device (attention_helpers.exact_attention)
+pytestmark = pytest.mark.usefixtures("exact_attention")
 
 ROUTES = [r.value for r in Route]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_helpers import forked_history
+from attention_helpers import forked_history, exact_attention  # noqa: F401
 from gpu_helpers import DEVICE, GPU
 from segkv.attention import AttentionShape, DeviceSpec, Route, SequenceQuery, TorchReferenceBackend, plan_attention
 from segkv.attention.reference import piece_slots
@@ -24,6 +24,9 @@ from segkv.kernels.attention import paged_attention as kernels
 from segkv.layers.mla import MLADims, MultiHeadLatentAttention
 from segkv.layers.rotary import RotaryEmbedding
 from test_triton_attention import check
+
+# the exact contract's checks: exact plans on every device (attention_helpers.exact_attention)
+pytestmark = pytest.mark.usefixtures("exact_attention")
 
 RANK, ROPE, NOPE, DV = 32, 16, 32, 32
 DK = NOPE + ROPE  # 48

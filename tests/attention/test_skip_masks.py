@@ -13,11 +13,14 @@ import torch
 from segkv.kernels.attention import paged_attention
 from segkv.kernels.attention.attention_tiles import full_tiles_known
 from segkv.kernels.attention.paged_attention import LaunchConfig
-from attention_helpers import triton_and_reference, write_rows
+from attention_helpers import triton_and_reference, write_rows, exact_attention  # noqa: F401
 from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 from test_triton_attention import DEVICE, DTYPES, check, check_with_the_second_sequence_masked
+
+# the exact contract's checks: exact plans on every device (attention_helpers.exact_attention)
+pytestmark = pytest.mark.usefixtures("exact_attention")
 
 
 def test_which_launches_skip_masks():

@@ -8,12 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from attention_helpers import gather_kv, make_layout, ulp, write_rows
+from attention_helpers import gather_kv, make_layout, ulp, write_rows, exact_attention  # noqa: F401
 from gpu_helpers import DEVICE
 from segkv.attention import (AttentionShape, DeviceSpec, Route, SequenceQuery, TorchReferenceBackend,
                              plan_attention)
 from segkv.cache import KVChain, PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
+
+# the exact contract's checks: exact plans on every device (attention_helpers.exact_attention)
+pytestmark = pytest.mark.usefixtures("exact_attention")
 
 ROUTES = [None] + [route.value for route in Route]
 ATOL = 2e-5  # float32 pieces merged in float32, against float64 dense attention

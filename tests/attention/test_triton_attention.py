@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from attention_helpers import Batch, dense_attention, forked_history, triton_and_reference, ulp
+from attention_helpers import Batch, dense_attention, forked_history, triton_and_reference, ulp, exact_attention  # noqa: F401
 from gpu_helpers import DEVICE, GPU
 from segkv.attention import AttentionShape, DeviceSpec, Route, SequenceQuery, TorchReferenceBackend, plan_attention
 from segkv.cache import PagedKVCache
@@ -22,6 +22,9 @@ import triton  # noqa: E402,F401  (a test dependency: the kernels must run in CI
 
 from segkv.attention.merge import merge_partials  # noqa: E402
 from segkv.attention.triton_backend import TritonBackend  # noqa: E402
+
+# the exact contract's checks: exact plans on every device (attention_helpers.exact_attention)
+pytestmark = pytest.mark.usefixtures("exact_attention")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ROUTES = [r.value for r in Route]
