@@ -42,14 +42,34 @@ def common_settings(cfg: dict[str, Any]) -> list[str]:
     return problems + field_problems(cfg)
 
 
+def qwen_uniform_window(cfg: dict[str, Any]) -> int | None:
+    """The window of a Qwen2/Qwen3 config whose every layer is windowed (``use_sliding_window``
+    with ``sliding_window`` set, and ``max_window_layers`` 0 or ``layer_types`` all
+    ``"sliding_attention"``): one plan bound serves every layer, so segkv attends it
+    (``ModelRunner.plan``). None otherwise."""
+    if not cfg.get("use_sliding_window") or not cfg.get("sliding_window"):
+        return None
+    num_layers = int(cfg.get("num_hidden_layers") or 0)
+    types = cfg.get("layer_types")
+    if types is not None:
+        every = len(types) == num_layers and all(t == "sliding_attention" for t in types)
+    else:
+        every = int(cfg.get("max_window_layers") or 0) <= 0
+    return int(cfg["sliding_window"]) if every and num_layers else None
+
+
 def qwen_sliding_window(cfg: dict[str, Any]) -> list[str]:
     """Qwen2/Qwen3 windowed layers (``use_sliding_window``, ``max_window_layers``, ``layer_types``).
 
     transformers windows layer ``i`` when ``layer_types[i] == "sliding_attention"``; without
     ``layer_types``, the layers from ``max_window_layers`` on when ``use_sliding_window`` is set.
-    segkv attends the whole history in every layer: the same only where no sequence can outgrow
-    the window (``sliding_window >= max_position_embeddings``), so anything else is refused.
+    segkv plans one window for every layer: a config whose every layer is windowed is attended as
+    such (:func:`qwen_uniform_window`); one whose window covers the model length
+    (``sliding_window >= max_position_embeddings``) is full attention anyway; anything else (some
+    layers windowed, others not) is refused.
     """
+    if qwen_uniform_window(cfg) is not None:
+        return []
     num_layers = int(cfg.get("num_hidden_layers") or 0)
     use = bool(cfg.get("use_sliding_window", False))
     window = cfg.get("sliding_window") if use else None
@@ -73,9 +93,9 @@ def qwen_sliding_window(cfg: dict[str, Any]) -> list[str]:
     if use:
         return [f"use_sliding_window: true (sliding_window {window}, max_window_layers "
                 f"{cfg.get('max_window_layers')}; layers {layers} attend a window): sliding-window "
-                "attention is not implemented (segkv attends the full history in every layer)"]
+                "attention is not implemented for some layers only (segkv windows every layer or none)"]
     return [f"layer_types marks layers {layers} as 'sliding_attention': sliding-window attention "
-            "is not implemented (segkv attends the full history in every layer)"]
+            "is not implemented for some layers only (segkv windows every layer or none)"]
 
 
 def _rope_dict(cfg: dict[str, Any]) -> tuple[str, dict | None]:

@@ -117,8 +117,9 @@ def _ignored_by_reference(name: str, family: str, what: str) -> Refused:
 
 def _qwen_window(example: Mapping[str, Any]) -> Refused:
     return Refused(
-        "sliding-window attention is not implemented (segkv attends the full history in every "
-        "layer); refused unless no layer is windowed or the window covers max_position_embeddings",
+        "sliding-window attention over some layers only is not implemented (segkv plans one window "
+        "for every layer); refused unless no layer or every layer is windowed, or the window covers "
+        "max_position_embeddings",
         example, checked_by="config_checks.qwen_sliding_window (the family's unimplemented_settings)")
 
 
@@ -126,9 +127,9 @@ _QWEN_WINDOW = {
     "use_sliding_window": _qwen_window({"use_sliding_window": True, "sliding_window": 16,
                                         "max_window_layers": 1, "layer_types": None}),
     "sliding_window": _qwen_window({"use_sliding_window": True, "sliding_window": 8,
-                                    "max_window_layers": 0, "layer_types": None}),
+                                    "max_window_layers": 1, "layer_types": None}),
     "max_window_layers": _qwen_window({"use_sliding_window": True, "sliding_window": 16,
-                                       "max_window_layers": 0, "layer_types": None}),
+                                       "max_window_layers": 1, "layer_types": None}),
     "layer_types": _qwen_window({"layer_types": ["full_attention", "sliding_attention"]}),
 }
 
@@ -233,7 +234,7 @@ _QWEN3_MOE = FieldTable(
              "sliding_window": _qwen_window({"use_sliding_window": True, "sliding_window": 8}),
              # not a transformers field here; checkpoints carry it from Qwen3's config
              "max_window_layers": _qwen_window({"use_sliding_window": True, "sliding_window": 16,
-                                                "max_window_layers": 0}),
+                                                "max_window_layers": 1}),
              "mlp_bias": _ignored_by_reference("mlp_bias", "Qwen3-MoE", "no MLP biases")},
 )
 _MIXTRAL = FieldTable(

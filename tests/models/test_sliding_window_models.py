@@ -160,3 +160,41 @@ def test_graph_decode_of_a_windowed_model(mistral_dir, reference):
     assert tokens == reference
     assert llm.generate(PROMPTS[1:], PARAMS)[0].outputs[0].token_ids == reference[1]
     assert graphs.replays > 0 and all(b.backend.capacity.key_lows for b in graphs._buckets.values())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("how", ["max_window_layers", "layer_types"])
+def test_qwen_windows_over_every_layer_match_transformers(family, how, tmp_path, gen):
+    """Qwen2/Qwen3 with every layer windowed (``max_window_layers`` 0, or ``layer_types`` all
+    sliding) and a window shorter than the prompt: prompt logits and greedy tokens are
+    transformers'; windows over some layers only stay refused."""
+    window = 10
+    extra = ({"max_window_layers": 0} if how == "max_window_layers"
+             else {"layer_types": ["sliding_attention", "sliding_attention"], "max_window_layers": 0})
+    hf = build_model_dir(tmp_path, family, use_sliding_window=True, sliding_window=window, **extra)
+    assert all(t == "sliding_attention" for t in hf.config.layer_types)
+    model = load_model(tmp_path)
+    assert model.sliding_window == window and model.max_model_len == hf.config.max_position_embeddings
+    prompt = torch.randint(0, hf.config.vocab_size, (PROMPT,), generator=gen)
+    runs = []
+    for sliding_window in (window, None):  # None: the same weights with full attention
+        model.sliding_window = sliding_window
+        cache = PagedKVCache(model.kv_layout(torch.float32), CacheConfig(page_size=16, num_pages=64))
+        chain = cache.new_chain()
+        runs.append(ModelRunner(model, cache, prefill_chunk=7).prompt_logits(chain, prompt.tolist()))
+        chain.release()
+    with torch.no_grad():
+        reference = hf(prompt[None]).logits[0]
+    assert rel_err(runs[0], reference) < TOLERANCE
+    assert rel_err(runs[1], reference) > 100 * TOLERANCE  # the window matters
+    llm = LLM(tmp_path, device="cpu", dtype="float32", page_size=16, num_pages=64)
+    ours = llm.generate([prompt.tolist()], SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                                          ignore_eos=True))[0].outputs[0].token_ids
+    theirs = hf.generate(prompt[None], max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT:].tolist()
+    assert ours == theirs
+
+
+def test_qwen_windows_over_some_layers_are_refused(tmp_path):
+    build_model_dir(tmp_path, "qwen3", use_sliding_window=True, sliding_window=10, max_window_layers=1)
+    with pytest.raises(ValueError, match="some layers only"):
+        LLM(tmp_path, device="cpu", dtype="float32", page_size=16, num_pages=64)

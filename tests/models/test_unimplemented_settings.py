@@ -45,7 +45,11 @@ def test_qwen_settings_that_window_nothing_load(tmp_path, family):
     # a window as long as the model: no sequence can see past it
     _edit_config(tmp_path, max_window_layers=0, sliding_window=hf.config.max_position_embeddings)
     load_model(tmp_path)
+    # a shorter window over every layer is attended as a window (test_sliding_window_models)
     _edit_config(tmp_path, sliding_window=hf.config.max_position_embeddings - 1)
+    assert load_model(tmp_path).sliding_window == hf.config.max_position_embeddings - 1
+    # over some layers only: refused
+    _edit_config(tmp_path, max_window_layers=1)
     with pytest.raises(ValueError, match="use_sliding_window"):
         load_model(tmp_path)
 
