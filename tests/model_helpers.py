@@ -102,3 +102,19 @@ def build_moe_dir(directory: Path, family: str, *, seed: int = 0, extra_vocab: i
                 p.copy_(torch.randn_like(p) * 1.5 / math.sqrt(p.shape[-1]))
     model.save_pretrained(directory)
     return model
+
+
+def assert_greedy_agrees(hf, prompt: list[int], tokens: list[int], expected: list[int], tolerance: float) -> None:
+    """segkv's greedy ``tokens`` against transformers' ``expected`` after ``prompt``: equal, or they
+    part at a float32 near-tie (the two candidates' logits at that step, by transformers, within
+    ``tolerance`` of the step's largest logit), which only then may flip greedy."""
+    import torch
+
+    assert len(tokens) == len(expected)
+    if tokens == expected:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b)
+    with torch.no_grad():
+        step = hf(torch.tensor([prompt + expected[:i]])).logits[0, -1]
+    gap = (step[tokens[i]] - step[expected[i]]).abs().item()
+    assert gap < tolerance * step.abs().max().item(), f"step {i}: {tokens[i]} vs {expected[i]}, gap {gap}"

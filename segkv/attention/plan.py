@@ -18,11 +18,7 @@ class Route(str, Enum):
 
     @classmethod
     def parse(cls, value: str | Route) -> Route:
-        try:
-            return cls(value)
-        except ValueError:
-            names = ", ".join(r.value for r in cls)
-            raise ValueError(f"unknown attention route {value!r}; expected one of {names}") from None
+        return _parse(cls, value, "route", "")
 
 
 class Precision(str, Enum):
@@ -36,11 +32,16 @@ class Precision(str, Enum):
 
     @classmethod
     def parse(cls, value: str | Precision) -> Precision:
-        try:
-            return cls(value)
-        except ValueError:
-            names = ", ".join(p.value for p in cls)
-            raise ValueError(f"unknown attention precision {value!r}; expected one of {names} (or auto)") from None
+        return _parse(cls, value, "precision", " (or auto)")
+
+
+def _parse(cls: type[Enum], value, what: str, extra: str):
+    """``cls(value)``, or a ValueError naming the attention ``what`` and the accepted values."""
+    try:
+        return cls(value)
+    except ValueError:
+        names = ", ".join(member.value for member in cls)
+        raise ValueError(f"unknown attention {what} {value!r}; expected one of {names}{extra}") from None
 
 
 @dataclass(slots=True, frozen=True)

@@ -172,9 +172,10 @@ def plan_attention(
     else:
         cuts, reason = [_cut_rows(run, None) for run in runs], f"forced {forced.value}"
     # a tree's nodes sit at the tree's start plus their depths, which bound their windows from below
-    positions = [None if tree is None else [query.tree_start + d for d in
-                                            tree_depths(query.tree_parents)[len(query.tree_parents) - query.num_query_rows:]]
-                 for query, tree in zip(full_queries, windows)]
+    positions = None if window is None else [
+        None if tree is None else [query.tree_start + d for d in
+                                   tree_depths(query.tree_parents)[len(query.tree_parents) - query.num_query_rows:]]
+        for query, tree in zip(full_queries, windows)]
     pieces, work, max_parts = _partition(runs, cuts, queries, device.max_query_rows_per_work, window, positions)
     _add_tree_windows(pieces, work, full_queries, windows, device.max_query_rows_per_work, window)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 import segkv.settings as settings
+from engine_helpers import conversation_tokens
 from gpu_helpers import DEVICE
 from model_helpers import build_model_dir
 from segkv.engine import LLM
@@ -23,12 +24,8 @@ CASES = [(5, "segments", "fast"), (17, "split", "exact"), (64, "cascade", "fast"
 def tokens(directory, *, backend: str, chunk: int, route: str | None) -> tuple[list[list[int]], LLM]:
     llm = LLM(directory, device=DEVICE, dtype="float32", backend=backend, page_size=16, num_pages=128,
               prefill_chunk=chunk, route=route)
-    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
-    conv = llm.conversation()
-    out.append(conv.say("hello there, a first turn", PARAMS).output.token_ids)
-    out.append(conv.say("and a follow-up", PARAMS).output.token_ids)
-    out.append(conv.fork().say("a fork's own turn", PARAMS).output.token_ids)
-    return out, llm
+    return conversation_tokens(llm, PROMPTS, PARAMS, ("hello there, a first turn", "and a follow-up",
+                                                      "a fork's own turn")), llm
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from gpu_helpers import DEVICE, GPU
-from model_helpers import build_model_dir, build_moe_dir
+from engine_helpers import conversation_tokens
+from model_helpers import assert_greedy_agrees, build_model_dir, build_moe_dir
 from segkv.attention import Route
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig
@@ -18,7 +19,7 @@ from segkv.engine import LLM
 from segkv.models.loader import load_model
 from segkv.runner.model_runner import ModelRunner
 from segkv.sampling_params import SamplingParams
-from tokenizer_helpers import build_tiny_tokenizer, tiny_vocab_size
+from test_phi3_parity import _build as build_phi3
 
 PROMPT = 44
 NEW_TOKENS = 32
@@ -26,32 +27,13 @@ TOLERANCE = 1e-4
 WINDOWS = {"mistral": 16, "mixtral": 12, "phi3": 9}
 
 
-def _build_phi3(directory, window: int):
-    """A random Phi-3 checkpoint (weights ~N(0, 0.08)) with a tiny tokenizer; returns the HF model."""
-    import transformers as tf
-
-    build_tiny_tokenizer(directory, style="chatml")
-    config = tf.Phi3Config(vocab_size=tiny_vocab_size(directory), hidden_size=64, intermediate_size=96,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=256, sliding_window=window,
-                           pad_token_id=None, eos_token_id=None, bos_token_id=None)
-    torch.manual_seed(0)
-    model = tf.Phi3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    model.save_pretrained(directory)
-    return model
-
-
-def _build(family: str, directory):
+def _build(family: str, directory, gen):
     window = WINDOWS[family]
     if family == "mistral":
         return build_model_dir(directory, "mistral", sliding_window=window)
     if family == "mixtral":
         return build_moe_dir(directory, "mixtral", sliding_window=window)
-    return _build_phi3(directory, window)
+    return build_phi3(directory, "phi3", gen, sliding_window=window)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -60,7 +42,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("family", list(WINDOWS))
 def test_windowed_logits_and_greedy_tokens_match_transformers(family, tmp_path, gen):
-    hf = _build(family, tmp_path)
+    hf = _build(family, tmp_path, gen)
     window = WINDOWS[family]
     assert hf.config.sliding_window == window < PROMPT
     model = load_model(tmp_path)
@@ -89,13 +71,8 @@ def test_windowed_logits_and_greedy_tokens_match_transformers(family, tmp_path, 
     assert llm.max_model_len == hf.config.max_position_embeddings
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     tokens = llm.generate([prompt.tolist()], params)[0].outputs[0].token_ids
-    assert len(tokens) == len(expected) == NEW_TOKENS
-    if tokens != expected:  # only a float32 near-tie may flip greedy: then both agree up to it
-        i = next(i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b)
-        with torch.no_grad():
-            step = hf(torch.tensor([prompt.tolist() + expected[:i]])).logits[0, -1]
-        gap = (step[tokens[i]] - step[expected[i]]).abs().item()
-        assert gap < TOLERANCE * step.abs().max().item(), f"step {i}: {tokens[i]} vs {expected[i]}, gap {gap}"
+    assert len(expected) == NEW_TOKENS
+    assert_greedy_agrees(hf, prompt.tolist(), tokens, expected, TOLERANCE)
 
 
 # Mistral through the engine: every route and backend against the reference backend
@@ -106,12 +83,8 @@ PROMPTS = [[5, 9, 13, 40, 77, 21] * 7, [3, 1, 4, 1, 5, 9, 2, 6] * 3]
 def _tokens(directory, *, backend: str, chunk: int = 64, route: str | None = None, **kw):
     llm = LLM(directory, device=DEVICE, dtype="float32", backend=backend, page_size=16, num_pages=128,
               prefill_chunk=chunk, route=route, **kw)
-    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
-    conv = llm.conversation()
-    out.append(conv.say("hello there, a first turn of the conversation", PARAMS).output.token_ids)
-    out.append(conv.say("and a follow-up", PARAMS).output.token_ids)
-    out.append(conv.fork().say("a fork's own turn", PARAMS).output.token_ids)
-    return out, llm
+    turns = ("hello there, a first turn of the conversation", "and a follow-up", "a fork's own turn")
+    return conversation_tokens(llm, PROMPTS, PARAMS, turns), llm
 
 
 @pytest.fixture(scope="module")
