@@ -43,10 +43,12 @@ def causal_flops(heads: int, dim: int, chunk: int, history: int) -> float:
 
 
 def parse_launch(text: str):
-    """``PAIRSxWARPSxKEYS`` (e.g. ``128x8x64``) -> the default launch with those prefill fields."""
-    pairs, warps, keys = (int(x) for x in text.split("x"))
-    return dataclasses.replace(default_launch_config(head_dim=128), prefill_block_m=pairs, prefill_warps=warps,
-                               prefill_block_n=keys)
+    """``PAIRSxWARPSxKEYS[xSTAGES]`` (e.g. ``128x8x64`` or ``128x8x128x2``) -> the default launch
+    with those prefill fields (and that many pipeline stages)."""
+    pairs, warps, keys, *stages = (int(x) for x in text.split("x"))
+    launch = dataclasses.replace(default_launch_config(head_dim=128), prefill_block_m=pairs, prefill_warps=warps,
+                                 prefill_block_n=keys)
+    return dataclasses.replace(launch, num_stages=stages[0]) if stages else launch
 
 
 def _sdpa(backend: str, q, k, v, chunk: int, keys: int):
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--prompts", default="8192,32768", help="whole first turns attended in one chunk (history 0)")
     p.add_argument("--page-size", type=int, default=32)
-    p.add_argument("--launches", default="128x8x64", help="comma-separated PAIRSxWARPSxKEYS prefill launches")
+    p.add_argument("--launches", default="128x8x64", help="comma-separated PAIRSxWARPSxKEYS[xSTAGES] prefill launches")
     p.add_argument("--precisions", default="exact,fast")
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--json", default=None)
