@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--prompts", default="8192,32768", help="whole first turns attended in one chunk (history 0)")
     p.add_argument("--page-size", type=int, default=32)
-    p.add_argument("--launches", default="128x8x64", help="comma-separated PAIRSxWARPSxKEYS[xSTAGES] prefill launches")
+    p.add_argument("--launches", default="256x8x64", help="comma-separated PAIRSxWARPSxKEYS[xSTAGES] prefill launches")
     p.add_argument("--precisions", default="exact,fast")
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--json", default=None)

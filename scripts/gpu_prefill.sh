@@ -20,7 +20,7 @@ if [[ $STAGES == *,tests,* ]]; then
     tests/attention/test_triton_attention.py tests/attention/test_sliding_window.py -k "${SEGKV_PREFILL_TESTS:-}" 2>&1 | tail -15 | tee "$OUT/tests.txt"
 fi
 if [[ $STAGES == *,kernel,* ]]; then
-  timeout 420 python3 -m benchmarks.prefill_attention --launches "${SEGKV_PREFILL_LAUNCHES:-128x8x64,64x4x64}" \
+  timeout 420 python3 -m benchmarks.prefill_attention --launches "${SEGKV_PREFILL_LAUNCHES:-256x8x64,128x8x64}" \
     --histories "${SEGKV_PREFILL_HISTORIES:-16384,32768,65536,131072}" --prompts "${SEGKV_PREFILL_PROMPTS:-8192,32768}" \
     --json "$OUT/prefill_attention.json" 2>&1 | tee "$OUT/prefill_attention.txt"
 fi

@@ -115,6 +115,14 @@ class KVLayout:
         return self.num_layers * self.row_bytes_per_layer
 
 
+def default_prefill_chunk(device_type: str) -> int:
+    """Tokens per sequence per forward during prefill when none is asked for: 2048 on CUDA, where
+    a chunk's host time and launches amortise over four times the rows of 512 (per-token wall time
+    0.7x, docs/benchmarks.md; 4096 measured no better), 512 elsewhere (the CPU reference's score
+    blocks grow with the chunk)."""
+    return 2048 if device_type == "cuda" else 512
+
+
 def default_page_size(device_type: str) -> int:
     """Rows per KV page when none is asked for: 32 on CUDA, where whole-model decode measured
     level or faster than with 16 (``docs/benchmarks.md``), 16 elsewhere."""

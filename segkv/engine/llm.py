@@ -20,8 +20,8 @@ from segkv.cache.kv_cache import PagedKVCache
 from segkv.attention.plan import Route
 from segkv.attention.planner import forced_route_from_env
 from segkv.config import (GIB, CacheConfig, CompactionPolicy, KVLayout, check_capacity,
-                          check_gpu_memory_utilization, default_page_size, kv_cache_budget, resolve_dtype,
-                           resolve_kv_cache_dtype)
+                          check_gpu_memory_utilization, default_page_size, default_prefill_chunk, kv_cache_budget,
+                          resolve_dtype, resolve_kv_cache_dtype)
 from segkv.engine.core import EngineCore, EngineRequest
 from segkv.engine.generation import Generator
 from segkv.scheduler import SchedulerConfig
@@ -107,7 +107,9 @@ class LLM:
     elsewhere), or as many as ``kv_cache_bytes`` allows; without either, on CUDA the pool takes
     what ``gpu_memory_utilization`` of the device leaves after the weights and a profiling forward
     of ``max_num_batched_tokens`` tokens (default 2048, the scheduler's), and 1 GiB on the CPU.
-    A ``max_model_len`` the pool cannot hold is a ValueError. ``route`` forces an attention route;
+    A ``max_model_len`` the pool cannot hold is a ValueError. ``prefill_chunk``: tokens per sequence per
+    forward during prefill (default: ``config.default_prefill_chunk``, 2048 on CUDA, 512 elsewhere).
+    ``route`` forces an attention route;
     ``mla_mode`` forces MLA's absorbed or naive path. ``backend``: "auto" (Triton kernels on CUDA
     for K/V caches, the torch reference otherwise), "torch" or "triton". ``cuda_graphs``: decode
     steps replayed from CUDA graphs (``True``, ``"auto"`` where available, ``False``; see
@@ -138,7 +140,7 @@ class LLM:
         max_model_len: int | None = None,
         route: str | None = None,
         mla_mode: str = "auto",
-        prefill_chunk: int = 512,
+        prefill_chunk: int | None = None,
         compaction: CompactionPolicy | None = None,
         backend: str = "auto",
         cuda_graphs: bool | str = False,
@@ -169,6 +171,8 @@ class LLM:
         if kv_cache_bytes is not None and kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {kv_cache_bytes}")
         page_size = default_page_size(self.device.type) if page_size is None else page_size
+        if prefill_chunk is None:
+            prefill_chunk = default_prefill_chunk(self.device.type)
         if page_size < 1:  # before the cache budget divides by it
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.tokenizer = Tokenizer.from_dir(self.model_dir)

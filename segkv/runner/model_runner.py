@@ -19,6 +19,7 @@ from segkv.attention.triton_backend import flatten_plan
 from segkv.cache.chain import KVChain
 from segkv.cache.kv_cache import PagedKVCache
 from segkv.cache.page_pool import OutOfPagesError
+from segkv.config import default_prefill_chunk
 from segkv.layers.transfer import to_device
 
 MLA_MODES = ("auto", "absorbed", "naive")
@@ -46,7 +47,8 @@ class ModelRunner:
     """Runs the model over chains: appends the new rows, plans attention, computes logits.
 
     Long inputs are processed in chunks of at most ``prefill_chunk`` tokens per sequence,
-    so scores never exist for a whole prompt at once; history is attended as pieces.
+    so scores never exist for a whole prompt at once; history is attended as pieces (default:
+    ``config.default_prefill_chunk`` of the device).
     ``fused_ops`` (default: on CUDA) stacks the q/k/v and gate/up projections and runs RMSNorm,
     SiLU-and-mul and RoPE with the cache write as single Triton kernels (``CausalLM.use_fused_ops``).
     ``cuda_graphs`` replays decode steps, and verify windows of the ``graph_windows`` sizes (rows
@@ -62,7 +64,7 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         route: Route | str | None = None,
         mla_mode: str = "auto",
-        prefill_chunk: int = 512,
+        prefill_chunk: int | None = None,
         decode_rows_threshold: int = 1,
         backend: str = "auto",
         cuda_graphs: bool | str = False,
@@ -74,6 +76,8 @@ class ModelRunner:
             raise ValueError(f"mla_mode must be one of {MLA_MODES}, got {mla_mode!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if prefill_chunk is None:
+            prefill_chunk = default_prefill_chunk(torch.device(device).type)
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.model = model

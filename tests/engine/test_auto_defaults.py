@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 import segkv.settings as settings
 from model_helpers import build_model_dir
 from segkv.cli import build_parser
-from segkv.config import GIB, check_capacity, kv_cache_budget, resolve_dtype
+from segkv.config import GIB, check_capacity, default_prefill_chunk, kv_cache_budget, resolve_dtype
 from segkv.engine import LLM, AsyncEngine
 from segkv.engine.llm import parse_device
 from segkv.models.default_models import hf_hub_cache, is_hub_name, resolve_model_dir
@@ -43,6 +43,14 @@ def test_auto_device_is_the_cpu_here_and_auto_dtype_float32(model_dir):
     llm = LLM(model_dir, num_pages=64, page_size=8)  # the defaults: device and dtype "auto"
     assert (llm.device.type, llm.dtype) == ("cpu", torch.float32)
     assert llm.summary()["device"] == "cpu" and llm.summary()["dtype"] == "float32"
+    assert llm.runner.prefill_chunk == default_prefill_chunk("cpu") == 512  # the device's default chunk
+
+
+def test_prefill_chunk_defaults_by_device_and_an_explicit_one_wins(model_dir):
+    assert (default_prefill_chunk("cuda"), default_prefill_chunk("cpu")) == (2048, 512)
+    assert LLM(model_dir, num_pages=64, page_size=8, prefill_chunk=96).runner.prefill_chunk == 96
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 1"):
+        LLM(model_dir, num_pages=64, page_size=8, prefill_chunk=0)
 
 
 def test_auto_dtype_takes_the_checkpoints_on_cuda_and_float32_on_the_cpu():

@@ -184,15 +184,16 @@ def test_full_tiles_branch_past_the_score_mask(case):
 
 
 def test_prefill_and_many_head_latent_programs_take_warp_group_mmas():
-    """The prefill programs (128 pairs, 8 warps; both modes) and the fast many-head latent programs
+    """The prefill programs (256 pairs, 8 warps; both modes) and the fast many-head latent programs
     (64 pairs, 8 warps) compile to Hopper's warp-group MMAs and fit a program's shared memory; the
-    prefill programs without spilling registers."""
+    prefill programs spill at most a few hundred bytes (the 256-pair launch spills 0.2-0.5 KB and
+    still ran 1.2x the spill-free 128-pair one; 16 warps or 512 pairs spill more and ran slower)."""
     cases = [{"kernel": "gqa", "dtype": "bfloat16", "head_dim": 128, "page_size": 32, "rows": 64, "fast": fast,
               "assemble": True} for fast in (False, True)]
     cases.append({"kernel": "latent", "dtype": "bfloat16", "page_size": 32, "rows": 1, "heads": 128, "fast": True})
     results = compile_cases(cases)
     for r in results[:2]:
-        assert r["num_warps"] == 8 and r["mma"] == "wgmma" and r["spill_bytes"] == 0, r
+        assert r["num_warps"] == 8 and r["mma"] == "wgmma" and r["spill_bytes"] <= 1024, r
         assert 0 < r["shared"] <= MAX_SHARED_PER_PROGRAM, r
     latent = results[2]
     assert latent["num_warps"] == 8 and latent["mma"] == "wgmma", latent

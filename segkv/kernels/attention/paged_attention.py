@@ -318,8 +318,10 @@ class LaunchConfig:
     maxnreg: int | None = None  # register cap per thread (more resident programs, maybe spills)
     value_split: int = 1  # latent programs per pair block, each with its share of the values (0: chosen per launch)
     value_split_max_partials: int | None = None  # the most partials of a plan whose latent programs halve the values
-    prefill_block_m: int = 128  # (query row x head) pairs of a prefill program (work items of over 16 rows)
-    prefill_warps: int = 8  # two warp groups: each holds 64 pairs of the tile
+    # (query row x head) pairs of a prefill program (work items of over 16 rows): 256 over two warp
+    # groups ran 1.2x 128 in both modes (H100, docs/benchmarks.md), though it spills a few registers
+    prefill_block_m: int = 256
+    prefill_warps: int = 8  # two warp groups: each holds half the pairs of the tile
     prefill_block_n: int = 64  # KV rows per tile of prefill programs
     wide_latent_block_m: int = 64  # latent pairs per fast-mode program of many heads (a warp-group MMA tile)
     wide_latent_warps: int = 8  # two warp groups: each holds half the 512 value columns
