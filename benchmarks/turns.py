@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from segkv.cache.kv_cache import PagedKVCache
-from segkv.config import CacheConfig, default_page_size, parse_dtype
+from segkv.config import CacheConfig, default_page_size, default_prefill_chunk, parse_dtype
 from segkv.engine.generation import Generator
 from segkv.models.registry import model_class
 from segkv.runner.model_runner import ModelRunner
@@ -84,7 +84,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="default: the preset's (bfloat16 for qwen3-8b)")
     p.add_argument("--page-size", type=int, default=None, help="rows per page (default: the engine's, 32 on "
                    "CUDA and 16 elsewhere)")
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=None, help="default: the engine's (2048 on CUDA)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="do not ask the runner for CUDA graphs")
     p.add_argument("--hf-attn", default="sdpa", help="transformers attn_implementation")
     p.add_argument("--seed", type=int, default=0)
@@ -604,7 +604,7 @@ def graph_words(requested, runner: ModelRunner) -> str:
     return f"asked for (cuda_graphs={requested!r}; runner.graphs {'set' if active else 'unset'})"
 
 
-def make_runner(model, cache: PagedKVCache, device: torch.device, prefill_chunk: int, *, graphs: bool):
+def make_runner(model, cache: PagedKVCache, device: torch.device, prefill_chunk: int | None, *, graphs: bool):
     """The runner, with CUDA graphs asked for where its constructor takes ``cuda_graphs`` (True, or
     "auto" where it wants a mode name). Returns it and the value passed (None: not asked)."""
     param = inspect.signature(ModelRunner).parameters.get("cuda_graphs")
@@ -628,6 +628,7 @@ def setup(args: argparse.Namespace, argv: list[str]) -> tuple[dict, list, ModelR
     layout, num_pages = model.kv_layout(dtype), pool_pages(args)
     cache = PagedKVCache(layout, CacheConfig(page_size=args.page_size, num_pages=num_pages),
                          device=str(device))
+    args.prefill_chunk = args.prefill_chunk or default_prefill_chunk(device.type)
     runner, graphs = make_runner(model, cache, device, args.prefill_chunk,
                                  graphs=device.type == "cuda" and not args.no_cuda_graphs)
     graphs_supported = "cuda_graphs" in inspect.signature(ModelRunner).parameters
