@@ -76,7 +76,9 @@ class CausalLM(nn.Module):
 
         Modules with FP8 projections (:class:`~segkv.layers.fp8.Fp8Linear`) stay unfused: stacking
         and the one-row GEMVs read plain weights in the activation dtype, and the FP8 layers run
-        their own product (``kernels.quant.fp8_gemm``); the norms and routers still fuse."""
+        their own product (``kernels.quant.fp8_gemm``); the norms and routers still fuse. Routed
+        experts without FP8 weights are packed (``MixtureOfExperts.pack_experts``): a prefill's
+        pairs then run as grouped products on the device, not one GEMM per expert from the host."""
         from segkv.layers.fp8 import Fp8Linear
         from segkv.layers.moe import MixtureOfExperts
 
@@ -86,6 +88,8 @@ class CausalLM(nn.Module):
             fp8 = any(isinstance(child, Fp8Linear) for child in module.children())
             if id(module) not in experts and hasattr(module, "use_fused") and not fp8:
                 module.use_fused()
+            if isinstance(module, MixtureOfExperts) and not any(isinstance(m, Fp8Linear) for m in module.modules()):
+                module.pack_experts()
 
     @property
     def max_model_len(self) -> int:

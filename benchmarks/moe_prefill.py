@@ -1,0 +1,103 @@
+"""Routed experts of a prefill step: one MoE layer's (token, expert) pairs through each dispatch
+path, in ms per call, on random bf16 weights of a published shape.
+
+Paths: ``looped`` (unpacked experts, one GEMM per chosen expert from the host, the eager
+default before packing), ``triton`` (packed, ``kernels.moe.grouped_expert_gemm``) and ``library``
+(packed, ``torch._grouped_mm``). Each call returns the routed outputs before the weighted sum;
+every path is checked against the float32 product of the same bf16 operands. Medians of
+``--trials`` CUDA-event timings after a warm-up, with min and max.
+
+Run on a CUDA device: ``python -m benchmarks.moe_prefill --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from segkv.layers.moe import MixtureOfExperts, RouterSpec, library_grouped_mm_available
+
+# name -> (experts, top-k, hidden, expert width)
+SHAPES = {"deepseek-v2-lite": (64, 6, 2048, 1408), "qwen3-30b-a3b": (128, 8, 2048, 768)}
+
+
+def time_ms(fn, trials: int) -> dict:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+
+
+def reference(layer: MixtureOfExperts, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """float32 routed outputs ``(T k, H)`` of the same bf16 operands."""
+    gate_up, down = (w.float() for w in layer._packed)
+    rows = x.float().repeat_interleave(ids.shape[1], 0)
+    h = torch.einsum("nh,nih->ni", rows, gate_up[ids.reshape(-1)])
+    inner = h.shape[1] // 2
+    act = F.silu(h[:, :inner]) * h[:, inner:]
+    return torch.einsum("ni,nhi->nh", act, down[ids.reshape(-1)])
+
+
+@torch.inference_mode()
+def bench(shape: str, tokens: int, trials: int, check: bool) -> dict:
+    experts, k, hidden, width = SHAPES[shape]
+    torch.manual_seed(tokens)
+    layer = MixtureOfExperts(hidden, width, RouterSpec(num_experts=experts, top_k=k)).cuda().to(torch.bfloat16)
+    for p in layer.parameters():
+        p.data.normal_(0, hidden ** -0.5)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, device="cuda")[:k] for _ in range(tokens)])
+    weights = torch.full((tokens, k), 1.0 / k, device="cuda")
+    row = {"shape": shape, "tokens": tokens, "pairs": tokens * k, "paths": {}}
+    row["paths"]["looped"] = time_ms(lambda: layer._looped_experts(x, weights, ids), trials)
+    layer.pack_experts()
+    paths = {"triton": lambda: layer._grouped_experts(x, ids)}
+    if library_grouped_mm_available(x.device):
+        paths["library"] = lambda: layer._library_grouped_experts(x, ids)
+    ref = reference(layer, x, ids) if check else None
+    for name, fn in paths.items():
+        if ref is not None:
+            err = (fn().float() - ref).abs().max().item() / ref.abs().max().item()
+            row["paths"].setdefault(name, {})["max_rel_err"] = err
+        row["paths"].setdefault(name, {}).update(time_ms(fn, trials))
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="deepseek-v2-lite,qwen3-30b-a3b")
+    p.add_argument("--tokens", default="64,256,512,2048,8192")
+    p.add_argument("--trials", type=int, default=10)
+    p.add_argument("--no-check", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    rows = []
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    for shape in args.shapes.split(","):
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            row = bench(shape, tokens, args.trials, not args.no_check)
+            rows.append(row)
+            base = row["paths"]["looped"]["median_ms"]
+            for name, r in row["paths"].items():
+                err = f" err {r['max_rel_err']:.1e}" if "max_rel_err" in r else ""
+                print(f"{shape} tokens {tokens:>6} pairs {row['pairs']:>6} {name:<8} {r['median_ms']:8.3f} ms "
+                      f"[{r['min_ms']:.3f}-{r['max_ms']:.3f}] x{base / r['median_ms']:.2f} of looped{err}", flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
