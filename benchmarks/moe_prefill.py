@@ -1,9 +1,8 @@
 """Routed experts of a prefill step: one MoE layer's (token, expert) pairs through each dispatch
 path, in ms per call, on random bf16 weights of a published shape.
 
-Paths: ``looped`` (unpacked experts, one GEMM per chosen expert from the host, the eager
-default before packing), ``triton`` (packed, ``kernels.moe.grouped_expert_gemm``) and ``library``
-(packed, ``torch._grouped_mm``). Each call returns the routed outputs before the weighted sum;
+Paths: ``looped`` (unpacked experts, one GEMM per chosen expert from the host: FP8 experts, and
+the CPU) and ``triton`` (packed, ``kernels.moe.grouped_expert_gemm``: wherever fused ops run). Each call returns the routed outputs before the weighted sum;
 every path is checked against the float32 product of the same bf16 operands. Medians of
 ``--trials`` CUDA-event timings after a warm-up, with min and max.
 
@@ -19,7 +18,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from segkv.layers.moe import MixtureOfExperts, RouterSpec, library_grouped_mm_available
+from segkv.layers.moe import MixtureOfExperts, RouterSpec
 
 # name -> (experts, top-k, hidden, expert width)
 SHAPES = {"deepseek-v2-lite": (64, 6, 2048, 1408), "qwen3-30b-a3b": (128, 8, 2048, 768)}
@@ -40,13 +39,17 @@ def time_ms(fn, trials: int) -> dict:
 
 
 def reference(layer: MixtureOfExperts, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """float32 routed outputs ``(T k, H)`` of the same bf16 operands."""
-    gate_up, down = (w.float() for w in layer._packed)
+    """float32 routed outputs ``(T k, H)`` of the same bf16 operands, one expert at a time."""
+    gate_up, down = layer._packed
+    experts = ids.reshape(-1)
     rows = x.float().repeat_interleave(ids.shape[1], 0)
-    h = torch.einsum("nh,nih->ni", rows, gate_up[ids.reshape(-1)])
-    inner = h.shape[1] // 2
-    act = F.silu(h[:, :inner]) * h[:, inner:]
-    return torch.einsum("ni,nhi->nh", act, down[ids.reshape(-1)])
+    out = torch.zeros(rows.shape, device=x.device)
+    for e in range(gate_up.shape[0]):
+        pick = (experts == e).nonzero().squeeze(1)
+        h = rows[pick] @ gate_up[e].float().T
+        inner = h.shape[1] // 2
+        out[pick] = (F.silu(h[:, :inner]) * h[:, inner:]) @ down[e].float().T
+    return out
 
 
 @torch.inference_mode()
@@ -63,8 +66,6 @@ def bench(shape: str, tokens: int, trials: int, check: bool) -> dict:
     row["paths"]["looped"] = time_ms(lambda: layer._looped_experts(x, weights, ids), trials)
     layer.pack_experts()
     paths = {"triton": lambda: layer._grouped_experts(x, ids)}
-    if library_grouped_mm_available(x.device):
-        paths["library"] = lambda: layer._library_grouped_experts(x, ids)
     ref = reference(layer, x, ids) if check else None
     for name, fn in paths.items():
         if ref is not None:

@@ -20,14 +20,6 @@ ROUTER_KERNEL_MAX_TOKENS = 16
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
-def library_grouped_mm_available(device: torch.device) -> bool:
-    """Whether torch's grouped GEMM (``torch._grouped_mm``) runs on ``device``: this torch has it,
-    and a CUDA device is a Hopper or newer (its CUTLASS kernels); the CPU runs torch's own."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 @dataclass(slots=True, frozen=True)
 class RouterSpec:
     """How a token picks its experts.
@@ -174,10 +166,6 @@ class MixtureOfExperts(nn.Module):
     # (token, expert) pairs up to which a packed layer runs one GEMV per pair: each pair reads
     # its expert's weights, which beats grouping the pairs by expert only for small batches
     PACKED_PAIRS_LIMIT = 64
-    # (token, expert) pairs from which a packed layer runs torch's grouped GEMM (a prefill chunk's
-    # pairs) instead of segkv's Triton one; below it (decode batches, CUDA graph buckets) the
-    # Triton kernel, whose grid is fixed by the shapes alone
-    LIBRARY_GROUPED_MIN_PAIRS = 2048
     # tokens up to which the shared experts run in the routed GEMV launches: each token's programs
     # read the shared weights again, which cuBLAS reads once for all rows (measured faster at one
     # token, slower at a few: docs/performance-notes.md)
@@ -294,11 +282,8 @@ class MixtureOfExperts(nn.Module):
         if shared_weights is not None:  # shared experts in the routed pairs' launches
             y, shared = self._packed_experts(x, ids, shared_weights)
         else:
-            pairs = ids.numel()
-            y = (self._packed_experts(x, ids)[0] if pairs <= self.PACKED_PAIRS_LIMIT
-                 else self._library_grouped_experts(x, ids) if pairs >= self.LIBRARY_GROUPED_MIN_PAIRS
-                 and library_grouped_mm_available(x.device)
-                 else self._grouped_experts(x, ids))
+            y = self._packed_experts(x, ids)[0] if ids.numel() <= self.PACKED_PAIRS_LIMIT \
+                else self._grouped_experts(x, ids)
             shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.fused:
             pending = PendingCombine(y, weights, shared)
@@ -372,30 +357,6 @@ class MixtureOfExperts(nn.Module):
         h = grouped_expert_gemm(x.contiguous(), ids.shape[1], experts, gate_up, groups=groups)  # (T k, 2I)
         act = silu_and_mul(h)  # rounded as F.silu(gate) * up
         return grouped_expert_gemm(act, 1, experts, down, groups=groups)  # (T k, H)
-
-    def _library_grouped_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Device-side dispatch for a prefill's many pairs through torch's grouped GEMM
-        (``torch._grouped_mm``, CUTLASS on Hopper): the pairs sorted by expert, their rows gathered
-        once, one grouped product for gate/up and one for down, float32 accumulation rounded
-        once, then back to pair order. Returns ``(T k, H)``, as :meth:`_grouped_experts`."""
-        gate_up, down = self._packed
-        k = ids.shape[1]
-        experts = ids.reshape(-1)
-        order = torch.argsort(experts, stable=True)
-        ends = torch.bincount(experts, minlength=len(self.experts)).cumsum(0).to(torch.int32)
-        rows = x[order // k]  # (T k, H) grouped by expert
-        h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends)  # (T k, 2I)
-        inner = h.shape[1] // 2
-        if h.is_cuda:
-            from segkv.kernels.fused.fused_ops import silu_and_mul
-
-            act = silu_and_mul(h)  # rounded as F.silu(gate) * up
-        else:
-            act = F.silu(h[:, :inner]) * h[:, inner:]
-        y = torch._grouped_mm(act, down.transpose(1, 2), offs=ends)  # (T k, H)
-        out = torch.empty_like(y)
-        out[order] = y
-        return out
 
     def _looped_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """One GEMM per chosen expert over its tokens. The (token, slot) pairs are grouped by

@@ -109,16 +109,11 @@ def test_bad_inputs_are_refused(gen):
         group_pairs_by_expert(ids, 3, block_m=24)
 
 
-@pytest.mark.parametrize("path", ["triton", "library"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_layer_past_the_pair_limit_matches_the_expert_loop(dtype, path, gen, monkeypatch):
-    """Batches with more pairs than the per-pair GEMV takes run a grouped GEMM, segkv's Triton one
-    or, from ``LIBRARY_GROUPED_MIN_PAIRS`` pairs (a prefill's), torch's ``_grouped_mm``, with the
+def test_packed_layer_past_the_pair_limit_matches_the_expert_loop(dtype, gen, monkeypatch):
+    """Batches with more pairs than the per-pair GEMV takes run the grouped GEMM, with the
     looped path's result (one torch GEMM per expert)."""
-    from segkv.layers.moe import MixtureOfExperts, RouterSpec, library_grouped_mm_available
-
-    if path == "library" and not library_grouped_mm_available(torch.device(DEVICE)):
-        pytest.skip("this torch or GPU has no grouped GEMM")
+    from segkv.layers.moe import MixtureOfExperts, RouterSpec
 
     spec = RouterSpec(num_experts=6, top_k=3)
     moe = MixtureOfExperts(40, 24, spec, num_shared=1).to(DEVICE)
@@ -133,12 +128,6 @@ def test_packed_layer_past_the_pair_limit_matches_the_expert_loop(dtype, path, g
         moe.pack_experts()
         monkeypatch.setattr(moe, "_looped_experts", None)  # a packed layer must not come back to the loop
         monkeypatch.setattr(moe, "_packed_experts", None)
-        # the other grouped path must not run either
-        if path == "library":
-            monkeypatch.setattr(moe, "LIBRARY_GROUPED_MIN_PAIRS", moe.PACKED_PAIRS_LIMIT + 1)
-            monkeypatch.setattr(moe, "_grouped_experts", None)
-        else:
-            monkeypatch.setattr(moe, "_library_grouped_experts", None)
         grouped = moe(x)
     assert grouped.dtype == dtype and torch.isfinite(grouped).all()
     if dtype == torch.float32:
