@@ -33,6 +33,10 @@ TALL_DECODE_MAX_ROWS = 16
 CUDA_MIN_PARTITION_ROWS = 64
 # The CUDA planner's automatic ``fast`` precision: plans of prefill programs (prefill_programs)
 CUDA_FAST_PREFILL = True
+# ... and latent (MLA) plans of this many (query row x head) pairs or more: 128 heads at batch 32
+# ran 1.6x exact in fast mode's wide programs split to fill the device, and batch 1 ran slower
+# (H100, docs/benchmarks.md); batches between were not measured
+CUDA_FAST_LATENT_MIN_PAIRS = 4096
 # KV rows per tile of the GQA programs (BLOCK_N): a partition costs its whole tiles, so at equal
 # cost the planner takes partitions of whole tiles.
 CUDA_KEY_TILE_ROWS = 64
@@ -83,7 +87,9 @@ class DeviceSpec:
     ``key_tile_rows``: KV rows per tile of the GQA programs (not tall decode ones); the planner
     costs their partitions in whole tiles (1: in rows). ``fast_prefill``: the planner's automatic
     precision is ``fast`` for plans of prefill programs (:func:`prefill_programs`), where the
-    device's kernels run it faster (measured); ``exact`` everywhere else.
+    device's kernels run it faster (measured); ``exact`` everywhere else. ``fast_latent_min_pairs``:
+    latent (MLA) plans of at least this many (query row x head) pairs are ``fast`` too, in the
+    latent kernel's wide programs (compute-bound many-head batches; 0: never).
     """
 
     kind: str
@@ -103,6 +109,7 @@ class DeviceSpec:
     stage1_merge_max_partials: int = 0
     key_tile_rows: int = 1
     fast_prefill: bool = False
+    fast_latent_min_pairs: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("cpu", "cuda"):
@@ -180,6 +187,7 @@ class DeviceSpec:
             stage1_merge_max_partials=stage1_merge_bound(),
             key_tile_rows=CUDA_KEY_TILE_ROWS,
             fast_prefill=CUDA_FAST_PREFILL,
+            fast_latent_min_pairs=CUDA_FAST_LATENT_MIN_PAIRS,
         )
 
     @classmethod

@@ -44,6 +44,9 @@ ROUTE_ENV = "SEGKV_ATTENTION_ROUTE"
 # 16 x kv_lora_rank float32), so a latent piece with H heads makes H / 16 programs.
 _TILE_ROWS = 64
 _LATENT_TILE_ROWS = 16
+# the fast mode's wide latent programs (many heads): 64 pairs over 8 warps, one per multiprocessor
+# (mla_attention's LaunchConfig.wide_latent_block_m)
+_WIDE_LATENT_TILE_ROWS = 64
 # Latent programs hold a 16 x 512 float32 accumulator and use every register a thread may have, so
 # at most 2 are resident per multiprocessor (measured) whatever the device spec says: a split that
 # overfills that wave measured slower than one partition and must not look free
@@ -83,14 +86,23 @@ def forced_precision_from_env() -> Precision | None:
     return Precision.parse(value) if value and value != "auto" else None
 
 
+def _bucket_rows(rows: int) -> int:
+    """``rows`` rounded up to a power of two (the CUDA graph buckets' sizes)."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
 def choose_precision(shape: AttentionShape, device: DeviceSpec, max_query_rows: int,
-                     forced: Precision | str | None = None, tree_windows: bool = False) -> Precision:
-    """The precision mode of a plan whose sequences have up to ``max_query_rows`` query rows each:
-    ``forced`` (else ``SEGKV_ATTENTION_PRECISION``), else ``fast`` for prefill chunks (more rows
-    than a verify window, in work items of prefill programs) on a device that runs them faster in
-    it (``DeviceSpec.fast_prefill``, measured), else ``exact``: decode (a cascade's many forks
-    too, whose shared piece has work items of many rows), verify windows (``tree_windows``
-    included), latent attention, the CPU."""
+                     forced: Precision | str | None = None, tree_windows: bool = False,
+                     num_query_rows: int = 0) -> Precision:
+    """The precision mode of a plan whose sequences have up to ``max_query_rows`` query rows each
+    (``num_query_rows`` in all): ``forced`` (else ``SEGKV_ATTENTION_PRECISION``), else ``fast``
+    for prefill chunks (more rows than a verify window, in work items of prefill programs) on a
+    device that runs them faster in it (``DeviceSpec.fast_prefill``, measured), and for latent
+    batches of at least ``DeviceSpec.fast_latent_min_pairs`` (row x head) pairs (many heads:
+    compute-bound; the rows rounded up to a power of two, as CUDA graph buckets are, so every step
+    a bucket replays keeps the precision it was captured with), else ``exact``: decode (a cascade's many forks too, whose shared piece has
+    work items of many rows), verify windows (``tree_windows`` included), small latent batches,
+    the CPU."""
     if forced is not None and forced != "auto":
         return Precision.parse(forced)
     env = forced_precision_from_env()
@@ -99,6 +111,9 @@ def choose_precision(shape: AttentionShape, device: DeviceSpec, max_query_rows: 
     rows = min(max_query_rows, device.max_query_rows_per_work)  # a chunk's work items
     if device.fast_prefill and not tree_windows and prefill_programs(rows, (shape.key_dim, shape.value_dim),
                                                                      shape.is_latent):
+        return Precision.FAST
+    if (shape.is_latent and device.fast_latent_min_pairs and not tree_windows
+            and _bucket_rows(num_query_rows) * shape.num_q_heads >= device.fast_latent_min_pairs):
         return Precision.FAST
     return Precision.EXACT
 
@@ -147,6 +162,10 @@ def plan_attention(
                                       for query, tree in zip(queries, windows)]
     if window is not None:  # after the tree split: a tree's history is windowed by its nodes' lowest key
         queries = [_windowed(query, window, page_size) for query in queries]
+    max_query_rows = max((q.num_query_rows for q in full_queries), default=0)
+    mode = choose_precision(shape, device, max_query_rows, precision, any(w is not None for w in windows),
+                            sum(q.num_query_rows for q in queries))
+    wide = shape.is_latent and mode == Precision.FAST  # the latent kernel's wide programs
     shared = _shared_spans(queries, cascade_min_rows)
     if forced is None:
         use_cascade = bool(shared)
@@ -159,13 +178,13 @@ def plan_attention(
         cuts = _forced_cuts(runs, num_partitions)
         reason = f"{forced.value if forced else 'auto'} route, {num_partitions} partitions"
     elif forced == Route.SPLIT:  # as many partitions as the device has idle slots, at least 2
-        chunks, reason = _auto_chunk(runs, queries, shape, device, page_size)
+        chunks, reason = _auto_chunk(runs, queries, shape, device, page_size, wide)
         cuts = [_cut_rows(run, chunks[i] if chunks else None) for i, run in enumerate(runs)]
         cuts = [parts if len(parts) > 1 else _cut_pages(run, 2) for parts, run in zip(cuts, runs)]
         reason = f"forced split; {reason}"
     elif forced in (None, Route.SEGMENTS, Route.CASCADE):
         # segments and cascade pieces are split further when the batch leaves the device idle
-        chunks, reason = _auto_chunk(runs, queries, shape, device, page_size)
+        chunks, reason = _auto_chunk(runs, queries, shape, device, page_size, wide)
         cuts = [_cut_rows(run, chunks[i] if chunks else None) for i, run in enumerate(runs)]
         if forced is not None:
             reason = f"forced {forced.value}; {reason}"
@@ -186,8 +205,6 @@ def plan_attention(
     else:
         final = Route.SPLIT if max_parts > 1 else Route.SINGLE
     num_rows = sum(q.num_query_rows for q in queries)
-    max_query_rows = max((q.num_query_rows for q in full_queries), default=0)
-    mode = choose_precision(shape, device, max_query_rows, precision, any(w is not None for w in windows))
     return AttentionPlan(
         route=final,
         pieces=tuple(pieces),
@@ -274,9 +291,10 @@ def _forced_cuts(runs: list[_Run], num_partitions: int) -> list[list[_Part]]:
     return [_cut_pages(run, num_partitions) for run in runs]
 
 
-def _work_units(rows: int, shape: AttentionShape) -> int:
-    """Stage-1 work items one partition of a run with ``rows`` query rows makes (KV heads x row tiles)."""
-    tile = _LATENT_TILE_ROWS if shape.is_latent else _TILE_ROWS
+def _work_units(rows: int, shape: AttentionShape, wide: bool = False) -> int:
+    """Stage-1 work items one partition of a run with ``rows`` query rows makes (KV heads x row
+    tiles; ``wide``: the fast mode's wide latent programs)."""
+    tile = (_WIDE_LATENT_TILE_ROWS if wide else _LATENT_TILE_ROWS) if shape.is_latent else _TILE_ROWS
     return shape.num_kv_heads * max(1, math.ceil(rows * shape.group_size / tile))
 
 
@@ -317,8 +335,11 @@ def _auto_chunk(
     shape: AttentionShape,
     device: DeviceSpec,
     page_size: int,
+    wide: bool = False,
 ) -> tuple[dict[int, int] | None, str]:
-    """The page-aligned partition size with the lowest estimated time on the device.
+    """The page-aligned partition size with the lowest estimated time on the device (``wide``:
+    latent work in the fast mode's wide programs, :data:`_WIDE_LATENT_TILE_ROWS` pairs each, one
+    resident per multiprocessor).
 
     Without splitting, the batch makes ``base`` work items. Each candidate count ``p`` of partitions of the longest run
     (partitions of at least ``device.min_rows_per_partition`` rows, ``min_rows_per_latent_partition``
@@ -339,12 +360,12 @@ def _auto_chunk(
     if not runs:
         return None, "empty batch"
     query_rows = [sum(queries[m].num_query_rows for m in run.members) for run in runs]
-    units = [_work_units(rows, shape) for rows in query_rows]
+    units = [_work_units(rows, shape, wide) for rows in query_rows]
     run_rows = [run.num_rows for run in runs]  # a sum over pages: computed once
     base = sum(units)
     work_rows = min(max(query_rows), device.max_query_rows_per_work)
     tall = _tall(shape, work_rows)
-    wave = _wave(device, shape, tall)
+    wave = device.num_multiprocessors if wide else _wave(device, shape, tall)
     longest = max(run_rows)
     min_rows = device.min_rows_per_latent_partition if shape.is_latent else device.min_rows_per_partition
     min_chunk = max(page_size, math.ceil(min_rows / page_size) * page_size)

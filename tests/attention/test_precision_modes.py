@@ -208,6 +208,33 @@ def test_planner_picks_fast_for_prefill_programs_only(monkeypatch):
         choose_precision(gqa, cuda, 64)
 
 
+def test_many_head_latent_batches_plan_fast_wide_programs():
+    """Latent decode of 128 heads: batch 32 (4096 pairs, compute-bound) is fast, planned for the
+    wide programs (64 pairs, one per SM: 2 partitions fill 132 SMs, the split measured fastest);
+    batch 1 and 16 heads stay exact; a forced mode and the CPU are obeyed."""
+    from segkv.cache.segment import ChainSpan
+
+    shape, few_heads = AttentionShape(128, 1, 576, 512), AttentionShape(16, 1, 576, 512)
+    cuda = cuda_like(fast_latent_min_pairs=4096)
+    ctx, page = 32768, 32
+
+    def batch(n):
+        return [SequenceQuery((ChainSpan(b, tuple(range(b * ctx // page, (b + 1) * ctx // page)), ctx, 0, False),), 1)
+                for b in range(n)]
+    wide = plan_attention(batch(32), shape, cuda, page_size=page)
+    assert (wide.precision, wide.route, wide.num_partitions) == (Precision.FAST, Route.SPLIT, 2), wide.reason
+    one = plan_attention(batch(1), shape, cuda, page_size=page)
+    assert one.precision == Precision.EXACT and one.num_partitions > 8
+    assert plan_attention(batch(32), few_heads, cuda, page_size=page).precision == Precision.EXACT
+    # the batches a CUDA graph bucket of 32 replays (17-32) keep its precision; 16 and fewer stay exact
+    assert [choose_precision(shape, cuda, 1, num_query_rows=n) for n in (16, 17, 31, 33)] == \
+        [Precision.EXACT, Precision.FAST, Precision.FAST, Precision.FAST]
+    assert plan_attention(batch(32), shape, cuda, page_size=page, precision="exact").precision == Precision.EXACT
+    assert choose_precision(shape, cuda_like(), 1, num_query_rows=32) == Precision.EXACT  # the spec says never
+    assert choose_precision(shape, DeviceSpec.cpu(), 1, num_query_rows=32) == Precision.EXACT
+    assert choose_precision(shape, cuda, 1, tree_windows=True, num_query_rows=32) == Precision.EXACT
+
+
 def test_the_plan_reports_its_precision(gen):
     """The plan carries the mode and ``describe()`` (logs, /health, benchmark tables) shows it."""
     cache, chain, query, q, shape, scale = prefill_case(gen, dtype=torch.bfloat16, history=40, chunk=20,
