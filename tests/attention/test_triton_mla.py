@@ -20,8 +20,12 @@ from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 from segkv.layers.mla import MLADims, MultiHeadLatentAttention
 from segkv.layers.rotary import RotaryEmbedding
-from attention_helpers import forked_history, triton_and_reference
+from attention_helpers import forked_history, triton_and_reference, exact_attention  # noqa: F401
 from test_triton_attention import check
+
+# the exact contract's checks: exact plans on every device (attention_helpers.exact_attention; the
+# CUDA planner's fast mode for many-head batches has its own bound in test_precision_modes)
+pytestmark = pytest.mark.usefixtures("exact_attention")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RANK, ROPE = (512, 64) if GPU else (64, 16)
