@@ -44,7 +44,7 @@ def test_fp8_linear_on_the_cpu_is_the_dequantized_product(scheme, dtype, gen):
 
 
 @pytest.mark.parametrize("scheme", list(BLOCKS))
-@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("rows", [1, 3, 5, 40])  # 1 and 3: the GEMV (3 padded to 4 rows)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fp8_gemm_kernel_is_the_dequantized_product(scheme, rows, dtype, gen):
     from segkv.kernels.quant.fp8_gemm import fp8_linear
@@ -130,7 +130,13 @@ def test_fp8_linear_takes_the_kernel_on_cuda(gen, monkeypatch):
 
 
 def test_launch_shapes():
-    from segkv.kernels.quant.fp8_gemm import MIN_PROGRAMS, launch_for
+    from segkv.kernels.quant.fp8_gemm import MIN_PROGRAMS, gemv_launch, launch_for
+
+    # decode rows: the GEMV, chunks inside a scale block where blocks split K, else elementwise scales
+    assert gemv_launch(1, 4096, 4096) == (1, 512, True)
+    assert gemv_launch(1, 4096, 128) == (1, 128, True)
+    assert gemv_launch(3, 14336, 14336) == (4, 128, True)
+    assert gemv_launch(2, 4096, 40) == (2, 16, False)
 
     assert launch_for(1, 4096, 4096, 128) == (16, 32, 128, 4)  # a step stays inside its 128-wide block
     assert launch_for(1, 28672, 4096, 4096) == (16, 32, 512, 4)  # per channel: the widest step
@@ -154,14 +160,23 @@ for m, n, k, bk in cases:
                             "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bkk, "num_warps": 4, "num_stages": stages},
                             pointers={"X": "*bf16", "W": "*u8", "S": "*fp32", "B": "*fp32", "Y": "*bf16"})
         out.append({"launch": [bm, bn, bkk], "shared": c.shared, "spills": c.spill_bytes, "mma": "mma" in c.ptx})
-print(json.dumps(out))
+from segkv.kernels.quant.fp8_gemm import GEMV_BLOCK_N, fp8_gemv_kernel, gemv_launch
+gemv = []
+for m, k, bk in [(1, 4096, 4096), (1, 14336, 128), (4, 4096, 4096), (2, 4096, 48)]:
+    bm, bkk, per_chunk = gemv_launch(m, k, bk)
+    c = compile_offline(fp8_gemv_kernel, {"HAS_BIAS": False, "SCALE_PER_CHUNK": per_chunk, "NATIVE_FP8": True,
+                        "BLOCK_M": bm, "BLOCK_N": GEMV_BLOCK_N, "BLOCK_K": bkk, "num_warps": 4, "num_stages": 3},
+                        pointers={"X": "*bf16", "W": "*u8", "S": "*fp32", "B": "*fp32", "Y": "*bf16"})
+    gemv.append({"launch": [bm, bkk], "shared": c.shared, "spills": c.spill_bytes, "cvt": "e4m3" in c.ptx})
+print(json.dumps({"gemm": out, "gemv": gemv}))
 """
 
 
 def test_the_fp8_product_compiles_for_hopper_without_spills():
     """The launches ``launch_for`` makes, compiled for sm_90a without a GPU (``kernels.offline_compile``,
     in a subprocess without the interpreter): tensor-core products, no register spills, shared
-    memory within a program's limit."""
+    memory within a program's limit; the decode GEMV's launches without spills, converting the
+    bytes with the GPU's e4m3 instructions."""
     import json
     import os
     import subprocess
@@ -174,5 +189,8 @@ def test_the_fp8_product_compiles_for_hopper_without_spills():
     done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    for case in json.loads(done.stdout.splitlines()[-1]):
+    report = json.loads(done.stdout.splitlines()[-1])
+    for case in report["gemm"]:
         assert case["mma"] and case["spills"] == 0 and case["shared"] <= MAX_SHARED_PER_PROGRAM, case
+    for case in report["gemv"]:
+        assert case["cvt"] and case["spills"] == 0 and case["shared"] <= MAX_SHARED_PER_PROGRAM, case

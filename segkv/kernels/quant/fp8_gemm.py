@@ -9,6 +9,11 @@ quantized, so the product equals the dequantized weight's within float32 summati
 bytes are decoded with integer operations (sign, exponent and mantissa moved into a float16 bit
 pattern, times 2^8), not a float8 type, so the same kernel runs on GPUs without FP8 conversion
 instructions and in Triton's interpreter.
+
+Up to :data:`GEMV_MAX_ROWS` rows (decode) the product is a GEMV instead (:func:`fp8_gemv_kernel`):
+each program streams whole weight rows with float32 multiply-adds and no tensor-core tile, whose
+16-row minimum would waste 15/16 of its work on one row, and decodes the bytes with the GPU's
+FP8 conversion where it has one (sm_89 and newer; the integer decode elsewhere).
 """
 
 from __future__ import annotations
@@ -75,6 +80,74 @@ def fp8_linear_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, s
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def fp8_gemv_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, scale_cols, scale_bn, scale_bk,
+                    HAS_BIAS: tl.constexpr, SCALE_PER_CHUNK: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``n``: ``Y[:, n block] = X @ dequant(W[n block])^T (+ B)`` for at most ``BLOCK_M``
+    rows, the weight block read once in ``BLOCK_K``-wide chunks, float32 products and sums.
+
+    ``SCALE_PER_CHUNK``: a chunk's columns lie in one scale block, so its partial sums are scaled
+    per output row; otherwise each weight element is scaled. ``NATIVE_FP8``: the bytes convert with
+    the GPU's e4m3 instructions (sm_89+), else with :func:`e4m3_bits_to_float`; both exact."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    scale_rows = (offs_n // scale_bn) * scale_cols
+    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+    x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        bits = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        if NATIVE_FP8:
+            w = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            w = e4m3_bits_to_float(bits.to(tl.int32))
+        if not SCALE_PER_CHUNK:
+            w = w * tl.load(S + scale_rows[:, None] + offs_k[None, :] // scale_bk,
+                            mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        part = tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # (BLOCK_M, BLOCK_N)
+        if SCALE_PER_CHUNK:
+            part = part * tl.load(S + scale_rows + k0 // scale_bk, mask=n_ok, other=0.0)[None, :]
+        acc += part
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+# rows up to which fp8_linear runs the GEMV (decode batches)
+GEMV_MAX_ROWS = 4
+# weight rows per GEMV program, and the (row x column x input) elements its chunk's product holds
+# (64 float32 values a thread at 4 warps)
+GEMV_BLOCK_N = 16
+GEMV_CHUNK_ELEMENTS = 8192
+
+
+def gemv_launch(m: int, k: int, scale_bk: int) -> tuple[int, int, bool]:
+    """``(BLOCK_M, BLOCK_K, scale per chunk)`` of the GEMV for ``m`` rows: the rows padded to a
+    power of two, the widest chunk (at most 512 inputs) whose product fits
+    :data:`GEMV_CHUNK_ELEMENTS`, narrowed to lie inside one scale block where the blocks split K."""
+    block_m = triton.next_power_of_2(max(m, 1))
+    block_k = min(512, GEMV_CHUNK_ELEMENTS // (block_m * GEMV_BLOCK_N))
+    if scale_bk >= k:
+        return block_m, block_k, True
+    while block_k > 16 and scale_bk % block_k:
+        block_k //= 2
+    return block_m, block_k, scale_bk % block_k == 0
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Whether the GPU converts e4m3 with its own instructions (sm_89 and newer; never in the interpreter)."""
+    return (not _INTERPRET and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
 # programs a launch of many rows should have at least (about two per multiprocessor of an H100):
 # below it, the output tiles narrow
 MIN_PROGRAMS = 264
@@ -121,6 +194,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     m = x.shape[0]
     y = torch.empty(m, n, dtype=torch.float32 if _INTERPRET else x.dtype, device=x.device)
     if m == 0:
+        return y.to(x.dtype)
+    if m <= GEMV_MAX_ROWS:
+        block_m, block_k, per_chunk = gemv_launch(m, k, bk)
+        fp8_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
+            x, weight.view(torch.uint8), scale, bias if bias is not None else scale, y, m, n, k, x.stride(0),
+            weight.stride(0), y.stride(0), scale.shape[1], bn, bk, HAS_BIAS=bias is not None,
+            SCALE_PER_CHUNK=per_chunk, NATIVE_FP8=native_fp8(x.device), BLOCK_M=block_m, BLOCK_N=GEMV_BLOCK_N,
+            BLOCK_K=block_k, num_warps=4, num_stages=3)
         return y.to(x.dtype)
     block_m, block_n, block_k, stages = launch_for(m, n, k, bk)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
