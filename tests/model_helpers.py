@@ -118,3 +118,34 @@ def assert_greedy_agrees(hf, prompt: list[int], tokens: list[int], expected: lis
         step = hf(torch.tensor([prompt + expected[:i]])).logits[0, -1]
     gap = (step[tokens[i]] - step[expected[i]]).abs().item()
     assert gap < tolerance * step.abs().max().item(), f"step {i}: {tokens[i]} vs {expected[i]}, gap {gap}"
+
+
+GEMMA3 = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, max_position_embeddings=256,
+              sliding_window=128, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                               "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                  "rope_theta": 100_000.0}})
+
+
+def build_gemma3_dir(directory: Path, *, seed: int = 0, odd_vocab: bool = False, **overrides):
+    """Write a random Gemma 3 text checkpoint (``GEMMA3``: local, global and local layers, each type
+    with its own RoPE, attention scaled by ``query_pre_attn_scalar`` 24, not the head size) and a
+    tiny ChatML tokenizer; return the HF model. ``odd_vocab``: one id past the tokenizer's where its
+    vocabulary is even. Projections and embeddings are ~N(0, 0.08) and the norm weights ~N(0, 0.3)
+    (HF's init leaves them at 0, where ``w`` and ``1 + w`` scaling would look alike)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    directory.mkdir(parents=True, exist_ok=True)
+    build_tiny_tokenizer(directory, style="chatml")
+    vocab = tiny_vocab_size(directory)
+    vocab += int(odd_vocab and vocab % 2 == 0)
+    config = Gemma3TextConfig(vocab_size=vocab, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+                              **{**GEMMA3, **overrides})
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.3 if "norm" in name else 0.08)
+    model.save_pretrained(directory)
+    return model

@@ -81,3 +81,32 @@ def stack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | Non
                 lin.bias = nn.Parameter(bias[start:start + rows], requires_grad=lin.bias.requires_grad)
             start += rows
     return weight, bias
+
+
+class GeluTanhGatedMLP(nn.Module):
+    """``down(gelu_tanh(gate(x)) * up(x))``: the GeGLU feed-forward of Gemma models
+    (``hidden_activation`` ``gelu_pytorch_tanh``: torch's tanh approximation of GELU, the op
+    transformers calls).
+
+    ``x``: ``(T, hidden)`` -> ``(T, hidden)`` in ``x.dtype``. Parameter names follow the checkpoints.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
+
+    def use_fused(self) -> None:
+        """Stack ``gate_proj`` and ``up_proj`` into one ``(2I, hidden)`` weight: one GEMM instead of
+        two (their parameters become views of it, so no second copy stays alive)."""
+        if self._gate_up is None:
+            self._gate_up = stack_linears(self.gate_proj, self.up_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gate_up is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = F.linear(x, *self._gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)

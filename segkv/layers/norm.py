@@ -63,3 +63,33 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps, residual=residual)
         total = residual + x
         return self(total), total
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x / sqrt(mean(x^2) + eps) * (1 + weight)`` over the last dim, ``x`` any
+    shape ``(..., D)``, returned in ``x.dtype``.
+
+    Unlike :class:`RMSNorm` (normalise in float32, round, then scale), the scale is applied in
+    float32 before the single rounding, as transformers' Gemma norms do; checkpoints store
+    ``weight`` centred on 0 (a zero weight is the identity). It has no fused kernel (the Triton
+    norms scale by ``weight`` after rounding), so ``use_fused`` leaves it on the torch ops.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+        self.fused = False  # read by blocks that fuse norms into products: never for this norm
+
+    def use_fused(self) -> None:
+        """No fused kernel computes the ``(1 + weight)`` scale in float32: stay on the torch ops."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``."""
+        total = residual + x
+        return self(total), total

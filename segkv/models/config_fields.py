@@ -258,6 +258,38 @@ _PHI3 = FieldTable(
     refused=dict(_COMMON_REFUSED),
 )
 
+def _none(value: Any, cfg: Mapping[str, Any]) -> bool:
+    """Inert when unset (None or absent)."""
+    return value is None
+
+
+_GEMMA3 = FieldTable(
+    "Gemma3TextConfig",
+    # models/gemma3.py. sliding_window: the window of the layers layer_types (or the older
+    # sliding_window_pattern, also saved as _sliding_window_pattern) marks sliding_attention;
+    # rope_parameters per layer type, or the older rope_local_base_freq (local layers) beside
+    # rope_theta and rope_scaling (global ones); RoPE and layer types segkv does not implement are
+    # refused by the family's unimplemented_settings
+    handled=_DECODER_HANDLED | {
+        "attention_bias", "query_pre_attn_scalar", "sliding_window", "layer_types", "sliding_window_pattern",
+        "_sliding_window_pattern", "rope_local_base_freq", "final_logit_softcapping"},
+    # cache_implementation ("hybrid" in Google's files) picks transformers' generation cache
+    inert=_BASE_INERT | {"cache_implementation"},
+    refused={
+        "attn_logit_softcapping": Refused(
+            "soft-capping of attention scores is not implemented (the attention kernels do not cap "
+            "scores)", {"attn_logit_softcapping": 50.0}, is_inert=_none),
+        "use_bidirectional_attention": Refused(
+            "only causal attention is implemented", {"use_bidirectional_attention": True}, is_inert=_false),
+        "hidden_activation": Refused(
+            "only the gelu_pytorch_tanh gated MLP is implemented", {"hidden_activation": "gelu"},
+            is_inert=lambda value, cfg: value == "gelu_pytorch_tanh"),
+        "partial_rotary_factor": Refused(
+            "RoPE over part of each head is not implemented", {"partial_rotary_factor": 0.5},
+            checked_by="config_checks.common_settings"),
+    },
+)
+
 # architecture name (registry.ARCHITECTURES) -> its table
 FIELD_TABLES: dict[str, FieldTable] = {
     "LlamaForCausalLM": _LLAMA,
@@ -267,6 +299,7 @@ FIELD_TABLES: dict[str, FieldTable] = {
     "Qwen3MoeForCausalLM": _QWEN3_MOE,
     "MixtralForCausalLM": _MIXTRAL,
     "Phi3ForCausalLM": _PHI3,
+    "Gemma3ForCausalLM": _GEMMA3,
     "DeepseekV2ForCausalLM": _DEEPSEEK_V2,
     "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
 }

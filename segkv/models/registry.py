@@ -16,6 +16,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("segkv.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("segkv.models.deepseek", "DeepseekV3ForCausalLM"),
     "Phi3ForCausalLM": ("segkv.models.phi3", "Phi3ForCausalLM"),
+    "Gemma3ForCausalLM": ("segkv.models.gemma3", "Gemma3ForCausalLM"),
 }
 
 
