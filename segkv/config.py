@@ -198,31 +198,35 @@ def check_gpu_memory_utilization(value: float) -> float:
 
 
 def kv_cache_budget(*, total: int, free: int, weights: int, peak: int, utilization: float,
-                    margin: int = KV_MARGIN_BYTES) -> int:
+                    margin: int = KV_MARGIN_BYTES, reserved: int = 0) -> int:
     """Bytes the KV pool may take on a GPU, as vLLM sizes it: ``utilization`` of the device's
     ``total`` bytes, less what is in use now (``total - free``: the weights, the CUDA context,
     other processes), less the ``peak`` bytes a profiling forward at the largest step allocated
     on top of that (activations, workspace, and as much again for CUDA graphs where the caller
-    counts them in), less ``margin``. ``weights`` (included in ``total - free``) names the
-    weights' share in the errors. A ValueError names the numbers and the flags when nothing is
-    left."""
+    counts them in), less ``margin``, less ``reserved``: the bytes of a speculative drafter
+    (weights, cache, activations), which loads after the pool and so is not in use yet.
+    ``weights`` (included in ``total - free``) names the weights' share in the errors. A
+    ValueError names the numbers and the flags when nothing is left."""
     check_gpu_memory_utilization(utilization)
-    if min(total, free, weights, peak, margin) < 0 or free > total:
+    if min(total, free, weights, peak, margin, reserved) < 0 or free > total:
         raise ValueError(f"inconsistent memory figures: total={total}, free={free}, weights={weights}, "
-                         f"peak={peak}, margin={margin}")
+                         f"peak={peak}, margin={margin}, reserved={reserved}")
     allowed = int(total * utilization)
     used = total - free
     if weights >= allowed:
         raise ValueError(f"--gpu-memory-utilization {utilization:g} allows {allowed / GIB:.2f} GiB of the "
                          f"device's {total / GIB:.2f} GiB, but the weights alone take {weights / GIB:.2f} GiB; "
                          "raise --gpu-memory-utilization, or use a smaller model or dtype")
-    budget = allowed - used - peak - margin
+    budget = allowed - used - peak - margin - reserved
     if budget <= 0:
+        drafter = (f", and the speculative drafter (its weights, cache and activations, loaded after the "
+                   f"pool) needs {reserved / GIB:.2f} GiB" if reserved else "")
         raise ValueError(f"no memory is left for the KV cache: --gpu-memory-utilization {utilization:g} "
                          f"allows {allowed / GIB:.2f} GiB of {total / GIB:.2f} GiB, but {used / GIB:.2f} GiB "
                          f"is in use (weights {weights / GIB:.2f} GiB) and the largest step needs "
-                         f"{peak / GIB:.2f} GiB more (+{margin / GIB:.2f} GiB margin); raise "
-                         "--gpu-memory-utilization, lower --max-num-batched-tokens, or give "
+                         f"{peak / GIB:.2f} GiB more (+{margin / GIB:.2f} GiB margin){drafter}; raise "
+                         "--gpu-memory-utilization, lower --max-num-batched-tokens, "
+                         f"{'use a smaller drafter, ' if reserved else ''}or give "
                          "--kv-cache-memory GIB explicitly")
     return budget
 

@@ -34,6 +34,7 @@ from segkv.runner.warmup import warm_up, warm_up_shapes
 from segkv.sampling_params import SamplingParams
 from segkv.sessions.conversation import Conversation
 from segkv.spec.config import SpeculativeConfig
+from segkv.spec.drafter_memory import drafter_bytes
 from segkv.spec.eagle3 import resolve_head_dir
 from segkv.tokenizer.tokenizer import Tokenizer
 
@@ -213,7 +214,7 @@ class LLM:
             budget = self._profile_kv_budget(
                 layout, page_size=page_size, tokens=max_num_batched_tokens or DEFAULT_PROFILE_TOKENS,
                 prefill_chunk=prefill_chunk, route=route, mla_mode=mla_mode, backend=backend,
-                fused_ops=fused_ops, graphs=bool(cuda_graphs))
+                fused_ops=fused_ops, graphs=bool(cuda_graphs), speculative=speculative)
             num_pages = max(1, budget // page_bytes)
             self.kv_cache_source = f"gpu_memory_utilization {self.gpu_memory_utilization:g}"
         else:
@@ -246,15 +247,20 @@ class LLM:
     # -- sizing the KV pool -----------------------------------------------------------
     @torch.inference_mode()
     def _profile_kv_budget(self, layout: KVLayout, *, page_size: int, tokens: int, prefill_chunk: int,
-                           route, mla_mode: str, backend: str, fused_ops, graphs: bool) -> int:
+                           route, mla_mode: str, backend: str, fused_ops, graphs: bool,
+                           speculative: SpeculativeConfig | None = None) -> int:
         """The KV pool's bytes on CUDA, as vLLM measures them: one forward of ``tokens`` prompt
         tokens (the largest step the scheduler runs: sequences of ``prefill_chunk`` tokens) on a
         scratch pool, its peak allocation above the loaded weights and that pool (activations,
         workspace, the runner's buffers) counted once for the eager
         step and once more for the CUDA graphs' private pools when ``graphs``; the pool gets
-        what :func:`config.kv_cache_budget` leaves of ``gpu_memory_utilization``."""
+        what :func:`config.kv_cache_budget` leaves of ``gpu_memory_utilization``, less the bytes
+        of ``speculative``'s drafter (a draft model or EAGLE-3 head: weights, cache, a margin;
+        ``spec/drafter_memory.py``), which loads after the pool."""
         if tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {tokens}")
+        # from the drafter's checkpoint headers, before any memory is measured: a bad directory fails fast
+        drafter = drafter_bytes(speculative, dtype=self.dtype, target_dir=self.model_dir)
         device = self.device
         chunk = max(1, min(prefill_chunk, self.max_model_len - 1))  # positions the model has
         lengths = [min(chunk, tokens - start) for start in range(0, tokens, chunk)]
@@ -289,9 +295,10 @@ class LLM:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         self.profile = {"tokens": tokens, "peak_bytes": peak, "graphs_bytes": peak if graphs else 0,
-                        "free_bytes": free, "total_bytes": total}
+                        "free_bytes": free, "total_bytes": total, "drafter_bytes": drafter}
         return kv_cache_budget(total=total, free=free, weights=self.weight_bytes,
-                               peak=peak * (2 if graphs else 1), utilization=self.gpu_memory_utilization)
+                               peak=peak * (2 if graphs else 1), utilization=self.gpu_memory_utilization,
+                               reserved=drafter)
 
     def summary(self) -> dict[str, object]:
         """What this engine runs on, logged at start and shown by ``/health``: device, dtype,

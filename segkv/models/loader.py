@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from torch import nn
 from tqdm import tqdm
 
 from segkv.config import parse_dtype
-from segkv.models.fp8_checkpoint import parse_quantization
+from segkv.models.fp8_checkpoint import INPUT_SCALE_SUFFIX, SCALE_SUFFIXES, parse_quantization
 from segkv.models.fp8_loading import Fp8Plan, check_quantization, stored_tensors
 from segkv.models.registry import model_class
 
@@ -67,6 +68,39 @@ def fingerprint(model_dir: str | Path) -> str:
 # ``v_scale`` (also under ``.attn.``), or one ``kv_scale`` for both (older FP8 checkpoints). Scalars
 # or one per KV head. A stored value q means q * scale.
 KV_SCALE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:attn\.)?(k|v|kv)_scale$")
+
+
+# bytes per element of the safetensors dtypes that do not take the load dtype
+_STORED_BYTES = {"F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4,
+                 "U32": 4, "I64": 8, "U64": 8}
+
+
+def checkpoint_weight_bytes(model_dir: str | Path, *, dtype: str | torch.dtype) -> int:
+    """The bytes the checkpoint in ``model_dir`` takes once loaded in ``dtype``, from its
+    safetensors headers (shapes and dtypes; no tensor is read).
+
+    It sizes a model before it loads: a speculative drafter is loaded after the target's KV
+    pool, so the pool must leave its weights free. Floating tensors count at ``dtype``, or
+    float32 where :func:`keep_fp32` keeps them so; FP8 tensors and their float32 scales as
+    :func:`load_model` keeps them (an FP8 checkpoint loads as stored); integer and boolean
+    tensors as stored (an EAGLE-3 head's vocabulary map). A tied ``lm_head.weight`` is the
+    embeddings' tensor once loaded and static KV and activation scales stay off the model:
+    neither counts. Tensors a
+    family skips on load still count: the estimate errs towards reserving too much."""
+    size = parse_dtype(dtype).itemsize
+    tied = bool(read_config(model_dir).get("tie_word_embeddings", False))
+    total = 0
+    for path in weight_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                off_model = KV_SCALE_NAME.search(name) is not None or name.endswith(INPUT_SCALE_SUFFIX)
+                if off_model or (tied and name == "lm_head.weight"):
+                    continue
+                piece = f.get_slice(name)
+                float32 = name.endswith(SCALE_SUFFIXES) or keep_fp32(name)
+                element = 4 if float32 else _STORED_BYTES.get(piece.get_dtype(), size)
+                total += math.prod(piece.get_shape()) * element
+    return total
 
 
 def load_model(

@@ -10,12 +10,18 @@ import torch
 from fastapi.testclient import TestClient
 
 import segkv.settings as settings
-from model_helpers import build_model_dir
+from model_helpers import build_model_dir, build_moe_dir
 from segkv.cli import build_parser
 from segkv.config import GIB, check_capacity, default_prefill_chunk, kv_cache_budget, resolve_dtype
 from segkv.engine import LLM, AsyncEngine
 from segkv.engine.llm import parse_device
 from segkv.models.default_models import hf_hub_cache, is_hub_name, resolve_model_dir
+from segkv.models.eagle3_loading import load_eagle3_head
+from segkv.models.loader import checkpoint_weight_bytes, load_model
+from segkv.spec.config import SpeculativeConfig
+from segkv.spec.draft_model import DEFAULT_DRAFT_CACHE_BYTES
+from segkv.spec.drafter_memory import DRAFTER_MARGIN_BYTES, drafter_bytes
+from segkv.spec.eagle3 import DEFAULT_HEAD_CACHE_BYTES, resolve_head_dir
 
 MIB = 1 << 20
 
@@ -144,8 +150,105 @@ def test_the_profiling_pass_runs_the_largest_step_and_sizes_the_pool(model_dir, 
     assert budget == kv_cache_budget(total=total, free=free, weights=llm.weight_bytes, peak=2 * peak,
                                      utilization=0.9)
     assert llm.profile == {"tokens": 40, "peak_bytes": peak, "graphs_bytes": peak, "free_bytes": free,
-                           "total_bytes": total}
+                           "total_bytes": total, "drafter_bytes": 0}
     assert llm.cache.stats()["pages_in_use"] == 0
+
+
+# -- a drafter's memory in the budget ---------------------------------------------------------
+
+def _param_bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def test_a_checkpoints_weight_bytes_come_from_its_headers_as_the_loader_keeps_them(tmp_path):
+    """The header estimate is the loaded model's parameter bytes, exactly: at the load dtype, the
+    MoE router in float32 (qwen3_moe), a tied lm_head stored anyway counted once (qwen2)."""
+    from safetensors.torch import load_file, save_file
+
+    build_model_dir(tmp_path / "qwen3", "qwen3")
+    build_model_dir(tmp_path / "qwen2", "qwen2")  # tie_word_embeddings: HF stores no lm_head
+    weights = tmp_path / "qwen2" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    build_moe_dir(tmp_path / "moe", "qwen3_moe")
+    for name in ("qwen3", "qwen2", "moe"):
+        directory = tmp_path / name
+        sizes = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            model = load_model(directory, dtype=dtype)
+            sizes[dtype] = checkpoint_weight_bytes(directory, dtype=dtype)
+            assert sizes[dtype] == _param_bytes(model.parameters()), (name, dtype)
+        if name == "moe":  # the float32 routers keep the bfloat16 total above half
+            assert sizes[torch.float32] < 2 * sizes[torch.bfloat16]
+        else:
+            assert sizes[torch.float32] == 2 * sizes[torch.bfloat16]
+
+
+def test_an_eagle3_heads_estimate_is_what_it_adds_to_the_target():
+    """The built-in head over the built-in target: its own parameters (the embeddings are the
+    target's) and its vocabulary map, in the target's dtype."""
+    target_dir = resolve_model_dir("default")
+    target = load_model(target_dir, dtype=torch.bfloat16)
+    head_dir = resolve_head_dir("default", target_dir)
+    head = load_eagle3_head(head_dir, target, dtype=torch.bfloat16)
+    shared = {id(p) for p in target.parameters()}
+    added = _param_bytes(p for p in head.parameters() if id(p) not in shared)
+    added += _param_bytes([head.d2t, head.t2d])
+    assert checkpoint_weight_bytes(head_dir, dtype=torch.bfloat16) == added
+    config = SpeculativeConfig.parse({"method": "eagle3", "model": "default", "num_speculative_tokens": 2})
+    assert drafter_bytes(config, dtype=torch.bfloat16, target_dir=target_dir) == (
+        added + DEFAULT_HEAD_CACHE_BYTES + DRAFTER_MARGIN_BYTES)
+    for off in (None, SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2})):
+        assert drafter_bytes(off, dtype=torch.bfloat16) == 0
+
+
+def test_kv_budget_reserves_the_drafter_and_names_it_when_nothing_is_left():
+    total, weights, peak = 80 * GIB, 16 * GIB, GIB
+    free = total - weights - 512 * MIB
+    plain = kv_cache_budget(total=total, free=free, weights=weights, peak=peak, utilization=0.9)
+    drafter = 3 * GIB + 7
+    assert plain - kv_cache_budget(total=total, free=free, weights=weights, peak=peak, utilization=0.9,
+                                   reserved=drafter) == drafter
+    assert kv_cache_budget(total=total, free=free, weights=weights, peak=peak, utilization=0.9,
+                           reserved=plain - 1) == 1
+    with pytest.raises(ValueError, match=rf"no memory is left for the KV cache.*speculative drafter.*needs "
+                                         rf"{plain / GIB:.2f} GiB.*smaller drafter"):
+        kv_cache_budget(total=total, free=free, weights=weights, peak=peak, utilization=0.9, reserved=plain)
+    with pytest.raises(ValueError, match="no memory is left") as error:  # no drafter: none named
+        kv_cache_budget(total=total, free=free, weights=weights, peak=plain + peak, utilization=0.9)
+    assert "drafter" not in str(error.value)
+    with pytest.raises(ValueError, match="reserved=-1"):
+        kv_cache_budget(total=total, free=free, weights=weights, peak=peak, utilization=0.9, reserved=-1)
+
+
+def test_the_profiled_budget_leaves_a_draft_models_memory_free(model_dir, monkeypatch):
+    """With a draft model (here the target's own checkpoint), the pool is smaller by its loaded
+    weight bytes, its cache pool and the margin, recorded in the profile; a reservation that
+    leaves nothing is an error naming the drafter."""
+    llm = LLM(model_dir, page_size=8, num_pages=64)
+    total, free, peak = 80 * GIB, 60 * GIB, 300 * MIB
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 5 * GIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 5 * GIB + peak)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free, total))
+    draft = SpeculativeConfig.parse({"method": "draft_model", "model": str(model_dir),
+                                     "num_speculative_tokens": 3})
+
+    def budget(speculative):
+        return llm._profile_kv_budget(llm.cache.layout, page_size=8, tokens=16, prefill_chunk=16, route=None,
+                                      mla_mode="auto", backend="auto", fused_ops=None, graphs=False,
+                                      speculative=speculative)
+
+    plain = budget(None)
+    reserved = llm.weight_bytes + DEFAULT_DRAFT_CACHE_BYTES + DRAFTER_MARGIN_BYTES
+    assert plain - budget(draft) == reserved
+    assert llm.profile["drafter_bytes"] == reserved
+    free = total - int(total * 0.9) + peak + 256 * MIB + reserved - 1  # one byte short of room
+    with pytest.raises(ValueError, match=r"no memory is left for the KV cache.*speculative drafter"):
+        budget(draft)
+    assert budget(None) > 0
 
 
 # -- Hugging Face ids from the local cache ---------------------------------------------------
