@@ -219,3 +219,31 @@ def exact_attention(monkeypatch):
     import segkv.settings as settings
 
     monkeypatch.setattr(settings, "SETTINGS", dataclasses.replace(settings.SETTINGS, attention_precision="exact"))
+
+
+def dense_attention_with_sinks(
+    batch: Batch, sinks: torch.Tensor, *, dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole-history attention with attention sinks, gathered densely, computed in ``dtype``:
+    ``sinks (Hq,)`` (natural-log logits) join each row's softmax denominator with a zero value,
+    ``out = sum_k exp(s_k) v_k / (sum_k exp(s_k) + exp(sink_h))``, ``lse = log(sum_k exp(s_k) +
+    exp(sink_h))``. Returns ``(out (R, Hq, Dv), lse (R, Hq))`` in ``dtype``; a row that sees no key
+    is 0 with LSE ``sink_h``."""
+    outs, lses, row = [], [], 0
+    for chain, query in zip(batch.chains, batch.queries):
+        q = batch.query[row : row + query.num_query_rows].cpu().to(dtype)
+        row += query.num_query_rows
+        key, value = gather_kv(batch, chain)
+        key, value = key.cpu().to(dtype), value.cpu().to(dtype)
+        num_kv = key.shape[1]
+        q = q.reshape(q.shape[0], num_kv, q.shape[1] // num_kv, q.shape[2])
+        scores = torch.einsum("rhgd,nhd->rhgn", q, key) * batch.scale
+        positions = query.query_start + torch.arange(query.num_query_rows)
+        mask = torch.arange(key.shape[0]).unsqueeze(0) <= positions.unsqueeze(1)
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        sink = sinks.cpu().to(dtype).reshape(1, num_kv, -1)
+        lse = torch.logaddexp(torch.logsumexp(scores, dim=-1), sink.expand(scores.shape[:-1]))
+        out = torch.einsum("rhgn,nhd->rhgd", torch.exp(scores - lse.unsqueeze(-1)), value)
+        outs.append(out.reshape(out.shape[0], -1, out.shape[-1]))
+        lses.append(lse.reshape(lse.shape[0], -1))
+    return torch.cat(outs), torch.cat(lses)

@@ -30,7 +30,9 @@ class BackendCapabilities:
     fixed-capacity buffers, so a CUDA graph captured over ``run`` replays for later plans.
     ``precision_modes``: the contract's modes inside a piece that it implements. ``key_masks``: it
     runs plans whose work items carry key masks (``WorkItem.key_masks``: tree verify windows), in
-    fixed-capacity buffers too where it has them.
+    fixed-capacity buffers too where it has them. ``sinks``: ``run`` takes per-head attention
+    sinks (``sinks=``, :func:`check_sinks`) for per-head K/V caches (``"mha"``); a backend
+    without it refuses them.
     """
 
     devices: tuple[str, ...]
@@ -39,6 +41,7 @@ class BackendCapabilities:
     cuda_graphs: bool
     precision_modes: tuple[str, ...]
     key_masks: bool = False
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         for field, allowed in (("devices", DEVICE_TYPES), ("kv_layouts", KV_LAYOUTS),
@@ -79,7 +82,11 @@ class AttentionBackend(Protocol):
       result's dtype (default ``query.dtype``); ``kv_transform``: maps each piece's gathered
       ``(key, value)`` rows to the per-head K/V attended (needs ``capabilities.kv_transform``);
       ``kv_scales``: for a ``float8_e4m3fn`` cache, ``(k_scale, v_scale)`` ``(Hkv,)`` float32 (one
-      for an ``"mla"`` cache): the attention runs over ``fp8 * scale`` in float32.
+      for an ``"mla"`` cache): the attention runs over ``fp8 * scale`` in float32; ``sinks``: per
+      query head sink logits ``(Hq,)`` float32 on the query's device (gpt-oss; needs
+      ``capabilities.sinks``, :func:`check_sinks`): one more term ``exp(sinks[h])`` with a zero
+      value in each row's softmax denominator, folded in float32 before the single rounding; a row
+      that sees no key is then 0 with LSE ``sinks[h]``.
 
     It returns ``(out, lse)``: ``(R, Hq, Dv)`` in ``out_dtype`` and ``(R, Hq)`` float32 (natural
     log). Backends need not support every layout or device: see ``capabilities``.
@@ -145,6 +152,28 @@ class AttentionBackend(Protocol):
         out_dtype: torch.dtype | None = None,
         kv_transform: KVTransform | None = None,
         kv_scales: KVScales | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer (shapes and dtypes in the class docstring): ``(out, lse)``."""
         ...
+
+
+def check_sinks(backend_name: str, capabilities: BackendCapabilities, sinks: torch.Tensor | None,
+                query: torch.Tensor) -> None:
+    """Validate ``run``'s ``sinks`` argument: None, or ``(Hq,)`` float32 on ``query``'s device,
+    for a backend whose ``capabilities.sinks`` is set. Raises ValueError otherwise.
+
+    Attention sinks (gpt-oss): ``sinks[h]`` is a learned logit in natural-log units, comparable to
+    the scaled scores, that joins every row's softmax denominator of head ``h`` with a zero value:
+    ``out = sum_k exp(s_k) v_k / (sum_k exp(s_k) + exp(sinks[h]))``,
+    ``lse = log(sum_k exp(s_k) + exp(sinks[h]))``."""
+    if sinks is None:
+        return
+    if not capabilities.sinks:
+        raise ValueError(f"the {backend_name} backend does not take attention sinks (capabilities.sinks is False)")
+    if not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32:
+        raise ValueError(f"sinks must be a float32 tensor, got {getattr(sinks, 'dtype', type(sinks))}")
+    if sinks.shape != (query.shape[1],):
+        raise ValueError(f"sinks must have shape ({query.shape[1]},) (one per query head), got {tuple(sinks.shape)}")
+    if sinks.device != query.device:
+        raise ValueError(f"sinks are on {sinks.device}, the query on {query.device}")

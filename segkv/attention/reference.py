@@ -2,7 +2,8 @@
 
 Per work item it gathers the piece's K/V rows through the page table, attends in
 float32 with the causal offsets (or a tree window's key masks), keeps each partial's LSE, then merges all partials
-exactly (``merge.merge_partials``) and rounds once to the output dtype.
+exactly (``merge.merge_partials``, attention sinks as one more LSE term there) and rounds once to
+the output dtype.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from segkv.attention.backend import BackendCapabilities, KVScales, KVTransform
+from segkv.attention.backend import BackendCapabilities, KVScales, KVTransform, check_sinks
 from segkv.attention.merge import LSE_API, merge_partials
 from segkv.attention.plan import AttentionPlan, Piece
 from segkv.cache.storage import dequantize_fp8
@@ -110,7 +111,8 @@ class TorchReferenceBackend:
     name = "torch"
     lse_api = LSE_API
     capabilities = BackendCapabilities(devices=("cpu", "cuda"), kv_layouts=("mha", "mla"), kv_transform=True,
-                                       cuda_graphs=False, precision_modes=("exact", "fast"), key_masks=True)
+                                       cuda_graphs=False, precision_modes=("exact", "fast"), key_masks=True,
+                                       sinks=True)
 
     def __init__(self, *, page_size: int, device: str | torch.device = "cpu") -> None:
         self.page_size = page_size
@@ -147,6 +149,7 @@ class TorchReferenceBackend:
         out_dtype: torch.dtype | None = None,
         kv_transform: KVTransform | None = None,
         kv_scales: KVScales | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer.
 
@@ -163,6 +166,9 @@ class TorchReferenceBackend:
             kv_scales: an FP8 cache's ``(k_scale, v_scale)``, ``(Hkv,)`` float32 each: the
                 gathered ``float8_e4m3fn`` rows are dequantized to float32 (times the scale of
                 their KV head) before anything else, ``kv_transform`` included.
+            sinks: ``(Hq,)`` float32 attention sinks (``AttentionBackend``): merged as one more
+                state per row (LSE ``sinks[h]``, output 0) in float32, before the rounding; a row
+                that sees no key is 0 with LSE ``sinks[h]``. Any layout, ``kv_transform`` too.
 
         Returns:
             ``(out, lse)``: ``(R, Hq, Dv)`` in ``out_dtype`` and ``(R, Hq)`` float32.
@@ -170,9 +176,10 @@ class TorchReferenceBackend:
         plan = prepared.plan
         if query.shape[0] != plan.num_query_rows:
             raise ValueError(f"query has {query.shape[0]} rows, the plan {plan.num_query_rows}")
+        check_sinks(self.name, self.capabilities, sinks, query)
         partial_out, partial_lse = self.partials(prepared, query, key_cache, value_cache, scale=scale,
                                                  kv_transform=kv_transform, kv_scales=kv_scales)
-        out, lse = merge_partials(partial_out, partial_lse, prepared.partial_rows, plan.num_query_rows)
+        out, lse = merge_partials(partial_out, partial_lse, prepared.partial_rows, plan.num_query_rows, sinks=sinks)
         return out.to(out_dtype or query.dtype), lse
 
     def partials(

@@ -13,6 +13,11 @@ packs each masked row's bitmask into int32 words (``work_key_masks``, ``key_mask
 bit per key of a masked item and read one flag per program of an unmasked one (a launch over a
 plan without masks compiles the test away). Fixed buffers hold masks too (``PlanCapacity``'s
 ``max_key_mask_words``), so CUDA graphs replay plans with tree windows.
+
+Attention sinks (``run``'s ``sinks``, gpt-oss): a per-call ``(Hq,)`` float32 tensor, not part of the
+plan, so fixed buffers and the graphs captured over them are unchanged; the GQA kernels fold each
+head's sink in float32 wherever a row is finished (``paged_attention``'s ``sinks``), and compile it
+away without one. The latent kernel and ``kv_transform`` calls (MLA) refuse sinks.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from segkv.attention.backend import BackendCapabilities, KVScales, KVTransform
+from segkv.attention.backend import BackendCapabilities, KVScales, KVTransform, check_sinks
 from segkv.attention.device import PARTIAL_WORKSPACE_BYTES, stage1_merge_bound
 from segkv.attention.plan import AttentionPlan, Piece
 from segkv.cache.storage import dequantize_fp8
@@ -283,7 +288,8 @@ class TritonBackend:
     name = "triton"
     lse_api = LSE_API_TRITON
     capabilities = BackendCapabilities(devices=("cuda",), kv_layouts=("mha", "mla"), kv_transform=True,
-                                       cuda_graphs=True, precision_modes=("exact", "fast"), key_masks=True)
+                                       cuda_graphs=True, precision_modes=("exact", "fast"), key_masks=True,
+                                       sinks=True)
 
     def __init__(
         self,
@@ -420,16 +426,22 @@ class TritonBackend:
         out_dtype: torch.dtype | None = None,
         kv_transform: KVTransform | None = None,
         kv_scales: KVScales | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer: arguments and results as ``AttentionBackend.run`` states them.
 
         With fixed-size buffers ``query`` may carry padding rows past the plan's rows (a graph
-        bucket); they come out 0 with LSE -inf.
+        bucket); they come out 0 with LSE -inf (with ``sinks``: LSE ``sinks[h]``). ``sinks``
+        ``(Hq,)`` float32: attention sinks for per-head K/V caches (the GQA kernels); a latent cache
+        or a ``kv_transform`` raises ValueError.
         """
         from segkv.kernels.attention.mla_attention import mla_paged_attention
         from segkv.kernels.attention.paged_attention import paged_attention
 
         plan = prepared.plan
+        check_sinks(self.name, self.capabilities, sinks, query)
+        if sinks is not None and kv_transform is not None:
+            raise ValueError("attention sinks are not supported with kv_transform (naive MLA) in the triton backend")
         if kv_transform is not None:
             return self._run_decompressed(prepared, query, key_cache, value_cache, scale=scale, out_dtype=out_dtype,
                                           kv_transform=kv_transform, kv_scales=kv_scales)
@@ -456,6 +468,8 @@ class TritonBackend:
         if latent:
             if partial_low is not None:
                 raise ValueError("the latent (MLA) kernel takes no sliding window")
+            if sinks is not None:
+                raise ValueError("the latent (MLA) kernel takes no attention sinks")
             return mla_paged_attention(
                 query=query, latent_cache=key_cache.squeeze(2), rank=dv,
                 **fields, num_partials=prepared.num_partials,
@@ -469,7 +483,7 @@ class TritonBackend:
             out_dtype=out_dtype or query.dtype, needs_merge=prepared.needs_merge, launch=self.launch,
             poison=self.poison, workspace=workspace, merge_in_stage1=prepared.merge_in_stage1,
             counters=self._merge_counters(rows * query.shape[1]) if prepared.merge_in_stage1 else None,
-            kv_scales=kv_scales, fast=plan.precision == "fast", partial_low=partial_low,
+            kv_scales=kv_scales, fast=plan.precision == "fast", partial_low=partial_low, sinks=sinks,
         )
 
     def _run_decompressed(

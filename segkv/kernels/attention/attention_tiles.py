@@ -254,13 +254,35 @@ def online_softmax_step(s, scale, kpos, offset, in_page, v, m_i, l_i, acc, EXACT
 
 
 @triton.jit
+def fold_sink(m_i, l_i, acc, sink2):
+    """An attention sink folded into a running softmax state in float32: ``sink2 (M,)`` the pairs'
+    sink logits in base-2 units (``sink * log2(e)``; -inf: none) join the maximum ``m_i`` (base 2)
+    and add ``2 ** (sink2 - m)`` to the weight sum ``l_i``, with a zero value (``acc`` is only
+    rescaled). A pair without a sink keeps its state (a rescale by ``2 ** 0``); an empty pair with a
+    sink gets max ``sink2`` and sum 1, so it normalises to 0 with LSE ``sink``."""
+    m_new = tl.maximum(m_i, sink2)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = exp2_ftz(m_i - m_safe)
+    l_i = l_i * alpha + exp2_ftz(sink2 - m_safe)
+    return m_new, l_i, acc * alpha[:, None]
+
+
+@triton.jit
 def store_partials(acc, m_i, l_i, partial, head, valid, offs_d, d_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
-                   stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, lse_valid):
+                   stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, lse_valid, SINKS=None):
     """Normalise a program's (row, head) results and store them: a partial that is its row's
     only one (``partial_direct >= 0``) is rounded once into FINAL/FINAL_LSE, the others go to
     OUT/LSE in float32 for the merge. Empty rows are 0 with LSE -inf. ``m_i`` is the running max
     in base-2 units (:func:`online_softmax_step`); the stored LSE is natural. The LSEs of the pairs
-    in ``lse_valid`` only (``valid``, or none where another program of the same pairs stores them)."""
+    in ``lse_valid`` only (``valid``, or none where another program of the same pairs stores them).
+    ``SINKS``: attention sinks, ``(Hq,)`` float32 natural-log logits per query head (None compiles
+    them away): a row's only partial takes its head's sink term (:func:`fold_sink`) before its one
+    rounding (an empty one: 0 with LSE ``sink``); partials for the merge stay without it (the merge
+    adds it once per row)."""
+    if SINKS is not None:  # the rows' only partials (direct >= 0) take their heads' sinks
+        alone = valid & (tl.load(partial_direct + partial, mask=valid, other=-1) >= 0)
+        sink = tl.load(SINKS + head, mask=alone, other=float("-inf"))
+        m_i, l_i, acc = fold_sink(m_i, l_i, acc, sink * LOG2E)
     empty = l_i == 0.0
     # one reciprocal per row and a product per value, not a division per value (a division costs
     # more instructions; fewer instructions and spills in the stage-1 programs): float32 within

@@ -58,7 +58,7 @@ def _stage1_kernel(
     KEY_MASKS: tl.constexpr = False, work_key_masks=None, key_mask_words=None,
     KV_FP8: tl.constexpr = False, K_SCALE=None, V_SCALE=None,
     CAUSAL_END: tl.constexpr = False, FAST_PV: tl.constexpr = False,
-    KEY_LOWS: tl.constexpr = False, partial_low=None,
+    KEY_LOWS: tl.constexpr = False, partial_low=None, SINKS=None,
 ):
     """One program: a block of (query row, head-in-group) pairs of one work item and one KV head,
     scanning the work item's piece ``BLOCK_N`` rows (its whole pages, or part of a longer page)
@@ -90,7 +90,10 @@ def _stage1_kernel(
     K/V dtype before P.V, :func:`attention_tiles.online_softmax_step`); off: ``exact``.
     ``KEY_LOWS`` (sliding windows): ``partial_low`` int32 per partial, the first piece row the
     pair's row sees (0: from the first); the scan starts at the page holding the pairs' smallest
-    (:func:`attention_tiles.window_page_start`) and every tile is masked. False compiles it away."""
+    (:func:`attention_tiles.window_page_start`) and every tile is masked. False compiles it away.
+    ``SINKS``: attention sinks, ``(Hq,)`` float32 natural-log logits per query head, folded in
+    float32 before the one rounding wherever stage 1 finishes a row (its only partial:
+    :func:`attention_tiles.store_partials`; ``MERGE``: :mod:`stage1_merge`); None compiles them away."""
     PAGES: tl.constexpr = max(BLOCK_N // PAGE_SIZE, 1)  # whole pages a tile covers (1: a page spans tiles)
     SUB: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N  # tiles per page (1: a tile holds whole pages)
     if STAMPS is not None:
@@ -115,7 +118,7 @@ def _stage1_kernel(
     if MERGE > 0:
         if (w == 0) & (mb == 0):
             zero_empty_rows(reduce_ptr, num_rows, kvh, FINAL, FINAL_LSE, stride_fr, stride_fh, stride_flr,
-                            GROUP, DV, BLOCK_DV)
+                            GROUP, DV, BLOCK_DV, SINKS)
     if mb * BLOCK_M >= n_rows * GROUP:  # also the padding work items of fixed-size plan buffers
         return
     if not PLAN_EARLY:
@@ -198,17 +201,18 @@ def _stage1_kernel(
     if KV_FP8:  # the weights' sum of unscaled values times the head's value scale
         acc = acc * tl.load(V_SCALE + kvh)
     store_partials(acc, m_i, l_i, partial, head, valid, offs_dv, dv_ok, partial_direct, OUT, LSE, FINAL, FINAL_LSE,
-                   stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, valid)
+                   stride_op, stride_oh, stride_lp, stride_fr, stride_fh, stride_flr, valid, SINKS)
     if STAMPS is not None:
         timeline.record(STAMPS, st0, sc0, st1, sc1)
     if MERGE > 8:
         merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS,
                             stride_c, OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp,
-                            stride_fr, stride_fh, stride_flr, kvh, mb, MERGE, GROUP, MERGE_LANES, BLOCK_M, BLOCK_DV)
+                            stride_fr, stride_fh, stride_flr, kvh, mb, MERGE, GROUP, MERGE_LANES, BLOCK_M, BLOCK_DV,
+                            SINKS)
     elif MERGE > 0:
         merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
                       OUT, LSE, FINAL, FINAL_LSE, offs_dv, dv_ok, stride_op, stride_oh, stride_lp, stride_fr,
-                      stride_fh, stride_flr, MERGE)
+                      stride_fh, stride_flr, MERGE, SINKS)
 
 
 @triton.jit
@@ -216,6 +220,7 @@ def _merge_kernel(
     PART_OUT, PART_LSE, OUT, OUT_LSE, reduce_ptr, reduce_partials,
     stride_pp, stride_ph, stride_lp, stride_or, stride_oh, stride_lr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr = False, STAMPS=None,
+    SINKS=None,
 ):
     """One program per (query row, head, ``BLOCK_DV`` value columns): the exact merge of its
     partials, rounded once. Rows without partials get 0 and LSE -inf; rows with exactly one were
@@ -226,7 +231,10 @@ def _merge_kernel(
     attention: 512 columns) from leaving a batch-1 merge to a handful of programs that each stream
     every partial. The first block's partial ids (the host's plan) are read before the PDL wait
     for stage 1 (``USE_PDL``), and the next kernel may launch right after that wait. ``STAMPS``: as
-    :func:`_stage1_kernel`'s (programs with nothing to merge write none)."""
+    :func:`_stage1_kernel`'s (programs with nothing to merge write none). ``SINKS``: attention sinks,
+    ``(Hq,)`` float32 natural-log logits per query head (None compiles them away): the running state
+    starts as the head's sink (one more LSE term with a zero value, in lane 0), so a row's sink is
+    folded in float32 before its rounding, and a row without partials gets 0 with LSE ``sink``."""
     if STAMPS is not None:
         st0 = timeline.global_ns()
         sc0 = timeline.sm_cycles()
@@ -259,6 +267,10 @@ def _merge_kernel(
     col_ok = offs < DV
     m = tl.full([BLOCK_P], float("-inf"), tl.float32)  # running maximum (all lanes equal)
     total = tl.zeros([BLOCK_P], tl.float32)
+    if SINKS is not None:  # the sink's state: max sink in every lane, its weight 1 in lane 0
+        sink = tl.load(SINKS + head)
+        m = tl.zeros([BLOCK_P], tl.float32) + sink
+        total = tl.where((offs_p == 0) & (m != float("-inf")), 1.0, 0.0)
     acc = tl.zeros([BLOCK_P, BLOCK_DV], tl.float32)
     for i0 in range(start, end, BLOCK_P):
         ok = i0 + offs_p < end
@@ -357,7 +369,7 @@ def paged_attention(
     partial_row, partial_offset, partial_direct, reduce_ptr, reduce_partials,
     num_partials, max_work_rows, scale, out_dtype, needs_merge=True, launch: LaunchConfig | None = None,
     poison=False, workspace=None, counters=None, merge_in_stage1=False,
-    work_key_masks=None, key_mask_words=None, kv_scales=None, fast=False, partial_low=None,
+    work_key_masks=None, key_mask_words=None, kv_scales=None, fast=False, partial_low=None, sinks=None,
 ):
     """Attention of a plan: stage-1 partials, then the exact merge, rounded once.
 
@@ -382,6 +394,12 @@ def paged_attention(
     ``fast``: the contract's ``fast`` precision mode inside the pieces (P rounded to the K/V dtype
     before P.V); the merge and its single rounding are the same in both modes. ``partial_low``
     ``(num_partials,)`` int32 (sliding windows): each partial's first visible piece row.
+    ``sinks``: attention sinks, ``(Hq,)`` float32 natural-log logits per query head (gpt-oss), or
+    None: one more term ``exp(sinks[h])`` with a zero value in every row's softmax denominator,
+    folded in float32 wherever a row is finished (stage 1's direct store or merge, or the merge
+    kernel) before its one rounding; rows without partials are then 0 with LSE ``sinks[h]``. A
+    per-call tensor, not part of the plan (fixed plan buffers and CUDA graphs are unchanged); None
+    compiles the sink code away.
     """
     fp8 = {}
     if kv_scales is not None:
@@ -418,9 +436,10 @@ def paged_attention(
             scale, num_rows, **meta, **attention_pdl_options(query), **timeline_stamps("stage1"),
             **key_mask_options(work_key_masks, key_mask_words), **fp8,
             **({} if partial_low is None else {"KEY_LOWS": True, "partial_low": partial_low}),
+            **({} if sinks is None else {"SINKS": sinks}),
         )
     if num_rows and not merged and (needs_merge or not (num_work and num_partials)):
-        merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials)
+        merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials, sinks)
     return out.to(out_dtype), lse
 
 
@@ -594,8 +613,9 @@ def merge_block_dv(dv: int) -> int:
     return min(max(16, triton.next_power_of_2(dv)), width)
 
 
-def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> None:
-    """Launch the merge: every row of ``out``/``lse`` from its partials (CSR ``reduce_ptr``)."""
+def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials, sinks=None) -> None:
+    """Launch the merge: every row of ``out``/``lse`` from its partials (CSR ``reduce_ptr``);
+    ``sinks`` ``(Hq,)`` float32 or None: attention sinks, one more LSE term per row (``_merge_kernel``)."""
     num_rows, num_heads, dv = out.shape
     block_dv = merge_block_dv(dv)
     _merge_kernel[(num_rows, num_heads, triton.cdiv(dv, block_dv))](
@@ -605,7 +625,7 @@ def merge_into(out, lse, part_out, part_lse, reduce_ptr, reduce_partials) -> Non
         # 64 partials per step: a GQA decode row's partials (33 on a 132-SM GPU) in one step, a
         # 256-way latent split in four
         DV=dv, BLOCK_DV=block_dv, BLOCK_P=16 if block_dv > 256 else 64, **attention_pdl_options(out),
-        **timeline_stamps("merge"),
+        **timeline_stamps("merge"), **({} if sinks is None else {"SINKS": sinks}),
     )
 
 

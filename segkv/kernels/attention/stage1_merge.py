@@ -1,7 +1,11 @@
 """Triton building blocks of the merge inside stage 1: the last program to finish a (query row,
 head) pair merges its partials (an atomic ticket per pair), and the first work item's programs
 zero the rows without partials, so a decode plan of few partials per row needs no merge launch.
-Results follow the merge kernel's contract (float32, rounded once)."""
+Results follow the merge kernel's contract (float32, rounded once). ``SINKS`` (attention sinks,
+``(Hq,)`` float32 natural-log logits per query head; None compiles them away): each merged row's
+state starts as its head's sink (max ``sink``, weight sum 1, a zero value), exactly as the merge
+kernel's, so the sink is one more LSE term folded before the rounding; a row without partials gets
+0 with LSE ``sink``."""
 
 from __future__ import annotations
 
@@ -10,9 +14,10 @@ from segkv.kernels.triton_import import tl, triton
 
 @triton.jit
 def zero_empty_rows(reduce_ptr, num_rows, kvh, FINAL, FINAL_LSE, stride_fr, stride_fh, stride_flr,
-                    GROUP: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Rows without partials (no visible key, a graph bucket's padding rows): 0 with LSE -inf in
-    KV head ``kvh``'s query heads (what the merge kernel writes for them)."""
+                    GROUP: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, SINKS=None):
+    """Rows without partials (no visible key, a graph bucket's padding rows): 0 with LSE -inf (with
+    ``SINKS``: the head's sink) in KV head ``kvh``'s query heads (what the merge kernel writes for
+    them)."""
     PAIRS: tl.constexpr = 16
     offs_d = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < DV
@@ -25,13 +30,17 @@ def zero_empty_rows(reduce_ptr, num_rows, kvh, FINAL, FINAL_LSE, stride_fr, stri
         head = kvh * GROUP + pair % GROUP
         tl.store(FINAL + row[:, None] * stride_fr + head[:, None] * stride_fh + offs_d[None, :],
                  tl.zeros([PAIRS, BLOCK_DV], FINAL.dtype.element_ty), mask=empty[:, None] & d_ok[None, :])
-        tl.store(FINAL_LSE + row * stride_flr + head, tl.full([PAIRS], float("-inf"), tl.float32), mask=empty)
+        if SINKS is not None:
+            empty_lse = tl.load(SINKS + head, mask=empty, other=float("-inf"))
+        else:
+            empty_lse = tl.full([PAIRS], float("-inf"), tl.float32)
+        tl.store(FINAL_LSE + row * stride_flr + head, empty_lse, mask=empty)
 
 
 @triton.jit
 def merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
                   OUT, LSE, FINAL, FINAL_LSE, offs_d, d_ok, stride_op, stride_oh, stride_lp, stride_fr, stride_fh,
-                  stride_flr, MAX_PARTIALS: tl.constexpr):
+                  stride_flr, MAX_PARTIALS: tl.constexpr, SINKS=None):
     """After a program stored its partials: for each of its (row, head) pairs with several
     partials (at most ``MAX_PARTIALS``), count this one in (an atomic ticket per pair). The
     program holding a pair's last ticket merges that pair's partials by the contract's formula
@@ -54,9 +63,14 @@ def merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce
         o = tl.load(OUT + p[:, :, None] * stride_op + head[:, None, None] * stride_oh + offs_d[None, None, :],
                     mask=live[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
         m = tl.max(lse, 1)
+        if SINKS is not None:  # the sink: one more LSE term, with a zero value
+            sink = tl.load(SINKS + head, mask=last, other=float("-inf"))
+            m = tl.maximum(m, sink)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         wgt = tl.where(live, tl.exp(lse - m_safe[:, None]), 0.0)
         total = tl.sum(wgt, 1)
+        if SINKS is not None:
+            total = total + tl.exp(sink - m_safe)
         acc = tl.sum(wgt[:, :, None] * o, 1)
         empty = total == 0.0
         out = acc / tl.where(empty, 1.0, total)[:, None]
@@ -71,7 +85,7 @@ def merge_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce
 def merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, reduce_partials, COUNTERS, stride_c,
                         OUT, LSE, FINAL, FINAL_LSE, offs_d, d_ok, stride_op, stride_oh, stride_lp, stride_fr,
                         stride_fh, stride_flr, kvh, mb, MAX_PARTIALS: tl.constexpr, GROUP: tl.constexpr,
-                        LANES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+                        LANES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, SINKS=None):
     """:func:`merge_if_last` for rows of many partials (16 to 64): a decode program's pairs are
     heads of one query row, in its first ``LANES`` lanes (``GROUP`` rounded up to a power of 2, at
     most ``BLOCK_M``), so the program holding the last tickets merges those heads only, ``CHUNK``
@@ -96,6 +110,9 @@ def merge_group_if_last(partial, head, valid, qrow, partial_direct, reduce_ptr, 
         j = tl.arange(0, CHUNK)
         m = tl.full([LANES], float("-inf"), tl.float32)
         total = tl.zeros([LANES], tl.float32)
+        if SINKS is not None:  # the running state starts as the sink's: max sink, weight 1, value 0
+            m = tl.load(SINKS + head_g, mask=last_g, other=float("-inf"))
+            total = tl.where(m == float("-inf"), 0.0, 1.0)
         acc = tl.zeros([LANES, BLOCK_DV], tl.float32)
         for i0 in range(0, count, CHUNK):
             in_row = i0 + j < count
