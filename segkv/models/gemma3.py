@@ -116,7 +116,7 @@ class Gemma3Config(DecoderConfig):
     final_logit_softcapping: float | None
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], **_: Any) -> Gemma3Config:
+    def from_hf(cls, cfg: dict[str, Any]) -> Gemma3Config:
         require(cfg, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads")
         heads, max_len = int(cfg["num_attention_heads"]), int(cfg.get("max_position_embeddings", 131_072))
