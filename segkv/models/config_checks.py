@@ -42,60 +42,46 @@ def common_settings(cfg: dict[str, Any]) -> list[str]:
     return problems + field_problems(cfg)
 
 
-def qwen_uniform_window(cfg: dict[str, Any]) -> int | None:
-    """The window of a Qwen2/Qwen3 config whose every layer is windowed (``use_sliding_window``
-    with ``sliding_window`` set, and ``max_window_layers`` 0 or ``layer_types`` all
-    ``"sliding_attention"``): one plan bound serves every layer, so segkv attends it
-    (``ModelRunner.plan``). None otherwise."""
+def qwen_layer_windows(cfg: dict[str, Any]) -> tuple[int | None, ...] | None:
+    """Each layer's sliding window in a Qwen2/Qwen3 config, as transformers applies them: with
+    ``use_sliding_window`` and ``sliding_window`` set, layer ``i`` attends its last
+    ``sliding_window`` positions when ``layer_types[i] == "sliding_attention"`` (without
+    ``layer_types``: from ``max_window_layers`` on), else the full history. None when no layer is
+    windowed, or the window covers ``max_position_embeddings`` (no sequence reaches past it)."""
     if not cfg.get("use_sliding_window") or not cfg.get("sliding_window"):
+        return None
+    window = int(cfg["sliding_window"])
+    if window >= int(cfg.get("max_position_embeddings", 4096)):
         return None
     num_layers = int(cfg.get("num_hidden_layers") or 0)
     types = cfg.get("layer_types")
-    if types is not None:
-        every = len(types) == num_layers and all(t == "sliding_attention" for t in types)
-    else:
-        every = int(cfg.get("max_window_layers") or 0) <= 0
-    return int(cfg["sliding_window"]) if every and num_layers else None
+    if types is None:
+        start = int(cfg.get("max_window_layers") or 0)
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
+    windows = tuple(window if t == "sliding_attention" else None for t in types)
+    return windows if any(w is not None for w in windows) else None
 
 
 def qwen_sliding_window(cfg: dict[str, Any]) -> list[str]:
-    """Qwen2/Qwen3 windowed layers (``use_sliding_window``, ``max_window_layers``, ``layer_types``).
-
-    transformers windows layer ``i`` when ``layer_types[i] == "sliding_attention"``; without
-    ``layer_types``, the layers from ``max_window_layers`` on when ``use_sliding_window`` is set.
-    segkv plans one window for every layer: a config whose every layer is windowed is attended as
-    such (:func:`qwen_uniform_window`); one whose window covers the model length
-    (``sliding_window >= max_position_embeddings``) is full attention anyway; anything else (some
-    layers windowed, others not) is refused.
-    """
-    if qwen_uniform_window(cfg) is not None:
-        return []
-    num_layers = int(cfg.get("num_hidden_layers") or 0)
-    use = bool(cfg.get("use_sliding_window", False))
-    window = cfg.get("sliding_window") if use else None
+    """Qwen2/Qwen3 window settings segkv does not implement: ``layer_types`` entries other than
+    full and sliding attention, a ``layer_types`` of another length than the layers, and layers
+    marked sliding without ``use_sliding_window`` (transformers then has no window to apply and
+    its masks disagree between versions). The windows themselves are attended
+    (:func:`qwen_layer_windows`)."""
     types = cfg.get("layer_types")
-    if types is not None:
-        unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
-        if unknown:
-            return [f"layer_types with {', '.join(map(repr, unknown))}: only full attention is implemented"]
-        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    elif window is not None:
-        start = int(cfg.get("max_window_layers") or 0)
-        sliding = list(range(start, num_layers))
-    else:
-        sliding = []
-    if not sliding:
+    if types is None:
         return []
-    max_len = int(cfg.get("max_position_embeddings", 4096))
-    if window is not None and int(window) >= max_len:
-        return []  # no sequence reaches past the window: every layer sees its whole history anyway
-    layers = _ranges(sliding)
-    if use:
-        return [f"use_sliding_window: true (sliding_window {window}, max_window_layers "
-                f"{cfg.get('max_window_layers')}; layers {layers} attend a window): sliding-window "
-                "attention is not implemented for some layers only (segkv windows every layer or none)"]
-    return [f"layer_types marks layers {layers} as 'sliding_attention': sliding-window attention "
-            "is not implemented for some layers only (segkv windows every layer or none)"]
+    unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    if unknown:
+        return [f"layer_types with {', '.join(map(repr, unknown))}: only full and sliding attention are implemented"]
+    num_layers = int(cfg.get("num_hidden_layers") or 0)
+    if len(types) != num_layers:
+        return [f"layer_types has {len(types)} entries for {num_layers} layers"]
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if sliding and not (cfg.get("use_sliding_window") and cfg.get("sliding_window")):
+        return [f"layer_types marks layers {_ranges(sliding)} as 'sliding_attention' without "
+                "use_sliding_window and a sliding_window: no window to attend"]
+    return []
 
 
 def _rope_dict(cfg: dict[str, Any]) -> tuple[str, dict | None]:

@@ -115,23 +115,15 @@ def _ignored_by_reference(name: str, family: str, what: str) -> Refused:
                    is_inert=_false)
 
 
-def _qwen_window(example: Mapping[str, Any]) -> Refused:
-    return Refused(
-        "sliding-window attention over some layers only is not implemented (segkv plans one window "
-        "for every layer); refused unless no layer or every layer is windowed, or the window covers "
-        "max_position_embeddings",
-        example, checked_by="config_checks.qwen_sliding_window (the family's unimplemented_settings)")
+# Qwen2/Qwen3 windows (use_sliding_window, sliding_window, max_window_layers) are attended per
+# layer (config_checks.qwen_layer_windows); layer_types is handled but for what has no window
+_QWEN_WINDOW_HANDLED = {"use_sliding_window", "sliding_window", "max_window_layers"}
+_QWEN_LAYER_TYPES = Refused(
+    "layer_types entries other than full and sliding attention, of another length than the layers, or "
+    "sliding without use_sliding_window, are not implemented",
+    {"layer_types": ["full_attention", "sliding_attention"]},
+    checked_by="config_checks.qwen_sliding_window (the family's unimplemented_settings)")
 
-
-_QWEN_WINDOW = {
-    "use_sliding_window": _qwen_window({"use_sliding_window": True, "sliding_window": 16,
-                                        "max_window_layers": 1, "layer_types": None}),
-    "sliding_window": _qwen_window({"use_sliding_window": True, "sliding_window": 8,
-                                    "max_window_layers": 1, "layer_types": None}),
-    "max_window_layers": _qwen_window({"use_sliding_window": True, "sliding_window": 16,
-                                       "max_window_layers": 1, "layer_types": None}),
-    "layer_types": _qwen_window({"layer_types": ["full_attention", "sliding_attention"]}),
-}
 
 _LLAMA = FieldTable(
     "LlamaConfig",
@@ -150,18 +142,18 @@ _MISTRAL = FieldTable(
 )
 _QWEN2 = FieldTable(
     "Qwen2Config",
-    handled=_DECODER_HANDLED,
+    handled=_DECODER_HANDLED | _QWEN_WINDOW_HANDLED,
     inert=_BASE_INERT,
-    refused={**_COMMON_REFUSED, **_QWEN_WINDOW,
+    refused={**_COMMON_REFUSED, "layer_types": _QWEN_LAYER_TYPES,
              "attention_bias": _ignored_by_reference(
                  "attention_bias", "Qwen2", "Q/K/V biases and none on o_proj"),
              "mlp_bias": _ignored_by_reference("mlp_bias", "Qwen2", "no MLP biases")},
 )
 _QWEN3 = FieldTable(
     "Qwen3Config",
-    handled=_DECODER_HANDLED | {"attention_bias"},  # Q/K/V and o_proj biases, as transformers
+    handled=_DECODER_HANDLED | {"attention_bias"} | _QWEN_WINDOW_HANDLED,  # Q/K/V and o_proj biases
     inert=_BASE_INERT,
-    refused={**_COMMON_REFUSED, **_QWEN_WINDOW,
+    refused={**_COMMON_REFUSED, "layer_types": _QWEN_LAYER_TYPES,
              "mlp_bias": _ignored_by_reference("mlp_bias", "Qwen3", "no MLP biases")},
 )
 
@@ -212,29 +204,17 @@ _DEEPSEEK_V3 = FieldTable(
 )
 
 
-def _moe_window_inert(value: Any, cfg: Mapping[str, Any]) -> bool:
-    """transformers' Qwen3-MoE windows every layer when ``use_sliding_window`` is set (it has no
-    ``max_window_layers``): inert only where the window covers the model length."""
-    window = cfg.get("sliding_window")
-    return not value or window is None or int(window) >= int(cfg.get("max_position_embeddings", 4096))
-
-
 _QWEN3_MOE = FieldTable(
     "Qwen3MoeConfig",
     handled=_DECODER_HANDLED | {
         "attention_bias", "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-        "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"},  # qwen3_moe.py
-    inert=_BASE_INERT | {"router_aux_loss_coef", "output_router_logits"},
+        "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+        # every layer attends the window when use_sliding_window is set, as transformers masks it
+        "use_sliding_window", "sliding_window"},  # qwen3_moe.py
+    # not transformers fields here (checkpoints carry them from Qwen3's config): its Qwen3-MoE
+    # windows every layer whatever they say
+    inert=_BASE_INERT | {"router_aux_loss_coef", "output_router_logits", "max_window_layers", "layer_types"},
     refused={**_COMMON_REFUSED,
-             "use_sliding_window": Refused(
-                 "sliding-window attention is not implemented (segkv attends the full history in "
-                 "every layer, transformers windows every layer)",
-                 {"use_sliding_window": True, "sliding_window": 16}, is_inert=_moe_window_inert),
-             # read only when use_sliding_window is set (transformers drops it otherwise)
-             "sliding_window": _qwen_window({"use_sliding_window": True, "sliding_window": 8}),
-             # not a transformers field here; checkpoints carry it from Qwen3's config
-             "max_window_layers": _qwen_window({"use_sliding_window": True, "sliding_window": 16,
-                                                "max_window_layers": 1}),
              "mlp_bias": _ignored_by_reference("mlp_bias", "Qwen3-MoE", "no MLP biases")},
 )
 _MIXTRAL = FieldTable(
@@ -257,6 +237,7 @@ _PHI3 = FieldTable(
     inert=_BASE_INERT | {"resid_pdrop", "embd_pdrop"},
     refused=dict(_COMMON_REFUSED),
 )
+
 
 def _none(value: Any, cfg: Mapping[str, Any]) -> bool:
     """Inert when unset (None or absent)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -184,6 +185,26 @@ class DecoderBody(nn.Module):
 
 
 DecoderBody.layer_class = DecoderLayer
+
+
+def apply_layer_windows(model: nn.Module, windows: Sequence[int | None] | None) -> None:
+    """Bound each decoder layer's attention by its sliding window (``windows``: one per layer,
+    None for full attention; None: no window). One window over every layer becomes the model's
+    ``sliding_window``: one plan bounds every layer. Windows that differ go on each layer's
+    ``PagedAttention.window``, listed in the model's ``layer_windows``: the runner plans the step
+    once per distinct window and each layer attends its own (``AttentionMetadata.windowed``)."""
+    model.sliding_window, model.layer_windows = None, None
+    if not windows or all(w is None for w in windows):
+        return
+    layers = model.model.layers
+    if len(windows) != len(layers):
+        raise ValueError(f"{len(windows)} layer windows for {len(layers)} layers")
+    if len(set(windows)) == 1:
+        model.sliding_window = windows[0]
+        return
+    model.layer_windows = tuple(windows)
+    for layer, window in zip(layers, windows):
+        layer.self_attn.attn.window = window
 
 
 class DecoderForCausalLM(CausalLM):

@@ -34,7 +34,7 @@ from segkv.layers.attention import PagedAttention
 from segkv.layers.norm import GemmaRMSNorm
 from segkv.layers.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, rope_type_of
 from segkv.models.base import CausalLM
-from segkv.models.decoder import DecoderAttention, DecoderConfig, DecoderForCausalLM
+from segkv.models.decoder import DecoderAttention, DecoderConfig, DecoderForCausalLM, apply_layer_windows
 from segkv.models.hf_config import require, rope_settings
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -239,15 +239,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
 
     def __init__(self, cfg: Gemma3Config) -> None:
         CausalLM.__init__(self, cfg, Gemma3Body(cfg))
-        windows = cfg.layer_windows
-        self.sliding_window: int | None = None
-        self.layer_windows: tuple[int | None, ...] | None = None
-        if len(set(windows)) == 1:
-            self.sliding_window = windows[0]
-        else:
-            self.layer_windows = windows
-            for layer, window in zip(self.model.layers, windows):
-                layer.self_attn.attn.window = window
+        apply_layer_windows(self, cfg.layer_windows)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> Gemma3ForCausalLM:

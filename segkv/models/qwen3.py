@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from segkv.models.config_checks import qwen_sliding_window, qwen_uniform_window
-from segkv.models.decoder import DecoderForCausalLM
+from segkv.models.config_checks import qwen_layer_windows, qwen_sliding_window
+from segkv.models.decoder import DecoderForCausalLM, apply_layer_windows
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
     """Qwen3: q_norm and k_norm over each head before RoPE; no projection biases by default.
 
-    A window over every layer (``use_sliding_window`` with ``max_window_layers`` 0, or
-    ``layer_types`` all sliding) is attended as a window (``sliding_window``, the runner's plan
-    bound); windows over some layers only are refused at load unless the window covers the whole
-    model length (``config_checks.qwen_sliding_window``).
+    Sliding windows (``use_sliding_window``: the layers ``layer_types`` marks, or those from
+    ``max_window_layers`` on) are attended as plan bounds: one over every layer as the model's
+    ``sliding_window``, windows over some layers per layer (``decoder.apply_layer_windows``,
+    ``config_checks.qwen_layer_windows``).
     """
 
     config_overrides = {"qk_norm": True}
@@ -20,7 +20,7 @@ class Qwen3ForCausalLM(DecoderForCausalLM):
     @classmethod
     def from_hf_config(cls, cfg: dict):
         model = super().from_hf_config(cfg)
-        model.sliding_window = qwen_uniform_window(cfg)
+        apply_layer_windows(model, qwen_layer_windows(cfg))
         return model
 
     @classmethod

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from segkv.models.config_checks import qwen_sliding_window
-from segkv.models.decoder import DecoderConfig
+from segkv.models.decoder import DecoderConfig, apply_layer_windows
 from segkv.models.moe_decoder import SparseMoeDecoderForCausalLM, SparseMoeSettings, softmax_router
 
 
@@ -16,9 +15,10 @@ class Qwen3MoeForCausalLM(SparseMoeDecoderForCausalLM):
     ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``, as transformers builds it;
     otherwise the dense MLP of ``intermediate_size``.
 
-    ``router_aux_loss_coef`` and ``output_router_logits`` only matter in training. Sliding-window
-    layers (``use_sliding_window``, ``layer_types``) are refused at load unless the window covers
-    the whole model length (``config_checks.qwen_sliding_window``).
+    ``router_aux_loss_coef`` and ``output_router_logits`` only matter in training. With
+    ``use_sliding_window`` every layer attends its last ``sliding_window`` positions, as
+    transformers' Qwen3-MoE masks them (it has no per-layer types): the model's
+    ``sliding_window``, one plan bound for every layer.
     """
 
     @classmethod
@@ -36,8 +36,7 @@ class Qwen3MoeForCausalLM(SparseMoeDecoderForCausalLM):
                        for i in range(decoder.num_layers))
         moe = SparseMoeSettings(router=router, expert_size=int(cfg.get("moe_intermediate_size", 768)),
                                 moe_layers=layers)
-        return cls(decoder, moe)
-
-    @classmethod
-    def unimplemented_settings(cls, cfg: dict) -> list[str]:
-        return super().unimplemented_settings(cfg) + qwen_sliding_window(cfg)
+        model = cls(decoder, moe)
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        apply_layer_windows(model, [int(window)] * decoder.num_layers if window else None)
+        return model

@@ -43,6 +43,13 @@ class StepInput:
     tree_parents: tuple[int, ...] | None = None
 
 
+
+def layer_windows(model: nn.Module) -> tuple[int, ...]:
+    """The distinct sliding windows of a model whose layers differ (``model.layer_windows``: one
+    entry per layer, None for full attention); () for the others, whose plan bounds every layer
+    alike (``model.sliding_window``)."""
+    return tuple(sorted({w for w in getattr(model, "layer_windows", None) or () if w is not None}))
+
 class ModelRunner:
     """Runs the model over chains: appends the new rows, plans attention, computes logits.
 
@@ -231,7 +238,9 @@ class ModelRunner:
                 if logits is not None and self.hidden_listener is not None:
                     self.hidden_listener(chains, chunks, self.graphs.last_states(len(positions)))
             if logits is None:  # eager: no graph, a prefill chunk, or a step no graph holds
-                logits = self._eager_logits(chunks, positions, slots, plan, mla_mode, rows, device_ids, chains)
+                windowed = {w: self.plan(queries, mla_mode, window=w) for w in layer_windows(self.model)}
+                logits = self._eager_logits(chunks, positions, slots, plan, mla_mode, rows, device_ids, chains,
+                                            windowed)
         except BaseException:
             for chain, n in appended:
                 chain.trim(n)
@@ -250,12 +259,12 @@ class ModelRunner:
         """Drop the next step planned ahead (after a warm-up: that step never comes)."""
         self._ahead = None
 
-    def plan(self, queries: list[SequenceQuery], mla_mode: str) -> AttentionPlan:
+    def plan(self, queries: list[SequenceQuery], mla_mode: str, *, window: int | None = None) -> AttentionPlan:
         """The attention plan of ``queries`` on this runner's device, cache and route, bounded by
-        the model's sliding window (one for every layer) where it has one."""
+        ``window``, else by the model's sliding window (one for every layer) where it has one."""
         return plan_attention(queries, self.model.attention_shape(mla_mode), self.device_spec,
                               page_size=self.cache.page_size, route=self.route,
-                              window=getattr(self.model, "sliding_window", None))
+                              window=window or getattr(self.model, "sliding_window", None))
 
     def _plan_ahead(self, chains: list[KVChain], mla_mode: str) -> _PlanAhead | None:
         """The plan (and flattened index arrays) of the next decode step of the same chains, one
@@ -283,14 +292,17 @@ class ModelRunner:
 
     def _eager_logits(self, chunks: list[list[int]], positions: list[int], slots: list[int], plan: AttentionPlan,
                       mla_mode: str, rows: list[int] | None, device_ids: torch.Tensor | None = None,
-                      chains: list[KVChain] | None = None) -> torch.Tensor:
-        """Logits of the step's ``rows`` (flat row indices; None: every row)."""
+                      chains: list[KVChain] | None = None,
+                      windowed: dict[int, AttentionPlan] | None = None) -> torch.Tensor:
+        """Logits of the step's ``rows`` (flat row indices; None: every row). ``windowed``: the
+        step's plans bounded by each of the model's per-layer windows (:func:`layer_windows`)."""
         meta = AttentionMetadata(
             backend=self.backend,
             prepared=self.backend.prepare(plan),
             storage=self.cache.storage,
             slots=to_device(slots, torch.long, self.device),
             mla_mode=mla_mode,
+            windowed={w: self.backend.prepare(p) for w, p in (windowed or {}).items()},
         )
         if device_ids is not None:
             ids = device_ids.to(device=self.device, dtype=torch.long)
@@ -317,7 +329,10 @@ class ModelRunner:
             return None
         emulate = mode == "emulate"
         reason = None
-        if not self.backend.capabilities.cuda_graphs:
+        if layer_windows(self.model):
+            reason = ("the model's layers attend different sliding windows (layer_windows), which the "
+                      "graphs' one plan per step does not hold")
+        elif not self.backend.capabilities.cuda_graphs:
             reason = (f"the {self.backend.name} attention backend cannot run in CUDA graphs "
                       "(the Triton backend can)")
         elif not emulate and self.device.type != "cuda":

@@ -136,13 +136,17 @@ def test_each_refused_field_is_a_load_error_naming_it(tmp_path, arch, name):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_qwen_sliding_window_is_refused_by_llm(tmp_path, family):
+def test_qwen_windows_over_some_layers_load_in_llm(tmp_path, family):
     from segkv.engine.llm import LLM
 
     build_model_dir(tmp_path, family, use_sliding_window=True, sliding_window=16, max_window_layers=1)
-    match = "use_sliding_window: true .*sliding-window attention is not implemented"
-    with pytest.raises(ValueError, match=match):
-        LLM(tmp_path, device="cpu", dtype="float32")
+    llm = LLM(tmp_path, device="cpu", dtype="float32", num_pages=32)
+    assert llm.model.layer_windows == (None, 16)  # attended per layer (test_sliding_window_models)
+    # decode graphs hold one plan a step: asked for, they are a clear error; "auto" runs eagerly
+    with pytest.raises(ValueError, match="attend different sliding windows"):
+        LLM(tmp_path, device="cpu", dtype="float32", num_pages=32, backend="triton", cuda_graphs="emulate")
+    auto = LLM(tmp_path, device="cpu", dtype="float32", num_pages=32, cuda_graphs="auto")
+    assert auto.runner.graphs is None and "sliding windows" in auto.runner.graphs_off_reason
 
 
 def test_bias_flags_the_reference_ignores_are_refused_at_true_only(tmp_path):
@@ -168,14 +172,14 @@ def test_unknown_fields_are_logged_not_refused(caplog):
     assert "some_future_metadata" in caplog.text
 
 
-def test_qwen3_moe_window_is_refused_whatever_max_window_layers():
+def test_qwen3_moe_windows_every_layer_whatever_max_window_layers():
     # transformers' Qwen3-MoE windows every layer (it has no max_window_layers); a checkpoint that
     # carries Qwen3's max_window_layers equal to the layer count must not read as "no layer windowed"
     cfg = _tiny_config("Qwen3MoeForCausalLM")
     cls = model_class(cfg)
     windowed = {**cfg, "use_sliding_window": True, "sliding_window": 16,
                 "max_window_layers": cfg["num_hidden_layers"]}
-    match = "use_sliding_window = True: sliding-window attention is not implemented"
-    with pytest.raises(ValueError, match=match):
-        cls.check_config(windowed)
-    cls.check_config({**windowed, "sliding_window": cfg["max_position_embeddings"]})  # covers every sequence
+    cls.check_config(windowed)
+    model = cls.from_hf_config(windowed)
+    assert model.sliding_window == 16 and model.layer_windows is None
+    assert cls.from_hf_config({**windowed, "use_sliding_window": False}).sliding_window is None

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from model_helpers import GEMMA3, assert_greedy_agrees, build_gemma3_dir
-from segkv.attention.metadata import AttentionMetadata
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig
 from segkv.engine import LLM
@@ -25,10 +24,6 @@ from segkv.sampling_params import SamplingParams
 TOLERANCE = 1e-4
 NEW_TOKENS = 32
 WINDOW = 10  # the unusual config's: shorter than every prompt below
-# attention bounded by each layer's own window (PagedAttention.window, AttentionMetadata.windowed)
-needs_layer_windows = pytest.mark.skipif(
-    not hasattr(AttentionMetadata, "prepared_for"),
-    reason="per-layer sliding windows (PagedAttention.window planned by the runner) are not in this tree")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -99,7 +94,6 @@ def _unusual(directory):
     return Gemma3ForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
-@needs_layer_windows
 def test_gemma3_unusual_config_past_its_window(tmp_path, gen):
     hf = _unusual(tmp_path)
     assert hf.config.layer_types == GEMMA3["layer_types"] and hf.config.vocab_size % 2 == 1
@@ -123,7 +117,6 @@ def test_gemma3_unusual_config_past_its_window(tmp_path, gen):
     assert_greedy_agrees(hf, prompt, tokens, _reference(hf, prompt), TOLERANCE)
 
 
-@needs_layer_windows
 def test_gemma3_windows_over_turns_and_a_fork(tmp_path):
     """Two prompts generated together, then a conversation's two turns and a fork's own turn, with
     prefill chunks of 7 (shorter than the window of 10): each reply is transformers' greedy reply

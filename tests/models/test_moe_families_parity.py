@@ -30,6 +30,8 @@ CASES = {
     # every second layer sparse (transformers: (i + 1) % decoder_sparse_step == 0)
     "qwen3_moe_sparse_step": ("qwen3_moe", dict(decoder_sparse_step=2, num_hidden_layers=4), 0,
                               [False, True, False, True]),
+    # every layer windowed (transformers' Qwen3-MoE has no per-layer types), the window shorter than the prompt
+    "qwen3_moe_window": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=12), 0, [True, True, True]),
     "mixtral": ("mixtral", {}, 0, [True, True, True]),
     # MQA, an odd vocabulary, head_dim != hidden / heads, a window shorter than the model length
     "mixtral_mqa_window": ("mixtral", dict(num_key_value_heads=1, head_dim=24, num_local_experts=5,

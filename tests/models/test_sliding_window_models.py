@@ -167,7 +167,47 @@ def test_qwen_windows_over_every_layer_match_transformers(family, how, tmp_path,
     assert ours == theirs
 
 
-def test_qwen_windows_over_some_layers_are_refused(tmp_path):
-    build_model_dir(tmp_path, "qwen3", use_sliding_window=True, sliding_window=10, max_window_layers=1)
-    with pytest.raises(ValueError, match="some layers only"):
-        LLM(tmp_path, device="cpu", dtype="float32", page_size=16, num_pages=64)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_windows_over_some_layers_match_transformers(family, tmp_path, gen):
+    """Qwen2/Qwen3 windowing the layers from ``max_window_layers`` on (layers 1 and 2 of 3) with a
+    window shorter than the prompt: one plan per window a step, each layer attending its own.
+    Prompt logits (chunks of 7) and greedy tokens are transformers'; without the windows the
+    logits are not (the windows matter); every route and the Triton kernels (the interpreter
+    here), over prompts, a follow-up turn and a fork, give the reference backend's tokens."""
+    window = 10
+    hf = build_model_dir(tmp_path, family, use_sliding_window=True, sliding_window=window, max_window_layers=1,
+                         num_hidden_layers=3)
+    assert hf.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    model = load_model(tmp_path)
+    assert model.layer_windows == (None, window, window) and model.sliding_window is None
+    prompt = torch.randint(0, hf.config.vocab_size, (PROMPT,), generator=gen)
+
+    def logits():
+        cache = PagedKVCache(model.kv_layout(torch.float32), CacheConfig(page_size=16, num_pages=64))
+        chain = cache.new_chain()
+        out = ModelRunner(model, cache, prefill_chunk=7).prompt_logits(chain, prompt.tolist())
+        chain.release()
+        return out
+    windowed = logits()
+    with torch.no_grad():
+        reference = hf(prompt[None]).logits[0]
+    attns = [layer.self_attn.attn for layer in model.model.layers]
+    for attn in attns:  # the same weights with full attention everywhere
+        attn.window = None
+    model.layer_windows = None
+    full = logits()
+    assert rel_err(windowed, reference) < TOLERANCE
+    assert rel_err(full, reference) > 100 * TOLERANCE
+
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        expected = hf.generate(prompt[None], max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT:].tolist()
+    llm = LLM(tmp_path, device="cpu", dtype="float32", backend="torch", page_size=16, num_pages=64)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert_greedy_agrees(hf, prompt.tolist(), llm.generate([prompt.tolist()], params)[0].outputs[0].token_ids,
+                         expected, TOLERANCE)
+
+    base = _tokens(tmp_path, backend="torch")[0]
+    for route in [r.value for r in Route]:
+        assert _tokens(tmp_path, backend="torch", route=route)[0] == base, route
+    assert _tokens(tmp_path, backend="triton", chunk=5, route="split")[0] == base

@@ -21,17 +21,16 @@ def _edit_config(directory, **changes):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_qwen_sliding_window_is_refused(tmp_path, family):
+def test_qwen_windows_over_some_layers_are_per_layer_windows(tmp_path, family):
     # windows layers 1.. of 2 in transformers (max_window_layers 1, window 16 < 512 positions)
     build_model_dir(tmp_path, family, use_sliding_window=True, sliding_window=16, max_window_layers=1)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["use_sliding_window"] is True and saved["sliding_window"] == 16
-    with pytest.raises(ValueError, match=r"use_sliding_window: true \(sliding_window 16, max_window_layers 1; "
-                                         r"layers 1 attend a window\)"):
-        load_model(tmp_path)
+    model = load_model(tmp_path)
+    assert model.layer_windows == (None, 16) and model.sliding_window is None
+    assert [layer.self_attn.attn.window for layer in model.model.layers] == [None, 16]
     _edit_config(tmp_path, layer_types=None)  # an older file: the layers come from max_window_layers
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        load_model(tmp_path)
+    assert load_model(tmp_path).layer_windows == (None, 16)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
@@ -48,10 +47,9 @@ def test_qwen_settings_that_window_nothing_load(tmp_path, family):
     # a shorter window over every layer is attended as a window (test_sliding_window_models)
     _edit_config(tmp_path, sliding_window=hf.config.max_position_embeddings - 1)
     assert load_model(tmp_path).sliding_window == hf.config.max_position_embeddings - 1
-    # over some layers only: refused
+    # over some layers only: per layer
     _edit_config(tmp_path, max_window_layers=1)
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        load_model(tmp_path)
+    assert load_model(tmp_path).layer_windows == (None, hf.config.max_position_embeddings - 1)
 
 
 def test_layer_types_other_than_full_attention_are_refused(tmp_path):
