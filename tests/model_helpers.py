@@ -149,3 +149,67 @@ def build_gemma3_dir(directory: Path, *, seed: int = 0, odd_vocab: bool = False,
             p.normal_(0, 0.3 if "norm" in name else 0.08)
     model.save_pretrained(directory)
     return model
+
+
+GPT_OSS = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=24, num_local_experts=8, num_experts_per_tok=2,
+               max_position_embeddings=256, sliding_window=12,
+               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+               rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 64,
+                                "rope_theta": 150_000.0})
+
+
+def build_gpt_oss_dir(directory: Path, *, seed: int = 0, odd_vocab: bool = False, **overrides):
+    """Write a random gpt-oss checkpoint (``GPT_OSS``: sliding, full and sliding layers with a window
+    of 12, head size 24 (not hidden / heads), YaRN RoPE, 8 experts of which 2 per token) and a tiny
+    ChatML tokenizer; return the HF model. ``odd_vocab``: one id past the tokenizer's where its
+    vocabulary is even. Weights are scaled so that attention is far from uniform, the router's
+    choices decisive and the sinks take a real share of each row (HF's init leaves sinks, biases
+    and routers near 0, where their errors would hardly show)."""
+    import math
+
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    build_tiny_tokenizer(directory, style="chatml")
+    vocab = tiny_vocab_size(directory)
+    vocab += int(odd_vocab and vocab % 2 == 0)
+    config = GptOssConfig(vocab_size=vocab, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+                          **{**GPT_OSS, **overrides})
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("sinks"):
+                p.copy_(1.5 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.normal_(0, 1)
+            elif name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+                p.copy_(torch.randn_like(p) * 1.5 / math.sqrt(p.shape[-2]))  # (E, in, out): x @ W
+            elif p.dim() >= 2:  # linears (out, in)
+                p.copy_(torch.randn_like(p) * 1.5 / math.sqrt(p.shape[-1]))
+            else:  # biases
+                p.normal_(0, 0.3)
+    model.save_pretrained(directory)
+    return model
+
+
+def mxfp4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reference MXFP4 quantizer: ``weight (E, in, out)`` (``x @ W``) -> ``blocks`` uint8
+    ``(E, out, in / 32, 16)`` and ``scales`` uint8 ``(E, out, in / 32)`` as gpt-oss checkpoints
+    store them. Each block of 32 values gets the E8M0 exponent ``floor(log2(max |v|)) - 2`` (the
+    largest FP4 magnitude is 6 = 1.5 * 2^2), then each value the nearest FP4 (E2M1) code, the low
+    nibble first."""
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    w = weight.float().transpose(-1, -2)  # (E, out, in)
+    blocks = w.reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
+    peak = blocks.abs().amax(dim=-1).clamp(min=2.0 ** -100)
+    exponent = torch.floor(torch.log2(peak)) - 2
+    scaled = blocks / torch.ldexp(torch.ones_like(exponent), exponent.int()).unsqueeze(-1)
+    code = (scaled.abs().unsqueeze(-1) - values).abs().argmin(dim=-1)  # nearest magnitude
+    code = code | ((scaled < 0).long() << 3)
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    return packed, (exponent + 127).to(torch.uint8)

@@ -271,6 +271,21 @@ _GEMMA3 = FieldTable(
     },
 )
 
+_GPT_OSS = FieldTable(
+    "GptOssConfig",
+    # models/gpt_oss.py: Q/K/V/O biases (attention_bias); sliding_window for the layers layer_types
+    # marks sliding_attention (other types refused by the family's unimplemented_settings); every
+    # MLP routes to num_local_experts (alias num_experts) experts with the clamped SwiGLU of
+    # swiglu_alpha and swiglu_limit; quantization_config mxfp4 is dequantized at load (models/mxfp4.py)
+    handled=_DECODER_HANDLED | {
+        "attention_bias", "sliding_window", "layer_types", "num_local_experts", "num_experts",
+        "num_experts_per_tok", "swiglu_alpha", "swiglu_limit"},
+    # hidden_act: transformers' experts apply the clamped SwiGLU whatever it says; the router's
+    # auxiliary loss acts in training only
+    inert=_BASE_INERT | {"hidden_act", "router_aux_loss_coef", "output_router_logits"},
+    refused={"partial_rotary_factor": _COMMON_REFUSED["partial_rotary_factor"]},
+)
+
 # architecture name (registry.ARCHITECTURES) -> its table
 FIELD_TABLES: dict[str, FieldTable] = {
     "LlamaForCausalLM": _LLAMA,
@@ -281,6 +296,7 @@ FIELD_TABLES: dict[str, FieldTable] = {
     "MixtralForCausalLM": _MIXTRAL,
     "Phi3ForCausalLM": _PHI3,
     "Gemma3ForCausalLM": _GEMMA3,
+    "GptOssForCausalLM": _GPT_OSS,
     "DeepseekV2ForCausalLM": _DEEPSEEK_V2,
     "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
 }

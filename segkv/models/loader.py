@@ -17,6 +17,7 @@ from tqdm import tqdm
 from segkv.config import parse_dtype
 from segkv.models.fp8_checkpoint import INPUT_SCALE_SUFFIX, SCALE_SUFFIXES, parse_quantization
 from segkv.models.fp8_loading import Fp8Plan, check_quantization, stored_tensors
+from segkv.models.mxfp4 import BLOCKS, SCALES, Mxfp4Tensors, is_mxfp4, without_mxfp4
 from segkv.models.registry import model_class
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -88,7 +89,8 @@ def checkpoint_weight_bytes(model_dir: str | Path, *, dtype: str | torch.dtype) 
     neither counts. Tensors a
     family skips on load still count: the estimate errs towards reserving too much."""
     size = parse_dtype(dtype).itemsize
-    tied = bool(read_config(model_dir).get("tie_word_embeddings", False))
+    cfg = read_config(model_dir)
+    tied, mxfp4 = bool(cfg.get("tie_word_embeddings", False)), is_mxfp4(cfg)
     total = 0
     for path in weight_files(model_dir):
         with safe_open(path, framework="pt") as f:
@@ -99,6 +101,8 @@ def checkpoint_weight_bytes(model_dir: str | Path, *, dtype: str | torch.dtype) 
                 piece = f.get_slice(name)
                 float32 = name.endswith(SCALE_SUFFIXES) or keep_fp32(name)
                 element = 4 if float32 else _STORED_BYTES.get(piece.get_dtype(), size)
+                if mxfp4 and name.endswith((BLOCKS, SCALES)):  # dequantized at load: two values a byte
+                    element = 2 * size if name.endswith(BLOCKS) else 0
                 total += math.prod(piece.get_shape()) * element
     return total
 
@@ -132,9 +136,11 @@ def load_model(
     # A family may keep some checkpoint tensors under other names (DeepSeek's MTP layers).
     param_name = getattr(model, "param_name", lambda name: name)
     ignores = getattr(model, "ignores_weight", lambda _: False)
+    # an MXFP4 checkpoint's experts (gpt-oss) are dequantized as they load (models/mxfp4.py)
+    mxfp4 = Mxfp4Tensors(torch_dtype) if is_mxfp4(cfg) else None
     # which layers load as FP8, from the tensor headers (FP8 tensors without a config are refused)
-    plan = Fp8Plan.build(model, stored_tensors(files), parse_quantization(cfg), quantize=quantization == "fp8",
-                         param_name=param_name, ignores=ignores)
+    plan = Fp8Plan.build(model, stored_tensors(files), parse_quantization(without_mxfp4(cfg)[0]),
+                         quantize=quantization == "fp8", param_name=param_name, ignores=ignores)
     plan.install(model, torch_dtype)
     expected = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
     tied = {n for n in expected if n == "lm_head.weight" and getattr(model.cfg, "tie_word_embeddings", False)}
@@ -145,6 +151,17 @@ def load_model(
             for name in f.keys():
                 if plan.takes(name):  # an FP8 layer's scale
                     plan.take(name, f.get_tensor(name))
+                    continue
+                if mxfp4 is not None and mxfp4.takes(name):  # one half of an MXFP4 weight
+                    weight = mxfp4.take(name, f.get_tensor(name))
+                    if weight is not None:
+                        name, tensor = weight
+                        target = param_name(name)
+                        if target not in expected:
+                            raise ValueError(f"{path.name}: unexpected MXFP4 weight {name!r} for "
+                                             f"{cls.__name__}")
+                        _check_shape(path.name, name, tensor, expected[target])
+                        state[target] = tensor
                     continue
                 scale_of = KV_SCALE_NAME.search(name)
                 if scale_of is not None:  # a static FP8 KV scale: used by kv_cache_dtype="fp8" only
@@ -158,14 +175,13 @@ def load_model(
                         continue  # e.g. the MTP layers' copies of the shared embeddings
                     raise ValueError(f"{path.name}: unexpected tensor {name!r} for {cls.__name__}")
                 tensor = f.get_tensor(name)
-                want = tuple(expected[target].shape)
-                if tuple(tensor.shape) != want:
-                    raise ValueError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"the model expects {want}")
+                _check_shape(path.name, name, tensor, expected[target])
                 if plan.owns(target):  # FP8 as stored, or quantized from the checkpoint's values
                     state[target] = tensor
                 else:
                     state[target] = tensor.to(torch.float32 if keep_fp32(target) else torch_dtype)
+    if mxfp4 is not None:
+        mxfp4.finish()
     plan.finish(state, torch_dtype)
     if hasattr(model, "drop_unloaded"):  # optional modules the checkpoint does not carry
         for name in model.drop_unloaded(set(state)):
@@ -188,6 +204,14 @@ def load_model(
     model.quantization = plan.describe()
     model.kv_scales = kv_scales
     return model.eval()
+
+
+def _check_shape(where: str, name: str, tensor: torch.Tensor, param: torch.Tensor) -> None:
+    """A ValueError naming ``name`` unless ``tensor`` has the parameter's shape."""
+    want = tuple(param.shape)
+    if tuple(tensor.shape) != want:
+        raise ValueError(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                         f"the model expects {want}")
 
 
 # MoE router weights stay float32 (as the reference implementation keeps them).

@@ -17,6 +17,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("segkv.models.deepseek", "DeepseekV3ForCausalLM"),
     "Phi3ForCausalLM": ("segkv.models.phi3", "Phi3ForCausalLM"),
     "Gemma3ForCausalLM": ("segkv.models.gemma3", "Gemma3ForCausalLM"),
+    "GptOssForCausalLM": ("segkv.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 

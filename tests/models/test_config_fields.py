@@ -92,6 +92,9 @@ def _tiny_config(arch: str) -> dict:
         settings = dict(vocab_size=512, **COMMON)
     if arch == "Phi3ForCausalLM":  # its default token ids (32000) lie outside the tiny vocabulary
         settings.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "GptOssForCausalLM":  # its default YaRN's 4096 original positions exceed the tiny length
+        settings.update(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 150_000.0,
+                                         "original_max_position_embeddings": 128})  # (transformers warns)
     cfg = getattr(transformers, table.config_class)(**settings).to_dict()
     cfg["architectures"] = [arch]
     return cfg
