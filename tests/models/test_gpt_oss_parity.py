@@ -253,3 +253,19 @@ def test_mxfp4_stays_refused_for_other_families():
     cfg = {"architectures": ["Qwen3ForCausalLM"], "quantization_config": {"quant_method": "mxfp4"}}
     with pytest.raises(ValueError, match="mxfp4"):
         Qwen3ForCausalLM.check_config(cfg)
+
+
+def test_graph_capture_experts_path_matches_the_loop(gen):
+    """The experts' path without host synchronisation (taken inside a CUDA graph's capture) gives
+    the looped path's values."""
+    from segkv.layers.gpt_oss_moe import GptOssMoE
+
+    moe = GptOssMoE(32, 16, 6, 2, alpha=1.702, limit=0.8)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        x = torch.randn(5, 32, generator=gen)
+        weights, ids = moe.router(x)
+        looped = moe.experts(x, weights, ids)
+        assert torch.allclose(moe.experts.gathered(x, weights, ids), looped, rtol=1e-5, atol=1e-6)
+    assert looped.abs().max() > 0.1
