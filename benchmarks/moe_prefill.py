@@ -1,9 +1,9 @@
-"""Routed experts of a prefill step: one MoE layer's (token, expert) pairs through each dispatch
+"""Routed experts of a prefill step: one MoE layer (router and experts) through each dispatch
 path, in ms per call, on random bf16 weights of a published shape.
 
 Paths: ``looped`` (unpacked experts, one GEMM per chosen expert from the host: FP8 experts, and
-the CPU) and ``triton`` (packed, ``kernels.moe.grouped_expert_gemm``: wherever fused ops run). Each call returns the routed outputs before the weighted sum;
-every path is checked against the float32 product of the same bf16 operands. Medians of
+the CPU) and ``triton`` (packed, ``kernels.moe.grouped_expert_gemm``: wherever fused ops run). Each
+path is checked against the float32 products of the same bf16 operands. Medians of
 ``--trials`` CUDA-event timings after a warm-up, with min and max.
 
 Run on a CUDA device: ``python -m benchmarks.moe_prefill --help``.
@@ -38,17 +38,17 @@ def time_ms(fn, trials: int) -> dict:
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
 
 
-def reference(layer: MixtureOfExperts, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """float32 routed outputs ``(T k, H)`` of the same bf16 operands, one expert at a time."""
-    gate_up, down = layer._packed
-    experts = ids.reshape(-1)
-    rows = x.float().repeat_interleave(ids.shape[1], 0)
-    out = torch.zeros(rows.shape, device=x.device)
-    for e in range(gate_up.shape[0]):
-        pick = (experts == e).nonzero().squeeze(1)
-        h = rows[pick] @ gate_up[e].float().T
-        inner = h.shape[1] // 2
-        out[pick] = (F.silu(h[:, :inner]) * h[:, inner:]) @ down[e].float().T
+def reference(layer: MixtureOfExperts, x: torch.Tensor) -> torch.Tensor:
+    """float32 layer output ``(T, H)`` of the same bf16 operands: the router's choice, each chosen
+    expert's float32 product, weighted and summed."""
+    weights, ids = layer.gate(x)
+    out = torch.zeros(x.shape, device=x.device)
+    rows = x.float()
+    for e, expert in enumerate(layer.experts):
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        gate, up, down = (m.weight.float() for m in (expert.gate_proj, expert.up_proj, expert.down_proj))
+        y = (F.silu(rows[token] @ gate.T) * (rows[token] @ up.T)) @ down.T
+        out.index_add_(0, token, y * weights[token, slot, None].float())
     return out
 
 
@@ -60,18 +60,15 @@ def bench(shape: str, tokens: int, trials: int, check: bool) -> dict:
     for p in layer.parameters():
         p.data.normal_(0, hidden ** -0.5)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(experts, device="cuda")[:k] for _ in range(tokens)])
-    weights = torch.full((tokens, k), 1.0 / k, device="cuda")
     row = {"shape": shape, "tokens": tokens, "pairs": tokens * k, "paths": {}}
-    row["paths"]["looped"] = time_ms(lambda: layer._looped_experts(x, weights, ids), trials)
-    layer.pack_experts()
-    paths = {"triton": lambda: layer._grouped_experts(x, ids)}
-    ref = reference(layer, x, ids) if check else None
-    for name, fn in paths.items():
+    ref = reference(layer, x) if check else None
+    for name in ("looped", "triton"):
+        if name == "triton":
+            layer.pack_experts()
         if ref is not None:
-            err = (fn().float() - ref).abs().max().item() / ref.abs().max().item()
+            err = (layer(x).float() - ref).abs().max().item() / ref.abs().max().item()
             row["paths"].setdefault(name, {})["max_rel_err"] = err
-        row["paths"].setdefault(name, {}).update(time_ms(fn, trials))
+        row["paths"].setdefault(name, {}).update(time_ms(lambda: layer(x), trials))
     return row
 
 
