@@ -14,8 +14,8 @@ The grouped-query decoder with gpt-oss's differences, each as transformers compu
   layer's window reaches the runner through ``decoder.apply_layer_windows``;
 - every MLP a mixture of experts with a biased top-k router and clamped-SwiGLU experts
   (``layers/gpt_oss_moe.py``);
-- RMSNorms that scale by the weight in float32 before the one rounding (the checkpoint keeps the
-  norm weights in float32; transformers' ``GptOssRMSNorm``).
+- RMSNorms that scale by the weight in float32 before the one rounding (transformers keeps the
+  norm weights in float32 and scales before it rounds: ``GptOssRMSNorm``).
 
 MXFP4 checkpoints (``quantization_config.quant_method`` ``"mxfp4"``) are dequantized to the model
 dtype as they load (``models/mxfp4.py``).
@@ -35,7 +35,6 @@ from segkv.layers.gpt_oss_moe import GptOssMoE
 from segkv.layers.norm import RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
 from segkv.models.base import CausalLM, PreNormBlock
-from segkv.models.config_checks import common_settings
 from segkv.models.decoder import DecoderAttention, DecoderConfig, DecoderForCausalLM, apply_layer_windows
 from segkv.models.hf_config import require, rope_settings
 from segkv.models.mxfp4 import without_mxfp4
@@ -126,8 +125,8 @@ class GptOssConfig(DecoderConfig):
 class GptOssRMSNorm(RMSNorm):
     """``(weight * x / sqrt(mean(x^2) + eps))`` in float32, rounded once to ``x.dtype``; ``x (..., D)``.
 
-    :class:`RMSNorm` rounds before it scales (as Llama's norm); gpt-oss keeps its norm weights in
-    float32 and scales before rounding. The fused kernels round first, so this norm stays on the
+    :class:`RMSNorm` rounds before it scales (as Llama's norm); transformers keeps gpt-oss's norm
+    weights in float32 and scales before rounding. The fused kernels round first, so this norm stays on the
     torch ops (``use_fused`` leaves it)."""
 
     def use_fused(self) -> None:
@@ -208,7 +207,7 @@ class GptOssForCausalLM(DecoderForCausalLM):
         """The common checks (an MXFP4 ``quantization_config`` is checked by ``models/mxfp4.py`` and
         left out of them) and :func:`unimplemented_gpt_oss_settings`."""
         cfg, problems = without_mxfp4(cfg)
-        return problems + common_settings(cfg) + unimplemented_gpt_oss_settings(cfg)
+        return problems + super().unimplemented_settings(cfg) + unimplemented_gpt_oss_settings(cfg)
 
     def param_name(self, checkpoint_name: str) -> str:
         """The parameter a checkpoint tensor loads into: ``self_attn.sinks`` is ``self_attn.attn.sinks``."""
