@@ -172,8 +172,7 @@ def test_qwen_windows_over_some_layers_match_transformers(family, tmp_path, gen)
     """Qwen2/Qwen3 windowing the layers from ``max_window_layers`` on (layers 1 and 2 of 3) with a
     window shorter than the prompt: one plan per window a step, each layer attending its own.
     Prompt logits (chunks of 7) and greedy tokens are transformers'; without the windows the
-    logits are not (the windows matter); every route and the Triton kernels (the interpreter
-    here), over prompts, a follow-up turn and a fork, give the reference backend's tokens."""
+    logits are not (the windows matter)."""
     window = 10
     hf = build_model_dir(tmp_path, family, use_sliding_window=True, sliding_window=window, max_window_layers=1,
                          num_hidden_layers=3)
@@ -207,7 +206,27 @@ def test_qwen_windows_over_some_layers_match_transformers(family, tmp_path, gen)
     assert_greedy_agrees(hf, prompt.tolist(), llm.generate([prompt.tolist()], params)[0].outputs[0].token_ids,
                          expected, TOLERANCE)
 
-    base = _tokens(tmp_path, backend="torch")[0]
-    for route in [r.value for r in Route]:
-        assert _tokens(tmp_path, backend="torch", route=route)[0] == base, route
-    assert _tokens(tmp_path, backend="triton", chunk=5, route="split")[0] == base
+
+@pytest.fixture(scope="module")
+def per_layer_dir(tmp_path_factory):
+    """Qwen3 windowing layers 1 and 2 of 3 (window 10), and its single-route tokens."""
+    directory = tmp_path_factory.mktemp("qwen_per_layer")
+    build_model_dir(directory, "qwen3", use_sliding_window=True, sliding_window=10, max_window_layers=1,
+                    num_hidden_layers=3)
+    tokens, llm = _tokens(directory, backend="torch", route="single")
+    assert llm.model.layer_windows == (None, 10, 10)
+    return directory, tokens
+
+
+def test_per_layer_windows_on_every_route(per_layer_dir):
+    """Every route of the reference backend gives the single route's tokens over prompts, a
+    follow-up turn and a fork (the parity with transformers is the test above)."""
+    directory, base = per_layer_dir
+    for route in ("split", "segments", "cascade"):
+        assert _tokens(directory, backend="torch", route=route)[0] == base, route
+
+
+@pytest.mark.gpu  # the interpreter takes minutes here; the kernels' windows are checked on the CPU above
+def test_per_layer_windows_in_the_triton_kernels(per_layer_dir):
+    directory, base = per_layer_dir
+    assert _tokens(directory, backend="triton", chunk=5, route="split")[0] == base
