@@ -55,8 +55,8 @@ class GptOssExperts(nn.Module):
     ``gate_up_proj (E, hidden, 2 I)``, ``gate_up_proj_bias (E, 2 I)``, ``down_proj (E, I, hidden)``,
     ``down_proj_bias (E, hidden)``. :meth:`forward` runs each chosen expert once over its tokens
     (one host synchronisation per layer for the group sizes) and sums the weighted outputs in
-    float32, rounded once to the input dtype; inside a CUDA graph's capture it takes
-    :meth:`gathered` instead."""
+    float32, rounded once to the input dtype. The group sizes reach the host, so a CUDA graph
+    cannot capture it (``GptOssForCausalLM.cuda_graphs_unsupported``)."""
 
     def __init__(self, hidden_size: int, expert_size: int, num_experts: int, *, alpha: float,
                  limit: float) -> None:
@@ -75,8 +75,6 @@ class GptOssExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``x (T, hidden)``, ``weights (T, k)`` float32, ``ids (T, k)`` -> ``(T, hidden)``."""
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # no host synchronisation allowed
-            return self.gathered(x, weights, ids)
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, token order kept
@@ -92,18 +90,6 @@ class GptOssExperts(nn.Module):
                 out.index_add_(0, rows, y)
                 start += count
         return out.to(x.dtype)
-
-    def gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` without a host synchronisation, for a CUDA graph's capture: each (token,
-        expert) pair's weights gathered (``T k`` copies of an expert's matrices: few-token steps
-        only) and applied by batched products; the same values, summed in float32 in slot order."""
-        tokens, k = ids.shape
-        flat = ids.reshape(-1)
-        rows = x.repeat_interleave(k, dim=0).unsqueeze(1)  # (T k, 1, hidden): pair n is token n // k
-        h = torch.bmm(rows, self.gate_up_proj[flat]).squeeze(1) + self.gate_up_proj_bias[flat]
-        act = clamped_swiglu(h, alpha=self.alpha, limit=self.limit).unsqueeze(1)
-        y = torch.bmm(act, self.down_proj[flat]).squeeze(1) + self.down_proj_bias[flat]  # (T k, hidden)
-        return (y.float() * weights.reshape(-1, 1)).view(tokens, k, -1).sum(dim=1).to(x.dtype)
 
 
 class GptOssMoE(nn.Module):

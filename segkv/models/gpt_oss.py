@@ -193,6 +193,9 @@ class GptOssForCausalLM(DecoderForCausalLM):
     """
 
     config_class = GptOssConfig
+    # the experts' group sizes reach the host every layer (no expert kernel yet): decode runs eagerly
+    cuda_graphs_unsupported = ("gpt-oss experts run as a host-synchronising loop over the chosen experts, "
+                               "which a CUDA graph cannot capture")
 
     def __init__(self, cfg: GptOssConfig) -> None:
         CausalLM.__init__(self, cfg, GptOssBody(cfg))

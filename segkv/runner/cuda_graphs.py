@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
@@ -42,6 +42,7 @@ from segkv.attention.planner import plan_attention
 from segkv.attention.triton_backend import PlanCapacity, TritonBackend, merges_in_stage1, stage1_merge_bound
 from segkv.cache.kv_cache import PagedKVCache
 from segkv.layers.transfer import to_device
+from segkv.runner.layer_windows import layer_windows
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # the most static rows of a verify-window graph (sequences x window): logits and activations of
@@ -71,6 +72,8 @@ class _Bucket:
     step: object = None  # the captured callable (emulation replays it)
     copied: object = None  # torch.cuda.Event after the last host-to-device copy of the staging rows
     staged: AttentionPlan | None = None  # the plan whose indices were copied ahead (stage_ahead)
+    # per-layer sliding windows (layer_windows): each window's plan in buffers of its own
+    windowed: dict[int, TritonBackend] = field(default_factory=dict)
 
 
 def max_graph_work_items(device: DeviceSpec, size: int, *, kv_heads: int, latent: bool, wide: bool = False) -> int:
@@ -238,11 +241,13 @@ class DecodeGraphs:
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], plan: AttentionPlan,
             mla_mode: str, *, arrays: dict | None = None, device_ids: torch.Tensor | None = None,
-            hidden_in: torch.Tensor | None = None) -> torch.Tensor | None:
+            hidden_in: torch.Tensor | None = None, windowed: Mapping[int, AttentionPlan] | None = None
+            ) -> torch.Tensor | None:
         """``(n, vocab)`` float32 logits of a decode step, or None when it does not fit a graph.
         ``arrays``: the plan already flattened (``flatten_plan``), if it was. ``device_ids``: the
         token ids as an ``(n,)`` device tensor (copied on the device; ``ids`` are then ignored).
-        ``hidden_in``: ``(n, hidden)``, the input hidden states of :class:`MtpGraphs`."""
+        ``hidden_in``: ``(n, hidden)``, the input hidden states of :class:`MtpGraphs`.
+        ``windowed``: the step's plan bounded by each per-layer window (:func:`layer_windows`)."""
         n = len(ids)
         size, wide, few = self._bucket_key(n, plan)
         if size is None or mla_mode == "naive":  # naive MLA decompresses pieces through the reference
@@ -254,13 +259,15 @@ class DecodeGraphs:
             self.staged_plans_used += 1
         elif not self._prepare(bucket, plan, arrays):
             return None
+        if not self._prepare_windowed(bucket, windowed):
+            return None
         self._replay(bucket, ids, positions, slots, device_ids, hidden_in)
         return bucket.logits[:n].clone()
 
     def run_window(self, widths: list[int], ids: list[int], positions: list[int], slots: list[int],
                    plan: AttentionPlan, mla_mode: str, rows: list[int], *,
-                   hidden_in: torch.Tensor | None = None, device_ids: torch.Tensor | None = None
-                   ) -> torch.Tensor | None:
+                   hidden_in: torch.Tensor | None = None, device_ids: torch.Tensor | None = None,
+                   windowed: Mapping[int, AttentionPlan] | None = None) -> torch.Tensor | None:
         """Logits ``(len(rows), vocab)`` float32 of the flat query ``rows`` of a step of verify
         windows (``widths[i]`` rows of sequence ``i``, ``ids``/``positions``/``slots`` flat), or
         None when no window graph holds it. ``device_ids``: the flat token ids as a device tensor."""
@@ -273,7 +280,7 @@ class DecodeGraphs:
         bucket = (self._current(self._window_buckets.get((size, window, wide)))
                   or self._capture(size, wide, False, mla_mode, window=window))
         bucket.staged = None
-        if not self._prepare(bucket, plan, None):
+        if not self._prepare(bucket, plan, None) or not self._prepare_windowed(bucket, windowed):
             return None
         self._replay(bucket, ids, positions, slots, device_ids, hidden_in)
         self.window_replays += 1
@@ -292,6 +299,21 @@ class DecodeGraphs:
         except ValueError:  # the plan exceeds the bucket's fixed capacity
             self.fallbacks += 1
             return False
+        return True
+
+    def _prepare_windowed(self, bucket: _Bucket, windowed: Mapping[int, AttentionPlan] | None) -> bool:
+        """Each per-layer window's plan into the bucket's buffers for it (False: one does not fit,
+        or a window has no buffers: the step runs eagerly)."""
+        plans = windowed or {}
+        if set(plans) != set(bucket.windowed):
+            self.fallbacks += 1
+            return False
+        for window, plan in plans.items():
+            try:
+                bucket.windowed[window].prepare(plan)
+            except ValueError:  # over the capacity
+                self.fallbacks += 1
+                return False
         return True
 
     def _replay(self, bucket: _Bucket, ids: list[int], positions: list[int], slots: list[int],
@@ -354,7 +376,7 @@ class DecodeGraphs:
         bucket.hidden, bucket.aux = out if isinstance(out, tuple) else (out, None)
         bucket.logits = self.model.compute_logits(bucket.hidden)
 
-    def _capacity(self, size: int, wide: bool, few: bool, window: int = 1) -> PlanCapacity:
+    def _capacity(self, size: int, wide: bool, few: bool, window: int = 1, *, key_lows: bool = False) -> PlanCapacity:
         page = self.cache.page_size
         pages_per_seq = math.ceil(self.max_model_len / page) + 64  # + pages left part-full by segment ends
         work = max_graph_work_items(self.device_spec, size, kv_heads=self.cache.layout.num_kv_heads,
@@ -366,7 +388,7 @@ class DecodeGraphs:
                             # decode steps never carry tree windows: their kernels compile without masks
                             max_key_mask_words=0 if window == 1 else None,
                             # a windowed model's plans carry each partial's window start
-                            key_lows=bool(getattr(self.model, "sliding_window", None)))
+                            key_lows=key_lows or bool(getattr(self.model, "sliding_window", None)))
 
     def _capture(self, size: int, wide: bool, few: bool, mla_mode: str, *, window: int = 1) -> _Bucket:
         """Capture the bucket of ``size`` sequences of ``window`` rows each (1: decode)."""
@@ -386,8 +408,16 @@ class DecodeGraphs:
         prepared = backend.prepare(plan_attention([scratch] * size, shape, self.device_spec,
                                                   page_size=self.cache.page_size, route="single",
                                                   window=getattr(self.model, "sliding_window", None)))
+        windowed = {}
+        for window in layer_windows(self.model):  # each per-layer window's plan in buffers of its own
+            bucket.windowed[window] = TritonBackend(page_size=self.cache.page_size, device=self.device,
+                                                    capacity=self._capacity(size, wide, few, window,
+                                                                            key_lows=True))
+            windowed[window] = bucket.windowed[window].prepare(plan_attention(
+                [scratch] * size, shape, self.device_spec, page_size=self.cache.page_size, route="single",
+                window=window))
         meta = AttentionMetadata(backend=backend, prepared=prepared, storage=self.cache.storage,
-                                 slots=inputs[2], mla_mode=mla_mode, trusted_slots=True)
+                                 slots=inputs[2], mla_mode=mla_mode, trusted_slots=True, windowed=windowed)
         self._new_bucket(bucket)
         step = bucket.step = lambda: self._forward(bucket, meta)
         if self.emulate:

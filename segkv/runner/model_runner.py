@@ -20,6 +20,7 @@ from segkv.cache.chain import KVChain
 from segkv.cache.kv_cache import PagedKVCache
 from segkv.cache.page_pool import OutOfPagesError
 from segkv.config import default_prefill_chunk
+from segkv.runner.layer_windows import layer_windows
 from segkv.layers.transfer import to_device
 
 MLA_MODES = ("auto", "absorbed", "naive")
@@ -44,11 +45,6 @@ class StepInput:
 
 
 
-def layer_windows(model: nn.Module) -> tuple[int, ...]:
-    """The distinct sliding windows of a model whose layers differ (``model.layer_windows``: one
-    entry per layer, None for full attention); () for the others, whose plan bounds every layer
-    alike (``model.sliding_window``)."""
-    return tuple(sorted({w for w in getattr(model, "layer_windows", None) or () if w is not None}))
 
 class ModelRunner:
     """Runs the model over chains: appends the new rows, plans attention, computes logits.
@@ -222,11 +218,13 @@ class ModelRunner:
                 plan, arrays = self.plan(queries, mla_mode), None
             logits = None
             rows = None if all_rows else _last_rows(chunks, [1] * len(chunks) if logit_rows is None else logit_rows)
+            # per-layer sliding windows: the step's plan bounded by each (AttentionMetadata.windowed)
+            windowed = {w: self.plan(queries, mla_mode, window=w) for w in layer_windows(self.model)}
             if self.graphs is not None and not all_rows:
                 widths = [len(t) for t in chunks]
                 if max(widths) == 1:  # a decode step
                     logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode,
-                                             arrays=arrays, device_ids=device_ids)
+                                             arrays=arrays, device_ids=device_ids, windowed=windowed)
                     if logits is not None:  # the replay runs on the GPU: plan the likely next step meanwhile
                         self._ahead = self._plan_ahead(chains, mla_mode)
                         if self._ahead is not None:  # and queue its index copies behind this replay
@@ -234,11 +232,10 @@ class ModelRunner:
                 elif (device_ids is None and max(widths) <= max(self.graphs.windows, default=0)
                       and (not plan.has_key_masks or self.backend.capabilities.key_masks)):
                     logits = self.graphs.run_window(widths, [t for c in chunks for t in c], positions, slots,
-                                                    plan, mla_mode, rows)
+                                                    plan, mla_mode, rows, windowed=windowed)
                 if logits is not None and self.hidden_listener is not None:
                     self.hidden_listener(chains, chunks, self.graphs.last_states(len(positions)))
             if logits is None:  # eager: no graph, a prefill chunk, or a step no graph holds
-                windowed = {w: self.plan(queries, mla_mode, window=w) for w in layer_windows(self.model)}
                 logits = self._eager_logits(chunks, positions, slots, plan, mla_mode, rows, device_ids, chains,
                                             windowed)
         except BaseException:
@@ -328,14 +325,12 @@ class ModelRunner:
         if mode is False:
             return None
         emulate = mode == "emulate"
-        reason = None
-        if layer_windows(self.model):
-            reason = ("the model's layers attend different sliding windows (layer_windows), which the "
-                      "graphs' one plan per step does not hold")
-        elif not self.backend.capabilities.cuda_graphs:
+        # a model whose forward a graph cannot capture says why (gpt-oss's host-synchronising experts)
+        reason = getattr(self.model, "cuda_graphs_unsupported", None)
+        if reason is None and not self.backend.capabilities.cuda_graphs:
             reason = (f"the {self.backend.name} attention backend cannot run in CUDA graphs "
                       "(the Triton backend can)")
-        elif not emulate and self.device.type != "cuda":
+        elif reason is None and not emulate and self.device.type != "cuda":
             reason = "the device is not a CUDA device"
         if reason is not None:
             if mode is True or emulate:

@@ -230,3 +230,21 @@ def test_per_layer_windows_on_every_route(per_layer_dir):
 def test_per_layer_windows_in_the_triton_kernels(per_layer_dir):
     directory, base = per_layer_dir
     assert _tokens(directory, backend="triton", chunk=5, route="split")[0] == base
+
+
+def test_graph_decode_with_per_layer_windows(per_layer_dir):
+    """Decode graphs hold each per-layer window's plan in buffers of its own (with key lows) and
+    replay the reference backend's tokens."""
+    directory, _ = per_layer_dir
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = PROMPTS[1]
+    want = LLM(directory, device=DEVICE, dtype="float32", backend="torch", page_size=16,
+               num_pages=64).generate([prompt], params)[0].outputs[0].token_ids
+    graphed = LLM(directory, device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=64,
+                  prefill_chunk=64, cuda_graphs=True if GPU else "emulate")
+    assert graphed.generate([prompt], params)[0].outputs[0].token_ids == want
+    graphs = graphed.runner.graphs
+    assert graphs.replays >= 3
+    for bucket in graphs._buckets.values():
+        assert set(bucket.windowed) == {10} and bucket.windowed[10].capacity.key_lows
+        assert not bucket.backend.capacity.key_lows  # the full-attention layers' plan has no window

@@ -1,0 +1,13 @@
+"""The sliding windows a model's layers attend, as the runner and its CUDA graphs plan them."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def layer_windows(model: nn.Module) -> tuple[int, ...]:
+    """The distinct sliding windows of a model whose layers differ (``model.layer_windows``: one
+    entry per layer, None for full attention): each is planned on its own every step
+    (``AttentionMetadata.windowed``). () for the others, whose one plan bounds every layer alike
+    (``model.sliding_window``)."""
+    return tuple(sorted({w for w in getattr(model, "layer_windows", None) or () if w is not None}))
