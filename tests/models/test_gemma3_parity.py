@@ -7,52 +7,20 @@ a fork, and the settings refused at load."""
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 
 from model_helpers import GEMMA3, assert_greedy_agrees, build_gemma3_dir
-from segkv.cache import PagedKVCache
-from segkv.config import CacheConfig
-from segkv.engine import LLM
 from segkv.models.gemma3 import Gemma3Config, layer_types, rope_parameters
 from segkv.models.loader import load_model
-from segkv.runner.model_runner import ModelRunner
 from segkv.sampling_params import SamplingParams
 
+from parity_helpers import cpu_llm as _llm, greedy as _greedy, hf_greedy as _reference, rel_err
+from parity_helpers import prompt_logits as _prompt_logits
+
 TOLERANCE = 1e-4
-NEW_TOKENS = 32
 WINDOW = 10  # the unusual config's: shorter than every prompt below
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    err = ((a.double() - b.double()).norm() / b.double().norm()).item()
-    return err if math.isfinite(err) else math.inf  # NaN never passes
-
-
-def _prompt_logits(model, prompt: torch.Tensor, prefill_chunk: int) -> torch.Tensor:
-    cache = PagedKVCache(model.kv_layout(torch.float32), CacheConfig(page_size=16, num_pages=64))
-    chain = cache.new_chain()
-    logits = ModelRunner(model, cache, prefill_chunk=prefill_chunk).prompt_logits(chain, prompt.tolist())
-    chain.release()
-    return logits
-
-
-def _reference(hf, prompt: list[int], tokens: int = NEW_TOKENS) -> list[int]:
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
-def _llm(directory, **kw) -> LLM:
-    return LLM(directory, dtype="float32", device="cpu", backend="torch", page_size=16, num_pages=64, **kw)
-
-
-def _greedy(llm: LLM, prompts: list[list[int]], tokens: int = NEW_TOKENS) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 def test_gemma3_matches_transformers(tmp_path, gen):
