@@ -31,10 +31,12 @@ def prompt_logits(model, prompt: torch.Tensor, prefill_chunk: int) -> torch.Tens
 
 
 def hf_greedy(hf, prompt: list[int], tokens: int = NEW_TOKENS) -> list[int]:
-    """transformers' greedy tokens after ``prompt`` (no end-of-sequence id)."""
+    """transformers' greedy tokens after ``prompt`` (no end-of-sequence id; every prompt token
+    attended: without a mask, generate masks out a prompt token equal to the pad id)."""
     hf.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False)
     return out[0, len(prompt):].tolist()
 
 
