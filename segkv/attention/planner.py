@@ -162,6 +162,7 @@ def plan_attention(
                                       for query, tree in zip(queries, windows)]
     if window is not None:  # after the tree split: a tree's history is windowed by its nodes' lowest key
         queries = [_windowed(query, window, page_size) for query in queries]
+    _check_no_released_pages(queries, window, page_size)
     max_query_rows = max((q.num_query_rows for q in full_queries), default=0)
     mode = choose_precision(shape, device, max_query_rows, precision, any(w is not None for w in windows),
                             sum(q.num_query_rows for q in queries))
@@ -472,6 +473,18 @@ def tree_depths(parents: tuple[int, ...]) -> list[int]:
     return depths
 
 
+def _check_no_released_pages(queries: Sequence[SequenceQuery], window: int | None, page_size: int) -> None:
+    """ValueError when a query still reaches pages its chain released (``ChainSpan.released_pages``:
+    rows outside a sliding window, given back): the plan would read freed pages."""
+    for query in queries:
+        for span in query.spans:
+            if span.released_pages:
+                raise ValueError(
+                    f"a query from position {query.query_start} needs rows {span.key_start}.."
+                    f"{span.key_start + span.released_pages * page_size - 1} that were released "
+                    f"outside the sliding window ({'no window' if window is None else f'window {window}'})")
+
+
 def _windowed(query: SequenceQuery, window: int, page_size: int) -> SequenceQuery:
     """``query`` without the pages that end before its first row's window (position
     ``query_start - window + 1``): whole spans dropped, a span's leading full pages cut. The
@@ -487,7 +500,8 @@ def _windowed(query: SequenceQuery, window: int, page_size: int) -> SequenceQuer
         drop = max(0, (low - span.key_start) // page_size)  # whole pages before the window (all full)
         if drop:
             span = replace(span, page_ids=span.page_ids[drop:], num_rows=span.num_rows - drop * page_size,
-                           key_start=span.key_start + drop * page_size)
+                           key_start=span.key_start + drop * page_size,
+                           released_pages=max(0, span.released_pages - drop))
         spans.append(span)
     trimmed = object.__new__(SequenceQuery)
     for name, value in (("spans", tuple(spans)), ("num_query_rows", query.num_query_rows),

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from segkv.cache.compaction import segments_to_merge
 from segkv.cache.page_pool import PagePool
-from segkv.cache.segment import ChainSpan, SegRef, Segment
+from segkv.cache.segment import ChainSpan, SegRef, Segment, reaches_released_rows
 from segkv.config import CompactionPolicy
 
 # copy_rows(src_slots, dst_slots): copy KV rows of every layer between storage slots.
@@ -85,21 +85,53 @@ class KVChain:
         """The chain's rows in order: one span per sealed reference, then the tail."""
         spans, start = [], 0
         for ref in self.refs:
-            spans.append(ChainSpan(ref.segment.segment_id, ref.page_tuple, ref.num_rows, start, True))
+            pages = ref.page_tuple
+            spans.append(ChainSpan(ref.segment.segment_id, pages, ref.num_rows, start, True,
+                                   min(ref.segment.released_pages, len(pages))))
             start += ref.num_rows
         if self.num_tail_rows:
             tail = self.tail
-            spans.append(ChainSpan(tail.segment_id, tail.page_tuple(), tail.num_rows, start, False))
+            spans.append(ChainSpan(tail.segment_id, tail.page_tuple(), tail.num_rows, start, False,
+                                   tail.released_pages))
         return spans
 
     def slots(self) -> list[int]:
-        """Storage slots of all rows in order (for gathering the history densely)."""
+        """Storage slots of all rows in order (for gathering the history densely); ValueError
+        when rows were released (:meth:`release_rows_before`)."""
         out: list[int] = []
         for ref in self.refs:
             out.extend(ref.slots())
         if self.num_tail_rows:
             out.extend(self.tail.slots(0, self.tail.num_rows))
         return out
+
+    def last_slots(self, num_rows: int) -> list[int]:
+        """Storage slots of the last ``num_rows`` rows, in order."""
+        if not 0 <= num_rows <= self.num_rows:
+            raise ValueError(f"cannot take the last {num_rows} rows of a chain of {self.num_rows}")
+        parts: list[list[int]] = []
+        left = num_rows
+        if left and self.num_tail_rows:
+            take = min(left, self.tail.num_rows)
+            parts.append(self.tail.slots(self.tail.num_rows - take, self.tail.num_rows))
+            left -= take
+        for ref in reversed(self.refs):
+            if not left:
+                break
+            take = min(left, ref.num_rows)
+            parts.append(ref.segment.slots(ref.num_rows - take, ref.num_rows))
+            left -= take
+        return [slot for part in reversed(parts) for slot in part]
+
+    def holds_rows_from(self, position: int) -> bool:
+        """Whether every row from ``position`` on is live (none released)."""
+        return not reaches_released_rows(self._parts(), position)
+
+    @property
+    def num_released_rows(self) -> int:
+        """Rows whose pages were given back outside the sliding window (:meth:`release_rows_before`)."""
+        released = sum(min(ref.segment.released_rows, ref.num_rows) for ref in self.refs)
+        return released + (self.tail.released_rows if self.tail is not None else 0)
 
     def token_ids(self) -> list[int] | None:
         """Token ids of every row, or None if some rows were appended without tokens."""
@@ -161,7 +193,7 @@ class KVChain:
         self.tail = None
         if tail is None or tail.num_rows == 0:
             if tail is not None:
-                self.pool.decref(tail.page_ids)
+                self.pool.decref(tail.live_page_ids)
             return None
         tail.sealed = True
         ref = SegRef(tail, tail.num_rows, _adopt=True)  # the tail's own page references
@@ -195,10 +227,16 @@ class KVChain:
         """Drop the last ``num_rows`` rows (rejected speculative rows), copying nothing."""
         if not 0 <= num_rows <= self.num_rows:
             raise ValueError(f"cannot trim {num_rows} rows from a chain of {self.num_rows}")
+        if num_rows == self.num_rows:
+            self.release()
+            return
         tail = self.tail
         if tail is not None and num_rows <= tail.num_rows:
+            keep = self.pool.pages_for_rows(tail.num_rows - num_rows)
+            if tail.released_pages and tail.num_rows - num_rows <= tail.released_rows:
+                raise ValueError(f"cannot trim {num_rows} rows: the rows left would end among rows "
+                                 f"released outside the sliding window")
             tail.num_rows -= num_rows
-            keep = self.pool.pages_for_rows(tail.num_rows)
             self.pool.decref(tail.page_ids[keep:])
             tail.drop_pages_from(keep)
             if tail.token_ids is not None:
@@ -238,6 +276,47 @@ class KVChain:
         self.trim(window - len(keep))
         return len(moves)
 
+    def release_rows_before(self, position: int) -> int:
+        """Give back the pages wholly before ``position`` that this chain alone holds: rows no
+        later query of a model whose every layer attends a sliding window can see (a query at
+        position ``p`` sees ``p - window + 1 ..``). Returns the pages freed.
+
+        Within each segment pages go from its first live page up to the first one held
+        elsewhere too (a snapshot, a fork, the prefix index, another reference): those stay, so
+        whoever shares them keeps every row. Released rows keep their token ids; their slots,
+        and any plan that still reaches them, are refused."""
+        freed, start = 0, 0
+        ps = self.pool.page_size
+        for segment, num_rows in self._parts():
+            if start >= position:
+                break
+            held = self.pool.pages_for_rows(num_rows)
+            before = held if start + num_rows <= position else min(held, (position - start) // ps)
+            count = segment.released_pages
+            while count < before and self.pool.ref_count(segment.page_ids[count]) == 1:
+                count += 1
+            if count > segment.released_pages:
+                pages = segment.page_ids[segment.released_pages:count]
+                segment.release_leading_pages(count)
+                self.pool.decref(pages)
+                freed += len(pages)
+            start += num_rows
+        return freed
+
+    def release_tail_head(self, num_rows: int) -> int:
+        """Give back the tail's pages that lie wholly inside its first ``num_rows`` rows (all of
+        them when that is every row): a rebuilt segment whose head was released before it was
+        saved. Returns the pages freed."""
+        tail = self.tail
+        if tail is None or not 0 <= num_rows <= tail.num_rows:
+            raise ValueError(f"cannot release the first {num_rows} rows of a tail of {self.num_tail_rows}")
+        whole = self.pool.pages_for_rows(num_rows) if num_rows == tail.num_rows else num_rows // self.pool.page_size
+        count = max(tail.released_pages, whole)
+        pages = tail.page_ids[tail.released_pages:count]
+        tail.release_leading_pages(count)
+        self.pool.decref(pages)
+        return len(pages)
+
     def release(self) -> None:
         """Give up every reference; the chain becomes empty and may be reused."""
         for ref in self.refs:
@@ -246,9 +325,16 @@ class KVChain:
         self._release_tail()
 
     # -- internals --------------------------------------------------------------------
+    def _parts(self) -> list[tuple[Segment, int]]:
+        """(segment, rows of it in the chain) in chain order, the tail last."""
+        parts = [(ref.segment, ref.num_rows) for ref in self.refs]
+        if self.tail is not None:
+            parts.append((self.tail, self.tail.num_rows))
+        return parts
+
     def _release_tail(self) -> None:
         if self.tail is not None:
-            self.pool.decref(self.tail.page_ids)
+            self.pool.decref(self.tail.live_page_ids)
             self.tail = None
 
     def _maybe_compact(self) -> None:
@@ -258,6 +344,8 @@ class KVChain:
         if count < 2:
             return
         old = self.refs[-count:]
+        if any(ref.segment.released_pages for ref in old):
+            return  # released rows have nothing to copy: the segments stay as they are
         total = sum(ref.num_rows for ref in old)
         if self.pool.pages_for_rows(total) > self.pool.num_free_pages:
             return  # compaction is an optimisation: never fail a seal for want of pages

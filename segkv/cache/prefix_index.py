@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from segkv.cache.page_pool import PagePool
-from segkv.cache.segment import SegRef
+from segkv.cache.segment import SegRef, reaches_released_rows
 
 
 @dataclass(slots=True)
@@ -66,6 +66,9 @@ class PrefixIndex:
         self._root = _Node(None, 0)
         self._num_nodes = 0
         self._holds: Counter[int] = Counter()  # page -> references held on it by the index
+        # the sliding window of a model whose every layer has one, when chains release the rows
+        # behind it (KVChain.release_rows_before): a match must end with its last window live
+        self.window: int | None = None
         self.num_queries = self.num_hits = self.num_query_tokens = self.num_hit_tokens = 0
 
     def __len__(self) -> int:
@@ -149,11 +152,16 @@ class PrefixIndex:
             node.last_used = now
             refs.append(node.ref.share(partial if partial and not refs else None))
             node = node.parent
+        refs.reverse()
+        if self.window is not None and _reaches_released_rows(refs, end, self.window):
+            for ref in refs:  # the rows a continuation would attend were released: recompute them
+                ref.release()
+            refs, end = [], 0
         self.num_queries += 1
         self.num_query_tokens += len(tokens)
         self.num_hits += end > 0
         self.num_hit_tokens += end
-        return PrefixMatch(refs[::-1], end)
+        return PrefixMatch(refs, end)
 
     def _search(self, tokens: list[int]) -> tuple[int, _Node | None, int]:
         """Depth-first search: (tokens matched, last node, rows of it used or 0 for all)."""
@@ -257,6 +265,13 @@ class PrefixIndex:
             "num_query_tokens": self.num_query_tokens,
             "num_hit_tokens": self.num_hit_tokens,
         }
+
+
+def _reaches_released_rows(refs: list[SegRef], end: int, window: int) -> bool:
+    """Whether a continuation of the ``end`` rows of ``refs`` would attend released rows: its
+    first query sits at ``end`` (``end - 1`` when the last matched token is recomputed), and
+    sees the ``window`` positions up to it."""
+    return reaches_released_rows(((ref.segment, ref.num_rows) for ref in refs), end - window)
 
 
 def _common_prefix(node_tokens: list[int], tokens: list[int], pos: int) -> int:

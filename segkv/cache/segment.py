@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from segkv.cache.page_pool import PagePool
@@ -17,9 +18,14 @@ class Segment:
     segment is a chain's tail: only its one owner appends to it. Once sealed it is
     immutable and may be shared by any number of :class:`SegRef` holders.
     ``token_ids`` mirrors the rows when every append supplied tokens, else it is None.
+
+    ``released_pages``: leading pages given back to the pool while their one holder went on
+    (rows outside every layer's sliding window, :meth:`KVChain.release_rows_before`); their
+    ids read -1, their rows have no slots, and attention must plan them out.
     """
 
-    __slots__ = ("segment_id", "pool", "page_ids", "num_rows", "sealed", "token_ids", "_page_tuple")
+    __slots__ = ("segment_id", "pool", "page_ids", "num_rows", "sealed", "token_ids", "released_pages",
+                 "_page_tuple")
 
     def __init__(self, pool: PagePool) -> None:
         self.segment_id = next(_segment_ids)
@@ -28,6 +34,7 @@ class Segment:
         self.num_rows = 0
         self.sealed = False
         self.token_ids: list[int] | None = []
+        self.released_pages = 0
         self._page_tuple: tuple[int, ...] | None = None  # see page_tuple
 
     def page_tuple(self) -> tuple[int, ...]:
@@ -45,8 +52,30 @@ class Segment:
 
     def drop_pages_from(self, keep: int) -> None:
         """Forget every page after the first ``keep`` (the caller released their references)."""
+        if keep < self.released_pages:
+            raise ValueError(f"cannot keep {keep} pages: the first {self.released_pages} were released")
         del self.page_ids[keep:]
         self._page_tuple = None
+
+    @property
+    def live_page_ids(self) -> list[int]:
+        """The pages still held (every page after the released ones)."""
+        return self.page_ids[self.released_pages:]
+
+    def release_leading_pages(self, count: int) -> None:
+        """Mark pages ``released_pages .. count - 1`` released (ids -1); the caller, their one
+        holder, gives their references back."""
+        if not self.released_pages <= count <= len(self.page_ids):
+            raise ValueError(f"cannot release up to page {count} of {len(self.page_ids)} "
+                             f"({self.released_pages} released)")
+        self.page_ids[self.released_pages:count] = [-1] * (count - self.released_pages)
+        self.released_pages = count
+        self._page_tuple = None
+
+    @property
+    def released_rows(self) -> int:
+        """Rows at the head of the segment whose pages were released."""
+        return min(self.released_pages * self.pool.page_size, self.num_rows)
 
     @property
     def page_size(self) -> int:
@@ -56,6 +85,9 @@ class Segment:
         """Flat storage slots (``page_id * page_size + offset``) of rows ``start..end-1``."""
         assert 0 <= start <= end <= self.num_rows, (start, end, self.num_rows)
         ps = self.page_size
+        if start < self.released_pages * ps and start < end:
+            raise ValueError(f"rows {start}..{end - 1} of segment {self.segment_id} include rows released "
+                             f"outside the sliding window (its first {self.released_pages * ps} rows)")
         pages = self.page_ids
         return [pages[i // ps] * ps + i % ps for i in range(start, end)]
 
@@ -72,7 +104,7 @@ class SegRef:
     further references with :meth:`share`; give this one up with :meth:`release`.
     """
 
-    __slots__ = ("segment", "num_rows", "_live", "_page_tuple")
+    __slots__ = ("segment", "num_rows", "_live", "_page_tuple", "_page_source")
 
     def __init__(self, segment: Segment, num_rows: int, *, _adopt: bool = False) -> None:
         assert segment.sealed, "only sealed segments can be referenced"
@@ -81,20 +113,26 @@ class SegRef:
         self.num_rows = num_rows
         self._live = True
         self._page_tuple: tuple[int, ...] | None = None  # see page_tuple
+        self._page_source: tuple[int, ...] | None = None  # the segment's tuple it was cut from
         if not _adopt:  # an adopting ref takes over references its creator already holds
             segment.pool.incref(self.page_ids)
 
     @property
     def page_ids(self) -> list[int]:
-        return self.segment.page_ids[: self.segment.pool.pages_for_rows(self.num_rows)]
+        """The pages this reference holds (released leading pages left out)."""
+        segment = self.segment
+        return segment.page_ids[segment.released_pages : segment.pool.pages_for_rows(self.num_rows)]
 
     @property
     def page_tuple(self) -> tuple[int, ...]:
-        """:attr:`page_ids` as a tuple, made once: a sealed segment's pages never change, so a
-        decode step's spans reuse it (and comparing two steps' spans finds the same object). A
-        reference to the whole segment shares the segment's own tuple."""
-        if self._page_tuple is None:
-            self._page_tuple = self.segment.page_tuple()[: self.segment.pool.pages_for_rows(self.num_rows)]
+        """The pages of the reference's rows as a tuple (released ones read -1), made once per
+        release: a sealed segment's pages otherwise never change, so a decode step's spans reuse
+        it (and comparing two steps' spans finds the same object). A reference to the whole
+        segment shares the segment's own tuple."""
+        source = self.segment.page_tuple()  # a new tuple once pages were released
+        if self._page_source is not source:
+            self._page_source = source
+            self._page_tuple = source[: self.segment.pool.pages_for_rows(self.num_rows)]
         return self._page_tuple
 
     @property
@@ -127,6 +165,18 @@ class SegRef:
         return f"SegRef(segment={self.segment.segment_id}, rows={self.num_rows})"
 
 
+def reaches_released_rows(parts: Iterable[tuple[Segment, int]], position: int) -> bool:
+    """Whether any row at or after ``position`` was released, over ``parts``: (segment, rows
+    used from it) in chain order."""
+    start = 0
+    for segment, num_rows in parts:
+        released = min(segment.released_rows, num_rows)
+        if released and start + released > position:
+            return True
+        start += num_rows
+    return False
+
+
 @dataclass(slots=True, frozen=True)
 class ChainSpan:
     """One run of a chain's rows as attention sees it (a SegRef or the tail).
@@ -134,6 +184,8 @@ class ChainSpan:
     ``page_ids`` are the pages holding rows ``0 .. num_rows-1`` of the span, every page full
     except possibly the last; ``key_start`` is the absolute position of the span's first
     row in its sequence; ``segment_id`` identifies shared spans across sequences.
+    ``released_pages``: leading pages given back outside the sliding window (ids -1): a plan
+    must leave them out (the planner's window does, and refuses a span that still has any).
     """
 
     segment_id: int
@@ -141,6 +193,7 @@ class ChainSpan:
     num_rows: int
     key_start: int
     sealed: bool
+    released_pages: int = 0
 
     def page_rows(self, page_size: int) -> tuple[int, ...]:
         """Valid rows in each page of the span."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from segkv.cache.kv_cache import PagedKVCache
 from segkv.engine.generation import Generator, Sequence
 from segkv.outputs import RequestOutput
+from segkv.runner.layer_windows import history_window
 from segkv.runner.model_runner import ModelRunner
 from segkv.sampling_params import SamplingParams
 from segkv.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -79,6 +80,9 @@ class EngineCore:
         generator.max_step_rows = self.config.max_num_batched_tokens
         self.pool = self.scheduler.pool
         self.prefix = self.scheduler.prefix
+        # a model whose every layer attends a sliding window: rows behind it are given back
+        self.window = history_window(generator.runner.model)
+        self.prefix.window = self.window
         self.pressure_hooks = self.scheduler.pressure_hooks  # see Scheduler.make_room
         self.requests: dict[str, EngineRequest] = {}
         self._owner: dict[int, EngineRequest] = {}  # id(sequence) -> its request, while it runs
@@ -172,10 +176,22 @@ class EngineCore:
         if not out.scheduled:
             return []
         ready = self.generator.step(out.scheduled, ahead_ok=out.ahead_ok)
+        self._release_rows_behind_window()
         touched = self._postprocess(ready)
         for listener in self.step_listeners:
             listener(touched)
         return touched
+
+    def _release_rows_behind_window(self) -> None:
+        """Give back the pages of running chains that no future query can see: behind the
+        window of a model whose every layer attends one (from the first future query: the row a
+        step launched ahead holds, else the next one). Pages shared with a snapshot, a fork or
+        the prefix index stay (left to its eviction)."""
+        if self.window is None:
+            return
+        for seq in self.running:
+            chain = seq.chain
+            chain.release_rows_before(chain.num_rows - self.generator.rows_ahead(seq) - self.window + 1)
 
     def _note_cached(self, out: SchedulerOutput) -> None:
         """A request's cached tokens are those its first prefix match found."""
@@ -217,7 +233,7 @@ class EngineCore:
                 for ref in seq.chain.refs:
                     pages.update(ref.page_ids)
                 if seq.chain.tail is not None:
-                    pages.update(seq.chain.tail.page_ids)
+                    pages.update(seq.chain.tail.live_page_ids)
         return len(pages)
 
     def stats(self) -> dict[str, object]:

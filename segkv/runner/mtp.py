@@ -91,7 +91,7 @@ class MtpRunner:
                 raise ValueError(f"catch_up of {n} rows, but {record.rows} wait at the chain's end")
             hidden.append(record.rows_from(record.start))
             positions += range(chain.num_rows - n, chain.num_rows)
-            slots += _last_slots(chain, n)
+            slots += chain.last_slots(n)
             queries.append(SequenceQuery.from_chain(chain, n))
         out = self._forward(queries, torch.cat(hidden), [t for ids in next_ids for t in ids], positions, slots,
                             depth=0, widths=[len(ids) for ids in next_ids])
@@ -150,12 +150,6 @@ class MtpRunner:
         return runner.model.mtp_forward(hidden, ids, pos, meta, depth=depth)
 
 
-def _last_slots(chain: KVChain, n: int) -> list[int]:
-    """Storage slots of ``chain``'s last ``n`` rows."""
-    tail = chain.tail
-    if tail is not None and n <= chain.num_tail_rows:
-        return tail.slots(tail.num_rows - n, tail.num_rows)
-    return chain.slots()[-n:]
 
 
 def _ends(groups: list[list[int]]) -> list[int]:

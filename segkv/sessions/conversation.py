@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from segkv.cache.chain import ChainSnapshot
+from segkv.runner.layer_windows import history_window
 from segkv.sessions.snapshot_file import load_snapshot, save_snapshot
 from segkv.outputs import CompletionOutput, TurnStats
 from segkv.sampling_params import SamplingParams
@@ -108,6 +109,9 @@ class Conversation:
                 break
             common += 1
         common = min(common, len(ids) - 1)
+        window = history_window(self.llm.runner.model)
+        if window is not None and not self.chain.holds_rows_from(common - window):
+            common = 0  # a loaded chain whose rows behind its window were released: recompute
         if common < self.chain.num_rows:
             self.chain.trim(self.chain.num_rows - common)
         return common

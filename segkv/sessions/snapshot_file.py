@@ -52,7 +52,8 @@ def save_snapshot(path: str | os.PathLike, snapshot: ChainSnapshot, cache: Paged
     ``layers.{i}.value`` ``(R, num_kv_heads, head_dim)``; MLA ``layers.{i}.latent``
     ``(R, kv_lora_rank + rope_dim)``. The manifest records the format, ``fingerprint``, layout,
     segment row counts, every row's token id, ``metadata`` (loaded back as JSON decodes it) and
-    a sha256 per tensor. ValueError for a released snapshot, rows without token ids, metadata
+    a sha256 per tensor. Rows released behind a sliding window (``KVChain.release_rows_before``)
+    are not in the tensors: ``segment_released`` counts them at the head of each segment. ValueError for a released snapshot, rows without token ids, metadata
     that is not a JSON dict, a manifest over safetensors' 100 MB header limit or a ``path`` that
     is a directory. The file is written beside ``path`` under a temporary name, fsynced and
     renamed over ``path``: readers see the old file or the new one, never part of one, and a
@@ -77,11 +78,14 @@ def save_snapshot(path: str | os.PathLike, snapshot: ChainSnapshot, cache: Paged
     if not isinstance(metadata, dict):
         raise ValueError(f"snapshot metadata must be a dict, got {type(metadata).__name__}")
     _dumps(metadata)  # fail on bad metadata before gathering any rows
+    released = [min(ref.segment.released_rows, ref.num_rows) for ref in refs]
     manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "fingerprint": fingerprint,
                 "layout": _layout_dict(cache.layout), "num_rows": len(token_ids),
                 "segment_rows": [ref.num_rows for ref in refs], "token_ids": token_ids,
                 "metadata": metadata}
-    tensors = _gather(cache, [slot for ref in refs for slot in ref.slots()])
+    if any(released):
+        manifest["segment_released"] = released
+    tensors = _gather(cache, [slot for ref, r in zip(refs, released) for slot in ref.segment.slots(r, ref.num_rows)])
     manifest["sha256"] = {name: _digest(tensor) for name, tensor in tensors.items()}
     text = _dumps(manifest)
     header = {MANIFEST_KEY: text, MANIFEST_DIGEST_KEY: hashlib.sha256(text.encode()).hexdigest()}
@@ -152,7 +156,7 @@ def load_snapshot(path: str | os.PathLike, cache: PagedKVCache, *, fingerprint: 
     path = Path(path)
     _check_fingerprint_arg(fingerprint)
     manifest, tensors = _read_validated(path, cache.layout, fingerprint)
-    _check_capacity(path, cache.pool, manifest["segment_rows"], make_room)
+    _check_capacity(path, cache.pool, manifest["segment_rows"], _released(manifest), make_room)
     snapshot = _rebuild(cache, manifest, tensors)
     return LoadedSnapshot(snapshot, list(manifest["token_ids"]), manifest["metadata"], manifest["num_rows"])
 
@@ -165,7 +169,7 @@ def _read_validated(path: Path, layout: KVLayout, fingerprint: str) -> tuple[dic
         with safe_open(path, framework="pt") as reader:
             manifest = _read_manifest(path, reader.metadata() or {})
             _check_manifest(path, manifest, layout, fingerprint)
-            shapes = _tensor_shapes(layout, manifest["num_rows"])
+            shapes = _tensor_shapes(layout, manifest["num_rows"] - sum(_released(manifest)))
             if set(reader.keys()) != set(shapes) or set(manifest["sha256"]) != set(shapes):
                 raise _corrupt(path, f"tensors {sorted(reader.keys())}, expected {sorted(shapes)}")
             tensors = {name: reader.get_tensor(name) for name in shapes}
@@ -214,6 +218,11 @@ def _check_manifest(path: Path, manifest: dict, layout: KVLayout, fingerprint: s
     if not sum(rows) == len(tokens) == manifest["num_rows"]:
         raise _corrupt(path, f"segments of {sum(rows)} rows, {len(tokens)} token ids, "
                              f"num_rows={manifest['num_rows']}")
+    released = manifest.get("segment_released", [0] * len(rows))
+    if (not isinstance(released, list) or len(released) != len(rows)
+            or not all(_is_int(r) and 0 <= r <= n for r, n in zip(released, rows))):
+        raise _corrupt(path, "segment_released must list, per segment, how many of its leading rows were "
+                             "released (0 .. its rows)")
     if manifest["fingerprint"] != fingerprint:
         raise ValueError(f"snapshot was saved from a different model: {path} has fingerprint "
                          f"{manifest['fingerprint']!r}, this model's is {fingerprint!r}")
@@ -225,11 +234,15 @@ def _check_manifest(path: Path, manifest: dict, layout: KVLayout, fingerprint: s
                          + ("; ".join(diffs) or f"fields {sorted(saved)}"))
 
 
-def _check_capacity(path: Path, pool: PagePool, segment_rows: list[int],
+def _check_capacity(path: Path, pool: PagePool, segment_rows: list[int], released: list[int],
                     make_room: Callable[[int], object] | None) -> None:
     """OutOfPagesError unless the pool has (or ``make_room`` frees) the pages the rebuilt
-    segments will take."""
-    need = sum(pool.pages_for_rows(n) for n in segment_rows)
+    segments will take: the most held at once, while the last one (all its pages taken before
+    its released head goes back) is written."""
+    need, kept = 0, 0
+    for n, r in zip(segment_rows, released):
+        need = max(need, kept + pool.pages_for_rows(n))
+        kept += pool.pages_for_rows(n) - (pool.pages_for_rows(n) if r == n else r // pool.page_size)
     if need > pool.num_free_pages and make_room is not None:
         make_room(need - pool.num_free_pages)
     if need > pool.num_free_pages:
@@ -242,21 +255,34 @@ def _rebuild(cache: PagedKVCache, manifest: dict, tensors: dict[str, torch.Tenso
     """Append, write and seal each saved segment in a fresh chain; return its snapshot."""
     chain = KVChain(cache.pool, copy_rows=None)  # no compaction: keep the saved boundaries
     device, token_ids, start = cache.storage.device, manifest["token_ids"], 0
+    live = 0  # rows of the tensors used so far (released rows are not in them)
     try:
-        for num_rows in manifest["segment_rows"]:
+        for num_rows, released in zip(manifest["segment_rows"], _released(manifest)):
             end = start + num_rows
-            slots = chain.append(num_rows, token_ids=token_ids[start:end])
+            chain.append(num_rows, token_ids=token_ids[start:end])
+            chain.release_tail_head(released)
+            # rows of a page that also holds live rows, released before the save (with another
+            # page size) lie outside every later window: zeros, never attended
+            first = chain.tail.released_rows
+            slots = chain.tail.slots(first, num_rows)
             for layer in range(cache.layout.num_layers):
                 names = _layer_names(cache.layout, layer)
-                cache.storage.write(layer, slots, *(tensors[n][start:end].to(device) for n in names))
+                rows = [tensors[n][live : live + num_rows - released] for n in names]
+                rows = [torch.cat([part.new_zeros(released - first, *part.shape[1:]), part]) for part in rows]
+                cache.storage.write(layer, slots, *(part.to(device) for part in rows))
             chain.seal()
-            start = end
+            start, live = end, live + num_rows - released
         return chain.snapshot()
     finally:
         chain.release()  # the snapshot holds its own references; on failure all pages go back
 
 
 # -- helpers ----------------------------------------------------------------------------
+def _released(manifest: dict) -> list[int]:
+    """Rows released at the head of each segment (none for files without the field)."""
+    return manifest.get("segment_released", [0] * len(manifest["segment_rows"]))
+
+
 def _layer_names(layout: KVLayout, layer: int) -> tuple[str, ...]:
     if layout.kind == "mha":
         return (f"layers.{layer}.key", f"layers.{layer}.value")
