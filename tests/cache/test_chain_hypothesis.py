@@ -2,8 +2,9 @@
 
 Every row ever appended gets a unique id; its random per-layer data is kept in ``rows``.
 The model of a chain or snapshot is its list of row ids. After every step the gathered
-storage of each chain and snapshot must equal the model's rows bit for bit, and every
-page's reference count must equal the number of live holders (SegRefs and tails).
+storage of each chain and snapshot must equal the model's rows bit for bit (rows released
+behind a sliding window excepted: they have no storage), and every page's reference count
+must equal the number of live holders (SegRefs and tails).
 """
 
 from __future__ import annotations
@@ -63,9 +64,27 @@ class ChainMachine(RuleBasedStateMachine):
     def expected(self, ids):
         return torch.stack([self.rows[i] for i in ids]) if ids else torch.empty(0, 2, WIDTH)
 
+    @staticmethod
+    def parts(obj):
+        """(segment, rows used) of a chain (tail last) or a snapshot, in order."""
+        parts = [(ref.segment, ref.num_rows) for ref in obj.refs]
+        if getattr(obj, "tail", None) is not None:
+            parts.append((obj.tail, obj.tail.num_rows))
+        return parts
+
+    def live(self, held):
+        """(storage slots, model row ids) of the rows of ``held`` that were not released."""
+        slots, ids, start = [], [], 0
+        for segment, n in self.parts(held.obj):
+            first = min(segment.released_rows, n)
+            slots += segment.slots(first, n)
+            ids += held.ids[start + first : start + n]
+            start += n
+        return slots, ids
+
     def state(self, held):
         chain = held.obj
-        return chain.num_rows, chain.slots(), chain.token_ids(), self.pool.stats(), self.pool.rows_copied
+        return chain.num_rows, self.live(held), chain.token_ids(), self.pool.stats(), self.pool.rows_copied
 
     def pick(self, data, items):
         return items[data.draw(st.integers(0, len(items) - 1))]
@@ -151,7 +170,7 @@ class ChainMachine(RuleBasedStateMachine):
         held = self.pick(data, self.chains)
         child = self._seal_like(held, held.obj.fork)
         if child is not None:
-            assert child.slots() == held.obj.slots()
+            assert self.live(Held(child, held.ids, False)) == self.live(held)
             self.chains.append(Held(child, held.ids, held.tainted))
 
     @precondition(lambda self: self.chains and self.snaps)
@@ -180,10 +199,28 @@ class ChainMachine(RuleBasedStateMachine):
     def trim(self, data):
         held = self.pick(data, self.chains)
         n = data.draw(st.integers(0, len(held.ids)))
-        counters = self.counters()
-        held.obj.trim(n)
+        counters, before = self.counters(), self.state(held)
+        try:
+            held.obj.trim(n)
+        except ValueError:  # the tail would end among released rows: nothing changes
+            assert held.obj.num_released_rows and self.state(held) == before
+            event("trim: into released rows")
+            return
         assert self.counters() == counters
         del held.ids[len(held.ids) - n :]
+
+    @precondition(lambda self: self.chains)
+    @rule(data=st.data())
+    def release_behind_a_window(self, data):
+        """Give back the pages before a position that the chain alone holds (a sliding window)."""
+        held = self.pick(data, self.chains)
+        position = data.draw(st.integers(0, len(held.ids)))
+        counters, in_use = self.counters(), self.pool.pages_in_use
+        freed = held.obj.release_rows_before(position)
+        assert self.pool.pages_in_use == in_use - freed and self.counters() == counters
+        assert held.obj.num_rows == len(held.ids)
+        if freed:
+            event("release behind a window: pages freed")
 
     @precondition(lambda self: self.chains)
     @rule(data=st.data(), drop=st.booleans())
@@ -208,18 +245,19 @@ class ChainMachine(RuleBasedStateMachine):
     @invariant()
     def contents_match_the_model(self):
         for held in self.chains:
-            slots = held.obj.slots()
-            assert held.obj.num_rows == len(held.ids) == len(set(slots))
-            assert torch.equal(self.gather(slots), self.expected(held.ids))
+            slots, ids = self.live(held)
+            assert held.obj.num_rows == len(held.ids) and len(slots) == len(set(slots)) == len(ids)
+            assert len(ids) == len(held.ids) - held.obj.num_released_rows
+            assert torch.equal(self.gather(slots), self.expected(ids))
             tokens = held.obj.token_ids()
             if not held.tainted:
                 assert tokens == held.ids
             elif tokens is not None:
                 assert tokens == held.ids
         for snap in self.snaps:
-            slots = [s for ref in snap.obj.refs for s in ref.slots()]
+            slots, ids = self.live(snap)
             assert snap.obj.num_rows == len(snap.ids) and snap.obj.live
-            assert torch.equal(self.gather(slots), self.expected(snap.ids))
+            assert torch.equal(self.gather(slots), self.expected(ids))
             if not snap.tainted:
                 assert snap.obj.token_ids() == snap.ids
 
@@ -230,7 +268,7 @@ class ChainMachine(RuleBasedStateMachine):
             for ref in held.obj.refs:
                 holders.update(ref.page_ids)
             if held.obj.tail is not None:
-                holders.update(held.obj.tail.page_ids)
+                holders.update(held.obj.tail.live_page_ids)
         for snap in self.snaps:
             for ref in snap.obj.refs:
                 holders.update(ref.page_ids)
@@ -241,10 +279,13 @@ class ChainMachine(RuleBasedStateMachine):
         for held in self.chains:
             tail = held.obj.tail
             if tail is not None:  # a tail's pages belong to its chain alone, and no spare page
-                assert all(self.pool.ref_count(p) == 1 for p in tail.page_ids)
+                assert all(self.pool.ref_count(p) == 1 for p in tail.live_page_ids)
                 assert len(tail.page_ids) == pages_for(tail.num_rows)
         for ref in [r for h in self.chains + self.snaps for r in h.obj.refs]:
-            assert len(ref.page_ids) == pages_for(ref.num_rows)  # exactly the pages its rows touch
+            # exactly the pages its rows touch, less the released ones (ids -1 in place)
+            assert len(ref.page_tuple) == pages_for(ref.num_rows)
+            assert len(ref.page_ids) == pages_for(ref.num_rows) - min(ref.segment.released_pages, len(ref.page_tuple))
+            assert all(p >= 0 for p in ref.page_ids)
         assert self.pool.bytes_copied == self.pool.rows_copied * self.cache.layout.row_bytes
 
     def teardown(self):
