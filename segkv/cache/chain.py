@@ -292,6 +292,8 @@ class KVChain:
                 break
             held = self.pool.pages_for_rows(num_rows)
             before = held if start + num_rows <= position else min(held, (position - start) // ps)
+            if not segment.sealed:  # the tail's last page takes the next rows: only full pages go
+                before = min(before, num_rows // ps)
             count = segment.released_pages
             while count < before and self.pool.ref_count(segment.page_ids[count]) == 1:
                 count += 1
