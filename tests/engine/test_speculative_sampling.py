@@ -28,7 +28,7 @@ from spec_sampling_helpers import (SETTINGS, VIEWS, big_batches, build_word_mode
                                    goodness_of_fit_p, p_values, params_of, spec_counts, view_probs)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-NUM_SAMPLES = 20_000
+NUM_SAMPLES = 10_000
 NUM_POWER_SAMPLES = 5_000
 ALPHA = 1e-5  # a correct engine fails one of this file's 40 comparisons with probability < 1e-3
 
@@ -55,7 +55,7 @@ def engines(word_models):
 
 
 # The draft model proposer looks for a draft chain to fork among those of every live target
-# chain, and ``generate`` keeps its requests' chains alive until it returns: a call of 20,000
+# chain, and ``generate`` keeps its requests' chains alive until it returns: a call of 10,000
 # requests costs quadratic time there, so its samples are drawn 500 requests per call
 CHUNKS = {"ngram": None, "draft_model": 500}
 
