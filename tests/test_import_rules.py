@@ -14,6 +14,7 @@ RANK = {
     "kernels": 1,
     "cache": 1,
     "attention": 2,
+    "distributed": 2,  # the tensor-parallel group and its collectives (torch.distributed only)
     "layers": 3,
     "models": 4,
     "runner": 5,

@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from segkv.attention.metadata import AttentionMetadata
+from segkv.distributed.parallel import TensorParallel
 from segkv.layers.linear import float32_logits
+from segkv.layers.parallel import vocab_parallel_logits
 from segkv.layers.norm import PendingCombine
 from segkv.models.config_checks import common_settings
 
@@ -150,5 +152,10 @@ class CausalLM(nn.Module):
             return hidden
         return hidden, torch.cat([captured[i] for i in wanted], dim=-1)
 
+    # the tensor-parallel group of a sharded model (models/tensor_parallel.py); None: whole
+    tp: TensorParallel | None = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None and self.tp.size > 1:  # this rank's vocabulary rows, gathered
+            return vocab_parallel_logits(hidden, self.lm_head.weight, self.cfg.vocab_size, self.tp)
         return float32_logits(hidden, self.lm_head.weight)

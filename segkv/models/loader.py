@@ -15,10 +15,12 @@ from torch import nn
 from tqdm import tqdm
 
 from segkv.config import parse_dtype
+from segkv.distributed.parallel import TensorParallel
 from segkv.models.fp8_checkpoint import INPUT_SCALE_SUFFIX, SCALE_SUFFIXES, parse_quantization
 from segkv.models.fp8_loading import Fp8Plan, check_quantization, stored_tensors
 from segkv.models.mxfp4 import BLOCKS, SCALES, Mxfp4Tensors, is_mxfp4, without_mxfp4
 from segkv.models.registry import model_class
+from segkv.models.tensor_parallel import shard_model
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -109,7 +111,7 @@ def checkpoint_weight_bytes(model_dir: str | Path, *, dtype: str | torch.dtype) 
 
 def load_model(
     model_dir: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-    progress: bool = False, quantization: str | None = None,
+    progress: bool = False, quantization: str | None = None, tensor_parallel: TensorParallel | None = None,
 ) -> nn.Module:
     """Build the registered model for ``model_dir`` and load its weights.
 
@@ -120,6 +122,9 @@ def load_model(
     FP8, ``models/fp8_checkpoint.py``); ``"fp8"`` also quantizes the other linear projections to
     e4m3 with per-output-channel scales (``models/fp8_loading.py``). ``model.quantization`` then
     describes the FP8 layers (None without any).
+
+    ``tensor_parallel``: this process's rank of a group over which the model is sharded
+    (``models/tensor_parallel.py``); the rank reads only its slices of the checkpoint.
 
     Raises FileNotFoundError for missing files and ValueError for an unsupported
     architecture, config setting or quantization format, missing or unexpected tensors, and
@@ -132,6 +137,12 @@ def load_model(
     torch_dtype = parse_dtype(dtype)
     with torch.device("meta"):
         model = cls.from_hf_config(cfg)
+    slices = {}
+    if tensor_parallel is not None and tensor_parallel.size > 1:
+        if quantization is not None or is_mxfp4(cfg) or parse_quantization(cfg) is not None:
+            raise ValueError("tensor parallelism loads plain (bf16/fp16/fp32) checkpoints; FP8 and MXFP4 "
+                             "weights are not sharded yet")
+        slices = shard_model(model, tensor_parallel)
     files = weight_files(model_dir)
     # A family may keep some checkpoint tensors under other names (DeepSeek's MTP layers).
     param_name = getattr(model, "param_name", lambda name: name)
@@ -174,7 +185,8 @@ def load_model(
                     if ignores(name):
                         continue  # e.g. the MTP layers' copies of the shared embeddings
                     raise ValueError(f"{path.name}: unexpected tensor {name!r} for {cls.__name__}")
-                tensor = f.get_tensor(name)
+                part = slices.get(target)
+                tensor = f.get_tensor(name) if part is None else part.read(f.get_slice(name))
                 _check_shape(path.name, name, tensor, expected[target])
                 if plan.owns(target):  # FP8 as stored, or quantized from the checkpoint's values
                     state[target] = tensor

@@ -1,0 +1,63 @@
+"""A tensor-parallel group: which shard this process holds and the collectives a sharded model
+runs (NCCL on GPUs, gloo on CPUs), each bounded by the group's timeout."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# A collective that waits longer than this means a rank died or hung: the survivors raise
+# instead of waiting forever.
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """Rank ``rank`` of ``size`` processes that each hold ``1/size`` of a model.
+
+    ``group``: the torch.distributed process group (None: the default group; unused at size 1).
+    Tensors handed to the collectives are ``(..., D)`` of any dtype the backend reduces."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor parallel rank {self.rank} of size {self.size} is not a rank")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the ranks, in place (every rank gets it)."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' ``x (..., D)`` side by side: ``(..., size * D)``, rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def split(self, total: int, what: str) -> int:
+        """``total / size``; ValueError naming ``what`` when the ranks cannot share it evenly."""
+        if total % self.size:
+            raise ValueError(f"{what} ({total}) must be divisible by the tensor parallel size {self.size}")
+        return total // self.size
+
+
+def init_tensor_parallel(size: int, rank: int, *, init_method: str, backend: str | None = None,
+                         timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallel:
+    """Join the ``size``-process group as ``rank`` (``init_method``: torch.distributed's, e.g.
+    ``tcp://host:port`` or ``file:///path``; ``backend``: "nccl" with CUDA, else "gloo").
+    Collectives that wait past ``timeout_s`` raise."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return TensorParallel(rank=rank, size=size, group=None)

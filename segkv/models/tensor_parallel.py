@@ -1,0 +1,120 @@
+"""Sharding a model over a tensor-parallel group (Megatron style), before its weights load.
+
+The model is built with the checkpoint's shapes on the meta device; :func:`shard_model` swaps its
+projections for this rank's shares and returns, per parameter, the slice of the checkpoint
+tensor the rank loads (``load_model`` reads only those bytes). Grouped-query decoders (Llama,
+Mistral, Qwen2, Qwen3):
+
+- q, k, v, gate and up split by output rows (heads; the MLP's intermediate columns);
+- o and down split by input columns, summed over the ranks in one all-reduce each
+  (:class:`~segkv.layers.parallel.RowParallelLinear`), the bias added once;
+- KV heads split over the ranks, or, with fewer KV heads than ranks, each rank holding the one
+  its query heads read (replicated ``size / num_kv_heads`` times);
+- the embeddings and the LM head split by vocabulary rows (``ceil(V / size)`` a rank, the last
+  padded with zeros), the logits gathered;
+- norms, RoPE tables and q/k norms whole on every rank.
+
+A rank's KV cache holds its own KV heads: ``model.kv_layout`` and ``model.attention_shape``
+describe the rank's share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from segkv.distributed.parallel import TensorParallel
+from segkv.layers.activation import GatedMLP
+from segkv.layers.parallel import RowParallelLinear, VocabParallelEmbedding
+from segkv.models.decoder import DecoderAttention, DecoderForCausalLM, DecoderLayer
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSlice:
+    """Indices ``start .. stop - 1`` of the checkpoint tensor along ``dim`` (``stop`` may pass
+    its end: the rest is zero padding)."""
+
+    dim: int
+    start: int
+    stop: int
+
+    def read(self, tensor_slice) -> torch.Tensor:
+        """This slice of a safetensors ``get_slice`` handle (only these bytes are read)."""
+        shape = tensor_slice.get_shape()
+        stop = min(self.stop, shape[self.dim])
+        index = tuple(slice(self.start, stop) if d == self.dim else slice(None) for d in range(len(shape)))
+        part = tensor_slice[index]
+        if stop - self.start < self.stop - self.start:  # the last vocabulary shard's padding
+            pad = list(part.shape)
+            pad[self.dim] = self.stop - stop
+            part = torch.cat([part, part.new_zeros(pad)], dim=self.dim)
+        return part
+
+
+def shard_model(model: nn.Module, tp: TensorParallel) -> dict[str, TensorSlice]:
+    """Make ``model`` (meta tensors, the checkpoint's shapes) rank ``tp.rank``'s share; return the
+    checkpoint slice of every split parameter (the others load whole). ValueError for a family
+    or shape the ranks cannot share."""
+    layers = getattr(getattr(model, "model", None), "layers", ())
+    if not isinstance(model, DecoderForCausalLM) or any(
+            type(layer) is not DecoderLayer or type(layer.self_attn) is not DecoderAttention
+            or type(layer.mlp) is not GatedMLP for layer in layers):
+        raise ValueError(f"tensor parallelism supports the grouped-query decoders (Llama, Mistral, Qwen2, "
+                         f"Qwen3), not {type(model).__name__}")
+    cfg = model.cfg
+    heads = tp.split(cfg.num_heads, "num_attention_heads")
+    inter = tp.split(cfg.intermediate_size, "intermediate_size")
+    if cfg.num_kv_heads % tp.size and tp.size % cfg.num_kv_heads:
+        raise ValueError(f"num_key_value_heads ({cfg.num_kv_heads}) must divide, or be divisible by, the "
+                         f"tensor parallel size {tp.size}")
+    kv = max(1, cfg.num_kv_heads // tp.size)
+    # the KV heads this rank's query heads read: its share, or (fewer KV heads than ranks) the one
+    first_kv = tp.rank * kv if cfg.num_kv_heads >= tp.size else tp.rank * cfg.num_kv_heads // tp.size
+    d, r = cfg.head_dim, tp.rank
+    vocab = math.ceil(cfg.vocab_size / tp.size)
+    slices: dict[str, TensorSlice] = {}
+    with torch.device("meta"):
+        for i, layer in enumerate(model.model.layers):
+            attn, mlp, name = layer.self_attn, layer.mlp, f"model.layers.{i}"
+            _shrink(attn.q_proj, out=heads * d)
+            _shrink(attn.k_proj, out=kv * d)
+            _shrink(attn.v_proj, out=kv * d)
+            attn.o_proj = RowParallelLinear(heads * d, cfg.hidden_size, bias=attn.o_proj.bias is not None, tp=tp)
+            attn.num_heads, attn.num_kv_heads = heads, kv
+            _shrink(mlp.gate_proj, out=inter)
+            _shrink(mlp.up_proj, out=inter)
+            mlp.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=mlp.down_proj.bias is not None, tp=tp)
+            for proj, start, size in (("q_proj", r * heads * d, heads * d), ("k_proj", first_kv * d, kv * d),
+                                      ("v_proj", first_kv * d, kv * d)):
+                _rows(slices, f"{name}.self_attn.{proj}", start, size)
+            for proj in ("gate_proj", "up_proj"):
+                _rows(slices, f"{name}.mlp.{proj}", r * inter, inter)
+            slices[f"{name}.self_attn.o_proj.weight"] = TensorSlice(1, r * heads * d, (r + 1) * heads * d)
+            slices[f"{name}.mlp.down_proj.weight"] = TensorSlice(1, r * inter, (r + 1) * inter)
+        model.model.embed_tokens = VocabParallelEmbedding(vocab, cfg.hidden_size, tp=tp)
+        model.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        slices[name] = TensorSlice(0, r * vocab, (r + 1) * vocab)
+    model.cfg = dataclasses.replace(cfg, num_heads=heads, num_kv_heads=kv, intermediate_size=inter)
+    model.tp = tp
+    return slices
+
+
+def _shrink(linear: nn.Linear, *, out: int) -> None:
+    """Give ``linear`` (meta) ``out`` output rows."""
+    linear.weight = nn.Parameter(torch.empty(out, linear.in_features))
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(torch.empty(out))
+    linear.out_features = out
+
+
+def _rows(slices: dict[str, TensorSlice], prefix: str, start: int, size: int) -> None:
+    """The weight's and bias's output rows ``start .. start + size - 1``."""
+    for part in ("weight", "bias"):
+        slices[f"{prefix}.{part}"] = TensorSlice(0, start, start + size)

@@ -1,0 +1,66 @@
+"""Tensor parallelism over gloo, ranks as processes on this machine: TP=2 and TP=4 give TP=1's
+float32 logits (1e-5 relative) and greedy tokens for tiny Llama, Qwen3 and Mistral models (KV
+heads split, and replicated when fewer than the ranks; an odd vocabulary padded), each rank
+holding about 1/N of the weights; families and shapes the ranks cannot share are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_helpers import build_model_dir
+from segkv.distributed import TensorParallel
+from segkv.models.loader import load_model
+from tp_helpers import greedy_run, run_ranks
+
+STEPS = 6
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("family,extra", [("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 12})])
+def test_sharded_ranks_match_one_whole_model(family, extra, tmp_path, gen):
+    build_model_dir(tmp_path / "model", family, **extra)  # 4 query heads, 2 KV heads, odd vocabulary
+    whole = load_model(tmp_path / "model", dtype="float32")
+    prompt = torch.randint(0, whole.cfg.vocab_size, (29,), generator=gen).tolist()
+    want = greedy_run(whole, prompt, STEPS)
+    for size in (2, 4):  # 4 ranks: one KV head each, replicated twice
+        ranks = run_ranks(size, tmp_path / "model", prompt, STEPS, tmp_path)
+        for got in ranks:
+            assert rel_err(got["logits"], want["logits"]) < 1e-5
+            assert got["tokens"] == want["tokens"]
+        assert [r["weight_bytes"] for r in ranks] == [share_bytes(whole, size)] * size
+        assert share_bytes(whole, size) < want["weight_bytes"] / size * 1.3  # about 1/N
+
+
+def share_bytes(whole, size: int) -> int:
+    """A rank's parameter bytes: 1/N of q, o, gate, up and down; its KV heads' share of k and v
+    (one of them each when there are fewer KV heads than ranks); ceil(V / N) vocabulary rows of
+    the embeddings and the LM head (once if tied); norms whole."""
+    cfg, total = whole.cfg, 0
+    kv_share = max(1, cfg.num_kv_heads // size) / cfg.num_kv_heads
+    vocab_share = -(-cfg.vocab_size // size) / cfg.vocab_size
+    for name, p in {id(p): (n, p) for n, p in whole.named_parameters()}.values():
+        share = (kv_share if ("k_proj" in name or "v_proj" in name)
+                 else vocab_share if ("embed" in name or "lm_head" in name)
+                 else 1 if "norm" in name else 1 / size)
+        total += round(p.numel() * share) * p.element_size()
+    return total
+
+
+def test_what_the_ranks_cannot_share_is_refused(tmp_path):
+    build_model_dir(tmp_path / "llama", "llama")
+    with pytest.raises(ValueError, match="num_attention_heads \\(4\\) must be divisible by the tensor parallel size 3"):
+        load_model(tmp_path / "llama", tensor_parallel=TensorParallel(rank=0, size=3))
+    build_model_dir(tmp_path / "kv3", "llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="num_key_value_heads \\(3\\) must divide, or be divisible by"):
+        load_model(tmp_path / "kv3", tensor_parallel=TensorParallel(rank=0, size=2))
+    from model_helpers import build_moe_dir
+
+    build_moe_dir(tmp_path / "moe", "mixtral")
+    with pytest.raises(ValueError, match="tensor parallelism supports the grouped-query decoders"):
+        load_model(tmp_path / "moe", tensor_parallel=TensorParallel(rank=0, size=2))
+    with pytest.raises(ValueError, match="rank 2 of size 2"):
+        TensorParallel(rank=2, size=2)
