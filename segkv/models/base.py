@@ -80,9 +80,13 @@ class CausalLM(nn.Module):
         and the one-row GEMVs read plain weights in the activation dtype, and the FP8 layers run
         their own product (``kernels.quant.fp8_gemm``); the norms and routers still fuse. Routed
         experts without FP8 weights are packed (``MixtureOfExperts.pack_experts``): a prefill's
-        pairs then run as grouped products on the device, not one GEMM per expert from the host."""
+        pairs then run as grouped products on the device, not one GEMM per expert from the host.
+        A tensor-parallel shard (``models/tensor_parallel.py``) stays unfused."""
         from segkv.layers.fp8 import Fp8Linear
         from segkv.layers.moe import MixtureOfExperts
+
+        if self.tp is not None and self.tp.size > 1:
+            return  # the stacked products and one-row GEMVs bypass the row-parallel all-reduces
 
         experts = {id(m) for moe in self.modules() if isinstance(moe, MixtureOfExperts)
                    for m in moe.experts.modules()}
