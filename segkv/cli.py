@@ -41,6 +41,8 @@ KV_CACHE_DTYPE_HELP = ("KV cache storage: auto (the default: --dtype) or fp8 (fl
                        "layer and KV head, the checkpoint's k_scale/v_scale where it has them, else 1.0; twice the "
                        "tokens per byte of bf16)")
 DEVICE_HELP = "torch device: auto (the default: CUDA when available, else cpu), cpu, cuda, cuda:N"
+TENSOR_PARALLEL_HELP = ("shard the model over this many ranks, processes on this host (today: the CPU, over "
+                        "gloo; grouped-query decoders: Llama, Mistral, Qwen2, Qwen3)")
 GPU_MEMORY_HELP = ("fraction of the GPU's memory segkv may use, in (0, 1]: the KV cache gets what is left after the "
                    "weights and a profiling forward of the largest step (default: %(default)s; CUDA only)")
 KV_CACHE_MEMORY_HELP = ("KV cache size in GiB, overriding --gpu-memory-utilization (default: sized by "
@@ -109,6 +111,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_DTYPE_HELP)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help=TENSOR_PARALLEL_HELP)
     parser.add_argument("--page-size", type=int, default=None, help=PAGE_SIZE_HELP)
     parser.add_argument("--max-model-len", type=int, default=None)
     _add_memory_args(parser)
@@ -148,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto", help=DEVICE_HELP)
     serve.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
     serve.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_DTYPE_HELP)
+    serve.add_argument("--tensor-parallel-size", type=int, default=1, help=TENSOR_PARALLEL_HELP)
     serve.add_argument("--page-size", type=int, default=None, help=PAGE_SIZE_HELP)
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=64)
@@ -229,7 +233,7 @@ def _load_and_serve(args, gate, engines: list, server, snapshot_dir: Path | None
     from segkv.server import app as app_module
 
     llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype,
+              kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
               page_size=args.page_size, max_model_len=args.max_model_len, route=args.route,
               kv_cache_bytes=_kv_cache_bytes(args), gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_batched_tokens=args.max_num_batched_tokens,
@@ -300,7 +304,7 @@ def _load(args):
     from segkv.sampling_params import SamplingParams
 
     llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype,
+              kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
               page_size=args.page_size, max_model_len=args.max_model_len, route=args.route,
               cuda_graphs=CUDA_GRAPHS[args.cuda_graphs],
               kv_cache_bytes=_kv_cache_bytes(args), gpu_memory_utilization=args.gpu_memory_utilization,

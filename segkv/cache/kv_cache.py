@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from segkv.cache.chain import KVChain
+from segkv.cache.chain import KVChain, RowCopier
 from segkv.cache.page_pool import PagePool
 from segkv.cache.storage import PagedKVStorage
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
@@ -34,6 +34,11 @@ class PagedKVCache:
             bytes_per_page=config.page_size * layout.row_bytes,
         )
         self.storage = PagedKVStorage(layout, self.pool, device=device)
+        # what chains copy rows with (compaction, tree windows): the storage's copy, or one that
+        # also has a tensor-parallel model's other ranks copy theirs (engine/tensor_parallel.py)
+        self.copy_rows: RowCopier = self.storage.copy_rows
+        # why snapshot files cannot hold this cache's rows (None: they can)
+        self.files_unsupported: str | None = None
 
     @property
     def page_size(self) -> int:
@@ -41,7 +46,7 @@ class PagedKVCache:
 
     def new_chain(self) -> KVChain:
         """An empty chain whose seals compact through this cache's storage."""
-        return KVChain(self.pool, copy_rows=self.storage.copy_rows, compaction=self.compaction)
+        return KVChain(self.pool, copy_rows=self.copy_rows, compaction=self.compaction)
 
     def stats(self) -> dict[str, int]:
         return self.pool.stats()

@@ -10,6 +10,7 @@ import itertools
 import logging
 import math
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -27,6 +28,8 @@ from segkv.engine.generation import Generator
 from segkv.scheduler import SchedulerConfig
 from segkv.models.default_models import check_model_dir, resolve_model_dir
 from segkv.models.fp8_loading import check_quantization
+from segkv.engine.tensor_parallel import TensorParallelRanks
+from segkv.runner.tp_steps import broadcasting_copier
 from segkv.models.loader import fingerprint, load_model, read_config
 from segkv.outputs import RequestOutput
 from segkv.runner.model_runner import ModelRunner, StepInput
@@ -125,6 +128,8 @@ class LLM:
     ``"auto"`` stores K/V in ``dtype``; ``"fp8"`` stores them as float8 e4m3 with static float32
     scales per (layer, KV head) (per layer for MLA), the checkpoint's ``k_scale``/``v_scale`` (or
     ``kv_scale``) tensors where it has them, else 1.0: twice the tokens per byte of bf16.
+    ``tensor_parallel_size``: ranks the model is sharded over (``engine/tensor_parallel.py``;
+    processes on this host, gloo on the CPU; :meth:`close` stops them).
     """
 
     def __init__(
@@ -149,6 +154,7 @@ class LLM:
         speculative_config: str | dict | SpeculativeConfig | None = None,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        tensor_parallel_size: int = 1,
         progress: bool = False,
     ) -> None:
         # a bad value is refused before anything loads
@@ -176,9 +182,16 @@ class LLM:
             prefill_chunk = default_prefill_chunk(self.device.type)
         if page_size < 1:  # before the cache budget divides by it
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self._check_tensor_parallel(tensor_parallel_size, cuda_graphs, kv_cache_dtype)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.ranks = None if tensor_parallel_size == 1 else TensorParallelRanks(
+            tensor_parallel_size, self.model_dir, dtype=self.dtype, device=self.device,
+            backend=backend)
+        # the ranks stop when this engine is closed or collected, or its construction fails
+        self._stop_ranks = None if self.ranks is None else weakref.finalize(self, self.ranks.close)
         self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device, progress=progress,
-                                quantization=self.quantization)
+                                quantization=self.quantization,
+                                tensor_parallel=None if self.ranks is None else self.ranks.tp)
         # FP8 layers count their one-byte weights and float32 scales (both parameters)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.fingerprint = fingerprint(self.model_dir)
@@ -225,6 +238,11 @@ class LLM:
                                   device=str(self.device), compaction=compaction)
         if kv_scales is not None:
             self.cache.storage.set_scales(*kv_scales)
+        if self.ranks is not None:  # the other ranks' caches: this one's size, their own KV heads
+            self.ranks.start_followers(page_size, num_pages)
+            self.cache.copy_rows = broadcasting_copier(self.ranks.tp, self.cache.storage.copy_rows)
+            self.cache.files_unsupported = "the other tensor-parallel ranks' KV heads are not saved yet"
+            self.fingerprint = f"{self.fingerprint[:24]}-tp{tensor_parallel_size}"
         # a verify window (its drafts, a tree's nodes, and the pending token) runs like a decode step: MLA absorbed,
         # replayed from its own CUDA graphs
         window = 1 if self.speculative_config is None else self.speculative_config.window_rows
@@ -243,6 +261,26 @@ class LLM:
         # what exists now lives as long as the engine: keep it out of the cyclic collector's
         # scans, which otherwise fire inside every step's planning (page lists are large)
         gc.freeze()
+
+    def _check_tensor_parallel(self, size: int, cuda_graphs, kv_cache_dtype: str) -> None:
+        """ValueError for a tensor-parallel size or combination not served yet."""
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+        if size == 1:
+            return
+        unsupported = [what for what, on in (
+            ("a CUDA device (ranks run on the CPU over gloo today)", self.device.type != "cpu"),
+            ("speculative decoding", self.speculative_config is not None),
+            ("quantization", self.quantization is not None),
+            ("an FP8 KV cache", kv_cache_dtype != "auto"),
+            ("CUDA graphs", cuda_graphs not in (False, "auto"))) if on]
+        if unsupported:
+            raise ValueError(f"tensor_parallel_size {size} does not combine with {', '.join(unsupported)} yet")
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing without them); the engine serves no more."""
+        if self._stop_ranks is not None:
+            self._stop_ranks()
 
     # -- sizing the KV pool -----------------------------------------------------------
     @torch.inference_mode()

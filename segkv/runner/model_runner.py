@@ -21,6 +21,7 @@ from segkv.cache.kv_cache import PagedKVCache
 from segkv.cache.page_pool import OutOfPagesError
 from segkv.config import default_prefill_chunk
 from segkv.runner.layer_windows import layer_windows
+from segkv.runner.tp_steps import broadcast_step
 from segkv.layers.transfer import to_device
 
 MLA_MODES = ("auto", "absorbed", "naive")
@@ -306,12 +307,26 @@ class ModelRunner:
         else:
             ids = to_device([t for chunk in chunks for t in chunk], torch.long, self.device)
         pos = to_device(positions, torch.long, self.device)
+        if self.leads_tensor_parallel:  # the other ranks run this forward on their shards
+            host_chunks = chunks if device_ids is None else _chunked(device_ids.tolist(), chunks)
+            broadcast_step(self.model.tp, ("forward", (host_chunks, positions, slots, plan, mla_mode, rows, windowed)))
         hidden, aux = split_hidden(self.model(ids, pos, meta))
         if self.hidden_listener is not None and chains is not None:
             self.hidden_listener(chains, chunks, hidden if aux is None else aux)
         if rows is None:
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
+
+    @property
+    def leads_tensor_parallel(self) -> bool:
+        """Whether this runner is rank 0 of a tensor-parallel model (it broadcasts every forward)."""
+        tp = getattr(self.model, "tp", None)
+        return tp is not None and tp.size > 1 and tp.rank == 0
+
+    def run_followed_step(self, step: tuple) -> None:
+        """Another rank: the forward rank 0 broadcast (``runner/tp_steps.py``), on this shard."""
+        chunks, positions, slots, plan, mla_mode, rows, windowed = step
+        self._eager_logits(chunks, positions, slots, plan, mla_mode, rows, windowed=windowed)
 
     def _make_graphs(self, mode: bool | str, max_model_len: int, windows: tuple[int, ...]):
         """CUDA-graph decode: ``True`` (error if unavailable), ``"auto"`` (on where available:
@@ -327,6 +342,8 @@ class ModelRunner:
         emulate = mode == "emulate"
         # a model whose forward a graph cannot capture says why (gpt-oss's host-synchronising experts)
         reason = getattr(self.model, "cuda_graphs_unsupported", None)
+        if reason is None and getattr(self.model, "tp", None) is not None and self.model.tp.size > 1:
+            reason = "a tensor-parallel model's steps are broadcast to its ranks (graphs come later)"
         if reason is None and not self.backend.capabilities.cuda_graphs:
             reason = (f"the {self.backend.name} attention backend cannot run in CUDA graphs "
                       "(the Triton backend can)")
@@ -387,6 +404,15 @@ def tree_positions(start: int, parents: tuple[int, ...]) -> list[int]:
                              f"or an earlier node (0 .. {node - 1})")
         depths.append(0 if parent < 0 else depths[parent] + 1)
     return [start + d for d in depths]
+
+
+def _chunked(ids: list[int], like: list[list[int]]) -> list[list[int]]:
+    """``ids`` cut into chunks of ``like``'s lengths."""
+    out, start = [], 0
+    for chunk in like:
+        out.append(ids[start : start + len(chunk)])
+        start += len(chunk)
+    return out
 
 
 def _last_rows(chunks: list[list[int]], counts: list[int]) -> list[int]:

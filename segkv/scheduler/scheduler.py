@@ -235,7 +235,7 @@ class Scheduler:
             return
         tokens = seq.all_token_ids()
         match = self.prefix.match(tokens[:-1])
-        seq.chain = KVChain(self.pool, refs=match.refs, copy_rows=self.cache.storage.copy_rows,
+        seq.chain = KVChain(self.pool, refs=match.refs, copy_rows=self.cache.copy_rows,
                             compaction=self.cache.compaction)
         seq.pending = tokens[match.num_tokens:]
         out.matched.append((seq, match.num_tokens))

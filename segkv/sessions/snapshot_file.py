@@ -62,6 +62,7 @@ def save_snapshot(path: str | os.PathLike, snapshot: ChainSnapshot, cache: Paged
     """
     path = Path(path)
     _check_fingerprint_arg(fingerprint)
+    _check_files_supported(cache)
     if path.is_dir():
         raise ValueError(f"cannot write snapshot file {path}: it is a directory")
     if not snapshot.live:
@@ -155,6 +156,7 @@ def load_snapshot(path: str | os.PathLike, cache: PagedKVCache, *, fingerprint: 
     """
     path = Path(path)
     _check_fingerprint_arg(fingerprint)
+    _check_files_supported(cache)
     manifest, tensors = _read_validated(path, cache.layout, fingerprint)
     _check_capacity(path, cache.pool, manifest["segment_rows"], _released(manifest), make_room)
     snapshot = _rebuild(cache, manifest, tensors)
@@ -318,6 +320,11 @@ def _check_fingerprint_arg(fingerprint: str) -> None:
     """The fingerprint identifies the model (config + weights); it must be a non-empty string."""
     if not isinstance(fingerprint, str) or not fingerprint:
         raise ValueError(f"fingerprint must be a non-empty string, got {fingerprint!r}")
+
+
+def _check_files_supported(cache: PagedKVCache) -> None:
+    if cache.files_unsupported is not None:
+        raise ValueError(f"snapshot files are not available here: {cache.files_unsupported}")
 
 
 def _is_int(value: object) -> bool:

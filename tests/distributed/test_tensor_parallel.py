@@ -64,3 +64,56 @@ def test_what_the_ranks_cannot_share_is_refused(tmp_path):
         load_model(tmp_path / "moe", tensor_parallel=TensorParallel(rank=0, size=2))
     with pytest.raises(ValueError, match="rank 2 of size 2"):
         TensorParallel(rank=2, size=2)
+
+
+def test_an_engine_over_ranks_gives_one_models_tokens(tmp_path, gen):
+    """``LLM(tensor_parallel_size=N)``: rank 0 schedules and broadcasts every forward, the other
+    ranks (processes) follow on their shards; generate (a batch, prefill in chunks), conversation
+    turns and a fork give TP=1's greedy tokens; ``close`` stops the ranks."""
+    from engine_helpers import conversation_tokens
+    from segkv.engine import LLM
+    from segkv.sampling_params import SamplingParams
+
+    build_model_dir(tmp_path / "model", "qwen3")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (37, 5, 20)]
+    turns = ("a first turn", "and a follow-up", "a fork's own turn")
+    kw = dict(device="cpu", dtype="float32", page_size=16, num_pages=64, prefill_chunk=16)
+    want = conversation_tokens(LLM(tmp_path / "model", **kw), prompts, params, turns)
+    for size in (2, 4):
+        llm = LLM(tmp_path / "model", tensor_parallel_size=size, **kw)
+        assert llm.model.cfg.num_heads == 4 // size and llm.cache.layout.num_kv_heads == max(1, 2 // size)
+        try:
+            assert conversation_tokens(llm, prompts, params, turns) == want
+            with pytest.raises(ValueError, match="tensor-parallel ranks' KV heads are not saved yet"):
+                llm.conversation().save(tmp_path / "conversation.safetensors")
+        finally:
+            llm.close()
+        assert all(p.exitcode == 0 for p in llm.ranks.processes)
+        llm.close()  # twice is fine
+
+
+def test_tensor_parallel_settings_not_served_yet_are_refused(tmp_path):
+    from segkv.engine import LLM
+
+    build_model_dir(tmp_path / "model", "llama")
+    for kw, what in (({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative"),
+                     ({"kv_cache_dtype": "fp8"}, "FP8 KV cache"), ({"tensor_parallel_size": 0}, "positive")):
+        with pytest.raises(ValueError, match=what):
+            LLM(tmp_path / "model", device="cpu", **{"tensor_parallel_size": 2, **kw})
+
+
+def test_generate_command_over_two_ranks(tmp_path):
+    """``segkv generate --tensor-parallel-size 2`` prints TP=1's greedy completion and exits cleanly."""
+    import subprocess
+    import sys
+
+    build_model_dir(tmp_path / "model", "llama")
+    outputs = []
+    for size in ("1", "2"):
+        done = subprocess.run([sys.executable, "-m", "segkv.cli", "generate", "--model", str(tmp_path / "model"),
+                               "--device", "cpu", "--prompt", "def f(x):", "--max-tokens", "8",
+                               "--tensor-parallel-size", size], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        outputs.append(done.stdout)
+    assert outputs[0] == outputs[1] and outputs[0].strip()

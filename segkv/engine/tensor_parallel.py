@@ -1,0 +1,85 @@
+"""The ranks of a tensor-parallel engine on one host: rank 0 is the engine (scheduler,
+tokenizer, sampler, server); ranks 1..N-1 are processes that each load their shard, build a KV
+cache of rank 0's size and run the forwards rank 0 broadcasts (``runner/tp_steps.py``)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from segkv.cache import PagedKVCache
+from segkv.config import CacheConfig
+from segkv.distributed.parallel import TensorParallel, init_tensor_parallel
+from segkv.models.loader import load_model
+from segkv.runner.model_runner import ModelRunner
+from segkv.runner.tp_steps import broadcast_step, follow_steps, receive_step
+
+logger = logging.getLogger(__name__)
+
+
+class TensorParallelRanks:
+    """Ranks 1..size-1 as processes (spawned), and rank 0's membership of their group.
+
+    ``model_dir``/``dtype``/``device``/``backend``: what every follower loads and runs.
+    :meth:`start_followers` hands them the cache size once rank 0 knows it; :meth:`close` stops
+    them (safe to call twice; also run when the owner is collected or the interpreter exits)."""
+
+    def __init__(self, size: int, model_dir: str | Path, *, dtype: torch.dtype, device: torch.device,
+                 backend: str) -> None:
+        if size < 2:
+            raise ValueError(f"tensor_parallel_size must be >= 2 for ranks, got {size}")
+        self.size = size
+        self._dir = tempfile.mkdtemp(prefix="segkv-tp-")
+        init_method = f"file://{self._dir}/rendezvous"
+        ctx = multiprocessing.get_context("spawn")
+        self.processes = [ctx.Process(target=_follower_main, daemon=True, name=f"segkv-tp-rank-{rank}",
+                                      args=(rank, size, str(model_dir), dtype, str(device), backend, init_method))
+                          for rank in range(1, size)]
+        for process in self.processes:
+            process.start()
+        self.tp: TensorParallel = init_tensor_parallel(size, 0, init_method=init_method)
+        self._closed = False
+
+    def start_followers(self, page_size: int, num_pages: int) -> None:
+        """Tell the followers the KV cache's size (rank 0's, in pages of its layout): they build
+        theirs and start following steps."""
+        broadcast_step(self.tp, (page_size, num_pages))
+
+    def close(self) -> None:
+        """Stop the followers (their step loops end, or they stop before their first), wait for
+        them, leave the group."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            broadcast_step(self.tp, None)
+        finally:
+            for process in self.processes:
+                process.join(timeout=30)
+                if process.is_alive():
+                    process.kill()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _follower_main(rank: int, size: int, model_dir: str, dtype: torch.dtype, device: str, backend: str,
+                   init_method: str) -> None:
+    """Rank ``rank``: load the shard, build the cache rank 0 sizes, follow its steps until told to stop."""
+    tp = init_tensor_parallel(size, rank, init_method=init_method)
+    model = load_model(model_dir, dtype=dtype, device=device, tensor_parallel=tp)
+    sizes = receive_step(tp)
+    if sizes is None:  # rank 0 stopped before its cache was built
+        return
+    page_size, num_pages = sizes
+    cache = PagedKVCache(model.kv_layout(dtype), CacheConfig(page_size=page_size, num_pages=num_pages),
+                         device=device)
+    runner = ModelRunner(model, cache, device=device, backend=backend, fused_ops=False)
+    steps = follow_steps(runner)
+    logger.debug("tensor-parallel rank %d ran %d steps (pid %d)", rank, steps, os.getpid())
+    dist.destroy_process_group()
