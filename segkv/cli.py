@@ -240,6 +240,8 @@ def _load_and_serve(args, gate, engines: list, server, snapshot_dir: Path | None
               cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], speculative_config=args.speculative_config,
               progress=True)
     print(llm.describe_summary(), flush=True)
+    if llm.ranks is not None:  # a lost rank ends the server: it cannot serve a step without it
+        llm.ranks.on_failure = _exit_on_rank_failure(llm.ranks)
     # kernels compiled and graphs captured before ready, for the shapes this server's scheduler
     # runs (its batch and its largest forward): the first requests wait for neither
     info = llm.warm_up(max_batch=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -296,6 +298,15 @@ def prepare_snapshot_dir(path: str | None) -> Path | None:
 
 def _mib(num_bytes: int) -> str:
     return f"{num_bytes / (1 << 20):,.1f} MiB"
+
+
+def _exit_on_rank_failure(ranks):
+    def exit_now(why: str) -> None:
+        print(f"error: {why}; the server stops", file=sys.stderr, flush=True)
+        ranks.kill()
+        os._exit(1)  # the engine thread may be blocked in a collective: no orderly shutdown
+
+    return exit_now
 
 
 def _load(args):

@@ -8,6 +8,8 @@ import logging
 import multiprocessing
 import os
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,7 +30,12 @@ class TensorParallelRanks:
 
     ``model_dir``/``dtype``/``device``/``backend``: what every follower loads and runs.
     :meth:`start_followers` hands them the cache size once rank 0 knows it; :meth:`close` stops
-    them (safe to call twice; also run when the owner is collected or the interpreter exits)."""
+    them (safe to call twice; also run when the owner is collected or the interpreter exits).
+
+    A watchdog thread checks the followers every second: when one ends before :meth:`close`,
+    :attr:`failure` says which and how, and ``on_failure`` (if set; a server sets it to exit) is
+    called with that text. Rank 0's next collective then fails too (gloo reports the lost peer),
+    so no step waits on a dead rank."""
 
     def __init__(self, size: int, model_dir: str | Path, *, dtype: torch.dtype, device: torch.device,
                  backend: str) -> None:
@@ -45,6 +52,28 @@ class TensorParallelRanks:
             process.start()
         self.tp: TensorParallel = init_tensor_parallel(size, 0, init_method=init_method)
         self._closed = False
+        self.failure: str | None = None
+        self.on_failure: Callable[[str], None] | None = None
+        threading.Thread(target=self._watch, name="segkv-tp-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._closed:
+            dead = [p for p in self.processes if not p.is_alive()]
+            if dead and not self._closed:
+                self.failure = ", ".join(f"tensor-parallel {p.name} (pid {p.pid}) ended with exit code {p.exitcode}"
+                                         for p in dead)
+                logger.error("%s", self.failure)
+                if self.on_failure is not None:
+                    self.on_failure(self.failure)
+                return
+            threading.Event().wait(1.0)
+
+    def kill(self) -> None:
+        """End every follower at once (a rank failed: the group cannot go on)."""
+        self._closed = True
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
 
     def start_followers(self, page_size: int, num_pages: int) -> None:
         """Tell the followers the KV cache's size (rank 0's, in pages of its layout): they build
@@ -58,7 +87,10 @@ class TensorParallelRanks:
             return
         self._closed = True
         try:
-            broadcast_step(self.tp, None)
+            if self.failure is None:  # a lost rank cannot take the message
+                broadcast_step(self.tp, None)
+        except RuntimeError as exc:
+            logger.warning("stopping the tensor-parallel ranks: %s", exc)
         finally:
             for process in self.processes:
                 process.join(timeout=30)

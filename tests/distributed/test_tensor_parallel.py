@@ -117,3 +117,59 @@ def test_generate_command_over_two_ranks(tmp_path):
         assert done.returncode == 0, done.stderr
         outputs.append(done.stdout)
     assert outputs[0] == outputs[1] and outputs[0].strip()
+
+
+def _follower_pids(pid: int) -> list[int]:
+    """The server's tensor-parallel ranks: its children started by multiprocessing's spawn (not
+    its resource tracker)."""
+    from pathlib import Path
+
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    out = []
+    for child in children:
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            out.append(child)
+    return out
+
+
+def test_a_server_over_two_ranks_serves_the_openai_client_and_stops_when_a_rank_dies(tmp_path):
+    """``segkv serve --tensor-parallel-size 2``: the openai client's greedy completion is TP=1's;
+    a rank killed with SIGKILL ends the server with a non-zero exit code within 30 s."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import openai
+
+    from segkv.engine import LLM
+    from segkv.sampling_params import SamplingParams
+    from server_helpers import free_port, wait_healthy
+
+    build_model_dir(tmp_path / "model", "llama")
+    want = LLM(tmp_path / "model", device="cpu").generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=8))
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "segkv.cli", "serve", "--model", str(tmp_path / "model"),
+                               "--device", "cpu", "--port", str(port), "--tensor-parallel-size", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(server, base)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        got = client.completions.create(model="model", prompt="def f(x):", max_tokens=8,
+                                        temperature=0)
+        assert got.choices[0].text == want[0].outputs[0].text
+        (rank,) = _follower_pids(server.pid)
+        os.kill(rank, signal.SIGKILL)
+        start = time.monotonic()
+        code = server.wait(timeout=30)
+        assert code != 0 and time.monotonic() - start < 30
+        assert "tensor-parallel segkv-tp-rank-1" in server.stdout.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
