@@ -1,5 +1,6 @@
-"""Tensor-parallel ranks as processes on this machine (gloo): each loads its shard, prefills a
-prompt and decodes greedily; the parent compares what they saved with one whole model."""
+"""Tensor-parallel ranks as processes on this machine (gloo): each loads its shard; rank 0
+prefills a prompt and decodes greedily, the others follow its forwards; the parent compares
+what they saved with one whole model."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig
 from segkv.models.loader import load_model
 from segkv.runner.model_runner import ModelRunner
+from segkv.runner.tp_steps import broadcast_step, follow_steps
 
 
 def greedy_run(model, prompt: list[int], steps: int) -> dict:
@@ -29,8 +31,11 @@ def greedy_run(model, prompt: list[int], steps: int) -> dict:
         logits = step if logits is None else logits
         tokens.append(int(step[-1].argmax()))
         ids.append(tokens[-1])
-    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    return {"logits": logits, "tokens": tokens[:steps], "weight_bytes": weight_bytes}
+    return {"logits": logits, "tokens": tokens[:steps], "weight_bytes": weight_bytes(model)}
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def _rank(rank: int, size: int, model_dir: str, prompt: list[int], steps: int, out: str) -> None:
@@ -40,7 +45,14 @@ def _rank(rank: int, size: int, model_dir: str, prompt: list[int], steps: int, o
     try:
         tp = init_tensor_parallel(size, rank, init_method=f"file://{out}.rendezvous", timeout_s=60)
         model = load_model(model_dir, dtype="float32", tensor_parallel=tp)
-        torch.save(greedy_run(model, prompt, steps), f"{out}.{rank}")
+        if rank == 0:  # it plans and broadcasts every forward; the others follow
+            result = greedy_run(model, prompt, steps)
+            broadcast_step(tp, None)
+        else:
+            cache = PagedKVCache(model.kv_layout(torch.float32), CacheConfig(page_size=16, num_pages=64))
+            follow_steps(ModelRunner(model, cache))
+            result = {"weight_bytes": weight_bytes(model)}
+        torch.save(result, f"{out}.{rank}")
     except BaseException:
         Path(f"{out}.{rank}.error").write_text(traceback.format_exc())
         raise

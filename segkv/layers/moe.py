@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from segkv.distributed.parallel import TensorParallel
 from segkv.layers.activation import GatedMLP
 from segkv.layers.fp8 import Fp8Linear
 from segkv.layers.norm import PendingCombine, RMSNorm
@@ -160,6 +161,7 @@ class MixtureOfExperts(nn.Module):
             if num_shared else None
         )
         self._packed: tuple[torch.Tensor, torch.Tensor] | None = None  # see pack_experts (not saved)
+        self.tp: TensorParallel | None = None  # set by models/tensor_parallel.py (never packed then)
         self._counters: dict[tuple, torch.Tensor] = {}  # kernels.moe.expert_mlp's, per (device, pairs); left zero
         self.fused = False  # see use_fused
 
@@ -276,7 +278,9 @@ class MixtureOfExperts(nn.Module):
         that sum (:class:`PendingCombine`)."""
         if self._packed is None:
             out = self._looped_experts(x, weights, ids)
-            return out if self.shared_experts is None else out + self.shared_experts(x)
+            out = out if self.shared_experts is None else out + self.shared_experts(x)
+            # a tensor-parallel shard's experts hold 1/N of their columns: partial sums meet here
+            return out if self.tp is None else self.tp.all_reduce(out)
         one_launch = self.fused and x.shape[0] <= self.SHARED_IN_GEMV_TOKENS
         shared_weights = self._stacked_shared_weights() if one_launch else None
         if shared_weights is not None:  # shared experts in the routed pairs' launches

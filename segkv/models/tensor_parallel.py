@@ -14,6 +14,20 @@ Mistral, Qwen2, Qwen3):
   padded with zeros), the logits gathered;
 - norms, RoPE tables and q/k norms whole on every rank.
 
+DeepSeek V2/V3 (latent attention, mixture of experts):
+
+- MLA's query heads split (``q_proj`` or ``q_b_proj`` rows, ``kv_b_proj``'s per-head rows, ``o_proj``
+  columns); the latent projection ``kv_a_proj_with_mqa``, its norm and ``q_a_proj`` whole: every
+  rank computes and caches the same latent rows (the cache is replicated), its heads read them;
+- experts tensor-parallel inside: every routed and shared expert's intermediate columns split
+  like a dense MLP's, the router whole, and the layer's combined output (routed and shared
+  partial sums together) reduced in one all-reduce. Chosen over expert parallelism for balance:
+  every rank does 1/N of every routed pair whatever the routing, and a step still takes one
+  all-reduce per layer; expert parallelism would leave a rank idle when the batch's tokens pick
+  another's experts;
+- multi-token-prediction layers (speculative ``mtp``, refused under tensor parallelism) load
+  whole and are not run.
+
 A rank's KV cache holds its own KV heads: ``model.kv_layout`` and ``model.attention_shape``
 describe the rank's share.
 """
@@ -29,8 +43,11 @@ from torch import nn
 
 from segkv.distributed.parallel import TensorParallel
 from segkv.layers.activation import GatedMLP
+from segkv.layers.mla import MultiHeadLatentAttention
+from segkv.layers.moe import MixtureOfExperts
 from segkv.layers.parallel import RowParallelLinear, VocabParallelEmbedding
 from segkv.models.decoder import DecoderAttention, DecoderForCausalLM, DecoderLayer
+from segkv.models.deepseek import DeepseekForCausalLM, DeepseekLayer
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +76,14 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> dict[str, TensorSlice]:
     """Make ``model`` (meta tensors, the checkpoint's shapes) rank ``tp.rank``'s share; return the
     checkpoint slice of every split parameter (the others load whole). ValueError for a family
     or shape the ranks cannot share."""
+    if isinstance(model, DeepseekForCausalLM):
+        return _shard_deepseek(model, tp)
     layers = getattr(getattr(model, "model", None), "layers", ())
     if not isinstance(model, DecoderForCausalLM) or any(
             type(layer) is not DecoderLayer or type(layer.self_attn) is not DecoderAttention
             or type(layer.mlp) is not GatedMLP for layer in layers):
         raise ValueError(f"tensor parallelism supports the grouped-query decoders (Llama, Mistral, Qwen2, "
-                         f"Qwen3), not {type(model).__name__}")
+                         f"Qwen3) and DeepSeek V2/V3, not {type(model).__name__}")
     cfg = model.cfg
     heads = tp.split(cfg.num_heads, "num_attention_heads")
     inter = tp.split(cfg.intermediate_size, "intermediate_size")
@@ -75,7 +94,6 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> dict[str, TensorSlice]:
     # the KV heads this rank's query heads read: its share, or (fewer KV heads than ranks) the one
     first_kv = tp.rank * kv if cfg.num_kv_heads >= tp.size else tp.rank * cfg.num_kv_heads // tp.size
     d, r = cfg.head_dim, tp.rank
-    vocab = math.ceil(cfg.vocab_size / tp.size)
     slices: dict[str, TensorSlice] = {}
     with torch.device("meta"):
         for i, layer in enumerate(model.model.layers):
@@ -85,25 +103,86 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> dict[str, TensorSlice]:
             _shrink(attn.v_proj, out=kv * d)
             attn.o_proj = RowParallelLinear(heads * d, cfg.hidden_size, bias=attn.o_proj.bias is not None, tp=tp)
             attn.num_heads, attn.num_kv_heads = heads, kv
-            _shrink(mlp.gate_proj, out=inter)
-            _shrink(mlp.up_proj, out=inter)
-            mlp.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=mlp.down_proj.bias is not None, tp=tp)
+            _shard_mlp(mlp, f"{name}.mlp", tp, slices, reduce=True)
             for proj, start, size in (("q_proj", r * heads * d, heads * d), ("k_proj", first_kv * d, kv * d),
                                       ("v_proj", first_kv * d, kv * d)):
                 _rows(slices, f"{name}.self_attn.{proj}", start, size)
-            for proj in ("gate_proj", "up_proj"):
-                _rows(slices, f"{name}.mlp.{proj}", r * inter, inter)
             slices[f"{name}.self_attn.o_proj.weight"] = TensorSlice(1, r * heads * d, (r + 1) * heads * d)
-            slices[f"{name}.mlp.down_proj.weight"] = TensorSlice(1, r * inter, (r + 1) * inter)
-        model.model.embed_tokens = VocabParallelEmbedding(vocab, cfg.hidden_size, tp=tp)
-        model.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        slices[name] = TensorSlice(0, r * vocab, (r + 1) * vocab)
+        _shard_vocabulary(model, cfg, tp, slices)
     model.cfg = dataclasses.replace(cfg, num_heads=heads, num_kv_heads=kv, intermediate_size=inter)
     model.tp = tp
     return slices
+
+
+def _shard_deepseek(model: DeepseekForCausalLM, tp: TensorParallel) -> dict[str, TensorSlice]:
+    """DeepSeek V2/V3: MLA heads split, the latent whole; dense MLPs and every expert split
+    inside, one all-reduce per MoE layer (module docstring)."""
+    cfg, r = model.cfg, tp.rank
+    mla = cfg.mla
+    heads = tp.split(mla.num_heads, "num_attention_heads")
+    slices: dict[str, TensorSlice] = {}
+    local = dataclasses.replace(mla, num_heads=heads)
+    with torch.device("meta"):
+        for i, layer in enumerate(model.model.layers):
+            if type(layer) is not DeepseekLayer or type(layer.self_attn) is not MultiHeadLatentAttention:
+                raise ValueError(f"tensor parallelism supports DeepSeek's own layers, not {type(layer).__name__}")
+            attn, name = layer.self_attn, f"model.layers.{i}"
+            q = attn.q_proj if mla.q_lora_rank is None else attn.q_b_proj
+            q_name = "q_proj" if mla.q_lora_rank is None else "q_b_proj"
+            _shrink(q, out=heads * mla.qk_head_dim)
+            _rows(slices, f"{name}.self_attn.{q_name}", r * heads * mla.qk_head_dim, heads * mla.qk_head_dim)
+            per_head = mla.qk_nope_head_dim + mla.v_head_dim
+            _shrink(attn.kv_b_proj, out=heads * per_head)
+            _rows(slices, f"{name}.self_attn.kv_b_proj", r * heads * per_head, heads * per_head)
+            attn.o_proj = RowParallelLinear(heads * mla.v_head_dim, cfg.hidden_size,
+                                            bias=attn.o_proj.bias is not None, tp=tp)
+            slices[f"{name}.self_attn.o_proj.weight"] = TensorSlice(
+                1, r * heads * mla.v_head_dim, (r + 1) * heads * mla.v_head_dim)
+            attn.dims = local
+            if isinstance(layer.mlp, MixtureOfExperts):
+                moe = layer.mlp
+                for j, expert in enumerate(moe.experts):
+                    _shard_mlp(expert, f"{name}.mlp.experts.{j}", tp, slices, reduce=False)
+                if moe.shared_experts is not None:
+                    _shard_mlp(moe.shared_experts, f"{name}.mlp.shared_experts", tp, slices, reduce=False)
+                moe.tp = tp  # the combined output's partial sums meet once
+            else:
+                _shard_mlp(layer.mlp, f"{name}.mlp", tp, slices, reduce=True)
+        _shard_vocabulary(model, cfg, tp, slices)
+    model.cfg = dataclasses.replace(cfg, mla=local)
+    model.tp = tp
+    return slices
+
+
+def _shard_mlp(mlp: GatedMLP, prefix: str, tp: TensorParallel, slices: dict[str, TensorSlice], *,
+               reduce: bool) -> None:
+    """Split a gated MLP's intermediate columns: gate and up by rows, down by columns; ``reduce``:
+    its down product sums the ranks' parts (else its caller reduces a sum of several)."""
+    inter = tp.split(mlp.gate_proj.out_features, f"{prefix} intermediate size")
+    r, hidden = tp.rank, mlp.down_proj.out_features
+    _shrink(mlp.gate_proj, out=inter)
+    _shrink(mlp.up_proj, out=inter)
+    bias = mlp.down_proj.bias is not None
+    if reduce:
+        mlp.down_proj = RowParallelLinear(inter, hidden, bias=bias, tp=tp)
+    else:
+        if bias:
+            raise ValueError(f"{prefix}: an expert's down bias under tensor parallelism is not supported")
+        mlp.down_proj = nn.Linear(inter, hidden, bias=False)
+    for proj in ("gate_proj", "up_proj"):
+        _rows(slices, f"{prefix}.{proj}", r * inter, inter)
+    slices[f"{prefix}.down_proj.weight"] = TensorSlice(1, r * inter, (r + 1) * inter)
+
+
+def _shard_vocabulary(model: nn.Module, cfg, tp: TensorParallel, slices: dict[str, TensorSlice]) -> None:
+    """Embeddings and LM head by vocabulary rows, ``ceil(V / size)`` a rank (meta device)."""
+    vocab, r = math.ceil(cfg.vocab_size / tp.size), tp.rank
+    model.model.embed_tokens = VocabParallelEmbedding(vocab, cfg.hidden_size, tp=tp)
+    model.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        slices[name] = TensorSlice(0, r * vocab, (r + 1) * vocab)
 
 
 def _shrink(linear: nn.Linear, *, out: int) -> None:
