@@ -300,6 +300,21 @@ def _mib(num_bytes: int) -> str:
     return f"{num_bytes / (1 << 20):,.1f} MiB"
 
 
+def _follows_rank_zero(args) -> bool:
+    """Under torchrun, every rank but 0 of ``serve``/``generate``/``chat`` follows rank 0's steps
+    (its shard of ``--model``) instead of running the command; True once it has."""
+    from segkv.engine.tensor_parallel import follow_as_launched_rank, launched_rank
+
+    launched = launched_rank()
+    if launched is None or launched[0] == 0 or args.command not in ("serve", "generate", "chat"):
+        return False
+    if args.tensor_parallel_size != launched[1]:
+        raise ValueError(f"torchrun started {launched[1]} ranks: --tensor-parallel-size must be {launched[1]}, "
+                         f"not {args.tensor_parallel_size}")
+    follow_as_launched_rank(args.model, dtype=args.dtype, device=args.device)
+    return True
+
+
 def _exit_on_rank_failure(ranks):
     def exit_now(why: str) -> None:
         print(f"error: {why}; the server stops", file=sys.stderr, flush=True)
@@ -463,6 +478,8 @@ def _stdin_lines():
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if _follows_rank_zero(args):
+            return 0
         handlers = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "bench": run_bench}
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError) as exc:

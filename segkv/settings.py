@@ -33,6 +33,11 @@ class Settings:
         "Hugging Face's home; its hub/ is the cache when HF_HUB_CACHE is unset (None: ~/.cache/huggingface)")
     triton_interpret: bool = _setting("TRITON_INTERPRET", EXACT_ONE, False,
         "Triton kernels run in Triton's interpreter (the kernels branch on it)")
+    # --- tensor parallelism across hosts: torchrun's own variables (torch reads its MASTER_ADDR/PORT)
+    launcher_rank: int | None = _setting("RANK", INTEGER, None,
+        "this process's rank when torchrun started it (rank 0 serves, the others follow; None: not launched)")
+    launcher_world_size: int | None = _setting("WORLD_SIZE", INTEGER, None,
+        "the ranks torchrun started: --tensor-parallel-size must equal it (None: not launched)")
     # --- the engine's step loop
     lookahead: int | None = _setting("SEGKV_LOOKAHEAD", INTEGER, None,
         "launch decode steps ahead (nonzero: on; None: on CUDA, off on the CPU)")

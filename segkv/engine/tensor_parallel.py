@@ -15,14 +15,39 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import segkv.settings as settings
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig
 from segkv.distributed.parallel import TensorParallel, init_tensor_parallel
-from segkv.models.loader import load_model
+from segkv.config import resolve_dtype
+from segkv.engine.devices import parse_device
+from segkv.models.default_models import check_model_dir, resolve_model_dir
+from segkv.models.loader import load_model, read_config
 from segkv.runner.model_runner import ModelRunner
 from segkv.runner.tp_steps import broadcast_step, follow_steps, receive_step
 
 logger = logging.getLogger(__name__)
+
+
+def launched_rank() -> tuple[int, int] | None:
+    """``(rank, size)`` when torchrun started this process (``RANK``, ``WORLD_SIZE``), else None."""
+    s = settings.SETTINGS
+    if s.launcher_rank is None or s.launcher_world_size is None:
+        return None
+    return s.launcher_rank, s.launcher_world_size
+
+
+def follow_as_launched_rank(model: str, *, dtype: str = "auto", device: str = "auto", backend: str = "auto") -> None:
+    """A rank other than 0 that torchrun started (``segkv serve|generate|chat`` on every host):
+    resolve the model, device and dtype as rank 0's ``LLM`` does, load the shard and follow rank
+    0's steps until it stops (the group set up from torchrun's environment)."""
+    rank, size = launched_rank()
+    model_dir = check_model_dir(resolve_model_dir(model))
+    device_ = parse_device(device)
+    config = read_config(model_dir)
+    dtype_ = resolve_dtype(dtype, device_type=device_.type,
+                           checkpoint_dtype=config.get("torch_dtype", config.get("dtype")))
+    _follower_main(rank, size, str(model_dir), dtype_, str(device_), backend, "env://")
 
 
 class TensorParallelRanks:
@@ -42,12 +67,19 @@ class TensorParallelRanks:
         if size < 2:
             raise ValueError(f"tensor_parallel_size must be >= 2 for ranks, got {size}")
         self.size = size
-        self._dir = tempfile.mkdtemp(prefix="segkv-tp-")
-        init_method = f"file://{self._dir}/rendezvous"
-        ctx = multiprocessing.get_context("spawn")
-        self.processes = [ctx.Process(target=_follower_main, daemon=True, name=f"segkv-tp-rank-{rank}",
-                                      args=(rank, size, str(model_dir), dtype, str(device), backend, init_method))
-                          for rank in range(1, size)]
+        launched = launched_rank()
+        if launched is not None:  # torchrun started every rank (across hosts): none to spawn
+            if launched != (0, size):
+                raise ValueError(f"torchrun started rank {launched[0]} of {launched[1]}: the engine runs on rank 0 "
+                                 f"with --tensor-parallel-size {launched[1]} (not {size})")
+            init_method, self.processes = "env://", []
+        else:
+            self._dir = tempfile.mkdtemp(prefix="segkv-tp-")
+            init_method = f"file://{self._dir}/rendezvous"
+            ctx = multiprocessing.get_context("spawn")
+            self.processes = [ctx.Process(target=_follower_main, daemon=True, name=f"segkv-tp-rank-{rank}",
+                                          args=(rank, size, str(model_dir), dtype, str(device), backend, init_method))
+                              for rank in range(1, size)]
         for process in self.processes:
             process.start()
         self.tp: TensorParallel = init_tensor_parallel(size, 0, init_method=init_method)

@@ -123,11 +123,8 @@ def _follower_pids(pid: int) -> list[int]:
     its resource tracker)."""
     from pathlib import Path
 
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(c) for c in (task / "children").read_text().split()]
     out = []
-    for child in children:
+    for child in _children(pid):
         cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
         if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
             out.append(child)
@@ -172,3 +169,57 @@ def test_a_server_over_two_ranks_serves_the_openai_client_and_stops_when_a_rank_
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_two_torchrun_invocations_serve_one_model(tmp_path):
+    """Two hosts' worth of torchrun (``--nnodes 2``, one rank each, gloo) on this machine: rank 0
+    serves TP=1's completion; SIGTERM to its server stops both ranks cleanly."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    from segkv.engine import LLM
+    from segkv.sampling_params import SamplingParams
+    from server_helpers import free_port, wait_healthy
+
+    build_model_dir(tmp_path / "model", "llama")
+    want = LLM(tmp_path / "model", device="cpu").generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=8))
+    master, port = free_port(), free_port()
+    launchers = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(master),
+         "-m", "segkv.cli", "serve", "--model", str(tmp_path / "model"), "--device", "cpu", "--port", str(port),
+         "--tensor-parallel-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in (0, 1)]
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(launchers[0], base)
+        got = httpx.post(f"{base}/v1/completions", timeout=60, json={
+            "model": "model", "prompt": "def f(x):", "max_tokens": 8, "temperature": 0}).json()
+        assert got["choices"][0]["text"] == want[0].outputs[0].text
+        (server,) = [c for c in _children(launchers[0].pid)
+                     if b"segkv.cli" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        import os
+
+        os.kill(server, signal.SIGTERM)
+        start = time.monotonic()
+        assert [p.wait(timeout=60) for p in launchers] == [0, 0]
+        assert time.monotonic() - start < 60
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _children(pid: int) -> list[int]:
+    from pathlib import Path
+
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
