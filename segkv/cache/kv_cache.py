@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from segkv.cache.chain import KVChain, RowCopier
 from segkv.cache.page_pool import PagePool
 from segkv.cache.storage import PagedKVStorage
@@ -37,8 +39,11 @@ class PagedKVCache:
         # what chains copy rows with (compaction, tree windows): the storage's copy, or one that
         # also has a tensor-parallel model's other ranks copy theirs (engine/tensor_parallel.py)
         self.copy_rows: RowCopier = self.storage.copy_rows
-        # why snapshot files cannot hold this cache's rows (None: they can)
-        self.files_unsupported: str | None = None
+        # what snapshot files hold and how their rows are read and written: this storage's, or
+        # (a tensor-parallel rank 0) every rank's KV heads gathered into the model's whole layout
+        self.file_layout: KVLayout = layout
+        self.read_rows: Callable[..., tuple] = self.storage.read
+        self.write_rows: Callable[..., None] = self.storage.write
 
     @property
     def page_size(self) -> int:

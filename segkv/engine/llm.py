@@ -30,7 +30,7 @@ from segkv.scheduler import SchedulerConfig
 from segkv.models.default_models import check_model_dir, resolve_model_dir
 from segkv.models.fp8_loading import check_quantization
 from segkv.engine.tensor_parallel import TensorParallelRanks
-from segkv.runner.tp_steps import broadcasting_copier
+from segkv.runner.tp_steps import broadcasting_copier, install_row_files
 from segkv.models.loader import fingerprint, load_model, read_config
 from segkv.outputs import RequestOutput
 from segkv.runner.model_runner import ModelRunner, StepInput
@@ -220,8 +220,9 @@ class LLM:
         if self.ranks is not None:  # the other ranks' caches: this one's size, their own KV heads
             self.ranks.start_followers(page_size, num_pages)
             self.cache.copy_rows = broadcasting_copier(self.ranks.tp, self.cache.storage.copy_rows)
-            self.cache.files_unsupported = "the other tensor-parallel ranks' KV heads are not saved yet"
-            self.fingerprint = f"{self.fingerprint[:24]}-tp{tensor_parallel_size}"
+            whole = self.model.whole_num_kv_heads
+            install_row_files(self.cache, self.ranks.tp, layout if whole is None
+                              else dataclasses.replace(layout, num_kv_heads=whole))
         # a verify window (its drafts, a tree's nodes, and the pending token) runs like a decode step: MLA absorbed,
         # replayed from its own CUDA graphs
         window = 1 if self.speculative_config is None else self.speculative_config.window_rows

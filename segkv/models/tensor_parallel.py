@@ -110,6 +110,7 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> dict[str, TensorSlice]:
             slices[f"{name}.self_attn.o_proj.weight"] = TensorSlice(1, r * heads * d, (r + 1) * heads * d)
         _shard_vocabulary(model, cfg, tp, slices)
     model.cfg = dataclasses.replace(cfg, num_heads=heads, num_kv_heads=kv, intermediate_size=inter)
+    model.whole_num_kv_heads = cfg.num_kv_heads  # what snapshot files hold (runner/tp_steps.py)
     model.tp = tp
     return slices
 
@@ -150,6 +151,7 @@ def _shard_deepseek(model: DeepseekForCausalLM, tp: TensorParallel) -> dict[str,
                 _shard_mlp(layer.mlp, f"{name}.mlp", tp, slices, reduce=True)
         _shard_vocabulary(model, cfg, tp, slices)
     model.cfg = dataclasses.replace(cfg, mla=local)
+    model.whole_num_kv_heads = None  # the latent is whole on every rank
     model.tp = tp
     return slices
 

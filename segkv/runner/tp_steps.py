@@ -3,8 +3,10 @@ every other rank runs the same forward on its shard (its all-reduces meet rank 0
 
 A step is ``("forward", (chunks, positions, slots, plan, mla_mode, rows, windowed))``, the
 arguments of ``ModelRunner._eager_logits`` (token ids on the host; plans are plain
-dataclasses), or ``("copy", (src, dst))``: rows copied between slots of every layer (compaction).
-``None`` stops the followers. Broadcasts go through ``torch.distributed.broadcast_object_list``, bounded
+dataclasses), ``("copy", (src, dst))``: rows copied between slots of every layer (compaction),
+``("read", (layer, slots))``: every rank's rows at those slots gathered on rank 0 (a snapshot
+file holds every KV head), or ``("write", (layer, slots, parts))``: the whole rows of a loaded
+file, each rank writing its heads. ``None`` stops the followers. Broadcasts go through ``torch.distributed.broadcast_object_list``, bounded
 by the group's timeout: a rank that died makes the others raise instead of waiting.
 """
 
@@ -42,10 +44,76 @@ def follow_steps(runner) -> int:
                 runner.run_followed_step(args)
             elif kind == "copy":
                 runner.cache.storage.copy_rows(*args)
+            elif kind == "read":
+                _gather_rows(tp, runner.cache.storage.read(*args))
+            elif kind == "write":
+                layer, slots, parts = args
+                share = _HeadShare(runner.model.whole_num_kv_heads, tp)
+                runner.cache.storage.write(layer, slots, *_own_heads(parts, tp, share))
             else:
                 raise ValueError(f"unknown tensor-parallel step {kind!r}")
             count += 1
     return count
+
+
+def install_row_files(cache, tp: TensorParallel, whole_layout) -> None:
+    """Rank 0: snapshot files of a sharded K/V cache hold every KV head (``whole_layout``, the
+    model's): reading gathers each rank's heads, writing sends each rank its own. A file is the
+    same whatever the number of ranks that saved or loads it. A latent (MLA) cache is the same on
+    every rank: read on rank 0, written on all."""
+    storage = cache.storage
+    cfg = _HeadShare(whole_layout.num_kv_heads if whole_layout.kind == "mha" else None, tp)
+
+    def read_rows(layer, slots) -> tuple[torch.Tensor, ...]:
+        if whole_layout.kind != "mha":
+            return storage.read(layer, slots)
+        broadcast_step(tp, ("read", (layer, list(map(int, slots)))))
+        parts = _gather_rows(tp, storage.read(layer, slots))
+        return tuple(torch.cat([parts[r][i] for r in cfg.first_rank_of_each_head()], dim=1)
+                     for i in range(2))
+
+    def write_rows(layer, slots, *parts) -> None:
+        host = [p.cpu() for p in parts]
+        broadcast_step(tp, ("write", (layer, list(map(int, slots)), host)))
+        storage.write(layer, slots, *_own_heads(parts, tp, cfg))
+
+    cache.file_layout, cache.read_rows, cache.write_rows = whole_layout, read_rows, write_rows
+
+
+class _HeadShare:
+    """Which of ``num_kv_heads`` KV heads each of ``tp.size`` ranks holds (models/tensor_parallel.py)."""
+
+    def __init__(self, num_kv_heads: int | None, tp: TensorParallel) -> None:
+        self.num_kv_heads, self.size = num_kv_heads, tp.size
+
+    def heads_of(self, rank: int) -> range:
+        k, n = self.num_kv_heads, self.size
+        return range(rank * k // n, rank * k // n + 1) if k < n else range(rank * k // n, (rank + 1) * k // n)
+
+    def first_rank_of_each_head(self) -> list[int]:
+        """Ranks whose heads, concatenated in this order, are every head once, in order."""
+        ranks, seen = [], set()
+        for rank in range(self.size):
+            heads = self.heads_of(rank)
+            if heads[0] not in seen:
+                ranks.append(rank)
+                seen.update(heads)
+        return ranks
+
+
+def _own_heads(parts, tp: TensorParallel, share: _HeadShare) -> tuple[torch.Tensor, ...]:
+    """This rank's heads of whole K/V rows ``(n, heads, d)`` (a latent row: all of it)."""
+    if share.num_kv_heads is None or parts[0].dim() != 3:
+        return tuple(parts)
+    heads = share.heads_of(tp.rank)
+    return tuple(p[:, heads.start : heads.stop] for p in parts)
+
+
+def _gather_rows(tp: TensorParallel, rows: tuple[torch.Tensor, ...]) -> list | None:
+    """Every rank's ``rows`` on rank 0 (rank order; None elsewhere)."""
+    out = [None] * tp.size if tp.rank == 0 else None
+    dist.gather_object(tuple(r.cpu() for r in rows), out, dst=0, group=tp.group)
+    return out
 
 
 def broadcasting_copier(tp: TensorParallel, copy_rows):

@@ -62,7 +62,6 @@ def save_snapshot(path: str | os.PathLike, snapshot: ChainSnapshot, cache: Paged
     """
     path = Path(path)
     _check_fingerprint_arg(fingerprint)
-    _check_files_supported(cache)
     if path.is_dir():
         raise ValueError(f"cannot write snapshot file {path}: it is a directory")
     if not snapshot.live:
@@ -81,7 +80,7 @@ def save_snapshot(path: str | os.PathLike, snapshot: ChainSnapshot, cache: Paged
     _dumps(metadata)  # fail on bad metadata before gathering any rows
     released = [min(ref.segment.released_rows, ref.num_rows) for ref in refs]
     manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "fingerprint": fingerprint,
-                "layout": _layout_dict(cache.layout), "num_rows": len(token_ids),
+                "layout": _layout_dict(cache.file_layout), "num_rows": len(token_ids),
                 "segment_rows": [ref.num_rows for ref in refs], "token_ids": token_ids,
                 "metadata": metadata}
     if any(released):
@@ -100,9 +99,9 @@ def _gather(cache: PagedKVCache, slots: list[int]) -> dict[str, torch.Tensor]:
     """Rows at ``slots`` of every layer, on the CPU, contiguous, keyed by tensor name."""
     index = torch.tensor(slots, dtype=torch.long)
     tensors = {}
-    for layer in range(cache.layout.num_layers):
-        rows = cache.storage.read(layer, index)
-        for name, part in zip(_layer_names(cache.layout, layer), rows):
+    for layer in range(cache.file_layout.num_layers):
+        rows = cache.read_rows(layer, index)
+        for name, part in zip(_layer_names(cache.file_layout, layer), rows):
             tensors[name] = part.to("cpu").contiguous()
     return tensors
 
@@ -156,8 +155,7 @@ def load_snapshot(path: str | os.PathLike, cache: PagedKVCache, *, fingerprint: 
     """
     path = Path(path)
     _check_fingerprint_arg(fingerprint)
-    _check_files_supported(cache)
-    manifest, tensors = _read_validated(path, cache.layout, fingerprint)
+    manifest, tensors = _read_validated(path, cache.file_layout, fingerprint)
     _check_capacity(path, cache.pool, manifest["segment_rows"], _released(manifest), make_room)
     snapshot = _rebuild(cache, manifest, tensors)
     return LoadedSnapshot(snapshot, list(manifest["token_ids"]), manifest["metadata"], manifest["num_rows"])
@@ -267,11 +265,11 @@ def _rebuild(cache: PagedKVCache, manifest: dict, tensors: dict[str, torch.Tenso
             # page size) lie outside every later window: zeros, never attended
             first = chain.tail.released_rows
             slots = chain.tail.slots(first, num_rows)
-            for layer in range(cache.layout.num_layers):
-                names = _layer_names(cache.layout, layer)
+            for layer in range(cache.file_layout.num_layers):
+                names = _layer_names(cache.file_layout, layer)
                 rows = [tensors[n][live : live + num_rows - released] for n in names]
                 rows = [torch.cat([part.new_zeros(released - first, *part.shape[1:]), part]) for part in rows]
-                cache.storage.write(layer, slots, *(part.to(device) for part in rows))
+                cache.write_rows(layer, slots, *(part.to(device) for part in rows))
             chain.seal()
             start, live = end, live + num_rows - released
         return chain.snapshot()
@@ -320,11 +318,6 @@ def _check_fingerprint_arg(fingerprint: str) -> None:
     """The fingerprint identifies the model (config + weights); it must be a non-empty string."""
     if not isinstance(fingerprint, str) or not fingerprint:
         raise ValueError(f"fingerprint must be a non-empty string, got {fingerprint!r}")
-
-
-def _check_files_supported(cache: PagedKVCache) -> None:
-    if cache.files_unsupported is not None:
-        raise ValueError(f"snapshot files are not available here: {cache.files_unsupported}")
 
 
 def _is_int(value: object) -> bool:

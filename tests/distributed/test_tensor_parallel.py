@@ -84,10 +84,13 @@ def test_what_the_ranks_cannot_share_is_refused(tmp_path):
 def test_an_engine_over_ranks_gives_one_models_tokens(tmp_path, gen):
     """``LLM(tensor_parallel_size=N)``: rank 0 schedules and broadcasts every forward, the other
     ranks (processes) follow on their shards; generate (a batch, prefill in chunks), conversation
-    turns and a fork give TP=1's greedy tokens; ``close`` stops the ranks."""
+    turns and a fork give TP=1's greedy tokens; a conversation saved at TP=2 (every rank's KV
+    heads gathered) loads at TP=2 and at TP=1 and continues as one never saved; ``close`` stops
+    the ranks."""
     from engine_helpers import conversation_tokens
     from segkv.engine import LLM
     from segkv.sampling_params import SamplingParams
+    from segkv.sessions.conversation import Conversation
 
     build_model_dir(tmp_path / "model", "qwen3")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -100,12 +103,22 @@ def test_an_engine_over_ranks_gives_one_models_tokens(tmp_path, gen):
         assert llm.model.cfg.num_heads == 4 // size and llm.cache.layout.num_kv_heads == max(1, 2 // size)
         try:
             assert conversation_tokens(llm, prompts, params, turns) == want
-            with pytest.raises(ValueError, match="tensor-parallel ranks' KV heads are not saved yet"):
-                llm.conversation().save(tmp_path / "conversation.safetensors")
+            # a saved conversation holds every KV head: it continues alike at TP=2 and TP=1
+            conv = llm.conversation()
+            conv.say(turns[0], params)
+            conv.save(tmp_path / "conversation.safetensors")
+            again = Conversation.load(llm, tmp_path / "conversation.safetensors")
+            continued = again.say(turns[1], params).output.token_ids
         finally:
             llm.close()
         assert all(p.exitcode == 0 for p in llm.ranks.processes)
         llm.close()  # twice is fine
+        whole = LLM(tmp_path / "model", **kw)
+        loaded = Conversation.load(whole, tmp_path / "conversation.safetensors")
+        assert loaded.say(turns[1], params).output.token_ids == continued
+        fresh = whole.conversation()
+        fresh.say(turns[0], params)
+        assert fresh.say(turns[1], params).output.token_ids == continued
 
 
 def test_tensor_parallel_settings_not_served_yet_are_refused(tmp_path):

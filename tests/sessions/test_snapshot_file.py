@@ -429,7 +429,7 @@ def test_a_failure_midway_gives_every_page_back(saved, monkeypatch):
             raise RuntimeError("device lost")
         return type(cache.storage).write(cache.storage, *args, **kwargs)
 
-    monkeypatch.setattr(cache.storage, "write", failing_write)
+    monkeypatch.setattr(cache, "write_rows", failing_write)  # what snapshot files write rows through
     with pytest.raises(RuntimeError, match="device lost"):
         load_snapshot(path, cache, fingerprint=FINGERPRINT)
     assert cache.pool.pages_in_use == in_use and pool_state(cache)[3] == ref_counts
