@@ -72,6 +72,16 @@ class TensorSlice:
         return part
 
 
+def kv_heads_of(rank: int, num_kv_heads: int, size: int) -> range:
+    """The KV heads rank ``rank`` of ``size`` holds: its ``num_kv_heads / size`` share, or (fewer
+    KV heads than ranks) the one its query heads read."""
+    if num_kv_heads >= size:
+        share = num_kv_heads // size
+        return range(rank * share, (rank + 1) * share)
+    head = rank * num_kv_heads // size
+    return range(head, head + 1)
+
+
 def shard_model(model: nn.Module, tp: TensorParallel) -> dict[str, TensorSlice]:
     """Make ``model`` (meta tensors, the checkpoint's shapes) rank ``tp.rank``'s share; return the
     checkpoint slice of every split parameter (the others load whole). ValueError for a family
@@ -90,9 +100,8 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> dict[str, TensorSlice]:
     if cfg.num_kv_heads % tp.size and tp.size % cfg.num_kv_heads:
         raise ValueError(f"num_key_value_heads ({cfg.num_kv_heads}) must divide, or be divisible by, the "
                          f"tensor parallel size {tp.size}")
-    kv = max(1, cfg.num_kv_heads // tp.size)
-    # the KV heads this rank's query heads read: its share, or (fewer KV heads than ranks) the one
-    first_kv = tp.rank * kv if cfg.num_kv_heads >= tp.size else tp.rank * cfg.num_kv_heads // tp.size
+    own_kv = kv_heads_of(tp.rank, cfg.num_kv_heads, tp.size)
+    kv, first_kv = len(own_kv), own_kv.start
     d, r = cfg.head_dim, tp.rank
     slices: dict[str, TensorSlice] = {}
     with torch.device("meta"):

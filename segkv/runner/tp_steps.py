@@ -6,8 +6,9 @@ arguments of ``ModelRunner._eager_logits`` (token ids on the host; plans are pla
 dataclasses), ``("copy", (src, dst))``: rows copied between slots of every layer (compaction),
 ``("read", (layer, slots))``: every rank's rows at those slots gathered on rank 0 (a snapshot
 file holds every KV head), or ``("write", (layer, slots, parts))``: the whole rows of a loaded
-file, each rank writing its heads. ``None`` stops the followers. Broadcasts go through ``torch.distributed.broadcast_object_list``, bounded
-by the group's timeout: a rank that died makes the others raise instead of waiting.
+file, each rank writing its heads. ``None`` stops the followers. Broadcasts go through
+``torch.distributed.broadcast_object_list``, bounded by the group's timeout: a rank that died
+makes the others raise instead of waiting.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from segkv.distributed.parallel import TensorParallel
+from segkv.models.tensor_parallel import kv_heads_of
 
 
 def broadcast_step(tp: TensorParallel, step: tuple | None) -> None:
@@ -48,8 +50,7 @@ def follow_steps(runner) -> int:
                 _gather_rows(tp, runner.cache.storage.read(*args))
             elif kind == "write":
                 layer, slots, parts = args
-                share = _HeadShare(runner.model.whole_num_kv_heads, tp)
-                runner.cache.storage.write(layer, slots, *_own_heads(parts, tp, share))
+                runner.cache.storage.write(layer, slots, *_own_heads(parts, tp, runner.model.whole_num_kv_heads))
             else:
                 raise ValueError(f"unknown tensor-parallel step {kind!r}")
             count += 1
@@ -62,50 +63,41 @@ def install_row_files(cache, tp: TensorParallel, whole_layout) -> None:
     same whatever the number of ranks that saved or loads it. A latent (MLA) cache is the same on
     every rank: read on rank 0, written on all."""
     storage = cache.storage
-    cfg = _HeadShare(whole_layout.num_kv_heads if whole_layout.kind == "mha" else None, tp)
+    num_kv_heads = whole_layout.num_kv_heads if whole_layout.kind == "mha" else None
 
     def read_rows(layer, slots) -> tuple[torch.Tensor, ...]:
         if whole_layout.kind != "mha":
             return storage.read(layer, slots)
         broadcast_step(tp, ("read", (layer, list(map(int, slots)))))
         parts = _gather_rows(tp, storage.read(layer, slots))
-        return tuple(torch.cat([parts[r][i] for r in cfg.first_rank_of_each_head()], dim=1)
-                     for i in range(2))
+        ranks = _first_rank_of_each_head(num_kv_heads, tp.size)
+        return tuple(torch.cat([parts[r][i] for r in ranks], dim=1) for i in range(2))
 
     def write_rows(layer, slots, *parts) -> None:
         host = [p.cpu() for p in parts]
         broadcast_step(tp, ("write", (layer, list(map(int, slots)), host)))
-        storage.write(layer, slots, *_own_heads(parts, tp, cfg))
+        storage.write(layer, slots, *_own_heads(parts, tp, num_kv_heads))
 
     cache.file_layout, cache.read_rows, cache.write_rows = whole_layout, read_rows, write_rows
 
 
-class _HeadShare:
-    """Which of ``num_kv_heads`` KV heads each of ``tp.size`` ranks holds (models/tensor_parallel.py)."""
-
-    def __init__(self, num_kv_heads: int | None, tp: TensorParallel) -> None:
-        self.num_kv_heads, self.size = num_kv_heads, tp.size
-
-    def heads_of(self, rank: int) -> range:
-        k, n = self.num_kv_heads, self.size
-        return range(rank * k // n, rank * k // n + 1) if k < n else range(rank * k // n, (rank + 1) * k // n)
-
-    def first_rank_of_each_head(self) -> list[int]:
-        """Ranks whose heads, concatenated in this order, are every head once, in order."""
-        ranks, seen = [], set()
-        for rank in range(self.size):
-            heads = self.heads_of(rank)
-            if heads[0] not in seen:
-                ranks.append(rank)
-                seen.update(heads)
-        return ranks
+def _first_rank_of_each_head(num_kv_heads: int, size: int) -> list[int]:
+    """Ranks whose KV heads, concatenated in this order, are every head once, in order."""
+    ranks, seen = [], set()
+    for rank in range(size):
+        heads = kv_heads_of(rank, num_kv_heads, size)
+        if heads[0] not in seen:
+            ranks.append(rank)
+            seen.update(heads)
+    return ranks
 
 
-def _own_heads(parts, tp: TensorParallel, share: _HeadShare) -> tuple[torch.Tensor, ...]:
-    """This rank's heads of whole K/V rows ``(n, heads, d)`` (a latent row: all of it)."""
-    if share.num_kv_heads is None or parts[0].dim() != 3:
+def _own_heads(parts, tp: TensorParallel, num_kv_heads: int | None) -> tuple[torch.Tensor, ...]:
+    """This rank's heads of whole K/V rows ``(n, heads, d)`` (a latent cache, ``num_kv_heads``
+    None: the whole row)."""
+    if num_kv_heads is None:
         return tuple(parts)
-    heads = share.heads_of(tp.rank)
+    heads = kv_heads_of(tp.rank, num_kv_heads, tp.size)
     return tuple(p[:, heads.start : heads.stop] for p in parts)
 
 
