@@ -8,6 +8,8 @@ float64 product of the dequantized weight. CUDA only.
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 
 import torch
@@ -18,19 +20,43 @@ from segkv.layers.fp8 import Fp8Linear, quantize_per_channel
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
-def _time(fn, iters: int = 50) -> float:
-    """Median seconds per call over ``iters`` CUDA-event-timed calls (after warm-up)."""
-    for _ in range(5):
-        fn()
+# bytes of distinct weights a timed graph cycles through, so that no call finds its weight in L2
+COLD_BYTES = 256 << 20
+
+
+def copies_for(nbytes: int) -> int:
+    """Weight copies a timing cycles through so that together they pass :data:`COLD_BYTES`."""
+    return max(1, -(-COLD_BYTES // nbytes))
+
+
+def _time(fns, iters: int = 50, calls: int = 24) -> float:
+    """Median seconds per call: at least ``calls`` calls cycling through ``fns`` (one per weight
+    copy) captured in one CUDA graph (the host's launch cost out of the figure, as in a decode
+    step's graph), replayed ``iters`` times, each replay timed with CUDA events (after warm-up)."""
+    fns = list(fns) if isinstance(fns, (list, tuple)) else [fns]
+    calls = max(calls, len(fns))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:  # compile and pick algorithms outside the graph
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    for _ in range(3):
+        graph.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / calls)
     return sorted(times)[len(times) // 2]
 
 
@@ -50,12 +76,14 @@ def run(rows_list: list[int], block: tuple[int, int] | None) -> list[dict]:
         layer.weight.data.copy_(q)
         layer.weight_scale.data.copy_(s)
         deq = layer.dequantized(torch.float64)
+        fp8_layers = [layer] + [copy.deepcopy(layer) for _ in range(copies_for(n * k) - 1)]
+        bf16_weights = [w] + [w.clone() for _ in range(copies_for(2 * n * k) - 1)]
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
             y = layer(x)
             err = ((y.double() - x.double() @ deq.T).abs().max() / (x.double() @ deq.T).abs().max()).item()
-            t_fp8 = _time(lambda: layer(x))
-            t_bf16 = _time(lambda: F.linear(x, w))
+            t_fp8 = _time([lambda m=m: m(x) for m in fp8_layers])
+            t_bf16 = _time([lambda v=v: F.linear(x, v) for v in bf16_weights])
             row = {"shape": name, "n": n, "k": k, "rows": rows, "fp8_us": t_fp8 * 1e6, "bf16_us": t_bf16 * 1e6,
                    "speedup": t_bf16 / t_fp8, "fp8_weight_GBps": n * k / t_fp8 / 1e9,
                    "bf16_weight_GBps": 2 * n * k / t_bf16 / 1e9, "max_rel_err": err,
@@ -95,13 +123,50 @@ def sweep(rows: int, n: int, k: int, configs) -> list[dict]:
     return out
 
 
+def sweep_gemv(rows: int, n: int, k: int, launches) -> list[dict]:
+    """Time the decode GEMV's ``launches`` (``GemvLaunch``) for one per-channel product of ``rows``
+    rows: the data ``GEMV_LAUNCH`` is chosen from."""
+    from segkv.kernels.quant.fp8_gemm import launch_gemv
+
+    x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+    q, s = quantize_per_channel(torch.randn(n, k, device="cuda") / k**0.5)
+    weights = [q] + [q.clone() for _ in range(copies_for(n * k) - 1)]
+    y = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+    out = []
+    for launch in launches:
+        try:
+            t = _time([lambda w=w: launch_gemv(x, w, s, (1, k), None, y, launch) for w in weights], iters=30)
+        except Exception as exc:  # a launch that does not compile or fit
+            print(f"rows {rows} {n}x{k} {launch}: {type(exc).__name__}", flush=True)
+            continue
+        out.append({"rows": rows, "n": n, "k": k, "launch": dataclasses.asdict(launch), "us": t * 1e6,
+                    "weight_GBps": n * k / t / 1e9})
+        print(f"rows {rows} {n}x{k} {launch}: {t * 1e6:7.1f} us {n * k / t / 1e9:6.0f} GB/s", flush=True)
+    return out
+
+
+def gemv_launches():
+    """The GEMV launches ``--sweep gemv`` times: weight rows per program, accumulator size, chunk
+    width, warps and stages around the default."""
+    from segkv.kernels.quant.fp8_gemm import GemvLaunch
+
+    grid = [GemvLaunch(block_n=bn, acc_elements=acc, max_block_k=2048, num_warps=w, num_stages=st, per_row=row)
+            for row in (False, True) for bn in (2, 4, 8, 16) for acc in (4096, 8192) for w in (4, 8) for st in (3,)]
+    return [launch for launch in grid if launch.acc_elements // (32 * launch.num_warps) <= 64]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
     parser.add_argument("--json", default=None)
-    parser.add_argument("--sweep", action="store_true", help="time launch configurations instead")
+    parser.add_argument("--sweep", choices=("gemm", "gemv"), default=None,
+                        help="time launch configurations instead: the tile kernel's, or the decode GEMV's")
     args = parser.parse_args()
-    if args.sweep:
+    if args.sweep == "gemv":
+        launches = gemv_launches()
+        results = [r for rows in args.rows for n, k in ((6144, 4096), (4096, 14336), (28672, 4096))
+                   for r in sweep_gemv(rows, n, k, launches)]
+    elif args.sweep == "gemm":
         few = [(16, bn, bk, w, st) for bn in (32, 64, 128) for bk in (256, 512) for w in (4, 8) for st in (3, 4)]
         many = [(bm, bn, 128, w, 3) for bm in (64, 128) for bn in (64, 128) for w in (4, 8)]
         results = sweep(1, 6144, 4096, few) + sweep(1, 4096, 14336, few) + sweep(256, 6144, 4096, many)

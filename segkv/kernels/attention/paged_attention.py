@@ -477,7 +477,10 @@ def stage1_launch(*, dtype, dk: int, dv: int, group: int, page_size: int, max_wo
     launch then takes. ``fast``: the contract's ``fast`` mode (``FAST_PV``), else ``exact``."""
     launch = launch or default_launch_config(head_dim=max(dk, dv))
     prefill = prefill_programs(max_work_rows, dk, dv)
-    widest = launch.prefill_block_m if prefill else 32 if max(dk, dv) > 128 else launch.block_m
+    # float32 prefill programs keep decode's 64 pairs: 256 float32 query rows alone would take half
+    # the shared memory, and float32 is the oracle's dtype, not a fast path
+    prefill_pairs = launch.prefill_block_m if element_size < 4 else min(launch.prefill_block_m, launch.block_m)
+    widest = prefill_pairs if prefill else 32 if max(dk, dv) > 128 else launch.block_m
     block_m = max(16, min(widest, triton.next_power_of_2(max_work_rows * group)))
     tall = block_m >= 64
     tall_decode = tall and max_work_rows <= TALL_DECODE_MAX_ROWS  # device.tall_decode_programs

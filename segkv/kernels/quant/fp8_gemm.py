@@ -18,6 +18,8 @@ FP8 conversion where it has one (sm_89 and newer; the integer decode elsewhere).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import segkv.settings as settings
 from segkv.kernels.triton_import import tl, triton
@@ -85,11 +87,14 @@ def fp8_gemv_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, sca
                     HAS_BIAS: tl.constexpr, SCALE_PER_CHUNK: tl.constexpr, NATIVE_FP8: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program ``n``: ``Y[:, n block] = X @ dequant(W[n block])^T (+ B)`` for at most ``BLOCK_M``
-    rows, the weight block read once in ``BLOCK_K``-wide chunks, float32 products and sums.
+    rows, the weight block read once in ``BLOCK_K``-wide chunks with float32 products.
 
-    ``SCALE_PER_CHUNK``: a chunk's columns lie in one scale block, so its partial sums are scaled
-    per output row; otherwise each weight element is scaled. ``NATIVE_FP8``: the bytes convert with
-    the GPU's e4m3 instructions (sm_89+), else with :func:`e4m3_bits_to_float`; both exact."""
+    The products accumulate element by element in a ``(BLOCK_M, BLOCK_N, BLOCK_K)`` float32 tile
+    and are summed across K once, after the loop: a sum across the chunk at every step would put
+    a cross-lane reduction between each load and the next. Each weight element is scaled before
+    its product: by its row's scale for the chunk (``SCALE_PER_CHUNK``: the chunk lies in one scale
+    block), else by its own block's. ``NATIVE_FP8``: the bytes convert with the GPU's e4m3
+    instructions (sm_89+), else with :func:`e4m3_bits_to_float`; both exact."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -98,7 +103,7 @@ def fp8_gemv_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, sca
     scale_rows = (offs_n // scale_bn) * scale_cols
     w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
     x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
@@ -107,39 +112,108 @@ def fp8_gemv_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, sca
             w = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
             w = e4m3_bits_to_float(bits.to(tl.int32))
-        if not SCALE_PER_CHUNK:
+        if SCALE_PER_CHUNK:
+            w = w * tl.load(S + scale_rows + k0 // scale_bk, mask=n_ok, other=0.0)[:, None]
+        else:
             w = w * tl.load(S + scale_rows[:, None] + offs_k[None, :] // scale_bk,
                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        part = tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # (BLOCK_M, BLOCK_N)
-        if SCALE_PER_CHUNK:
-            part = part * tl.load(S + scale_rows + k0 // scale_bk, mask=n_ok, other=0.0)[None, :]
-        acc += part
+        acc += x[:, None, :] * w[None, :, :]
+    out = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N)
     if HAS_BIAS:
-        acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+        out += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], out.to(Y.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def fp8_gemv_row_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, scale_cols, scale_bn, scale_bk,
+                        HAS_BIAS: tl.constexpr, SCALE_PER_CHUNK: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(m, n)``: ``Y[m, n block] = X[m] @ dequant(W[n block])^T (+ B)``, one row: the
+    products accumulate in a ``(BLOCK_N, BLOCK_K)`` float32 tile, the activation chunk broadcast
+    along the weight rows (no 3-d layout). The programs of one weight block are adjacent in the
+    grid, so a block read for one row is in L2 for the next."""
+    row = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    scale_rows = (offs_n // scale_bn) * scale_cols
+    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+    x_row = X + row.to(tl.int64) * stride_xm
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        bits = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        if NATIVE_FP8:
+            w = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            w = e4m3_bits_to_float(bits.to(tl.int32))
+        if SCALE_PER_CHUNK:
+            w = w * tl.load(S + scale_rows + k0 // scale_bk, mask=n_ok, other=0.0)[:, None]
+        else:
+            w = w * tl.load(S + scale_rows[:, None] + offs_k[None, :] // scale_bk,
+                            mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+    out = tl.sum(acc, axis=1)  # (BLOCK_N,)
+    if HAS_BIAS:
+        out += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(Y + row.to(tl.int64) * stride_ym + offs_n, out.to(Y.dtype.element_ty), mask=n_ok)
 
 
 # rows up to which fp8_linear runs the GEMV (decode batches)
 GEMV_MAX_ROWS = 4
-# weight rows per GEMV program, and the (row x column x input) elements its chunk's product holds
-# (64 float32 values a thread at 4 warps)
-GEMV_BLOCK_N = 16
-GEMV_CHUNK_ELEMENTS = 8192
 
 
-def gemv_launch(m: int, k: int, scale_bk: int) -> tuple[int, int, bool]:
+@dataclasses.dataclass(frozen=True)
+class GemvLaunch:
+    """The GEMV's launch: weight rows per program, the float32 accumulator's elements (rows x
+    weight rows x inputs; at 4 warps, 4096 is 32 registers a thread), the widest input chunk,
+    warps and pipeline stages. ``benchmarks/fp8_linear.py --sweep`` times alternatives."""
+
+    block_n: int = 4
+    acc_elements: int = 4096
+    max_block_k: int = 1024
+    num_warps: int = 4
+    num_stages: int = 3
+    per_row: bool = False  # one program per (row, weight block): fp8_gemv_row_kernel
+
+
+GEMV_LAUNCH = GemvLaunch()
+
+
+def gemv_launch(m: int, k: int, scale_bk: int, launch: GemvLaunch = GEMV_LAUNCH) -> tuple[int, int, bool]:
     """``(BLOCK_M, BLOCK_K, scale per chunk)`` of the GEMV for ``m`` rows: the rows padded to a
-    power of two, the widest chunk (at most 512 inputs) whose product fits
-    :data:`GEMV_CHUNK_ELEMENTS`, narrowed to lie inside one scale block where the blocks split K."""
-    block_m = triton.next_power_of_2(max(m, 1))
-    block_k = min(512, GEMV_CHUNK_ELEMENTS // (block_m * GEMV_BLOCK_N))
+    power of two, the widest chunk (at most ``launch.max_block_k`` inputs) whose accumulator fits
+    ``launch.acc_elements``, narrowed to lie inside one scale block where the blocks split K."""
+    block_m = 1 if launch.per_row else triton.next_power_of_2(max(m, 1))
+    block_k = max(16, min(launch.max_block_k, launch.acc_elements // (block_m * launch.block_n)))
     if scale_bk >= k:
         return block_m, block_k, True
     while block_k > 16 and scale_bk % block_k:
         block_k //= 2
     return block_m, block_k, scale_bk % block_k == 0
+
+
+def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                bias: torch.Tensor | None, y: torch.Tensor, launch: GemvLaunch = GEMV_LAUNCH) -> None:
+    """:func:`fp8_gemv_kernel` over ``x (M, K)`` (M <= :data:`GEMV_MAX_ROWS`) into ``y (M, N)``."""
+    (m, k), n = x.shape, weight.shape[0]
+    bn, bk = block
+    block_m, block_k, per_chunk = gemv_launch(m, k, bk, launch)
+    if launch.per_row:
+        fp8_gemv_row_kernel[(m, triton.cdiv(n, launch.block_n))](
+            x, weight.view(torch.uint8), scale, bias if bias is not None else scale, y, m, n, k, x.stride(0),
+            weight.stride(0), y.stride(0), scale.shape[1], bn, bk, HAS_BIAS=bias is not None,
+            SCALE_PER_CHUNK=per_chunk, NATIVE_FP8=native_fp8(x.device), BLOCK_N=launch.block_n, BLOCK_K=block_k,
+            num_warps=launch.num_warps, num_stages=launch.num_stages)
+        return
+    fp8_gemv_kernel[(triton.cdiv(n, launch.block_n),)](
+        x, weight.view(torch.uint8), scale, bias if bias is not None else scale, y, m, n, k, x.stride(0),
+        weight.stride(0), y.stride(0), scale.shape[1], bn, bk, HAS_BIAS=bias is not None,
+        SCALE_PER_CHUNK=per_chunk, NATIVE_FP8=native_fp8(x.device), BLOCK_M=block_m, BLOCK_N=launch.block_n,
+        BLOCK_K=block_k, num_warps=launch.num_warps, num_stages=launch.num_stages)
 
 
 def native_fp8(device: torch.device) -> bool:
@@ -196,12 +270,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     if m == 0:
         return y.to(x.dtype)
     if m <= GEMV_MAX_ROWS:
-        block_m, block_k, per_chunk = gemv_launch(m, k, bk)
-        fp8_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
-            x, weight.view(torch.uint8), scale, bias if bias is not None else scale, y, m, n, k, x.stride(0),
-            weight.stride(0), y.stride(0), scale.shape[1], bn, bk, HAS_BIAS=bias is not None,
-            SCALE_PER_CHUNK=per_chunk, NATIVE_FP8=native_fp8(x.device), BLOCK_M=block_m, BLOCK_N=GEMV_BLOCK_N,
-            BLOCK_K=block_k, num_warps=4, num_stages=3)
+        launch_gemv(x, weight, scale, block, bias, y)
         return y.to(x.dtype)
     block_m, block_n, block_k, stages = launch_for(m, n, k, bk)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
