@@ -34,7 +34,7 @@ chromium:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 
 test: install chromium
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) tests
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal tests
 
 bench-memory: install
 	$(BIN)/python -m benchmarks.cache_memory

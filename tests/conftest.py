@@ -89,8 +89,55 @@ def _patch_language_once_per_launch() -> None:
     interpreter.GridExecutor.__call__ = launch
 
 
+def _skip_interpreted_overflow_checks() -> None:
+    """Triton's interpreter checks every int32 add, sub and mul of a kernel for overflow by
+    redoing it in int64 with two comparisons and an assert: about a quarter of an interpreted
+    model step. The test shapes keep every offset far below 2**31 (the kernels' int64 offsets,
+    ``WIDE_OFFSETS``, are tested by their own cases), so the interpreter runs without it."""
+    import dataclasses
+
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is not None and getattr(options, "sanitize_overflow", False):
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
+def _cache_interpreted_dtypes() -> None:
+    """The interpreter's ``_get_np_dtype`` builds a 20-entry dict of Triton dtypes on every call
+    (hundreds of thousands per model step): the same answers, looked up once per dtype."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_get_np_dtype", None)
+    if original is None:
+        return
+    cache: dict = {}
+    pointer = np.dtype(np.uint64)
+
+    def np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, tl.pointer_type):
+            return pointer
+        found = cache.get(tt_dtype)
+        if found is None:
+            found = cache[tt_dtype] = original(tt_dtype)
+        return found
+
+    interpreter._get_np_dtype = np_dtype
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_language_once_per_launch()
+    _skip_interpreted_overflow_checks()
+    _cache_interpreted_dtypes()
 
 
 def _session_seed(config) -> int:
