@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from segkv.cache import ChainSnapshot, KVChain, OutOfPagesError, PagedKVCache, PagePool
+from segkv.cache.files import atomic_save_file
 from segkv.config import KVLayout
 
 FORMAT_NAME = "segkv.snapshot"
@@ -90,7 +88,7 @@ def save_snapshot(path: str | os.PathLike, snapshot: ChainSnapshot, cache: Paged
     text = _dumps(manifest)
     header = {MANIFEST_KEY: text, MANIFEST_DIGEST_KEY: hashlib.sha256(text.encode()).hexdigest()}
     try:
-        _atomic_save_file(path, tensors, header)
+        atomic_save_file(path, tensors, header)
     except SafetensorError as exc:  # e.g. "header too large": token ids + metadata over 100 MB
         raise ValueError(f"cannot write snapshot file {path}: {exc}") from exc
 
@@ -104,40 +102,6 @@ def _gather(cache: PagedKVCache, slots: list[int]) -> dict[str, torch.Tensor]:
         for name, part in zip(_layer_names(cache.file_layout, layer), rows):
             tensors[name] = part.to("cpu").contiguous()
     return tensors
-
-
-def _atomic_save_file(path: Path, tensors: dict[str, torch.Tensor], header: dict[str, str]) -> None:
-    """Write to a temp file in ``path``'s directory, fsync, then rename over ``path``."""
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:  # name the file asked for, not the temp file beside it
-        raise type(exc)(exc.errno, f"cannot write {str(path)!r}: {exc.strerror}") from None
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=header)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(exc, IsADirectoryError):  # a directory appeared under the name meanwhile
-            raise ValueError(f"cannot write snapshot file {path}: it is a directory") from None
-        raise
-    _fsync_directory(path.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename inside ``directory`` durable, where the platform can fsync a directory."""
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):  # e.g. Windows, some network file systems
-            os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 # -- loading ----------------------------------------------------------------------------

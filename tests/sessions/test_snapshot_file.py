@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from segkv.cache import KVChain, OutOfPagesError, PagedKVCache
+from segkv.cache import KVChain, OutOfPagesError, PagedKVCache, files
 from segkv.config import CacheConfig, KVLayout
 from segkv.sessions import snapshot_file
 from segkv.sessions.snapshot_file import (
@@ -472,7 +472,7 @@ def test_a_crash_while_writing_keeps_the_old_file(saved, tmp_path, gen, monkeypa
 
     cache = make_cache()
     snapshot, _, _ = build_history(cache, gen)
-    monkeypatch.setattr(snapshot_file, "save_file", crash)
+    monkeypatch.setattr(files, "save_file", crash)
     with pytest.raises(KeyboardInterrupt):
         save_snapshot(path, snapshot, cache, fingerprint=FINGERPRINT)
     assert path.read_bytes() == old
@@ -502,7 +502,7 @@ def test_a_manifest_too_large_for_the_header_is_a_value_error(saved, tmp_path, g
     old = path.read_bytes()
     cache = make_cache()
     snapshot, _, _ = build_history(cache, gen)
-    monkeypatch.setattr(snapshot_file, "save_file", refuse)
+    monkeypatch.setattr(files, "save_file", refuse)
     with pytest.raises(ValueError, match="cannot write snapshot file .*header too large"):
         save_snapshot(path, snapshot, cache, fingerprint=FINGERPRINT)
     assert path.read_bytes() == old and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
@@ -571,13 +571,13 @@ def test_a_directory_appearing_during_the_save_is_a_value_error(tmp_path, gen, m
     cache = make_cache()
     snapshot, _, _ = build_history(cache, gen)
     target = tmp_path / "conv.segkv"
-    real_save = snapshot_file.save_file
+    real_save = files.save_file
 
     def save_then_mkdir(tensors, filename, metadata=None):
         real_save(tensors, filename, metadata=metadata)
         target.mkdir()  # another process takes the name between the check and the rename
 
-    monkeypatch.setattr(snapshot_file, "save_file", save_then_mkdir)
+    monkeypatch.setattr(files, "save_file", save_then_mkdir)
     with pytest.raises(ValueError, match="is a directory"):
         save_snapshot(target, snapshot, cache, fingerprint=FINGERPRINT)
     assert [p.name for p in tmp_path.iterdir()] == ["conv.segkv"] and target.is_dir()

@@ -1,0 +1,264 @@
+"""KV tiers below the GPU's pages: host memory, then disk, for sealed segments' rows.
+
+A sealed segment is immutable, so its rows move as one unit, copied once and never dirty.
+:class:`SegmentTiers` keeps a copy of them under the segment's key: in host memory (pinned
+when the rows come from a GPU, so the copies run asynchronously) up to ``host_bytes``, and
+past that in files under ``disk_dir`` up to ``disk_bytes``, the least recently used going down
+a tier first and, past the disk's bound, dropped (their rows are then recomputed). Every copy
+carries :func:`rows_checksum` of the rows it was made from; a copy read back from disk is
+checked against it, and a missing, unreadable or different file is dropped with a warning, so
+a bad file costs a recompute, never wrong tokens. Files are written under a temporary name,
+fsynced and renamed (``cache.files``); at start the directory's temporary files and the
+segment files of earlier runs are removed, since no segment of this process refers to them.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from segkv.cache.files import atomic_save_file, is_temporary
+
+log = logging.getLogger(__name__)
+
+FILE_PREFIX = "segment-"
+FILE_SUFFIX = ".safetensors"
+CHECKSUM_KEY = "segkv.tier.checksum"
+# int32 words summed per step of rows_checksum: bounds its temporary memory (128 MiB of int64)
+CHECKSUM_CHUNK_WORDS = 1 << 24
+_WEIGHT_PERIOD = 1_048_573  # a prime: word i weighs (i mod period) + 1, so moved words change the sum
+
+
+def rows_checksum(tensors: Mapping[str, torch.Tensor]) -> int:
+    """A 64-bit checksum of ``tensors``' bytes (any device, any dtype), equal on every device:
+    each tensor's bytes as int32 words (zero-padded to a whole word), each times its position
+    weight, summed in int64 with wraparound (integer sums do not depend on their order), and the
+    tensors' sums mixed in name order. It catches changed, lost and moved words; it is not
+    cryptographic. On a GPU it reads the rows at memory speed."""
+    total = len(tensors)
+    for name in sorted(tensors):
+        data = tensors[name].detach().contiguous().view(-1).view(torch.uint8)
+        pad = (-data.numel()) % 4
+        if pad:
+            data = torch.cat([data, data.new_zeros(pad)])
+        words = data.view(torch.int32)
+        part = 0
+        for start in range(0, words.numel(), CHECKSUM_CHUNK_WORDS):
+            chunk = words[start:start + CHECKSUM_CHUNK_WORDS].to(torch.int64)
+            weights = torch.arange(start, start + chunk.numel(), device=chunk.device, dtype=torch.int64)
+            weights = weights.remainder_(_WEIGHT_PERIOD).add_(1)
+            part = (part + int((chunk * weights).sum())) % 2**64
+        total = (total * 0x100000001B3 + part + words.numel()) % 2**64
+    return total
+
+
+def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@dataclass(slots=True)
+class _Copy:
+    """One segment's rows below the GPU: on the host (``tensors``) or in a file (``path``)."""
+
+    nbytes: int
+    checksum: int
+    tensors: dict[str, torch.Tensor] | None = None
+    path: Path | None = None
+    ready: object | None = None  # a CUDA event: the copy from the GPU is complete once it is
+
+
+class SegmentTiers:
+    """Host and disk copies of sealed segments' rows, keyed by an int (the segment's id).
+
+    ``host_bytes``: the host tier's bound (0: no host tier). ``disk_dir`` and ``disk_bytes``:
+    the disk tier (both or neither). ``pin_memory``: host copies in pinned memory (CUDA pages),
+    copied without blocking. ValueError for negative bounds or a disk tier half given."""
+
+    def __init__(self, *, host_bytes: int, disk_dir: str | Path | None = None, disk_bytes: int = 0,
+                 pin_memory: bool = False) -> None:
+        if host_bytes < 0 or disk_bytes < 0:
+            raise ValueError(f"tier sizes must be >= 0, got host {host_bytes} and disk {disk_bytes} bytes")
+        if (disk_dir is None) != (disk_bytes == 0):
+            raise ValueError("a disk tier needs both a directory and a size in bytes")
+        self.host_capacity = host_bytes
+        self.disk_capacity = disk_bytes
+        self.pin_memory = pin_memory
+        self.disk_dir = None if disk_dir is None else Path(disk_dir)
+        self._run = uuid.uuid4().hex[:12]
+        self._host: OrderedDict[int, _Copy] = OrderedDict()  # least recently used first
+        self._disk: OrderedDict[int, _Copy] = OrderedDict()
+        self.host_bytes = self.disk_bytes = 0
+        self.counters = dict.fromkeys(
+            ("stored", "host_hits", "disk_hits", "misses", "spilled_to_disk", "dropped", "corrupt",
+             "bytes_to_host", "bytes_to_disk", "bytes_from_disk", "files_removed_at_start"), 0)
+        if self.disk_dir is not None:
+            self._prepare_directory(self.disk_dir)
+
+    # -- what is where ------------------------------------------------------------------
+    def __contains__(self, key: int) -> bool:
+        return key in self._host or key in self._disk
+
+    def tier_of(self, key: int) -> str | None:
+        """``"host"``, ``"disk"`` or None (no copy)."""
+        return "host" if key in self._host else "disk" if key in self._disk else None
+
+    def checksum_of(self, key: int) -> int:
+        """The checksum of the rows ``key``'s copy was made from (KeyError without a copy)."""
+        return (self._host.get(key) or self._disk[key]).checksum
+
+    def stats(self) -> dict[str, int]:
+        return {"host_bytes": self.host_bytes, "host_segments": len(self._host), "host_capacity": self.host_capacity,
+                "disk_bytes": self.disk_bytes, "disk_segments": len(self._disk),
+                "disk_capacity": self.disk_capacity, **self.counters}
+
+    # -- in and out ---------------------------------------------------------------------
+    def put(self, key: int, tensors: Mapping[str, torch.Tensor], checksum: int) -> bool:
+        """Keep a copy of ``tensors`` (a segment's rows, any device) under ``key``, whose rows
+        have ``checksum`` (:func:`rows_checksum`), in the host tier, moving older copies down to
+        make room. False, keeping nothing, when the rows fit neither tier. ValueError when
+        ``key`` already has a copy."""
+        if key in self:
+            raise ValueError(f"segment {key} already has a copy in the {self.tier_of(key)} tier")
+        nbytes = tensor_bytes(tensors)
+        if nbytes > max(self.host_capacity, self.disk_capacity):
+            return False
+        copy = _Copy(nbytes, checksum, tensors=self._to_host(tensors))
+        if any(t.is_cuda for t in tensors.values()):
+            copy.ready = torch.cuda.Event()
+            copy.ready.record()
+        self.counters["stored"] += 1
+        self.counters["bytes_to_host"] += nbytes
+        if nbytes > self.host_capacity:  # too big for the host tier: straight to disk
+            self._make_disk_room(nbytes)
+            self._write(key, copy)
+            return True
+        self._make_host_room(nbytes)
+        self._host[key] = copy
+        self.host_bytes += nbytes
+        return True
+
+    def get(self, key: int) -> dict[str, torch.Tensor] | None:
+        """``key``'s rows on the host (CPU tensors), read back from disk and checked when they
+        were there, now the most recently used; None when no tier has them or their file is
+        missing or does not match its checksum (dropped, with a warning)."""
+        copy = self._host.get(key)
+        if copy is not None:
+            self._host.move_to_end(key)
+            if copy.ready is not None:
+                copy.ready.synchronize()
+                copy.ready = None
+            self.counters["host_hits"] += 1
+            return copy.tensors
+        copy = self._disk.pop(key, None)
+        if copy is None:
+            self.counters["misses"] += 1
+            return None
+        self.disk_bytes -= copy.nbytes
+        tensors = self._read(key, copy)
+        if tensors is None:
+            return None
+        self.counters["disk_hits"] += 1
+        self.counters["bytes_from_disk"] += copy.nbytes
+        if copy.nbytes <= self.host_capacity:  # back in the host tier: the next use is cheaper
+            copy.path.unlink(missing_ok=True)
+            self._make_host_room(copy.nbytes)
+            self._host[key] = _Copy(copy.nbytes, copy.checksum, tensors=tensors)
+            self.host_bytes += copy.nbytes
+        else:  # the file stays, now the most recently used
+            self._disk[key] = copy
+            self.disk_bytes += copy.nbytes
+        return tensors
+
+    def discard(self, key: int) -> None:
+        """Forget ``key``'s copy (its segment is gone); nothing when it has none."""
+        copy = self._host.pop(key, None)
+        if copy is not None:
+            self.host_bytes -= copy.nbytes
+        copy = self._disk.pop(key, None)
+        if copy is not None:
+            self.disk_bytes -= copy.nbytes
+            copy.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Forget every copy and remove this run's files."""
+        for key in list(self._host) + list(self._disk):
+            self.discard(key)
+
+    # -- moving down ------------------------------------------------------------------------
+    def _make_host_room(self, nbytes: int) -> None:
+        """Move least recently used host copies to disk (or drop them) until ``nbytes`` fit."""
+        while self._host and self.host_bytes + nbytes > self.host_capacity:
+            key, copy = self._host.popitem(last=False)
+            self.host_bytes -= copy.nbytes
+            if copy.nbytes > self.disk_capacity:
+                self._drop(key, "it fits no disk tier")
+                continue
+            self._make_disk_room(copy.nbytes)
+            self._write(key, copy)
+            self.counters["spilled_to_disk"] += 1
+
+    def _make_disk_room(self, nbytes: int) -> None:
+        while self._disk and self.disk_bytes + nbytes > self.disk_capacity:
+            key, copy = self._disk.popitem(last=False)
+            self.disk_bytes -= copy.nbytes
+            copy.path.unlink(missing_ok=True)
+            self._drop(key, "the disk tier is full")
+
+    def _drop(self, key: int, why: str) -> None:
+        self.counters["dropped"] += 1
+        log.debug("segment %s leaves the KV tiers (%s): its rows will be recomputed", key, why)
+
+    def _write(self, key: int, copy: _Copy) -> None:
+        if copy.ready is not None:
+            copy.ready.synchronize()
+        path = self.disk_dir / f"{FILE_PREFIX}{self._run}-{key}{FILE_SUFFIX}"
+        atomic_save_file(path, {name: t.contiguous() for name, t in copy.tensors.items()},
+                         {CHECKSUM_KEY: str(copy.checksum)})
+        self._disk[key] = _Copy(copy.nbytes, copy.checksum, path=path)
+        self.disk_bytes += copy.nbytes
+        self.counters["bytes_to_disk"] += copy.nbytes
+
+    def _read(self, key: int, copy: _Copy) -> dict[str, torch.Tensor] | None:
+        """The file's tensors, or None (file removed, warning logged) unless they are whole and
+        match the checksum the copy was made with."""
+        try:
+            with safe_open(copy.path, framework="pt") as reader:
+                tensors = {name: reader.get_tensor(name) for name in reader.keys()}
+            problem = None if rows_checksum(tensors) == copy.checksum else "its checksum does not match"
+        except (OSError, SafetensorError) as exc:
+            tensors, problem = None, f"it cannot be read ({exc})"
+        if problem is None:
+            return tensors
+        log.warning("KV tier file %s of segment %s is not used: %s; its rows will be recomputed",
+                    copy.path, key, problem)
+        copy.path.unlink(missing_ok=True)
+        self.counters["corrupt"] += 1
+        return None
+
+    def _to_host(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, tensor in tensors.items():
+            pinned = self.pin_memory and tensor.is_cuda
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
+            host.copy_(tensor, non_blocking=pinned)
+            out[name] = host
+        return out
+
+    def _prepare_directory(self, directory: Path) -> None:
+        """Create ``directory``; remove temporary files and earlier runs' segment files in it."""
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(f"KV tier directory {directory} is not a directory")
+        directory.mkdir(parents=True, exist_ok=True)
+        for entry in directory.iterdir():
+            stale = is_temporary(entry.name) or (entry.name.startswith(FILE_PREFIX)
+                                                  and entry.name.endswith(FILE_SUFFIX))
+            if stale and entry.is_file():
+                entry.unlink(missing_ok=True)
+                self.counters["files_removed_at_start"] += 1
