@@ -478,6 +478,9 @@ def _check_no_released_pages(queries: Sequence[SequenceQuery], window: int | Non
     rows outside a sliding window, given back): the plan would read freed pages."""
     for query in queries:
         for span in query.spans:
+            if span.in_lower_tier:
+                raise ValueError(f"rows {span.key_start}..{span.key_start + span.num_rows - 1} of a query are in a "
+                                 f"lower KV tier (segment {span.segment_id}): bring them back before planning")
             if span.released_pages:
                 raise ValueError(
                     f"a query from position {query.query_start} needs rows {span.key_start}.."

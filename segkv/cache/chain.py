@@ -86,8 +86,9 @@ class KVChain:
         spans, start = [], 0
         for ref in self.refs:
             pages = ref.page_tuple
-            spans.append(ChainSpan(ref.segment.segment_id, pages, ref.num_rows, start, True,
-                                   min(ref.segment.released_pages, len(pages))))
+            segment = ref.segment
+            spans.append(ChainSpan(segment.segment_id, pages, ref.num_rows, start, True,
+                                   min(segment.released_pages, len(pages)), segment.tier_holds is not None))
             start += ref.num_rows
         if self.num_tail_rows:
             tail = self.tail
@@ -122,6 +123,15 @@ class KVChain:
             parts.append(ref.segment.slots(ref.num_rows - take, ref.num_rows))
             left -= take
         return [slot for part in reversed(parts) for slot in part]
+
+    def segments_in_lower_tiers(self) -> list[Segment]:
+        """The chain's sealed segments whose rows are in a lower KV tier (chain order, each once):
+        they come back (``PagedKVCache.bring_back``) before the chain is attended."""
+        out: list[Segment] = []
+        for ref in self.refs:
+            if ref.segment.tier_holds is not None and ref.segment not in out:
+                out.append(ref.segment)
+        return out
 
     def holds_rows_from(self, position: int) -> bool:
         """Whether every row from ``position`` on is live (none released)."""
@@ -294,6 +304,8 @@ class KVChain:
             before = held if start + num_rows <= position else min(held, (position - start) // ps)
             if not segment.sealed:  # the tail's last page takes the next rows: only full pages go
                 before = min(before, num_rows // ps)
+            if segment.in_lower_tier:  # no pages to give back
+                before = 0
             count = segment.released_pages
             while count < before and self.pool.ref_count(segment.page_ids[count]) == 1:
                 count += 1
@@ -346,8 +358,8 @@ class KVChain:
         if count < 2:
             return
         old = self.refs[-count:]
-        if any(ref.segment.released_pages for ref in old):
-            return  # released rows have nothing to copy: the segments stay as they are
+        if any(ref.segment.released_pages or ref.segment.in_lower_tier for ref in old):
+            return  # released rows, or rows in a lower tier, have nothing to copy: they stay as they are
         total = sum(ref.num_rows for ref in old)
         if self.pool.pages_for_rows(total) > self.pool.num_free_pages:
             return  # compaction is an optimisation: never fail a seal for want of pages

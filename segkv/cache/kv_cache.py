@@ -7,6 +7,7 @@ from collections.abc import Callable
 from segkv.cache.chain import KVChain, RowCopier
 from segkv.cache.page_pool import PagePool
 from segkv.cache.storage import PagedKVStorage
+from segkv.cache.tiers import SegmentTiers
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 
 
@@ -44,6 +45,14 @@ class PagedKVCache:
         self.file_layout: KVLayout = layout
         self.read_rows: Callable[..., tuple] = self.storage.read
         self.write_rows: Callable[..., None] = self.storage.write
+        # host and disk copies of sealed segments (cache.tiers.offload / bring_back), when attached
+        self.tiers: SegmentTiers | None = None
+
+    def attach_tiers(self, tiers: SegmentTiers) -> None:
+        """Spill sealed segments to ``tiers``; a segment out of its pages whose last holder lets go
+        takes its copy with it."""
+        self.tiers = tiers
+        self.pool.on_segment_dropped = tiers.discard
 
     @property
     def page_size(self) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 
 class OutOfPagesError(RuntimeError):
@@ -35,6 +35,9 @@ class PagePool:
         self.pages_allocated_total = 0
         self.bytes_copied = 0
         self.rows_copied = 0
+        # told the id of a segment whose rows were in a lower KV tier when its last holder let go
+        # (the cache's tiers then forget their copy)
+        self.on_segment_dropped: Callable[[int], None] | None = None
 
     # -- counters ---------------------------------------------------------------------
     @property
@@ -107,6 +110,30 @@ class PagePool:
             counts[page_id] -= 1
             if counts[page_id] == 0:
                 self._free.append(page_id)
+
+    def give_back(self, page_ids: Sequence[int]) -> list[int]:
+        """Free ``page_ids`` whatever their holders, returning each page's reference count: their
+        segment's rows moved to a lower KV tier, which counts its holders itself until
+        :meth:`hold` gives the rows pages again."""
+        counts = self._ref_counts
+        before = [counts[page_id] for page_id in page_ids]
+        for page_id, held in zip(page_ids, before):
+            assert held > 0, f"give_back of free page {page_id}"
+            counts[page_id] = 0
+            self._free.append(page_id)
+        return before
+
+    def hold(self, page_ids: Sequence[int], counts: Sequence[int]) -> None:
+        """Set the reference counts of newly allocated ``page_ids`` (count 1 each) to ``counts``
+        (each at least 1): a segment brought back from a lower tier, with its holders."""
+        for page_id, count in zip(page_ids, counts, strict=True):
+            assert self._ref_counts[page_id] == 1 and count >= 1, (page_id, self._ref_counts[page_id], count)
+            self._ref_counts[page_id] = count
+
+    def segment_dropped(self, segment_id: int) -> None:
+        """A segment in a lower tier lost its last holder (``Segment.unhold``)."""
+        if self.on_segment_dropped is not None:
+            self.on_segment_dropped(segment_id)
 
     def record_copy(self, *, num_rows: int, row_bytes: int) -> None:
         """Account rows that the storage copied from one page to another."""

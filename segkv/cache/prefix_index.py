@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from segkv.cache.page_pool import PagePool
-from segkv.cache.segment import SegRef, reaches_released_rows
+from segkv.cache.segment import SegRef, Segment, reaches_released_rows
 
 
 @dataclass(slots=True)
@@ -65,7 +65,9 @@ class PrefixIndex:
         self._clock = itertools.count(1)  # logical time for LRU: deterministic, no wall clock
         self._root = _Node(None, 0)
         self._num_nodes = 0
-        self._holds: Counter[int] = Counter()  # page -> references held on it by the index
+        # (segment, page index) -> references the index holds on that page: keyed by position,
+        # not page id, since a segment's rows may leave their pages for a lower tier and come back
+        self._holds: Counter[tuple[Segment, int]] = Counter()
         # the sliding window of a model whose every layer has one, when chains release the rows
         # behind it (KVChain.release_rows_before): a match must end with its last window live
         self.window: int | None = None
@@ -128,13 +130,13 @@ class PrefixIndex:
     def _set_ref(self, node: _Node, ref: SegRef | None) -> None:
         """Replace the node's reference (None drops it), keeping page hold counts exact."""
         if ref is not None:
-            self._holds.update(ref.page_ids)
+            self._holds.update(_page_keys(ref))
             node.tokens = list(ref.token_ids)
         if node.ref is not None:
-            for page in node.ref.page_ids:
-                self._holds[page] -= 1
-                if not self._holds[page]:
-                    del self._holds[page]
+            for key in _page_keys(node.ref):
+                self._holds[key] -= 1
+                if not self._holds[key]:
+                    del self._holds[key]
             node.ref.release()
         node.ref = ref
 
@@ -184,7 +186,7 @@ class PrefixIndex:
     # -- eviction ---------------------------------------------------------------------
     def _held_by_index_only(self, node: _Node) -> bool:
         """True when nobody outside the index holds any page of ``node``."""
-        return all(self.pool.ref_count(p) == self._holds[p] for p in node.ref.page_ids)
+        return all(_holders(key) == self._holds[key] for key in _page_keys(node.ref))
 
     def evict(self, num_pages: int) -> int:
         """Free at least ``num_pages`` pages if possible, dropping LRU evictable leaves.
@@ -207,14 +209,19 @@ class PrefixIndex:
 
     def num_evictable_pages(self) -> int:
         """Pages that :meth:`evict` could free right now (whole evictable subtrees)."""
-        holders: Counter[int] = Counter()
+        holders: Counter[tuple[Segment, int]] = Counter()
         for node in self._evictable_subtrees():
-            holders.update(node.ref.page_ids)
-        return sum(1 for p, n in holders.items() if n == self.pool.ref_count(p))
+            holders.update(_page_keys(node.ref))
+        return sum(1 for key, n in holders.items() if not key[0].in_lower_tier and n == _holders(key))
+
+    def page_holds(self) -> Counter[int]:
+        """Page id -> references the index holds on it, for the pages in the pool (accounting checks)."""
+        return Counter({segment.page_ids[i]: n for (segment, i), n in self._holds.items()
+                        if not segment.in_lower_tier})
 
     def num_pages_held_only(self) -> int:
         """Pages nobody but the index holds: cached prefixes, freed first when pages run out."""
-        return sum(1 for p, n in self._holds.items() if self.pool.ref_count(p) == n)
+        return sum(1 for key, n in self._holds.items() if not key[0].in_lower_tier and _holders(key) == n)
 
     def _evictable_subtrees(self) -> list[_Node]:
         """Nodes whose whole subtree is held by the index only (children before parents)."""
@@ -259,12 +266,27 @@ class PrefixIndex:
             "num_nodes": self._num_nodes,
             "num_shared_nodes": sum(not self._held_by_index_only(n) for n in nodes),  # also held elsewhere
             "num_cached_tokens": sum(n.ref.num_rows for n in nodes),
-            "num_pages_held": len(self._holds),
+            "num_pages_held": sum(1 for segment, _ in self._holds if not segment.in_lower_tier),
             "num_queries": self.num_queries,
             "num_hits": self.num_hits,
             "num_query_tokens": self.num_query_tokens,
             "num_hit_tokens": self.num_hit_tokens,
         }
+
+
+def _page_keys(ref: SegRef) -> list[tuple[Segment, int]]:
+    """(segment, page index) of each page ``ref`` holds (released leading pages left out)."""
+    segment = ref.segment
+    return [(segment, i) for i in range(segment.released_pages, segment.pool.pages_for_rows(ref.num_rows))]
+
+
+def _holders(key: tuple[Segment, int]) -> int:
+    """References on one page of a segment: the pool's count, or the segment's own while its rows
+    are in a lower tier."""
+    segment, index = key
+    if segment.tier_holds is not None:
+        return segment.tier_holds[index]
+    return segment.pool.ref_count(segment.page_ids[index])
 
 
 def _reaches_released_rows(refs: list[SegRef], end: int, window: int) -> bool:

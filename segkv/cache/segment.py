@@ -22,10 +22,14 @@ class Segment:
     ``released_pages``: leading pages given back to the pool while their one holder went on
     (rows outside every layer's sliding window, :meth:`KVChain.release_rows_before`); their
     ids read -1, their rows have no slots, and attention must plan them out.
+
+    ``tier_holds``: None while the rows are in pages; while a sealed segment's rows are in a
+    lower KV tier (:meth:`move_out`, ``PagedKVCache.offload``), every page id reads -1 and this
+    counts each page's holders in the pool's stead, until :meth:`move_in` gives them pages.
     """
 
     __slots__ = ("segment_id", "pool", "page_ids", "num_rows", "sealed", "token_ids", "released_pages",
-                 "_page_tuple")
+                 "tier_holds", "_holders", "_page_tuple")
 
     def __init__(self, pool: PagePool) -> None:
         self.segment_id = next(_segment_ids)
@@ -35,6 +39,8 @@ class Segment:
         self.sealed = False
         self.token_ids: list[int] | None = []
         self.released_pages = 0
+        self.tier_holds: list[int] | None = None
+        self._holders: dict[int, int] = {}  # pages a live SegRef holds -> how many such SegRefs
         self._page_tuple: tuple[int, ...] | None = None  # see page_tuple
 
     def page_tuple(self) -> tuple[int, ...]:
@@ -72,6 +78,68 @@ class Segment:
         self.released_pages = count
         self._page_tuple = None
 
+    # -- holders, and rows in a lower tier ---------------------------------------------------
+    def hold(self, num_pages: int, *, adopt: bool = False) -> None:
+        """A new holder of the first ``num_pages`` pages (a :class:`SegRef`): one more reference on
+        each live one (``adopt``: it takes over references already counted)."""
+        self._holders[num_pages] = self._holders.get(num_pages, 0) + 1
+        if adopt:
+            return
+        if self.tier_holds is not None:
+            for i in range(num_pages):
+                self.tier_holds[i] += 1
+        else:
+            self.pool.incref(self.page_ids[self.released_pages:num_pages])
+
+    def unhold(self, num_pages: int) -> None:
+        """A holder of the first ``num_pages`` pages lets go."""
+        left = self._holders[num_pages] - 1
+        if left:
+            self._holders[num_pages] = left
+        else:
+            del self._holders[num_pages]
+        if self.tier_holds is None:
+            self.pool.decref(self.page_ids[self.released_pages:num_pages])
+            return
+        for i in range(num_pages):
+            self.tier_holds[i] -= 1
+        if not self._holders:  # no holder left: the lower tier's copy is nobody's
+            self.tier_holds = [0] * len(self.tier_holds)
+            self.pool.segment_dropped(self.segment_id)
+
+    @property
+    def held_pages(self) -> int:
+        """Pages some holder still covers (a shorter reference left the later pages to the pool)."""
+        return max(self._holders, default=0)
+
+    @property
+    def in_lower_tier(self) -> bool:
+        return self.tier_holds is not None
+
+    def move_out(self) -> list[int]:
+        """The rows are now in a lower tier: give the held pages back to the pool, counting their
+        holders here instead, and return those pages (the caller copied them first). ValueError
+        unless the segment is sealed, in pages, held, and has no released rows."""
+        if not self.sealed or self.tier_holds is not None or self.released_pages or not self._holders:
+            raise ValueError(f"segment {self.segment_id} cannot leave its pages (sealed {self.sealed}, "
+                             f"in a lower tier {self.tier_holds is not None}, released pages "
+                             f"{self.released_pages}, holders {sum(self._holders.values())})")
+        pages = self.page_ids[:self.held_pages]
+        self.tier_holds = self.pool.give_back(pages)
+        self.page_ids = [-1] * len(pages)
+        self._page_tuple = None
+        return pages
+
+    def move_in(self, pages: list[int]) -> None:
+        """Newly allocated ``pages`` (count 1 each) hold the rows again, with their holders."""
+        if self.tier_holds is None or len(pages) != len(self.tier_holds):
+            raise ValueError(f"segment {self.segment_id} takes {len(self.tier_holds or ())} pages back, "
+                             f"got {len(pages)}")
+        self.pool.hold(pages, self.tier_holds)
+        self.page_ids = list(pages)
+        self.tier_holds = None
+        self._page_tuple = None
+
     @property
     def released_rows(self) -> int:
         """Rows at the head of the segment whose pages were released."""
@@ -88,6 +156,9 @@ class Segment:
         if start < self.released_pages * ps and start < end:
             raise ValueError(f"rows {start}..{end - 1} of segment {self.segment_id} include rows released "
                              f"outside the sliding window (its first {self.released_pages * ps} rows)")
+        if self.tier_holds is not None and start < end:
+            raise ValueError(f"rows {start}..{end - 1} of segment {self.segment_id} are in a lower KV tier: "
+                             f"bring them back first")
         pages = self.page_ids
         return [pages[i // ps] * ps + i % ps for i in range(start, end)]
 
@@ -114,8 +185,8 @@ class SegRef:
         self._live = True
         self._page_tuple: tuple[int, ...] | None = None  # see page_tuple
         self._page_source: tuple[int, ...] | None = None  # the segment's tuple it was cut from
-        if not _adopt:  # an adopting ref takes over references its creator already holds
-            segment.pool.incref(self.page_ids)
+        # an adopting ref takes over references its creator already holds
+        segment.hold(segment.pool.pages_for_rows(num_rows), adopt=_adopt)
 
     @property
     def page_ids(self) -> list[int]:
@@ -156,7 +227,7 @@ class SegRef:
         """Drop this reference's pages (idempotent)."""
         if self._live:
             self._live = False
-            self.segment.pool.decref(self.page_ids)
+            self.segment.unhold(self.segment.pool.pages_for_rows(self.num_rows))
 
     def slots(self) -> list[int]:
         return self.segment.slots(0, self.num_rows)
@@ -186,6 +257,8 @@ class ChainSpan:
     row in its sequence; ``segment_id`` identifies shared spans across sequences.
     ``released_pages``: leading pages given back outside the sliding window (ids -1): a plan
     must leave them out (the planner's window does, and refuses a span that still has any).
+    ``in_lower_tier``: the rows are in a lower KV tier (every id -1) until brought back; the
+    planner refuses the span.
     """
 
     segment_id: int
@@ -194,6 +267,7 @@ class ChainSpan:
     key_start: int
     sealed: bool
     released_pages: int = 0
+    in_lower_tier: bool = False
 
     def page_rows(self, page_size: int) -> tuple[int, ...]:
         """Valid rows in each page of the span."""

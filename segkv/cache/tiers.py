@@ -25,6 +25,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from segkv.cache.files import atomic_save_file, is_temporary
+from segkv.cache.page_pool import OutOfPagesError
+from segkv.cache.segment import Segment
 
 log = logging.getLogger(__name__)
 
@@ -262,3 +264,71 @@ class SegmentTiers:
             if stale and entry.is_file():
                 entry.unlink(missing_ok=True)
                 self.counters["files_removed_at_start"] += 1
+
+
+# -- a cache's segments in and out of its tiers ------------------------------------------------
+def offload(cache, segment: Segment) -> bool:
+    """Copy ``segment``'s held pages (every layer, as stored) into ``cache.tiers`` and give the
+    pages back to the pool; its holders keep it, and its spans are refused by the planner until
+    :func:`bring_back`. A copy made earlier is reused (sealed rows never change). False, with
+    nothing changed, when the cache has no tiers, the rows fit no tier, or the segment cannot
+    leave its pages (a tail, rows released behind a window, no holder, already out)."""
+    tiers = cache.tiers
+    if (tiers is None or not segment.sealed or segment.tier_holds is not None or segment.released_pages
+            or not segment.held_pages):
+        return False
+    if segment.segment_id not in tiers:
+        tensors = _read_pages(cache, segment.page_ids[:segment.held_pages])
+        if not tiers.put(segment.segment_id, tensors, rows_checksum(tensors)):
+            return False
+    segment.move_out()
+    return True
+
+
+def bring_back(cache, segment: Segment) -> bool:
+    """Give ``segment``'s rows pages again from ``cache.tiers``' copy, checked bit-identical by
+    checksum once written. False, with the segment still out, when no tier has the copy or it
+    does not match (dropped, warning logged): the caller recomputes those rows.
+    :class:`OutOfPagesError` when the pool has too few free pages (nothing changed)."""
+    if segment.tier_holds is None:
+        return True
+    tiers = cache.tiers
+    tensors = None if tiers is None else tiers.get(segment.segment_id)
+    if tensors is None:
+        return False
+    need = len(segment.tier_holds)
+    if need > cache.pool.num_free_pages:
+        raise OutOfPagesError(f"segment {segment.segment_id} needs {need} pages to come back, "
+                              f"{cache.pool.num_free_pages} are free")
+    pages = cache.pool.allocate(need)
+    slots = _page_slots(pages, cache.pool.page_size)
+    for layer in range(cache.file_layout.num_layers):
+        cache.write_rows(layer, slots, *(tensors[f"{layer}.{j}"] for j in range(_parts_per_layer(tensors, layer))))
+    if rows_checksum(_read_pages(cache, pages)) != tiers.checksum_of(segment.segment_id):
+        cache.pool.decref(pages)
+        tiers.discard(segment.segment_id)
+        tiers.counters["corrupt"] += 1
+        log.warning("segment %s came back different from its checksum: its rows will be recomputed",
+                    segment.segment_id)
+        return False
+    segment.move_in(pages)
+    return True
+
+
+def _page_slots(pages: list[int], page_size: int) -> list[int]:
+    return [page * page_size + offset for page in pages for offset in range(page_size)]
+
+
+def _parts_per_layer(tensors: Mapping[str, torch.Tensor], layer: int) -> int:
+    return sum(1 for name in tensors if name.split(".")[0] == str(layer))
+
+
+def _read_pages(cache, pages: list[int]) -> dict[str, torch.Tensor]:
+    """Every row of ``pages``, every layer, as stored: ``"{layer}.{part}"`` -> ``(rows, ...)``
+    (part 0 and 1 are K and V, or 0 the latent rows)."""
+    index = torch.tensor(_page_slots(pages, cache.pool.page_size), dtype=torch.long)
+    tensors = {}
+    for layer in range(cache.file_layout.num_layers):
+        for part, rows in enumerate(cache.read_rows(layer, index)):
+            tensors[f"{layer}.{part}"] = rows
+    return tensors

@@ -497,7 +497,7 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def index_holds_are_counted(self):
         if hasattr(self, "index"):
-            for page, held in self.index._holds.items():
+            for page, held in self.index.page_holds().items():
                 assert 0 < held <= self.pool.ref_count(page)
 
     def teardown(self):

@@ -338,7 +338,7 @@ class SessionMachine(RuleBasedStateMachine):
     def every_page_reference_is_accounted_for(self):
         with self.engine._lock:
             core, pool = self.engine.core, self.engine.core.pool
-            expected = Counter(core.prefix._holds)
+            expected = core.prefix.page_holds()
             for session in self.store.list():
                 for t in session.turns:
                     if t.pin is not None:

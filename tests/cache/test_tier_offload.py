@@ -1,0 +1,167 @@
+"""Sealed segments leaving their pages for the KV tiers and coming back (``cache.tiers.offload``,
+``bring_back``): the pool gets the pages back, the holders keep the segment, the planner refuses
+it while it is out, and it comes back bit-identical with every holder's references; a bad copy
+or a full pool changes nothing."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
+from segkv.cache import OutOfPagesError, PagedKVCache
+from segkv.cache.prefix_index import PrefixIndex
+from segkv.cache.tiers import SegmentTiers, bring_back, offload
+from segkv.config import CacheConfig, CompactionPolicy, KVLayout
+
+PAGE = 4
+
+
+def make_cache(num_pages: int = 40, kind: str = "mha") -> PagedKVCache:
+    layout = (KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32) if kind == "mha" else
+              KVLayout(kind="mla", num_layers=2, kv_lora_rank=16, rope_dim=8, dtype=torch.bfloat16))
+    cache = PagedKVCache(layout, CacheConfig(page_size=PAGE, num_pages=num_pages),
+                         compaction=CompactionPolicy(enabled=False))
+    cache.attach_tiers(SegmentTiers(host_bytes=1 << 20))
+    return cache
+
+
+def write_turn(cache, chain, n: int, gen) -> None:
+    """Append ``n`` rows with random K/V (every layer) and token ids, then seal the turn."""
+    slots = chain.append(n, token_ids=list(range(chain.num_rows, chain.num_rows + n)))
+    for layer in range(cache.layout.num_layers):
+        if cache.layout.kind == "mha":
+            k, v = (torch.randn(n, 2, 8, generator=gen) for _ in range(2))
+            cache.storage.write(layer, slots, k, v)
+        else:
+            cache.storage.write(layer, slots, torch.randn(n, 24, generator=gen).to(torch.bfloat16))
+    chain.seal()
+
+
+def chain_rows(cache, chain) -> list[torch.Tensor]:
+    """Every row of ``chain``, every layer, gathered from the pages."""
+    index = torch.tensor(chain.slots(), dtype=torch.long)
+    return [t.clone() for layer in range(cache.layout.num_layers) for t in cache.storage.read(layer, index)]
+
+
+def refcounts(cache, segment) -> list[int]:
+    return [cache.pool.ref_count(p) for p in segment.page_ids[:segment.held_pages]]
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_a_segment_goes_out_and_comes_back_with_its_holders(kind, gen):
+    cache = make_cache(kind=kind)
+    chain = cache.new_chain()
+    for n in (9, 7, 5):  # three sealed segments: 3, 2 and 2 pages
+        write_turn(cache, chain, n, gen)
+    snapshot = chain.snapshot()  # a second holder of every segment
+    fork = chain.fork()  # a third
+    before = chain_rows(cache, chain)
+    middle = chain.refs[1].segment
+    counts, in_use = refcounts(cache, middle), cache.pool.pages_in_use
+    assert counts == [3, 3]
+
+    assert offload(cache, middle)
+    assert middle.in_lower_tier and middle.tier_holds == counts
+    assert cache.pool.pages_in_use == in_use - 2 and cache.tiers.tier_of(middle.segment_id) == "host"
+    assert chain.segments_in_lower_tiers() == [middle]
+    spans = chain.spans()
+    assert [s.in_lower_tier for s in spans] == [False, True, False] and set(spans[1].page_ids) == {-1}
+    shape = AttentionShape(4, 2, 8, 8)
+    with pytest.raises(ValueError, match="lower KV tier"):
+        plan_attention([SequenceQuery.from_chain(chain, 1)], shape, DeviceSpec.cpu(), page_size=PAGE)
+    with pytest.raises(ValueError, match="lower KV tier"):
+        chain.slots()
+    assert not offload(cache, middle)  # already out
+
+    other = cache.new_chain()  # the freed pages serve someone else meanwhile
+    write_turn(cache, other, 8, gen)
+    fork.release()  # a holder lets go while the segment is out
+    assert middle.tier_holds == [2, 2]
+
+    assert bring_back(cache, middle)
+    assert not middle.in_lower_tier and refcounts(cache, middle) == [2, 2]
+    assert all(torch.equal(a, b) for a, b in zip(chain_rows(cache, chain), before))
+    plan_attention([SequenceQuery.from_chain(chain, 1)], shape, DeviceSpec.cpu(), page_size=PAGE)
+    for c in (chain, other):
+        c.release()
+    snapshot.release()
+    assert cache.pool.pages_in_use == 0
+
+
+def test_a_copy_is_reused_and_forgotten_with_its_last_holder(gen):
+    cache = make_cache()
+    chain = cache.new_chain()
+    write_turn(cache, chain, 10, gen)
+    segment = chain.refs[0].segment
+    assert offload(cache, segment) and bring_back(cache, segment)
+    assert offload(cache, segment)  # sealed rows never change: the first copy serves again
+    assert cache.tiers.stats()["stored"] == 1
+    pin = chain.snapshot()
+    chain.release()
+    assert segment.segment_id in cache.tiers
+    pin.release()  # the last holder of a segment that is out: its copy goes too
+    assert segment.segment_id not in cache.tiers and cache.pool.pages_in_use == 0
+
+
+def test_only_the_pages_a_holder_covers_leave(gen):
+    """A shorter reference leaves a segment's later pages to the pool (another chain may hold
+    them now): offloading copies and frees only the pages still held."""
+    cache = make_cache()
+    chain = cache.new_chain()
+    write_turn(cache, chain, 12, gen)  # 3 pages
+    segment = chain.refs[0].segment
+    chain.trim(7)  # 5 rows left: the chain now holds 2 of the segment's 3 pages
+    reused = cache.new_chain()
+    write_turn(cache, reused, 4, gen)  # takes the freed page
+    assert segment.held_pages == 2 and segment.page_ids[2] in reused.refs[0].segment.page_ids
+    kept = chain_rows(cache, reused)
+    assert offload(cache, segment) and segment.tier_holds == [1, 1]
+    assert cache.pool.ref_count(reused.refs[0].segment.page_ids[0]) == 1  # the other chain's page untouched
+    assert bring_back(cache, segment) and chain.num_rows == 5
+    assert all(torch.equal(a, b) for a, b in zip(chain_rows(cache, reused), kept))
+
+
+def test_a_bad_copy_or_a_full_pool_changes_nothing(gen, caplog):
+    cache = make_cache(num_pages=8)
+    chain = cache.new_chain()
+    write_turn(cache, chain, 16, gen)  # 4 pages
+    segment = chain.refs[0].segment
+    assert offload(cache, segment)
+    filler = cache.new_chain()
+    filler.append(6 * PAGE)  # 6 of 8 pages: 4 cannot come back
+    with pytest.raises(OutOfPagesError, match="needs 4 pages"):
+        bring_back(cache, segment)
+    assert segment.in_lower_tier and cache.pool.pages_in_use == 6
+    filler.release()
+    copy = cache.tiers.get(segment.segment_id)
+    copy["1.0"][3, 0, 0] += 1.0  # the host copy changed after it was made
+    with caplog.at_level(logging.WARNING, logger="segkv.cache.tiers"):
+        assert not bring_back(cache, segment)
+    assert "recomputed" in caplog.text and segment.in_lower_tier and cache.pool.pages_in_use == 0
+    assert segment.segment_id not in cache.tiers
+    assert not bring_back(cache, segment)  # no copy left: the caller recomputes
+    chain.release()
+
+
+def test_the_prefix_index_counts_holds_across_tiers(gen):
+    cache = make_cache()
+    index = PrefixIndex(cache.pool)
+    chain = cache.new_chain()
+    write_turn(cache, chain, 9, gen)
+    index.insert(chain.refs)
+    chain.release()  # the index alone holds it
+    ref = index.match(list(range(9))).refs[0]
+    held = ref.segment
+    ref.release()
+    assert index.num_pages_held_only() == 3 and index.num_evictable_pages() == 3
+    assert offload(cache, held)
+    assert index.num_pages_held_only() == 0 and index.num_evictable_pages() == 0 and not index.page_holds()
+    match = index.match(list(range(9)))  # a match of a segment that is out: its holders grow
+    assert match.num_tokens == 9 and held.tier_holds == [2, 2, 2]
+    assert bring_back(cache, held)
+    assert index.page_holds() == {p: 1 for p in held.page_ids}
+    match.release()
+    assert index.evict(3) == 3 and cache.pool.pages_in_use == 0
