@@ -151,6 +151,22 @@ def regroup(query: SequenceQuery, num_segments: int, page_size: int, id_base: in
     return SequenceQuery(tuple(spans), query.num_query_rows)
 
 
+def random_cache(shape_name: str, *, batch: int, context: int, read_rows: int, page_size: int, dtype,
+                 generator: torch.Generator) -> tuple[PagedKVCache, int, int]:
+    """A one-layer CUDA cache of random K/V with room for ``batch`` sequences of ``context`` rows
+    in each of enough copies to keep L2 cold when a step reads ``read_rows`` rows a sequence
+    (:func:`l2_copies`): ``(cache, copies, bytes a step reads)``."""
+    _, kv_heads, head_dim = SHAPES[shape_name]
+    kv_bytes = 2 * batch * read_rows * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    copies = l2_copies(kv_bytes, torch.cuda.get_device_properties(0).L2_cache_size)
+    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    num_pages = copies * batch * -(-context // page_size) + 1
+    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=num_pages), device="cuda",
+                         compaction=CompactionPolicy(enabled=False))
+    fill_random(cache, generator)
+    return cache, copies, kv_bytes
+
+
 def fill_random(cache: PagedKVCache, generator: torch.Generator) -> None:
     """Fill layer 0's whole K and V pools of ``cache`` (``(num_pages, page_size, num_kv_heads,
     dim)`` views, in the cache's dtype) with standard-normal values drawn from ``generator``
@@ -212,13 +228,8 @@ def bench_case(*, shape_name: str, batch: int, context: int, page_size: int, dty
     device = "cuda"
     q_heads, kv_heads, head_dim = SHAPES[shape_name]
     gen = torch.Generator(device=device).manual_seed(seed)
-    kv_bytes = 2 * batch * context * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    copies = l2_copies(kv_bytes, torch.cuda.get_device_properties(0).L2_cache_size)
-    pages_per_seq = -(-context // page_size)
-    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
-    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=copies * batch * pages_per_seq + 1),
-                         device=device, compaction=CompactionPolicy(enabled=False))
-    fill_random(cache, gen)
+    cache, copies, kv_bytes = random_cache(shape_name, batch=batch, context=context, read_rows=context,
+                                           page_size=page_size, dtype=dtype, generator=gen)
     shape = AttentionShape(q_heads, kv_heads, head_dim, head_dim)
     spec = DeviceSpec.cuda()
     backend = TritonBackend(page_size=page_size, device=device)

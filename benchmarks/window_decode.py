@@ -20,12 +20,9 @@ import json
 
 import torch
 
-from benchmarks.decode_attention import SHAPES, Timer, fill_random, l2_copies, run_trials, time_summary
-from benchmarks.decode_attention import measured_read_bandwidth
+from benchmarks.decode_attention import SHAPES, Timer, measured_read_bandwidth, random_cache, run_trials, time_summary
 from segkv.attention import AttentionShape, DeviceSpec, SequenceQuery, plan_attention
 from segkv.attention.triton_backend import TritonBackend
-from segkv.cache import PagedKVCache
-from segkv.config import CacheConfig, CompactionPolicy, KVLayout
 
 
 def case(*, shape_name: str, batch: int, context: int, window: int | None, read_rows: int, page_size: int,
@@ -36,13 +33,8 @@ def case(*, shape_name: str, batch: int, context: int, window: int | None, read_
     device = "cuda"
     q_heads, kv_heads, head_dim = SHAPES[shape_name]
     gen = torch.Generator(device=device).manual_seed(seed)
-    kv_bytes = 2 * batch * read_rows * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    copies = l2_copies(kv_bytes, torch.cuda.get_device_properties(0).L2_cache_size)
-    pages_per_seq = -(-context // page_size)
-    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
-    cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=copies * batch * pages_per_seq + 1),
-                         device=device, compaction=CompactionPolicy(enabled=False))
-    fill_random(cache, gen)
+    cache, copies, kv_bytes = random_cache(shape_name, batch=batch, context=context, read_rows=read_rows,
+                                           page_size=page_size, dtype=dtype, generator=gen)
     shape, spec = AttentionShape(q_heads, kv_heads, head_dim, head_dim), DeviceSpec.cuda()
     backend = TritonBackend(page_size=page_size, device=device)
     kc, vc = cache.storage.key_cache(0), cache.storage.value_cache(0)

@@ -195,3 +195,19 @@ def test_the_fp8_product_compiles_for_hopper_without_spills():
         assert case["mma"] and case["spills"] == 0 and case["shared"] <= MAX_SHARED_PER_PROGRAM, case
     for case in report["gemv"]:
         assert case["cvt"] and case["spills"] == 0 and case["shared"] <= MAX_SHARED_PER_PROGRAM, case
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_launches_of_the_sweep_give_the_dequantized_product(per_row, rows, gen):
+    """The launches ``benchmarks/fp8_linear.py --sweep gemv`` times (both GEMV kernels, other
+    tile sizes), per-channel and block scales, against the float64 product."""
+    from segkv.kernels.quant.fp8_gemm import GemvLaunch, launch_gemv
+
+    for block in ((1, 264), (1, 40)):  # one scale per row; scale blocks narrower than a chunk
+        layer, w = fp8_layer(50, 264, block, gen, device=DEVICE)
+        x = torch.randn(rows, 264, generator=gen).to(DEVICE)
+        y = torch.empty(rows, 50, device=DEVICE)
+        launch_gemv(x, layer.weight, layer.weight_scale, block, None, y,
+                    GemvLaunch(block_n=8, acc_elements=1024, per_row=per_row))
+        torch.testing.assert_close(y.double().cpu(), x.double().cpu() @ w.T, rtol=1e-5, atol=1e-5)

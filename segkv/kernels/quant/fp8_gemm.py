@@ -83,6 +83,23 @@ def fp8_linear_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, s
 
 
 @triton.jit
+def _dequantized_chunk(w_rows, S, scale_rows, n_ok, offs_k, k_ok, k0, scale_bk, SCALE_PER_CHUNK: tl.constexpr,
+                       NATIVE_FP8: tl.constexpr):
+    """The GEMVs' ``(rows, BLOCK_K)`` float32 weight chunk at ``offs_k``: bytes decoded (the GPU's
+    e4m3 conversion or :func:`e4m3_bits_to_float`, both exact) and scaled, by each row's scale for
+    the chunk (``SCALE_PER_CHUNK``: the chunk lies in one scale block) or element by element."""
+    bits = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+    if NATIVE_FP8:
+        w = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        w = e4m3_bits_to_float(bits.to(tl.int32))
+    if SCALE_PER_CHUNK:
+        return w * tl.load(S + scale_rows + k0 // scale_bk, mask=n_ok, other=0.0)[:, None]
+    return w * tl.load(S + scale_rows[:, None] + offs_k[None, :] // scale_bk, mask=n_ok[:, None] & k_ok[None, :],
+                       other=0.0)
+
+
+@triton.jit
 def fp8_gemv_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, scale_cols, scale_bn, scale_bk,
                     HAS_BIAS: tl.constexpr, SCALE_PER_CHUNK: tl.constexpr, NATIVE_FP8: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -107,16 +124,7 @@ def fp8_gemv_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, sca
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        bits = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        if NATIVE_FP8:
-            w = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
-            w = e4m3_bits_to_float(bits.to(tl.int32))
-        if SCALE_PER_CHUNK:
-            w = w * tl.load(S + scale_rows + k0 // scale_bk, mask=n_ok, other=0.0)[:, None]
-        else:
-            w = w * tl.load(S + scale_rows[:, None] + offs_k[None, :] // scale_bk,
-                            mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w = _dequantized_chunk(w_rows, S, scale_rows, n_ok, offs_k, k_ok, k0, scale_bk, SCALE_PER_CHUNK, NATIVE_FP8)
         x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += x[:, None, :] * w[None, :, :]
     out = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N)
@@ -144,16 +152,7 @@ def fp8_gemv_row_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        bits = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        if NATIVE_FP8:
-            w = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
-            w = e4m3_bits_to_float(bits.to(tl.int32))
-        if SCALE_PER_CHUNK:
-            w = w * tl.load(S + scale_rows + k0 // scale_bk, mask=n_ok, other=0.0)[:, None]
-        else:
-            w = w * tl.load(S + scale_rows[:, None] + offs_k[None, :] // scale_bk,
-                            mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w = _dequantized_chunk(w_rows, S, scale_rows, n_ok, offs_k, k_ok, k0, scale_bk, SCALE_PER_CHUNK, NATIVE_FP8)
         x = tl.load(x_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         acc += w * x[None, :]
     out = tl.sum(acc, axis=1)  # (BLOCK_N,)
