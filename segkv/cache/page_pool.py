@@ -35,8 +35,8 @@ class PagePool:
         self.pages_allocated_total = 0
         self.bytes_copied = 0
         self.rows_copied = 0
-        # told the id of a segment whose rows were in a lower KV tier when its last holder let go
-        # (the cache's tiers then forget their copy)
+        # told the id of a sealed segment whose last holder let go (the cache's KV tiers then
+        # forget any copy of its rows)
         self.on_segment_dropped: Callable[[int], None] | None = None
 
     # -- counters ---------------------------------------------------------------------
@@ -131,7 +131,7 @@ class PagePool:
             self._ref_counts[page_id] = count
 
     def segment_dropped(self, segment_id: int) -> None:
-        """A segment in a lower tier lost its last holder (``Segment.unhold``)."""
+        """A sealed segment lost its last holder (``Segment.unhold``)."""
         if self.on_segment_dropped is not None:
             self.on_segment_dropped(segment_id)
 

@@ -214,6 +214,14 @@ class PrefixIndex:
             holders.update(_page_keys(node.ref))
         return sum(1 for key, n in holders.items() if not key[0].in_lower_tier and n == _holders(key))
 
+    def segments_by_last_use(self) -> list[Segment]:
+        """The indexed segments, least recently used first, each once: what the KV tiers take
+        first when pages run short."""
+        seen: dict[int, Segment] = {}
+        for node in sorted(self._nodes(), key=lambda n: n.last_used):
+            seen.setdefault(id(node.ref.segment), node.ref.segment)
+        return list(seen.values())
+
     def page_holds(self) -> Counter[int]:
         """Page id -> references the index holds on it, for the pages in the pool (accounting checks)."""
         return Counter({segment.page_ids[i]: n for (segment, i), n in self._holds.items()

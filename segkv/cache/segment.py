@@ -100,11 +100,10 @@ class Segment:
             del self._holders[num_pages]
         if self.tier_holds is None:
             self.pool.decref(self.page_ids[self.released_pages:num_pages])
-            return
-        for i in range(num_pages):
-            self.tier_holds[i] -= 1
-        if not self._holders:  # no holder left: the lower tier's copy is nobody's
-            self.tier_holds = [0] * len(self.tier_holds)
+        else:
+            for i in range(num_pages):
+                self.tier_holds[i] -= 1
+        if not self._holders:  # no holder left: a copy in a lower tier is nobody's
             self.pool.segment_dropped(self.segment_id)
 
     @property

@@ -12,6 +12,7 @@ from segkv.cache.chain import KVChain
 from segkv.cache.kv_cache import PagedKVCache
 from segkv.cache.page_pool import OutOfPagesError
 from segkv.cache.prefix_index import PrefixIndex
+from segkv.cache.tiers import bring_back, offload
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,7 +55,8 @@ class SchedulerOutput:
     ``preempted``: running sequences whose rows were released this step (back at the head of
     the queue, recomputed later). ``matched``: ``(sequence, cached_tokens)`` for each cached
     prefix matched on admission, in order. ``num_evicted_pages``: unreferenced cached pages
-    evicted to fit the step. ``ahead_ok``: the next decode step may be launched before this
+    evicted to fit the step; ``num_offloaded_pages``: pages freed by moving idle segments to the
+    KV tiers; ``num_restored_pages``: pages their segments came back into for this step. ``ahead_ok``: the next decode step may be launched before this
     one's tokens are read (nobody waits: a waiting request would be admitted next step).
     """
 
@@ -63,6 +65,8 @@ class SchedulerOutput:
     preempted: list[Any] = field(default_factory=list)
     matched: list[tuple[Any, int]] = field(default_factory=list)
     num_evicted_pages: int = 0
+    num_offloaded_pages: int = 0
+    num_restored_pages: int = 0
     ahead_ok: bool = False
 
     @property
@@ -97,6 +101,8 @@ class Scheduler:
         self.waiting: deque[Schedulable] = deque()
         self.running: list[Schedulable] = []
         self.num_preemptions = 0
+        # rows recomputed because their segment's copy in the KV tiers was lost or bad
+        self.num_tier_recomputed_rows = 0
         # Called with the number of pages still missing after cached segments were evicted;
         # each may release references it holds (e.g. idle sessions) and returns pages freed.
         self.pressure_hooks: list[Callable[[int], Any]] = []
@@ -150,6 +156,8 @@ class Scheduler:
         for seq in admitted:
             self.waiting.remove(seq)
             self.running.append(seq)
+        for seq, _ in work:  # the pages were made free for them: rows in the KV tiers come back
+            self._bring_back(seq, out)
         out.scheduled, out.admitted = work, admitted
         out.ahead_ok = not self.waiting
         return out
@@ -188,15 +196,56 @@ class Scheduler:
     def _fits(self, work: list[tuple[Schedulable, int]], out: SchedulerOutput) -> bool:
         """Whether the step's new pages are free, evicting unreferenced cached segments if needed."""
         need = sum(self._pages_needed(seq, n) for seq, n in work)
-        return self._make_room(need - self.pool.num_free_pages, out)
+        busy = [*self.running, *(seq for seq, _ in work)]
+        return self._make_room(need - self.pool.num_free_pages, out, busy)
+
+    # -- KV tiers ---------------------------------------------------------------------
+    def _spill(self, pages_short: int, busy: Sequence[Schedulable]) -> int:
+        """Move indexed segments that no ``busy`` sequence attends to the KV tiers, least recently
+        used first, until ``pages_short`` pages are free; returns the pages freed. Their holders
+        (the index, sessions' pins, snapshots) keep them, so they come back instead of being
+        recomputed."""
+        in_use = {id(ref.segment) for seq in busy for ref in seq.chain.refs}
+        before = self.pool.num_free_pages
+        for segment in self.prefix.segments_by_last_use():
+            if self.pool.num_free_pages - before >= pages_short:
+                break
+            if id(segment) not in in_use:
+                offload(self.cache, segment)
+        return self.pool.num_free_pages - before
+
+    def _bring_back(self, seq: Schedulable, out: SchedulerOutput) -> None:
+        """Bring ``seq``'s segments in the KV tiers back into pages (counted free by
+        :meth:`_pages_needed`); a segment whose copy is gone or bad is recomputed instead, with
+        every row after it."""
+        for segment in seq.chain.segments_in_lower_tiers():
+            pages = len(segment.tier_holds)
+            if bring_back(self.cache, segment):
+                out.num_restored_pages += pages
+                continue
+            chain = seq.chain
+            kept = 0
+            for ref in chain.refs:
+                if ref.segment is segment:
+                    break
+                kept += ref.num_rows
+            self.num_tier_recomputed_rows += chain.num_rows - kept
+            tokens = seq.all_token_ids()
+            chain.trim(chain.num_rows - kept)
+            seq.pending = tokens[kept:]
+            return
 
     def make_room(self, pages_short: int) -> bool:
-        """Free ``pages_short`` more pages if it can: unreferenced cached segments first, then
-        what the pressure hooks give up (idle sessions' pins). True when they are free."""
-        return self._make_room(pages_short, SchedulerOutput())
+        """Free ``pages_short`` more pages if it can: idle segments moved to the KV tiers (when the
+        cache has them) first, then unreferenced cached segments, then what the pressure hooks
+        give up (idle sessions' pins). True when they are free."""
+        return self._make_room(pages_short, SchedulerOutput(), [*self.running, *self.waiting])
 
-    def _make_room(self, pages_short: int, out: SchedulerOutput) -> bool:
+    def _make_room(self, pages_short: int, out: SchedulerOutput, busy: Sequence[Schedulable] = ()) -> bool:
         need = self.pool.num_free_pages + pages_short
+        if pages_short > 0 and self.cache.tiers is not None:
+            out.num_offloaded_pages += self._spill(pages_short, busy)
+            pages_short = need - self.pool.num_free_pages
         if pages_short > 0:
             out.num_evicted_pages += self.prefix.evict(pages_short)
         for hook in self.pressure_hooks:
@@ -212,7 +261,8 @@ class Scheduler:
         ps = self.pool.page_size
         tail = seq.chain.num_tail_rows
         room = (-tail) % ps if tail else 0
-        return -(-max(0, num_tokens - room) // ps)
+        back = sum(len(s.tier_holds) for s in seq.chain.segments_in_lower_tiers())  # coming back
+        return -(-max(0, num_tokens - room) // ps) + back
 
     def preempt(self, seq: Schedulable) -> None:
         """Release a running sequence's rows (keeping them findable in the prefix index) and

@@ -1,0 +1,83 @@
+"""The engine over a KV pool far smaller than its histories, with the KV tiers attached: when pages
+run short the scheduler moves idle cached segments to host memory (and disk) instead of dropping
+them, and a request whose history is there brings it back instead of recomputing it. The tokens
+are those of an engine whose pool holds everything."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from model_helpers import build_model_dir
+from segkv.cache.tiers import SegmentTiers
+from segkv.engine import LLM
+from segkv.sampling_params import SamplingParams
+
+PAGE = 16
+PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen3")
+    build_model_dir(directory, "qwen3")
+    return directory
+
+
+def complete(llm: LLM, prompt: list[int]) -> list[int]:
+    """One request through the engine core, its rows kept in the prefix index afterwards (as the
+    server's are): the generated token ids."""
+    core = llm.core
+    with core.lock:
+        request = core.add_request(prompt, PARAMS, cache_rows=True)
+        while not request.finished:
+            core.step()
+    return list(request.output().outputs[0].token_ids)
+
+
+def run_sessions(llm: LLM, sessions: int, turns: int, seed: int) -> dict[int, list[int]]:
+    """``sessions`` token-id conversations taking ``turns`` turns each in a random order (every
+    turn: the history, the last reply and 20 new tokens), a fork of session 0 at the end of the
+    first round; returns each session's (and the fork's, key -1) whole token history."""
+    rng = random.Random(seed)
+    history = {s: [rng.randrange(3, 200) for _ in range(40)] for s in range(sessions)}
+    order = [s for _ in range(turns) for s in range(sessions)]
+    rng.shuffle(order)
+    for step, s in enumerate(order):
+        prompt = history[s]
+        history[s] = prompt + complete(llm, prompt) + [rng.randrange(3, 200) for _ in range(20)]
+        if step == sessions:  # a fork: another continuation of session 0's history so far
+            history[-1] = history[0][:-20] + [rng.randrange(3, 200) for _ in range(20)]
+    history[-1] += complete(llm, history[-1])
+    return history
+
+
+def test_histories_larger_than_the_pool_come_back_from_the_tiers(model_dir, tmp_path):
+    """A pool of 12 pages carries more than 8 times that many pages of history: the tokens are the
+    large pool's, and the prefix matches cover as many tokens as there (nothing the tiers held is
+    recomputed); without tiers the same load recomputes evicted histories (the test's power)."""
+    sessions, turns, pages = 14, 3, 12
+    big = LLM(model_dir, dtype="float32", page_size=PAGE, num_pages=512)
+    want = run_sessions(big, sessions, turns, seed=7)
+    assert sum(len(h) for h in want.values()) > 8 * pages * PAGE  # 8N pages of history over N
+    hits = big.core.prefix.stats()["num_hit_tokens"]
+
+    llm = LLM(model_dir, dtype="float32", page_size=PAGE, num_pages=pages)
+    row_bytes = llm.cache.layout.row_bytes
+    tiers = SegmentTiers(host_bytes=6 * pages * PAGE * row_bytes, disk_dir=tmp_path,
+                         disk_bytes=64 * pages * PAGE * row_bytes)
+    llm.cache.attach_tiers(tiers)
+    assert run_sessions(llm, sessions, turns, seed=7) == want
+    stats = tiers.stats()
+    assert stats["stored"] > 0 and stats["host_hits"] > 0 and stats["disk_hits"] > 0, stats
+    assert stats["spilled_to_disk"] > 0 and stats["corrupt"] == stats["misses"] == 0, stats
+    assert llm.core.scheduler.num_tier_recomputed_rows == 0
+    assert llm.core.prefix.stats()["num_hit_tokens"] == hits  # every cached history came back
+    llm.core.prefix.clear()
+    assert llm.cache.pool.pages_in_use == 0  # nothing leaked, on the pool or in the tiers
+    assert tiers.stats()["host_segments"] == tiers.stats()["disk_segments"] == 0
+
+    plain = LLM(model_dir, dtype="float32", page_size=PAGE, num_pages=pages)
+    assert run_sessions(plain, sessions, turns, seed=7) == want
+    assert plain.core.prefix.stats()["num_hit_tokens"] < hits - sessions * PAGE
