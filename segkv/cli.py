@@ -88,10 +88,22 @@ def _add_memory_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=_utilization, default=0.9, help=GPU_MEMORY_HELP)
     parser.add_argument("--kv-cache-memory", type=_positive_float, default=None, metavar="GIB",
                         help=KV_CACHE_MEMORY_HELP)
+    parser.add_argument("--kv-offload-host-gib", type=_non_negative_float, default=0.0, metavar="GIB",
+                        help="host memory for KV rows of idle sessions and cached prefixes, moved there "
+                             "when KV pages run short and brought back instead of recomputed (0: off)")
+    parser.add_argument("--kv-offload-dir", default=None, help="directory of the disk tier below host memory")
+    parser.add_argument("--kv-offload-disk-gib", type=_non_negative_float, default=0.0, metavar="GIB",
+                        help="the disk tier's size (with --kv-offload-dir)")
 
 
 def _kv_cache_bytes(args) -> int | None:
     return None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
+
+
+def _kv_offload(args) -> dict:
+    """The LLM's KV tier arguments from the command line."""
+    return {"kv_offload_host_gib": args.kv_offload_host_gib, "kv_offload_dir": args.kv_offload_dir,
+            "kv_offload_disk_gib": args.kv_offload_disk_gib}
 
 
 def _speculative_config(text: str):
@@ -235,7 +247,7 @@ def _load_and_serve(args, gate, engines: list, server, snapshot_dir: Path | None
     llm = LLM(resolve_model_dir(args.model), dtype=args.dtype, device=args.device, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
               page_size=args.page_size, max_model_len=args.max_model_len, route=args.route,
-              kv_cache_bytes=_kv_cache_bytes(args), gpu_memory_utilization=args.gpu_memory_utilization,
+              kv_cache_bytes=_kv_cache_bytes(args), gpu_memory_utilization=args.gpu_memory_utilization, **_kv_offload(args),
               max_num_batched_tokens=args.max_num_batched_tokens,
               cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], speculative_config=args.speculative_config,
               progress=True)
@@ -333,7 +345,7 @@ def _load(args):
               kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
               page_size=args.page_size, max_model_len=args.max_model_len, route=args.route,
               cuda_graphs=CUDA_GRAPHS[args.cuda_graphs],
-              kv_cache_bytes=_kv_cache_bytes(args), gpu_memory_utilization=args.gpu_memory_utilization,
+              kv_cache_bytes=_kv_cache_bytes(args), gpu_memory_utilization=args.gpu_memory_utilization, **_kv_offload(args),
               speculative_config=args.speculative_config, progress=True)
     print(llm.describe_summary(), file=sys.stderr, flush=True)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

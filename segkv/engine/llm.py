@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from segkv.cache.kv_cache import PagedKVCache
+from segkv.cache.tiers import SegmentTiers
 from segkv.attention.plan import Route
 from segkv.attention.planner import forced_route_from_env
 from segkv.config import (GIB, CacheConfig, CompactionPolicy, KVLayout, check_capacity,
@@ -77,6 +78,22 @@ def checkpoint_kv_scales(found: dict | None, layout: KVLayout) -> tuple[torch.Te
     return scales["k"], scales["v"]
 
 
+def kv_tiers(host_gib: float, directory: str | Path | None, disk_gib: float, *, device: torch.device,
+             tensor_parallel_size: int = 1) -> SegmentTiers | None:
+    """The KV tiers the engine's arguments ask for, or None (no host memory and no disk asked for).
+    ValueError for negative sizes, a disk tier half given, or tensor parallelism (not combined yet)."""
+    if not (host_gib or directory is not None or disk_gib):
+        return None
+    if tensor_parallel_size != 1:
+        raise ValueError("KV offloading does not combine with tensor_parallel_size > 1 yet")
+    if directory is not None and not disk_gib:
+        raise ValueError("kv_offload_dir needs kv_offload_disk_gib > 0 (the disk tier's size)")
+    if disk_gib and directory is None:
+        raise ValueError("kv_offload_disk_gib needs kv_offload_dir (where the disk tier's files go)")
+    return SegmentTiers(host_bytes=int(host_gib * (1 << 30)), disk_dir=directory,
+                        disk_bytes=int(disk_gib * (1 << 30)), pin_memory=device.type == "cuda")
+
+
 class LLM:
     """A model with its tokenizer, paged KV cache, runner and the :class:`EngineCore` that steps
     requests on them (``generate`` here, and an :class:`AsyncEngine` serving this model).
@@ -108,7 +125,10 @@ class LLM:
     scales per (layer, KV head) (per layer for MLA), the checkpoint's ``k_scale``/``v_scale`` (or
     ``kv_scale``) tensors where it has them, else 1.0: twice the tokens per byte of bf16.
     ``tensor_parallel_size``: ranks the model is sharded over (``engine/tensor_parallel.py``;
-    processes on this host, gloo on the CPU; :meth:`close` stops them).
+    processes on this host, gloo on the CPU; :meth:`close` stops them). ``kv_offload_host_gib``,
+    ``kv_offload_dir`` and ``kv_offload_disk_gib``: the KV tiers (``cache/tiers.py``), host memory
+    then disk, where idle cached segments go when pages run short and come back from instead of
+    being recomputed (0 and None: off).
     """
 
     def __init__(
@@ -134,6 +154,9 @@ class LLM:
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
         tensor_parallel_size: int = 1,
+        kv_offload_host_gib: float = 0.0,
+        kv_offload_dir: str | Path | None = None,
+        kv_offload_disk_gib: float = 0.0,
         progress: bool = False,
     ) -> None:
         # a bad value is refused before anything loads
@@ -162,6 +185,8 @@ class LLM:
         if page_size < 1:  # before the cache budget divides by it
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self._check_tensor_parallel(tensor_parallel_size, cuda_graphs, kv_cache_dtype)
+        tiers = kv_tiers(kv_offload_host_gib, kv_offload_dir, kv_offload_disk_gib, device=self.device,
+                         tensor_parallel_size=tensor_parallel_size)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.ranks = None if tensor_parallel_size == 1 else TensorParallelRanks(
             tensor_parallel_size, self.model_dir, dtype=self.dtype, device=self.device,
@@ -217,6 +242,8 @@ class LLM:
                                   device=str(self.device), compaction=compaction)
         if kv_scales is not None:
             self.cache.storage.set_scales(*kv_scales)
+        if tiers is not None:
+            self.cache.attach_tiers(tiers)
         if self.ranks is not None:  # the other ranks' caches: this one's size, their own KV heads
             self.ranks.start_followers(page_size, num_pages)
             self.cache.copy_rows = broadcasting_copier(self.ranks.tp, self.cache.storage.copy_rows)

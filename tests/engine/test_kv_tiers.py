@@ -81,3 +81,23 @@ def test_histories_larger_than_the_pool_come_back_from_the_tiers(model_dir, tmp_
     plain = LLM(model_dir, dtype="float32", page_size=PAGE, num_pages=pages)
     assert run_sessions(plain, sessions, turns, seed=7) == want
     assert plain.core.prefix.stats()["num_hit_tokens"] < hits - sessions * PAGE
+
+
+def test_the_engine_and_the_command_line_take_the_tiers(model_dir, tmp_path):
+    from segkv.cli import build_parser
+
+    llm = LLM(model_dir, dtype="float32", num_pages=32, kv_offload_host_gib=0.5, kv_offload_dir=tmp_path / "kv",
+              kv_offload_disk_gib=2)
+    tiers = llm.cache.tiers
+    assert tiers.host_capacity == 1 << 29 and tiers.disk_capacity == 2 << 30 and (tmp_path / "kv").is_dir()
+    assert LLM(model_dir, dtype="float32", num_pages=32).cache.tiers is None  # off by default
+    for kwargs, message in (({"kv_offload_dir": tmp_path}, "needs kv_offload_disk_gib"),
+                            ({"kv_offload_disk_gib": 1}, "needs kv_offload_dir"),
+                            ({"kv_offload_host_gib": -1}, ">= 0")):
+        with pytest.raises(ValueError, match=message):
+            LLM(model_dir, dtype="float32", num_pages=32, **kwargs)
+    args = build_parser().parse_args(["serve", "--kv-offload-host-gib", "4", "--kv-offload-dir", str(tmp_path),
+                                      "--kv-offload-disk-gib", "100"])
+    assert (args.kv_offload_host_gib, args.kv_offload_dir, args.kv_offload_disk_gib) == (4.0, str(tmp_path), 100.0)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-offload-host-gib", "-1"])
