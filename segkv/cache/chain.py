@@ -363,19 +363,34 @@ class KVChain:
         total = sum(ref.num_rows for ref in old)
         if self.pool.pages_for_rows(total) > self.pool.num_free_pages:
             return  # compaction is an optimisation: never fail a seal for want of pages
-        merged = Segment(self.pool)
-        merged.add_pages(self.pool.allocate(self.pool.pages_for_rows(total)))
-        merged.num_rows = total
-        src: list[int] = []
-        for ref in old:
-            src.extend(ref.slots())
-        self._copy_rows(src, merged.slots(0, total))
-        merged.token_ids = _concat_tokens(ref.token_ids for ref in old)
-        merged.sealed = True
+        merged = self._copied(old)
         del self.refs[-count:]
-        self.refs.append(SegRef(merged, total, _adopt=True))
+        self.refs.append(merged)
         for ref in old:
             ref.release()
+
+    def own_copy(self, index: int) -> None:
+        """Replace reference ``index`` by a reference to a new sealed segment holding a copy of its
+        rows (every layer, through ``copy_rows``), so the segment it shared no longer serves this
+        chain (the KV tiers may then move that segment out while this chain runs).
+        :class:`OutOfPagesError` when the pool lacks the pages (nothing changed)."""
+        old = self.refs[index]
+        self.refs[index] = self._copied([old])
+        old.release()
+
+    def _copied(self, refs: list[SegRef]) -> SegRef:
+        """A reference to a new sealed segment holding ``refs``' rows in order (copied)."""
+        total = sum(ref.num_rows for ref in refs)
+        segment = Segment(self.pool)
+        segment.add_pages(self.pool.allocate(self.pool.pages_for_rows(total)))
+        segment.num_rows = total
+        src: list[int] = []
+        for ref in refs:
+            src.extend(ref.slots())
+        self._copy_rows(src, segment.slots(0, total))
+        segment.token_ids = _concat_tokens(ref.token_ids for ref in refs)
+        segment.sealed = True
+        return SegRef(segment, total, _adopt=True)
 
 
 def _concat_tokens(parts) -> list[int] | None:

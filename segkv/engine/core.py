@@ -245,4 +245,6 @@ class EngineCore:
                 "steps_ahead": {"used": self.generator.steps_ahead_used,
                                 "cancelled": self.generator.steps_ahead_cancelled},
                 "routes": dict(self.runner.route_counts), "precisions": dict(self.runner.precision_counts),
-                "grammar_cache": self.generator.grammars.stats()}
+                "grammar_cache": self.generator.grammars.stats(),
+                "kv_tiers": None if self.cache.tiers is None else {
+                    **self.cache.tiers.stats(), "recomputed_rows": self.scheduler.num_tier_recomputed_rows}}

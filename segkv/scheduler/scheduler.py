@@ -205,14 +205,35 @@ class Scheduler:
         used first, until ``pages_short`` pages are free; returns the pages freed. Their holders
         (the index, sessions' pins, snapshots) keep them, so they come back instead of being
         recomputed."""
-        in_use = {id(ref.segment) for seq in busy for ref in seq.chain.refs}
+        in_use: dict[int, int] = {}  # segment -> the most pages of it a busy chain holds
+        for seq in busy:
+            for ref in seq.chain.refs:
+                key = id(ref.segment)
+                in_use[key] = max(in_use.get(key, 0), self.pool.pages_for_rows(ref.num_rows))
         before = self.pool.num_free_pages
         for segment in self.prefix.segments_by_last_use():
             if self.pool.num_free_pages - before >= pages_short:
                 break
-            if id(segment) not in in_use:
-                offload(self.cache, segment)
+            if segment.in_lower_tier:
+                continue
+            held = in_use.get(id(segment), 0)
+            if held and not self._copy_out_of(segment, held, busy):
+                continue
+            offload(self.cache, segment)
         return self.pool.num_free_pages - before
+
+    def _copy_out_of(self, segment, held: int, busy: Sequence[Schedulable]) -> bool:
+        """Give the busy chains that hold the first ``held`` pages of ``segment`` their own copy of
+        those rows, when that frees more pages than it takes (a history forked from another's
+        first rows), so the segment can leave its pages; whether it did."""
+        if 2 * held >= segment.held_pages or held > self.pool.num_free_pages:
+            return False
+        for seq in busy:
+            chain = seq.chain
+            for i, ref in enumerate(chain.refs):
+                if ref.segment is segment:
+                    chain.own_copy(i)
+        return True
 
     def _bring_back(self, seq: Schedulable, out: SchedulerOutput) -> None:
         """Bring ``seq``'s segments in the KV tiers back into pages (counted free by

@@ -363,6 +363,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, snapshot_dir: str | Path
                 "pages_requests": stats.get("pages_requests", 0),
                 "pages_cached_only": stats.get("pages_cached_only", 0),
                 "cached_segments": prefix.get("num_nodes", 0),
+                # host and disk copies of idle segments (None: no KV tiers)
+                "kv_tiers": stats.get("kv_tiers"),
                 "cached_tokens": prefix.get("num_cached_tokens", 0),
                 "running": stats["running"], "waiting": stats["waiting"], "preemptions": stats["preemptions"],
                 "speculative": None if llm.speculative_config is None else llm.speculative_config.describe(),

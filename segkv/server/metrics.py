@@ -40,6 +40,35 @@ def speculative_stats(config: Any, counters: Any) -> dict | None:
             "mean_accepted_length": 1 + accepted / drafts if drafts else None}
 
 
+def _tier_metrics(tiers: dict | None, model: str):
+    """The KV tiers' gauges and counters per tier (nothing when the engine has none)."""
+    if not tiers:
+        return
+    families = (
+        (GaugeMetricFamily, "segkv:kv_tier_bytes", "Bytes of segment copies in each KV tier.", "{}_bytes"),
+        (GaugeMetricFamily, "segkv:kv_tier_segments", "Segment copies in each KV tier.", "{}_segments"),
+        (CounterMetricFamily, "segkv:kv_tier_hits", "Segments brought back from each KV tier.", "{}_hits"),
+    )
+    for kind, name, doc, key in families:
+        family = kind(name, doc, labels=["model_name", "tier"])
+        for tier in ("host", "disk"):
+            family.add_metric([model, tier], tiers.get(key.format(tier), 0))
+        yield family
+    moved = CounterMetricFamily("segkv:kv_tier_bytes_moved", "Bytes copied between the KV tiers.",
+                                labels=["model_name", "direction"])
+    for direction, key in (("to_host", "bytes_to_host"), ("to_disk", "bytes_to_disk"),
+                           ("from_disk", "bytes_from_disk")):
+        moved.add_metric([model, direction], tiers.get(key, 0))
+    yield moved
+    for name, doc, key in (("segkv:kv_tier_misses", "Segments asked of the KV tiers that no tier held.", "misses"),
+                           ("segkv:kv_tier_corrupt", "Segment copies dropped by their checksum check.", "corrupt"),
+                           ("segkv:kv_tier_recomputed_rows", "KV rows recomputed for lost tier copies.",
+                            "recomputed_rows")):
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model], tiers.get(key, 0))
+        yield family
+
+
 class _EngineCollector(Collector):
     """Gauges and engine-side counters read from ``engine.stats()`` at scrape time."""
 
@@ -89,6 +118,7 @@ class _EngineCollector(Collector):
         for outcome, count in sorted(stats.get("steps_ahead", {}).items()):
             ahead.add_metric([self._model, outcome], count)
         yield ahead
+        yield from _tier_metrics(stats.get("kv_tiers"), self._model)
         routes = CounterMetricFamily("segkv:route_steps", "Forward steps per attention route.",
                                      labels=["route"])
         for route, count in sorted(stats.get("routes", {}).items()):

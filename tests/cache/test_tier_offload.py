@@ -165,3 +165,30 @@ def test_the_prefix_index_counts_holds_across_tiers(gen):
     assert index.page_holds() == {p: 1 for p in held.page_ids}
     match.release()
     assert index.evict(3) == 3 and cache.pool.pages_in_use == 0
+
+
+def test_a_chain_takes_its_own_copy_of_a_shared_prefix(gen):
+    """``KVChain.own_copy``: a chain holding the first rows of a shared segment gets them in a new
+    segment of its own (same rows and tokens), so the shared one can leave its pages while the
+    chain runs; without free pages nothing changes."""
+    cache = make_cache(num_pages=10)
+    chain = cache.new_chain()
+    write_turn(cache, chain, 20, gen)  # 5 pages
+    shared = chain.refs[0].segment
+    fork = cache.new_chain()
+    fork.restore(chain.snapshot())
+    fork.trim(14)  # the fork keeps the first 6 rows: 2 of the 5 pages
+    before = chain_rows(cache, fork)
+    fork.own_copy(0)
+    assert fork.refs[0].segment is not shared and fork.token_ids() == list(range(6))
+    assert all(torch.equal(a, b) for a, b in zip(chain_rows(cache, fork), before))
+    assert refcounts(cache, shared) == [2, 2, 2, 2, 2]  # the chain and the snapshot it was made from
+    assert offload(cache, shared) and not fork.segments_in_lower_tiers()
+    assert all(torch.equal(a, b) for a, b in zip(chain_rows(cache, fork), before))
+    filler = cache.new_chain()
+    filler.append(cache.pool.num_free_pages * PAGE)
+    other = cache.new_chain()
+    other.restore(fork.snapshot())
+    with pytest.raises(OutOfPagesError):
+        other.own_copy(0)
+    assert other.refs[0].segment is fork.refs[0].segment

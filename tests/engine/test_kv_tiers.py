@@ -101,3 +101,42 @@ def test_the_engine_and_the_command_line_take_the_tiers(model_dir, tmp_path):
     assert (args.kv_offload_host_gib, args.kv_offload_dir, args.kv_offload_disk_gib) == (4.0, str(tmp_path), 100.0)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-offload-host-gib", "-1"])
+
+
+def test_the_server_shows_the_tiers_in_health_and_metrics(model_dir, tmp_path):
+    """Completions over a pool smaller than their histories, through the server: the replies are
+    those of a large pool, and /health and /metrics count the segments that went to the tiers
+    and came back."""
+    import httpx
+
+    from server_helpers import live_server
+    from segkv.engine import AsyncEngine
+    from segkv.server.app import create_app
+
+    big = LLM(model_dir, dtype="float32", page_size=PAGE, num_pages=512)
+    llm = LLM(model_dir, dtype="float32", page_size=PAGE, num_pages=24, kv_offload_host_gib=0.01)
+    engine = AsyncEngine(llm)
+    rng = random.Random(3)
+    words = "the of and to in is was for on that with as by at from his her an were are which".split()
+    texts = {s: " ".join(rng.choice(words) for _ in range(30)) for s in range(6)}
+    try:
+        with live_server(create_app(engine, model_name="tiny")) as base:
+            for _ in range(3):
+                for s in range(6):
+                    body = {"model": "tiny", "prompt": texts[s], "max_tokens": 4, "temperature": 0,
+                            "ignore_eos": True}
+                    reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+                    assert "choices" in reply, reply
+                    want = big.generate([texts[s]], PARAMS)[0].outputs[0].text
+                    assert reply["choices"][0]["text"] == want
+                    texts[s] += reply["choices"][0]["text"] + " " + " ".join(rng.choice(words) for _ in range(8))
+            tiers = httpx.get(f"{base}/health").json()["kv_tiers"]
+            assert tiers["stored"] > 0 and tiers["host_hits"] > 0 and tiers["recomputed_rows"] == 0, tiers
+            metrics = httpx.get(f"{base}/metrics").text
+            hits = [line for line in metrics.splitlines() if line.startswith("segkv:kv_tier_hits_total{")
+                    and 'tier="host"' in line]
+            assert hits and float(hits[0].rsplit(" ", 1)[1]) == tiers["host_hits"]
+            assert "segkv:kv_tier_bytes{" in metrics
+    finally:
+        engine.shutdown()
+    assert httpx.get is not None
