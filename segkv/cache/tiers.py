@@ -315,6 +315,25 @@ def bring_back(cache, segment: Segment) -> bool:
     return True
 
 
+def bring_back_chain(cache, chain) -> int:
+    """Bring every segment of ``chain`` that is in the tiers back into pages (:func:`bring_back`);
+    where one cannot come back, trim the chain to the rows before it (they are recomputed).
+    Returns the rows trimmed (0 when everything came back). :class:`OutOfPagesError` as
+    :func:`bring_back`'s."""
+    for segment in chain.segments_in_lower_tiers():
+        if bring_back(cache, segment):
+            continue
+        kept = 0
+        for ref in chain.refs:
+            if ref.segment is segment:
+                break
+            kept += ref.num_rows
+        trimmed = chain.num_rows - kept
+        chain.trim(trimmed)
+        return trimmed
+    return 0
+
+
 def _page_slots(pages: list[int], page_size: int) -> list[int]:
     return [page * page_size + offset for page in pages for offset in range(page_size)]
 

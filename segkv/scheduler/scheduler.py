@@ -12,7 +12,7 @@ from segkv.cache.chain import KVChain
 from segkv.cache.kv_cache import PagedKVCache
 from segkv.cache.page_pool import OutOfPagesError
 from segkv.cache.prefix_index import PrefixIndex
-from segkv.cache.tiers import bring_back, offload
+from segkv.cache.tiers import bring_back_chain, offload
 
 
 @dataclass(slots=True, frozen=True)
@@ -239,22 +239,16 @@ class Scheduler:
         """Bring ``seq``'s segments in the KV tiers back into pages (counted free by
         :meth:`_pages_needed`); a segment whose copy is gone or bad is recomputed instead, with
         every row after it."""
-        for segment in seq.chain.segments_in_lower_tiers():
-            pages = len(segment.tier_holds)
-            if bring_back(self.cache, segment):
-                out.num_restored_pages += pages
-                continue
-            chain = seq.chain
-            kept = 0
-            for ref in chain.refs:
-                if ref.segment is segment:
-                    break
-                kept += ref.num_rows
-            self.num_tier_recomputed_rows += chain.num_rows - kept
-            tokens = seq.all_token_ids()
-            chain.trim(chain.num_rows - kept)
-            seq.pending = tokens[kept:]
+        chain = seq.chain
+        pages = sum(len(s.tier_holds) for s in chain.segments_in_lower_tiers())
+        if not pages:
             return
+        before = self.pool.num_free_pages
+        trimmed = bring_back_chain(self.cache, chain)
+        out.num_restored_pages += before - self.pool.num_free_pages
+        if trimmed:
+            self.num_tier_recomputed_rows += trimmed
+            seq.pending = seq.all_token_ids()[chain.num_rows:]
 
     def make_room(self, pages_short: int) -> bool:
         """Free ``pages_short`` more pages if it can: idle segments moved to the KV tiers (when the

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from segkv.cache.chain import ChainSnapshot
+from segkv.cache.tiers import bring_back_chain
 from segkv.runner.layer_windows import history_window
 from segkv.sessions.snapshot_file import load_snapshot, save_snapshot
 from segkv.outputs import CompletionOutput, TurnStats
@@ -82,6 +83,7 @@ class Conversation:
         self.llm.check_prompt_length(len(ids))
         pool, runner = self.llm.cache.pool, self.llm.runner
         before = (pool.pages_in_use, pool.bytes_in_use, pool.bytes_copied, dict(runner.route_counts))
+        bring_back_chain(self.llm.cache, self.chain)  # rows moved to the KV tiers (or recomputed)
         cached = self._reuse_prefix(ids)
         seq = self.llm.generator.new_sequence(0, self.chain, ids, ids[cached:], params)
         self.llm.generator.run([seq])

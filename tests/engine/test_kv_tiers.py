@@ -140,3 +140,25 @@ def test_the_server_shows_the_tiers_in_health_and_metrics(model_dir, tmp_path):
     finally:
         engine.shutdown()
     assert httpx.get is not None
+
+
+def test_a_conversation_brings_its_history_back_or_recomputes_it(model_dir):
+    """The offline conversation API: a history moved to the tiers comes back for the next turn; a
+    lost copy is recomputed; the tokens are those of a conversation that kept its pages."""
+    from segkv.cache.tiers import offload
+
+    turn = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = LLM(model_dir, dtype="float32", page_size=PAGE, num_pages=64).conversation()
+    want = [plain.say(text, turn).output.token_ids for text in ("hello there", "and more", "once more")]
+    llm = LLM(model_dir, dtype="float32", page_size=PAGE, num_pages=64, kv_offload_host_gib=0.01)
+    conv = llm.conversation()
+    got = [conv.say("hello there", turn).output.token_ids]
+    assert all(offload(llm.cache, ref.segment) for ref in conv.chain.refs)
+    got.append(conv.say("and more", turn).output.token_ids)
+    assert conv.last_stats.cached_tokens > 0 and llm.cache.tiers.stats()["host_hits"] > 0
+    for ref in conv.chain.refs:
+        offload(llm.cache, ref.segment)
+        llm.cache.tiers.discard(ref.segment.segment_id)  # the copy is lost: these rows are recomputed
+    got.append(conv.say("once more", turn).output.token_ids)
+    assert conv.last_stats.cached_tokens == 0  # recomputed from the first lost segment on
+    assert got == want
