@@ -54,10 +54,11 @@ def run_sessions(llm: LLM, sessions: int, turns: int, seed: int) -> dict[int, li
 
 
 def test_histories_larger_than_the_pool_come_back_from_the_tiers(model_dir, tmp_path):
-    """A pool of 12 pages carries more than 8 times that many pages of history: the tokens are the
-    large pool's, and the prefix matches cover as many tokens as there (nothing the tiers held is
-    recomputed); without tiers the same load recomputes evicted histories (the test's power)."""
-    sessions, turns, pages = 14, 3, 12
+    """50 sessions (and a fork) over a pool of 12 pages, which carries more than 8 times that many
+    pages of history: the tokens are the large pool's, and the prefix matches cover as many tokens
+    as there (nothing the tiers held is recomputed); without tiers the same load recomputes evicted
+    histories (the test's power)."""
+    sessions, turns, pages = 50, 2, 12
     big = LLM(model_dir, dtype="float32", page_size=PAGE, num_pages=512)
     want = run_sessions(big, sessions, turns, seed=7)
     assert sum(len(h) for h in want.values()) > 8 * pages * PAGE  # 8N pages of history over N
