@@ -302,8 +302,9 @@ def bring_back(cache, segment: Segment) -> bool:
                               f"{cache.pool.num_free_pages} are free")
     pages = cache.pool.allocate(need)
     slots = _page_slots(pages, cache.pool.page_size)
+    parts = 2 if cache.file_layout.kind == "mha" else 1  # K and V, or the latent rows (read_rows' order)
     for layer in range(cache.file_layout.num_layers):
-        cache.write_rows(layer, slots, *(tensors[f"{layer}.{j}"] for j in range(_parts_per_layer(tensors, layer))))
+        cache.write_rows(layer, slots, *(tensors[f"{layer}.{j}"] for j in range(parts)))
     if rows_checksum(_read_pages(cache, pages)) != tiers.checksum_of(segment.segment_id):
         cache.pool.decref(pages)
         tiers.discard(segment.segment_id)
@@ -336,10 +337,6 @@ def bring_back_chain(cache, chain) -> int:
 
 def _page_slots(pages: list[int], page_size: int) -> list[int]:
     return [page * page_size + offset for page in pages for offset in range(page_size)]
-
-
-def _parts_per_layer(tensors: Mapping[str, torch.Tensor], layer: int) -> int:
-    return sum(1 for name in tensors if name.split(".")[0] == str(layer))
 
 
 def _read_pages(cache, pages: list[int]) -> dict[str, torch.Tensor]:

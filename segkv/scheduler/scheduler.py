@@ -239,10 +239,9 @@ class Scheduler:
         """Bring ``seq``'s segments in the KV tiers back into pages (counted free by
         :meth:`_pages_needed`); a segment whose copy is gone or bad is recomputed instead, with
         every row after it."""
-        chain = seq.chain
-        pages = sum(len(s.tier_holds) for s in chain.segments_in_lower_tiers())
-        if not pages:
+        if self.cache.tiers is None:  # no segment can be out of its pages
             return
+        chain = seq.chain
         before = self.pool.num_free_pages
         trimmed = bring_back_chain(self.cache, chain)
         out.num_restored_pages += before - self.pool.num_free_pages
@@ -276,8 +275,10 @@ class Scheduler:
         ps = self.pool.page_size
         tail = seq.chain.num_tail_rows
         room = (-tail) % ps if tail else 0
-        back = sum(len(s.tier_holds) for s in seq.chain.segments_in_lower_tiers())  # coming back
-        return -(-max(0, num_tokens - room) // ps) + back
+        pages = -(-max(0, num_tokens - room) // ps)
+        if self.cache.tiers is not None:  # segments in the tiers come back into pages first
+            pages += sum(len(s.tier_holds) for s in seq.chain.segments_in_lower_tiers())
+        return pages
 
     def preempt(self, seq: Schedulable) -> None:
         """Release a running sequence's rows (keeping them findable in the prefix index) and
