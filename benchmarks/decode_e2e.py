@@ -68,6 +68,7 @@ import torch
 
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype
+from segkv.models.fp8_loading import quantize_linears
 from segkv.models.loader import keep_fp32
 from segkv.models.registry import model_class
 from benchmarks.hf_baseline import (
@@ -534,6 +535,9 @@ def run_model(name: str, cfg: dict, cases: list[tuple[int, int]], args, report: 
         if model is None:
             release(device)  # (after the except block: its traceback no longer holds the tensors)
             model, copied = build_segkv(cfg, device=device, dtype=dtype)
+        if args.quantization == "fp8":
+            info["fp8_layers"] = quantize_linears(model, dtype)
+            release(device)
     sync(device)
     info.update(build_s=time.perf_counter() - started, copied_bytes=copied, config=cfg,
                 params=sum(p.numel() for p in model.parameters()),
@@ -648,6 +652,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=("real", "tiny"), default="real")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="segkv's projections quantized to FP8 per channel after the build (implies --skip-hf)")
     p.add_argument("--page-size", type=int, default=None, help="rows per page (default: the engine's, "
                    "32 on CUDA and 16 elsewhere)")
     p.add_argument("--init-std", type=float, default=0.02)
@@ -671,6 +677,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     names = [n for n in args.models.split(",") if n]
     args.hf_variants = [v for v in args.hf_variants.split(",") if v]
+    if args.quantization:  # transformers runs the full-precision weights: no comparison
+        args.skip_hf = True
     bad = [n for n in names if n not in MODELS] + [v for v in args.hf_variants if v not in HF_VARIANTS]
     if bad or args.steps < HF_SKIPPED_FORWARDS + 2 or args.trials < 1:
         raise SystemExit(f"bad arguments: {bad or 'steps must be >= 5 and trials >= 1'}")

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from segkv.kernels.fused.fused_ops import silu_and_mul
+from segkv.layers.fp8 import Fp8Linear, set_stacked, stack_fp8
 from segkv.layers.linear import RowProduct
 from segkv.layers.norm import RMSNorm
 
@@ -26,13 +27,21 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
+        self._gate_up_fp8: Fp8Linear | None = None  # the same for FP8 projections (not saved)
         self._row_product = RowProduct()  # batch-1 decode (layers.linear)
+
+    stacks_fp8 = True  # use_fused also stacks FP8 projections (CausalLM.use_fused_ops)
 
     def use_fused(self) -> None:
         """Stack ``gate_proj`` and ``up_proj`` into one ``(2I, hidden)`` weight (one GEMM instead of
         two; their parameters become views of it, so no second copy stays alive) and run
-        SiLU-and-mul as one Triton kernel (kernels/fused/fused_ops.py)."""
-        if self._gate_up is None:
+        SiLU-and-mul as one Triton kernel (kernels/fused/fused_ops.py). FP8 projections stack
+        into one FP8 layer (``layers.fp8.stack_fp8``) where their scales allow."""
+        fp8 = [isinstance(p, Fp8Linear) for p in (self.gate_proj, self.up_proj)]
+        if all(fp8):
+            if self._gate_up_fp8 is None:
+                set_stacked(self, "_gate_up_fp8", stack_fp8(self.gate_proj, self.up_proj))
+        elif self._gate_up is None and not any(fp8):
             self._gate_up = stack_linears(self.gate_proj, self.up_proj)
 
     @property
@@ -41,6 +50,8 @@ class GatedMLP(nn.Module):
         return self._gate_up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gate_up_fp8 is not None:
+            return self.down_proj(silu_and_mul(self._gate_up_fp8(x)))
         if self._gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(silu_and_mul(F.linear(x, *self._gate_up)))  # [gate | up] -> act

@@ -137,3 +137,52 @@ class Fp8Linear(nn.Module):
 def fp8_modules(model: nn.Module) -> list[Fp8Linear]:
     """The model's FP8 linear layers."""
     return [m for m in model.modules() if isinstance(m, Fp8Linear)]
+
+
+def stack_fp8(*layers: Fp8Linear) -> Fp8Linear | None:
+    """One FP8 layer whose output is ``layers``' outputs concatenated (q/k/v or gate/up: one
+    product instead of several), or None where their scale grids do not stack.
+
+    The stacked weight ``(sum of outputs, in)`` is their weights concatenated, and each layer's
+    weight and scale become views of the stacked ones (no second copy stays alive). Scales stack
+    row-wise: per-channel scales always (a per-tensor scale is repeated per channel first), block
+    scales where the layers share one block and every layer but the last fills whole row blocks.
+    Biases: on all layers or none."""
+    first = layers[0]
+    if len({(m.in_features, m.weight.device, m.model_dtype) for m in layers}) != 1:
+        return None
+    if any((m.bias is None) != (first.bias is None) for m in layers):
+        return None
+    per_channel = all(m.scheme in ("tensor", "channel") for m in layers)
+    if not per_channel and (any(m.block != first.block for m in layers)
+                            or any(m.out_features % m.block[0] for m in layers[:-1])):
+        return None
+    with torch.no_grad():
+        if per_channel:  # (N, 1) each: one scale per output row
+            scales = [m.weight_scale.float().expand(m.out_features, 1) for m in layers]
+        else:
+            scales = [m.weight_scale for m in layers]
+        stacked = Fp8Linear(first.in_features, sum(m.out_features for m in layers), bias=first.bias is not None,
+                            block=None if per_channel else first.block, device=first.weight.device,
+                            model_dtype=first.model_dtype)
+        stacked.weight = nn.Parameter(torch.cat([m.weight for m in layers]), requires_grad=False)
+        stacked.weight_scale = nn.Parameter(torch.cat(scales).contiguous(), requires_grad=False)
+        if first.bias is not None:
+            stacked.bias = nn.Parameter(torch.cat([m.bias for m in layers]), requires_grad=False)
+        row = scale_row = 0
+        for m, scale in zip(layers, scales):
+            rows, scale_rows = m.out_features, scale.shape[0]
+            m.weight = nn.Parameter(stacked.weight[row:row + rows], requires_grad=False)
+            m.weight_scale = nn.Parameter(stacked.weight_scale[scale_row:scale_row + scale_rows], requires_grad=False)
+            if per_channel:
+                m.block = (1, m.in_features)
+            if m.bias is not None:
+                m.bias = nn.Parameter(stacked.bias[row:row + rows], requires_grad=False)
+            row, scale_row = row + rows, scale_row + scale_rows
+    return stacked
+
+
+def set_stacked(owner: nn.Module, name: str, stacked: Fp8Linear | None) -> None:
+    """``owner.<name> = stacked`` without registering it as a submodule: its parameters are views
+    of the pieces', which the state dict and parameter counts already hold once."""
+    owner.__dict__[name] = stacked

@@ -13,6 +13,7 @@ from segkv.kernels.fused.fused_ops import mla_rope_and_write_latent, mla_rope_fu
 from segkv.kernels.gemv.head_gemv import MAX_IN as HEAD_GEMV_MAX_IN
 from segkv.kernels.gemv.head_gemv import head_gemv
 from segkv.layers.activation import stack_linears
+from segkv.layers.fp8 import Fp8Linear, set_stacked, stack_fp8
 from segkv.layers.linear import RowProduct
 from segkv.layers.norm import PendingCombine, RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
@@ -97,21 +98,32 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = nn.Linear(d.num_heads * d.v_head_dim, d.hidden_size, bias=bias)
         self.fused = False  # see use_fused
         self._x_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
+        self._x_proj_fp8: Fp8Linear | None = None  # the same for FP8 projections (not saved)
         self._row_product = RowProduct()  # batch-1 decode's x and o products (layers.linear)
 
     def use_fused(self) -> None:
         """RoPE of q and k and the latent cache write as one kernel (GPU decode), and the two
         projections of ``x`` (``q_proj`` or ``q_a_proj``, and ``kv_a_proj_with_mqa``) stacked into
-        one weight: one GEMM instead of two (their parameters become views of it)."""
+        one weight: one GEMM instead of two (their parameters become views of it). FP8
+        projections stack into one FP8 layer (``layers.fp8.stack_fp8``) where their scales allow."""
         self.fused = mla_rope_fusable(self.dims.qk_rope_head_dim)
         first = self.q_proj if self.dims.q_lora_rank is None else self.q_a_proj
-        if self._x_proj is None and (first.bias is None) == (self.kv_a_proj_with_mqa.bias is None):
+        fp8 = [isinstance(p, Fp8Linear) for p in (first, self.kv_a_proj_with_mqa)]
+        if all(fp8):
+            if self._x_proj_fp8 is None:
+                set_stacked(self, "_x_proj_fp8", stack_fp8(first, self.kv_a_proj_with_mqa))
+        elif (self._x_proj is None and not any(fp8)
+              and (first.bias is None) == (self.kv_a_proj_with_mqa.bias is None)):
             self._x_proj = stack_linears(first, self.kv_a_proj_with_mqa)
+
+    stacks_fp8 = True  # use_fused also stacks FP8 projections (CausalLM.use_fused_ops)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x (T, hidden)`` -> ``q (T, H * qk_head_dim)`` and the latent ``(T, r + rope)`` (views of
         one GEMM's output when stacked)."""
         d = self.dims
+        if self._x_proj_fp8 is not None:
+            return self._split_product(self._x_proj_fp8(x))
         if self._x_proj is None:
             q_or_a = self.q_proj(x) if d.q_lora_rank is None else self.q_a_proj(x)
             latent = self.kv_a_proj_with_mqa(x)
@@ -221,7 +233,7 @@ class MultiHeadLatentAttention(nn.Module):
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         """Attention's ``(T, H, v)`` -> the output projection ``(T, hidden)``."""
         out = out.reshape(out.shape[0], self.dims.num_heads * self.dims.v_head_dim)
-        if self.fused:
+        if self.fused and not isinstance(self.o_proj, Fp8Linear):  # an FP8 o_proj runs its own product
             return self._row_product(out, self.o_proj.weight, self.o_proj.bias)
         return self.o_proj(out)
 

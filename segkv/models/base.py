@@ -76,9 +76,11 @@ class CausalLM(nn.Module):
         residual add, SiLU-and-mul and RoPE with the cache write as single Triton kernels. The
         routed experts of a mixture-of-experts layer keep their own packing. Irreversible.
 
-        Modules with FP8 projections (:class:`~segkv.layers.fp8.Fp8Linear`) stay unfused: stacking
-        and the one-row GEMVs read plain weights in the activation dtype, and the FP8 layers run
-        their own product (``kernels.quant.fp8_gemm``); the norms and routers still fuse. Routed
+        Modules with FP8 projections (:class:`~segkv.layers.fp8.Fp8Linear`) fuse where they say
+        so (``stacks_fp8``: attention and gated MLPs stack their FP8 projections into one FP8
+        layer, which runs its own product, ``kernels.quant.fp8_gemm``); the others stay unfused,
+        as the one-row GEMVs read plain weights in the activation dtype. The norms and routers
+        still fuse. Routed
         experts without FP8 weights are packed (``MixtureOfExperts.pack_experts``): a prefill's
         pairs then run as grouped products on the device, not one GEMM per expert from the host.
         A tensor-parallel shard (``models/tensor_parallel.py``) stays unfused."""
@@ -92,7 +94,8 @@ class CausalLM(nn.Module):
                    for m in moe.experts.modules()}
         for module in self.modules():
             fp8 = any(isinstance(child, Fp8Linear) for child in module.children())
-            if id(module) not in experts and hasattr(module, "use_fused") and not fp8:
+            if id(module) not in experts and hasattr(module, "use_fused") and (
+                    not fp8 or getattr(module, "stacks_fp8", False)):
                 module.use_fused()
             if isinstance(module, MixtureOfExperts) and not any(isinstance(m, Fp8Linear) for m in module.modules()):
                 module.pack_experts()

@@ -15,6 +15,7 @@ from segkv.attention.plan import AttentionShape
 from segkv.config import KVLayout
 from segkv.kernels.fused.fused_ops import rope_and_write_kv, rope_fusable
 from segkv.layers.activation import GatedMLP, stack_linears
+from segkv.layers.fp8 import Fp8Linear, set_stacked, stack_fp8
 from segkv.layers.attention import PagedAttention
 from segkv.layers.linear import RowProduct
 from segkv.layers.norm import PendingCombine, RMSNorm
@@ -91,16 +92,27 @@ class DecoderAttention(nn.Module):
         self.fused = False  # RoPE and the cache write in one Triton kernel (kernels/fused/fused_ops.py)
         self._rope_fusable = rope_fusable(cfg.head_dim, interleaved=rotary.interleaved)
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see use_fused (not saved)
+        self._qkv_fp8: Fp8Linear | None = None  # the same for FP8 projections (not saved)
         self._row_product = RowProduct()  # batch-1 decode (layers.linear)
+
+    stacks_fp8 = True  # use_fused also stacks FP8 projections (CausalLM.use_fused_ops)
 
     def use_fused(self) -> None:
         """Stack the q, k and v projections into one weight (one GEMM instead of three; their
-        parameters become views of it) and fuse RoPE with the cache write where it can."""
-        if self._qkv is None:
-            self._qkv = stack_linears(self.q_proj, self.k_proj, self.v_proj)
+        parameters become views of it) and fuse RoPE with the cache write where it can. FP8
+        projections stack into one FP8 layer (``layers.fp8.stack_fp8``) where their scales allow."""
+        pieces = (self.q_proj, self.k_proj, self.v_proj)
+        fp8 = [isinstance(p, Fp8Linear) for p in pieces]
+        if all(fp8):
+            if self._qkv_fp8 is None:
+                set_stacked(self, "_qkv_fp8", stack_fp8(*pieces))
+        elif self._qkv is None and not any(fp8):
+            self._qkv = stack_linears(*pieces)
         self.fused = self._rope_fusable
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._qkv_fp8 is not None:
+            return self._split_heads(*self._qkv_fp8(x).split(self._qkv_sizes(), dim=-1))
         if self._qkv is None:
             return self._split_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
         return self._split_heads(*F.linear(x, *self._qkv).split(self._qkv_sizes(), dim=-1))

@@ -153,6 +153,28 @@ class Fp8Plan:
         return "fp8: " + ", ".join(parts) if parts else None
 
 
+def quantize_linears(model: nn.Module, dtype: torch.dtype) -> int:
+    """Quantize a built model's projections (``FP8_PROJECTIONS``, plain ``nn.Linear``) in place to
+    FP8 per output channel, one layer at a time (the full-precision weight of each is freed as
+    its FP8 copy is made); ``dtype``: the activations' dtype. Returns the number of layers
+    quantized. The loader does the same from a checkpoint (``quantization="fp8"``); this is for
+    models built otherwise (benchmarks with random weights)."""
+    targets = [n for n, m in model.named_modules()
+               if type(m) is nn.Linear and n.rsplit(".", 1)[-1] in FP8_PROJECTIONS]
+    for target in targets:
+        parent_name, _, leaf = target.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear = getattr(parent, leaf)
+        layer = Fp8Linear.like(linear, None, dtype)
+        with torch.no_grad():
+            weight, scale = quantize_per_channel(linear.weight)
+            layer.weight.data, layer.weight_scale.data = weight, scale
+            if linear.bias is not None:
+                layer.bias.data = linear.bias.detach()
+        setattr(parent, leaf, layer)
+    return len(targets)
+
+
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:
     try:
         return model.get_submodule(name)

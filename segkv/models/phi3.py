@@ -19,6 +19,7 @@ from torch import nn
 
 from segkv.attention.metadata import AttentionMetadata
 from segkv.layers.activation import GatedMLP
+from segkv.layers.fp8 import Fp8Linear
 from segkv.layers.norm import RMSNorm
 from segkv.layers.rotary import RotaryEmbedding, rope_type_of
 from segkv.models.base import CausalLM, PreNormBlock
@@ -53,7 +54,7 @@ class Phi3Attention(DecoderAttention):
 
     def use_fused(self) -> None:
         """The weight is already stacked: the one-GEMM path uses it as it is (no copy)."""
-        if self._qkv is None:
+        if self._qkv is None and not isinstance(self.qkv_proj, Fp8Linear):
             self._qkv = (self.qkv_proj.weight, self.qkv_proj.bias)
         self.fused = self._rope_fusable
 
@@ -78,7 +79,7 @@ class Phi3MLP(GatedMLP):
 
     def use_fused(self) -> None:
         """The weight is already stacked ``[gate | up]``: SiLU-and-mul reads it as it is (no copy)."""
-        if self._gate_up is None:
+        if self._gate_up is None and not isinstance(self.gate_up_proj, Fp8Linear):
             self._gate_up = (self.gate_up_proj.weight, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ def test_llm_quantization_fp8_reports_fp8_weight_bytes(bf16_dir, gen):
     assert "fp8: 14 layers" in fp8.describe_summary()
     assert fp8.fingerprint != plain.fingerprint  # snapshots of one do not restore into the other
     prompt = torch.randint(0, fp8.model.cfg.vocab_size, (12,), generator=gen).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=6)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     out = fp8.generate([prompt], params)[0]
     assert len(out.outputs[0].token_ids) == 6
 
@@ -57,9 +57,26 @@ def test_cli_quantization_flag():
         parser.parse_args(["serve", "--quantization", "int8"])
 
 
+def test_fp8_with_fused_ops_and_emulated_graphs_decodes_as_unfused(bf16_dir, gen):
+    """Fused ops stack the FP8 q/k/v and gate/up projections (Triton's interpreter runs the
+    stacked products, the RoPE-and-write kernel and the emulated graph step): greedy decode gives
+    the tokens of the unfused FP8 model."""
+    fused = LLM(bf16_dir, quantization="fp8", fused_ops=True, cuda_graphs="emulate", backend="triton",
+                **SETTINGS)
+    plain = LLM(bf16_dir, quantization="fp8", fused_ops=False, **SETTINGS)
+    attn, mlp = fused.model.model.layers[0].self_attn, fused.model.model.layers[0].mlp
+    assert isinstance(attn._qkv_fp8, Fp8Linear) and isinstance(mlp._gate_up_fp8, Fp8Linear)
+    assert plain.model.model.layers[0].self_attn._qkv_fp8 is None
+    prompts = [torch.randint(0, plain.model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (9, 17)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in fused.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert got == want and all(len(t) == 6 for t in got)
+
+
 @pytest.mark.gpu
 def test_fp8_on_cuda_with_graphs_matches_the_dequantized_model(bf16_dir, tmp_path, gen):
-    """On CUDA in bfloat16 with CUDA graphs and fused ops (the FP8 projections unfused, their
+    """On CUDA in bfloat16 with CUDA graphs and fused ops (the FP8 projections stacked, their
     Triton product inside the graphs): prompt logits close to the same model with the dequantized
     weights in bfloat16, and decode runs."""
     from segkv.layers.fp8 import fp8_modules

@@ -211,3 +211,51 @@ def test_gemv_launches_of_the_sweep_give_the_dequantized_product(per_row, rows, 
         launch_gemv(x, layer.weight, layer.weight_scale, block, None, y,
                     GemvLaunch(block_n=8, acc_elements=1024, per_row=per_row))
         torch.testing.assert_close(y.double().cpu(), x.double().cpu() @ w.T, rtol=1e-5, atol=1e-5)
+
+
+STACKS = {  # pieces' (out, block) and whether they stack
+    "tensor+channel": ([(64, "tensor"), (32, "channel"), (32, "tensor")], True),
+    "block": ([(64, (32, 48)), (32, (32, 48)), (40, (32, 48))], True),  # the last fills part of a block
+    "block-straddling": ([(40, (32, 48)), (32, (32, 48))], False),
+    "mixed-blocks": ([(64, (32, 48)), (64, (32, 32))], False),
+    "block+channel": ([(64, (32, 48)), (64, "channel")], False),
+}
+
+
+@pytest.mark.parametrize("case", list(STACKS))
+def test_stack_fp8_is_the_pieces_outputs_concatenated(case, gen):
+    from segkv.layers.fp8 import stack_fp8
+
+    specs, stacks = STACKS[case]
+    in_dim = 96
+    pieces, weights = [], []
+    for out_dim, block in specs:
+        block = {"tensor": (out_dim, in_dim), "channel": (1, in_dim)}.get(block, block)
+        layer, w = fp8_layer(out_dim, in_dim, block, gen, bias=True)
+        pieces.append(layer)
+        weights.append(w)
+    x = torch.randn(5, in_dim, generator=gen)
+    separate = [p(x) for p in pieces]
+    stacked = stack_fp8(*pieces)
+    if not stacks:
+        assert stacked is None
+        return
+    y = stacked(x)
+    assert y.shape == (5, sum(o for o, _ in specs)) and torch.isfinite(y).all()
+    torch.testing.assert_close(y, torch.cat(separate, dim=-1), rtol=0, atol=0)
+    ref = torch.nn.functional.linear(x.double(), torch.cat(weights), stacked.bias.double())
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    # each piece is now a view of the stacked layer and still computes its own output
+    row = 0
+    for piece, out in zip(pieces, separate):
+        assert piece.weight.data_ptr() == stacked.weight[row].data_ptr()
+        torch.testing.assert_close(piece(x), out, rtol=0, atol=0)
+        row += piece.out_features
+
+
+def test_stack_fp8_refuses_biases_on_some_pieces(gen):
+    from segkv.layers.fp8 import stack_fp8
+
+    a, _ = fp8_layer(32, 64, (1, 64), gen, bias=True)
+    b, _ = fp8_layer(32, 64, (1, 64), gen, bias=False)
+    assert stack_fp8(a, b) is None

@@ -78,8 +78,9 @@ def random_prompt(model, gen, n: int = 20) -> list[int]:
     return torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist()
 
 
-def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def weight_bytes(model, but: str | None = None) -> int:
+    """The bytes of ``model``'s parameters (``but``: those whose name ends so left out)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not (but and n.endswith(but)))
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -194,16 +195,64 @@ def test_fp8_moe_layers_packed_for_device_dispatch_match_the_looped_experts(tmp_
     torch.testing.assert_close(prompt_logits(model, prompt), looped, rtol=1e-5, atol=1e-5)
 
 
-def test_fused_ops_leave_fp8_projections_unstacked(tmp_path, gen):
-    build_model_dir(tmp_path / "src", "qwen3")
-    model = load_model(tmp_path / "src", quantization="fp8")
+def _stackable(pieces) -> bool:
+    """Whether ``stack_fp8`` can stack these FP8 layers (computed from their scale grids)."""
+    if all(m.scheme in ("tensor", "channel") for m in pieces):
+        return True
+    return (len({m.block for m in pieces}) == 1 and all(m.scheme == "block" for m in pieces)
+            and all(m.out_features % m.block[0] == 0 for m in pieces[:-1]))
+
+
+@pytest.mark.parametrize("fmt", ["deepseek-block", "vllm-fp8-tensor-static", "vllm-fp8-channel", "ct-block",
+                                 "ct-tensor-static-ignore", "mla-block"])
+def test_fused_ops_stack_fp8_projections(fmt, tmp_path, gen):
+    """``use_fused_ops`` stacks FP8 q/k/v, gate/up and MLA's x projections into one FP8 layer
+    each where their scale grids stack (the pieces' parameters become views of it), and leaves
+    them separate where they do not (a layer kept unquantized, block scales straddling pieces);
+    the logits do not change."""
+    if fmt == "mla-block":
+        build_deepseek_dir(tmp_path / "src", **DEEPSEEK_MOE)
+        config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+        write_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "deq", scheme="block", block=(16, 16),
+                             scale_name="weight_scale_inv", config=config)
+    else:
+        family, kwargs = FORMATS[fmt]
+        build_model_dir(tmp_path / "src", family)
+        write_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "deq", **kwargs)
+    model = load_model(tmp_path / "fp8")
     prompt = random_prompt(model, gen)
     before = prompt_logits(model, prompt)
+    keys, nbytes = set(model.state_dict()), weight_bytes(model, but="weight_scale")
     model.use_fused_ops()
-    layer = model.model.layers[0]
-    assert layer.self_attn._qkv is None and layer.mlp.stacked_gate_up is None
-    assert layer.input_layernorm.fused  # the norms still fuse
-    torch.testing.assert_close(prompt_logits(model, prompt), before, rtol=1e-5, atol=1e-5)
+    # the stacks are views, not saved (per-tensor scales of stacked pieces become per-channel views)
+    assert set(model.state_dict()) == keys and weight_bytes(model, but="weight_scale") == nbytes
+    groups = []  # (stacked layer or None, its pieces)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if fmt == "mla-block":
+            first = attn.q_proj if attn.dims.q_lora_rank is None else attn.q_a_proj
+            groups.append((attn._x_proj_fp8, (first, attn.kv_a_proj_with_mqa)))
+            assert attn._x_proj is None
+        else:
+            groups.append((attn._qkv_fp8, (attn.q_proj, attn.k_proj, attn.v_proj)))
+            assert attn._qkv is None
+        if hasattr(mlp, "gate_proj"):  # a dense MLP (MoE layers keep their experts' own packing)
+            groups.append((mlp._gate_up_fp8, (mlp.gate_proj, mlp.up_proj)))
+        assert layer.input_layernorm.fused  # the norms fuse either way
+    stacked = 0
+    for fused, pieces in groups:
+        if not all(isinstance(m, Fp8Linear) for m in pieces):
+            assert fused is None  # one piece kept unquantized: nothing to stack
+            continue
+        assert (fused is not None) == _stackable(pieces), [m.block for m in pieces]
+        if fused is not None:
+            stacked += 1
+            assert fused.weight.data_ptr() == pieces[0].weight.data_ptr()
+            assert sum(m.out_features for m in pieces) == fused.out_features
+            assert pieces[-1].weight.data_ptr() == fused.weight[-pieces[-1].out_features:].data_ptr()
+    assert stacked > 0
+    after = prompt_logits(model, prompt)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
 
 
 # -- refusals ------------------------------------------------------------------------------------

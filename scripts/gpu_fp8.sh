@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# FP8 weights on the GPU, results under $OUT:
+#   tests   the FP8 kernel, layer, loading and engine tests (bfloat16 on CUDA, graphs)
+#   linear  benchmarks.fp8_linear at 1 and 4 rows, then the decode GEMV's launch sweep
+#   e2e     whole-model decode of the 8B shape, bf16 then FP8 weights (batch 1, 1K context)
+# Sections run in the order given (default: all three).
+set -uo pipefail
+# shellcheck source=scripts/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
+parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(tests linear e2e)
+for part in "${parts[@]}"; do
+  case $part in
+    tests)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/layers/test_fp8.py tests/engine/test_fp8_engine.py \
+        tests/models/test_fp8_loading.py 2>&1 | tail -15 | tee "$OUT/fp8_tests.txt" ;;
+    linear)
+      timeout 120 python3 -m benchmarks.fp8_linear --rows 1 4 --json "$OUT/fp8_linear.json" 2>&1 | tail -20 \
+        | tee "$OUT/fp8_linear.txt"
+      timeout 150 python3 -m benchmarks.fp8_linear --rows 1 --sweep gemv --json "$OUT/fp8_sweep.json" 2>&1 | tail -40 \
+        | tee "$OUT/fp8_sweep.txt" ;;
+    e2e)
+      for q in none fp8; do
+        timeout 200 python3 -m benchmarks.decode_e2e --models llama-3.1-8b --batches 1 --contexts 1024 --skip-hf \
+          --json "$OUT/e2e_$q.json" $([ $q = fp8 ] && echo --quantization fp8) 2>&1 | tail -4 | tee -a "$OUT/e2e.txt"
+      done ;;
+  esac
+done
