@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fp8_helpers import write_dtype_checkpoint
+from gpu_helpers import DEVICE, GRAPHS
 from model_helpers import build_model_dir
 from segkv.cli import build_parser
 from segkv.engine import LLM
@@ -61,9 +62,9 @@ def test_fp8_with_fused_ops_and_emulated_graphs_decodes_as_unfused(bf16_dir, gen
     """Fused ops stack the FP8 q/k/v and gate/up projections (Triton's interpreter runs the
     stacked products, the RoPE-and-write kernel and the emulated graph step): greedy decode gives
     the tokens of the unfused FP8 model."""
-    fused = LLM(bf16_dir, quantization="fp8", fused_ops=True, cuda_graphs="emulate", backend="triton",
-                **SETTINGS)
-    plain = LLM(bf16_dir, quantization="fp8", fused_ops=False, **SETTINGS)
+    settings = {**SETTINGS, "device": DEVICE}  # on the GPU where there is one (the interpreter otherwise)
+    fused = LLM(bf16_dir, quantization="fp8", fused_ops=True, cuda_graphs=GRAPHS, backend="triton", **settings)
+    plain = LLM(bf16_dir, quantization="fp8", fused_ops=False, **settings)
     attn, mlp = fused.model.model.layers[0].self_attn, fused.model.model.layers[0].mlp
     assert isinstance(attn._qkv_fp8, Fp8Linear) and isinstance(mlp._gate_up_fp8, Fp8Linear)
     assert plain.model.model.layers[0].self_attn._qkv_fp8 is None

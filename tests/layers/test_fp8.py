@@ -133,10 +133,11 @@ def test_launch_shapes():
     from segkv.kernels.quant.fp8_gemm import MIN_PROGRAMS, gemv_launch, launch_for
 
     # decode rows: the GEMV, chunks inside a scale block where blocks split K, else elementwise scales
+    # (one program per row and weight block: BLOCK_M 1)
     assert gemv_launch(1, 4096, 4096) == (1, 1024, True)
     assert gemv_launch(1, 4096, 128) == (1, 128, True)
-    assert gemv_launch(3, 14336, 14336) == (4, 256, True)
-    assert gemv_launch(2, 4096, 40) == (2, 16, False)
+    assert gemv_launch(3, 14336, 14336) == (1, 1024, True)
+    assert gemv_launch(2, 4096, 40) == (1, 16, False)
 
     assert launch_for(1, 4096, 4096, 128) == (16, 32, 128, 4)  # a step stays inside its 128-wide block
     assert launch_for(1, 28672, 4096, 4096) == (16, 32, 512, 4)  # per channel: the widest step
@@ -160,13 +161,15 @@ for m, n, k, bk in cases:
                             "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bkk, "num_warps": 4, "num_stages": stages},
                             pointers={"X": "*bf16", "W": "*u8", "S": "*fp32", "B": "*fp32", "Y": "*bf16"})
         out.append({"launch": [bm, bn, bkk], "shared": c.shared, "spills": c.spill_bytes, "mma": "mma" in c.ptx})
-from segkv.kernels.quant.fp8_gemm import GEMV_LAUNCH, fp8_gemv_kernel, gemv_launch
+from segkv.kernels.quant.fp8_gemm import GEMV_LAUNCH, fp8_gemv_kernel, fp8_gemv_row_kernel, gemv_launch
 gemv = []
 for m, k, bk in [(1, 4096, 4096), (1, 14336, 128), (4, 4096, 4096), (2, 4096, 48)]:
     bm, bkk, per_chunk = gemv_launch(m, k, bk)
-    c = compile_offline(fp8_gemv_kernel, {"HAS_BIAS": False, "SCALE_PER_CHUNK": per_chunk, "NATIVE_FP8": True,
-                        "BLOCK_M": bm, "BLOCK_N": GEMV_LAUNCH.block_n, "BLOCK_K": bkk,
-                        "num_warps": GEMV_LAUNCH.num_warps, "num_stages": GEMV_LAUNCH.num_stages},
+    rows = {} if GEMV_LAUNCH.per_row else {"BLOCK_M": bm}  # the kernel launch_gemv launches
+    c = compile_offline(fp8_gemv_row_kernel if GEMV_LAUNCH.per_row else fp8_gemv_kernel,
+                        {"HAS_BIAS": False, "SCALE_PER_CHUNK": per_chunk, "NATIVE_FP8": True, **rows,
+                         "BLOCK_N": GEMV_LAUNCH.block_n, "BLOCK_K": bkk,
+                         "num_warps": GEMV_LAUNCH.num_warps, "num_stages": GEMV_LAUNCH.num_stages},
                         pointers={"X": "*bf16", "W": "*u8", "S": "*fp32", "B": "*fp32", "Y": "*bf16"})
     gemv.append({"launch": [bm, bkk], "shared": c.shared, "spills": c.spill_bytes, "cvt": "e4m3" in c.ptx})
 print(json.dumps({"gemm": out, "gemv": gemv}))

@@ -10,6 +10,7 @@ import torch
 
 from fp8_helpers import edit_config, reference_dequantize, reference_quantize, rewrite_tensors, \
     write_dtype_checkpoint, write_fp8_checkpoint
+from gpu_helpers import DEVICE
 from model_helpers import build_deepseek_dir, build_model_dir
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig
@@ -66,9 +67,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def prompt_logits(model, prompt: list[int], dtype=torch.float32) -> torch.Tensor:
     """``(len(prompt), vocab)`` float32 logits of ``model`` over ``prompt`` (chunks of 7 rows)."""
-    cache = PagedKVCache(model.kv_layout(dtype), CacheConfig(page_size=16, num_pages=32))
+    device = model.lm_head.weight.device
+    cache = PagedKVCache(model.kv_layout(dtype), CacheConfig(page_size=16, num_pages=32), device=device)
     chain = cache.new_chain()
-    logits = ModelRunner(model, cache, prefill_chunk=7).prompt_logits(chain, prompt)
+    logits = ModelRunner(model, cache, device=device, prefill_chunk=7).prompt_logits(chain, prompt).cpu()
     chain.release()
     assert torch.isfinite(logits).all()
     return logits
@@ -186,7 +188,7 @@ def test_fp8_moe_layers_packed_for_device_dispatch_match_the_looped_experts(tmp_
     config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
     write_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "deq", scheme="block", block=(16, 16),
                          scale_name="weight_scale_inv", config=config)
-    model = load_model(tmp_path / "fp8")
+    model = load_model(tmp_path / "fp8", device=DEVICE)
     prompt = random_prompt(model, gen)
     looped = prompt_logits(model, prompt)
     moe = model.model.layers[1].mlp
@@ -219,7 +221,7 @@ def test_fused_ops_stack_fp8_projections(fmt, tmp_path, gen):
         family, kwargs = FORMATS[fmt]
         build_model_dir(tmp_path / "src", family)
         write_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "deq", **kwargs)
-    model = load_model(tmp_path / "fp8")
+    model = load_model(tmp_path / "fp8", device=DEVICE)  # the fused kernels on the GPU where there is one
     prompt = random_prompt(model, gen)
     before = prompt_logits(model, prompt)
     keys, nbytes = set(model.state_dict()), weight_bytes(model, but="weight_scale")

@@ -171,12 +171,12 @@ class GemvLaunch:
     weight rows x inputs; at 4 warps, 4096 is 32 registers a thread), the widest input chunk,
     warps and pipeline stages. ``benchmarks/fp8_linear.py --sweep`` times alternatives."""
 
-    block_n: int = 4
-    acc_elements: int = 4096
-    max_block_k: int = 1024
+    block_n: int = 8
+    acc_elements: int = 8192
+    max_block_k: int = 2048
     num_warps: int = 4
     num_stages: int = 3
-    per_row: bool = False  # one program per (row, weight block): fp8_gemv_row_kernel
+    per_row: bool = True  # one program per (row, weight block): fp8_gemv_row_kernel
 
 
 GEMV_LAUNCH = GemvLaunch()
