@@ -217,22 +217,23 @@ class Scheduler:
             if segment.in_lower_tier:
                 continue
             held = in_use.get(id(segment), 0)
-            if held and not self._copy_out_of(segment, held, busy):
+            if held and not self._copy_out_of(segment, busy):
                 continue
             offload(self.cache, segment)
         return self.pool.num_free_pages - before
 
-    def _copy_out_of(self, segment, held: int, busy: Sequence[Schedulable]) -> bool:
-        """Give the busy chains that hold the first ``held`` pages of ``segment`` their own copy of
-        those rows, when that frees more pages than it takes (a history forked from another's
-        first rows), so the segment can leave its pages; whether it did."""
-        if 2 * held >= segment.held_pages or held > self.pool.num_free_pages:
+    def _copy_out_of(self, segment, busy: Sequence[Schedulable]) -> bool:
+        """Give each busy chain that holds the first rows of ``segment`` its own copy of them,
+        when the copies together fit the free pages and free more pages than they take (histories
+        forked from another's first rows), so the segment can leave its pages; whether it did."""
+        # every busy chain holding it takes a copy (a chain listed twice in busy, once)
+        copies = {(id(seq.chain), i): (seq.chain, i, self.pool.pages_for_rows(ref.num_rows))
+                  for seq in busy for i, ref in enumerate(seq.chain.refs) if ref.segment is segment}
+        cost = sum(pages for _, _, pages in copies.values())
+        if 2 * cost >= segment.held_pages or cost > self.pool.num_free_pages:
             return False
-        for seq in busy:
-            chain = seq.chain
-            for i, ref in enumerate(chain.refs):
-                if ref.segment is segment:
-                    chain.own_copy(i)
+        for chain, i, _ in copies.values():
+            chain.own_copy(i)
         return True
 
     def _bring_back(self, seq: Schedulable, out: SchedulerOutput) -> None:

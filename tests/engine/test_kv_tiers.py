@@ -163,3 +163,26 @@ def test_a_conversation_brings_its_history_back_or_recomputes_it(model_dir):
     got.append(conv.say("once more", turn).output.token_ids)
     assert conv.last_stats.cached_tokens == 0  # recomputed from the first lost segment on
     assert got == want
+
+
+@pytest.mark.parametrize("shared,num_pages", [(20, 16), (40, 18), (40, 24)])
+def test_requests_sharing_the_first_rows_of_a_cached_history_under_pressure(shared, num_pages, model_dir):
+    """Requests that all start with the first rows of a cached history, admitted together into a
+    nearly full pool: the history may leave its pages only if the copies of those first rows
+    (one per request) fit the free pages and free more than they take; the step never asks
+    for pages that are not there, and the replies are those of a large pool."""
+    rng = random.Random(11)
+    history = [rng.randrange(3, 200) for _ in range(110)]
+    prompts = [history[:shared] + [rng.randrange(3, 200) for _ in range(50)] for _ in range(6)]
+    big = LLM(model_dir, dtype="float32", page_size=PAGE, num_pages=512)
+    small = LLM(model_dir, dtype="float32", page_size=PAGE, num_pages=num_pages, kv_offload_host_gib=0.01,
+                max_model_len=160)
+    complete(small, history)
+    core = small.core
+    with core.lock:
+        requests = [core.add_request(p, PARAMS, cache_rows=True) for p in prompts]
+        while not all(r.finished for r in requests):
+            core.step()
+    got = [list(r.output().outputs[0].token_ids) for r in requests]
+    assert got == [complete(big, p) for p in prompts]
+    assert core.scheduler.num_tier_recomputed_rows == 0
