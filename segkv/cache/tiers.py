@@ -15,6 +15,7 @@ segment files of earlier runs are removed, since no segment of this process refe
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 FILE_PREFIX = "segment-"
 FILE_SUFFIX = ".safetensors"
 CHECKSUM_KEY = "segkv.tier.checksum"
+TRANSFERS = ("to_host", "from_host", "to_disk", "from_disk")  # the directions copies are timed in
 # int32 words summed per step of rows_checksum: bounds its temporary memory (128 MiB of int64)
 CHECKSUM_CHUNK_WORDS = 1 << 24
 _WEIGHT_PERIOD = 1_048_573  # a prime: word i weighs (i mod period) + 1, so moved words change the sum
@@ -74,6 +76,7 @@ class _Copy:
     tensors: dict[str, torch.Tensor] | None = None
     path: Path | None = None
     ready: object | None = None  # a CUDA event: the copy from the GPU is complete once it is
+    started: object | None = None  # a CUDA event recorded before the copy (its time)
 
 
 class SegmentTiers:
@@ -99,7 +102,9 @@ class SegmentTiers:
         self.host_bytes = self.disk_bytes = 0
         self.counters = dict.fromkeys(
             ("stored", "host_hits", "disk_hits", "misses", "spilled_to_disk", "dropped", "corrupt",
-             "bytes_to_host", "bytes_to_disk", "bytes_from_disk", "files_removed_at_start"), 0)
+             "bytes_to_host", "bytes_to_disk", "bytes_from_disk", "bytes_from_host", "files_removed_at_start"), 0)
+        # seconds the copies took, per direction (TRANSFERS): bytes over seconds is the rate
+        self.seconds = dict.fromkeys(TRANSFERS, 0.0)
         if self.disk_dir is not None:
             self._prepare_directory(self.disk_dir)
 
@@ -115,10 +120,23 @@ class SegmentTiers:
         """The checksum of the rows ``key``'s copy was made from (KeyError without a copy)."""
         return (self._host.get(key) or self._disk[key]).checksum
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
+        """Bytes and segments per tier, the counters, the seconds each direction's copies took
+        (``seconds_to_host`` ...) and their rates (``to_host_bytes_per_s`` ..., 0 before any)."""
+        for copy in self._host.values():  # copies from the GPU finished by now are timed
+            if copy.ready is not None and copy.ready.query():
+                self._settle(copy)
+        seconds = {f"seconds_{d}": t for d, t in self.seconds.items()}
+        rates = {f"{d}_bytes_per_s": round(self.counters[f"bytes_{d}"] / t) if t > 0 else 0
+                 for d, t in self.seconds.items()}
         return {"host_bytes": self.host_bytes, "host_segments": len(self._host), "host_capacity": self.host_capacity,
                 "disk_bytes": self.disk_bytes, "disk_segments": len(self._disk),
-                "disk_capacity": self.disk_capacity, **self.counters}
+                "disk_capacity": self.disk_capacity, **self.counters, **seconds, **rates}
+
+    def record_copy_back(self, nbytes: int, seconds: float) -> None:
+        """Count a copy of ``nbytes`` from the host tier into pages that took ``seconds``."""
+        self.counters["bytes_from_host"] += nbytes
+        self.seconds["from_host"] += seconds
 
     # -- in and out ---------------------------------------------------------------------
     def put(self, key: int, tensors: Mapping[str, torch.Tensor], checksum: int) -> bool:
@@ -131,10 +149,16 @@ class SegmentTiers:
         nbytes = tensor_bytes(tensors)
         if nbytes > max(self.host_capacity, self.disk_capacity):
             return False
+        on_gpu = any(t.is_cuda for t in tensors.values())
+        started = torch.cuda.Event(enable_timing=True) if on_gpu else time.perf_counter()
+        if on_gpu:
+            started.record()
         copy = _Copy(nbytes, checksum, tensors=self._to_host(tensors))
-        if any(t.is_cuda for t in tensors.values()):
-            copy.ready = torch.cuda.Event()
+        if on_gpu:  # timed once it is complete (_settle)
+            copy.started, copy.ready = started, torch.cuda.Event(enable_timing=True)
             copy.ready.record()
+        else:
+            self.seconds["to_host"] += time.perf_counter() - started
         self.counters["stored"] += 1
         self.counters["bytes_to_host"] += nbytes
         if nbytes > self.host_capacity:  # too big for the host tier: straight to disk
@@ -153,9 +177,7 @@ class SegmentTiers:
         copy = self._host.get(key)
         if copy is not None:
             self._host.move_to_end(key)
-            if copy.ready is not None:
-                copy.ready.synchronize()
-                copy.ready = None
+            self._settle(copy)
             self.counters["host_hits"] += 1
             return copy.tensors
         copy = self._disk.pop(key, None)
@@ -217,12 +239,21 @@ class SegmentTiers:
         self.counters["dropped"] += 1
         log.debug("segment %s leaves the KV tiers (%s): its rows will be recomputed", key, why)
 
+    def _settle(self, copy: _Copy) -> None:
+        """Wait for ``copy``'s copy from the GPU and count its time (nothing for a finished one)."""
+        if copy.ready is None:
+            return
+        copy.ready.synchronize()
+        self.seconds["to_host"] += copy.started.elapsed_time(copy.ready) / 1e3
+        copy.ready = copy.started = None
+
     def _write(self, key: int, copy: _Copy) -> None:
-        if copy.ready is not None:
-            copy.ready.synchronize()
+        self._settle(copy)
         path = self.disk_dir / f"{FILE_PREFIX}{self._run}-{key}{FILE_SUFFIX}"
+        started = time.perf_counter()
         atomic_save_file(path, {name: t.contiguous() for name, t in copy.tensors.items()},
                          {CHECKSUM_KEY: str(copy.checksum)})
+        self.seconds["to_disk"] += time.perf_counter() - started
         self._disk[key] = _Copy(copy.nbytes, copy.checksum, path=path)
         self.disk_bytes += copy.nbytes
         self.counters["bytes_to_disk"] += copy.nbytes
@@ -230,9 +261,11 @@ class SegmentTiers:
     def _read(self, key: int, copy: _Copy) -> dict[str, torch.Tensor] | None:
         """The file's tensors, or None (file removed, warning logged) unless they are whole and
         match the checksum the copy was made with."""
+        started = time.perf_counter()
         try:
             with safe_open(copy.path, framework="pt") as reader:
                 tensors = {name: reader.get_tensor(name) for name in reader.keys()}
+            self.seconds["from_disk"] += time.perf_counter() - started
             problem = None if rows_checksum(tensors) == copy.checksum else "its checksum does not match"
         except (OSError, SafetensorError) as exc:
             tensors, problem = None, f"it cannot be read ({exc})"
@@ -300,6 +333,7 @@ def bring_back(cache, segment: Segment) -> bool:
     if need > cache.pool.num_free_pages:
         raise OutOfPagesError(f"segment {segment.segment_id} needs {need} pages to come back, "
                               f"{cache.pool.num_free_pages} are free")
+    started = time.perf_counter()
     pages = cache.pool.allocate(need)
     slots = _page_slots(pages, cache.pool.page_size)
     parts = 2 if cache.file_layout.kind == "mha" else 1  # K and V, or the latent rows (read_rows' order)
@@ -312,6 +346,8 @@ def bring_back(cache, segment: Segment) -> bool:
         log.warning("segment %s came back different from its checksum: its rows will be recomputed",
                     segment.segment_id)
         return False
+    # (the checksum's comparison waited for the copy: the time is the copy's and its check's)
+    tiers.record_copy_back(tensor_bytes(tensors), time.perf_counter() - started)
     segment.move_in(pages)
     return True
 

@@ -56,10 +56,13 @@ def _tier_metrics(tiers: dict | None, model: str):
         yield family
     moved = CounterMetricFamily("segkv:kv_tier_bytes_moved", "Bytes copied between the KV tiers.",
                                 labels=["model_name", "direction"])
-    for direction, key in (("to_host", "bytes_to_host"), ("to_disk", "bytes_to_disk"),
-                           ("from_disk", "bytes_from_disk")):
-        moved.add_metric([model, direction], tiers.get(key, 0))
+    took = CounterMetricFamily("segkv:kv_tier_transfer_seconds", "Seconds the copies between the KV tiers took "
+                               "(bytes_moved over it: the transfer rate).", labels=["model_name", "direction"])
+    for direction in ("to_host", "from_host", "to_disk", "from_disk"):
+        moved.add_metric([model, direction], tiers.get(f"bytes_{direction}", 0))
+        took.add_metric([model, direction], tiers.get(f"seconds_{direction}", 0.0))
     yield moved
+    yield took
     for name, doc, key in (("segkv:kv_tier_misses", "Segments asked of the KV tiers that no tier held.", "misses"),
                            ("segkv:kv_tier_corrupt", "Segment copies dropped by their checksum check.", "corrupt"),
                            ("segkv:kv_tier_recomputed_rows", "KV rows recomputed for lost tier copies.",

@@ -81,8 +81,11 @@ def test_a_segment_goes_out_and_comes_back_with_its_holders(kind, gen):
     fork.release()  # a holder lets go while the segment is out
     assert middle.tier_holds == [2, 2]
 
+    assert cache.tiers.stats()["bytes_from_host"] == 0
     assert bring_back(cache, middle)
     assert not middle.in_lower_tier and refcounts(cache, middle) == [2, 2]
+    stats = cache.tiers.stats()  # the copy back into pages is counted and timed
+    assert stats["bytes_from_host"] == stats["bytes_to_host"] > 0 and stats["seconds_from_host"] > 0
     assert all(torch.equal(a, b) for a, b in zip(chain_rows(cache, chain), before))
     plan_attention([SequenceQuery.from_chain(chain, 1)], shape, DeviceSpec.cpu(), page_size=PAGE)
     for c in (chain, other):

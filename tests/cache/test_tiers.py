@@ -74,6 +74,16 @@ def test_copies_come_back_bit_identical_from_host_and_disk(gen, tmp_path):
     # 0 came back to the host, pushing 3 down; 4 was used next, then 2 came back, pushing 0 down
     assert [tiers.tier_of(k) for k in range(5)] == ["disk", "disk", "host", "disk", "host"]
     assert tiers.stats()["disk_hits"] == 2 and tiers.stats()["host_hits"] == 1
+    # every direction's copies are timed: bytes over seconds is its rate
+    stats = tiers.stats()
+    assert stats["bytes_to_host"] == 5 * size and stats["bytes_to_disk"] >= 4 * size
+    assert stats["bytes_from_disk"] == 2 * size
+    for direction in ("to_host", "to_disk", "from_disk"):
+        assert stats[f"seconds_{direction}"] > 0, direction
+        rate = stats[f"{direction}_bytes_per_s"]
+        assert rate > 0 and rate == pytest.approx(stats[f"bytes_{direction}"] / stats[f"seconds_{direction}"],
+                                                  rel=1e-6), direction
+    assert stats["seconds_from_host"] == 0 and stats["from_host_bytes_per_s"] == 0  # no copy into pages here
     tiers.discard(1)
     tiers.discard(0)
     assert 1 not in tiers and 0 not in tiers and tiers.get(1) is None and tiers.stats()["misses"] == 1

@@ -138,6 +138,9 @@ def test_the_server_shows_the_tiers_in_health_and_metrics(model_dir, tmp_path):
                     and 'tier="host"' in line]
             assert hits and float(hits[0].rsplit(" ", 1)[1]) == tiers["host_hits"]
             assert "segkv:kv_tier_bytes{" in metrics
+            took = [line for line in metrics.splitlines() if line.startswith("segkv:kv_tier_transfer_seconds_total{")
+                    and 'direction="from_host"' in line]
+            assert took and float(took[0].rsplit(" ", 1)[1]) > 0 and tiers["from_host_bytes_per_s"] > 0
     finally:
         engine.shutdown()
     assert httpx.get is not None
