@@ -120,6 +120,18 @@ th:last-child, td:last-child { padding-right:0; }
   <div class="row"><span>windows</span><span id="spec-drafts" data-updated="">&ndash;</span></div>
   <div class="row"><span>draft tokens</span><span id="spec-draft-tokens" data-updated="">&ndash;</span></div>
   <div class="row"><span>accepted tokens</span><span id="spec-accepted-tokens" data-updated="">&ndash;</span></div></div>
+ <div class="card hidden" id="tiers-card"><h2 title="idle segments' copies below the GPU's pages">KV tiers</h2>
+  <table><colgroup><col><col style="width:22%"><col style="width:30%"><col style="width:20%"></colgroup>
+  <thead><tr><th>tier</th><th class="n">segments</th><th class="n">bytes</th><th class="n">hits</th></tr></thead>
+  <tbody id="tiers" data-updated=""></tbody></table>
+  <div class="row" title="segments asked of the tiers that no tier held"><span>misses</span>
+   <span id="tiers-misses" data-updated="">&ndash;</span></div>
+  <div class="row" title="rows recomputed because their copy was lost or bad">
+   <span>recomputed rows</span><span id="tiers-recomputed" data-updated="">&ndash;</span></div>
+  <div class="row"><span>to host</span><span id="tiers-rate-to-host" data-updated="">&ndash;</span></div>
+  <div class="row"><span>back into pages</span><span id="tiers-rate-from-host" data-updated="">&ndash;</span></div>
+  <div class="row"><span>to disk</span><span id="tiers-rate-to-disk" data-updated="">&ndash;</span></div>
+  <div class="row"><span>from disk</span><span id="tiers-rate-from-disk" data-updated="">&ndash;</span></div></div>
  <div class="card wide hidden" id="sessions-card"><h2>Sessions (<span id="sessions-count">0</span>)</h2>
   <div class="scroll"><table><colgroup><col><col style="width:12%"><col style="width:14%">
    <col style="width:14%"><col style="width:18%"><col style="width:14%"></colgroup>
@@ -211,6 +223,18 @@ function speculative(x, now) {  // null: speculation is off, no card
   put("spec-draft-tokens", x.num_draft_tokens, undefined, now);
   put("spec-accepted-tokens", x.num_accepted_tokens, undefined, now);
 }
+function tiers(t, now) {  // null: the engine has no KV tiers, no card
+  $("tiers-card").classList.toggle("hidden", !t);
+  if (!t) return;
+  rows($("tiers"), ["host", "disk"].map((tier) => [tier, [tier, t[tier + "_segments"],
+       bytes(t[tier + "_bytes"]) + " / " + bytes(t[tier + "_capacity"]), t[tier + "_hits"]]]), now);
+  put("tiers-misses", t.misses, undefined, now);
+  put("tiers-recomputed", t.recomputed_rows, undefined, now);
+  for (const d of ["to_host", "from_host", "to_disk", "from_disk"]) {
+    const rate = t[d + "_bytes_per_s"];
+    put("tiers-rate-" + d.replace("_", "-"), rate, rate ? bytes(rate) + "/s" : DASH, now);
+  }
+}
 function render(s, now) {
   put("model", s.model, undefined, now); $("model").title = s.model ?? "";
   put("max-model-len", s.max_model_len, missing(s.max_model_len) ? undefined
@@ -239,6 +263,7 @@ function render(s, now) {
   put("prefix-cached-tokens", p.num_cached_tokens, undefined, now);
   rows($("routes"), Object.entries(s.routes || {}).sort().map(([r, n]) => [r, [r, n]]), now);
   speculative(s.speculative || null, now);
+  tiers(s.kv_tiers || null, now);
   sessions(Array.isArray(s.sessions) ? s.sessions : null, now);
   sparkline(tps);
 }

@@ -197,6 +197,24 @@ def test_dashboard_updates_live_in_a_browser(served, monkeypatch):
             assert layout["contentWidth"] <= layout["cardWidth"], "the sessions table overflows its card"
             assert layout["clipped"], "a long session id is cut with an ellipsis, not wrapped"
             assert layout["cardHeight"] < 400, "a long list scrolls inside the card"
+            # the KV tiers' card: hidden without tiers, else segments, bytes and hits per tier and the rates
+            assert not page.is_visible("#tiers-card"), "no KV tiers in the stats: no tiers card"
+            tiers = page.evaluate("""() => {
+                render({num_pages: 600, pages_in_use: 3, routes: {}, prefix: {}, decode_tokens_per_s: 0,
+                        kv_tiers: {host_segments: 7, host_bytes: 3 * 1024 * 1024, host_capacity: 4 * 1024 ** 3,
+                                   host_hits: 12, disk_segments: 2, disk_bytes: 2048, disk_capacity: 1024 ** 4,
+                                   disk_hits: 1, misses: 3, recomputed_rows: 0, to_host_bytes_per_s: 5 * 1024 ** 3,
+                                   from_host_bytes_per_s: 20 * 1024 ** 3, to_disk_bytes_per_s: 0,
+                                   from_disk_bytes_per_s: 1536}},
+                       Date.now());
+                return [...document.querySelectorAll('#tiers tr')].map(
+                    (tr) => [...tr.children].map((td) => td.textContent));
+            }""")
+            assert tiers == [["host", "7", "3.0 MiB / 4.0 GiB", "12"], ["disk", "2", "2.0 KiB / 1.0 TiB", "1"]]
+            assert page.is_visible("#tiers-card")
+            assert [page.text_content(f"#tiers-{k}") for k in ("misses", "recomputed", "rate-to-host",
+                    "rate-from-host", "rate-to-disk", "rate-from-disk")] == [
+                "3", "0", "5.0 GiB/s", "20.0 GiB/s", "\u2013", "1.5 KiB/s"]
             assert not foreign, f"requests to other hosts: {foreign}"
             assert not failed, f"failed requests: {failed}"
             assert not console_errors, f"console errors: {console_errors}"
