@@ -53,6 +53,7 @@ case (segkv from one run, a Hugging Face variant from another), without a GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import inspect
 import json
@@ -67,7 +68,7 @@ from pathlib import Path
 import torch
 
 from segkv.cache import PagedKVCache
-from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype
+from segkv.config import CacheConfig, CompactionPolicy, default_page_size, parse_dtype, resolve_kv_cache_dtype
 from segkv.models.fp8_loading import quantize_linears
 from segkv.models.loader import keep_fp32
 from segkv.models.registry import model_class
@@ -183,14 +184,21 @@ def bandwidth_limit(*, weight_bytes: float, kv_bytes: float, bandwidth: float, b
             "step_s": step_s, "tokens_per_s": batch / step_s}
 
 
-def case_limit(model, *, batch: int, context: int, dtype: torch.dtype, bandwidth: float) -> dict:
+def cache_layout(model, dtype: torch.dtype, kv_cache_dtype: str = "auto"):
+    """The model's KV layout for activations of ``dtype``, stored as ``kv_cache_dtype`` says
+    (``"fp8"``: e4m3 bytes, one per element)."""
+    return dataclasses.replace(model.kv_layout(dtype), dtype=resolve_kv_cache_dtype(kv_cache_dtype, dtype))
+
+
+def case_limit(model, *, batch: int, context: int, dtype: torch.dtype, bandwidth: float,
+               kv_cache_dtype: str = "auto") -> dict:
     """The bandwidth limit of one (batch, context) decode step of segkv's ``model``."""
     sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
     router = getattr(model.cfg, "router", None)
     experts = {"num_experts": router.num_experts, "top_k": router.top_k} if router else {}
     tied = bool(getattr(model.cfg, "tie_word_embeddings", False))
     weights, distinct = step_weight_bytes(sizes, batch=batch, tied=tied, **experts)
-    out = bandwidth_limit(weight_bytes=weights, kv_bytes=batch * context * model.kv_layout(dtype).row_bytes,
+    out = bandwidth_limit(weight_bytes=weights, kv_bytes=batch * context * cache_layout(model, dtype, kv_cache_dtype).row_bytes,
                           bandwidth=bandwidth, batch=batch)
     if router:
         out["expected_distinct_experts"] = distinct
@@ -386,17 +394,20 @@ def case_pages(batch: int, context: int, *, steps: int, warmup: int, page_size: 
 
 
 def segkv_case(model, *, device: torch.device, dtype: torch.dtype, batch: int, context: int, steps: int,
-               trials: int, warmup: int, page_size: int, graphs: str, seed: int) -> dict:
+               trials: int, warmup: int, page_size: int, graphs: str, seed: int, kv_cache_dtype: str = "auto") -> dict:
     """Time greedy decode steps of ``batch`` sequences with ``context`` random cache rows each."""
-    layout = model.kv_layout(dtype)
+    layout = cache_layout(model, dtype, kv_cache_dtype)
     pages = case_pages(batch, context, steps=steps, warmup=warmup, page_size=page_size)
     cache = PagedKVCache(layout, CacheConfig(page_size=page_size, num_pages=pages), device=device,
                          compaction=CompactionPolicy(enabled=False))
     torch.manual_seed(seed)
     for layer in range(layout.num_layers):  # random rows: the values do not change a step's cost
-        cache.storage.key_cache(layer).normal_()
-        if layout.kind == "mha":
-            cache.storage.value_cache(layer).normal_()
+        for part in (cache.storage.key_cache(layer), *([cache.storage.value_cache(layer)] if layout.kind == "mha"
+                                                       else [])):
+            if layout.fp8:  # random finite e4m3 bytes (0x7F and 0xFF are NaN patterns)
+                part.view(torch.uint8).random_(0, 0x7F)
+            else:
+                part.normal_()
     chains = [cache.new_chain() for _ in range(batch)]
     out: dict = {"kv_cache_bytes": pages * page_size * layout.row_bytes, "cuda_graphs": False}
     runners = []
@@ -542,7 +553,7 @@ def run_model(name: str, cfg: dict, cases: list[tuple[int, int]], args, report: 
     info.update(build_s=time.perf_counter() - started, copied_bytes=copied, config=cfg,
                 params=sum(p.numel() for p in model.parameters()),
                 weight_bytes_all=sum(p.numel() * p.element_size() for p in model.parameters()),
-                kv_row_bytes=model.kv_layout(dtype).row_bytes)
+                kv_row_bytes=cache_layout(model, dtype, args.kv_cache_dtype).row_bytes)
     if hf is not None:
         info["parity"] = _guarded(parity, model, hf, device=device, dtype=dtype, vocab=cfg["vocab_size"],
                                   seed=args.seed)
@@ -565,11 +576,12 @@ def run_model(name: str, cfg: dict, cases: list[tuple[int, int]], args, report: 
         for batch, context in cases:
             if time.time() > deadline:
                 return False
-            limit = case_limit(model, batch=batch, context=context, dtype=dtype, bandwidth=bandwidth)
+            limit = case_limit(model, batch=batch, context=context, dtype=dtype, bandwidth=bandwidth,
+                               kv_cache_dtype=args.kv_cache_dtype)
             case = {"model": name, "batch": batch, "context": context, "status": "done", "hf": {},
                     "limit": limit}
             pages = case_pages(batch, context, steps=args.steps, warmup=args.warmup, page_size=args.page_size)
-            need = pages * args.page_size * model.kv_layout(dtype).row_bytes + reserve
+            need = pages * args.page_size * cache_layout(model, dtype, args.kv_cache_dtype).row_bytes + reserve
             if args.skip_segkv:
                 case["segkv"] = {"skipped": "--skip-segkv"}
             elif need > (free := free_for(need)):
@@ -579,7 +591,7 @@ def run_model(name: str, cfg: dict, cases: list[tuple[int, int]], args, report: 
                 case["segkv"] = _guarded(segkv_case, model, device=device, dtype=dtype, batch=batch,
                                          context=context, steps=args.steps, trials=args.trials,
                                          warmup=args.warmup, page_size=args.page_size, graphs=args.graphs,
-                                         seed=args.seed)
+                                         seed=args.seed, kv_cache_dtype=args.kv_cache_dtype)
             if _rate(case["segkv"]):
                 case["ratio"] = case["segkv"]["tokens_per_s"] / case["limit"]["tokens_per_s"]
             for variant in ([] if args.skip_hf else args.hf_variants):
@@ -652,6 +664,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=("real", "tiny"), default="real")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="segkv's KV cache: in --dtype, or e4m3 bytes with unit scales (implies --skip-hf)")
     p.add_argument("--quantization", choices=("fp8",), default=None,
                    help="segkv's projections quantized to FP8 per channel after the build (implies --skip-hf)")
     p.add_argument("--page-size", type=int, default=None, help="rows per page (default: the engine's, "
@@ -677,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     names = [n for n in args.models.split(",") if n]
     args.hf_variants = [v for v in args.hf_variants.split(",") if v]
-    if args.quantization:  # transformers runs the full-precision weights: no comparison
+    if args.quantization or args.kv_cache_dtype != "auto":  # transformers runs full precision: no comparison
         args.skip_hf = True
     bad = [n for n in names if n not in MODELS] + [v for v in args.hf_variants if v not in HF_VARIANTS]
     if bad or args.steps < HF_SKIPPED_FORWARDS + 2 or args.trials < 1:

@@ -3,6 +3,7 @@
 #   tests   the FP8 kernel, layer, loading and engine tests (bfloat16 on CUDA, graphs)
 #   linear  benchmarks.fp8_linear at 1 and 4 rows, then the decode GEMV's launch sweep
 #   e2e     whole-model decode of the 8B shape, bf16 then FP8 weights (batch 1, 1K context)
+#   kv      whole-model decode of the 8B shape at 16K, bf16 then FP8 KV rows (batch 16 and 32)
 # Sections run in the order given (default: all three).
 set -uo pipefail
 # shellcheck source=scripts/gpu_env.sh
@@ -23,6 +24,11 @@ for part in "${parts[@]}"; do
       for q in none fp8; do
         timeout 200 python3 -m benchmarks.decode_e2e --models llama-3.1-8b --batches 1 --contexts 1024 --skip-hf \
           --json "$OUT/e2e_$q.json" $([ $q = fp8 ] && echo --quantization fp8) 2>&1 | tail -4 | tee -a "$OUT/e2e.txt"
+      done ;;
+    kv)  # an FP8 KV cache against bf16 rows at batch 16 and 32, 16K (bf16 rows of batch 32 need 64 GiB)
+      for kv in auto fp8; do
+        timeout 250 python3 -m benchmarks.decode_e2e --models llama-3.1-8b --batches 16,32 --contexts 16384 --skip-hf \
+          --kv-cache-dtype $kv --json "$OUT/e2e_kv_$kv.json" 2>&1 | tail -4 | tee -a "$OUT/e2e_kv.txt"
       done ;;
   esac
 done

@@ -119,6 +119,24 @@ def test_pipeline_segkv_alone(tmp_path, monkeypatch):
     assert report["models"]["qwen3-32b"]["params"] > 0
 
 
+def test_fp8_weights_and_fp8_kv_cache(tmp_path):
+    """``--quantization fp8 --kv-cache-dtype fp8``: the projections FP8 (their bytes in the limit),
+    the KV rows one byte an element, decode equal to the eager reference; no Hugging Face side."""
+    plain = _run(tmp_path, "plain", "--skip-hf", "--models", "llama-3.1-8b,deepseek-v2-lite", "--batches", "2",
+                 "--contexts", "40")
+    fp8 = _run(tmp_path, "fp8", "--models", "llama-3.1-8b,deepseek-v2-lite", "--batches", "2", "--contexts", "40",
+               "--quantization", "fp8", "--kv-cache-dtype", "fp8")
+    assert fp8["args"]["skip_hf"] and fp8["args"]["kv_cache_dtype"] == "fp8"
+    for name in ("llama-3.1-8b", "deepseek-v2-lite"):
+        info, before = fp8["models"][name], plain["models"][name]
+        assert info["fp8_layers"] >= 7 and info["weight_bytes_all"] < before["weight_bytes_all"]
+        assert 2 * info["kv_row_bytes"] == before["kv_row_bytes"]  # bfloat16 rows (the default) against e4m3
+        a, b = _cases(fp8)[(name, 2, 40)], _cases(plain)[(name, 2, 40)]
+        assert a["segkv"]["tokens_equal_eager"] and a["segkv"]["tokens_per_s"] > 0
+        assert a["limit"]["weight_bytes"] < b["limit"]["weight_bytes"]
+        assert 2 * a["limit"]["kv_bytes"] == b["limit"]["kv_bytes"] > 0
+
+
 def test_pipeline_with_hugging_face(tmp_path, capsys):
     report = _run(tmp_path, "hf", "--models", "qwen3-8b,deepseek-v2-lite", "--batches", "1,2",
                   "--contexts", "32", "--dtype", "float32", "--init-std", "0.2",
