@@ -192,20 +192,25 @@ class PrefixIndex:
         """Free at least ``num_pages`` pages if possible, dropping LRU evictable leaves.
 
         A leaf is evictable when only the index holds its pages; a parent whose last child
-        goes becomes a leaf and may follow in the same call. Returns pages actually freed.
+        goes becomes a leaf and may follow in the same call. A segment in a lower KV tier holds no
+        pages: dropping it would free none and lose the copy that spares its recompute, so it
+        stays. Returns pages actually freed.
         """
         before = self.pool.num_free_pages
         tie = itertools.count()
-        heap = [(n.last_used, next(tie), n) for n in self._nodes() if not n.children]
-        heap = [entry for entry in heap if self._held_by_index_only(entry[2])]
+        heap = [(n.last_used, next(tie), n) for n in self._nodes() if not n.children and self._frees_pages(n)]
         heapq.heapify(heap)
         while heap and self.pool.num_free_pages - before < num_pages:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             self._remove(node)
-            if parent is not self._root and not parent.children and self._held_by_index_only(parent):
+            if parent is not self._root and not parent.children and self._frees_pages(parent):
                 heapq.heappush(heap, (parent.last_used, next(tie), parent))
         return self.pool.num_free_pages - before
+
+    def _frees_pages(self, node: _Node) -> bool:
+        """Whether dropping ``node`` frees its pages: they are in the pool and only the index holds them."""
+        return not node.ref.segment.in_lower_tier and self._held_by_index_only(node)
 
     def num_evictable_pages(self) -> int:
         """Pages that :meth:`evict` could free right now (whole evictable subtrees)."""

@@ -1,6 +1,7 @@
 """benchmarks/tiers_serve.py on the CPU with a tiny model: conversations whose histories overflow
-the KV pool are served from the tiers when they are on (more cached prompt tokens, tier hits, no
-recompute of what was offloaded) and recomputed when they are off; every request completes."""
+the KV pool are served from the tiers when they are on (every turn finds the whole prompt of the
+turn before, tier hits, no recompute of what was offloaded) and recomputed when they are off;
+every request completes."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ def test_multi_turn_serving_with_tiers_on_and_off(tmp_path):
     cached_off = sum(t["cached_tokens"] for t in off["per_turn"][1:])
     cached_on = sum(t["cached_tokens"] for t in on["per_turn"][1:])
     assert cached_on > cached_off, (cached_on, cached_off)
+    # with the tiers every turn finds at least the whole prompt of the turn before, in pages or back
+    for before, turn in zip(on["per_turn"], on["per_turn"][1:]):
+        assert turn["cached_tokens"] >= before["input_tokens"], (before, turn)
     for mode in (off, on):
         assert [t["turn"] for t in mode["per_turn"]] == [1, 2, 3]
         assert all(t["completed"] == 8 and t["failed"] == 0 and t["median_ttft_ms"] > 0 for t in mode["per_turn"])

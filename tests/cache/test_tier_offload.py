@@ -170,6 +170,35 @@ def test_the_prefix_index_counts_holds_across_tiers(gen):
     assert index.evict(3) == 3 and cache.pool.pages_in_use == 0
 
 
+def test_eviction_keeps_segments_in_the_tiers_and_frees_resident_ones(gen):
+    """Pages short after a spill: the index evicts what holds pages, least recently used first, and
+    keeps a segment in the tiers (older, but dropping it would free nothing and lose its copy)."""
+    cache = make_cache()
+    index = PrefixIndex(cache.pool)
+    segments = []
+    for start in (0, 100):  # two cached histories of 9 tokens (3 pages each), the first older
+        chain = cache.new_chain()
+        tokens = list(range(start, start + 9))
+        slots = chain.append(9, token_ids=tokens)
+        for layer in range(cache.layout.num_layers):
+            cache.storage.write(layer, slots, *(torch.randn(9, 2, 8, generator=gen) for _ in range(2)))
+        chain.seal()
+        index.insert(chain.refs)
+        segments.append(chain.refs[0].segment)
+        chain.release()
+    older, newer = segments
+    assert offload(cache, older)
+    in_use = cache.pool.pages_in_use
+    assert index.evict(1) == 3 and cache.pool.pages_in_use == in_use - 3  # the resident one went
+    match = index.match(list(range(9)))
+    assert match.num_tokens == 9 and match.refs[0].segment is older and older.in_lower_tier
+    assert index.match(list(range(100, 109))).num_tokens == 0
+    assert index.evict(1) == 0  # nothing left that holds pages: the one in the tiers stays
+    assert bring_back(cache, older) and not older.in_lower_tier
+    match.release()
+    assert index.evict(3) == 3 and cache.pool.pages_in_use == 0
+
+
 def test_a_chain_takes_its_own_copy_of_a_shared_prefix(gen):
     """``KVChain.own_copy``: a chain holding the first rows of a shared segment gets them in a new
     segment of its own (same rows and tokens), so the shared one can leave its pages while the
