@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,20 +46,32 @@ def rows_checksum(tensors: Mapping[str, torch.Tensor]) -> int:
     weight, summed in int64 with wraparound (integer sums do not depend on their order), and the
     tensors' sums mixed in name order. It catches changed, lost and moved words; it is not
     cryptographic. On a GPU it reads the rows at memory speed."""
-    total = len(tensors)
-    for name in sorted(tensors):
-        data = tensors[name].detach().contiguous().view(-1).view(torch.uint8)
-        pad = (-data.numel()) % 4
-        if pad:
-            data = torch.cat([data, data.new_zeros(pad)])
-        words = data.view(torch.int32)
-        part = 0
-        for start in range(0, words.numel(), CHECKSUM_CHUNK_WORDS):
-            chunk = words[start:start + CHECKSUM_CHUNK_WORDS].to(torch.int64)
-            weights = torch.arange(start, start + chunk.numel(), device=chunk.device, dtype=torch.int64)
-            weights = weights.remainder_(_WEIGHT_PERIOD).add_(1)
-            part = (part + int((chunk * weights).sum())) % 2**64
-        total = (total * 0x100000001B3 + part + words.numel()) % 2**64
+    return mix_checksum({name: tensor_checksum(t) for name, t in tensors.items()})
+
+
+def tensor_checksum(tensor: torch.Tensor) -> tuple[int, int]:
+    """One tensor's part of :func:`rows_checksum`: ``(weighted word sum mod 2^64, words)``, so the
+    tensors of a checksum can be read one at a time (:func:`mix_checksum` combines them)."""
+    data = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    pad = (-data.numel()) % 4
+    if pad:
+        data = torch.cat([data, data.new_zeros(pad)])
+    words = data.view(torch.int32)
+    part = 0
+    for start in range(0, words.numel(), CHECKSUM_CHUNK_WORDS):
+        chunk = words[start:start + CHECKSUM_CHUNK_WORDS].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), device=chunk.device, dtype=torch.int64)
+        weights = weights.remainder_(_WEIGHT_PERIOD).add_(1)
+        part = (part + int((chunk * weights).sum())) % 2**64
+    return part, words.numel()
+
+
+def mix_checksum(parts: Mapping[str, tuple[int, int]]) -> int:
+    """:func:`rows_checksum` from its tensors' :func:`tensor_checksum` parts, mixed in name order."""
+    total = len(parts)
+    for name in sorted(parts):
+        part, words = parts[name]
+        total = (total * 0x100000001B3 + part + words) % 2**64
     return total
 
 
@@ -77,6 +89,17 @@ class _Copy:
     path: Path | None = None
     ready: object | None = None  # a CUDA event: the copy from the GPU is complete once it is
     started: object | None = None  # a CUDA event recorded before the copy (its time)
+
+
+class _Timer:
+    """When a copy to the host began: a CUDA event recorded on the current stream for rows on a
+    GPU (the copies run asynchronously), else the wall clock."""
+
+    def __init__(self, on_gpu: bool) -> None:
+        self.wall = time.perf_counter()
+        self.started = torch.cuda.Event(enable_timing=True) if on_gpu else None
+        if self.started is not None:
+            self.started.record()
 
 
 class SegmentTiers:
@@ -144,21 +167,41 @@ class SegmentTiers:
         have ``checksum`` (:func:`rows_checksum`), in the host tier, moving older copies down to
         make room. False, keeping nothing, when the rows fit neither tier. ValueError when
         ``key`` already has a copy."""
-        if key in self:
-            raise ValueError(f"segment {key} already has a copy in the {self.tier_of(key)} tier")
+        self._check_new(key)
         nbytes = tensor_bytes(tensors)
         if nbytes > max(self.host_capacity, self.disk_capacity):
             return False
-        on_gpu = any(t.is_cuda for t in tensors.values())
-        started = torch.cuda.Event(enable_timing=True) if on_gpu else time.perf_counter()
-        if on_gpu:
-            started.record()
-        copy = _Copy(nbytes, checksum, tensors=self._to_host(tensors))
-        if on_gpu:  # timed once it is complete (_settle)
-            copy.started, copy.ready = started, torch.cuda.Event(enable_timing=True)
+        timer = _Timer(any(t.is_cuda for t in tensors.values()))
+        return self._keep(key, _Copy(nbytes, checksum, tensors=self._to_host(tensors)), timer)
+
+    def put_rows(self, key: int, nbytes: int, rows: Iterable[tuple[str, torch.Tensor]]) -> bool:
+        """:meth:`put` of the ``(name, tensor)`` pairs ``rows`` yields (``nbytes`` in all), taken one
+        at a time: each is summed into the checksum and copied to the host as it comes, so a
+        device holds one of them at a time. False, reading nothing, when ``nbytes`` fit no tier."""
+        self._check_new(key)
+        if nbytes > max(self.host_capacity, self.disk_capacity):
+            return False
+        parts, host, timer = {}, {}, None
+        for name, tensor in rows:
+            timer = timer or _Timer(tensor.is_cuda)
+            parts[name] = tensor_checksum(tensor)
+            host[name] = self._to_host({name: tensor})[name]
+        # (the bytes counted are those copied)
+        return self._keep(key, _Copy(tensor_bytes(host), mix_checksum(parts), tensors=host), timer or _Timer(False))
+
+    def _check_new(self, key: int) -> None:
+        if key in self:
+            raise ValueError(f"segment {key} already has a copy in the {self.tier_of(key)} tier")
+
+    def _keep(self, key: int, copy: _Copy, timer: _Timer) -> bool:
+        """File a new host ``copy`` (its copies issued after ``timer`` started) in the host tier,
+        or straight on disk when it is larger than the host tier."""
+        if timer.started is not None:  # a copy from the GPU, timed once it is complete (_settle)
+            copy.started, copy.ready = timer.started, torch.cuda.Event(enable_timing=True)
             copy.ready.record()
         else:
-            self.seconds["to_host"] += time.perf_counter() - started
+            self.seconds["to_host"] += time.perf_counter() - timer.wall
+        nbytes = copy.nbytes
         self.counters["stored"] += 1
         self.counters["bytes_to_host"] += nbytes
         if nbytes > self.host_capacity:  # too big for the host tier: straight to disk
@@ -311,8 +354,10 @@ def offload(cache, segment: Segment) -> bool:
             or not segment.held_pages):
         return False
     if segment.segment_id not in tiers:
-        tensors = _read_pages(cache, segment.page_ids[:segment.held_pages])
-        if not tiers.put(segment.segment_id, tensors, rows_checksum(tensors)):
+        pages = segment.page_ids[:segment.held_pages]
+        nbytes = len(pages) * cache.pool.page_size * cache.file_layout.row_bytes
+        # one layer's rows at a time on the device: gathered, summed and copied to the host
+        if not tiers.put_rows(segment.segment_id, nbytes, _page_rows(cache, pages)):
             return False
     segment.move_out()
     return True
@@ -339,7 +384,8 @@ def bring_back(cache, segment: Segment) -> bool:
     parts = 2 if cache.file_layout.kind == "mha" else 1  # K and V, or the latent rows (read_rows' order)
     for layer in range(cache.file_layout.num_layers):
         cache.write_rows(layer, slots, *(tensors[f"{layer}.{j}"] for j in range(parts)))
-    if rows_checksum(_read_pages(cache, pages)) != tiers.checksum_of(segment.segment_id):
+    written = mix_checksum({name: tensor_checksum(rows) for name, rows in _page_rows(cache, pages)})
+    if written != tiers.checksum_of(segment.segment_id):
         cache.pool.decref(pages)
         tiers.discard(segment.segment_id)
         tiers.counters["corrupt"] += 1
@@ -375,12 +421,10 @@ def _page_slots(pages: list[int], page_size: int) -> list[int]:
     return [page * page_size + offset for page in pages for offset in range(page_size)]
 
 
-def _read_pages(cache, pages: list[int]) -> dict[str, torch.Tensor]:
-    """Every row of ``pages``, every layer, as stored: ``"{layer}.{part}"`` -> ``(rows, ...)``
-    (part 0 and 1 are K and V, or 0 the latent rows)."""
+def _page_rows(cache, pages: list[int]):
+    """Every row of ``pages`` as stored, one layer's part at a time: ``("{layer}.{part}", (rows, ...))``
+    (part 0 and 1 are K and V, or 0 the latent rows), each gathered when asked for."""
     index = torch.tensor(_page_slots(pages, cache.pool.page_size), dtype=torch.long)
-    tensors = {}
     for layer in range(cache.file_layout.num_layers):
         for part, rows in enumerate(cache.read_rows(layer, index)):
-            tensors[f"{layer}.{part}"] = rows
-    return tensors
+            yield f"{layer}.{part}", rows

@@ -185,3 +185,25 @@ def test_a_writer_killed_mid_file_leaves_nothing_the_next_start_trusts(tmp_path)
     tiers = SegmentTiers(host_bytes=0, disk_dir=tmp_path, disk_bytes=1 << 30)
     assert {p.name for p in tmp_path.iterdir()} == {keep.name}
     assert tiers.stats()["files_removed_at_start"] == len(left) - 1 and keep.read_bytes() == b"not the tier's"
+
+
+def test_rows_given_one_at_a_time_keep_the_same_copy_and_checksum(gen, tmp_path):
+    """``put_rows``: the rows of a segment read one tensor at a time (as pages are, layer by
+    layer) give the checksum and the copy ``put`` gives the whole dict; too many bytes read nothing."""
+    rows = segment_rows(gen)
+    size = tensor_bytes(rows)
+    tiers = SegmentTiers(host_bytes=4 * size)
+    read = []
+
+    def one_at_a_time():
+        for name in rows:
+            read.append(name)
+            yield name, rows[name]
+
+    assert tiers.put_rows(7, size, one_at_a_time())
+    assert tiers.checksum_of(7) == rows_checksum(rows) and same(tiers.get(7), rows)
+    assert read == list(rows) and tiers.stats()["bytes_to_host"] == size
+    read.clear()
+    assert not tiers.put_rows(8, 5 * size, one_at_a_time()) and not read and 8 not in tiers
+    with pytest.raises(ValueError, match="already has a copy"):
+        tiers.put_rows(7, size, one_at_a_time())
