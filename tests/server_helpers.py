@@ -33,6 +33,23 @@ def wait_healthy(server, base: str, *, timeout: float = 120) -> None:
 
 
 @contextmanager
+def spawned_server(command: list[str], port: int):
+    """Run ``command`` (a server listening on ``port``) until /health answers; yields (process,
+    base URL) and kills it afterwards if it still runs."""
+    import subprocess
+
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(server, base)
+        yield server, base
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+@contextmanager
 def live_server(app):
     """Serve ``app`` on 127.0.0.1 at a free port; yields the base URL."""
     port = free_port()

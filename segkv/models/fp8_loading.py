@@ -66,8 +66,7 @@ class Fp8Plan:
                 plan._add_stored(model, name, kind, shape, stored, checkpoint, param_name)
         if quantize:
             taken = set(plan.fp8) | set(plan.dequant)
-            plan.online = {n for n, m in model.named_modules()
-                           if type(m) is nn.Linear and n.rsplit(".", 1)[-1] in FP8_PROJECTIONS and n not in taken}
+            plan.online = {n for n in plain_projections(model) if n not in taken}
         return plan
 
     def _add_stored(self, model, name, kind, shape, stored, checkpoint, param_name) -> None:
@@ -153,14 +152,18 @@ class Fp8Plan:
         return "fp8: " + ", ".join(parts) if parts else None
 
 
+def plain_projections(model: nn.Module) -> list[str]:
+    """Names of ``model``'s plain ``nn.Linear`` projections that FP8 quantization takes (``FP8_PROJECTIONS``)."""
+    return [n for n, m in model.named_modules() if type(m) is nn.Linear and n.rsplit(".", 1)[-1] in FP8_PROJECTIONS]
+
+
 def quantize_linears(model: nn.Module, dtype: torch.dtype) -> int:
     """Quantize a built model's projections (``FP8_PROJECTIONS``, plain ``nn.Linear``) in place to
     FP8 per output channel, one layer at a time (the full-precision weight of each is freed as
     its FP8 copy is made); ``dtype``: the activations' dtype. Returns the number of layers
     quantized. The loader does the same from a checkpoint (``quantization="fp8"``); this is for
     models built otherwise (benchmarks with random weights)."""
-    targets = [n for n, m in model.named_modules()
-               if type(m) is nn.Linear and n.rsplit(".", 1)[-1] in FP8_PROJECTIONS]
+    targets = plain_projections(model)
     for target in targets:
         parent_name, _, leaf = target.rpartition(".")
         parent = model.get_submodule(parent_name)

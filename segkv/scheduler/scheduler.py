@@ -205,19 +205,14 @@ class Scheduler:
         used first, until ``pages_short`` pages are free; returns the pages freed. Their holders
         (the index, sessions' pins, snapshots) keep them, so they come back instead of being
         recomputed."""
-        in_use: dict[int, int] = {}  # segment -> the most pages of it a busy chain holds
-        for seq in busy:
-            for ref in seq.chain.refs:
-                key = id(ref.segment)
-                in_use[key] = max(in_use.get(key, 0), self.pool.pages_for_rows(ref.num_rows))
+        in_use = {id(ref.segment) for seq in busy for ref in seq.chain.refs}  # segments busy chains attend
         before = self.pool.num_free_pages
         for segment in self.prefix.segments_by_last_use():
             if self.pool.num_free_pages - before >= pages_short:
                 break
             if segment.in_lower_tier:
                 continue
-            held = in_use.get(id(segment), 0)
-            if held and not self._copy_out_of(segment, busy):
+            if id(segment) in in_use and not self._copy_out_of(segment, busy):
                 continue
             offload(self.cache, segment)
         return self.pool.num_free_pages - before

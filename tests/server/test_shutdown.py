@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from server_helpers import free_port, wait_healthy
+from server_helpers import free_port, spawned_server
 
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -25,15 +25,8 @@ def serve(*flags: str):
     """``segkv serve`` of the built-in model on a free port; yields (process, base URL)."""
     port = free_port()
     command = [sys.executable, "-m", "segkv.cli", "serve", "--model", "default", "--port", str(port), *flags]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(server, base)
+    with spawned_server(command, port) as (server, base):
         yield server, base
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
 
 
 class Stream(threading.Thread):

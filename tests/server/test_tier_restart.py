@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 from model_helpers import build_model_dir
-from server_helpers import free_port, wait_healthy
+from server_helpers import free_port, spawned_server
 from segkv.cache.files import is_temporary
 from segkv.models.loader import load_model
 
@@ -60,15 +59,8 @@ def serve(model_dir, tier_dir, *, slow_writes: bool):
              "--kv-offload-dir", str(tier_dir), "--kv-offload-disk-gib", "1", "--snapshot-dir", str(tier_dir)]
     command = [sys.executable, "-c", SLOW_WRITES, *flags] if slow_writes else [sys.executable, "-m", "segkv.cli",
                                                                                *flags]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(server, base)
+    with spawned_server(command, port) as (server, base):
         yield server, base
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
 
 
 def load_and_turn(base: str) -> tuple[list, str]:
