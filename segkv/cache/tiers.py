@@ -46,28 +46,45 @@ def rows_checksum(tensors: Mapping[str, torch.Tensor]) -> int:
     weight, summed in int64 with wraparound (integer sums do not depend on their order), and the
     tensors' sums mixed in name order. It catches changed, lost and moved words; it is not
     cryptographic. On a GPU it reads the rows at memory speed."""
-    return mix_checksum({name: tensor_checksum(t) for name, t in tensors.items()})
+    return checksum_of_rows(tensors.items())
 
 
-def tensor_checksum(tensor: torch.Tensor) -> tuple[int, int]:
-    """One tensor's part of :func:`rows_checksum`: ``(weighted word sum mod 2^64, words)``, so the
-    tensors of a checksum can be read one at a time (:func:`mix_checksum` combines them)."""
+def weighted_word_sum(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """One tensor's part of :func:`rows_checksum`: its words' weighted sum as a 0-dim int64 tensor
+    on ``tensor``'s device (the sum mod 2^64 once read) and the number of words. No host
+    synchronisation: on a GPU it runs on the current stream while the host goes on."""
     data = tensor.detach().contiguous().view(-1).view(torch.uint8)
     pad = (-data.numel()) % 4
     if pad:
         data = torch.cat([data, data.new_zeros(pad)])
     words = data.view(torch.int32)
-    part = 0
+    part = torch.zeros((), dtype=torch.int64, device=words.device)
     for start in range(0, words.numel(), CHECKSUM_CHUNK_WORDS):
         chunk = words[start:start + CHECKSUM_CHUNK_WORDS].to(torch.int64)
         weights = torch.arange(start, start + chunk.numel(), device=chunk.device, dtype=torch.int64)
         weights = weights.remainder_(_WEIGHT_PERIOD).add_(1)
-        part = (part + int((chunk * weights).sum())) % 2**64
+        part += (chunk * weights).sum()  # int64 wraps around: the sum mod 2^64
     return part, words.numel()
 
 
+def checksum_of_rows(rows: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """:func:`rows_checksum` of the ``(name, tensor)`` pairs ``rows`` yields, read one at a time
+    (a device holds one of them at a time) and read back to the host once, at the end."""
+    names, words, sums = [], [], []
+    for name, tensor in rows:
+        part, count = weighted_word_sum(tensor)
+        names.append(name), words.append(count), sums.append(part)
+    return _mixed(names, words, torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64))
+
+
+def _mixed(names: list[str], words: list[int], sums: torch.Tensor) -> int:
+    """:func:`mix_checksum` of parts whose weighted sums are the int64 tensor ``sums`` (any device)."""
+    return mix_checksum({name: (int(part) % 2**64, count) for name, count, part in zip(names, words, sums.tolist())})
+
+
 def mix_checksum(parts: Mapping[str, tuple[int, int]]) -> int:
-    """:func:`rows_checksum` from its tensors' :func:`tensor_checksum` parts, mixed in name order."""
+    """:func:`rows_checksum` from its tensors' parts ``(weighted word sum mod 2^64, words)``, mixed
+    in name order."""
     total = len(parts)
     for name in sorted(parts):
         part, words = parts[name]
@@ -81,25 +98,19 @@ def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
 
 @dataclass(slots=True)
 class _Copy:
-    """One segment's rows below the GPU: on the host (``tensors``) or in a file (``path``)."""
+    """One segment's rows below the GPU: on the host (``tensors``) or in a file (``path``).
+
+    A copy from the GPU is asynchronous until :meth:`SegmentTiers._settle`: ``ready`` (a CUDA
+    event) completes with it, ``started`` timed its start, and its checksum (None until then)
+    is mixed from ``sums``, the parts' weighted sums copied into pinned memory beside the rows."""
 
     nbytes: int
-    checksum: int
+    checksum: int | None
     tensors: dict[str, torch.Tensor] | None = None
     path: Path | None = None
-    ready: object | None = None  # a CUDA event: the copy from the GPU is complete once it is
-    started: object | None = None  # a CUDA event recorded before the copy (its time)
-
-
-class _Timer:
-    """When a copy to the host began: a CUDA event recorded on the current stream for rows on a
-    GPU (the copies run asynchronously), else the wall clock."""
-
-    def __init__(self, on_gpu: bool) -> None:
-        self.wall = time.perf_counter()
-        self.started = torch.cuda.Event(enable_timing=True) if on_gpu else None
-        if self.started is not None:
-            self.started.record()
+    ready: object | None = None
+    started: object | None = None
+    sums: tuple[list[str], list[int], torch.Tensor] | None = None
 
 
 class SegmentTiers:
@@ -120,6 +131,7 @@ class SegmentTiers:
         self.pin_memory = pin_memory
         self.disk_dir = None if disk_dir is None else Path(disk_dir)
         self._run = uuid.uuid4().hex[:12]
+        self._side_streams: dict[int | None, torch.cuda.Stream] = {}  # per CUDA device: copies to the host
         self._host: OrderedDict[int, _Copy] = OrderedDict()  # least recently used first
         self._disk: OrderedDict[int, _Copy] = OrderedDict()
         self.host_bytes = self.disk_bytes = 0
@@ -140,8 +152,11 @@ class SegmentTiers:
         return "host" if key in self._host else "disk" if key in self._disk else None
 
     def checksum_of(self, key: int) -> int:
-        """The checksum of the rows ``key``'s copy was made from (KeyError without a copy)."""
-        return (self._host.get(key) or self._disk[key]).checksum
+        """The checksum of the rows ``key``'s copy was made from (KeyError without a copy); for a
+        copy from the GPU, once it is complete."""
+        copy = self._host.get(key) or self._disk[key]
+        self._settle(copy)
+        return copy.checksum
 
     def stats(self) -> dict[str, int | float]:
         """Bytes and segments per tier, the counters, the seconds each direction's copies took
@@ -171,36 +186,71 @@ class SegmentTiers:
         nbytes = tensor_bytes(tensors)
         if nbytes > max(self.host_capacity, self.disk_capacity):
             return False
-        timer = _Timer(any(t.is_cuda for t in tensors.values()))
-        return self._keep(key, _Copy(nbytes, checksum, tensors=self._to_host(tensors)), timer)
+        started = time.perf_counter()
+        copy = _Copy(nbytes, checksum, tensors=self._to_host(tensors))
+        if any(t.is_cuda for t in tensors.values()):  # pinned copies run on: wait for them
+            torch.cuda.synchronize()
+        return self._keep(key, copy, time.perf_counter() - started)
 
-    def put_rows(self, key: int, nbytes: int, rows: Iterable[tuple[str, torch.Tensor]]) -> bool:
+    def put_rows(self, key: int, nbytes: int, rows: Iterable[tuple[str, torch.Tensor]],
+                 device: torch.device | str = "cpu") -> bool:
         """:meth:`put` of the ``(name, tensor)`` pairs ``rows`` yields (``nbytes`` in all), taken one
         at a time: each is summed into the checksum and copied to the host as it comes, so a
-        device holds one of them at a time. False, reading nothing, when ``nbytes`` fit no tier."""
+        device holds one of them at a time. False, reading nothing, when ``nbytes`` fit no tier.
+
+        Rows on a CUDA ``device`` are read on a side stream, after the work queued so far, and
+        copied asynchronously: the host does not wait, the current stream waits for the copy
+        before anything queued after this call (which may reuse the rows' pages), and the copy's
+        checksum is read once it is complete."""
         self._check_new(key)
         if nbytes > max(self.host_capacity, self.disk_capacity):
             return False
-        parts, host, timer = {}, {}, None
+        device = torch.device(device)
+        if device.type == "cuda":
+            return self._put_rows_async(key, rows, device)
+        started = time.perf_counter()
+        names, words, sums, host = [], [], [], {}
         for name, tensor in rows:
-            timer = timer or _Timer(tensor.is_cuda)
-            parts[name] = tensor_checksum(tensor)
+            part, count = weighted_word_sum(tensor)
+            names.append(name), words.append(count), sums.append(part)
             host[name] = self._to_host({name: tensor})[name]
+        checksum = _mixed(names, words, torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64))
         # (the bytes counted are those copied)
-        return self._keep(key, _Copy(tensor_bytes(host), mix_checksum(parts), tensors=host), timer or _Timer(False))
+        return self._keep(key, _Copy(tensor_bytes(host), checksum, tensors=host), time.perf_counter() - started)
+
+    def _put_rows_async(self, key: int, rows: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> bool:
+        current = torch.cuda.current_stream(device)
+        side = self._side_streams.get(device.index)
+        if side is None:
+            side = self._side_streams[device.index] = torch.cuda.Stream(device)
+        side.wait_stream(current)  # the rows' writes so far come first
+        started, ready = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        names, words, sums, host = [], [], [], {}
+        with torch.cuda.stream(side):  # the gathers and sums run here too, their memory this stream's
+            started.record()
+            for name, tensor in rows:
+                part, count = weighted_word_sum(tensor)
+                names.append(name), words.append(count), sums.append(part)
+                host[name] = self._to_host({name: tensor})[name]
+            summed = torch.empty(len(sums), dtype=torch.int64, pin_memory=True)
+            if sums:
+                summed.copy_(torch.stack(sums), non_blocking=True)
+            ready.record()
+        current.wait_stream(side)  # pages given back after this call are rewritten after the copy
+        copy = _Copy(tensor_bytes(host), None, tensors=host, ready=ready, started=started,
+                     sums=(names, words, summed))
+        return self._keep(key, copy, None)
 
     def _check_new(self, key: int) -> None:
         if key in self:
             raise ValueError(f"segment {key} already has a copy in the {self.tier_of(key)} tier")
 
-    def _keep(self, key: int, copy: _Copy, timer: _Timer) -> bool:
-        """File a new host ``copy`` (its copies issued after ``timer`` started) in the host tier,
-        or straight on disk when it is larger than the host tier."""
-        if timer.started is not None:  # a copy from the GPU, timed once it is complete (_settle)
-            copy.started, copy.ready = timer.started, torch.cuda.Event(enable_timing=True)
-            copy.ready.record()
-        else:
-            self.seconds["to_host"] += time.perf_counter() - timer.wall
+    def _keep(self, key: int, copy: _Copy, seconds: float | None) -> bool:
+        """File a new host ``copy`` in the host tier, or straight on disk when it is larger than
+        the host tier. ``seconds``: the copy's time, or None for a copy still running (timed by
+        its events when it is settled)."""
+        if seconds is not None:
+            self.seconds["to_host"] += seconds
         nbytes = copy.nbytes
         self.counters["stored"] += 1
         self.counters["bytes_to_host"] += nbytes
@@ -283,12 +333,14 @@ class SegmentTiers:
         log.debug("segment %s leaves the KV tiers (%s): its rows will be recomputed", key, why)
 
     def _settle(self, copy: _Copy) -> None:
-        """Wait for ``copy``'s copy from the GPU and count its time (nothing for a finished one)."""
+        """Wait for ``copy``'s copy from the GPU, count its time and read its checksum (nothing
+        for a settled one)."""
         if copy.ready is None:
             return
         copy.ready.synchronize()
         self.seconds["to_host"] += copy.started.elapsed_time(copy.ready) / 1e3
-        copy.ready = copy.started = None
+        copy.checksum = _mixed(*copy.sums)
+        copy.ready = copy.started = copy.sums = None
 
     def _write(self, key: int, copy: _Copy) -> None:
         self._settle(copy)
@@ -356,8 +408,9 @@ def offload(cache, segment: Segment) -> bool:
     if segment.segment_id not in tiers:
         pages = segment.page_ids[:segment.held_pages]
         nbytes = len(pages) * cache.pool.page_size * cache.file_layout.row_bytes
-        # one layer's rows at a time on the device: gathered, summed and copied to the host
-        if not tiers.put_rows(segment.segment_id, nbytes, _page_rows(cache, pages)):
+        # one layer's rows at a time on the device: gathered, summed and copied to the host (on
+        # a GPU asynchronously, on a side stream that steps queued later wait for)
+        if not tiers.put_rows(segment.segment_id, nbytes, _page_rows(cache, pages), device=cache.storage.device):
             return False
     segment.move_out()
     return True
@@ -379,13 +432,15 @@ def bring_back(cache, segment: Segment) -> bool:
         raise OutOfPagesError(f"segment {segment.segment_id} needs {need} pages to come back, "
                               f"{cache.pool.num_free_pages} are free")
     started = time.perf_counter()
+    expected = tiers.checksum_of(segment.segment_id)
     pages = cache.pool.allocate(need)
-    slots = _page_slots(pages, cache.pool.page_size)
+    device = cache.storage.device
+    slots = torch.tensor(_page_slots(pages, cache.pool.page_size), dtype=torch.long, device=device)
     parts = 2 if cache.file_layout.kind == "mha" else 1  # K and V, or the latent rows (read_rows' order)
-    for layer in range(cache.file_layout.num_layers):
-        cache.write_rows(layer, slots, *(tensors[f"{layer}.{j}"] for j in range(parts)))
-    written = mix_checksum({name: tensor_checksum(rows) for name, rows in _page_rows(cache, pages)})
-    if written != tiers.checksum_of(segment.segment_id):
+    for layer in range(cache.file_layout.num_layers):  # (from pinned memory: the copies do not block)
+        cache.write_rows(layer, slots, *(tensors[f"{layer}.{j}"].to(device, non_blocking=True) for j in range(parts)))
+    written = checksum_of_rows(_page_rows(cache, pages))  # (reading the sum waits for the copies)
+    if written != expected:
         cache.pool.decref(pages)
         tiers.discard(segment.segment_id)
         tiers.counters["corrupt"] += 1
@@ -424,7 +479,7 @@ def _page_slots(pages: list[int], page_size: int) -> list[int]:
 def _page_rows(cache, pages: list[int]):
     """Every row of ``pages`` as stored, one layer's part at a time: ``("{layer}.{part}", (rows, ...))``
     (part 0 and 1 are K and V, or 0 the latent rows), each gathered when asked for."""
-    index = torch.tensor(_page_slots(pages, cache.pool.page_size), dtype=torch.long)
+    index = torch.tensor(_page_slots(pages, cache.pool.page_size), dtype=torch.long, device=cache.storage.device)
     for layer in range(cache.file_layout.num_layers):
         for part, rows in enumerate(cache.read_rows(layer, index)):
             yield f"{layer}.{part}", rows

@@ -1,7 +1,8 @@
 """Sealed segments leaving their pages for the KV tiers and coming back (``cache.tiers.offload``,
 ``bring_back``): the pool gets the pages back, the holders keep the segment, the planner refuses
 it while it is out, and it comes back bit-identical with every holder's references; a bad copy
-or a full pool changes nothing."""
+or a full pool changes nothing. On a GPU machine the pages are on the GPU: copies out run on a
+side stream and come back from pinned memory."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from segkv.cache import OutOfPagesError, PagedKVCache
 from segkv.cache.prefix_index import PrefixIndex
 from segkv.cache.tiers import SegmentTiers, bring_back, offload
 from segkv.config import CacheConfig, CompactionPolicy, KVLayout
+from tests.gpu_helpers import DEVICE, GPU
 
 PAGE = 4
 
@@ -22,9 +24,9 @@ PAGE = 4
 def make_cache(num_pages: int = 40, kind: str = "mha") -> PagedKVCache:
     layout = (KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32) if kind == "mha" else
               KVLayout(kind="mla", num_layers=2, kv_lora_rank=16, rope_dim=8, dtype=torch.bfloat16))
-    cache = PagedKVCache(layout, CacheConfig(page_size=PAGE, num_pages=num_pages),
+    cache = PagedKVCache(layout, CacheConfig(page_size=PAGE, num_pages=num_pages), device=DEVICE,
                          compaction=CompactionPolicy(enabled=False))
-    cache.attach_tiers(SegmentTiers(host_bytes=1 << 20))
+    cache.attach_tiers(SegmentTiers(host_bytes=1 << 20, pin_memory=GPU))
     return cache
 
 
@@ -33,10 +35,10 @@ def write_turn(cache, chain, n: int, gen) -> None:
     slots = chain.append(n, token_ids=list(range(chain.num_rows, chain.num_rows + n)))
     for layer in range(cache.layout.num_layers):
         if cache.layout.kind == "mha":
-            k, v = (torch.randn(n, 2, 8, generator=gen) for _ in range(2))
+            k, v = (torch.randn(n, 2, 8, generator=gen).to(DEVICE) for _ in range(2))
             cache.storage.write(layer, slots, k, v)
         else:
-            cache.storage.write(layer, slots, torch.randn(n, 24, generator=gen).to(torch.bfloat16))
+            cache.storage.write(layer, slots, torch.randn(n, 24, generator=gen).to(DEVICE, torch.bfloat16))
     chain.seal()
 
 
@@ -181,7 +183,7 @@ def test_eviction_keeps_segments_in_the_tiers_and_frees_resident_ones(gen):
         tokens = list(range(start, start + 9))
         slots = chain.append(9, token_ids=tokens)
         for layer in range(cache.layout.num_layers):
-            cache.storage.write(layer, slots, *(torch.randn(9, 2, 8, generator=gen) for _ in range(2)))
+            cache.storage.write(layer, slots, *(torch.randn(9, 2, 8, generator=gen).to(DEVICE) for _ in range(2)))
         chain.seal()
         index.insert(chain.refs)
         segments.append(chain.refs[0].segment)
@@ -224,3 +226,32 @@ def test_a_chain_takes_its_own_copy_of_a_shared_prefix(gen):
     with pytest.raises(OutOfPagesError):
         other.own_copy(0)
     assert other.refs[0].segment is fork.refs[0].segment
+
+
+def test_pages_rewritten_right_after_a_copy_out_leave_the_copy_as_it_was(gen):
+    """The freed pages are written at once by the next step: on a GPU the copy out is still
+    running on its side stream, and the writes must wait for it (the copy, its checksum and the
+    rows that come back are the segment's, not the new rows)."""
+    heads, dim, page = (8, 128, 16) if GPU else (2, 8, PAGE)  # on a GPU, 64 MiB to copy out
+    layout = KVLayout(num_layers=4, num_kv_heads=heads, head_dim=dim, dtype=torch.float32)
+    cache = PagedKVCache(layout, CacheConfig(page_size=page, num_pages=256), device=DEVICE,
+                         compaction=CompactionPolicy(enabled=False))
+    cache.attach_tiers(SegmentTiers(host_bytes=1 << 30, pin_memory=GPU))
+    chain = cache.new_chain()
+    rows = 128 * page  # half the pool
+    slots = chain.append(rows, token_ids=list(range(rows)))
+    for layer in range(layout.num_layers):
+        cache.storage.write(layer, slots, *(torch.randn(rows, heads, dim, generator=gen).to(DEVICE) for _ in range(2)))
+    chain.seal()
+    before = chain_rows(cache, chain)
+    segment = chain.refs[0].segment
+    assert offload(cache, segment) and cache.pool.num_free_pages == 256
+    other = cache.new_chain()
+    other_slots = other.append(256 * page)  # every page, the segment's too
+    for layer in range(layout.num_layers):
+        cache.storage.write(layer, other_slots, *(torch.full((256 * page, heads, dim), -1.0, device=DEVICE),) * 2,
+                            trusted_slots=True)
+    other.release()
+    assert bring_back(cache, segment) and cache.tiers.stats()["corrupt"] == 0
+    after = chain_rows(cache, chain)
+    assert all(torch.equal(a, b) for a, b in zip(after, before)) and not any(a.isnan().any() for a in after)
