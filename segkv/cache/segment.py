@@ -130,12 +130,16 @@ class Segment:
         return pages
 
     def move_in(self, pages: list[int]) -> None:
-        """Newly allocated ``pages`` (count 1 each) hold the rows again, with their holders."""
+        """Newly allocated ``pages`` (count 1 each, one per page that left) hold the rows again,
+        with their holders; pages no holder covers any more (holders let go while the rows came
+        back) go back to the pool."""
         if self.tier_holds is None or len(pages) != len(self.tier_holds):
             raise ValueError(f"segment {self.segment_id} takes {len(self.tier_holds or ())} pages back, "
                              f"got {len(pages)}")
-        self.pool.hold(pages, self.tier_holds)
-        self.page_ids = list(pages)
+        held = self.held_pages
+        self.pool.decref(pages[held:])
+        self.pool.hold(pages[:held], self.tier_holds[:held])
+        self.page_ids = list(pages[:held])
         self.tier_holds = None
         self._page_tuple = None
 

@@ -220,9 +220,7 @@ class SegmentTiers:
 
     def _put_rows_async(self, key: int, rows: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> bool:
         current = torch.cuda.current_stream(device)
-        side = self._side_streams.get(device.index)
-        if side is None:
-            side = self._side_streams[device.index] = torch.cuda.Stream(device)
+        side = self.side_stream(device)
         side.wait_stream(current)  # the rows' writes so far come first
         started, ready = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         names, words, sums, host = [], [], [], {}
@@ -240,6 +238,13 @@ class SegmentTiers:
         copy = _Copy(tensor_bytes(host), None, tensors=host, ready=ready, started=started,
                      sums=(names, words, summed))
         return self._keep(key, copy, None)
+
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The CUDA stream copies between ``device``'s pages and the host run on."""
+        side = self._side_streams.get(device.index)
+        if side is None:
+            side = self._side_streams[device.index] = torch.cuda.Stream(device)
+        return side
 
     def _check_new(self, key: int) -> None:
         if key in self:
@@ -407,7 +412,7 @@ def offload(cache, segment: Segment) -> bool:
         return False
     if segment.segment_id not in tiers:
         pages = segment.page_ids[:segment.held_pages]
-        nbytes = len(pages) * cache.pool.page_size * cache.file_layout.row_bytes
+        nbytes = len(pages) * cache.pool.page_size * cache.layout.row_bytes
         # one layer's rows at a time on the device: gathered, summed and copied to the host (on
         # a GPU asynchronously, on a side stream that steps queued later wait for)
         if not tiers.put_rows(segment.segment_id, nbytes, _page_rows(cache, pages), device=cache.storage.device):
@@ -416,41 +421,106 @@ def offload(cache, segment: Segment) -> bool:
     return True
 
 
-def bring_back(cache, segment: Segment) -> bool:
-    """Give ``segment``'s rows pages again from ``cache.tiers``' copy, checked bit-identical by
-    checksum once written. False, with the segment still out, when no tier has the copy or it
-    does not match (dropped, warning logged): the caller recomputes those rows.
-    :class:`OutOfPagesError` when the pool has too few free pages (nothing changed)."""
-    if segment.tier_holds is None:
-        return True
+@dataclass(slots=True)
+class Arrival:
+    """A segment's rows on their way back into ``pages`` (:func:`start_bring_back`), until
+    :func:`land`. On a GPU the copies run on the tiers' side stream: ``ready`` (a CUDA event)
+    completes after them and after the written rows' checksum parts, copied into ``sums``."""
+
+    segment: Segment
+    pages: list[int]
+    checksum: int  # what the rows must sum to
+    nbytes: int
+    ready: object | None  # None: complete (a CPU cache's copies are synchronous)
+    sums: tuple[list[str], list[int], torch.Tensor]
+    started: object  # a CUDA event before the copies, or the wall clock's time
+
+    def complete(self) -> bool:
+        return self.ready is None or self.ready.query()
+
+
+def start_bring_back(cache, segment: Segment) -> Arrival | None:
+    """Begin copying ``segment``'s rows from ``cache.tiers`` into newly allocated pages, and their
+    checksum, without waiting (on a GPU, on a side stream after the work queued so far: the pages
+    may have been read by it). The segment stays out until :func:`land`. None when no tier has
+    the copy (the caller recomputes the rows); :class:`OutOfPagesError` when the pool has too few
+    free pages (nothing changed)."""
     tiers = cache.tiers
-    tensors = None if tiers is None else tiers.get(segment.segment_id)
-    if tensors is None:
-        return False
+    rows = None if tiers is None else tiers.get(segment.segment_id)
+    if rows is None:
+        return None
     need = len(segment.tier_holds)
     if need > cache.pool.num_free_pages:
         raise OutOfPagesError(f"segment {segment.segment_id} needs {need} pages to come back, "
                               f"{cache.pool.num_free_pages} are free")
-    started = time.perf_counter()
-    expected = tiers.checksum_of(segment.segment_id)
+    checksum = tiers.checksum_of(segment.segment_id)
     pages = cache.pool.allocate(need)
     device = cache.storage.device
-    slots = torch.tensor(_page_slots(pages, cache.pool.page_size), dtype=torch.long, device=device)
-    parts = 2 if cache.file_layout.kind == "mha" else 1  # K and V, or the latent rows (read_rows' order)
-    for layer in range(cache.file_layout.num_layers):  # (from pinned memory: the copies do not block)
-        cache.write_rows(layer, slots, *(tensors[f"{layer}.{j}"].to(device, non_blocking=True) for j in range(parts)))
-    written = checksum_of_rows(_page_rows(cache, pages))  # (reading the sum waits for the copies)
-    if written != expected:
-        cache.pool.decref(pages)
+    if device.type != "cuda":
+        started = time.perf_counter()
+        return Arrival(segment, pages, checksum, tensor_bytes(rows), None, _write_rows(cache, pages, rows), started)
+    side = tiers.side_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    started, ready = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    with torch.cuda.stream(side):
+        started.record()
+        names, words, sums = _write_rows(cache, pages, rows)
+        summed = torch.empty(sums.numel(), dtype=torch.int64, pin_memory=True)
+        summed.copy_(sums, non_blocking=True)
+        ready.record()
+    return Arrival(segment, pages, checksum, tensor_bytes(rows), ready, (names, words, summed), started)
+
+
+def land(cache, arrival: Arrival) -> bool:
+    """Finish ``arrival`` (waiting for its copies if they run on): the segment's rows are in its
+    pages when they match the checksum (True). False, the pages given back and the copy dropped
+    (warning logged), when they do not: the segment stays out and its rows are recomputed."""
+    tiers = cache.tiers
+    if arrival.ready is not None:
+        arrival.ready.synchronize()
+        seconds = arrival.started.elapsed_time(arrival.ready) / 1e3
+    else:
+        seconds = time.perf_counter() - arrival.started
+    segment = arrival.segment
+    if _mixed(*arrival.sums) != arrival.checksum:
+        cache.pool.decref(arrival.pages)
         tiers.discard(segment.segment_id)
         tiers.counters["corrupt"] += 1
         log.warning("segment %s came back different from its checksum: its rows will be recomputed",
                     segment.segment_id)
         return False
-    # (the checksum's comparison waited for the copy: the time is the copy's and its check's)
-    tiers.record_copy_back(tensor_bytes(tensors), time.perf_counter() - started)
-    segment.move_in(pages)
+    tiers.record_copy_back(arrival.nbytes, seconds)
+    segment.move_in(arrival.pages)
     return True
+
+
+def bring_back(cache, segment: Segment) -> bool:
+    """Give ``segment``'s rows pages again from ``cache.tiers``' copy, checked bit-identical by
+    checksum once written (:func:`start_bring_back`, then :func:`land`). False, with the segment
+    still out, when no tier has the copy or it does not match (dropped, warning logged): the
+    caller recomputes those rows. :class:`OutOfPagesError` when the pool has too few free pages
+    (nothing changed)."""
+    if segment.tier_holds is None:
+        return True
+    arrival = start_bring_back(cache, segment)
+    return arrival is not None and land(cache, arrival)
+
+
+def _write_rows(cache, pages: list[int], rows: Mapping[str, torch.Tensor]) -> tuple[list[str], list[int], torch.Tensor]:
+    """Write a segment's copied ``rows`` into ``pages`` (on the current stream: host rows from pinned
+    memory do not block) and return the written rows' checksum parts: names, words and the
+    weighted sums, an int64 tensor on the cache's device."""
+    device = cache.storage.device
+    slots = torch.tensor(_page_slots(pages, cache.pool.page_size), dtype=torch.long, device=device)
+    parts = 2 if cache.layout.kind == "mha" else 1  # K and V, or the latent rows (the storage's read order)
+    for layer in range(cache.layout.num_layers):  # (the slots were just allocated: no range check)
+        cache.storage.write(layer, slots, *(rows[f"{layer}.{j}"].to(device, non_blocking=True) for j in range(parts)),
+                            trusted_slots=True)
+    names, words, sums = [], [], []
+    for name, written in _page_rows(cache, pages):  # read back from the pages: what attention will read
+        part, count = weighted_word_sum(written)
+        names.append(name), words.append(count), sums.append(part)
+    return names, words, torch.stack(sums)
 
 
 def bring_back_chain(cache, chain) -> int:
@@ -459,17 +529,22 @@ def bring_back_chain(cache, chain) -> int:
     Returns the rows trimmed (0 when everything came back). :class:`OutOfPagesError` as
     :func:`bring_back`'s."""
     for segment in chain.segments_in_lower_tiers():
-        if bring_back(cache, segment):
-            continue
-        kept = 0
-        for ref in chain.refs:
-            if ref.segment is segment:
-                break
-            kept += ref.num_rows
-        trimmed = chain.num_rows - kept
-        chain.trim(trimmed)
-        return trimmed
+        if not bring_back(cache, segment):
+            return trim_from(chain, segment)
     return 0
+
+
+def trim_from(chain, segment: Segment) -> int:
+    """Trim ``chain`` to the rows before its first reference to ``segment`` (whose rows are lost:
+    they and every later row are recomputed); returns the rows trimmed."""
+    kept = 0
+    for ref in chain.refs:
+        if ref.segment is segment:
+            break
+        kept += ref.num_rows
+    trimmed = chain.num_rows - kept
+    chain.trim(trimmed)
+    return trimmed
 
 
 def _page_slots(pages: list[int], page_size: int) -> list[int]:
@@ -480,6 +555,6 @@ def _page_rows(cache, pages: list[int]):
     """Every row of ``pages`` as stored, one layer's part at a time: ``("{layer}.{part}", (rows, ...))``
     (part 0 and 1 are K and V, or 0 the latent rows), each gathered when asked for."""
     index = torch.tensor(_page_slots(pages, cache.pool.page_size), dtype=torch.long, device=cache.storage.device)
-    for layer in range(cache.file_layout.num_layers):
-        for part, rows in enumerate(cache.read_rows(layer, index)):
+    for layer in range(cache.layout.num_layers):
+        for part, rows in enumerate(cache.storage.read(layer, index)):
             yield f"{layer}.{part}", rows

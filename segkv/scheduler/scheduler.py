@@ -12,7 +12,7 @@ from segkv.cache.chain import KVChain
 from segkv.cache.kv_cache import PagedKVCache
 from segkv.cache.page_pool import OutOfPagesError
 from segkv.cache.prefix_index import PrefixIndex
-from segkv.cache.tiers import bring_back_chain, offload
+from segkv.cache.tiers import Arrival, land, offload, start_bring_back, trim_from
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,8 +56,9 @@ class SchedulerOutput:
     the queue, recomputed later). ``matched``: ``(sequence, cached_tokens)`` for each cached
     prefix matched on admission, in order. ``num_evicted_pages``: unreferenced cached pages
     evicted to fit the step; ``num_offloaded_pages``: pages freed by moving idle segments to the
-    KV tiers; ``num_restored_pages``: pages their segments came back into for this step. ``ahead_ok``: the next decode step may be launched before this
-    one's tokens are read (nobody waits: a waiting request would be admitted next step).
+    KV tiers; ``num_restored_pages``: pages their segments began coming back into this step.
+    ``ahead_ok``: the next decode step may be launched before this one's tokens are read
+    (nobody waits: a waiting request would be admitted next step).
     """
 
     scheduled: list[tuple[Any, int]] = field(default_factory=list)
@@ -103,6 +104,9 @@ class Scheduler:
         self.num_preemptions = 0
         # rows recomputed because their segment's copy in the KV tiers was lost or bad
         self.num_tier_recomputed_rows = 0
+        # segments on their way back from the KV tiers (by segment id): their sequences wait
+        # while other sequences' steps run, and join a step once the copies are complete
+        self.arrivals: dict[int, Arrival] = {}
         # Called with the number of pages still missing after cached segments were evicted;
         # each may release references it holds (e.g. idle sessions) and returns pages freed.
         self.pressure_hooks: list[Callable[[int], Any]] = []
@@ -128,6 +132,8 @@ class Scheduler:
             chain.seal()
             self.prefix.insert(chain.refs)
         chain.release()
+        if any(not a.segment.held_pages for a in self.arrivals.values()):  # nobody waits for them now
+            self._land(wait=True)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -136,6 +142,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """This step's work, fitted into the free pages; admitted sequences move to running."""
         out = SchedulerOutput()
+        self._land(wait=False)
         candidates = list(islice(self.waiting, max(0, self.config.max_num_seqs - len(self.running))))
         for seq in candidates:
             self._match(seq, out)
@@ -156,10 +163,14 @@ class Scheduler:
         for seq in admitted:
             self.waiting.remove(seq)
             self.running.append(seq)
-        for seq, _ in work:  # the pages were made free for them: rows in the KV tiers come back
-            self._bring_back(seq, out)
-        out.scheduled, out.admitted = work, admitted
-        out.ahead_ok = not self.waiting
+        # the pages were made free for them: rows in the KV tiers come back, and a sequence
+        # whose rows are still on their way waits for a later step unless nothing else would run
+        ready = [(seq, n) for seq, n in work if self._bring_back(seq, out)]
+        if work and not ready:
+            self._land(wait=True)
+            ready = [(seq, n) for seq, n in work if self._bring_back(seq, out)]
+        out.scheduled, out.admitted = ready, admitted
+        out.ahead_ok = not self.waiting and len(ready) == len(work)
         return out
 
     def _pick(self, running: Sequence[Schedulable], waiting: Sequence[Schedulable]
@@ -231,19 +242,41 @@ class Scheduler:
             chain.own_copy(i)
         return True
 
-    def _bring_back(self, seq: Schedulable, out: SchedulerOutput) -> None:
-        """Bring ``seq``'s segments in the KV tiers back into pages (counted free by
+    def _bring_back(self, seq: Schedulable, out: SchedulerOutput) -> bool:
+        """Start bringing ``seq``'s segments in the KV tiers back into pages (counted free by
         :meth:`_pages_needed`); a segment whose copy is gone or bad is recomputed instead, with
-        every row after it."""
+        every row after it. True when every row ``seq`` attends is in pages; False while some are
+        still on their way (copies on a GPU's side stream)."""
         if self.cache.tiers is None:  # no segment can be out of its pages
-            return
+            return True
         chain = seq.chain
-        before = self.pool.num_free_pages
-        trimmed = bring_back_chain(self.cache, chain)
-        out.num_restored_pages += before - self.pool.num_free_pages
-        if trimmed:
-            self.num_tier_recomputed_rows += trimmed
+        on_the_way = False
+        for segment in chain.segments_in_lower_tiers():
+            if segment.segment_id in self.arrivals:
+                on_the_way = True
+                continue
+            arrival = start_bring_back(self.cache, segment)
+            if arrival is not None:
+                out.num_restored_pages += len(arrival.pages)
+                if not arrival.complete():
+                    self.arrivals[segment.segment_id] = arrival
+                    on_the_way = True
+                    continue
+                if land(self.cache, arrival):
+                    continue
+            self.num_tier_recomputed_rows += trim_from(chain, segment)  # no good copy
             seq.pending = seq.all_token_ids()[chain.num_rows:]
+            break
+        return not on_the_way
+
+    def _land(self, *, wait: bool) -> None:
+        """Segments whose copies back from the KV tiers are complete (all of them, waiting for
+        them, when ``wait``) go back into their pages, or out for good when they came back
+        different (their chains recompute them when next scheduled)."""
+        for segment_id, arrival in list(self.arrivals.items()):
+            if wait or arrival.complete():
+                del self.arrivals[segment_id]
+                land(self.cache, arrival)
 
     def make_room(self, pages_short: int) -> bool:
         """Free ``pages_short`` more pages if it can: idle segments moved to the KV tiers (when the
@@ -273,7 +306,8 @@ class Scheduler:
         room = (-tail) % ps if tail else 0
         pages = -(-max(0, num_tokens - room) // ps)
         if self.cache.tiers is not None:  # segments in the tiers come back into pages first
-            pages += sum(len(s.tier_holds) for s in seq.chain.segments_in_lower_tiers())
+            pages += sum(len(s.tier_holds) for s in seq.chain.segments_in_lower_tiers()
+                         if s.segment_id not in self.arrivals)  # (those on their way have theirs)
         return pages
 
     def preempt(self, seq: Schedulable) -> None:

@@ -189,3 +189,70 @@ def test_requests_sharing_the_first_rows_of_a_cached_history_under_pressure(shar
     got = [list(r.output().outputs[0].token_ids) for r in requests]
     assert got == [complete(big, p) for p in prompts]
     assert core.scheduler.num_tier_recomputed_rows == 0
+
+
+class SlowCopy:
+    """Stands in for a GPU copy's CUDA events: complete after ``queries`` polls; ``waited``: a
+    wait for it came before it was complete."""
+
+    def __init__(self, queries: int) -> None:
+        self.left, self.waited = queries, False
+
+    def query(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+    def synchronize(self) -> None:
+        self.waited |= self.left >= 0
+        self.left = -1
+
+    def elapsed_time(self, end) -> float:
+        return 1.0
+
+
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_request_waits_for_its_rows_while_other_requests_step(alone, model_dir, monkeypatch):
+    """Rows coming back from the tiers on a side stream: their request joins the steps once the
+    copy is complete, while other requests go on stepping without waiting for it; alone, the step
+    waits for the copy. Either way, the tokens are those of a pool that held everything."""
+    import segkv.scheduler.scheduler as scheduler_module
+    from segkv.cache.tiers import offload
+
+    copies = []
+
+    def slow_start(cache, segment):
+        arrival = start_bring_back(cache, segment)
+        if arrival is not None:
+            arrival.ready = arrival.started = SlowCopy(queries=3)
+            copies.append(arrival.ready)
+        return arrival
+
+    start_bring_back = scheduler_module.start_bring_back
+    monkeypatch.setattr(scheduler_module, "start_bring_back", slow_start)
+    rng = random.Random(5)
+    history = [rng.randrange(3, 200) for _ in range(60)]
+    prompts = [history + [rng.randrange(3, 200) for _ in range(10)], [rng.randrange(3, 200) for _ in range(30)]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    big = LLM(model_dir, dtype="float32", page_size=PAGE, num_pages=256)
+    llm = LLM(model_dir, dtype="float32", page_size=PAGE, num_pages=64, kv_offload_host_gib=0.01)
+    complete(llm, history)
+    core = llm.core
+    cached = core.scheduler.prefix.segments_by_last_use()
+    assert cached and all(offload(llm.cache, segment) for segment in cached)
+    with core.lock:
+        requests = [core.add_request(p, params, cache_rows=True) for p in prompts[:1 if alone else 2]]
+        tokens_per_step = []
+        while not all(r.finished for r in requests):
+            core.step()
+            tokens_per_step.append([len(r.output().outputs[0].token_ids) for r in requests])
+    assert copies and all(copy.left < 0 or copy.waited for copy in copies)
+    if alone:  # nothing else to run: the first step waited for the copy
+        assert copies[0].waited and tokens_per_step[0] == [1]
+    else:  # the other request stepped while the rows came back, nobody waited
+        assert not any(copy.waited for copy in copies)
+        assert tokens_per_step[0][0] == 0 and tokens_per_step[0][1] >= 1
+        assert tokens_per_step[2][1] == 3 and tokens_per_step[-1][0] == 8
+    assert requests[0].cached_tokens >= 48 and core.scheduler.num_tier_recomputed_rows == 0
+    assert llm.cache.tiers.stats()["corrupt"] == 0 and not core.scheduler.arrivals
+    want = [list(o.outputs[0].token_ids) for o in big.generate(prompts[:len(requests)], params)]
+    assert [list(r.output().outputs[0].token_ids) for r in requests] == want
