@@ -60,19 +60,24 @@ def _time(fns, iters: int = 50, calls: int = 24) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def quantized(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w (n, k)`` as FP8 values and float32 scales: per channel (``block`` None), or per
+    ``block`` tile (128 x 128 as DeepSeek-V3 stores them; the tiles divide ``w``)."""
+    if block is None:
+        return quantize_per_channel(w)
+    (n, k), (b0, b1) = w.shape, block
+    tiles = w.float().view(n // b0, b0, k // b1, b1)
+    s = tiles.abs().amax(dim=(1, 3)) / 448.0
+    return (tiles / s[:, None, :, None]).view(n, k).to(torch.float8_e4m3fn), s
+
+
 def run(rows_list: list[int], block: tuple[int, int] | None) -> list[dict]:
     out = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in SHAPES.items():
         w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
         layer = Fp8Linear(k, n, block=block, device="cuda", model_dtype=torch.bfloat16)
-        if block is None:
-            q, s = quantize_per_channel(w)
-        else:  # 128 x 128 tiles, as DeepSeek-V3 stores them
-            b0, b1 = block
-            tiles = w.float().view(n // b0, b0, k // b1, b1)
-            s = tiles.abs().amax(dim=(1, 3)) / 448.0
-            q = (tiles / s[:, None, :, None]).view(n, k).to(torch.float8_e4m3fn)
+        q, s = quantized(w, block)
         layer.weight.data.copy_(q)
         layer.weight_scale.data.copy_(s)
         deq = layer.dequantized(torch.float64)
@@ -123,33 +128,38 @@ def sweep(rows: int, n: int, k: int, configs) -> list[dict]:
     return out
 
 
-def sweep_gemv(rows: int, n: int, k: int, launches) -> list[dict]:
-    """Time the decode GEMV's ``launches`` (``GemvLaunch``) for one per-channel product of ``rows``
-    rows: the data ``GEMV_LAUNCH`` is chosen from."""
+def sweep_gemv(rows: int, n: int, k: int, launches, block: tuple[int, int] | None = None) -> list[dict]:
+    """Time the decode GEMV's ``launches`` (``GemvLaunch``) for one product of ``rows`` rows with
+    per-channel scales (``block`` None) or ``block`` tiles: the data ``GEMV_LAUNCH`` is chosen from."""
     from segkv.kernels.quant.fp8_gemm import launch_gemv
 
     x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
-    q, s = quantize_per_channel(torch.randn(n, k, device="cuda") / k**0.5)
+    q, s = quantized(torch.randn(n, k, device="cuda") / k**0.5, block)
+    scales = (1, k) if block is None else block
     weights = [q] + [q.clone() for _ in range(copies_for(n * k) - 1)]
     y = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
     out = []
     for launch in launches:
         try:
-            t = _time([lambda w=w: launch_gemv(x, w, s, (1, k), None, y, launch) for w in weights], iters=30)
+            t = _time([lambda w=w: launch_gemv(x, w, s, scales, None, y, launch) for w in weights], iters=30)
         except Exception as exc:  # a launch that does not compile or fit
             print(f"rows {rows} {n}x{k} {launch}: {type(exc).__name__}", flush=True)
             continue
-        out.append({"rows": rows, "n": n, "k": k, "launch": dataclasses.asdict(launch), "us": t * 1e6,
-                    "weight_GBps": n * k / t / 1e9})
-        print(f"rows {rows} {n}x{k} {launch}: {t * 1e6:7.1f} us {n * k / t / 1e9:6.0f} GB/s", flush=True)
+        out.append({"rows": rows, "n": n, "k": k, "scales": list(scales), "launch": dataclasses.asdict(launch),
+                    "us": t * 1e6, "weight_GBps": n * k / t / 1e9})
+        print(f"rows {rows} {n}x{k} {scales} {launch}: {t * 1e6:7.1f} us {n * k / t / 1e9:6.0f} GB/s", flush=True)
     return out
 
 
-def gemv_launches():
+def gemv_launches(block: tuple[int, int] | None = None):
     """The GEMV launches ``--sweep gemv`` times: weight rows per program, accumulator size, chunk
-    width, warps and stages around the default."""
-    from segkv.kernels.quant.fp8_gemm import GemvLaunch
+    width, warps and stages around the default; with block scales, the default launch with the
+    activations scaled against chunks narrowed to a block, each with both GEMV kernels."""
+    from segkv.kernels.quant.fp8_gemm import GEMV_LAUNCH, GemvLaunch
 
+    if block is not None:
+        return [dataclasses.replace(GEMV_LAUNCH, per_row=row, scale_inputs=inputs)
+                for row in (True, False) for inputs in (True, False)]
     grid = [GemvLaunch(block_n=bn, acc_elements=acc, max_block_k=2048, num_warps=w, num_stages=st, per_row=row)
             for row in (False, True) for bn in (2, 4, 8, 16) for acc in (4096, 8192) for w in (4, 8) for st in (3,)]
     return [launch for launch in grid if launch.acc_elements // (32 * launch.num_warps) <= 64]
@@ -159,13 +169,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
     parser.add_argument("--json", default=None)
-    parser.add_argument("--sweep", choices=("gemm", "gemv"), default=None,
-                        help="time launch configurations instead: the tile kernel's, or the decode GEMV's")
+    parser.add_argument("--sweep", choices=("gemm", "gemv", "gemv-kernels"), default=None,
+                        help="time launch configurations instead: the tile kernel's, the decode GEMV's, or the "
+                             "default GEMV launch with each of its two kernels")
+    parser.add_argument("--block", type=int, nargs=2, default=None, metavar=("BN", "BK"),
+                        help="--sweep gemv with block scales of this size (e.g. 128 128) instead of per channel")
     args = parser.parse_args()
-    if args.sweep == "gemv":
-        launches = gemv_launches()
+    if args.sweep in ("gemv", "gemv-kernels"):
+        block = tuple(args.block) if args.block else None
+        launches = gemv_launches(block)
+        if args.sweep == "gemv-kernels":
+            from segkv.kernels.quant.fp8_gemm import GEMV_LAUNCH
+            launches = [dataclasses.replace(GEMV_LAUNCH, per_row=row) for row in (True, False)]
         results = [r for rows in args.rows for n, k in ((6144, 4096), (4096, 14336), (28672, 4096))
-                   for r in sweep_gemv(rows, n, k, launches)]
+                   for r in sweep_gemv(rows, n, k, launches, block)]
     elif args.sweep == "gemm":
         few = [(16, bn, bk, w, st) for bn in (32, 64, 128) for bk in (256, 512) for w in (4, 8) for st in (3, 4)]
         many = [(bm, bn, 128, w, 3) for bm in (64, 128) for bn in (64, 128) for w in (4, 8)]

@@ -130,14 +130,19 @@ def test_fp8_linear_takes_the_kernel_on_cuda(gen, monkeypatch):
 
 
 def test_launch_shapes():
-    from segkv.kernels.quant.fp8_gemm import MIN_PROGRAMS, gemv_launch, launch_for
+    from segkv.kernels.quant.fp8_gemm import (MIN_PROGRAMS, SCALE_PER_CHUNK, SCALE_PER_ELEMENT, SCALE_PER_INPUT,
+                                              GemvLaunch, gemv_launch, launch_for)
 
-    # decode rows: the GEMV, chunks inside a scale block where blocks split K, else elementwise scales
-    # (one program per row and weight block: BLOCK_M 1)
-    assert gemv_launch(1, 4096, 4096) == (1, 1024, True)
-    assert gemv_launch(1, 4096, 128) == (1, 128, True)
-    assert gemv_launch(3, 14336, 14336) == (1, 1024, True)
-    assert gemv_launch(2, 4096, 40) == (1, 16, False)
+    # decode rows: the GEMV (one program per row and weight block: BLOCK_M 1). Where scale blocks
+    # split K: wide chunks with the activations scaled when a program's 8 weight rows share their
+    # blocks; else chunks inside a block, or each element scaled
+    assert gemv_launch(1, 4096, (1, 4096)) == (1, 1024, SCALE_PER_CHUNK)
+    assert gemv_launch(1, 4096, (128, 128)) == (1, 1024, SCALE_PER_INPUT)
+    assert gemv_launch(1, 4096, (128, 128), GemvLaunch(scale_inputs=False)) == (1, 128, SCALE_PER_CHUNK)
+    assert gemv_launch(1, 4096, (4, 128)) == (1, 128, SCALE_PER_CHUNK)  # 8 rows span two block rows
+    assert gemv_launch(3, 14336, (1, 14336)) == (1, 1024, SCALE_PER_CHUNK)
+    assert gemv_launch(2, 4096, (1, 40)) == (1, 1024, SCALE_PER_ELEMENT)
+    assert gemv_launch(2, 4096, (1, 40), GemvLaunch(per_row=False)) == (2, 512, SCALE_PER_ELEMENT)
 
     assert launch_for(1, 4096, 4096, 128) == (16, 32, 128, 4)  # a step stays inside its 128-wide block
     assert launch_for(1, 28672, 4096, 4096) == (16, 32, 512, 4)  # per channel: the widest step
@@ -163,11 +168,11 @@ for m, n, k, bk in cases:
         out.append({"launch": [bm, bn, bkk], "shared": c.shared, "spills": c.spill_bytes, "mma": "mma" in c.ptx})
 from segkv.kernels.quant.fp8_gemm import GEMV_LAUNCH, fp8_gemv_kernel, fp8_gemv_row_kernel, gemv_launch
 gemv = []
-for m, k, bk in [(1, 4096, 4096), (1, 14336, 128), (4, 4096, 4096), (2, 4096, 48)]:
-    bm, bkk, per_chunk = gemv_launch(m, k, bk)
+for m, k, block in [(1, 4096, (1, 4096)), (1, 14336, (128, 128)), (4, 4096, (1, 4096)), (2, 4096, (1, 48))]:
+    bm, bkk, mode = gemv_launch(m, k, block)
     rows = {} if GEMV_LAUNCH.per_row else {"BLOCK_M": bm}  # the kernel launch_gemv launches
     c = compile_offline(fp8_gemv_row_kernel if GEMV_LAUNCH.per_row else fp8_gemv_kernel,
-                        {"HAS_BIAS": False, "SCALE_PER_CHUNK": per_chunk, "NATIVE_FP8": True, **rows,
+                        {"HAS_BIAS": False, "SCALE": mode, "NATIVE_FP8": True, **rows,
                          "BLOCK_N": GEMV_LAUNCH.block_n, "BLOCK_K": bkk,
                          "num_warps": GEMV_LAUNCH.num_warps, "num_stages": GEMV_LAUNCH.num_stages},
                         pointers={"X": "*bf16", "W": "*u8", "S": "*fp32", "B": "*fp32", "Y": "*bf16"})
@@ -207,12 +212,14 @@ def test_gemv_launches_of_the_sweep_give_the_dequantized_product(per_row, rows, 
     tile sizes), per-channel and block scales, against the float64 product."""
     from segkv.kernels.quant.fp8_gemm import GemvLaunch, launch_gemv
 
-    for block in ((1, 264), (1, 40)):  # one scale per row; scale blocks narrower than a chunk
+    # one scale per row; scale blocks narrower than a chunk, each element scaled; blocks of 16
+    # rows, the activations scaled (or chunks narrowed to a block)
+    for block, scale_inputs in (((1, 264), True), ((1, 40), True), ((16, 40), True), ((16, 40), False)):
         layer, w = fp8_layer(50, 264, block, gen, device=DEVICE)
         x = torch.randn(rows, 264, generator=gen).to(DEVICE)
         y = torch.empty(rows, 50, device=DEVICE)
         launch_gemv(x, layer.weight, layer.weight_scale, block, None, y,
-                    GemvLaunch(block_n=8, acc_elements=1024, per_row=per_row))
+                    GemvLaunch(block_n=8, acc_elements=1024, per_row=per_row, scale_inputs=scale_inputs))
         torch.testing.assert_close(y.double().cpu(), x.double().cpu() @ w.T, rtol=1e-5, atol=1e-5)
 
 

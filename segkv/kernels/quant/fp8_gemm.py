@@ -82,36 +82,55 @@ def fp8_linear_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, s
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+# how the GEMVs apply the scales (their SCALE constexpr), chosen by gemv_launch
+SCALE_PER_CHUNK = 0  # a chunk lies in one scale block: each weight row's scale for the chunk
+SCALE_PER_INPUT = 1  # a program's weight rows share their scale blocks: the activations take the scales
+SCALE_PER_ELEMENT = 2  # each weight element its own block's scale
+
+
 @triton.jit
-def _dequantized_chunk(w_rows, S, scale_rows, n_ok, offs_k, k_ok, k0, scale_bk, SCALE_PER_CHUNK: tl.constexpr,
+def _dequantized_chunk(w_rows, S, scale_rows, n_ok, offs_k, k_ok, k0, scale_bk, SCALE: tl.constexpr,
                        NATIVE_FP8: tl.constexpr):
     """The GEMVs' ``(rows, BLOCK_K)`` float32 weight chunk at ``offs_k``: bytes decoded (the GPU's
-    e4m3 conversion or :func:`e4m3_bits_to_float`, both exact) and scaled, by each row's scale for
-    the chunk (``SCALE_PER_CHUNK``: the chunk lies in one scale block) or element by element."""
+    e4m3 conversion or :func:`e4m3_bits_to_float`, both exact) and scaled as ``SCALE`` says
+    (:data:`SCALE_PER_INPUT`: not here, the activations are, by :func:`_scaled_inputs`)."""
     bits = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
     if NATIVE_FP8:
         w = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         w = e4m3_bits_to_float(bits.to(tl.int32))
-    if SCALE_PER_CHUNK:
+    if SCALE == 0:  # SCALE_PER_CHUNK
         return w * tl.load(S + scale_rows + k0 // scale_bk, mask=n_ok, other=0.0)[:, None]
-    return w * tl.load(S + scale_rows[:, None] + offs_k[None, :] // scale_bk, mask=n_ok[:, None] & k_ok[None, :],
-                       other=0.0)
+    if SCALE == 2:  # SCALE_PER_ELEMENT
+        return w * tl.load(S + scale_rows[:, None] + offs_k[None, :] // scale_bk,
+                           mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _scaled_inputs(x, S, scale_row, offs_k, k_ok, scale_bk, SCALE: tl.constexpr):
+    """The float32 activation chunk ``x`` (``(..., BLOCK_K)``) times the program's weight rows'
+    scales at ``offs_k`` (their one scale row ``scale_row``) when ``SCALE`` is
+    :data:`SCALE_PER_INPUT`: a block-scaled weight read in chunks wider than its blocks, with one
+    scale load per input instead of one per weight element."""
+    if SCALE == 1:
+        return x * tl.load(S + scale_row + offs_k // scale_bk, mask=k_ok, other=0.0)
+    return x
 
 
 @triton.jit
 def fp8_gemv_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, scale_cols, scale_bn, scale_bk,
-                    HAS_BIAS: tl.constexpr, SCALE_PER_CHUNK: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program ``n``: ``Y[:, n block] = X @ dequant(W[n block])^T (+ B)`` for at most ``BLOCK_M``
     rows, the weight block read once in ``BLOCK_K``-wide chunks with float32 products.
 
     The products accumulate element by element in a ``(BLOCK_M, BLOCK_N, BLOCK_K)`` float32 tile
     and are summed across K once, after the loop: a sum across the chunk at every step would put
-    a cross-lane reduction between each load and the next. Each weight element is scaled before
-    its product: by its row's scale for the chunk (``SCALE_PER_CHUNK``: the chunk lies in one scale
-    block), else by its own block's. ``NATIVE_FP8``: the bytes convert with the GPU's e4m3
-    instructions (sm_89+), else with :func:`e4m3_bits_to_float`; both exact."""
+    a cross-lane reduction between each load and the next. ``SCALE``: how the scales apply
+    (:data:`SCALE_PER_CHUNK`, :data:`SCALE_PER_INPUT`, :data:`SCALE_PER_ELEMENT`). ``NATIVE_FP8``:
+    the bytes convert with the GPU's e4m3 instructions (sm_89+), else with
+    :func:`e4m3_bits_to_float`; both exact."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -124,8 +143,10 @@ def fp8_gemv_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, sca
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        w = _dequantized_chunk(w_rows, S, scale_rows, n_ok, offs_k, k_ok, k0, scale_bk, SCALE_PER_CHUNK, NATIVE_FP8)
+        w = _dequantized_chunk(w_rows, S, scale_rows, n_ok, offs_k, k_ok, k0, scale_bk, SCALE, NATIVE_FP8)
         x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x = _scaled_inputs(x, S, (pid * BLOCK_N // scale_bn) * scale_cols, offs_k[None, :], k_ok[None, :],
+                           scale_bk, SCALE)
         acc += x[:, None, :] * w[None, :, :]
     out = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N)
     if HAS_BIAS:
@@ -136,7 +157,7 @@ def fp8_gemv_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, sca
 
 @triton.jit
 def fp8_gemv_row_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, scale_cols, scale_bn, scale_bk,
-                        HAS_BIAS: tl.constexpr, SCALE_PER_CHUNK: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program ``(m, n)``: ``Y[m, n block] = X[m] @ dequant(W[n block])^T (+ B)``, one row: the
     products accumulate in a ``(BLOCK_N, BLOCK_K)`` float32 tile, the activation chunk broadcast
@@ -152,8 +173,9 @@ def fp8_gemv_row_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        w = _dequantized_chunk(w_rows, S, scale_rows, n_ok, offs_k, k_ok, k0, scale_bk, SCALE_PER_CHUNK, NATIVE_FP8)
+        w = _dequantized_chunk(w_rows, S, scale_rows, n_ok, offs_k, k_ok, k0, scale_bk, SCALE, NATIVE_FP8)
         x = tl.load(x_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        x = _scaled_inputs(x, S, (tl.program_id(1) * BLOCK_N // scale_bn) * scale_cols, offs_k, k_ok, scale_bk, SCALE)
         acc += w * x[None, :]
     out = tl.sum(acc, axis=1)  # (BLOCK_N,)
     if HAS_BIAS:
@@ -177,22 +199,33 @@ class GemvLaunch:
     num_warps: int = 4
     num_stages: int = 3
     per_row: bool = True  # one program per (row, weight block): fp8_gemv_row_kernel
+    # block scales narrower than K, when a program's weight rows share their scale blocks: wide
+    # chunks with the activations scaled (SCALE_PER_INPUT), else chunks narrowed to one block
+    scale_inputs: bool = True
 
 
 GEMV_LAUNCH = GemvLaunch()
 
 
-def gemv_launch(m: int, k: int, scale_bk: int, launch: GemvLaunch = GEMV_LAUNCH) -> tuple[int, int, bool]:
-    """``(BLOCK_M, BLOCK_K, scale per chunk)`` of the GEMV for ``m`` rows: the rows padded to a
-    power of two, the widest chunk (at most ``launch.max_block_k`` inputs) whose accumulator fits
-    ``launch.acc_elements``, narrowed to lie inside one scale block where the blocks split K."""
+def gemv_launch(m: int, k: int, scale_block: tuple[int, int], launch: GemvLaunch = GEMV_LAUNCH
+                ) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_K, SCALE)`` of the GEMV for ``m`` rows and ``(bn, bk)`` scale blocks: the
+    rows padded to a power of two, the widest chunk (at most ``launch.max_block_k`` inputs) whose
+    accumulator fits ``launch.acc_elements``. Where the blocks split K, the activations take the
+    scales when a program's weight rows lie in one block row (``launch.scale_inputs``); else the
+    chunk is narrowed to lie inside one block, or, when no chunk of 16 or more does, each element
+    is scaled."""
+    bn, bk = scale_block
     block_m = 1 if launch.per_row else triton.next_power_of_2(max(m, 1))
     block_k = max(16, min(launch.max_block_k, launch.acc_elements // (block_m * launch.block_n)))
-    if scale_bk >= k:
-        return block_m, block_k, True
-    while block_k > 16 and scale_bk % block_k:
-        block_k //= 2
-    return block_m, block_k, scale_bk % block_k == 0
+    if bk >= k:
+        return block_m, block_k, SCALE_PER_CHUNK
+    if launch.scale_inputs and bn % launch.block_n == 0:
+        return block_m, block_k, SCALE_PER_INPUT
+    inside = block_k
+    while inside > 16 and bk % inside:
+        inside //= 2
+    return (block_m, inside, SCALE_PER_CHUNK) if bk % inside == 0 else (block_m, block_k, SCALE_PER_ELEMENT)
 
 
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -200,18 +233,18 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bloc
     """:func:`fp8_gemv_kernel` over ``x (M, K)`` (M <= :data:`GEMV_MAX_ROWS`) into ``y (M, N)``."""
     (m, k), n = x.shape, weight.shape[0]
     bn, bk = block
-    block_m, block_k, per_chunk = gemv_launch(m, k, bk, launch)
+    block_m, block_k, mode = gemv_launch(m, k, block, launch)
     if launch.per_row:
         fp8_gemv_row_kernel[(m, triton.cdiv(n, launch.block_n))](
             x, weight.view(torch.uint8), scale, bias if bias is not None else scale, y, m, n, k, x.stride(0),
             weight.stride(0), y.stride(0), scale.shape[1], bn, bk, HAS_BIAS=bias is not None,
-            SCALE_PER_CHUNK=per_chunk, NATIVE_FP8=native_fp8(x.device), BLOCK_N=launch.block_n, BLOCK_K=block_k,
+            SCALE=mode, NATIVE_FP8=native_fp8(x.device), BLOCK_N=launch.block_n, BLOCK_K=block_k,
             num_warps=launch.num_warps, num_stages=launch.num_stages)
         return
     fp8_gemv_kernel[(triton.cdiv(n, launch.block_n),)](
         x, weight.view(torch.uint8), scale, bias if bias is not None else scale, y, m, n, k, x.stride(0),
         weight.stride(0), y.stride(0), scale.shape[1], bn, bk, HAS_BIAS=bias is not None,
-        SCALE_PER_CHUNK=per_chunk, NATIVE_FP8=native_fp8(x.device), BLOCK_M=block_m, BLOCK_N=launch.block_n,
+        SCALE=mode, NATIVE_FP8=native_fp8(x.device), BLOCK_M=block_m, BLOCK_N=launch.block_n,
         BLOCK_K=block_k, num_warps=launch.num_warps, num_stages=launch.num_stages)
 
 
