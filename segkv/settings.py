@@ -38,6 +38,8 @@ class Settings:
         "this process's rank when torchrun started it (rank 0 serves, the others follow; None: not launched)")
     launcher_world_size: int | None = _setting("WORLD_SIZE", INTEGER, None,
         "the ranks torchrun started: --tensor-parallel-size must equal it (None: not launched)")
+    launcher_local_rank: int | None = _setting("LOCAL_RANK", INTEGER, None,
+        "this process's rank on its host when torchrun started it: its GPU (None: not launched)")
     # --- the engine's step loop
     lookahead: int | None = _setting("SEGKV_LOOKAHEAD", INTEGER, None,
         "launch decode steps ahead (nonzero: on; None: on CUDA, off on the CPU)")

@@ -185,6 +185,8 @@ class LLM:
         if page_size < 1:  # before the cache budget divides by it
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self._check_tensor_parallel(tensor_parallel_size, cuda_graphs, kv_cache_dtype)
+        if tensor_parallel_size > 1:  # the other ranks follow eager forwards: no graphs
+            cuda_graphs = False
         tiers = kv_tiers(kv_offload_host_gib, kv_offload_dir, kv_offload_disk_gib, device=self.device,
                          tensor_parallel_size=tensor_parallel_size)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
@@ -276,7 +278,6 @@ class LLM:
         if size == 1:
             return
         unsupported = [what for what, on in (
-            ("a CUDA device (ranks run on the CPU over gloo today)", self.device.type != "cpu"),
             ("speculative decoding", self.speculative_config is not None),
             ("quantization", self.quantization is not None),
             ("an FP8 KV cache", kv_cache_dtype != "auto"),
@@ -325,6 +326,8 @@ class LLM:
         runner = ModelRunner(self.model, scratch, device=device, route=route, mla_mode=mla_mode,
                              prefill_chunk=prefill_chunk, backend=backend, cuda_graphs=False,
                              max_model_len=self.max_model_len, fused_ops=fused_ops)
+        if self.ranks is not None:  # the other ranks run the forward too, over scratch pools of their own
+            self.ranks.start_followers(page_size, pages)
         chains = [scratch.new_chain() for _ in lengths]
         generator = torch.Generator(device="cpu").manual_seed(0)
         vocab = self.model.cfg.vocab_size

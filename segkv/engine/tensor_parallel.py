@@ -1,6 +1,8 @@
 """The ranks of a tensor-parallel engine on one host: rank 0 is the engine (scheduler,
 tokenizer, sampler, server); ranks 1..N-1 are processes that each load their shard, build a KV
-cache of rank 0's size and run the forwards rank 0 broadcasts (``runner/tp_steps.py``)."""
+cache of rank 0's size and run the forwards rank 0 broadcasts (``runner/tp_steps.py``). On CUDA
+each rank takes one GPU (rank r of a host: ``cuda:r``) and the model's collectives run over
+NCCL; on the CPU over gloo."""
 
 from __future__ import annotations
 
@@ -18,13 +20,13 @@ import torch.distributed as dist
 import segkv.settings as settings
 from segkv.cache import PagedKVCache
 from segkv.config import CacheConfig
-from segkv.distributed.parallel import TensorParallel, init_tensor_parallel
+from segkv.distributed.parallel import TensorParallel, init_tensor_parallel, rank_device
 from segkv.config import resolve_dtype
 from segkv.engine.devices import parse_device
 from segkv.models.default_models import check_model_dir, resolve_model_dir
 from segkv.models.loader import load_model, read_config
 from segkv.runner.model_runner import ModelRunner
-from segkv.runner.tp_steps import broadcast_step, follow_steps, receive_step
+from segkv.runner.tp_steps import broadcast_step, follow_steps
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,13 @@ def launched_rank() -> tuple[int, int] | None:
     return s.launcher_rank, s.launcher_world_size
 
 
+def local_rank(rank: int) -> int:
+    """``rank``'s place on its host: torchrun's ``LOCAL_RANK`` when it started this process, else
+    ``rank`` (segkv spawns every rank on one host)."""
+    launched = settings.SETTINGS.launcher_local_rank
+    return rank if launched_rank() is None or launched is None else launched
+
+
 def follow_as_launched_rank(model: str, *, dtype: str = "auto", device: str = "auto", backend: str = "auto") -> None:
     """A rank other than 0 that torchrun started (``segkv serve|generate|chat`` on every host):
     resolve the model, device and dtype as rank 0's ``LLM`` does, load the shard and follow rank
@@ -47,13 +56,15 @@ def follow_as_launched_rank(model: str, *, dtype: str = "auto", device: str = "a
     config = read_config(model_dir)
     dtype_ = resolve_dtype(dtype, device_type=device_.type,
                            checkpoint_dtype=config.get("torch_dtype", config.get("dtype")))
-    _follower_main(rank, size, str(model_dir), dtype_, str(device_), backend, "env://")
+    _follower_main(rank, size, str(model_dir), dtype_, str(rank_device(device_, local_rank(rank))), backend,
+                   "env://")
 
 
 class TensorParallelRanks:
     """Ranks 1..size-1 as processes (spawned), and rank 0's membership of their group.
 
-    ``model_dir``/``dtype``/``device``/``backend``: what every follower loads and runs.
+    ``model_dir``/``dtype``/``device``/``backend``: what every follower loads and runs (a CUDA
+    ``device``: each rank its own GPU, :func:`rank_device`; rank 0 the first).
     :meth:`start_followers` hands them the cache size once rank 0 knows it; :meth:`close` stops
     them (safe to call twice; also run when the owner is collected or the interpreter exits).
 
@@ -76,13 +87,16 @@ class TensorParallelRanks:
         else:
             self._dir = tempfile.mkdtemp(prefix="segkv-tp-")
             init_method = f"file://{self._dir}/rendezvous"
+            devices = [rank_device(device, rank) for rank in range(size)]  # refused before any starts
             ctx = multiprocessing.get_context("spawn")
             self.processes = [ctx.Process(target=_follower_main, daemon=True, name=f"segkv-tp-rank-{rank}",
-                                          args=(rank, size, str(model_dir), dtype, str(device), backend, init_method))
+                                          args=(rank, size, str(model_dir), dtype, str(devices[rank]), backend,
+                                                init_method))
                               for rank in range(1, size)]
         for process in self.processes:
             process.start()
-        self.tp: TensorParallel = init_tensor_parallel(size, 0, init_method=init_method)
+        self.device = rank_device(device, local_rank(0))
+        self.tp: TensorParallel = init_tensor_parallel(size, 0, init_method=init_method, device=self.device)
         self._closed = False
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] | None = None
@@ -108,9 +122,9 @@ class TensorParallelRanks:
                 process.kill()
 
     def start_followers(self, page_size: int, num_pages: int) -> None:
-        """Tell the followers the KV cache's size (rank 0's, in pages of its layout): they build
-        theirs and start following steps."""
-        broadcast_step(self.tp, (page_size, num_pages))
+        """Tell the followers the KV cache's size (rank 0's, in pages of its layout): each builds
+        its own (replacing one it had: the profiling pass's) and follows the steps over it."""
+        broadcast_step(self.tp, ("cache", (page_size, num_pages)))
 
     def close(self) -> None:
         """Stop the followers (their step loops end, or they stop before their first), wait for
@@ -134,16 +148,18 @@ class TensorParallelRanks:
 
 def _follower_main(rank: int, size: int, model_dir: str, dtype: torch.dtype, device: str, backend: str,
                    init_method: str) -> None:
-    """Rank ``rank``: load the shard, build the cache rank 0 sizes, follow its steps until told to stop."""
-    tp = init_tensor_parallel(size, rank, init_method=init_method)
+    """Rank ``rank``: load the shard, then follow rank 0's steps (over the caches it sizes) until
+    told to stop."""
+    tp = init_tensor_parallel(size, rank, init_method=init_method, device=device)
     model = load_model(model_dir, dtype=dtype, device=device, tensor_parallel=tp)
-    sizes = receive_step(tp)
-    if sizes is None:  # rank 0 stopped before its cache was built
-        return
-    page_size, num_pages = sizes
-    cache = PagedKVCache(model.kv_layout(dtype), CacheConfig(page_size=page_size, num_pages=num_pages),
-                         device=device)
-    runner = ModelRunner(model, cache, device=device, backend=backend, fused_ops=False)
-    steps = follow_steps(runner)
+
+    def new_runner(page_size: int, num_pages: int) -> ModelRunner:
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        cache = PagedKVCache(model.kv_layout(dtype), CacheConfig(page_size=page_size, num_pages=num_pages),
+                             device=device)
+        return ModelRunner(model, cache, device=device, backend=backend, fused_ops=False)
+
+    steps = follow_steps(None, tp, new_runner)
     logger.debug("tensor-parallel rank %d ran %d steps (pid %d)", rank, steps, os.getpid())
     dist.destroy_process_group()

@@ -1,18 +1,23 @@
 """The steps of a tensor-parallel model: rank 0 plans each forward and broadcasts its inputs;
 every other rank runs the same forward on its shard (its all-reduces meet rank 0's).
 
-A step is ``("forward", (chunks, positions, slots, plan, mla_mode, rows, windowed))``, the
+A step is ``("cache", (page_size, num_pages))``: a new KV cache of that size (and a runner over
+it) replaces the rank's (the profiling pass's scratch pool, then the engine's),
+``("forward", (chunks, positions, slots, plan, mla_mode, rows, windowed))``, the
 arguments of ``ModelRunner._eager_logits`` (token ids on the host; plans are plain
 dataclasses), ``("copy", (src, dst))``: rows copied between slots of every layer (compaction),
 ``("read", (layer, slots))``: every rank's rows at those slots gathered on rank 0 (a snapshot
 file holds every KV head), or ``("write", (layer, slots, parts))``: the whole rows of a loaded
 file, each rank writing its heads. ``None`` stops the followers. Broadcasts go through
-``torch.distributed.broadcast_object_list``, bounded by the group's timeout: a rank that died
-makes the others raise instead of waiting.
+``torch.distributed.broadcast_object_list`` over the ranks' host group (gloo: the objects stay
+on the host beside NCCL's collectives), bounded by the group's timeout: a rank that died makes
+the others raise instead of waiting.
 """
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,25 +29,34 @@ from segkv.models.tensor_parallel import kv_heads_of
 
 def broadcast_step(tp: TensorParallel, step: tuple | None) -> None:
     """Rank 0: send the next step (None: stop) to every other rank."""
-    dist.broadcast_object_list([step], src=0, group=tp.group)
+    dist.broadcast_object_list([step], src=0, group=tp.host_group)
 
 
 def receive_step(tp: TensorParallel) -> tuple | None:
     """Another rank: the next step rank 0 sent (None: stop)."""
     box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0, group=tp.group)
+    dist.broadcast_object_list(box, src=0, group=tp.host_group)
     return box[0]
 
 
-def follow_steps(runner) -> int:
+def follow_steps(runner, tp: TensorParallel | None = None,
+                 new_runner: Callable[[int, int], Any] | None = None) -> int:
     """Run the steps rank 0 broadcasts on ``runner`` (a ``ModelRunner`` over this rank's shard
-    and cache) until it sends None; returns how many ran."""
-    tp = runner.model.tp
+    and cache; None before a "cache" step) until it sends None; returns how many ran.
+    ``new_runner(page_size, num_pages)``: the runner over a new cache, for "cache" steps. ``tp``:
+    the group (default: the runner's model's)."""
+    tp = tp or runner.model.tp
     count = 0
     with torch.inference_mode():
         while (step := receive_step(tp)) is not None:
             kind, args = step
-            if kind == "forward":
+            if kind == "cache":
+                if new_runner is None:
+                    raise ValueError("this rank cannot build a KV cache: it follows one runner")
+                runner = None  # the old cache goes before the new one is allocated
+                gc.collect()
+                runner = new_runner(*args)
+            elif kind == "forward":
                 runner.run_followed_step(args)
             elif kind == "copy":
                 runner.cache.storage.copy_rows(*args)
@@ -50,7 +64,9 @@ def follow_steps(runner) -> int:
                 _gather_rows(tp, runner.cache.storage.read(*args))
             elif kind == "write":
                 layer, slots, parts = args
-                runner.cache.storage.write(layer, slots, *_own_heads(parts, tp, runner.model.whole_num_kv_heads))
+                storage = runner.cache.storage
+                storage.write(layer, slots, *(part.to(storage.device)
+                                              for part in _own_heads(parts, tp, runner.model.whole_num_kv_heads)))
             else:
                 raise ValueError(f"unknown tensor-parallel step {kind!r}")
             count += 1
@@ -104,7 +120,7 @@ def _own_heads(parts, tp: TensorParallel, num_kv_heads: int | None) -> tuple[tor
 def _gather_rows(tp: TensorParallel, rows: tuple[torch.Tensor, ...]) -> list | None:
     """Every rank's ``rows`` on rank 0 (rank order; None elsewhere)."""
     out = [None] * tp.size if tp.rank == 0 else None
-    dist.gather_object(tuple(r.cpu() for r in rows), out, dst=0, group=tp.group)
+    dist.gather_object(tuple(r.cpu() for r in rows), out, dst=0, group=tp.host_group)
     return out
 
 

@@ -237,3 +237,31 @@ def _children(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         out += [int(c) for c in (task / "children").read_text().split()]
     return out
+
+
+def test_each_rank_takes_its_own_gpu(monkeypatch):
+    """On CUDA rank r of a host runs on ``cuda:r`` (NCCL binds one GPU to each rank); a device
+    with an index, or fewer GPUs than ranks, is refused by name; the CPU stays the CPU."""
+    from segkv.distributed.parallel import rank_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [rank_device("cuda", r) for r in range(2)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert rank_device("cpu", 3) == torch.device("cpu")
+    with pytest.raises(ValueError, match="needs GPU 2, and 2 are visible"):
+        rank_device("cuda", 2)
+    with pytest.raises(ValueError, match="not cuda:1"):
+        rank_device("cuda:1", 0)
+
+
+def test_torchrun_local_ranks_choose_the_gpus(monkeypatch):
+    """Under torchrun a rank's GPU is its ``LOCAL_RANK`` (rank 3 of two 2-GPU hosts: GPU 1);
+    spawned on one host, its rank."""
+    import dataclasses
+
+    import segkv.settings as settings
+    from segkv.engine.tensor_parallel import local_rank
+
+    assert local_rank(3) == 3
+    launched = dataclasses.replace(settings.SETTINGS, launcher_rank=3, launcher_world_size=4, launcher_local_rank=1)
+    monkeypatch.setattr(settings, "SETTINGS", launched)
+    assert local_rank(3) == 1
