@@ -49,28 +49,35 @@ def follow_steps(runner, tp: TensorParallel | None = None,
     count = 0
     with torch.inference_mode():
         while (step := receive_step(tp)) is not None:
-            kind, args = step
-            if kind == "cache":
-                if new_runner is None:
-                    raise ValueError("this rank cannot build a KV cache: it follows one runner")
-                runner = None  # the old cache goes before the new one is allocated
-                gc.collect()
-                runner = new_runner(*args)
-            elif kind == "forward":
-                runner.run_followed_step(args)
-            elif kind == "copy":
-                runner.cache.storage.copy_rows(*args)
-            elif kind == "read":
-                _gather_rows(tp, runner.cache.storage.read(*args))
-            elif kind == "write":
-                layer, slots, parts = args
-                storage = runner.cache.storage
-                storage.write(layer, slots, *(part.to(storage.device)
-                                              for part in _own_heads(parts, tp, runner.model.whole_num_kv_heads)))
-            else:
-                raise ValueError(f"unknown tensor-parallel step {kind!r}")
+            runner = apply_step(runner, tp, step, new_runner)
             count += 1
     return count
+
+
+def apply_step(runner, tp: TensorParallel, step: tuple, new_runner: Callable[[int, int], Any] | None = None):
+    """Run one step rank 0 broadcast (not None) on ``runner``; returns the runner from then on
+    (a new one after a "cache" step). ValueError for an unknown step."""
+    kind, args = step
+    if kind == "cache":
+        if new_runner is None:
+            raise ValueError("this rank cannot build a KV cache: it follows one runner")
+        runner = None  # the old cache goes before the new one is allocated
+        gc.collect()
+        return new_runner(*args)
+    if kind == "forward":
+        runner.run_followed_step(args)
+    elif kind == "copy":
+        runner.cache.storage.copy_rows(*args)
+    elif kind == "read":
+        _gather_rows(tp, runner.cache.storage.read(*args))
+    elif kind == "write":
+        layer, slots, parts = args
+        storage = runner.cache.storage
+        storage.write(layer, slots, *(part.to(storage.device)
+                                      for part in _own_heads(parts, tp, runner.model.whole_num_kv_heads)))
+    else:
+        raise ValueError(f"unknown tensor-parallel step {kind!r}")
+    return runner
 
 
 def install_row_files(cache, tp: TensorParallel, whole_layout) -> None:
