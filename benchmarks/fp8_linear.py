@@ -151,36 +151,48 @@ def sweep_gemv(rows: int, n: int, k: int, launches, block: tuple[int, int] | Non
     return out
 
 
-def gemv_launches(block: tuple[int, int] | None = None):
+def gemv_launches():
     """The GEMV launches ``--sweep gemv`` times: weight rows per program, accumulator size, chunk
-    width, warps and stages around the default; with block scales, the default launch with the
-    activations scaled against chunks narrowed to a block, each with both GEMV kernels."""
-    from segkv.kernels.quant.fp8_gemm import GEMV_LAUNCH, GemvLaunch
+    width, warps and stages around the default."""
+    from segkv.kernels.quant.fp8_gemm import GemvLaunch
 
-    if block is not None:
-        return [dataclasses.replace(GEMV_LAUNCH, per_row=row, scale_inputs=inputs)
-                for row in (True, False) for inputs in (True, False)]
-    grid = [GemvLaunch(block_n=bn, acc_elements=acc, max_block_k=2048, num_warps=w, num_stages=st, per_row=row)
-            for row in (False, True) for bn in (2, 4, 8, 16) for acc in (4096, 8192) for w in (4, 8) for st in (3,)]
+    grid = [GemvLaunch(block_n=bn, acc_elements=acc, max_block_k=2048, num_warps=w, num_stages=st)
+            for bn in (2, 4, 8, 16) for acc in (4096, 8192) for w in (4, 8) for st in (3,)]
     return [launch for launch in grid if launch.acc_elements // (32 * launch.num_warps) <= 64]
+
+
+def gemv_or_tiles(rows: int, n: int, k: int) -> list[dict]:
+    """Time the decode GEMV and the tile kernel (``launch_for``'s tiles) on one per-channel product
+    of ``rows`` rows: where ``GEMV_MAX_ROWS`` should stand."""
+    from segkv.kernels.quant.fp8_gemm import launch_gemv, launch_tiles
+
+    x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+    q, s = quantized(torch.randn(n, k, device="cuda") / k**0.5, None)
+    weights = [q] + [q.clone() for _ in range(copies_for(n * k) - 1)]
+    y = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+    out = []
+    for name, launch in (("gemv", launch_gemv), ("tiles", launch_tiles)):
+        t = _time([lambda w=w: launch(x, w, s, (1, k), None, y) for w in weights], iters=30)
+        out.append({"rows": rows, "n": n, "k": k, "kernel": name, "us": t * 1e6, "weight_GBps": n * k / t / 1e9})
+        print(f"rows {rows} {n}x{k} {name:5s}: {t * 1e6:7.1f} us {n * k / t / 1e9:6.0f} GB/s", flush=True)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
     parser.add_argument("--json", default=None)
-    parser.add_argument("--sweep", choices=("gemm", "gemv", "gemv-kernels"), default=None,
+    parser.add_argument("--sweep", choices=("gemm", "gemv", "gemv-or-tiles"), default=None,
                         help="time launch configurations instead: the tile kernel's, the decode GEMV's, or the "
-                             "default GEMV launch with each of its two kernels")
+                             "GEMV against the tile kernel at each --rows")
     parser.add_argument("--block", type=int, nargs=2, default=None, metavar=("BN", "BK"),
                         help="--sweep gemv with block scales of this size (e.g. 128 128) instead of per channel")
     args = parser.parse_args()
-    if args.sweep in ("gemv", "gemv-kernels"):
+    if args.sweep == "gemv-or-tiles":
+        results = [r for rows in args.rows for n, k in SHAPES.values() for r in gemv_or_tiles(rows, n, k)]
+    elif args.sweep == "gemv":
         block = tuple(args.block) if args.block else None
-        launches = gemv_launches(block)
-        if args.sweep == "gemv-kernels":
-            from segkv.kernels.quant.fp8_gemm import GEMV_LAUNCH
-            launches = [dataclasses.replace(GEMV_LAUNCH, per_row=row) for row in (True, False)]
+        launches = gemv_launches()
         results = [r for rows in args.rows for n, k in ((6144, 4096), (4096, 14336), (28672, 4096))
                    for r in sweep_gemv(rows, n, k, launches, block)]
     elif args.sweep == "gemm":

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # FP8 weights on the GPU, results under $OUT:
 #   tests   the FP8 kernel, layer, loading and engine tests (bfloat16 on CUDA, graphs)
-#   linear  benchmarks.fp8_linear at 1 and 4 rows; the GEMV's two kernels at 1, 2 and 4 rows; block
-#           scales (128 x 128) with the activations scaled against chunks narrowed to a block
+#   linear  benchmarks.fp8_linear at 1 and 4 rows; the GEMV against the tile kernel at 1 to 16 rows
 #   e2e     whole-model decode of the 8B shape, bf16 then FP8 weights (batch 1, 1K context)
 #   kv      whole-model decode of the 8B shape at 16K, bf16 then FP8 KV rows (batch 16 and 32)
 # Sections run in the order given (default: all three).
@@ -19,10 +18,8 @@ for part in "${parts[@]}"; do
     linear)
       timeout 120 python3 -m benchmarks.fp8_linear --rows 1 4 --json "$OUT/fp8_linear.json" 2>&1 | tail -20 \
         | tee "$OUT/fp8_linear.txt"
-      timeout 100 python3 -m benchmarks.fp8_linear --rows 1 2 4 --sweep gemv-kernels --json "$OUT/fp8_kernels.json" \
-        2>&1 | tail -20 | tee "$OUT/fp8_kernels.txt"
-      timeout 100 python3 -m benchmarks.fp8_linear --rows 1 4 --sweep gemv --block 128 128 \
-        --json "$OUT/fp8_block.json" 2>&1 | tail -30 | tee "$OUT/fp8_block.txt" ;;
+      timeout 120 python3 -m benchmarks.fp8_linear --rows 1 2 3 4 8 16 --sweep gemv-or-tiles \
+        --json "$OUT/fp8_gemv_or_tiles.json" 2>&1 | tail -48 | tee "$OUT/fp8_gemv_or_tiles.txt" ;;
     e2e)
       for q in none fp8; do
         timeout 200 python3 -m benchmarks.decode_e2e --models llama-3.1-8b --batches 1 --contexts 1024 --skip-hf \

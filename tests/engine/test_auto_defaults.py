@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
 
 import segkv.settings as settings
 from model_helpers import build_model_dir, build_moe_dir
@@ -309,6 +308,8 @@ def test_a_hub_id_absent_from_the_cache_is_a_clear_error(tmp_path, monkeypatch):
 # -- the summary and /health -----------------------------------------------------------------
 
 def test_health_and_the_log_show_the_summary(model_dir, caplog):
+    from fastapi.testclient import TestClient  # (the server's dependency: not imported by the GPU tests)
+
     from segkv.server.app import create_app
 
     with caplog.at_level("INFO", logger="segkv"):

@@ -133,16 +133,16 @@ def test_launch_shapes():
     from segkv.kernels.quant.fp8_gemm import (MIN_PROGRAMS, SCALE_PER_CHUNK, SCALE_PER_ELEMENT, SCALE_PER_INPUT,
                                               GemvLaunch, gemv_launch, launch_for)
 
-    # decode rows: the GEMV (one program per row and weight block: BLOCK_M 1). Where scale blocks
-    # split K: wide chunks with the activations scaled when a program's 8 weight rows share their
-    # blocks; else chunks inside a block, or each element scaled
-    assert gemv_launch(1, 4096, (1, 4096)) == (1, 1024, SCALE_PER_CHUNK)
-    assert gemv_launch(1, 4096, (128, 128)) == (1, 1024, SCALE_PER_INPUT)
-    assert gemv_launch(1, 4096, (128, 128), GemvLaunch(scale_inputs=False)) == (1, 128, SCALE_PER_CHUNK)
-    assert gemv_launch(1, 4096, (4, 128)) == (1, 128, SCALE_PER_CHUNK)  # 8 rows span two block rows
-    assert gemv_launch(3, 14336, (1, 14336)) == (1, 1024, SCALE_PER_CHUNK)
-    assert gemv_launch(2, 4096, (1, 40)) == (1, 1024, SCALE_PER_ELEMENT)
-    assert gemv_launch(2, 4096, (1, 40), GemvLaunch(per_row=False)) == (2, 512, SCALE_PER_ELEMENT)
+
+    # decode rows: the GEMV (one program per row and weight block). Where scale blocks split K:
+    # wide chunks with the activations scaled when a program's 8 weight rows share their blocks;
+    # else chunks inside a block, or each element scaled
+    assert gemv_launch(4096, (1, 4096)) == (1024, SCALE_PER_CHUNK)
+    assert gemv_launch(4096, (128, 128)) == (1024, SCALE_PER_INPUT)
+    assert gemv_launch(4096, (4, 128)) == (128, SCALE_PER_CHUNK)  # 8 rows span two block rows
+    assert gemv_launch(14336, (1, 14336)) == (1024, SCALE_PER_CHUNK)
+    assert gemv_launch(4096, (1, 40)) == (1024, SCALE_PER_ELEMENT)
+    assert gemv_launch(4096, (4, 128), GemvLaunch(block_n=4, acc_elements=1024)) == (256, SCALE_PER_INPUT)
 
     assert launch_for(1, 4096, 4096, 128) == (16, 32, 128, 4)  # a step stays inside its 128-wide block
     assert launch_for(1, 28672, 4096, 4096) == (16, 32, 512, 4)  # per channel: the widest step
@@ -166,17 +166,16 @@ for m, n, k, bk in cases:
                             "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bkk, "num_warps": 4, "num_stages": stages},
                             pointers={"X": "*bf16", "W": "*u8", "S": "*fp32", "B": "*fp32", "Y": "*bf16"})
         out.append({"launch": [bm, bn, bkk], "shared": c.shared, "spills": c.spill_bytes, "mma": "mma" in c.ptx})
-from segkv.kernels.quant.fp8_gemm import GEMV_LAUNCH, fp8_gemv_kernel, fp8_gemv_row_kernel, gemv_launch
+from segkv.kernels.quant.fp8_gemm import GEMV_LAUNCH, fp8_gemv_kernel, gemv_launch
 gemv = []
-for m, k, block in [(1, 4096, (1, 4096)), (1, 14336, (128, 128)), (4, 4096, (1, 4096)), (2, 4096, (1, 48))]:
-    bm, bkk, mode = gemv_launch(m, k, block)
-    rows = {} if GEMV_LAUNCH.per_row else {"BLOCK_M": bm}  # the kernel launch_gemv launches
-    c = compile_offline(fp8_gemv_row_kernel if GEMV_LAUNCH.per_row else fp8_gemv_kernel,
-                        {"HAS_BIAS": False, "SCALE": mode, "NATIVE_FP8": True, **rows,
+for k, block in [(4096, (1, 4096)), (14336, (128, 128)), (4096, (4, 128)), (4096, (1, 48))]:
+    bkk, mode = gemv_launch(k, block)
+    c = compile_offline(fp8_gemv_kernel,
+                        {"HAS_BIAS": False, "SCALE": mode, "NATIVE_FP8": True,
                          "BLOCK_N": GEMV_LAUNCH.block_n, "BLOCK_K": bkk,
                          "num_warps": GEMV_LAUNCH.num_warps, "num_stages": GEMV_LAUNCH.num_stages},
                         pointers={"X": "*bf16", "W": "*u8", "S": "*fp32", "B": "*fp32", "Y": "*bf16"})
-    gemv.append({"launch": [bm, bkk], "shared": c.shared, "spills": c.spill_bytes, "cvt": "e4m3" in c.ptx})
+    gemv.append({"launch": [bkk, mode], "shared": c.shared, "spills": c.spill_bytes, "cvt": "e4m3" in c.ptx})
 print(json.dumps({"gemm": out, "gemv": gemv}))
 """
 
@@ -205,21 +204,19 @@ def test_the_fp8_product_compiles_for_hopper_without_spills():
         assert case["cvt"] and case["spills"] == 0 and case["shared"] <= MAX_SHARED_PER_PROGRAM, case
 
 
-@pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_gemv_launches_of_the_sweep_give_the_dequantized_product(per_row, rows, gen):
-    """The launches ``benchmarks/fp8_linear.py --sweep gemv`` times (both GEMV kernels, other
-    tile sizes), per-channel and block scales, against the float64 product."""
+def test_gemv_launches_of_the_sweep_give_the_dequantized_product(rows, gen):
+    """The launches ``benchmarks/fp8_linear.py --sweep gemv`` times (other tile sizes), each way of
+    applying the scales, against the float64 product."""
     from segkv.kernels.quant.fp8_gemm import GemvLaunch, launch_gemv
 
-    # one scale per row; scale blocks narrower than a chunk, each element scaled; blocks of 16
-    # rows, the activations scaled (or chunks narrowed to a block)
-    for block, scale_inputs in (((1, 264), True), ((1, 40), True), ((16, 40), True), ((16, 40), False)):
+    # one scale per row (per chunk); scale blocks narrower than a chunk, each element scaled;
+    # blocks of 16 rows, the activations scaled; blocks of 4 rows, chunks narrowed to a block
+    for block in ((1, 264), (1, 40), (16, 40), (4, 32)):
         layer, w = fp8_layer(50, 264, block, gen, device=DEVICE)
         x = torch.randn(rows, 264, generator=gen).to(DEVICE)
         y = torch.empty(rows, 50, device=DEVICE)
-        launch_gemv(x, layer.weight, layer.weight_scale, block, None, y,
-                    GemvLaunch(block_n=8, acc_elements=1024, per_row=per_row, scale_inputs=scale_inputs))
+        launch_gemv(x, layer.weight, layer.weight_scale, block, None, y, GemvLaunch(block_n=8, acc_elements=1024))
         torch.testing.assert_close(y.double().cpu(), x.double().cpu() @ w.T, rtol=1e-5, atol=1e-5)
 
 

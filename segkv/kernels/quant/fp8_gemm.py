@@ -120,49 +120,17 @@ def _scaled_inputs(x, S, scale_row, offs_k, k_ok, scale_bk, SCALE: tl.constexpr)
 
 @triton.jit
 def fp8_gemv_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, scale_cols, scale_bn, scale_bk,
-                    HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program ``n``: ``Y[:, n block] = X @ dequant(W[n block])^T (+ B)`` for at most ``BLOCK_M``
-    rows, the weight block read once in ``BLOCK_K``-wide chunks with float32 products.
-
-    The products accumulate element by element in a ``(BLOCK_M, BLOCK_N, BLOCK_K)`` float32 tile
-    and are summed across K once, after the loop: a sum across the chunk at every step would put
-    a cross-lane reduction between each load and the next. ``SCALE``: how the scales apply
-    (:data:`SCALE_PER_CHUNK`, :data:`SCALE_PER_INPUT`, :data:`SCALE_PER_ELEMENT`). ``NATIVE_FP8``:
-    the bytes convert with the GPU's e4m3 instructions (sm_89+), else with
-    :func:`e4m3_bits_to_float`; both exact."""
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    scale_rows = (offs_n // scale_bn) * scale_cols
-    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
-    x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        w = _dequantized_chunk(w_rows, S, scale_rows, n_ok, offs_k, k_ok, k0, scale_bk, SCALE, NATIVE_FP8)
-        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        x = _scaled_inputs(x, S, (pid * BLOCK_N // scale_bn) * scale_cols, offs_k[None, :], k_ok[None, :],
-                           scale_bk, SCALE)
-        acc += x[:, None, :] * w[None, :, :]
-    out = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N)
-    if HAS_BIAS:
-        out += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], out.to(Y.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def fp8_gemv_row_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, scale_cols, scale_bn, scale_bk,
                         HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program ``(m, n)``: ``Y[m, n block] = X[m] @ dequant(W[n block])^T (+ B)``, one row: the
-    products accumulate in a ``(BLOCK_N, BLOCK_K)`` float32 tile, the activation chunk broadcast
-    along the weight rows (no 3-d layout). The programs of one weight block are adjacent in the
-    grid, so a block read for one row is in L2 for the next."""
+    products accumulate element by element in a ``(BLOCK_N, BLOCK_K)`` float32 tile, the
+    activation chunk broadcast along the weight rows, and are summed across K once, after the loop
+    (a sum at every step would put a cross-lane reduction between each load and the next). The
+    programs of one weight block are adjacent in the grid, so a block read for one row is in L2
+    for the next (one program for all rows, with a 3-d accumulator, measured slower at 1, 2 and 4
+    rows). ``SCALE``: how the scales apply (:data:`SCALE_PER_CHUNK`, :data:`SCALE_PER_INPUT`,
+    :data:`SCALE_PER_ELEMENT`). ``NATIVE_FP8``: the bytes convert with the GPU's e4m3 instructions
+    (sm_89+), else with :func:`e4m3_bits_to_float`; both exact."""
     row = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -189,43 +157,37 @@ GEMV_MAX_ROWS = 4
 
 @dataclasses.dataclass(frozen=True)
 class GemvLaunch:
-    """The GEMV's launch: weight rows per program, the float32 accumulator's elements (rows x
-    weight rows x inputs; at 4 warps, 4096 is 32 registers a thread), the widest input chunk,
-    warps and pipeline stages. ``benchmarks/fp8_linear.py --sweep`` times alternatives."""
+    """The GEMV's launch: weight rows per program, the float32 accumulator's elements (weight rows
+    x inputs; at 4 warps, 4096 is 32 registers a thread), the widest input chunk, warps and
+    pipeline stages. ``benchmarks/fp8_linear.py --sweep gemv`` times alternatives."""
 
     block_n: int = 8
     acc_elements: int = 8192
     max_block_k: int = 2048
     num_warps: int = 4
     num_stages: int = 3
-    per_row: bool = True  # one program per (row, weight block): fp8_gemv_row_kernel
-    # block scales narrower than K, when a program's weight rows share their scale blocks: wide
-    # chunks with the activations scaled (SCALE_PER_INPUT), else chunks narrowed to one block
-    scale_inputs: bool = True
 
 
 GEMV_LAUNCH = GemvLaunch()
 
 
-def gemv_launch(m: int, k: int, scale_block: tuple[int, int], launch: GemvLaunch = GEMV_LAUNCH
-                ) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_K, SCALE)`` of the GEMV for ``m`` rows and ``(bn, bk)`` scale blocks: the
-    rows padded to a power of two, the widest chunk (at most ``launch.max_block_k`` inputs) whose
-    accumulator fits ``launch.acc_elements``. Where the blocks split K, the activations take the
-    scales when a program's weight rows lie in one block row (``launch.scale_inputs``); else the
-    chunk is narrowed to lie inside one block, or, when no chunk of 16 or more does, each element
-    is scaled."""
+def gemv_launch(k: int, scale_block: tuple[int, int], launch: GemvLaunch = GEMV_LAUNCH) -> tuple[int, int]:
+    """``(BLOCK_K, SCALE)`` of the GEMV for ``(bn, bk)`` scale blocks: the widest chunk (at most
+    ``launch.max_block_k`` inputs) whose accumulator fits ``launch.acc_elements``. Where the blocks
+    split K, the activations take the scales when a program's weight rows lie in one block row
+    (wide chunks: 128 x 128 blocks then run as fast as per-channel scales, where chunks narrowed to
+    a block ran at 0.3-0.7x); else the chunk is narrowed to lie inside one block, or, when no
+    chunk of 16 or more does, each element is scaled."""
     bn, bk = scale_block
-    block_m = 1 if launch.per_row else triton.next_power_of_2(max(m, 1))
-    block_k = max(16, min(launch.max_block_k, launch.acc_elements // (block_m * launch.block_n)))
+    block_k = max(16, min(launch.max_block_k, launch.acc_elements // launch.block_n))
     if bk >= k:
-        return block_m, block_k, SCALE_PER_CHUNK
-    if launch.scale_inputs and bn % launch.block_n == 0:
-        return block_m, block_k, SCALE_PER_INPUT
+        return block_k, SCALE_PER_CHUNK
+    if bn % launch.block_n == 0:
+        return block_k, SCALE_PER_INPUT
     inside = block_k
     while inside > 16 and bk % inside:
         inside //= 2
-    return (block_m, inside, SCALE_PER_CHUNK) if bk % inside == 0 else (block_m, block_k, SCALE_PER_ELEMENT)
+    return (inside, SCALE_PER_CHUNK) if bk % inside == 0 else (block_k, SCALE_PER_ELEMENT)
 
 
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -233,19 +195,12 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bloc
     """:func:`fp8_gemv_kernel` over ``x (M, K)`` (M <= :data:`GEMV_MAX_ROWS`) into ``y (M, N)``."""
     (m, k), n = x.shape, weight.shape[0]
     bn, bk = block
-    block_m, block_k, mode = gemv_launch(m, k, block, launch)
-    if launch.per_row:
-        fp8_gemv_row_kernel[(m, triton.cdiv(n, launch.block_n))](
-            x, weight.view(torch.uint8), scale, bias if bias is not None else scale, y, m, n, k, x.stride(0),
-            weight.stride(0), y.stride(0), scale.shape[1], bn, bk, HAS_BIAS=bias is not None,
-            SCALE=mode, NATIVE_FP8=native_fp8(x.device), BLOCK_N=launch.block_n, BLOCK_K=block_k,
-            num_warps=launch.num_warps, num_stages=launch.num_stages)
-        return
-    fp8_gemv_kernel[(triton.cdiv(n, launch.block_n),)](
+    block_k, mode = gemv_launch(k, block, launch)
+    fp8_gemv_kernel[(m, triton.cdiv(n, launch.block_n))](
         x, weight.view(torch.uint8), scale, bias if bias is not None else scale, y, m, n, k, x.stride(0),
         weight.stride(0), y.stride(0), scale.shape[1], bn, bk, HAS_BIAS=bias is not None,
-        SCALE=mode, NATIVE_FP8=native_fp8(x.device), BLOCK_M=block_m, BLOCK_N=launch.block_n,
-        BLOCK_K=block_k, num_warps=launch.num_warps, num_stages=launch.num_stages)
+        SCALE=mode, NATIVE_FP8=native_fp8(x.device), BLOCK_N=launch.block_n, BLOCK_K=block_k,
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
 
 
 def native_fp8(device: torch.device) -> bool:
@@ -301,9 +256,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     y = torch.empty(m, n, dtype=torch.float32 if _INTERPRET else x.dtype, device=x.device)
     if m == 0:
         return y.to(x.dtype)
-    if m <= GEMV_MAX_ROWS:
-        launch_gemv(x, weight, scale, block, bias, y)
-        return y.to(x.dtype)
+    (launch_gemv if m <= GEMV_MAX_ROWS else launch_tiles)(x, weight, scale, block, bias, y)
+    return y.to(x.dtype)
+
+
+def launch_tiles(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                 bias: torch.Tensor | None, y: torch.Tensor) -> None:
+    """:func:`fp8_linear_kernel` over ``x (M, K)`` into ``y (M, N)``, tiles by :func:`launch_for`."""
+    (m, k), n = x.shape, weight.shape[0]
+    bn, bk = block
     block_m, block_n, block_k, stages = launch_for(m, n, k, bk)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     fp8_linear_kernel[grid](
@@ -311,4 +272,3 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         weight.stride(0), y.stride(0), scale.shape[1], bn, bk, HAS_BIAS=bias is not None,
         SCALE_PER_TILE=bk % block_k == 0 or bk >= k, EXACT_FP32=x.dtype == torch.float32 or _INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages)
-    return y.to(x.dtype)
