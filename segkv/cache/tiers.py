@@ -35,9 +35,11 @@ FILE_PREFIX = "segment-"
 FILE_SUFFIX = ".safetensors"
 CHECKSUM_KEY = "segkv.tier.checksum"
 TRANSFERS = ("to_host", "from_host", "to_disk", "from_disk")  # the directions copies are timed in
-# int32 words summed per step of rows_checksum: bounds its temporary memory (128 MiB of int64)
-CHECKSUM_CHUNK_WORDS = 1 << 24
 _WEIGHT_PERIOD = 1_048_573  # a prime: word i weighs (i mod period) + 1, so moved words change the sum
+# int32 words summed per step of rows_checksum: a whole number of periods, so every step's weights
+# are the same (made once per device, 32 MiB of int64), and its temporaries stay small
+CHECKSUM_CHUNK_WORDS = 4 * _WEIGHT_PERIOD
+_weights: dict[torch.device, torch.Tensor] = {}
 
 
 def rows_checksum(tensors: Mapping[str, torch.Tensor]) -> int:
@@ -59,11 +61,15 @@ def weighted_word_sum(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
         data = torch.cat([data, data.new_zeros(pad)])
     words = data.view(torch.int32)
     part = torch.zeros((), dtype=torch.int64, device=words.device)
+    weights = _weights.get(words.device)
+    if weights is None:
+        weights = torch.arange(CHECKSUM_CHUNK_WORDS, dtype=torch.int64, device=words.device)
+        weights = _weights[words.device] = weights.remainder_(_WEIGHT_PERIOD).add_(1)
+        if weights.is_cuda:  # made once, then read on any stream: complete before anyone reads it
+            torch.cuda.current_stream(weights.device).synchronize()
     for start in range(0, words.numel(), CHECKSUM_CHUNK_WORDS):
-        chunk = words[start:start + CHECKSUM_CHUNK_WORDS].to(torch.int64)
-        weights = torch.arange(start, start + chunk.numel(), device=chunk.device, dtype=torch.int64)
-        weights = weights.remainder_(_WEIGHT_PERIOD).add_(1)
-        part += (chunk * weights).sum()  # int64 wraps around: the sum mod 2^64
+        chunk = words[start:start + CHECKSUM_CHUNK_WORDS]
+        part += (chunk.to(torch.int64) * weights[:chunk.numel()]).sum()  # int64 wraps around: the sum mod 2^64
     return part, words.numel()
 
 
@@ -131,7 +137,8 @@ class SegmentTiers:
         self.pin_memory = pin_memory
         self.disk_dir = None if disk_dir is None else Path(disk_dir)
         self._run = uuid.uuid4().hex[:12]
-        self._side_streams: dict[int | None, torch.cuda.Stream] = {}  # per CUDA device: copies to the host
+        # per (CUDA device, role): the streams copies between pages and the host run on
+        self._side_streams: dict[tuple[int | None, str], torch.cuda.Stream] = {}
         self._host: OrderedDict[int, _Copy] = OrderedDict()  # least recently used first
         self._disk: OrderedDict[int, _Copy] = OrderedDict()
         self.host_bytes = self.disk_bytes = 0
@@ -241,10 +248,17 @@ class SegmentTiers:
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The CUDA stream copies between ``device``'s pages and the host run on."""
-        side = self._side_streams.get(device.index)
-        if side is None:
-            side = self._side_streams[device.index] = torch.cuda.Stream(device)
-        return side
+        return self._stream(device, "side")
+
+    def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """A second CUDA stream: copies from the host that overlap the side stream's writes."""
+        return self._stream(device, "copy")
+
+    def _stream(self, device: torch.device, role: str) -> torch.cuda.Stream:
+        stream = self._side_streams.get((device.index, role))
+        if stream is None:
+            stream = self._side_streams[(device.index, role)] = torch.cuda.Stream(device)
+        return stream
 
     def _check_new(self, key: int) -> None:
         if key in self:
@@ -507,20 +521,69 @@ def bring_back(cache, segment: Segment) -> bool:
 
 
 def _write_rows(cache, pages: list[int], rows: Mapping[str, torch.Tensor]) -> tuple[list[str], list[int], torch.Tensor]:
-    """Write a segment's copied ``rows`` into ``pages`` (on the current stream: host rows from pinned
-    memory do not block) and return the written rows' checksum parts: names, words and the
-    weighted sums, an int64 tensor on the cache's device."""
+    """Write a segment's copied ``rows`` into ``pages`` layer by layer (on the current stream) and
+    return the written rows' checksum parts, read back from the pages (what attention will read):
+    names, words and the weighted sums, an int64 tensor on the cache's device.
+
+    On a GPU the host-to-device copies run on the tiers' copy stream into two staging buffers in
+    turn, so one layer's copy overlaps the previous layer's write and sums, and the copy engine
+    stays busy; host rows in pinned memory do not block the host."""
     device = cache.storage.device
     slots = torch.tensor(_page_slots(pages, cache.pool.page_size), dtype=torch.long, device=device)
+    index = slots  # the same slots, read back
     parts = 2 if cache.layout.kind == "mha" else 1  # K and V, or the latent rows (the storage's read order)
-    for layer in range(cache.layout.num_layers):  # (the slots were just allocated: no range check)
-        cache.storage.write(layer, slots, *(rows[f"{layer}.{j}"].to(device, non_blocking=True) for j in range(parts)),
-                            trusted_slots=True)
     names, words, sums = [], [], []
-    for name, written in _page_rows(cache, pages):  # read back from the pages: what attention will read
-        part, count = weighted_word_sum(written)
-        names.append(name), words.append(count), sums.append(part)
+    staged = _Staging(cache.tiers, device, parts) if device.type == "cuda" else None
+    for layer in range(cache.layout.num_layers):
+        host = [rows[f"{layer}.{j}"] for j in range(parts)]
+        layer_rows = staged.copy_in(layer, host) if staged is not None else [t.to(device) for t in host]
+        # (the slots were just allocated: no range check)
+        cache.storage.write(layer, slots, *layer_rows, trusted_slots=True)
+        if staged is not None:
+            staged.consumed(layer)
+        for part, written in enumerate(cache.storage.read(layer, index)):
+            total, count = weighted_word_sum(written)
+            names.append(f"{layer}.{part}"), words.append(count), sums.append(total)
     return names, words, torch.stack(sums)
+
+
+class _Staging:
+    """Two sets of device buffers that host rows are copied into on the tiers' copy stream, one
+    layer in each in turn: the copy of layer ``l`` waits until the current stream is done with the
+    buffers of layer ``l - 2``, and the current stream waits for the copy before using them."""
+
+    def __init__(self, tiers: SegmentTiers, device: torch.device, parts: int) -> None:
+        self.stream = tiers.copy_stream(device)
+        self.current = torch.cuda.current_stream(device)
+        self.stream.wait_stream(self.current)  # the pages' earlier readers come first
+        self.device, self.parts = device, parts
+        self.buffers: list[list[torch.Tensor] | None] = [None, None]
+        self.done: list[object | None] = [None, None]
+
+    def copy_in(self, layer: int, host: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``host`` (one layer's parts) on the device, copied on the copy stream; the current stream
+        waits for the copy."""
+        slot = layer % 2
+        buffers = self.buffers[slot]
+        if buffers is None or any(b.shape != h.shape or b.dtype != h.dtype for b, h in zip(buffers, host)):
+            buffers = self.buffers[slot] = [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in host]
+            for buffer in buffers:  # (made on the current stream, written on the copy stream)
+                buffer.record_stream(self.stream)
+        landed = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            if self.done[slot] is not None:
+                self.stream.wait_event(self.done[slot])
+            for buffer, rows in zip(buffers, host):
+                buffer.copy_(rows, non_blocking=True)
+            landed.record()
+        self.current.wait_event(landed)
+        return buffers
+
+    def consumed(self, layer: int) -> None:
+        """The current stream has queued everything that reads layer ``layer``'s buffers."""
+        done = torch.cuda.Event()
+        done.record(self.current)
+        self.done[layer % 2] = done
 
 
 def bring_back_chain(cache, chain) -> int:
