@@ -98,7 +98,7 @@ def _new_runner(model, dtype: torch.dtype, device: torch.device):
             torch.cuda.empty_cache()
         cache = PagedKVCache(model.kv_layout(dtype), CacheConfig(page_size=page_size, num_pages=num_pages),
                              device=device, compaction=CompactionPolicy(enabled=False))
-        return ModelRunner(model, cache, device=device, fused_ops=False)
+        return ModelRunner(model, cache, device=device)  # fused ops on CUDA
     return build
 
 

@@ -158,7 +158,7 @@ def _follower_main(rank: int, size: int, model_dir: str, dtype: torch.dtype, dev
             torch.cuda.empty_cache()
         cache = PagedKVCache(model.kv_layout(dtype), CacheConfig(page_size=page_size, num_pages=num_pages),
                              device=device)
-        return ModelRunner(model, cache, device=device, backend=backend, fused_ops=False)
+        return ModelRunner(model, cache, device=device, backend=backend)  # fused ops on CUDA, as rank 0
 
     steps = follow_steps(None, tp, new_runner)
     logger.debug("tensor-parallel rank %d ran %d steps (pid %d)", rank, steps, os.getpid())

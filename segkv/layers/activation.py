@@ -9,6 +9,7 @@ from torch import nn
 from segkv.kernels.fused.fused_ops import silu_and_mul
 from segkv.layers.fp8 import Fp8Linear, set_stacked, stack_fp8
 from segkv.layers.linear import RowProduct
+from segkv.layers.parallel import RowParallelLinear
 from segkv.layers.norm import RMSNorm
 
 
@@ -69,7 +70,10 @@ class GatedMLP(nn.Module):
             h, residual = norm.add_and_norm(x, residual)
             return self(h), residual
         gate_up, residual = rows.after_norm(x, residual, norm.weight, norm.eps, self._gate_up[0])
-        return rows.gated(gate_up, self.down_proj.weight), residual
+        out = rows.gated(gate_up, self.down_proj.weight)
+        if isinstance(self.down_proj, RowParallelLinear):  # a shard: the ranks' products summed
+            out = self.down_proj.reduce(out)
+        return out, residual
 
 
 def stack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -15,6 +15,7 @@ from segkv.kernels.gemv.head_gemv import head_gemv
 from segkv.layers.activation import stack_linears
 from segkv.layers.fp8 import Fp8Linear, set_stacked, stack_fp8
 from segkv.layers.linear import RowProduct
+from segkv.layers.parallel import RowParallelLinear
 from segkv.layers.norm import PendingCombine, RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
 
@@ -233,9 +234,11 @@ class MultiHeadLatentAttention(nn.Module):
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         """Attention's ``(T, H, v)`` -> the output projection ``(T, hidden)``."""
         out = out.reshape(out.shape[0], self.dims.num_heads * self.dims.v_head_dim)
-        if self.fused and not isinstance(self.o_proj, Fp8Linear):  # an FP8 o_proj runs its own product
-            return self._row_product(out, self.o_proj.weight, self.o_proj.bias)
-        return self.o_proj(out)
+        if not self.fused or isinstance(self.o_proj, Fp8Linear):  # an FP8 o_proj runs its own product
+            return self.o_proj(out)
+        if isinstance(self.o_proj, RowParallelLinear):  # a shard: the ranks' products summed, then the bias
+            return self.o_proj.reduce(self._row_product(out, self.o_proj.weight, None))
+        return self._row_product(out, self.o_proj.weight, self.o_proj.bias)
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_uk (H, nope, r)`` and ``W_uv (H, v, r)``: views of ``kv_b_proj.weight`` (no copy)."""

@@ -21,7 +21,12 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return self.reduce(F.linear(x, self.weight))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """This rank's ``x @ weight^T (T, out)``, made here or by a fused kernel, -> the layer's
+        output: summed over the ranks (in place), then the bias."""
+        out = self.tp.all_reduce(partial)
         return out if self.bias is None else out + self.bias
 
 

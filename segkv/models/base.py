@@ -83,12 +83,11 @@ class CausalLM(nn.Module):
         still fuse. Routed
         experts without FP8 weights are packed (``MixtureOfExperts.pack_experts``): a prefill's
         pairs then run as grouped products on the device, not one GEMM per expert from the host.
-        A tensor-parallel shard (``models/tensor_parallel.py``) stays unfused."""
+        A tensor-parallel shard (``models/tensor_parallel.py``) fuses the same way: the row-parallel
+        products' fused kernels hand their partial sums to the all-reduce
+        (``RowParallelLinear.reduce``); its experts stay unpacked (their MoE layer reduces once)."""
         from segkv.layers.fp8 import Fp8Linear
         from segkv.layers.moe import MixtureOfExperts
-
-        if self.tp is not None and self.tp.size > 1:
-            return  # the stacked products and one-row GEMVs bypass the row-parallel all-reduces
 
         experts = {id(m) for moe in self.modules() if isinstance(moe, MixtureOfExperts)
                    for m in moe.experts.modules()}
@@ -97,7 +96,8 @@ class CausalLM(nn.Module):
             if id(module) not in experts and hasattr(module, "use_fused") and (
                     not fp8 or getattr(module, "stacks_fp8", False)):
                 module.use_fused()
-            if isinstance(module, MixtureOfExperts) and not any(isinstance(m, Fp8Linear) for m in module.modules()):
+            if (isinstance(module, MixtureOfExperts) and module.tp is None
+                    and not any(isinstance(m, Fp8Linear) for m in module.modules())):
                 module.pack_experts()
 
     @property

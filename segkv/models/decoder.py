@@ -18,6 +18,7 @@ from segkv.layers.activation import GatedMLP, stack_linears
 from segkv.layers.fp8 import Fp8Linear, set_stacked, stack_fp8
 from segkv.layers.attention import PagedAttention
 from segkv.layers.linear import RowProduct
+from segkv.layers.parallel import RowParallelLinear
 from segkv.layers.norm import PendingCombine, RMSNorm
 from segkv.layers.rotary import RotaryEmbedding
 from segkv.models.base import CausalLM, PreNormBlock
@@ -170,6 +171,8 @@ class DecoderAttention(nn.Module):
         out = out.reshape(out.shape[0], self.num_heads * self.head_dim)
         if self._qkv is None:  # not fused: torch's product
             return self.o_proj(out)
+        if isinstance(self.o_proj, RowParallelLinear):  # a shard: the ranks' products summed, then the bias
+            return self.o_proj.reduce(self._row_product(out, self.o_proj.weight, None))
         return self._row_product(out, self.o_proj.weight, self.o_proj.bias)
 
 
