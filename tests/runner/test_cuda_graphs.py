@@ -244,8 +244,11 @@ def test_verify_windows_replay_window_graphs_and_give_the_plain_tokens(tmp_path)
     build_model_dir(tmp_path, "qwen3")
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10], [8, 8, 1]]  # loops: the n-grams match
-    forks = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)
-    long_prompt = [[3, 1, 4, 1, 5, 9, 2, 6] * 5]  # 40 rows: more than a page shared by the two samples
+    forks = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=2)
+    # 46 rows: more than a page shared by the two samples; its loop at the end has the n-grams
+    # match at once, so the first windows of the forks hold 3 rows each: 6 rows on a shared piece
+    # (wider than a window: the wide graph)
+    long_prompt = [[3, 1, 4, 1, 5, 9, 2, 6] * 5 + [172, 172, 172, 155, 172, 155]]
     plain = _llm(tmp_path)
     want = _tokens(plain, prompts, params), _tokens(plain, long_prompt, forks)
     llm = _llm(tmp_path, cuda_graphs=MODE, speculative_config=NGRAM)
@@ -262,7 +265,7 @@ def test_mtp_drafting_reads_the_hidden_states_of_graph_replays():
     steps replay, none but the prefill runs eagerly), the MTP layer's own forwards replay MTP
     graphs (its catch-up after the prompt runs eagerly), and the tokens are plain decoding's."""
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
-    prompts = ["def add(a, b):\n    return a + b\n\n\ndef sub("]
+    prompts = ["    return a + b\n\n\ndef sub("]  # 10 tokens: the 7 generated cross a page end
     want = _tokens(LLM("default-mla", dtype="float32"), prompts, params)
     llm = _llm("default-mla", cuda_graphs=MODE, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert _tokens(llm, prompts, params) == want
@@ -277,7 +280,9 @@ def test_a_draft_model_decodes_and_catches_up_through_its_own_graphs(tmp_path):
     """The draft runner follows the target's graphs: draft steps replay decode buckets and the
     catch-up after a window (the accepted drafts and the pending token) replays window ones."""
     build_model_dir(tmp_path, "qwen3")
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    # 8 tokens: more than one window of 3 rows (2 drafts and the bonus token) per sequence, so
+    # draft steps and the catch-up after a window both run
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10]]
     want = _tokens(_llm(tmp_path), prompts, params)
     llm = _llm(tmp_path, cuda_graphs=MODE,
