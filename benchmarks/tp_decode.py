@@ -93,12 +93,12 @@ def time_all_reduce(tp: TensorParallel, shape: tuple[int, int], dtype: torch.dty
 
 
 def _new_runner(model, dtype: torch.dtype, device: torch.device):
-    def build(page_size: int, num_pages: int) -> ModelRunner:
+    def build(page_size: int, num_pages: int, **options) -> ModelRunner:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         cache = PagedKVCache(model.kv_layout(dtype), CacheConfig(page_size=page_size, num_pages=num_pages),
                              device=device, compaction=CompactionPolicy(enabled=False))
-        return ModelRunner(model, cache, device=device)  # fused ops on CUDA
+        return ModelRunner(model, cache, device=device, **options)  # fused ops on CUDA
     return build
 
 
@@ -122,7 +122,7 @@ def _lead(tp: TensorParallel, model, args, dtype: torch.dtype, device: torch.dev
         for context in args.contexts:
             pages = case_pages(batch, context, steps=steps_per_case, warmup=args.warmup, page_size=PAGE_SIZE)
             if tp.size > 1:
-                broadcast_step(tp, ("cache", (PAGE_SIZE, pages)))
+                broadcast_step(tp, ("cache", (PAGE_SIZE, pages, {})))
             runner = new_runner(PAGE_SIZE, pages)
             storage = runner.cache.storage
             for tensor in (*storage.k, *storage.v, *storage.latent):

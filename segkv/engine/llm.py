@@ -184,8 +184,9 @@ class LLM:
             prefill_chunk = default_prefill_chunk(self.device.type)
         if page_size < 1:  # before the cache budget divides by it
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        self._check_tensor_parallel(tensor_parallel_size, cuda_graphs, kv_cache_dtype)
-        if tensor_parallel_size > 1:  # the other ranks follow eager forwards: no graphs
+        self._check_tensor_parallel(tensor_parallel_size, kv_cache_dtype)
+        if tensor_parallel_size > 1 and cuda_graphs == "auto":
+            # graphs capturing the all-reduces are on when asked (True): not yet timed on several GPUs
             cuda_graphs = False
         tiers = kv_tiers(kv_offload_host_gib, kv_offload_dir, kv_offload_disk_gib, device=self.device,
                          tensor_parallel_size=tensor_parallel_size)
@@ -247,7 +248,7 @@ class LLM:
         if tiers is not None:
             self.cache.attach_tiers(tiers)
         if self.ranks is not None:  # the other ranks' caches: this one's size, their own KV heads
-            self.ranks.start_followers(page_size, num_pages)
+            self.ranks.start_followers(page_size, num_pages, cuda_graphs=cuda_graphs, max_model_len=self.max_model_len)
             self.cache.copy_rows = broadcasting_copier(self.ranks.tp, self.cache.storage.copy_rows)
             whole = self.model.whole_num_kv_heads
             install_row_files(self.cache, self.ranks.tp, layout if whole is None
@@ -271,7 +272,7 @@ class LLM:
         # scans, which otherwise fire inside every step's planning (page lists are large)
         gc.freeze()
 
-    def _check_tensor_parallel(self, size: int, cuda_graphs, kv_cache_dtype: str) -> None:
+    def _check_tensor_parallel(self, size: int, kv_cache_dtype: str) -> None:
         """ValueError for a tensor-parallel size or combination not served yet."""
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
@@ -280,8 +281,7 @@ class LLM:
         unsupported = [what for what, on in (
             ("speculative decoding", self.speculative_config is not None),
             ("quantization", self.quantization is not None),
-            ("an FP8 KV cache", kv_cache_dtype != "auto"),
-            ("CUDA graphs", cuda_graphs not in (False, "auto"))) if on]
+            ("an FP8 KV cache", kv_cache_dtype != "auto")) if on]
         if unsupported:
             raise ValueError(f"tensor_parallel_size {size} does not combine with {', '.join(unsupported)} yet")
 

@@ -121,10 +121,11 @@ class TensorParallelRanks:
             if process.is_alive():
                 process.kill()
 
-    def start_followers(self, page_size: int, num_pages: int) -> None:
+    def start_followers(self, page_size: int, num_pages: int, **options) -> None:
         """Tell the followers the KV cache's size (rank 0's, in pages of its layout): each builds
-        its own (replacing one it had: the profiling pass's) and follows the steps over it."""
-        broadcast_step(self.tp, ("cache", (page_size, num_pages)))
+        its own (replacing one it had: the profiling pass's) and a runner over it with rank 0's
+        ``options`` (``cuda_graphs``, ``max_model_len``), and follows the steps over it."""
+        broadcast_step(self.tp, ("cache", (page_size, num_pages, options)))
 
     def close(self) -> None:
         """Stop the followers (their step loops end, or they stop before their first), wait for
@@ -153,12 +154,12 @@ def _follower_main(rank: int, size: int, model_dir: str, dtype: torch.dtype, dev
     tp = init_tensor_parallel(size, rank, init_method=init_method, device=device)
     model = load_model(model_dir, dtype=dtype, device=device, tensor_parallel=tp)
 
-    def new_runner(page_size: int, num_pages: int) -> ModelRunner:
+    def new_runner(page_size: int, num_pages: int, **options) -> ModelRunner:
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         cache = PagedKVCache(model.kv_layout(dtype), CacheConfig(page_size=page_size, num_pages=num_pages),
                              device=device)
-        return ModelRunner(model, cache, device=device, backend=backend)  # fused ops on CUDA, as rank 0
+        return ModelRunner(model, cache, device=device, backend=backend, **options)  # fused ops on CUDA, as rank 0
 
     steps = follow_steps(None, tp, new_runner)
     logger.debug("tensor-parallel rank %d ran %d steps (pid %d)", rank, steps, os.getpid())

@@ -21,7 +21,7 @@ from segkv.cache.kv_cache import PagedKVCache
 from segkv.cache.page_pool import OutOfPagesError
 from segkv.config import default_prefill_chunk
 from segkv.runner.layer_windows import layer_windows
-from segkv.runner.tp_steps import broadcast_step
+from segkv.runner.tp_steps import broadcast_step, broadcast_tensor
 from segkv.layers.transfer import to_device
 
 MLA_MODES = ("auto", "absorbed", "naive")
@@ -224,6 +224,8 @@ class ModelRunner:
             if self.graphs is not None and not all_rows:
                 widths = [len(t) for t in chunks]
                 if max(widths) == 1:  # a decode step
+                    if self.leads_tensor_parallel:  # the other ranks replay their own graphs of it
+                        self._broadcast_graph_step(chunks, positions, slots, plan, mla_mode, windowed, device_ids)
                     logits = self.graphs.run([t[0] for t in chunks], positions, slots, plan, mla_mode,
                                              arrays=arrays, device_ids=device_ids, windowed=windowed)
                     if logits is not None:  # the replay runs on the GPU: plan the likely next step meanwhile
@@ -231,6 +233,7 @@ class ModelRunner:
                         if self._ahead is not None:  # and queue its index copies behind this replay
                             self.graphs.stage_ahead(self._ahead.plan, len(chains), self._ahead.arrays)
                 elif (device_ids is None and max(widths) <= max(self.graphs.windows, default=0)
+                      and not self.leads_tensor_parallel
                       and (not plan.has_key_masks or self.backend.capabilities.key_masks)):
                     logits = self.graphs.run_window(widths, [t for c in chunks for t in c], positions, slots,
                                                     plan, mla_mode, rows, windowed=windowed)
@@ -328,6 +331,32 @@ class ModelRunner:
         chunks, positions, slots, plan, mla_mode, rows, windowed = step
         self._eager_logits(chunks, positions, slots, plan, mla_mode, rows, windowed=windowed)
 
+    def _broadcast_graph_step(self, chunks, positions, slots, plan, mla_mode, windowed, device_ids) -> None:
+        """Rank 0: send a decode step that its graphs may replay. Token ids still on the device
+        (a step launched ahead) go by a device broadcast, so the host does not wait for them."""
+        tp = self.model.tp
+        broadcast_step(tp, ("graph", ([t[0] for t in chunks], positions, slots, plan, mla_mode, windowed,
+                                      device_ids is not None)))
+        if device_ids is not None:
+            broadcast_tensor(tp, device_ids.to(torch.long).contiguous())
+
+    def run_followed_graph(self, step: tuple) -> None:
+        """Another rank: the decode step rank 0 broadcast before replaying its graph, replayed from
+        this rank's graphs (captured at the same steps as rank 0's, so their collectives meet).
+        Where no graph holds it, rank 0 runs it eagerly and broadcasts that forward next."""
+        ids, positions, slots, plan, mla_mode, windowed, on_device = step
+        device_ids = None
+        if on_device:
+            device_ids = broadcast_tensor(self.model.tp, torch.empty(len(ids), dtype=torch.long, device=self.device))
+        self.graphs.run(ids, positions, slots, plan, mla_mode, device_ids=device_ids, windowed=windowed)
+
+    def warm_graphs(self, size: int) -> list[tuple[int, bool, bool]]:
+        """Capture the decode graphs of bucket ``size`` not captured yet (``graphs.warm``); a
+        tensor-parallel rank 0 has the other ranks capture theirs at the same time."""
+        if self.leads_tensor_parallel:
+            broadcast_step(self.model.tp, ("warm", (size, self.decode_mla_mode)))
+        return self.graphs.warm(size, self.decode_mla_mode)
+
     def _make_graphs(self, mode: bool | str, max_model_len: int, windows: tuple[int, ...]):
         """CUDA-graph decode: ``True`` (error if unavailable), ``"auto"`` (on where available:
         CUDA and a backend whose ``capabilities.cuda_graphs`` holds), ``"emulate"``
@@ -342,8 +371,6 @@ class ModelRunner:
         emulate = mode == "emulate"
         # a model whose forward a graph cannot capture says why (gpt-oss's host-synchronising experts)
         reason = getattr(self.model, "cuda_graphs_unsupported", None)
-        if reason is None and getattr(self.model, "tp", None) is not None and self.model.tp.size > 1:
-            reason = "a tensor-parallel model's steps are broadcast to its ranks (graphs come later)"
         if reason is None and not self.backend.capabilities.cuda_graphs:
             reason = (f"the {self.backend.name} attention backend cannot run in CUDA graphs "
                       "(the Triton backend can)")

@@ -1,8 +1,12 @@
 """The steps of a tensor-parallel model: rank 0 plans each forward and broadcasts its inputs;
 every other rank runs the same forward on its shard (its all-reduces meet rank 0's).
 
-A step is ``("cache", (page_size, num_pages))``: a new KV cache of that size (and a runner over
-it) replaces the rank's (the profiling pass's scratch pool, then the engine's),
+A step is ``("cache", (page_size, num_pages, options))``: a new KV cache of that size (and a
+runner over it, with rank 0's ``options``: CUDA graphs, the length they are sized for) replaces the
+rank's (the profiling pass's scratch pool, then the engine's),
+``("graph", (ids, positions, slots, plan, mla_mode, windowed, on_device))``: a decode step rank 0's
+graphs may replay, replayed from the rank's own (token ids ``on_device`` follow by
+:func:`broadcast_tensor`), ``("warm", (size, mla_mode))``: capture the graphs of a bucket,
 ``("forward", (chunks, positions, slots, plan, mla_mode, rows, windowed))``, the
 arguments of ``ModelRunner._eager_logits`` (token ids on the host; plans are plain
 dataclasses), ``("copy", (src, dst))``: rows copied between slots of every layer (compaction),
@@ -32,6 +36,13 @@ def broadcast_step(tp: TensorParallel, step: tuple | None) -> None:
     dist.broadcast_object_list([step], src=0, group=tp.host_group)
 
 
+def broadcast_tensor(tp: TensorParallel, tensor: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``tensor`` into every rank's ``tensor`` (same shape and dtype, on each rank's
+    device), over the model's group: on GPUs a device-to-device broadcast the host does not wait for."""
+    dist.broadcast(tensor, src=0, group=tp.group)
+    return tensor
+
+
 def receive_step(tp: TensorParallel) -> tuple | None:
     """Another rank: the next step rank 0 sent (None: stop)."""
     box: list[Any] = [None]
@@ -39,11 +50,10 @@ def receive_step(tp: TensorParallel) -> tuple | None:
     return box[0]
 
 
-def follow_steps(runner, tp: TensorParallel | None = None,
-                 new_runner: Callable[[int, int], Any] | None = None) -> int:
+def follow_steps(runner, tp: TensorParallel | None = None, new_runner: Callable[..., Any] | None = None) -> int:
     """Run the steps rank 0 broadcasts on ``runner`` (a ``ModelRunner`` over this rank's shard
     and cache; None before a "cache" step) until it sends None; returns how many ran.
-    ``new_runner(page_size, num_pages)``: the runner over a new cache, for "cache" steps. ``tp``:
+    ``new_runner(page_size, num_pages, **options)``: the runner over a new cache, for "cache" steps. ``tp``:
     the group (default: the runner's model's)."""
     tp = tp or runner.model.tp
     count = 0
@@ -54,7 +64,7 @@ def follow_steps(runner, tp: TensorParallel | None = None,
     return count
 
 
-def apply_step(runner, tp: TensorParallel, step: tuple, new_runner: Callable[[int, int], Any] | None = None):
+def apply_step(runner, tp: TensorParallel, step: tuple, new_runner: Callable[..., Any] | None = None):
     """Run one step rank 0 broadcast (not None) on ``runner``; returns the runner from then on
     (a new one after a "cache" step). ValueError for an unknown step."""
     kind, args = step
@@ -63,9 +73,15 @@ def apply_step(runner, tp: TensorParallel, step: tuple, new_runner: Callable[[in
             raise ValueError("this rank cannot build a KV cache: it follows one runner")
         runner = None  # the old cache goes before the new one is allocated
         gc.collect()
-        return new_runner(*args)
+        page_size, num_pages, options = args
+        return new_runner(page_size, num_pages, **options)
     if kind == "forward":
         runner.run_followed_step(args)
+    elif kind == "graph":
+        runner.run_followed_graph(args)
+    elif kind == "warm":
+        size, mla_mode = args
+        runner.graphs.warm(size, mla_mode)
     elif kind == "copy":
         runner.cache.storage.copy_rows(*args)
     elif kind == "read":

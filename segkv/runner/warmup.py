@@ -147,7 +147,7 @@ class _Warm:
     @torch.inference_mode()
     def graphs(self, size: int) -> None:
         runner = self.runner
-        keys = runner.graphs.warm(size, runner.decode_mla_mode)
+        keys = runner.warm_graphs(size)
         self.captured += [list(k) for k in keys]
         windows = runner.graphs.warm_windows(size, lambda window: runner.mla_mode_of([[0] * window]))
         self.captured += [[s, wide, False, window] for s, window, wide in windows]

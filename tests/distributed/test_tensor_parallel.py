@@ -122,6 +122,35 @@ def test_an_engine_over_ranks_gives_one_models_tokens(tmp_path, gen):
         assert fresh.say(turns[1], params).output.token_ids == continued
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+def test_ranks_replay_graphs_that_capture_the_all_reduces(ahead, tmp_path, gen, monkeypatch):
+    """``cuda_graphs`` under tensor parallelism (emulated on the CPU: the graph code path, the
+    Triton kernels in the interpreter): the warm-up captures every rank's graphs at the same steps,
+    decode steps replay them on every rank (token ids launched ahead reach the other ranks by a
+    device broadcast), and the tokens are TP=1's eager ones."""
+    import dataclasses
+
+    import segkv.settings as settings
+    from segkv.engine import LLM
+    from segkv.sampling_params import SamplingParams
+
+    monkeypatch.setattr(settings, "SETTINGS", dataclasses.replace(settings.SETTINGS, lookahead=int(ahead)))
+    build_model_dir(tmp_path / "model", "llama")
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (9, 4)]
+    kw = dict(device="cpu", dtype="float32", page_size=16, num_pages=64, max_model_len=64)
+    want = [o.outputs[0].token_ids for o in LLM(tmp_path / "model", **kw).generate(prompts, params)]
+    llm = LLM(tmp_path / "model", tensor_parallel_size=2, cuda_graphs="emulate", backend="triton", **kw)
+    try:
+        llm.warm_up(max_batch=2, max_num_batched_tokens=16)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        replays = llm.runner.graphs.replays
+    finally:
+        llm.close()
+    assert got == want and replays >= 4
+    assert all(p.exitcode == 0 for p in llm.ranks.processes)
+
+
 def test_tensor_parallel_settings_not_served_yet_are_refused(tmp_path):
     from segkv.engine import LLM
 
