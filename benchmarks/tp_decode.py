@@ -7,8 +7,9 @@ Each size runs in its own processes, one per rank (on CUDA each on its GPU, coll
 NCCL; on the CPU over gloo): rank 0 plans, decodes greedily and times; the others follow its
 forwards (``runner/tp_steps.py``) over caches of the same pages. Each rank builds its shard with
 random weights (no checkpoint: a 70B shape needs none on disk). The cache rows are random on
-rank 0 and zero elsewhere (the values do not change a step's cost). Steps run eager at every
-size (CUDA graphs do not capture the all-reduces yet). A step's all-reduces: one per attention
+rank 0 and zero elsewhere (the values do not change a step's cost). Decode steps replay CUDA
+graphs at every size (``--cuda-graphs on``, the default on CUDA: each rank replays its own, the
+all-reduces captured in them) or run eager (``off``). A step's all-reduces: one per attention
 block and one per MLP, one for the vocabulary-parallel embedding, and the logits' all-gather;
 timed apart as ``count`` all-reduces of one ``(batch, hidden)`` activation.
 
@@ -121,9 +122,13 @@ def _lead(tp: TensorParallel, model, args, dtype: torch.dtype, device: torch.dev
     for batch in args.batches:
         for context in args.contexts:
             pages = case_pages(batch, context, steps=steps_per_case, warmup=args.warmup, page_size=PAGE_SIZE)
+            options = {"cuda_graphs": {"on": True, "off": False, "emulate": "emulate"}[args.cuda_graphs],
+                       "max_model_len": context + steps_per_case + 8}
+            if args.cuda_graphs == "emulate":  # the graph code path on the CPU: Triton's interpreter
+                options["backend"] = "triton"
             if tp.size > 1:
-                broadcast_step(tp, ("cache", (PAGE_SIZE, pages, {})))
-            runner = new_runner(PAGE_SIZE, pages)
+                broadcast_step(tp, ("cache", (PAGE_SIZE, pages, options)))
+            runner = new_runner(PAGE_SIZE, pages, **options)
             storage = runner.cache.storage
             for tensor in (*storage.k, *storage.v, *storage.latent):
                 tensor.normal_()
@@ -148,7 +153,9 @@ def _lead(tp: TensorParallel, model, args, dtype: torch.dtype, device: torch.dev
                 broadcast_step(tp, ("all_reduce", ((batch, hidden), calls)))
             reduce_s = time_all_reduce(tp, (batch, hidden), dtype, device, calls) if tp.size > 1 else [0.0]
             limit = case_limit(model, batch=batch, context=context, dtype=dtype, bandwidth=bandwidth)
+            graphs = getattr(runner.graphs, "replays", 0) if runner.graphs is not None else 0
             case = {"tp": tp.size, "batch": batch, "context": context, **summary(rates), "limit": limit,
+                    "cuda_graphs": args.cuda_graphs, "graph_replays": graphs,
                     "ratio": statistics.median(rates) / limit["tokens_per_s"],
                     "step_ms": 1e3 * batch / statistics.median(rates),
                     "all_reduce_ms_per_step": 1e3 * statistics.median(reduce_s), "all_reduces_per_step": calls,
@@ -226,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cuda-graphs", choices=("on", "off", "emulate"), default=None,
+                   help="decode steps from CUDA graphs (default: on with CUDA, off on the CPU)")
     p.add_argument("--timeout-s", type=float, default=1200.0, help="per tensor-parallel size")
     p.add_argument("--json", default=None)
     return p
@@ -234,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    args.cuda_graphs = args.cuda_graphs or ("on" if args.device.startswith("cuda") else "off")
     report = {"model": args.model, "preset": args.preset, "dtype": args.dtype, "sizes": []}
     with tempfile.TemporaryDirectory(prefix="segkv-tp-bench-") as work:
         for size in args.tp:

@@ -1,6 +1,7 @@
-"""benchmarks/tp_decode.py on the CPU (tiny 70B-family shape, gloo): each tensor-parallel size runs
-its ranks as processes, every case is timed against its limit, the all-reduces are timed where
-there are several ranks, and a rank holds about 1/N of the weights."""
+"""benchmarks/tp_decode.py on the CPU (tiny 70B-family shape, gloo, emulated CUDA graphs): each
+tensor-parallel size runs its ranks as processes, every case's decode steps replay graphs and are
+timed against its limit, the all-reduces are timed where there are several ranks, and a rank holds
+about 1/N of the weights."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def test_the_tensor_parallel_benchmark_runs_every_size_and_case(tmp_path):
     out = tmp_path / "tp.json"
     assert tp_decode.main(["--model", "llama-3.1-70b", "--preset", "tiny", "--device", "cpu", "--tp", "1,2",
                            "--batches", "1,2", "--contexts", "16", "--steps", "2", "--warmup", "1",
-                           "--trials", "1", "--json", str(out)]) == 0
+                           "--trials", "1", "--cuda-graphs", "emulate", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     sizes = {s["tp"]: s for s in report["sizes"]}
     assert set(sizes) == {1, 2}
@@ -25,6 +26,7 @@ def test_the_tensor_parallel_benchmark_runs_every_size_and_case(tmp_path):
             assert case["limit"]["weight_bytes"] > 0 and case["limit"]["kv_bytes"] > 0
             assert (case["all_reduce_ms_per_step"] > 0) == (size > 1)
             assert case["speedup_vs_smallest_tp"] > 0
+            assert case["graph_replays"] >= 3  # every decode step (warm-up and timed) replayed its graph
     # each of 2 ranks: half the projections and vocabulary, the norms whole
     share = sizes[2]["rank_weight_bytes"] / sizes[1]["rank_weight_bytes"]
     assert 0.5 <= share < 0.55, share
