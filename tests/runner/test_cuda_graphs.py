@@ -18,8 +18,8 @@ from segkv.sampling_params import SamplingParams
 MODE = True if GPU else "emulate"
 
 
-def _llm(path, **kw):
-    return LLM(path, device=DEVICE, dtype="float32", backend="triton", page_size=16, num_pages=128,
+def _llm(path, backend="triton", **kw):
+    return LLM(path, device=DEVICE, dtype="float32", backend=backend, page_size=16, num_pages=128,
                prefill_chunk=32, **kw)
 
 
@@ -249,7 +249,7 @@ def test_verify_windows_replay_window_graphs_and_give_the_plain_tokens(tmp_path)
     # match at once, so the first windows of the forks hold 3 rows each: 6 rows on a shared piece
     # (wider than a window: the wide graph)
     long_prompt = [[3, 1, 4, 1, 5, 9, 2, 6] * 5 + [172, 172, 172, 155, 172, 155]]
-    plain = _llm(tmp_path)
+    plain = _llm(tmp_path, backend="auto")  # plain decoding: the torch oracle on the CPU (Triton on a GPU)
     want = _tokens(plain, prompts, params), _tokens(plain, long_prompt, forks)
     llm = _llm(tmp_path, cuda_graphs=MODE, speculative_config=NGRAM)
     graphs = llm.runner.graphs
@@ -284,7 +284,7 @@ def test_a_draft_model_decodes_and_catches_up_through_its_own_graphs(tmp_path):
     # draft steps and the catch-up after a window both run
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10]]
-    want = _tokens(_llm(tmp_path), prompts, params)
+    want = _tokens(_llm(tmp_path, backend="auto"), prompts, params)  # plain decoding (the oracle on the CPU)
     llm = _llm(tmp_path, cuda_graphs=MODE,
                speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
     assert _tokens(llm, prompts, params) == want
