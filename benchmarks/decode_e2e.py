@@ -129,6 +129,8 @@ MODELS = {
         "rope_scaling": _DSV2_YARN, "max_position_embeddings": 163840, "hidden_act": "silu",
         "attention_bias": False, "tie_word_embeddings": False},
 }
+# the default models: those whose bf16 weights fit one GPU (the 70B shape is tensor-parallel's: tp_decode)
+ONE_GPU_MODELS = [name for name in MODELS if name != "llama-3.1-70b"]
 # Tiny shapes of the same families (CPU tests); shapes keep expert/hidden sizes distinct.
 TINY = {
     "llama-3.1-8b": dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -650,7 +652,8 @@ def _guarded(fn, *args, device: torch.device, **kwargs) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
+    p.add_argument("--models", default=",".join(ONE_GPU_MODELS), help=f"comma-separated: {', '.join(MODELS)} "
+                   f"(default: {', '.join(ONE_GPU_MODELS)})")
     p.add_argument("--batches", type=int_list, default=[1, 8, 32])
     p.add_argument("--contexts", type=int_list, default=[1024, 16384, 65536], help="e.g. 1K,16K,64K")
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed run (>= 5)")
