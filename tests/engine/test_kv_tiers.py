@@ -256,3 +256,40 @@ def test_a_request_waits_for_its_rows_while_other_requests_step(alone, model_dir
     assert llm.cache.tiers.stats()["corrupt"] == 0 and not core.scheduler.arrivals
     want = [list(o.outputs[0].token_ids) for o in big.generate(prompts[:len(requests)], params)]
     assert [list(r.output().outputs[0].token_ids) for r in requests] == want
+
+
+def test_a_request_aborted_while_its_rows_come_back_leaks_nothing(model_dir, monkeypatch):
+    """Aborted while its history is on its way back: the copy still lands (the prefix index holds
+    the segment) or gives its pages back, the other request finishes with a large pool's tokens,
+    and every page in use afterwards is one the prefix index holds."""
+    import segkv.scheduler.scheduler as scheduler_module
+    from segkv.cache.tiers import offload
+
+    def slow_start(cache, segment):
+        arrival = start_bring_back(cache, segment)
+        if arrival is not None:
+            arrival.ready = arrival.started = SlowCopy(queries=3)
+        return arrival
+
+    start_bring_back = scheduler_module.start_bring_back
+    monkeypatch.setattr(scheduler_module, "start_bring_back", slow_start)
+    rng = random.Random(9)
+    history = [rng.randrange(3, 200) for _ in range(60)]
+    prompts = [history + [rng.randrange(3, 200) for _ in range(10)], [rng.randrange(3, 200) for _ in range(30)]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(model_dir, dtype="float32", page_size=PAGE, num_pages=64, kv_offload_host_gib=0.01)
+    complete(llm, history)
+    core = llm.core
+    assert all(offload(llm.cache, segment) for segment in core.scheduler.prefix.segments_by_last_use())
+    with core.lock:
+        waiting, other = (core.add_request(p, params, cache_rows=True) for p in prompts)
+        core.step()
+        assert core.scheduler.arrivals and not waiting.output().outputs[0].token_ids
+        assert core.abort(waiting.request_id)
+        while not other.finished:
+            core.step()
+    big = LLM(model_dir, dtype="float32", page_size=PAGE, num_pages=256)
+    assert list(other.output().outputs[0].token_ids) == big.generate([prompts[1]], params)[0].outputs[0].token_ids
+    assert not core.scheduler.arrivals and core.pages_of_requests() == 0
+    assert llm.cache.pool.pages_in_use == core.scheduler.prefix.num_pages_held_only()
+    assert llm.cache.tiers.stats()["corrupt"] == 0
