@@ -35,13 +35,12 @@ import torch.distributed as dist
 
 from benchmarks.decode_e2e import case_limit, case_pages, decode_steps, measure_bandwidth, model_config, trim_to
 from benchmarks.runs import int_list, summary, sync
-from segkv.cache import PagedKVCache
-from segkv.config import CacheConfig, CompactionPolicy, parse_dtype
+from segkv.config import parse_dtype
 from segkv.distributed.parallel import TensorParallel, init_tensor_parallel, rank_device
+from segkv.engine.tensor_parallel import runner_builder
 from segkv.models.loader import keep_fp32
 from segkv.models.registry import model_class
 from segkv.models.tensor_parallel import shard_model
-from segkv.runner.model_runner import ModelRunner
 from segkv.runner.tp_steps import apply_step, broadcast_step, receive_step
 
 PAGE_SIZE = 32
@@ -93,19 +92,9 @@ def time_all_reduce(tp: TensorParallel, shape: tuple[int, int], dtype: torch.dty
     return out
 
 
-def _new_runner(model, dtype: torch.dtype, device: torch.device):
-    def build(page_size: int, num_pages: int, **options) -> ModelRunner:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        cache = PagedKVCache(model.kv_layout(dtype), CacheConfig(page_size=page_size, num_pages=num_pages),
-                             device=device, compaction=CompactionPolicy(enabled=False))
-        return ModelRunner(model, cache, device=device, **options)  # fused ops on CUDA
-    return build
-
-
 def _follow(tp: TensorParallel, model, dtype: torch.dtype, device: torch.device) -> None:
     """A rank other than 0: run rank 0's steps and its all-reduce timings until it stops."""
-    runner, new_runner = None, _new_runner(model, dtype, device)
+    runner, new_runner = None, runner_builder(model, dtype, device)
     with torch.inference_mode():
         while (step := receive_step(tp)) is not None:
             if step[0] == "all_reduce":
@@ -117,7 +106,7 @@ def _follow(tp: TensorParallel, model, dtype: torch.dtype, device: torch.device)
 
 def _lead(tp: TensorParallel, model, args, dtype: torch.dtype, device: torch.device, bandwidth: float) -> list[dict]:
     """Rank 0: every (batch, context) case, timed."""
-    cases, new_runner = [], _new_runner(model, dtype, device)
+    cases, new_runner = [], runner_builder(model, dtype, device)
     steps_per_case = max(args.steps, args.warmup)
     for batch in args.batches:
         for context in args.contexts:

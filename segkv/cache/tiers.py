@@ -530,7 +530,6 @@ def _write_rows(cache, pages: list[int], rows: Mapping[str, torch.Tensor]) -> tu
     stays busy; host rows in pinned memory do not block the host."""
     device = cache.storage.device
     slots = torch.tensor(_page_slots(pages, cache.pool.page_size), dtype=torch.long, device=device)
-    index = slots  # the same slots, read back
     parts = 2 if cache.layout.kind == "mha" else 1  # K and V, or the latent rows (the storage's read order)
     names, words, sums = [], [], []
     staged = _Staging(cache.tiers, device, parts) if device.type == "cuda" else None
@@ -541,7 +540,7 @@ def _write_rows(cache, pages: list[int], rows: Mapping[str, torch.Tensor]) -> tu
         cache.storage.write(layer, slots, *layer_rows, trusted_slots=True)
         if staged is not None:
             staged.consumed(layer)
-        for part, written in enumerate(cache.storage.read(layer, index)):
+        for part, written in enumerate(cache.storage.read(layer, slots)):  # read back
             total, count = weighted_word_sum(written)
             names.append(f"{layer}.{part}"), words.append(count), sums.append(total)
     return names, words, torch.stack(sums)

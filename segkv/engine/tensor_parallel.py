@@ -95,8 +95,8 @@ class TensorParallelRanks:
                               for rank in range(1, size)]
         for process in self.processes:
             process.start()
-        self.device = rank_device(device, local_rank(0))
-        self.tp: TensorParallel = init_tensor_parallel(size, 0, init_method=init_method, device=self.device)
+        self.tp: TensorParallel = init_tensor_parallel(size, 0, init_method=init_method,
+                                                       device=rank_device(device, local_rank(0)))
         self._closed = False
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] | None = None
@@ -147,20 +147,28 @@ class TensorParallelRanks:
                 dist.destroy_process_group()
 
 
+def runner_builder(model, dtype: torch.dtype, device: torch.device | str, backend: str = "auto"):
+    """``build(page_size, num_pages, **options)``: a runner over a new KV cache of that size for this
+    rank's shard ``model`` (``options``: rank 0's ``cuda_graphs``, ``max_model_len``, ...; fused ops
+    on CUDA, as rank 0's), what a "cache" step builds (``runner/tp_steps.py``)."""
+    device = torch.device(device)
+
+    def build(page_size: int, num_pages: int, **options) -> ModelRunner:
+        if device.type == "cuda":  # the old cache's memory is free before the new one is made
+            torch.cuda.empty_cache()
+        cache = PagedKVCache(model.kv_layout(dtype), CacheConfig(page_size=page_size, num_pages=num_pages),
+                             device=device)
+        return ModelRunner(model, cache, device=device, **{"backend": backend, **options})
+
+    return build
+
+
 def _follower_main(rank: int, size: int, model_dir: str, dtype: torch.dtype, device: str, backend: str,
                    init_method: str) -> None:
     """Rank ``rank``: load the shard, then follow rank 0's steps (over the caches it sizes) until
     told to stop."""
     tp = init_tensor_parallel(size, rank, init_method=init_method, device=device)
     model = load_model(model_dir, dtype=dtype, device=device, tensor_parallel=tp)
-
-    def new_runner(page_size: int, num_pages: int, **options) -> ModelRunner:
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
-        cache = PagedKVCache(model.kv_layout(dtype), CacheConfig(page_size=page_size, num_pages=num_pages),
-                             device=device)
-        return ModelRunner(model, cache, device=device, backend=backend, **options)  # fused ops on CUDA, as rank 0
-
-    steps = follow_steps(None, tp, new_runner)
+    steps = follow_steps(None, tp, runner_builder(model, dtype, device, backend))
     logger.debug("tensor-parallel rank %d ran %d steps (pid %d)", rank, steps, os.getpid())
     dist.destroy_process_group()

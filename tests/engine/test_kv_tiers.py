@@ -210,25 +210,33 @@ class SlowCopy:
         return 1.0
 
 
-@pytest.mark.parametrize("alone", [False, True])
-def test_a_request_waits_for_its_rows_while_other_requests_step(alone, model_dir, monkeypatch):
-    """Rows coming back from the tiers on a side stream: their request joins the steps once the
-    copy is complete, while other requests go on stepping without waiting for it; alone, the step
-    waits for the copy. Either way, the tokens are those of a pool that held everything."""
+@pytest.fixture
+def slow_copies(monkeypatch) -> list[SlowCopy]:
+    """Every copy back the scheduler starts runs on, as a GPU's would, until polled 3 times: the
+    list of their stand-in events."""
     import segkv.scheduler.scheduler as scheduler_module
-    from segkv.cache.tiers import offload
 
-    copies = []
+    start, copies = scheduler_module.start_bring_back, []
 
     def slow_start(cache, segment):
-        arrival = start_bring_back(cache, segment)
+        arrival = start(cache, segment)
         if arrival is not None:
             arrival.ready = arrival.started = SlowCopy(queries=3)
             copies.append(arrival.ready)
         return arrival
 
-    start_bring_back = scheduler_module.start_bring_back
     monkeypatch.setattr(scheduler_module, "start_bring_back", slow_start)
+    return copies
+
+
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_request_waits_for_its_rows_while_other_requests_step(alone, model_dir, slow_copies):
+    """Rows coming back from the tiers on a side stream: their request joins the steps once the
+    copy is complete, while other requests go on stepping without waiting for it; alone, the step
+    waits for the copy. Either way, the tokens are those of a pool that held everything."""
+    from segkv.cache.tiers import offload
+
+    copies = slow_copies
     rng = random.Random(5)
     history = [rng.randrange(3, 200) for _ in range(60)]
     prompts = [history + [rng.randrange(3, 200) for _ in range(10)], [rng.randrange(3, 200) for _ in range(30)]]
@@ -258,21 +266,12 @@ def test_a_request_waits_for_its_rows_while_other_requests_step(alone, model_dir
     assert [list(r.output().outputs[0].token_ids) for r in requests] == want
 
 
-def test_a_request_aborted_while_its_rows_come_back_leaks_nothing(model_dir, monkeypatch):
+def test_a_request_aborted_while_its_rows_come_back_leaks_nothing(model_dir, slow_copies):
     """Aborted while its history is on its way back: the copy still lands (the prefix index holds
     the segment) or gives its pages back, the other request finishes with a large pool's tokens,
     and every page in use afterwards is one the prefix index holds."""
-    import segkv.scheduler.scheduler as scheduler_module
     from segkv.cache.tiers import offload
 
-    def slow_start(cache, segment):
-        arrival = start_bring_back(cache, segment)
-        if arrival is not None:
-            arrival.ready = arrival.started = SlowCopy(queries=3)
-        return arrival
-
-    start_bring_back = scheduler_module.start_bring_back
-    monkeypatch.setattr(scheduler_module, "start_bring_back", slow_start)
     rng = random.Random(9)
     history = [rng.randrange(3, 200) for _ in range(60)]
     prompts = [history + [rng.randrange(3, 200) for _ in range(10)], [rng.randrange(3, 200) for _ in range(30)]]
